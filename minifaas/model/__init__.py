@@ -1,0 +1,1 @@
+"""The model side: presets, loading, per-layer state, prefill and decode."""
