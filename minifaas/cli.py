@@ -1,0 +1,35 @@
+"""The ``minifaas`` command: one entry point, one module per subcommand.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
+it is imported only when its subcommand runs, so ``minifaas plan`` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "kv-size": ("minifaas.model.kv_size_cli", "KV bytes per token and fixed state per layer kind of a model"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="minifaas", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # prints help or the usage error and exits
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    command_parser = argparse.ArgumentParser(prog=f"minifaas {name}", description=COMMANDS[name][1])
+    module.add_arguments(command_parser)
+    return int(module.run(command_parser.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
