@@ -1,0 +1,1 @@
+"""Sans-IO policies: plain synchronous decisions that the live system and the simulator share."""

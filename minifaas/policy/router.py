@@ -1,0 +1,219 @@
+"""The PrfaaS router: where one request is prefilled, where it decodes, and why.
+
+Routing is on the INCREMENTAL prefill length l = prompt - usable cached prefix.
+With threshold t, l > t is offloaded to the PrfaaS cluster (its KV then crosses
+the inter-cluster link to a PD-D node); l <= t is prefilled locally on a PD-P
+node. Two rules pick which cached prefix counts (PRFAAS.md, "Routing"):
+
+- SCARCE (bandwidth is scarce): each cluster is judged by its own cache; the
+  request stays local iff prompt - hit(PD) <= t.
+- ABUNDANT (compute is scarce): the longer of the two caches counts; when it
+  sits in the other cluster, it is moved across the link first (a CacheMove).
+
+Inside the chosen cluster the node is cache-affine and load-aware: the node
+that would finish this prefill first, i.e. the least ``load + prompt - hit``
+(a cluster's nodes are homogeneous, so queued tokens compare directly).
+
+Everything here is sans-IO and pure: ``decide`` is a function of its inputs
+(hits come from the global cache manager, loads and health from the workers,
+the threshold and rule from the scheduler). ``Router`` adds only the counters.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Rule(StrEnum):
+    SCARCE = "scarce"
+    ABUNDANT = "abundant"
+
+
+class Path(StrEnum):
+    PRFAAS = "prfaas"  # prefill in the PrfaaS cluster, decode in PD-D
+    PD = "pd"  # prefill in PD-P, decode in PD-D
+    REJECT = "reject"  # no healthy node can serve it now
+
+
+class Reason(StrEnum):
+    SHORT = "short"  # prompt <= t without any cache
+    SHORT_AFTER_CACHE = "short_after_cache"  # prompt > t, but the local hit brings l <= t
+    SHORT_AFTER_CACHE_MOVE = "short_after_cache_move"  # the PrfaaS cache, moved to PD, brings l <= t
+    LONG = "long"  # l > t: offload
+    LONG_BUT_PRFAAS_DOWN = "long_but_prfaas_down"  # no healthy PrfaaS node or link down: stay local
+    SHORT_BUT_PD_PREFILL_DOWN = "short_but_pd_prefill_down"  # no healthy PD-P node: offload
+    NO_DECODE_NODE = "no_decode_node"
+    NO_PREFILL_NODE = "no_prefill_node"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    cross_cluster_cache_move: bool = True  # off: the ABUNDANT rule judges PD by its own cache, like SCARCE
+    incremental_transfer: bool = True  # off: PrfaaS ships the whole prompt's KV even if PD holds a prefix
+    cache_affinity: bool = True  # off: pick the least-loaded node, ignoring where the prefix sits
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """One node as the router sees it. ``load`` is queued work in tokens (prefill) or any
+    comparable figure (decode); ``hit_tokens`` is the usable prefix this node can load."""
+
+    node_id: str
+    hit_tokens: int = 0
+    load: float = 0.0
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hit_tokens < 0 or self.load < 0:
+            raise ValueError(f"node {self.node_id}: hit_tokens and load must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """A cluster's nodes and its pool's full-attention KV prefix (blocks present, with or
+    without a state snapshot): the part a decode node or a cache move need not resend."""
+
+    name: str
+    prefill_nodes: tuple[NodeView, ...] = ()
+    decode_nodes: tuple[NodeView, ...] = ()
+    kv_prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_prefix_tokens < 0:
+            raise ValueError(f"cluster {self.name}: kv_prefix_tokens must be >= 0")
+
+    @property
+    def hit_tokens(self) -> int:
+        """The cluster's usable hit: the best healthy prefill node's."""
+        return max((n.hit_tokens for n in self.prefill_nodes if n.healthy), default=0)
+
+    @property
+    def can_prefill(self) -> bool:
+        return any(n.healthy for n in self.prefill_nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    prompt_tokens: int
+    threshold: int
+    rule: Rule
+    prfaas: ClusterView
+    pd: ClusterView
+    link_up: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.threshold < 0:
+            raise ValueError(f"need prompt_tokens >= 1 and threshold >= 0, got {self.prompt_tokens}, {self.threshold}")
+        for cluster in (self.prfaas, self.pd):
+            for node in cluster.prefill_nodes:
+                if node.hit_tokens > self.prompt_tokens:
+                    raise ValueError(f"node {node.node_id}: hit {node.hit_tokens} > prompt {self.prompt_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMove:
+    """Move ``src``'s usable prefix to ``dst`` before prefill: full-attention KV of tokens
+    [start_tokens, end_tokens) (dst already holds the rest) plus the state snapshot at end_tokens."""
+
+    src: str
+    dst: str
+    start_tokens: int
+    end_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    path: Path
+    reason: Reason
+    prompt_tokens: int
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    cached_tokens: int = 0  # the prefix the prefill node loads instead of computing
+    cache_move: CacheMove | None = None
+    link_kv_start: int = 0  # PRFAAS: full-attention KV of tokens [link_kv_start, prompt) crosses the link
+
+    @property
+    def incremental_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def pick_node(nodes: tuple[NodeView, ...], prompt_tokens: int, affinity: bool, floor_hit: int = 0) -> NodeView | None:
+    """The healthy node that would finish first; ``floor_hit`` is a prefix every node can load
+    (one moved into the cluster). Ties go to the lower node id, so the choice is deterministic."""
+    healthy = [n for n in nodes if n.healthy]
+    if not healthy:
+        return None
+
+    def cost(n: NodeView) -> tuple[float, str]:
+        work = prompt_tokens - max(n.hit_tokens, floor_hit) if affinity else 0
+        return (n.load + work, n.node_id)
+
+    return min(healthy, key=cost)
+
+
+def decide(req: RouteInput, config: RouterConfig = RouterConfig()) -> RouteDecision:
+    decode = pick_node(req.pd.decode_nodes, 0, affinity=False)
+    if decode is None:
+        return RouteDecision(Path.REJECT, Reason.NO_DECODE_NODE, req.prompt_tokens)
+    prfaas_ok = req.link_up and req.prfaas.can_prefill
+    pd_ok = req.pd.can_prefill
+    if not (prfaas_ok or pd_ok):
+        return RouteDecision(Path.REJECT, Reason.NO_PREFILL_NODE, req.prompt_tokens)
+
+    l_pd, l_prfaas = req.pd.hit_tokens, req.prfaas.hit_tokens
+    move_allowed = req.rule is Rule.ABUNDANT and config.cross_cluster_cache_move and req.link_up
+    local_prefix = max(l_pd, l_prfaas) if move_allowed else l_pd
+    short = req.prompt_tokens - local_prefix <= req.threshold
+
+    if short and pd_ok:
+        reason = Reason.SHORT if req.prompt_tokens <= req.threshold else Reason.SHORT_AFTER_CACHE
+        move = None
+        if local_prefix > l_pd:  # only the PrfaaS cache makes it short: bring it over
+            move = CacheMove(req.prfaas.name, req.pd.name, min(req.pd.kv_prefix_tokens, l_prfaas), l_prfaas)
+            reason = Reason.SHORT_AFTER_CACHE_MOVE
+        return _place(req, config, Path.PD, decode, reason, move)
+    if not short and not prfaas_ok:
+        return _place(req, config, Path.PD, decode, Reason.LONG_BUT_PRFAAS_DOWN, None)
+    reason = Reason.LONG if not short else Reason.SHORT_BUT_PD_PREFILL_DOWN
+    move = None
+    if move_allowed and l_pd > l_prfaas:  # the longer cache is local: send it to PrfaaS first
+        move = CacheMove(req.pd.name, req.prfaas.name, min(req.prfaas.kv_prefix_tokens, l_pd), l_pd)
+    return _place(req, config, Path.PRFAAS, decode, reason, move)
+
+
+def _place(
+    req: RouteInput, config: RouterConfig, path: Path, decode: NodeView, reason: Reason, move: CacheMove | None
+) -> RouteDecision:
+    cluster = req.prfaas if path is Path.PRFAAS else req.pd
+    floor = move.end_tokens if move else 0
+    node = pick_node(cluster.prefill_nodes, req.prompt_tokens, config.cache_affinity, floor)
+    assert node is not None  # decide() checked that the cluster can prefill
+    cached = max(node.hit_tokens, floor)
+    link_start = 0
+    if path is Path.PRFAAS and config.incremental_transfer:
+        link_start = min(req.pd.kv_prefix_tokens, req.prompt_tokens)
+    return RouteDecision(path, reason, req.prompt_tokens, node.node_id, decode.node_id, cached, move, link_start)
+
+
+class Router:
+    """``decide`` plus counters for /metrics: every decision by path and by reason."""
+
+    def __init__(self, config: RouterConfig = RouterConfig()) -> None:
+        self.config = config
+        self.paths: Counter[Path] = Counter()
+        self.reasons: Counter[Reason] = Counter()
+        self.cache_moves = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def route(self, req: RouteInput) -> RouteDecision:
+        decision = decide(req, self.config)
+        self.paths[decision.path] += 1
+        self.reasons[decision.reason] += 1
+        self.cache_moves += decision.cache_move is not None
+        if decision.path is not Path.REJECT:
+            self.prompt_tokens += decision.prompt_tokens
+            self.cached_tokens += decision.cached_tokens
+        return decision

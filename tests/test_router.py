@@ -1,0 +1,210 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minifaas.policy.router import (
+    CacheMove,
+    ClusterView,
+    NodeView,
+    Path,
+    Reason,
+    RouteDecision,
+    RouteInput,
+    Router,
+    RouterConfig,
+    Rule,
+    decide,
+)
+
+T = 1000  # threshold in tokens
+
+
+def clusters(
+    pd_hits: tuple[int, ...] = (0, 0),
+    prfaas_hits: tuple[int, ...] = (0, 0),
+    pd_kv: int = 0,
+    prfaas_kv: int = 0,
+) -> tuple[ClusterView, ClusterView]:
+    prfaas = ClusterView("prfaas", tuple(NodeView(f"x{i}", h) for i, h in enumerate(prfaas_hits)), (), prfaas_kv)
+    pd = ClusterView(
+        "pd",
+        tuple(NodeView(f"p{i}", h) for i, h in enumerate(pd_hits)),
+        (NodeView("d0", load=3), NodeView("d1", load=1)),
+        pd_kv,
+    )
+    return prfaas, pd
+
+
+def route(
+    prompt: int,
+    rule: Rule = Rule.SCARCE,
+    config: RouterConfig | None = None,
+    link_up: bool = True,
+    **hits: int | tuple[int, ...],
+) -> RouteDecision:
+    prfaas, pd = clusters(**hits)  # type: ignore[arg-type]
+    return decide(RouteInput(prompt, T, rule, prfaas, pd, link_up), config or RouterConfig())
+
+
+def test_threshold_boundary_without_cache() -> None:
+    at = route(T)
+    assert (at.path, at.reason, at.cached_tokens) == (Path.PD, Reason.SHORT, 0)
+    above = route(T + 1)
+    assert (above.path, above.reason, above.incremental_tokens) == (Path.PRFAAS, Reason.LONG, T + 1)
+    assert above.decode_node == "d1"  # least-loaded decode node
+
+
+def test_scarce_rule_judges_pd_by_its_own_cache() -> None:
+    local = route(3000, pd_hits=(2000, 0))
+    assert (local.path, local.reason, local.prefill_node, local.cached_tokens) == (
+        Path.PD,
+        Reason.SHORT_AFTER_CACHE,
+        "p0",
+        2000,
+    )
+    # a PrfaaS-side hit does not make the request short under SCARCE; it is offloaded and used there
+    remote = route(3000, prfaas_hits=(0, 2500))
+    assert (remote.path, remote.prefill_node, remote.cached_tokens, remote.cache_move) == (
+        Path.PRFAAS,
+        "x1",
+        2500,
+        None,
+    )
+
+
+def test_abundant_rule_moves_the_longer_prfaas_cache_to_pd() -> None:
+    d = route(3000, Rule.ABUNDANT, prfaas_hits=(2500, 0), pd_hits=(512, 0), pd_kv=1024)
+    assert (d.path, d.reason) == (Path.PD, Reason.SHORT_AFTER_CACHE_MOVE)
+    assert d.cache_move == CacheMove("prfaas", "pd", 1024, 2500)  # PD already holds KV up to 1024
+    assert d.cached_tokens == 2500 and d.incremental_tokens == 500
+
+
+def test_abundant_rule_moves_the_longer_pd_cache_to_prfaas_for_a_long_request() -> None:
+    d = route(8000, Rule.ABUNDANT, pd_hits=(4000, 0), prfaas_hits=(1000, 0), prfaas_kv=1536, pd_kv=4096)
+    assert (d.path, d.reason) == (Path.PRFAAS, Reason.LONG)
+    assert d.cache_move == CacheMove("pd", "prfaas", 1536, 4000)
+    assert d.cached_tokens == 4000
+    assert d.link_kv_start == 4096  # decode side loads its own prefix KV; only the rest crosses
+
+
+def test_abundant_without_cache_move_judges_like_scarce() -> None:
+    off = RouterConfig(cross_cluster_cache_move=False)
+    d = route(3000, Rule.ABUNDANT, off, prfaas_hits=(2500, 0))
+    assert (d.path, d.cache_move, d.cached_tokens) == (Path.PRFAAS, None, 2500)
+    down = route(3000, Rule.ABUNDANT, prfaas_hits=(2500, 0), link_up=False)
+    assert (down.path, down.reason, down.cache_move) == (Path.PD, Reason.LONG_BUT_PRFAAS_DOWN, None)
+
+
+def test_incremental_transfer_off_ships_the_whole_prompt() -> None:
+    on = route(5000, pd_kv=2048)
+    off = route(5000, config=RouterConfig(incremental_transfer=False), pd_kv=2048)
+    assert on.link_kv_start == 2048 and off.link_kv_start == 0
+    assert route(500, pd_kv=2048).link_kv_start == 0  # PD path: nothing crosses the link
+
+
+def test_node_choice_is_cache_affine_but_load_aware() -> None:
+    pd = ClusterView(
+        "pd", (NodeView("a", hit_tokens=0, load=0), NodeView("b", hit_tokens=1500, load=200)), (NodeView("d"),)
+    )
+    prfaas = ClusterView("prfaas")
+    req = RouteInput(2000, T, Rule.SCARCE, prfaas, pd)
+    assert decide(req).prefill_node == "b"  # 200 + 500 queued tokens beat 0 + 2000
+    busy = dataclasses.replace(pd, prefill_nodes=(pd.prefill_nodes[0], NodeView("b", 1500, load=1800)))
+    req = RouteInput(2000, T, Rule.SCARCE, prfaas, busy)
+    # PD's hit still makes it short, but node b's queue makes a would-be finish later than a's
+    assert (decide(req).prefill_node, decide(req).cached_tokens) == ("a", 0)
+    blind = decide(RouteInput(2000, T, Rule.SCARCE, prfaas, pd), RouterConfig(cache_affinity=False))
+    assert blind.prefill_node == "a"
+
+
+def test_unhealthy_nodes_and_fallbacks() -> None:
+    prfaas, pd = clusters()
+    sick_prfaas = dataclasses.replace(
+        prfaas, prefill_nodes=tuple(NodeView(n.node_id, healthy=False) for n in prfaas.prefill_nodes)
+    )
+    d = decide(RouteInput(5000, T, Rule.SCARCE, sick_prfaas, pd))
+    assert (d.path, d.reason) == (Path.PD, Reason.LONG_BUT_PRFAAS_DOWN)
+    sick_pd = dataclasses.replace(pd, prefill_nodes=(NodeView("p0", healthy=False),))
+    d = decide(RouteInput(100, T, Rule.SCARCE, prfaas, sick_pd))
+    assert (d.path, d.reason) == (Path.PRFAAS, Reason.SHORT_BUT_PD_PREFILL_DOWN)
+    d = decide(RouteInput(100, T, Rule.SCARCE, prfaas, sick_pd, link_up=False))
+    assert (d.path, d.reason, d.prefill_node) == (Path.REJECT, Reason.NO_PREFILL_NODE, None)
+    no_decode = dataclasses.replace(pd, decode_nodes=(NodeView("d0", healthy=False),))
+    assert decide(RouteInput(100, T, Rule.SCARCE, prfaas, no_decode)).reason is Reason.NO_DECODE_NODE
+
+
+def test_inputs_are_validated() -> None:
+    prfaas, pd = clusters(pd_hits=(600,))
+    with pytest.raises(ValueError):
+        RouteInput(500, T, Rule.SCARCE, prfaas, pd)  # hit longer than the prompt
+    with pytest.raises(ValueError):
+        RouteInput(500, -1, Rule.SCARCE, prfaas, pd)
+    with pytest.raises(ValueError):
+        NodeView("n", load=-1)
+
+
+def test_router_counts_every_decision() -> None:
+    router = Router()
+    for prompt in (100, 2000, 5000):
+        prfaas, pd = clusters(pd_hits=(min(prompt, 1500), 0))
+        router.route(RouteInput(prompt, T, Rule.SCARCE, prfaas, pd))
+    assert router.paths == {Path.PD: 2, Path.PRFAAS: 1}
+    assert router.reasons == {Reason.SHORT: 1, Reason.SHORT_AFTER_CACHE: 1, Reason.LONG: 1}
+    # the long one runs on PrfaaS, whose cache is cold
+    assert router.prompt_tokens == 7100 and router.cached_tokens == 100 + 1500 + 0
+
+
+hits = st.integers(0, 20_000)
+node_lists = st.lists(st.tuples(hits, st.integers(0, 5000), st.booleans()), max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.integers(1, 20_000),
+    threshold=st.integers(0, 20_000),
+    rule=st.sampled_from(Rule),
+    pd_nodes=node_lists,
+    prfaas_nodes=node_lists,
+    kv=st.integers(0, 20_000),
+    link_up=st.booleans(),
+    move=st.booleans(),
+)
+def test_decisions_respect_the_threshold_rule(
+    prompt: int,
+    threshold: int,
+    rule: Rule,
+    pd_nodes: list[tuple[int, int, bool]],
+    prfaas_nodes: list[tuple[int, int, bool]],
+    kv: int,
+    link_up: bool,
+    move: bool,
+) -> None:
+    def view(name: str, nodes: list[tuple[int, int, bool]]) -> tuple[NodeView, ...]:
+        return tuple(NodeView(f"{name}{i}", min(h, prompt), load, ok) for i, (h, load, ok) in enumerate(nodes))
+
+    pd = ClusterView("pd", view("p", pd_nodes), (NodeView("d"),), kv)
+    prfaas = ClusterView("prfaas", view("x", prfaas_nodes))
+    req = RouteInput(prompt, threshold, rule, prfaas, pd, link_up)
+    d = decide(req, RouterConfig(cross_cluster_cache_move=move))
+    if d.path is Path.REJECT:
+        assert not pd.can_prefill and not (prfaas.can_prefill and link_up)
+        return
+    cluster = prfaas if d.path is Path.PRFAAS else pd
+    chosen = next(n for n in cluster.prefill_nodes if n.node_id == d.prefill_node)
+    assert chosen.healthy and 0 <= d.incremental_tokens <= prompt
+    if d.path is Path.PRFAAS:
+        assert link_up
+        counted = max(pd.hit_tokens, prfaas.hit_tokens) if rule is Rule.ABUNDANT and move else pd.hit_tokens
+        assert d.reason is Reason.SHORT_BUT_PD_PREFILL_DOWN or prompt - counted > threshold
+    elif d.reason is not Reason.LONG_BUT_PRFAAS_DOWN:
+        assert prompt - pd.hit_tokens <= threshold or (d.cache_move is not None and d.incremental_tokens <= threshold)
+    if d.cache_move is not None:
+        assert rule is Rule.ABUNDANT and move and link_up
+        assert d.cache_move.dst == cluster.name and d.cache_move.start_tokens <= d.cache_move.end_tokens
+    # without a cache move, ABUNDANT is SCARCE
+    if not move:
+        assert decide(dataclasses.replace(req, rule=Rule.SCARCE)).path is d.path
