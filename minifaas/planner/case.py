@@ -1,0 +1,97 @@
+"""A planning case: the hardware, the link and the workload the throughput model is solved for.
+
+Loadable from TOML (or JSON) so any deployment can be planned without code:
+
+    name = "my-case"
+    n_prfaas = 4            # PrfaaS instances
+    n_pd = 8                # local PD instances, N_p + N_d
+    n_homogeneous = 12      # instances of the homogeneous-PD baseline
+    link_gbps = 100.0
+    output_tokens = 1024
+    [lengths]               # either a truncated log-normal ...
+    mu = 9.90
+    sigma = 1.00
+    low = 128
+    high = 128000
+    # ... or: trace = "path/to/trace.jsonl" (Mooncake JSONL or Azure CSV input lengths)
+    [prfaas]                # a prefill profile (see profile.py)
+    [pd_prefill]            # a prefill profile
+    [decode]                # a decode profile
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from minifaas.planner.lengths import LengthDistribution
+from minifaas.planner.profile import (
+    DecodeProfile,
+    PrefillProfile,
+    decode_from_dict,
+    load_table,
+    prefill_from_dict,
+)
+
+
+@dataclass(frozen=True)
+class PlanCase:
+    name: str
+    prfaas: PrefillProfile  # one PrfaaS-cluster instance
+    pd_prefill: PrefillProfile  # one local PD-cluster instance doing prefill
+    decode: DecodeProfile  # one local PD-cluster instance doing decode
+    lengths: LengthDistribution  # uncached input length L
+    output_tokens: float  # mean output length L_out
+    n_prfaas: int
+    n_pd: int  # N_p + N_d
+    n_homogeneous: int  # instances of the homogeneous-PD baseline, all of pd_prefill's hardware
+    link_gbps: float  # PrfaaS egress bandwidth B_out
+
+    def __post_init__(self) -> None:
+        if self.n_prfaas < 0 or self.n_pd < 2 or self.n_homogeneous < 2:
+            raise ValueError(f"{self.name}: need n_prfaas >= 0, n_pd >= 2, n_homogeneous >= 2")
+        if self.link_gbps <= 0 or self.output_tokens <= 0:
+            raise ValueError(f"{self.name}: link_gbps and output_tokens must be > 0")
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbps * 1e9 / 8
+
+    @property
+    def gpus(self) -> int:
+        return self.n_prfaas * self.prfaas.gpus_per_instance + self.n_pd * self.decode.gpus_per_instance
+
+    def with_overrides(self, **changes: Any) -> PlanCase:
+        """A copy with some inputs replaced (flags on the command line, sweeps in studies)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def case_from_dict(data: dict[str, Any], base_dir: Path = Path(".")) -> PlanCase:
+    spec = data["lengths"]
+    if "trace" in spec:
+        from minifaas.sim.traces import read_trace  # numpy-only; no torch
+
+        trace = read_trace(base_dir / spec["trace"], length_scale=float(spec.get("length_scale", 1.0)))
+        lengths = LengthDistribution.empirical(str(spec["trace"]), [r.input_tokens for r in trace])
+    else:
+        lengths = LengthDistribution.lognormal(
+            float(spec["mu"]), float(spec["sigma"]), float(spec["low"]), float(spec["high"])
+        )
+    return PlanCase(
+        name=str(data.get("name", "custom")),
+        prfaas=prefill_from_dict(data["prfaas"]),
+        pd_prefill=prefill_from_dict(data["pd_prefill"]),
+        decode=decode_from_dict(data["decode"]),
+        lengths=lengths,
+        output_tokens=float(data["output_tokens"]),
+        n_prfaas=int(data["n_prfaas"]),
+        n_pd=int(data["n_pd"]),
+        n_homogeneous=int(data["n_homogeneous"]),
+        link_gbps=float(data["link_gbps"]),
+    )
+
+
+def load_case(path: str | Path) -> PlanCase:
+    path = Path(path)
+    return case_from_dict(load_table(path), path.parent)

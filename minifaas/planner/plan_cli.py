@@ -1,0 +1,78 @@
+"""``minifaas plan``: solve the throughput model for a case and print the three configurations.
+
+minifaas plan --case paper                 # the paper's case study, a table
+minifaas plan --case paper --json          # one JSON object {prfaas, homogeneous, naive}
+minifaas plan --case my.toml --link-gbps 25 --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from minifaas.planner.case import PlanCase, load_case
+from minifaas.planner.model import OperatingPoint
+from minifaas.planner.paper import paper_case
+from minifaas.planner.search import Plan, SearchGrid, plan
+
+NAMED_CASES = {"paper": paper_case}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="PNG", help="draw the bounds vs N_p and vs t (needs matplotlib)")
+    parser.add_argument("--link-gbps", type=float, help="override the PrfaaS egress bandwidth")
+    parser.add_argument("--n-prfaas", type=int, help="override the PrfaaS instance count")
+    parser.add_argument("--n-pd", type=int, help="override N_p + N_d")
+    parser.add_argument("--n-homogeneous", type=int, help="override the homogeneous baseline's instances")
+    parser.add_argument("--output-tokens", type=float, help="override the mean output length")
+    parser.add_argument("--threshold-step", type=int, default=100, help="grid step of t in tokens")
+
+
+def resolve_case(args: argparse.Namespace) -> PlanCase:
+    base = NAMED_CASES[args.case]() if args.case in NAMED_CASES else load_case(args.case)
+    return base.with_overrides(
+        link_gbps=args.link_gbps,
+        n_prfaas=args.n_prfaas,
+        n_pd=args.n_pd,
+        n_homogeneous=args.n_homogeneous,
+        output_tokens=args.output_tokens,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    case = resolve_case(args)
+    grid = SearchGrid(threshold_step=args.threshold_step)
+    result = plan(case, grid)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print_table(case, result)
+    if args.plot:
+        from minifaas.planner.plot import plot_plan
+
+        plot_plan(case, result, grid, args.plot)
+    return 0
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(case: PlanCase, result: Plan) -> None:
+    print(
+        f"case {case.name}: {case.gpus} GPUs in PrfaaS + PD, lengths {case.lengths.name}, mean {case.lengths.mean:.0f}"
+    )
+    header = f"{'config':<12}{'t':>9}{'Nprf':>6}{'Np':>4}{'Nd':>4}{'p':>7}{'l_long':>9}{'l_short':>9}"
+    header += f"{'Th_prf':>8}{'Th_pdp':>8}{'Th_pdd':>8}{'req/s':>8}{'Gbps':>7}  bottleneck"
+    print(header)
+    ops: tuple[OperatingPoint, ...] = (result.prfaas, result.homogeneous, result.naive)
+    for op in ops:
+        print(
+            f"{op.config:<12}{_fmt(op.threshold_tokens, '.0f'):>9}{op.n_prfaas:>6}{op.n_prefill:>4}{op.n_decode:>4}"
+            f"{op.offload_fraction:>7.3f}{_fmt(op.l_long, '.0f'):>9}{_fmt(op.l_short, '.0f'):>9}"
+            f"{_fmt(op.theta_prfaas, '.3f'):>8}{_fmt(op.theta_pdp, '.3f'):>8}{op.theta_pdd:>8.3f}"
+            f"{op.throughput_rps:>8.3f}{_fmt(op.egress_gbps, '.1f'):>7}  {op.bottleneck}"
+        )
+    print(f"PrfaaS vs homogeneous: {result.gain_vs_homogeneous:+.1%}; vs naive: {result.gain_vs_naive:+.1%}")

@@ -1,0 +1,172 @@
+"""Instance profiles: what one prefill or decode instance costs, as the planner and simulator need it.
+
+A profile describes ONE instance (``gpus_per_instance`` GPUs serving one model
+replica), not one GPU. It is plain data, loadable from TOML or JSON so that a
+measuring tool can write it and a planner run can read it back:
+
+    [prefill]                      # one table per profile
+    name = "H200x8"
+    gpus_per_instance = 8
+    # measured points; either form of each curve may be left out
+    points = [[1024, 0.44, 200068300], [8192, 0.72, 323905126]]   # [tokens, seconds, kv bytes]
+    latency_coeffs = [0.389, 4.107e-5, 9.48e-11]                    # seconds = sum c_i * l**i
+    kv_fixed_bytes = 180355072                                      # kv bytes = fixed + per_token * l
+    kv_bytes_per_token = 17137
+
+    [decode]
+    name = "H20x8"
+    gpus_per_instance = 8
+    bs_max = 20
+    step_time_s = 0.025
+
+Latency: the polynomial when ``latency_coeffs`` is given, else piecewise-linear
+interpolation of ``points`` (linear extrapolation past either end). KV bytes:
+the linear form when ``kv_bytes_per_token`` is given, else the same
+interpolation. ``fit_latency`` turns a measured table into the polynomial by
+least squares (prefill time grows near-quadratically with length).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePoint:
+    tokens: int
+    latency_s: float
+    kv_bytes: float
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.latency_s <= 0 or self.kv_bytes < 0:
+            raise ValueError(f"bad profile point {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProfile:
+    name: str
+    gpus_per_instance: int
+    points: tuple[ProfilePoint, ...] = ()
+    latency_coeffs: tuple[float, ...] = ()
+    kv_fixed_bytes: float = 0.0
+    kv_bytes_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_instance < 1:
+            raise ValueError(f"{self.name}: gpus_per_instance must be >= 1")
+        lengths = [p.tokens for p in self.points]
+        if lengths != sorted(set(lengths)):
+            raise ValueError(f"{self.name}: points must have strictly increasing lengths")
+        if not self.latency_coeffs and len(self.points) < 2:
+            raise ValueError(f"{self.name}: give latency_coeffs or at least two points")
+        if self.kv_bytes_per_token <= 0 and len(self.points) < 2:
+            raise ValueError(f"{self.name}: give kv_bytes_per_token or at least two points")
+        if self.kv_fixed_bytes < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError(f"{self.name}: KV sizes must be >= 0")
+        probe = np.array([1.0, 1e3, 1e4, 1e5, 1e6])
+        if np.any(self.latency_s(probe) <= 0):
+            raise ValueError(f"{self.name}: prefill latency must stay positive")
+
+    def latency_s(self, tokens: np.ndarray | float) -> np.ndarray:
+        """T_prefill(l): seconds for one instance to prefill ``tokens`` uncached tokens."""
+        x = np.asarray(tokens, dtype=float)
+        if self.latency_coeffs:
+            return np.polynomial.polynomial.polyval(x, self.latency_coeffs)
+        return _interpolate(x, [p.tokens for p in self.points], [p.latency_s for p in self.points])
+
+    def kv_bytes(self, tokens: np.ndarray | float) -> np.ndarray:
+        """S_kv(l): bytes of state a prefill of ``tokens`` produces (fixed state plus growing KV)."""
+        x = np.asarray(tokens, dtype=float)
+        if self.kv_bytes_per_token > 0:
+            return self.kv_fixed_bytes + self.kv_bytes_per_token * x
+        return _interpolate(x, [p.tokens for p in self.points], [p.kv_bytes for p in self.points])
+
+    def kv_throughput_gbps(self, tokens: np.ndarray | float) -> np.ndarray:
+        """Phi_kv(l) = S_kv(l) / T_prefill(l) (eq 1), in Gbit/s."""
+        return self.kv_bytes(tokens) * 8 / self.latency_s(tokens) / 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeProfile:
+    name: str
+    gpus_per_instance: int
+    bs_max: int
+    step_time_s: float  # per decode step at bs_max: the SLO's time per output token
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_instance < 1 or self.bs_max < 1 or self.step_time_s <= 0:
+            raise ValueError(f"{self.name}: need gpus_per_instance >= 1, bs_max >= 1, step_time_s > 0")
+
+    def requests_per_s(self, output_tokens: float) -> float:
+        """One instance's decode throughput, eq 5 per instance: BS_max / (T_decode * L_out)."""
+        return self.bs_max / (self.step_time_s * output_tokens)
+
+
+def fit_latency(points: tuple[ProfilePoint, ...], degree: int = 2) -> tuple[float, ...]:
+    """Least-squares polynomial (lowest order first) through measured prefill latencies."""
+    if len(points) <= degree:
+        raise ValueError(f"need more than {degree} points to fit degree {degree}")
+    x = np.array([p.tokens for p in points], dtype=float)
+    y = np.array([p.latency_s for p in points])
+    return tuple(float(c) for c in np.polynomial.polynomial.polyfit(x, y, degree))
+
+
+def fit_kv(points: tuple[ProfilePoint, ...]) -> tuple[float, float]:
+    """Least-squares (fixed bytes, bytes per token) through measured KV sizes."""
+    if len(points) < 2:
+        raise ValueError("need at least two points to fit KV bytes")
+    x = np.array([p.tokens for p in points], dtype=float)
+    fixed, per_token = np.polynomial.polynomial.polyfit(x, np.array([p.kv_bytes for p in points]), 1)
+    return float(fixed), float(per_token)
+
+
+def _interpolate(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
+    inside = np.interp(x, xs, ys)
+    lo_slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    hi_slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    below = ys[0] + lo_slope * (x - xs[0])
+    above = ys[-1] + hi_slope * (x - xs[-1])
+    return np.where(x < xs[0], below, np.where(x > xs[-1], above, inside))
+
+
+def prefill_from_dict(data: dict[str, Any]) -> PrefillProfile:
+    points = tuple(ProfilePoint(int(t), float(s), float(b)) for t, s, b in data.get("points", ()))
+    return PrefillProfile(
+        name=str(data["name"]),
+        gpus_per_instance=int(data["gpus_per_instance"]),
+        points=points,
+        latency_coeffs=tuple(float(c) for c in data.get("latency_coeffs", ())),
+        kv_fixed_bytes=float(data.get("kv_fixed_bytes", 0.0)),
+        kv_bytes_per_token=float(data.get("kv_bytes_per_token", 0.0)),
+    )
+
+
+def decode_from_dict(data: dict[str, Any]) -> DecodeProfile:
+    return DecodeProfile(
+        name=str(data["name"]),
+        gpus_per_instance=int(data["gpus_per_instance"]),
+        bs_max=int(data["bs_max"]),
+        step_time_s=float(data["step_time_s"]),
+    )
+
+
+def load_table(path: str | Path) -> dict[str, Any]:
+    """A TOML or JSON file as a dict (chosen by suffix)."""
+    path = Path(path)
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    return tomllib.loads(path.read_text())
+
+
+def load_profiles(path: str | Path) -> tuple[PrefillProfile | None, DecodeProfile | None]:
+    """The ``[prefill]`` and ``[decode]`` tables of one profile file (either may be absent)."""
+    data = load_table(path)
+    prefill = prefill_from_dict(data["prefill"]) if "prefill" in data else None
+    decode = decode_from_dict(data["decode"]) if "decode" in data else None
+    return prefill, decode

@@ -1,0 +1,97 @@
+"""The planner's search: best threshold and PD split, plus the two baselines.
+
+The search is the paper's 2-D grid (eqs 7 and 8 are where its optimum sits):
+  - t runs over 0, step, 2*step, ... up to the largest length (default step
+    100 tokens), every t evaluated at once with prefix sums over the length
+    distribution;
+  - N_p runs over 0 .. n_pd - 1 with N_d = n_pd - N_p (at least one decoder).
+The winner maximises Lambda_max (eq 6). Where several points tie (a decode-bound
+plateau), the one closest to eq 7's balance Theta_prfaas/p = Theta_pdp/(1-p) wins,
+then the one with the least PrfaaS egress: it leaves the most link headroom.
+
+Baselines, same model:
+  - homogeneous PD: n_homogeneous instances of the PD hardware, no PrfaaS,
+    best N_p by the same search over N_p;
+  - naive heterogeneous: every prefill on the PrfaaS cluster (p = 1), every
+    PD instance decodes, no threshold and no balancing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minifaas.planner.case import PlanCase
+from minifaas.planner.model import OperatingPoint, operating_point, stages
+
+
+@dataclass(frozen=True, slots=True)
+class SearchGrid:
+    threshold_step: int = 100
+    threshold_max: int | None = None  # default: the largest length in the distribution
+
+    def __post_init__(self) -> None:
+        if self.threshold_step < 1:
+            raise ValueError("threshold_step must be >= 1")
+
+    def thresholds(self, case: PlanCase) -> np.ndarray:
+        top = self.threshold_max if self.threshold_max is not None else float(case.lengths.values[-1])
+        return np.arange(0.0, top + self.threshold_step, self.threshold_step)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    prfaas: OperatingPoint
+    homogeneous: OperatingPoint
+    naive: OperatingPoint
+
+    def to_dict(self) -> dict[str, dict[str, object]]:
+        return {
+            "prfaas": self.prfaas.to_dict(),
+            "homogeneous": self.homogeneous.to_dict(),
+            "naive": self.naive.to_dict(),
+        }
+
+    @property
+    def gain_vs_homogeneous(self) -> float:
+        return self.prfaas.throughput_rps / self.homogeneous.throughput_rps - 1
+
+    @property
+    def gain_vs_naive(self) -> float:
+        return self.prfaas.throughput_rps / self.naive.throughput_rps - 1
+
+
+def best_prfaas(case: PlanCase, grid: SearchGrid = SearchGrid()) -> OperatingPoint:
+    thresholds = grid.thresholds(case)
+    best_key: tuple[float, float, float] | None = None
+    best: tuple[float, int] = (0.0, 0)
+    for n_prefill in range(case.n_pd):
+        s = stages(case, thresholds, case.n_prfaas, n_prefill, case.n_pd - n_prefill)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            imbalance = np.abs(s["bound_prfaas"] - s["bound_pdp"]) / s["lambda"]
+        imbalance = np.where(np.isfinite(imbalance), imbalance, np.inf)
+        # lexicographic: most throughput (to 1e-9), then best balance, then least egress
+        order = np.lexsort((s["egress_gbps"], imbalance, -np.round(s["lambda"], 9)))
+        i = int(order[0])
+        key = (-round(float(s["lambda"][i]), 9), float(imbalance[i]), float(s["egress_gbps"][i]))
+        if best_key is None or key < best_key:
+            best_key, best = key, (float(thresholds[i]), n_prefill)
+    threshold, n_prefill = best
+    return operating_point("prfaas", case, threshold, case.n_prfaas, n_prefill, case.n_pd - n_prefill)
+
+
+def best_homogeneous(case: PlanCase) -> OperatingPoint:
+    points = [
+        operating_point("homogeneous", case, None, 0, n_prefill, case.n_homogeneous - n_prefill)
+        for n_prefill in range(1, case.n_homogeneous)
+    ]
+    return max(points, key=lambda op: op.throughput_rps)
+
+
+def naive(case: PlanCase) -> OperatingPoint:
+    return operating_point("naive", case, None, case.n_prfaas, 0, case.n_pd)
+
+
+def plan(case: PlanCase, grid: SearchGrid = SearchGrid()) -> Plan:
+    return Plan(prfaas=best_prfaas(case, grid), homogeneous=best_homogeneous(case), naive=naive(case))

@@ -1,0 +1,151 @@
+"""The planner: profiles, length distributions, the throughput model and its search."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minifaas.cli import main
+from minifaas.planner import LengthDistribution, SearchGrid, best_prfaas, load_case, load_profiles, plan, stages
+from minifaas.planner.model import operating_point
+from minifaas.planner.paper import H20_PREFILL, H200, H200_TABLE, REPORTED, paper_case
+
+
+def test_h200_fit_matches_the_published_fit() -> None:
+    c0, c1, c2 = H200.latency_coeffs
+    assert c0 == pytest.approx(0.389, abs=1e-3)
+    assert c1 == pytest.approx(4.107e-5, rel=1e-3)
+    assert c2 == pytest.approx(9.48e-11, rel=1e-3)
+
+
+def test_kv_throughput_reproduces_the_profile_table() -> None:
+    published_gbps = {1024: 3.61, 8192: 3.59, 32768: 3.19, 131072: 2.62}
+    for point in H200_TABLE:
+        measured = point.kv_bytes * 8 / point.latency_s / 1e9
+        assert measured == pytest.approx(published_gbps[point.tokens], rel=0.02)
+        assert float(H200.kv_throughput_gbps(point.tokens)) == pytest.approx(measured, rel=0.05)
+    assert H200.kv_bytes_per_token / 1024 == pytest.approx(16.7, rel=0.01)  # KiB per token
+    assert H200.kv_fixed_bytes / 2**20 == pytest.approx(172, rel=0.02)  # MiB
+
+
+def test_truncated_lognormal_mean_and_bounds() -> None:
+    lengths = paper_case().lengths
+    assert lengths.mean == pytest.approx(27_300, rel=0.01)
+    assert lengths.values[0] >= 128 and lengths.values[-1] <= 128_000
+
+
+def test_split_matches_a_direct_count() -> None:
+    rng = np.random.default_rng(3)
+    raw = rng.integers(1, 10_000, size=500)
+    dist = LengthDistribution.empirical("raw", raw)
+    for t in (0, 50, 4_999, 9_999, 20_000):
+        p, l_long, l_short = dist.split(t)
+        long, short = raw[raw > t], raw[raw <= t]
+        assert float(p) == pytest.approx(long.size / raw.size)
+        assert (math.isnan(float(l_long)) and long.size == 0) or float(l_long) == pytest.approx(long.mean())
+        assert (math.isnan(float(l_short)) and short.size == 0) or float(l_short) == pytest.approx(short.mean())
+
+
+def test_paper_case_finds_the_papers_operating_point() -> None:
+    result = plan(paper_case())
+    best = result.prfaas
+    assert (best.n_prefill, best.n_decode) == (3, 5)
+    assert 18_000 <= best.threshold_tokens <= 21_000
+    assert 0.45 <= best.offload_fraction <= 0.55
+    assert result.gain_vs_homogeneous == pytest.approx(REPORTED["gain_vs_homogeneous"], abs=0.04)
+    assert result.gain_vs_naive == pytest.approx(REPORTED["gain_vs_naive"], abs=0.04)
+    assert best.egress_gbps == pytest.approx(REPORTED["prfaas_egress_gbps"], rel=0.1)
+    assert best.bottleneck == "prfaas-compute"  # compute-bound, with link headroom
+    assert (result.homogeneous.n_prefill, result.homogeneous.n_decode) == (9, 3)
+
+
+def test_optimum_balances_the_two_prefill_bounds() -> None:  # eq 7
+    case = paper_case()
+    best = best_prfaas(case)
+    s = stages(case, np.array([best.threshold_tokens]), case.n_prfaas, best.n_prefill, best.n_decode)
+    assert float(s["bound_prfaas"][0]) == pytest.approx(float(s["bound_pdp"][0]), rel=0.02)
+
+
+def test_grid_search_equals_brute_force_over_scalar_points() -> None:
+    case = paper_case().with_overrides(n_pd=6, link_gbps=20.0)
+    grid = SearchGrid(threshold_step=2_000)
+    best = best_prfaas(case, grid)
+    brute = max(
+        operating_point("x", case, float(t), case.n_prfaas, n_p, case.n_pd - n_p).throughput_rps
+        for n_p in range(case.n_pd)
+        for t in grid.thresholds(case)
+    )
+    assert best.throughput_rps == pytest.approx(brute, rel=1e-9)
+
+
+def test_scarce_link_binds_the_transfer_and_caps_egress() -> None:
+    case = paper_case().with_overrides(link_gbps=5.0)
+    best = best_prfaas(case)
+    assert best.egress_gbps is not None and best.egress_gbps <= 5.0 + 1e-9
+    assert best.throughput_rps < plan(paper_case()).prfaas.throughput_rps
+    tight = operating_point("x", case, 0.0, case.n_prfaas, 0, case.n_pd)
+    assert tight.bottleneck == "prfaas-link"
+
+
+def test_profiles_and_cases_load_from_toml_and_json(tmp_path) -> None:
+    toml = tmp_path / "h20.toml"
+    toml.write_text(
+        '[prefill]\nname = "A"\ngpus_per_instance = 8\npoints = [[1000, 0.5, 1e8], [9000, 1.5, 3e8]]\n'
+        '[decode]\nname = "A"\ngpus_per_instance = 8\nbs_max = 16\nstep_time_s = 0.02\n'
+    )
+    prefill, decode = load_profiles(toml)
+    assert prefill is not None and decode is not None
+    assert float(prefill.latency_s(5000)) == pytest.approx(1.0)
+    assert float(prefill.kv_bytes(13000)) == pytest.approx(4e8)  # linear extrapolation
+    assert decode.requests_per_s(100) == pytest.approx(16 / 2.0)
+    case_file = tmp_path / "case.json"
+    profile = {"name": "B", "gpus_per_instance": 8, "latency_coeffs": [0.4, 1e-4], "kv_bytes_per_token": 1e4}
+    case_file.write_text(
+        json.dumps(
+            {
+                "name": "json-case",
+                "n_prfaas": 2,
+                "n_pd": 4,
+                "n_homogeneous": 6,
+                "link_gbps": 50,
+                "output_tokens": 512,
+                "lengths": {"mu": 8.0, "sigma": 1.0, "low": 100, "high": 50_000},
+                "prfaas": profile,
+                "pd_prefill": profile | {"latency_coeffs": [0.4, 3e-4]},
+                "decode": {"name": "D", "gpus_per_instance": 8, "bs_max": 32, "step_time_s": 0.03},
+            }
+        )
+    )
+    case = load_case(case_file)
+    assert case.name == "json-case" and case.n_pd == 4
+    assert plan(case).prfaas.throughput_rps > 0
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError):
+        paper_case().with_overrides(link_gbps=-1.0)
+    with pytest.raises(ValueError):
+        LengthDistribution.lognormal(9.9, 1.0, 500, 100)
+    with pytest.raises(ValueError):
+        type(H20_PREFILL)(name="x", gpus_per_instance=8, latency_coeffs=(-1.0,), kv_bytes_per_token=1.0)
+
+
+def test_plan_json_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--case", "paper", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"prfaas", "homogeneous", "naive"}
+    fields = {"threshold_tokens", "n_prfaas", "n_prefill", "n_decode", "offload_fraction", "throughput_rps"}
+    for config in out.values():
+        assert fields | {"egress_gbps"} <= set(config)
+    assert out["homogeneous"]["egress_gbps"] is None and out["naive"]["threshold_tokens"] is None
+    assert out["prfaas"]["throughput_rps"] > out["naive"]["throughput_rps"] > out["homogeneous"]["throughput_rps"]
+
+
+def test_plan_does_not_import_torch() -> None:
+    code = "import sys, minifaas.planner.plan_cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
