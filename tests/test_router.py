@@ -103,7 +103,7 @@ def test_incremental_transfer_off_ships_the_whole_prompt() -> None:
     on = route(5000, pd_kv=2048)
     off = route(5000, config=RouterConfig(incremental_transfer=False), pd_kv=2048)
     assert on.link_kv_start == 2048 and off.link_kv_start == 0
-    assert route(500, pd_kv=2048).link_kv_start == 0  # PD path: nothing crosses the link
+    assert route(500, pd_kv=500).link_kv_start == 0  # PD path: nothing crosses the link
 
 
 def test_node_choice_is_cache_affine_but_load_aware() -> None:
@@ -119,6 +119,16 @@ def test_node_choice_is_cache_affine_but_load_aware() -> None:
     assert (decide(req).prefill_node, decide(req).cached_tokens) == ("a", 0)
     blind = decide(RouteInput(2000, T, Rule.SCARCE, prfaas, pd), RouterConfig(cache_affinity=False))
     assert blind.prefill_node == "a"
+
+
+def test_a_shared_pool_hit_is_loadable_by_every_node_and_holders_win_ties() -> None:
+    nodes = (NodeView("a", hit_tokens=0), NodeView("b", hit_tokens=1024), NodeView("c", hit_tokens=0, load=10))
+    pd = ClusterView("pd", nodes, (NodeView("d"),), kv_prefix_tokens=1536, pool_hit_tokens=1536)
+    d = decide(RouteInput(2000, T, Rule.SCARCE, ClusterView("prfaas"), pd))
+    assert (d.path, d.reason, d.cached_tokens) == (Path.PD, Reason.SHORT_AFTER_CACHE, 1536)
+    assert d.prefill_node == "b"  # same work everywhere; b holds part of the prefix itself
+    busy_b = dataclasses.replace(pd, prefill_nodes=(nodes[0], NodeView("b", 1024, load=1), nodes[2]))
+    assert decide(RouteInput(2000, T, Rule.SCARCE, ClusterView("prfaas"), busy_b)).prefill_node == "a"
 
 
 def test_unhealthy_nodes_and_fallbacks() -> None:
@@ -170,6 +180,7 @@ node_lists = st.lists(st.tuples(hits, st.integers(0, 5000), st.booleans()), max_
     pd_nodes=node_lists,
     prfaas_nodes=node_lists,
     kv=st.integers(0, 20_000),
+    pool_hit=st.integers(0, 20_000),
     link_up=st.booleans(),
     move=st.booleans(),
 )
@@ -180,13 +191,14 @@ def test_decisions_respect_the_threshold_rule(
     pd_nodes: list[tuple[int, int, bool]],
     prfaas_nodes: list[tuple[int, int, bool]],
     kv: int,
+    pool_hit: int,
     link_up: bool,
     move: bool,
 ) -> None:
     def view(name: str, nodes: list[tuple[int, int, bool]]) -> tuple[NodeView, ...]:
         return tuple(NodeView(f"{name}{i}", min(h, prompt), load, ok) for i, (h, load, ok) in enumerate(nodes))
 
-    pd = ClusterView("pd", view("p", pd_nodes), (NodeView("d"),), kv)
+    pd = ClusterView("pd", view("p", pd_nodes), (NodeView("d"),), min(kv, prompt), min(pool_hit, kv, prompt))
     prfaas = ClusterView("prfaas", view("x", prfaas_nodes))
     req = RouteInput(prompt, threshold, rule, prfaas, pd, link_up)
     d = decide(req, RouterConfig(cross_cluster_cache_move=move))

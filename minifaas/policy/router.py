@@ -58,7 +58,7 @@ class RouterConfig:
 @dataclass(frozen=True, slots=True)
 class NodeView:
     """One node as the router sees it. ``load`` is queued work in tokens (prefill) or any
-    comparable figure (decode); ``hit_tokens`` is the usable prefix this node can load."""
+    comparable figure (decode); ``hit_tokens`` is the usable prefix in the node's own memory."""
 
     node_id: str
     hit_tokens: int = 0
@@ -72,22 +72,25 @@ class NodeView:
 
 @dataclass(frozen=True, slots=True)
 class ClusterView:
-    """A cluster's nodes and its pool's full-attention KV prefix (blocks present, with or
-    without a state snapshot): the part a decode node or a cache move need not resend."""
+    """A cluster's nodes and its shared pool. ``pool_hit_tokens`` is the usable prefix in the
+    pool, which every node of the cluster can load; ``kv_prefix_tokens`` is the pool's
+    full-attention KV prefix (blocks present, snapshot or not): what a decode node or a cache
+    move need not resend."""
 
     name: str
     prefill_nodes: tuple[NodeView, ...] = ()
     decode_nodes: tuple[NodeView, ...] = ()
     kv_prefix_tokens: int = 0
+    pool_hit_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.kv_prefix_tokens < 0:
-            raise ValueError(f"cluster {self.name}: kv_prefix_tokens must be >= 0")
+        if self.kv_prefix_tokens < 0 or self.pool_hit_tokens < 0:
+            raise ValueError(f"cluster {self.name}: kv_prefix_tokens and pool_hit_tokens must be >= 0")
 
     @property
     def hit_tokens(self) -> int:
-        """The cluster's usable hit: the best healthy prefill node's."""
-        return max((n.hit_tokens for n in self.prefill_nodes if n.healthy), default=0)
+        """The cluster's usable hit: its pool's, or a healthy node's own if longer."""
+        return max([self.pool_hit_tokens, *(n.hit_tokens for n in self.prefill_nodes if n.healthy)])
 
     @property
     def can_prefill(self) -> bool:
@@ -107,9 +110,8 @@ class RouteInput:
         if self.prompt_tokens < 1 or self.threshold < 0:
             raise ValueError(f"need prompt_tokens >= 1 and threshold >= 0, got {self.prompt_tokens}, {self.threshold}")
         for cluster in (self.prfaas, self.pd):
-            for node in cluster.prefill_nodes:
-                if node.hit_tokens > self.prompt_tokens:
-                    raise ValueError(f"node {node.node_id}: hit {node.hit_tokens} > prompt {self.prompt_tokens}")
+            if cluster.hit_tokens > self.prompt_tokens or cluster.kv_prefix_tokens > self.prompt_tokens:
+                raise ValueError(f"cluster {cluster.name}: a cached prefix is longer than the prompt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,15 +142,17 @@ class RouteDecision:
 
 
 def pick_node(nodes: tuple[NodeView, ...], prompt_tokens: int, affinity: bool, floor_hit: int = 0) -> NodeView | None:
-    """The healthy node that would finish first; ``floor_hit`` is a prefix every node can load
-    (one moved into the cluster). Ties go to the lower node id, so the choice is deterministic."""
+    """The healthy node that would finish first. ``floor_hit`` is the prefix every node can load
+    (the cluster pool's, or one moved into it); of equally good nodes, the one holding more of
+    the prefix itself wins (no fetch from the pool), then the lower node id."""
     healthy = [n for n in nodes if n.healthy]
     if not healthy:
         return None
 
-    def cost(n: NodeView) -> tuple[float, str]:
-        work = prompt_tokens - max(n.hit_tokens, floor_hit) if affinity else 0
-        return (n.load + work, n.node_id)
+    def cost(n: NodeView) -> tuple[float, int, str]:
+        if not affinity:
+            return (n.load, 0, n.node_id)
+        return (n.load + prompt_tokens - max(n.hit_tokens, floor_hit), -n.hit_tokens, n.node_id)
 
     return min(healthy, key=cost)
 
@@ -187,7 +191,7 @@ def _place(
     req: RouteInput, config: RouterConfig, path: Path, decode: NodeView, reason: Reason, move: CacheMove | None
 ) -> RouteDecision:
     cluster = req.prfaas if path is Path.PRFAAS else req.pd
-    floor = move.end_tokens if move else 0
+    floor = max(cluster.pool_hit_tokens, move.end_tokens if move else 0)
     node = pick_node(cluster.prefill_nodes, req.prompt_tokens, config.cache_affinity, floor)
     assert node is not None  # decide() checked that the cluster can prefill
     cached = max(node.hit_tokens, floor)
