@@ -1,0 +1,159 @@
+"""One TCP connection of the KV transport, with exact sends and receives and stall deadlines.
+
+Plain connections use the raw non-blocking socket: ``sendmsg`` sends a frame
+header and a view of tensor memory in one call with no copy, and
+``recv_into`` reads payloads straight into the receiver's tensor buffers.
+TLS connections go through asyncio streams instead; encryption makes new
+bytes anyway, so the copy there costs nothing extra.
+
+A deadline applies to *progress*: a send or receive fails with ``StallError``
+only when no byte moves for ``timeout`` seconds, however large the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl as ssl_module
+from collections.abc import Sequence
+
+from minifaas.transport.errors import ConnectionLostError, StallError, TruncatedError
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Channel:
+    """A connected socket, plain or TLS. Use ``open_channel`` / ``accept_channel`` to make one."""
+
+    def __init__(self, sock: socket.socket, streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None):
+        self.sock = sock
+        self._streams = streams
+        self._write_lock = asyncio.Lock()
+        self.closed = False
+
+    async def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
+        async with self._write_lock:
+            try:
+                if self._streams is None:
+                    await self._sendmsg_all([memoryview(p).cast("B") for p in parts], timeout)
+                else:
+                    writer = self._streams[1]
+                    writer.writelines(parts)
+                    async with asyncio.timeout(timeout):
+                        await writer.drain()
+            except TimeoutError:
+                raise StallError(f"send made no progress for {timeout} s") from None
+            except OSError as e:
+                raise ConnectionLostError(f"send failed: {e}") from None
+
+    async def _sendmsg_all(self, views: list[memoryview], timeout: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        views = [v for v in views if v.nbytes]
+        while views:
+            try:
+                sent = self.sock.sendmsg(views)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            while sent and views:
+                if sent >= views[0].nbytes:
+                    sent -= views.pop(0).nbytes
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+            if views:
+                await self._wait_writable(loop, timeout)
+
+    async def _wait_writable(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+        ready = loop.create_future()
+        fd = self.sock.fileno()
+        if fd < 0:
+            raise ConnectionLostError("socket closed")
+        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            async with asyncio.timeout(timeout):
+                await ready
+        finally:
+            loop.remove_writer(fd)
+
+    async def recv_into(self, view: memoryview, timeout: float | None) -> bool:
+        """Fill ``view`` exactly. False if the peer closed cleanly before the first byte."""
+        got = 0
+        try:
+            while got < view.nbytes:
+                async with asyncio.timeout(timeout):
+                    n = await self._recv_some(view[got:])
+                if n == 0:
+                    if got == 0:
+                        return False
+                    raise TruncatedError(f"stream ended after {got} of {view.nbytes} bytes")
+                got += n
+        except TimeoutError:
+            raise StallError(f"receive made no progress for {timeout} s") from None
+        except (ConnectionError, ssl_module.SSLError) as e:
+            raise ConnectionLostError(f"receive failed: {e}") from None
+        return True
+
+    async def recv_exactly(self, n: int, timeout: float | None) -> bytearray:
+        buf = bytearray(n)
+        if n and not await self.recv_into(memoryview(buf), timeout):
+            raise TruncatedError(f"stream ended before {n} expected bytes")
+        return buf
+
+    async def _recv_some(self, view: memoryview) -> int:
+        if self._streams is None:
+            return await asyncio.get_running_loop().sock_recv_into(self.sock, view)
+        data = await self._streams[0].read(view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self, reset: bool = False) -> None:
+        """Close; ``reset`` sends an RST so the peer learns at once that the stream is broken."""
+        if self.closed:
+            return
+        self.closed = True
+        if reset:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+        if self._streams is None:
+            self.sock.close()
+        else:
+            self._streams[1].close()
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def open_channel(host: str, port: int, timeout: float, ssl: ssl_module.SSLContext | None = None) -> Channel:
+    try:
+        async with asyncio.timeout(timeout):
+            if ssl is not None:
+                reader, writer = await asyncio.open_connection(host, port, ssl=ssl)
+                sock = writer.get_extra_info("socket")  # asyncio's TransportSocket: same getsockopt
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return Channel(sock, (reader, writer))
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, address = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            _tune(sock)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, address)
+            except BaseException:
+                sock.close()
+                raise
+            return Channel(sock)
+    except TimeoutError:
+        raise StallError(f"connecting to {host}:{port} took over {timeout} s") from None
+    except OSError as e:
+        raise ConnectionLostError(f"cannot connect to {host}:{port}: {e}") from None
+
+
+async def accept_channel(sock: socket.socket, ssl: ssl_module.SSLContext | None = None) -> Channel:
+    _tune(sock)
+    if ssl is None:
+        return Channel(sock)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    transport, _ = await loop.connect_accepted_socket(lambda: asyncio.StreamReaderProtocol(reader), sock, ssl=ssl)
+    writer = asyncio.StreamWriter(transport, transport.get_protocol(), reader, loop)  # type: ignore[arg-type]
+    return Channel(sock, (reader, writer))

@@ -1,0 +1,44 @@
+"""Why a KV transfer failed: one exception per cause, so callers can react to each.
+
+Every failure of a transfer, on either side, is a ``TransferError``. The sender
+raises it from ``send``; the receiver raises it from the consumer's iteration
+over an incoming transfer, after it has freed the partial state.
+"""
+
+from __future__ import annotations
+
+
+class TransferError(Exception):
+    """A KV transfer did not complete."""
+
+
+class AuthError(TransferError):
+    """The peer did not prove it holds the cluster's shared secret."""
+
+
+class ProtocolError(TransferError):
+    """The peer sent something the wire format does not allow (bad magic, version, sizes)."""
+
+
+class CorruptFrameError(ProtocolError):
+    """A header or payload checksum did not match: bytes were damaged on the way."""
+
+
+class TruncatedError(TransferError):
+    """The stream ended in the middle of a frame or before the transfer was complete."""
+
+
+class ConnectionLostError(TransferError):
+    """A connection carrying the transfer was reset or closed by the network."""
+
+
+class StallError(TransferError):
+    """No progress for longer than the configured stall timeout."""
+
+
+class RejectedError(TransferError):
+    """The receiver refused or failed the transfer and said why."""
+
+
+class TransferAbortedError(TransferError):
+    """The sender gave up on the transfer and told the receiver so."""

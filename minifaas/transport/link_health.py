@@ -1,0 +1,116 @@
+"""Congestion signals: the kernel's TCP_INFO per sender connection, folded into one link reading.
+
+``read_tcp_info`` asks Linux for ``struct tcp_info`` (getsockopt TCP_INFO) and
+keeps the fields that say how a path is doing. ``LinkMonitor`` is sans-IO: it
+is given samples and the time, and turns the growth of the kernel's counters
+between two samples into a ``LinkHealth`` (goodput, utilisation of the
+configured link rate, rtt, retransmission rate, queued bytes) for the scheduler.
+
+Through the userspace link emulator a connection ends at the relay on
+loopback, so rtt and retransmits stay at loopback values there and the
+emulated link shows up as delivery rate, unsent bytes and sender queue; the
+namespace mode (netns.py) puts a real kernel bottleneck under the connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+
+# Offsets into Linux's struct tcp_info (include/uapi/linux/tcp.h); all fields since Linux 4.19.
+_FIELDS = {
+    "retransmits": (2, "B"),
+    "rto_us": (8, "I"),
+    "unacked": (24, "I"),
+    "lost": (32, "I"),
+    "rtt_us": (68, "I"),
+    "rttvar_us": (72, "I"),
+    "cwnd": (80, "I"),
+    "total_retrans": (100, "I"),
+    "bytes_acked": (120, "Q"),
+    "notsent_bytes": (144, "I"),
+    "min_rtt_us": (148, "I"),
+    "delivery_rate": (160, "Q"),  # bytes per second
+    "bytes_sent": (200, "Q"),
+    "bytes_retrans": (208, "Q"),
+}
+TCP_INFO_BYTES = 232
+
+
+@dataclass(frozen=True, slots=True)
+class TcpInfo:
+    retransmits: int  # retransmissions of the segment at the head of the queue right now
+    rto_us: int
+    unacked: int
+    lost: int
+    rtt_us: int
+    rttvar_us: int
+    cwnd: int  # segments
+    total_retrans: int
+    bytes_acked: int
+    notsent_bytes: int
+    min_rtt_us: int
+    delivery_rate: int  # bytes/s, the kernel's estimate
+    bytes_sent: int  # including retransmissions
+    bytes_retrans: int
+
+    @classmethod
+    def parse(cls, raw: bytes) -> TcpInfo:
+        if len(raw) < TCP_INFO_BYTES:
+            raise ValueError(f"tcp_info of {len(raw)} bytes: this kernel is older than the fields we read")
+        return cls(**{name: struct.unpack_from("<" + fmt, raw, off)[0] for name, (off, fmt) in _FIELDS.items()})
+
+
+def read_tcp_info(sock: socket.socket) -> TcpInfo:
+    return TcpInfo.parse(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class LinkHealth:
+    goodput_bps: float  # bits/s acknowledged by the peer since the previous reading
+    utilisation: float  # goodput / configured link rate
+    rtt_ms: float  # mean smoothed rtt over connections
+    rttvar_ms: float
+    retrans_rate: float  # retransmitted / sent bytes since the previous reading
+    total_retrans: int  # segments retransmitted, over the connections' lives
+    unsent_bytes: int  # in the kernels' send queues, not yet sent
+    queued_bytes: int  # in the sender's own queue
+    delivery_rate_bps: float  # sum of the kernel's per-connection estimates
+    connections: int
+
+
+class LinkMonitor:
+    """Turns successive TCP_INFO samples into link readings. Time is passed in."""
+
+    def __init__(self, link_rate_bps: float):
+        if link_rate_bps <= 0:
+            raise ValueError("the configured link rate must be positive")
+        self.link_rate_bps = link_rate_bps
+        self._last: dict[int, TcpInfo] = {}
+        self._last_time: float | None = None
+
+    def update(self, now: float, infos: dict[int, TcpInfo], queued_bytes: int = 0) -> LinkHealth:
+        acked = sent = retrans = 0
+        for key, info in infos.items():
+            before = self._last.get(key)
+            if before is not None:  # a connection seen for the first time contributes from now on
+                acked += info.bytes_acked - before.bytes_acked
+                sent += info.bytes_sent - before.bytes_sent
+                retrans += info.bytes_retrans - before.bytes_retrans
+        elapsed = None if self._last_time is None else now - self._last_time
+        goodput = 8 * acked / elapsed if elapsed else 0.0
+        self._last, self._last_time = dict(infos), now
+        n = len(infos)
+        return LinkHealth(
+            goodput_bps=goodput,
+            utilisation=goodput / self.link_rate_bps,
+            rtt_ms=sum(i.rtt_us for i in infos.values()) / n / 1000 if n else 0.0,
+            rttvar_ms=sum(i.rttvar_us for i in infos.values()) / n / 1000 if n else 0.0,
+            retrans_rate=retrans / sent if sent else 0.0,
+            total_retrans=sum(i.total_retrans for i in infos.values()),
+            unsent_bytes=sum(i.notsent_bytes for i in infos.values()),
+            queued_bytes=queued_bytes,
+            delivery_rate_bps=8.0 * sum(i.delivery_rate for i in infos.values()),
+            connections=n,
+        )

@@ -1,0 +1,181 @@
+"""One outgoing transfer: layers go in as they are produced, chunks go out over N connections.
+
+Layer-pipelined streaming. Prefill finishes layer i long before it finishes
+the model, so each layer is cut into chunks and queued the moment it is put;
+N pump tasks, one per connection, take the next chunk from the shared queue
+as soon as their connection has room. A connection that a per-flow limit
+slows down simply takes fewer chunks, so striping balances itself. The queue
+is FIFO, so layer i's chunks all leave before layer i+1's and the receiver can
+hand layers on in order while later ones are still being computed. When the
+producer is done, the first connection carries END and waits for the
+receiver's DONE (or ABORT with its reason). With ``pipelined=False`` the
+layers are held until the producer is done and only then queued: the naive
+reference the pipelined path is measured against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from minifaas.model.layer_state import LayerState
+from minifaas.transport.channel import Channel
+from minifaas.transport.errors import ProtocolError, RejectedError, StallError, TransferError
+from minifaas.transport.pool import ConnectionPool
+from minifaas.transport.wire import (
+    HEADER_SIZE,
+    Chunk,
+    FrameType,
+    Limits,
+    control,
+    pack_counts,
+    split_chunks,
+    unpack_counts,
+    unpack_header,
+)
+
+if TYPE_CHECKING:
+    from minifaas.transport.sender import SenderConfig
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReport:
+    transfer: int
+    layers: int
+    nbytes: int
+    connections: int
+    seconds: float  # from entering the transfer to the receiver's DONE
+
+
+class OutgoingTransfer:
+    def __init__(self, transfer: int, layers: int, total_bytes: int, pool: ConnectionPool, settings: SenderConfig):
+        self.id = transfer
+        self.layers = layers
+        self.total_bytes = total_bytes
+        self.queued_bytes = 0  # put but not yet handed to a socket
+        self.sent_bytes = 0
+        self.report: TransferReport | None = None
+        self.finished = False
+        self._pool = pool
+        self._settings = settings
+        self._queue: asyncio.Queue[Chunk | None] = asyncio.Queue()
+        self._held: list[LayerState] = []
+        self._put = 0
+        self._producer_error: Exception | None = None
+        self._runner: asyncio.Task[TransferReport] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> OutgoingTransfer:
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.time()
+        self._runner = asyncio.create_task(self._run())  # owned: awaited or cancelled in __aexit__
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        try:
+            await self._finish(exc)
+        finally:
+            self.finished = True
+
+    async def _finish(self, exc: BaseException | None) -> None:
+        assert self._runner is not None
+        if exc is None and self._producer_error is None and self._put != self.layers:
+            self._producer_error = ValueError(f"{self._put} of {self.layers} announced layers were put")
+        if exc is not None or self._producer_error is not None:
+            self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TransferError):
+                await self._runner
+            if self._producer_error is not None and exc is None:
+                raise self._producer_error
+            return
+        for layer in self._held:
+            self._enqueue(layer)
+        for _ in range(self._settings.connections):
+            self._queue.put_nowait(None)
+        self.report = await self._runner
+
+    def put(self, layer: LayerState) -> None:
+        """Queue the next layer (layers go in order 0, 1, ...). Call on the event loop's thread."""
+        if self._producer_error is not None:
+            return
+        if layer.layer != self._put or self._put >= self.layers:
+            self._producer_error = ValueError(f"expected layer {self._put} of {self.layers}, got {layer.layer}")
+            return
+        self._put += 1
+        if self._settings.pipelined:
+            self._enqueue(layer)
+        else:
+            self._held.append(layer)
+
+    def put_threadsafe(self, layer: LayerState) -> None:
+        """``put`` from another thread, e.g. a model runtime's per-layer callback."""
+        assert self._loop is not None, "enter the transfer first"
+        self._loop.call_soon_threadsafe(self.put, layer)
+
+    def _enqueue(self, layer: LayerState) -> None:
+        for chunk in split_chunks(layer, self._settings.chunk_bytes):
+            self._queue.put_nowait(chunk)
+            self.queued_bytes += chunk.length
+
+    async def _run(self) -> TransferReport:
+        s = self._settings
+        channels = await self._pool.acquire(s.connections)
+        clean = False
+        try:
+            start = control(FrameType.START, self.id, pack_counts(self.layers, self.total_bytes))
+            await channels[0].send([start], s.stall_timeout)
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for channel in channels:
+                        tg.create_task(self._pump(channel))
+            except BaseExceptionGroup as eg:
+                raise _first_transfer_error(eg) from None
+            end = control(FrameType.END, self.id, pack_counts(self.layers, self.sent_bytes))
+            await channels[0].send([end], s.stall_timeout)
+            await self._await_done(channels[0])
+            clean = True
+        finally:
+            for channel in channels:
+                if clean:
+                    self._pool.release(channel)
+                else:
+                    self._pool.discard(channel, reset=True)
+        assert self._loop is not None
+        return TransferReport(self.id, self.layers, self.sent_bytes, len(channels), self._loop.time() - self._started)
+
+    async def _pump(self, channel: Channel) -> None:
+        while (chunk := await self._queue.get()) is not None:
+            header, payload = chunk.frame(self.id)
+            await channel.send([header, payload], self._settings.stall_timeout)
+            self.queued_bytes -= chunk.length
+            self.sent_bytes += chunk.length
+            await asyncio.sleep(0)  # a send that did not block never yields: let the other pumps take a turn
+
+    async def _await_done(self, channel: Channel) -> None:
+        s = self._settings
+        try:
+            async with asyncio.timeout(s.done_timeout):
+                raw = await channel.recv_exactly(HEADER_SIZE, None)
+        except TimeoutError:
+            raise StallError(f"transfer {self.id}: no reply from the receiver within {s.done_timeout} s") from None
+        h = unpack_header(raw, Limits())
+        payload = await channel.recv_exactly(h.length, s.stall_timeout)
+        if h.transfer != self.id:
+            raise ProtocolError(f"reply for transfer {h.transfer} while waiting for {self.id}")
+        if h.type is FrameType.ABORT:
+            raise RejectedError(f"transfer {self.id}: receiver says {payload.decode(errors='replace')}")
+        if h.type is not FrameType.DONE:
+            raise ProtocolError(f"expected DONE, got {h.type.name}")
+        if unpack_counts(payload) != (self.layers, self.sent_bytes):
+            raise ProtocolError(f"transfer {self.id}: receiver counted {unpack_counts(payload)}")
+
+
+def _first_transfer_error(eg: BaseExceptionGroup) -> BaseException:
+    for e in eg.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            return _first_transfer_error(e)
+        if isinstance(e, TransferError):
+            return e
+    return eg.exceptions[0]

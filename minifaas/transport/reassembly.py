@@ -1,0 +1,147 @@
+"""Rebuilding one transfer's layer states from chunks that arrive in any order (sans-IO).
+
+The receiver asks ``buffer_for(header)`` where a chunk's payload goes (a view
+into the slot's final tensor memory, so payloads are received without a copy),
+reads the payload into it, then calls ``commit``, which checks the checksum
+and returns the layers that are now deliverable: complete, and every layer
+before them already delivered. Chunks may come over several connections in
+any order; layers still leave strictly in layer order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minifaas.model.layer_state import LayerState, StateKind
+from minifaas.model.state_codec import DTYPES, checksum
+from minifaas.transport.errors import CorruptFrameError, ProtocolError, TruncatedError
+from minifaas.transport.wire import FrameHeader
+
+
+@dataclass(slots=True)
+class _Slot:
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+    data: torch.Tensor  # uint8, the slot's bytes
+    chunks: dict[int, int] = field(default_factory=dict)  # offset -> length
+    received: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.data.numel()
+
+    def check_tiling(self) -> None:
+        end = 0
+        for offset in sorted(self.chunks):
+            if offset != end:
+                raise ProtocolError(f"slot {self.name!r}: chunks leave a gap or overlap at byte {offset}")
+            end += self.chunks[offset]
+
+    def tensor(self) -> torch.Tensor:
+        return self.data.view(DTYPES[self.dtype]).reshape(self.shape)
+
+
+@dataclass(slots=True)
+class _Layer:
+    kind: int
+    seq_len: int
+    n_slots: int
+    slots: dict[int, _Slot] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.slots) == self.n_slots and all(s.complete for s in self.slots.values())
+
+
+class Reassembly:
+    """The partial state of one incoming transfer, bounded by ``max_bytes``."""
+
+    def __init__(self, transfer: int, max_bytes: int):
+        self.transfer = transfer
+        self.max_bytes = max_bytes
+        self.expected_layers: int | None = None
+        self.expected_bytes: int | None = None
+        self.allocated = 0
+        self.received = 0
+        self.delivered = 0  # layers 0 .. delivered-1 have been handed out
+        self._layers: dict[int, _Layer] = {}
+
+    @property
+    def complete(self) -> bool:
+        return self.expected_bytes is not None and self.delivered == self.expected_layers
+
+    def start(self, layers: int, total_bytes: int) -> None:
+        if total_bytes > self.max_bytes:
+            raise ProtocolError(f"transfer {self.transfer} announces {total_bytes} bytes, limit {self.max_bytes}")
+        self._expect_layers(layers)
+
+    def end(self, layers: int, total_bytes: int) -> None:
+        """The sender has sent everything; what is not here now will not come."""
+        self._expect_layers(layers)
+        self.expected_bytes = total_bytes
+        self._check_totals()
+
+    def _check_totals(self) -> None:
+        if self.expected_bytes is None:
+            return
+        if self.received > self.expected_bytes:
+            raise ProtocolError(f"transfer {self.transfer}: {self.received} bytes, sender sent {self.expected_bytes}")
+        if self.received == self.expected_bytes and not self.complete:
+            raise TruncatedError(f"transfer {self.transfer}: all {self.received} bytes arrived but layers are missing")
+
+    def _expect_layers(self, layers: int) -> None:
+        if self.expected_layers not in (None, layers):
+            raise ProtocolError(f"transfer {self.transfer}: {layers} layers announced, {self.expected_layers} before")
+        if any(i >= layers for i in self._layers):
+            raise ProtocolError(f"transfer {self.transfer}: a layer index is beyond {layers} layers")
+        self.expected_layers = layers
+
+    def buffer_for(self, h: FrameHeader) -> memoryview:
+        if h.layer < self.delivered or (self.expected_layers is not None and h.layer >= self.expected_layers):
+            raise ProtocolError(f"transfer {self.transfer}: unexpected chunk for layer {h.layer}")
+        layer = self._layers.get(h.layer)
+        if layer is None:
+            layer = self._layers[h.layer] = _Layer(h.kind, h.seq_len, h.n_slots)
+        elif (layer.kind, layer.seq_len, layer.n_slots) != (h.kind, h.seq_len, h.n_slots):
+            raise ProtocolError(f"transfer {self.transfer}: chunks of layer {h.layer} disagree on its shape")
+        slot = layer.slots.get(h.slot)
+        if slot is None:
+            if self.allocated + h.slot_bytes > self.max_bytes:
+                raise ProtocolError(f"transfer {self.transfer} exceeds its limit of {self.max_bytes} bytes")
+            self.allocated += h.slot_bytes
+            data = torch.empty(h.slot_bytes, dtype=torch.uint8)
+            slot = layer.slots[h.slot] = _Slot(h.name, h.dtype, h.shape, data)
+        elif (slot.name, slot.dtype, slot.shape) != (h.name, h.dtype, h.shape):
+            raise ProtocolError(f"transfer {self.transfer}: chunks of slot {h.name!r} disagree on dtype or shape")
+        if h.offset in slot.chunks:
+            raise ProtocolError(f"transfer {self.transfer}: duplicate chunk at byte {h.offset} of {h.name!r}")
+        if h.length == 0:
+            return memoryview(b"")
+        return memoryview(slot.data.numpy()).cast("B")[h.offset : h.offset + h.length]
+
+    def commit(self, h: FrameHeader, payload: memoryview) -> list[LayerState]:
+        if checksum(payload) != h.crc:
+            raise CorruptFrameError(f"transfer {self.transfer}: payload checksum mismatch in layer {h.layer}")
+        slot = self._layers[h.layer].slots[h.slot]
+        slot.chunks[h.offset] = h.length
+        slot.received += h.length
+        self.received += h.length
+        if slot.received > slot.data.numel():
+            raise ProtocolError(f"slot {slot.name!r} received more bytes than it holds")
+        if slot.complete:
+            slot.check_tiling()
+        ready = self._ready()
+        self._check_totals()
+        return ready
+
+    def _ready(self) -> list[LayerState]:
+        out = []
+        while (layer := self._layers.get(self.delivered)) is not None and layer.complete:
+            slots = tuple((s.name, s.tensor()) for _, s in sorted(layer.slots.items()))
+            out.append(LayerState(self.delivered, StateKind(layer.kind), layer.seq_len, slots))
+            del self._layers[self.delivered]
+            self.delivered += 1
+        return out

@@ -1,0 +1,254 @@
+"""The KV receiver: an asyncio server that turns frames from many connections back into layers.
+
+    async with KVReceiver(ReceiverConfig(secret=...)) as receiver:
+        incoming = receiver.transfer(transfer_id)   # before or after its frames arrive
+        async for layer in incoming: ...
+
+Each connection first passes the shared-secret handshake; then its frames are
+read one by one. A chunk's payload is received straight into the slot's final
+tensor memory. Anything wrong with a connection (bad header, checksum, sizes,
+a reset, a truncated stream) drops that connection and fails every unfinished
+transfer it carried, with the specific error. A transfer with no progress for
+``stall_timeout`` after its first frame fails with ``StallError``. A failed
+transfer's partial state is freed at once; later frames for it are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl as ssl_module
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from minifaas.model.state_codec import checksum
+from minifaas.transport.auth import check_secret, verify_sender
+from minifaas.transport.channel import Channel, accept_channel
+from minifaas.transport.errors import (
+    AuthError,
+    ConnectionLostError,
+    CorruptFrameError,
+    ProtocolError,
+    StallError,
+    TransferAbortedError,
+    TransferError,
+    TruncatedError,
+)
+from minifaas.transport.incoming import IncomingTransfer
+from minifaas.transport.wire import (
+    HEADER_SIZE,
+    FrameHeader,
+    FrameType,
+    Limits,
+    control,
+    pack_counts,
+    unpack_counts,
+    unpack_header,
+)
+
+log = logging.getLogger(__name__)
+_FORGET_AFTER = 4096  # finished transfer ids remembered, so late frames are skipped, not restarted
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverConfig:
+    secret: bytes
+    host: str = "127.0.0.1"
+    port: int = 0
+    handshake_timeout: float = 5.0
+    stall_timeout: float = 10.0
+    max_transfer_bytes: int = 64 << 30
+    max_open_transfers: int = 256
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        check_secret(self.secret)
+        if min(self.handshake_timeout, self.stall_timeout) <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.max_transfer_bytes <= 0 or self.max_open_transfers <= 0:
+            raise ValueError("transfer limits must be positive")
+
+
+@dataclass(slots=True)
+class ReceiverStats:
+    connections: int = 0
+    auth_failures: int = 0
+    completed: int = 0
+    failed: int = 0
+    bytes_received: int = 0
+
+
+class KVReceiver:
+    def __init__(self, config: ReceiverConfig, ssl: ssl_module.SSLContext | None = None):
+        self.config = config
+        self.stats = ReceiverStats()
+        self._ssl = ssl
+        self._transfers: dict[int, IncomingTransfer] = {}
+        self._forgotten: OrderedDict[int, None] = OrderedDict()
+        self._listener: socket.socket | None = None
+        self._group = asyncio.TaskGroup()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None, "the receiver is not running"
+        return self._listener.getsockname()[1]
+
+    async def __aenter__(self) -> KVReceiver:
+        listener = socket.create_server((self.config.host, self.config.port), backlog=128, reuse_port=False)
+        listener.setblocking(False)
+        self._listener = listener
+        await self._group.__aenter__()
+        self._spawn(self._accept_loop())
+        self._spawn(self._reap_stalled())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        try:
+            await self._group.__aexit__(None, None, None)
+        finally:
+            if self._listener is not None:
+                self._listener.close()
+            for t in self._transfers.values():
+                t.fail(ConnectionLostError("the receiver shut down"))
+
+    def transfer(self, transfer_id: int) -> IncomingTransfer:
+        """The incoming transfer with this id, claimed by the caller (created if no frame came yet)."""
+        t = self._transfers.get(transfer_id) or self._open(transfer_id)
+        t.claimed = True
+        if t.finished:
+            del self._transfers[transfer_id]
+        return t
+
+    def _spawn(self, coro: object) -> None:
+        task = self._group.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _open(self, transfer_id: int) -> IncomingTransfer:
+        if len(self._transfers) >= self.config.max_open_transfers:
+            raise ProtocolError(f"more than {self.config.max_open_transfers} open transfers")
+        t = IncomingTransfer(transfer_id, self.config.max_transfer_bytes, asyncio.get_running_loop().time())
+        self._transfers[transfer_id] = t
+        return t
+
+    def _finish(self, t: IncomingTransfer) -> None:
+        self.stats.completed += t.complete
+        self.stats.failed += t.error is not None
+        self._forgotten[t.id] = None
+        while len(self._forgotten) > _FORGET_AFTER:
+            self._forgotten.popitem(last=False)
+        if t.claimed:
+            self._transfers.pop(t.id, None)
+
+    async def _fail(self, t: IncomingTransfer, error: TransferError) -> None:
+        if not t.fail(error):
+            return
+        log.warning("transfer %d failed: %s: %s", t.id, type(error).__name__, error)
+        self._finish(t)
+        if t.reply_to is not None and not t.reply_to.closed:
+            reason = f"{type(error).__name__}: {error}".encode()[:1024]
+            with contextlib.suppress(TransferError):  # else the sender learns from the broken connection
+                await t.reply_to.send([control(FrameType.ABORT, t.id, reason)], self.config.stall_timeout)
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            self.stats.connections += 1
+            self._spawn(self._serve(sock))
+
+    async def _serve(self, sock: socket.socket) -> None:
+        carried: set[int] = set()
+        channel: Channel | None = None
+        clean = False
+        try:
+            channel = await accept_channel(sock, self._ssl)
+            await verify_sender(channel, self.config.secret, self.config.handshake_timeout)
+            while await self._read_frame(channel, carried):
+                pass
+            clean = True
+            await self._lost(carried, TruncatedError("connection closed before the transfer was complete"))
+        except AuthError as e:
+            self.stats.auth_failures += 1
+            log.warning("rejected a connection: %s", e)
+        except TransferError as e:
+            await self._lost(carried, e)
+        except OSError as e:
+            await self._lost(carried, ConnectionLostError(str(e)))
+        finally:
+            if channel is None:
+                sock.close()
+            else:
+                channel.close(reset=not clean)
+
+    async def _lost(self, carried: set[int], error: TransferError) -> None:
+        for transfer_id in carried:
+            t = self._transfers.get(transfer_id)
+            if t is not None:
+                await self._fail(t, error)
+
+    async def _read_frame(self, channel: Channel, carried: set[int]) -> bool:
+        raw = bytearray(HEADER_SIZE)
+        if not await channel.recv_into(memoryview(raw), None):
+            return False
+        h = unpack_header(raw, self.config.limits)
+        t = self._transfers.get(h.transfer)
+        if t is None and h.transfer not in self._forgotten:
+            t = self._open(h.transfer)
+        if t is None or t.finished:
+            await channel.recv_exactly(h.length, self.config.stall_timeout)  # too late: skip it
+            return True
+        carried.add(h.transfer)
+        t.started = True
+        try:
+            await self._apply(t, h, channel)
+        except TransferError as e:
+            await self._fail(t, e)
+            raise
+        return True
+
+    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel) -> None:
+        loop = asyncio.get_running_loop()
+        assert t.assembly is not None
+        if h.type is FrameType.CHUNK:
+            view = t.assembly.buffer_for(h)
+            await channel.recv_into(view, self.config.stall_timeout)
+            self.stats.bytes_received += h.length
+            t.deliver(t.assembly.commit(h, view), loop.time())
+        else:
+            payload = await channel.recv_exactly(h.length, self.config.stall_timeout)
+            if checksum(payload) != h.crc:
+                raise CorruptFrameError(f"{h.type.name} payload checksum mismatch")
+            t.last_progress = loop.time()
+            if h.type is FrameType.START:
+                t.assembly.start(*unpack_counts(payload))
+            elif h.type is FrameType.END:
+                t.reply_to = channel
+                t.assembly.end(*unpack_counts(payload))
+                t.deliver([], loop.time())
+            elif h.type is FrameType.ABORT:
+                await self._fail(t, TransferAbortedError(f"sender: {payload.decode(errors='replace')}"))
+                return
+            else:
+                raise ProtocolError(f"a receiver does not accept {h.type.name} frames")
+        if t.complete:
+            self._finish(t)
+            if t.reply_to is not None:
+                done = control(FrameType.DONE, t.id, pack_counts(t.layers, t.received_bytes))
+                await t.reply_to.send([done], self.config.stall_timeout)
+
+    async def _reap_stalled(self) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self.config.stall_timeout
+        while True:
+            await asyncio.sleep(min(limit / 4, 1.0))
+            now = loop.time()
+            for t in list(self._transfers.values()):
+                if t.started and not t.finished and now - t.last_progress > limit:
+                    await self._fail(t, StallError(f"transfer {t.id}: no progress for {limit} s"))

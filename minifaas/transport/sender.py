@@ -1,0 +1,85 @@
+"""The KV sender: streams layer states to one receiver over a pool of N TCP connections.
+
+    async with KVSender(SenderConfig(host, port, secret, connections=4)) as sender:
+        report = await sender.send(transfer_id, model_state)        # a finished state
+        async with sender.stream(transfer_id, layers=n) as tx:       # layers as prefill makes them
+            runtime.prefill(tokens, on_layer=tx.put_threadsafe)      # (in a worker thread)
+
+Off switches, so each gain is one flag: ``connections=1`` sends one layer
+after another on one connection; ``pipelined=False`` holds every layer until
+the whole state is there. ``stall_timeout`` bounds the time without progress
+on any connection, ``done_timeout`` the wait for the receiver's DONE.
+"""
+
+from __future__ import annotations
+
+import ssl as ssl_module
+from dataclasses import dataclass
+
+from minifaas.model.layer_state import ModelState
+from minifaas.transport.auth import check_secret
+from minifaas.transport.link_health import TcpInfo, read_tcp_info
+from minifaas.transport.outgoing import OutgoingTransfer, TransferReport
+from minifaas.transport.pool import ConnectionPool, Endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class SenderConfig:
+    host: str
+    port: int
+    secret: bytes
+    connections: int = 4
+    chunk_bytes: int = 1 << 20
+    pipelined: bool = True
+    connect_timeout: float = 5.0
+    stall_timeout: float = 10.0
+    done_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_secret(self.secret)
+        if not 1 <= self.connections <= 64:
+            raise ValueError(f"connections must be 1..64, got {self.connections}")
+        if not 1 <= self.chunk_bytes <= 64 << 20:
+            raise ValueError(f"chunk_bytes must be 1 B..64 MiB, got {self.chunk_bytes}")
+        if min(self.connect_timeout, self.stall_timeout, self.done_timeout) <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.host, self.port, self.secret, self.connect_timeout)
+
+
+class KVSender:
+    def __init__(self, config: SenderConfig, ssl: ssl_module.SSLContext | None = None):
+        self.config = config
+        self.pool = ConnectionPool(config.endpoint, max_idle=config.connections, ssl=ssl)
+        self._active: set[OutgoingTransfer] = set()
+
+    async def __aenter__(self) -> KVSender:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.pool.close()
+
+    def stream(self, transfer_id: int, layers: int, total_bytes: int = 0) -> OutgoingTransfer:
+        """A transfer to fill with ``put``; entering it starts sending, leaving it waits for DONE."""
+        tx = OutgoingTransfer(transfer_id, layers, total_bytes, self.pool, self.config)
+        self._active = {t for t in self._active if not t.finished}
+        self._active.add(tx)
+        return tx
+
+    async def send(self, transfer_id: int, state: ModelState) -> TransferReport:
+        async with self.stream(transfer_id, len(state.layers), state.nbytes) as tx:
+            for layer in state.layers:
+                tx.put(layer)
+        assert tx.report is not None
+        return tx.report
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes put into transfers but not yet handed to a socket."""
+        return sum(tx.queued_bytes for tx in self._active if not tx.finished)
+
+    def tcp_infos(self) -> dict[int, TcpInfo]:
+        """Kernel TCP_INFO of every live connection, by connection id."""
+        return {key: read_tcp_info(ch.sock) for key, ch in self.pool.live.items() if not ch.closed}

@@ -1,0 +1,178 @@
+"""Wire format and reassembly, without sockets: headers, limits, chunking, in-order rebuild."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minifaas.model.layer_state import ModelState
+from minifaas.transport.errors import CorruptFrameError, ProtocolError, TruncatedError
+from minifaas.transport.reassembly import Reassembly
+from minifaas.transport.synthetic import same_state, synthetic_state
+from minifaas.transport.wire import (
+    HEADER_SIZE,
+    FrameHeader,
+    FrameType,
+    Limits,
+    control,
+    split_chunks,
+    unpack_header,
+)
+
+LIMITS = Limits(max_chunk_bytes=1 << 20, max_slot_bytes=1 << 24)
+
+
+def chunk_header(**changes: object) -> FrameHeader:
+    fields = dict(type=FrameType.CHUNK, transfer=7, length=16, crc=0, layer=1, kind=3, slot=0, n_slots=2)
+    fields |= dict(name="recurrent.0", dtype=1, shape=(2, 8), seq_len=5, offset=0)
+    fields |= changes
+    return FrameHeader(**fields)  # type: ignore[arg-type]
+
+
+def test_header_round_trip() -> None:
+    h = chunk_header(offset=32, shape=(4, 4, 2))
+    raw = h.pack()
+    assert len(raw) == HEADER_SIZE
+    assert unpack_header(raw, LIMITS) == h
+
+
+def test_control_frame_round_trip() -> None:
+    raw = control(FrameType.ABORT, 99, b"because")
+    h = unpack_header(raw[:HEADER_SIZE], LIMITS)
+    assert (h.type, h.transfer, h.length) == (FrameType.ABORT, 99, 7)
+    assert raw[HEADER_SIZE:] == b"because"
+
+
+@pytest.mark.parametrize(
+    ("position", "error"),
+    [(0, ProtocolError), (4, ProtocolError), (30, CorruptFrameError), (100, CorruptFrameError)],
+)
+def test_damaged_header_is_refused(position: int, error: type[Exception]) -> None:
+    raw = bytearray(chunk_header().pack())
+    raw[position] ^= 0x40
+    with pytest.raises(error):
+        unpack_header(raw, LIMITS)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(shape=(1 << 20, 1 << 20)),  # a 4 TiB slot
+        dict(length=2 << 20, shape=(1 << 20,)),  # chunk over the limit
+        dict(offset=60, length=8),  # past the end of the slot
+        dict(slot=2),  # slot index beyond the slot count
+        dict(dtype=200),
+        dict(kind=9),
+    ],
+)
+def test_absurd_chunk_headers_are_refused(changes: dict[str, object]) -> None:
+    with pytest.raises(ProtocolError):
+        unpack_header(chunk_header(**changes).pack(), LIMITS)
+
+
+def test_control_frame_cannot_claim_a_large_payload() -> None:
+    raw = FrameHeader(FrameType.END, 1, length=1 << 30).pack()
+    with pytest.raises(ProtocolError):
+        unpack_header(raw, LIMITS)
+
+
+def rebuild(state: ModelState, chunk_bytes: int, order: random.Random | None = None) -> ModelState:
+    chunks = [c for layer in state.layers for c in split_chunks(layer, chunk_bytes)]
+    if order is not None:
+        order.shuffle(chunks)
+    r = Reassembly(transfer=3, max_bytes=1 << 30)
+    out = []
+    for c in chunks:
+        raw, payload = c.frame(3)
+        h = unpack_header(raw, LIMITS)
+        view = r.buffer_for(h)
+        view[:] = payload
+        out += r.commit(h, view)
+    r.end(len(state.layers), sum(c.length for c in chunks))
+    assert r.complete
+    return ModelState(out, state.seq_len)
+
+
+@settings(max_examples=25, deadline=None)
+@given(chunk_bytes=st.integers(1, 3000), seed=st.integers(0, 1000))
+def test_any_chunking_in_any_order_rebuilds_bit_exact(chunk_bytes: int, seed: int) -> None:
+    state = synthetic_state(layers=8, tokens=20, width=8, seed=seed)
+    assert same_state(rebuild(state, chunk_bytes, random.Random(seed)), state)
+
+
+def test_layers_come_out_in_order_only_when_whole() -> None:
+    state = synthetic_state(layers=4, tokens=8, width=4)
+    r = Reassembly(transfer=1, max_bytes=1 << 20)
+    per_layer = [split_chunks(layer, 64) for layer in state.layers]
+    ready_after: list[list[int]] = []
+    for layer in (1, 0, 3, 2):  # layer 1 arrives first but must wait for layer 0
+        for c in per_layer[layer]:
+            raw, payload = c.frame(1)
+            h = unpack_header(raw, LIMITS)
+            view = r.buffer_for(h)
+            view[:] = payload
+            ready_after.append([s.layer for s in r.commit(h, view)])
+    delivered = [x for batch in ready_after if batch for x in batch]
+    assert delivered == [0, 1, 2, 3]
+    assert ready_after[len(per_layer[1]) - 1] == []  # layer 1 complete, layer 0 not yet: nothing out
+
+
+def test_corrupted_payload_is_caught() -> None:
+    state = synthetic_state(layers=1, tokens=4, width=4)
+    c = split_chunks(state.layers[0], 1 << 20)[0]
+    raw, payload = c.frame(1)
+    h = unpack_header(raw, LIMITS)
+    r = Reassembly(1, 1 << 20)
+    view = r.buffer_for(h)
+    view[:] = payload
+    view[len(view) // 2] ^= 1
+    with pytest.raises(CorruptFrameError):
+        r.commit(h, view)
+
+
+def test_transfer_over_its_byte_limit_allocates_nothing() -> None:
+    h = unpack_header(chunk_header(shape=(1024, 1024), length=4096).pack(), LIMITS)
+    r = Reassembly(1, max_bytes=1 << 20)
+    with pytest.raises(ProtocolError):
+        r.buffer_for(h)
+    assert r.allocated == 0
+
+
+def test_duplicate_chunk_is_a_protocol_error() -> None:
+    state = synthetic_state(layers=1, tokens=4, width=4)
+    c = split_chunks(state.layers[0], 32)[0]
+    raw, payload = c.frame(1)
+    h = unpack_header(raw, LIMITS)
+    r = Reassembly(1, 1 << 20)
+    view = r.buffer_for(h)
+    view[:] = payload
+    r.commit(h, view)
+    with pytest.raises(ProtocolError):
+        r.buffer_for(h)
+
+
+def test_end_with_missing_layer_is_truncation() -> None:
+    state = synthetic_state(layers=2, tokens=4, width=4)
+    r = Reassembly(1, 1 << 20)
+    sent = 0
+    for c in split_chunks(state.layers[0], 1 << 20):
+        raw, payload = c.frame(1)
+        h = unpack_header(raw, LIMITS)
+        view = r.buffer_for(h)
+        view[:] = payload
+        r.commit(h, view)
+        sent += c.length
+    with pytest.raises(TruncatedError):
+        r.end(2, sent)
+
+
+def test_split_refuses_what_the_wire_cannot_carry() -> None:
+    from minifaas.model.layer_state import LayerState, StateKind
+
+    state = LayerState(0, StateKind.LINEAR_ATTENTION, 1, (("x" * 40, torch.zeros(2)),))
+    with pytest.raises(ValueError):
+        split_chunks(state, 1024)
