@@ -1,0 +1,113 @@
+"""Chained block keys: the names under which cached state is stored and matched.
+
+A prompt is cut into blocks of ``block_size`` tokens. Block j's key hashes the key
+of block j-1 together with block j's token bytes (blake2b, 16 bytes), so one key
+names the whole prefix up to the end of its block, and equal keys mean equal
+prefixes (collisions are 2^-64-birthday rare). The chain starts at a root derived
+from a namespace, e.g. the model name, so two models never share a cache.
+
+``key_at(n)`` names the prefix of length n for ANY n: the key of the last full
+block inside it, chained with the token bytes of the partial block after it.
+State snapshots are stored under these keys, since they are valid at one length.
+
+Two ways to build a ``PromptKeys``:
+- ``from_tokens``: real token ids (live system); every ``key_at(n)`` is computable.
+- ``from_ids``: one precomputed id per block (a Mooncake trace's hash ids, in the
+  simulator); the last id may stand for a partial block. Only block-aligned
+  lengths and the full prompt length have keys; ``key_at`` is None elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+BlockKey = bytes
+KEY_BYTES = 16
+
+
+def root_key(namespace: str) -> BlockKey:
+    return hashlib.blake2b(namespace.encode(), digest_size=KEY_BYTES, person=b"minifaas-root").digest()
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64, whatever the host's byte order."""
+    arr = array("q", tokens)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chain(parent: BlockKey, content: bytes) -> BlockKey:
+    # the parent has a fixed length, so parent + content parses one way only
+    return hashlib.blake2b(parent + content, digest_size=KEY_BYTES).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKeys:
+    root: BlockKey
+    block_size: int
+    num_tokens: int
+    block_keys: tuple[BlockKey, ...]  # one per FULL block
+    end_key: BlockKey  # key_at(num_tokens)
+    tokens: Sequence[int] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_tokens < 0:
+            raise ValueError(f"need block_size >= 1 and num_tokens >= 0, got {self.block_size}, {self.num_tokens}")
+        if len(self.block_keys) != self.num_tokens // self.block_size:
+            raise ValueError(f"{self.num_tokens} tokens make {self.num_tokens // self.block_size} full blocks")
+
+    @classmethod
+    def from_tokens(cls, tokens: Sequence[int], block_size: int, namespace: str = "") -> PromptKeys:
+        root = root_key(namespace)
+        keys: list[BlockKey] = []
+        parent = root
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            parent = chain(parent, token_bytes(tokens[start : start + block_size]))
+            keys.append(parent)
+        tail = tokens[len(keys) * block_size :]
+        end = chain(parent, token_bytes(tail)) if tail else parent
+        return cls(root, block_size, len(tokens), tuple(keys), end, tokens)
+
+    @classmethod
+    def from_ids(
+        cls, block_ids: Sequence[int], num_tokens: int, block_size: int, namespace: str = "trace-ids"
+    ) -> PromptKeys:
+        """Keys from one id per block; equal ids mean equal block content."""
+        if len(block_ids) != -(-num_tokens // block_size):
+            raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // block_size)} block ids, got {len(block_ids)}")
+        root = root_key(namespace)
+        full = num_tokens // block_size
+        keys: list[BlockKey] = []
+        parent = root
+        for block_id in block_ids[:full]:
+            parent = chain(parent, token_bytes([block_id]))
+            keys.append(parent)
+        tail = num_tokens - full * block_size
+        end = chain(parent, token_bytes([block_ids[full], -tail])) if tail else parent
+        return cls(root, block_size, num_tokens, tuple(keys), end)
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self.block_keys)
+
+    def parent_of(self, n: int) -> BlockKey:
+        """Key of the last full block inside the prefix of length n (the root if none)."""
+        j = n // self.block_size
+        return self.block_keys[j - 1] if j else self.root
+
+    def key_at(self, n: int) -> BlockKey | None:
+        if not 0 <= n <= self.num_tokens:
+            raise ValueError(f"length {n} outside 0..{self.num_tokens}")
+        if n == self.num_tokens:
+            return self.end_key
+        start = n - n % self.block_size
+        if start == n:
+            return self.parent_of(n)
+        if self.tokens is None:
+            return None
+        return chain(self.parent_of(n), token_bytes(self.tokens[start:n]))

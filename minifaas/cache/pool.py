@@ -1,0 +1,295 @@
+"""The hybrid prefix cache pool of one cluster: cached state, its bytes, and who may evict it.
+
+One pool per cluster, held in host memory by a process of that cluster. Sans-IO:
+no clocks (``now`` is an argument), no I/O; payloads are opaque to it. The live
+system stores LayerState lists (a block's full-attention KV sliced with
+``LayerState.slice_tokens``; a snapshot's linear/SWA states plus the KV of the
+partial block before it); the simulator stores no payload at all, only sizes.
+
+The life of a request on a prefill node:
+    keys = PromptKeys.from_tokens(tokens, pool.config.block_size, model_name)
+    lease = pool.acquire(keys, now, limit=len(tokens) - 1)   # pins what it returns
+    ...load lease.block_payloads + lease.snapshot_payload; prefill the rest,
+       taking state snapshots at pool.snapshot_points(lease.hit_tokens, len(tokens))...
+    pool.put_block(keys, j, now, nbytes, payload) for each new full block, in order
+    pool.put_snapshot(keys, n, now, nbytes, payload) for each snapshot taken
+    pool.release(lease); pool.touch(keys, len(tokens), now)
+    ship pool.drain_events() to the gateway's GlobalCacheManager
+The tail KV being shipped P->D lives in the transfer area: ``reserve_transfer``
+before sending, ``finish_transfer`` as soon as the transfer completes or fails.
+
+Entries are immutable once stored (the pool keeps a reference: never mutate a
+stored payload). Referenced entries (``refs`` > 0) and entries something still
+hangs from (a block with a child block or snapshot) are never evicted, so the
+cached set stays prefix-closed: every stored block's parent is stored. Eviction
+is least-recently-used by bytes; transfer reservations may evict prefix entries
+but are never evicted themselves. Every decision is counted in ``counts``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from minifaas.cache.block_hash import BlockKey, PromptKeys
+from minifaas.cache.entry import Entry, Lease
+from minifaas.cache.events import CacheEvent, EventKind
+from minifaas.cache.prefix_index import EntryKind, Match, PrefixIndex
+
+P = TypeVar("P")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    cluster: str
+    capacity_bytes: int
+    block_size: int = 512
+    snapshot_interval_blocks: int = 8  # 0: snapshots only at prompt ends
+    needs_snapshot: bool = True  # False for dense models: any block prefix is usable
+    enabled: bool = True  # False: --prefix-cache none (no hits, nothing stored)
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0 or self.block_size < 1 or self.snapshot_interval_blocks < 0:
+            raise ValueError(f"bad pool config {self}")
+
+
+class HybridPrefixPool(Generic[P]):
+    def __init__(self, config: PoolConfig, node: str = "") -> None:
+        self.config = config
+        self.node = node  # default holder recorded in events
+        self.index = PrefixIndex(config.needs_snapshot)
+        self.counts: Counter[str] = Counter()
+        self.prefix_bytes = 0
+        self.transfer_bytes = 0
+        self._entries: OrderedDict[tuple[EntryKind, BlockKey], Entry[P]] = OrderedDict()  # LRU first
+        self._transfers: dict[str, tuple[int, P | None]] = {}
+        self._events: list[CacheEvent] = []
+
+    @property
+    def used_bytes(self) -> int:
+        return self.prefix_bytes + self.transfer_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.config.capacity_bytes - self.used_bytes
+
+    def entry(self, kind: EntryKind, key: BlockKey) -> Entry[P] | None:
+        return self._entries.get((kind, key))
+
+    def entries(self) -> list[Entry[P]]:
+        """Everything held, least recently used first."""
+        return list(self._entries.values())
+
+    def match(self, prompt: PromptKeys, limit: int | None = None) -> Match:
+        """Look without touching: no pins, no LRU update, no counts."""
+        if not self.config.enabled:
+            return Match(0, 0, None)
+        return self.index.match(prompt, limit)
+
+    def acquire(self, prompt: PromptKeys, now: float, limit: int | None = None, kv_only: bool = False) -> Lease[P]:
+        """Pin and return the usable hit. ``kv_only``: the full-attention blocks alone, no snapshot
+        needed (a decode node that receives only the rest of the KV over the link)."""
+        self._check_block_size(prompt)
+        m = self.match(prompt, limit)
+        if kv_only:
+            limit = prompt.num_tokens if limit is None else limit
+            kv_blocks = min(m.kv_blocks, max(0, limit) // prompt.block_size)
+            m = Match(kv_blocks * prompt.block_size, kv_blocks, None)
+        block_keys = prompt.block_keys[: m.hit_tokens // prompt.block_size]
+        blocks = tuple(self._entries[(EntryKind.BLOCK, k)] for k in block_keys)
+        snapshot = self._entries[(EntryKind.SNAPSHOT, m.snapshot_key)] if m.snapshot_key else None
+        for e in (*blocks, *([snapshot] if snapshot else [])):
+            e.refs += 1
+        self.touch(prompt, m.hit_tokens, now)
+        self.counts["lookups"] += 1
+        self.counts["lookup_tokens"] += prompt.num_tokens
+        self.counts["hit_tokens"] += m.hit_tokens
+        self.counts["lookups_hit" if m.hit_tokens else "lookups_miss"] += 1
+        return Lease(m.hit_tokens, m.kv_tokens(prompt.block_size), blocks, snapshot)
+
+    def release(self, lease: Lease[P]) -> None:
+        if lease.released:
+            raise ValueError("lease released twice")
+        lease.released = True
+        for e in (*lease.blocks, *([lease.snapshot] if lease.snapshot else [])):
+            e.refs -= 1
+
+    def touch(self, prompt: PromptKeys, length: int, now: float) -> None:
+        """Mark the prefix of ``length`` recently used, deepest entry first, so the LRU end
+        holds leaves and a prefix's root outlives its branches."""
+        snapshot_key = prompt.key_at(length) if length else None
+        if snapshot_key is not None:
+            self._touch((EntryKind.SNAPSHOT, snapshot_key), now)
+        for key in reversed(prompt.block_keys[: length // prompt.block_size]):
+            self._touch((EntryKind.BLOCK, key), now)
+
+    def snapshot_points(self, start: int, num_tokens: int) -> list[int]:
+        """Lengths in (start, num_tokens] at which a prefill of a prompt should snapshot its state."""
+        size = self.config.block_size
+        points = [num_tokens] if num_tokens > start and (self.config.needs_snapshot or num_tokens % size) else []
+        step = self.config.snapshot_interval_blocks * size
+        if step and self.config.needs_snapshot:
+            points[:0] = range((start // step + 1) * step, num_tokens, step)
+        return points
+
+    def put_block(
+        self,
+        prompt: PromptKeys,
+        index: int,
+        now: float,
+        nbytes: int,
+        payload: P | None = None,
+        node: str | None = None,
+    ) -> bool:
+        """Store full block ``index`` of ``prompt``; True if it is in the pool afterwards."""
+        self._check_block_size(prompt)
+        key, end = prompt.block_keys[index], (index + 1) * prompt.block_size
+        parent = prompt.parent_of(index * prompt.block_size)
+        return self._put(EntryKind.BLOCK, key, parent, end, index > 0, now, nbytes, payload, node)
+
+    def put_snapshot(
+        self,
+        prompt: PromptKeys,
+        length: int,
+        now: float,
+        nbytes: int,
+        payload: P | None = None,
+        node: str | None = None,
+    ) -> bool:
+        """Store the state valid at exactly ``length`` tokens; True if it is in the pool afterwards."""
+        self._check_block_size(prompt)
+        key = prompt.key_at(length)
+        if key is None or length == 0:
+            raise ValueError(f"no key for a snapshot at {length} tokens of this prompt")
+        parent, needs_parent = prompt.parent_of(length), length >= prompt.block_size
+        return self._put(EntryKind.SNAPSHOT, key, parent, length, needs_parent, now, nbytes, payload, node)
+
+    def store_prompt(
+        self,
+        prompt: PromptKeys,
+        now: float,
+        block_nbytes: int,
+        snapshot_nbytes: Callable[[int], int],
+        start: int = 0,
+        node: str | None = None,
+    ) -> None:
+        """Store everything a prefill of tokens [start, end) leaves behind, without payloads (simulator)."""
+        for j in range(start // prompt.block_size, prompt.num_full_blocks):
+            self.put_block(prompt, j, now, block_nbytes, node=node)
+        for n in self.snapshot_points(start, prompt.num_tokens):
+            if prompt.key_at(n) is not None:
+                self.put_snapshot(prompt, n, now, snapshot_nbytes(n), node=node)
+        self.touch(prompt, prompt.num_tokens, now)
+
+    def reserve_transfer(self, transfer_id: str, nbytes: int, now: float, payload: P | None = None) -> bool:
+        """Hold the tail state being shipped P->D; evicts prefix entries if needed."""
+        if transfer_id in self._transfers:
+            raise ValueError(f"transfer {transfer_id} already reserved")
+        if not self._make_room(nbytes, now):
+            self.counts["transfers_rejected_no_room"] += 1
+            return False
+        self._transfers[transfer_id] = (nbytes, payload)
+        self.transfer_bytes += nbytes
+        self.counts["transfers_reserved"] += 1
+        return True
+
+    def transfer_payload(self, transfer_id: str) -> P | None:
+        return self._transfers[transfer_id][1]
+
+    def finish_transfer(self, transfer_id: str) -> None:
+        nbytes, _ = self._transfers.pop(transfer_id)
+        self.transfer_bytes -= nbytes
+        self.counts["transfers_finished"] += 1
+
+    def drain_events(self) -> list[CacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def inventory(self, now: float) -> list[CacheEvent]:
+        """STORE events for everything held, parents first: how a (re)started manager catches up."""
+        out = []
+        for e in sorted(self._entries.values(), key=lambda e: (e.length, e.kind != EntryKind.BLOCK)):
+            for holder in sorted(self.index.holders(e.kind, e.key)):
+                out.append(self._event(EventKind.STORE, e, holder, now))
+        return out
+
+    def _put(
+        self,
+        kind: EntryKind,
+        key: BlockKey,
+        parent: BlockKey,
+        length: int,
+        needs_parent: bool,
+        now: float,
+        nbytes: int,
+        payload: P | None,
+        node: str | None,
+    ) -> bool:
+        node = self.node if node is None else node
+        if not self.config.enabled:
+            self.counts["store_skipped_disabled"] += 1
+            return False
+        existing = self._entries.get((kind, key))
+        if existing is not None:
+            self.counts[f"{kind}_store_dups"] += 1
+            self._touch((kind, key), now)
+            if self.index.add(kind, key, node, parent, length):
+                self._events.append(self._event(EventKind.STORE, existing, node, now))
+            return True
+        parent_entry = self._entries.get((EntryKind.BLOCK, parent))
+        if parent_entry is None and needs_parent:
+            self.counts[f"{kind}_store_skipped_orphan"] += 1  # its prefix is gone: unreachable
+            return False
+        if parent_entry is not None:
+            parent_entry.refs += 1  # keep the parent while making room for its child
+        room = self._make_room(nbytes, now)
+        if parent_entry is not None:
+            parent_entry.refs -= 1
+        if not room:
+            self.counts[f"{kind}_store_rejected_no_room"] += 1
+            return False
+        entry: Entry[P] = Entry(kind, key, parent, length, nbytes, payload, now)
+        self._entries[(kind, key)] = entry
+        self.index.add(kind, key, node, parent, length)
+        if parent_entry is not None:
+            parent_entry.dependents += 1
+        self.prefix_bytes += nbytes
+        self.counts[f"{kind}s_stored"] += 1
+        self._events.append(self._event(EventKind.STORE, entry, node, now))
+        return True
+
+    def _make_room(self, nbytes: int, now: float) -> bool:
+        if nbytes > self.config.capacity_bytes:
+            return False
+        while self.free_bytes < nbytes:
+            victim = next((e for e in self._entries.values() if e.refs == 0 and e.dependents == 0), None)
+            if victim is None:
+                return False
+            self._evict(victim, now)
+        return True
+
+    def _evict(self, entry: Entry[P], now: float) -> None:
+        del self._entries[(entry.kind, entry.key)]
+        self.index.remove(entry.kind, entry.key, entry.parent, entry.length)
+        parent_entry = self._entries.get((EntryKind.BLOCK, entry.parent))
+        if parent_entry is not None:
+            parent_entry.dependents -= 1
+        self.prefix_bytes -= entry.nbytes
+        self.counts[f"{entry.kind}s_evicted"] += 1
+        self.counts["evicted_bytes"] += entry.nbytes
+        self._events.append(self._event(EventKind.EVICT, entry, "", now))
+
+    def _touch(self, slot: tuple[EntryKind, BlockKey], now: float) -> None:
+        entry = self._entries.get(slot)
+        if entry is not None:
+            entry.last_used = now
+            self._entries.move_to_end(slot)
+
+    def _event(self, kind: EventKind, e: Entry[P], node: str, now: float) -> CacheEvent:
+        return CacheEvent(kind, e.kind, self.config.cluster, node, e.key, e.parent, e.length, e.nbytes, now)
+
+    def _check_block_size(self, prompt: PromptKeys) -> None:
+        if prompt.block_size != self.config.block_size:
+            raise ValueError(f"prompt keyed with blocks of {prompt.block_size}, pool uses {self.config.block_size}")

@@ -1,0 +1,228 @@
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.entry import Lease
+from minifaas.cache.events import EventKind
+from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.prefix_index import EntryKind
+
+B = 8  # tokens per block in these tests
+TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def keys(tokens: list[int]) -> PromptKeys:
+    return PromptKeys.from_tokens(tokens, B, "test-model")
+
+
+def pool(capacity: int = 10**9, **kw: object) -> HybridPrefixPool[str]:
+    return HybridPrefixPool(PoolConfig("pd", capacity, B, **kw), node="p0")  # type: ignore[arg-type]
+
+
+def store(p: HybridPrefixPool[str], tokens: list[int], now: float = 0.0, start: int = 0) -> PromptKeys:
+    """What a prefill worker does after computing tokens[start:]: payload names say what they hold."""
+    k = keys(tokens)
+    for j in range(start // B, k.num_full_blocks):
+        p.put_block(k, j, now, 10, payload=f"kv[{j * B}:{(j + 1) * B}]")
+    for n in p.snapshot_points(start, len(tokens)):
+        p.put_snapshot(k, n, now, 100, payload=f"state@{n}")
+    p.touch(k, len(tokens), now)
+    return k
+
+
+def naive_hit(p: HybridPrefixPool[str], k: PromptKeys, limit: int) -> int:
+    """Reference: the longest n <= limit whose blocks are all stored and that has a snapshot at exactly n."""
+    for n in range(limit, 0, -1):
+        blocks = all(p.entry(EntryKind.BLOCK, key) for key in k.block_keys[: n // B])
+        snapshot = p.entry(EntryKind.SNAPSHOT, k.key_at(n))  # type: ignore[arg-type]
+        if blocks and (snapshot or (not p.config.needs_snapshot and n % B == 0)):
+            return n
+    return 0
+
+
+def test_keys_are_chained_and_key_at_names_every_prefix() -> None:
+    a = list(range(100, 130))
+    b = [*a[:17], 7, *a[18:]]
+    ka, kb = keys(a), keys(b)
+    assert ka.block_keys[:2] == kb.block_keys[:2]
+    # a change poisons its block and every later one
+    assert all(x != y for x, y in zip(ka.block_keys[2:], kb.block_keys[2:], strict=True))
+    for n in range(len(a) + 1):
+        assert ka.key_at(n) == keys(a[:n]).end_key
+    assert PromptKeys.from_tokens(a, B, "other-model").block_keys[0] != ka.block_keys[0]
+    ids = PromptKeys.from_ids([4, 5, 6], 20, B)
+    assert ids.num_full_blocks == 2 and ids.key_at(16) == ids.block_keys[1] and ids.key_at(12) is None
+    with pytest.raises(ValueError):
+        PromptKeys.from_ids([4, 5], 20, B)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31), max_size=40), min_size=2, max_size=12, unique_by=tuple))
+def test_distinct_token_sequences_get_distinct_keys(seqs: list[list[int]]) -> None:
+    ends = {keys(s).end_key for s in seqs}
+    assert len(ends) == len(seqs)
+    blocks: dict[bytes, tuple[int, ...]] = {}
+    for s in seqs:
+        for j, key in enumerate(keys(s).block_keys):
+            assert blocks.setdefault(key, tuple(s[: (j + 1) * B])) == tuple(s[: (j + 1) * B])
+
+
+def test_a_hit_needs_an_exact_snapshot() -> None:
+    p = pool(snapshot_interval_blocks=2)  # snapshots every 16 tokens and at prompt ends
+    prompt = list(range(1, 38))
+    store(p, prompt)
+    assert p.snapshot_points(0, 37) == [16, 32, 37]
+    longer = keys([*prompt[:35], 900, 901, 902])  # diverges inside the 5th block
+    assert p.match(longer).kv_blocks == 4 and p.match(longer).hit_tokens == 32
+    lease = p.acquire(keys(prompt), now=1.0, limit=36)  # the last token is always computed
+    assert (lease.hit_tokens, lease.snapshot_payload) == (32, "state@32")
+    assert lease.block_payloads == [f"kv[{i}:{i + 8}]" for i in range(0, 32, 8)]
+    p.release(lease)
+    assert p.acquire(keys(prompt), now=2.0).hit_tokens == 37  # the prompt-end snapshot
+    dense = pool(needs_snapshot=False)
+    store(dense, prompt)
+    assert dense.match(longer).hit_tokens == 32 and dense.snapshot_points(0, 37) == [37]
+
+
+def test_next_turn_reuses_the_previous_prompt_end_mid_block() -> None:
+    p = pool(snapshot_interval_blocks=0)  # the off switch: snapshots only at prompt ends
+    turn1 = list(range(50, 71))  # 21 tokens: ends inside block 2
+    store(p, turn1)
+    turn2 = [*turn1, 5, 6, 7, 8, 9, 10, 11]
+    lease = p.acquire(keys(turn2), now=1.0, limit=len(turn2) - 1)
+    assert (lease.hit_tokens, lease.kv_tokens, lease.snapshot_payload) == (21, 21, "state@21")
+    p.release(lease)
+    store(p, turn2, now=1.0, start=21)
+    assert p.entry(EntryKind.BLOCK, keys(turn2).block_keys[2]) is not None
+    with pytest.raises(ValueError):
+        p.release(lease)
+
+
+def test_pinned_entries_survive_and_stores_are_refused_when_nothing_can_go() -> None:
+    p = pool(capacity=2 * 10 + 100, snapshot_interval_blocks=0)
+    a = store(p, list(range(16)))  # two blocks and a snapshot fill the pool
+    lease = p.acquire(a, now=1.0)
+    assert lease.hit_tokens == 16
+    assert not p.put_block(keys(list(range(900, 908))), 0, 2.0, 10)
+    assert p.counts["block_store_rejected_no_room"] == 1 and p.used_bytes == p.config.capacity_bytes
+    assert not p.reserve_transfer("r1", 5, 2.0)
+    p.release(lease)
+    assert p.reserve_transfer("r1", 5, 3.0, payload="tail")
+    assert p.entry(EntryKind.SNAPSHOT, a.end_key) is None  # the leaf went first
+    assert p.entry(EntryKind.BLOCK, a.block_keys[0]) is not None
+    assert p.transfer_payload("r1") == "tail" and p.transfer_bytes == 5
+    p.finish_transfer("r1")
+    assert p.transfer_bytes == 0 and p.counts["transfers_finished"] == 1
+
+
+def test_lru_evicts_the_least_recently_used_leaf_first() -> None:
+    p = pool(capacity=3 * 110, snapshot_interval_blocks=0)
+    a, b = store(p, list(range(8)), now=0.0), store(p, list(range(100, 108)), now=1.0)
+    p.release(p.acquire(a, now=2.0))  # a is now more recent than b
+    store(p, list(range(200, 208)), now=3.0)
+    store(p, list(range(300, 308)), now=4.0)
+    assert p.match(a).hit_tokens == 8 and p.match(b).hit_tokens == 0
+    assert p.counts["blocks_evicted"] == 1 and p.counts["snapshots_evicted"] == 1
+
+
+def test_events_report_new_entries_new_holders_and_evictions() -> None:
+    p = pool(capacity=2 * 110, snapshot_interval_blocks=0)
+    k = store(p, list(range(8)))
+    assert [(e.kind, e.entry, e.node) for e in p.drain_events()] == [
+        (EventKind.STORE, EntryKind.BLOCK, "p0"),
+        (EventKind.STORE, EntryKind.SNAPSHOT, "p0"),
+    ]
+    p.put_block(k, 0, 1.0, 10, node="p0")
+    p.put_block(k, 0, 1.0, 10, node="p1")
+    assert [(e.kind, e.node) for e in p.drain_events()] == [(EventKind.STORE, "p1")]
+    store(p, list(range(50, 58)), now=2.0)
+    store(p, list(range(60, 68)), now=3.0)
+    evicted = [e for e in p.drain_events() if e.kind is EventKind.EVICT]
+    assert {e.key for e in evicted} >= {k.block_keys[0], k.end_key}
+    assert len(p.inventory(now=4.0)) == 4  # two prompts still held, block + snapshot each
+
+
+def test_prefix_cache_off_switch() -> None:
+    p = pool(enabled=False)
+    k = store(p, list(range(40)))
+    assert p.acquire(k, now=1.0).hit_tokens == 0 and p.prefix_bytes == 0
+    assert p.counts["store_skipped_disabled"] > 0 and not p.drain_events()
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["store", "acquire", "release", "transfer", "finish"]), st.integers(0, 10**6)),
+    max_size=60,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=ops, capacity=st.integers(0, 600), interval=st.integers(0, 2), needs_snapshot=st.booleans())
+def test_pool_invariants_under_random_traffic(
+    ops: list[tuple[str, int]], capacity: int, interval: int, needs_snapshot: bool
+) -> None:
+    p = pool(capacity, snapshot_interval_blocks=interval, needs_snapshot=needs_snapshot)
+    rng = random.Random(0)
+    leases: list[Lease[str]] = []
+    transfers: list[str] = []
+    for i, (op, seed) in enumerate(ops):
+        rng.seed(seed)  # prompts share prefixes: few distinct tokens, varied lengths
+        tokens = [rng.randrange(2) for _ in range(rng.randrange(1, 40))]
+        k = keys(tokens)
+        if op == "store":
+            store(p, tokens, now=i)
+        elif op == "acquire":
+            limit = rng.randrange(len(tokens) + 1)
+            expected = naive_hit(p, k, limit)
+            lease = p.acquire(k, now=i, limit=limit)
+            assert lease.hit_tokens == expected
+            if needs_snapshot and lease.hit_tokens:
+                assert lease.snapshot is not None and lease.snapshot.length == lease.hit_tokens
+                assert lease.snapshot.key == k.key_at(lease.hit_tokens)
+            leases.append(lease)
+        elif op == "release" and leases:
+            p.release(leases.pop(seed % len(leases)))
+        elif op == "transfer" and p.reserve_transfer(f"t{i}", seed % 50, now=i):
+            transfers.append(f"t{i}")
+        elif op == "finish" and transfers:
+            p.finish_transfer(transfers.pop(0))
+        assert 0 <= p.used_bytes <= capacity
+        for lease in leases:  # referenced entries are never evicted
+            for e in (*lease.blocks, *([lease.snapshot] if lease.snapshot else [])):
+                assert p.entry(e.kind, e.key) is e
+        for e in p.entries():  # prefix-closed: every stored entry's parent block is stored
+            needs_parent = e.length > B if e.kind is EntryKind.BLOCK else e.length >= B
+            assert not needs_parent or p.entry(EntryKind.BLOCK, e.parent) is not None
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"Mooncake trace not found at {TRACE}")
+def test_infinite_pool_replay_of_the_mooncake_trace_hits_every_repeated_leading_block() -> None:
+    block = 512
+    rows = [json.loads(line) for line in TRACE.read_text().splitlines()]
+    seen: set[tuple[int, ...]] = set()
+    ideal_tokens = ideal_blocks = 0
+    for r in rows:  # direct count: leading hash ids whose prefix appeared before
+        ids, k = tuple(r["hash_ids"]), 0
+        while k < len(ids) and ids[: k + 1] in seen:
+            k += 1
+        ideal_tokens, ideal_blocks = ideal_tokens + min(k * block, r["input_length"]), ideal_blocks + k
+        seen.update(ids[: i + 1] for i in range(len(ids)))
+
+    p: HybridPrefixPool[None] = HybridPrefixPool(PoolConfig("prfaas", 10**18, block, snapshot_interval_blocks=1))
+    hit_tokens = hit_blocks = 0
+    for t, r in enumerate(rows):
+        k = PromptKeys.from_ids(r["hash_ids"], r["input_length"], block)
+        lease = p.acquire(k, now=float(t))
+        hit_tokens += lease.hit_tokens
+        hit_blocks += -(-lease.hit_tokens // block)
+        p.release(lease)
+        p.store_prompt(k, float(t), block_nbytes=1, snapshot_nbytes=lambda n: 1, start=lease.hit_tokens)
+    assert (hit_tokens, hit_blocks) == (ideal_tokens, ideal_blocks)
+    assert 0.6 < hit_blocks / sum(len(r["hash_ids"]) for r in rows) < 0.7  # the trace README says 64%
+    assert p.counts["blocks_evicted"] == 0 and p.counts["hit_tokens"] == hit_tokens
