@@ -1,0 +1,88 @@
+"""The global KV cache manager: the gateway's view of every cluster's prefix cache.
+
+It holds no state bytes, only a mirror of each cluster pool's index, kept current
+by the pools' store/evict events (``apply``; a pool's ``inventory`` brings a new
+manager up to date). On each arrival the gateway asks ``match`` for the prompt's
+usable hit per cluster and per node, and turns the answer into the router's
+input with ``ClusterMatch.view``:
+
+    manager.apply_all(events_from_pools)
+    matches = manager.match(PromptKeys.from_tokens(tokens, block_size, model), limit=len(tokens) - 1)
+    prfaas = matches["prfaas"].view(prfaas_nodes)
+    pd = matches["pd"].view(pd_prefill_nodes, pd_decode_nodes)
+    decision = router.route(RouteInput(len(tokens), threshold, rule, prfaas, pd))
+
+A node "holds" an entry when it stored it (it computed that prefix, so its own
+memory likely still has it); every node of a cluster can load anything in the
+cluster's pool, so a node hit only breaks ties between equally busy nodes.
+Events may arrive late: the answer is a forecast, and the prefill worker uses
+whatever its pool returns when it acquires the hit. Sans-IO, like the pool.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.events import CacheEvent, EventKind
+from minifaas.cache.prefix_index import PrefixIndex
+from minifaas.policy.router import ClusterView, NodeView
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterMatch:
+    cluster: str
+    hit_tokens: int  # usable from the cluster's pool, by any of its nodes
+    kv_prefix_tokens: int  # full-attention KV present (snapshot or not): what need not be resent
+    node_hits: dict[str, int] = field(default_factory=dict)  # usable over each node's own entries
+
+    def view(self, prefill_nodes: Sequence[NodeView] = (), decode_nodes: Sequence[NodeView] = ()) -> ClusterView:
+        """The router's view of this cluster: nodes keep their load and health, hits come from here."""
+        nodes = tuple(replace(n, hit_tokens=self.node_hits.get(n.node_id, 0)) for n in prefill_nodes)
+        return ClusterView(self.cluster, nodes, tuple(decode_nodes), self.kv_prefix_tokens, self.hit_tokens)
+
+
+class GlobalCacheManager:
+    def __init__(self, clusters: Iterable[str], needs_snapshot: bool = True) -> None:
+        self.indexes = {name: PrefixIndex(needs_snapshot) for name in clusters}
+        self.nodes: dict[str, set[str]] = {name: set() for name in self.indexes}
+        self.counts: Counter[str] = Counter()
+
+    def apply(self, event: CacheEvent) -> None:
+        index = self.indexes.get(event.cluster)
+        if index is None:
+            self.counts["events_unknown_cluster"] += 1
+            return
+        if event.kind is EventKind.STORE:
+            self.nodes[event.cluster].add(event.node)
+            changed = index.add(event.entry, event.key, event.node, event.parent, event.length)
+        else:
+            changed = index.remove(event.entry, event.key, event.parent, event.length)
+        self.counts[f"events_{event.kind}" if changed else f"events_{event.kind}_stale"] += 1
+
+    def apply_all(self, events: Iterable[CacheEvent]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def forget_node(self, cluster: str, node: str) -> None:
+        """A node left: it no longer holds anything locally (the cluster's pool still does)."""
+        self.nodes[cluster].discard(node)
+        for table in (self.indexes[cluster].blocks, self.indexes[cluster].snapshots):
+            for holders in table.values():
+                holders.discard(node)
+
+    def match(self, prompt: PromptKeys, limit: int | None = None) -> dict[str, ClusterMatch]:
+        out = {}
+        for name, index in self.indexes.items():
+            m = index.match(prompt, limit)
+            node_hits = {}
+            if m.hit_tokens:
+                node_hits = {node: index.match(prompt, limit, node).hit_tokens for node in sorted(self.nodes[name])}
+            kv = min(m.kv_tokens(prompt.block_size), prompt.num_tokens if limit is None else max(limit, 0))
+            out[name] = ClusterMatch(name, m.hit_tokens, kv, node_hits)
+            self.counts[f"{name}_lookups"] += 1
+            self.counts[f"{name}_hit_tokens"] += m.hit_tokens
+        self.counts["lookup_tokens"] += prompt.num_tokens
+        return out
