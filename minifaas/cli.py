@@ -13,6 +13,7 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "kv-size": ("minifaas.model.kv_size_cli", "KV bytes per token and fixed state per layer kind of a model"),
+    "generate": ("minifaas.model.generate_cli", "prefill and decode one prompt in this process, with timings"),
     "plan": ("minifaas.planner.plan_cli", "solve the PrfaaS throughput model: best threshold and P/D split"),
 }
 

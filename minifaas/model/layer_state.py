@@ -176,7 +176,9 @@ def _fill_layer(cache_layer: object, state: LayerState, device: torch.device | s
             cache_layer.has_previous_state[i] = True
             cache_layer.device, cache_layer.dtype = t.device, t.dtype
         return
-    expected = StateKind.SLIDING_WINDOW if isinstance(cache_layer, DynamicSlidingWindowLayer) else StateKind.FULL_ATTENTION
+    expected = (
+        StateKind.SLIDING_WINDOW if isinstance(cache_layer, DynamicSlidingWindowLayer) else StateKind.FULL_ATTENTION
+    )
     if state.kind is not expected:
         raise ValueError(f"layer {state.layer}: model expects {expected.name}, got {state.kind.name}")
     keys, values = tensors["keys"], tensors["values"]

@@ -5,6 +5,7 @@ Layout (little-endian), one record per layer state:
     header   "MFLS" magic, u8 version, u8 kind, u16 n_slots, u32 layer, u64 seq_len
     per slot u8 dtype code, u8 ndim, u16 name length, u64 payload bytes,
              u32 crc32 of payload, ndim x u64 shape, name (utf-8)
+    u32      crc32 of everything above (header and slot headers)
     payloads the raw bytes of every slot, in slot order
 
 ``encode`` returns the header as ``bytes`` followed by one ``memoryview`` per
@@ -31,6 +32,7 @@ MAX_SLOT_BYTES = 1 << 40
 
 _HEAD = struct.Struct("<4sBBHIQ")
 _SLOT = struct.Struct("<BBHQI")
+_CRC = struct.Struct("<I")
 
 DTYPES: dict[int, torch.dtype] = {
     1: torch.float32,
@@ -75,7 +77,8 @@ def encode(state: LayerState) -> list[bytes | memoryview]:
         raw_name = name.encode()
         parts.append(_SLOT.pack(code, t.dim(), len(raw_name), payload.nbytes, checksum(payload)))
         parts.append(struct.pack(f"<{t.dim()}Q", *t.shape) + raw_name)
-    return [b"".join(parts), *payloads]
+    header = b"".join(parts)
+    return [header + _CRC.pack(checksum(header)), *payloads]
 
 
 def encode_bytes(state: LayerState) -> bytes:
@@ -120,6 +123,10 @@ def decode_prefix(view: memoryview) -> tuple[LayerState, int]:
         if _numel(shape) * itemsize != nbytes:
             raise StateCodecError(f"slot {name!r}: shape {shape} does not match {nbytes} bytes")
         specs.append((name, dtype, shape, nbytes, crc))
+    start = pos
+    pos = _need(view, pos, _CRC.size, "header checksum")
+    if _CRC.unpack_from(view, start)[0] != checksum(view[:start]):
+        raise StateCodecError(f"header checksum mismatch (layer {layer})")
     slots = []
     for name, dtype, shape, nbytes, crc in specs:
         start = pos
@@ -134,7 +141,9 @@ def decode_prefix(view: memoryview) -> tuple[LayerState, int]:
         raise StateCodecError(str(e)) from None
 
 
-def tensor_from_bytes(payload: memoryview | bytes | bytearray, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+def tensor_from_bytes(
+    payload: memoryview | bytes | bytearray, dtype: torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
     """A tensor over a copy of ``payload`` (the copy makes it writable and owned)."""
     if len(payload) == 0:
         return torch.empty(tuple(shape), dtype=dtype)

@@ -1,0 +1,46 @@
+"""``minifaas generate``: one prompt through prefill and decode in this process, with timings."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.console import Console
+
+from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local checkpoint directory")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--prompt", default="To be, or not to be, that is the question:")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    rt = ModelRuntime.load(args.model, device=args.device)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=True
+    )
+    ids = rt.tokenizer.encode(args.prompt)
+    layers: list[str] = []
+    result = rt.prefill(ids, sampling=params, on_layer=lambda s: layers.append(f"{s.layer}:{s.kind.name.lower()}"))
+    start = time.perf_counter()
+    tokens = rt.start_decode(result.state, result.next_token, params).run()
+    decode_s = time.perf_counter() - start
+    console.print(
+        f"[bold]{rt.spec.name}[/] on {args.device}: {len(ids)} prompt tokens, layers handed over in order "
+        f"{' '.join(layers)}"
+    )
+    console.print(
+        f"state {result.state.nbytes / 1024:.1f} KiB, prefill {len(ids) / result.seconds:.0f} tokens/s, "
+        f"decode {max(len(tokens) - 1, 1) / decode_s:.1f} tokens/s"
+    )
+    console.print(repr(rt.tokenizer.decode(tokens)))
+    return 0

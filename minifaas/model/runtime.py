@@ -1,0 +1,161 @@
+"""The model runtime: prefill with a per-layer callback, and decode from a state.
+
+``prefill`` registers a forward hook on every decoder layer. When layer i's
+forward returns, its cache entry holds the final state for the whole prompt, so
+the hook hands that LayerState to ``on_layer`` right away, while layer i+1 is
+yet to run. That ordering is what lets a sender put layer i on the wire during
+the rest of the forward (layer-pipelined transfer).
+
+Everything here is synchronous and blocks on the model; async callers run it in
+a thread (``asyncio.to_thread``) so their event loop keeps moving bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minifaas.model.layer_state import LayerState, ModelState, build_cache, extract_layer
+from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model
+from minifaas.model.sampling import GREEDY, SamplingParams, sample
+from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+OnLayer = Callable[[LayerState], None]
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    state: ModelState
+    next_token: int
+    logits: torch.Tensor  # [vocab] float32 on the CPU: the distribution of the token after the prompt
+    computed_tokens: int
+    seconds: float
+
+
+class ModelRuntime:
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, spec: ModelSpec, device: str) -> None:
+        self.model, self.tokenizer, self.spec, self.device = model, tokenizer, spec, device
+        self.config = model.config
+        self.decoder_layers = model.model.layers
+        self.num_layers = len(self.decoder_layers)
+        self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
+
+    @classmethod
+    def load(
+        cls, name_or_path: str = DEFAULT_MODEL, device: str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32
+    ) -> ModelRuntime:
+        spec = ModelSpec.resolve(name_or_path, seed)
+        if spec.kind == "preset":
+            tokenizer: Tokenizer = ByteTokenizer()
+            if load_config(spec).vocab_size < tokenizer.vocab_size:
+                raise ValueError(f"{spec.name}: vocab smaller than the byte tokenizer's")
+        else:
+            tokenizer = HFTokenizer(spec.path.parent)
+        return cls(load_model(spec, device, dtype), tokenizer, spec, device)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        prefix_state: ModelState | None = None,
+        on_layer: OnLayer | None = None,
+        sampling: SamplingParams = GREEDY,
+    ) -> PrefillResult:
+        """Run the prompt's tokens after ``prefix_state`` (if any); the state returned covers both."""
+        if not token_ids:
+            raise ValueError("prefill needs at least one new token")
+        start = time.perf_counter()
+        prefix_len = prefix_state.seq_len if prefix_state else 0
+        total = prefix_len + len(token_ids)
+        if total > self.max_context:
+            raise ValueError(f"{total} tokens exceed the model's context of {self.max_context}")
+        cache = build_cache(self.config, prefix_state.layers, self.device) if prefix_state else self.new_cache()
+        layers: list[LayerState] = []
+
+        def hook(module: torch.nn.Module, args: object, output: object, index: int) -> None:
+            state = extract_layer(cache, index, total, clone_fixed=False)
+            layers.append(state)
+            if on_layer is not None:
+                on_layer(state)
+
+        handles = [
+            layer.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i))
+            for i, layer in enumerate(self.decoder_layers)
+        ]
+        try:
+            ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            for h in handles:
+                h.remove()
+        if [s.layer for s in layers] != list(range(self.num_layers)):
+            raise RuntimeError(f"layer hooks fired as {[s.layer for s in layers]}, expected each layer once in order")
+        logits = out.logits[0, -1].float().cpu()
+        token = sample(logits, sampling, total)
+        return PrefillResult(ModelState(layers, total), token, logits, len(token_ids), time.perf_counter() - start)
+
+    def new_cache(self) -> object:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @torch.no_grad()
+    def forward_one(self, cache: object, token: int) -> torch.Tensor:
+        """Feed one token; the logits [vocab] of the one after it."""
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float().cpu()
+
+    def start_decode(self, state: ModelState, next_token: int, sampling: SamplingParams = GREEDY) -> DecodeStream:
+        return DecodeStream(self, state, next_token, sampling)
+
+    def generate(self, token_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> list[int]:
+        """Prefill then decode in this process: the reference every disaggregated path must match."""
+        result = self.prefill(token_ids, sampling=sampling)
+        stream = self.start_decode(result.state, result.next_token, sampling)
+        return stream.run()
+
+
+class DecodeStream:
+    """One request's decode: owns its cache, yields tokens until a stop condition."""
+
+    def __init__(self, runtime: ModelRuntime, state: ModelState, next_token: int, sampling: SamplingParams) -> None:
+        self.runtime, self.sampling = runtime, sampling
+        self.cache = build_cache(runtime.config, state.layers, runtime.device)
+        self.position = state.seq_len  # absolute position of the newest token
+        self.tokens = [next_token]
+        self.finish_reason: str | None = None
+        self._check_stop(next_token)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def step(self) -> int:
+        """Decode one more token (the stream must not be finished)."""
+        if self.finished:
+            raise RuntimeError(f"stream already finished ({self.finish_reason})")
+        logits = self.runtime.forward_one(self.cache, self.tokens[-1])
+        self.position += 1
+        token = sample(logits, self.sampling, self.position)
+        self.tokens.append(token)
+        self._check_stop(token)
+        return token
+
+    def run(self) -> list[int]:
+        while not self.finished:
+            self.step()
+        return self.tokens
+
+    def _check_stop(self, token: int) -> None:
+        p = self.sampling
+        if (token == self.runtime.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= p.max_tokens or self.position + 1 >= self.runtime.max_context:
+            self.finish_reason = "length"

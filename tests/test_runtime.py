@@ -1,0 +1,145 @@
+"""The runtime: disaggregated generation equals single-process generate(), for every preset."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from minifaas.model import state_codec
+from minifaas.model.layer_state import ModelState
+from minifaas.model.loader import preset_names, weights_digest
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+
+PRESETS = preset_names()
+LENGTHS = (1, 7, 64, 1030)
+CHILD = Path(__file__).with_name("prefill_child.py")
+
+
+def prompt(length: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def runtime(request: pytest.FixtureRequest) -> ModelRuntime:
+    return ModelRuntime.load(request.param)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed early")
+        buf += chunk
+    return bytes(buf)
+
+
+def _receive_states(server: socket.socket, count: int) -> list[tuple[ModelState, int]]:
+    out = []
+    for _ in range(count):
+        conn, _ = server.accept()
+        with conn:
+            layers = []
+            while (size := struct.unpack("<Q", _recv_exact(conn, 8))[0]) != 0:
+                layers.append(state_codec.decode(_recv_exact(conn, size)))
+            seq_len, next_token = struct.unpack("<QQ", _recv_exact(conn, 16))
+            out.append((ModelState(layers, seq_len), next_token))
+    return out
+
+
+def test_prefill_in_one_process_decode_in_another_equals_generate(runtime: ModelRuntime) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(300)
+        port = server.getsockname()[1]
+        cmd = [sys.executable, str(CHILD), str(port), runtime.spec.name, "0", *map(str, LENGTHS)]
+        child = subprocess.Popen(cmd)
+        try:
+            received = _receive_states(server, len(LENGTHS))
+        finally:
+            assert child.wait(timeout=300) == 0
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for n, (state, next_token) in zip(LENGTHS, received):
+        assert state.seq_len == n and [s.layer for s in state.layers] == list(range(runtime.num_layers))
+        ours = runtime.start_decode(state, next_token, params).run()
+        ids = torch.tensor([prompt(n)])
+        reference = runtime.model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        assert ours == reference[0, n:].tolist(), f"{runtime.spec.name}, {n} prompt tokens"
+
+
+@pytest.mark.parametrize("cut", [1, 100, 299])
+def test_prefix_continuation_matches_one_prefill(runtime: ModelRuntime, cut: int) -> None:
+    ids = prompt(300)
+    head = runtime.prefill(ids[:cut])
+    rest = runtime.prefill(ids[cut:], prefix_state=head.state)
+    whole = runtime.prefill(ids)
+    rel = (rest.logits - whole.logits).abs().max() / whole.logits.abs().max()
+    assert rel < 1e-4
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert runtime.start_decode(rest.state, rest.next_token, params).run() == runtime.generate(ids, params)
+    assert rest.computed_tokens == 300 - cut and rest.state.seq_len == 300
+
+
+def test_on_layer_fires_once_per_layer_in_order_before_the_next_layer_runs(runtime: ModelRuntime) -> None:
+    calls: list[tuple[int, float]] = []
+    starts: dict[int, float] = {}
+
+    def mark_start(module: torch.nn.Module, args: object, index: int) -> None:
+        starts.setdefault(index, time.perf_counter())
+
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a, i=i: mark_start(m, a, i))
+        for i, layer in enumerate(runtime.decoder_layers)
+    ]
+    try:
+        runtime.prefill(prompt(200), on_layer=lambda s: calls.append((s.layer, time.perf_counter())))
+    finally:
+        for h in handles:
+            h.remove()
+    assert [i for i, _ in calls] == list(range(runtime.num_layers))
+    for i, t in calls[:-1]:
+        assert t < starts[i + 1], f"layer {i} was handed over only after layer {i + 1} started"
+
+
+def test_on_layer_state_is_the_final_state(runtime: ModelRuntime) -> None:
+    seen = []
+    result = runtime.prefill(prompt(150), on_layer=seen.append)
+    for early, final in zip(seen, runtime.prefill(prompt(150)).state.layers):
+        for (name, a), (_, b) in zip(early.slots, final.slots):
+            assert torch.equal(a, b), f"layer {early.layer} slot {name} changed after its callback"
+    assert result.state.nbytes == sum(s.nbytes for s in seen)
+
+
+def test_seeded_sampling_is_the_same_across_prefill_and_decode_processes(runtime: ModelRuntime) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
+    whole = runtime.generate(prompt(40), params)
+    first = runtime.prefill(prompt(40), sampling=params)
+    restored = ModelState([state_codec.decode(state_codec.encode_bytes(s)) for s in first.state.layers], 40)
+    assert runtime.start_decode(restored, first.next_token, params).run() == whole
+    other = runtime.generate(prompt(40), SamplingParams(max_tokens=12, temperature=0.9, seed=99, ignore_eos=True))
+    assert other != whole
+
+
+def test_same_preset_and_seed_give_identical_weights_in_another_process(runtime: ModelRuntime) -> None:
+    code = (
+        "from minifaas.model.runtime import ModelRuntime; from minifaas.model.loader import weights_digest;"
+        f"print(weights_digest(ModelRuntime.load({runtime.spec.name!r}).model))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == weights_digest(runtime.model)
+    other_seed = ModelRuntime.load(runtime.spec.name, seed=1)
+    assert weights_digest(other_seed.model) != weights_digest(runtime.model)
+
+
+def test_prompt_beyond_context_is_refused(runtime: ModelRuntime) -> None:
+    with pytest.raises(ValueError, match="exceed"):
+        runtime.prefill([1] * (runtime.max_context + 1))
+    with pytest.raises(ValueError, match="at least one"):
+        runtime.prefill([])
