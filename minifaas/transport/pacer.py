@@ -1,0 +1,95 @@
+"""The link emulator's policy, free of I/O: rate pacing, rate schedules, delay with jitter.
+
+``Pacer`` is a token bucket written as a virtual clock: a link of rate R
+serialises bytes in the order they arrive, so n bytes reserved at time t
+leave at max(t, previous departure) + 8n/R. Oversleeping is forgiven up to
+``burst_bytes``, so the average rate stays exact even when the event loop
+wakes up late. One Pacer shared by every flow is an aggregate link; one per
+flow is a per-flow cap.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+_RATE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?\s*$", re.IGNORECASE)
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def parse_rate(text: str) -> float | None:
+    """'100mbit', '5gbit', '2.5e8' -> bits/s; 'none' or 'inf' -> None (unlimited)."""
+    if text.strip().lower() in ("none", "inf", "unlimited", "0"):
+        return None
+    m = _RATE.match(text)
+    if m is None:
+        raise ValueError(f"not a rate: {text!r} (try 100mbit, 5gbit, 2.5e8)")
+    return float(m.group(1)) * _SCALE[m.group(2).lower()]
+
+
+class Pacer:
+    def __init__(self, rate_bps: float | None, burst_seconds: float = 0.005, min_burst_bytes: int = 1 << 16):
+        self.burst_seconds = burst_seconds
+        self.min_burst_bytes = min_burst_bytes
+        self.rate_bps = rate_bps
+        self._next_free = 0.0
+
+    def set_rate(self, rate_bps: float | None) -> None:
+        if rate_bps is not None and rate_bps <= 0:
+            raise ValueError("a rate must be positive (None: unlimited)")
+        self.rate_bps = rate_bps
+
+    def reserve(self, nbytes: int, now: float) -> float:
+        """Book ``nbytes`` on the link; returns how long to wait until they have left it."""
+        if self.rate_bps is None:
+            return 0.0
+        bytes_per_s = self.rate_bps / 8
+        burst = max(self.min_burst_bytes, bytes_per_s * self.burst_seconds)
+        start = max(self._next_free, now - burst / bytes_per_s)
+        self._next_free = start + nbytes / bytes_per_s
+        return max(0.0, self._next_free - now)
+
+
+@dataclass(frozen=True, slots=True)
+class RateSchedule:
+    """Rate steps ``(seconds after start, bits/s or None)``, sorted; the last one holds forever."""
+
+    steps: tuple[tuple[float, float | None], ...]
+
+    def __post_init__(self) -> None:
+        times = [t for t, _ in self.steps]
+        if times != sorted(times) or any(t < 0 for t in times):
+            raise ValueError(f"schedule times must be >= 0 and sorted: {times}")
+
+    @classmethod
+    def parse(cls, text: str) -> RateSchedule:
+        """'0:1gbit,5:100mbit,8:1gbit' -> steps."""
+        steps = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            at, _, rate = part.partition(":")
+            steps.append((float(at), parse_rate(rate)))
+        return cls(tuple(steps))
+
+    def rate_at(self, elapsed: float, default: float | None) -> float | None:
+        rate = default
+        for at, step_rate in self.steps:
+            if at <= elapsed:
+                rate = step_rate
+        return rate
+
+    def next_change(self, elapsed: float) -> float | None:
+        return next((at for at, _ in self.steps if at > elapsed), None)
+
+
+class DelayLine:
+    """One-way delay with jitter that never reorders a flow's bytes (TCP would not see reordering)."""
+
+    def __init__(self, rng: random.Random):
+        self._rng = rng
+        self._last = 0.0
+
+    def release_time(self, now: float, delay_s: float, jitter_s: float) -> float:
+        jitter = self._rng.uniform(-jitter_s, jitter_s) if jitter_s else 0.0
+        self._last = max(self._last, now + max(0.0, delay_s + jitter))
+        return self._last

@@ -1,0 +1,199 @@
+"""Sender and receiver over real loopback sockets: round trips, ordering, pipelining, off switches, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+import subprocess
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from minifaas.transport import AuthError, KVReceiver, KVSender, ReceiverConfig, SenderConfig
+from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.transport.synthetic import same_state, synthetic_state
+
+SECRET = b"cluster-secret-0123456789abcdef"
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 45))
+
+
+def sender_config(port: int, **changes: Any) -> SenderConfig:
+    return SenderConfig("127.0.0.1", port, SECRET, **{"chunk_bytes": 2048, "stall_timeout": 5.0, **changes})
+
+
+@pytest.mark.parametrize("connections", [1, 2, 8])
+@pytest.mark.parametrize("via_emulator", [False, True])
+def test_round_trip_is_bit_exact(connections: int, via_emulator: bool) -> None:
+    state = synthetic_state(layers=8, tokens=96, width=16, seed=connections)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            if via_emulator:
+                async with EmulatorProcess(("127.0.0.1", rx.port), rate="200mbit", delay_ms=2, jitter_ms=1) as link:
+                    await transfer_twice(link.port, rx)
+                    assert (await link.control.stats())["up_bytes"] > 2 * state.nbytes
+            else:
+                await transfer_twice(rx.port, rx)
+
+    async def transfer_twice(port: int, rx: KVReceiver) -> None:
+        async with KVSender(sender_config(port, connections=connections)) as tx:
+            for transfer_id in (11, 12):  # the second transfer reuses the pooled connections
+                report = await tx.send(transfer_id, state)
+                assert report.nbytes == state.nbytes and report.connections == connections
+                assert same_state(await rx.transfer(transfer_id).model_state(), state)
+            assert tx.pool.dialled == connections
+
+    run(main())
+
+
+def test_chunks_are_striped_over_every_connection() -> None:
+    state = synthetic_state(layers=8, tokens=256, width=32)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx, KVSender(sender_config(rx.port, connections=4)) as tx:
+            await tx.send(1, state)
+            acked = [info.bytes_acked for info in tx.tcp_infos().values()]
+            assert len(acked) == 4 and min(acked) > 4 * 2048  # each carried several chunks
+            await rx.transfer(1).model_state()
+
+    run(main())
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+def test_layers_are_delivered_in_order_each_as_soon_as_it_is_complete(connections: int) -> None:
+    """The producer emits layer i+1 only after the consumer has received layer i: no batching at the end."""
+    state = synthetic_state(layers=8, tokens=64, width=16)
+
+    async def main() -> None:
+        async with (
+            KVReceiver(ReceiverConfig(SECRET)) as rx,
+            KVSender(sender_config(rx.port, connections=connections)) as tx,
+        ):
+            got: list[int] = []
+            arrived = [asyncio.Event() for _ in state.layers]
+
+            async def consume() -> None:
+                async for layer in rx.transfer(5):
+                    got.append(layer.layer)
+                    arrived[layer.layer].set()
+
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(consume())
+                async with tx.stream(5, len(state.layers), state.nbytes) as out:
+                    for layer in state.layers:
+                        out.put(layer)
+                        await asyncio.wait_for(arrived[layer.layer].wait(), 10)
+            assert got == list(range(8))
+
+    run(main())
+
+
+def test_without_pipelining_nothing_moves_until_the_state_is_whole() -> None:
+    state = synthetic_state(layers=4, tokens=32, width=8)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx, KVSender(sender_config(rx.port, pipelined=False)) as tx:
+            incoming = rx.transfer(9)
+            async with tx.stream(9, 4) as out:
+                for layer in state.layers[:3]:
+                    out.put(layer)
+                await asyncio.sleep(0.3)  # give a (wrongly) eager sender time to send
+                assert out.sent_bytes == 0 and incoming.layers == 0 and rx.stats.bytes_received == 0
+                out.put(state.layers[3])
+            assert same_state(await incoming.model_state(), state)
+
+    run(main())
+
+
+def test_layers_put_from_another_thread() -> None:
+    state = synthetic_state(layers=8, tokens=64, width=16)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx, KVSender(sender_config(rx.port)) as tx:
+            async with tx.stream(3, len(state.layers)) as out:
+                producer = threading.Thread(target=lambda: [out.put_threadsafe(layer) for layer in state.layers])
+                producer.start()
+                await asyncio.to_thread(producer.join, 10)
+            assert same_state(await rx.transfer(3).model_state(), state)
+
+    run(main())
+
+
+def test_putting_layers_out_of_order_is_refused() -> None:
+    state = synthetic_state(layers=3)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx, KVSender(sender_config(rx.port)) as tx:
+            with pytest.raises(ValueError):
+                async with tx.stream(4, 3) as out:
+                    out.put(state.layers[1])
+
+    run(main())
+
+
+def test_many_transfers_at_once_share_the_receiver() -> None:
+    states = [synthetic_state(layers=8, tokens=32, width=8, seed=i) for i in range(6)]
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx, KVSender(sender_config(rx.port, connections=2)) as tx:
+            async with asyncio.TaskGroup() as tg:
+                for i, s in enumerate(states):
+                    tg.create_task(tx.send(100 + i, s))
+            for i, s in enumerate(states):
+                assert same_state(await rx.transfer(100 + i).model_state(), s)
+            assert rx.stats.completed == 6
+
+    run(main())
+
+
+def test_wrong_secret_on_either_side_is_refused() -> None:
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            async with KVSender(SenderConfig("127.0.0.1", rx.port, b"not-the-secret-0123456789")) as tx:
+                with pytest.raises(AuthError):
+                    await tx.send(1, synthetic_state(layers=2))
+            assert rx.stats.auth_failures >= 1 and rx.stats.bytes_received == 0
+        rogue_config = ReceiverConfig(b"rogue-receiver-secret-0123")
+        async with KVReceiver(rogue_config) as rogue, KVSender(sender_config(rogue.port)) as tx:
+            with pytest.raises(AuthError):
+                await tx.send(1, synthetic_state(layers=2))
+
+    run(main())
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
+def test_round_trip_over_tls(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    state = synthetic_state(layers=8, tokens=64, width=16)
+
+    async def main() -> None:
+        async with (
+            KVReceiver(ReceiverConfig(SECRET), ssl=server_ctx) as rx,
+            KVSender(sender_config(rx.port, connections=2), ssl=client_ctx) as tx,
+        ):
+            await tx.send(1, state)
+            assert same_state(await rx.transfer(1).model_state(), state)
+
+    run(main())
