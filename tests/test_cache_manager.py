@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.events import CacheEvent
+from minifaas.cache.events import CacheEvent, EventKind
 from minifaas.cache.manager import GlobalCacheManager
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.policy.router import CacheMove, NodeView, Path, Reason, RouteInput, Router, Rule
@@ -42,12 +42,15 @@ def test_manager_mirrors_every_pool_through_events(
     manager = GlobalCacheManager(ps)
     rng = random.Random(0)
     prompts = []
+    storers: dict[str, set[str]] = {c: set() for c in ps}
     for t, (cluster, node, seed) in enumerate(seeds):
         rng.seed(seed)
         tokens = [rng.randrange(2) for _ in range(rng.randrange(2, 40))]
         prompts.append(tokens)
         prefill(ps[cluster], tokens, f"{cluster}-{node}", float(t))
-        manager.apply_all(ps[cluster].drain_events())
+        events = ps[cluster].drain_events()
+        storers[cluster].update(e.node for e in events if e.kind is EventKind.STORE)
+        manager.apply_all(events)
         for tokens in prompts[-5:]:
             k, limit = keys(tokens), len(tokens) - 1
             got = manager.match(k, limit)
@@ -55,6 +58,7 @@ def test_manager_mirrors_every_pool_through_events(
                 m = pool.match(k, limit)
                 assert got[name].hit_tokens == m.hit_tokens
                 assert got[name].kv_prefix_tokens == min(m.kv_tokens(B), limit)
+                assert set(got[name].node_hits) == (storers[name] if m.hit_tokens else set())
                 for node_id, hit in got[name].node_hits.items():
                     assert hit == pool.index.match(k, limit, node_id).hit_tokens <= m.hit_tokens
     fresh = GlobalCacheManager(ps)

@@ -226,3 +226,39 @@ def test_infinite_pool_replay_of_the_mooncake_trace_hits_every_repeated_leading_
     assert (hit_tokens, hit_blocks) == (ideal_tokens, ideal_blocks)
     assert 0.6 < hit_blocks / sum(len(r["hash_ids"]) for r in rows) < 0.7  # the trace README says 64%
     assert p.counts["blocks_evicted"] == 0 and p.counts["hit_tokens"] == hit_tokens
+
+
+def test_layer_state_payloads_reassemble_the_prefill_state() -> None:
+    """The live system's payloads: full-attention KV sliced per block, the linear state and the
+    partial block's KV in the snapshot; joining a hit's pieces gives back the state at that length."""
+    torch = pytest.importorskip("torch")
+    from minifaas.model.layer_state import LayerState, StateKind, concat_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = list(range(500, 530))
+    kv = LayerState(1, StateKind.FULL_ATTENTION, 30, tuple((n, torch.randn(1, 2, 30, 4, generator=gen)) for n in "kv"))
+    linear_at = {
+        n: LayerState(0, StateKind.LINEAR_ATTENTION, n, (("recurrent.0", torch.randn(1, 2, 4, 4, generator=gen)),))
+        for n in range(31)
+    }
+    p: HybridPrefixPool[list[LayerState]] = HybridPrefixPool(PoolConfig("pd", 10**9, B, snapshot_interval_blocks=1))
+    k = keys(tokens)
+    for j in range(k.num_full_blocks):
+        block = kv.slice_tokens(j * B, (j + 1) * B)
+        p.put_block(k, j, 0.0, block.nbytes, [block])
+    for n in p.snapshot_points(0, 30):
+        tail = kv.slice_tokens(n - n % B, n)
+        p.put_snapshot(k, n, 0.0, linear_at[n].nbytes + tail.nbytes, [linear_at[n], tail])
+
+    follow_up = keys([*tokens[:27], 1, 2, 3])
+    lease = p.acquire(follow_up, now=1.0)
+    assert lease.hit_tokens == 24  # the last block-aligned snapshot before the prompts diverge
+    joined = lease.snapshot_payload[1]  # type: ignore[index]
+    for payload in reversed(lease.block_payloads):
+        joined = concat_tokens(payload[0], joined)  # type: ignore[index]
+    assert joined.seq_len == 24
+    assert torch.equal(joined.tensor("k"), kv.slice_tokens(0, 24).tensor("k"))
+    assert lease.snapshot_payload[0] is linear_at[24]  # type: ignore[index]
+    p.release(lease)
+    again = p.acquire(k, now=2.0, limit=29)
+    assert again.hit_tokens == 24 and p.acquire(k, now=3.0).hit_tokens == 30
