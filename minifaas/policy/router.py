@@ -12,7 +12,10 @@ node. Two rules pick which cached prefix counts (PRFAAS.md, "Routing"):
 
 Inside the chosen cluster the node is cache-affine and load-aware: the node
 that would finish this prefill first, i.e. the least ``load + prompt - hit``
-(a cluster's nodes are homogeneous, so queued tokens compare directly).
+(a cluster's nodes are homogeneous, so queued tokens compare directly). The
+rule judges a cluster by its best hit; the node choice may trade part of a
+node-local hit for a shorter queue. With no hits at all (``--prefix-cache
+none``) all of this reduces to the plain threshold rule on prompt length.
 
 Everything here is sans-IO and pure: ``decide`` is a function of its inputs
 (hits come from the global cache manager, loads and health from the workers,
