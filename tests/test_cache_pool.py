@@ -91,13 +91,27 @@ def test_a_hit_needs_an_exact_snapshot() -> None:
     assert dense.match(longer).hit_tokens == 32 and dense.snapshot_points(0, 37) == [37]
 
 
+def test_a_decode_node_can_pin_the_kv_blocks_without_a_snapshot() -> None:
+    p = pool(snapshot_interval_blocks=0)
+    prompt = list(range(1, 38))
+    store(p, prompt)
+    other = keys([*prompt[:35], 900, 901])
+    assert p.acquire(other, now=1.0).hit_tokens == 0  # no snapshot on its path
+    kv = p.acquire(other, now=1.0, kv_only=True)
+    assert (kv.hit_tokens, kv.snapshot, len(kv.block_payloads)) == (32, None, 4)
+    assert all(e.refs == 1 for e in kv.blocks) and p.counts["kv_hit_tokens"] == 32
+    p.release(kv)
+    assert all(e.refs == 0 for e in kv.blocks)
+
+
 def test_next_turn_reuses_the_previous_prompt_end_mid_block() -> None:
     p = pool(snapshot_interval_blocks=0)  # the off switch: snapshots only at prompt ends
     turn1 = list(range(50, 71))  # 21 tokens: ends inside block 2
     store(p, turn1)
     turn2 = [*turn1, 5, 6, 7, 8, 9, 10, 11]
     lease = p.acquire(keys(turn2), now=1.0, limit=len(turn2) - 1)
-    assert (lease.hit_tokens, lease.kv_tokens, lease.snapshot_payload) == (21, 21, "state@21")
+    assert (lease.hit_tokens, lease.snapshot_payload) == (21, "state@21")
+    assert lease.block_payloads == ["kv[0:8]", "kv[8:16]"]  # the snapshot carries the KV of 16..21
     p.release(lease)
     store(p, turn2, now=1.0, start=21)
     assert p.entry(EntryKind.BLOCK, keys(turn2).block_keys[2]) is not None

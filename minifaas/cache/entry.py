@@ -36,7 +36,6 @@ class Lease(Generic[P]):
     """A pinned hit: the blocks inside [0, hit_tokens) in order, and the snapshot at hit_tokens."""
 
     hit_tokens: int
-    kv_tokens: int
     blocks: tuple[Entry[P], ...]
     snapshot: Entry[P] | None
     released: bool = field(default=False)

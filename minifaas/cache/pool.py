@@ -103,11 +103,12 @@ class HybridPrefixPool(Generic[P]):
         for e in (*blocks, *([snapshot] if snapshot else [])):
             e.refs += 1
         self.touch(prompt, m.hit_tokens, now)
-        self.counts["lookups"] += 1
-        self.counts["lookup_tokens"] += prompt.num_tokens
-        self.counts["hit_tokens"] += m.hit_tokens
-        self.counts["lookups_hit" if m.hit_tokens else "lookups_miss"] += 1
-        return Lease(m.hit_tokens, m.kv_tokens(prompt.block_size), blocks, snapshot)
+        kind = "kv_" if kv_only else ""
+        self.counts[f"{kind}lookups"] += 1
+        self.counts[f"{kind}lookup_tokens"] += prompt.num_tokens
+        self.counts[f"{kind}hit_tokens"] += m.hit_tokens
+        self.counts[f"{kind}lookups_hit" if m.hit_tokens else f"{kind}lookups_miss"] += 1
+        return Lease(m.hit_tokens, blocks, snapshot)
 
     def release(self, lease: Lease[P]) -> None:
         if lease.released:
