@@ -73,7 +73,7 @@ def case_from_dict(data: dict[str, Any], base_dir: Path = Path(".")) -> PlanCase
         from minifaas.sim.traces import read_trace  # numpy-only; no torch
 
         trace = read_trace(base_dir / spec["trace"], length_scale=float(spec.get("length_scale", 1.0)))
-        lengths = LengthDistribution.empirical(str(spec["trace"]), [r.input_tokens for r in trace])
+        lengths = LengthDistribution.empirical(str(spec["trace"]), trace.input_tokens)
     else:
         lengths = LengthDistribution.lognormal(
             float(spec["mu"]), float(spec["sigma"]), float(spec["low"]), float(spec["high"])

@@ -1,0 +1,72 @@
+"""The PD-D instances: continuous batching with at most BS_max running requests each.
+
+Decode runs at the SLO's step time whatever the batch (the profile's
+``step_time_s`` is the time per step at BS_max), so a request holds one batch
+slot for output_tokens steps and its first token comes one step after it
+joins. A request whose KV arrives at a full instance waits for a slot there.
+The router picks the instance when the request arrives (least assigned work,
+counting requests still in prefill or on the link), as the live router does.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from minifaas.planner.profile import DecodeProfile
+from minifaas.policy.router import NodeView
+
+
+class DecodePool:
+    def __init__(self, profile: DecodeProfile, n: int) -> None:
+        self.profile = profile
+        self.ids = [f"pd-d-{i}" for i in range(n)]
+        self.index = {node_id: i for i, node_id in enumerate(self.ids)}
+        self.assigned = [0] * n  # routed here and not finished
+        self.running = [0] * n
+        self.waiting: list[deque[int]] = [deque() for _ in range(n)]
+        self.total_running = 0
+        self.total_waiting = 0
+        self._heap = [(0, i) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def least_loaded(self) -> int | None:
+        heap = self._heap
+        while heap and heap[0][0] != self.assigned[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][1] if heap else None
+
+    def views(self) -> tuple[NodeView, ...]:
+        """The least-loaded instance only: with no affinity the router picks the least load."""
+        node = self.least_loaded()
+        return () if node is None else (NodeView(self.ids[node], 0, float(self.assigned[node])),)
+
+    def _changed(self, node: int) -> None:
+        heapq.heappush(self._heap, (self.assigned[node], node))
+
+    def reserve(self, node: int) -> None:
+        self.assigned[node] += 1
+        self._changed(node)
+
+    def arrive(self, node: int, request: int) -> bool:
+        """The request's KV is here; True if it joins the batch now, False if it waits."""
+        if self.running[node] < self.profile.bs_max:
+            self.running[node] += 1
+            self.total_running += 1
+            return True
+        self.waiting[node].append(request)
+        self.total_waiting += 1
+        return False
+
+    def finish(self, node: int) -> int | None:
+        """A request left the batch; returns the waiting request that takes its slot, if any."""
+        self.assigned[node] -= 1
+        self._changed(node)
+        if self.waiting[node]:
+            self.total_waiting -= 1
+            return self.waiting[node].popleft()
+        self.running[node] -= 1
+        self.total_running -= 1
+        return None

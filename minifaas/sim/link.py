@@ -1,0 +1,119 @@
+"""The inter-cluster link as one shared fluid pipe (processor sharing), with RTT and changing bandwidth.
+
+Every active flow gets an equal share B(t)/n of the bandwidth, as long-lived
+TCP flows on one bottleneck roughly do. The classic trick keeps this O(log n)
+per event: a "virtual clock" V counts the bytes any single active flow has
+received so far; it advances at B(t)/n. A flow of S bytes that starts when the
+clock reads V0 is done when V reaches V0 + S, so flows sit in a heap by V0 + S
+and only the head matters for the next completion, whatever B or n do later.
+
+Layer-pipelined overlap (``pipeline_layers`` > 0): the flow enters the pipe
+when prefill STARTS, because layer i is sent while layer i+1 computes; it
+cannot finish before prefill ends plus one layer's bytes at its share. Off
+(``pipeline_layers`` = 0): it enters when prefill ends. Either way the last
+byte lands one-way delay (RTT / 2) later. While a flow is ahead of its
+producer it still counts as one share: a small error that only matters when
+the link is both busy and faster than prefill.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    gbps: float = 100.0
+    rtt_s: float = 0.0
+    pipeline_layers: int = 0  # layers streamed during prefill; 0 = send after prefill ends
+    schedule: tuple[tuple[float, float], ...] = ()  # (from time s, Gbps) changes; e.g. ((600, 20), (900, 100))
+
+    def __post_init__(self) -> None:
+        if self.gbps < 0 or self.rtt_s < 0 or self.pipeline_layers < 0:
+            raise ValueError(f"bad link config {self}")
+        times = [t for t, _ in self.schedule]
+        if times != sorted(times) or any(g < 0 for _, g in self.schedule):
+            raise ValueError("schedule must be sorted by time with bandwidths >= 0")
+
+    @property
+    def one_way_s(self) -> float:
+        return self.rtt_s / 2
+
+
+class FluidLink:
+    """Flows in bytes, time in seconds; ``bins_s``-wide bins record delivered bytes (egress over time)."""
+
+    def __init__(self, gbps: float, bins_s: float = 1.0) -> None:
+        self.bytes_per_s = gbps * 1e9 / 8
+        self.bins_s = bins_s
+        self._virtual = 0.0
+        self._last = 0.0
+        self._flows: list[tuple[float, int]] = []  # (virtual finish, flow id)
+        self.delivered = np.zeros(64)
+        self.capacity_bytes = 0.0  # integral of B(t) dt: the denominator of utilisation
+        self.busy_s = 0.0
+
+    @property
+    def active(self) -> int:
+        return len(self._flows)
+
+    def share_bytes_per_s(self) -> float:
+        return self.bytes_per_s / max(1, len(self._flows))
+
+    def advance(self, now: float) -> None:
+        dt = now - self._last
+        if dt <= 0:
+            return
+        self.capacity_bytes += self.bytes_per_s * dt
+        n = len(self._flows)
+        if n:
+            self._virtual += self.bytes_per_s / n * dt
+            self.busy_s += dt
+            self._record(self._last, now)
+        self._last = now
+
+    def _record(self, start: float, end: float) -> None:
+        first, last = int(start // self.bins_s), int(end // self.bins_s)
+        if last >= self.delivered.size:
+            self.delivered = np.concatenate((self.delivered, np.zeros(max(last + 1, 2 * self.delivered.size))))
+        if first == last:
+            self.delivered[first] += self.bytes_per_s * (end - start)
+            return
+        self.delivered[first] += self.bytes_per_s * ((first + 1) * self.bins_s - start)
+        self.delivered[first + 1 : last] += self.bytes_per_s * self.bins_s
+        self.delivered[last] += self.bytes_per_s * (end - last * self.bins_s)
+
+    def add(self, now: float, flow_id: int, size_bytes: float) -> None:
+        self.advance(now)
+        heapq.heappush(self._flows, (self._virtual + size_bytes, flow_id))
+
+    def set_bandwidth(self, now: float, gbps: float) -> None:
+        self.advance(now)
+        self.bytes_per_s = gbps * 1e9 / 8
+
+    def next_completion(self) -> float:
+        """Time the head flow finishes if nothing changes; inf when idle or cut."""
+        if not self._flows or self.bytes_per_s <= 0:
+            return math.inf
+        remaining = max(0.0, self._flows[0][0] - self._virtual)
+        return self._last + remaining * len(self._flows) / self.bytes_per_s
+
+    def pop_done(self, now: float) -> list[int]:
+        self.advance(now)
+        done = []
+        # a relative tolerance absorbs float error in the virtual clock
+        while self._flows and self._flows[0][0] <= self._virtual * (1 + 1e-12) + 1e-6:
+            done.append(heapq.heappop(self._flows)[1])
+        return done
+
+    def egress_gbps(self, until_s: float) -> np.ndarray:
+        """Delivered Gbps in each full bin up to ``until_s``."""
+        bins = max(1, int(until_s // self.bins_s))
+        out = np.zeros(bins)
+        have = min(bins, self.delivered.size)
+        out[:have] = self.delivered[:have]
+        return out * 8 / 1e9 / self.bins_s

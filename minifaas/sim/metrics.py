@@ -1,0 +1,70 @@
+"""What a simulation reports: throughput, TTFT, offload, prefix hits, egress, link use, queues over time."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+QUEUE_COLUMNS = ("time_s", "prfaas_prefill", "pd_prefill", "link_flows", "decode_waiting", "decode_running")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    requests: int
+    completed: int
+    rejected: int
+    window_s: float  # the span throughput and egress are measured over: [warmup, last arrival]
+    throughput_rps: float
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    ttft_prfaas_mean_s: float
+    ttft_pd_mean_s: float
+    tpot_s: float
+    offload_fraction: float
+    prefix_hit_token_ratio: float
+    egress_gbps_mean: float
+    egress_gbps_p99: float
+    link_utilisation: float
+    prfaas_prefill_utilisation: float
+    pd_prefill_utilisation: float
+    events: int
+    queues: np.ndarray = field(repr=False)  # rows of QUEUE_COLUMNS
+
+    def to_dict(self) -> dict[str, float | int]:
+        out = asdict(self)
+        out.pop("queues")
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+
+    def write_queues_csv(self, path: str | Path) -> None:
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(QUEUE_COLUMNS)
+            writer.writerows(self.queues.tolist())
+
+    def plot_queues(self, path: str | Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 3.5))
+        for i, name in enumerate(QUEUE_COLUMNS[1:], start=1):
+            ax.plot(self.queues[:, 0], self.queues[:, i], label=name, lw=1)
+        ax.set(xlabel="time (s)", ylabel="requests", title="queue depths")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def percentile(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else float("nan")
+
+
+def mean(values: np.ndarray) -> float:
+    return float(values.mean()) if values.size else float("nan")

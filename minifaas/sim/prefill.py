@@ -1,0 +1,84 @@
+"""A cluster's prefill instances: one FCFS queue each, one prefill at a time, as the profile measured.
+
+A prefill's start and end are known the moment it is placed (the node is free
+at ``busy_until``), so placement costs no events of its own. The router sees
+each node's queued tokens as its load. A lazy heap finds the node that frees
+up first without scanning a thousand nodes per request: entries go stale when
+a node's ``busy_until`` moves and are dropped when they reach the top.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from minifaas.planner.profile import PrefillProfile
+from minifaas.policy.router import NodeView
+
+
+class PrefillPool:
+    def __init__(self, cluster: str, profile: PrefillProfile, n: int) -> None:
+        self.cluster = cluster
+        self.profile = profile
+        self.ids = [f"{cluster}-{i}" for i in range(n)]
+        self.index = {node_id: i for i, node_id in enumerate(self.ids)}
+        self.busy_until = [0.0] * n
+        self.queued_tokens = [0] * n
+        self.in_system = 0  # requests placed here whose prefill has not ended
+        self.busy_s = 0.0
+        self._heap = [(0.0, i) for i in range(n)]
+        self._coeffs = profile.latency_coeffs
+        self.kv_fixed_bytes = float(profile.kv_bytes(0))
+        self._kv_per_token = profile.kv_bytes_per_token  # 0: interpolate the table
+
+    def kv_bytes(self, tokens: int, fixed: bool = True) -> float:
+        """Bytes shipped for ``tokens`` of full-attention KV, plus the fixed-size state if ``fixed``."""
+        if self._kv_per_token:
+            growing = self._kv_per_token * tokens
+        else:
+            growing = float(self.profile.kv_bytes(tokens)) - self.kv_fixed_bytes
+        return growing + (self.kv_fixed_bytes if fixed else 0.0)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def latency_s(self, tokens: int) -> float:
+        """T_prefill(tokens); Horner's rule in plain floats on the hot path."""
+        if not self._coeffs:
+            return float(self.profile.latency_s(tokens))
+        total = 0.0
+        for c in reversed(self._coeffs):
+            total = total * tokens + c
+        return total
+
+    def first_free(self) -> int | None:
+        heap = self._heap
+        while heap and heap[0][0] != self.busy_until[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][1] if heap else None
+
+    def views(self, hits: dict[int, int]) -> tuple[NodeView, ...]:
+        """Router candidates: the first-free node plus every node holding a prefix.
+
+        Every other node has no hit and more queued work, so the router could not
+        pick it: the decision equals the one over the whole cluster."""
+        free = self.first_free()
+        if not hits:  # the common case, kept cheap: one candidate
+            return () if free is None else (NodeView(self.ids[free], 0, float(self.queued_tokens[free])),)
+        nodes = set(hits) | ({free} if free is not None else set())
+        return tuple(NodeView(self.ids[i], hits.get(i, 0), float(self.queued_tokens[i])) for i in sorted(nodes))
+
+    def place(self, node: int, now: float, tokens: int) -> tuple[float, float]:
+        """Queue a prefill of ``tokens`` uncached tokens; returns its (start, end)."""
+        start = max(now, self.busy_until[node])
+        duration = self.latency_s(max(tokens, 1))
+        end = start + duration
+        self.busy_until[node] = end
+        self.queued_tokens[node] += tokens
+        self.in_system += 1
+        self.busy_s += duration
+        heapq.heappush(self._heap, (end, node))
+        return start, end
+
+    def done(self, node: int, tokens: int) -> None:
+        self.queued_tokens[node] -= tokens
+        self.in_system -= 1

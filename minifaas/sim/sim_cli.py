@@ -1,0 +1,155 @@
+"""``minifaas sim``: simulate a planned deployment under a workload and report what it would do.
+
+    minifaas sim --case paper --load 0.8 --arrivals poisson --duration 3600
+    minifaas sim --case paper --config homogeneous --load 0.95 --arrivals bursty --json
+    minifaas sim --case paper --gpus 10000 --load 0.8 --duration 3600          # 1,250 instances
+    minifaas sim --case paper --trace ../shared/traces/mooncake_synthetic_trace.jsonl --rate-scale 0.5
+    minifaas sim --case paper --bandwidth-schedule 600:20,900:100 --queues-png q.png
+
+The instance counts and threshold come from the planner's solution for the
+chosen configuration (flags override them); ``--load`` is a fraction of that
+configuration's planned throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from minifaas.planner.case import PlanCase
+from minifaas.planner.model import OperatingPoint
+from minifaas.planner.plan_cli import NAMED_CASES, load_case
+from minifaas.planner.search import plan
+from minifaas.policy.router import Rule
+from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
+from minifaas.sim.config import SimConfig, config_for
+from minifaas.sim.link import LinkConfig
+from minifaas.sim.metrics import SimResult
+from minifaas.sim.simulator import Simulation
+from minifaas.sim.traces import read_trace
+from minifaas.sim.workload import Workload, synthetic
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    deploy = parser.add_argument_group("deployment")
+    deploy.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
+    deploy.add_argument("--config", choices=("prfaas", "homogeneous", "naive"), default="prfaas")
+    deploy.add_argument("--gpus", type=int, help="scale the case's instance counts and link to this many GPUs")
+    deploy.add_argument("--n-prfaas", type=int)
+    deploy.add_argument("--n-prefill", type=int)
+    deploy.add_argument("--n-decode", type=int)
+    deploy.add_argument("--threshold", type=int, help="offload threshold in tokens (default: the plan's)")
+    deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value)
+    deploy.add_argument("--no-prefix-cache", action="store_true")
+    deploy.add_argument("--cache-gb", type=float, help="prefix pool size per cluster (default unlimited)")
+    link = parser.add_argument_group("link")
+    link.add_argument("--link-gbps", type=float, help="inter-cluster bandwidth (default: the case's)")
+    link.add_argument("--rtt-ms", type=float, default=10.0)
+    link.add_argument("--pipeline-layers", type=int, default=61, help="layers streamed during prefill; 0 = off")
+    link.add_argument("--bandwidth-schedule", default="", help="changes as time_s:gbps,... e.g. 600:20,900:100")
+    load = parser.add_argument_group("workload")
+    load.add_argument("--trace", help="a Mooncake .jsonl or Azure .csv trace instead of synthetic requests")
+    load.add_argument("--length-scale", type=float, default=1.0)
+    load.add_argument("--rate-scale", type=float, default=1.0)
+    load.add_argument("--arrivals", choices=[k.value for k in ArrivalKind], default=ArrivalKind.POISSON.value)
+    load.add_argument("--load", type=float, default=0.8, help="offered rate as a fraction of planned capacity")
+    load.add_argument("--rate", type=float, help="offered rate in req/s (overrides --load)")
+    load.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
+    load.add_argument("--on-s", type=float, default=10.0, help="bursty: mean ON period")
+    load.add_argument("--off-s", type=float, default=10.0, help="bursty: mean OFF period")
+    load.add_argument("--off-fraction", type=float, default=0.0, help="bursty: OFF rate / ON rate")
+    load.add_argument("--seed", type=int, default=0)
+    out = parser.add_argument_group("output")
+    out.add_argument("--warmup", type=float, default=0.0, help="seconds not counted in throughput")
+    out.add_argument("--no-drain", action="store_true", help="stop at the last arrival")
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--queues-csv")
+    out.add_argument("--queues-png")
+    out.add_argument("--no-progress", action="store_true")
+
+
+def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> PlanCase:
+    if gpus is None:
+        return case.with_overrides(link_gbps=link_gbps)
+    factor = gpus / case.gpus
+    return case.with_overrides(
+        n_prfaas=round(case.n_prfaas * factor),
+        n_pd=round(case.n_pd * factor),
+        n_homogeneous=round(case.n_homogeneous * factor),
+        link_gbps=link_gbps if link_gbps is not None else case.link_gbps * factor,
+    )
+
+
+def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:
+    base = NAMED_CASES[args.case]() if args.case in NAMED_CASES else load_case(args.case)
+    case = scaled_case(base, args.gpus, args.link_gbps)
+    point: OperatingPoint = getattr(plan(case), args.config)
+    schedule = tuple(
+        (float(t), float(g)) for t, g in (item.split(":") for item in args.bandwidth_schedule.split(",") if item)
+    )
+    link = LinkConfig(case.link_gbps, args.rtt_ms / 1000, args.pipeline_layers, schedule)
+    config = config_for(
+        case,
+        point,
+        link,
+        rule=Rule(args.rule),
+        prefix_cache=not args.no_prefix_cache,
+        cache_bytes=args.cache_gb * 1e9 if args.cache_gb else float("inf"),
+        warmup_s=args.warmup,
+        drain=not args.no_drain,
+    )
+    overrides = {"n_prfaas": args.n_prfaas, "n_prefill": args.n_prefill, "n_decode": args.n_decode}
+    overrides["threshold"] = args.threshold
+    if any(v is not None for v in overrides.values()):
+        from dataclasses import replace
+
+        config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if args.trace:
+        workload = read_trace(args.trace, args.length_scale, args.rate_scale)
+        workload = workload.head(int((workload.arrival_s < args.duration).sum()))
+    else:
+        rate = args.rate if args.rate is not None else args.load * point.throughput_rps
+        arrivals = ArrivalSpec(ArrivalKind(args.arrivals), rate, args.on_s, args.off_s, args.off_fraction)
+        workload = synthetic(case.lengths, round(case.output_tokens), arrivals, args.duration, args.seed)
+    return config, workload, point
+
+
+def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimResult:
+    simulation = Simulation(config, workload)
+    if not show_progress:
+        return simulation.run()
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"))
+    with Progress(*columns, TimeElapsedColumn(), transient=True) as progress:
+        task = progress.add_task("sim", total=max(workload.duration_s, 1.0))
+        result = simulation.run(progress=lambda now: progress.update(task, completed=min(now, workload.duration_s)))
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    config, workload, point = build(args)
+    show = not args.no_progress and sys.stderr.isatty() and len(workload) > 20_000
+    result = simulate(config, workload, show)
+    if args.queues_csv:
+        result.write_queues_csv(args.queues_csv)
+    if args.queues_png:
+        result.plot_queues(args.queues_png)
+    summary = {
+        "workload": workload.name,
+        "gpus": config.gpus,
+        "config": point.config,
+        "threshold_tokens": config.threshold,
+        "n_prfaas": config.n_prfaas,
+        "n_prefill": config.n_prefill,
+        "n_decode": config.n_decode,
+        "planned_throughput_rps": round(point.throughput_rps, 6),
+        **result.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        for key, value in summary.items():
+            print(f"{key:>28}  {value}")
+    return 0

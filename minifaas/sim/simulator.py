@@ -1,0 +1,238 @@
+"""The cluster simulator: a workload replayed through the live router, prefix caches and cost profiles.
+
+One request's life, as events:
+  arrive      the global cache manager's prefix hits per cluster -> the router
+              (the same ``decide`` the gateway runs) -> a prefill node and a
+              decode node; the prefill's start and end follow from the node's queue
+  flow_start  (PrfaaS path, pipelining on) the KV stream enters the link as prefill starts
+  prefill_end the node's queue shrinks; PD path: KV is at the decode node (same
+              fabric); PrfaaS path, pipelining off: the stream enters the link now
+  link        the pipe's head flow finished; its KV lands after the tail layer and RTT/2
+  kv_ready    join the decode batch, or wait for a slot
+  decode_end  free the slot for the next waiting request
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from minifaas.policy.router import ClusterView, Path, RouteInput, Router
+from minifaas.sim.config import SimConfig
+from minifaas.sim.decode import DecodePool
+from minifaas.sim.engine import EventLoop
+from minifaas.sim.link import FluidLink
+from minifaas.sim.metrics import SimResult, mean, percentile
+from minifaas.sim.prefill import PrefillPool
+from minifaas.sim.prefix import ClusterPrefixCaches
+from minifaas.sim.workload import Workload
+
+PD, PRFAAS, REJECTED = 0, 1, 2
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, workload: Workload) -> None:
+        self.config = config
+        self.workload = workload
+        self.loop = EventLoop()
+        self.router = Router(config.router)
+        self.prfaas = PrefillPool("prfaas", config.prfaas, config.n_prfaas)
+        self.pd = PrefillPool("pd-p", config.pd_prefill, config.n_prefill)
+        self.decode = DecodePool(config.decode, config.n_decode)
+        self.link = FluidLink(config.link.gbps)
+        use_cache = config.prefix_cache and workload.hash_ids is not None
+        self.caches = (
+            ClusterPrefixCaches(
+                workload.block_tokens, config.cache_bytes, config.prfaas, config.snapshot_interval_blocks
+            )
+            if use_cache
+            else None
+        )
+        n = len(workload)
+        self._arrival = workload.arrival_s.tolist()
+        self._prompt = workload.input_tokens.tolist()
+        self._output = workload.output_tokens.tolist()
+        self.path = [REJECTED] * n
+        self._node = [0] * n  # prefill node index in its pool
+        self._tokens = [0] * n  # incremental (computed) prefill tokens
+        self._decode_node = [0] * n
+        self._prefill_end = [0.0] * n
+        self._kv_bytes = [0.0] * n
+        self.first_token = [math.nan] * n
+        self.finished = [math.nan] * n
+        self._link_gen = 0
+        self._step = config.decode.step_time_s
+        self._samples: list[tuple[float, int, int, int, int, int]] = []
+
+    # ---- running -------------------------------------------------------------------------
+    def run(self, progress: Callable[[float], None] | None = None) -> SimResult:
+        loop = self.loop
+        loop.feed(self._arrival, self._arrive)
+        for at_s, gbps in self.config.link.schedule:
+            loop.at(at_s, self._set_bandwidth, gbps)
+        loop.at(0.0, self._sample)
+        until = math.inf if self.config.drain else self.workload.duration_s
+        loop.run(until=until, tick=progress)
+        return self._result()
+
+    def _arrive(self, rid: int) -> None:
+        now = self.loop.now
+        prompt = self._prompt[rid]
+        hits = self.caches.lookup(self.workload.hash_ids[rid], prompt) if self.caches else None
+        decision = self.router.route(
+            RouteInput(
+                prompt_tokens=prompt,
+                threshold=self.config.threshold,
+                rule=self.config.rule,
+                prfaas=self._view(self.prfaas, hits.prfaas_hit if hits else 0, hits.prfaas_kv if hits else 0),
+                pd=self._view(self.pd, hits.pd_hit if hits else 0, hits.pd_kv if hits else 0, with_decode=True),
+            )
+        )
+        if decision.path is Path.REJECT:
+            return
+        pool = self.prfaas if decision.path is Path.PRFAAS else self.pd
+        node = pool.index[decision.prefill_node]  # type: ignore[index]
+        tokens = decision.incremental_tokens
+        start, end = pool.place(node, now, tokens)
+        dnode = self.decode.index[decision.decode_node]  # type: ignore[index]
+        self.decode.reserve(dnode)
+        self._node[rid], self._tokens[rid], self._decode_node[rid], self._prefill_end[rid] = node, tokens, dnode, end
+        if decision.cache_move is not None:  # the moved prefix crosses the link too
+            moved = decision.cache_move.end_tokens - decision.cache_move.start_tokens
+            self.link.add(now, -1 - rid, pool.kv_bytes(moved))
+            self._reschedule_link()
+        if decision.path is Path.PRFAAS:
+            self.path[rid] = PRFAAS
+            shipped = prompt - decision.link_kv_start
+            self._kv_bytes[rid] = pool.kv_bytes(shipped)
+            if self.config.link.pipeline_layers:
+                self.loop.at(start, self._flow_start, rid)
+        else:
+            self.path[rid] = PD
+        self.loop.at(end, self._prefill_end_event, rid)
+
+    def _view(self, pool: PrefillPool, hit: int, kv: int, with_decode: bool = False) -> ClusterView:
+        return ClusterView(
+            name=pool.cluster,
+            prefill_nodes=pool.views({}),
+            decode_nodes=self.decode.views() if with_decode else (),
+            kv_prefix_tokens=kv,
+            pool_hit_tokens=hit,
+        )
+
+    def _flow_start(self, rid: int) -> None:
+        self.link.add(self.loop.now, rid, self._kv_bytes[rid])
+        self._reschedule_link()
+
+    def _prefill_end_event(self, rid: int) -> None:
+        now = self.loop.now
+        path = self.path[rid]
+        pool = self.prfaas if path == PRFAAS else self.pd
+        pool.done(self._node[rid], self._tokens[rid])
+        if self.caches is not None:
+            self.caches.store(pool.cluster, self.workload.hash_ids[rid], self._prompt[rid], now)
+        if path == PD:
+            self._kv_ready(rid)
+        elif not self.config.link.pipeline_layers:
+            self.link.add(now, rid, self._kv_bytes[rid])
+            self._reschedule_link()
+
+    def _reschedule_link(self) -> None:
+        self._link_gen += 1
+        when = self.link.next_completion()
+        if when < math.inf:
+            self.loop.at(max(when, self.loop.now), self._link_event, self._link_gen)
+
+    def _link_event(self, generation: int) -> None:
+        if generation != self._link_gen:
+            return  # superseded by a later add or bandwidth change
+        now = self.loop.now
+        layers = self.config.link.pipeline_layers
+        for rid in self.link.pop_done(now):
+            if rid < 0:
+                continue  # a cache move: nothing waits for it here
+            ready = now
+            if layers:  # the last layer leaves only after prefill ends
+                tail = self._kv_bytes[rid] / layers / self.link.share_bytes_per_s()
+                ready = max(now, self._prefill_end[rid] + tail)
+            ready += self.config.link.one_way_s
+            if self.caches is not None:
+                self.caches.store(self.pd.cluster, self.workload.hash_ids[rid], self._prompt[rid], ready)
+            self.loop.at(ready, self._kv_ready, rid)
+        self._reschedule_link()
+
+    def _set_bandwidth(self, gbps: float) -> None:
+        self.link.set_bandwidth(self.loop.now, gbps)
+        self._reschedule_link()
+
+    def _kv_ready(self, rid: int) -> None:
+        if self.decode.arrive(self._decode_node[rid], rid):
+            self._start_decode(rid)
+
+    def _start_decode(self, rid: int) -> None:
+        now = self.loop.now
+        self.first_token[rid] = now + self._step
+        self.loop.at(now + self._output[rid] * self._step, self._decode_end, rid)
+
+    def _decode_end(self, rid: int) -> None:
+        self.finished[rid] = self.loop.now
+        successor = self.decode.finish(self._decode_node[rid])
+        if successor is not None:
+            self._start_decode(successor)
+
+    def _sample(self, _: object) -> None:
+        d = self.decode
+        self._samples.append(
+            (
+                self.loop.now,
+                self.prfaas.in_system,
+                self.pd.in_system,
+                self.link.active,
+                d.total_waiting,
+                d.total_running,
+            )
+        )
+        busy = self.prfaas.in_system + self.pd.in_system + self.link.active + d.total_waiting + d.total_running
+        if self.loop.now < self.workload.duration_s or busy:
+            self.loop.at(self.loop.now + self.config.sample_s, self._sample)
+
+    # ---- results -------------------------------------------------------------------------
+    def _result(self) -> SimResult:
+        cfg, wl = self.config, self.workload
+        start, end = cfg.warmup_s, wl.duration_s
+        window = max(end - start, 1e-9)
+        arrival = wl.arrival_s
+        path = np.array(self.path)
+        first = np.array(self.first_token)
+        finished = np.array(self.finished)
+        counted = (arrival >= start) & ~np.isnan(first)
+        ttft = first[counted] - arrival[counted]
+        routed = path != REJECTED
+        self.link.advance(self.loop.now)
+        bins = self.link.egress_gbps(end)[int(start // self.link.bins_s) :]
+        makespan = max(self.loop.now, 1e-9)
+        return SimResult(
+            requests=len(wl),
+            completed=int(np.count_nonzero(~np.isnan(finished))),
+            rejected=int(np.count_nonzero(~routed)),
+            window_s=window,
+            throughput_rps=float(np.count_nonzero((finished >= start) & (finished <= end)) / window),
+            ttft_mean_s=mean(ttft),
+            ttft_p50_s=percentile(ttft, 50),
+            ttft_p90_s=percentile(ttft, 90),
+            ttft_p99_s=percentile(ttft, 99),
+            ttft_prfaas_mean_s=mean(first[counted & (path == PRFAAS)] - arrival[counted & (path == PRFAAS)]),
+            ttft_pd_mean_s=mean(first[counted & (path == PD)] - arrival[counted & (path == PD)]),
+            tpot_s=self._step,
+            offload_fraction=float(np.count_nonzero(path == PRFAAS) / max(1, np.count_nonzero(routed))),
+            prefix_hit_token_ratio=self.router.cached_tokens / max(1, self.router.prompt_tokens),
+            egress_gbps_mean=mean(bins),
+            egress_gbps_p99=percentile(bins, 99),
+            link_utilisation=float(self.link.delivered.sum() / max(self.link.capacity_bytes, 1e-9)),
+            prfaas_prefill_utilisation=self.prfaas.busy_s / max(1e-9, makespan * len(self.prfaas)),
+            pd_prefill_utilisation=self.pd.busy_s / max(1e-9, makespan * len(self.pd)),
+            events=self.loop.events,
+            queues=np.array(self._samples, dtype=float).reshape(-1, 6),
+        )

@@ -1,0 +1,69 @@
+"""A workload: when requests arrive, how long their prompts and outputs are, which blocks they share.
+
+Held as columns (numpy arrays) because the large runs have a million
+requests; ``hash_ids`` is present only for traces that carry prefix
+information (one id per ``block_tokens`` block; equal leading ids = shared prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minifaas.planner.lengths import LengthDistribution
+from minifaas.sim.arrivals import ArrivalSpec, arrival_times
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    arrival_s: np.ndarray  # float64, sorted
+    input_tokens: np.ndarray  # int64, >= 1
+    output_tokens: np.ndarray  # int64, >= 1
+    hash_ids: tuple[tuple[int, ...], ...] | None = None
+    block_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        n = self.arrival_s.size
+        if self.input_tokens.size != n or self.output_tokens.size != n:
+            raise ValueError(f"{self.name}: columns differ in length")
+        if n and (np.any(np.diff(self.arrival_s) < 0) or self.input_tokens.min() < 1 or self.output_tokens.min() < 1):
+            raise ValueError(f"{self.name}: arrivals must be sorted and lengths >= 1")
+        if self.hash_ids is not None and len(self.hash_ids) != n:
+            raise ValueError(f"{self.name}: one hash id list per request")
+        if self.block_tokens < 1:
+            raise ValueError(f"{self.name}: block_tokens must be >= 1")
+
+    def __len__(self) -> int:
+        return int(self.arrival_s.size)
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.arrival_s[-1]) if len(self) else 0.0
+
+    @property
+    def rate(self) -> float:
+        return len(self) / self.duration_s if self.duration_s > 0 else 0.0
+
+    def head(self, n: int) -> Workload:
+        ids = self.hash_ids[:n] if self.hash_ids is not None else None
+        return Workload(
+            self.name, self.arrival_s[:n], self.input_tokens[:n], self.output_tokens[:n], ids, self.block_tokens
+        )
+
+
+def synthetic(
+    lengths: LengthDistribution,
+    output_tokens: int,
+    arrivals: ArrivalSpec,
+    duration_s: float,
+    seed: int = 0,
+) -> Workload:
+    """Requests with independent lengths drawn from ``lengths``, a fixed output length,
+    no prefix sharing, arriving by ``arrivals`` over ``duration_s`` seconds."""
+    rng = np.random.default_rng(seed)
+    times = arrival_times(arrivals, duration_s, rng)
+    inputs = lengths.sample(rng, times.size)
+    outputs = np.full(times.size, output_tokens, dtype=np.int64)
+    return Workload(f"{lengths.name}, {arrivals.describe()}", times, inputs, outputs)

@@ -1,0 +1,165 @@
+"""The simulator end to end: agreement with the planner, cache replay, latency, link behaviour, CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from minifaas.cli import main
+from minifaas.planner import LengthDistribution, PlanCase, plan
+from minifaas.planner.paper import paper_case
+from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
+from minifaas.sim.config import NO_OFFLOAD, config_for
+from minifaas.sim.link import LinkConfig
+from minifaas.sim.simulator import Simulation
+from minifaas.sim.traces import SHARED_TRACES, read_trace
+from minifaas.sim.workload import Workload, synthetic
+
+
+def saturated_throughput(case: PlanCase, config_name: str, seed: int = 0) -> tuple[float, float]:
+    """(planned, simulated) req/s with uniform arrivals 30% above the planned capacity."""
+    point = getattr(plan(case), config_name)
+    link = LinkConfig(case.link_gbps, rtt_s=0.01, pipeline_layers=61)
+    config = config_for(case, point, link, warmup_s=400.0, drain=False)
+    workload = synthetic(
+        case.lengths,
+        round(case.output_tokens),
+        ArrivalSpec(ArrivalKind.UNIFORM, 1.3 * point.throughput_rps),
+        3_000.0,
+        seed,
+    )
+    return point.throughput_rps, Simulation(config, workload).run().throughput_rps
+
+
+def other_case() -> PlanCase:
+    """Different sizes, lengths and outputs: a heavier-tailed prompt mix and short answers."""
+    return paper_case().with_overrides(
+        name="wide",
+        n_prfaas=2,
+        n_pd=10,
+        n_homogeneous=12,
+        output_tokens=256.0,
+        lengths=LengthDistribution.lognormal(mu=9.0, sigma=1.3, low=64, high=100_000),
+    )
+
+
+@pytest.mark.parametrize(
+    ("label", "case", "config_name"),
+    [
+        ("paper, PrfaaS", paper_case(), "prfaas"),
+        ("paper, homogeneous", paper_case(), "homogeneous"),
+        ("paper at 4 Gbps: link-bound", paper_case().with_overrides(link_gbps=4.0), "prfaas"),
+        ("wide lengths, short outputs", other_case(), "prfaas"),
+    ],
+)
+def test_simulator_at_saturation_agrees_with_the_planner(label: str, case: PlanCase, config_name: str) -> None:
+    planned, simulated = saturated_throughput(case, config_name)
+    assert simulated == pytest.approx(planned, rel=0.05), label
+
+
+def test_link_bound_case_is_really_link_bound() -> None:  # the case above would not test the link otherwise
+    assert plan(paper_case().with_overrides(link_gbps=4.0)).prfaas.bottleneck == "prfaas-link"
+
+
+def direct_prefix_hits(workload: Workload) -> float:
+    """Hit tokens / prompt tokens if every earlier prompt's full blocks were cached: a count over hash ids."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    block = workload.block_tokens
+    for prompt, ids in zip(workload.input_tokens.tolist(), workload.hash_ids, strict=True):
+        matched = 0
+        while matched < len(ids) and tuple(ids[: matched + 1]) in seen:
+            matched += 1
+        hit += min(matched, (prompt - 1) // block) * block  # at least one token is computed
+        total += prompt
+        seen.update(tuple(ids[: j + 1]) for j in range(prompt // block))  # only full blocks are cached
+    return hit / total
+
+
+@pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"traces not found at {SHARED_TRACES}")
+def test_infinite_cache_replay_matches_a_direct_count_of_hash_ids() -> None:
+    trace = read_trace(SHARED_TRACES / "mooncake_synthetic_trace.jsonl").head(1_500)
+    spaced = replace(trace, arrival_s=np.arange(len(trace)) * 100.0)  # one at a time: all earlier prompts cached
+    case = paper_case()
+    config = config_for(case, plan(case).homogeneous, snapshot_interval_blocks=1)
+    result = Simulation(config, spaced).run()
+    expected = direct_prefix_hits(spaced)
+    assert expected > 0.15  # the trace does share prefixes
+    assert result.prefix_hit_token_ratio == pytest.approx(expected, rel=1e-9)
+    sparse = Simulation(replace(config, snapshot_interval_blocks=8), spaced).run().prefix_hit_token_ratio
+    assert sparse < expected  # linear state is reusable only where a snapshot exists
+
+
+def test_ttft_at_light_load_is_prefill_plus_one_step() -> None:
+    case = paper_case()
+    config = config_for(case, plan(case).homogeneous)
+    workload = synthetic(case.lengths, 1024, ArrivalSpec(ArrivalKind.UNIFORM, 0.05), 2_000.0, seed=4)
+    result = Simulation(config, workload).run()
+    expected = case.pd_prefill.latency_s(workload.input_tokens) + case.decode.step_time_s
+    assert result.ttft_mean_s == pytest.approx(float(expected.mean()), rel=1e-9)
+    assert result.offload_fraction == 0.0 and result.egress_gbps_mean == 0.0
+
+
+def offloaded_ttft(link: LinkConfig) -> float:
+    case = paper_case()
+    config = replace(config_for(case, plan(case).prfaas, link), threshold=0, n_prefill=1)
+    workload = synthetic(case.lengths, 64, ArrivalSpec(ArrivalKind.UNIFORM, 0.05), 2_000.0, seed=5)
+    return Simulation(config, workload).run().ttft_prfaas_mean_s
+
+
+def test_layer_pipelining_hides_transfer_and_rtt_adds_half_a_round_trip() -> None:
+    slow = LinkConfig(gbps=2.0)
+    off, on = offloaded_ttft(slow), offloaded_ttft(replace(slow, pipeline_layers=61))
+    assert on < off - 0.5  # at 2 Gbps a mean prompt's KV takes seconds: pipelining hides most of it
+    with_rtt = offloaded_ttft(replace(slow, rtt_s=0.2))
+    assert with_rtt == pytest.approx(off + 0.1, abs=1e-6)
+
+
+def test_a_link_cut_holds_offloaded_kv_until_it_returns() -> None:
+    case = paper_case()
+    link = LinkConfig(gbps=100.0, schedule=((100.0, 0.0), (400.0, 100.0)))
+    config = replace(config_for(case, plan(case).prfaas, link), threshold=0, n_prefill=1)
+    workload = synthetic(case.lengths, 64, ArrivalSpec(ArrivalKind.UNIFORM, 0.5), 600.0, seed=6)
+    sim = Simulation(config, workload)
+    sim.run()
+    first = np.array(sim.first_token)
+    during = (workload.arrival_s > 110.0) & (workload.arrival_s < 390.0)
+    assert np.all(first[during] >= 400.0)
+    after = workload.arrival_s > 420.0
+    assert np.all(first[after] - workload.arrival_s[after] < 30.0)  # back to normal once the backlog is gone
+
+
+def test_homogeneous_config_never_offloads() -> None:
+    case = paper_case()
+    config = config_for(case, plan(case).homogeneous)
+    assert config.threshold == NO_OFFLOAD and config.n_prfaas == 0
+
+
+def test_same_seed_same_run() -> None:
+    case = paper_case()
+    config = config_for(case, plan(case).prfaas)
+    workload = synthetic(case.lengths, 1024, ArrivalSpec(ArrivalKind.BURSTY, 3.0), 300.0, seed=7)
+    a, b = Simulation(config, workload).run(), Simulation(config, workload).run()
+    assert a.to_dict() == b.to_dict()
+
+
+def test_sim_json_command(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    csv_path = tmp_path / "queues.csv"
+    argv = ["sim", "--case", "paper", "--duration", "120", "--load", "0.5", "--json", "--queues-csv", str(csv_path)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("requests", "throughput_rps", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_s"):
+        assert key in out
+    for key in (
+        "offload_fraction",
+        "prefix_hit_token_ratio",
+        "egress_gbps_mean",
+        "egress_gbps_p99",
+        "link_utilisation",
+    ):
+        assert key in out
+    assert out["requests"] > 100 and out["completed"] == out["requests"]
+    assert csv_path.read_text().startswith("time_s,prfaas_prefill,pd_prefill")

@@ -1,0 +1,129 @@
+"""The simulator's parts on their own: engine, arrivals, link, pools, trace readers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minifaas.planner.paper import H20_DECODE, H20_PREFILL
+from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec, arrival_times
+from minifaas.sim.decode import DecodePool
+from minifaas.sim.engine import EventLoop
+from minifaas.sim.link import FluidLink, LinkConfig
+from minifaas.sim.prefill import PrefillPool
+from minifaas.sim.traces import SHARED_TRACES, read_trace
+
+GB = 1e9 / 8  # bytes in one gigabit
+
+
+def test_events_fire_in_time_order_with_feed_merged() -> None:
+    loop = EventLoop()
+    seen: list[tuple[str, float]] = []
+    loop.feed([0.5, 1.5, 3.0], lambda i: seen.append((f"feed{i}", loop.now)))
+    loop.at(1.0, lambda _: seen.append(("a", loop.now)))
+    loop.at(2.0, lambda _: loop.at(2.5, lambda _: seen.append(("c", loop.now))))
+    loop.run(until=2.9)
+    assert seen == [("feed0", 0.5), ("a", 1.0), ("feed1", 1.5), ("c", 2.5)]
+    loop.run()
+    assert seen[-1] == ("feed2", 3.0)
+    with pytest.raises(ValueError):
+        loop.at(1.0, lambda _: None)
+
+
+@pytest.mark.parametrize("kind", list(ArrivalKind))
+def test_arrival_processes_keep_their_mean_rate(kind: ArrivalKind) -> None:
+    spec = ArrivalSpec(kind, rate=20.0, on_s=2.0, off_s=6.0)
+    times = arrival_times(spec, 2_000.0, np.random.default_rng(1))
+    assert np.all(np.diff(times) >= 0) and times[-1] < 2_000.0
+    assert times.size / 2_000.0 == pytest.approx(20.0, rel=0.08)
+
+
+def test_bursty_arrivals_are_burstier_than_poisson() -> None:
+    rng = np.random.default_rng(2)
+    counts = {}
+    for kind in (ArrivalKind.POISSON, ArrivalKind.BURSTY):
+        times = arrival_times(ArrivalSpec(kind, 10.0, on_s=5.0, off_s=15.0), 4_000.0, rng)
+        per_second = np.bincount(times.astype(int), minlength=4_000)
+        counts[kind] = per_second.var() / per_second.mean()  # index of dispersion: 1 for Poisson
+    assert counts[ArrivalKind.POISSON] == pytest.approx(1.0, abs=0.15)
+    assert counts[ArrivalKind.BURSTY] > 3.0
+
+
+def test_link_shares_bandwidth_equally() -> None:
+    link = FluidLink(gbps=8.0)  # 1 GB/s
+    link.add(0.0, 1, 1e9)
+    link.add(0.0, 2, 2e9)
+    # both at 0.5 GB/s until flow 1 is done at t=2, then flow 2 alone: 1 GB left at 1 GB/s
+    assert link.next_completion() == pytest.approx(2.0)
+    assert link.pop_done(2.0) == [1]
+    assert link.next_completion() == pytest.approx(3.0)
+    assert link.pop_done(3.0) == [2]
+    assert link.delivered.sum() == pytest.approx(3e9)
+    assert link.next_completion() == float("inf")
+
+
+def test_link_bandwidth_change_moves_completions() -> None:
+    link = FluidLink(gbps=8.0)
+    link.add(0.0, 1, 2e9)
+    link.set_bandwidth(1.0, 4.0)  # 1 GB sent; 1 GB left at 0.5 GB/s
+    assert link.next_completion() == pytest.approx(3.0)
+    link.set_bandwidth(2.0, 0.0)  # cut: never finishes
+    assert link.next_completion() == float("inf")
+    link.set_bandwidth(5.0, 8.0)  # 0.5 GB left at 1 GB/s
+    assert link.next_completion() == pytest.approx(5.5)
+    egress = link.egress_gbps(5.0)
+    assert egress[0] == pytest.approx(8.0) and egress[1] == pytest.approx(4.0) and egress[3] == 0.0
+
+
+def test_link_config_validates() -> None:
+    assert LinkConfig(rtt_s=0.02).one_way_s == pytest.approx(0.01)
+    with pytest.raises(ValueError):
+        LinkConfig(schedule=((10.0, 5.0), (5.0, 1.0)))
+
+
+def test_prefill_pool_is_fcfs_and_picks_the_first_free_node() -> None:
+    pool = PrefillPool("pd-p", H20_PREFILL, 2)
+    t = H20_PREFILL.latency_s(10_000)
+    assert pool.latency_s(10_000) == pytest.approx(float(t))
+    assert pool.place(0, 0.0, 10_000) == pytest.approx((0.0, float(t)))
+    assert pool.first_free() == 1
+    assert pool.place(1, 0.0, 10_000)[0] == 0.0
+    start, _ = pool.place(0, 1.0, 10_000)  # queued behind the first
+    assert start == pytest.approx(float(t))
+    views = pool.views({})
+    assert len(views) == 1 and views[0].node_id == "pd-p-1" and views[0].load == 10_000
+    assert {v.node_id for v in pool.views({0: 512})} == {"pd-p-0", "pd-p-1"}
+
+
+def test_decode_pool_holds_at_most_bs_max_and_hands_slots_over() -> None:
+    pool = DecodePool(H20_DECODE, 1)
+    for request in range(H20_DECODE.bs_max + 2):
+        pool.reserve(0)
+        joined = pool.arrive(0, request)
+        assert joined == (request < H20_DECODE.bs_max)
+    assert pool.total_running == H20_DECODE.bs_max and pool.total_waiting == 2
+    assert pool.finish(0) == H20_DECODE.bs_max  # the first waiter takes the slot
+    assert pool.total_running == H20_DECODE.bs_max and pool.assigned[0] == H20_DECODE.bs_max + 1
+
+
+needs_traces = pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"traces not found at {SHARED_TRACES}")
+
+
+@needs_traces
+def test_mooncake_trace_reads_as_documented() -> None:
+    trace = read_trace(SHARED_TRACES / "mooncake_synthetic_trace.jsonl")
+    assert len(trace) == 3_993 and trace.hash_ids is not None
+    assert trace.input_tokens.mean() == pytest.approx(15_326, rel=0.01)
+    assert trace.rate == pytest.approx(3.9, rel=0.05)
+    faster = read_trace(SHARED_TRACES / "mooncake_synthetic_trace.jsonl", length_scale=0.25, rate_scale=2.0)
+    assert faster.duration_s == pytest.approx(trace.duration_s / 2)
+    assert faster.block_tokens == 128
+    assert all(-(-p // 128) == len(h) for p, h in zip(faster.input_tokens.tolist(), faster.hash_ids, strict=True))
+
+
+@needs_traces
+def test_azure_trace_reads_as_documented() -> None:
+    trace = read_trace(SHARED_TRACES / "AzureLLMInferenceTrace_conv.csv")
+    assert len(trace) == 19_366 and trace.hash_ids is None
+    assert trace.input_tokens.mean() == pytest.approx(1_155, rel=0.01)
+    assert 3_000 < trace.duration_s < 3_700  # one hour
