@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kv-size": ("minifaas.model.kv_size_cli", "KV bytes per token and fixed state per layer kind of a model"),
     "generate": ("minifaas.model.generate_cli", "prefill and decode one prompt in this process, with timings"),
     "plan": ("minifaas.planner.plan_cli", "solve the PrfaaS throughput model: best threshold and P/D split"),
+    "sim": ("minifaas.sim.sim_cli", "discrete-event simulation of a PrfaaS deployment with the live policies"),
 }
 
 
