@@ -71,7 +71,7 @@ class PromptKeys:
             keys.append(parent)
         tail = tokens[len(keys) * block_size :]
         end = chain(parent, token_bytes(tail)) if tail else parent
-        return cls(root, block_size, len(tokens), tuple(keys), end, tokens)
+        return cls(root, block_size, len(tokens), tuple(keys), end, tuple(tokens))
 
     @classmethod
     def from_ids(
