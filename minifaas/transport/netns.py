@@ -1,0 +1,176 @@
+"""A real kernel bottleneck for the transport (Linux, root): two network namespaces, one veth, tbf.
+
+The userspace emulator paces bytes but never drops a packet. Here both ends of
+a veth pair live in their own namespace and each egress goes through a token
+bucket filter with a short queue, so a sender that outruns the rate overflows
+a real queue, loses packets and retransmits, and TCP_INFO shows it.
+
+    reason = unavailable()              # None, or why this host cannot do it
+    with NetnsLink(rate="50mbit") as link:
+        subprocess.run(link.exec("a", [sys.executable, "-m", ...]))   # a process inside namespace a
+
+The namespaces (and the veth inside them) are deleted on exit, also after an
+error half-way through setting up. ``python -m minifaas.transport.netns`` runs
+the two ends of a measurement inside them: ``sink`` (a KV receiver) and
+``probe`` (a KV sender that prints link-health readings as JSON lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from itertools import count
+from typing import Any
+
+from minifaas.transport.link_health import LinkMonitor
+from minifaas.transport.pacer import parse_rate
+
+_serial = count()
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be built here, or None if they can."""
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs the ip and tc commands (iproute2)"
+    probe = f"mfprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    return None
+
+
+class NetnsLink:
+    def __init__(self, rate: str = "50mbit", queue_bytes: int = 32_000, burst_bytes: int = 16_000, delay_ms: float = 0):
+        if parse_rate(rate) is None:
+            raise ValueError("a namespace link needs a finite rate")
+        self.rate, self.queue_bytes, self.burst_bytes, self.delay_ms = rate, queue_bytes, burst_bytes, delay_ms
+        tag = f"{os.getpid() % 100000}x{next(_serial)}"
+        self.namespaces = {"a": f"mfa{tag}", "b": f"mfb{tag}"}
+        self.devices = {"a": f"mfva{tag}", "b": f"mfvb{tag}"}
+        subnet = 1 + (os.getpid() + next(_serial)) % 250
+        self.addresses = {"a": f"10.201.{subnet}.1", "b": f"10.201.{subnet}.2"}
+
+    def __enter__(self) -> NetnsLink:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def exec(self, side: str, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[side], *argv]
+
+    def _build(self) -> None:
+        a, b = self.namespaces["a"], self.namespaces["b"]
+        _ip("netns", "add", a)
+        _ip("netns", "add", b)
+        _ip("link", "add", self.devices["a"], "netns", a, "type", "veth", "peer", "name", self.devices["b"], "netns", b)
+        for side in ("a", "b"):
+            ns, dev = self.namespaces[side], self.devices[side]
+            _ip("-n", ns, "addr", "add", f"{self.addresses[side]}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            # sender-side offloads would hand tbf 64 KB super-packets; real links see MTU-sized ones
+            subprocess.run(["ip", "netns", "exec", ns, "ethtool", "-K", dev, "tso", "off", "gso", "off"],
+                           capture_output=True, timeout=10)  # fmt: skip
+            shaper = ["tbf", "rate", self.rate, "burst", str(self.burst_bytes), "limit", str(self.queue_bytes)]
+            if self.delay_ms:
+                _tc(
+                    "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms"
+                )
+                _tc("-n", ns, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *shaper)
+            else:
+                _tc("-n", ns, "qdisc", "add", "dev", dev, "root", *shaper)
+
+    def close(self) -> None:
+        for ns in self.namespaces.values():  # deleting a namespace deletes the veth end inside it
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _tc(*args: str) -> None:
+    _run(["tc", *args])
+
+
+def _run(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+
+# --- the two ends of a measurement, run inside the namespaces ---
+
+SECRET_ENV = "MINIFAAS_KV_SECRET"
+
+
+async def _sink(host: str, port: int, transfers: int) -> None:
+    from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+
+    async with KVReceiver(ReceiverConfig(os.environb[SECRET_ENV.encode()], host=host, port=port)) as rx:
+        print(json.dumps({"port": rx.port}), flush=True)
+        for transfer_id in range(transfers):
+            await rx.transfer(transfer_id).model_state()
+
+
+async def _probe(host: str, port: int, nbytes: int, connections: int, rate: str) -> None:
+    from minifaas.transport.sender import KVSender, SenderConfig
+    from minifaas.transport.synthetic import bulk_state
+
+    state = bulk_state(nbytes)
+    monitor = LinkMonitor(parse_rate(rate) or 1.0)
+    config = SenderConfig(host, port, os.environb[SECRET_ENV.encode()], connections=connections)
+    async with KVSender(config) as tx, asyncio.TaskGroup() as tg:
+        loop = asyncio.get_running_loop()
+        sending = tg.create_task(tx.send(0, state))
+        while not sending.done():
+            await asyncio.wait([sending], timeout=0.2)
+            health = monitor.update(loop.time(), tx.tcp_infos(), tx.queued_bytes)
+            print(json.dumps({"health": _as_dict(health)}), flush=True)
+        report = sending.result()
+        print(json.dumps({"done": {"bytes": report.nbytes, "seconds": report.seconds}}), flush=True)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minifaas.transport.netns", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="role", required=True)
+    sink = sub.add_parser("sink", help="a KV receiver that takes transfers 0..N-1")
+    sink.add_argument("--listen", required=True, help="HOST:PORT")
+    sink.add_argument("--transfers", type=int, default=1)
+    probe = sub.add_parser("probe", help="a KV sender that prints link-health readings")
+    probe.add_argument("--connect", required=True, help="HOST:PORT")
+    probe.add_argument("--bytes", type=int, default=8 << 20)
+    probe.add_argument("--connections", type=int, default=4)
+    probe.add_argument("--rate", default="50mbit", help="the link rate utilisation is measured against")
+    args = parser.parse_args(argv)
+    if args.role == "sink":
+        host, _, port = args.listen.rpartition(":")
+        asyncio.run(_sink(host, int(port), args.transfers))
+    else:
+        host, _, port = args.connect.rpartition(":")
+        asyncio.run(_probe(host, int(port), args.bytes, args.connections, args.rate))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

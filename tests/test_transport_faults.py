@@ -1,0 +1,208 @@
+"""Every way a transfer can break ends it with a specific error, in bounded time, and frees its state."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from minifaas.transport import (
+    ConnectionLostError,
+    CorruptFrameError,
+    IncomingTransfer,
+    KVReceiver,
+    KVSender,
+    ProtocolError,
+    ReceiverConfig,
+    RejectedError,
+    SenderConfig,
+    StallError,
+    TransferAbortedError,
+    TransferError,
+    TruncatedError,
+)
+from minifaas.transport.auth import prove_as_sender
+from minifaas.transport.channel import Channel, open_channel
+from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.transport.synthetic import synthetic_state
+from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts, split_chunks
+
+SECRET = b"cluster-secret-0123456789abcdef"
+STALL = 1.0  # seconds without progress before a side gives up
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 45))
+
+
+async def failure_of(incoming: IncomingTransfer) -> TransferError:
+    with pytest.raises(TransferError) as caught:
+        async with asyncio.timeout(4 * STALL + 5):
+            await incoming.model_state()
+    assert incoming.assembly is None  # the partial state is gone
+    return caught.value
+
+
+async def dropped(channel: Channel) -> bool:
+    """The receiver hung up on this connection (an orderly close or a reset)."""
+    try:
+        return not await channel.recv_into(memoryview(bytearray(1)), 5)
+    except ConnectionLostError:
+        return True
+
+
+async def raw_sender(port: int) -> Channel:
+    channel = await open_channel("127.0.0.1", port, 5.0)
+    await prove_as_sender(channel, SECRET, 5.0)
+    return channel
+
+
+# --- faults injected by the link emulator in the middle of a real transfer ---
+
+BIG = synthetic_state(layers=8, tokens=2048, width=32)  # ~1.5 MB: over a second at 8 Mbit/s
+
+
+async def through_slow_link(fault: str) -> tuple[BaseException, TransferError]:
+    async with (
+        KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx,
+        EmulatorProcess(("127.0.0.1", rx.port), rate="8mbit") as link,
+    ):
+        config = SenderConfig("127.0.0.1", link.port, SECRET, connections=2, chunk_bytes=16 << 10,
+                              stall_timeout=STALL, done_timeout=2 * STALL)  # fmt: skip
+        incoming = rx.transfer(1)
+        async with KVSender(config) as tx, asyncio.TaskGroup() as tg:
+            sending = tg.create_task(_outcome(tx.send(1, BIG)))
+            async with asyncio.timeout(20):
+                await anext(aiter(incoming))  # layer 0 is through: the transfer is under way
+            await link.control.command(fault, **({"seconds": 60} if fault == "stall" else {}))
+            receiver_error = await failure_of(incoming)
+        return sending.result(), receiver_error
+
+
+async def _outcome(coro: Coroutine[Any, Any, Any]) -> BaseException:
+    try:
+        await coro
+    except TransferError as e:
+        return e
+    raise AssertionError("the transfer should have failed")
+
+
+def test_connection_cut_mid_transfer() -> None:
+    sender_error, receiver_error = run(through_slow_link("cut"))
+    assert isinstance(sender_error, (ConnectionLostError, TruncatedError, RejectedError))
+    assert isinstance(receiver_error, (ConnectionLostError, TruncatedError))
+
+
+def test_stalled_link() -> None:
+    sender_error, receiver_error = run(through_slow_link("stall"))
+    assert isinstance(sender_error, StallError)
+    assert isinstance(receiver_error, StallError)
+
+
+def test_byte_corrupted_on_the_link() -> None:
+    sender_error, receiver_error = run(through_slow_link("corrupt"))
+    assert isinstance(receiver_error, (CorruptFrameError, ProtocolError))
+    assert isinstance(sender_error, (RejectedError, ConnectionLostError))
+
+
+# --- a hand-made sender that breaks the stream in exact places ---
+
+
+def first_chunk() -> tuple[bytes, memoryview]:
+    return split_chunks(synthetic_state(layers=2, tokens=16).layers[0], 1 << 20)[0].frame(7)
+
+
+def test_corrupted_payload_byte_fails_the_transfer_and_drops_the_connection() -> None:
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx:
+            channel = await raw_sender(rx.port)
+            header, payload = first_chunk()
+            damaged = bytearray(payload)
+            damaged[3] ^= 0x01
+            await channel.send([control(FrameType.START, 7, pack_counts(2, 0)), header, damaged], 5)
+            assert isinstance(await failure_of(rx.transfer(7)), CorruptFrameError)
+            assert await dropped(channel)
+            channel.close()
+
+    run(main())
+
+
+def test_truncated_stream() -> None:
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx:
+            channel = await raw_sender(rx.port)
+            header, payload = first_chunk()
+            await channel.send([header, payload[: len(payload) // 2]], 5)
+            channel.sock.shutdown(2)  # the stream ends in the middle of the payload
+            assert isinstance(await failure_of(rx.transfer(7)), TruncatedError)
+            channel.close()
+
+    run(main())
+
+
+def test_stream_ending_between_frames_before_the_end() -> None:
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx:
+            channel = await raw_sender(rx.port)
+            await channel.send(list(first_chunk()), 5)
+            channel.close()
+            assert isinstance(await failure_of(rx.transfer(7)), TruncatedError)
+
+    run(main())
+
+
+def test_silent_sender_is_a_stall() -> None:
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx:
+            channel = await raw_sender(rx.port)
+            await channel.send(list(first_chunk()), 5)  # then nothing, with the connection open
+            assert isinstance(await failure_of(rx.transfer(7)), StallError)
+            channel.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "huge slot"])
+def test_bad_header_drops_the_connection(damage: str) -> None:
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx:
+            channel = await raw_sender(rx.port)
+            header, payload = first_chunk()
+            await channel.send([header, payload], 5)  # the transfer is open on this connection
+            bad = bytearray(FrameHeader(FrameType.CHUNK, 7, 8, 0, 1, 1, 0, 2, "keys", 1, (1 << 30, 1 << 30)).pack())
+            if damage == "magic":
+                bad[0:4] = b"HTTP"
+            elif damage == "version":
+                bad[4] = 99
+            await channel.send([bad], 5)
+            assert isinstance(await failure_of(rx.transfer(7)), ProtocolError)
+            assert await dropped(channel)
+            channel.close()
+
+    run(main())
+
+
+def test_abort_from_the_sender() -> None:
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx:
+            channel = await raw_sender(rx.port)
+            await channel.send([*first_chunk(), control(FrameType.ABORT, 7, b"prefill node lost its GPU")], 5)
+            error = await failure_of(rx.transfer(7))
+            assert isinstance(error, TransferAbortedError) and "GPU" in str(error)
+            channel.close()
+
+    run(main())
+
+
+def test_receiver_gone_before_the_transfer() -> None:
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            port = rx.port
+        async with KVSender(SenderConfig("127.0.0.1", port, SECRET, connect_timeout=2)) as tx:
+            with pytest.raises(ConnectionLostError):
+                await tx.send(1, synthetic_state(layers=2))
+
+    run(main())
