@@ -6,11 +6,12 @@ slot for output_tokens steps and its first token comes one step after it
 joins. A request whose KV arrives at a full instance waits for a slot there.
 The router picks the instance when the request arrives (least assigned work,
 counting requests still in prefill or on the link), as the live router does.
+Loads move by one at a time, so instances sit in buckets by load and the least
+loaded is found in O(1), not by scanning hundreds of instances per request.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
 from minifaas.planner.profile import DecodeProfile
@@ -27,28 +28,37 @@ class DecodePool:
         self.waiting: list[deque[int]] = [deque() for _ in range(n)]
         self.total_running = 0
         self.total_waiting = 0
-        self._heap = [(0, i) for i in range(n)]
+        self._buckets: list[dict[int, None]] = [dict.fromkeys(range(n))]  # load -> instances (insertion-ordered)
+        self._min_load = 0
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def least_loaded(self) -> int | None:
-        heap = self._heap
-        while heap and heap[0][0] != self.assigned[heap[0][1]]:
-            heapq.heappop(heap)
-        return heap[0][1] if heap else None
+        if not self.ids:
+            return None
+        return next(iter(self._buckets[self._min_load]))
 
     def views(self) -> tuple[NodeView, ...]:
         """The least-loaded instance only: with no affinity the router picks the least load."""
         node = self.least_loaded()
         return () if node is None else (NodeView(self.ids[node], 0, float(self.assigned[node])),)
 
-    def _changed(self, node: int) -> None:
-        heapq.heappush(self._heap, (self.assigned[node], node))
+    def _move(self, node: int, delta: int) -> None:
+        old = self.assigned[node]
+        new = old + delta
+        self.assigned[node] = new
+        del self._buckets[old][node]
+        if new == len(self._buckets):
+            self._buckets.append({})
+        self._buckets[new][node] = None
+        if new < self._min_load:
+            self._min_load = new
+        while not self._buckets[self._min_load]:
+            self._min_load += 1
 
     def reserve(self, node: int) -> None:
-        self.assigned[node] += 1
-        self._changed(node)
+        self._move(node, +1)
 
     def arrive(self, node: int, request: int) -> bool:
         """The request's KV is here; True if it joins the batch now, False if it waits."""
@@ -62,8 +72,7 @@ class DecodePool:
 
     def finish(self, node: int) -> int | None:
         """A request left the batch; returns the waiting request that takes its slot, if any."""
-        self.assigned[node] -= 1
-        self._changed(node)
+        self._move(node, -1)
         if self.waiting[node]:
             self.total_waiting -= 1
             return self.waiting[node].popleft()

@@ -114,13 +114,8 @@ class Simulation:
         self.loop.at(end, self._prefill_end_event, rid)
 
     def _view(self, pool: PrefillPool, hit: int, kv: int, with_decode: bool = False) -> ClusterView:
-        return ClusterView(
-            name=pool.cluster,
-            prefill_nodes=pool.views({}),
-            decode_nodes=self.decode.views() if with_decode else (),
-            kv_prefix_tokens=kv,
-            pool_hit_tokens=hit,
-        )
+        decode = self.decode.views() if with_decode else ()
+        return ClusterView(pool.cluster, pool.views({}), decode, kv, hit)
 
     def _flow_start(self, rid: int) -> None:
         self.link.add(self.loop.now, rid, self._kv_bytes[rid])
