@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("minifaas.model.generate_cli", "prefill and decode one prompt in this process, with timings"),
     "plan": ("minifaas.planner.plan_cli", "solve the PrfaaS throughput model: best threshold and P/D split"),
     "sim": ("minifaas.sim.sim_cli", "discrete-event simulation of a PrfaaS deployment with the live policies"),
+    "link-emulator": ("minifaas.transport.emulator", "TCP relay imposing an inter-DC link: rate, delay, faults"),
 }
 
 

@@ -33,7 +33,7 @@ class Pacer:
         self.burst_seconds = burst_seconds
         self.min_burst_bytes = min_burst_bytes
         self.rate_bps = rate_bps
-        self._next_free = 0.0
+        self._next_free = float("-inf")  # idle since forever: a full burst is available
 
     def set_rate(self, rate_bps: float | None) -> None:
         if rate_bps is not None and rate_bps <= 0:

@@ -1,0 +1,167 @@
+"""The link emulator: its pacing policy with time passed in, and the relay process with its control port."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from minifaas.transport.emulator_control import EmulatorError, EmulatorProcess
+from minifaas.transport.pacer import DelayLine, Pacer, RateSchedule, parse_rate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 45))
+
+
+# --- policy, no I/O ---
+
+
+def test_parse_rate() -> None:
+    assert parse_rate("100mbit") == 100e6
+    assert parse_rate("5Gbit") == 5e9
+    assert parse_rate("2.5e8") == 2.5e8
+    assert parse_rate("none") is None
+    with pytest.raises(ValueError):
+        parse_rate("fast")
+
+
+def drain(pacer: Pacer, sizes: list[int], now: float = 0.0) -> float:
+    """Send back-to-back, each reservation at the time the previous one finished; returns the end time."""
+    for n in sizes:
+        now += pacer.reserve(n, now)
+    return now
+
+
+def test_pacer_holds_its_rate_exactly() -> None:
+    pacer = Pacer(80e6)  # 10 MB/s
+    assert drain(pacer, [100_000] * 100, now=50.0) == pytest.approx(50.0 + 1.0 - pacer.min_burst_bytes / 10e6)
+
+
+def test_pacer_forgives_late_wakeups_only_up_to_the_burst() -> None:
+    pacer = Pacer(80e6, burst_seconds=0.01)
+    assert pacer.reserve(100_000, 0.0) == 0  # an idle link may send a burst at once
+    assert pacer.reserve(100_000, 0.0) > 0
+    # asleep for a whole second: only one burst's worth (0.01 s, 100 KB) of credit comes back
+    assert pacer.reserve(100_000, 1.0) == 0
+    assert pacer.reserve(100_000, 1.0) == pytest.approx(0.01)
+
+
+def test_one_pacer_shared_by_flows_is_an_aggregate_link() -> None:
+    link, flows = Pacer(80e6), [Pacer(20e6), Pacer(20e6), Pacer(20e6), Pacer(20e6), Pacer(20e6), Pacer(20e6)]
+    clocks = [0.0] * len(flows)
+    for _ in range(200):  # each flow sends its next 50 KB when its previous one has left both pacers
+        for i, flow in enumerate(flows):
+            clocks[i] += flow.reserve(50_000, clocks[i])
+            clocks[i] += link.reserve(50_000, clocks[i])
+    total_bytes = 200 * 50_000 * len(flows)
+    assert total_bytes / max(clocks) == pytest.approx(10e6, rel=0.02)  # six 2.5 MB/s flows share 10 MB/s
+
+
+def test_unlimited_pacer_never_waits() -> None:
+    assert drain(Pacer(None), [1 << 30] * 10) == 0
+
+
+def test_rate_schedule() -> None:
+    schedule = RateSchedule.parse("0:1gbit, 5:100mbit, 8:none")
+    assert schedule.rate_at(0, 7.0) == 1e9 and schedule.rate_at(6, 7.0) == 100e6 and schedule.rate_at(9, 7.0) is None
+    assert schedule.next_change(5) == 8 and schedule.next_change(8) is None
+    with pytest.raises(ValueError):
+        RateSchedule(((5, 1.0), (1, 2.0)))
+
+
+def test_delay_line_never_reorders() -> None:
+    line = DelayLine(random.Random(1))
+    times = [line.release_time(i * 1e-4, 0.01, 0.008) for i in range(1000)]
+    assert times == sorted(times) and min(t - i * 1e-4 for i, t in enumerate(times)) >= 0.002 - 1e-12
+
+
+# --- the relay process ---
+
+
+async def echo_server() -> asyncio.Server:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(echo, "127.0.0.1", 0)
+
+
+async def echo_through(port: int, payload: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(payload)
+    writer.write_eof()
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+def test_relay_carries_bytes_exactly_both_ways_and_counts_them() -> None:
+    payload = os.urandom(3 << 20)
+
+    async def main() -> None:
+        server = await echo_server()
+        target = server.sockets[0].getsockname()
+        async with server, EmulatorProcess(target, rate="400mbit", delay_ms=3, jitter_ms=2, read_bytes=4096) as link:
+            results = await asyncio.gather(*(echo_through(link.port, payload) for _ in range(3)))
+            assert all(r == payload for r in results)
+            stats = await link.control.stats()
+            assert stats["up_bytes"] == stats["down_bytes"] == 3 * len(payload)
+            assert stats["flows_total"] == 3 and stats["rate_bps"] == 400e6 and stats["delay_ms"] == 3
+
+    run(main())
+
+
+def test_control_commands_change_the_link() -> None:
+    async def main() -> None:
+        server = await echo_server()
+        async with server, EmulatorProcess(server.sockets[0].getsockname(), rate="1gbit") as link:
+            await link.control.set_rate(50e6)
+            await link.control.set_flow_rate(10e6)
+            await link.control.set_delay(7, 1)
+            stats = await link.control.stats()
+            assert (stats["rate_bps"], stats["flow_rate_bps"], stats["delay_ms"]) == (50e6, 10e6, 7)
+            await link.control.schedule([(0, 2e9)])
+            async with asyncio.timeout(10):
+                while (await link.control.stats())["rate_bps"] != 2e9:
+                    await asyncio.sleep(0.01)
+            await link.control.stall(0.2)
+            assert (await link.control.stats())["stalled"] is True
+            with pytest.raises(EmulatorError):
+                await link.control.command("explode")
+
+    run(main())
+
+
+def test_cut_resets_every_connection() -> None:
+    async def main() -> None:
+        server = await echo_server()
+        async with server, EmulatorProcess(server.sockets[0].getsockname()) as link:
+            reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+            writer.write(b"ping")
+            assert await reader.readexactly(4) == b"ping"
+            await link.control.cut()
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                async with asyncio.timeout(10):
+                    await reader.readexactly(1)
+            writer.close()
+            assert (await link.control.stats())["cuts"] == 1
+
+    run(main())
+
+
+def test_command_line_help() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "minifaas.transport.emulator", "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0 and "--flow-rate" in done.stdout
