@@ -1,0 +1,81 @@
+"""Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
+
+[serve]            host, port, model, threshold, api_key, deadlines
+[prfaas]           the remote prefill cluster: prefill_workers, device
+[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device
+[link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from minifaas.model.loader import DEFAULT_MODEL
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    prefill_workers: int = 1
+    decode_workers: int = 0
+    device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there
+
+    def __post_init__(self) -> None:
+        if self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("worker counts must be >= 0")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    rate: str = "100mbit"  # aggregate inter-cluster bandwidth ("none": unlimited)
+    flow_rate: str = "none"  # per-connection cap
+    delay_ms: float = 5.0  # one way
+    jitter_ms: float = 0.0
+    connections: int = 4  # TCP connections per KV transfer
+    pipelined: bool = True
+
+    def __post_init__(self) -> None:
+        if self.connections < 1 or self.delay_ms < 0 or self.jitter_ms < 0:
+            raise ValueError("need connections >= 1 and non-negative delay and jitter")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = DEFAULT_MODEL
+    seed: int = 0
+    threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
+    api_key: str | None = None
+    request_timeout: float = 300.0  # no request waits longer than this for its answer
+    prefill_timeout: float = 120.0  # a prefill (and its transfer) that takes longer falls back to PD-P
+    max_queued_requests: int = 256
+    prfaas: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1))
+    pd: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1, decode_workers=1))
+    link: LinkConfig = field(default_factory=LinkConfig)
+
+    def __post_init__(self) -> None:
+        if self.threshold < 0 or not 0 <= self.port < 65536:
+            raise ValueError("need threshold >= 0 and a valid port")
+        if self.pd.decode_workers < 1:
+            raise ValueError("the PD cluster needs at least one decode worker")
+        if self.pd.prefill_workers + self.prfaas.prefill_workers < 1:
+            raise ValueError("at least one prefill worker is needed")
+        if min(self.request_timeout, self.prefill_timeout) <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
+        data = tomllib.loads(Path(path).read_text())
+        top = dict(data.get("serve", {}))
+        for name, kind in (("prfaas", ClusterConfig), ("pd", ClusterConfig), ("link", LinkConfig)):
+            if name in data:
+                top[name] = kind(**data[name])
+        known = {f.name for f in fields(cls)}
+        unknown = set(top) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
+        return replace(cls(**top), **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,47 @@
+"""The gateway <-> worker control channel: one JSON object per line over a local TCP stream.
+
+Messages are small dicts with an ``op`` and usually a ``req`` (request id);
+bulk state never goes here (it goes over the KV transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from minifaas.model.sampling import SamplingParams
+
+MAX_LINE = 64 << 20  # a prompt of a few million token ids still fits
+
+
+async def messages(reader: asyncio.StreamReader) -> AsyncIterator[dict]:
+    while line := await reader.readline():
+        yield json.loads(line)
+
+
+def send(writer: asyncio.StreamWriter, message: dict) -> None:
+    """Queue one message; writes of whole lines never interleave (the loop runs one task at a time)."""
+    writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+
+def sampling_to_json(p: SamplingParams) -> dict:
+    return {
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "seed": p.resolved_seed,
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+    }
+
+
+def sampling_from_json(d: dict) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=d["max_tokens"],
+        temperature=d["temperature"],
+        top_p=d["top_p"],
+        seed=d["seed"],
+        stop_token_ids=tuple(d["stop_token_ids"]),
+        ignore_eos=d["ignore_eos"],
+    )

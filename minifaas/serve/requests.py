@@ -1,0 +1,74 @@
+"""What the HTTP layer and the gateway exchange: a request in, token events out, a record of what happened."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from minifaas.model.sampling import SamplingParams
+from minifaas.model.tokenizer import Tokenizer
+from minifaas.serve.lifecycle import Phase
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_id: int
+    text: str  # the text this token completes (may be "" inside a multi-byte character)
+    finish_reason: str | None = None  # "stop" | "length" on the last event
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """The ``minifaas`` object of a response: where the request went and what it cost."""
+
+    request_id: str
+    prompt_tokens: int
+    phase: Phase = Phase.QUEUED
+    route: str | None = None  # "prfaas" | "local"
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    kv_bytes: int = 0
+    transfer_s: float | None = None
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    fallback: str | None = None  # why the request was re-prefilled locally, if it was
+    events: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["phase"] = self.phase.value
+        out.pop("events")
+        return out
+
+
+class Overloaded(Exception):
+    """No capacity to queue the request now (HTTP 503)."""
+
+
+class RequestFailed(Exception):
+    """Every path to an answer failed (HTTP 500); the message says why."""
+
+
+class GatewayAPI(Protocol):
+    """What the HTTP layer needs from the gateway."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    max_context: int
+
+    def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
+        """Token events until one carries a finish_reason. Closing the iterator early aborts the request."""
+        ...
+
+    def health(self) -> dict: ...

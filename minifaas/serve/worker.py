@@ -1,0 +1,151 @@
+"""A worker process: ``python -m minifaas.serve.worker --role prefill|decode ...``.
+
+Started by the gateway, one per node. It loads the model, opens its control
+port (and, for decode, its KV receiver), prints one JSON line
+``{"control_port": ..., "kv_port": ...}`` when ready, and serves the gateway's
+one control connection. It exits when the gateway closes its stdin, so a
+gateway that dies, however it dies, leaves no worker behind.
+
+The KV secret comes from the MINIFAAS_KV_SECRET environment variable (hex),
+never from the command line, where other users could read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import traceback
+
+from minifaas.model.runtime import ModelRuntime
+from minifaas.serve import control
+from minifaas.serve.decode_service import DecodeService
+from minifaas.serve.prefill_service import PrefillService
+from minifaas.transport import KVReceiver, ReceiverConfig, TransferError
+
+log = logging.getLogger("minifaas.worker")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m minifaas.serve.worker")
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver listens on (decode)")
+    p.add_argument("--kv-port", type=int, default=0, help="its port (0: any free one)")
+    p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (prefill)")
+    p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
+    p.add_argument("--state-timeout", type=float, default=60.0, help="seconds a decode waits for its state")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    secret = bytes.fromhex(os.environ["MINIFAAS_KV_SECRET"])
+    runtime = await asyncio.to_thread(ModelRuntime.load, args.model, args.device, args.seed)
+    async with contextlib.AsyncExitStack() as stack:
+        kv_port = 0
+        if args.role == "decode":
+            receiver = await stack.enter_async_context(
+                KVReceiver(ReceiverConfig(secret, host=args.kv_host, port=args.kv_port))
+            )
+            kv_port = receiver.port
+            service: PrefillService | DecodeService = DecodeService(runtime, receiver, args.state_timeout)
+        else:
+            service = PrefillService(runtime, secret, args.connections, not args.no_pipelining)
+            stack.push_async_callback(service.close)
+        connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        server = await asyncio.start_server(
+            lambda r, w: connected.set_result((r, w)) if not connected.done() else w.close(),
+            "127.0.0.1",
+            0,
+            limit=control.MAX_LINE,
+        )
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            print(json.dumps({"control_port": port, "kv_port": kv_port, "pid": os.getpid()}), flush=True)
+            reader, writer = await connected
+            async with asyncio.TaskGroup() as tg:
+                stdin_closed = tg.create_task(_wait_stdin_closed())
+                if isinstance(service, DecodeService):
+                    loop_task = tg.create_task(service.run())
+                await _handle(service, reader, writer, tg)
+                stdin_closed.cancel()
+                if isinstance(service, DecodeService):
+                    loop_task.cancel()
+
+
+async def _handle(
+    service: PrefillService | DecodeService,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    tg: asyncio.TaskGroup,
+) -> None:
+    jobs: dict[str, asyncio.Task[None]] = {}
+
+    def emit(message: dict) -> None:
+        control.send(writer, message)
+
+    async def job(msg: dict) -> None:
+        req = msg["req"]
+        try:
+            if isinstance(service, PrefillService):
+                emit(await service.prefill(msg))
+            else:
+                await service.decode(msg, emit)
+        except asyncio.CancelledError:
+            pass  # aborted by the gateway
+        except (TransferError, TimeoutError, OSError, ValueError, RuntimeError) as e:
+            emit({"op": "failed", "req": req, "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"})
+        except Exception as e:  # a bug: report it with its trace rather than leave the request hanging
+            emit({"op": "failed", "req": req, "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"})
+            traceback.print_exc()
+        finally:
+            if jobs.get(req) is asyncio.current_task():
+                del jobs[req]
+
+    async for msg in control.messages(reader):
+        op, req = msg["op"], msg.get("req", "")
+        if op in ("prefill", "decode"):
+            jobs[req] = tg.create_task(job(msg))
+        elif op == "start" and isinstance(service, DecodeService):
+            service.start(req, msg["next_token"])
+        elif op == "abort":
+            if isinstance(service, DecodeService):
+                service.abort(req)
+            task = jobs.pop(req, None)
+            if task is not None and isinstance(service, DecodeService):
+                task.cancel()
+        elif op == "load":
+            queued = service.queued_tokens if isinstance(service, PrefillService) else len(service.active)
+            emit({"op": "load", "req": req, "load": queued})
+        await writer.drain()
+    for task in jobs.values():
+        task.cancel()
+
+
+async def _wait_stdin_closed() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while await reader.read(4096):
+        pass
+    log.info("gateway gone: exiting")
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The gateway's handle on one worker process: start it, talk to it, notice when it dies.
+
+Replies from the worker are sorted into one inbox per request. When the
+control connection ends (the process died or was killed), every open inbox
+receives ``{"op": "lost"}``, so no request waits on a worker that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from minifaas.serve import control
+
+log = logging.getLogger("minifaas.gateway")
+LOST = {"op": "lost"}
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class WorkerHandle:
+    def __init__(self, name: str, role: str, cluster: str, argv: list[str], secret: bytes) -> None:
+        self.name, self.role, self.cluster = name, role, cluster
+        self.argv, self.secret = argv, secret
+        self.process: asyncio.subprocess.Process | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.kv_port = 0
+        self.alive = False
+        self.restarts = 0
+        self.load_tokens = 0  # prompt tokens sent and not yet answered (prefill) / requests decoding
+        self.inboxes: dict[str, asyncio.Queue[dict]] = {}
+
+    async def start(self, timeout: float = 300.0) -> asyncio.StreamReader:
+        argv = [sys.executable, "-m", "minifaas.serve.worker", "--role", self.role, "--name", self.name, *self.argv]
+        env = {**os.environ, "MINIFAAS_KV_SECRET": self.secret.hex()}
+        self.process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
+        )
+        try:
+            async with asyncio.timeout(timeout):
+                line = await self.process.stdout.readline()  # type: ignore[union-attr]
+                ready = json.loads(line)
+                reader, self.writer = await asyncio.open_connection(
+                    "127.0.0.1", ready["control_port"], limit=control.MAX_LINE
+                )
+        except (TimeoutError, json.JSONDecodeError, OSError) as e:
+            await self.stop()
+            raise WorkerError(f"worker {self.name} did not start: {e!r}") from None
+        self.kv_port = ready["kv_port"]
+        self.alive = True
+        log.info("worker %s (%s, %s) ready, pid %s", self.name, self.role, self.cluster, ready["pid"])
+        return reader
+
+    async def pump(self, reader: asyncio.StreamReader) -> None:
+        """Deliver replies until the worker goes away; then wake every waiting request."""
+        try:
+            async for msg in control.messages(reader):
+                inbox = self.inboxes.get(msg.get("req", ""))
+                if inbox is not None:
+                    inbox.put_nowait(msg)
+        except (ConnectionError, json.JSONDecodeError) as e:
+            log.warning("worker %s: control channel broke: %r", self.name, e)
+        finally:
+            self.alive = False
+            for inbox in self.inboxes.values():
+                inbox.put_nowait(LOST)
+
+    def open(self, req: str) -> asyncio.Queue[dict]:
+        self.inboxes[req] = asyncio.Queue()
+        return self.inboxes[req]
+
+    def close(self, req: str) -> None:
+        self.inboxes.pop(req, None)
+
+    def send(self, message: dict) -> None:
+        if not self.alive or self.writer is None:
+            raise WorkerError(f"worker {self.name} is not running")
+        control.send(self.writer, message)
+
+    async def stop(self) -> None:
+        self.alive = False
+        if self.writer is not None:
+            self.writer.close()
+        p = self.process
+        if p is None or p.returncode is not None:
+            return
+        if p.stdin is not None:
+            p.stdin.close()  # the worker exits when its stdin closes
+        try:
+            async with asyncio.timeout(5):
+                await p.wait()
+        except TimeoutError:
+            p.kill()
+            await p.wait()
+
+    def kill(self) -> None:
+        """Kill the process now (fault injection in tests and the demo)."""
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
