@@ -1,0 +1,208 @@
+"""The OpenAI-compatible HTTP API: completions and chat completions (streamed or not), models, health, metrics.
+
+Handlers only move bytes: rules live in openai_schema, response shapes in openai_responses, and
+generation in the gateway. A streamed request waits for its first token before sending headers,
+so a request the gateway refuses (503) or cannot serve (500) still gets a real status; a failure
+after that arrives as an SSE ``data: {"error": ...}`` event, as vLLM sends it. A client that goes
+away makes the next write fail (or, with the runner's handler_cancellation on, cancels the
+handler); either way leaving ``_closing`` closes the gateway's iterator, which aborts the request
+on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp import web
+
+from minifaas.serve.metrics import ServeMetrics
+from minifaas.serve.openai_responses import Reply
+from minifaas.serve.openai_schema import APIError, Endpoint, parse_json, parse_request
+from minifaas.serve.requests import GatewayAPI, GenerateRequest, Overloaded, RequestFailed, TokenEvent
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_app(
+    gateway: GatewayAPI, metrics: ServeMetrics, api_key: str | None, max_body_bytes: int = 4 << 20
+) -> web.Application:
+    api = OpenAIServer(gateway, metrics, max_body_bytes)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_openai_errors, _bearer_auth(api_key)])
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics_text)
+    return app
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:  # aiohttp's own 404/405 under /v1 get an OpenAI body too
+        if e.status < 400 or not request.path.startswith("/v1"):
+            raise
+        return web.json_response(APIError(e.status, e.reason).body(), status=e.status)
+
+
+def _bearer_auth(api_key: str | None) -> Any:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+@asynccontextmanager
+async def _closing(events: AsyncIterator[TokenEvent]) -> AsyncIterator[AsyncIterator[TokenEvent]]:
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class OpenAIServer:
+    def __init__(self, gateway: GatewayAPI, metrics: ServeMetrics, max_body_bytes: int) -> None:
+        self.gateway = gateway
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.gateway.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "minifaas",
+            "max_model_len": self.gateway.max_context,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 with the gateway's report when it says ``"healthy": true``, else 503 with the same report."""
+        report = self.gateway.health()
+        return web.json_response(report, status=200 if report.get("healthy") is True else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type})
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        too_large = APIError(413, f"The request body exceeds {self.max_body_bytes} bytes.", code="request_too_large")
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise too_large
+        try:
+            raw = await request.read()  # bounded by the app's client_max_size, chunked bodies included
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        return parse_json(raw)
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            parsed = parse_request(
+                endpoint,
+                await self._read_json(request),
+                model_name=self.gateway.model_name,
+                tokenizer=self.gateway.tokenizer,
+                max_context=self.gateway.max_context,
+            )
+        except APIError:
+            self.metrics.request_finished(None, "invalid")
+            raise
+        reply = Reply.start(endpoint, self.gateway.model_name, len(parsed.prompt_ids), started)
+        outcome = "error"
+        try:
+            with self.metrics.in_flight():
+                generate = GenerateRequest(reply.id, parsed.prompt_ids, parsed.sampling)
+                events = self.gateway.stream(generate, reply.record)
+                async with _closing(events):
+                    if parsed.stream:
+                        response, outcome = await self._stream(request, reply, events, parsed.include_usage)
+                    else:
+                        response, outcome = await self._complete(reply, events)
+            return response
+        except Overloaded as e:
+            outcome = "overloaded"
+            raise APIError(503, str(e) or "The server is overloaded; retry later.", code="overloaded") from e
+        except RequestFailed as e:
+            raise APIError(500, str(e), code="request_failed") from e
+        except asyncio.CancelledError:
+            outcome = "abort"
+            raise
+        finally:
+            reply.seal(time.perf_counter())
+            self.metrics.request_finished(reply.record, outcome)
+
+    async def _complete(self, reply: Reply, events: AsyncIterator[TokenEvent]) -> tuple[web.Response, str]:
+        async for event in events:
+            reply.add(event, time.perf_counter())
+        _check_finished(reply)
+        reply.seal(time.perf_counter())
+        return web.json_response(reply.body()), str(reply.finish_reason)
+
+    async def _stream(
+        self, request: web.Request, reply: Reply, events: AsyncIterator[TokenEvent], include_usage: bool
+    ) -> tuple[web.StreamResponse, str]:
+        first = await anext(events, None)  # Overloaded / RequestFailed here still become an HTTP status
+        if first is None:
+            raise RequestFailed("the gateway ended the stream before the first token")
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            try:
+                for chunk in reply.opening_chunks(include_usage):
+                    await _send(response, chunk)
+                await self._send_token(response, reply, first, include_usage)
+                async for event in events:
+                    await self._send_token(response, reply, event, include_usage)
+                _check_finished(reply)
+                reply.seal(time.perf_counter())
+                for chunk in reply.closing_chunks(include_usage):
+                    await _send(response, chunk)
+                outcome = str(reply.finish_reason)
+            except (Overloaded, RequestFailed) as e:
+                await _send(response, APIError(500, str(e), code="request_failed").body())
+                outcome = "error"
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the client went away: leaving closes the gateway's iterator
+            return response, "abort"
+        return response, outcome
+
+    async def _send_token(
+        self, response: web.StreamResponse, reply: Reply, event: TokenEvent, include_usage: bool
+    ) -> None:
+        text = reply.add(event, time.perf_counter())
+        if text:  # a token inside a multi-byte character has no text of its own yet
+            await _send(response, reply.content_chunk(text, include_usage))
+
+
+def _check_finished(reply: Reply) -> None:
+    if reply.finish_reason is None:
+        raise RequestFailed("the gateway ended the stream without a finish reason")
+
+
+async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")

@@ -1,0 +1,115 @@
+"""The server's Prometheus metrics, named as vLLM users already scrape them (``minifaas:`` for ``vllm:``).
+
+Each ServeMetrics owns its own CollectorRegistry, so several servers (or tests) in one process
+never share a series. Two writers feed it: the HTTP layer calls ``request_finished`` once per
+request with its RequestRecord; the gateway calls the setters as its queues and links change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from minifaas.serve.requests import RequestRecord
+
+# Bucket edges follow vLLM's, so existing dashboards read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+
+# Outcomes of requests_total: "stop" / "length" (finished), "abort" (client went away),
+# "invalid" (rejected with a 4xx), "overloaded" (503), "error" (500).
+NO_ROUTE = "none"  # the route label of a request rejected before it was routed
+
+
+class ServeMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        # Requests that ended, by route (prfaas, local, none) and outcome.
+        self.requests = Counter("minifaas:requests", "Requests that ended", ["route", "outcome"], registry=r)
+        # Requests between arrival and their last byte.
+        self.running = Gauge("minifaas:num_requests_running", "Requests in flight in the HTTP layer", registry=r)
+        # Arrival to first token, as the client sees it.
+        self.ttft = Histogram(
+            "minifaas:time_to_first_token_seconds", "Time to first token", ["route"], buckets=TTFT_BUCKETS, registry=r
+        )
+        # Mean gap between output tokens after the first, per request.
+        self.tpot = Histogram(
+            "minifaas:time_per_output_token_seconds", "Time per token", ["route"], buckets=TPOT_BUCKETS, registry=r
+        )
+        # Arrival to last token.
+        self.e2e = Histogram(
+            "minifaas:e2e_request_latency_seconds", "End-to-end latency", ["route"], buckets=E2E_BUCKETS, registry=r
+        )
+        # Time a request waited before its prefill started.
+        self.queue_time = Histogram(
+            "minifaas:request_queue_time_seconds", "Queue time", ["route"], buckets=E2E_BUCKETS, registry=r
+        )
+        # Time the layer states took to reach the decode worker once prefill was done.
+        self.transfer_time = Histogram(
+            "minifaas:kv_transfer_seconds", "KV transfer tail time", ["route"], buckets=TTFT_BUCKETS, registry=r
+        )
+        # Prompt tokens of finished or aborted requests.
+        self.prompt_tokens = Counter("minifaas:prompt_tokens", "Prompt tokens processed", registry=r)
+        # Prompt tokens served from the prefix cache instead of prefilled.
+        self.cached_tokens = Counter("minifaas:prompt_tokens_cached", "Prompt tokens found in cache", registry=r)
+        # Tokens generated and sent to clients.
+        self.generation_tokens = Counter("minifaas:generation_tokens", "Generation tokens produced", registry=r)
+        # Requests re-prefilled locally because their PrfaaS path failed, by reason.
+        self.fallbacks = Counter("minifaas:fallbacks", "PrfaaS requests that fell back", ["reason"], registry=r)
+        # Layer-state bytes put on each link (counted by the gateway, partial transfers included).
+        self.kv_bytes_sent = Counter("minifaas:kv_bytes_sent", "KV bytes sent", ["link"], registry=r)
+        # Fraction of each link's bandwidth in use, 0..1.
+        self.link_utilization = Gauge("minifaas:link_utilization", "Link utilisation", ["link"], registry=r)
+        # Requests waiting at each stage (e.g. prfaas_prefill, pd_prefill, decode).
+        self.queue_depth = Gauge("minifaas:queue_depth", "Requests waiting per stage", ["stage"], registry=r)
+
+    # -- called by the HTTP layer -------------------------------------------------------------
+
+    @contextmanager
+    def in_flight(self) -> Iterator[None]:
+        with self.running.track_inprogress():
+            yield
+
+    def request_finished(self, record: RequestRecord | None, outcome: str) -> None:
+        """Count one request that ended; ``record`` is None when it was rejected before reaching the gateway."""
+        route = (record.route if record is not None else None) or NO_ROUTE
+        self.requests.labels(route=route, outcome=outcome).inc()
+        if record is None:
+            return
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.cached_tokens.inc(record.cached_tokens)
+        self.generation_tokens.inc(record.completion_tokens)
+        if record.fallback:
+            self.fallbacks.labels(reason=record.fallback).inc()
+        if record.queue_s is not None:
+            self.queue_time.labels(route=route).observe(record.queue_s)
+        if record.transfer_s is not None:
+            self.transfer_time.labels(route=route).observe(record.transfer_s)
+        if record.ttft_s is None or record.completion_tokens == 0:
+            return
+        self.ttft.labels(route=route).observe(record.ttft_s)
+        if record.e2e_s is not None:
+            self.e2e.labels(route=route).observe(record.e2e_s)
+            if record.completion_tokens > 1:
+                tpot = (record.e2e_s - record.ttft_s) / (record.completion_tokens - 1)
+                self.tpot.labels(route=route).observe(max(tpot, 0.0))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- called by the gateway ----------------------------------------------------------------
+
+    def set_queue_depth(self, stage: str, depth: int) -> None:
+        self.queue_depth.labels(stage=stage).set(depth)
+
+    def set_link_utilization(self, link: str, fraction: float) -> None:
+        self.link_utilization.labels(link=link).set(fraction)
+
+    def add_kv_bytes(self, link: str, nbytes: int) -> None:
+        self.kv_bytes_sent.labels(link=link).inc(nbytes)

@@ -1,0 +1,466 @@
+"""The HTTP layer against an in-memory gateway: OpenAI shapes, the official client, errors, auth, metrics.
+
+The fake gateway stands in only for what end-to-end tests with real worker processes cover; every
+byte here still goes through a real aiohttp server on a loopback socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from minifaas.model.tokenizer import ByteTokenizer
+from minifaas.serve.api import build_app
+from minifaas.serve.metrics import ServeMetrics
+from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
+
+MODEL = "tiny-hybrid"
+REPLY = "The quick brown fox jumps over the lazy dog. "
+KEY = "sk-test"
+
+
+class FakeGateway:
+    """Answers with REPLY cycled up to max_tokens; records what it was asked and which streams were closed early."""
+
+    model_name = MODEL
+    max_context = 64
+
+    def __init__(self) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.requests: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.aborted_event = asyncio.Event()
+        self.endless = False
+        self.refuse: Exception | None = None  # raised before the first token
+        self.fail_after: int | None = None  # raise RequestFailed after this many tokens
+        self.healthy = True
+
+    async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
+        self.requests.append(request)
+        if self.refuse is not None:
+            raise self.refuse
+        record.route, record.prefill_worker, record.decode_worker = "local", "pd-p0", "pd-d0"
+        record.cached_tokens, record.kv_bytes = 3, 4096
+        if "fallback" in self.tokenizer.decode(request.prompt_ids):
+            record.route, record.fallback = "prfaas", "link_cut"
+        n = request.sampling.max_tokens
+        i, finished = 0, False
+        try:
+            while self.endless or i < n:
+                await asyncio.sleep(0)
+                if self.fail_after is not None and i == self.fail_after:
+                    raise RequestFailed("decode worker died")
+                ch = REPLY[i % len(REPLY)]
+                last = not self.endless and i == n - 1
+                yield TokenEvent(ord(ch), ch, "length" if last else None)
+                i += 1
+            finished = True
+        finally:  # reached early by aclose() (GeneratorExit) or by cancelling the handler
+            if not finished and self.fail_after is None:
+                self.aborted.append(request.request_id)
+                self.aborted_event.set()
+
+    def health(self) -> dict:
+        return {"healthy": self.healthy, "workers": {"pd-p0": "ready"}}
+
+
+@dataclass
+class Served:
+    gateway: FakeGateway
+    metrics: ServeMetrics
+    url: str
+    client: aiohttp.ClientSession
+
+    def openai(self, api_key: str = KEY) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
+
+@asynccontextmanager
+async def serving(
+    api_key: str | None = KEY, max_body_bytes: int = 4 << 20, handler_cancellation: bool = False
+) -> AsyncIterator[Served]:
+    """The app on a real runner on 127.0.0.1 (handler_cancellation off by default, as in web.AppRunner)."""
+    gateway, metrics = FakeGateway(), ServeMetrics()
+    runner = web.AppRunner(
+        build_app(gateway, metrics, api_key, max_body_bytes), handler_cancellation=handler_cancellation
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
+        async with aiohttp.ClientSession(url, headers={"Authorization": f"Bearer {KEY}"}) as client:
+            yield Served(gateway, metrics, url, client)
+    finally:
+        await runner.cleanup()
+
+
+def run_async(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 20))
+
+    return wrapper
+
+
+def sse_events(raw: str) -> list[Any]:
+    """The data of each SSE event; "[DONE]" stays a string."""
+    assert raw.endswith("\n\n")
+    events = []
+    for block in raw.strip("\n").split("\n\n"):
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def metric_samples(text: str) -> dict[tuple[str, frozenset], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def series(name: str, **labels: str) -> tuple[str, frozenset]:
+    return name, frozenset(labels.items())
+
+
+GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+CHAT_GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+
+BAD_REQUESTS = [
+    (C, b"{not json", 400, None),
+    (C, b"\xff\xfe", 400, None),
+    (C, b"[1, 2]", 400, None),
+    (C, {"model": MODEL}, 400, "prompt"),
+    (C, GOOD | {"prompt": 5}, 400, "prompt"),
+    (C, GOOD | {"prompt": ""}, 400, "prompt"),
+    (C, GOOD | {"prompt": []}, 400, "prompt"),
+    (C, GOOD | {"prompt": ["a", "b"]}, 400, "prompt"),
+    (C, GOOD | {"prompt": [1, 999]}, 400, "prompt"),
+    (C, GOOD | {"prompt": [1, True]}, 400, "prompt"),
+    (C, GOOD | {"prompt": "x" * 64}, 400, "prompt"),
+    (C, GOOD | {"prompt": "x" * 10, "max_tokens": 60}, 400, "max_tokens"),
+    (C, GOOD | {"max_tokens": 0}, 400, "max_tokens"),
+    (C, GOOD | {"max_tokens": -3}, 400, "max_tokens"),
+    (C, GOOD | {"max_tokens": "4"}, 400, "max_tokens"),
+    (C, GOOD | {"max_tokens": True}, 400, "max_tokens"),
+    (C, GOOD | {"max_tokens": 2.5}, 400, "max_tokens"),
+    (C, GOOD | {"temperature": "hot"}, 400, "temperature"),
+    (C, GOOD | {"temperature": -1}, 400, "temperature"),
+    (C, GOOD | {"top_p": 0}, 400, "top_p"),
+    (C, GOOD | {"seed": -1}, 400, "seed"),
+    (C, GOOD | {"seed": "1"}, 400, "seed"),
+    (C, GOOD | {"stop": 5}, 400, "stop"),
+    (C, GOOD | {"stop": ["ok", 3]}, 400, "stop"),
+    (C, GOOD | {"n": 2}, 400, "n"),
+    (C, GOOD | {"stream": "yes"}, 400, "stream"),
+    (C, GOOD | {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (C, GOOD | {"logprobs": 2}, 400, "logprobs"),
+    (C, GOOD | {"model": 7}, 400, "model"),
+    (C, GOOD | {"model": "gpt-4"}, 404, "model"),
+    (CHAT, {"model": MODEL}, 400, "messages"),
+    (CHAT, CHAT_GOOD | {"messages": []}, 400, "messages"),
+    (CHAT, CHAT_GOOD | {"messages": ["hi"]}, 400, "messages[0]"),
+    (CHAT, CHAT_GOOD | {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, CHAT_GOOD | {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    (CHAT, CHAT_GOOD | {"messages": [{"role": "user", "content": "x" * 60}]}, 400, "messages"),
+    (CHAT, CHAT_GOOD | {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (CHAT, CHAT_GOOD | {"model": "gpt-4"}, 404, "model"),
+    (CHAT, CHAT_GOOD | {"n": 3}, 400, "n"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
+@run_async
+async def test_bad_input_gets_openai_error_and_server_stays_healthy(
+    path: str, body: bytes | dict, status: int, param: str | None
+) -> None:
+    async with serving() as s:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        resp = await s.client.post(path, data=data, headers={"Content-Type": "application/json"})
+        assert resp.status == status
+        error = (await resp.json())["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["message"] and error["type"] == "invalid_request_error"
+        assert error["param"] == param
+        if status == 404:
+            assert error["code"] == "model_not_found"
+        assert s.gateway.requests == []  # rejected before reaching the gateway
+
+        assert (await s.client.get("/health")).status == 200
+        good = await s.client.post(path, json=GOOD if path == C else CHAT_GOOD)
+        assert good.status == 200
+        assert len(s.gateway.requests) == 1
+        samples = metric_samples(await (await s.client.get("/metrics")).text())
+        assert samples[series("minifaas:requests_total", route="none", outcome="invalid")] == 1
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@run_async
+async def test_body_over_the_limit_is_413(chunked: bool) -> None:
+    async with serving(max_body_bytes=1024) as s:
+        body = json.dumps(GOOD | {"prompt": "x" * 2000}).encode()
+
+        async def pieces() -> AsyncIterator[bytes]:
+            for i in range(0, len(body), 256):
+                yield body[i : i + 256]
+
+        resp = await s.client.post(C, data=pieces() if chunked else body, headers={"Content-Type": "application/json"})
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == "request_too_large"
+        assert (await s.client.post(C, json=GOOD)).status == 200
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ids"), [("hi", [104, 105]), ([104, 105], [104, 105]), (["hi"], [104, 105]), ([[7, 8]], [7, 8])]
+)
+@run_async
+async def test_prompt_forms(prompt: Any, ids: list[int]) -> None:
+    async with serving() as s:
+        assert (await s.client.post(C, json=GOOD | {"prompt": prompt})).status == 200
+        assert s.gateway.requests[0].prompt_ids == ids
+
+
+@run_async
+async def test_completion_body_shape() -> None:
+    async with serving() as s:
+        body = await (await s.client.post(C, json=GOOD | {"max_tokens": 5})).json()
+        assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+        assert body["choices"] == [{"index": 0, "text": REPLY[:5], "logprobs": None, "finish_reason": "length"}]
+        assert body["usage"] == {
+            "prompt_tokens": 5,
+            "completion_tokens": 5,
+            "total_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 3},
+        }
+        info = body["minifaas"]
+        assert info["request_id"] == body["id"] == s.gateway.requests[0].request_id
+        assert (info["route"], info["prefill_worker"], info["decode_worker"]) == ("local", "pd-p0", "pd-d0")
+        assert (info["prompt_tokens"], info["cached_tokens"], info["completion_tokens"]) == (5, 3, 5)
+        assert info["kv_bytes"] == 4096 and info["ttft_s"] >= 0 and info["e2e_s"] >= info["ttft_s"]
+
+
+@run_async
+async def test_chat_body_shape_and_sampling_passthrough() -> None:
+    async with serving() as s:
+        request = CHAT_GOOD | {"max_completion_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "x"}
+        body = await (await s.client.post(CHAT, json=request)).json()
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": REPLY[:3]}
+        assert body["choices"][0]["finish_reason"] == "length"
+        sent = s.gateway.requests[0]
+        assert sent.prompt_ids == ByteTokenizer().chat([{"role": "user", "content": "hi"}])
+        assert body["usage"]["prompt_tokens"] == len(sent.prompt_ids)
+        sp = sent.sampling
+        assert (sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop) == (3, 0.5, 0.9, 7, ("x",))
+        await s.client.post(C, json={"model": MODEL, "prompt": "a", "stop": ["p", "q"]})
+        assert s.gateway.requests[1].sampling.stop == ("p", "q")
+        assert s.gateway.requests[1].sampling.max_tokens == 16  # OpenAI's default
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("path", [C, CHAT])
+@run_async
+async def test_stream_shape(path: str, include_usage: bool) -> None:
+    async with serving() as s:
+        request = (GOOD if path == C else CHAT_GOOD) | {"max_tokens": 6, "stream": True}
+        if include_usage:
+            request["stream_options"] = {"include_usage": True}
+        resp = await s.client.post(path, json=request)
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        *chunks, done = sse_events(await resp.text())
+        assert done == "[DONE]"
+        assert len({c["id"] for c in chunks}) == 1
+        expected_object = "text_completion" if path == C else "chat.completion.chunk"
+        assert all(c["object"] == expected_object for c in chunks)
+        if include_usage:
+            *chunks, usage_chunk = chunks
+            assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+            assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+            assert all(c["usage"] is None for c in chunks)
+            last = usage_chunk
+        else:
+            assert all("usage" not in c for c in chunks)
+            last = chunks[-1]
+        assert last["minifaas"]["route"] == "local" and last["minifaas"]["completion_tokens"] == 6
+        assert sum("minifaas" in c for c in chunks) == (0 if include_usage else 1)
+        choices = [c["choices"][0] for c in chunks]
+        assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+        if path == C:
+            text = "".join(c["text"] for c in choices)
+        else:
+            assert choices[0]["delta"] == {"role": "assistant", "content": ""} and choices[-1]["delta"] == {}
+            text = "".join(c["delta"].get("content", "") for c in choices)
+        assert text == REPLY[:6]
+
+
+@run_async
+async def test_official_openai_client() -> None:
+    async with serving() as s:
+        client = s.openai()
+        completion = await client.completions.create(model=MODEL, prompt="hello", max_tokens=7)
+        assert completion.choices[0].text == REPLY[:7] and completion.usage.completion_tokens == 7
+        assert completion.model_extra["minifaas"]["route"] == "local"
+
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4
+        )
+        assert chat.choices[0].message.content == REPLY[:4] and chat.choices[0].finish_reason == "length"
+
+        stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=5, stream=True)
+        assert "".join([chunk.choices[0].text async for chunk in stream]) == REPLY[:5]
+
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY[:5]
+        assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 3
+
+        assert [m.id async for m in client.models.list()] == [MODEL]
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="gpt-4", prompt="hi")
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+        with pytest.raises(openai.AuthenticationError):
+            await s.openai(api_key="wrong").completions.create(model=MODEL, prompt="hi")
+
+
+@run_async
+async def test_api_key_guards_v1_only() -> None:
+    async with serving() as s:
+        no_key = {"Authorization": ""}
+        for headers in (no_key, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+            resp = await s.client.post(C, json=GOOD, headers=headers)
+            assert resp.status == 401
+            assert (await resp.json())["error"]["code"] == "invalid_api_key"
+        assert (await s.client.get("/v1/models", headers=no_key)).status == 401
+        assert (await s.client.get("/health", headers=no_key)).status == 200
+        assert (await s.client.get("/metrics", headers=no_key)).status == 200
+        assert s.gateway.requests == []
+        assert (await s.client.post(C, json=GOOD)).status == 200
+    async with serving(api_key=None) as s:
+        assert (await s.client.post(C, json=GOOD, headers=no_key)).status == 200
+
+
+@run_async
+async def test_models_and_health() -> None:
+    async with serving() as s:
+        models = await (await s.client.get("/v1/models")).json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+        resp = await s.client.get("/health")
+        assert resp.status == 200 and (await resp.json())["workers"] == {"pd-p0": "ready"}
+        s.gateway.healthy = False
+        resp = await s.client.get("/health")
+        assert resp.status == 503 and (await resp.json())["healthy"] is False
+
+
+@pytest.mark.parametrize(("refusal", "status"), [(Overloaded("queue full"), 503), (RequestFailed("all lost"), 500)])
+@pytest.mark.parametrize("stream", [False, True])
+@run_async
+async def test_gateway_refusal_maps_to_status(refusal: Exception, status: int, stream: bool) -> None:
+    async with serving() as s:
+        s.gateway.refuse = refusal
+        resp = await s.client.post(C, json=GOOD | {"stream": stream})
+        assert resp.status == status
+        error = (await resp.json())["error"]
+        assert error["type"] == "server_error" and error["message"] == str(refusal)
+        s.gateway.refuse = None
+        assert (await s.client.post(C, json=GOOD)).status == 200
+
+
+@run_async
+async def test_failure_mid_stream_is_an_error_event() -> None:
+    async with serving() as s:
+        s.gateway.fail_after = 2
+        resp = await s.client.post(C, json=GOOD | {"stream": True})
+        *chunks, error, done = sse_events(await resp.text())
+        assert [c["choices"][0]["text"] for c in chunks] == list(REPLY[:2])
+        assert error["error"]["message"] == "decode worker died" and done == "[DONE]"
+        samples = metric_samples(await (await s.client.get("/metrics")).text())
+        assert samples[series("minifaas:requests_total", route="local", outcome="error")] == 1
+
+
+@pytest.mark.parametrize("handler_cancellation", [False, True])
+@pytest.mark.parametrize("path", [C, CHAT])
+@run_async
+async def test_client_disconnect_mid_stream_closes_the_gateway_stream(path: str, handler_cancellation: bool) -> None:
+    async with serving(handler_cancellation=handler_cancellation) as s:
+        s.gateway.endless = True
+        resp = await s.client.post(path, json=(GOOD if path == C else CHAT_GOOD) | {"stream": True})
+        assert resp.status == 200
+        first = await resp.content.readline()
+        assert first.startswith(b"data: {")
+        resp.close()  # drops the connection with the stream unfinished
+        await s.gateway.aborted_event.wait()
+        assert s.gateway.aborted == [s.gateway.requests[0].request_id]
+
+        abort = series("minifaas:requests_total", route="local", outcome="abort")
+        while metric_samples(await (await s.client.get("/metrics")).text()).get(abort) != 1:
+            await asyncio.sleep(0.01)  # the handler records the outcome just after the close
+        s.gateway.endless = False
+        assert (await s.client.get("/health")).status == 200
+        assert (await s.client.post(path, json=GOOD if path == C else CHAT_GOOD)).status == 200
+        assert len(s.gateway.aborted) == 1  # a finished stream is not an abort
+
+
+@run_async
+async def test_metrics_series_after_requests() -> None:
+    async with serving() as s:
+        await s.client.post(C, json=GOOD | {"max_tokens": 5})
+        await s.client.post(CHAT, json=CHAT_GOOD | {"max_tokens": 3, "stream": True})
+        await s.client.post(C, json=GOOD | {"prompt": "please fallback", "max_tokens": 2})
+        await s.client.post(C, json=GOOD | {"max_tokens": 0})
+        s.metrics.set_queue_depth("prfaas_prefill", 3)
+        s.metrics.set_link_utilization("prfaas->pd", 0.25)
+        s.metrics.add_kv_bytes("prfaas->pd", 1000)
+        s.metrics.add_kv_bytes("prfaas->pd", 24)
+
+        resp = await s.client.get("/metrics")
+        assert resp.status == 200 and resp.content_type == "text/plain"
+        samples = metric_samples(await resp.text())
+
+        def value(name: str, **labels: str) -> float:
+            return samples[series(name, **labels)]
+
+        assert value("minifaas:requests_total", route="local", outcome="length") == 2
+        assert value("minifaas:requests_total", route="prfaas", outcome="length") == 1
+        assert value("minifaas:requests_total", route="none", outcome="invalid") == 1
+        assert value("minifaas:time_to_first_token_seconds_count", route="local") == 2
+        assert value("minifaas:time_per_output_token_seconds_count", route="local") == 2
+        assert value("minifaas:e2e_request_latency_seconds_count", route="prfaas") == 1
+        chat_prompt = len(ByteTokenizer().chat(CHAT_GOOD["messages"]))
+        assert value("minifaas:prompt_tokens_total") == 5 + chat_prompt + len("please fallback")
+        assert value("minifaas:prompt_tokens_cached_total") == 9
+        assert value("minifaas:generation_tokens_total") == 5 + 3 + 2
+        assert value("minifaas:fallbacks_total", reason="link_cut") == 1
+        assert value("minifaas:queue_depth", stage="prfaas_prefill") == 3
+        assert value("minifaas:link_utilization", link="prfaas->pd") == 0.25
+        assert value("minifaas:kv_bytes_sent_total", link="prfaas->pd") == 1024
+        assert value("minifaas:num_requests_running") == 0
+
+
+def test_metrics_registries_are_separate() -> None:
+    a, b = ServeMetrics(), ServeMetrics()
+    a.add_kv_bytes("l", 5)
+    assert b"minifaas:kv_bytes_sent_total" in a.exposition()
+    assert b'kv_bytes_sent_total{link="l"}' not in b.exposition()
