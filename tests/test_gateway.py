@@ -1,0 +1,86 @@
+"""The gateway with real worker processes, a real link emulator and real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+from minifaas.serve.config import LinkConfig, ServeConfig
+from minifaas.serve.gateway import Gateway
+from minifaas.serve.lifecycle import Phase
+from minifaas.serve.requests import GenerateRequest, RequestRecord
+
+THRESHOLD = 200
+SHORT = [(7 * i) % 256 for i in range(40)]
+LONG = [(13 * i + 5) % 256 for i in range(1500)]
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    rt = ModelRuntime.load("kimi-linear-tiny")
+    return {"short": rt.generate(SHORT, PARAMS), "long": rt.generate(LONG, PARAMS)}
+
+
+async def _run(gw: Gateway, rid: str, ids: list[int]) -> tuple[list[int], RequestRecord]:
+    record = RequestRecord(rid, len(ids))
+    tokens = [e.token_id async for e in gw.stream(GenerateRequest(rid, ids, PARAMS), record)]
+    return tokens, record
+
+
+def _children() -> set[int]:
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        return {int(p) for p in f.read().split()}
+
+
+def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[int]]) -> None:
+    config = ServeConfig(threshold=THRESHOLD, link=LinkConfig(rate="20mbit", delay_ms=2.0))
+    before = _children()
+
+    async def scenario() -> None:
+        async with Gateway(config) as gw:
+            # a short prompt stays local, a long one goes PrfaaS; both equal single-process generate()
+            short, rec_s = await _run(gw, "short", SHORT)
+            long, rec_l = await _run(gw, "long", LONG)
+            assert (rec_s.route, rec_l.route) == ("local", "prfaas")
+            assert short == reference["short"] and long == reference["long"]
+            assert rec_s.phase is Phase.FINISHED and rec_l.phase is Phase.FINISHED
+            rt_bytes = ModelRuntime.load("kimi-linear-tiny").prefill(LONG).state.nbytes
+            assert rec_l.kv_bytes == rt_bytes
+
+            # concurrent mixed requests all complete correctly
+            ids = [LONG if i % 4 == 0 else SHORT for i in range(12)]
+            results = await asyncio.gather(*(_run(gw, f"mix{i}", p) for i, p in enumerate(ids)))
+            for p, (tokens, _) in zip(ids, results):
+                assert tokens == reference["long" if p is LONG else "short"]
+
+            # the PrfaaS worker dies during a long prefill: the request completes through PD-P
+            task = asyncio.create_task(_run(gw, "killed", LONG))
+            await asyncio.sleep(0.5)
+            gw.workers["prfaas-p0"].kill()
+            tokens, rec = await task
+            assert tokens == reference["long"] and rec.route == "local" and rec.fallback
+            await _wait_alive(gw, "prfaas-p0")
+
+            # the link is cut mid-transfer: the request completes through PD-P
+            task = asyncio.create_task(_run(gw, "cut", LONG))
+            await asyncio.sleep(0.8)
+            await gw.emulators["pd-d0"].control.cut()
+            tokens, rec = await task
+            assert tokens == reference["long"], rec.to_json()
+            assert gw.health()["healthy"]
+            tokens, rec = await _run(gw, "after", LONG)
+            assert tokens == reference["long"] and rec.route == "prfaas"
+
+    asyncio.run(scenario())
+    assert _children() <= before, "worker or emulator processes outlived the gateway"
+
+
+async def _wait_alive(gw: Gateway, name: str) -> None:
+    async with asyncio.timeout(120):
+        while not gw.workers[name].alive:
+            await asyncio.sleep(0.2)
