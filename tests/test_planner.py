@@ -149,3 +149,17 @@ def test_plan_json_command(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_does_not_import_torch() -> None:
     code = "import sys, minifaas.planner.plan_cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_dense_kv_hits_the_link_and_price_ratio_adds_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--case", "paper", "--json", "--kv-bytes-per-token", "253952", "--kv-fixed-bytes", "0"]
+    assert main([*argv, "--link-gbps", "50", "--price-ratio", "2"]) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert dense["prfaas"]["egress_gbps"] == pytest.approx(50.0, rel=0.01)  # the link is the wall
+    assert dense["prfaas"]["threshold_tokens"] > 30_000  # fewer, longer offloads
+    assert dense["prfaas"]["cost_units"] == 4 * 8 * 2 + 8 * 8
+    assert dense["homogeneous"]["cost_units"] == 12 * 8
+    assert main(["plan", "--case", "paper", "--json"]) == 0
+    hybrid = json.loads(capsys.readouterr().out)
+    assert "cost_units" not in hybrid["prfaas"]
+    assert dense["prfaas"]["throughput_rps"] < hybrid["prfaas"]["throughput_rps"]

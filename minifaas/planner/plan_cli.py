@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from minifaas.planner.case import PlanCase, load_case
 from minifaas.planner.model import OperatingPoint
@@ -28,17 +29,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-homogeneous", type=int, help="override the homogeneous baseline's instances")
     parser.add_argument("--output-tokens", type=float, help="override the mean output length")
     parser.add_argument("--threshold-step", type=int, default=100, help="grid step of t in tokens")
+    parser.add_argument("--kv-bytes-per-token", type=float, help="replace the model's KV growth (both clusters)")
+    parser.add_argument("--kv-fixed-bytes", type=float, help="replace the model's fixed-size state per request")
+    parser.add_argument("--price-ratio", type=float, help="price of a PrfaaS GPU over a PD GPU: adds cost figures")
 
 
 def resolve_case(args: argparse.Namespace) -> PlanCase:
     base = NAMED_CASES[args.case]() if args.case in NAMED_CASES else load_case(args.case)
-    return base.with_overrides(
+    case = base.with_overrides(
         link_gbps=args.link_gbps,
         n_prfaas=args.n_prfaas,
         n_pd=args.n_pd,
         n_homogeneous=args.n_homogeneous,
         output_tokens=args.output_tokens,
     )
+    return with_kv(case, args.kv_bytes_per_token, args.kv_fixed_bytes)
+
+
+def with_kv(case: PlanCase, bytes_per_token: float | None, fixed_bytes: float | None) -> PlanCase:
+    """The same case with another model's KV sizes on both clusters (e.g. a dense model's)."""
+    kv = {"kv_bytes_per_token": bytes_per_token, "kv_fixed_bytes": fixed_bytes}
+    kv = {k: v for k, v in kv.items() if v is not None}
+    if not kv:
+        return case
+    return replace(case, prfaas=replace(case.prfaas, **kv), pd_prefill=replace(case.pd_prefill, **kv))
+
+
+def cost_units(case: PlanCase, op: OperatingPoint, price_ratio: float) -> float:
+    """GPU-hours priced in PD-cluster GPUs: PrfaaS GPUs count ``price_ratio`` each."""
+    prfaas_gpus = op.n_prfaas * case.prfaas.gpus_per_instance
+    pd_gpus = (op.n_prefill + op.n_decode) * case.decode.gpus_per_instance
+    return prfaas_gpus * price_ratio + pd_gpus
+
+
+def to_json(case: PlanCase, result: Plan, price_ratio: float | None) -> dict[str, dict[str, object]]:
+    out = result.to_dict()
+    if price_ratio is not None:
+        for op in (result.prfaas, result.homogeneous, result.naive):
+            cost = cost_units(case, op, price_ratio)
+            out[op.config] |= {"cost_units": cost, "throughput_per_100_cost": 100 * op.throughput_rps / cost}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
     grid = SearchGrid(threshold_step=args.threshold_step)
     result = plan(case, grid)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(to_json(case, result, args.price_ratio), indent=2))
     else:
-        print_table(case, result)
+        print_table(case, result, args.price_ratio)
     if args.plot:
         from minifaas.planner.plot import plot_plan
 
@@ -60,7 +90,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(case: PlanCase, result: Plan) -> None:
+def print_table(case: PlanCase, result: Plan, price_ratio: float | None = None) -> None:
     print(
         f"case {case.name}: {case.gpus} GPUs in PrfaaS + PD, lengths {case.lengths.name}, mean {case.lengths.mean:.0f}"
     )
@@ -76,3 +106,7 @@ def print_table(case: PlanCase, result: Plan) -> None:
             f"{op.throughput_rps:>8.3f}{_fmt(op.egress_gbps, '.1f'):>7}  {op.bottleneck}"
         )
     print(f"PrfaaS vs homogeneous: {result.gain_vs_homogeneous:+.1%}; vs naive: {result.gain_vs_naive:+.1%}")
+    if price_ratio is not None:
+        for op in ops:
+            cost = cost_units(case, op, price_ratio)
+            print(f"{op.config:<12} cost {cost:.0f} PD-GPU units, {100 * op.throughput_rps / cost:.3f} req/s per 100")

@@ -19,7 +19,7 @@ import sys
 
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
-from minifaas.planner.plan_cli import NAMED_CASES, load_case
+from minifaas.planner.plan_cli import NAMED_CASES, load_case, with_kv
 from minifaas.planner.search import plan
 from minifaas.policy.router import Rule
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value)
     deploy.add_argument("--no-prefix-cache", action="store_true")
     deploy.add_argument("--cache-gb", type=float, help="prefix pool size per cluster (default unlimited)")
+    deploy.add_argument("--kv-bytes-per-token", type=float, help="replace the model's KV growth (both clusters)")
+    deploy.add_argument("--kv-fixed-bytes", type=float, help="replace the model's fixed-size state per request")
     link = parser.add_argument_group("link")
     link.add_argument("--link-gbps", type=float, help="inter-cluster bandwidth (default: the case's)")
     link.add_argument("--rtt-ms", type=float, default=10.0)
@@ -83,7 +85,7 @@ def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> Pl
 
 def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:
     base = NAMED_CASES[args.case]() if args.case in NAMED_CASES else load_case(args.case)
-    case = scaled_case(base, args.gpus, args.link_gbps)
+    case = with_kv(scaled_case(base, args.gpus, args.link_gbps), args.kv_bytes_per_token, args.kv_fixed_bytes)
     point: OperatingPoint = getattr(plan(case), args.config)
     schedule = tuple(
         (float(t), float(g)) for t, g in (item.split(":") for item in args.bandwidth_schedule.split(",") if item)
