@@ -1,40 +1,30 @@
-"""Cross-datacenter KV transport: wire format, sender, receiver, link emulator, link health."""
+"""Cross-datacenter KV transport: wire format, sender, receiver, link emulator, link health.
 
-from minifaas.transport.errors import (
-    AuthError,
-    ConnectionLostError,
-    CorruptFrameError,
-    ProtocolError,
-    RejectedError,
-    StallError,
-    TransferAbortedError,
-    TransferError,
-    TruncatedError,
-)
-from minifaas.transport.incoming import IncomingTransfer
-from minifaas.transport.link_health import LinkHealth, LinkMonitor, TcpInfo
-from minifaas.transport.outgoing import OutgoingTransfer, TransferReport
-from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender, SenderConfig
+Names are imported on first use, so a process that only relays bytes (the link
+emulator) never loads torch.
+"""
 
-__all__ = [
-    "AuthError",
-    "ConnectionLostError",
-    "CorruptFrameError",
-    "IncomingTransfer",
-    "KVReceiver",
-    "KVSender",
-    "LinkHealth",
-    "LinkMonitor",
-    "OutgoingTransfer",
-    "ProtocolError",
-    "ReceiverConfig",
-    "RejectedError",
-    "SenderConfig",
-    "StallError",
-    "TcpInfo",
-    "TransferAbortedError",
-    "TransferError",
-    "TransferReport",
-    "TruncatedError",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "errors": (
+        "AuthError", "ConnectionLostError", "CorruptFrameError", "ProtocolError", "RejectedError", "StallError",
+        "TransferAbortedError", "TransferError", "TruncatedError",
+    ),
+    "incoming": ("IncomingTransfer",),
+    "link_health": ("LinkHealth", "LinkMonitor", "TcpInfo"),
+    "outgoing": ("OutgoingTransfer", "TransferReport"),
+    "receiver": ("KVReceiver", "ReceiverConfig"),
+    "sender": ("KVSender", "SenderConfig"),
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
