@@ -82,7 +82,7 @@ def test_link_config_validates() -> None:
 
 
 def test_prefill_pool_is_fcfs_and_picks_the_first_free_node() -> None:
-    pool = PrefillPool("pd-p", H20_PREFILL, 2)
+    pool = PrefillPool("pd", "pd-p", H20_PREFILL, 2)
     t = H20_PREFILL.latency_s(10_000)
     assert pool.latency_s(10_000) == pytest.approx(float(t))
     assert pool.place(0, 0.0, 10_000) == pytest.approx((0.0, float(t)))

@@ -16,10 +16,10 @@ from minifaas.policy.router import NodeView
 
 
 class PrefillPool:
-    def __init__(self, cluster: str, profile: PrefillProfile, n: int) -> None:
+    def __init__(self, cluster: str, node_prefix: str, profile: PrefillProfile, n: int) -> None:
         self.cluster = cluster
         self.profile = profile
-        self.ids = [f"{cluster}-{i}" for i in range(n)]
+        self.ids = [f"{node_prefix}-{i}" for i in range(n)]
         self.index = {node_id: i for i, node_id in enumerate(self.ids)}
         self.busy_until = [0.0] * n
         self.queued_tokens = [0] * n

@@ -38,18 +38,17 @@ class Simulation:
         self.workload = workload
         self.loop = EventLoop()
         self.router = Router(config.router)
-        self.prfaas = PrefillPool("prfaas", config.prfaas, config.n_prfaas)
-        self.pd = PrefillPool("pd-p", config.pd_prefill, config.n_prefill)
+        self.prfaas = PrefillPool("prfaas", "prfaas", config.prfaas, config.n_prfaas)
+        self.pd = PrefillPool("pd", "pd-p", config.pd_prefill, config.n_prefill)
         self.decode = DecodePool(config.decode, config.n_decode)
         self.link = FluidLink(config.link.gbps)
         use_cache = config.prefix_cache and workload.hash_ids is not None
-        self.caches = (
-            ClusterPrefixCaches(
-                workload.block_tokens, config.cache_bytes, config.prfaas, config.snapshot_interval_blocks
+        self.caches: ClusterPrefixCaches | None = None
+        if use_cache:
+            clusters = (self.prfaas.cluster, self.pd.cluster)
+            self.caches = ClusterPrefixCaches(
+                clusters, workload.block_tokens, config.cache_bytes, config.prfaas, config.snapshot_interval_blocks
             )
-            if use_cache
-            else None
-        )
         n = len(workload)
         self._arrival = workload.arrival_s.tolist()
         self._prompt = workload.input_tokens.tolist()
@@ -80,16 +79,15 @@ class Simulation:
     def _arrive(self, rid: int) -> None:
         now = self.loop.now
         prompt = self._prompt[rid]
-        hits = self.caches.lookup(self.workload.hash_ids[rid], prompt) if self.caches else None
-        decision = self.router.route(
-            RouteInput(
-                prompt_tokens=prompt,
-                threshold=self.config.threshold,
-                rule=self.config.rule,
-                prfaas=self._view(self.prfaas, hits.prfaas_hit if hits else 0, hits.prfaas_kv if hits else 0),
-                pd=self._view(self.pd, hits.pd_hit if hits else 0, hits.pd_kv if hits else 0, with_decode=True),
-            )
-        )
+        prfaas_nodes, pd_nodes, decode_nodes = self.prfaas.views({}), self.pd.views({}), self.decode.views()
+        if self.caches is None:
+            prfaas = ClusterView(self.prfaas.cluster, prfaas_nodes)
+            pd = ClusterView(self.pd.cluster, pd_nodes, decode_nodes)
+        else:  # as the gateway does: the global manager's match, turned into the router's view
+            matches = self.caches.match(self.workload.hash_ids[rid], prompt)  # type: ignore[index]
+            prfaas = matches[self.prfaas.cluster].view(prfaas_nodes)
+            pd = matches[self.pd.cluster].view(pd_nodes, decode_nodes)
+        decision = self.router.route(RouteInput(prompt, self.config.threshold, self.config.rule, prfaas, pd))
         if decision.path is Path.REJECT:
             return
         pool = self.prfaas if decision.path is Path.PRFAAS else self.pd
@@ -112,10 +110,6 @@ class Simulation:
         else:
             self.path[rid] = PD
         self.loop.at(end, self._prefill_end_event, rid)
-
-    def _view(self, pool: PrefillPool, hit: int, kv: int, with_decode: bool = False) -> ClusterView:
-        decode = self.decode.views() if with_decode else ()
-        return ClusterView(pool.cluster, pool.views({}), decode, kv, hit)
 
     def _flow_start(self, rid: int) -> None:
         self.link.add(self.loop.now, rid, self._kv_bytes[rid])
