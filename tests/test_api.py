@@ -46,33 +46,48 @@ class FakeGateway:
         self.fail_after: int | None = None  # raise RequestFailed after this many tokens
         self.healthy = True
 
-    async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
+    def stream(self, request: GenerateRequest, record: RequestRecord) -> FakeStream:
         self.requests.append(request)
-        if self.refuse is not None:
-            raise self.refuse
         record.route, record.prefill_worker, record.decode_worker = "local", "pd-p0", "pd-d0"
         record.cached_tokens, record.kv_bytes = 3, 4096
         if "fallback" in self.tokenizer.decode(request.prompt_ids):
             record.route, record.fallback = "prfaas", "link_cut"
-        n = request.sampling.max_tokens
-        i, finished = 0, False
-        try:
-            while self.endless or i < n:
-                await asyncio.sleep(0)
-                if self.fail_after is not None and i == self.fail_after:
-                    raise RequestFailed("decode worker died")
-                ch = REPLY[i % len(REPLY)]
-                last = not self.endless and i == n - 1
-                yield TokenEvent(ord(ch), ch, "length" if last else None)
-                i += 1
-            finished = True
-        finally:  # reached early by aclose() (GeneratorExit) or by cancelling the handler
-            if not finished and self.fail_after is None:
-                self.aborted.append(request.request_id)
-                self.aborted_event.set()
+        return FakeStream(self, request)
 
     def health(self) -> dict:
         return {"healthy": self.healthy, "workers": {"pd-p0": "ready"}}
+
+
+class FakeStream:
+    """An explicit iterator rather than an async generator, so only aclose() (never garbage collection
+    or a cancelled await) counts as the HTTP layer closing it."""
+
+    def __init__(self, gateway: FakeGateway, request: GenerateRequest) -> None:
+        self.gateway, self.request = gateway, request
+        self.sent = 0
+        self.finished = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        gw, n = self.gateway, self.request.sampling.max_tokens
+        if gw.refuse is not None:
+            raise gw.refuse
+        if self.finished:
+            raise StopAsyncIteration
+        await asyncio.sleep(0)
+        if gw.fail_after is not None and self.sent == gw.fail_after:
+            raise RequestFailed("decode worker died")
+        ch = REPLY[self.sent % len(REPLY)]
+        self.sent += 1
+        self.finished = not gw.endless and self.sent == n
+        return TokenEvent(ord(ch), ch, "length" if self.finished else None)
+
+    async def aclose(self) -> None:
+        if not self.finished and self.gateway.fail_after is None:
+            self.gateway.aborted.append(self.request.request_id)
+            self.gateway.aborted_event.set()
 
 
 @dataclass
@@ -354,6 +369,8 @@ async def test_api_key_guards_v1_only() -> None:
             assert resp.status == 401
             assert (await resp.json())["error"]["code"] == "invalid_api_key"
         assert (await s.client.get("/v1/models", headers=no_key)).status == 401
+        resp = await s.client.get("/v1/nowhere")
+        assert resp.status == 404 and (await resp.json())["error"]["type"] == "invalid_request_error"
         assert (await s.client.get("/health", headers=no_key)).status == 200
         assert (await s.client.get("/metrics", headers=no_key)).status == 200
         assert s.gateway.requests == []
@@ -421,6 +438,21 @@ async def test_client_disconnect_mid_stream_closes_the_gateway_stream(path: str,
         assert (await s.client.get("/health")).status == 200
         assert (await s.client.post(path, json=GOOD if path == C else CHAT_GOOD)).status == 200
         assert len(s.gateway.aborted) == 1  # a finished stream is not an abort
+
+
+@run_async
+async def test_client_gone_before_a_non_streamed_answer_closes_the_gateway_stream() -> None:
+    """Needs the runner's handler_cancellation: without it aiohttp only notices a dead client on a write."""
+    async with serving(handler_cancellation=True) as s:
+        s.gateway.endless = True
+        post = asyncio.ensure_future(s.client.post(C, json=GOOD))
+        while not s.gateway.requests:
+            await asyncio.sleep(0.01)
+        post.cancel()  # the client gives up and its connection is closed
+        await s.gateway.aborted_event.wait()
+        assert s.gateway.aborted == [s.gateway.requests[0].request_id]
+        s.gateway.endless = False
+        assert (await s.client.post(C, json=GOOD)).status == 200
 
 
 @run_async

@@ -27,6 +27,7 @@ from minifaas.serve.openai_schema import APIError, Endpoint, parse_json, parse_r
 from minifaas.serve.requests import GatewayAPI, GenerateRequest, Overloaded, RequestFailed, TokenEvent
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -55,7 +56,7 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         return web.json_response(APIError(e.status, e.reason).body(), status=e.status)
 
 
-def _bearer_auth(api_key: str | None) -> Any:
+def _bearer_auth(api_key: str | None) -> Middleware:
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @web.middleware
