@@ -161,6 +161,7 @@ BAD_REQUESTS = [
     (C, b"{not json", 400, None),
     (C, b"\xff\xfe", 400, None),
     (C, b"[1, 2]", 400, None),
+    (C, b"[" * 100_000, 400, None),
     (C, {"model": MODEL}, 400, "prompt"),
     (C, GOOD | {"prompt": 5}, 400, "prompt"),
     (C, GOOD | {"prompt": ""}, 400, "prompt"),

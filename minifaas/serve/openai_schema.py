@@ -56,7 +56,7 @@ _DEFAULT_MAX_TOKENS = 16
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
