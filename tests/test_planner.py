@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -163,3 +164,20 @@ def test_dense_kv_hits_the_link_and_price_ratio_adds_cost(capsys: pytest.Capture
     hybrid = json.loads(capsys.readouterr().out)
     assert "cost_units" not in hybrid["prfaas"]
     assert dense["prfaas"]["throughput_rps"] < hybrid["prfaas"]["throughput_rps"]
+
+
+def test_expected_latency_never_promises_more_and_equals_the_paper_for_linear_costs() -> None:
+    case = paper_case()
+    paper_form, expected = plan(case), plan(case, expected_latency=True)
+    for config in ("prfaas", "homogeneous", "naive"):
+        assert getattr(expected, config).throughput_rps <= getattr(paper_form, config).throughput_rps + 1e-12
+    assert expected.naive.throughput_rps < 0.98 * paper_form.naive.throughput_rps  # the whole spread on H200s
+    linear = case.with_overrides(
+        prfaas=replace(case.prfaas, latency_coeffs=(0.4, 4e-5)),
+        pd_prefill=replace(case.pd_prefill, latency_coeffs=(0.4, 1.4e-4)),
+    )
+    a, b = plan(linear, expected_latency=True), plan(linear)
+    for config in ("prfaas", "homogeneous", "naive"):
+        x, y = getattr(a, config), getattr(b, config)
+        assert (x.threshold_tokens, x.n_prefill) == (y.threshold_tokens, y.n_prefill)
+        assert x.throughput_rps == pytest.approx(y.throughput_rps, rel=1e-9)

@@ -72,6 +72,17 @@ class LengthDistribution:
             l_short = np.where(p_short > 1e-12, pl_short / np.where(p_short > 1e-12, p_short, 1.0), np.nan)
         return p_long, l_long, l_short
 
+    def conditional_means(self, f_values: np.ndarray, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """E[f(L) | L > t] and E[f(L) | L <= t] for each t, given f at every support point (NaN if empty)."""
+        t = np.asarray(thresholds, dtype=float)
+        k = np.searchsorted(self.values, t, side="right")
+        cum_pf = np.concatenate(([0.0], np.cumsum(self.probs * f_values)))
+        p_short, p_long = self._cum_p[k], self._cum_p[-1] - self._cum_p[k]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            long = np.where(p_long > 1e-12, (cum_pf[-1] - cum_pf[k]) / np.where(p_long > 1e-12, p_long, 1.0), np.nan)
+            short = np.where(p_short > 1e-12, cum_pf[k] / np.where(p_short > 1e-12, p_short, 1.0), np.nan)
+        return long, short
+
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` integer lengths drawn from the distribution."""
         picks = rng.choice(self.values.size, size=n, p=self.probs)

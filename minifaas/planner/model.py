@@ -7,6 +7,10 @@ For a threshold t and instance counts (N_prfaas, N_p, N_d):
     Theta_pdd    = N_d * BS_max / (T_decode * L_out)                       (5)
     Lambda_max   = min(Theta_prfaas / p, Theta_pdp / (1 - p), Theta_pdd)   (6)
 A stage that receives no requests (p = 0 or p = 1) does not bound Lambda.
+
+``expected_latency`` swaps T(E[L | side]) for E[T(L) | side]: a queue's
+capacity is one over its MEAN service time, and with T convex the paper's form
+overstates it by the spread of lengths on that side (Jensen's inequality).
 """
 
 from __future__ import annotations
@@ -44,17 +48,29 @@ class OperatingPoint:
 
 
 def stages(
-    case: PlanCase, thresholds: np.ndarray, n_prfaas: int, n_prefill: int, n_decode: int
+    case: PlanCase,
+    thresholds: np.ndarray,
+    n_prfaas: int,
+    n_prefill: int,
+    n_decode: int,
+    expected_latency: bool = False,
 ) -> dict[str, np.ndarray]:
     """Eqs 3-6 for every threshold; arrays of the same shape as ``thresholds``."""
     t = np.asarray(thresholds, dtype=float)
     p, l_long, l_short = case.lengths.split(t)
     safe_long = np.where(np.isnan(l_long), 1.0, l_long)
     safe_short = np.where(np.isnan(l_short), 1.0, l_short)
-    compute = n_prfaas / case.prfaas.latency_s(safe_long)
+    if expected_latency:
+        values = case.lengths.values
+        t_long, _ = case.lengths.conditional_means(case.prfaas.latency_s(values), t)
+        _, t_short = case.lengths.conditional_means(case.pd_prefill.latency_s(values), t)
+        t_long, t_short = np.where(np.isnan(t_long), 1.0, t_long), np.where(np.isnan(t_short), 1.0, t_short)
+    else:
+        t_long, t_short = case.prfaas.latency_s(safe_long), case.pd_prefill.latency_s(safe_short)
+    compute = n_prfaas / t_long
     transfer = case.link_bytes_per_s / case.prfaas.kv_bytes(safe_long)
     theta_prfaas = np.minimum(compute, transfer)
-    theta_pdp = n_prefill / case.pd_prefill.latency_s(safe_short)
+    theta_pdp = n_prefill / t_short
     theta_pdd = np.full_like(t, n_decode * case.decode.requests_per_s(case.output_tokens))
     with np.errstate(divide="ignore"):
         bound_prfaas = np.where(p > 0, theta_prfaas / np.where(p > 0, p, 1.0), np.inf)
@@ -94,12 +110,13 @@ def operating_point(
     n_prfaas: int,
     n_prefill: int,
     n_decode: int,
+    expected_latency: bool = False,
 ) -> OperatingPoint:
     """Eqs 3-6 at one configuration. ``threshold=None`` means no threshold: every prefill goes
     to PrfaaS when ``n_prefill == 0``, to PD-P otherwise."""
     no_threshold = -1.0 if n_prefill == 0 else float(case.lengths.values[-1])
     t = no_threshold if threshold is None else float(threshold)
-    arrays = stages(case, np.array([t]), n_prfaas, n_prefill, n_decode)
+    arrays = stages(case, np.array([t]), n_prfaas, n_prefill, n_decode, expected_latency)
     row = {k: float(v[0]) for k, v in arrays.items()}
     offloads = row["p"] > 0
     return OperatingPoint(

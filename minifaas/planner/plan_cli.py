@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold-step", type=int, default=100, help="grid step of t in tokens")
     parser.add_argument("--kv-bytes-per-token", type=float, help="replace the model's KV growth (both clusters)")
     parser.add_argument("--kv-fixed-bytes", type=float, help="replace the model's fixed-size state per request")
+    parser.add_argument(
+        "--expected-latency", action="store_true", help="price prefill by E[T(L)] instead of the paper's T(E[L])"
+    )
     parser.add_argument("--price-ratio", type=float, help="price of a PrfaaS GPU over a PD GPU: adds cost figures")
 
 
@@ -74,7 +77,7 @@ def to_json(case: PlanCase, result: Plan, price_ratio: float | None) -> dict[str
 def run(args: argparse.Namespace) -> int:
     case = resolve_case(args)
     grid = SearchGrid(threshold_step=args.threshold_step)
-    result = plan(case, grid)
+    result = plan(case, grid, args.expected_latency)
     if args.json:
         print(json.dumps(to_json(case, result, args.price_ratio), indent=2))
     else:

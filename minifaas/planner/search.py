@@ -5,7 +5,8 @@ The search is the paper's 2-D grid (eqs 7 and 8 are where its optimum sits):
     100 tokens), every t evaluated at once with prefix sums over the length
     distribution;
   - N_p runs over 0 .. n_pd - 1 with N_d = n_pd - N_p (at least one decoder).
-The winner maximises Lambda_max (eq 6). Where several points tie (a decode-bound
+The winner maximises Lambda_max (eq 6); ``expected_latency`` (off by default, as
+in the paper) prices each side by its mean prefill time (see model.py). Where several points tie (a decode-bound
 plateau), the one closest to eq 7's balance Theta_prfaas/p = Theta_pdp/(1-p) wins,
 then the one with the least PrfaaS egress: it leaves the most link headroom.
 
@@ -62,12 +63,12 @@ class Plan:
         return self.prfaas.throughput_rps / self.naive.throughput_rps - 1
 
 
-def best_prfaas(case: PlanCase, grid: SearchGrid = SearchGrid()) -> OperatingPoint:
+def best_prfaas(case: PlanCase, grid: SearchGrid = SearchGrid(), expected_latency: bool = False) -> OperatingPoint:
     thresholds = grid.thresholds(case)
     best_key: tuple[float, float, float] | None = None
     best: tuple[float, int] = (0.0, 0)
     for n_prefill in range(case.n_pd):
-        s = stages(case, thresholds, case.n_prfaas, n_prefill, case.n_pd - n_prefill)
+        s = stages(case, thresholds, case.n_prfaas, n_prefill, case.n_pd - n_prefill, expected_latency)
         with np.errstate(invalid="ignore", divide="ignore"):
             imbalance = np.abs(s["bound_prfaas"] - s["bound_pdp"]) / s["lambda"]
         imbalance = np.where(np.isfinite(imbalance), imbalance, np.inf)
@@ -78,20 +79,26 @@ def best_prfaas(case: PlanCase, grid: SearchGrid = SearchGrid()) -> OperatingPoi
         if best_key is None or key < best_key:
             best_key, best = key, (float(thresholds[i]), n_prefill)
     threshold, n_prefill = best
-    return operating_point("prfaas", case, threshold, case.n_prfaas, n_prefill, case.n_pd - n_prefill)
+    n_decode = case.n_pd - n_prefill
+    return operating_point("prfaas", case, threshold, case.n_prfaas, n_prefill, n_decode, expected_latency)
 
 
-def best_homogeneous(case: PlanCase) -> OperatingPoint:
+def best_homogeneous(case: PlanCase, expected_latency: bool = False) -> OperatingPoint:
+    n = case.n_homogeneous
     points = [
-        operating_point("homogeneous", case, None, 0, n_prefill, case.n_homogeneous - n_prefill)
+        operating_point("homogeneous", case, None, 0, n_prefill, n - n_prefill, expected_latency)
         for n_prefill in range(1, case.n_homogeneous)
     ]
     return max(points, key=lambda op: op.throughput_rps)
 
 
-def naive(case: PlanCase) -> OperatingPoint:
-    return operating_point("naive", case, None, case.n_prfaas, 0, case.n_pd)
+def naive(case: PlanCase, expected_latency: bool = False) -> OperatingPoint:
+    return operating_point("naive", case, None, case.n_prfaas, 0, case.n_pd, expected_latency)
 
 
-def plan(case: PlanCase, grid: SearchGrid = SearchGrid()) -> Plan:
-    return Plan(prfaas=best_prfaas(case, grid), homogeneous=best_homogeneous(case), naive=naive(case))
+def plan(case: PlanCase, grid: SearchGrid = SearchGrid(), expected_latency: bool = False) -> Plan:
+    return Plan(
+        prfaas=best_prfaas(case, grid, expected_latency),
+        homogeneous=best_homogeneous(case, expected_latency),
+        naive=naive(case, expected_latency),
+    )
