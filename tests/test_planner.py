@@ -181,3 +181,12 @@ def test_expected_latency_never_promises_more_and_equals_the_paper_for_linear_co
         x, y = getattr(a, config), getattr(b, config)
         assert (x.threshold_tokens, x.n_prefill) == (y.threshold_tokens, y.n_prefill)
         assert x.throughput_rps == pytest.approx(y.throughput_rps, rel=1e-9)
+
+
+def test_profiles_round_trip_through_a_file(tmp_path) -> None:
+    from minifaas.planner.paper import H20_DECODE
+    from minifaas.planner.profile import save_profiles
+
+    path = tmp_path / "h200.json"
+    save_profiles(path, H200, H20_DECODE)
+    assert load_profiles(path) == (H200, H20_DECODE)

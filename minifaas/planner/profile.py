@@ -24,13 +24,16 @@ interpolation of ``points`` (linear extrapolation past either end). KV bytes:
 the linear form when ``kv_bytes_per_token`` is given, else the same
 interpolation. ``fit_latency`` turns a measured table into the polynomial by
 least squares (prefill time grows near-quadratically with length).
+
+A measuring tool writes a file with ``save_profiles`` (JSON, the same tables);
+``load_profiles`` reads either form back.
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +173,15 @@ def load_profiles(path: str | Path) -> tuple[PrefillProfile | None, DecodeProfil
     prefill = prefill_from_dict(data["prefill"]) if "prefill" in data else None
     decode = decode_from_dict(data["decode"]) if "decode" in data else None
     return prefill, decode
+
+
+def save_profiles(path: str | Path, prefill: PrefillProfile | None = None, decode: DecodeProfile | None = None) -> None:
+    """Write one profile file (JSON) that ``load_profiles`` reads back unchanged."""
+    data: dict[str, Any] = {}
+    if prefill is not None:
+        table = asdict(prefill)
+        table["points"] = [[p.tokens, p.latency_s, p.kv_bytes] for p in prefill.points]
+        data["prefill"] = table
+    if decode is not None:
+        data["decode"] = asdict(decode)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
