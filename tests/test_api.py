@@ -494,6 +494,7 @@ async def test_metrics_series_after_requests() -> None:
 
 def test_metrics_registries_are_separate() -> None:
     a, b = ServeMetrics(), ServeMetrics()
+    assert b'minifaas:time_to_first_token_seconds_count{route="prfaas"} 0.0' in b.exposition()
     a.add_kv_bytes("l", 5)
     assert b"minifaas:kv_bytes_sent_total" in a.exposition()
     assert b'kv_bytes_sent_total{link="l"}' not in b.exposition()

@@ -22,6 +22,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
 # Outcomes of requests_total: "stop" / "length" (finished), "abort" (client went away),
 # "invalid" (rejected with a 4xx), "overloaded" (503), "error" (500).
 NO_ROUTE = "none"  # the route label of a request rejected before it was routed
+ROUTES = ("prfaas", "local")
 
 
 class ServeMetrics:
@@ -68,6 +69,9 @@ class ServeMetrics:
         self.link_utilization = Gauge("minifaas:link_utilization", "Link utilisation", ["link"], registry=r)
         # Requests waiting at each stage (e.g. prfaas_prefill, pd_prefill, decode).
         self.queue_depth = Gauge("minifaas:queue_depth", "Requests waiting per stage", ["stage"], registry=r)
+        for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
+            for histogram in (self.ttft, self.tpot, self.e2e, self.queue_time, self.transfer_time):
+                histogram.labels(route=route)
 
     # -- called by the HTTP layer -------------------------------------------------------------
 
