@@ -30,6 +30,7 @@ from minifaas.policy.router import ClusterView, NodeView, Path, RouteInput, Rout
 from minifaas.serve.config import ServeConfig
 from minifaas.serve.control import sampling_to_json
 from minifaas.serve.lifecycle import Phase, advance
+from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.serve.worker_handle import WorkerHandle
 from minifaas.transport.emulator_control import EmulatorProcess
@@ -38,8 +39,10 @@ log = logging.getLogger("minifaas.gateway")
 
 
 class Gateway:
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, metrics: ServeMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or ServeMetrics()
+        self.link_stats: dict[str, dict] = {}
         spec = ModelSpec.resolve(config.model, config.seed)
         self.model_name = spec.name
         self.tokenizer: Tokenizer = ByteTokenizer() if spec.kind == "preset" else HFTokenizer(spec.path.parent)
@@ -96,8 +99,25 @@ class Gateway:
         except BaseException:
             await self._stack.aclose()
             raise
+        self._tasks.create_task(self._watch_links())
         log.info("gateway ready: %s", ", ".join(self.workers))
         return self
+
+    async def _watch_links(self, period: float = 1.0) -> None:
+        """Sample each emulated link and the stage queues into /metrics."""
+        while not self._closing:
+            for name, emulator in self.emulators.items():
+                try:
+                    stats = await emulator.control.stats()
+                except (OSError, RuntimeError, TimeoutError):
+                    continue
+                self.link_stats[name] = stats
+                self.metrics.set_link_utilization(f"prfaas->{name}", stats.get("utilisation") or 0.0)
+            for stage, cluster, role in (("prfaas_prefill", "prfaas", "prefill"), ("pd_prefill", "pd", "prefill")):
+                queued = sum(len(w.inboxes) for w in self.workers.values() if w.cluster == cluster and w.role == role)
+                self.metrics.set_queue_depth(stage, queued)
+            self.metrics.set_queue_depth("decode", sum(len(w.inboxes) for w in self._decode_workers()))
+            await asyncio.sleep(period)
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
@@ -213,8 +233,8 @@ class Gateway:
             tried.add(worker.name)
             log.warning("request %s: prefill on %s failed (%s)", request.request_id, worker.name, outcome)
             record.phase = advance(record.phase, Phase.FALLBACK)
-            record.fallback = outcome
             reason = outcome.split(":")[0]
+            record.fallback = reason
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             with contextlib.suppress(RuntimeError):
                 decode.send({"op": "abort", "req": request.request_id})
@@ -267,6 +287,7 @@ class Gateway:
         if reply["op"] == "failed":
             return f"transfer_failed: {reply['error']}"
         record.kv_bytes = reply["kv_bytes"]
+        self.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
         record.queue_s = reply["queue_s"]
         record.transfer_s = reply["transfer_tail_s"]
         record.phase = advance(record.phase, Phase.TRANSFERRING)

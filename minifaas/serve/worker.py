@@ -22,6 +22,7 @@ import sys
 import traceback
 
 from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
 from minifaas.serve import control
 from minifaas.serve.decode_service import DecodeService
 from minifaas.serve.prefill_service import PrefillService
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     secret = bytes.fromhex(os.environ["MINIFAAS_KV_SECRET"])
     runtime = await asyncio.to_thread(ModelRuntime.load, args.model, args.device, args.seed)
+    await asyncio.to_thread(runtime.generate, [0, 1, 2], SamplingParams(max_tokens=2))  # first forwards are slow
     async with contextlib.AsyncExitStack() as stack:
         kv_port = 0
         if args.role == "decode":

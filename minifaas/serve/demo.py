@@ -1,0 +1,158 @@
+"""``minifaas demo``: the default clusters, a concurrent mix of short and long prompts, live.
+
+Starts the gateway (PrfaaS prefill worker, PD-P, PD-D, link emulator) on a free
+port, sends the mix through the real OpenAI-compatible HTTP API with streaming,
+shows per-request progress and the link's utilisation, prints a summary, and
+shuts everything down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, replace
+
+import aiohttp
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from minifaas.serve.config import LinkConfig, ServeConfig
+from minifaas.serve.serve_cli import running_server
+
+VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=ServeConfig().model)
+    parser.add_argument("--short", type=int, default=8, help="short prompts (stay local)")
+    parser.add_argument("--long", type=int, default=4, help="long prompts (go to PrfaaS)")
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--threshold", type=int, default=512)
+    parser.add_argument("--link-rate", default="50mbit")
+
+
+@dataclass(slots=True)
+class Row:
+    name: str
+    prompt_chars: int
+    status: str = "queued"
+    route: str = "-"
+    ttft: float | None = None
+    tokens: int = 0
+    started: float = 0.0
+    ended: float | None = None
+    kv_bytes: int = 0
+    fallback: str | None = None
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_demo(args))
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    console = Console()
+    config = replace(
+        ServeConfig(model=args.model, port=0, threshold=args.threshold),
+        link=LinkConfig(rate=args.link_rate, delay_ms=5.0),
+    )
+    console.print(f"[bold]starting[/] PrfaaS prefill + PD-P + PD-D workers and a {args.link_rate} link emulator ...")
+    t0 = time.perf_counter()
+    async with running_server(config) as (gateway, port):
+        console.print(
+            f"ready in {time.perf_counter() - t0:.1f} s on port {port}; sending {args.short} short "
+            f"and {args.long} long prompts at once (threshold {args.threshold} tokens)"
+        )
+        rows = [Row(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
+        rows += [Row(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
+        base = f"http://127.0.0.1:{port}/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            with Live(_table(rows, gateway.link_stats), console=console, refresh_per_second=4) as live:
+                jobs = [asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens)) for row in rows]
+                while not all(j.done() for j in jobs):
+                    live.update(_table(rows, gateway.link_stats))
+                    await asyncio.sleep(0.25)
+                live.update(_table(rows, gateway.link_stats))
+                for j in jobs:
+                    j.result()
+        console.print(_summary(rows))
+    console.print(f"[bold]stopped[/]: all processes shut down; total {time.perf_counter() - t0:.1f} s")
+    return 0 if all(r.status == "done" for r in rows) else 1
+
+
+async def _one(http: aiohttp.ClientSession, url: str, model: str, row: Row, max_tokens: int) -> None:
+    prompt = (VERSE * (row.prompt_chars // len(VERSE) + 1))[: row.prompt_chars]
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+    row.started = time.perf_counter()
+    row.status = "prefill"
+    async with http.post(url, json=body) as resp:
+        if resp.status != 200:
+            row.status = f"HTTP {resp.status}"
+            return
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                row.tokens += 1
+                row.ttft = row.ttft or time.perf_counter() - row.started
+                row.status = "decoding"
+            if chunk.get("usage"):
+                row.tokens = chunk["usage"]["completion_tokens"]
+            info = chunk.get("minifaas")
+            if info:
+                row.route, row.kv_bytes, row.fallback = info["route"], info["kv_bytes"], info["fallback"]
+    row.ended = time.perf_counter()
+    row.status = "done"
+
+
+def _table(rows: list[Row], links: dict[str, dict]) -> Table:
+    util = ", ".join(f"{name}: {100 * (s.get('utilisation') or 0):.0f}%" for name, s in links.items()) or "-"
+    table = Table(title=f"requests (link utilisation {util})")
+    for col in ("request", "prompt chars", "status", "route", "TTFT s", "tokens", "tokens/s"):
+        table.add_column(col, justify="left" if col in ("request", "status", "route") else "right")
+    for r in rows:
+        rate = r.tokens / ((r.ended or time.perf_counter()) - r.started) if r.tokens else 0.0
+        table.add_row(
+            r.name,
+            str(r.prompt_chars),
+            r.status,
+            r.route,
+            f"{r.ttft:.2f}" if r.ttft else "-",
+            str(r.tokens),
+            f"{rate:.1f}",
+        )
+    return table
+
+
+def _summary(rows: list[Row]) -> Table:
+    table = Table(title="summary by route")
+    for col in ("route", "requests", "mean TTFT s", "mean e2e s", "KV bytes sent", "fallbacks"):
+        table.add_column(col, justify="left" if col == "route" else "right")
+    for route in sorted({r.route for r in rows}):
+        group = [r for r in rows if r.route == route and r.ended]
+        if not group:
+            continue
+        ttft = sum(r.ttft or 0 for r in group) / len(group)
+        e2e = sum((r.ended or 0) - r.started for r in group) / len(group)
+        kv = sum(r.kv_bytes for r in group)
+        table.add_row(
+            route,
+            str(len(group)),
+            f"{ttft:.2f}",
+            f"{e2e:.2f}",
+            f"{kv / 1e6:.2f} MB",
+            str(sum(1 for r in group if r.fallback)),
+        )
+    return table

@@ -1,0 +1,183 @@
+"""`minifaas serve` end to end: real worker processes, real sockets, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+from minifaas.model.tokenizer import ByteTokenizer
+
+SHORT = "To be, or not to be: that is the question."
+LONG = "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune. " * 14
+KEY = "test-key"
+
+
+def _get(url: str, key: str | None = None) -> tuple[int, dict | str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read().decode()
+            return r.status, json.loads(body) if body.startswith("{") else body
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode())
+
+
+def _post(url: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url, data=body, method="POST", headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode())
+
+
+@pytest.fixture(scope="module")
+def server() -> str:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "minifaas.cli",
+            "serve",
+            "--port",
+            "0",
+            "--threshold",
+            "300",
+            "--api-key",
+            KEY,
+            "--link-rate",
+            "50mbit",
+            "--log-level",
+            "INFO",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    port = None
+    deadline = time.monotonic() + 240
+    while port is None and time.monotonic() < deadline:
+        line = proc.stderr.readline()  # type: ignore[union-attr]
+        if not line:
+            break
+        if "serving" in line and "http://" in line:
+            port = int(line.split("http://")[1].split("/")[0].rsplit(":", 1)[1])
+    assert port is not None, "server did not start"
+    yield f"http://127.0.0.1:{port}"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    time.sleep(0.5)
+    leftovers = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], f"processes left after shutdown: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    rt = ModelRuntime.load("kimi-linear-tiny")
+    tok = ByteTokenizer()
+    p = SamplingParams(max_tokens=12)
+    return {name: tok.decode(rt.generate(tok.encode(text), p)) for name, text in (("short", SHORT), ("long", LONG))}
+
+
+def test_openai_client_completions_and_chat(server: str, reference: dict[str, str]) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    model = client.models.list().data[0].id
+    short = client.completions.create(model=model, prompt=SHORT, max_tokens=12, temperature=0)
+    long = client.completions.create(model=model, prompt=LONG, max_tokens=12, temperature=0)
+    assert short.choices[0].text == reference["short"] and long.choices[0].text == reference["long"]
+    assert short.model_extra["minifaas"]["route"] == "local"
+    assert long.model_extra["minifaas"]["route"] == "prfaas"
+    rt = ModelRuntime.load("kimi-linear-tiny")
+    assert long.model_extra["minifaas"]["kv_bytes"] == rt.prefill(ByteTokenizer().encode(LONG)).state.nbytes
+    streamed = client.completions.create(
+        model=model, prompt=LONG, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference["long"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    parts = list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True, temperature=0
+        )
+    )
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+
+
+def test_concurrent_mixed_requests_all_complete(server: str, reference: dict[str, str]) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=300)
+
+    async def one(i: int) -> tuple[int, str]:
+        prompt = LONG if i % 4 == 0 else SHORT
+        r = await client.completions.create(model="kimi-linear-tiny", prompt=prompt, max_tokens=12, temperature=0)
+        return i, r.choices[0].text
+
+    async def all_of_them() -> list[tuple[int, str]]:
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    for i, text in asyncio.run(all_of_them()):
+        assert text == reference["long" if i % 4 == 0 else "short"], i
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"{not json", 400),
+        (json.dumps({"model": "kimi-linear-tiny"}).encode(), 400),
+        (json.dumps({"model": "kimi-linear-tiny", "prompt": 5}).encode(), 400),
+        (json.dumps({"model": "kimi-linear-tiny", "prompt": "x", "max_tokens": 0}).encode(), 400),
+        (json.dumps({"model": "kimi-linear-tiny", "prompt": "x", "max_tokens": 10**7}).encode(), 400),
+        (json.dumps({"model": "kimi-linear-tiny", "prompt": "x" * 40000}).encode(), 400),
+        (json.dumps({"model": "no-such-model", "prompt": "x"}).encode(), 404),
+        (json.dumps({"model": "kimi-linear-tiny", "prompt": "x" * (5 << 20)}).encode(), 413),
+    ],
+)
+def test_bad_input_gets_4xx_and_the_server_stays_healthy(server: str, body: bytes, status: int) -> None:
+    code, reply = _post(f"{server}/v1/completions", body)
+    assert code == status and "message" in reply["error"]
+    ok, good = _post(
+        f"{server}/v1/completions", json.dumps({"model": "kimi-linear-tiny", "prompt": "a", "max_tokens": 2}).encode()
+    )
+    assert ok == 200 and good["usage"]["completion_tokens"] == 2
+
+
+def test_api_key_health_and_metrics(server: str) -> None:
+    assert _get(f"{server}/v1/models")[0] == 401
+    assert _get(f"{server}/v1/models", KEY)[0] == 200
+    code, health = _get(f"{server}/health")
+    assert code == 200 and health["healthy"]
+    code, text = _get(f"{server}/metrics")
+    assert code == 200 and "minifaas:time_to_first_token_seconds" in text and 'route="prfaas"' in text
+
+
+def test_client_disconnect_mid_stream_frees_the_request(server: str) -> None:
+    async def go() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY)
+        stream = await client.completions.create(model="kimi-linear-tiny", prompt=SHORT, max_tokens=400, stream=True)
+        async for _ in stream:
+            break
+        await stream.close()
+        await client.close()
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _get(f"{server}/health")[1]["inflight"] != 0:
+        time.sleep(0.2)
+    assert _get(f"{server}/health")[1]["inflight"] == 0
+    assert 'outcome="abort"' in _get(f"{server}/metrics")[1]
