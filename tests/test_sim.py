@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -161,3 +163,8 @@ def test_sim_json_command(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
         assert key in out
     assert out["requests"] > 100 and out["completed"] == out["requests"]
     assert csv_path.read_text().startswith("time_s,prfaas_prefill,pd_prefill")
+
+
+def test_sim_does_not_import_torch() -> None:
+    code = "import sys, minifaas.sim.sim_cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

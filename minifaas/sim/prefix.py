@@ -5,9 +5,11 @@ nodes. As in the gateway, the router's hits come from the ``GlobalCacheManager``
 which hears the pools' store/evict events; here the events are applied at
 once (a real gateway hears them a little later). Trace hash ids become block
 keys with ``PromptKeys.from_ids``; a prefill stores what it computed with
-``store_prompt`` (no payloads). The PD cluster also stores a prompt when its
-KV lands on a decode node there, which is what lets the next turn of a
-conversation ship only its increment.
+``store_prompt`` (no payloads). When a PrfaaS prefill's KV lands on a PD
+decode node, the PD pool keeps what arrived (``store_received``): the
+full-attention blocks and the state at the prompt's end, but none of the
+intermediate snapshots, which never left the PrfaaS cluster. That KV lets the
+next turn of a conversation ship only its increment.
 
 Entries are stored under the cluster's name as their holder: the pool is
 cluster-wide, so no node has a private hit and the router's node choice stays
@@ -54,4 +56,12 @@ class ClusterPrefixCaches:
     def store(self, cluster: str, hash_ids: tuple[int, ...], prompt_tokens: int, now: float) -> None:
         pool = self.pools[cluster]
         pool.store_prompt(self.keys(hash_ids, prompt_tokens), now, self._block_bytes, lambda _: self._snapshot_bytes)
+        self.manager.apply_all(pool.drain_events())
+
+    def store_received(self, cluster: str, hash_ids: tuple[int, ...], prompt_tokens: int, now: float) -> None:
+        pool = self.pools[cluster]
+        keys = self.keys(hash_ids, prompt_tokens)
+        stored = all(pool.put_block(keys, j, now, self._block_bytes) for j in range(keys.num_full_blocks))
+        if stored:  # the end state hangs from the last block; without it the snapshot would be an orphan
+            pool.put_snapshot(keys, prompt_tokens, now, self._snapshot_bytes)
         self.manager.apply_all(pool.drain_events())

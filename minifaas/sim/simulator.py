@@ -148,7 +148,7 @@ class Simulation:
                 ready = max(now, self._prefill_end[rid] + tail)
             ready += self.config.link.one_way_s
             if self.caches is not None:
-                self.caches.store(self.pd.cluster, self.workload.hash_ids[rid], self._prompt[rid], ready)
+                self.caches.store_received(self.pd.cluster, self.workload.hash_ids[rid], self._prompt[rid], ready)
             self.loop.at(ready, self._kv_ready, rid)
         self._reschedule_link()
 
