@@ -15,6 +15,7 @@ from minifaas.cli import main
 from minifaas.planner import LengthDistribution, SearchGrid, best_prfaas, load_case, load_profiles, plan, stages
 from minifaas.planner.model import operating_point
 from minifaas.planner.paper import H20_PREFILL, H200, H200_TABLE, REPORTED, paper_case
+from minifaas.sim.traces import SHARED_TRACES
 
 
 def test_h200_fit_matches_the_published_fit() -> None:
@@ -190,3 +191,22 @@ def test_profiles_round_trip_through_a_file(tmp_path) -> None:
     path = tmp_path / "h200.json"
     save_profiles(path, H200, H20_DECODE)
     assert load_profiles(path) == (H200, H20_DECODE)
+
+
+@pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"traces not found at {SHARED_TRACES}")
+def test_a_case_file_can_take_its_lengths_from_a_trace(tmp_path) -> None:
+    trace = SHARED_TRACES / "AzureLLMInferenceTrace_code.csv"
+    text = (tmp_path / "case.toml").write_text(
+        f'name = "azure-code"\nn_prfaas = 4\nn_pd = 8\nn_homogeneous = 12\nlink_gbps = 100\noutput_tokens = 28\n'
+        f'[lengths]\ntrace = "{trace}"\n'
+        '[prfaas]\nname = "A"\ngpus_per_instance = 8\nlatency_coeffs = [0.389, 4.107e-5, 9.48e-11]\n'
+        "kv_fixed_bytes = 1.8e8\nkv_bytes_per_token = 17137\n"
+        '[pd_prefill]\nname = "B"\ngpus_per_instance = 8\nlatency_coeffs = [0.4, 1.399e-4, 3.15e-11]\n'
+        "kv_fixed_bytes = 1.8e8\nkv_bytes_per_token = 17137\n"
+        '[decode]\nname = "C"\ngpus_per_instance = 8\nbs_max = 20\nstep_time_s = 0.025\n'
+    )
+    assert text > 0
+    case = load_case(tmp_path / "case.toml")
+    assert case.lengths.values.size == 8_819
+    assert case.lengths.mean == pytest.approx(2_048, rel=0.01)
+    assert plan(case).prfaas.throughput_rps > 0

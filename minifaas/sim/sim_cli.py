@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--arrivals", choices=[k.value for k in ArrivalKind], default=ArrivalKind.POISSON.value)
     load.add_argument("--load", type=float, default=0.8, help="offered rate as a fraction of planned capacity")
     load.add_argument("--rate", type=float, help="offered rate in req/s (overrides --load)")
-    load.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
+    load.add_argument("--duration", type=float, help="seconds of arrivals (default 600; a trace: all of it)")
     load.add_argument("--on-s", type=float, default=10.0, help="bursty: mean ON period")
     load.add_argument("--off-s", type=float, default=10.0, help="bursty: mean OFF period")
     load.add_argument("--off-fraction", type=float, default=0.0, help="bursty: OFF rate / ON rate")
@@ -109,11 +109,13 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.trace:
         workload = read_trace(args.trace, args.length_scale, args.rate_scale)
-        workload = workload.head(int((workload.arrival_s < args.duration).sum()))
+        if args.duration is not None:
+            workload = workload.head(int((workload.arrival_s < args.duration).sum()))
     else:
         rate = args.rate if args.rate is not None else args.load * point.throughput_rps
         arrivals = ArrivalSpec(ArrivalKind(args.arrivals), rate, args.on_s, args.off_s, args.off_fraction)
-        workload = synthetic(case.lengths, round(case.output_tokens), arrivals, args.duration, args.seed)
+        duration = 600.0 if args.duration is None else args.duration
+        workload = synthetic(case.lengths, round(case.output_tokens), arrivals, duration, args.seed)
     return config, workload, point
 
 
