@@ -210,3 +210,21 @@ def test_a_case_file_can_take_its_lengths_from_a_trace(tmp_path) -> None:
     assert case.lengths.values.size == 8_819
     assert case.lengths.mean == pytest.approx(2_048, rel=0.01)
     assert plan(case).prfaas.throughput_rps > 0
+
+
+def test_decode_profile_from_measured_steps_meets_the_slo() -> None:
+    from minifaas.planner.profile import DecodeProfile
+
+    steps = [(1, 0.008), (8, 0.012), (16, 0.019), (20, 0.024), (24, 0.029), (32, 0.04)]
+    profile = DecodeProfile.from_steps("H20x8", 8, steps, slo_tokens_per_s=40)
+    assert (profile.bs_max, profile.step_time_s) == (20, 0.025)
+    assert profile.requests_per_s(1024) == pytest.approx(0.78, rel=0.01)  # PRFAAS.md's figure
+    with pytest.raises(ValueError):
+        DecodeProfile.from_steps("slow", 8, [(1, 0.05)], slo_tokens_per_s=40)
+
+
+def test_plan_plot_draws_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    assert main(["plan", "--case", "paper", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,8 +16,8 @@ measuring tool can write it and a planner run can read it back:
     [decode]
     name = "H20x8"
     gpus_per_instance = 8
-    bs_max = 20
-    step_time_s = 0.025
+    bs_max = 20                    # the largest batch meeting the decode SLO
+    step_time_s = 0.025            # 1 / SLO tokens per second (DecodeProfile.from_steps derives both)
 
 Latency: the polynomial when ``latency_coeffs`` is given, else piecewise-linear
 interpolation of ``points`` (linear extrapolation past either end). KV bytes:
@@ -109,6 +109,18 @@ class DecodeProfile:
     def requests_per_s(self, output_tokens: float) -> float:
         """One instance's decode throughput, eq 5 per instance: BS_max / (T_decode * L_out)."""
         return self.bs_max / (self.step_time_s * output_tokens)
+
+    @classmethod
+    def from_steps(
+        cls, name: str, gpus_per_instance: int, steps: list[tuple[int, float]], slo_tokens_per_s: float
+    ) -> DecodeProfile:
+        """From measured (batch size, step seconds): BS_max is the largest batch that still meets
+        the per-token SLO, and decode runs paced at the SLO (one token per request per 1/SLO s)."""
+        slo_step = 1.0 / slo_tokens_per_s
+        fitting = [batch for batch, seconds in steps if seconds <= slo_step]
+        if not fitting:
+            raise ValueError(f"{name}: no measured batch meets {slo_tokens_per_s} tokens/s")
+        return cls(name, gpus_per_instance, max(fitting), slo_step)
 
 
 def fit_latency(points: tuple[ProfilePoint, ...], degree: int = 2) -> tuple[float, ...]:
