@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
@@ -101,12 +102,13 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         warmup_s=args.warmup,
         drain=not args.no_drain,
     )
-    overrides = {"n_prfaas": args.n_prfaas, "n_prefill": args.n_prefill, "n_decode": args.n_decode}
-    overrides["threshold"] = args.threshold
-    if any(v is not None for v in overrides.values()):
-        from dataclasses import replace
-
-        config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    overrides = {
+        "n_prfaas": args.n_prfaas,
+        "n_prefill": args.n_prefill,
+        "n_decode": args.n_decode,
+        "threshold": args.threshold,
+    }
+    config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.trace:
         workload = read_trace(args.trace, args.length_scale, args.rate_scale)
         if args.duration is not None:
@@ -123,10 +125,11 @@ def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimR
     simulation = Simulation(config, workload)
     if not show_progress:
         return simulation.run()
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"))
-    with Progress(*columns, TimeElapsedColumn(), transient=True) as progress:
+    with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("sim", total=max(workload.duration_s, 1.0))
         result = simulation.run(progress=lambda now: progress.update(task, completed=min(now, workload.duration_s)))
     return result
