@@ -97,9 +97,11 @@ class Simulation:
         dnode = self.decode.index[decision.decode_node]  # type: ignore[index]
         self.decode.reserve(dnode)
         self._node[rid], self._tokens[rid], self._decode_node[rid], self._prefill_end[rid] = node, tokens, dnode, end
-        if decision.cache_move is not None:  # the moved prefix crosses the link too
-            moved = decision.cache_move.end_tokens - decision.cache_move.start_tokens
-            self.link.add(now, -1 - rid, pool.kv_bytes(moved))
+        move = decision.cache_move
+        if move is not None and move.src == self.prfaas.cluster:
+            # A PrfaaS prefix moved to PD shares the egress pipe. The prefill is not held back
+            # for it (optimistic), and PD -> PrfaaS moves use the other direction, not modelled.
+            self.link.add(now, -1 - rid, pool.kv_bytes(move.end_tokens - move.start_tokens))
             self._reschedule_link()
         if decision.path is Path.PRFAAS:
             self.path[rid] = PRFAAS
