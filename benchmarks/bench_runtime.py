@@ -1,0 +1,72 @@
+"""Prefill and decode speed of every preset on this machine, and their state sizes.
+
+    python benchmarks/bench_runtime.py [--lengths 1024,4096] [--decode-tokens 32] [--json]
+
+All presets run in one process, one after another, with the same prompts, so
+the figures compare side by side. Each timing is the best of --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from minifaas.model.kv_size import kv_profile
+from minifaas.model.loader import ModelSpec, load_config_dict, preset_names
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+
+
+def measure(name: str, lengths: list[int], decode_tokens: int, repeats: int) -> dict:
+    rt = ModelRuntime.load(name)
+    rt.generate([1, 2, 3], SamplingParams(max_tokens=2))  # warm up
+    row: dict = {"model": name}
+    for n in lengths:
+        ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        best = min(rt.prefill(ids).seconds for _ in range(repeats))
+        row[f"prefill_tok_s_{n}"] = n / best
+        result = rt.prefill(ids)
+        params = SamplingParams(max_tokens=decode_tokens + 1, ignore_eos=True)
+        times = []
+        for _ in range(repeats):
+            stream = rt.start_decode(result.state, result.next_token, params)
+            start = time.perf_counter()
+            stream.run()
+            times.append(time.perf_counter() - start)
+        row[f"decode_tok_s_{n}"] = decode_tokens / min(times)
+    profile = kv_profile(load_config_dict(ModelSpec.resolve(name)))
+    row["kv_bytes_per_token"] = sum(c.bytes_per_token for c in profile.layers if c.window is None)
+    row["fixed_state_bytes"] = sum(c.fixed_bytes for c in profile.layers)
+    row["state_bytes_32k"] = profile.bytes_at(32768)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="1024,4096")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="also print one JSON line at the end")
+    args = p.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = [measure(name, lengths, args.decode_tokens, args.repeats) for name in preset_names()]
+    dense = next(r for r in rows if r["fixed_state_bytes"] == 0 and r["model"] == "qwen3-tiny")
+    for r in rows:
+        r["dense_over_this_32k"] = dense["state_bytes_32k"] / r["state_bytes_32k"]
+    cols = [f"prefill_tok_s_{n}" for n in lengths] + [f"decode_tok_s_{n}" for n in lengths]
+    cols += ["kv_bytes_per_token", "fixed_state_bytes", "state_bytes_32k", "dense_over_this_32k"]
+    print(f"{'model':18}" + "".join(f"{c:>22}" for c in cols))
+    for r in rows:
+        print(
+            f"{r['model']:18}" + "".join(f"{r[c]:>22.1f}" if isinstance(r[c], float) else f"{r[c]:>22}" for c in cols)
+        )
+    print(f"(threads: {torch.get_num_threads()}; the 32K ratio is qwen3-tiny's state over each model's)")
+    if args.json:
+        print(json.dumps({"bench": "runtime", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
