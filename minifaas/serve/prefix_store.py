@@ -1,0 +1,202 @@
+"""A prefill node's prefix cache: the live payloads of a ``HybridPrefixPool`` and the prefill that fills it.
+
+Where the pool lives: each prefill worker process holds one pool in its own host
+memory, and the cluster shares it by routing. The gateway's global manager hears
+every node's store/evict events under the node's own name, so it knows which node
+holds which prefix, and the router sends a request to the node that can load its
+hit. Why not one pool process per cluster: a node would then fetch every hit over
+a socket before it could start, and the pool process would copy every computed
+block in; in one host's memory the hit is a few tensor joins away. The price is
+that two nodes of a cluster do not see each other's entries (a hit on a busy
+node is either waited for or recomputed elsewhere, the router's choice), and a
+worker that restarts comes back with an empty pool.
+
+Payloads are tuples of LayerState:
+- a block: the full-attention KV of its ``block_size`` tokens, one state per full-attention layer;
+- a snapshot at length n: the full-attention KV of the partial block [n - n % block_size, n),
+  and every other layer's state (linear attention, sliding window) at exactly n.
+
+A prefill with a hit of h tokens continues from the hit's state and runs the rest
+in segments that end at the pool's snapshot points, so the state at each point can
+be kept; only the last segment streams its layers to the decode side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedConfig
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.entry import Lease
+from minifaas.cache.events import CacheEvent
+from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
+from minifaas.model.runtime import ModelRuntime, OnLayer, PrefillResult
+from minifaas.model.sampling import GREEDY, SamplingParams
+
+Payload = tuple[LayerState, ...]
+
+
+def state_layout(config: PreTrainedConfig) -> tuple[StateKind, ...]:
+    """The kind of state each layer of the model keeps, in layer order."""
+    kinds = []
+    for layer in DynamicCache(config=config).layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            kinds.append(StateKind.LINEAR_ATTENTION)
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            kinds.append(StateKind.SLIDING_WINDOW)
+        else:
+            kinds.append(StateKind.FULL_ATTENTION)
+    return tuple(kinds)
+
+
+def needs_snapshot(layout: Sequence[StateKind]) -> bool:
+    """A model with any fixed-size state can reuse a prefix only where a snapshot was taken."""
+    return any(kind is not StateKind.FULL_ATTENTION for kind in layout)
+
+
+@dataclass(slots=True)
+class CachedPrefill:
+    """One prompt's cache plan: its keys, the pinned hit and the state it loads to."""
+
+    keys: PromptKeys
+    lease: Lease[Payload]
+    prefix: ModelState | None  # the state after the hit's tokens; None for a cold start
+    points: list[int]  # snapshot points inside the prompt: each ends a forward, its state is kept
+    snapshot_end: bool  # keep the state at the prompt's end too
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.lease.hit_tokens
+
+
+@dataclass(slots=True)
+class Computed:
+    """What a prefill leaves for the pool, built off the event loop."""
+
+    result: PrefillResult
+    blocks: list[tuple[int, Payload]]  # (block index, payload)
+    snapshots: list[tuple[int, Payload]]  # (length, payload)
+
+
+class PrefixStore:
+    def __init__(self, config: PoolConfig, namespace: str, layout: Sequence[StateKind], node: str) -> None:
+        self.pool: HybridPrefixPool[Payload] = HybridPrefixPool(config, node)
+        self.namespace, self.layout = namespace, tuple(layout)
+
+    @property
+    def enabled(self) -> bool:
+        return self.pool.config.enabled
+
+    def begin(self, tokens: Sequence[int], now: float) -> CachedPrefill:
+        """Pin the usable hit (at least one token is left to compute) and load its state."""
+        size = self.pool.config.block_size
+        keys = PromptKeys.from_tokens(tokens, size, self.namespace)
+        lease = self.pool.acquire(keys, now, limit=len(tokens) - 1)
+        h = lease.hit_tokens
+        prefix = assemble(self.layout, lease.block_payloads, lease.snapshot_payload, h) if h else None
+        points = self.pool.snapshot_points(h, len(tokens)) if self.enabled else []
+        snapshot_end = bool(points) and points[-1] == len(tokens)
+        return CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end)
+
+    def compute(
+        self,
+        runtime: ModelRuntime,
+        plan: CachedPrefill,
+        on_layer: OnLayer | None = None,
+        sampling: SamplingParams = GREEDY,
+    ) -> Computed:
+        """Prefill the rest of the prompt and cut what the pool keeps. Blocking: run it in a thread."""
+        tokens = plan.keys.tokens
+        assert tokens is not None
+        state, done, snapshots = plan.prefix, plan.hit_tokens, []
+        seconds = 0.0
+        for end in plan.points:
+            step = runtime.prefill(tokens[done:end], prefix_state=state)
+            state, done, seconds = step.state, end, seconds + step.seconds
+            snapshots.append((end, snapshot_payload(state, self.layout, self.pool.config.block_size)))
+        result = runtime.prefill(tokens[done:], prefix_state=state, on_layer=on_layer, sampling=sampling)
+        result.seconds += seconds
+        result.computed_tokens = len(tokens) - plan.hit_tokens
+        if not self.enabled:
+            return Computed(result, [], [])
+        size, final = self.pool.config.block_size, result.state
+        if plan.snapshot_end:
+            snapshots.append((len(tokens), snapshot_payload(final, self.layout, size)))
+        first = plan.hit_tokens // size
+        blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
+        return Computed(result, blocks, snapshots)
+
+    def finish(self, plan: CachedPrefill, computed: Computed, now: float) -> None:
+        """Store the new blocks (in order, so each finds its parent), then the snapshots; unpin the hit."""
+        try:
+            for j, payload in computed.blocks:
+                if not self.pool.put_block(plan.keys, j, now, _nbytes(payload), payload):
+                    break  # a later block would be an orphan
+            for n, payload in computed.snapshots:
+                self.pool.put_snapshot(plan.keys, n, now, _nbytes(payload), payload)
+            self.pool.touch(plan.keys, plan.keys.num_tokens, now)
+        finally:
+            self.release(plan)
+
+    def release(self, plan: CachedPrefill) -> None:
+        if not plan.lease.released:
+            self.pool.release(plan.lease)
+
+    def drain_events(self) -> list[CacheEvent]:
+        return self.pool.drain_events()
+
+
+def block_payload(state: ModelState, index: int, block_size: int) -> Payload:
+    """Block ``index``'s full-attention KV, copied out so the pool does not pin the whole prompt's tensors."""
+    start, end = index * block_size, (index + 1) * block_size
+    return tuple(_copy(s.slice_tokens(start, end)) for s in state.layers if s.kind is StateKind.FULL_ATTENTION)
+
+
+def snapshot_payload(state: ModelState, layout: Sequence[StateKind], block_size: int) -> Payload:
+    """Everything needed at exactly ``state.seq_len`` that the blocks before it do not hold."""
+    n = state.seq_len
+    start = n - n % block_size
+    out = []
+    for s, kind in zip(state.layers, layout, strict=True):
+        out.append(_copy(s.slice_tokens(start, n)) if kind is StateKind.FULL_ATTENTION else _copy(s))
+    return tuple(out)
+
+
+def assemble(
+    layout: Sequence[StateKind], blocks: Sequence[Payload | None], snapshot: Payload | None, hit_tokens: int
+) -> ModelState:
+    """The model state after ``hit_tokens`` tokens, from a lease's block and snapshot payloads."""
+    full = [i for i, kind in enumerate(layout) if kind is StateKind.FULL_ATTENTION]
+    parts: list[list[LayerState]] = [[] for _ in layout]
+    for payload in blocks:
+        assert payload is not None, "a live pool entry without its payload"
+        for i, s in zip(full, payload, strict=True):
+            parts[i].append(s)
+    if snapshot is not None:
+        for i, s in enumerate(snapshot):
+            parts[i].append(s)
+    layers = [_join(p) if kind is StateKind.FULL_ATTENTION else p[-1] for kind, p in zip(layout, parts)]
+    for s in layers:
+        if s.seq_len != hit_tokens:
+            raise ValueError(f"layer {s.layer}: cached state covers {s.seq_len} tokens, the hit is {hit_tokens}")
+    return ModelState(layers, hit_tokens)
+
+
+def _join(parts: list[LayerState]) -> LayerState:
+    first = parts[0]
+    names = [n for n, _ in first.slots]
+    slots = tuple((n, torch.cat([p.tensor(n) for p in parts], dim=-2)) for n in names)
+    return LayerState(first.layer, first.kind, sum(p.seq_len for p in parts), slots)
+
+
+def _copy(s: LayerState) -> LayerState:
+    return LayerState(s.layer, s.kind, s.seq_len, tuple((n, t.clone()) for n, t in s.slots))
+
+
+def _nbytes(payload: Payload) -> int:
+    return sum(s.nbytes for s in payload)

@@ -1,0 +1,93 @@
+"""The prefill node's prefix cache with real models: greedy output with any hit equals the cold output."""
+
+from __future__ import annotations
+
+import pytest
+
+from minifaas.cache.pool import PoolConfig
+from minifaas.model.layer_state import StateKind
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
+
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+BLOCK = 16
+PRESETS = ["kimi-linear-tiny", "mimo-v2-tiny", "qwen3-tiny", "qwen3.5-tiny"]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + 31 * i + (i * i) % 97) % 256 for i in range(n)]
+
+
+def _serve(store: PrefixStore, rt: ModelRuntime, tokens: list[int]) -> tuple[list[int], int]:
+    plan = store.begin(tokens, now=0.0)
+    computed = store.compute(rt, plan, sampling=PARAMS)
+    store.finish(plan, computed, now=0.0)
+    assert computed.result.state.seq_len == len(tokens)
+    out = rt.start_decode(computed.result.state, computed.result.next_token, PARAMS).run()
+    return out, plan.hit_tokens
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_output_with_any_hit_equals_cold_output(preset: str) -> None:
+    rt = ModelRuntime.load(preset)
+    layout = state_layout(rt.config)
+    hybrid = needs_snapshot(layout)
+    assert hybrid == (preset != "qwen3-tiny")
+    store = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, hybrid), preset, layout, "n")
+    first = _tokens(1, 5 * BLOCK + 3)  # 83 tokens: snapshots at 32, 64 and 83 when hybrid
+    again = first  # the whole prompt again: at least one token is always computed
+    branch = first[:40] + _tokens(2, 30)  # shares 40 tokens: usable up to the snapshot at 32 (hybrid) or block 32
+    longer = first + _tokens(3, 50)  # continues the first prompt: its end snapshot is an exact hit
+    cold = {id(p): rt.generate(p, PARAMS) for p in (first, branch, longer)}
+
+    out, hit = _serve(store, rt, first)
+    assert (out, hit) == (cold[id(first)], 0)
+    out, hit = _serve(store, rt, again)
+    assert out == cold[id(first)]
+    assert hit == (64 if hybrid else 80)  # the last snapshot point before the end, or every full block
+    out, hit = _serve(store, rt, branch)
+    assert (out, hit) == (cold[id(branch)], 32)
+    out, hit = _serve(store, rt, longer)
+    assert (out, hit) == (cold[id(longer)], 83)
+    assert store.pool.counts["lookups_hit"] == 3
+
+
+def test_off_switches_store_nothing_and_take_no_snapshots_between_ends() -> None:
+    rt = ModelRuntime.load("kimi-linear-tiny")
+    layout = state_layout(rt.config)
+    assert layout.count(StateKind.FULL_ATTENTION) == 2
+    tokens = _tokens(4, 4 * BLOCK + 5)
+    off = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, enabled=False), "m", layout, "n")
+    _serve(off, rt, tokens)
+    assert off.pool.used_bytes == 0 and off.drain_events() == []
+    assert _serve(off, rt, tokens)[1] == 0
+
+    ends_only = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 0), "m", layout, "n")
+    plan = ends_only.begin(tokens, 0.0)
+    assert plan.points == [] and plan.snapshot_end
+    ends_only.finish(plan, ends_only.compute(rt, plan), 0.0)
+    events = ends_only.drain_events()
+    assert sorted(e.length for e in events if e.entry == "snapshot") == [len(tokens)]
+    assert sum(e.entry == "block" for e in events) == 4
+    assert _serve(ends_only, rt, tokens)[1] == 0  # no snapshot below the end: nothing usable
+    assert _serve(ends_only, rt, [*tokens, 1, 2, 3])[1] == len(tokens)
+
+
+def test_a_pinned_hit_survives_a_full_pool_and_is_released() -> None:
+    rt = ModelRuntime.load("qwen3.5-tiny")
+    layout = state_layout(rt.config)
+    tokens = _tokens(5, 3 * BLOCK + 1)
+    probe = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 1), "m", layout, "n")
+    _serve(probe, rt, tokens)
+    capacity = probe.pool.used_bytes  # room for exactly one prompt's entries
+    store = PrefixStore(PoolConfig("n", capacity, BLOCK, 1), "m", layout, "n")
+    _serve(store, rt, tokens)
+    plan = store.begin([*tokens, 9], 1.0)
+    assert plan.hit_tokens == len(tokens)
+    _serve(store, rt, _tokens(6, 3 * BLOCK + 1))  # a different prompt cannot evict the pinned hit
+    assert store.pool.used_bytes <= capacity
+    out = store.compute(rt, plan, sampling=PARAMS)
+    store.finish(plan, out, 2.0)
+    assert plan.lease.released
+    assert rt.start_decode(out.result.state, out.result.next_token, PARAMS).run() == rt.generate([*tokens, 9], PARAMS)
