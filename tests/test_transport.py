@@ -13,9 +13,17 @@ from typing import Any
 
 import pytest
 
-from minifaas.transport import AuthError, KVReceiver, KVSender, ReceiverConfig, SenderConfig
+from minifaas.transport import (
+    AuthError,
+    KVReceiver,
+    KVSender,
+    ProtocolError,
+    ReceiverConfig,
+    SenderConfig,
+    TransferError,
+)
 from minifaas.transport.emulator_control import EmulatorProcess
-from minifaas.transport.synthetic import same_state, synthetic_state
+from minifaas.transport.synthetic import bulk_state, same_state, synthetic_state
 
 SECRET = b"cluster-secret-0123456789abcdef"
 pytestmark = pytest.mark.timeout(60)
@@ -50,6 +58,25 @@ def test_round_trip_is_bit_exact(connections: int, via_emulator: bool) -> None:
                 assert report.nbytes == state.nbytes and report.connections == connections
                 assert same_state(await rx.transfer(transfer_id).model_state(), state)
             assert tx.pool.dialled == connections
+
+    run(main())
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+def test_big_chunks_checked_off_the_event_loop_round_trip(connections: int) -> None:
+    state = bulk_state(6 << 20, layers=3)  # 1 MiB slots, checksummed in threads on both sides
+
+    async def main() -> None:
+        async with (
+            KVReceiver(ReceiverConfig(SECRET)) as rx,
+            KVSender(sender_config(rx.port, connections=connections, chunk_bytes=512 << 10)) as tx,
+        ):
+            for transfer_id in (1, 2):
+                await tx.send(transfer_id, state)
+                got = await rx.transfer(transfer_id).model_state()
+                assert same_state(got, state)
+                rx.release(got)  # the second transfer lands in recycled memory
+            assert rx.buffers.reused > 0
 
     run(main())
 
@@ -150,6 +177,25 @@ def test_many_transfers_at_once_share_the_receiver() -> None:
             for i, s in enumerate(states):
                 assert same_state(await rx.transfer(100 + i).model_state(), s)
             assert rx.stats.completed == 6
+
+    run(main())
+
+
+def test_payloads_without_checksums_only_where_the_receiver_allows_them() -> None:
+    state = synthetic_state(layers=4, tokens=32, width=8)
+
+    async def main() -> None:
+        lenient = ReceiverConfig(SECRET, accept_unchecked=True)
+        async with KVReceiver(lenient) as rx, KVSender(sender_config(rx.port, checksums=False)) as tx:
+            await tx.send(1, state)
+            assert same_state(await rx.transfer(1).model_state(), state)
+        strict = ReceiverConfig(SECRET, stall_timeout=1.0)
+        async with KVReceiver(strict) as rx, KVSender(sender_config(rx.port, checksums=False, done_timeout=2)) as tx:
+            incoming = rx.transfer(2)
+            with pytest.raises(TransferError):
+                await tx.send(2, state)
+            with pytest.raises(ProtocolError):
+                await incoming.model_state()
 
     run(main())
 

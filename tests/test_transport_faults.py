@@ -26,7 +26,7 @@ from minifaas.transport import (
 from minifaas.transport.auth import prove_as_sender
 from minifaas.transport.channel import Channel, open_channel
 from minifaas.transport.emulator_control import EmulatorProcess
-from minifaas.transport.synthetic import synthetic_state
+from minifaas.transport.synthetic import bulk_state, synthetic_state
 from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts, split_chunks
 
 SECRET = b"cluster-secret-0123456789abcdef"
@@ -123,6 +123,23 @@ def test_corrupted_payload_byte_fails_the_transfer_and_drops_the_connection() ->
             damaged = bytearray(payload)
             damaged[3] ^= 0x01
             await channel.send([control(FrameType.START, 7, pack_counts(2, 0)), header, damaged], 5)
+            assert isinstance(await failure_of(rx.transfer(7)), CorruptFrameError)
+            assert await dropped(channel)
+            channel.close()
+
+    run(main())
+
+
+def test_corrupted_byte_in_a_big_chunk_checked_in_a_thread() -> None:
+    state = bulk_state(2 << 20, layers=1)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx:
+            channel = await raw_sender(rx.port)
+            header, payload = split_chunks(state.layers[0], 1 << 20)[0].frame(7)
+            damaged = bytearray(payload)
+            damaged[-1] ^= 0x80
+            await channel.send([header, damaged], 5)
             assert isinstance(await failure_of(rx.transfer(7)), CorruptFrameError)
             assert await dropped(channel)
             channel.close()

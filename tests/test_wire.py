@@ -15,6 +15,7 @@ from minifaas.transport.reassembly import Reassembly
 from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import (
     HEADER_SIZE,
+    UNCHECKED,
     FrameHeader,
     FrameType,
     Limits,
@@ -34,7 +35,7 @@ def chunk_header(**changes: object) -> FrameHeader:
 
 
 def test_header_round_trip() -> None:
-    h = chunk_header(offset=32, shape=(4, 4, 2))
+    h = chunk_header(offset=32, shape=(4, 4, 2), flags=UNCHECKED)
     raw = h.pack()
     assert len(raw) == HEADER_SIZE
     assert unpack_header(raw, LIMITS) == h

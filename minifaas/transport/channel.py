@@ -61,27 +61,27 @@ class Channel:
                     views[0] = views[0][sent:]
                     sent = 0
             if views:
-                await self._wait_writable(loop, timeout)
+                await self._wait_ready(loop, timeout, write=True)
 
-    async def _wait_writable(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+    async def _wait_ready(self, loop: asyncio.AbstractEventLoop, timeout: float | None, write: bool) -> None:
         ready = loop.create_future()
         fd = self.sock.fileno()
         if fd < 0:
             raise ConnectionLostError("socket closed")
-        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+        add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+        add(fd, lambda: ready.done() or ready.set_result(None))
         try:
             async with asyncio.timeout(timeout):
                 await ready
         finally:
-            loop.remove_writer(fd)
+            remove(fd)
 
     async def recv_into(self, view: memoryview, timeout: float | None) -> bool:
         """Fill ``view`` exactly. False if the peer closed cleanly before the first byte."""
         got = 0
         try:
             while got < view.nbytes:
-                async with asyncio.timeout(timeout):
-                    n = await self._recv_some(view[got:])
+                n = await self._recv_some(view[got:], timeout)
                 if n == 0:
                     if got == 0:
                         return False
@@ -99,12 +99,17 @@ class Channel:
             raise TruncatedError(f"stream ended before {n} expected bytes")
         return buf
 
-    async def _recv_some(self, view: memoryview) -> int:
-        if self._streams is None:
-            return await asyncio.get_running_loop().sock_recv_into(self.sock, view)
-        data = await self._streams[0].read(view.nbytes)
-        view[: len(data)] = data
-        return len(data)
+    async def _recv_some(self, view: memoryview, timeout: float | None) -> int:
+        if self._streams is not None:
+            async with asyncio.timeout(timeout):
+                data = await self._streams[0].read(view.nbytes)
+            view[: len(data)] = data
+            return len(data)
+        while True:  # read what the kernel has without a trip through the event loop; wait only when it is empty
+            try:
+                return self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                await self._wait_ready(asyncio.get_running_loop(), timeout, write=False)
 
     def close(self, reset: bool = False) -> None:
         """Close; ``reset`` sends an RST so the peer learns at once that the stream is broken."""

@@ -54,7 +54,7 @@ class LinkConfig:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     schedule: RateSchedule = field(default_factory=lambda: RateSchedule(()))
-    read_bytes: int = 256 << 10
+    read_bytes: int = 1 << 20
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -163,9 +163,10 @@ class LinkEmulator:
                 await self._loop.sock_connect(upstream, (self.config.target_host, self.config.target_port))
             async with asyncio.TaskGroup() as tg:
                 for direction, src, dst in ((UP, client, upstream), (DOWN, upstream, client)):
-                    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(self._queue_items)
-                    tg.create_task(self._pace(flow, direction, src, queue))
-                    tg.create_task(self._deliver(dst, queue))
+                    queue: asyncio.Queue[tuple[float, bytearray, int]] = asyncio.Queue(self._queue_items)
+                    free: list[bytearray] = []
+                    tg.create_task(self._pace(flow, direction, src, queue, free))
+                    tg.create_task(self._deliver(dst, queue, free))
             flow.close(reset=False)
         except (OSError, TimeoutError, BaseExceptionGroup):
             flow.close(reset=True)  # one side broke: pass the break on to the other
@@ -173,35 +174,37 @@ class LinkEmulator:
             flow.close(reset=True)  # no-op unless cancelled (a cut)
             self.flows.pop(flow.id, None)
 
-    async def _pace(self, flow: _Flow, direction: str, src: socket.socket, queue: asyncio.Queue) -> None:
+    async def _pace(self, flow: _Flow, direction: str, src: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:
             await self._while_stalled()
-            data = await self._loop.sock_recv(src, self.config.read_bytes)
-            if not data:
-                await queue.put((0.0, b""))
+            buf = free.pop() if free else bytearray(self.config.read_bytes)  # recycled: no page faults per read
+            n = await self._loop.sock_recv_into(src, buf)
+            if n == 0:
+                await queue.put((0.0, buf, 0))
                 return
-            for pacer in (flow.pacers[direction], self.link[direction]):
-                wait = pacer.reserve(len(data), self._loop.time())
-                if wait > 0:
-                    await asyncio.sleep(wait)
+            now = self._loop.time()
+            # the flow's own bottleneck and the shared link carry the same bytes at the same time
+            wait = max(flow.pacers[direction].reserve(n, now), self.link[direction].reserve(n, now))
+            if wait > 0:
+                await asyncio.sleep(wait)
             if direction == UP and self.corrupt_pending:
                 self.corrupt_pending -= 1
-                damaged = bytearray(data)
-                damaged[len(damaged) // 2] ^= 0xFF
-                data = bytes(damaged)
-            self.bytes[direction] += len(data)
-            await queue.put((flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s), data))
+                buf[n // 2] ^= 0xFF
+            self.bytes[direction] += n
+            release_at = flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s)
+            await queue.put((release_at, buf, n))
 
-    async def _deliver(self, dst: socket.socket, queue: asyncio.Queue) -> None:
+    async def _deliver(self, dst: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:
-            release_at, data = await queue.get()
-            if not data:
+            release_at, buf, n = await queue.get()
+            if n == 0:
                 dst.shutdown(socket.SHUT_WR)
                 return
             if (wait := release_at - self._loop.time()) > 0:
                 await asyncio.sleep(wait)
             await self._while_stalled()
-            await self._loop.sock_sendall(dst, data)
+            await self._loop.sock_sendall(dst, memoryview(buf)[:n])
+            free.append(buf)
 
     async def _while_stalled(self) -> None:
         while (left := self._stalled_until - self._loop.time()) > 0:
@@ -310,7 +313,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter on the delay")
     parser.add_argument("--schedule", default="", help="rate steps SECONDS:RATE,..., e.g. 0:1gbit,10:100mbit")
-    parser.add_argument("--read-bytes", type=int, default=256 << 10, help="relay read size")
+    parser.add_argument("--read-bytes", type=int, default=1 << 20, help="relay read size")
     parser.add_argument("--seed", type=int, default=0, help="jitter seed")
 
 

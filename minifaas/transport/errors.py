@@ -42,3 +42,13 @@ class RejectedError(TransferError):
 
 class TransferAbortedError(TransferError):
     """The sender gave up on the transfer and told the receiver so."""
+
+
+def first_transfer_error(group: BaseExceptionGroup) -> BaseException:
+    """The TransferError inside a TaskGroup's exception group (else its first exception)."""
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            return first_transfer_error(e)
+        if isinstance(e, TransferError):
+            return e
+    return group.exceptions[0]

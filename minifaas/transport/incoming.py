@@ -12,7 +12,9 @@ the transfer; by then the receiver has dropped the partial state.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+
+import torch
 
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.transport.channel import Channel
@@ -23,9 +25,9 @@ _END = None
 
 
 class IncomingTransfer:
-    def __init__(self, transfer: int, max_bytes: int, now: float):
+    def __init__(self, transfer: int, max_bytes: int, now: float, allocate: Callable[[int], torch.Tensor]):
         self.id = transfer
-        self.assembly: Reassembly | None = Reassembly(transfer, max_bytes)
+        self.assembly: Reassembly | None = Reassembly(transfer, max_bytes, allocate)
         self.error: TransferError | None = None
         self.started = False  # a frame has arrived
         self.claimed = False  # a consumer holds this object
@@ -40,7 +42,8 @@ class IncomingTransfer:
     def finished(self) -> bool:
         return self.complete or self.error is not None
 
-    def deliver(self, layers: list[LayerState], now: float) -> None:
+    def deliver(self, layers: list[LayerState], now: float) -> bool:
+        """Hand on layers that are ready; True if this completed the transfer."""
         self.last_progress = now
         for layer in layers:
             self._queue.put_nowait(layer)
@@ -50,6 +53,8 @@ class IncomingTransfer:
             self.complete = True
             self.assembly = None  # the layers now belong to the consumer
             self._queue.put_nowait(_END)
+            return True
+        return False
 
     def fail(self, error: TransferError) -> bool:
         """End the transfer with ``error``, freeing the partial state. False if it had already ended."""

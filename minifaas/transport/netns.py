@@ -120,13 +120,16 @@ def _run(argv: list[str]) -> None:
 SECRET_ENV = "MINIFAAS_KV_SECRET"
 
 
-async def _sink(host: str, port: int, transfers: int) -> None:
+async def _sink(host: str, port: int, transfers: int, accept_unchecked: bool) -> None:
     from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 
-    async with KVReceiver(ReceiverConfig(os.environb[SECRET_ENV.encode()], host=host, port=port)) as rx:
+    secret = os.environb[SECRET_ENV.encode()]
+    async with KVReceiver(ReceiverConfig(secret, host=host, port=port, accept_unchecked=accept_unchecked)) as rx:
         print(json.dumps({"port": rx.port}), flush=True)
-        for transfer_id in range(transfers):
-            await rx.transfer(transfer_id).model_state()
+        transfer_id = 0
+        while transfers == 0 or transfer_id < transfers:  # 0: serve until killed
+            rx.release(await rx.transfer(transfer_id).model_state())
+            transfer_id += 1
 
 
 async def _probe(host: str, port: int, nbytes: int, connections: int, rate: str) -> None:
@@ -154,9 +157,10 @@ def _as_dict(obj: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minifaas.transport.netns", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="role", required=True)
-    sink = sub.add_parser("sink", help="a KV receiver that takes transfers 0..N-1")
+    sink = sub.add_parser("sink", help="a KV receiver that takes transfers 0..N-1, in turn, and drops them")
     sink.add_argument("--listen", required=True, help="HOST:PORT")
-    sink.add_argument("--transfers", type=int, default=1)
+    sink.add_argument("--transfers", type=int, default=1, help="0: until killed")
+    sink.add_argument("--accept-unchecked", action="store_true", help="take chunks sent without payload checksums")
     probe = sub.add_parser("probe", help="a KV sender that prints link-health readings")
     probe.add_argument("--connect", required=True, help="HOST:PORT")
     probe.add_argument("--bytes", type=int, default=8 << 20)
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role == "sink":
         host, _, port = args.listen.rpartition(":")
-        asyncio.run(_sink(host, int(port), args.transfers))
+        asyncio.run(_sink(host, int(port), args.transfers, args.accept_unchecked))
     else:
         host, _, port = args.connect.rpartition(":")
         asyncio.run(_probe(host, int(port), args.bytes, args.connections, args.rate))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from minifaas.model.layer_state import LayerState
 from minifaas.transport.channel import Channel
-from minifaas.transport.errors import ProtocolError, RejectedError, StallError, TransferError
+from minifaas.transport.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
 from minifaas.transport.pool import ConnectionPool
 from minifaas.transport.wire import (
     HEADER_SIZE,
@@ -35,6 +35,8 @@ from minifaas.transport.wire import (
     unpack_counts,
     unpack_header,
 )
+
+THREAD_CHECKSUM_BYTES = 256 << 10  # below this, a thread hand-off costs more than the checksum
 
 if TYPE_CHECKING:
     from minifaas.transport.sender import SenderConfig
@@ -131,7 +133,7 @@ class OutgoingTransfer:
                     for channel in channels:
                         tg.create_task(self._pump(channel))
             except BaseExceptionGroup as eg:
-                raise _first_transfer_error(eg) from None
+                raise first_transfer_error(eg) from None
             end = control(FrameType.END, self.id, pack_counts(self.layers, self.sent_bytes))
             await channels[0].send([end], s.stall_timeout)
             await self._await_done(channels[0])
@@ -146,12 +148,30 @@ class OutgoingTransfer:
         return TransferReport(self.id, self.layers, self.sent_bytes, len(channels), self._loop.time() - self._started)
 
     async def _pump(self, channel: Channel) -> None:
-        while (chunk := await self._queue.get()) is not None:
-            header, payload = chunk.frame(self.id)
-            await channel.send([header, payload], self._settings.stall_timeout)
+        # the next frame's checksum is computed (in a thread, for big chunks) while this one is sent
+        upcoming = await self._next_frame()
+        while upcoming is not None:
+            chunk, header, payload = upcoming
+            prefetch = asyncio.create_task(self._next_frame())  # owned: awaited below or cancelled
+            try:
+                await channel.send([header, payload], self._settings.stall_timeout)
+            except BaseException:
+                prefetch.cancel()
+                raise
             self.queued_bytes -= chunk.length
             self.sent_bytes += chunk.length
-            await asyncio.sleep(0)  # a send that did not block never yields: let the other pumps take a turn
+            upcoming = await prefetch
+
+    async def _next_frame(self) -> tuple[Chunk, bytes, memoryview] | None:
+        chunk = await self._queue.get()
+        if chunk is None:
+            return None
+        if chunk.length >= THREAD_CHECKSUM_BYTES and self._settings.checksums:
+            header, payload = await asyncio.to_thread(chunk.frame, self.id, self._settings.checksums)
+        else:
+            header, payload = chunk.frame(self.id, self._settings.checksums)
+            await asyncio.sleep(0)  # framing did not yield: let the other pumps take a turn
+        return chunk, header, payload
 
     async def _await_done(self, channel: Channel) -> None:
         s = self._settings
@@ -170,12 +190,3 @@ class OutgoingTransfer:
             raise ProtocolError(f"expected DONE, got {h.type.name}")
         if unpack_counts(payload) != (self.layers, self.sent_bytes):
             raise ProtocolError(f"transfer {self.id}: receiver counted {unpack_counts(payload)}")
-
-
-def _first_transfer_error(eg: BaseExceptionGroup) -> BaseException:
-    for e in eg.exceptions:
-        if isinstance(e, BaseExceptionGroup):
-            return _first_transfer_error(e)
-        if isinstance(e, TransferError):
-            return e
-    return eg.exceptions[0]

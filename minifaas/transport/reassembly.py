@@ -10,6 +10,7 @@ any order; layers still leave strictly in layer order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,10 @@ from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.state_codec import DTYPES, checksum
 from minifaas.transport.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.wire import FrameHeader
+
+
+def _new_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 @dataclass(slots=True)
@@ -59,14 +64,16 @@ class _Layer:
 class Reassembly:
     """The partial state of one incoming transfer, bounded by ``max_bytes``."""
 
-    def __init__(self, transfer: int, max_bytes: int):
+    def __init__(self, transfer: int, max_bytes: int, allocate: Callable[[int], torch.Tensor] = _new_bytes):
         self.transfer = transfer
+        self._allocate = allocate
         self.max_bytes = max_bytes
         self.expected_layers: int | None = None
         self.expected_bytes: int | None = None
         self.allocated = 0
         self.received = 0
         self.delivered = 0  # layers 0 .. delivered-1 have been handed out
+        self.pending = 0  # chunks given a buffer but not yet committed
         self._layers: dict[int, _Layer] = {}
 
     @property
@@ -89,7 +96,7 @@ class Reassembly:
             return
         if self.received > self.expected_bytes:
             raise ProtocolError(f"transfer {self.transfer}: {self.received} bytes, sender sent {self.expected_bytes}")
-        if self.received == self.expected_bytes and not self.complete:
+        if self.received == self.expected_bytes and not self.pending and not self.complete:
             raise TruncatedError(f"transfer {self.transfer}: all {self.received} bytes arrived but layers are missing")
 
     def _expect_layers(self, layers: int) -> None:
@@ -112,18 +119,21 @@ class Reassembly:
             if self.allocated + h.slot_bytes > self.max_bytes:
                 raise ProtocolError(f"transfer {self.transfer} exceeds its limit of {self.max_bytes} bytes")
             self.allocated += h.slot_bytes
-            data = torch.empty(h.slot_bytes, dtype=torch.uint8)
+            data = self._allocate(h.slot_bytes)
             slot = layer.slots[h.slot] = _Slot(h.name, h.dtype, h.shape, data)
         elif (slot.name, slot.dtype, slot.shape) != (h.name, h.dtype, h.shape):
             raise ProtocolError(f"transfer {self.transfer}: chunks of slot {h.name!r} disagree on dtype or shape")
         if h.offset in slot.chunks:
             raise ProtocolError(f"transfer {self.transfer}: duplicate chunk at byte {h.offset} of {h.name!r}")
+        self.pending += 1
         if h.length == 0:
             return memoryview(b"")
         return memoryview(slot.data.numpy()).cast("B")[h.offset : h.offset + h.length]
 
-    def commit(self, h: FrameHeader, payload: memoryview) -> list[LayerState]:
-        if checksum(payload) != h.crc:
+    def commit(self, h: FrameHeader, payload: memoryview, crc: int | None = None) -> list[LayerState]:
+        """Accept a received chunk; ``crc`` is its checksum if the caller computed it already."""
+        self.pending -= 1
+        if (checksum(payload) if crc is None else crc) != h.crc:
             raise CorruptFrameError(f"transfer {self.transfer}: payload checksum mismatch in layer {h.layer}")
         slot = self._layers[h.layer].slots[h.slot]
         slot.chunks[h.offset] = h.length

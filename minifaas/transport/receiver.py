@@ -23,8 +23,10 @@ import ssl as ssl_module
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.state_codec import checksum
 from minifaas.transport.auth import check_secret, verify_sender
+from minifaas.transport.buffers import BufferPool
 from minifaas.transport.channel import Channel, accept_channel
 from minifaas.transport.errors import (
     AuthError,
@@ -35,10 +37,12 @@ from minifaas.transport.errors import (
     TransferAbortedError,
     TransferError,
     TruncatedError,
+    first_transfer_error,
 )
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.wire import (
     HEADER_SIZE,
+    UNCHECKED,
     FrameHeader,
     FrameType,
     Limits,
@@ -49,6 +53,7 @@ from minifaas.transport.wire import (
 )
 
 log = logging.getLogger(__name__)
+THREAD_CHECKSUM_BYTES = 256 << 10  # below this, a thread hand-off costs more than the checksum
 _FORGET_AFTER = 4096  # finished transfer ids remembered, so late frames are skipped, not restarted
 
 
@@ -61,13 +66,15 @@ class ReceiverConfig:
     stall_timeout: float = 10.0
     max_transfer_bytes: int = 64 << 30
     max_open_transfers: int = 256
+    recycle_bytes: int = 4 << 30  # received memory kept for reuse once released (0: none)
+    accept_unchecked: bool = False  # take chunks whose sender skipped the payload checksum (TLS, trusted links)
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         check_secret(self.secret)
         if min(self.handshake_timeout, self.stall_timeout) <= 0:
             raise ValueError("timeouts must be positive")
-        if self.max_transfer_bytes <= 0 or self.max_open_transfers <= 0:
+        if self.max_transfer_bytes <= 0 or self.max_open_transfers <= 0 or self.recycle_bytes < 0:
             raise ValueError("transfer limits must be positive")
 
 
@@ -84,6 +91,7 @@ class KVReceiver:
     def __init__(self, config: ReceiverConfig, ssl: ssl_module.SSLContext | None = None):
         self.config = config
         self.stats = ReceiverStats()
+        self.buffers = BufferPool(config.recycle_bytes)
         self._ssl = ssl
         self._transfers: dict[int, IncomingTransfer] = {}
         self._forgotten: OrderedDict[int, None] = OrderedDict()
@@ -124,6 +132,12 @@ class KVReceiver:
             del self._transfers[transfer_id]
         return t
 
+    def release(self, state: ModelState | LayerState) -> None:
+        """The consumer is done with a received state: its memory may receive the next transfer."""
+        for layer in state.layers if isinstance(state, ModelState) else [state]:
+            for _, tensor in layer.slots:
+                self.buffers.give(tensor)
+
     def _spawn(self, coro: object) -> None:
         task = self._group.create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
@@ -132,7 +146,8 @@ class KVReceiver:
     def _open(self, transfer_id: int) -> IncomingTransfer:
         if len(self._transfers) >= self.config.max_open_transfers:
             raise ProtocolError(f"more than {self.config.max_open_transfers} open transfers")
-        t = IncomingTransfer(transfer_id, self.config.max_transfer_bytes, asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        t = IncomingTransfer(transfer_id, self.config.max_transfer_bytes, now, self.buffers.take)
         self._transfers[transfer_id] = t
         return t
 
@@ -170,8 +185,12 @@ class KVReceiver:
         try:
             channel = await accept_channel(sock, self._ssl)
             await verify_sender(channel, self.config.secret, self.config.handshake_timeout)
-            while await self._read_frame(channel, carried):
-                pass
+            try:
+                async with asyncio.TaskGroup() as checks:  # checksums of big chunks, in threads
+                    while await self._read_frame(channel, carried, checks):
+                        pass
+            except BaseExceptionGroup as eg:
+                raise first_transfer_error(eg) from None
             clean = True
             await self._lost(carried, TruncatedError("connection closed before the transfer was complete"))
         except AuthError as e:
@@ -193,7 +212,7 @@ class KVReceiver:
             if t is not None:
                 await self._fail(t, error)
 
-    async def _read_frame(self, channel: Channel, carried: set[int]) -> bool:
+    async def _read_frame(self, channel: Channel, carried: set[int], checks: asyncio.TaskGroup) -> bool:
         raw = bytearray(HEADER_SIZE)
         if not await channel.recv_into(memoryview(raw), None):
             return False
@@ -207,41 +226,64 @@ class KVReceiver:
         carried.add(h.transfer)
         t.started = True
         try:
-            await self._apply(t, h, channel)
+            await self._apply(t, h, channel, checks)
         except TransferError as e:
             await self._fail(t, e)
             raise
         return True
 
-    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel) -> None:
-        loop = asyncio.get_running_loop()
+    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, checks: asyncio.TaskGroup) -> None:
         assert t.assembly is not None
         if h.type is FrameType.CHUNK:
+            unchecked = bool(h.flags & UNCHECKED)
+            if unchecked and not self.config.accept_unchecked:
+                raise ProtocolError("a chunk without a payload checksum; this receiver requires them")
             view = t.assembly.buffer_for(h)
             await channel.recv_into(view, self.config.stall_timeout)
             self.stats.bytes_received += h.length
-            t.deliver(t.assembly.commit(h, view), loop.time())
-        else:
-            payload = await channel.recv_exactly(h.length, self.config.stall_timeout)
-            if checksum(payload) != h.crc:
-                raise CorruptFrameError(f"{h.type.name} payload checksum mismatch")
-            t.last_progress = loop.time()
-            if h.type is FrameType.START:
-                t.assembly.start(*unpack_counts(payload))
-            elif h.type is FrameType.END:
-                t.reply_to = channel
-                t.assembly.end(*unpack_counts(payload))
-                t.deliver([], loop.time())
-            elif h.type is FrameType.ABORT:
-                await self._fail(t, TransferAbortedError(f"sender: {payload.decode(errors='replace')}"))
-                return
+            if unchecked:
+                await self._commit(t, h, view, crc=h.crc)
+            elif h.length >= THREAD_CHECKSUM_BYTES:  # check it in a thread while the next chunk comes in
+                checks.create_task(self._commit(t, h, view, threaded=True))
             else:
-                raise ProtocolError(f"a receiver does not accept {h.type.name} frames")
-        if t.complete:
-            self._finish(t)
-            if t.reply_to is not None:
-                done = control(FrameType.DONE, t.id, pack_counts(t.layers, t.received_bytes))
-                await t.reply_to.send([done], self.config.stall_timeout)
+                await self._commit(t, h, view)
+            return
+        payload = await channel.recv_exactly(h.length, self.config.stall_timeout)
+        if checksum(payload) != h.crc:
+            raise CorruptFrameError(f"{h.type.name} payload checksum mismatch")
+        t.last_progress = asyncio.get_running_loop().time()
+        if h.type is FrameType.START:
+            t.assembly.start(*unpack_counts(payload))
+        elif h.type is FrameType.END:
+            t.reply_to = channel
+            t.assembly.end(*unpack_counts(payload))
+            await self._progress(t, [])
+        elif h.type is FrameType.ABORT:
+            await self._fail(t, TransferAbortedError(f"sender: {payload.decode(errors='replace')}"))
+        else:
+            raise ProtocolError(f"a receiver does not accept {h.type.name} frames")
+
+    async def _commit(
+        self, t: IncomingTransfer, h: FrameHeader, view: memoryview, threaded: bool = False, crc: int | None = None
+    ) -> None:
+        if threaded:
+            crc = await asyncio.to_thread(checksum, view)
+        if t.assembly is None:
+            return  # the transfer failed meanwhile
+        try:
+            layers = t.assembly.commit(h, view, crc)
+        except TransferError as e:
+            await self._fail(t, e)
+            raise
+        await self._progress(t, layers)
+
+    async def _progress(self, t: IncomingTransfer, layers: list[LayerState]) -> None:
+        if not t.deliver(layers, asyncio.get_running_loop().time()):
+            return
+        self._finish(t)
+        if t.reply_to is not None:
+            done = control(FrameType.DONE, t.id, pack_counts(t.layers, t.received_bytes))
+            await t.reply_to.send([done], self.config.stall_timeout)
 
     async def _reap_stalled(self) -> None:
         loop = asyncio.get_running_loop()

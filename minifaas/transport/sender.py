@@ -31,6 +31,7 @@ class SenderConfig:
     connections: int = 4
     chunk_bytes: int = 1 << 20
     pipelined: bool = True
+    checksums: bool = True  # crc32 of every payload; off only towards a receiver with accept_unchecked (TLS)
     connect_timeout: float = 5.0
     stall_timeout: float = 10.0
     done_timeout: float = 30.0

@@ -15,7 +15,8 @@ carries one byte range of one tensor slot of one layer's state.
       20    2  slot index   position of the slot in the layer's slots
       22    2  slot count   slots in the layer (so the receiver knows when it is whole)
       24    1  ndim         <= 8
-      25    3  (zero)
+      25    1  flags        bit 0: payload not checksummed (crc32 field is 0)
+      26    2  (zero)
       28    4  crc32 of the payload
       32    8  seq_len      tokens the layer state covers
       40    8  byte offset  of this chunk within the slot's bytes
@@ -55,7 +56,8 @@ NAME_BYTES = 24
 MAX_SLOTS = 256
 MAX_CONTROL_BYTES = 4096
 
-_HEADER = struct.Struct("<4sBBBBQIHHB3xIQQQ8Q24s")
+_HEADER = struct.Struct("<4sBBBBQIHHBB2xIQQQ8Q24s")
+UNCHECKED = 1  # flag: the sender skipped the payload checksum (only a receiver that allows it accepts this)
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _HEADER_CRC.size
 _COUNTS = struct.Struct("<IQ")
@@ -99,6 +101,7 @@ class FrameHeader:
     shape: tuple[int, ...] = ()
     seq_len: int = 0
     offset: int = 0
+    flags: int = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -117,7 +120,7 @@ class FrameHeader:
         shape = (*self.shape, *([0] * (MAX_NDIM - len(self.shape))))
         head = _HEADER.pack(
             MAGIC, VERSION, self.type, self.kind, self.dtype, self.transfer, self.layer, self.slot,
-            self.n_slots, len(self.shape), self.crc, self.seq_len, self.offset, self.length, *shape, name,
+            self.n_slots, len(self.shape), self.flags, self.crc, self.seq_len, self.offset, self.length, *shape, name,
         )  # fmt: skip
         return head + _HEADER_CRC.pack(checksum(head))
 
@@ -127,7 +130,9 @@ def unpack_header(buf: bytes | bytearray | memoryview, limits: Limits) -> FrameH
     if len(buf) != HEADER_SIZE:
         raise ProtocolError(f"header must be {HEADER_SIZE} bytes, got {len(buf)}")
     fields = _HEADER.unpack_from(buf, 0)
-    magic, version, ftype, kind, dtype, transfer, layer, slot, n_slots, ndim, crc, seq_len, offset, length = fields[:14]
+    magic, version, ftype, kind, dtype, transfer, layer, slot, n_slots, ndim, flags, crc, seq_len, offset, length = (
+        fields[:15]
+    )
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
@@ -142,7 +147,7 @@ def unpack_header(buf: bytes | bytearray | memoryview, limits: Limits) -> FrameH
         raise ProtocolError(f"ndim {ndim} > {MAX_NDIM}")
     header = FrameHeader(
         frame_type, transfer, length, crc, layer, kind, slot, n_slots,
-        fields[22].rstrip(b"\0").decode(errors="replace"), dtype, tuple(fields[14 : 14 + ndim]), seq_len, offset,
+        fields[23].rstrip(b"\0").decode(errors="replace"), dtype, tuple(fields[15 : 15 + ndim]), seq_len, offset, flags,
     )  # fmt: skip
     if frame_type is FrameType.CHUNK:
         _check_chunk(header, limits)
@@ -192,15 +197,16 @@ class Chunk:
     offset: int
     length: int
 
-    def frame(self, transfer: int) -> tuple[bytes, memoryview]:
+    def frame(self, transfer: int, checked: bool = True) -> tuple[bytes, memoryview]:
         name, tensor = self.state.slots[self.slot]
         code = DTYPE_CODES.get(tensor.dtype)
         if code is None:
             raise ValueError(f"dtype {tensor.dtype} has no wire code")
         payload = self.data[self.offset : self.offset + self.length]
         header = FrameHeader(
-            FrameType.CHUNK, transfer, self.length, checksum(payload), self.state.layer, int(self.state.kind),
-            self.slot, len(self.state.slots), name, code, tuple(tensor.shape), self.state.seq_len, self.offset,
+            FrameType.CHUNK, transfer, self.length, checksum(payload) if checked else 0, self.state.layer,
+            int(self.state.kind), self.slot, len(self.state.slots), name, code, tuple(tensor.shape), self.state.seq_len,
+            self.offset, 0 if checked else UNCHECKED,
         )  # fmt: skip
         return header.pack(), payload
 

@@ -1,0 +1,229 @@
+"""KV transport benchmarks, every ratio measured side by side in one run.
+
+    python benchmarks/bench_transport.py [--quick] [--json]
+
+1. loopback goodput of the transport vs a plain socket.sendall loop moving the same bytes;
+2. goodput through the link emulator at 0.1, 1 and 5 Gbit/s aggregate;
+3. per-flow cap of 1/4 of the link: 1 vs 4 vs 8 connections;
+4. layer pipelining on the tiny default model: time from prefill end to the last byte received,
+   pipelined vs not, on a link whose transfer time is about the prefill time.
+
+Receivers run in their own processes (``python -m minifaas.transport.netns sink``),
+the emulator in its own, the sender here. Every figure is the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+
+from minifaas.model.state_codec import tensor_bytes
+from minifaas.transport import KVSender, SenderConfig
+from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.transport.netns import SECRET_ENV
+from minifaas.transport.synthetic import bulk_state
+
+SECRET = b"benchmark-secret-0123456789abcdef"
+ROWS: list[tuple[str, str, str, str]] = []  # section, case, figure, note
+RESULTS: dict[str, Any] = {}
+
+
+def row(section: str, case: str, figure: str, note: str = "") -> None:
+    ROWS.append((section, case, figure, note))
+    print(f"  {section:<12} {case:<40} {figure:>16}  {note}", flush=True)
+
+
+@asynccontextmanager
+async def sink() -> AsyncIterator[int]:
+    """A KV receiver process that takes transfers 0, 1, 2, ... and drops them."""
+    argv = [sys.executable, "-m", "minifaas.transport.netns", "sink", "--listen", "127.0.0.1:0", "--transfers", "0",
+            "--accept-unchecked"]  # fmt: skip
+    env = {**os.environ, SECRET_ENV: SECRET.decode()}
+    process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        async with asyncio.timeout(60):
+            yield json.loads(await process.stdout.readline())["port"]  # type: ignore[union-attr]
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+@asynccontextmanager
+async def raw_sink() -> AsyncIterator[int]:
+    """The baseline's receiver: recv_into a buffer until the announced bytes are in, then one byte back."""
+    code = (
+        "import socket,struct,sys\n"
+        "s=socket.create_server(('127.0.0.1',0));print(s.getsockname()[1],flush=True)\n"
+        "buf=memoryview(bytearray(4<<20))\n"
+        "while True:\n"
+        " c,_=s.accept()\n"
+        " with c:\n"
+        "  n=struct.unpack('<Q',c.recv(8,socket.MSG_WAITALL))[0]\n"
+        "  while n>0: n-=c.recv_into(buf,min(n,len(buf)))\n"
+        "  c.sendall(b'k')\n"
+    )
+    process = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    try:
+        yield int(await process.stdout.readline())  # type: ignore[union-attr]
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+class Transfers:
+    """Sequential transfer ids for one sink (it takes them in order)."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+
+    def take(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+
+async def timed_send(sender: KVSender, ids: Transfers, state: Any) -> float:
+    start = time.perf_counter()
+    await sender.send(ids.take(), state)
+    return time.perf_counter() - start
+
+
+def raw_send(port: int, state: Any) -> float:
+    views = [tensor_bytes(t) for layer in state.layers for _, t in layer.slots]
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(sum(v.nbytes for v in views).to_bytes(8, "little"))
+        for view in views:
+            sock.sendall(view)
+        assert sock.recv(1) == b"k"
+    return time.perf_counter() - start
+
+
+async def median_of(repeats: int, measure: Callable[[], Awaitable[float]]) -> float:
+    return statistics.median([await measure() for _ in range(repeats)])
+
+
+async def loopback(nbytes: int, repeats: int) -> None:
+    state = bulk_state(nbytes)
+    variants = {  # name -> sender settings
+        "1 connection": {"connections": 1},
+        "4 connections": {"connections": 4},
+        "1 connection, no payload crc": {"connections": 1, "checksums": False},
+    }
+    times: dict[str, list[float]] = {name: [] for name in ["raw", *variants]}
+    async with sink() as port, raw_sink() as raw_port:
+        ids = Transfers()
+        senders = {name: KVSender(SenderConfig("127.0.0.1", port, SECRET, **kw)) for name, kw in variants.items()}
+        for sender in senders.values():  # dial, authenticate and fill the receiver's buffer pool before timing
+            await timed_send(sender, ids, state)
+        await asyncio.to_thread(raw_send, raw_port, state)
+        for _ in range(repeats):  # interleaved, so a busy moment hits every variant alike
+            times["raw"].append(await asyncio.to_thread(raw_send, raw_port, state))
+            for name, sender in senders.items():
+                times[name].append(await timed_send(sender, ids, state))
+        for sender in senders.values():
+            await sender.__aexit__(None, None, None)
+    raw = statistics.median(times["raw"])
+    row("loopback", f"socket.sendall, {nbytes >> 20} MiB", f"{8 * nbytes / raw / 1e9:.2f} Gbit/s", "baseline")
+    RESULTS["loopback_raw_gbps"] = round(8 * nbytes / raw / 1e9, 3)
+    for name in variants:
+        t = statistics.median(times[name])
+        row("loopback", f"transport, {name}", f"{8 * nbytes / t / 1e9:.2f} Gbit/s", f"{raw / t:.2f} of raw")
+        RESULTS[f"loopback_{name.replace(' ', '_').replace(',', '')}_vs_raw"] = round(raw / t, 3)
+
+
+async def through_emulator(rate_bps: float, seconds: float, connections: int, flow_bps: float | None = None) -> float:
+    """Achieved goodput in bits/s over the emulated link."""
+    nbytes = int(rate_bps / 8 * seconds)
+    state = bulk_state(nbytes)
+    options: dict[str, Any] = {"rate": f"{rate_bps:.0f}"}
+    if flow_bps is not None:
+        options["flow_rate"] = f"{flow_bps:.0f}"
+    async with sink() as port, EmulatorProcess(("127.0.0.1", port), **options) as link:
+        ids = Transfers()
+        config = SenderConfig("127.0.0.1", link.port, SECRET, connections=connections, done_timeout=120)
+        async with KVSender(config) as sender:
+            await timed_send(sender, ids, bulk_state(1 << 16))
+            return 8 * state.nbytes / await timed_send(sender, ids, state)
+
+
+async def emulated_rates(rates: list[float], seconds: float) -> None:
+    for rate in rates:
+        goodput = await through_emulator(rate, seconds, connections=4)
+        RESULTS[f"emulated_{rate / 1e9:g}gbps_ratio"] = round(goodput / rate, 3)
+        row("emulated", f"{rate / 1e9:g} Gbit/s link, 4 connections", f"{goodput / 1e9:.3f} Gbit/s",
+            f"{goodput / rate:.3f} of the link")  # fmt: skip
+
+
+async def flow_caps(rate: float, seconds: float) -> None:
+    for connections in (1, 4, 8):
+        goodput = await through_emulator(rate, seconds, connections, flow_bps=rate / 4)
+        RESULTS[f"flowcap_{connections}conn_ratio"] = round(goodput / rate, 3)
+        row("flow cap", f"cap 1/4 of {rate / 1e6:g} Mbit/s, {connections} conn", f"{goodput / 1e6:.1f} Mbit/s",
+            f"{goodput / rate:.3f} of the link")  # fmt: skip
+
+
+async def pipelining(tokens: int, repeats: int) -> None:
+    from minifaas.model.runtime import ModelRuntime
+
+    runtime = ModelRuntime.load()
+    ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    warm = runtime.prefill(ids)
+    kv_bytes = warm.state.nbytes
+    rate = 8 * kv_bytes / warm.seconds  # a transfer takes about as long as the prefill
+    last_share = warm.state.layers[-1].nbytes / kv_bytes
+    tails: dict[bool, list[float]] = {False: [], True: []}
+    prefills: list[float] = []
+    async with sink() as port, EmulatorProcess(("127.0.0.1", port), rate=f"{rate:.0f}") as link:
+        transfers = Transfers()
+        for _ in range(repeats):
+            for pipelined in (False, True):
+                config = SenderConfig("127.0.0.1", link.port, SECRET, connections=4, pipelined=pipelined,
+                                      chunk_bytes=64 << 10, done_timeout=300)  # fmt: skip
+                async with KVSender(config) as sender:
+                    await timed_send(sender, transfers, bulk_state(1 << 12, layers=1))
+                    async with sender.stream(transfers.take(), runtime.num_layers, kv_bytes) as out:
+
+                        def prefill(out: Any = out) -> float:
+                            result = runtime.prefill(ids, on_layer=out.put_threadsafe)
+                            prefills.append(result.seconds)
+                            return time.perf_counter()
+
+                        prefill_end = await asyncio.to_thread(prefill)
+                    tails[pipelined].append(time.perf_counter() - prefill_end)
+    off, on = statistics.median(tails[False]), statistics.median(tails[True])
+    note = f"{tokens} tokens, {kv_bytes / 1e6:.2f} MB KV, prefill {statistics.median(prefills):.2f} s"
+    row("pipelining", f"link {rate / 1e6:.2f} Mbit/s", "", note)
+    row("pipelining", "prefill end -> last byte, not pipelined", f"{off:.3f} s")
+    row("pipelining", "prefill end -> last byte, pipelined", f"{on:.3f} s", f"{on / off:.3f} of not pipelined")
+    row("pipelining", "share of bytes in the last layer", f"{last_share:.3f}", "floor of the ratio at this rate")
+    RESULTS.update({"pipelining_ratio": round(on / off, 3), "pipelining_last_layer_share": round(last_share, 3),
+                "pipelining_tail_s": round(on, 3), "unpipelined_tail_s": round(off, 3)})  # fmt: skip
+
+
+async def main(args: argparse.Namespace) -> None:
+    quick = args.quick
+    print(f"  {'section':<12} {'case':<40} {'figure':>16}  note")
+    await loopback(nbytes=(64 if quick else 256) << 20, repeats=3)
+    await emulated_rates([0.1e9, 1e9, 5e9], seconds=1.0 if quick else 2.0)
+    await flow_caps(rate=400e6, seconds=1.0 if quick else 2.0)
+    await pipelining(tokens=1024 if quick else 2048, repeats=1 if quick else 2)
+    if args.json:
+        print(json.dumps(RESULTS))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    asyncio.run(main(parser.parse_args()))
