@@ -4,6 +4,7 @@
 [prfaas]           the remote prefill cluster: prefill_workers, device
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device
 [link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections
+[cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
 """
 
 from __future__ import annotations
@@ -43,6 +44,31 @@ class LinkConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Each prefill node's prefix cache (held in the worker's own memory) and how routing uses it."""
+
+    mode: str = "hybrid"  # "none": no hits, nothing stored, routing on prompt length alone
+    block_size: int = 32  # tokens per full-attention block
+    snapshot_interval_blocks: int = 4  # 0: state snapshots only at prompt ends
+    capacity_mib: float = 256.0  # per prefill node
+    rule: str = "scarce"  # "scarce": each cluster judged by its own cache; "abundant": the longer cache counts
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("hybrid", "none") or self.rule not in ("scarce", "abundant"):
+            raise ValueError(f"cache mode must be hybrid|none and rule scarce|abundant, got {self.mode}, {self.rule}")
+        if self.block_size < 1 or self.snapshot_interval_blocks < 0 or self.capacity_mib < 0:
+            raise ValueError("need block_size >= 1, snapshot_interval_blocks >= 0, capacity_mib >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.capacity_mib * (1 << 20))
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -56,6 +82,7 @@ class ServeConfig:
     prfaas: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1))
     pd: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1, decode_workers=1))
     link: LinkConfig = field(default_factory=LinkConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         if self.threshold < 0 or not 0 <= self.port < 65536:
@@ -71,7 +98,12 @@ class ServeConfig:
     def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
         data = tomllib.loads(Path(path).read_text())
         top = dict(data.get("serve", {}))
-        for name, kind in (("prfaas", ClusterConfig), ("pd", ClusterConfig), ("link", LinkConfig)):
+        for name, kind in (
+            ("prfaas", ClusterConfig),
+            ("pd", ClusterConfig),
+            ("link", LinkConfig),
+            ("cache", CacheConfig),
+        ):
             if name in data:
                 top[name] = kind(**data[name])
         known = {f.name for f in fields(cls)}

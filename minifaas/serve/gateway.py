@@ -5,12 +5,20 @@ Processes it owns (all children; none outlives it):
     PD cluster       PD-P prefill workers and PD-D decode workers, local
     link emulator    one relay in front of each decode worker's KV port
 
-A request: route (policy.router) -> ask the decode worker to expect the state
+A request: route (policy.router, with each prefill node's cached prefix from
+the prefix directory) -> ask the decode worker to expect the state
 -> ask the prefill worker to prefill and stream it (through the emulator when
 it comes from PrfaaS) -> the first token goes to the client at once -> the
 decode worker streams the rest. A PrfaaS prefill that fails (worker gone, link
 cut or stalled, too slow) is redone on PD-P: the request still completes, and
 its record says why it fell back.
+
+Prefix caching: every prefill node keeps a pool of what it computed; the store
+and evict events on its replies keep the gateway's prefix directory current, so
+routing sees the incremental length and picks the node that holds the prefix.
+Not done live yet: moving a cache across the link before prefill (the router
+runs with cache moves off, so the ABUNDANT rule acts as SCARCE) and shipping
+only the increment to a decode node that holds the prefix.
 """
 
 from __future__ import annotations
@@ -24,13 +32,15 @@ import socket
 import time
 from collections.abc import AsyncIterator
 
-from minifaas.model.loader import ModelSpec, load_config_dict
+from minifaas.model.loader import ModelSpec, load_config, load_config_dict
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
-from minifaas.policy.router import ClusterView, NodeView, Path, RouteInput, Router, Rule
+from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig, Rule
 from minifaas.serve.config import ServeConfig
 from minifaas.serve.control import sampling_to_json
 from minifaas.serve.lifecycle import Phase, advance
 from minifaas.serve.metrics import ServeMetrics
+from minifaas.serve.prefix_directory import PrefixDirectory
+from minifaas.serve.prefix_store import needs_snapshot, state_layout
 from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.serve.worker_handle import WorkerHandle
 from minifaas.transport.emulator_control import EmulatorProcess
@@ -48,10 +58,15 @@ class Gateway:
         self.tokenizer: Tokenizer = ByteTokenizer() if spec.kind == "preset" else HFTokenizer(spec.path.parent)
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
         self.threshold = config.threshold
-        self.rule = Rule.SCARCE
-        self.router = Router()
+        self.rule = Rule(config.cache.rule)
+        self.router = Router(RouterConfig(cross_cluster_cache_move=False, incremental_transfer=False))
         self.secret = secrets.token_bytes(32)
         self.workers = self._plan_workers()
+        prefill_nodes = [w.name for w in self.workers.values() if w.role == "prefill"]
+        hybrid = needs_snapshot(state_layout(load_config(spec)))
+        self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, prefill_nodes)
+        if self.rule is Rule.ABUNDANT:
+            log.warning("cache moves across the link are not carried out yet: the abundant rule acts as scarce")
         self.emulators: dict[str, EmulatorProcess] = {}
         self.inflight = 0
         self.fallbacks: dict[str, int] = {}
@@ -70,10 +85,16 @@ class Gateway:
             ("pd-p", "prefill", "pd", c.pd.prefill_workers, c.pd.device),
             ("pd-d", "decode", "pd", c.pd.decode_workers, c.pd.device),
         ]
+        cache = [
+            *("--prefix-cache", c.cache.mode, "--cache-block-size", str(c.cache.block_size)),
+            *("--snapshot-interval", str(c.cache.snapshot_interval_blocks), "--cache-mib", str(c.cache.capacity_mib)),
+        ]
         workers = {}
         for prefix, role, cluster, count, device in plan:
             for i in range(count):
                 argv = [*common, "--device", device]
+                if role == "prefill":
+                    argv += cache
                 if role == "decode":  # a fixed port, so a restarted worker is found where the emulator points
                     argv += ["--kv-port", str(_free_port())]
                 workers[f"{prefix}{i}"] = WorkerHandle(f"{prefix}{i}", role, cluster, argv, self.secret)
@@ -134,6 +155,8 @@ class Gateway:
                 return
             code = w.process.returncode if w.process else None
             log.error("worker %s died (exit code %s): restarting it", w.name, code)
+            if w.role == "prefill":
+                self.prefixes.forget(w.name)  # its pool died with it
             await w.stop()
             w.restarts += 1
             while not self._closing:
@@ -162,17 +185,19 @@ class Gateway:
             "inflight": self.inflight,
         }
 
-    def _route(self, prompt_tokens: int, exclude: frozenset[str] = frozenset()) -> tuple[Path, str, str]:
+    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision:
+        hits = self.prefixes.node_hits(prompt_ids)
+
         def nodes(cluster: str, role: str) -> tuple[NodeView, ...]:
             return tuple(
-                NodeView(w.name, load=w.load_tokens, healthy=w.alive and w.name not in exclude)
+                NodeView(w.name, hits.get(w.name, 0), w.load_tokens, w.alive and w.name not in exclude)
                 for w in self.workers.values()
                 if w.cluster == cluster and w.role == role
             )
 
         decision = self.router.route(
             RouteInput(
-                prompt_tokens,
+                len(prompt_ids),
                 self.threshold,
                 self.rule,
                 ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill")),
@@ -181,7 +206,7 @@ class Gateway:
         )
         if decision.path is Path.REJECT:
             raise RequestFailed(f"no healthy worker can serve the request ({decision.reason})")
-        return decision.path, decision.prefill_node, decision.decode_node  # type: ignore[return-value]
+        return decision
 
     async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
         if self.inflight >= self.config.max_queued_requests:
@@ -191,11 +216,11 @@ class Gateway:
         rid, decode = request.request_id, None
         try:
             async with asyncio.timeout(self.config.request_timeout):
-                path, prefill_name, decode_name = self._route(len(request.prompt_ids))
-                decode = self.workers[decode_name]
+                decision = self._route(request.prompt_ids)
+                decode = self.workers[decision.decode_node]  # type: ignore[index]
                 record.decode_worker = decode.name
                 inbox = decode.open(rid)
-                transfer, first = await self._prefill(request, record, path, prefill_name, decode)
+                transfer, first = await self._prefill(request, record, decision, decode)
                 record.ttft_s = time.perf_counter() - start
                 record.phase = advance(record.phase, Phase.DECODING)
                 async for event in self._decode(request, record, decode, inbox, transfer, first):
@@ -216,18 +241,19 @@ class Gateway:
                         decode.send({"op": "abort", "req": rid})
 
     async def _prefill(
-        self, request: GenerateRequest, record: RequestRecord, path: Path, prefill_name: str, decode: WorkerHandle
+        self, request: GenerateRequest, record: RequestRecord, decision: RouteDecision, decode: WorkerHandle
     ) -> tuple[int, int]:
         """Prefill on the routed worker; if that fails, on a PD-P worker. Returns (transfer id, first token)."""
         tried: set[str] = set()
-        worker = self.workers[prefill_name]
+        worker = self.workers[decision.prefill_node]  # type: ignore[index]
+        expected_hit = decision.cached_tokens
         while True:
             record.route = "prfaas" if worker.cluster == "prfaas" else "local"
             record.prefill_worker = worker.name
             record.phase = advance(record.phase, Phase.PREFILLING)
             transfer = next(self._ids)
             port = self.emulators[decode.name].port if worker.cluster == "prfaas" else decode.kv_port
-            outcome = await self._prefill_once(request, record, worker, decode, transfer, port)
+            outcome = await self._prefill_once(request, record, worker, decode, transfer, port, expected_hit)
             if isinstance(outcome, int):
                 return transfer, outcome
             tried.add(worker.name)
@@ -245,7 +271,9 @@ class Gateway:
             ]
             if not local:
                 raise RequestFailed(f"prefill failed on every worker tried: {outcome}")
-            worker = min(local, key=lambda w: w.load_tokens)
+            hits = self.prefixes.node_hits(request.prompt_ids)
+            worker = min(local, key=lambda w: w.load_tokens - hits.get(w.name, 0))
+            expected_hit = hits.get(worker.name, 0)
 
     async def _prefill_once(
         self,
@@ -255,9 +283,10 @@ class Gateway:
         decode: WorkerHandle,
         transfer: int,
         port: int,
+        expected_hit: int,
     ) -> int | str:
         """The first token, or why this attempt failed."""
-        rid, n = request.request_id, len(request.prompt_ids)
+        rid, n = request.request_id, len(request.prompt_ids) - expected_hit  # the tokens it will compute
         sampling = sampling_to_json(request.sampling)
         inbox = worker.open(rid)
         worker.load_tokens += n
@@ -284,9 +313,11 @@ class Gateway:
             worker.close(rid)
         if reply["op"] == "lost":
             return f"worker_lost: {worker.name} went away"
+        self.prefixes.apply(reply.get("cache_events", ()))
         if reply["op"] == "failed":
             return f"transfer_failed: {reply['error']}"
         record.kv_bytes = reply["kv_bytes"]
+        record.cached_tokens = reply["cached_tokens"]
         self.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
         record.queue_s = reply["queue_s"]
         record.transfer_s = reply["transfer_tail_s"]

@@ -4,6 +4,11 @@ One forward runs at a time (prefill is compute-bound; a second one would only
 halve both), and waiting prompts take their turn in arrival order. The lock is
 held for the compute only: while the tail of one request's state is still on
 the wire, the next prompt is already running.
+
+With a prefix store, a prompt loads the usable hit from the node's pool when
+its turn comes (so it sees everything the prompts before it stored), computes
+only the rest, and stores its blocks and snapshots before the next prompt's
+turn. The pool's store/evict events ride on the replies to the gateway.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ import time
 
 from minifaas.model.runtime import ModelRuntime
 from minifaas.serve.control import sampling_from_json
+from minifaas.serve.prefix_store import PrefixStore
 from minifaas.transport import KVSender, SenderConfig
 
 
 class PrefillService:
-    def __init__(self, runtime: ModelRuntime, secret: bytes, connections: int, pipelined: bool) -> None:
-        self.runtime, self.secret = runtime, secret
+    def __init__(
+        self, runtime: ModelRuntime, secret: bytes, connections: int, pipelined: bool, store: PrefixStore
+    ) -> None:
+        self.runtime, self.secret, self.store = runtime, secret, store
         self.connections, self.pipelined = connections, pipelined
         self.senders: dict[tuple[str, int], KVSender] = {}
         self.compute = asyncio.Lock()
@@ -41,28 +49,43 @@ class PrefillService:
         held = True
         try:
             started = time.perf_counter()
-            async with sender.stream(msg["transfer"], layers=self.runtime.num_layers) as tx:
-                try:
-                    result = await asyncio.to_thread(self.runtime.prefill, tokens, None, tx.put_threadsafe, sampling)
-                finally:
-                    self.compute.release()
-                    held = False
-                    self.queued_tokens -= len(tokens)
-                computed = time.perf_counter()
-            finished = time.perf_counter()
+            plan = self.store.begin(tokens, started)
+            try:
+                async with sender.stream(msg["transfer"], layers=self.runtime.num_layers) as tx:
+                    try:
+                        computed = await asyncio.to_thread(
+                            self.store.compute, self.runtime, plan, tx.put_threadsafe, sampling
+                        )
+                        self.store.finish(plan, computed, time.perf_counter())
+                    finally:
+                        self.compute.release()
+                        held = False
+                        self.queued_tokens -= len(tokens)
+                    computed_at = time.perf_counter()
+                finished = time.perf_counter()
+            finally:
+                self.store.release(plan)
         finally:
             if held:
                 self.compute.release()
                 self.queued_tokens -= len(tokens)
+        result = computed.result
         return {
             "op": "prefilled",
             "req": msg["req"],
             "next_token": result.next_token,
             "kv_bytes": result.state.nbytes,
+            "cached_tokens": plan.hit_tokens,
+            "computed_tokens": result.computed_tokens,
             "queue_s": started - arrived,
             "prefill_s": result.seconds,
-            "transfer_tail_s": finished - computed,
+            "transfer_tail_s": finished - computed_at,
+            "cache_events": self.cache_events(),
         }
+
+    def cache_events(self) -> list[dict]:
+        """Pool changes not yet told to the gateway (a failed request's stores go with the next reply)."""
+        return [e.to_json() for e in self.store.drain_events()]
 
     async def close(self) -> None:
         for sender in self.senders.values():

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from minifaas.serve.api import build_app
-from minifaas.serve.config import ClusterConfig, LinkConfig, ServeConfig
+from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.metrics import ServeMetrics
 
@@ -21,7 +21,7 @@ log = logging.getLogger("minifaas.serve")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
-    parser.add_argument("--config", help="a TOML file ([serve], [prfaas], [pd], [link]); flags override it")
+    parser.add_argument("--config", help="a TOML file ([serve], [prfaas], [pd], [link], [cache]); flags override it")
     parser.add_argument("--host", help=f"address to listen on (default {d.host})")
     parser.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
     parser.add_argument("--model", help=f"preset or local checkpoint dir (default {d.model})")
@@ -36,6 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-delay-ms", type=float, help="one-way delay of the link")
     parser.add_argument("--connections", type=int, help="TCP connections per KV transfer")
     parser.add_argument("--no-pipelining", action="store_true", help="send a state only when all layers are done")
+    parser.add_argument("--prefix-cache", choices=("hybrid", "none"), help=f"prefix cache (default {d.cache.mode})")
+    parser.add_argument("--cache-block-size", type=int, help=f"tokens per cached block (default {d.cache.block_size})")
+    parser.add_argument(
+        "--snapshot-interval",
+        type=int,
+        help=f"blocks between state snapshots; 0: at prompt ends only (default {d.cache.snapshot_interval_blocks})",
+    )
+    parser.add_argument(
+        "--cache-mib", type=float, help=f"prefix cache per prefill node (default {d.cache.capacity_mib})"
+    )
+    parser.add_argument("--route-rule", choices=("scarce", "abundant"), help=f"routing rule (default {d.cache.rule})")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -57,6 +68,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         connections=_pick(args.connections, base.link.connections),
         pipelined=base.link.pipelined and not args.no_pipelining,
     )
+    cache = CacheConfig(
+        mode=_pick(args.prefix_cache, base.cache.mode),
+        block_size=_pick(args.cache_block_size, base.cache.block_size),
+        snapshot_interval_blocks=_pick(args.snapshot_interval, base.cache.snapshot_interval_blocks),
+        capacity_mib=_pick(args.cache_mib, base.cache.capacity_mib),
+        rule=_pick(args.route_rule, base.cache.rule),
+    )
     return ServeConfig(
         host=_pick(args.host, base.host),
         port=_pick(args.port, base.port),
@@ -70,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prfaas=prfaas,
         pd=pd,
         link=link,
+        cache=cache,
     )
 
 

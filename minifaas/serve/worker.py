@@ -21,11 +21,13 @@ import os
 import sys
 import traceback
 
+from minifaas.cache.pool import PoolConfig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve import control
 from minifaas.serve.decode_service import DecodeService
 from minifaas.serve.prefill_service import PrefillService
+from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
 from minifaas.transport import KVReceiver, ReceiverConfig, TransferError
 
 log = logging.getLogger("minifaas.worker")
@@ -42,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-port", type=int, default=0, help="its port (0: any free one)")
     p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (prefill)")
     p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
+    p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid", help="this node's prefix cache")
+    p.add_argument("--cache-block-size", type=int, default=32, help="tokens per cached full-attention block")
+    p.add_argument("--snapshot-interval", type=int, default=4, help="blocks between state snapshots (0: ends only)")
+    p.add_argument("--cache-mib", type=float, default=256.0, help="host memory for this node's prefix cache")
     p.add_argument("--state-timeout", type=float, default=60.0, help="seconds a decode waits for its state")
     return p.parse_args(argv)
 
@@ -59,7 +65,9 @@ async def serve(args: argparse.Namespace) -> None:
             kv_port = receiver.port
             service: PrefillService | DecodeService = DecodeService(runtime, receiver, args.state_timeout)
         else:
-            service = PrefillService(runtime, secret, args.connections, not args.no_pipelining)
+            service = PrefillService(
+                runtime, secret, args.connections, not args.no_pipelining, _prefix_store(args, runtime)
+            )
             stack.push_async_callback(service.close)
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
             asyncio.get_running_loop().create_future()
@@ -84,6 +92,20 @@ async def serve(args: argparse.Namespace) -> None:
                     loop_task.cancel()
 
 
+def _prefix_store(args: argparse.Namespace, runtime: ModelRuntime) -> PrefixStore:
+    """This node's pool, named after the node: the gateway tracks each node's pool apart."""
+    layout = state_layout(runtime.config)
+    config = PoolConfig(
+        args.name,
+        int(args.cache_mib * (1 << 20)),
+        args.cache_block_size,
+        args.snapshot_interval,
+        needs_snapshot(layout),
+        enabled=args.prefix_cache != "none",
+    )
+    return PrefixStore(config, runtime.spec.name, layout, args.name)
+
+
 async def _handle(
     service: PrefillService | DecodeService,
     reader: asyncio.StreamReader,
@@ -95,6 +117,12 @@ async def _handle(
     def emit(message: dict) -> None:
         control.send(writer, message)
 
+    def failed(msg: dict, e: Exception) -> dict:
+        reply = {"op": "failed", "req": msg["req"], "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"}
+        if isinstance(service, PrefillService):
+            reply["cache_events"] = service.cache_events()
+        return reply
+
     async def job(msg: dict) -> None:
         req = msg["req"]
         try:
@@ -105,9 +133,9 @@ async def _handle(
         except asyncio.CancelledError:
             pass  # aborted by the gateway
         except (TransferError, TimeoutError, OSError, ValueError, RuntimeError) as e:
-            emit({"op": "failed", "req": req, "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"})
+            emit(failed(msg, e))
         except Exception as e:  # a bug: report it with its trace rather than leave the request hanging
-            emit({"op": "failed", "req": req, "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"})
+            emit(failed(msg, e))
             traceback.print_exc()
         finally:
             if jobs.get(req) is asyncio.current_task():

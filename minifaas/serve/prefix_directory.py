@@ -1,0 +1,44 @@
+"""Where every cached prefix lives, as the gateway sees it, turned into the router's per-node hits.
+
+Each prefill node holds its own pool (``prefix_store`` says why), so the global
+cache manager keeps one mirror per node pool, fed by the store/evict events the
+nodes send with their replies. A cluster's hit is its best node's hit: the
+router judges the cluster by it and, inside the cluster, weighs each node's own
+hit against its queue. No node can load another node's entries, so the pool hit
+every node of a cluster shares is zero.
+
+The answer is a forecast: events arrive with replies, and a node evicts on its
+own. The prefill node uses whatever its pool holds when the prompt's turn comes,
+and the request records that real figure as its cached tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.events import CacheEvent
+from minifaas.cache.manager import GlobalCacheManager
+from minifaas.cache.prefix_index import PrefixIndex
+from minifaas.serve.config import CacheConfig
+
+
+class PrefixDirectory:
+    def __init__(self, config: CacheConfig, namespace: str, needs_snapshot: bool, nodes: Iterable[str]) -> None:
+        self.config, self.namespace, self.needs_snapshot = config, namespace, needs_snapshot
+        self.manager = GlobalCacheManager(nodes, needs_snapshot)
+
+    def apply(self, events: Iterable[dict]) -> None:
+        self.manager.apply_all(CacheEvent.from_json(e) for e in events)
+
+    def forget(self, node: str) -> None:
+        """The node's process is gone, and its pool with it."""
+        self.manager.indexes[node] = PrefixIndex(self.needs_snapshot)
+        self.manager.nodes[node] = set()
+
+    def node_hits(self, prompt_ids: Sequence[int]) -> dict[str, int]:
+        """Each node's usable hit for the prompt, leaving at least one token to compute."""
+        if not self.config.enabled or len(prompt_ids) < 2:
+            return {}
+        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
+        return {node: m.hit_tokens for node, m in self.manager.match(keys, limit=len(prompt_ids) - 1).items()}
