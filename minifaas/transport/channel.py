@@ -129,18 +129,26 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-async def open_channel(host: str, port: int, timeout: float, ssl: ssl_module.SSLContext | None = None) -> Channel:
+async def open_channel(
+    host: str, port: int, timeout: float, ssl: ssl_module.SSLContext | None = None, unsent_limit: int | None = None
+) -> Channel:
+    """Connect. ``unsent_limit`` (TCP_NOTSENT_LOWAT) keeps the kernel from queueing more than that many
+    unsent bytes, so a slow connection stops taking chunks that a faster one could carry."""
     try:
         async with asyncio.timeout(timeout):
             if ssl is not None:
                 reader, writer = await asyncio.open_connection(host, port, ssl=ssl)
                 sock = writer.get_extra_info("socket")  # asyncio's TransportSocket: same getsockopt
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if unsent_limit is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, unsent_limit)
                 return Channel(sock, (reader, writer))
             infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
             family, _, _, _, address = infos[0]
             sock = socket.socket(family, socket.SOCK_STREAM)
             _tune(sock)
+            if unsent_limit is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, unsent_limit)
             try:
                 await asyncio.get_running_loop().sock_connect(sock, address)
             except BaseException:

@@ -148,25 +148,17 @@ class OutgoingTransfer:
         return TransferReport(self.id, self.layers, self.sent_bytes, len(channels), self._loop.time() - self._started)
 
     async def _pump(self, channel: Channel) -> None:
-        # the next frame's checksum is computed (in a thread, for big chunks) while this one is sent
-        upcoming = await self._next_frame()
-        while upcoming is not None:
+        while (upcoming := await self._next_frame()) is not None:
             chunk, header, payload = upcoming
-            prefetch = asyncio.create_task(self._next_frame())  # owned: awaited below or cancelled
-            try:
-                await channel.send([header, payload], self._settings.stall_timeout)
-            except BaseException:
-                prefetch.cancel()
-                raise
+            await channel.send([header, payload], self._settings.stall_timeout)
             self.queued_bytes -= chunk.length
             self.sent_bytes += chunk.length
-            upcoming = await prefetch
 
     async def _next_frame(self) -> tuple[Chunk, bytes, memoryview] | None:
         chunk = await self._queue.get()
         if chunk is None:
             return None
-        if chunk.length >= THREAD_CHECKSUM_BYTES and self._settings.checksums:
+        if chunk.length >= THREAD_CHECKSUM_BYTES and self._settings.checksums:  # other pumps send meanwhile
             header, payload = await asyncio.to_thread(chunk.frame, self.id, self._settings.checksums)
         else:
             header, payload = chunk.frame(self.id, self._settings.checksums)

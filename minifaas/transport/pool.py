@@ -23,6 +23,7 @@ class Endpoint:
     port: int
     secret: bytes
     connect_timeout: float = 5.0
+    unsent_limit: int | None = None
 
 
 class ConnectionPool:
@@ -53,7 +54,7 @@ class ConnectionPool:
 
     async def _dial(self) -> Channel:
         e = self.endpoint
-        channel = await open_channel(e.host, e.port, e.connect_timeout, self._ssl)
+        channel = await open_channel(e.host, e.port, e.connect_timeout, self._ssl, e.unsent_limit)
         try:
             await prove_as_sender(channel, e.secret, e.connect_timeout)
         except BaseException:
