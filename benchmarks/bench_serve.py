@@ -1,0 +1,135 @@
+"""TTFT and end-to-end latency of a short and a long prompt on each route, against one-process generate().
+
+    python benchmarks/bench_serve.py [--short 128] [--long 2048] [--max-tokens 16] [--repeats 3] [--json]
+
+One run measures, on the same machine: a server whose threshold sends
+everything local (PD-P -> PD-D), then one whose threshold sends everything to
+PrfaaS (PrfaaS prefill -> emulated link -> PD-D); each served request is
+followed by the single-process reference (prefill + decode in this process) on
+a prompt of the same length, so the two see the same machine load. Requests go one
+at a time through the HTTP API with streaming, each with a fresh prompt (no
+prefix-cache hits); medians of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import replace
+
+import aiohttp
+
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+from minifaas.serve.config import LinkConfig, ServeConfig
+from minifaas.serve.serve_cli import running_server
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    """A prompt no earlier request shares a prefix with (so no prefix cache can help)."""
+    return [(37 * i + 11 * salt + 5) % 256 for i in range(n)]
+
+
+def reference(rt: ModelRuntime, ids: list[int], max_tokens: int) -> tuple[float, float]:
+    """TTFT and end-to-end time of prefill + decode in this process."""
+    start = time.perf_counter()
+    result = rt.prefill(ids)
+    ttft = time.perf_counter() - start
+    rt.start_decode(result.state, result.next_token, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).run()
+    return ttft, time.perf_counter() - start
+
+
+async def served(
+    config: ServeConfig, rt: ModelRuntime, lengths: list[int], max_tokens: int, repeats: int
+) -> dict[int, dict]:
+    """Each served request is followed by the same prompt through ``rt`` here, so both see the same load."""
+    out: dict[int, dict] = {}
+    async with running_server(config) as (gateway, port), aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        for n in lengths:
+            ttfts, e2es, routes, kv, refs = [], [], set(), 0, []
+            for i in range(repeats + 1):  # the first is a warm-up
+                body = {
+                    "model": gateway.model_name,
+                    "prompt": prompt(n, i),
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
+                start, first = time.perf_counter(), None
+                async with http.post(url, json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if line.startswith("data: {") and first is None and '"choices":[{' in line:
+                            first = time.perf_counter() - start
+                        if '"minifaas"' in line:
+                            info = json.loads(line[6:])["minifaas"]
+                            routes.add(info["route"])
+                            kv = info["kv_bytes"]
+                if i:
+                    ttfts.append(first or 0.0)
+                    e2es.append(time.perf_counter() - start)
+                    refs.append(await asyncio.to_thread(reference, rt, prompt(n, 1000 + i), max_tokens))
+            out[n] = {
+                "ttft_s": statistics.median(ttfts),
+                "e2e_s": statistics.median(e2es),
+                "route": "/".join(sorted(routes)),
+                "kv_bytes": kv,
+            }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="kimi-linear-tiny")
+    p.add_argument("--short", type=int, default=128)
+    p.add_argument("--long", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--link-rate", default="100mbit")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    lengths = [a.short, a.long]
+    rt = ModelRuntime.load(a.model)
+    rt.generate([1, 2, 3], SamplingParams(max_tokens=2))
+    base = replace(ServeConfig(model=a.model, port=0), link=LinkConfig(rate=a.link_rate, delay_ms=5.0))
+    local = asyncio.run(served(replace(base, threshold=10**9), rt, lengths, a.max_tokens, a.repeats))
+    prfaas = asyncio.run(served(replace(base, threshold=0), rt, lengths, a.max_tokens, a.repeats))
+    rows = []
+    for n in lengths:
+        for name, res in (("local", local[n]), ("prfaas", prfaas[n])):
+            rows.append(
+                {
+                    "prompt_tokens": n,
+                    "route": res["route"],
+                    "ttft_s": res["ttft_s"],
+                    "e2e_s": res["e2e_s"],
+                    "kv_bytes": res["kv_bytes"],
+                    "generate_ttft_s": res["generate_ttft_s"],
+                    "generate_e2e_s": res["generate_e2e_s"],
+                    "ttft_over_generate": res["ttft_s"] / res["generate_ttft_s"],
+                    "asked": name,
+                }
+            )
+    print(
+        f"{'tokens':>7} {'route':>7} {'TTFT s':>8} {'e2e s':>8} {'gen TTFT':>9} {'gen e2e':>8} "
+        f"{'TTFT/gen':>9} {'KV MB':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['prompt_tokens']:>7} {r['route']:>7} {r['ttft_s']:>8.3f} {r['e2e_s']:>8.3f} "
+            f"{r['generate_ttft_s']:>9.3f} {r['generate_e2e_s']:>8.3f} {r['ttft_over_generate']:>9.2f} "
+            f"{r['kv_bytes'] / 1e6:>7.2f}"
+        )
+    print(f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats})")
+    if a.json:
+        print(json.dumps({"bench": "serve", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
