@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import ssl
 import subprocess
@@ -140,6 +141,24 @@ def test_without_pipelining_nothing_moves_until_the_state_is_whole() -> None:
     run(main())
 
 
+def test_full_attention_layers_put_as_token_ranges_arrive_whole() -> None:
+    state = synthetic_state(layers=8, tokens=90, width=16)
+    cuts = (0, 30, 61, 90)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx, KVSender(sender_config(rx.port, connections=3)) as tx:
+            async with tx.stream(8, len(state.layers)) as out:
+                for start, end in itertools.pairwise(cuts):  # as a prefill in three token chunks would
+                    for layer in state.layers:
+                        if layer.kind.grows:
+                            out.put_tokens(layer.slice_tokens(start, end), start, 90)
+                        elif end == 90:
+                            out.put(layer)
+            assert same_state(await rx.transfer(8).model_state(), state)
+
+    run(main())
+
+
 def test_layers_put_from_another_thread() -> None:
     state = synthetic_state(layers=8, tokens=64, width=16)
 
@@ -154,14 +173,17 @@ def test_layers_put_from_another_thread() -> None:
     run(main())
 
 
-def test_putting_layers_out_of_order_is_refused() -> None:
+@pytest.mark.parametrize("mistake", ["twice", "beyond", "missing"])
+def test_putting_a_layer_twice_beyond_the_count_or_not_at_all_is_refused(mistake: str) -> None:
     state = synthetic_state(layers=3)
 
     async def main() -> None:
         async with KVReceiver(ReceiverConfig(SECRET)) as rx, KVSender(sender_config(rx.port)) as tx:
             with pytest.raises(ValueError):
-                async with tx.stream(4, 3) as out:
-                    out.put(state.layers[1])
+                async with tx.stream(4, 2) as out:
+                    out.put(state.layers[0])
+                    if mistake != "missing":
+                        out.put(state.layers[0 if mistake == "twice" else 2])
 
     run(main())
 

@@ -25,9 +25,10 @@ from minifaas.transport import (
 )
 from minifaas.transport.auth import prove_as_sender
 from minifaas.transport.channel import Channel, open_channel
+from minifaas.transport.chunking import split_chunks
 from minifaas.transport.emulator_control import EmulatorProcess
 from minifaas.transport.synthetic import bulk_state, synthetic_state
-from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts, split_chunks
+from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts
 
 SECRET = b"cluster-secret-0123456789abcdef"
 STALL = 1.0  # seconds without progress before a side gives up

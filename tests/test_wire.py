@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.model.layer_state import ModelState
+from minifaas.transport.chunking import split_chunks, split_token_range
 from minifaas.transport.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.reassembly import Reassembly
 from minifaas.transport.synthetic import same_state, synthetic_state
@@ -20,7 +22,6 @@ from minifaas.transport.wire import (
     FrameType,
     Limits,
     control,
-    split_chunks,
     unpack_header,
 )
 
@@ -177,3 +178,36 @@ def test_split_refuses_what_the_wire_cannot_carry() -> None:
     state = LayerState(0, StateKind.LINEAR_ATTENTION, 1, (("x" * 40, torch.zeros(2)),))
     with pytest.raises(ValueError):
         split_chunks(state, 1024)
+
+
+@pytest.mark.parametrize("cuts", [(0, 40), (0, 13, 40), (0, 1, 2, 39, 40), (0, 0, 17, 17, 40)])
+def test_token_ranges_of_a_full_attention_layer_rebuild_it(cuts: tuple[int, ...]) -> None:
+    layer = synthetic_state(layers=4, tokens=40, width=8).layers[3]  # keys float32, values bfloat16, 2 heads
+    chunks = []
+    for start, end in itertools.pairwise(cuts):
+        chunks += split_token_range(layer.slice_tokens(start, end), start, 40, chunk_bytes=100)
+    random.Random(len(cuts)).shuffle(chunks)
+    r = Reassembly(transfer=1, max_bytes=1 << 20)
+    out = []
+    for c in chunks:
+        raw, payload = c.frame(1)
+        h = unpack_header(raw, LIMITS)
+        view = r.buffer_for(h)
+        view[:] = payload
+        out += r.commit(h, view)
+    for earlier in range(3):  # the other layers of the transfer, so layer 3 can be handed on
+        for c in split_chunks(synthetic_state(layers=4, tokens=40, width=8).layers[earlier], 1 << 20):
+            raw, payload = c.frame(1)
+            h = unpack_header(raw, LIMITS)
+            view = r.buffer_for(h)
+            view[:] = payload
+            out += r.commit(h, view)
+    assert same_state(ModelState(out[3:], 40), ModelState([layer], 40))
+
+
+def test_token_range_must_fit_and_be_full_attention() -> None:
+    state = synthetic_state(layers=4, tokens=8)
+    with pytest.raises(ValueError):
+        split_token_range(state.layers[3].slice_tokens(0, 8), 4, 10, 64)
+    with pytest.raises(ValueError):
+        split_token_range(state.layers[0], 0, 8, 64)

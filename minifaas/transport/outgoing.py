@@ -22,16 +22,15 @@ from typing import TYPE_CHECKING
 
 from minifaas.model.layer_state import LayerState
 from minifaas.transport.channel import Channel
+from minifaas.transport.chunking import Chunk, split_chunks, split_token_range
 from minifaas.transport.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
 from minifaas.transport.pool import ConnectionPool
 from minifaas.transport.wire import (
     HEADER_SIZE,
-    Chunk,
     FrameType,
     Limits,
     control,
     pack_counts,
-    split_chunks,
     unpack_counts,
     unpack_header,
 )
@@ -63,8 +62,9 @@ class OutgoingTransfer:
         self._pool = pool
         self._settings = settings
         self._queue: asyncio.Queue[Chunk | None] = asyncio.Queue()
-        self._held: list[LayerState] = []
-        self._put = 0
+        self._held: list[Chunk] = []
+        self._tokens: dict[int, int] = {}  # layer -> tokens of it put so far (whole layers: all of them)
+        self._whole: set[int] = set()  # layers put whole or completed by token ranges
         self._producer_error: Exception | None = None
         self._runner: asyncio.Task[TransferReport] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,8 +83,9 @@ class OutgoingTransfer:
 
     async def _finish(self, exc: BaseException | None) -> None:
         assert self._runner is not None
-        if exc is None and self._producer_error is None and self._put != self.layers:
-            self._producer_error = ValueError(f"{self._put} of {self.layers} announced layers were put")
+        if exc is None and self._producer_error is None and len(self._whole) != self.layers:
+            missing = sorted(set(range(self.layers)) - self._whole)
+            self._producer_error = ValueError(f"layers {missing} of {self.layers} were not (completely) put")
         if exc is not None or self._producer_error is not None:
             self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError, TransferError):
@@ -92,34 +93,50 @@ class OutgoingTransfer:
             if self._producer_error is not None and exc is None:
                 raise self._producer_error
             return
-        for layer in self._held:
-            self._enqueue(layer)
+        for chunk in self._held:
+            self._queue.put_nowait(chunk)
         for _ in range(self._settings.connections):
             self._queue.put_nowait(None)
         self.report = await self._runner
 
     def put(self, layer: LayerState) -> None:
-        """Queue the next layer (layers go in order 0, 1, ...). Call on the event loop's thread."""
-        if self._producer_error is not None:
-            return
-        if layer.layer != self._put or self._put >= self.layers:
-            self._producer_error = ValueError(f"expected layer {self._put} of {self.layers}, got {layer.layer}")
-            return
-        self._put += 1
-        if self._settings.pipelined:
-            self._enqueue(layer)
-        else:
-            self._held.append(layer)
+        """Queue a finished layer. Call on the event loop's thread."""
+        if self._accept(layer.layer, 0, layer.seq_len, layer.seq_len):
+            self._enqueue(split_chunks(layer, self._settings.chunk_bytes))
+
+    def put_tokens(self, piece: LayerState, start: int, total: int) -> None:
+        """Queue tokens [start, start + piece.seq_len) of a full-attention layer that will hold ``total``.
+
+        For prefill run in token chunks: a layer's keys and values for a chunk are
+        final once the chunk has passed it, long before the prompt's last chunk.
+        Pieces of one layer go in token order; the receiver sees one whole layer.
+        """
+        if self._accept(piece.layer, start, start + piece.seq_len, total):
+            self._enqueue(split_token_range(piece, start, total, self._settings.chunk_bytes))
 
     def put_threadsafe(self, layer: LayerState) -> None:
         """``put`` from another thread, e.g. a model runtime's per-layer callback."""
         assert self._loop is not None, "enter the transfer first"
         self._loop.call_soon_threadsafe(self.put, layer)
 
-    def _enqueue(self, layer: LayerState) -> None:
-        for chunk in split_chunks(layer, self._settings.chunk_bytes):
+    def _accept(self, layer: int, start: int, end: int, total: int) -> bool:
+        if self._producer_error is not None:
+            return False  # the transfer is failing; __aexit__ raises the first error
+        if not 0 <= layer < self.layers or layer in self._whole or self._tokens.get(layer, 0) != start:
+            self._producer_error = ValueError(f"layer {layer}, tokens [{start}, {end}): not the next part to put")
+            return False
+        self._tokens[layer] = end
+        if end == total:
+            self._whole.add(layer)
+        return True
+
+    def _enqueue(self, chunks: list[Chunk]) -> None:
+        self.queued_bytes += sum(c.length for c in chunks)
+        if not self._settings.pipelined:
+            self._held.extend(chunks)
+            return
+        for chunk in chunks:
             self._queue.put_nowait(chunk)
-            self.queued_bytes += chunk.length
 
     async def _run(self) -> TransferReport:
         s = self._settings

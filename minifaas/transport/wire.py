@@ -45,8 +45,8 @@ from enum import IntEnum
 
 import torch
 
-from minifaas.model.layer_state import LayerState, StateKind
-from minifaas.model.state_codec import DTYPE_CODES, DTYPES, checksum, tensor_bytes
+from minifaas.model.layer_state import StateKind
+from minifaas.model.state_codec import DTYPES, checksum
 from minifaas.transport.errors import CorruptFrameError, ProtocolError
 
 MAGIC = b"MFKV"
@@ -185,41 +185,3 @@ def unpack_counts(payload: bytes | bytearray | memoryview) -> tuple[int, int]:
         raise ProtocolError(f"counts payload must be {_COUNTS.size} bytes, got {len(payload)}")
     layers, nbytes = _COUNTS.unpack(payload)
     return layers, nbytes
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One byte range of one slot of a layer state; its header (and checksum) is made when it is sent."""
-
-    state: LayerState
-    slot: int
-    data: memoryview  # the whole slot's bytes
-    offset: int
-    length: int
-
-    def frame(self, transfer: int, checked: bool = True) -> tuple[bytes, memoryview]:
-        name, tensor = self.state.slots[self.slot]
-        code = DTYPE_CODES.get(tensor.dtype)
-        if code is None:
-            raise ValueError(f"dtype {tensor.dtype} has no wire code")
-        payload = self.data[self.offset : self.offset + self.length]
-        header = FrameHeader(
-            FrameType.CHUNK, transfer, self.length, checksum(payload) if checked else 0, self.state.layer,
-            int(self.state.kind), self.slot, len(self.state.slots), name, code, tuple(tensor.shape), self.state.seq_len,
-            self.offset, 0 if checked else UNCHECKED,
-        )  # fmt: skip
-        return header.pack(), payload
-
-
-def split_chunks(state: LayerState, chunk_bytes: int) -> list[Chunk]:
-    """Chunks covering every slot of ``state`` (an empty slot still gets one, empty, chunk)."""
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
-    chunks = []
-    for index, (name, tensor) in enumerate(state.slots):
-        if tensor.dtype not in DTYPE_CODES or len(name.encode()) > NAME_BYTES or tensor.dim() > MAX_NDIM:
-            raise ValueError(f"slot {name!r} ({tensor.dtype}, {tensor.dim()} dims) cannot go on the wire")
-        data = tensor_bytes(tensor)  # a view of tensor memory, no copy
-        for offset in range(0, max(data.nbytes, 1), chunk_bytes):
-            chunks.append(Chunk(state, index, data, offset, min(chunk_bytes, data.nbytes - offset)))
-    return chunks

@@ -1,0 +1,94 @@
+"""Cutting layer states into chunks: byte ranges of tensor slots, each sent as one CHUNK frame.
+
+A whole layer is cut slot by slot. A token range of a full-attention layer
+(prefill run in token chunks: the keys and values of tokens [start, end) are
+final as soon as that chunk has passed the layer) is cut into the byte ranges
+it will occupy in the finished slot, so the receiver assembles the whole
+layer from its pieces without knowing they were pieces. Payloads are views
+of tensor memory: nothing is copied until the kernel copies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minifaas.model.layer_state import LayerState, StateKind
+from minifaas.model.state_codec import DTYPE_CODES, checksum, tensor_bytes
+from minifaas.transport.wire import MAX_NDIM, NAME_BYTES, UNCHECKED, FrameHeader, FrameType
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """``length`` bytes of one slot: read at ``source`` in ``data``, written at ``offset`` in the finished slot."""
+
+    state: LayerState  # the state (or token range of one) the bytes come from
+    slot: int
+    data: memoryview  # that slot's bytes in ``state``
+    source: int
+    offset: int
+    length: int
+    shape: tuple[int, ...]  # of the finished slot
+    seq_len: int  # of the finished layer
+
+    def frame(self, transfer: int, checked: bool = True) -> tuple[bytes, memoryview]:
+        """Header and payload; the checksum is computed here, when the chunk is about to be sent."""
+        name, tensor = self.state.slots[self.slot]
+        payload = self.data[self.source : self.source + self.length]
+        header = FrameHeader(
+            FrameType.CHUNK, transfer, self.length, checksum(payload) if checked else 0, self.state.layer,
+            int(self.state.kind), self.slot, len(self.state.slots), name, DTYPE_CODES[tensor.dtype], self.shape,
+            self.seq_len, self.offset, 0 if checked else UNCHECKED,
+        )  # fmt: skip
+        return header.pack(), payload
+
+
+def _wire_ready(name: str, dtype: object, ndim: int) -> None:
+    if dtype not in DTYPE_CODES or len(name.encode()) > NAME_BYTES or ndim > MAX_NDIM:
+        raise ValueError(f"slot {name!r} ({dtype}, {ndim} dims) cannot go on the wire")
+
+
+def _ranges(start: int, length: int, chunk_bytes: int) -> range:
+    return range(start, start + max(length, 1), chunk_bytes)
+
+
+def split_chunks(state: LayerState, chunk_bytes: int) -> list[Chunk]:
+    """Chunks covering every slot of ``state`` (an empty slot still gets one, empty, chunk)."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    chunks = []
+    for index, (name, tensor) in enumerate(state.slots):
+        _wire_ready(name, tensor.dtype, tensor.dim())
+        data = tensor_bytes(tensor)  # a view of tensor memory, no copy
+        shape = tuple(tensor.shape)
+        for at in _ranges(0, data.nbytes, chunk_bytes):
+            length = min(chunk_bytes, data.nbytes - at)
+            chunks.append(Chunk(state, index, data, at, at, length, shape, state.seq_len))
+    return chunks
+
+
+def split_token_range(piece: LayerState, start: int, total: int, chunk_bytes: int) -> list[Chunk]:
+    """Chunks that put ``piece`` (tokens [start, start + piece.seq_len) of a full-attention layer)
+    where those tokens sit in the finished layer of ``total`` tokens.
+
+    Slots are ``[..., tokens, dim]``: every leading index (batch, head) holds one
+    contiguous run of the piece's rows, which lands at row ``start`` of that index.
+    """
+    if piece.kind is not StateKind.FULL_ATTENTION:
+        raise ValueError(f"only full-attention state grows by tokens, not {piece.kind.name}")
+    if chunk_bytes <= 0 or not 0 <= start <= start + piece.seq_len <= total:
+        raise ValueError(f"tokens [{start}, {start + piece.seq_len}) do not fit in {total}")
+    chunks = []
+    for index, (name, tensor) in enumerate(piece.slots):
+        _wire_ready(name, tensor.dtype, tensor.dim())
+        if tensor.dim() < 2 or tensor.shape[-2] != piece.seq_len:
+            raise ValueError(f"slot {name!r} of shape {tuple(tensor.shape)} is not [..., {piece.seq_len}, dim]")
+        data = tensor_bytes(tensor)
+        row = tensor.shape[-1] * tensor.element_size()  # bytes of one token in one (batch, head)
+        shape = (*tensor.shape[:-2], total, tensor.shape[-1])
+        runs = tensor.numel() // max(piece.seq_len * tensor.shape[-1], 1) if piece.seq_len else 0
+        for run in range(runs):
+            source, offset = run * piece.seq_len * row, (run * total + start) * row
+            for at in _ranges(0, piece.seq_len * row, chunk_bytes):
+                length = min(chunk_bytes, piece.seq_len * row - at)
+                chunks.append(Chunk(piece, index, data, source + at, offset + at, length, shape, total))
+    return chunks
