@@ -6,7 +6,10 @@ Each tick it reads one ``Signals`` and returns one ``ThresholdDecision``:
             waits less: fewer, longer prompts cross the link;
   lower t   the link has had headroom for a while: back towards the base t
             (the planner's, set by the long-term policy), never below it;
-  hold      anything else, and always when the policy is off (fixed t).
+  hold      anything else, and always when the policy is off (fixed t); and
+            under pressure when PD-P already waits longer than the PrfaaS path
+            (its queue plus the link's backlog): raising t would only move the
+            wait to a busier stage. So t settles where the two waits balance.
 
 Constants (why these values):
   high_utilisation 0.85 / low_utilisation 0.60: the link is a processor-sharing
@@ -17,16 +20,23 @@ Constants (why these values):
   smoothing 0.5: an EWMA over one-second samples. A single KV burst is at most
     a few seconds of link time; half-weight lets a real saturation through in
     3 ticks (0.3 -> 0.65 -> 0.83 -> 0.91) while one idle second does not undo it.
-  raise_factor 1.25 every 2 ticks, lower_factor 0.9 after 5 ticks of headroom:
-    multiplicative increase, gentle decrease, as TCP does it the other way round
-    (here raising t is the back-off). 2 ticks is about one long prefill plus its
-    transfer at paper scale, the delay before a raise shows up on the link; the
-    slower, smaller lower step makes recovery take ~40 s, cheap next to the cost
+  raise_factor 1.25 at most every 5 ticks, lower_factor 0.9 after 5 ticks of
+    headroom: multiplicative increase, gentle decrease, as TCP does it the other
+    way round (here raising t is the back-off). A raise shows on the link and
+    the queues only once the prefills already placed have drained: a long
+    prefill on H200 is 2-4 s, plus its transfer tail. With a gap of 2 ticks the
+    simulator (paper case, mix shifted to mu = 10.2) kept raising on queues a
+    raise had already relieved: t overshot to 66K and TTFT p99 went from 15 s
+    (fixed t) to 47 s; with 5 it peaks at 45K and p99 is 14 s. The slower,
+    smaller lower step takes ~40 s to undo three raises, cheap next to the cost
     of re-saturating. min_step_tokens 64 lets t leave 0 (naive offloading).
   rtt_inflation 2.0, retrans_high 0.01: twice the lowest rtt seen means a
     standing queue at the bottleneck; 1% retransmitted bytes is where TCP
     throughput on a long path falls well below the line rate (Mathis et al.).
-  surge_per_node 3.0: one prefill running and two waiting per PrfaaS node.
+  surge_per_node 3.0, surge_imbalance 2.0: one prefill running and two waiting
+    per PrfaaS node, and the PrfaaS path (its queue plus the link backlog)
+    waiting twice as long as PD-P: Poisson bursts alone reach the first at 70%
+    load, so the second keeps a burst that both sides share from moving t.
   abundant_below 0.3 / scarce_above 0.6: cross-cluster cache moves (ABUNDANT)
     add egress of their own, so they are allowed only with most of the link free.
 """
@@ -58,6 +68,7 @@ class Reason(StrEnum):
     PRFAAS_QUEUE_SURGE = "prfaas_queue_surge"
     HEADROOM = "headroom"
     COOLDOWN = "cooldown"  # pressure, but the last raise has not shown yet
+    PD_BUSIER = "pd_busier"  # pressure, but PD-P waits longer than the PrfaaS path
     AT_CEILING = "at_ceiling"
     AT_BASE = "at_base"
     STEADY = "steady"  # inside the hysteresis band, or headroom not yet held long enough
@@ -73,10 +84,11 @@ class ShortTermConfig:
     rtt_inflation: float = 2.0
     retrans_high: float = 0.01
     surge_per_node: float = 3.0
+    surge_imbalance: float = 2.0  # a surge counts when the PrfaaS path waits this many times PD-P's wait
     raise_factor: float = 1.25
     lower_factor: float = 0.9
     min_step_tokens: int = 64
-    raise_gap_ticks: int = 2
+    raise_gap_ticks: int = 5
     headroom_ticks: int = 5
     abundant_below: float = 0.3
     scarce_above: float = 0.6
@@ -166,6 +178,8 @@ class ShortTermPolicy:
             self._headroom_run = 0
             if self.threshold >= c.ceiling:
                 return Action.HOLD, Reason.AT_CEILING
+            if pressure is not Reason.LINK_DOWN and s.pd_prefill.wait_s > s.prfaas.wait_s + s.link_backlog_s:
+                return Action.HOLD, Reason.PD_BUSIER
             if self._since_raise < c.raise_gap_ticks:
                 return Action.HOLD, Reason.COOLDOWN
             raised = max(round(self.threshold * c.raise_factor), self.threshold + c.min_step_tokens)
@@ -193,8 +207,8 @@ class ShortTermPolicy:
             return Reason.LINK_SATURATED
         if self._degraded(s):
             return Reason.LINK_DEGRADED
-        surge = s.prfaas.per_node >= c.surge_per_node and s.prfaas.wait_s >= s.pd_prefill.wait_s
-        if surge and s.prfaas.per_node > s.pd_prefill.per_node:
+        surge = s.prfaas.per_node >= c.surge_per_node and s.prfaas.per_node > s.pd_prefill.per_node
+        if surge and s.prfaas.wait_s + s.link_backlog_s >= c.surge_imbalance * s.pd_prefill.wait_s:
             return Reason.PRFAAS_QUEUE_SURGE
         return None
 

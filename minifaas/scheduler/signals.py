@@ -37,7 +37,7 @@ class Signals:
     decode: StageLoad
     rtt_ms: float = 0.0  # smoothed rtt of the KV connections; 0 when not measured
     retrans_rate: float = 0.0  # retransmitted / sent bytes since the previous sample
-    link_backlog: int = 0  # transfers on or waiting for the link
+    link_backlog_s: float = 0.0  # KV bytes waiting for the link / its rate: the wait a new transfer sees
     decode_occupancy: float = 0.0  # running decode slots / all decode slots
     lengths: tuple[int, ...] = ()  # incremental prefill lengths routed since the previous sample
 

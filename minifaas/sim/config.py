@@ -8,6 +8,8 @@ from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.profile import DecodeProfile, PrefillProfile
 from minifaas.policy.router import RouterConfig, Rule
+from minifaas.scheduler.long_term import LongTermConfig
+from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.sim.link import LinkConfig
 
 NO_OFFLOAD = 10**12  # a threshold no prompt exceeds
@@ -30,7 +32,10 @@ class SimConfig:
     snapshot_interval_blocks: int = 8  # linear-state snapshots every this many blocks (plus prompt ends)
     warmup_s: float = 0.0  # completions before this are not counted in throughput
     drain: bool = True  # run until every request finishes, or stop at the last arrival
-    sample_s: float = 1.0  # queue-depth sampling period
+    sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
+    short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
+    long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion
+    convert_s: float = 60.0  # a drained PD worker restarts in its new role this much later
 
     def __post_init__(self) -> None:
         if min(self.n_prfaas, self.n_prefill, self.n_decode) < 0 or self.n_decode < 1:
@@ -39,6 +44,8 @@ class SimConfig:
             raise ValueError("need at least one prefill instance")
         if self.threshold < 0 or self.warmup_s < 0 or self.sample_s <= 0 or self.cache_bytes <= 0:
             raise ValueError("threshold, warmup_s >= 0; sample_s, cache_bytes > 0")
+        if self.convert_s < 0:
+            raise ValueError("convert_s must be >= 0")
         if self.snapshot_interval_blocks < 0:
             raise ValueError("snapshot_interval_blocks must be >= 0")
 

@@ -8,6 +8,8 @@ The router picks the instance when the request arrives (least assigned work,
 counting requests still in prefill or on the link), as the live router does.
 Loads move by one at a time, so instances sit in buckets by load and the least
 loaded is found in O(1), not by scanning hundreds of instances per request.
+A ``retire``d instance leaves the buckets (it gets no new requests) and
+finishes its batch; ``add_node`` appends one.
 """
 
 from __future__ import annotations
@@ -30,14 +32,43 @@ class DecodePool:
         self.total_waiting = 0
         self._buckets: list[dict[int, None]] = [dict.fromkeys(range(n))]  # load -> instances (insertion-ordered)
         self._min_load = 0
+        self.retired: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def serving(self) -> int:
+        return len(self.ids) - len(self.retired)
+
     def least_loaded(self) -> int | None:
-        if not self.ids:
+        if not self.serving:
             return None
         return next(iter(self._buckets[self._min_load]))
+
+    def retire(self, node: int) -> bool:
+        """Take the instance out of routing; True if it is already empty."""
+        self.retired.add(node)
+        del self._buckets[self.assigned[node]][node]
+        self._settle_min()
+        return not self.assigned[node]
+
+    def add_node(self, node_id: str) -> int:
+        node = len(self.ids)
+        self.ids.append(node_id)
+        self.index[node_id] = node
+        self.assigned.append(0)
+        self.running.append(0)
+        self.waiting.append(deque())
+        self._buckets[0][node] = None
+        self._min_load = 0
+        return node
+
+    def _settle_min(self) -> None:
+        if not self.serving:
+            return
+        while self._min_load < len(self._buckets) - 1 and not self._buckets[self._min_load]:
+            self._min_load += 1
 
     def views(self) -> tuple[NodeView, ...]:
         """The least-loaded instance only: with no affinity the router picks the least load."""
@@ -48,14 +79,15 @@ class DecodePool:
         old = self.assigned[node]
         new = old + delta
         self.assigned[node] = new
+        if node in self.retired:
+            return
         del self._buckets[old][node]
         if new == len(self._buckets):
             self._buckets.append({})
         self._buckets[new][node] = None
         if new < self._min_load:
             self._min_load = new
-        while not self._buckets[self._min_load]:
-            self._min_load += 1
+        self._settle_min()
 
     def reserve(self, node: int) -> None:
         self._move(node, +1)
@@ -71,7 +103,8 @@ class DecodePool:
         return False
 
     def finish(self, node: int) -> int | None:
-        """A request left the batch; returns the waiting request that takes its slot, if any."""
+        """A request left the batch; returns the waiting request that takes its slot, if any.
+        (A retired instance is empty once ``assigned[node]`` is 0 after this.)"""
         self._move(node, -1)
         if self.waiting[node]:
             self.total_waiting -= 1

@@ -56,6 +56,7 @@ class FluidLink:
         self.delivered = np.zeros(64)
         self.capacity_bytes = 0.0  # integral of B(t) dt: the denominator of utilisation
         self.busy_s = 0.0
+        self.sent_bytes = 0.0  # delivered so far, all flows
 
     @property
     def active(self) -> int:
@@ -73,6 +74,7 @@ class FluidLink:
         if n:
             self._virtual += self.bytes_per_s / n * dt
             self.busy_s += dt
+            self.sent_bytes += self.bytes_per_s * dt
             self._record(self._last, now)
         self._last = now
 
@@ -94,6 +96,10 @@ class FluidLink:
     def set_bandwidth(self, now: float, gbps: float) -> None:
         self.advance(now)
         self.bytes_per_s = gbps * 1e9 / 8
+
+    def backlog_bytes(self) -> float:
+        """Bytes still to deliver, over every active flow."""
+        return sum(finish - self._virtual for finish, _ in self._flows)
 
     def next_completion(self) -> float:
         """Time the head flow finishes if nothing changes; inf when idle or cut."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 QUEUE_COLUMNS = ("time_s", "prfaas_prefill", "pd_prefill", "link_flows", "decode_waiting", "decode_running")
+SCHEDULE_COLUMNS = ("time_s", "threshold", "pd_prefill_workers", "pd_decode_workers")
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,16 @@ class SimResult:
     pd_prefill_utilisation: float
     events: int
     queues: np.ndarray = field(repr=False)  # rows of QUEUE_COLUMNS
+    threshold_final: int = 0
+    threshold_max: int = 0
+    threshold_changes: int = 0  # ticks on which the scheduler moved t
+    role_conversions: int = 0  # PD workers that changed role and rejoined
+    schedule: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)), repr=False)  # rows of SCHEDULE_COLUMNS
 
     def to_dict(self) -> dict[str, float | int]:
         out = asdict(self)
         out.pop("queues")
+        out.pop("schedule")
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
 
     def write_queues_csv(self, path: str | Path) -> None:

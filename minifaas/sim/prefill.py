@@ -5,6 +5,9 @@ at ``busy_until``), so placement costs no events of its own. The router sees
 each node's queued tokens as its load. A lazy heap finds the node that frees
 up first without scanning a thousand nodes per request: entries go stale when
 a node's ``busy_until`` moves and are dropped when they reach the top.
+
+Role conversion: a ``retire``d node takes no new work (its heap entries are
+dropped like stale ones) and finishes what it holds; ``add_node`` appends one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class PrefillPool:
         self.busy_until = [0.0] * n
         self.queued_tokens = [0] * n
         self.in_system = 0  # requests placed here whose prefill has not ended
+        self.in_node = [0] * n
+        self.retired: set[int] = set()
         self.busy_s = 0.0
         self._heap = [(0.0, i) for i in range(n)]
         self._coeffs = profile.latency_coeffs
@@ -41,6 +46,28 @@ class PrefillPool:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def serving(self) -> int:
+        return len(self.ids) - len(self.retired)
+
+    def wait_s(self, now: float) -> float:
+        """How long a prefill arriving now would wait for the first free node."""
+        free = self.first_free()
+        return 0.0 if free is None else max(0.0, self.busy_until[free] - now)
+
+    def retire(self, node: int) -> None:
+        self.retired.add(node)
+
+    def add_node(self, node_id: str, now: float) -> int:
+        node = len(self.ids)
+        self.ids.append(node_id)
+        self.index[node_id] = node
+        self.busy_until.append(now)
+        self.queued_tokens.append(0)
+        self.in_node.append(0)
+        heapq.heappush(self._heap, (now, node))
+        return node
+
     def latency_s(self, tokens: int) -> float:
         """T_prefill(tokens); Horner's rule in plain floats on the hot path."""
         if not self._coeffs:
@@ -52,7 +79,7 @@ class PrefillPool:
 
     def first_free(self) -> int | None:
         heap = self._heap
-        while heap and heap[0][0] != self.busy_until[heap[0][1]]:
+        while heap and (heap[0][0] != self.busy_until[heap[0][1]] or heap[0][1] in self.retired):
             heapq.heappop(heap)
         return heap[0][1] if heap else None
 
@@ -75,10 +102,14 @@ class PrefillPool:
         self.busy_until[node] = end
         self.queued_tokens[node] += tokens
         self.in_system += 1
+        self.in_node[node] += 1
         self.busy_s += duration
         heapq.heappush(self._heap, (end, node))
         return start, end
 
-    def done(self, node: int, tokens: int) -> None:
+    def done(self, node: int, tokens: int) -> bool:
+        """A prefill ended; True if that emptied a retired node (it can change role now)."""
         self.queued_tokens[node] -= tokens
         self.in_system -= 1
+        self.in_node[node] -= 1
+        return node in self.retired and not self.in_node[node]

@@ -27,6 +27,7 @@ from minifaas.sim.link import FluidLink
 from minifaas.sim.metrics import SimResult, mean, percentile
 from minifaas.sim.prefill import PrefillPool
 from minifaas.sim.prefix import ClusterPrefixCaches
+from minifaas.sim.scheduling import SimScheduler
 from minifaas.sim.workload import Workload
 
 PD, PRFAAS, REJECTED = 0, 1, 2
@@ -64,6 +65,7 @@ class Simulation:
         self._link_gen = 0
         self._step = config.decode.step_time_s
         self._samples: list[tuple[float, int, int, int, int, int]] = []
+        self.scheduler = SimScheduler(config, workload, self.loop, self.link, self.prfaas, self.pd, self.decode)
 
     # ---- running -------------------------------------------------------------------------
     def run(self, progress: Callable[[float], None] | None = None) -> SimResult:
@@ -87,9 +89,11 @@ class Simulation:
             matches = self.caches.match(self.workload.hash_ids[rid], prompt)  # type: ignore[index]
             prfaas = matches[self.prfaas.cluster].view(prfaas_nodes)
             pd = matches[self.pd.cluster].view(pd_nodes, decode_nodes)
-        decision = self.router.route(RouteInput(prompt, self.config.threshold, self.config.rule, prfaas, pd))
+        sched = self.scheduler
+        decision = self.router.route(RouteInput(prompt, sched.threshold, sched.rule, prfaas, pd))
         if decision.path is Path.REJECT:
             return
+        sched.lengths.append(decision.incremental_tokens)
         pool = self.prfaas if decision.path is Path.PRFAAS else self.pd
         node = pool.index[decision.prefill_node]  # type: ignore[index]
         tokens = decision.incremental_tokens
@@ -121,7 +125,8 @@ class Simulation:
         now = self.loop.now
         path = self.path[rid]
         pool = self.prfaas if path == PRFAAS else self.pd
-        pool.done(self._node[rid], self._tokens[rid])
+        if pool.done(self._node[rid], self._tokens[rid]):
+            self.scheduler.drained(into_prefill=False)
         if self.caches is not None:
             self.caches.store(pool.cluster, self.workload.hash_ids[rid], self._prompt[rid], now)
         if path == PD:
@@ -172,8 +177,10 @@ class Simulation:
         successor = self.decode.finish(self._decode_node[rid])
         if successor is not None:
             self._start_decode(successor)
+        self.scheduler.decode_finished(self._decode_node[rid])
 
     def _sample(self, _: object) -> None:
+        self.scheduler.tick()
         d = self.decode
         self._samples.append(
             (
@@ -226,4 +233,17 @@ class Simulation:
             pd_prefill_utilisation=self.pd.busy_s / max(1e-9, makespan * len(self.pd)),
             events=self.loop.events,
             queues=np.array(self._samples, dtype=float).reshape(-1, 6),
+            **self._schedule_summary(),
         )
+
+    def _schedule_summary(self) -> dict[str, object]:
+        sched = self.scheduler
+        trace = np.array(sched.trace, dtype=float).reshape(-1, 4)
+        thresholds = trace[:, 1] if len(trace) else np.array([sched.threshold])
+        return {
+            "threshold_final": int(sched.threshold),
+            "threshold_max": int(thresholds.max()),
+            "threshold_changes": int(np.count_nonzero(np.diff(thresholds))),
+            "role_conversions": sched.conversions,
+            "schedule": trace,
+        }

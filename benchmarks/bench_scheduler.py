@@ -1,0 +1,110 @@
+"""The scheduler side by side, in the simulator at paper scale: adaptive vs fixed threshold vs naive offloading.
+
+Two scenarios on the paper's case (4 H200 PrfaaS + 8 H20 PD instances, 100 Gbps),
+Poisson arrivals at ``--load`` of the planned PrfaaS capacity, one seed, the
+same workload for every configuration:
+  bandwidth drop  the link falls to ``--drop-gbps`` from 600 s to 1500 s, then recovers;
+  length shift    the prompt mix moves from mu = 9.90 to ``--shift-mu`` at half time.
+Configurations:
+  adaptive  the planner's (t, N_p, N_d) to start, then the short-term policy
+            (t and rule every second) and the long-term one (re-plan every
+            ``--period`` s, one PD worker re-roled at a time, ``--convert-s`` to restart);
+  fixed     the planner's (t, N_p, N_d), never changed;
+  naive     every prefill on PrfaaS, every PD instance decodes, no threshold.
+
+    python benchmarks/bench_scheduler.py
+    python benchmarks/bench_scheduler.py --drop-gbps 5 --shift-mu 10.4 --duration 2400
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from minifaas.planner.lengths import LengthDistribution
+from minifaas.planner.paper import paper_case
+from minifaas.planner.search import plan
+from minifaas.scheduler.long_term import LongTermConfig
+from minifaas.scheduler.short_term import ShortTermConfig
+from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
+from minifaas.sim.config import SimConfig, config_for
+from minifaas.sim.link import LinkConfig
+from minifaas.sim.simulator import Simulation
+from minifaas.sim.workload import Workload, synthetic
+
+HEADER = (
+    f"{'scenario':<15}{'config':<10}{'done/req':>12}{'failed':>8}{'tput rps':>10}{'ttft p90 s':>12}"
+    f"{'ttft p99 s':>12}{'link util':>11}{'egress p99':>12}{'t final':>9}{'t max':>8}{'N_p/N_d':>9}{'conv':>6}"
+)
+
+
+def shifted(duration: float, rate: float, mu_after: float, seed: int) -> Workload:
+    case = paper_case()
+    arrivals = ArrivalSpec(ArrivalKind.POISSON, rate)
+    first = synthetic(case.lengths, 1024, arrivals, duration / 2, seed)
+    after = LengthDistribution.lognormal(mu_after, 1.0, 128, 128_000)
+    second = synthetic(after, 1024, arrivals, duration / 2, seed + 1)
+    return Workload(
+        f"mu 9.90 -> {mu_after}",
+        np.concatenate((first.arrival_s, second.arrival_s + duration / 2)),
+        np.concatenate((first.input_tokens, second.input_tokens)),
+        np.concatenate((first.output_tokens, second.output_tokens)),
+    )
+
+
+def configs(link: LinkConfig, period: float, convert_s: float) -> dict[str, SimConfig]:
+    case = paper_case()
+    planned = plan(case)
+    fixed = config_for(case, planned.prfaas, link)
+    return {
+        "adaptive": replace(
+            fixed,
+            short_term=ShortTermConfig(ceiling=128_000),
+            long_term=LongTermConfig(period_s=period),
+            convert_s=convert_s,
+        ),
+        "fixed": fixed,
+        "naive": config_for(case, planned.naive, link),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--duration", type=float, default=2_100.0)
+    parser.add_argument("--drop-gbps", type=float, default=8.0)
+    parser.add_argument("--shift-mu", type=float, default=10.4)
+    parser.add_argument("--period", type=float, default=300.0)
+    parser.add_argument("--convert-s", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    case = paper_case()
+    rate = args.load * plan(case).prfaas.throughput_rps
+    steady = synthetic(case.lengths, 1024, ArrivalSpec(ArrivalKind.POISSON, rate), args.duration, args.seed)
+    drop = LinkConfig(100.0, 0.01, 61, ((600.0, args.drop_gbps), (1500.0, 100.0)))
+    scenarios = {
+        f"drop {args.drop_gbps:g} Gbps": (steady, drop),
+        f"mu -> {args.shift_mu}": (shifted(args.duration, rate, args.shift_mu, args.seed), LinkConfig(100.0, 0.01, 61)),
+    }
+    print(f"paper case, Poisson {rate:.3f} req/s ({args.load} x planned), {args.duration:.0f} s, seed {args.seed}")
+    print(HEADER)
+    started = time.perf_counter()
+    for scenario, (workload, link) in scenarios.items():
+        for name, config in configs(link, args.period, args.convert_s).items():
+            r = Simulation(config, workload).run()
+            split = f"{int(r.schedule[-1, 2]) if len(r.schedule) else config.n_prefill}"
+            split += f"/{int(r.schedule[-1, 3]) if len(r.schedule) else config.n_decode}"
+            print(
+                f"{scenario:<15}{name:<10}{f'{r.completed}/{r.requests}':>12}{r.requests - r.completed:>8}"
+                f"{r.throughput_rps:>10.3f}{r.ttft_p90_s:>12.2f}{r.ttft_p99_s:>12.2f}{r.link_utilisation:>11.3f}"
+                f"{r.egress_gbps_p99:>12.1f}{r.threshold_final:>9}{r.threshold_max:>8}{split:>9}{r.role_conversions:>6}"
+            )
+    print(f"({time.perf_counter() - started:.1f} s wall)")
+
+
+if __name__ == "__main__":
+    main()
