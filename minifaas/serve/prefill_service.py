@@ -51,6 +51,7 @@ class PrefillService:
             started = time.perf_counter()
             plan = self.store.begin(tokens, started)
             try:
+                await asyncio.to_thread(self.store.advance, self.runtime, plan)  # the snapshot segments
                 async with sender.stream(msg["transfer"], layers=self.runtime.num_layers) as tx:
                     try:
                         computed = await asyncio.to_thread(

@@ -18,13 +18,15 @@ Payloads are tuples of LayerState:
 
 A prefill with a hit of h tokens continues from the hit's state and runs the rest
 in segments that end at the pool's snapshot points, so the state at each point can
-be kept; only the last segment streams its layers to the decode side.
+be kept (``advance``); only the last segment streams its layers to the decode side
+(``compute``), so the transfer opens when there is something to send. Short
+segments cost extra forwards: the snapshot interval trades that against hits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedConfig
@@ -61,13 +63,16 @@ def needs_snapshot(layout: Sequence[StateKind]) -> bool:
 
 @dataclass(slots=True)
 class CachedPrefill:
-    """One prompt's cache plan: its keys, the pinned hit and the state it loads to."""
+    """One prompt's cache plan and progress: its keys, the pinned hit, the state reached so far."""
 
     keys: PromptKeys
     lease: Lease[Payload]
-    prefix: ModelState | None  # the state after the hit's tokens; None for a cold start
+    state: ModelState | None  # after ``done`` tokens: the hit's state at first; None for a cold start
     points: list[int]  # snapshot points inside the prompt: each ends a forward, its state is kept
     snapshot_end: bool  # keep the state at the prompt's end too
+    done: int = 0
+    snapshots: list[tuple[int, Payload]] = field(default_factory=list)  # (length, payload)
+    seconds: float = 0.0  # spent in forwards so far
 
     @property
     def hit_tokens(self) -> int:
@@ -101,7 +106,18 @@ class PrefixStore:
         prefix = assemble(self.layout, lease.block_payloads, lease.snapshot_payload, h) if h else None
         points = self.pool.snapshot_points(h, len(tokens)) if self.enabled else []
         snapshot_end = bool(points) and points[-1] == len(tokens)
-        return CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end)
+        return CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end, h)
+
+    def advance(self, runtime: ModelRuntime, plan: CachedPrefill) -> None:
+        """Prefill up to the last snapshot point inside the prompt, keeping the state at each. Blocking."""
+        tokens = plan.keys.tokens
+        assert tokens is not None
+        for end in plan.points:
+            if end <= plan.done:
+                continue
+            step = runtime.prefill(tokens[plan.done : end], prefix_state=plan.state)
+            plan.state, plan.done, plan.seconds = step.state, end, plan.seconds + step.seconds
+            plan.snapshots.append((end, snapshot_payload(step.state, self.layout, self.pool.config.block_size)))
 
     def compute(
         self,
@@ -110,21 +126,18 @@ class PrefixStore:
         on_layer: OnLayer | None = None,
         sampling: SamplingParams = GREEDY,
     ) -> Computed:
-        """Prefill the rest of the prompt and cut what the pool keeps. Blocking: run it in a thread."""
+        """Prefill the rest of the prompt (``on_layer`` sees only this last forward's layers) and cut what
+        the pool keeps. Blocking: run it in a thread."""
+        self.advance(runtime, plan)
         tokens = plan.keys.tokens
         assert tokens is not None
-        state, done, snapshots = plan.prefix, plan.hit_tokens, []
-        seconds = 0.0
-        for end in plan.points:
-            step = runtime.prefill(tokens[done:end], prefix_state=state)
-            state, done, seconds = step.state, end, seconds + step.seconds
-            snapshots.append((end, snapshot_payload(state, self.layout, self.pool.config.block_size)))
-        result = runtime.prefill(tokens[done:], prefix_state=state, on_layer=on_layer, sampling=sampling)
-        result.seconds += seconds
+        result = runtime.prefill(tokens[plan.done :], prefix_state=plan.state, on_layer=on_layer, sampling=sampling)
+        result.seconds += plan.seconds
         result.computed_tokens = len(tokens) - plan.hit_tokens
         if not self.enabled:
             return Computed(result, [], [])
         size, final = self.pool.config.block_size, result.state
+        snapshots = list(plan.snapshots)
         if plan.snapshot_end:
             snapshots.append((len(tokens), snapshot_payload(final, self.layout, size)))
         first = plan.hit_tokens // size
