@@ -43,7 +43,7 @@ def drain(pacer: Pacer, sizes: list[int], now: float = 0.0) -> float:
 
 def test_pacer_holds_its_rate_exactly() -> None:
     pacer = Pacer(80e6)  # 10 MB/s
-    assert drain(pacer, [100_000] * 100, now=50.0) == pytest.approx(50.0 + 1.0 - pacer.min_burst_bytes / 10e6)
+    assert drain(pacer, [100_000] * 100, now=50.0) == pytest.approx(50.0 + 1.0 - pacer.burst_bytes / 10e6)
 
 
 def test_pacer_forgives_late_wakeups_only_up_to_the_burst() -> None:

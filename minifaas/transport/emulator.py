@@ -178,7 +178,7 @@ class LinkEmulator:
         while True:
             await self._while_stalled()
             buf = free.pop() if free else bytearray(self.config.read_bytes)  # recycled: no page faults per read
-            n = await self._loop.sock_recv_into(src, buf)
+            n = await self._loop.sock_recv_into(src, memoryview(buf)[: self._read_size(flow, direction)])
             if n == 0:
                 await queue.put((0.0, buf, 0))
                 return
@@ -193,6 +193,13 @@ class LinkEmulator:
             self.bytes[direction] += n
             release_at = flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s)
             await queue.put((release_at, buf, n))
+
+    def _read_size(self, flow: _Flow, direction: str) -> int:
+        """About 2 ms of the slowest rate on the path: bytes cross a slow link in small steps, not in one MiB."""
+        rates = [r for r in (flow.pacers[direction].rate_bps, self.link[direction].rate_bps) if r is not None]
+        if not rates:
+            return self.config.read_bytes
+        return max(1500, min(self.config.read_bytes, int(min(rates) / 8 * 0.002)))
 
     async def _deliver(self, dst: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:

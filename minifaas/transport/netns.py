@@ -27,6 +27,7 @@ import sys
 from itertools import count
 from typing import Any
 
+from minifaas.transport.errors import TransferError
 from minifaas.transport.link_health import LinkMonitor
 from minifaas.transport.pacer import parse_rate
 
@@ -128,7 +129,10 @@ async def _sink(host: str, port: int, transfers: int, accept_unchecked: bool) ->
         print(json.dumps({"port": rx.port}), flush=True)
         transfer_id = 0
         while transfers == 0 or transfer_id < transfers:  # 0: serve until killed
-            rx.release(await rx.transfer(transfer_id).model_state())
+            try:
+                rx.release(await rx.transfer(transfer_id).model_state())
+            except TransferError as e:  # the sender sees it too; keep serving the next transfers
+                print(json.dumps({"transfer": transfer_id, "error": f"{type(e).__name__}: {e}"}), flush=True)
             transfer_id += 1
 
 

@@ -119,6 +119,10 @@ class OutgoingTransfer:
         assert self._loop is not None, "enter the transfer first"
         self._loop.call_soon_threadsafe(self.put, layer)
 
+    def put_tokens_threadsafe(self, piece: LayerState, start: int, total: int) -> None:
+        assert self._loop is not None, "enter the transfer first"
+        self._loop.call_soon_threadsafe(self.put_tokens, piece, start, total)
+
     def _accept(self, layer: int, start: int, end: int, total: int) -> bool:
         if self._producer_error is not None:
             return False  # the transfer is failing; __aexit__ raises the first error

@@ -29,7 +29,7 @@ def parse_rate(text: str) -> float | None:
 
 
 class Pacer:
-    def __init__(self, rate_bps: float | None, burst_seconds: float = 0.005, min_burst_bytes: int = 1 << 16):
+    def __init__(self, rate_bps: float | None, burst_seconds: float = 0.005, min_burst_bytes: int = 1500):
         self.burst_seconds = burst_seconds
         self.min_burst_bytes = min_burst_bytes
         self.rate_bps = rate_bps
@@ -40,13 +40,16 @@ class Pacer:
             raise ValueError("a rate must be positive (None: unlimited)")
         self.rate_bps = rate_bps
 
+    @property
+    def burst_bytes(self) -> float:
+        return 0.0 if self.rate_bps is None else max(self.min_burst_bytes, self.rate_bps / 8 * self.burst_seconds)
+
     def reserve(self, nbytes: int, now: float) -> float:
         """Book ``nbytes`` on the link; returns how long to wait until they have left it."""
         if self.rate_bps is None:
             return 0.0
         bytes_per_s = self.rate_bps / 8
-        burst = max(self.min_burst_bytes, bytes_per_s * self.burst_seconds)
-        start = max(self._next_free, now - burst / bytes_per_s)
+        start = max(self._next_free, now - self.burst_bytes / bytes_per_s)
         self._next_free = start + nbytes / bytes_per_s
         return max(0.0, self._next_free - now)
 
