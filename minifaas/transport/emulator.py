@@ -169,6 +169,7 @@ class LinkEmulator:
                     tg.create_task(self._deliver(dst, queue, free))
             flow.close(reset=False)
         except (OSError, TimeoutError, BaseExceptionGroup):
+            await self._while_stalled()  # a stalled link carries no resets either
             flow.close(reset=True)  # one side broke: pass the break on to the other
         finally:
             flow.close(reset=True)  # no-op unless cancelled (a cut)
@@ -180,7 +181,9 @@ class LinkEmulator:
             buf = free.pop() if free else bytearray(self.config.read_bytes)  # recycled: no page faults per read
             n = await self._loop.sock_recv_into(src, memoryview(buf)[: self._read_size(flow, direction)])
             if n == 0:
-                await queue.put((0.0, buf, 0))
+                await queue.put(
+                    (flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s), buf, 0)
+                )
                 return
             now = self._loop.time()
             # the flow's own bottleneck and the shared link carry the same bytes at the same time
@@ -204,12 +207,12 @@ class LinkEmulator:
     async def _deliver(self, dst: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:
             release_at, buf, n = await queue.get()
-            if n == 0:
-                dst.shutdown(socket.SHUT_WR)
-                return
             if (wait := release_at - self._loop.time()) > 0:
                 await asyncio.sleep(wait)
             await self._while_stalled()
+            if n == 0:
+                dst.shutdown(socket.SHUT_WR)
+                return
             await self._loop.sock_sendall(dst, memoryview(buf)[:n])
             free.append(buf)
 

@@ -94,7 +94,7 @@ class KVReceiver:
         self.buffers = BufferPool(config.recycle_bytes)
         self._ssl = ssl
         self._transfers: dict[int, IncomingTransfer] = {}
-        self._forgotten: OrderedDict[int, None] = OrderedDict()
+        self._forgotten: OrderedDict[int, str] = OrderedDict()  # ended transfer -> why it failed ("" if it did not)
         self._listener: socket.socket | None = None
         self._group = asyncio.TaskGroup()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -154,7 +154,7 @@ class KVReceiver:
     def _finish(self, t: IncomingTransfer) -> None:
         self.stats.completed += t.complete
         self.stats.failed += t.error is not None
-        self._forgotten[t.id] = None
+        self._forgotten[t.id] = "" if t.error is None else _reason(t.error)
         while len(self._forgotten) > _FORGET_AFTER:
             self._forgotten.popitem(last=False)
         if t.claimed:
@@ -166,9 +166,9 @@ class KVReceiver:
         log.warning("transfer %d failed: %s: %s", t.id, type(error).__name__, error)
         self._finish(t)
         if t.reply_to is not None and not t.reply_to.closed:
-            reason = f"{type(error).__name__}: {error}".encode()[:1024]
             with contextlib.suppress(TransferError):  # else the sender learns from the broken connection
-                await t.reply_to.send([control(FrameType.ABORT, t.id, reason)], self.config.stall_timeout)
+                abort = control(FrameType.ABORT, t.id, _reason(error).encode())
+                await t.reply_to.send([abort], self.config.stall_timeout)
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -222,6 +222,8 @@ class KVReceiver:
             t = self._open(h.transfer)
         if t is None or t.finished:
             await channel.recv_exactly(h.length, self.config.stall_timeout)  # too late: skip it
+            if h.type is FrameType.END and (reason := self._forgotten.get(h.transfer)):
+                await channel.send([control(FrameType.ABORT, h.transfer, reason.encode())], self.config.stall_timeout)
             return True
         carried.add(h.transfer)
         t.started = True
@@ -294,3 +296,7 @@ class KVReceiver:
             for t in list(self._transfers.values()):
                 if t.started and not t.finished and now - t.last_progress > limit:
                     await self._fail(t, StallError(f"transfer {t.id}: no progress for {limit} s"))
+
+
+def _reason(error: TransferError) -> str:
+    return f"{type(error).__name__}: {error}"[:1024]
