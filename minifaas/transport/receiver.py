@@ -2,13 +2,16 @@
 
     async with KVReceiver(ReceiverConfig(secret=...)) as receiver:
         incoming = receiver.transfer(transfer_id)   # before or after its frames arrive
-        async for layer in incoming: ...
+        async for layer in incoming: ...            # or: state = await incoming.model_state()
+        receiver.release(state)                     # optional: its memory takes the next transfer
 
 Each connection first passes the shared-secret handshake; then its frames are
 read one by one. A chunk's payload is received straight into the slot's final
-tensor memory. Anything wrong with a connection (bad header, checksum, sizes,
-a reset, a truncated stream) drops that connection and fails every unfinished
-transfer it carried, with the specific error. A transfer with no progress for
+tensor memory (recycled memory once states are released); big chunks are
+checksummed in a worker thread while the next one arrives. Anything wrong
+with a connection (bad header, checksum, sizes, a reset, a truncated stream)
+drops that connection and fails every unfinished transfer it carried, with the
+specific error. A transfer with no progress for
 ``stall_timeout`` after its first frame fails with ``StallError``. A failed
 transfer's partial state is freed at once; later frames for it are skipped.
 """

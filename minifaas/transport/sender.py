@@ -3,7 +3,11 @@
     async with KVSender(SenderConfig(host, port, secret, connections=4)) as sender:
         report = await sender.send(transfer_id, model_state)        # a finished state
         async with sender.stream(transfer_id, layers=n) as tx:       # layers as prefill makes them
-            runtime.prefill(tokens, on_layer=tx.put_threadsafe)      # (in a worker thread)
+            await asyncio.to_thread(runtime.prefill, tokens, on_layer=tx.put_threadsafe)
+        # prefill in token chunks: tx.put_tokens(layer.slice_tokens(a, b), a, total) for full attention
+
+Health: ``sender.tcp_infos()`` (kernel TCP_INFO per connection) and
+``sender.queued_bytes`` feed ``link_health.LinkMonitor``.
 
 Off switches, so each gain is one flag: ``connections=1`` sends one layer
 after another on one connection; ``pipelined=False`` holds every layer until
