@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Coroutine
 from typing import Any
 
@@ -34,7 +35,7 @@ def runtime(request: pytest.FixtureRequest) -> ModelRuntime:
 
 
 def test_prefilled_state_round_trips_bit_exact(runtime: ModelRuntime) -> None:
-    state = runtime.prefill(prompt(48)).state
+    state = runtime.prefill(prompt(24)).state
 
     async def main() -> None:
         async with KVReceiver(ReceiverConfig(SECRET)) as rx, EmulatorProcess(("127.0.0.1", rx.port)) as link:
@@ -56,8 +57,8 @@ def test_prefilled_state_round_trips_bit_exact(runtime: ModelRuntime) -> None:
 @pytest.mark.parametrize("runtime", [DEFAULT_MODEL], indirect=True)
 def test_layers_streamed_during_prefill_decode_like_the_local_state(runtime: ModelRuntime) -> None:
     """Prefill in a thread hands each layer to the sender as it finishes; decode continues from what arrived."""
-    ids = prompt(64)
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ids = prompt(32)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
 
     async def main() -> tuple[Any, Any]:
         async with (
@@ -77,3 +78,33 @@ def test_layers_streamed_during_prefill_decode_like_the_local_state(runtime: Mod
     local = runtime.start_decode(result.state, result.next_token, params).run()
     remote = runtime.start_decode(received, result.next_token, params).run()
     assert remote == local
+
+
+@pytest.mark.parametrize("runtime", [DEFAULT_MODEL], indirect=True)
+def test_prefill_in_token_chunks_streams_full_attention_ranges(runtime: ModelRuntime) -> None:
+    """Full-attention keys and values leave chunk by chunk; the receiver gets the same state as the last chunk's."""
+    ids, bounds = prompt(40), (0, 15, 31, 40)
+
+    async def main() -> tuple[Any, Any]:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            config = SenderConfig("127.0.0.1", rx.port, SECRET, connections=2, chunk_bytes=4096)
+            async with KVSender(config) as tx, tx.stream(7, runtime.num_layers) as out:
+
+                def prefill_in_chunks() -> Any:
+                    state = None
+                    for start, end in itertools.pairwise(bounds):
+
+                        def on_layer(layer: Any, start: int = start, end: int = end) -> None:
+                            if layer.kind.grows:
+                                out.put_tokens_threadsafe(layer.slice_tokens(start, end), start, 40)
+                            elif end == 40:
+                                out.put_threadsafe(layer)
+
+                        state = runtime.prefill(ids[start:end], prefix_state=state, on_layer=on_layer).state
+                    return state
+
+                local = await asyncio.to_thread(prefill_in_chunks)
+            return local, await rx.transfer(7).model_state()
+
+    local, received = run(main())
+    assert same_state(received, local)
