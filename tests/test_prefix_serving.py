@@ -1,10 +1,12 @@
-"""Prefix caching in the running system: real worker processes, the gateway's directory, cache-aware routing."""
+"""Prefix caching in the running system: real worker processes, the gateway's directory, cache-aware routing,
+and incremental transfer to a decode node that holds the prefix."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+from minifaas.model.layer_state import StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
@@ -30,6 +32,8 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
     rt = ModelRuntime.load("kimi-linear-tiny")
     prompts = {"long": LONG, "a": SHORT_A, "b": SHORT_B, "b+": SHORT_B + MORE}
     reference = {name: rt.generate(ids, PARAMS) for name, ids in prompts.items()}
+    long_state = rt.prefill(LONG).state
+    kv_per_token = long_state.bytes_by_kind()[StateKind.FULL_ATTENTION] // len(LONG)
     config = ServeConfig(
         threshold=THRESHOLD,
         pd=ClusterConfig(prefill_workers=2, decode_workers=1),
@@ -46,6 +50,9 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
             assert (rec1.route, rec1.cached_tokens) == ("prfaas", 0)
             # the last snapshot before the prompt's end (every 4 blocks of 32): 1408 of 1500 tokens
             assert (rec2.route, rec2.prefill_worker, rec2.cached_tokens) == ("prfaas", "prfaas-p0", 1408)
+            # the decode node kept the first state's KV: only the tokens after its last whole block cross the link
+            assert rec1.kv_bytes == long_state.nbytes
+            assert rec2.kv_bytes == long_state.nbytes - 1472 * kv_per_token
 
             # two short prompts at once land on different PD-P nodes; each node keeps its own prefix
             (out_a, rec_a, _), (out_b, rec_b, _) = await asyncio.gather(_run(gw, "a", SHORT_A), _run(gw, "b", SHORT_B))

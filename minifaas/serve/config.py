@@ -52,6 +52,7 @@ class CacheConfig:
     snapshot_interval_blocks: int = 4  # 0: state snapshots only at prompt ends
     capacity_mib: float = 256.0  # per prefill node
     rule: str = "scarce"  # "scarce": each cluster judged by its own cache; "abundant": the longer cache counts
+    incremental_transfer: bool = True  # off: PrfaaS ships the whole KV even when the decode node holds a prefix
 
     def __post_init__(self) -> None:
         if self.mode not in ("hybrid", "none") or self.rule not in ("scarce", "abundant"):

@@ -1,7 +1,10 @@
 """The gateway <-> worker control channel: one JSON object per line over a local TCP stream.
 
 Messages are small dicts with an ``op`` and usually a ``req`` (request id);
-bulk state never goes here (it goes over the KV transport).
+bulk state never goes here (it goes over the KV transport). A worker's prefix
+cache events, ``{"op": "cache", "events": [...]}``, belong to no request: they
+go under the ``req`` CACHE_EVENTS, which the gateway listens on for as long as
+the worker runs.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import AsyncIterator
 from minifaas.model.sampling import SamplingParams
 
 MAX_LINE = 64 << 20  # a prompt of a few million token ids still fits
+CACHE_EVENTS = "@cache"  # no request id starts with "@"
 
 
 async def messages(reader: asyncio.StreamReader) -> AsyncIterator[dict]:

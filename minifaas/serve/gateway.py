@@ -16,9 +16,10 @@ its record says why it fell back.
 Prefix caching: every prefill node keeps a pool of what it computed; the store
 and evict events on its replies keep the gateway's prefix directory current, so
 routing sees the incremental length and picks the node that holds the prefix.
-Not done live yet: moving a cache across the link before prefill (the router
-runs with cache moves off, so the ABUNDANT rule acts as SCARCE) and shipping
-only the increment to a decode node that holds the prefix.
+Decode nodes keep the KV they receive, so when a PrfaaS prefill's decode node
+already holds a prefix, the decode node pins it and only the rest crosses the
+link. Not done live yet: moving a cache across the link before prefill (the
+router runs with cache moves off, so the ABUNDANT rule acts as SCARCE).
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ from minifaas.model.loader import ModelSpec, load_config, load_config_dict
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
 from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig, Rule
 from minifaas.serve.config import ServeConfig
-from minifaas.serve.control import sampling_to_json
+from minifaas.serve.control import CACHE_EVENTS, sampling_to_json
 from minifaas.serve.lifecycle import Phase, advance
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.prefix_directory import PrefixDirectory
 from minifaas.serve.prefix_store import needs_snapshot, state_layout
 from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
-from minifaas.serve.worker_handle import WorkerHandle
+from minifaas.serve.worker_handle import LOST, WorkerHandle
 from minifaas.transport.emulator_control import EmulatorProcess
 
 log = logging.getLogger("minifaas.gateway")
@@ -62,9 +63,8 @@ class Gateway:
         self.router = Router(RouterConfig(cross_cluster_cache_move=False, incremental_transfer=False))
         self.secret = secrets.token_bytes(32)
         self.workers = self._plan_workers()
-        prefill_nodes = [w.name for w in self.workers.values() if w.role == "prefill"]
         hybrid = needs_snapshot(state_layout(load_config(spec)))
-        self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, prefill_nodes)
+        self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, self.workers)
         if self.rule is Rule.ABUNDANT:
             log.warning("cache moves across the link are not carried out yet: the abundant rule acts as scarce")
         self.emulators: dict[str, EmulatorProcess] = {}
@@ -86,15 +86,18 @@ class Gateway:
             ("pd-d", "decode", "pd", c.pd.decode_workers, c.pd.device),
         ]
         cache = [
-            *("--prefix-cache", c.cache.mode, "--cache-block-size", str(c.cache.block_size)),
-            *("--snapshot-interval", str(c.cache.snapshot_interval_blocks), "--cache-mib", str(c.cache.capacity_mib)),
+            *("--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)),
+            *("--snapshot-interval", str(c.cache.snapshot_interval_blocks)),
         ]
+        keep_received = c.cache.enabled and c.cache.incremental_transfer
         workers = {}
         for prefix, role, cluster, count, device in plan:
             for i in range(count):
                 argv = [*common, "--device", device]
                 if role == "prefill":
-                    argv += cache
+                    argv += [*cache, "--prefix-cache", c.cache.mode]
+                else:  # a decode node keeps the KV it receives only to take increments later
+                    argv += [*cache, "--prefix-cache", "hybrid" if keep_received else "none"]
                 if role == "decode":  # a fixed port, so a restarted worker is found where the emulator points
                     argv += ["--kv-port", str(_free_port())]
                 workers[f"{prefix}{i}"] = WorkerHandle(f"{prefix}{i}", role, cluster, argv, self.secret)
@@ -107,6 +110,7 @@ class Gateway:
             readers = await asyncio.gather(*(w.start() for w in self.workers.values()))
             for w, reader in zip(self.workers.values(), readers):
                 self._tasks.create_task(self._supervise(w, reader))
+                self._tasks.create_task(self._follow_cache(w))
             for w in self._decode_workers():
                 link = self.config.link
                 options = {
@@ -146,6 +150,8 @@ class Gateway:
     async def _shutdown(self) -> None:
         self._closing = True
         await asyncio.gather(*(w.stop() for w in self.workers.values()))
+        for w in self.workers.values():
+            w.inboxes[CACHE_EVENTS].put_nowait(LOST)  # ends _follow_cache even if no process was left to lose
 
     async def _supervise(self, w: WorkerHandle, reader: asyncio.StreamReader) -> None:
         """Pump a worker's replies; when it dies, say so and start a new one in its place."""
@@ -155,8 +161,6 @@ class Gateway:
                 return
             code = w.process.returncode if w.process else None
             log.error("worker %s died (exit code %s): restarting it", w.name, code)
-            if w.role == "prefill":
-                self.prefixes.forget(w.name)  # its pool died with it
             await w.stop()
             w.restarts += 1
             while not self._closing:
@@ -168,6 +172,16 @@ class Gateway:
                     await asyncio.sleep(2.0)
             else:
                 return
+
+    async def _follow_cache(self, w: WorkerHandle) -> None:
+        """Keep the prefix directory current with the worker's pool, through restarts, until shutdown."""
+        inbox = w.open(CACHE_EVENTS)
+        while not self._closing:
+            msg = await inbox.get()
+            if msg["op"] == "cache":
+                self.prefixes.apply(msg["events"])
+            elif msg["op"] == "lost":
+                self.prefixes.forget(w.name)  # its pool died with it; a restarted one starts empty
 
     def _decode_workers(self) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.role == "decode"]
@@ -290,8 +304,21 @@ class Gateway:
         sampling = sampling_to_json(request.sampling)
         inbox = worker.open(rid)
         worker.load_tokens += n
+        # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first
+        link_start = self.prefixes.kv_prefix(request.prompt_ids, decode.name) if worker.cluster == "prfaas" else 0
         try:
-            decode.send({"op": "decode", "req": rid, "transfer": transfer, "sampling": sampling})
+            decode.send(
+                {
+                    "op": "decode",
+                    "req": rid,
+                    "transfer": transfer,
+                    "sampling": sampling,
+                    "tokens": request.prompt_ids,
+                    "link_start": link_start,
+                }
+            )
+            if link_start:
+                link_start = await self._pinned(decode, rid, transfer)
             worker.send(
                 {
                     "op": "prefill",
@@ -300,6 +327,7 @@ class Gateway:
                     "tokens": request.prompt_ids,
                     "sampling": sampling,
                     "kv": ["127.0.0.1", port],
+                    "link_start": link_start,
                 }
             )
             async with asyncio.timeout(self.config.prefill_timeout):
@@ -313,7 +341,6 @@ class Gateway:
             worker.close(rid)
         if reply["op"] == "lost":
             return f"worker_lost: {worker.name} went away"
-        self.prefixes.apply(reply.get("cache_events", ()))
         if reply["op"] == "failed":
             return f"transfer_failed: {reply['error']}"
         record.kv_bytes = reply["kv_bytes"]
@@ -323,6 +350,17 @@ class Gateway:
         record.transfer_s = reply["transfer_tail_s"]
         record.phase = advance(record.phase, Phase.TRANSFERRING)
         return int(reply["next_token"])
+
+    async def _pinned(self, decode: WorkerHandle, rid: str, transfer: int) -> int:
+        """Tokens of the prompt whose KV the decode node has pinned: the prefill sends only the rest."""
+        inbox = decode.inboxes[rid]
+        async with asyncio.timeout(self.config.prefill_timeout):
+            while True:
+                msg = await inbox.get()
+                if msg["op"] == "lost" or (msg["op"] == "failed" and msg.get("transfer") == transfer):
+                    raise RuntimeError(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
+                if msg["op"] == "pinned" and msg["transfer"] == transfer:
+                    return int(msg["tokens"])
 
     async def _decode(
         self,
@@ -351,7 +389,7 @@ class Gateway:
             if finish is not None:
                 return
             msg = await inbox.get()
-            while msg.get("transfer", transfer) != transfer or msg["op"] == "received":
+            while msg.get("transfer", transfer) != transfer or msg["op"] in ("received", "pinned"):
                 msg = await inbox.get()  # "received", or news of an abandoned transfer
             if msg["op"] in ("lost", "failed"):
                 raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")

@@ -8,7 +8,7 @@ the wire, the next prompt is already running.
 With a prefix store, a prompt loads the usable hit from the node's pool when
 its turn comes (so it sees everything the prompts before it stored), computes
 only the rest, and stores its blocks and snapshots before the next prompt's
-turn. The pool's store/evict events ride on the replies to the gateway.
+turn. The worker tells the gateway of the pool's store/evict events.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from minifaas.model.runtime import ModelRuntime
+from minifaas.model.layer_state import LayerState, StateKind
+from minifaas.model.runtime import ModelRuntime, OnLayer
 from minifaas.serve.control import sampling_from_json
 from minifaas.serve.prefix_store import PrefixStore
 from minifaas.transport import KVSender, SenderConfig
@@ -53,10 +54,9 @@ class PrefillService:
             try:
                 await asyncio.to_thread(self.store.advance, self.runtime, plan)  # the snapshot segments
                 async with sender.stream(msg["transfer"], layers=self.runtime.num_layers) as tx:
+                    send = _Sender(tx.put_threadsafe, msg.get("link_start", 0))
                     try:
-                        computed = await asyncio.to_thread(
-                            self.store.compute, self.runtime, plan, tx.put_threadsafe, sampling
-                        )
+                        computed = await asyncio.to_thread(self.store.compute, self.runtime, plan, send, sampling)
                         self.store.finish(plan, computed, time.perf_counter())
                     finally:
                         self.compute.release()
@@ -75,19 +75,28 @@ class PrefillService:
             "op": "prefilled",
             "req": msg["req"],
             "next_token": result.next_token,
-            "kv_bytes": result.state.nbytes,
+            "kv_bytes": send.nbytes,
             "cached_tokens": plan.hit_tokens,
             "computed_tokens": result.computed_tokens,
             "queue_s": started - arrived,
             "prefill_s": result.seconds,
             "transfer_tail_s": finished - computed_at,
-            "cache_events": self.cache_events(),
         }
-
-    def cache_events(self) -> list[dict]:
-        """Pool changes not yet told to the gateway (a failed request's stores go with the next reply)."""
-        return [e.to_json() for e in self.store.drain_events()]
 
     async def close(self) -> None:
         for sender in self.senders.values():
             await sender.__aexit__(None, None, None)
+
+
+class _Sender:
+    """Puts each finished layer on the wire; full-attention KV only from ``link_start`` on, since the
+    decode node already holds the tokens before it (incremental transfer)."""
+
+    def __init__(self, put: OnLayer, link_start: int) -> None:
+        self.put, self.link_start, self.nbytes = put, link_start, 0
+
+    def __call__(self, layer: LayerState) -> None:
+        if self.link_start and layer.kind is StateKind.FULL_ATTENTION:
+            layer = layer.slice_tokens(self.link_start, layer.seq_len)
+        self.nbytes += layer.nbytes
+        self.put(layer)

@@ -2,7 +2,9 @@
 
 Each prefill node holds its own pool (``prefix_store`` says why), so the global
 cache manager keeps one mirror per node pool, fed by the store/evict events the
-nodes send with their replies. A cluster's hit is its best node's hit: the
+nodes send with their replies. Decode nodes keep the full-attention KV they
+received (``decode_prefix``); their mirrors say how much of a prompt's KV need
+not cross the link again. A cluster's hit is its best node's hit: the
 router judges the cluster by it and, inside the cluster, weighs each node's own
 hit against its queue. No node can load another node's entries, so the pool hit
 every node of a cluster shares is zero.
@@ -35,6 +37,13 @@ class PrefixDirectory:
         """The node's process is gone, and its pool with it."""
         self.manager.indexes[node] = PrefixIndex(self.needs_snapshot)
         self.manager.nodes[node] = set()
+
+    def kv_prefix(self, prompt_ids: Sequence[int], node: str) -> int:
+        """Full-attention KV of the prompt's prefix that ``node`` holds (a decode node needs no snapshot)."""
+        if not (self.config.enabled and self.config.incremental_transfer) or len(prompt_ids) < 2:
+            return 0
+        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
+        return self.manager.match(keys, limit=len(prompt_ids) - 1)[node].kv_prefix_tokens
 
     def node_hits(self, prompt_ids: Sequence[int]) -> dict[str, int]:
         """Each node's usable hit for the prompt, leaving at least one token to compute."""

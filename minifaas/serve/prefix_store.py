@@ -193,14 +193,15 @@ def assemble(
     if snapshot is not None:
         for i, s in enumerate(snapshot):
             parts[i].append(s)
-    layers = [_join(p) if kind is StateKind.FULL_ATTENTION else p[-1] for kind, p in zip(layout, parts)]
+    layers = [join_tokens(p) if kind is StateKind.FULL_ATTENTION else p[-1] for kind, p in zip(layout, parts)]
     for s in layers:
         if s.seq_len != hit_tokens:
             raise ValueError(f"layer {s.layer}: cached state covers {s.seq_len} tokens, the hit is {hit_tokens}")
     return ModelState(layers, hit_tokens)
 
 
-def _join(parts: list[LayerState]) -> LayerState:
+def join_tokens(parts: list[LayerState]) -> LayerState:
+    """Full-attention KV of consecutive token ranges, in order, as one state."""
     first = parts[0]
     names = [n for n, _ in first.slots]
     slots = tuple((n, torch.cat([p.tensor(n) for p in parts], dim=-2)) for n in names)

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-mib", type=float, help=f"prefix cache per prefill node (default {d.cache.capacity_mib})"
     )
+    parser.add_argument(
+        "--no-incremental-transfer", action="store_true", help="ship the whole KV even if decode holds a prefix"
+    )
     parser.add_argument("--route-rule", choices=("scarce", "abundant"), help=f"routing rule (default {d.cache.rule})")
     parser.add_argument("--log-level", default="INFO")
 
@@ -74,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         snapshot_interval_blocks=_pick(args.snapshot_interval, base.cache.snapshot_interval_blocks),
         capacity_mib=_pick(args.cache_mib, base.cache.capacity_mib),
         rule=_pick(args.route_rule, base.cache.rule),
+        incremental_transfer=base.cache.incremental_transfer and not args.no_incremental_transfer,
     )
     return ServeConfig(
         host=_pick(args.host, base.host),

@@ -19,12 +19,14 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve import control
+from minifaas.serve.decode_prefix import DecodePrefixCache, JoiningReceiver
 from minifaas.serve.decode_service import DecodeService
 from minifaas.serve.prefill_service import PrefillService
 from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
@@ -58,12 +60,15 @@ async def serve(args: argparse.Namespace) -> None:
     await asyncio.to_thread(runtime.generate, [0, 1, 2], SamplingParams(max_tokens=2))  # first forwards are slow
     async with contextlib.AsyncExitStack() as stack:
         kv_port = 0
+        prefixes: DecodePrefixCache | None = None
         if args.role == "decode":
             receiver = await stack.enter_async_context(
                 KVReceiver(ReceiverConfig(secret, host=args.kv_host, port=args.kv_port))
             )
             kv_port = receiver.port
-            service: PrefillService | DecodeService = DecodeService(runtime, receiver, args.state_timeout)
+            prefixes = _decode_prefixes(args, runtime)
+            joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
+            service: PrefillService | DecodeService = DecodeService(runtime, joining, args.state_timeout)  # type: ignore[arg-type]
         else:
             service = PrefillService(
                 runtime, secret, args.connections, not args.no_pipelining, _prefix_store(args, runtime)
@@ -86,24 +91,31 @@ async def serve(args: argparse.Namespace) -> None:
                 stdin_closed = tg.create_task(_wait_stdin_closed())
                 if isinstance(service, DecodeService):
                     loop_task = tg.create_task(service.run())
-                await _handle(service, reader, writer, tg)
+                await _handle(service, reader, writer, tg, prefixes)
                 stdin_closed.cancel()
                 if isinstance(service, DecodeService):
                     loop_task.cancel()
 
 
-def _prefix_store(args: argparse.Namespace, runtime: ModelRuntime) -> PrefixStore:
+def _pool_config(args: argparse.Namespace, runtime: ModelRuntime) -> PoolConfig:
     """This node's pool, named after the node: the gateway tracks each node's pool apart."""
-    layout = state_layout(runtime.config)
-    config = PoolConfig(
+    return PoolConfig(
         args.name,
         int(args.cache_mib * (1 << 20)),
         args.cache_block_size,
         args.snapshot_interval,
-        needs_snapshot(layout),
+        needs_snapshot(state_layout(runtime.config)),
         enabled=args.prefix_cache != "none",
     )
-    return PrefixStore(config, runtime.spec.name, layout, args.name)
+
+
+def _prefix_store(args: argparse.Namespace, runtime: ModelRuntime) -> PrefixStore:
+    return PrefixStore(_pool_config(args, runtime), runtime.spec.name, state_layout(runtime.config), args.name)
+
+
+def _decode_prefixes(args: argparse.Namespace, runtime: ModelRuntime) -> DecodePrefixCache:
+    layout = state_layout(runtime.config)
+    return DecodePrefixCache(_pool_config(args, runtime), runtime.spec.name, layout, args.name)
 
 
 async def _handle(
@@ -111,17 +123,20 @@ async def _handle(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     tg: asyncio.TaskGroup,
+    prefixes: DecodePrefixCache | None = None,
 ) -> None:
     jobs: dict[str, asyncio.Task[None]] = {}
 
+    pool = service.store if isinstance(service, PrefillService) else prefixes
+
     def emit(message: dict) -> None:
+        events = pool.drain_events() if pool is not None else []
+        if events:  # the pool's changes go out before the news that follows them
+            control.send(writer, {"op": "cache", "req": control.CACHE_EVENTS, "events": [e.to_json() for e in events]})
         control.send(writer, message)
 
     def failed(msg: dict, e: Exception) -> dict:
-        reply = {"op": "failed", "req": msg["req"], "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"}
-        if isinstance(service, PrefillService):
-            reply["cache_events"] = service.cache_events()
-        return reply
+        return {"op": "failed", "req": msg["req"], "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"}
 
     async def job(msg: dict) -> None:
         req = msg["req"]
@@ -138,11 +153,17 @@ async def _handle(
             emit(failed(msg, e))
             traceback.print_exc()
         finally:
+            if prefixes is not None:
+                prefixes.cancel(msg["transfer"])  # unpins a prefix whose state never arrived
             if jobs.get(req) is asyncio.current_task():
                 del jobs[req]
 
     async for msg in control.messages(reader):
         op, req = msg["op"], msg.get("req", "")
+        if op == "decode" and prefixes is not None and "tokens" in msg:
+            pinned = prefixes.pin(msg["transfer"], msg["tokens"], msg.get("link_start", 0), time.perf_counter())
+            if msg.get("link_start", 0):
+                emit({"op": "pinned", "req": req, "transfer": msg["transfer"], "tokens": pinned})
         if op in ("prefill", "decode"):
             jobs[req] = tg.create_task(job(msg))
         elif op == "start" and isinstance(service, DecodeService):
