@@ -3,17 +3,18 @@
 Two scenarios on the paper's case (4 H200 PrfaaS + 8 H20 PD instances, 100 Gbps),
 Poisson arrivals at ``--load`` of the planned PrfaaS capacity, one seed, the
 same workload for every configuration:
-  bandwidth drop  the link falls to ``--drop-gbps`` from 600 s to 1500 s, then recovers;
+  bandwidth drop  the link falls to ``--drop-gbps`` from 700 s to 1600 s, then recovers;
   length shift    the prompt mix moves from mu = 9.90 to ``--shift-mu`` at half time.
 Configurations:
   adaptive  the planner's (t, N_p, N_d) to start, then the short-term policy
             (t and rule every second) and the long-term one (re-plan every
             ``--period`` s, one PD worker re-roled at a time, ``--convert-s`` to restart);
+  t only    the short-term policy alone (no re-planning): the --no-rebalance ablation;
   fixed     the planner's (t, N_p, N_d), never changed;
   naive     every prefill on PrfaaS, every PD instance decodes, no threshold.
 
     python benchmarks/bench_scheduler.py
-    python benchmarks/bench_scheduler.py --drop-gbps 5 --shift-mu 10.4 --duration 2400
+    python benchmarks/bench_scheduler.py --load 0.8 --drop-gbps 5 --shift-mu 10.4
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def configs(link: LinkConfig, period: float, convert_s: float) -> dict[str, SimC
             long_term=LongTermConfig(period_s=period),
             convert_s=convert_s,
         ),
+        "t only": replace(fixed, short_term=ShortTermConfig(ceiling=128_000)),
         "fixed": fixed,
         "naive": config_for(case, planned.naive, link),
     }
@@ -73,10 +75,10 @@ def configs(link: LinkConfig, period: float, convert_s: float) -> dict[str, SimC
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--load", type=float, default=0.8)
-    parser.add_argument("--duration", type=float, default=2_100.0)
-    parser.add_argument("--drop-gbps", type=float, default=8.0)
-    parser.add_argument("--shift-mu", type=float, default=10.4)
+    parser.add_argument("--load", type=float, default=0.7)
+    parser.add_argument("--duration", type=float, default=3_000.0)
+    parser.add_argument("--drop-gbps", type=float, default=6.0)
+    parser.add_argument("--shift-mu", type=float, default=10.2)
     parser.add_argument("--period", type=float, default=300.0)
     parser.add_argument("--convert-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -85,7 +87,7 @@ def main() -> None:
     case = paper_case()
     rate = args.load * plan(case).prfaas.throughput_rps
     steady = synthetic(case.lengths, 1024, ArrivalSpec(ArrivalKind.POISSON, rate), args.duration, args.seed)
-    drop = LinkConfig(100.0, 0.01, 61, ((600.0, args.drop_gbps), (1500.0, 100.0)))
+    drop = LinkConfig(100.0, 0.01, 61, ((700.0, args.drop_gbps), (1600.0, 100.0)))
     scenarios = {
         f"drop {args.drop_gbps:g} Gbps": (steady, drop),
         f"mu -> {args.shift_mu}": (shifted(args.duration, rate, args.shift_mu, args.seed), LinkConfig(100.0, 0.01, 61)),

@@ -170,10 +170,24 @@ def test_rebalancing_follows_a_shift_of_the_length_mix() -> None:
 
 
 def test_one_conversion_per_period_and_a_bandwidth_drop_moves_the_plan() -> None:
-    policy = LongTermPolicy(LongTermConfig(period_s=60), paper_case(), 19_000, 3, 5)
+    policy = LongTermPolicy(LongTermConfig(period_s=60, link_change=0), paper_case(), 19_000, 3, 5)
     (d,) = feed(policy, 0, lengths_of(9.9, 900), rate=5 * GBPS)  # the planner wants N_p = 5 at 5 Gbps
     assert d.reason is LongReason.CONVERT and d.to_prefill == 1 and policy.n_prefill == 4
     assert d.threshold > 19_000
+
+
+def test_a_link_change_replans_at_once_on_a_topped_up_sample() -> None:
+    policy = LongTermPolicy(LongTermConfig(period_s=60), paper_case(), 19_000, 3, 5)
+    (first,) = feed(policy, 0, lengths_of(9.9, 900))
+    assert first.reason is not LongReason.CONVERT
+    decisions = []
+    for i in range(1, 11):  # the link falls to 5 Gbps: 10 ticks, 20 prompts, far fewer than min_requests
+        signals = Signals(60.0 + i, 5 * GBPS, 0.0, *_long_stages(policy), lengths=(27_000, 20_000))
+        decisions.append(policy.step(signals))
+    early = decisions[0]
+    assert early is not None and early.at_s == 61.0, "no re-plan on the tick the link changed"
+    assert early.reason is LongReason.CONVERT and early.to_prefill == 1 and early.threshold > 19_000
+    assert decisions[1:] == [None] * 9, "a steady new ceiling is planned for once"
 
 
 def test_a_slower_prfaas_cluster_than_profiled_moves_workers_to_prefill() -> None:

@@ -38,7 +38,10 @@ Constants (why these values):
     waiting twice as long as PD-P: Poisson bursts alone reach the first at 70%
     load, so the second keeps a burst that both sides share from moving t.
   abundant_below 0.3 / scarce_above 0.6: cross-cluster cache moves (ABUNDANT)
-    add egress of their own, so they are allowed only with most of the link free.
+    add egress of their own, so they are allowed only with most of the link
+    free; and only while PD-P waits no longer than the PrfaaS path, because
+    ABUNDANT turns offloads into local prefills (on the Mooncake trace at twice
+    its rate, ABUNDANT with PD-P saturated doubled TTFT p90: docs/STUDIES.md 7).
 """
 
 from __future__ import annotations
@@ -220,6 +223,8 @@ class ShortTermPolicy:
         c = self.config
         if s.link_rate_bps <= 0 or self._degraded(s) or self.utilisation > c.scarce_above:
             return Rule.SCARCE
+        if s.pd_prefill.wait_s > s.prfaas.wait_s + s.link_backlog_s:
+            return Rule.SCARCE  # ABUNDANT makes more prefills local: not while PD-P is the busier side
         if self.utilisation < c.abundant_below and self.threshold <= self.base:
             return Rule.ABUNDANT
         return self.rule

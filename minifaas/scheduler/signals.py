@@ -24,7 +24,8 @@ class StageLoad:
 
     @property
     def per_node(self) -> float:
-        return self.depth / self.nodes if self.nodes else float("inf") if self.depth else 0.0
+        """Requests per serving node; 0 with none serving (the router already routes around it)."""
+        return self.depth / self.nodes if self.nodes else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,9 @@
     minifaas sim --case paper --gpus 10000 --load 0.8 --duration 3600          # 1,250 instances
     minifaas sim --case paper --trace ../shared/traces/mooncake_synthetic_trace.jsonl --rate-scale 0.5
     minifaas sim --case paper --bandwidth-schedule 600:20,900:100 --queues-png q.png
+    minifaas sim --case paper --bandwidth-schedule 600:6,1500:100 --scheduler      # t and N_p/N_d adapt
+    minifaas sim --case paper --scheduler --no-rebalance                            # only t adapts
+    minifaas sim --case paper --pd-profile cpu.json --prfaas-profile gpu.json      # from ``minifaas profile``
 
 The instance counts and threshold come from the planner's solution for the
 chosen configuration (flags override them); ``--load`` is a fraction of that
@@ -21,8 +24,11 @@ from dataclasses import replace
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.plan_cli import NAMED_CASES, load_case, with_kv
+from minifaas.planner.profile import PrefillProfile, load_profiles
 from minifaas.planner.search import plan
 from minifaas.policy.router import Rule
+from minifaas.scheduler.long_term import LongTermConfig
+from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
 from minifaas.sim.config import SimConfig, config_for
 from minifaas.sim.link import LinkConfig
@@ -46,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--cache-gb", type=float, help="prefix pool size per cluster (default unlimited)")
     deploy.add_argument("--kv-bytes-per-token", type=float, help="replace the model's KV growth (both clusters)")
     deploy.add_argument("--kv-fixed-bytes", type=float, help="replace the model's fixed-size state per request")
+    deploy.add_argument("--prfaas-profile", help="a profile file (minifaas profile) for the PrfaaS instances")
+    deploy.add_argument("--pd-profile", help="a profile file for the PD instances (prefill and, if present, decode)")
+    sched = parser.add_argument_group("scheduler (off by default: the plan's t and split stay fixed)")
+    sched.add_argument("--scheduler", action="store_true", help="adapt t every tick and re-plan N_p/N_d")
+    sched.add_argument("--fixed-threshold", action="store_true", help="with --scheduler: t and the rule stay fixed")
+    sched.add_argument("--no-rebalance", action="store_true", help="with --scheduler: no re-planning, no re-roling")
+    sched.add_argument("--rebalance-period", type=float, default=300.0, help="seconds between re-plans")
+    sched.add_argument("--convert-s", type=float, default=60.0, help="restart time of a re-roled PD worker")
     link = parser.add_argument_group("link")
     link.add_argument("--link-gbps", type=float, help="inter-cluster bandwidth (default: the case's)")
     link.add_argument("--rtt-ms", type=float, default=10.0)
@@ -84,8 +98,27 @@ def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> Pl
     )
 
 
+def with_profiles(case: PlanCase, prfaas: str | None, pd: str | None) -> PlanCase:
+    """The case with measured instance profiles in place of its own."""
+    changes: dict[str, object] = {}
+    if prfaas:
+        changes["prfaas"] = _prefill_of(prfaas)
+    if pd:
+        changes["pd_prefill"] = _prefill_of(pd)
+        changes["decode"] = load_profiles(pd)[1]
+    return case.with_overrides(**changes)
+
+
+def _prefill_of(path: str) -> PrefillProfile:
+    prefill, _ = load_profiles(path)
+    if prefill is None:
+        raise SystemExit(f"{path}: no [prefill] table")
+    return prefill
+
+
 def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:
     base = NAMED_CASES[args.case]() if args.case in NAMED_CASES else load_case(args.case)
+    base = with_profiles(base, args.prfaas_profile, args.pd_profile)
     case = with_kv(scaled_case(base, args.gpus, args.link_gbps), args.kv_bytes_per_token, args.kv_fixed_bytes)
     point: OperatingPoint = getattr(plan(case), args.config)
     schedule = tuple(
@@ -101,7 +134,15 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         cache_bytes=args.cache_gb * 1e9 if args.cache_gb else float("inf"),
         warmup_s=args.warmup,
         drain=not args.no_drain,
+        convert_s=args.convert_s,
     )
+    if args.scheduler:
+        ceiling = int(case.lengths.values[-1])
+        config = replace(
+            config,
+            short_term=ShortTermConfig(enabled=not args.fixed_threshold, ceiling=max(ceiling, 1)),
+            long_term=LongTermConfig(enabled=not args.no_rebalance, period_s=args.rebalance_period),
+        )
     overrides = {
         "n_prfaas": args.n_prfaas,
         "n_prefill": args.n_prefill,
@@ -152,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         "n_prefill": config.n_prefill,
         "n_decode": config.n_decode,
         "planned_throughput_rps": round(point.throughput_rps, 6),
+        "scheduler": bool(args.scheduler),
         **result.to_dict(),
     }
     if args.json:
