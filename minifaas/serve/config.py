@@ -76,6 +76,7 @@ class ServeConfig:
     model: str = DEFAULT_MODEL
     seed: int = 0
     threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
+    fixed_threshold: bool = False  # off switch of the scheduler: t and the routing rule never move
     api_key: str | None = None
     request_timeout: float = 300.0  # no request waits longer than this for its answer
     prefill_timeout: float = 120.0  # a prefill (and its transfer) that takes longer falls back to PD-P

@@ -36,6 +36,8 @@ from collections.abc import AsyncIterator
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
 from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig, Rule
+from minifaas.scheduler.loop import LiveScheduler
+from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.config import ServeConfig
 from minifaas.serve.control import CACHE_EVENTS, sampling_to_json
 from minifaas.serve.lifecycle import Phase, advance
@@ -68,6 +70,8 @@ class Gateway:
         if self.rule is Rule.ABUNDANT:
             log.warning("cache moves across the link are not carried out yet: the abundant rule acts as scarce")
         self.emulators: dict[str, EmulatorProcess] = {}
+        short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=self.max_context)
+        self.scheduler = LiveScheduler(self, short_term)
         self.inflight = 0
         self.fallbacks: dict[str, int] = {}
         self._ids = itertools.count(1)
@@ -142,6 +146,7 @@ class Gateway:
                 queued = sum(len(w.inboxes) for w in self.workers.values() if w.cluster == cluster and w.role == role)
                 self.metrics.set_queue_depth(stage, queued)
             self.metrics.set_queue_depth("decode", sum(len(w.inboxes) for w in self._decode_workers()))
+            self.scheduler.tick(time.monotonic())
             await asyncio.sleep(period)
 
     async def __aexit__(self, *exc: object) -> None:
@@ -220,6 +225,7 @@ class Gateway:
         )
         if decision.path is Path.REJECT:
             raise RequestFailed(f"no healthy worker can serve the request ({decision.reason})")
+        self.scheduler.observe(decision)
         return decision
 
     async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:

@@ -69,6 +69,12 @@ class ServeMetrics:
         self.link_utilization = Gauge("minifaas:link_utilization", "Link utilisation", ["link"], registry=r)
         # Requests waiting at each stage (e.g. prfaas_prefill, pd_prefill, decode).
         self.queue_depth = Gauge("minifaas:queue_depth", "Requests waiting per stage", ["stage"], registry=r)
+        # The scheduler's decisions, by policy, action (raise, lower, hold) and reason.
+        self.scheduler_decisions = Counter(
+            "minifaas:scheduler_decisions", "Scheduler decisions", ["policy", "action", "reason"], registry=r
+        )
+        # The offload threshold in force: incremental prompt tokens above which PrfaaS prefills.
+        self.threshold = Gauge("minifaas:offload_threshold_tokens", "Offload threshold", registry=r)
         for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
             for histogram in (self.ttft, self.tpot, self.e2e, self.queue_time, self.transfer_time):
                 histogram.labels(route=route)
@@ -114,6 +120,12 @@ class ServeMetrics:
 
     def set_link_utilization(self, link: str, fraction: float) -> None:
         self.link_utilization.labels(link=link).set(fraction)
+
+    def scheduler_decision(self, policy: str, action: str, reason: str) -> None:
+        self.scheduler_decisions.labels(policy=policy, action=action, reason=reason).inc()
+
+    def set_threshold(self, tokens: int) -> None:
+        self.threshold.set(tokens)
 
     def add_kv_bytes(self, link: str, nbytes: int) -> None:
         self.kv_bytes_sent.labels(link=link).inc(nbytes)

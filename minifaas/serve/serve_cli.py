@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
     parser.add_argument("--model", help=f"preset or local checkpoint dir (default {d.model})")
     parser.add_argument("--threshold", type=int, help=f"prompts longer than this go PrfaaS (default {d.threshold})")
+    parser.add_argument("--fixed-threshold", action="store_true", help="the scheduler never moves t or the rule")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--prfaas-workers", type=int, help="PrfaaS prefill workers (default 1)")
     parser.add_argument("--pd-prefill-workers", type=int, help="PD-P workers (default 1)")
@@ -85,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         model=_pick(args.model, base.model),
         seed=base.seed,
         threshold=_pick(args.threshold, base.threshold),
+        fixed_threshold=args.fixed_threshold or base.fixed_threshold,
         api_key=_pick(args.api_key, base.api_key),
         request_timeout=base.request_timeout,
         prefill_timeout=base.prefill_timeout,
