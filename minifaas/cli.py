@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("minifaas.model.generate_cli", "prefill and decode one prompt in this process, with timings"),
     "plan": ("minifaas.planner.plan_cli", "solve the PrfaaS throughput model: best threshold and P/D split"),
     "sim": ("minifaas.sim.sim_cli", "discrete-event simulation of a PrfaaS deployment with the live policies"),
+    "profile": ("minifaas.model.profile_cli", "measure prefill time, state bytes and decode steps; write a profile"),
     "link-emulator": ("minifaas.transport.emulator", "TCP relay imposing an inter-DC link: rate, delay, faults"),
 }
 

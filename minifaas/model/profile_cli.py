@@ -1,0 +1,114 @@
+"""``minifaas profile``: measure one instance of a model on a device, write the profile the planner reads.
+
+    minifaas profile --model kimi-linear-tiny --device cpu --out cpu.json
+    minifaas profile --model kimi-linear-tiny --device cuda:0 --lengths 1024,4096,16384 --batches 1,8,32
+
+Prefill: for each length, the median over ``--repeats`` of one prefill's wall
+time, and the bytes of the state it leaves (every layer's KV or recurrent
+state: what crosses the link). Decode: for each batch size B, the time of one
+decode step of B requests as this runtime serves them (one forward per
+request, so a step of B is B forwards); BS_max is the largest B whose step
+still meets ``--slo`` tokens/s. The file has the [prefill] and [decode] tables
+of ``planner.profile``: ``minifaas sim --prfaas-profile/--pd-profile`` use them,
+and ``load_profiles`` reads them anywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, fit_kv, fit_latency, save_profiles
+
+if TYPE_CHECKING:
+    from minifaas.model.runtime import ModelRuntime
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"preset or local checkpoint dir (default {DEFAULT_MODEL})"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--lengths", default="64,256,1024", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes, comma-separated")
+    parser.add_argument("--decode-steps", type=int, default=8, help="steps timed per batch size")
+    parser.add_argument("--repeats", type=int, default=3, help="prefills timed per length (the median is kept)")
+    parser.add_argument("--slo", type=float, default=40.0, help="decode SLO in tokens/s per request")
+    parser.add_argument("--gpus-per-instance", type=int, default=1)
+    parser.add_argument("--name", help="profile name (default: model@device)")
+    parser.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+
+
+def measure_prefill(runtime: ModelRuntime, lengths: list[int], repeats: int) -> tuple[ProfilePoint, ...]:
+    points = []
+    for n in lengths:
+        ids = [(31 * i + 7) % 256 for i in range(n)]
+        runs = [runtime.prefill(ids) for _ in range(repeats)]
+        points.append(ProfilePoint(n, statistics.median(r.seconds for r in runs), float(runs[-1].state.nbytes)))
+    return tuple(points)
+
+
+def measure_decode(runtime: ModelRuntime, batches: list[int], steps: int) -> list[tuple[int, float]]:
+    prompt = runtime.prefill([(13 * i + 5) % 256 for i in range(64)])
+    out = []
+    for b in batches:
+        streams = [runtime.start_decode(prompt.state, prompt.next_token) for _ in range(b)]
+        started = time.perf_counter()
+        for _ in range(steps):
+            for s in streams:
+                s.step()
+        out.append((b, (time.perf_counter() - started) / steps))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from minifaas.model.runtime import ModelRuntime  # torch is loaded only here
+
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    batches = sorted(int(x) for x in args.batches.split(","))
+    if len(lengths) < 2 or min(lengths) < 1 or min(batches) < 1 or args.repeats < 1 or args.decode_steps < 1:
+        raise SystemExit("need at least two lengths >= 1, batches >= 1, repeats and decode steps >= 1")
+    runtime = ModelRuntime.load(args.model, args.device)
+    name = args.name or f"{args.model}@{args.device}"
+    runtime.prefill([1, 2, 3, 4])  # warm-up: first-call allocations are not the model's speed
+    points = measure_prefill(runtime, lengths, args.repeats)
+    fixed, per_token = fit_kv(points)
+    prefill = PrefillProfile(
+        name=name,
+        gpus_per_instance=args.gpus_per_instance,
+        points=points,
+        latency_coeffs=fit_latency(points) if len(points) > 2 and _increasing(points) else (),
+        kv_fixed_bytes=max(fixed, 0.0),
+        kv_bytes_per_token=per_token,
+    )
+    steps = measure_decode(runtime, batches, args.decode_steps)
+    print(f"{name}: prefill")
+    for p in points:
+        print(f"  {p.tokens:>7} tokens  {p.latency_s:8.4f} s  {p.kv_bytes / 2**20:9.3f} MiB")
+    print(f"  KV = {prefill.kv_fixed_bytes:,.0f} B + {per_token:,.1f} B/token; latency coeffs {prefill.latency_coeffs}")
+    print("decode step time")
+    for b, seconds in steps:
+        print(f"  batch {b:>4}  {seconds * 1000:9.2f} ms  ({1 / seconds:7.1f} tokens/s per request)")
+    decode: DecodeProfile | None = None
+    try:
+        decode = DecodeProfile.from_steps(name, args.gpus_per_instance, steps, args.slo)
+    except ValueError as e:
+        print(f"  no [decode] table written: {e}")
+    else:
+        print(f"  BS_max {decode.bs_max} at {args.slo:g} tokens/s")
+    save_profiles(args.out, prefill, decode)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _increasing(points: tuple[ProfilePoint, ...]) -> bool:
+    """A quadratic fit is used only where it stays positive; noisy CPU timings may not allow one."""
+    try:
+        coeffs = fit_latency(points)
+        PrefillProfile("probe", 1, points, coeffs, 0.0, 1.0)
+    except ValueError:
+        return False
+    return True

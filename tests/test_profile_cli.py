@@ -1,0 +1,30 @@
+"""``minifaas profile`` on the tiny model: a profile file the planner and the simulator read back."""
+
+from __future__ import annotations
+
+import pytest
+
+from minifaas.cli import main
+from minifaas.planner.paper import paper_case
+from minifaas.planner.profile import load_profiles
+from minifaas.planner.search import best_prfaas
+from minifaas.sim.sim_cli import with_profiles
+
+
+def test_profile_writes_what_the_planner_reads(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cpu.json"
+    argv = ["profile", "--model", "kimi-linear-tiny", "--lengths", "16,64,128", "--batches", "1,2"]
+    assert main([*argv, "--repeats", "1", "--decode-steps", "2", "--slo", "0.001", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+
+    prefill, decode = load_profiles(out)
+    assert prefill is not None and decode is not None
+    assert [p.tokens for p in prefill.points] == [16, 64, 128]
+    sizes = [p.kv_bytes for p in prefill.points]
+    assert sizes[0] < sizes[1] < sizes[2], "the state grows with the prompt (full-attention KV)"
+    assert prefill.kv_bytes_per_token > 0 and prefill.kv_fixed_bytes > 0  # hybrid: a fixed recurrent state too
+    assert decode.bs_max == 2 and decode.step_time_s == pytest.approx(1000.0)
+
+    case = with_profiles(paper_case(), None, str(out))
+    assert case.pd_prefill == prefill and case.decode == decode and case.prfaas == paper_case().prfaas
+    assert best_prfaas(case).throughput_rps > 0
