@@ -9,7 +9,7 @@ import pytest
 
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import LinkConfig, ServeConfig
+from minifaas.serve.config import CacheConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.lifecycle import Phase
 from minifaas.serve.requests import GenerateRequest, RequestRecord
@@ -38,7 +38,10 @@ def _children() -> set[int]:
 
 
 def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[int]]) -> None:
-    config = ServeConfig(threshold=THRESHOLD, link=LinkConfig(rate="20mbit", delay_ms=2.0))
+    # no prefix cache: the fault scenarios below need every long prompt to be prefilled and sent in full
+    config = ServeConfig(
+        threshold=THRESHOLD, link=LinkConfig(rate="20mbit", delay_ms=2.0), cache=CacheConfig(mode="none")
+    )
     before = _children()
 
     async def scenario() -> None:
