@@ -1,0 +1,46 @@
+"""The gateway's prefix directory, fed by real pools' events (no processes, no model)."""
+
+from __future__ import annotations
+
+from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.serve.config import CacheConfig
+from minifaas.serve.prefix_directory import PrefixDirectory
+
+BLOCK = 8
+TOKENS = list(range(50))
+
+
+def _events(node: str, tokens: list[int], snapshots: bool = True) -> list[dict]:
+    pool: HybridPrefixPool[None] = HybridPrefixPool(PoolConfig(node, 1 << 20, BLOCK, 2), node)
+    keys = PromptKeys.from_tokens(tokens, BLOCK, "m")
+    if snapshots:
+        pool.store_prompt(keys, 0.0, 100, lambda n: 10)
+    else:  # a decode node keeps blocks only
+        for j in range(keys.num_full_blocks):
+            pool.put_block(keys, j, 0.0, 100)
+    return [e.to_json() for e in pool.drain_events()]
+
+
+def test_hits_per_node_kv_prefix_of_a_decode_node_and_forgetting_a_node() -> None:
+    directory = PrefixDirectory(CacheConfig(block_size=BLOCK), "m", True, ["p0", "p1", "d0"])
+    directory.apply(_events("p0", TOKENS))
+    directory.apply(_events("d0", TOKENS, snapshots=False))
+    longer = [*TOKENS, 99, 98, 97]
+    assert directory.node_hits(longer) == {"p0": 50, "p1": 0, "d0": 0}  # the end snapshot at 50
+    assert directory.node_hits(TOKENS)["p0"] == 48  # at least one token is computed: snapshot at 3 * 16
+    assert directory.kv_prefix(longer, "d0") == 48 and directory.kv_prefix(longer, "p1") == 0
+    directory.forget("p0")
+    assert directory.node_hits(longer)["p0"] == 0
+    directory.apply(_events("p0", TOKENS))  # a restarted node's new stores count again
+    assert directory.node_hits(longer)["p0"] == 50
+
+
+def test_off_switches_answer_nothing() -> None:
+    none = PrefixDirectory(CacheConfig(mode="none", block_size=BLOCK), "m", True, ["p0", "d0"])
+    full = PrefixDirectory(CacheConfig(block_size=BLOCK, incremental_transfer=False), "m", True, ["p0", "d0"])
+    for directory in (none, full):
+        directory.apply(_events("p0", TOKENS))
+        directory.apply(_events("d0", TOKENS, snapshots=False))
+        assert directory.kv_prefix([*TOKENS, 1], "d0") == 0
+    assert none.node_hits([*TOKENS, 1]) == {} and full.node_hits([*TOKENS, 1])["p0"] == 50
