@@ -17,13 +17,14 @@ from minifaas.serve.requests import GenerateRequest, RequestRecord
 THRESHOLD = 200
 SHORT = [(7 * i) % 256 for i in range(40)]
 LONG = [(13 * i + 5) % 256 for i in range(1500)]
+FRESH = [(17 * i + 3) % 256 for i in range(1500)]  # shares no prefix with LONG, so no cache makes it short
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    return {"short": rt.generate(SHORT, PARAMS), "long": rt.generate(LONG, PARAMS)}
+    return {"short": rt.generate(SHORT, PARAMS), "long": rt.generate(LONG, PARAMS), "fresh": rt.generate(FRESH, PARAMS)}
 
 
 async def _run(gw: Gateway, rid: str, ids: list[int]) -> tuple[list[int], RequestRecord]:
@@ -76,8 +77,8 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             tokens, rec = await task
             assert tokens == reference["long"], rec.to_json()
             assert gw.health()["healthy"]
-            tokens, rec = await _run(gw, "after", LONG)
-            assert tokens == reference["long"] and rec.route == "prfaas"
+            tokens, rec = await _run(gw, "after", FRESH)
+            assert tokens == reference["fresh"] and rec.route == "prfaas", rec.to_json()
 
     asyncio.run(scenario())
     assert _children() <= before, "worker or emulator processes outlived the gateway"
