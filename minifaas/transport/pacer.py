@@ -29,7 +29,7 @@ def parse_rate(text: str) -> float | None:
 
 
 class Pacer:
-    def __init__(self, rate_bps: float | None, burst_seconds: float = 0.005, min_burst_bytes: int = 1500):
+    def __init__(self, rate_bps: float | None, burst_seconds: float = 0.02, min_burst_bytes: int = 1500):
         self.burst_seconds = burst_seconds
         self.min_burst_bytes = min_burst_bytes
         self.rate_bps = rate_bps
