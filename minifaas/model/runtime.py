@@ -154,8 +154,13 @@ class DecodeStream:
         return self.tokens
 
     def _check_stop(self, token: int) -> None:
-        p = self.sampling
-        if (token == self.runtime.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-            self.finish_reason = "stop"
-        elif len(self.tokens) >= p.max_tokens or self.position + 1 >= self.runtime.max_context:
-            self.finish_reason = "length"
+        self.finish_reason = finish_reason(self.runtime, self.sampling, token, len(self.tokens), self.position)
+
+
+def finish_reason(runtime: ModelRuntime, p: SamplingParams, token: int, count: int, position: int) -> str | None:
+    """Why a stream ends after ``token``, its ``count``-th, at absolute ``position``; None if it goes on."""
+    if (token == runtime.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+        return "stop"
+    if count >= p.max_tokens or position + 1 >= runtime.max_context:
+        return "length"
+    return None

@@ -1,0 +1,60 @@
+"""What a decode worker runs: a Decoder steps every request it holds by one token at a time.
+
+Two implementations share this interface: ``BatchDecoder`` (rows of one
+forward pass, continuous batching) and ``InterleavedDecoder`` (one forward per
+request, the unbatched reference that ``max_batch = 1`` selects). Both are
+synchronous and single-threaded: the caller decides which thread steps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from minifaas.model.layer_state import ModelState
+from minifaas.model.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    max_batch: int = 32  # rows in one forward; 1 selects the unbatched InterleavedDecoder
+    step_token_budget: int = 1 << 20  # KV slots one step may attend to, padding included: rows x (longest + 1)
+    max_waiting: int = 256  # requests whose state has arrived, queued for a row
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.step_token_budget < 1 or self.max_waiting < 0:
+            raise ValueError("need max_batch >= 1, step_token_budget >= 1 and max_waiting >= 0")
+
+    @property
+    def batched(self) -> bool:
+        return self.max_batch > 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepToken:
+    request: str
+    token: int
+    finish: str | None  # "stop" | "length" on a request's last token
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound: the request is refused, not kept waiting."""
+
+
+class Decoder(Protocol):
+    def submit(self, request: str, state: ModelState, next_token: int, sampling: SamplingParams) -> None:
+        """Take a request whose state holds ``state.seq_len`` tokens and whose next token is ``next_token``."""
+        ...
+
+    def abort(self, request: str) -> bool:
+        """Drop the request and free its state now; False if it was not here."""
+        ...
+
+    def step(self) -> list[StepToken]:
+        """One more token for every running request; finished ones leave."""
+        ...
+
+    @property
+    def load(self) -> int:
+        """Requests held, running or waiting."""
+        ...

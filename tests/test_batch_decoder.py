@@ -1,0 +1,205 @@
+"""Continuous batching decodes every row as if it were alone: tokens, logits, sampling, aborts, bounds."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
+from minifaas.model.batch_decoder import BatchDecoder
+from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
+from minifaas.model.interleaved_decoder import InterleavedDecoder
+from minifaas.model.layer_state import LayerState, StateKind, build_cache
+from minifaas.model.loader import ModelSpec, load_config, preset_names
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+
+# Lengths straddle mimo-v2-tiny's 65-token window: below it, crossing it while decoding, and past it.
+LENGTHS = (3, 70, 20, 60)
+MAX_TOKENS = (9, 3, 6, 7)
+JOIN_AT = (0, 0, 1, 2)  # step at which each request's state arrives; the last waits for a free row
+RUNTIMES: dict[str, ModelRuntime] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Small forwards on shared, busy cores run several times faster on one thread than on two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def runtime_for(name: str) -> ModelRuntime:
+    if name not in RUNTIMES:
+        RUNTIMES[name] = ModelRuntime.load(name)
+    return RUNTIMES[name]
+
+
+def prompt(length: int, salt: int = 0) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(length + salt)).tolist()
+
+
+def drive(decoder: BatchDecoder | InterleavedDecoder, arrivals: dict[int, list[tuple]]) -> dict[str, list[StepToken]]:
+    """Submit arrivals[step] before each step until every request is done; the tokens by request."""
+    out: dict[str, list[StepToken]] = {}
+    step = 0
+    while decoder.load or any(s >= step for s in arrivals):
+        for args in arrivals.get(step, []):
+            decoder.submit(*args)
+        for t in decoder.step():
+            out.setdefault(t.request, []).append(t)
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_rows_joining_and_leaving_decode_exactly_as_alone(preset: str) -> None:
+    runtime = runtime_for(preset)
+    decoder = BatchDecoder(runtime, DecoderConfig(max_batch=3))  # one request has to wait for a row
+    refs: dict[str, tuple[object, list[int]]] = {}  # request -> (its own DynamicCache, tokens so far)
+    arrivals: dict[int, list[tuple]] = {}
+    for i, (length, max_tokens, step) in enumerate(zip(LENGTHS, MAX_TOKENS, JOIN_AT)):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        result = runtime.prefill(prompt(length), sampling=params)
+        refs[f"r{i}"] = (build_cache(runtime.config, result.state.layers, runtime.device), [result.next_token])
+        arrivals.setdefault(step, []).append((f"r{i}", result.state, result.next_token, params))
+
+    step, ties, seen_together = 0, 0, 0
+    while decoder.load or step <= max(JOIN_AT):
+        for args in arrivals.get(step, []):
+            decoder.submit(*args)
+        tokens = decoder.step()
+        seen_together = max(seen_together, len(tokens))
+        assert decoder.last_logits is not None
+        for t, logits in zip(tokens, decoder.last_logits):
+            cache, so_far = refs[t.request]
+            alone = runtime.forward_one(cache, so_far[-1])  # the same input token, decoded alone
+            assert torch.allclose(logits, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max()))
+            if t.token != int(alone.argmax()):  # only a near tie may flip a greedy token
+                ties += 1
+                assert alone.max() - alone[t.token] <= 1e-4 * float(alone.abs().max())
+            so_far.append(t.token)
+        step += 1
+    assert seen_together == 3
+    assert [len(refs[f"r{i}"][1]) for i in range(len(LENGTHS))] == list(MAX_TOKENS)
+    assert ties == 0, f"{ties} greedy tokens flipped on near ties (logits agreed within 1e-4)"
+
+
+def test_rows_with_their_own_sampling_and_seeds_draw_the_tokens_they_draw_alone() -> None:
+    runtime = runtime_for("kimi-linear-tiny")
+    params = [
+        SamplingParams(max_tokens=7, temperature=0.8, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=1.3, top_p=0.9, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True),  # same seed, other prompt
+    ]
+    states = [runtime.prefill(prompt(9 + 13 * i, salt=1), sampling=p) for i, p in enumerate(params)]
+    # the last row stops at its first token of the other parity than its first one
+    parity = 1 - states[3].next_token % 2
+    params[3] = SamplingParams(
+        max_tokens=8, temperature=1.0, top_p=0.5, seed=3, stop_token_ids=tuple(range(parity, 256, 2))
+    )
+
+    arrivals: dict[int, list[tuple]] = {}
+    for i, (s, p) in enumerate(zip(states, params)):
+        arrivals.setdefault(i // 2, []).append((f"r{i}", s.state, s.next_token, p))
+    unbatched = drive(InterleavedDecoder(runtime), arrivals)  # one DecodeStream per request: decoding alone
+    batched = drive(BatchDecoder(runtime, DecoderConfig(max_batch=4)), arrivals)
+    assert batched == unbatched
+    assert [len(batched[f"r{i}"]) + 1 for i in range(3)] == [p.max_tokens for p in params[:3]]
+    assert batched["r3"][-1].finish == "stop" and batched["r3"][-1].token % 2 == parity
+    assert len({tuple(t.token for t in batched[f"r{i}"]) for i in range(4)}) == 4
+
+
+def test_an_aborted_row_frees_its_state_at_once_and_the_batch_goes_on() -> None:
+    runtime = runtime_for("kimi-linear-tiny")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    results = [runtime.prefill(prompt(n, salt=2), sampling=params) for n in (5, 40, 17, 26)]
+    alone = [runtime.start_decode(r.state, r.next_token, params).run() for r in results[:3]]
+    decoder = BatchDecoder(runtime, DecoderConfig(max_batch=3))
+    for i in range(4):
+        decoder.submit(f"r{i}", results[i].state, results[i].next_token, params)
+    waiting_state = weakref.ref(results[3].state.layers[-1].tensor("keys"))
+    got: dict[str, list[int]] = {f"r{i}": [r.next_token] for i, r in enumerate(results)}
+    for _ in range(2):
+        for t in decoder.step():
+            got[t.request].append(t.token)
+    assert len(decoder.running) == 3 and [r.request for r in decoder.waiting] == ["r3"]
+
+    assert decoder.abort("r0")  # running: its row is released now, the last row takes its place
+    assert [r.request for r in decoder.running] == ["r2", "r1"]
+    assert decoder.cache.rows == 2 and len(decoder.cache.lengths) == 2
+    assert decoder.abort("r3")  # waiting: its state is dropped now
+    results[3] = None  # type: ignore[call-overload]
+    gc.collect()
+    assert waiting_state() is None
+    assert not decoder.abort("r3") and not decoder.abort("nobody")
+
+    while decoder.load:
+        for t in decoder.step():
+            got[t.request].append(t.token)
+    assert got["r1"] == alone[1] and got["r2"] == alone[2]
+    assert len(got["r0"]) == 3 and got["r0"] == alone[0][:3]
+    assert decoder.cache.rows == 0
+
+
+def test_waiting_queue_is_bounded_and_admits_in_arrival_order() -> None:
+    runtime = runtime_for("kimi-linear-tiny")
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    results = {n: runtime.prefill(prompt(n, salt=3), sampling=params) for n in (4, 30, 6)}
+    # a budget that fits the 30-token row alone, or the two short ones together
+    decoder = BatchDecoder(runtime, DecoderConfig(max_batch=4, step_token_budget=40, max_waiting=3))
+    decoder.submit("short", results[4].state, results[4].next_token, params)
+    decoder.submit("long", results[30].state, results[30].next_token, params)
+    decoder.submit("short2", results[6].state, results[6].next_token, params)
+    with pytest.raises(QueueFull):
+        decoder.submit("one-too-many", results[6].state, results[6].next_token, params)
+    assert {t.request for t in decoder.step()} == {"short"}  # 2 x 31 > 40: "long" waits, "short2" behind it
+    assert [r.request for r in decoder.waiting] == ["long", "short2"]
+    while "long" not in {r.request for r in decoder.running}:
+        decoder.step()
+    assert [r.request for r in decoder.running] == ["long"]
+    while decoder.load:
+        decoder.step()
+
+
+def test_full_attention_buffers_grow_geometrically_not_every_step() -> None:
+    config = load_config(ModelSpec.resolve("qwen3-tiny"))
+    cache = BatchCache(config)
+    heads, dim = config.num_key_value_heads, config.head_dim
+    for length in (3, 9):
+        kv = torch.randn(1, heads, length, dim)
+        states = [LayerState(i, StateKind.FULL_ATTENTION, length, (("keys", kv), ("values", kv))) for i in range(8)]
+        cache.add_row(states, length)
+    layer = cache.layers[0]
+    assert isinstance(layer, PaddedKVLayer)
+    buffers, steps = set(), 200
+    for _ in range(steps):
+        cache.prepare_step(torch.float32)
+        new = torch.randn(2, heads, 1, dim)
+        keys, _ = layer.update(new, new)
+        assert keys.shape == (2, heads, max(cache.lengths) + 1, dim)
+        assert torch.equal(keys[torch.arange(2), :, torch.tensor(cache.lengths)], new[:, :, 0])
+        buffers.add(layer.buffers["keys"].data_ptr())
+        cache.advance()
+    assert len(buffers) <= math.ceil(math.log2((9 + steps) / 9)) + 1
+    assert cache.remove_row(0) == 1 and cache.lengths == [9 + steps]  # the longer row moved into row 0
+    assert torch.equal(layer.buffers["keys"][0, :, : 9 + steps], keys[1, :, : 9 + steps])
+
+
+def test_model_state_round_trip_into_rows_matches_dynamic_cache() -> None:
+    runtime = runtime_for("mimo-v2-tiny")
+    result = runtime.prefill(prompt(90))
+    cache = BatchCache(runtime.config)
+    cache.add_row(result.state.layers, result.state.seq_len)
+    ring = cache.layers[1].buffers["keys"][0]  # sliding layer: position p sits in slot p % window
+    window = runtime.config.sliding_window
+    held = result.state.layers[1].tensor("keys")[0]
+    for j, p in enumerate(range(90 - held.shape[-2], 90)):
+        assert torch.equal(ring[:, p % window], held[:, j])
