@@ -21,10 +21,13 @@ class ClusterConfig:
     prefill_workers: int = 1
     decode_workers: int = 0
     device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there
+    max_batch: int = 32  # decode rows per forward on its decode workers (1: unbatched, one forward per request)
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("worker counts must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
 

@@ -1,29 +1,49 @@
 """A decode worker's job: take a request's state off the KV receiver and decode it with the others.
 
-Requests interleave: each round steps every active request by one token, in
-one call on the model thread, then hands the tokens back to the event loop.
-No request waits for another to finish. (Row-batched forward passes are the
-next step; interleaving keeps the per-request state handling obvious.)
+The decoder (``BatchDecoder``, or ``InterleavedDecoder`` when ``max_batch`` is
+1) is stepped on the model thread, one step per round; the event loop hands the
+tokens out between rounds. Only the loop touches the decoder while no step is
+in flight: a request that arrives or is aborted during a step is applied the
+moment that step returns, so an aborted request's state is freed within one
+step and the others go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
-from minifaas.model.runtime import DecodeStream, ModelRuntime
+from minifaas.model.batch_decoder import BatchDecoder
+from minifaas.model.decoder import Decoder, DecoderConfig, QueueFull
+from minifaas.model.interleaved_decoder import InterleavedDecoder
+from minifaas.model.layer_state import ModelState
+from minifaas.model.runtime import ModelRuntime, finish_reason
+from minifaas.model.sampling import SamplingParams
 from minifaas.serve.control import sampling_from_json
 from minifaas.transport import KVReceiver
 
+log = logging.getLogger("minifaas.decode")
 Emit = Callable[[dict], None]
+Arrival = tuple[str, ModelState, int, SamplingParams]
 
 
 class DecodeService:
-    def __init__(self, runtime: ModelRuntime, receiver: KVReceiver, state_timeout: float) -> None:
+    def __init__(
+        self, runtime: ModelRuntime, receiver: KVReceiver, state_timeout: float, config: DecoderConfig | None = None
+    ) -> None:
         self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
-        self.active: dict[str, tuple[DecodeStream, Emit, int]] = {}
+        self.decoder = _decoder(runtime, config or DecoderConfig())
+        self.clients: dict[str, tuple[Emit, int]] = {}  # request -> (emit, transfer) while it decodes
         self.first_tokens: dict[str, asyncio.Future[int]] = {}
+        self.stepping = False
+        self.arrivals: list[Arrival] = []  # came in during a step
+        self.aborts: set[str] = set()  # aborted during a step
         self.wakeup = asyncio.Event()
+
+    @property
+    def load(self) -> int:
+        return self.decoder.load + len(self.arrivals)
 
     def _first_token(self, req: str) -> asyncio.Future[int]:
         if req not in self.first_tokens:
@@ -31,7 +51,7 @@ class DecodeService:
         return self.first_tokens[req]
 
     async def decode(self, msg: dict, emit: Emit) -> None:
-        """Wait for the state and the first token, then join the decode rounds."""
+        """Wait for the state and the first token, then hand the request to the decoder."""
         req, transfer = msg["req"], msg["transfer"]
         sampling = sampling_from_json(msg["sampling"])
         incoming = self.receiver.transfer(transfer)
@@ -45,11 +65,15 @@ class DecodeService:
         finally:
             if self.first_tokens.get(req) is first:
                 del self.first_tokens[req]
-        stream = await asyncio.to_thread(self.runtime.start_decode, state, next_token, sampling)
-        if stream.finished:
-            emit({"op": "done", "req": req, "transfer": transfer, "finish": stream.finish_reason})
+        finish = finish_reason(self.runtime, sampling, next_token, 1, state.seq_len)
+        if finish is not None:
+            emit({"op": "done", "req": req, "transfer": transfer, "finish": finish})
             return
-        self.active[req] = (stream, emit, transfer)
+        self.clients[req] = (emit, transfer)
+        if self.stepping:
+            self.arrivals.append((req, state, next_token, sampling))
+        else:
+            self._submit((req, state, next_token, sampling))
         self.wakeup.set()
 
     def start(self, req: str, next_token: int) -> None:
@@ -58,31 +82,57 @@ class DecodeService:
             future.set_result(next_token)
 
     def abort(self, req: str) -> None:
-        self.active.pop(req, None)
+        self.clients.pop(req, None)
         future = self.first_tokens.pop(req, None)
         if future is not None and not future.done():
             future.cancel()
+        if self.stepping:
+            self.aborts.add(req)
+        else:
+            self.decoder.abort(req)
+
+    def _submit(self, arrival: Arrival) -> None:
+        req = arrival[0]
+        try:
+            self.decoder.submit(*arrival)
+        except QueueFull as e:
+            emit, transfer = self.clients.pop(req)
+            emit({"op": "failed", "req": req, "transfer": transfer, "error": f"overloaded: {e}"})
+
+    def _apply_pending(self) -> None:
+        for req in self.aborts:
+            self.decoder.abort(req)
+        self.aborts.clear()
+        arrivals, self.arrivals = self.arrivals, []
+        for arrival in arrivals:
+            if arrival[0] in self.clients:  # not aborted meanwhile
+                self._submit(arrival)
 
     async def run(self) -> None:
         while True:
             await self.wakeup.wait()
-            if not self.active:
+            if not self.decoder.load:
                 self.wakeup.clear()
                 continue
-            batch = [(req, stream) for req, (stream, _, _) in self.active.items()]
-            results = await asyncio.to_thread(_round, batch)
-            for req, token, finish in results:
-                entry = self.active.get(req)
-                if entry is None:  # aborted while its token was being computed
+            self.stepping = True
+            tokens = await asyncio.to_thread(self.decoder.step)
+            self.stepping = False
+            self._apply_pending()
+            for t in tokens:
+                client = self.clients.get(t.request)
+                if client is None:  # aborted while its token was being computed
                     continue
-                entry[1]({"op": "token", "req": req, "transfer": entry[2], "token": token, "finish": finish})
-                if finish is not None:
-                    del self.active[req]
+                emit, transfer = client
+                emit({"op": "token", "req": t.request, "transfer": transfer, "token": t.token, "finish": t.finish})
+                if t.finish is not None:
+                    del self.clients[t.request]
 
 
-def _round(batch: list[tuple[str, DecodeStream]]) -> list[tuple[str, int, str | None]]:
-    out = []
-    for req, stream in batch:
-        token = stream.step()
-        out.append((req, token, stream.finish_reason))
-    return out
+def _decoder(runtime: ModelRuntime, config: DecoderConfig) -> Decoder:
+    if not config.batched:
+        return InterleavedDecoder(runtime)
+    try:
+        return BatchDecoder(runtime, config)
+    except NotImplementedError as e:
+        log.warning("%s: decoding UNBATCHED, one forward per request (%s)", runtime.spec.name, e)
+        return InterleavedDecoder(runtime)

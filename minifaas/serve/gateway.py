@@ -103,7 +103,7 @@ class Gateway:
                 else:  # a decode node keeps the KV it receives only to take increments later
                     argv += [*cache, "--prefix-cache", "hybrid" if keep_received else "none"]
                 if role == "decode":  # a fixed port, so a restarted worker is found where the emulator points
-                    argv += ["--kv-port", str(_free_port())]
+                    argv += ["--kv-port", str(_free_port()), "--max-batch", str(c.pd.max_batch)]
                 workers[f"{prefix}{i}"] = WorkerHandle(f"{prefix}{i}", role, cluster, argv, self.secret)
         return workers
 

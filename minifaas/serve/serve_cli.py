@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prfaas-workers", type=int, help="PrfaaS prefill workers (default 1)")
     parser.add_argument("--pd-prefill-workers", type=int, help="PD-P workers (default 1)")
     parser.add_argument("--pd-decode-workers", type=int, help="PD-D workers (default 1)")
+    parser.add_argument("--max-batch", type=int, help=f"decode rows per forward, 1: unbatched ({d.pd.max_batch})")
     parser.add_argument("--prfaas-device", help="cpu or cuda:N for the PrfaaS cluster")
     parser.add_argument("--pd-device", help="cpu or cuda:N for the PD cluster")
     parser.add_argument("--link-rate", help="inter-cluster bandwidth, e.g. 100mbit, 10gbit, none")
@@ -63,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         _pick(args.pd_prefill_workers, base.pd.prefill_workers),
         _pick(args.pd_decode_workers, base.pd.decode_workers),
         _pick(args.pd_device, base.pd.device),
+        _pick(args.max_batch, base.pd.max_batch),
     )
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),

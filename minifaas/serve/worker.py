@@ -23,6 +23,7 @@ import time
 import traceback
 
 from minifaas.cache.pool import PoolConfig
+from minifaas.model.decoder import DecoderConfig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve import control
@@ -51,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-interval", type=int, default=4, help="blocks between state snapshots (0: ends only)")
     p.add_argument("--cache-mib", type=float, default=256.0, help="host memory for this node's prefix cache")
     p.add_argument("--state-timeout", type=float, default=60.0, help="seconds a decode waits for its state")
+    d = DecoderConfig()
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help="decode rows per forward (1: unbatched)")
+    p.add_argument("--step-tokens", type=int, default=d.step_token_budget, help="KV slots a decode step may attend")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="requests queued for a decode row")
     return p.parse_args(argv)
 
 
@@ -68,7 +73,8 @@ async def serve(args: argparse.Namespace) -> None:
             kv_port = receiver.port
             prefixes = _decode_prefixes(args, runtime)
             joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
-            service: PrefillService | DecodeService = DecodeService(runtime, joining, args.state_timeout)  # type: ignore[arg-type]
+            decoding = DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting)
+            service: PrefillService | DecodeService = DecodeService(runtime, joining, args.state_timeout, decoding)  # type: ignore[arg-type]
         else:
             service = PrefillService(
                 runtime, secret, args.connections, not args.no_pipelining, _prefix_store(args, runtime)
@@ -175,7 +181,7 @@ async def _handle(
             if task is not None and isinstance(service, DecodeService):
                 task.cancel()
         elif op == "load":
-            queued = service.queued_tokens if isinstance(service, PrefillService) else len(service.active)
+            queued = service.queued_tokens if isinstance(service, PrefillService) else service.load
             emit({"op": "load", "req": req, "load": queued})
         await writer.drain()
     for task in jobs.values():
