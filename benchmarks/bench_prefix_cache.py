@@ -8,12 +8,13 @@ token ids (same id, same tokens), and every length is divided by ``--scale``
 (512-token trace blocks become 512/scale tokens), so a CPU run finishes.
 Outputs are the trace's lengths scaled the same way, between 1 and 8 tokens.
 
-The same requests run against a fresh gateway twice, side by side: with the
-hybrid prefix cache and with ``--prefix-cache none``. Reported: TTFT p50/p90,
-prompt tokens actually prefilled, the usable hit ratio the cache achieved
-beside the trace's ideal one at the same scale (an unbounded cache where any
-shared full block counts, with no need for a state snapshot), and the state
-bytes that crossed the inter-cluster link.
+The same requests run against a fresh gateway three times, side by side: with
+the hybrid prefix cache ("cache"), with it but every PrfaaS state sent whole
+(``--no-incremental-transfer``, "cache, full"), and with ``--prefix-cache none``.
+Reported: TTFT p50/p90, prompt tokens actually prefilled, the usable hit ratio
+the cache achieved beside the trace's ideal one at the same scale (an unbounded
+cache where any shared full block counts, with no need for a state snapshot),
+and the state bytes that crossed the inter-cluster link.
 
     python benchmarks/bench_prefix_cache.py [--requests 36] [--scale 32] [--json]
 
@@ -68,16 +69,16 @@ def conversations(path: Path, scale: int, requests: int, min_turns: int, vocab: 
     return turns
 
 
-def ideal_hit_tokens(turns: list[Turn], block: int) -> int:
-    """An unbounded cache where any shared full block counts; one token is always computed."""
+def ideal_hits(turns: list[Turn], block: int) -> list[int]:
+    """Per turn, the hit of an unbounded cache where any shared full block counts (one token is always computed)."""
     seen: set[tuple[int, ...]] = set()
-    total = 0
+    hits = []
     for turn in turns:
         full = len(turn.tokens) // block
         shared = next((j for j in range(full) if turn.hash_ids[: j + 1] not in seen), full)
-        total += min(shared * block, len(turn.tokens) - 1)
+        hits.append(min(shared * block, len(turn.tokens) - 1))
         seen.update(turn.hash_ids[: j + 1] for j in range(full))
-    return total
+    return hits
 
 
 async def replay(config: ServeConfig, turns: list[Turn]) -> list[RequestRecord]:
@@ -92,7 +93,7 @@ async def replay(config: ServeConfig, turns: list[Turn]) -> list[RequestRecord]:
     return records
 
 
-def summarise(records: list[RequestRecord], seconds: float) -> dict:
+def summarise(records: list[RequestRecord], repeats: list[bool], seconds: float) -> dict:
     ttft = sorted(r.ttft_s or 0.0 for r in records)
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
@@ -100,6 +101,8 @@ def summarise(records: list[RequestRecord], seconds: float) -> dict:
         "requests": len(records),
         "ttft_p50_s": statistics.median(ttft),
         "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+        "ttft_p50_repeat_s": statistics.median(r.ttft_s or 0.0 for r, rep in zip(records, repeats) if rep),
+        "ttft_p50_first_s": statistics.median(r.ttft_s or 0.0 for r, rep in zip(records, repeats) if not rep),
         "prompt_tokens": prompt,
         "prefill_tokens": prompt - cached,
         "hit_ratio": cached / prompt,
@@ -122,6 +125,8 @@ def main() -> None:
 
     turns = conversations(TRACE, args.scale, args.requests, args.min_turns)
     block = MOONCAKE_BLOCK_TOKENS // args.scale
+    ideal = ideal_hits(turns, block)
+    repeats = [hit > 0 for hit in ideal]  # a turn that shares a prefix with an earlier one
     base = ServeConfig(
         model=args.model,
         threshold=args.threshold,
@@ -130,21 +135,26 @@ def main() -> None:
         link=LinkConfig(rate="100mbit", delay_ms=5.0),
         cache=CacheConfig(block_size=block, snapshot_interval_blocks=args.snapshot_interval),
     )
+    runs = {
+        "cache": base.cache,
+        "cache_full": replace(base.cache, incremental_transfer=False),
+        "none": replace(base.cache, mode="none"),
+    }
     results = {}
-    for mode in ("hybrid", "none"):
-        config = replace(base, cache=replace(base.cache, mode=mode))
+    for name, cache in runs.items():
         start = time.perf_counter()
-        records = asyncio.run(replay(config, turns))
-        results[mode] = summarise(records, time.perf_counter() - start)
-    prompt = results["none"]["prompt_tokens"]
-    ideal = ideal_hit_tokens(turns, block) / prompt
+        records = asyncio.run(replay(replace(base, cache=cache), turns))
+        results[name] = summarise(records, repeats, time.perf_counter() - start)
+    ideal_ratio = sum(ideal) / results["none"]["prompt_tokens"]
 
     print(f"{len(turns)} requests from {TRACE.name}, lengths / {args.scale} ({block}-token blocks), {args.model}")
     print(f"threshold {args.threshold}, snapshots every {args.snapshot_interval} blocks, one request at a time")
-    print(f"{'':24}{'cache':>14}{'none':>14}")
+    print(f"{'':24}{'cache':>14}{'cache, full':>14}{'none':>14}")
     rows = [
         ("TTFT p50 (s)", "ttft_p50_s", "{:.3f}"),
         ("TTFT p90 (s)", "ttft_p90_s", "{:.3f}"),
+        (f"TTFT p50, {sum(repeats)} repeats", "ttft_p50_repeat_s", "{:.3f}"),
+        (f"TTFT p50, {len(turns) - sum(repeats)} first turns", "ttft_p50_first_s", "{:.3f}"),
         ("prompt tokens", "prompt_tokens", "{:,}"),
         ("prefill tokens", "prefill_tokens", "{:,}"),
         ("usable hit ratio", "hit_ratio", "{:.3f}"),
@@ -153,10 +163,10 @@ def main() -> None:
         ("wall (s)", "wall_s", "{:.1f}"),
     ]
     for label, key, fmt in rows:
-        print(f"{label:24}{fmt.format(results['hybrid'][key]):>14}{fmt.format(results['none'][key]):>14}")
-    print(f"{'ideal hit ratio':24}{ideal:>14.3f}")
+        print(f"{label:24}" + "".join(f"{fmt.format(results[name][key]):>14}" for name in runs))
+    print(f"{'ideal hit ratio':24}{ideal_ratio:>14.3f}")
     if args.json:
-        print(json.dumps({"bench": "prefix_cache", "scale": args.scale, "ideal_hit_ratio": ideal, **results}))
+        print(json.dumps({"bench": "prefix_cache", "scale": args.scale, "ideal_hit_ratio": ideal_ratio, **results}))
 
 
 if __name__ == "__main__":
