@@ -14,7 +14,7 @@ from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
 from minifaas.model.interleaved_decoder import InterleavedDecoder
-from minifaas.model.layer_state import LayerState, StateKind, build_cache
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, build_cache
 from minifaas.model.loader import ModelSpec, load_config, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -160,6 +160,14 @@ def test_waiting_queue_is_bounded_and_admits_in_arrival_order() -> None:
     decoder.submit("short2", results[6].state, results[6].next_token, params)
     with pytest.raises(QueueFull):
         decoder.submit("one-too-many", results[6].state, results[6].next_token, params)
+    with pytest.raises(ValueError, match="already"):
+        decoder.submit("long", results[30].state, results[30].next_token, params)
+    short, other = results[4].state, BatchDecoder(runtime)
+    with pytest.raises(ValueError, match="layers"):  # a malformed state fails alone, at submit
+        other.submit("bad", ModelState(short.layers[:-1], short.seq_len), 1, params)
+    with pytest.raises(ValueError, match="expected"):
+        other.submit("bad", ModelState(short.layers[1:] + short.layers[:1], short.seq_len), 1, params)
+    assert other.load == 0
     assert {t.request for t in decoder.step()} == {"short"}  # 2 x 31 > 40: "long" waits, "short2" behind it
     assert [r.request for r in decoder.waiting] == ["long", "short2"]
     while "long" not in {r.request for r in decoder.running}:

@@ -93,7 +93,9 @@ class PaddedKVLayer(CacheLayerMixin):
             self.buffers[name] = grown(buf, 2, width)
         self.keys, self.values = self.buffers.get("keys"), self.buffers.get("values")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states: [rows, heads, 1, dim], one new token per row, written at each row's own position
         index = torch.arange(self.rows, device=self.device)
         for name, new in (("keys", key_states), ("values", value_states)):
@@ -206,14 +208,19 @@ class BatchCache:
     def rows(self) -> int:
         return len(self.lengths)
 
-    def add_row(self, states: Sequence[LayerState], seq_len: int) -> int:
-        """Copy one request's state into the next free row; returns the row index."""
+    def check(self, states: Sequence[LayerState]) -> None:
+        """Raise ValueError unless ``states`` has one state per layer, each of the layer's kind."""
         if len(states) != len(self.layers):
             raise ValueError(f"model has {len(self.layers)} layers, got {len(states)} states")
-        row = self.rows
         for layer, state in zip(self.layers, states):
             if state.kind is not layer.kind:
                 raise ValueError(f"layer {state.layer}: expected {layer.kind.name}, got {state.kind.name}")
+
+    def add_row(self, states: Sequence[LayerState], seq_len: int) -> int:
+        """Copy one request's state into the next free row; returns the row index."""
+        self.check(states)
+        row = self.rows
+        for layer, state in zip(self.layers, states):
             layer.put(row, state)
         self.lengths.append(seq_len)
         return row

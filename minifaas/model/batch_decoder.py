@@ -65,6 +65,7 @@ class BatchDecoder:
             raise ValueError(f"request {request!r} is already decoding")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already wait for a decode row")
+        self.cache.check(state.layers)  # a bad state fails its own request here, not a later step of the batch
         self.waiting.append(Row(request, sampling, state.seq_len, [next_token], state))
 
     def abort(self, request: str) -> bool:
