@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 import weakref
@@ -18,6 +19,8 @@ from minifaas.model.layer_state import LayerState, ModelState, StateKind, build_
 from minifaas.model.loader import ModelSpec, load_config, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.serve.control import sampling_to_json
+from minifaas.serve.decode_service import DecodeService
 
 # Lengths straddle mimo-v2-tiny's 65-token window: below it, crossing it while decoding, and past it.
 LENGTHS = (3, 70, 20, 60)
@@ -211,3 +214,54 @@ def test_model_state_round_trip_into_rows_matches_dynamic_cache() -> None:
     held = result.state.layers[1].tensor("keys")[0]
     for j, p in enumerate(range(90 - held.shape[-2], 90)):
         assert torch.equal(ring[:, p % window], held[:, j])
+
+
+class _StatesInMemory:
+    """Stands in for the KV receiver: the service's logic is the subject here, the transport has its own tests."""
+
+    def __init__(self, states: dict[int, ModelState]) -> None:
+        self.states = states
+
+    def transfer(self, transfer_id: int) -> _StatesInMemory:
+        self.current = self.states[transfer_id]
+        return self
+
+    async def model_state(self) -> ModelState:
+        return self.current
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_decode_service_streams_tokens_and_an_abort_mid_step_stops_only_that_request(max_batch: int) -> None:
+    runtime = runtime_for("kimi-linear-tiny")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    results = [runtime.prefill(prompt(n, salt=4), sampling=params) for n in (8, 21, 13)]
+    alone = [runtime.start_decode(r.state, r.next_token, params).run() for r in results]
+    events: dict[str, list[dict]] = {f"r{i}": [] for i in range(3)}
+
+    async def scenario() -> int:
+        receiver = _StatesInMemory({i: r.state for i, r in enumerate(results)})
+        service = DecodeService(runtime, receiver, 30.0, DecoderConfig(max_batch=max_batch))  # type: ignore[arg-type]
+        async with asyncio.timeout(120), asyncio.TaskGroup() as tg:
+            steps = tg.create_task(service.run())
+            for i, r in enumerate(results):
+                msg = {"req": f"r{i}", "transfer": i, "sampling": sampling_to_json(params)}
+                tg.create_task(service.decode(msg, lambda m: events[m["req"]].append(m)))
+                service.start(f"r{i}", r.next_token)
+            while len(events["r1"]) < 3 or not service.stepping:  # "received" and two tokens, then mid-step
+                await asyncio.sleep(0.001)
+            service.abort("r1")
+            tokens_at_abort, others_at_abort = len(events["r1"]), len(events["r0"])
+            while len(events["r0"]) == others_at_abort:  # the step in flight has returned
+                await asyncio.sleep(0.001)
+            load_after_abort = service.decoder.load
+            while any(not e or e[-1].get("finish") is None for k, e in events.items() if k != "r1"):
+                await asyncio.sleep(0.001)
+            steps.cancel()
+        assert len(events["r1"]) == tokens_at_abort  # nothing more reached the aborted request
+        return load_after_abort
+
+    assert asyncio.run(scenario()) == 2
+    for i in (0, 2):
+        got = [results[i].next_token] + [e["token"] for e in events[f"r{i}"] if e["op"] == "token"]
+        assert got == alone[i]
+    assert [e["token"] for e in events["r1"] if e["op"] == "token"] == alone[1][1:3]
