@@ -3,10 +3,13 @@
 Layer-pipelined streaming. Prefill finishes layer i long before it finishes
 the model, so each layer is cut into chunks and queued the moment it is put;
 N pump tasks, one per connection, take the next chunk from the shared queue
-as soon as their connection has room. A connection that a per-flow limit
-slows down simply takes fewer chunks, so striping balances itself. The queue
-is FIFO, so layer i's chunks all leave before layer i+1's and the receiver can
-hand layers on in order while later ones are still being computed. When the
+as soon as their connection has room (the kernel holds at most
+``unsent_limit_bytes`` unsent per connection). A connection that a per-flow
+limit slows down simply takes fewer chunks, so striping balances itself. The
+queue is FIFO, so layer i's chunks all leave before layer i+1's and the
+receiver can hand layers on in order while later ones are still being
+computed. ``put_tokens`` goes finer still: token ranges of full-attention
+layers, for prefill run in token chunks. When the
 producer is done, the first connection carries END and waits for the
 receiver's DONE (or ABORT with its reason). With ``pipelined=False`` the
 layers are held until the producer is done and only then queued: the naive
