@@ -156,7 +156,8 @@ class Gateway:
         self._closing = True
         await asyncio.gather(*(w.stop() for w in self.workers.values()))
         for w in self.workers.values():
-            w.inboxes[CACHE_EVENTS].put_nowait(LOST)  # ends _follow_cache even if no process was left to lose
+            if CACHE_EVENTS in w.inboxes:  # ends _follow_cache even if no process was left to lose
+                w.inboxes[CACHE_EVENTS].put_nowait(LOST)
 
     async def _supervise(self, w: WorkerHandle, reader: asyncio.StreamReader) -> None:
         """Pump a worker's replies; when it dies, say so and start a new one in its place."""
