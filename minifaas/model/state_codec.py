@@ -4,9 +4,13 @@ Layout (little-endian), one record per layer state:
 
     header   "MFLS" magic, u8 version, u8 kind, u16 n_slots, u32 layer, u64 seq_len
     per slot u8 dtype code, u8 ndim, u16 name length, u64 payload bytes,
-             u32 crc32 of payload, ndim x u64 shape, name (utf-8)
-    u32      crc32 of everything above (header and slot headers)
+             u32 checksum of payload, ndim x u64 shape, name (utf-8)
+    u32      checksum of everything above (header and slot headers)
     payloads the raw bytes of every slot, in slot order
+
+Checksums are the low 32 bits of xxh3-64: about four times faster than zlib's
+crc32 here, which matters because every KV byte is checksummed twice (sender
+and receiver) on the same cores that move it.
 
 ``encode`` returns the header as ``bytes`` followed by one ``memoryview`` per
 slot that points straight at the (contiguous, CPU) tensor memory, ready for
@@ -18,10 +22,10 @@ raises ``StateCodecError`` and never yields a wrong tensor.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 from minifaas.model.layer_state import LayerState, StateKind
 
@@ -64,7 +68,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def checksum(buf: memoryview | bytes) -> int:
-    return zlib.crc32(buf)
+    return xxhash.xxh3_64_intdigest(buf) & 0xFFFFFFFF
 
 
 def encode(state: LayerState) -> list[bytes | memoryview]:

@@ -15,15 +15,15 @@ carries one byte range of one tensor slot of one layer's state.
       20    2  slot index   position of the slot in the layer's slots
       22    2  slot count   slots in the layer (so the receiver knows when it is whole)
       24    1  ndim         <= 8
-      25    1  flags        bit 0: payload not checksummed (crc32 field is 0)
+      25    1  flags        bit 0: payload not checksummed (checksum field is 0)
       26    2  (zero)
-      28    4  crc32 of the payload
+      28    4  checksum of the payload (xxh3-64, low 32 bits)
       32    8  seq_len      tokens the layer state covers
       40    8  byte offset  of this chunk within the slot's bytes
       48    8  length       payload bytes that follow the header
       56   64  shape        8 x u64, unused dims 0
      120   24  slot name    utf-8, NUL padded
-     144    4  crc32 of header bytes 0..143
+     144    4  checksum of header bytes 0..143
 
 Frame types and their payloads:
 
