@@ -247,6 +247,8 @@ class BatchCache:
         hidden = torch.finfo(dtype).min
         masks: dict[str, torch.Tensor | None] = {}
         for layer, layer_type in zip(self.layers, self.layer_types):
+            if layer_type in masks:  # one mask serves every layer of a type
+                continue
             if isinstance(layer, RingKVLayer):  # slot j holds a token iff j <= p, or the ring is full
                 slots = torch.arange(layer.window, device=self.device)
                 visible = (slots <= positions[:, None]) | (positions[:, None] >= layer.window - 1)
