@@ -6,6 +6,10 @@ tokens out between rounds. Only the loop touches the decoder while no step is
 in flight: a request that arrives or is aborted during a step is applied the
 moment that step returns, so an aborted request's state is freed within one
 step and the others go on.
+
+A request refused by a full waiting queue is answered ``failed`` at once. The
+gateway's own bound (``max_queued_requests``, answered 503) comes first as long
+as it is at most a decode worker's ``max_batch + max_waiting``, as by default.
 """
 
 from __future__ import annotations
