@@ -126,14 +126,15 @@ class RingKVLayer(PaddedKVLayer):
         self.window = window
 
     def put(self, row: int, state: LayerState) -> None:
-        held = state.tensor("keys").shape[-2]  # the last `held` tokens, ending at position seq_len - 1
+        # the last `held` tokens, ending at position seq_len - 1; the next step needs window - 1 of them
+        held = min(state.tensor("keys").shape[-2], self.window - 1)
         slots = torch.arange(state.seq_len - held, state.seq_len, device=self.device) % self.window
         for name, t in state.slots:
             if name not in self.buffers:
                 shape = (row + 1, t.shape[1], self.window, t.shape[3])
                 self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
             buf = grown(self.buffers[name], 0, row + 1)
-            buf[row, :, slots] = t[0]
+            buf[row, :, slots] = t[0, :, t.shape[-2] - held :].to(self.device)
             self.buffers[name] = buf
 
     def move(self, src: int, dst: int, tokens: int) -> None:
