@@ -20,14 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedConfig
-from transformers.cache_utils import (
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionCacheLayerMixin,
-)
+
+if TYPE_CHECKING:  # transformers takes seconds to import: only the functions that touch a Cache load it
+    from transformers import DynamicCache, PreTrainedConfig
 
 
 class StateKind(IntEnum):
@@ -117,6 +115,8 @@ def extract_layer(cache: object, layer: int, seq_len: int, clone_fixed: bool = T
     update. Sliding-window and linear states are updated in place by later
     forwards, so they are cloned unless ``clone_fixed`` is False.
     """
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
     cache_layer = cache.layers[layer]  # type: ignore[attr-defined]
     keep = (lambda t: t.clone()) if clone_fixed else (lambda t: t)
     if isinstance(cache_layer, LinearAttentionCacheLayerMixin):
@@ -148,6 +148,8 @@ def build_cache(config: PreTrainedConfig, states: Sequence[LayerState], device: 
     Tensors are copied onto ``device`` (a no-op copy is still a copy), so the
     cache never mutates a state that someone else holds, e.g. a pooled prefix.
     """
+    from transformers import DynamicCache
+
     cache = DynamicCache(config=config)
     if len(states) != len(cache.layers):
         raise ValueError(f"model has {len(cache.layers)} cache layers, got {len(states)} states")
@@ -159,6 +161,8 @@ def build_cache(config: PreTrainedConfig, states: Sequence[LayerState], device: 
 
 
 def _fill_layer(cache_layer: object, state: LayerState, device: torch.device | str) -> None:
+    from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
     tensors = {n: t.to(device, copy=True) for n, t in state.slots}
     if isinstance(cache_layer, LinearAttentionCacheLayerMixin):
         if state.kind is not StateKind.LINEAR_ATTENTION:
