@@ -6,15 +6,19 @@ from __future__ import annotations
 import asyncio
 import time
 
+import openai
+
 from minifaas.model.layer_state import StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.requests import GenerateRequest, RequestRecord
+from minifaas.serve.serve_cli import running_server
 
 THRESHOLD = 200
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+HTTP_PARAMS = SamplingParams(max_tokens=6)  # what the OpenAI request below asks for
 LONG = [(13 * i + 5) % 256 for i in range(1500)]
 SHORT_A = [(7 * i + 1) % 256 for i in range(150)]
 SHORT_B = [(11 * i + 3) % 256 for i in range(150)]
@@ -32,9 +36,12 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
     rt = ModelRuntime.load("kimi-linear-tiny")
     prompts = {"long": LONG, "a": SHORT_A, "b": SHORT_B, "b+": SHORT_B + MORE}
     reference = {name: rt.generate(ids, PARAMS) for name, ids in prompts.items()}
-    long_state = rt.prefill(LONG).state
+    long_prefill = rt.prefill(LONG)
+    long_state = long_prefill.state
+    long_text = rt.tokenizer.decode(rt.start_decode(long_state, long_prefill.next_token, HTTP_PARAMS).run())
     kv_per_token = long_state.bytes_by_kind()[StateKind.FULL_ATTENTION] // len(LONG)
     config = ServeConfig(
+        port=0,
         threshold=THRESHOLD,
         pd=ClusterConfig(prefill_workers=2, decode_workers=1),
         link=LinkConfig(rate="50mbit", delay_ms=2.0),
@@ -42,17 +49,25 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
     )
 
     async def scenario() -> None:
-        async with Gateway(config) as gw:
-            cold, rec1, _ = await _run(gw, "long1", LONG)
-            warm, rec2, _ = await _run(gw, "long2", LONG)
-            print(f"same {len(LONG)}-token prompt twice: TTFT {rec1.ttft_s:.3f} s cold, {rec2.ttft_s:.3f} s warm")
-            assert cold == warm == reference["long"]
-            assert (rec1.route, rec1.cached_tokens) == ("prfaas", 0)
-            # the last snapshot before the prompt's end (every 4 blocks of 32): 1408 of 1500 tokens
-            assert (rec2.route, rec2.prefill_worker, rec2.cached_tokens) == ("prfaas", "prfaas-p0", 1408)
+        async with running_server(config) as (gw, port):
+            # the same long prompt twice through the OpenAI API: the second reports its cached tokens
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300)
+            replies = []
+            for _ in range(2):
+                r = await client.completions.create(model="kimi-linear-tiny", prompt=LONG, max_tokens=6, temperature=0)
+                replies.append(r)
+            await client.close()
+            first, second = (r.model_extra["minifaas"] for r in replies)
+            print(f"same {len(LONG)}-token prompt twice: TTFT {first['ttft_s']:.3f} s, then {second['ttft_s']:.3f} s")
+            assert [r.choices[0].text for r in replies] == [long_text, long_text]
+            assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 1408]
+            # the last snapshot before the prompt's end (every 4 blocks of 32) on the node that computed it
+            assert (first["route"], second["route"], second["prefill_worker"]) == ("prfaas", "prfaas", "prfaas-p0")
             # the decode node kept the first state's KV: only the tokens after its last whole block cross the link
-            assert rec1.kv_bytes == long_state.nbytes
-            assert rec2.kv_bytes == long_state.nbytes - 1472 * kv_per_token
+            assert first["kv_bytes"] == long_state.nbytes
+            assert second["kv_bytes"] == long_state.nbytes - 1472 * kv_per_token
+            warm, rec, _ = await _run(gw, "long3", LONG)
+            assert (warm, rec.cached_tokens) == (reference["long"], 1408)
 
             # two short prompts at once land on different PD-P nodes; each node keeps its own prefix
             (out_a, rec_a, _), (out_b, rec_b, _) = await asyncio.gather(_run(gw, "a", SHORT_A), _run(gw, "b", SHORT_B))
