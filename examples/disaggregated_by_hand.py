@@ -1,11 +1,10 @@
 """Disaggregated generation by hand: prefill in one process, decode in another, layers streamed between.
 
-A child process loads the model, prefills the prompt and, from the per-layer
-callback, writes each layer's state to a TCP socket the moment that layer's
-forward ends (u64 length + ``state_codec`` bytes). This process decodes every
-record as it lands, rebuilds the model state and decodes from it; the tokens
-must equal ``ModelRuntime.generate`` run here in one piece. (The presets have
-seeded random weights, so the tokens are noise; that they match is the point.)
+A child process prefills the prompt and, from the per-layer callback, writes
+each layer's state to a TCP socket as soon as its forward ends (u64 length +
+``state_codec`` bytes; times below are since it connected). This process
+rebuilds the state and decodes; the tokens must equal ``ModelRuntime.generate``
+here (preset weights are seeded noise, so the tokens are too: equality counts).
 
     python examples/disaggregated_by_hand.py
 """
@@ -57,17 +56,18 @@ def main() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         child = multiprocessing.get_context("spawn").Process(target=prefill_side, args=(server.getsockname()[1],))
         child.start()
+        server.settimeout(120)  # a child that dies before it connects must not hang us
         conn, _ = server.accept()
         start = time.monotonic()
         layers: list[LayerState] = []
         with conn:
             while size := LENGTH.unpack(read_exactly(conn, LENGTH.size))[0]:
                 layer = state_codec.decode(read_exactly(conn, size))
-                at = time.monotonic() - start
-                print(f"received layer {layer.layer} {layer.kind.name:<16} {size:>7} bytes at +{at:.3f} s")
+                print(f"layer {layer.layer} {layer.kind.name:<16} {size:>6} bytes, +{time.monotonic() - start:.3f} s")
                 layers.append(layer)
             seq_len, first_token = struct.unpack("<QQ", read_exactly(conn, 16))
         child.join()
+    assert child.exitcode == 0, f"the prefill process exited {child.exitcode}"
     remote = runtime.start_decode(ModelState(layers, seq_len), first_token, PARAMS).run()
     local = runtime.generate(runtime.tokenizer.encode(PROMPT), PARAMS)
     print(f"prompt of {seq_len} tokens, {sum(s.nbytes for s in layers)} state bytes over the socket")
