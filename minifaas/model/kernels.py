@@ -9,6 +9,7 @@ loads any model code. A CUDA process leaves it alone and gets the fast kernels.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 BLOCKED = ("fla", "causal_conv1d")
@@ -20,6 +21,8 @@ def select_kernels(device: str) -> str:
         if any(sys.modules.get(name, False) is None for name in BLOCKED):
             raise RuntimeError("fla was blocked earlier in this process; a CUDA worker must run in its own process")
         return "fla"
+    # transformers warns once per kernel that it falls back to the torch reference: here that is the plan
+    logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
     for name in BLOCKED:
         loaded = sys.modules.get(name)
         if loaded is not None:
