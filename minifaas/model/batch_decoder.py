@@ -16,11 +16,12 @@ holds at most ``max_waiting`` requests; one more is refused with QueueFull.
 Batching prefills does not pay here, so prefill workers stay one prompt at a
 time. Measured with ``benchmarks/bench_decode_batch.py --prefill --threads 1``
 (kimi-linear-tiny, fp32, torch reference kernels, CPU seconds of the process
-because the 2 cores are shared; two runs): eight equal-length prompts as one
-[8, L] forward against one after another cost 1.02-1.06x less CPU at L = 16,
-1.01-1.22x less at 32, and 1.3-1.4x / 1.6-1.9x *more* at 128 / 512 (the
-chunked linear-attention scan and the MoE gain nothing from a batch dimension
-that they did not already get from a long sequence). Equal lengths are
+because the 2 cores are shared; three runs), eight equal-length prompts one
+after another against one [8, L] forward: one by one took 0.96-1.06x the
+batch's CPU at L = 16 and 1.01-1.22x at 32 (batching saves a sixth at best),
+while at 128 and 512 the batch took 1.3-1.7x and 1.3-1.9x *more* (the chunked
+linear-attention scan and the MoE gain nothing from a batch dimension that
+they did not already get from a long sequence). Equal lengths are
 the best case: real prompts would also pay padding, and holding a prompt back
 to fill a batch adds to its TTFT. Decode is the opposite case: one token per
 row leaves the per-forward overhead dominant, which a batch shares.
