@@ -1,5 +1,5 @@
 """Prefix caching in the running system: real worker processes, the gateway's directory, cache-aware routing,
-and incremental transfer to a decode node that holds the prefix."""
+incremental transfer to a decode node that holds the prefix, and a cache moved across the link."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import openai
 from minifaas.model.layer_state import StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.policy.router import Rule
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.requests import GenerateRequest, RequestRecord
@@ -34,7 +35,7 @@ async def _run(gw: Gateway, rid: str, ids: list[int]) -> tuple[list[int], Reques
 
 def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it() -> None:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    prompts = {"long": LONG, "a": SHORT_A, "b": SHORT_B, "b+": SHORT_B + MORE}
+    prompts = {"long": LONG, "a": SHORT_A, "b": SHORT_B, "b+": SHORT_B + MORE, "long+": LONG + MORE[:50]}
     reference = {name: rt.generate(ids, PARAMS) for name, ids in prompts.items()}
     long_prefill = rt.prefill(LONG)
     long_state = long_prefill.state
@@ -43,6 +44,7 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
     config = ServeConfig(
         port=0,
         threshold=THRESHOLD,
+        fixed_threshold=True,  # the scheduler leaves t and the rule where the test puts them
         pd=ClusterConfig(prefill_workers=2, decode_workers=1),
         link=LinkConfig(rate="50mbit", delay_ms=2.0),
         cache=CacheConfig(block_size=32, snapshot_interval_blocks=4),
@@ -79,6 +81,15 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
             assert out == reference["b+"]
             assert (rec.route, rec.prefill_worker, rec.cached_tokens) == ("local", rec_b.prefill_worker, 150)
             assert gw.router.reasons["short_after_cache"] == 1
+
+            # bandwidth abundant: the longer cache counts wherever it is. 50 new tokens after the long prompt
+            # cached on PrfaaS: its state crosses the link to a PD-P node, which prefills only the 50 tokens
+            gw.rule = Rule.ABUNDANT
+            out, rec, _ = await _run(gw, "long+", LONG + MORE[:50])
+            assert out == reference["long+"] and gw.router.reasons["short_after_cache_move"] == 1
+            assert (rec.route, rec.cached_tokens) == ("local", len(LONG))
+            assert gw.cache_moves["done"] == 1 and gw.cache_moves["bytes"] == long_state.nbytes
+            gw.rule = Rule.SCARCE
 
             # a prefill node that restarts comes back empty, and the gateway forgets its entries
             gw.workers[rec_b.prefill_worker].kill()

@@ -54,8 +54,9 @@ class CacheConfig:
     block_size: int = 32  # tokens per full-attention block
     snapshot_interval_blocks: int = 4  # 0: state snapshots only at prompt ends
     capacity_mib: float = 256.0  # per prefill node
-    rule: str = "scarce"  # "scarce": each cluster judged by its own cache; "abundant": the longer cache counts
+    rule: str = "scarce"  # at start (the scheduler may switch it): "scarce" or "abundant" (the longer cache counts)
     incremental_transfer: bool = True  # off: PrfaaS ships the whole KV even when the decode node holds a prefix
+    cross_cluster_moves: bool = True  # off: no cache crosses the link before prefill (ABUNDANT then acts as SCARCE)
 
     def __post_init__(self) -> None:
         if self.mode not in ("hybrid", "none") or self.rule not in ("scarce", "abundant"):
@@ -70,6 +71,10 @@ class CacheConfig:
     @property
     def capacity_bytes(self) -> int:
         return int(self.capacity_mib * (1 << 20))
+
+    @property
+    def moves(self) -> bool:
+        return self.enabled and self.cross_cluster_moves
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@ and evict events on its replies keep the gateway's prefix directory current, so
 routing sees the incremental length and picks the node that holds the prefix.
 Decode nodes keep the KV they receive, so when a PrfaaS prefill's decode node
 already holds a prefix, the decode node pins it and only the rest crosses the
-link. Not done live yet: moving a cache across the link before prefill (the
-router runs with cache moves off, so the ABUNDANT rule acts as SCARCE).
+link. Under the ABUNDANT rule the router may ask for the longer cache of the
+other cluster: its node sends that prefix's state across the link (through an
+emulated link in front of the receiving prefill node) before the prefill.
 """
 
 from __future__ import annotations
@@ -31,11 +32,22 @@ import logging
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
-from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig, Rule
+from minifaas.policy.router import (
+    CacheMove,
+    ClusterView,
+    NodeView,
+    Path,
+    RouteDecision,
+    RouteInput,
+    Router,
+    RouterConfig,
+    Rule,
+)
 from minifaas.scheduler.loop import LiveScheduler
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.config import ServeConfig
@@ -62,14 +74,15 @@ class Gateway:
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
         self.threshold = config.threshold
         self.rule = Rule(config.cache.rule)
-        self.router = Router(RouterConfig(cross_cluster_cache_move=False, incremental_transfer=False))
+        # the gateway works out the incremental transfer itself, per decode node (see _prefill_once)
+        self.router = Router(RouterConfig(cross_cluster_cache_move=config.cache.moves, incremental_transfer=False))
         self.secret = secrets.token_bytes(32)
         self.workers = self._plan_workers()
         hybrid = needs_snapshot(state_layout(load_config(spec)))
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, self.workers)
-        if self.rule is Rule.ABUNDANT:
-            log.warning("cache moves across the link are not carried out yet: the abundant rule acts as scarce")
         self.emulators: dict[str, EmulatorProcess] = {}
+        self.move_links: dict[str, EmulatorProcess] = {}  # the link into each prefill node, for cache moves
+        self.cache_moves: Counter[str] = Counter()
         short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=self.max_context)
         self.scheduler = LiveScheduler(self, short_term)
         self.inflight = 0
@@ -100,6 +113,8 @@ class Gateway:
                 argv = [*common, "--device", device]
                 if role == "prefill":
                     argv += [*cache, "--prefix-cache", c.cache.mode]
+                    if c.cache.moves:
+                        argv += ["--accept-moves", "--kv-port", str(_free_port())]
                 else:  # a decode node keeps the KV it receives only to take increments later
                     argv += [*cache, "--prefix-cache", "hybrid" if keep_received else "none"]
                 if role == "decode":  # a fixed port, so a restarted worker is found where the emulator points
@@ -115,16 +130,17 @@ class Gateway:
             for w, reader in zip(self.workers.values(), readers):
                 self._tasks.create_task(self._supervise(w, reader))
                 self._tasks.create_task(self._follow_cache(w))
+            link = self.config.link
+            options = {"rate": link.rate, "flow_rate": link.flow_rate, "delay_ms": link.delay_ms}
+            options["jitter_ms"] = link.jitter_ms
             for w in self._decode_workers():
-                link = self.config.link
-                options = {
-                    "rate": link.rate,
-                    "flow_rate": link.flow_rate,
-                    "delay_ms": link.delay_ms,
-                    "jitter_ms": link.jitter_ms,
-                }
                 emulator = EmulatorProcess(("127.0.0.1", w.kv_port), **options)
                 self.emulators[w.name] = await self._stack.enter_async_context(emulator)
+            if self.config.cache.moves:  # not sampled by _watch_links: the scheduler watches PrfaaS egress
+                for w in self.workers.values():
+                    if w.role == "prefill":
+                        emulator = EmulatorProcess(("127.0.0.1", w.kv_port), **options)
+                        self.move_links[w.name] = await self._stack.enter_async_context(emulator)
         except BaseException:
             await self._stack.aclose()
             raise
@@ -203,6 +219,7 @@ class Gateway:
             "workers": status,
             "threshold": self.threshold,
             "inflight": self.inflight,
+            "cache_moves": dict(self.cache_moves),
         }
 
     def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision:
@@ -268,13 +285,15 @@ class Gateway:
         tried: set[str] = set()
         worker = self.workers[decision.prefill_node]  # type: ignore[index]
         expected_hit = decision.cached_tokens
+        moved = await self._move(request, record, decision.cache_move, worker) if decision.cache_move else None
         while True:
             record.route = "prfaas" if worker.cluster == "prfaas" else "local"
             record.prefill_worker = worker.name
             record.phase = advance(record.phase, Phase.PREFILLING)
             transfer = next(self._ids)
             port = self.emulators[decode.name].port if worker.cluster == "prfaas" else decode.kv_port
-            outcome = await self._prefill_once(request, record, worker, decode, transfer, port, expected_hit)
+            outcome = await self._prefill_once(request, record, worker, decode, transfer, port, expected_hit, moved)
+            moved = None  # a retry elsewhere does not take the move
             if isinstance(outcome, int):
                 return transfer, outcome
             tried.add(worker.name)
@@ -305,6 +324,7 @@ class Gateway:
         transfer: int,
         port: int,
         expected_hit: int,
+        moved: int | None = None,
     ) -> int | str:
         """The first token, or why this attempt failed."""
         rid, n = request.request_id, len(request.prompt_ids) - expected_hit  # the tokens it will compute
@@ -335,6 +355,7 @@ class Gateway:
                     "sampling": sampling,
                     "kv": ["127.0.0.1", port],
                     "link_start": link_start,
+                    **({"import": moved} if moved is not None else {}),
                 }
             )
             async with asyncio.timeout(self.config.prefill_timeout):
@@ -357,6 +378,39 @@ class Gateway:
         record.transfer_s = reply["transfer_tail_s"]
         record.phase = advance(record.phase, Phase.TRANSFERRING)
         return int(reply["next_token"])
+
+    async def _move(
+        self, request: GenerateRequest, record: RequestRecord, move: CacheMove, dst: WorkerHandle
+    ) -> int | None:
+        """Carry out the router's cache move: the source cluster's node with the longest hit sends that
+        prefix's state to ``dst`` across the link. Returns the transfer ``dst`` takes it from, or None."""
+        rid, transfer = request.request_id, next(self._ids)
+        hits = self.prefixes.node_hits(request.prompt_ids)
+        sources = [w for w in self.workers.values() if w.cluster == move.src and w.alive and hits.get(w.name, 0)]
+        if not sources or dst.name not in self.move_links:
+            self.cache_moves["no_source"] += 1
+            return None
+        src = max(sources, key=lambda w: (hits[w.name], w.name))
+        inbox = src.open(rid)
+        try:
+            link = ["127.0.0.1", self.move_links[dst.name].port]
+            tokens, length = request.prompt_ids, move.end_tokens
+            src.send({"op": "export", "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link})
+            async with asyncio.timeout(self.config.prefill_timeout):
+                reply = await inbox.get()
+        except (TimeoutError, RuntimeError) as e:
+            reply = {"op": "failed", "error": repr(e)}
+        finally:
+            src.close(rid)
+        if reply["op"] != "exported" or not reply["tokens"]:
+            log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, reply.get("error"))
+            self.cache_moves["failed"] += 1
+            return None
+        self.cache_moves["done"] += 1
+        self.cache_moves["bytes"] += reply["bytes"]
+        self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"])
+        record.events.append(f"cache_move {src.name}->{dst.name} {reply['tokens']} tokens")
+        return transfer
 
     async def _pinned(self, decode: WorkerHandle, rid: str, transfer: int) -> int:
         """Tokens of the prompt whose KV the decode node has pinned: the prefill sends only the rest."""

@@ -9,25 +9,42 @@ With a prefix store, a prompt loads the usable hit from the node's pool when
 its turn comes (so it sees everything the prompts before it stored), computes
 only the rest, and stores its blocks and snapshots before the next prompt's
 turn. The worker tells the gateway of the pool's store/evict events.
+
+Cache moves across the link (the ABUNDANT rule): ``export`` sends a prefix
+state from this node's pool to a node of the other cluster, whose ``prefill``
+first takes it off its receiver (``import``) and keeps it in its pool, where the
+prompt's turn then finds it like any other hit. A move that fails is logged and
+counted, and the prompt is prefilled without it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.runtime import ModelRuntime, OnLayer
 from minifaas.serve.control import sampling_from_json
 from minifaas.serve.prefix_store import PrefixStore
-from minifaas.transport import KVSender, SenderConfig
+from minifaas.transport import KVReceiver, KVSender, SenderConfig, TransferError
+
+log = logging.getLogger("minifaas.prefill")
 
 
 class PrefillService:
     def __init__(
-        self, runtime: ModelRuntime, secret: bytes, connections: int, pipelined: bool, store: PrefixStore
+        self,
+        runtime: ModelRuntime,
+        secret: bytes,
+        connections: int,
+        pipelined: bool,
+        store: PrefixStore,
+        receiver: KVReceiver | None = None,  # takes cache moves in; None: this node accepts none
+        import_timeout: float = 30.0,
     ) -> None:
         self.runtime, self.secret, self.store = runtime, secret, store
+        self.receiver, self.import_timeout = receiver, import_timeout
         self.connections, self.pipelined = connections, pipelined
         self.senders: dict[tuple[str, int], KVSender] = {}
         self.compute = asyncio.Lock()
@@ -45,6 +62,8 @@ class PrefillService:
         sampling = sampling_from_json(msg["sampling"])
         sender = self.sender(*msg["kv"])
         arrived = time.perf_counter()
+        if "import" in msg:
+            await self._import(tokens, msg["import"])
         self.queued_tokens += len(tokens)
         await self.compute.acquire()
         held = True
@@ -82,6 +101,33 @@ class PrefillService:
             "prefill_s": result.seconds,
             "transfer_tail_s": finished - computed_at,
         }
+
+    async def _import(self, tokens: list[int], transfer: int) -> None:
+        if self.receiver is None:
+            self.store.pool.counts["moves_refused"] += 1
+            return
+        try:
+            async with asyncio.timeout(self.import_timeout):
+                state = await self.receiver.transfer(transfer).model_state()
+        except (TransferError, TimeoutError) as e:
+            log.warning("cache move %d did not arrive (%s): prefilling without it", transfer, e)
+            self.store.pool.counts["moves_lost"] += 1
+            return
+        self.store.import_state(tokens, state, time.perf_counter())
+        self.store.pool.counts["moves_imported"] += 1
+
+    async def export(self, msg: dict) -> dict:
+        """Send the usable prefix of ``tokens`` up to ``length`` to another cluster's node."""
+        lease, state = self.store.export_state(msg["tokens"], msg["length"], time.perf_counter())
+        try:
+            if state is not None:
+                async with self.sender(*msg["kv"]).stream(msg["transfer"], layers=len(state.layers)) as tx:
+                    for layer in state.layers:
+                        tx.put(layer)
+        finally:
+            self.store.pool.release(lease)
+        nbytes = state.nbytes if state is not None else 0
+        return {"op": "exported", "req": msg["req"], "tokens": lease.hit_tokens, "bytes": nbytes}
 
     async def close(self) -> None:
         for sender in self.senders.values():

@@ -156,6 +156,25 @@ class PrefixStore:
         finally:
             self.release(plan)
 
+    def export_state(self, tokens: Sequence[int], length: int, now: float) -> tuple[Lease[Payload], ModelState | None]:
+        """Pin and load the usable prefix of ``tokens`` up to ``length``, to move it to another cluster.
+        Release the lease once the state is sent."""
+        keys = PromptKeys.from_tokens(tokens, self.pool.config.block_size, self.namespace)
+        lease = self.pool.acquire(keys, now, limit=length)
+        h = lease.hit_tokens
+        return lease, assemble(self.layout, lease.block_payloads, lease.snapshot_payload, h) if h else None
+
+    def import_state(self, tokens: Sequence[int], state: ModelState, now: float) -> None:
+        """Keep a prefix state moved in from another cluster: its blocks, and its snapshot at exactly its length."""
+        size, n = self.pool.config.block_size, state.seq_len
+        keys = PromptKeys.from_tokens(tokens[:n], size, self.namespace)
+        for j in range(keys.num_full_blocks):
+            payload = block_payload(state, j, size)
+            if not self.pool.put_block(keys, j, now, _nbytes(payload), payload):
+                return
+        payload = snapshot_payload(state, self.layout, size)
+        self.pool.put_snapshot(keys, n, now, _nbytes(payload), payload)
+
     def release(self, plan: CachedPrefill) -> None:
         if not plan.lease.released:
             self.pool.release(plan.lease)

@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-incremental-transfer", action="store_true", help="ship the whole KV even if decode holds a prefix"
     )
+    parser.add_argument("--no-cache-moves", action="store_true", help="never move a cache across the link first")
     parser.add_argument("--route-rule", choices=("scarce", "abundant"), help=f"routing rule (default {d.cache.rule})")
     parser.add_argument("--log-level", default="INFO")
 
@@ -81,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         capacity_mib=_pick(args.cache_mib, base.cache.capacity_mib),
         rule=_pick(args.route_rule, base.cache.rule),
         incremental_transfer=base.cache.incremental_transfer and not args.no_incremental_transfer,
+        cross_cluster_moves=base.cache.cross_cluster_moves and not args.no_cache_moves,
     )
     return ServeConfig(
         host=_pick(args.host, base.host),

@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver listens on (decode)")
     p.add_argument("--kv-port", type=int, default=0, help="its port (0: any free one)")
+    p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
     p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (prefill)")
     p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
     p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid", help="this node's prefix cache")
@@ -76,9 +77,13 @@ async def serve(args: argparse.Namespace) -> None:
             decoding = DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting)
             service: PrefillService | DecodeService = DecodeService(runtime, joining, args.state_timeout, decoding)  # type: ignore[arg-type]
         else:
-            service = PrefillService(
-                runtime, secret, args.connections, not args.no_pipelining, _prefix_store(args, runtime)
-            )
+            moves = None
+            if args.accept_moves:
+                config = ReceiverConfig(secret, host=args.kv_host, port=args.kv_port)
+                moves = await stack.enter_async_context(KVReceiver(config))
+                kv_port = moves.port
+            store = _prefix_store(args, runtime)
+            service = PrefillService(runtime, secret, args.connections, not args.no_pipelining, store, moves)
             stack.push_async_callback(service.close)
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
             asyncio.get_running_loop().create_future()
@@ -148,7 +153,7 @@ async def _handle(
         req = msg["req"]
         try:
             if isinstance(service, PrefillService):
-                emit(await service.prefill(msg))
+                emit(await (service.export(msg) if msg["op"] == "export" else service.prefill(msg)))
             else:
                 await service.decode(msg, emit)
         except asyncio.CancelledError:
@@ -170,7 +175,7 @@ async def _handle(
             pinned = prefixes.pin(msg["transfer"], msg["tokens"], msg.get("link_start", 0), time.perf_counter())
             if msg.get("link_start", 0):
                 emit({"op": "pinned", "req": req, "transfer": msg["transfer"], "tokens": pinned})
-        if op in ("prefill", "decode"):
+        if op in ("prefill", "decode", "export"):
             jobs[req] = tg.create_task(job(msg))
         elif op == "start" and isinstance(service, DecodeService):
             service.start(req, msg["next_token"])
