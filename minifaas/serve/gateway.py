@@ -36,9 +36,8 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict
-from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, Tokenizer
+from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from minifaas.policy.router import (
-    CacheMove,
     ClusterView,
     NodeView,
     Path,
@@ -51,12 +50,14 @@ from minifaas.policy.router import (
 from minifaas.scheduler.loop import LiveScheduler
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.config import ServeConfig
-from minifaas.serve.control import CACHE_EVENTS, sampling_to_json
+from minifaas.serve.control import CACHE_EVENTS
 from minifaas.serve.lifecycle import Phase, advance
 from minifaas.serve.metrics import ServeMetrics
+from minifaas.serve.prefill_dispatch import PrefillDispatch
 from minifaas.serve.prefix_directory import PrefixDirectory
 from minifaas.serve.prefix_store import needs_snapshot, state_layout
 from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
+from minifaas.serve.token_stream import decode_tokens
 from minifaas.serve.worker_handle import LOST, WorkerHandle
 from minifaas.transport.emulator_control import EmulatorProcess
 
@@ -74,7 +75,7 @@ class Gateway:
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
         self.threshold = config.threshold
         self.rule = Rule(config.cache.rule)
-        # the gateway works out the incremental transfer itself, per decode node (see _prefill_once)
+        # the gateway works out the incremental transfer itself, per decode node (see PrefillDispatch._once)
         self.router = Router(RouterConfig(cross_cluster_cache_move=config.cache.moves, incremental_transfer=False))
         self.secret = secrets.token_bytes(32)
         self.workers = self._plan_workers()
@@ -87,7 +88,8 @@ class Gateway:
         self.scheduler = LiveScheduler(self, short_term)
         self.inflight = 0
         self.fallbacks: dict[str, int] = {}
-        self._ids = itertools.count(1)
+        self.transfer_ids = itertools.count(1)
+        self.dispatch = PrefillDispatch(self)
         self._closing = False
         self._stack = contextlib.AsyncExitStack()
         self._tasks: asyncio.TaskGroup | None = None
@@ -258,10 +260,10 @@ class Gateway:
                 decode = self.workers[decision.decode_node]  # type: ignore[index]
                 record.decode_worker = decode.name
                 inbox = decode.open(rid)
-                transfer, first = await self._prefill(request, record, decision, decode)
+                transfer, first = await self.dispatch.run(request, record, decision, decode)
                 record.ttft_s = time.perf_counter() - start
                 record.phase = advance(record.phase, Phase.DECODING)
-                async for event in self._decode(request, record, decode, inbox, transfer, first):
+                async for event in decode_tokens(request, record, self.tokenizer, decode, inbox, transfer, first):
                     yield event
                 record.phase = advance(record.phase, Phase.FINISHED)
         except TimeoutError:
@@ -272,207 +274,10 @@ class Gateway:
             record.e2e_s = time.perf_counter() - start
             if decode is not None:
                 decode.close(rid)
-                if record.phase is not Phase.FINISHED:
-                    if not record.phase.done:
-                        record.phase = Phase.ABORTED
-                    with contextlib.suppress(RuntimeError):
-                        decode.send({"op": "abort", "req": rid})
-
-    async def _prefill(
-        self, request: GenerateRequest, record: RequestRecord, decision: RouteDecision, decode: WorkerHandle
-    ) -> tuple[int, int]:
-        """Prefill on the routed worker; if that fails, on a PD-P worker. Returns (transfer id, first token)."""
-        tried: set[str] = set()
-        worker = self.workers[decision.prefill_node]  # type: ignore[index]
-        expected_hit = decision.cached_tokens
-        moved = await self._move(request, record, decision.cache_move, worker) if decision.cache_move else None
-        while True:
-            record.route = "prfaas" if worker.cluster == "prfaas" else "local"
-            record.prefill_worker = worker.name
-            record.phase = advance(record.phase, Phase.PREFILLING)
-            transfer = next(self._ids)
-            port = self.emulators[decode.name].port if worker.cluster == "prfaas" else decode.kv_port
-            outcome = await self._prefill_once(request, record, worker, decode, transfer, port, expected_hit, moved)
-            moved = None  # a retry elsewhere does not take the move
-            if isinstance(outcome, int):
-                return transfer, outcome
-            tried.add(worker.name)
-            log.warning("request %s: prefill on %s failed (%s)", request.request_id, worker.name, outcome)
-            record.phase = advance(record.phase, Phase.FALLBACK)
-            reason = outcome.split(":")[0]
-            record.fallback = reason
-            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-            with contextlib.suppress(RuntimeError):
-                decode.send({"op": "abort", "req": request.request_id})
-            local = [
-                w
-                for w in self.workers.values()
-                if w.role == "prefill" and w.cluster == "pd" and w.alive and w.name not in tried
-            ]
-            if not local:
-                raise RequestFailed(f"prefill failed on every worker tried: {outcome}")
-            hits = self.prefixes.node_hits(request.prompt_ids)
-            worker = min(local, key=lambda w: w.load_tokens - hits.get(w.name, 0))
-            expected_hit = hits.get(worker.name, 0)
-
-    async def _prefill_once(
-        self,
-        request: GenerateRequest,
-        record: RequestRecord,
-        worker: WorkerHandle,
-        decode: WorkerHandle,
-        transfer: int,
-        port: int,
-        expected_hit: int,
-        moved: int | None = None,
-    ) -> int | str:
-        """The first token, or why this attempt failed."""
-        rid, n = request.request_id, len(request.prompt_ids) - expected_hit  # the tokens it will compute
-        sampling = sampling_to_json(request.sampling)
-        inbox = worker.open(rid)
-        worker.load_tokens += n
-        # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first
-        link_start = self.prefixes.kv_prefix(request.prompt_ids, decode.name) if worker.cluster == "prfaas" else 0
-        try:
-            decode.send(
-                {
-                    "op": "decode",
-                    "req": rid,
-                    "transfer": transfer,
-                    "sampling": sampling,
-                    "tokens": request.prompt_ids,
-                    "link_start": link_start,
-                }
-            )
-            if link_start:
-                link_start = await self._pinned(decode, rid, transfer)
-            worker.send(
-                {
-                    "op": "prefill",
-                    "req": rid,
-                    "transfer": transfer,
-                    "tokens": request.prompt_ids,
-                    "sampling": sampling,
-                    "kv": ["127.0.0.1", port],
-                    "link_start": link_start,
-                    **({"import": moved} if moved is not None else {}),
-                }
-            )
-            async with asyncio.timeout(self.config.prefill_timeout):
-                reply = await inbox.get()
-        except TimeoutError:
-            return "timeout: prefill and transfer took too long"
-        except RuntimeError as e:
-            return f"worker_down: {e}"
-        finally:
-            worker.load_tokens -= n
-            worker.close(rid)
-        if reply["op"] == "lost":
-            return f"worker_lost: {worker.name} went away"
-        if reply["op"] == "failed":
-            return f"transfer_failed: {reply['error']}"
-        record.kv_bytes = reply["kv_bytes"]
-        record.cached_tokens = reply["cached_tokens"]
-        self.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
-        record.queue_s = reply["queue_s"]
-        record.transfer_s = reply["transfer_tail_s"]
-        record.phase = advance(record.phase, Phase.TRANSFERRING)
-        return int(reply["next_token"])
-
-    async def _move(
-        self, request: GenerateRequest, record: RequestRecord, move: CacheMove, dst: WorkerHandle
-    ) -> int | None:
-        """Carry out the router's cache move: the source cluster's node with the longest hit sends that
-        prefix's state to ``dst`` across the link. Returns the transfer ``dst`` takes it from, or None."""
-        rid, transfer = request.request_id, next(self._ids)
-        hits = self.prefixes.node_hits(request.prompt_ids)
-        sources = [w for w in self.workers.values() if w.cluster == move.src and w.alive and hits.get(w.name, 0)]
-        if not sources or dst.name not in self.move_links:
-            self.cache_moves["no_source"] += 1
-            return None
-        src = max(sources, key=lambda w: (hits[w.name], w.name))
-        inbox = src.open(rid)
-        try:
-            link = ["127.0.0.1", self.move_links[dst.name].port]
-            tokens, length = request.prompt_ids, move.end_tokens
-            src.send({"op": "export", "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link})
-            async with asyncio.timeout(self.config.prefill_timeout):
-                reply = await inbox.get()
-        except (TimeoutError, RuntimeError) as e:
-            reply = {"op": "failed", "error": repr(e)}
-        finally:
-            src.close(rid)
-        if reply["op"] != "exported" or not reply["tokens"]:
-            log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, reply.get("error"))
-            self.cache_moves["failed"] += 1
-            return None
-        self.cache_moves["done"] += 1
-        self.cache_moves["bytes"] += reply["bytes"]
-        self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"])
-        record.events.append(f"cache_move {src.name}->{dst.name} {reply['tokens']} tokens")
-        return transfer
-
-    async def _pinned(self, decode: WorkerHandle, rid: str, transfer: int) -> int:
-        """Tokens of the prompt whose KV the decode node has pinned: the prefill sends only the rest."""
-        inbox = decode.inboxes[rid]
-        async with asyncio.timeout(self.config.prefill_timeout):
-            while True:
-                msg = await inbox.get()
-                if msg["op"] == "lost" or (msg["op"] == "failed" and msg.get("transfer") == transfer):
-                    raise RuntimeError(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
-                if msg["op"] == "pinned" and msg["transfer"] == transfer:
-                    return int(msg["tokens"])
-
-    async def _decode(
-        self,
-        request: GenerateRequest,
-        record: RequestRecord,
-        decode: WorkerHandle,
-        inbox: asyncio.Queue[dict],
-        transfer: int,
-        first: int,
-    ) -> AsyncIterator[TokenEvent]:
-        detok = IncrementalDecoder(self.tokenizer)
-        stops, text = request.sampling.stop, ""
-        token, finish = first, _finish_of(first, 1, request, self.tokenizer)
-        if finish is None:
-            decode.send({"op": "start", "req": request.request_id, "next_token": first})
-        while True:
-            record.completion_tokens += 1
-            piece = detok.push(token)
-            if stops and piece:
-                cut = _find_stop(text, piece, stops)
-                if cut is not None:
-                    yield TokenEvent(token, piece[:cut], "stop")
-                    return
-            text += piece
-            yield TokenEvent(token, piece, finish)
-            if finish is not None:
-                return
-            msg = await inbox.get()
-            while msg.get("transfer", transfer) != transfer or msg["op"] in ("received", "pinned"):
-                msg = await inbox.get()  # "received", or news of an abandoned transfer
-            if msg["op"] in ("lost", "failed"):
-                raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
-            if msg["op"] == "done":
-                return
-            if msg["op"] == "token":
-                token, finish = msg["token"], msg["finish"]
-
-
-def _finish_of(token: int, count: int, request: GenerateRequest, tokenizer: Tokenizer) -> str | None:
-    p = request.sampling
-    if (token == tokenizer.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-        return "stop"
-    return "length" if count >= p.max_tokens else None
-
-
-def _find_stop(text: str, piece: str, stops: tuple[str, ...]) -> int | None:
-    """Where in ``piece`` the output must end, if ``text + piece`` now contains a stop string."""
-    combined = text + piece
-    window_start = max(0, len(text) - max(len(s) for s in stops) + 1)
-    hits = [i for s in stops if (i := combined.find(s, window_start)) != -1]
-    return max(min(hits) - len(text), 0) if hits else None
+                if not record.phase.done:
+                    record.phase = Phase.ABORTED
+                with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
+                    decode.send({"op": "abort", "req": rid})
 
 
 def _free_port() -> int:
