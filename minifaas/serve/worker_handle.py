@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from minifaas.child_process import wait_or_kill
 from minifaas.serve import control
 
 log = logging.getLogger("minifaas.gateway")
@@ -91,12 +92,7 @@ class WorkerHandle:
             return
         if p.stdin is not None:
             p.stdin.close()  # the worker exits when its stdin closes
-        try:
-            async with asyncio.timeout(5):
-                await p.wait()
-        except TimeoutError:
-            p.kill()
-            await p.wait()
+        await wait_or_kill(p, grace=5)
 
     def kill(self) -> None:
         """Kill the process now (fault injection in tests and the demo)."""

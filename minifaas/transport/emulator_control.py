@@ -18,6 +18,8 @@ import json
 import sys
 from typing import Any
 
+from minifaas.child_process import wait_or_kill
+
 
 class EmulatorError(RuntimeError):
     """The emulator did not start, or refused a command."""
@@ -99,9 +101,4 @@ class EmulatorProcess:
         if process is None or process.returncode is not None:
             return
         process.terminate()
-        try:
-            async with asyncio.timeout(10):
-                await process.wait()
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        await wait_or_kill(process, grace=10)

@@ -30,6 +30,7 @@ from minifaas.transport.errors import ProtocolError, RejectedError, StallError, 
 from minifaas.transport.pool import ConnectionPool
 from minifaas.transport.wire import (
     HEADER_SIZE,
+    THREAD_CHECKSUM_BYTES,
     FrameType,
     Limits,
     control,
@@ -37,8 +38,6 @@ from minifaas.transport.wire import (
     unpack_counts,
     unpack_header,
 )
-
-THREAD_CHECKSUM_BYTES = 256 << 10  # below this, a thread hand-off costs more than the checksum
 
 if TYPE_CHECKING:
     from minifaas.transport.sender import SenderConfig

@@ -45,6 +45,7 @@ from minifaas.transport.errors import (
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.wire import (
     HEADER_SIZE,
+    THREAD_CHECKSUM_BYTES,
     UNCHECKED,
     FrameHeader,
     FrameType,
@@ -56,7 +57,6 @@ from minifaas.transport.wire import (
 )
 
 log = logging.getLogger(__name__)
-THREAD_CHECKSUM_BYTES = 256 << 10  # below this, a thread hand-off costs more than the checksum
 _FORGET_AFTER = 4096  # finished transfer ids remembered, so late frames are skipped, not restarted
 
 

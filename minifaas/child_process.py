@@ -1,0 +1,20 @@
+"""Ending a child process: give it a grace period to exit, then kill it.
+
+The caller asks the child to exit its own way first (close its stdin, send
+SIGTERM); this waits for that, and a child that does not comply in time is
+killed, so no caller can hang on a stuck child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def wait_or_kill(process: asyncio.subprocess.Process, grace: float) -> None:
+    """Wait up to ``grace`` seconds for ``process`` to exit; kill it if it has not."""
+    try:
+        async with asyncio.timeout(grace):
+            await process.wait()
+    except TimeoutError:
+        process.kill()
+        await process.wait()

@@ -1,0 +1,146 @@
+"""The import graph of minifaas: no cycles, and no policy module reaching into serving.
+
+Read from the source with the ast module, so nothing is imported. Only
+module-level imports count (a function-local import is a deliberate lazy
+load); imports under ``if TYPE_CHECKING:`` are for annotations and are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "minifaas"
+
+# Policy code is sans-IO and shared with the simulator; it must not depend on the live system.
+POLICY_PACKAGES = ("minifaas.policy", "minifaas.cache", "minifaas.planner", "minifaas.scheduler", "minifaas.sim")
+POLICY_EXCEPTIONS = {"minifaas.scheduler.loop"}  # the short-term policy's driver inside the live gateway
+
+
+def module_files(package: Path) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module under ``package``."""
+    files = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported_names(body: list[ast.stmt], package: str) -> set[str]:
+    """Every dotted name imported by statements that run when the module loads."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node):
+                names |= _imported_names(node.body, package)
+            names |= _imported_names(node.orelse, package)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                names |= _imported_names(block, package)
+    return names
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the minifaas modules it imports at load time."""
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for imported in _imported_names(ast.parse(path.read_text()).body, package):
+            while imported and imported not in files:  # `from a.b import C` names module a.b
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path that returns to its start, or None."""
+    done: set[str] = set()
+    path: list[str] = []
+    on_path: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        path.append(node)
+        on_path.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target in on_path:
+                return [*path[path.index(target) :], target]
+            if target not in done and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        on_path.discard(node)
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(module_files(PACKAGE))
+
+
+def test_the_graph_covers_the_package(graph: dict[str, set[str]]) -> None:
+    assert "minifaas.serve.gateway" in graph
+    assert "minifaas.policy.router" in graph["minifaas.serve.gateway"]
+    assert "minifaas.model.layer_state" in graph["minifaas.transport.wire"]
+
+
+def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
+    assert find_cycle(graph) is None
+
+
+def test_no_policy_module_imports_serving(graph: dict[str, set[str]]) -> None:
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module.startswith(POLICY_PACKAGES) and module not in POLICY_EXCEPTIONS
+        for target in targets
+        if target == "minifaas.serve" or target.startswith("minifaas.serve.")
+    )
+    assert upward == []
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_type_checking_and_relative_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import b\n")
+    (pkg / "b.py").write_text("from .sub import c\n\ndef f():\n    import pkg.a\n")
+    (pkg / "sub" / "c.py").write_text("from ..a import X\n")
+    graph = import_graph(module_files(pkg))
+    assert graph["pkg.a"] == set()
+    assert graph["pkg.b"] == {"pkg.sub", "pkg.sub.c"}
+    assert graph["pkg.sub.c"] == {"pkg.a"}
