@@ -32,10 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.parse_args(argv)  # prints help or the usage error and exits
     name = argv[0]
-    module = importlib.import_module(COMMANDS[name][0])
-    command_parser = argparse.ArgumentParser(prog=f"minifaas {name}", description=COMMANDS[name][1])
-    module.add_arguments(command_parser)
-    return int(module.run(command_parser.parse_args(argv[1:])) or 0)
+    args = command_parser(name).parse_args(argv[1:])
+    return int(importlib.import_module(COMMANDS[name][0]).run(args) or 0)
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of subcommand ``name`` (imports its module)."""
+    module_name, help_text = COMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"minifaas {name}", description=help_text)
+    importlib.import_module(module_name).add_arguments(parser)
+    return parser
 
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""Every ``minifaas ...`` command quoted in README.md and docs/*.md parses with the real argument parser.
+
+The commands are not run (some take hours); each is parsed by its subcommand's
+own parser, as ``minifaas`` would parse it, so a renamed or removed flag, a
+wrong choice or a usage sketch that is not a command fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from minifaas.cli import COMMANDS, command_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+_INLINE = re.compile(r"`([^`\n]+)`")
+_COMMAND = re.compile(r"(?:^|[\s(])minifaas +([a-z][^\n;|&#`]*)")
+_LOOP = re.compile(r"\bfor (\w+) in ([^;\n]+);")
+
+
+def code_of(markdown: str) -> list[str]:
+    """The code in a markdown text: fenced blocks, indented blocks and inline spans."""
+    text = markdown.replace("\\\n", " ")  # shell line continuations
+    fenced = _FENCE.findall(text)
+    prose = _FENCE.sub("", text)
+    indented = [line for line in prose.splitlines() if line.startswith("    ")]
+    inline = _INLINE.findall("\n".join(line for line in prose.splitlines() if not line.startswith("    ")))
+    return fenced + indented + inline
+
+
+def commands_in(markdown: str) -> list[list[str]]:
+    """Each quoted ``minifaas`` command as argv (subcommand first); loop variables take their first value."""
+    loop_values = {name: values.split()[0] for name, values in _LOOP.findall(markdown)}
+    found = []
+    for code in code_of(markdown):
+        for match in _COMMAND.finditer(code):
+            line = re.sub(r"\$(\w+)", lambda m: loop_values.get(m.group(1), m.group(0)), match.group(1))
+            found.append(shlex.split(line))
+    return found
+
+
+def _cases() -> list[tuple[str, list[str]]]:
+    return [(path.name, argv) for path in DOCS for argv in commands_in(path.read_text())]
+
+
+CASES = _cases()
+
+
+def test_the_docs_quote_commands() -> None:
+    files = {name for name, _ in CASES}
+    assert {"README.md", "RESULTS.md", "STUDIES.md"} <= files
+    quoted = {argv[0] for name, argv in CASES if name == "README.md"}
+    assert set(COMMANDS) <= quoted, f"README has no example of {sorted(set(COMMANDS) - quoted)}"
+
+
+@pytest.mark.parametrize(("doc", "argv"), CASES, ids=[f"{name}: {' '.join(argv)}"[:90] for name, argv in CASES])
+def test_command_parses(doc: str, argv: list[str]) -> None:
+    name, args = argv[0], argv[1:]
+    assert name in COMMANDS, f"{doc} quotes an unknown subcommand: minifaas {' '.join(argv)}"
+    assert not any("$" in a for a in args), f"{doc}: a shell variable with no loop value: {args}"
+    assert "--help" not in args and "-h" not in args
+    try:
+        command_parser(name).parse_args(args)
+    except SystemExit as e:  # argparse's usage error
+        pytest.fail(f"{doc}: `minifaas {' '.join(argv)}` does not parse (exit {e.code})")
+
+
+def test_extraction() -> None:
+    text = (
+        "Run `minifaas plan --case paper` or\n\n"
+        "    for g in 10 25; do minifaas plan --link-gbps $g --json; done\n\n"
+        "```bash\nminifaas sim --case paper \\\n  --load 0.8  # a comment\n```\n"
+        "The `minifaas` object; see minifaas/cli.py and python -m minifaas.serve.worker.\n"
+    )
+    assert commands_in(text) == [
+        ["sim", "--case", "paper", "--load", "0.8"],
+        ["plan", "--link-gbps", "10", "--json"],
+        ["plan", "--case", "paper"],
+    ]
+
+
+def test_a_bad_flag_fails_to_parse() -> None:
+    with pytest.raises(SystemExit):
+        command_parser("plan").parse_args(["--no-such-flag"])
