@@ -66,6 +66,14 @@ class PlanCase:
         """A copy with some inputs replaced (flags on the command line, sweeps in studies)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
+    def with_kv(self, bytes_per_token: float | None, fixed_bytes: float | None) -> PlanCase:
+        """The same case with another model's KV sizes on both prefill clusters (e.g. a dense model's)."""
+        kv = {"kv_bytes_per_token": bytes_per_token, "kv_fixed_bytes": fixed_bytes}
+        kv = {k: v for k, v in kv.items() if v is not None}
+        if not kv:
+            return self
+        return replace(self, prfaas=replace(self.prfaas, **kv), pd_prefill=replace(self.pd_prefill, **kv))
+
 
 def case_from_dict(data: dict[str, Any], base_dir: Path = Path(".")) -> PlanCase:
     spec = data["lengths"]

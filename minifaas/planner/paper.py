@@ -8,7 +8,7 @@ distribution's bounds use K = 1000 as the paper states them.
 
 from __future__ import annotations
 
-from minifaas.planner.case import PlanCase
+from minifaas.planner.case import PlanCase, load_case
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, fit_kv, fit_latency
 
@@ -67,3 +67,11 @@ REPORTED = {
     "gain_vs_naive": 0.32,
     "prfaas_egress_gbps": 13.0,
 }
+
+
+NAMED_CASES = {"paper": paper_case}
+
+
+def named_case(name_or_path: str) -> PlanCase:
+    """A case by name (``paper``) or from a case file (TOML or JSON)."""
+    return NAMED_CASES[name_or_path]() if name_or_path in NAMED_CASES else load_case(name_or_path)

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 
-from minifaas.planner.case import PlanCase, load_case
+from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
-from minifaas.planner.paper import paper_case
+from minifaas.planner.paper import named_case
 from minifaas.planner.search import Plan, SearchGrid, plan
-
-NAMED_CASES = {"paper": paper_case}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,24 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_case(args: argparse.Namespace) -> PlanCase:
-    base = NAMED_CASES[args.case]() if args.case in NAMED_CASES else load_case(args.case)
-    case = base.with_overrides(
+    case = named_case(args.case).with_overrides(
         link_gbps=args.link_gbps,
         n_prfaas=args.n_prfaas,
         n_pd=args.n_pd,
         n_homogeneous=args.n_homogeneous,
         output_tokens=args.output_tokens,
     )
-    return with_kv(case, args.kv_bytes_per_token, args.kv_fixed_bytes)
-
-
-def with_kv(case: PlanCase, bytes_per_token: float | None, fixed_bytes: float | None) -> PlanCase:
-    """The same case with another model's KV sizes on both clusters (e.g. a dense model's)."""
-    kv = {"kv_bytes_per_token": bytes_per_token, "kv_fixed_bytes": fixed_bytes}
-    kv = {k: v for k, v in kv.items() if v is not None}
-    if not kv:
-        return case
-    return replace(case, prfaas=replace(case.prfaas, **kv), pd_prefill=replace(case.pd_prefill, **kv))
+    return case.with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
 
 
 def cost_units(case: PlanCase, op: OperatingPoint, price_ratio: float) -> float:

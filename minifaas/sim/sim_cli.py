@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
-from minifaas.planner.plan_cli import NAMED_CASES, load_case, with_kv
+from minifaas.planner.paper import named_case
 from minifaas.planner.profile import PrefillProfile, load_profiles
 from minifaas.planner.search import plan
 from minifaas.policy.router import Rule
@@ -117,9 +117,9 @@ def _prefill_of(path: str) -> PrefillProfile:
 
 
 def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:
-    base = NAMED_CASES[args.case]() if args.case in NAMED_CASES else load_case(args.case)
+    base = named_case(args.case)
     base = with_profiles(base, args.prfaas_profile, args.pd_profile)
-    case = with_kv(scaled_case(base, args.gpus, args.link_gbps), args.kv_bytes_per_token, args.kv_fixed_bytes)
+    case = scaled_case(base, args.gpus, args.link_gbps).with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
     point: OperatingPoint = getattr(plan(case), args.config)
     schedule = tuple(
         (float(t), float(g)) for t, g in (item.split(":") for item in args.bandwidth_schedule.split(",") if item)
