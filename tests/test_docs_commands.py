@@ -2,7 +2,8 @@
 
 The commands are not run (some take hours); each is parsed by its subcommand's
 own parser, as ``minifaas`` would parse it, so a renamed or removed flag, a
-wrong choice or a usage sketch that is not a command fails here.
+wrong choice or a usage sketch that is not a command fails here. The README's
+annotated file tree is checked against the files it describes, too.
 """
 
 from __future__ import annotations
@@ -83,6 +84,20 @@ def test_extraction() -> None:
         ["plan", "--link-gbps", "10", "--json"],
         ["plan", "--case", "paper"],
     ]
+
+
+def test_readme_file_tree_lists_every_file() -> None:
+    readme = (ROOT / "README.md").read_text()
+    tree = readme[readme.index("## Files") :]
+    listed = {line.split()[0] for line in tree.splitlines() if line.startswith("    ")}
+    present = {
+        str(path.relative_to(ROOT))
+        for folder in ("minifaas", "benchmarks", "examples", "docs")
+        for path in (ROOT / folder).rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    assert sorted(present - listed) == [], "files missing from the README's tree"
+    assert sorted(p for p in listed - present if not p.endswith("/")) == [], "the README lists files that do not exist"
 
 
 def test_a_bad_flag_fails_to_parse() -> None:
