@@ -80,6 +80,8 @@ async def served(
                 "e2e_s": statistics.median(e2es),
                 "route": "/".join(sorted(routes)),
                 "kv_bytes": kv,
+                "generate_ttft_s": statistics.median(r[0] for r in refs),
+                "generate_e2e_s": statistics.median(r[1] for r in refs),
             }
     return out
 
