@@ -28,22 +28,22 @@ log = logging.getLogger("minifaas.gateway")
 
 class PrefillDispatch:
     def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+        self.gateway = gateway
 
     async def run(
         self, request: GenerateRequest, record: RequestRecord, decision: RouteDecision, decode: WorkerHandle
     ) -> tuple[int, int]:
         """Prefill on the routed worker; if that fails, on a PD-P worker. Returns (transfer id, first token)."""
         tried: set[str] = set()
-        worker = self.gw.workers[decision.prefill_node]  # type: ignore[index]
+        worker = self.gateway.workers[decision.prefill_node]  # type: ignore[index]
         expected_hit = decision.cached_tokens
         moved = await self._move(request, record, decision.cache_move, worker) if decision.cache_move else None
         while True:
             record.route = "prfaas" if worker.cluster == "prfaas" else "local"
             record.prefill_worker = worker.name
             record.phase = advance(record.phase, Phase.PREFILLING)
-            transfer = next(self.gw.transfer_ids)
-            port = self.gw.emulators[decode.name].port if worker.cluster == "prfaas" else decode.kv_port
+            transfer = next(self.gateway.transfer_ids)
+            port = self.gateway.emulators[decode.name].port if worker.cluster == "prfaas" else decode.kv_port
             outcome = await self._once(request, record, worker, decode, transfer, port, expected_hit, moved)
             moved = None  # a retry elsewhere does not take the move
             if isinstance(outcome, int):
@@ -53,17 +53,17 @@ class PrefillDispatch:
             record.phase = advance(record.phase, Phase.FALLBACK)
             reason = outcome.split(":")[0]
             record.fallback = reason
-            self.gw.fallbacks[reason] = self.gw.fallbacks.get(reason, 0) + 1
+            self.gateway.fallbacks[reason] = self.gateway.fallbacks.get(reason, 0) + 1
             with contextlib.suppress(RuntimeError):
                 decode.send({"op": "abort", "req": request.request_id})
             local = [
                 w
-                for w in self.gw.workers.values()
+                for w in self.gateway.workers.values()
                 if w.role == "prefill" and w.cluster == "pd" and w.alive and w.name not in tried
             ]
             if not local:
                 raise RequestFailed(f"prefill failed on every worker tried: {outcome}")
-            hits = self.gw.prefixes.node_hits(request.prompt_ids)
+            hits = self.gateway.prefixes.node_hits(request.prompt_ids)
             worker = min(local, key=lambda w: w.load_tokens - hits.get(w.name, 0))
             expected_hit = hits.get(worker.name, 0)
 
@@ -84,7 +84,9 @@ class PrefillDispatch:
         inbox = worker.open(rid)
         worker.load_tokens += n
         # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first
-        link_start = self.gw.prefixes.kv_prefix(request.prompt_ids, decode.name) if worker.cluster == "prfaas" else 0
+        link_start = (
+            self.gateway.prefixes.kv_prefix(request.prompt_ids, decode.name) if worker.cluster == "prfaas" else 0
+        )
         try:
             decode.send(
                 {
@@ -110,7 +112,7 @@ class PrefillDispatch:
                     **({"import": moved} if moved is not None else {}),
                 }
             )
-            async with asyncio.timeout(self.gw.config.prefill_timeout):
+            async with asyncio.timeout(self.gateway.config.prefill_timeout):
                 reply = await inbox.get()
         except TimeoutError:
             return "timeout: prefill and transfer took too long"
@@ -125,7 +127,7 @@ class PrefillDispatch:
             return f"transfer_failed: {reply['error']}"
         record.kv_bytes = reply["kv_bytes"]
         record.cached_tokens = reply["cached_tokens"]
-        self.gw.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
+        self.gateway.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
         record.queue_s = reply["queue_s"]
         record.transfer_s = reply["transfer_tail_s"]
         record.phase = advance(record.phase, Phase.TRANSFERRING)
@@ -136,19 +138,21 @@ class PrefillDispatch:
     ) -> int | None:
         """Carry out the router's cache move: the source cluster's node with the longest hit sends that
         prefix's state to ``dst`` across the link. Returns the transfer ``dst`` takes it from, or None."""
-        rid, transfer = request.request_id, next(self.gw.transfer_ids)
-        hits = self.gw.prefixes.node_hits(request.prompt_ids)
-        sources = [w for w in self.gw.workers.values() if w.cluster == move.src and w.alive and hits.get(w.name, 0)]
-        if not sources or dst.name not in self.gw.move_links:
-            self.gw.cache_moves["no_source"] += 1
+        rid, transfer = request.request_id, next(self.gateway.transfer_ids)
+        hits = self.gateway.prefixes.node_hits(request.prompt_ids)
+        sources = [
+            w for w in self.gateway.workers.values() if w.cluster == move.src and w.alive and hits.get(w.name, 0)
+        ]
+        if not sources or dst.name not in self.gateway.move_links:
+            self.gateway.cache_moves["no_source"] += 1
             return None
         src = max(sources, key=lambda w: (hits[w.name], w.name))
         inbox = src.open(rid)
         try:
-            link = ["127.0.0.1", self.gw.move_links[dst.name].port]
+            link = ["127.0.0.1", self.gateway.move_links[dst.name].port]
             tokens, length = request.prompt_ids, move.end_tokens
             src.send({"op": "export", "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link})
-            async with asyncio.timeout(self.gw.config.prefill_timeout):
+            async with asyncio.timeout(self.gateway.config.prefill_timeout):
                 reply = await inbox.get()
         except (TimeoutError, RuntimeError) as e:
             reply = {"op": "failed", "error": repr(e)}
@@ -156,18 +160,18 @@ class PrefillDispatch:
             src.close(rid)
         if reply["op"] != "exported" or not reply["tokens"]:
             log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, reply.get("error"))
-            self.gw.cache_moves["failed"] += 1
+            self.gateway.cache_moves["failed"] += 1
             return None
-        self.gw.cache_moves["done"] += 1
-        self.gw.cache_moves["bytes"] += reply["bytes"]
-        self.gw.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"])
+        self.gateway.cache_moves["done"] += 1
+        self.gateway.cache_moves["bytes"] += reply["bytes"]
+        self.gateway.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"])
         record.events.append(f"cache_move {src.name}->{dst.name} {reply['tokens']} tokens")
         return transfer
 
     async def _pinned(self, decode: WorkerHandle, rid: str, transfer: int) -> int:
         """Tokens of the prompt whose KV the decode node has pinned: the prefill sends only the rest."""
         inbox = decode.inboxes[rid]
-        async with asyncio.timeout(self.gw.config.prefill_timeout):
+        async with asyncio.timeout(self.gateway.config.prefill_timeout):
             while True:
                 msg = await inbox.get()
                 if msg["op"] == "lost" or (msg["op"] == "failed" and msg.get("transfer") == transfer):

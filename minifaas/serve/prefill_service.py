@@ -73,9 +73,9 @@ class PrefillService:
             try:
                 await asyncio.to_thread(self.store.advance, self.runtime, plan)  # the snapshot segments
                 async with sender.stream(msg["transfer"], layers=self.runtime.num_layers) as tx:
-                    send = _Sender(tx.put_threadsafe, msg.get("link_start", 0))
+                    forward = _LayerForwarder(tx.put_threadsafe, msg.get("link_start", 0))
                     try:
-                        computed = await asyncio.to_thread(self.store.compute, self.runtime, plan, send, sampling)
+                        computed = await asyncio.to_thread(self.store.compute, self.runtime, plan, forward, sampling)
                         self.store.finish(plan, computed, time.perf_counter())
                     finally:
                         self.compute.release()
@@ -94,7 +94,7 @@ class PrefillService:
             "op": "prefilled",
             "req": msg["req"],
             "next_token": result.next_token,
-            "kv_bytes": send.nbytes,
+            "kv_bytes": forward.nbytes,
             "cached_tokens": plan.hit_tokens,
             "computed_tokens": result.computed_tokens,
             "queue_s": started - arrived,
@@ -134,7 +134,7 @@ class PrefillService:
             await sender.__aexit__(None, None, None)
 
 
-class _Sender:
+class _LayerForwarder:
     """Puts each finished layer on the wire; full-attention KV only from ``link_start`` on, since the
     decode node already holds the tokens before it (incremental transfer)."""
 
