@@ -1,4 +1,4 @@
-"""The PrfaaS throughput model (PRFAAS.md eqs 2-6), vectorised over thresholds.
+"""The PrfaaS throughput model (the paper's eqs 2-6, listed in docs/ARCHITECTURE.md), vectorised over thresholds.
 
 For a threshold t and instance counts (N_prfaas, N_p, N_d):
     p = P(L > t), l_long = E[L | L > t], l_short = E[L | L <= t]

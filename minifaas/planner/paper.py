@@ -1,4 +1,4 @@
-"""The PrfaaS paper's case study, every input in one place (docs: ../shared/design/PRFAAS.md).
+"""The PrfaaS paper's case study, every input in one place (Qin et al., arXiv 2604.15039).
 
 Only inputs live here; the planner derives the threshold, the split, the
 throughputs and the egress from them. Units: 1K in the profile table is 1024

@@ -3,7 +3,7 @@
 Routing is on the INCREMENTAL prefill length l = prompt - usable cached prefix.
 With threshold t, l > t is offloaded to the PrfaaS cluster (its KV then crosses
 the inter-cluster link to a PD-D node); l <= t is prefilled locally on a PD-P
-node. Two rules pick which cached prefix counts (PRFAAS.md, "Routing"):
+node. Two rules pick which cached prefix counts (docs/ARCHITECTURE.md, "The router's rules"):
 
 - SCARCE (bandwidth is scarce): each cluster is judged by its own cache; the
   request stays local iff prompt - hit(PD) <= t.
