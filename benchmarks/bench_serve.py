@@ -54,7 +54,7 @@ async def served(
             for i in range(repeats + 1):  # the first is a warm-up
                 body = {
                     "model": gateway.model_name,
-                    "prompt": prompt(n, i),
+                    "prompt": prompt(n, 7919 * i + n),
                     "max_tokens": max_tokens,
                     "temperature": 0,
                     "stream": True,
@@ -74,7 +74,7 @@ async def served(
                 if i:
                     ttfts.append(first or 0.0)
                     e2es.append(time.perf_counter() - start)
-                    refs.append(await asyncio.to_thread(reference, rt, prompt(n, 1000 + i), max_tokens))
+                    refs.append(await asyncio.to_thread(reference, rt, prompt(n, 7919 * i + n + 1), max_tokens))
             out[n] = {
                 "ttft_s": statistics.median(ttfts),
                 "e2e_s": statistics.median(e2es),
