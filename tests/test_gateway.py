@@ -71,11 +71,18 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             await _wait_alive(gw, "prfaas-p0")
 
             # the link is cut mid-transfer: the request completes through PD-P
+            link = gw.emulators["pd-d0"].control
+            await link.set_rate(1e6)  # slow enough that the cut surely lands inside the transfer
+            sent_before = (await link.stats())["up_bytes"]
             task = asyncio.create_task(_run(gw, "cut", LONG))
-            await asyncio.sleep(0.8)
-            await gw.emulators["pd-d0"].control.cut()
+            async with asyncio.timeout(120):
+                while (await link.stats())["up_bytes"] <= sent_before:
+                    await asyncio.sleep(0.05)
+            await link.cut()
             tokens, rec = await task
             assert tokens == reference["long"], rec.to_json()
+            assert rec.route == "local" and rec.fallback, rec.to_json()
+            await link.set_rate(20e6)
             assert gw.health()["healthy"]
             tokens, rec = await _run(gw, "after", FRESH)
             assert tokens == reference["fresh"] and rec.route == "prfaas", rec.to_json()
