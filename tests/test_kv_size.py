@@ -74,3 +74,15 @@ def test_cli_accepts_a_bare_config_file(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["kv-size", "--model", str(tmp_path / "config.json"), "--json", "--lengths", "1000"]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["bytes_at"]["1000"] == 4 * 2 * 2 * 64 * 2 * 1000
+
+
+def test_kimi_linear_reconstructed_config_matches_the_reference_figures() -> None:
+    from minifaas.model.loader import MODELS_DIR
+
+    cfg = json.loads(
+        (MODELS_DIR / "configs" / "moonshotai__Kimi-Linear-48B-A3B-Instruct.reconstructed.json").read_text()
+    )
+    p = kv_profile(cfg)
+    kinds = p.by_kind()
+    assert kinds["mla"][:2] == (7, 8064)  # (512 + 64) x 2 bytes per MLA layer
+    assert kinds["linear"][0] == 20 and kinds["linear"][2] == 20 * (32 * 128 * 128 * 4 + 3 * 4096 * 4 * 2)
