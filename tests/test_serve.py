@@ -152,7 +152,10 @@ def test_bad_input_gets_4xx_and_the_server_stays_healthy(server: str, body: byte
     code, reply = _post(f"{server}/v1/completions", body)
     assert code == status and "message" in reply["error"]
     ok, good = _post(
-        f"{server}/v1/completions", json.dumps({"model": "kimi-linear-tiny", "prompt": "a", "max_tokens": 2}).encode()
+        f"{server}/v1/completions",
+        json.dumps(
+            {"model": "kimi-linear-tiny", "prompt": "a", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        ).encode(),
     )
     assert ok == 200 and good["usage"]["completion_tokens"] == 2
 
