@@ -6,6 +6,14 @@ steps the short-term policy and writes its threshold and rule back into the
 gateway, where the next ``_route`` reads them. Every decision is logged by
 the policy and counted in /metrics here.
 
+The long-term policy runs on the same ticks when the serve configuration names
+a profile of the instances (``[scheduler] profile``, written by ``minifaas
+profile``): once a period it re-plans (t, N_p, N_d) from the prompts routed
+since, the measured prefill speeds (``prefilled``), the mean output length
+(``finished``) and the link's ceiling. Its t becomes the short-term policy's
+base; a new split is carried out by the gateway's ``RoleChanger`` (drain,
+restart in the other role, rejoin), one worker at a time.
+
 What the live signals hold: PrfaaS egress and the link ceiling summed over the
 emulators in front of the decode workers (their interval byte counters and
 current rates); queue depth per stage from the requests open on each worker;
@@ -17,24 +25,74 @@ relay ends every connection on loopback; netns mode would give real ones).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING
 
+from minifaas.planner.case import PlanCase
+from minifaas.planner.lengths import LengthDistribution
+from minifaas.planner.profile import load_profiles
 from minifaas.policy.router import RouteDecision
+from minifaas.scheduler.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
 from minifaas.scheduler.short_term import Action, ShortTermConfig, ShortTermPolicy
 from minifaas.scheduler.signals import Signals, StageLoad
+from minifaas.transport.pacer import parse_rate
 
 if TYPE_CHECKING:
     from minifaas.serve.gateway import Gateway
 
+log = logging.getLogger("minifaas.scheduler")
+UNLIMITED_LINK_GBPS = 1000.0  # what the planner is told when the emulated link has no rate limit
+
 
 class LiveScheduler:
-    def __init__(self, gateway: Gateway, config: ShortTermConfig) -> None:
+    def __init__(self, gateway: Gateway, config: ShortTermConfig, long_term: LongTermConfig | None = None) -> None:
         self.gateway = gateway
         self.short = ShortTermPolicy(config, gateway.threshold, gateway.rule)
+        self.long = self._long_term(long_term) if long_term is not None else None
         self.lengths: list[int] = []
         self.egress_since: dict[str, float] = {}  # emulator -> its uptime at the reading last used
+        self._outputs = [0, 0]  # completion tokens, finished requests: the mean output length
         gateway.metrics.set_threshold(gateway.threshold)
+
+    def _long_term(self, config: LongTermConfig) -> LongTermPolicy | None:
+        """The long-term policy over the planning case of this deployment, or None if it cannot be planned."""
+        sc, gw = self.gateway.config.scheduler, self.gateway
+        prefill, decode = load_profiles(sc.profile)  # type: ignore[arg-type]
+        if prefill is None or decode is None:
+            raise ValueError(f"{sc.profile}: a profile needs [prefill] and [decode] tables (minifaas profile)")
+        prfaas = load_profiles(sc.prfaas_profile)[0] if sc.prfaas_profile else prefill
+        if prfaas is None:
+            raise ValueError(f"{sc.prfaas_profile}: no [prefill] table")
+        count = {(c, r): sum(w.cluster == c and w.role == r for w in gw.workers.values()) for c, r in _STAGES}
+        n_prfaas, n_p, n_d = count["prfaas", "prefill"], count["pd", "prefill"], count["pd", "decode"]
+        if n_p + n_d < 2:
+            log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
+            return None
+        rate = parse_rate(gw.config.link.rate)  # per decode worker: each has its own emulated link
+        case = PlanCase(
+            name="live",
+            prfaas=prfaas,
+            pd_prefill=prefill,
+            decode=decode,
+            lengths=LengthDistribution.empirical("until measured", [max(1, gw.threshold)]),
+            output_tokens=16.0,  # replaced by the measured mean before each plan
+            n_prfaas=n_prfaas,
+            n_pd=n_p + n_d,
+            n_homogeneous=max(2, n_prfaas + n_p + n_d),
+            link_gbps=n_d * rate / 1e9 if rate else UNLIMITED_LINK_GBPS,
+        )
+        return LongTermPolicy(config, case, gw.threshold, n_p, n_d)
+
+    def prefilled(self, cluster: str, tokens: int, seconds: float) -> None:
+        """A prefill ended on ``cluster`` after ``seconds`` for ``tokens`` computed: its measured speed."""
+        if self.long is not None and tokens > 0:
+            self.long.observe_prefill(cluster, tokens, seconds)
+
+    def finished(self, completion_tokens: int) -> None:
+        if completion_tokens > 0:
+            self._outputs[0] += completion_tokens
+            self._outputs[1] += 1
 
     def observe(self, decision: RouteDecision) -> None:
         """A request was routed: remember how much of it had to be prefilled."""
@@ -61,12 +119,32 @@ class LiveScheduler:
 
     def tick(self, now: float) -> None:
         gw = self.gateway
-        decision = self.short.step(self.signals(now))
+        signals = self.signals(now)
+        decision = self.short.step(signals)
         gw.threshold, gw.rule = decision.threshold, decision.rule
         gw.metrics.scheduler_decision("short_term", decision.action, decision.reason)
-        if decision.action is not Action.HOLD:
-            gw.metrics.set_threshold(decision.threshold)
+        if self.long is not None:
+            self._replan(signals)
+        if decision.action is not Action.HOLD or gw.threshold != self.short.threshold:
+            gw.threshold = self.short.threshold
+            gw.metrics.set_threshold(gw.threshold)
+
+    def _replan(self, signals: Signals) -> None:
+        assert self.long is not None
+        if self._outputs[1]:
+            self.long.case = self.long.case.with_overrides(output_tokens=self._outputs[0] / self._outputs[1])
+        plan: RebalanceDecision | None = self.long.step(signals)
+        if plan is None:
+            return
+        self.gateway.metrics.scheduler_decision("long_term", "convert" if plan.to_prefill else "plan", plan.reason)
+        self.short.set_base(plan.threshold)
+        if plan.to_prefill:
+            self.gateway.roles.rebalance(plan.to_prefill)
 
     def _stage(self, cluster: str, role: str) -> StageLoad:
+        """Draining workers do not serve the stage; their requests still count in its depth."""
         workers = [w for w in self.gateway.workers.values() if w.cluster == cluster and w.role == role]
-        return StageLoad(sum(w.alive for w in workers), sum(len(w.inboxes) for w in workers))
+        return StageLoad(sum(w.serving for w in workers), sum(w.busy for w in workers))
+
+
+_STAGES = (("prfaas", "prefill"), ("pd", "prefill"), ("pd", "decode"))

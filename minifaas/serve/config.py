@@ -5,6 +5,7 @@
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device
 [link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections
 [cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
+[scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
 """
 
 from __future__ import annotations
@@ -78,6 +79,30 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The long-term loop: re-plan (t, N_p, N_d) from measured traffic and re-role PD workers.
+
+    It needs a profile of the instances (``minifaas profile`` writes one); without one it stays off.
+    """
+
+    profile: str | None = None  # [prefill] and [decode] tables of a PD instance
+    prfaas_profile: str | None = None  # [prefill] of a PrfaaS instance; default: ``profile``'s
+    rebalance: bool = True  # off switch: no re-planning, no role conversion
+    period_s: float = 300.0  # between re-plans (scheduler.long_term says why 300)
+    min_requests: int = 200  # a period with fewer routed prompts is not re-planned
+    min_gain: float = 0.05  # a new split must plan this much more throughput
+    drain_timeout: float = 120.0  # a worker changing role that still holds requests after this keeps its role
+
+    def __post_init__(self) -> None:
+        if self.period_s <= 0 or self.min_requests < 1 or self.min_gain < 0 or self.drain_timeout <= 0:
+            raise ValueError("need period_s > 0, min_requests >= 1, min_gain >= 0, drain_timeout > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rebalance and self.profile is not None
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -93,6 +118,7 @@ class ServeConfig:
     pd: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1, decode_workers=1))
     link: LinkConfig = field(default_factory=LinkConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.threshold < 0 or not 0 <= self.port < 65536:
@@ -113,6 +139,7 @@ class ServeConfig:
             ("pd", ClusterConfig),
             ("link", LinkConfig),
             ("cache", CacheConfig),
+            ("scheduler", SchedulerConfig),
         ):
             if name in data:
                 top[name] = kind(**data[name])

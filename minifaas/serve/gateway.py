@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import logging
 import secrets
-import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -47,6 +46,7 @@ from minifaas.policy.router import (
     RouterConfig,
     Rule,
 )
+from minifaas.scheduler.long_term import LongTermConfig
 from minifaas.scheduler.loop import LiveScheduler
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.config import ServeConfig
@@ -57,6 +57,7 @@ from minifaas.serve.prefill_dispatch import PrefillDispatch
 from minifaas.serve.prefix_directory import PrefixDirectory
 from minifaas.serve.prefix_store import needs_snapshot, state_layout
 from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
+from minifaas.serve.roles import RoleChanger, plan_workers
 from minifaas.serve.token_stream import decode_tokens
 from minifaas.serve.worker_handle import LOST, WorkerHandle
 from minifaas.transport.emulator_control import EmulatorProcess
@@ -78,71 +79,33 @@ class Gateway:
         # the gateway works out the incremental transfer itself, per decode node (see PrefillDispatch._once)
         self.router = Router(RouterConfig(cross_cluster_cache_move=config.cache.moves, incremental_transfer=False))
         self.secret = secrets.token_bytes(32)
-        self.workers = self._plan_workers()
+        self.workers = plan_workers(config, self.secret)
+        self.known_names = set(self.workers)  # a name is never reused, even after its worker is retired
         hybrid = needs_snapshot(state_layout(load_config(spec)))
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, self.workers)
         self.emulators: dict[str, EmulatorProcess] = {}
         self.move_links: dict[str, EmulatorProcess] = {}  # the link into each prefill node, for cache moves
         self.cache_moves: Counter[str] = Counter()
         short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=self.max_context)
-        self.scheduler = LiveScheduler(self, short_term)
+        sc = config.scheduler
+        long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
+        self.scheduler = LiveScheduler(self, short_term, long_term if sc.enabled else None)
         self.inflight = 0
         self.fallbacks: dict[str, int] = {}
         self.transfer_ids = itertools.count(1)
         self.dispatch = PrefillDispatch(self)
+        self.roles = RoleChanger(self)
         self._closing = False
         self._stack = contextlib.AsyncExitStack()
         self._tasks: asyncio.TaskGroup | None = None
-
-    def _plan_workers(self) -> dict[str, WorkerHandle]:
-        c = self.config
-        common = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections)]
-        if not c.link.pipelined:
-            common.append("--no-pipelining")
-        plan = [
-            ("prfaas-p", "prefill", "prfaas", c.prfaas.prefill_workers, c.prfaas.device),
-            ("pd-p", "prefill", "pd", c.pd.prefill_workers, c.pd.device),
-            ("pd-d", "decode", "pd", c.pd.decode_workers, c.pd.device),
-        ]
-        cache = [
-            *("--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)),
-            *("--snapshot-interval", str(c.cache.snapshot_interval_blocks)),
-        ]
-        keep_received = c.cache.enabled and c.cache.incremental_transfer
-        workers = {}
-        for prefix, role, cluster, count, device in plan:
-            for i in range(count):
-                argv = [*common, "--device", device]
-                if role == "prefill":
-                    argv += [*cache, "--prefix-cache", c.cache.mode]
-                    if c.cache.moves:
-                        argv += ["--accept-moves", "--kv-port", str(_free_port())]
-                else:  # a decode node keeps the KV it receives only to take increments later
-                    argv += [*cache, "--prefix-cache", "hybrid" if keep_received else "none"]
-                if role == "decode":  # a fixed port, so a restarted worker is found where the emulator points
-                    argv += ["--kv-port", str(_free_port()), "--max-batch", str(c.pd.max_batch)]
-                workers[f"{prefix}{i}"] = WorkerHandle(f"{prefix}{i}", role, cluster, argv, self.secret)
-        return workers
 
     async def __aenter__(self) -> Gateway:
         self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._stack.push_async_callback(self._shutdown)
         try:
-            readers = await asyncio.gather(*(w.start() for w in self.workers.values()))
-            for w, reader in zip(self.workers.values(), readers):
-                self._tasks.create_task(self._supervise(w, reader))
-                self._tasks.create_task(self._follow_cache(w))
-            link = self.config.link
-            options = {"rate": link.rate, "flow_rate": link.flow_rate, "delay_ms": link.delay_ms}
-            options["jitter_ms"] = link.jitter_ms
-            for w in self._decode_workers():
-                emulator = EmulatorProcess(("127.0.0.1", w.kv_port), **options)
-                self.emulators[w.name] = await self._stack.enter_async_context(emulator)
-            if self.config.cache.moves:  # not sampled by _watch_links: the scheduler watches PrfaaS egress
-                for w in self.workers.values():
-                    if w.role == "prefill":
-                        emulator = EmulatorProcess(("127.0.0.1", w.kv_port), **options)
-                        self.move_links[w.name] = await self._stack.enter_async_context(emulator)
+            async with asyncio.TaskGroup() as starting:  # one failing cancels the others
+                for w in list(self.workers.values()):
+                    starting.create_task(self.launch(w))
         except BaseException:
             await self._stack.aclose()
             raise
@@ -150,13 +113,50 @@ class Gateway:
         log.info("gateway ready: %s", ", ".join(self.workers))
         return self
 
+    async def launch(self, w: WorkerHandle) -> None:
+        """Start a worker, follow it, and put an emulated link in front of what crosses clusters into it:
+        a decode worker's KV port (PrfaaS states) and, with cache moves, a prefill worker's."""
+        try:
+            reader = await w.start()
+            link = self.config.link
+            options = {"rate": link.rate, "flow_rate": link.flow_rate, "delay_ms": link.delay_ms}
+            options["jitter_ms"] = link.jitter_ms
+            links = self.emulators if w.role == "decode" else self.move_links if self.config.cache.moves else None
+            if links is not None:
+                emulator = EmulatorProcess(("127.0.0.1", w.kv_port), **options)
+                links[w.name] = await self._stack.enter_async_context(emulator)
+        except BaseException:
+            await w.stop()
+            raise
+        self.prefixes.forget(w.name)  # a new pool starts empty
+        self.known_names.add(w.name)
+        self.workers[w.name] = w
+        assert self._tasks is not None
+        self._tasks.create_task(self._supervise(w, reader))
+        self._tasks.create_task(self._follow_cache(w))
+
+    async def retire(self, w: WorkerHandle) -> None:
+        """Stop a worker for good (it changes role: ``serve.roles``); forget its pool and its link."""
+        w.retired = True
+        self.workers.pop(w.name, None)
+        await w.stop()
+        for links in (self.emulators, self.move_links):
+            emulator = links.pop(w.name, None)
+            if emulator is not None:
+                await emulator.__aexit__(None, None, None)
+        if self.link_stats.pop(w.name, None) is not None:
+            self.metrics.set_link_utilization(f"prfaas->{w.name}", 0.0)
+        self.prefixes.drop(w.name)
+
     async def _watch_links(self, period: float = 1.0) -> None:
         """Sample each emulated link and the stage queues into /metrics."""
         while not self._closing:
-            for name, emulator in self.emulators.items():
+            for name, emulator in list(self.emulators.items()):  # a conversion may retire one meanwhile
                 try:
                     stats = await emulator.control.stats()
                 except (OSError, RuntimeError, TimeoutError):
+                    continue
+                if name not in self.emulators:
                     continue
                 self.link_stats[name] = stats
                 self.metrics.set_link_utilization(f"prfaas->{name}", stats.get("utilisation") or 0.0)
@@ -172,6 +172,7 @@ class Gateway:
 
     async def _shutdown(self) -> None:
         self._closing = True
+        await self.roles.cancel()
         await asyncio.gather(*(w.stop() for w in self.workers.values()))
         for w in self.workers.values():
             if CACHE_EVENTS in w.inboxes:  # ends _follow_cache even if no process was left to lose
@@ -181,7 +182,7 @@ class Gateway:
         """Pump a worker's replies; when it dies, say so and start a new one in its place."""
         while True:
             await w.pump(reader)
-            if self._closing:
+            if self._closing or w.retired:
                 return
             code = w.process.returncode if w.process else None
             log.error("worker %s died (exit code %s): restarting it", w.name, code)
@@ -204,6 +205,9 @@ class Gateway:
             msg = await inbox.get()
             if msg["op"] == "cache":
                 self.prefixes.apply(msg["events"])
+            elif msg["op"] == "lost" and w.retired:
+                self.prefixes.drop(w.name)
+                return
             elif msg["op"] == "lost":
                 self.prefixes.forget(w.name)  # its pool died with it; a restarted one starts empty
 
@@ -211,7 +215,7 @@ class Gateway:
         return [w for w in self.workers.values() if w.role == "decode"]
 
     def health(self) -> dict:
-        status = {name: ("up" if w.alive else "down") for name, w in self.workers.items()}
+        status = {n: ("down" if not w.alive else "draining" if w.draining else "up") for n, w in self.workers.items()}
         healthy = any(w.alive for w in self._decode_workers()) and any(
             w.alive for w in self.workers.values() if w.role == "prefill"
         )
@@ -222,6 +226,7 @@ class Gateway:
             "threshold": self.threshold,
             "inflight": self.inflight,
             "cache_moves": dict(self.cache_moves),
+            "role_changes": dict(self.roles.counts),
         }
 
     def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision:
@@ -229,7 +234,7 @@ class Gateway:
 
         def nodes(cluster: str, role: str) -> tuple[NodeView, ...]:
             return tuple(
-                NodeView(w.name, hits.get(w.name, 0), w.load_tokens, w.alive and w.name not in exclude)
+                NodeView(w.name, hits.get(w.name, 0), w.load_tokens, w.serving and w.name not in exclude)
                 for w in self.workers.values()
                 if w.cluster == cluster and w.role == role
             )
@@ -272,15 +277,10 @@ class Gateway:
         finally:
             self.inflight -= 1
             record.e2e_s = time.perf_counter() - start
+            self.scheduler.finished(record.completion_tokens)
             if decode is not None:
                 decode.close(rid)
                 if not record.phase.done:
                     record.phase = Phase.ABORTED
                 with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
                     decode.send({"op": "abort", "req": rid})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -37,7 +37,11 @@ class PrefillDispatch:
         tried: set[str] = set()
         worker = self.gateway.workers[decision.prefill_node]  # type: ignore[index]
         expected_hit = decision.cached_tokens
-        moved = await self._move(request, record, decision.cache_move, worker) if decision.cache_move else None
+        worker.claims += 1  # held until _once opens its inbox, so a drain cannot end in between
+        try:
+            moved = await self._move(request, record, decision.cache_move, worker) if decision.cache_move else None
+        finally:
+            worker.release()
         while True:
             record.route = "prfaas" if worker.cluster == "prfaas" else "local"
             record.prefill_worker = worker.name
@@ -59,7 +63,7 @@ class PrefillDispatch:
             local = [
                 w
                 for w in self.gateway.workers.values()
-                if w.role == "prefill" and w.cluster == "pd" and w.alive and w.name not in tried
+                if w.role == "prefill" and w.cluster == "pd" and w.serving and w.name not in tried
             ]
             if not local:
                 raise RequestFailed(f"prefill failed on every worker tried: {outcome}")
@@ -130,6 +134,7 @@ class PrefillDispatch:
         self.gateway.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
         record.queue_s = reply["queue_s"]
         record.transfer_s = reply["transfer_tail_s"]
+        self.gateway.scheduler.prefilled(worker.cluster, reply["computed_tokens"], reply["prefill_s"])
         record.phase = advance(record.phase, Phase.TRANSFERRING)
         return int(reply["next_token"])
 
@@ -141,7 +146,7 @@ class PrefillDispatch:
         rid, transfer = request.request_id, next(self.gateway.transfer_ids)
         hits = self.gateway.prefixes.node_hits(request.prompt_ids)
         sources = [
-            w for w in self.gateway.workers.values() if w.cluster == move.src and w.alive and hits.get(w.name, 0)
+            w for w in self.gateway.workers.values() if w.cluster == move.src and w.serving and hits.get(w.name, 0)
         ]
         if not sources or dst.name not in self.gateway.move_links:
             self.gateway.cache_moves["no_source"] += 1

@@ -38,6 +38,11 @@ class PrefixDirectory:
         self.manager.indexes[node] = PrefixIndex(self.needs_snapshot)
         self.manager.nodes[node] = set()
 
+    def drop(self, node: str) -> None:
+        """The node is gone for good (it changed role under a new name)."""
+        self.manager.indexes.pop(node, None)
+        self.manager.nodes.pop(node, None)
+
     def kv_prefix(self, prompt_ids: Sequence[int], node: str) -> int:
         """Full-attention KV of the prompt's prefix that ``node`` holds (a decode node needs no snapshot)."""
         if not (self.config.enabled and self.config.incremental_transfer) or len(prompt_ids) < 2:

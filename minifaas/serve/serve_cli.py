@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -21,7 +22,9 @@ log = logging.getLogger("minifaas.serve")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
-    parser.add_argument("--config", help="a TOML file ([serve], [prfaas], [pd], [link], [cache]); flags override it")
+    parser.add_argument(
+        "--config", help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler]); flags override it"
+    )
     parser.add_argument("--host", help=f"address to listen on (default {d.host})")
     parser.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
     parser.add_argument("--model", help=f"preset or local checkpoint dir (default {d.model})")
@@ -53,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-cache-moves", action="store_true", help="never move a cache across the link first")
     parser.add_argument("--route-rule", choices=("scarce", "abundant"), help=f"routing rule (default {d.cache.rule})")
+    parser.add_argument(
+        "--profile", help="an instance profile (minifaas profile --out): turns on re-planning and PD role conversion"
+    )
+    parser.add_argument(
+        "--rebalance-period", type=float, help=f"seconds between re-plans (default {d.scheduler.period_s})"
+    )
+    parser.add_argument("--no-rebalance", action="store_true", help="never re-plan or change a PD worker's role")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -84,6 +94,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         incremental_transfer=base.cache.incremental_transfer and not args.no_incremental_transfer,
         cross_cluster_moves=base.cache.cross_cluster_moves and not args.no_cache_moves,
     )
+    scheduler = replace(
+        base.scheduler,
+        profile=_pick(args.profile, base.scheduler.profile),
+        period_s=_pick(args.rebalance_period, base.scheduler.period_s),
+        rebalance=base.scheduler.rebalance and not args.no_rebalance,
+    )
     return ServeConfig(
         host=_pick(args.host, base.host),
         port=_pick(args.port, base.port),
@@ -99,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         pd=pd,
         link=link,
         cache=cache,
+        scheduler=scheduler,
     )
 
 

@@ -3,6 +3,11 @@
 Replies from the worker are sorted into one inbox per request. When the
 control connection ends (the process died or was killed), every open inbox
 receives ``{"op": "lost"}``, so no request waits on a worker that is gone.
+
+A worker that is changing role (``serve.roles``) is ``draining``: the router
+sends it nothing new, and ``wait_idle`` returns once the requests it holds
+(open inboxes, and prefills routed to it that have not opened one yet:
+``claims``) are done.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 
 from minifaas.child_process import wait_or_kill
 from minifaas.serve import control
+from minifaas.serve.control import CACHE_EVENTS
 
 log = logging.getLogger("minifaas.gateway")
 LOST = {"op": "lost"}
@@ -35,6 +41,30 @@ class WorkerHandle:
         self.restarts = 0
         self.load_tokens = 0  # prompt tokens sent and not yet answered (prefill) / requests decoding
         self.inboxes: dict[str, asyncio.Queue[dict]] = {}
+        self.draining = False  # changing role: routed nothing new
+        self.retired = False  # stopped for good (replaced by a worker in its new role)
+        self.claims = 0  # prefills routed here that have not opened their inbox yet
+        self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
+
+    @property
+    def serving(self) -> bool:
+        """Takes new requests: running and not draining."""
+        return self.alive and not self.draining
+
+    @property
+    def busy(self) -> int:
+        """Requests that still hold the worker."""
+        return self.claims + sum(req != CACHE_EVENTS for req in self.inboxes)
+
+    def release(self) -> None:
+        """A claim is over (the prefill opened its inbox, or went elsewhere)."""
+        self.claims -= 1
+        self._quieter.set()
+
+    async def wait_idle(self) -> None:
+        while self.busy:
+            self._quieter.clear()
+            await self._quieter.wait()
 
     async def start(self, timeout: float = 300.0) -> asyncio.StreamReader:
         argv = [sys.executable, "-m", "minifaas.serve.worker", "--role", self.role, "--name", self.name, *self.argv]
@@ -77,6 +107,7 @@ class WorkerHandle:
 
     def close(self, req: str) -> None:
         self.inboxes.pop(req, None)
+        self._quieter.set()
 
     def send(self, message: dict) -> None:
         if not self.alive or self.writer is None:

@@ -1,0 +1,169 @@
+"""The PD cluster's workers: what each role is started with, and changing a worker's role while serving.
+
+The long-term scheduler (``scheduler.long_term``) decides how many PD workers
+prefill and how many decode; ``RoleChanger`` carries a decision out on live
+processes, one worker at a time:
+
+  1. pick the least busy worker of the role that shrinks. The last decode
+     worker is never taken, nor the last prefill worker when PrfaaS has none.
+  2. drain it: it is marked draining, so the router, the PD-P fallback and
+     cache moves pass it by; wait until every request it holds has finished.
+     Nothing is handed over or lost: its requests end where they are.
+  3. retire it: stop the process, drop its entries from the prefix directory
+     (its pool dies with it) and close the link emulator in front of it.
+  4. start a worker in the new role under a fresh name (pd-p<k> or pd-d<k>)
+     with what that role needs: a decode worker gets its own KV port and an
+     emulated link in front of it, a prefill worker its prefix cache.
+  5. it joins the workers the router sees as soon as it is ready.
+
+A drain that does not end within ``drain_timeout`` is called off: the worker
+takes new requests again, and the conversion counts as abandoned. PrfaaS
+workers are never re-roled: they are another cluster, on other hardware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from minifaas.serve.config import ServeConfig
+from minifaas.serve.worker_handle import WorkerHandle
+
+if TYPE_CHECKING:
+    from minifaas.serve.gateway import Gateway
+
+log = logging.getLogger("minifaas.gateway")
+PREFIX = {("prfaas", "prefill"): "prfaas-p", ("pd", "prefill"): "pd-p", ("pd", "decode"): "pd-d"}
+
+
+def worker_argv(c: ServeConfig, role: str, cluster: str) -> list[str]:
+    """The worker command line for a role in a cluster (``--role`` and ``--name`` are added at start)."""
+    device = c.prfaas.device if cluster == "prfaas" else c.pd.device
+    argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
+    if not c.link.pipelined:
+        argv.append("--no-pipelining")
+    argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]
+    argv += ["--snapshot-interval", str(c.cache.snapshot_interval_blocks)]
+    if role == "prefill":
+        argv += ["--prefix-cache", c.cache.mode]
+        if c.cache.moves:
+            argv += ["--accept-moves", "--kv-port", str(free_port())]
+    else:  # a decode node keeps the KV it receives only to take increments later;
+        # a fixed port, so a restarted worker is found where its emulator points
+        keep = c.cache.enabled and c.cache.incremental_transfer
+        argv += ["--prefix-cache", "hybrid" if keep else "none", "--kv-port", str(free_port())]
+        argv += ["--max-batch", str(c.pd.max_batch)]
+    return argv
+
+
+def plan_workers(c: ServeConfig, secret: bytes) -> dict[str, WorkerHandle]:
+    """Every worker the configuration asks for, not started yet."""
+    counts = [
+        ("prfaas", "prefill", c.prfaas.prefill_workers),
+        ("pd", "prefill", c.pd.prefill_workers),
+        ("pd", "decode", c.pd.decode_workers),
+    ]
+    workers = {}
+    for cluster, role, count in counts:
+        for i in range(count):
+            name = f"{PREFIX[cluster, role]}{i}"
+            workers[name] = WorkerHandle(name, role, cluster, worker_argv(c, role, cluster), secret)
+    return workers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    old: str
+    new: str
+    role: str  # the new role
+    drain_s: float  # from the decision until the old worker held nothing
+    start_s: float  # from then until the new worker was serving
+
+
+class RoleChanger:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.counts: Counter[str] = Counter()  # to_prefill, to_decode, abandoned, refused
+        self.done: list[Conversion] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def in_progress(self) -> int:
+        return len(self._tasks)
+
+    def rebalance(self, to_prefill: int) -> None:
+        """Start |to_prefill| conversions, decode -> prefill when positive; each drains on its own."""
+        for _ in range(abs(to_prefill)):
+            worker = self.pick(to_prefill > 0)
+            if worker is None:
+                self.counts["refused"] += 1
+                log.warning("rebalance: no PD worker can change role now (to_prefill %+d)", to_prefill)
+                return
+            self.start(worker, "prefill" if to_prefill > 0 else "decode")
+
+    def pick(self, to_prefill: bool) -> WorkerHandle | None:
+        """The least busy worker of the shrinking role, or None when none may go."""
+        workers = self.gateway.workers.values()
+        shrinking = [w for w in workers if w.cluster == "pd" and w.role == ("decode" if to_prefill else "prefill")]
+        serving = [w for w in shrinking if w.serving]
+        prefill_elsewhere = any(w.serving for w in workers if w.role == "prefill" and w.cluster == "prfaas")
+        if not serving or (len(serving) == 1 and (to_prefill or not prefill_elsewhere)):
+            return None
+        return min(serving, key=lambda w: (w.busy, w.load_tokens, w.name))
+
+    def start(self, worker: WorkerHandle, role: str) -> asyncio.Task[WorkerHandle | None]:
+        """Drain ``worker`` and bring it back as ``role``, in the background."""
+        if worker.cluster != "pd" or worker.role == role or role not in ("prefill", "decode"):
+            raise ValueError(f"{worker.name} ({worker.cluster} {worker.role}) cannot become a {role} worker")
+        if worker.draining:
+            raise ValueError(f"{worker.name} is already changing role")
+        worker.draining = True  # at once: from now on the router passes it by
+        task = asyncio.get_running_loop().create_task(self._convert(worker, role))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _convert(self, old: WorkerHandle, role: str) -> WorkerHandle | None:
+        gw, began = self.gateway, time.monotonic()
+        timeout = gw.config.scheduler.drain_timeout
+        log.info("worker %s: draining (%d requests) to become a %s worker", old.name, old.busy, role)
+        try:
+            async with asyncio.timeout(timeout):
+                await old.wait_idle()
+        except TimeoutError:
+            old.draining = False
+            self.counts["abandoned"] += 1
+            log.warning("worker %s: still busy after %.0f s; it stays %s", old.name, timeout, old.role)
+            return None
+        drained = time.monotonic()
+        await gw.retire(old)
+        new = WorkerHandle(self._fresh_name(role), role, "pd", worker_argv(gw.config, role, "pd"), gw.secret)
+        await gw.launch(new)
+        self.counts[f"to_{role}"] += 1
+        self.done.append(Conversion(old.name, new.name, role, drained - began, time.monotonic() - drained))
+        log.info("worker %s replaced %s: drained in %.1f s, serving %.1f s later",
+                 new.name, old.name, drained - began, time.monotonic() - drained)  # fmt: skip
+        return new
+
+    def _fresh_name(self, role: str) -> str:
+        prefix = PREFIX["pd", role]
+        taken = {int(n[len(prefix) :]) for n in self.gateway.known_names if n.startswith(prefix)}
+        return f"{prefix}{next(i for i in itertools.count() if i not in taken)}"
+
+    async def cancel(self) -> None:
+        """Stop conversions in progress (at shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,161 @@
+"""PD workers change role while the gateway serves: drained, restarted in the other role, and rejoined.
+
+Real worker processes and link emulators throughout; requests keep arriving
+during every conversion, and none may fail or come back short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from minifaas.model.sampling import SamplingParams
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, save_profiles
+from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.serve.gateway import Gateway
+from minifaas.serve.lifecycle import Phase
+from minifaas.serve.requests import GenerateRequest, RequestRecord
+from minifaas.serve.roles import RoleChanger
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+LENGTHS = (40, 300, 90, 520)  # short ones stay local, long ones go PrfaaS at t = 256
+
+
+def _config(**changes: object) -> ServeConfig:
+    base = ServeConfig(
+        threshold=256,
+        fixed_threshold=True,
+        prfaas=ClusterConfig(prefill_workers=1),
+        pd=ClusterConfig(prefill_workers=1, decode_workers=2),
+        link=LinkConfig(rate="200mbit", delay_ms=1.0),
+        cache=CacheConfig(mode="none"),
+    )
+    return replace(base, **changes)
+
+
+async def _run(gw: Gateway, rid: str, n: int, params: SamplingParams = GREEDY) -> tuple[RequestRecord, list[int]]:
+    prompt = [(n * 13 + 5 * i) % 256 for i in range(n)]
+    record = RequestRecord(rid, n)
+    tokens = [e.token_id async for e in gw.stream(GenerateRequest(rid, prompt, params), record)]
+    return record, tokens
+
+
+async def _client(gw: Gateway, name: str, stop: asyncio.Event, done: list) -> None:
+    i = 0
+    while not stop.is_set():
+        n = LENGTHS[(i + len(name)) % len(LENGTHS)]
+        done.append(await _run(gw, f"{name}-{i}", n))
+        i += 1
+
+
+def _roles(gw: Gateway) -> dict[str, str]:
+    return {name: w.role for name, w in gw.workers.items() if w.cluster == "pd"}
+
+
+def test_workers_change_role_under_load_and_no_request_fails() -> None:
+    async def scenario() -> None:
+        async with Gateway(_config()) as gw:
+            reference = {n: (await _run(gw, f"ref-{n}", n))[1] for n in LENGTHS}
+            done: list[tuple[RequestRecord, list[int]]] = []
+            stop = asyncio.Event()
+            async with asyncio.TaskGroup() as clients:
+                for name in ("a", "bb", "ccc"):
+                    clients.create_task(_client(gw, name, stop, done))
+                # decode -> prefill, prefill -> decode, then the last original decode worker -> prefill
+                for old, role, new in (("pd-d1", "prefill", "pd-p1"), ("pd-p0", "decode", "pd-d2"),
+                                       ("pd-d0", "prefill", "pd-p2")):  # fmt: skip
+                    async with asyncio.timeout(240):
+                        replaced = await gw.roles.start(gw.workers[old], role)
+                    assert replaced is not None and replaced.name == new and old not in gw.workers
+                    assert gw.workers[new].role == role and gw.workers[new].serving
+                    assert gw.health()["workers"][new] == "up"
+                settled = len(done)
+                async with asyncio.timeout(240):
+                    while len(done) < settled + 6:  # requests served wholly by the new split
+                        await asyncio.sleep(0.2)
+                stop.set()
+
+            assert _roles(gw) == {"pd-p1": "prefill", "pd-p2": "prefill", "pd-d2": "decode"}
+            assert gw.roles.counts == {"to_prefill": 2, "to_decode": 1}
+            assert set(gw.emulators) == {"pd-d2"}  # each retired decode worker's link is gone
+            assert set(gw.prefixes.manager.indexes) == set(gw.workers)
+            # zero failures: every request finished with every token, and the same tokens as before
+            for record, tokens in done:
+                assert record.phase is Phase.FINISHED and not record.fallback, record.to_json()
+                assert tokens == reference[record.prompt_tokens], record.to_json()
+            after = [r for r, _ in done[settled:]]
+            assert all(r.decode_worker == "pd-d2" for r in after)
+            assert {r.prefill_worker for r in after if r.route == "local"} <= {"pd-p1", "pd-p2"}
+            assert {r.route for r, _ in done} == {"local", "prfaas"}
+            assert [c.new for c in gw.roles.done] == ["pd-p1", "pd-d2", "pd-p2"]
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_that_times_out_keeps_the_worker_in_its_role() -> None:
+    config = _config(scheduler=SchedulerConfig(drain_timeout=0.5))
+    long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> None:
+        async with Gateway(config) as gw:
+            record = RequestRecord("long", 60)
+            prompt = [(7 * i) % 256 for i in range(60)]
+            stream = gw.stream(GenerateRequest("long", prompt, long), record)
+            tokens = [(await anext(stream)).token_id]
+            holder = gw.workers[record.decode_worker]  # type: ignore[index]
+            conversion = gw.roles.start(holder, "prefill")
+            assert not holder.serving  # draining: routed nothing new
+            assert await conversion is None
+            assert holder.serving and holder.role == "decode" and gw.roles.counts["abandoned"] == 1
+            tokens += [e.token_id async for e in stream]
+            assert len(tokens) == 48 and record.phase is Phase.FINISHED
+
+    asyncio.run(scenario())
+
+
+def test_conversions_that_would_empty_a_stage_are_refused() -> None:
+    async def scenario() -> None:
+        async with Gateway(_config(prfaas=ClusterConfig(prefill_workers=0))) as gw:
+            changer: RoleChanger = gw.roles
+            assert changer.pick(to_prefill=True).name in ("pd-d0", "pd-d1")  # type: ignore[union-attr]
+            assert changer.pick(to_prefill=False) is None  # the only prefill worker, and no PrfaaS
+            with pytest.raises(ValueError, match="cannot become"):
+                changer.start(gw.workers["pd-d0"], "decode")
+            gw.roles.rebalance(-1)
+            assert changer.counts["refused"] == 1 and changer.in_progress == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_long_term_policy_re_roles_a_worker_when_its_plan_says_so(tmp_path: Path) -> None:
+    # A profile of an instance whose decode is far faster than its prefill: the planner wants
+    # one more PD-P worker than the 1 prefill / 2 decode the cluster starts with.
+    points = tuple(ProfilePoint(n, n * 1e-3, 640.0 * n + 135_168) for n in (64, 256, 1024))
+    profile = tmp_path / "profile.json"
+    save_profiles(profile, PrefillProfile("slow prefill", 1, points), DecodeProfile("fast decode", 1, 256, 0.005))
+    scheduler = SchedulerConfig(profile=str(profile), period_s=2.0, min_requests=6)
+    config = _config(fixed_threshold=False, link=LinkConfig(rate="20mbit", delay_ms=1.0), scheduler=scheduler)
+
+    async def scenario() -> None:
+        async with Gateway(config) as gw:
+            done: list[tuple[RequestRecord, list[int]]] = []
+            stop = asyncio.Event()
+            async with asyncio.TaskGroup() as clients:
+                for name in ("a", "bb"):
+                    clients.create_task(_client(gw, name, stop, done))
+                async with asyncio.timeout(300):
+                    while not gw.roles.done:
+                        await asyncio.sleep(0.2)
+                stop.set()
+            plans = gw.scheduler.long.decisions  # type: ignore[union-attr]
+            assert any(p.to_prefill == 1 for p in plans), plans
+            assert sorted(_roles(gw).values()) == ["decode", "prefill", "prefill"]
+            for record, tokens in done:
+                assert record.phase is Phase.FINISHED and len(tokens) == GREEDY.max_tokens, record.to_json()
+            scraped = gw.metrics.exposition().decode()
+            assert 'policy="long_term",reason="convert"' in scraped
+
+    asyncio.run(scenario())
