@@ -116,7 +116,7 @@ def test_a_drain_that_times_out_keeps_the_worker_in_its_role() -> None:
     asyncio.run(scenario())
 
 
-def test_conversions_that_would_empty_a_stage_are_refused() -> None:
+def test_conversions_that_would_empty_a_stage_are_refused_and_pd_prefill_waits_are_signalled() -> None:
     async def scenario() -> None:
         async with Gateway(_config(prfaas=ClusterConfig(prefill_workers=0))) as gw:
             changer: RoleChanger = gw.roles
@@ -126,6 +126,16 @@ def test_conversions_that_would_empty_a_stage_are_refused() -> None:
                 changer.start(gw.workers["pd-d0"], "decode")
             gw.roles.rebalance(-1)
             assert changer.counts["refused"] == 1 and changer.in_progress == 0
+            # the scheduler's wait signal at PD-P: queued prompt tokens over the measured prefill speed
+            await _run(gw, "warm", 200)
+            assert gw.scheduler.speed["pd"] > 0 and gw.scheduler.signals(0.0).pd_prefill.wait_s == 0
+            long = asyncio.create_task(_run(gw, "long", 1500))
+            async with asyncio.timeout(60):
+                while not gw.workers["pd-p0"].load_tokens:
+                    await asyncio.sleep(0.01)
+            wait = gw.scheduler.signals(0.0).pd_prefill.wait_s
+            assert wait == pytest.approx(1500 / gw.scheduler.speed["pd"])
+            await long
 
     asyncio.run(scenario())
 

@@ -17,10 +17,13 @@ restart in the other role, rejoin), one worker at a time.
 What the live signals hold: PrfaaS egress and the link ceiling summed over the
 emulators in front of the decode workers (their interval byte counters and
 current rates); queue depth per stage from the requests open on each worker;
-the incremental lengths the router placed. Not measured live (left at 0, so
-the rules that use them stay quiet): per-stage waiting time, the link backlog
-(the KV senders live in the prefill workers), rtt and retransmissions (the
-relay ends every connection on loopback; netns mode would give real ones).
+the incremental lengths the router placed; the wait at each prefill stage, the
+prompt tokens on its least loaded serving worker (sent and not yet answered,
+so a transfer held up by the link counts) over the stage's measured prefill
+speed. Not measured live (left at 0, so the rules that use them stay quiet):
+the link backlog (the KV senders live in the prefill workers), rtt and
+retransmissions (the relay ends every connection on loopback; netns mode
+would give real ones).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("minifaas.scheduler")
 UNLIMITED_LINK_GBPS = 1000.0  # what the planner is told when the emulated link has no rate limit
+SPEED_WEIGHT = 0.3  # of the newest prefill in the speed average: a few prefills follow a change of load
 
 
 class LiveScheduler:
@@ -53,6 +57,7 @@ class LiveScheduler:
         self.lengths: list[int] = []
         self.egress_since: dict[str, float] = {}  # emulator -> its uptime at the reading last used
         self._outputs = [0, 0]  # completion tokens, finished requests: the mean output length
+        self.speed: dict[str, float] = {}  # cluster -> prefill tokens/s, a moving average over recent prefills
         gateway.metrics.set_threshold(gateway.threshold)
 
     def _long_term(self, config: LongTermConfig) -> LongTermPolicy | None:
@@ -86,8 +91,14 @@ class LiveScheduler:
 
     def prefilled(self, cluster: str, tokens: int, seconds: float) -> None:
         """A prefill ended on ``cluster`` after ``seconds`` for ``tokens`` computed: its measured speed."""
-        if self.long is not None and tokens > 0:
+        if tokens <= 0 or seconds <= 0:
+            return
+        if self.long is not None:
             self.long.observe_prefill(cluster, tokens, seconds)
+        old = self.speed.get(cluster)
+        self.speed[cluster] = (
+            tokens / seconds if old is None else SPEED_WEIGHT * tokens / seconds + (1 - SPEED_WEIGHT) * old
+        )
 
     def finished(self, completion_tokens: int) -> None:
         if completion_tokens > 0:
@@ -144,7 +155,11 @@ class LiveScheduler:
     def _stage(self, cluster: str, role: str) -> StageLoad:
         """Draining workers do not serve the stage; their requests still count in its depth."""
         workers = [w for w in self.gateway.workers.values() if w.cluster == cluster and w.role == role]
-        return StageLoad(sum(w.serving for w in workers), sum(w.busy for w in workers))
+        serving = [w for w in workers if w.serving]
+        wait = 0.0
+        if role == "prefill" and serving and self.speed.get(cluster):
+            wait = min(w.load_tokens for w in serving) / self.speed[cluster]
+        return StageLoad(len(serving), sum(w.busy for w in workers), wait)
 
 
 _STAGES = (("prfaas", "prefill"), ("pd", "prefill"), ("pd", "decode"))
