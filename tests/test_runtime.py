@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minifaas.model import state_codec
-from minifaas.model.layer_state import ModelState
+from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import preset_names, weights_digest
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -143,3 +143,43 @@ def test_prompt_beyond_context_is_refused(runtime: ModelRuntime) -> None:
         runtime.prefill([1] * (runtime.max_context + 1))
     with pytest.raises(ValueError, match="at least one"):
         runtime.prefill([])
+
+
+@pytest.mark.parametrize("chunk", [8, 37, 300])
+def test_prefill_in_token_chunks_matches_one_prefill(runtime: ModelRuntime, chunk: int) -> None:
+    ids = prompt(300)
+    whole = runtime.prefill(ids)
+    chunked = runtime.prefill(ids, chunk_tokens=chunk)
+    rel = (chunked.logits - whole.logits).abs().max() / whole.logits.abs().max()
+    assert rel < 1e-4
+    for a, b in zip(chunked.state.layers, whole.state.layers, strict=True):
+        assert (a.layer, a.kind, a.seq_len) == (b.layer, b.kind, b.seq_len)
+        for (name, x), (_, y) in zip(a.slots, b.slots, strict=True):
+            assert x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-5), f"layer {a.layer} {name}"
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert runtime.start_decode(chunked.state, chunked.next_token, params).run() == runtime.generate(ids, params)
+
+
+def test_token_chunks_go_out_in_order_and_tile_the_final_state(runtime: ModelRuntime) -> None:
+    """After a prefix: the first range includes it; each later forward hands over its own tokens."""
+    ids = prompt(260)
+    head = runtime.prefill(ids[:50])
+    ranges: dict[int, list[tuple[int, int, int]]] = {}
+    pieces: dict[int, list[torch.Tensor]] = {}
+    whole_layers: list[int] = []
+
+    def on_tokens(piece: LayerState, start: int, total: int) -> None:
+        ranges.setdefault(piece.layer, []).append((start, start + piece.seq_len, total))
+        pieces.setdefault(piece.layer, []).append(piece.tensor("keys").clone())
+
+    result = runtime.prefill(
+        ids[50:], head.state, on_layer=lambda s: whole_layers.append(s.layer), chunk_tokens=100, on_tokens=on_tokens
+    )
+    grows = [s.layer for s in result.state.layers if s.kind.grows]
+    assert sorted(ranges) == grows and whole_layers == [s.layer for s in result.state.layers if not s.kind.grows]
+    for layer in grows:
+        assert ranges[layer] == [(0, 150, 260), (150, 250, 260), (250, 260, 260)]
+        keys = result.state.layers[layer].tensor("keys")
+        assert torch.equal(torch.cat(pieces[layer], dim=-2), keys), f"layer {layer}: pieces differ from the state"
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        runtime.prefill(ids, chunk_tokens=-1)

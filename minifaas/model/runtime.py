@@ -6,12 +6,21 @@ the hook hands that LayerState to ``on_layer`` right away, while layer i+1 is
 yet to run. That ordering is what lets a sender put layer i on the wire during
 the rest of the forward (layer-pipelined transfer).
 
+With ``chunk_tokens`` the prompt runs as several forwards on one cache (the
+arithmetic of a prefix continuation). A full-attention layer's keys and values
+for a chunk are final once that chunk has passed the layer, so ``on_tokens``
+hands them over then, long before the last chunk; linear-attention and
+sliding-window state is final only after the last token and goes to
+``on_layer`` at the end. The transfer then waits after the prefill only for
+the last chunk's KV and the fixed-size state, not for whole layers.
+
 Everything here is synchronous and blocks on the model; async callers run it in
 a thread (``asyncio.to_thread``) so their event loop keeps moving bytes.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +33,7 @@ from minifaas.model.sampling import GREEDY, SamplingParams, sample
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 OnLayer = Callable[[LayerState], None]
+OnTokens = Callable[[LayerState, int, int], None]  # (piece, start, total): see ModelRuntime.prefill
 
 
 @dataclass(slots=True)
@@ -67,10 +77,21 @@ class ModelRuntime:
         prefix_state: ModelState | None = None,
         on_layer: OnLayer | None = None,
         sampling: SamplingParams = GREEDY,
+        chunk_tokens: int = 0,
+        on_tokens: OnTokens | None = None,
     ) -> PrefillResult:
-        """Run the prompt's tokens after ``prefix_state`` (if any); the state returned covers both."""
+        """Run the prompt's tokens after ``prefix_state`` (if any); the state returned covers both.
+
+        ``chunk_tokens`` > 0: forwards of at most that many tokens (0: one forward). ``on_layer`` gets
+        each layer's final state once. With ``on_tokens``, full-attention layers go there instead,
+        one piece per forward: ``on_tokens(piece, start, total)``, ``piece`` holding tokens
+        [start, start + piece.seq_len) of a layer that will hold ``total``; a layer's pieces come in
+        order and tile [0, total) (the first one includes the prefix).
+        """
         if not token_ids:
             raise ValueError("prefill needs at least one new token")
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0 (0: one forward), got {chunk_tokens}")
         start = time.perf_counter()
         prefix_len = prefix_state.seq_len if prefix_state else 0
         total = prefix_len + len(token_ids)
@@ -78,11 +99,19 @@ class ModelRuntime:
             raise ValueError(f"{total} tokens exceed the model's context of {self.max_context}")
         cache = build_cache(self.config, prefix_state.layers, self.device) if prefix_state else self.new_cache()
         layers: list[LayerState] = []
+        step = chunk_tokens or len(token_ids)
+        bounds = [*range(prefix_len, total, step), total]
+        running = [prefix_len, prefix_len]  # tokens [start, end) of the forward under way
 
         def hook(module: torch.nn.Module, args: object, output: object, index: int) -> None:
-            state = extract_layer(cache, index, total, clone_fixed=False)
-            layers.append(state)
-            if on_layer is not None:
+            begin, end = running
+            state = extract_layer(cache, index, end, clone_fixed=False)
+            if end == total:
+                layers.append(state)
+            if on_tokens is not None and state.kind.grows:
+                first = 0 if begin == prefix_len else begin
+                on_tokens(state.slice_tokens(first, end), first, total)
+            elif end == total and on_layer is not None:
                 on_layer(state)
 
         handles = [
@@ -90,8 +119,11 @@ class ModelRuntime:
             for i, layer in enumerate(self.decoder_layers)
         ]
         try:
-            ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            for begin, end in itertools.pairwise(bounds):
+                running[:] = begin, end
+                piece = token_ids[begin - prefix_len : end - prefix_len]
+                ids = torch.tensor([list(piece)], dtype=torch.long, device=self.device)
+                out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         finally:
             for h in handles:
                 h.remove()

@@ -10,6 +10,15 @@ its turn comes (so it sees everything the prompts before it stored), computes
 only the rest, and stores its blocks and snapshots before the next prompt's
 turn. The worker tells the gateway of the pool's store/evict events.
 
+Chunked prefill (``chunk_tokens``): every forward of the prompt (the snapshot
+segments too, which are chunks already) runs in pieces of at most that many
+tokens, and each piece's full-attention keys and values go on the wire as soon
+as the piece has passed the layer; linear-attention and sliding-window state
+go when the last piece is done. The transfer then trails the prefill by about
+one piece's KV plus the fixed-size state instead of the last whole layer.
+``chunk_tokens=0`` is the reference: the snapshot segments run before the
+transfer opens, and the last segment streams whole layers.
+
 Cache moves across the link (the ABUNDANT rule): ``export`` sends a prefix
 state from this node's pool to a node of the other cluster, whose ``prefill``
 first takes it off its receiver (``import``) and keeps it in its pool, where the
@@ -23,10 +32,11 @@ import asyncio
 import logging
 import time
 
-from minifaas.model.layer_state import LayerState, StateKind
-from minifaas.model.runtime import ModelRuntime, OnLayer
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
+from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens, PrefillResult
+from minifaas.model.sampling import GREEDY, SamplingParams
 from minifaas.serve.control import sampling_from_json
-from minifaas.serve.prefix_store import PrefixStore
+from minifaas.serve.prefix_store import CachedPrefill, Computed, PrefixStore
 from minifaas.transport import KVReceiver, KVSender, SenderConfig, TransferError
 
 log = logging.getLogger("minifaas.prefill")
@@ -42,8 +52,11 @@ class PrefillService:
         store: PrefixStore,
         receiver: KVReceiver | None = None,  # takes cache moves in; None: this node accepts none
         import_timeout: float = 30.0,
+        chunk_tokens: int = 0,  # prefill in forwards of at most this many tokens, streaming each (0: one forward)
     ) -> None:
-        self.runtime, self.secret, self.store = runtime, secret, store
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+        self.runtime, self.secret, self.store, self.chunk_tokens = runtime, secret, store, chunk_tokens
         self.receiver, self.import_timeout = receiver, import_timeout
         self.connections, self.pipelined = connections, pipelined
         self.senders: dict[tuple[str, int], KVSender] = {}
@@ -71,11 +84,15 @@ class PrefillService:
             started = time.perf_counter()
             plan = self.store.begin(tokens, started)
             try:
-                await asyncio.to_thread(self.store.advance, self.runtime, plan)  # the snapshot segments
+                if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
+                    await asyncio.to_thread(self.store.advance, self.runtime, plan)
                 async with sender.stream(msg["transfer"], layers=self.runtime.num_layers) as tx:
-                    forward = _LayerForwarder(tx.put_threadsafe, msg.get("link_start", 0))
+                    link_start = msg.get("link_start", 0)
+                    forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens))
                     try:
-                        computed = await asyncio.to_thread(self.store.compute, self.runtime, plan, forward, sampling)
+                        computed = await asyncio.to_thread(
+                            compute_streaming, self.store, self.runtime, plan, forward, self.chunk_tokens, sampling
+                        )
                         self.store.finish(plan, computed, time.perf_counter())
                     finally:
                         self.compute.release()
@@ -134,15 +151,67 @@ class PrefillService:
             await sender.__aexit__(None, None, None)
 
 
-class _LayerForwarder:
-    """Puts each finished layer on the wire; full-attention KV only from ``link_start`` on, since the
-    decode node already holds the tokens before it (incremental transfer)."""
+def compute_streaming(
+    store: PrefixStore,
+    runtime: ModelRuntime,
+    plan: CachedPrefill,
+    forward: LayerForwarder,
+    chunk_tokens: int,
+    sampling: SamplingParams = GREEDY,
+) -> Computed:
+    """The rest of ``plan``'s prompt, streamed to ``forward``: with ``chunk_tokens``, every forward in
+    token chunks; without, the last segment by layer. Blocking: run it in a thread."""
+    streaming = _ChunkedRuntime(runtime, chunk_tokens, forward.tokens) if chunk_tokens else runtime
+    return store.compute(streaming, plan, forward, sampling)  # type: ignore[arg-type]
 
-    def __init__(self, put: OnLayer, link_start: int) -> None:
-        self.put, self.link_start, self.nbytes = put, link_start, 0
+
+class _ChunkedRuntime:
+    """The runtime as the prefix store drives it, but every forward runs in token chunks whose
+    full-attention KV goes to ``on_tokens`` as it is made (snapshot segments' too)."""
+
+    def __init__(self, runtime: ModelRuntime, chunk_tokens: int, on_tokens: OnTokens) -> None:
+        self.runtime, self.chunk_tokens, self.on_tokens = runtime, chunk_tokens, on_tokens
+
+    def prefill(
+        self,
+        token_ids: list[int],
+        prefix_state: ModelState | None = None,
+        on_layer: OnLayer | None = None,
+        sampling: SamplingParams = GREEDY,
+    ) -> PrefillResult:
+        return self.runtime.prefill(token_ids, prefix_state, on_layer, sampling, self.chunk_tokens, self.on_tokens)
+
+
+class LayerForwarder:
+    """Puts each finished layer, or new token range of a full-attention layer, on the wire.
+
+    Full-attention KV goes only from ``link_start`` on, since the decode node
+    already holds the tokens before it (incremental transfer). Token ranges may
+    come from several forwards (segments of a prompt of ``total`` tokens), each
+    of which hands over its prefix again: only the tokens not yet sent go out.
+    """
+
+    def __init__(self, put: OnLayer, put_tokens: OnTokens, link_start: int, total: int) -> None:
+        self.put, self.put_tokens, self.link_start, self.total = put, put_tokens, link_start, total
+        self.nbytes = 0
+        self._sent: dict[int, int] = {}  # full-attention layer -> tokens [0, n) handed over (or skipped)
 
     def __call__(self, layer: LayerState) -> None:
         if self.link_start and layer.kind is StateKind.FULL_ATTENTION:
             layer = layer.slice_tokens(self.link_start, layer.seq_len)
         self.nbytes += layer.nbytes
         self.put(layer)
+
+    def tokens(self, piece: LayerState, start: int, _forward_total: int) -> None:
+        """Tokens [start, start + piece.seq_len) of a full-attention layer of the prompt."""
+        end, skip = start + piece.seq_len, self.link_start
+        first = max(start, self._sent.get(piece.layer, skip))
+        if end <= first and end < self.total:
+            return  # nothing new for the decode node
+        piece = piece.slice_tokens(min(first, end) - start, piece.seq_len)
+        self._sent[piece.layer] = end
+        self.nbytes += piece.nbytes
+        if first == skip and end == self.total:  # the whole part of the layer that crosses the link
+            self.put(piece)
+        else:
+            self.put_tokens(piece, first - skip, self.total - skip)

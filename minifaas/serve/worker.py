@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
     p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (prefill)")
     p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                   help="prefill: run a prompt in forwards of at most TOKENS, each one's full-attention KV "
+                   "streamed as soon as it is made (0: one forward)")  # fmt: skip
     p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid", help="this node's prefix cache")
     p.add_argument("--cache-block-size", type=int, default=32, help="tokens per cached full-attention block")
     p.add_argument("--snapshot-interval", type=int, default=4, help="blocks between state snapshots (0: ends only)")
@@ -83,7 +86,9 @@ async def serve(args: argparse.Namespace) -> None:
                 moves = await stack.enter_async_context(KVReceiver(config))
                 kv_port = moves.port
             store = _prefix_store(args, runtime)
-            service = PrefillService(runtime, secret, args.connections, not args.no_pipelining, store, moves)
+            service = PrefillService(
+                runtime, secret, args.connections, not args.no_pipelining, store, moves, chunk_tokens=args.prefill_chunk
+            )
             stack.push_async_callback(service.close)
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
             asyncio.get_running_loop().create_future()

@@ -1,0 +1,121 @@
+"""The prefill service's streaming with real models: chunked prefill on the wire rebuilds the computed state.
+
+Prompts run through the prefix store (a hit, snapshot segments, then the rest)
+in token chunks; full-attention KV leaves chunk by chunk, everything else at
+the end, and the receiver's state is the one the prefill computed, bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+from minifaas.cache.pool import PoolConfig
+from minifaas.model.layer_state import LayerState, ModelState
+from minifaas.model.loader import preset_names
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+from minifaas.serve.control import sampling_to_json
+from minifaas.serve.prefill_service import LayerForwarder, PrefillService, compute_streaming
+from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
+from minifaas.transport import KVReceiver, KVSender, ReceiverConfig, SenderConfig
+from minifaas.transport.synthetic import same_state
+
+SECRET = b"cluster-secret-0123456789abcdef"
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+BLOCK = 16
+pytestmark = pytest.mark.timeout(300)
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 240))
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=preset_names())
+def runtime(request: pytest.FixtureRequest) -> ModelRuntime:
+    return ModelRuntime.load(request.param)
+
+
+def store_for(runtime: ModelRuntime) -> PrefixStore:
+    """Blocks of 16 tokens, a snapshot every 32: a prompt of 180 runs as several segments."""
+    layout = state_layout(runtime.config)
+    return PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, needs_snapshot(layout)), runtime.spec.name, layout, "n")
+
+
+FIRST = prompt(150, 1)
+SECOND = FIRST[:100] + prompt(80, 2)  # shares 100 tokens: a hit of 96 (a snapshot point) or 96 (full blocks)
+
+
+def test_chunked_prefill_through_the_service_decodes_like_generate(runtime: ModelRuntime) -> None:
+    async def main() -> list[tuple[dict, ModelState]]:
+        store = store_for(runtime)
+        service = PrefillService(runtime, SECRET, 2, True, store, chunk_tokens=24)
+        out = []
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            for i, tokens in enumerate([FIRST, SECOND]):
+                msg = {"req": f"r{i}", "tokens": tokens, "sampling": sampling_to_json(PARAMS), "transfer": i,
+                       "kv": ["127.0.0.1", rx.port]}  # fmt: skip
+                out.append(await asyncio.gather(service.prefill(msg), rx.transfer(i).model_state()))
+        await service.close()
+        return out
+
+    (cold, cold_state), (warm, warm_state) = run(main())
+    assert (cold["cached_tokens"], warm["cached_tokens"]) == (0, 96)
+    for tokens, reply, state in [(FIRST, cold, cold_state), (SECOND, warm, warm_state)]:
+        assert reply["kv_bytes"] == state.nbytes and state.seq_len == len(tokens)
+        one_forward = runtime.prefill(tokens).state
+        for got, ref in zip(state.layers, one_forward.layers, strict=True):
+            for (name, x), (_, y) in zip(got.slots, ref.slots, strict=True):
+                assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), f"layer {got.layer} {name}"
+        remote = runtime.start_decode(state, reply["next_token"], PARAMS).run()
+        assert remote == runtime.generate(tokens, PARAMS)
+
+
+@pytest.mark.parametrize("link_start", [0, 130])
+def test_streamed_pieces_rebuild_the_computed_state_bit_exact(runtime: ModelRuntime, link_start: int) -> None:
+    """Segments after a hit, in chunks of 24; the decode node already holds the first ``link_start`` tokens."""
+    store = store_for(runtime)
+    first = store.begin(FIRST, 0.0)
+    store.finish(first, store.compute(runtime, first), 0.0)
+    pieces: list[tuple[int, int, int, int]] = []  # (layer, start, end, total) of every token range put
+
+    async def main() -> tuple[Any, ModelState, list[int]]:
+        plan = store.begin(SECOND, 1.0)
+        assert plan.hit_tokens == 96
+        segments = [96, *plan.points, len(SECOND)]  # each one forward's tokens, run in chunks of 24
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            config = SenderConfig("127.0.0.1", rx.port, SECRET, connections=2, chunk_bytes=4096)
+            async with KVSender(config) as sender, sender.stream(5, runtime.num_layers) as tx:
+
+                def put_tokens(piece: LayerState, start: int, total: int) -> None:
+                    pieces.append((piece.layer, start, start + piece.seq_len, total))
+                    tx.put_tokens_threadsafe(piece, start, total)
+
+                forward = LayerForwarder(tx.put_threadsafe, put_tokens, link_start, len(SECOND))
+                computed = await asyncio.to_thread(compute_streaming, store, runtime, plan, forward, 24)
+            store.finish(plan, computed, 1.0)
+            assert forward.nbytes > 0
+            return computed, await rx.transfer(5).model_state(), segments
+
+    computed, received, segments = run(main())
+    final = computed.result.state
+    expected = [s.slice_tokens(link_start, s.seq_len) if s.kind.grows else s for s in final.layers]
+    assert same_state(received, ModelState(expected, max(s.seq_len for s in expected)))
+    grows = [s.layer for s in final.layers if s.kind.grows]
+    assert sorted({layer for layer, *_ in pieces}) == grows
+    cuts = sorted({c for a, b in itertools.pairwise(segments) for c in range(a, b, 24)} - {96})
+    bounds = [link_start, *(c for c in cuts if c > link_start), len(SECOND)]
+    for layer in grows:
+        ranges = [(a + link_start, b + link_start) for i, a, b, _ in pieces if i == layer]
+        assert ranges == list(itertools.pairwise(bounds)), f"layer {layer}"
+        assert {total for i, *_, total in pieces if i == layer} == {len(SECOND) - link_start}
+    assert len(bounds) > 3
