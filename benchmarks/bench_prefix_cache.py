@@ -40,7 +40,7 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.sim.traces import MOONCAKE_BLOCK_TOKENS, SHARED_TRACES
+from minifaas.traces import MOONCAKE_BLOCK_TOKENS, SHARED_TRACES
 
 TRACE = SHARED_TRACES / "mooncake_synthetic_trace.jsonl"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from minifaas.planner import LengthDistribution, plan
 from minifaas.planner.paper import paper_case
 from minifaas.sim import Simulation, config_for, read_trace
-from minifaas.sim.traces import SHARED_TRACES
+from minifaas.traces import SHARED_TRACES
 
 REQUESTS, RATE_SCALE = 1500, 1.2
 

@@ -33,6 +33,7 @@ from minifaas.planner.profile import (
     load_table,
     prefill_from_dict,
 )
+from minifaas.traces import read_trace
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,6 @@ class PlanCase:
 def case_from_dict(data: dict[str, Any], base_dir: Path = Path(".")) -> PlanCase:
     spec = data["lengths"]
     if "trace" in spec:
-        from minifaas.sim.traces import read_trace  # numpy-only; no torch
-
         trace = read_trace(base_dir / spec["trace"], length_scale=float(spec.get("length_scale", 1.0)))
         lengths = LengthDistribution.empirical(str(spec["trace"]), trace.input_tokens)
     else:

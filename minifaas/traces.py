@@ -1,0 +1,98 @@
+"""Trace readers: Mooncake JSONL and Azure LLM inference CSV, as columns the planner and the simulator share.
+
+Mooncake lines: {"timestamp": ms, "input_length", "output_length", "hash_ids"}
+with one hash id per 512-token block. Azure rows: TIMESTAMP (wall clock),
+ContextTokens, GeneratedTokens; no prefix information.
+
+``length_scale`` multiplies every prompt length (a Mooncake block then stands
+for 512 * scale tokens, so prefix structure is kept; output lengths are left
+as they are); ``rate_scale`` multiplies the arrival rate (timestamps are
+divided by it). Time starts at the first request. The planner takes the
+prompt lengths (``minifaas.planner.case``); the simulator replays the whole
+trace (``minifaas.sim.traces``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+MOONCAKE_BLOCK_TOKENS = 512
+SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"  # ../shared/traces of the repo
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A trace's requests in arrival order, as columns."""
+
+    name: str
+    arrival_s: np.ndarray  # float64, sorted, from 0
+    input_tokens: np.ndarray  # int64, >= 1, scaled
+    output_tokens: np.ndarray  # int64
+    hash_ids: tuple[tuple[int, ...], ...] | None  # one id per block_tokens block; None: no prefix information
+    block_tokens: int
+
+
+def read_trace(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return read_mooncake(path, length_scale, rate_scale)
+    if path.suffix == ".csv":
+        return read_azure(path, length_scale, rate_scale)
+    raise ValueError(f"{path}: expected a Mooncake .jsonl or an Azure .csv trace")
+
+
+def read_mooncake(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
+    times, inputs, outputs, ids = [], [], [], []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            times.append(float(row["timestamp"]) / 1000.0)
+            inputs.append(int(row["input_length"]))
+            outputs.append(int(row["output_length"]))
+            ids.append(tuple(int(h) for h in row.get("hash_ids", ())))
+    return _build(Path(path).name, times, inputs, outputs, ids, length_scale, rate_scale)
+
+
+def read_azure(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
+    times, inputs, outputs = [], [], []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            stamp = row["TIMESTAMP"].strip()
+            # seven fractional digits: fromisoformat takes at most six
+            head, _, frac = stamp.partition(".")
+            times.append(datetime.fromisoformat(head).timestamp() + float(f"0.{frac or 0}"))
+            inputs.append(int(row["ContextTokens"]))
+            outputs.append(int(row["GeneratedTokens"]))
+    return _build(Path(path).name, times, inputs, outputs, None, length_scale, rate_scale)
+
+
+def _build(
+    name: str,
+    times: list[float],
+    inputs: list[int],
+    outputs: list[int],
+    ids: list[tuple[int, ...]] | None,
+    length_scale: float,
+    rate_scale: float,
+) -> Trace:
+    if length_scale <= 0 or rate_scale <= 0:
+        raise ValueError("length_scale and rate_scale must be > 0")
+    t = np.asarray(times, dtype=float)
+    order = np.argsort(t, kind="stable")
+    t = (t[order] - t[order[0]]) / rate_scale if t.size else t
+    prompts = np.maximum(1, np.rint(np.asarray(inputs, dtype=float)[order] * length_scale)).astype(np.int64)
+    hash_ids = tuple(ids[i] for i in order) if ids is not None else None
+    block = max(1, round(MOONCAKE_BLOCK_TOKENS * length_scale))
+    if hash_ids is not None:  # keep ceil(prompt / block) == number of ids after rounding
+        n_ids = np.array([len(h) for h in hash_ids])
+        prompts = np.clip(prompts, np.maximum(1, (n_ids - 1) * block + 1), np.maximum(1, n_ids * block))
+    label = f"{name} (length x{length_scale:g}, rate x{rate_scale:g})"
+    return Trace(label, t, prompts, np.asarray(outputs, dtype=np.int64)[order], hash_ids, block)
