@@ -1,8 +1,9 @@
-"""The import graph of minifaas: no cycles, and no policy module reaching into serving.
+"""The import graph of minifaas: no cycles, no policy module reaching into serving, lazy imports only where listed.
 
-Read from the source with the ast module, so nothing is imported. Only
-module-level imports count (a function-local import is a deliberate lazy
-load); imports under ``if TYPE_CHECKING:`` are for annotations and are left out.
+Read from the source with the ast module, so nothing is imported. The cycle
+check counts module-level imports; an import inside a function is allowed only
+where LAZY_IMPORTS gives its reason, and the layering checks count those too.
+Imports under ``if TYPE_CHECKING:`` are for annotations and are left out.
 """
 
 from __future__ import annotations
@@ -17,6 +18,26 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minifaas"
 # Policy code is sans-IO and shared with the simulator; it must not depend on the live system.
 POLICY_PACKAGES = ("minifaas.policy", "minifaas.cache", "minifaas.planner", "minifaas.scheduler", "minifaas.sim")
 POLICY_EXCEPTIONS = {"minifaas.scheduler.loop"}  # the short-term policy's driver inside the live gateway
+# Below the simulator and the live system: the planner (which the simulator drives), the router, the caches
+# and the trace readers they share. None of them may import minifaas.sim or minifaas.serve, not even lazily.
+LOWER_LAYERS = ("minifaas.planner", "minifaas.policy", "minifaas.cache", "minifaas.traces")
+
+_TRANSFORMERS = "transformers imports in seconds, and only after select_kernels() has decided whether fla may load"
+_TORCH_IN_CHILD = "the process that sets up the namespaces never loads torch; its sink and probe children do"
+_PLOT = "matplotlib is the optional plot extra"
+# (module, what it imports inside a function) -> why the import is not at the top of the module
+LAZY_IMPORTS = {
+    ("minifaas.model.layer_state", "transformers"): _TRANSFORMERS,
+    ("minifaas.model.loader", "transformers"): _TRANSFORMERS,
+    ("minifaas.model.runtime", "transformers"): _TRANSFORMERS,
+    ("minifaas.model.tokenizer", "transformers"): _TRANSFORMERS,
+    ("minifaas.model.profile_cli", "minifaas.model.runtime"): "torch loads when profiling starts, not to parse flags",
+    ("minifaas.planner.plot", "matplotlib"): _PLOT,
+    ("minifaas.sim.metrics", "matplotlib"): _PLOT,
+    ("minifaas.transport.netns", "minifaas.transport.receiver"): _TORCH_IN_CHILD,
+    ("minifaas.transport.netns", "minifaas.transport.sender"): _TORCH_IN_CHILD,
+    ("minifaas.transport.netns", "minifaas.transport.synthetic"): _TORCH_IN_CHILD,
+}
 
 
 def module_files(package: Path) -> dict[str, Path]:
@@ -61,13 +82,31 @@ def _imported_names(body: list[ast.stmt], package: str) -> set[str]:
     return names
 
 
-def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the minifaas modules it imports at load time."""
+def function_imports(tree: ast.Module, package: str) -> set[str]:
+    """Every dotted name imported inside a function (or a method) of the module."""
+    names: set[str] = set()
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names |= _imported_names([node], package)
+    return names
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def import_graph(files: dict[str, Path], lazy: bool = False) -> dict[str, set[str]]:
+    """Module -> the minifaas modules it imports at load time (and inside its functions, if ``lazy``)."""
     graph = {}
     for name, path in files.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree, package = ast.parse(path.read_text()), _package_of(name, path)
+        imported_names = _imported_names(tree.body, package)
+        if lazy:
+            imported_names |= function_imports(tree, package)
         targets = set()
-        for imported in _imported_names(ast.parse(path.read_text()).body, package):
+        for imported in imported_names:
             while imported and imported not in files:  # `from a.b import C` names module a.b
                 imported = imported.rpartition(".")[0]
             if imported and imported != name:
@@ -125,6 +164,48 @@ def test_no_policy_module_imports_serving(graph: dict[str, set[str]]) -> None:
         if target == "minifaas.serve" or target.startswith("minifaas.serve.")
     )
     assert upward == []
+
+
+def test_lower_layers_never_import_sim_or_serve() -> None:
+    graph = import_graph(module_files(PACKAGE), lazy=True)
+    assert "minifaas.traces" in graph["minifaas.planner.case"]
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module.startswith(LOWER_LAYERS)
+        for target in targets
+        if target.startswith(("minifaas.sim", "minifaas.serve"))
+    )
+    assert upward == []
+
+
+def _lazy_reason(module: str, imported: str) -> str | None:
+    return next((why for (m, top), why in LAZY_IMPORTS.items() if m == module and _within(imported, top)), None)
+
+
+def _within(name: str, top: str) -> bool:
+    return name == top or name.startswith(f"{top}.")
+
+
+def test_imports_inside_functions_are_the_listed_lazy_ones() -> None:
+    found = set()
+    for name, path in module_files(PACKAGE).items():
+        for imported in function_imports(ast.parse(path.read_text()), _package_of(name, path)):
+            assert _lazy_reason(name, imported), f"{name} imports {imported} inside a function: move it to the top"
+            found |= {key for key in LAZY_IMPORTS if key[0] == name and _within(imported, key[1])}
+    assert sorted(set(LAZY_IMPORTS) - found) == [], "LAZY_IMPORTS lists imports that are gone"
+
+
+def test_function_imports_are_found(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text(
+        "import os\n\nclass A:\n    def f(self):\n        from .sim import run\n\n"
+        "async def g():\n    import json.decoder\n"
+    )
+    tree = ast.parse((tmp_path / "m.py").read_text())
+    assert function_imports(tree, "pkg") == {"pkg.sim", "pkg.sim.run", "json.decoder"}
+    assert _lazy_reason("minifaas.model.loader", "transformers.cache_utils") == _TRANSFORMERS
+    assert _lazy_reason("minifaas.model.loader", "transformersx") is None
+    assert _lazy_reason("minifaas.planner.case", "transformers") is None
 
 
 def test_find_cycle_finds_one() -> None:

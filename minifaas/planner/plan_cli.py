@@ -13,6 +13,7 @@ import json
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.paper import named_case
+from minifaas.planner.plot import plot_plan
 from minifaas.planner.search import Plan, SearchGrid, plan
 
 
@@ -70,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(case, result, args.price_ratio)
     if args.plot:
-        from minifaas.planner.plot import plot_plan
-
         plot_plan(case, result, grid, args.plot)
     return 0
 

@@ -21,6 +21,9 @@ import json
 import sys
 from dataclasses import replace
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.paper import named_case
@@ -166,9 +169,6 @@ def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimR
     simulation = Simulation(config, workload)
     if not show_progress:
         return simulation.run()
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     columns = (TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"))
     with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("sim", total=max(workload.duration_s, 1.0))
