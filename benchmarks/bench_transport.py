@@ -5,9 +5,10 @@
 1. loopback goodput of the transport vs a plain socket.sendall loop moving the same bytes;
 2. goodput through the link emulator at 0.1, 1 and 5 Gbit/s aggregate;
 3. per-flow cap of 1/4 of the link: 1 vs 4 vs 8 connections;
-4. layer pipelining on the tiny default model: time from prefill end to the last byte received,
-   pipelined vs not, on a link whose transfer time equals the prefill time (layers replayed at
-   the moments a real prefill produced them: see ``pipelining``).
+4. pipelining on the tiny default model: time from prefill end to the last byte received, not
+   pipelined, by layer, and with chunked prefill (full-attention KV by token chunks), all through
+   the prefill worker's own streaming code, on a link whose transfer time equals the prefill time
+   (layers replayed at the moments a real prefill produced them: see ``pipelining``).
 
 Receivers run in their own processes (``python -m minifaas.transport.netns sink``),
 the emulator in its own, the sender here. Every figure is the median of the repeats.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import socket
@@ -192,22 +192,6 @@ async def flow_caps(rate: float, seconds: float) -> None:
             f"{goodput / rate:.3f} of the link")  # fmt: skip
 
 
-def prefill_in_token_chunks(runtime: Any, ids: list[int], chunks: int, out: Any) -> float:
-    """Prefill ``chunks`` token ranges in turn; each full-attention range leaves as soon as it is final."""
-    total, state = len(ids), None
-    bounds = [round(i * total / chunks) for i in range(chunks + 1)]
-    for start, end in itertools.pairwise(bounds):
-
-        def on_layer(layer: Any, start: int = start, end: int = end) -> None:
-            if layer.kind.grows:
-                out.put_tokens_threadsafe(layer.slice_tokens(start, end), start, total)
-            elif end == total:  # linear and sliding-window state is final only after the last token
-                out.put_threadsafe(layer)
-
-        state = runtime.prefill(ids[start:end], prefix_state=state, on_layer=on_layer).state
-    return time.perf_counter()
-
-
 class Recording:
     """Stands in for a transfer during a prefill: notes when each layer or token range was handed over."""
 
@@ -232,11 +216,30 @@ async def replay(recording: Recording, seconds: float, out: Any) -> float:
     return time.perf_counter()
 
 
-async def pipelining(tokens: int, repeats: int, token_chunks: int) -> None:
-    """Each repeat runs a real prefill per mode and records when each layer (or token range) became
-    final, sets the link so the state takes exactly that prefill's time to cross it, then replays
-    the layers at those moments into a real transfer. Replaying keeps the host's drifting speed
-    (other work shares its two cores) out of the comparison; the live streaming path is in tests."""
+def serving_prefill(runtime: Any, ids: list[int], chunk_tokens: int, snapshots: bool, out: Recording) -> float:
+    """One prompt through the prefill worker's own streaming code (``compute_streaming`` and its
+    ``LayerForwarder``), with a cold prefix cache (segments at its snapshot points) or none."""
+    from minifaas.cache.pool import PoolConfig
+    from minifaas.serve.prefill_service import LayerForwarder, compute_streaming
+    from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
+
+    layout = state_layout(runtime.config)
+    pool = PoolConfig("bench", 1 << 30, 32, 4, needs_snapshot(layout), enabled=snapshots)  # the worker's defaults
+    store = PrefixStore(pool, runtime.spec.name, layout, "bench")
+    plan = store.begin(ids, 0.0)
+    if not chunk_tokens:  # as the service does: these segments run before the transfer opens
+        store.advance(runtime, plan)
+    forward = LayerForwarder(out.put_threadsafe, out.put_tokens_threadsafe, 0, len(ids))
+    compute_streaming(store, runtime, plan, forward, chunk_tokens)
+    return time.perf_counter()
+
+
+async def pipelining(tokens: int, repeats: int, chunk_tokens: int) -> None:
+    """Each repeat runs a real prefill per mode through the prefill worker's streaming code and records
+    when each layer (or token range) became final, sets the link so the state takes exactly that
+    prefill's time to cross it, then replays the layers at those moments into a real transfer.
+    Replaying keeps the host's drifting speed (other work shares its two cores) out of the comparison;
+    the live streaming path is in tests."""
     from minifaas.model.runtime import ModelRuntime
 
     runtime = ModelRuntime.load()
@@ -245,22 +248,24 @@ async def pipelining(tokens: int, repeats: int, token_chunks: int) -> None:
     kv_bytes = first.state.nbytes
     last_share = first.state.layers[-1].nbytes / kv_bytes
     fixed_share = sum(layer.nbytes for layer in first.state.layers if not layer.kind.grows) / kv_bytes
-    modes = ["not pipelined", "pipelined by layer", f"by layer and {token_chunks} token chunks"]
+    modes = {  # name -> (pipelined, chunk tokens, prefix cache with snapshots)
+        "not pipelined": (False, 0, False),
+        "pipelined by layer": (True, 0, False),
+        f"chunked prefill, {chunk_tokens} tokens": (True, chunk_tokens, False),
+        "worker defaults: chunks of 512, cache on": (True, 512, True),
+    }
     ratios: dict[str, list[float]] = {mode: [] for mode in modes}
     prefills: dict[str, list[float]] = {mode: [] for mode in modes}
     async with sink() as port, EmulatorProcess(("127.0.0.1", port)) as link:
         transfers = Transfers()
         for _ in range(repeats):
-            for mode in modes:
+            for mode, (pipelined, chunk, snapshots) in modes.items():
                 recording = Recording()
-                if mode == modes[2]:
-                    end = await asyncio.to_thread(prefill_in_token_chunks, runtime, ids, token_chunks, recording)
-                else:
-                    end = await asyncio.to_thread(whole_prefill, runtime, ids, recording)
+                end = await asyncio.to_thread(serving_prefill, runtime, ids, chunk, snapshots, recording)
                 seconds = end - recording.start
                 prefills[mode].append(seconds)
                 await link.control.set_rate(8 * kv_bytes / seconds)  # the transfer takes as long as the prefill
-                config = SenderConfig("127.0.0.1", link.port, SECRET, connections=4, pipelined=mode != modes[0],
+                config = SenderConfig("127.0.0.1", link.port, SECRET, connections=4, pipelined=pipelined,
                                       chunk_bytes=64 << 10, done_timeout=300)  # fmt: skip
                 async with KVSender(config) as sender:
                     await timed_send(sender, transfers, bulk_state(1 << 12, layers=1))  # connections up first
@@ -272,15 +277,11 @@ async def pipelining(tokens: int, repeats: int, token_chunks: int) -> None:
         ratio, prefill = statistics.median(ratios[mode]), statistics.median(prefills[mode])
         row("pipelining", f"prefill end -> last byte, {mode}", f"{ratio:.3f}",
             f"of the transfer time (prefill {prefill:.2f} s)")  # fmt: skip
-        RESULTS[f"pipelining_{mode.replace(' ', '_')}_ratio"] = round(ratio, 3)
+        key = mode.split(":")[0].replace(",", "").replace(" ", "_")
+        RESULTS[f"pipelining_{key}_ratio"] = round(ratio, 3)
     row("pipelining", "share of the state in the last layer", f"{last_share:.3f}", "floor of the by-layer ratio")
     row("pipelining", "share in fixed-size (linear) state", f"{fixed_share:.3f}", "final only after the last token")
     RESULTS.update({"last_layer_share": round(last_share, 3), "fixed_state_share": round(fixed_share, 3)})
-
-
-def whole_prefill(runtime: Any, ids: list[int], out: Any) -> float:
-    runtime.prefill(ids, on_layer=out.put_threadsafe)
-    return time.perf_counter()
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -289,7 +290,7 @@ async def main(args: argparse.Namespace) -> None:
     await loopback(nbytes=(64 if quick else 256) << 20, repeats=3)
     await emulated_rates([0.1e9, 1e9, 5e9], seconds=1.0 if quick else 2.0)
     await flow_caps(rate=400e6, seconds=1.0 if quick else 2.0)
-    await pipelining(tokens=1024 if quick else 2048, repeats=2 if quick else 3, token_chunks=8)
+    await pipelining(tokens=1024 if quick else 2048, repeats=2 if quick else 3, chunk_tokens=256)
     if args.json:
         print(json.dumps(RESULTS))
 
