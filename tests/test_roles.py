@@ -133,8 +133,9 @@ def test_conversions_that_would_empty_a_stage_are_refused_and_pd_prefill_waits_a
             async with asyncio.timeout(60):
                 while not gw.workers["pd-p0"].load_tokens:
                     await asyncio.sleep(0.01)
-            wait = gw.scheduler.signals(0.0).pd_prefill.wait_s
-            assert wait == pytest.approx(1500 / gw.scheduler.speed["pd"])
+            signals = gw.scheduler.signals(0.0)
+            assert signals.pd_prefill.wait_s == pytest.approx(1500 / gw.scheduler.speed["pd"])
+            assert signals.decode_occupancy == pytest.approx(1 / (2 * gw.config.pd.max_batch))  # one of 2 x 32 rows
             await long
 
     asyncio.run(scenario())
@@ -162,6 +163,7 @@ def test_the_long_term_policy_re_roles_a_worker_when_its_plan_says_so(tmp_path: 
                 stop.set()
             plans = gw.scheduler.long.decisions  # type: ignore[union-attr]
             assert any(p.to_prefill == 1 for p in plans), plans
+            assert gw.scheduler.short.base == plans[-1].threshold  # a converting plan's t, once its worker joined
             assert sorted(_roles(gw).values()) == ["decode", "prefill", "prefill"]
             for record, tokens in done:
                 assert record.phase is Phase.FINISHED and len(tokens) == GREEDY.max_tokens, record.to_json()

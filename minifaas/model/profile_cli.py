@@ -20,6 +20,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, fit_kv, fit_latency, save_profiles
 
@@ -75,12 +77,15 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or f"{args.model}@{args.device}"
     runtime.prefill([1, 2, 3, 4])  # warm-up: first-call allocations are not the model's speed
     points = measure_prefill(runtime, lengths, args.repeats)
+    # a longer prompt never prefills faster: a dip is timing noise (other work on the machine)
+    slowest = np.maximum.accumulate([p.latency_s for p in points])
+    points = tuple(ProfilePoint(p.tokens, float(s), p.kv_bytes) for p, s in zip(points, slowest))
     fixed, per_token = fit_kv(points)
     prefill = PrefillProfile(
         name=name,
         gpus_per_instance=args.gpus_per_instance,
         points=points,
-        latency_coeffs=fit_latency(points) if len(points) > 2 and _increasing(points) else (),
+        latency_coeffs=_latency_model(points),
         kv_fixed_bytes=max(fixed, 0.0),
         kv_bytes_per_token=per_token,
     )
@@ -104,10 +109,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _increasing(points: tuple[ProfilePoint, ...]) -> bool:
-    """A quadratic fit is used only where it stays positive; noisy CPU timings may not allow one."""
+def _latency_model(points: tuple[ProfilePoint, ...]) -> tuple[float, ...]:
+    """Coefficients of T_prefill(l), or () to interpolate the points. Noisy CPU timings may allow neither
+    a quadratic that stays positive nor an interpolation whose extrapolation does (a steep first segment
+    crosses zero below the shortest length); then a least-squares line that never goes below zero."""
+    if len(points) > 2 and _valid(points, fit_latency(points)):
+        return fit_latency(points)
+    if _valid(points, ()):
+        return ()
+    x = np.array([p.tokens for p in points], dtype=float)
+    y = np.array([p.latency_s for p in points])
+    intercept, slope = np.polynomial.polynomial.polyfit(x, y, 1)
+    if intercept < 0 or slope <= 0:  # through the origin instead
+        intercept, slope = 0.0, float(x @ y / (x @ x))
+    return (float(intercept), float(slope))
+
+
+def _valid(points: tuple[ProfilePoint, ...], coeffs: tuple[float, ...]) -> bool:
     try:
-        coeffs = fit_latency(points)
         PrefillProfile("probe", 1, points, coeffs, 0.0, 1.0)
     except ValueError:
         return False

@@ -11,8 +11,11 @@ a profile of the instances (``[scheduler] profile``, written by ``minifaas
 profile``): once a period it re-plans (t, N_p, N_d) from the prompts routed
 since, the measured prefill speeds (``prefilled``), the mean output length
 (``finished``) and the link's ceiling. Its t becomes the short-term policy's
-base; a new split is carried out by the gateway's ``RoleChanger`` (drain,
-restart in the other role, rejoin), one worker at a time.
+base. A new split is carried out by the gateway's ``RoleChanger`` (drain,
+restart in the other role, rejoin), one worker at a time; the t planned for it
+applies once the new worker serves, and a conversion that could not happen
+(no worker may go, or the drain timed out) is taken back out of the policy's
+split.
 
 What the live signals hold: PrfaaS egress and the link ceiling summed over the
 emulators in front of the decode workers (their interval byte counters and
@@ -20,7 +23,8 @@ current rates); queue depth per stage from the requests open on each worker;
 the incremental lengths the router placed; the wait at each prefill stage, the
 prompt tokens on its least loaded serving worker (sent and not yet answered,
 so a transfer held up by the link counts) over the stage's measured prefill
-speed. Not measured live (left at 0, so the rules that use them stay quiet):
+speed; decode occupancy, the requests on the decode workers over their batch
+rows. Not measured live (left at 0, so the rules that use them stay quiet):
 the link backlog (the KV senders live in the prefill workers), rtt and
 retransmissions (the relay ends every connection on loopback; netns mode
 would give real ones).
@@ -118,13 +122,16 @@ class LiveScheduler:
                 egress += 8 * stats["interval_up_bytes"] / stats["interval_s"]
             rate += stats["rate_bps"] if stats.get("rate_bps") is not None else math.inf
         lengths, self.lengths = tuple(self.lengths), []
+        decode = self._stage("pd", "decode")
+        slots = decode.nodes * self.gateway.config.pd.max_batch
         return Signals(
             now_s=now,
             link_rate_bps=rate if self.gateway.link_stats else math.inf,
             egress_bps=egress,
             prfaas=self._stage("prfaas", "prefill"),
             pd_prefill=self._stage("pd", "prefill"),
-            decode=self._stage("pd", "decode"),
+            decode=decode,
+            decode_occupancy=min(1.0, decode.depth / slots) if slots else 0.0,
             lengths=lengths,
         )
 
@@ -147,10 +154,22 @@ class LiveScheduler:
         plan: RebalanceDecision | None = self.long.step(signals)
         if plan is None:
             return
+        self._outputs = [0, 0]  # the next plan sees the output lengths of its own period
         self.gateway.metrics.scheduler_decision("long_term", "convert" if plan.to_prefill else "plan", plan.reason)
-        self.short.set_base(plan.threshold)
-        if plan.to_prefill:
-            self.gateway.roles.rebalance(plan.to_prefill)
+        if not plan.to_prefill:
+            self.short.set_base(plan.threshold)
+            return
+        # the plan's t is for the new split: it applies once the worker serves in its new role
+        self.gateway.roles.rebalance(plan.to_prefill, lambda ok: self._converted(plan, ok))
+
+    def _converted(self, plan: RebalanceDecision, ok: bool) -> None:
+        """A conversion the long-term policy asked for ended: take up its t, or undo its split."""
+        assert self.long is not None
+        if ok:
+            self.short.set_base(plan.threshold)
+            return
+        step = 1 if plan.to_prefill > 0 else -1  # one worker per conversion
+        self.long.n_prefill, self.long.n_decode = self.long.n_prefill - step, self.long.n_decode + step
 
     def _stage(self, cluster: str, role: str) -> StageLoad:
         """Draining workers do not serve the stage; their requests still count in its depth."""

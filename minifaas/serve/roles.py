@@ -29,6 +29,7 @@ import logging
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,15 +104,20 @@ class RoleChanger:
     def in_progress(self) -> int:
         return len(self._tasks)
 
-    def rebalance(self, to_prefill: int) -> None:
-        """Start |to_prefill| conversions, decode -> prefill when positive; each drains on its own."""
+    def rebalance(self, to_prefill: int, done: Callable[[bool], None] = lambda ok: None) -> None:
+        """Start |to_prefill| conversions, decode -> prefill when positive; each drains on its own and
+        then calls ``done`` with whether it happened (False at once when no worker may go)."""
         for _ in range(abs(to_prefill)):
             worker = self.pick(to_prefill > 0)
             if worker is None:
                 self.counts["refused"] += 1
                 log.warning("rebalance: no PD worker can change role now (to_prefill %+d)", to_prefill)
-                return
-            self.start(worker, "prefill" if to_prefill > 0 else "decode")
+                done(False)
+                continue
+            task = self.start(worker, "prefill" if to_prefill > 0 else "decode")
+            task.add_done_callback(
+                lambda t: done(not t.cancelled() and t.exception() is None and t.result() is not None)
+            )
 
     def pick(self, to_prefill: bool) -> WorkerHandle | None:
         """The least busy worker of the shrinking role, or None when none may go."""
