@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from minifaas.cli import main
+from minifaas.model.profile_cli import _latency_model
 from minifaas.planner.paper import paper_case
-from minifaas.planner.profile import load_profiles
+from minifaas.planner.profile import PrefillProfile, ProfilePoint, load_profiles
 from minifaas.planner.search import best_prfaas
 from minifaas.sim.sim_cli import with_profiles
 
@@ -28,3 +29,15 @@ def test_profile_writes_what_the_planner_reads(tmp_path, capsys: pytest.CaptureF
     case = with_profiles(paper_case(), None, str(out))
     assert case.pd_prefill == prefill and case.decode == decode and case.prfaas == paper_case().prfaas
     assert best_prfaas(case).throughput_rps > 0
+
+
+def test_noisy_timings_still_give_a_latency_model_that_stays_positive() -> None:
+    # a steep first segment: interpolating would cross zero below 64 tokens
+    points = (ProfilePoint(64, 0.05, 1.0), ProfilePoint(512, 0.9, 2.0))
+    with pytest.raises(ValueError, match="positive"):
+        PrefillProfile("interpolated", 1, points)
+    coeffs = _latency_model(points)
+    profile = PrefillProfile("fitted", 1, points, coeffs)
+    assert coeffs and float(profile.latency_s(1.0)) > 0 and float(profile.latency_s(512.0)) > 0.5
+    # well-behaved points keep the plain interpolation
+    assert _latency_model((ProfilePoint(64, 0.1, 1.0), ProfilePoint(512, 0.5, 2.0))) == ()
