@@ -12,7 +12,9 @@ steadier figure; ``--threads 1`` keeps it honest). Each figure is the best of
 OpenAI API of a server with batched decode and of one with ``max_batch = 1``:
 throughput and TTFT / TPOT p50 and p90. ``--prefill`` measures whether
 batching short prefills pays (the figures quoted in batch_decoder). The last
-line is the machine-readable summary when ``--json`` is given.
+line is the machine-readable summary when ``--json`` is given. ``--quick`` is
+the smoke run the tests make: 1 and 4 streams, 4 tokens, one repeat, 4
+requests end to end, two prefill lengths unless given; the same code path.
 
     python benchmarks/bench_decode_batch.py
     python benchmarks/bench_decode_batch.py --threads 1 --prefill --e2e --json
@@ -180,8 +182,15 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="also measure batched against one-by-one prefill")
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs of each measurement")
     parser.add_argument("--threads", type=int, help="torch threads in this process (default: torch's choice)")
+    parser.add_argument("--prefill-lengths", default="16,32,128,512", help="prompt lengths of --prefill")
+    parser.add_argument("--prefill-batch", type=int, default=8, help="prompts per batched forward of --prefill")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     args = parser.parse_args()
+    if args.quick:  # flags given on the command line still win
+        quick = {"streams": "1,4", "tokens": 4, "repeats": 1, "e2e_requests": 4, "e2e_max_batch": 4}
+        parser.set_defaults(**quick, prefill_lengths="16,32", prefill_batch=2)
+        args = parser.parse_args()
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,7 +209,8 @@ def main() -> None:
     if args.prefill:
         print("\nprefill: equal-length prompts one by one against one batched forward (CPU seconds)")
         print(f"{'length':>8} {'batch':>6} {'one by one':>14} {'batched':>12} {'ratio':>9}")
-        summary["prefill"] = bench_prefill(runtime, (16, 32, 128, 512), 8, args.repeats)
+        lengths = tuple(int(n) for n in args.prefill_lengths.split(","))
+        summary["prefill"] = bench_prefill(runtime, lengths, args.prefill_batch, args.repeats)
 
     if args.e2e:
         print(f"\nend to end: {args.e2e_requests} concurrent mixed streamed requests")

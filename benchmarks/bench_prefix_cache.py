@@ -19,7 +19,10 @@ decode node, and caches moved before prefill under ``--rule abundant``). The
 scheduler is held fixed (threshold and rule do not move), so the runs differ in
 the cache alone.
 
-    python benchmarks/bench_prefix_cache.py [--requests 36] [--scale 32] [--json]
+    python benchmarks/bench_prefix_cache.py [--requests 36] [--scale 32] [--json] [--quick]
+
+``--quick`` is the smoke run the tests make: 6 requests, lengths / 128
+unless given; the same three gateways.
 
 Trace: Mooncake (FAST'25) synthetic workload, Apache-2.0.
 """
@@ -127,7 +130,11 @@ def main() -> None:
     p.add_argument("--rule", choices=("scarce", "abundant"), default="scarce", help="routing rule, held fixed")
     p.add_argument("--model", default="kimi-linear-tiny")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
+    p.add_argument("--quick", action="store_true", help="a smoke run: fewer requests, the same code path")
     args = p.parse_args()
+    if args.quick:  # flags given on the command line still win
+        p.set_defaults(requests=6, scale=128)
+        args = p.parse_args()
 
     turns = conversations(TRACE, args.scale, args.requests, args.min_turns)
     block = MOONCAKE_BLOCK_TOKENS // args.scale

@@ -1,9 +1,11 @@
 """Prefill and decode speed of every preset on this machine, and their state sizes.
 
-    python benchmarks/bench_runtime.py [--lengths 1024,4096] [--decode-tokens 32] [--json]
+    python benchmarks/bench_runtime.py [--lengths 1024,4096] [--decode-tokens 32] [--json] [--quick]
 
 All presets run in one process, one after another, with the same prompts, so
 the figures compare side by side. Each timing is the best of --repeats runs.
+``--quick`` is the smoke run the tests make: 32- and 128-token prompts, 4
+decode tokens, one repeat unless given; the same code path.
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", action="store_true", help="also print one JSON line at the end")
+    p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     args = p.parse_args()
+    if args.quick:  # flags given on the command line still win
+        p.set_defaults(lengths="32,128", decode_tokens=4, repeats=1)
+        args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = [measure(name, lengths, args.decode_tokens, args.repeats) for name in preset_names()]
     dense = next(r for r in rows if r["fixed_state_bytes"] == 0 and r["model"] == "qwen3-tiny")

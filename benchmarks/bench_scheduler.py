@@ -15,11 +15,16 @@ Configurations:
 
     python benchmarks/bench_scheduler.py
     python benchmarks/bench_scheduler.py --load 0.8 --drop-gbps 5 --shift-mu 10.4
+
+``--quick`` is the smoke run the tests make: 2,000 s unless given (the drop
+and its recovery still inside), the same code path; ``--json`` ends with one
+JSON line of every row.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import replace
 
@@ -82,7 +87,12 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=300.0)
     parser.add_argument("--convert-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a shorter run, the same code path")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     args = parser.parse_args()
+    if args.quick:  # flags given on the command line still win
+        parser.set_defaults(duration=2_000.0)
+        args = parser.parse_args()
 
     case = paper_case()
     rate = args.load * plan(case).prfaas.throughput_rps
@@ -95,17 +105,39 @@ def main() -> None:
     print(f"paper case, Poisson {rate:.3f} req/s ({args.load} x planned), {args.duration:.0f} s, seed {args.seed}")
     print(HEADER)
     started = time.perf_counter()
+    rows = []
     for scenario, (workload, link) in scenarios.items():
         for name, config in configs(link, args.period, args.convert_s).items():
             r = Simulation(config, workload).run()
-            split = f"{int(r.schedule[-1, 2]) if len(r.schedule) else config.n_prefill}"
-            split += f"/{int(r.schedule[-1, 3]) if len(r.schedule) else config.n_decode}"
+            n_p = int(r.schedule[-1, 2]) if len(r.schedule) else config.n_prefill
+            n_d = int(r.schedule[-1, 3]) if len(r.schedule) else config.n_decode
             print(
                 f"{scenario:<15}{name:<10}{f'{r.completed}/{r.requests}':>12}{r.requests - r.completed:>8}"
                 f"{r.throughput_rps:>10.3f}{r.ttft_p90_s:>12.2f}{r.ttft_p99_s:>12.2f}{r.link_utilisation:>11.3f}"
-                f"{r.egress_gbps_p99:>12.1f}{r.threshold_final:>9}{r.threshold_max:>8}{split:>9}{r.role_conversions:>6}"
+                f"{r.egress_gbps_p99:>12.1f}{r.threshold_final:>9}{r.threshold_max:>8}{f'{n_p}/{n_d}':>9}"
+                f"{r.role_conversions:>6}"
+            )
+            rows.append(
+                {
+                    "scenario": scenario,
+                    "config": name,
+                    "completed": r.completed,
+                    "requests": r.requests,
+                    "throughput_rps": r.throughput_rps,
+                    "ttft_p90_s": r.ttft_p90_s,
+                    "ttft_p99_s": r.ttft_p99_s,
+                    "link_utilisation": r.link_utilisation,
+                    "egress_gbps_p99": r.egress_gbps_p99,
+                    "threshold_final": r.threshold_final,
+                    "threshold_max": r.threshold_max,
+                    "n_prefill": n_p,
+                    "n_decode": n_d,
+                    "role_conversions": r.role_conversions,
+                }
             )
     print(f"({time.perf_counter() - started:.1f} s wall)")
+    if args.json:
+        print(json.dumps({"bench": "scheduler", "load": args.load, "duration_s": args.duration, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """TTFT and end-to-end latency of a short and a long prompt on each route, against one-process generate().
 
-    python benchmarks/bench_serve.py [--short 128] [--long 2048] [--max-tokens 16] [--repeats 3] [--json]
+    python benchmarks/bench_serve.py [--short 128] [--long 2048] [--max-tokens 16] [--repeats 3] [--json] [--quick]
 
 One run measures, on the same machine: a server whose threshold sends
 everything local (PD-P -> PD-D), then one whose threshold sends everything to
@@ -8,7 +8,9 @@ PrfaaS (PrfaaS prefill -> emulated link -> PD-D); each served request is
 followed by the single-process reference (prefill + decode in this process) on
 a prompt of the same length, so the two see the same machine load. Requests go one
 at a time through the HTTP API with streaming, each with a fresh prompt (no
-prefix-cache hits); medians of --repeats.
+prefix-cache hits); medians of --repeats. ``--quick`` is the smoke run the
+tests make: 32- and 128-token prompts, 4 output tokens, one repeat unless
+given; the same code path.
 """
 
 from __future__ import annotations
@@ -94,8 +96,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--link-rate", default="100mbit")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of every row")
+    p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     a = p.parse_args()
+    if a.quick:  # flags given on the command line still win
+        p.set_defaults(short=32, long=128, max_tokens=4, repeats=1)
+        a = p.parse_args()
     lengths = [a.short, a.long]
     rt = ModelRuntime.load(a.model)
     rt.generate([1, 2, 3], SamplingParams(max_tokens=2))

@@ -8,11 +8,15 @@ the simulated deployment did beside what the planner expected.
 
     python benchmarks/bench_sim.py                 # the reference run: 10,000 GPUs, 3,600 s, load 0.8
     python benchmarks/bench_sim.py --gpus 1000 --duration 600
+
+``--quick`` is the smoke run the tests make: 1,000 GPUs for 300 s unless
+given, the same code path; ``--json`` ends with one JSON line of the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from minifaas.planner.paper import paper_case
@@ -31,7 +35,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=3_600.0)
     parser.add_argument("--load", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
+    if args.quick:  # flags given on the command line still win
+        parser.set_defaults(gpus=1_000, duration=300.0)
+        args = parser.parse_args()
 
     case = scaled_case(paper_case(), args.gpus, None)
     point = plan(case).prfaas
@@ -58,6 +67,21 @@ def main() -> None:
     print(f"ttft         mean {result.ttft_mean_s:.2f} s, p90 {result.ttft_p90_s:.2f} s, p99 {result.ttft_p99_s:.2f} s")
     print(f"egress       mean {result.egress_gbps_mean:.0f} Gbps, p99 {result.egress_gbps_p99:.0f} Gbps")
     print(f"             planned {point.egress_gbps * args.load:.0f} Gbps at this load")
+    if args.json:
+        figures = {
+            "gpus": config.gpus,
+            "requests": len(workload),
+            "duration_s": args.duration,
+            "generate_s": generated - started,
+            "simulate_s": sim_s,
+            "events_per_s": result.events / sim_s,
+            "throughput_rps": result.throughput_rps,
+            "offered_rps": offered,
+            "planned_rps": planned,
+            "ttft_p90_s": result.ttft_p90_s,
+            "egress_gbps_mean": result.egress_gbps_mean,
+        }
+        print(json.dumps({"bench": "sim", **figures}))
 
 
 if __name__ == "__main__":

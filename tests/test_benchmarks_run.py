@@ -1,0 +1,94 @@
+"""Every ``python benchmarks/...`` command quoted in README.md and docs/*.md runs, as a smoke run.
+
+Each quoted command runs from the repository root as written plus ``--quick``
+(every benchmark's smoke run: smaller sizes and fewer repeats on the same code
+path) and ``--json``: it must exit 0, print its table and end with one JSON
+line of finite figures. Two run at a time. The figures in the docs come from
+full runs; these runs only prove that the commands a reader copies still work.
+Every benchmark in benchmarks/ must be quoted somewhere, so none goes untested.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+from test_docs_commands import DOCS, ROOT, code_of
+
+_BENCHMARK = re.compile(r"(?:^|[\s(])python +(benchmarks/[\w/]+\.py)([^\n;|&#`]*)")
+
+
+def benchmark_commands(markdown: str) -> list[list[str]]:
+    """Each quoted ``python benchmarks/<name>.py [args]`` command as argv, the script first."""
+    found = []
+    for code in code_of(markdown):
+        for match in _BENCHMARK.finditer(code):
+            found.append([match.group(1), *shlex.split(match.group(2))])
+    return found
+
+
+# every run adds --json, so two quotes that differ only in it are one run
+UNIQUE = sorted(
+    {tuple(a for a in argv if a != "--json") for path in DOCS for argv in benchmark_commands(path.read_text())}
+)
+
+
+def _refuse(constant: str) -> float:
+    raise ValueError(f"{constant} in the JSON line")
+
+
+def test_every_benchmark_is_quoted() -> None:
+    quoted = {argv[0] for argv in UNIQUE}
+    present = {str(path.relative_to(ROOT)) for path in (ROOT / "benchmarks").glob("*.py")}
+    assert sorted(present - quoted) == [], "benchmarks no doc quotes (so no test runs them)"
+    assert sorted(quoted - present) == [], "the docs quote benchmarks that do not exist"
+
+
+def test_extraction() -> None:
+    text = (
+        "| 7 | simulator | `python benchmarks/bench_sim.py` |\n\n"
+        "    python benchmarks/bench_scheduler.py --load 0.8  # a comment\n\n"
+        "(python benchmarks/bench_serve.py in prose is not a command) and python -m minifaas.cli\n"
+    )
+    assert benchmark_commands(text) == [
+        ["benchmarks/bench_scheduler.py", "--load", "0.8"],
+        ["benchmarks/bench_sim.py"],
+    ]
+
+
+def _run(argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, *argv, "--quick", "--json"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> Iterator[dict[tuple[str, ...], Future[subprocess.CompletedProcess[str]]]]:
+    """The selected runs, two at a time: the live benchmarks spend much of their time waiting on
+    process starts and emulated links, so a pair keeps both cores busy."""
+    chosen = [
+        item.callspec.params["argv"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_benchmark_runs_quick"
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {argv: pool.submit(_run, argv) for argv in chosen}
+
+
+@pytest.mark.parametrize("argv", UNIQUE, ids=[" ".join(a) for a in UNIQUE])
+def test_benchmark_runs_quick(
+    argv: tuple[str, ...], runs: dict[tuple[str, ...], Future[subprocess.CompletedProcess[str]]]
+) -> None:
+    done = runs[argv].result()
+    shown = f"`python {shlex.join([*done.args[1:]])}`"
+    assert done.returncode == 0, f"{shown} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert len(lines) >= 3, f"{shown} printed no table:\n{done.stdout}"
+    figures = json.loads(lines[-1], parse_constant=_refuse)  # a NaN figure means a run that measured nothing
+    assert isinstance(figures, dict) and figures, f"{shown}: the last line is not a JSON object of figures"
+    assert not any(line.lstrip().startswith("{") for line in lines[:-1]), "the table comes before the one JSON line"
