@@ -131,7 +131,8 @@ def test_corrupted_payload_byte_fails_the_transfer_and_drops_the_connection() ->
     run(main())
 
 
-def test_corrupted_byte_in_a_big_chunk_checked_in_a_thread() -> None:
+def test_corrupted_last_byte_of_a_big_chunk_received_in_several_reads() -> None:
+    """The receiver checksums a payload block by block as it reads it: the last block counts too."""
     state = bulk_state(2 << 20, layers=1)
 
     async def main() -> None:
@@ -140,7 +141,8 @@ def test_corrupted_byte_in_a_big_chunk_checked_in_a_thread() -> None:
             header, payload = split_chunks(state.layers[0], 1 << 20)[0].frame(7)
             damaged = bytearray(payload)
             damaged[-1] ^= 0x80
-            await channel.send([header, damaged], 5)
+            await channel.send([header, damaged[: 300 << 10]], 5)
+            await channel.send([damaged[300 << 10 :]], 5)
             assert isinstance(await failure_of(rx.transfer(7)), CorruptFrameError)
             assert await dropped(channel)
             channel.close()

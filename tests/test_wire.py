@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.model.layer_state import ModelState
+from minifaas.model.state_codec import Checksum, checksum
 from minifaas.transport.chunking import split_chunks, split_token_range
 from minifaas.transport.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.reassembly import Reassembly
@@ -211,3 +212,19 @@ def test_token_range_must_fit_and_be_full_attention() -> None:
         split_token_range(state.layers[3].slice_tokens(0, 8), 4, 10, 64)
     with pytest.raises(ValueError):
         split_token_range(state.layers[0], 0, 8, 64)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, (64 << 10) - 1, 64 << 10, (3 << 20) + 5])
+def test_checksum_fed_in_pieces_equals_the_one_shot_checksum(size: int) -> None:
+    data = random.Random(size).randbytes(size)
+    whole = checksum(data)
+    assert checksum(memoryview(data)) == whole
+    for step in (1 << 10, 100_003, 1 << 20):
+        pieces = Checksum()
+        for at in range(0, size, step):
+            pieces.update(memoryview(data)[at : at + step])
+        assert pieces.value == whole, f"{size} bytes in pieces of {step}"
+    if size:
+        flipped = bytearray(data)
+        flipped[-1] ^= 1
+        assert checksum(flipped) != whole

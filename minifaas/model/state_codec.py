@@ -67,8 +67,28 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+_GIL_FREE_BYTES = 64 << 10  # from here on hash with the GIL released (the one-shot function holds it)
+
+
 def checksum(buf: memoryview | bytes) -> int:
-    return xxhash.xxh3_64_intdigest(buf) & 0xFFFFFFFF
+    if len(buf) < _GIL_FREE_BYTES:
+        return xxhash.xxh3_64_intdigest(buf) & 0xFFFFFFFF
+    # the streaming hasher gives the same digest and lets other threads (an event loop) run meanwhile
+    return xxhash.xxh3_64(buf).intdigest() & 0xFFFFFFFF
+
+
+class Checksum:
+    """``checksum`` of bytes fed in pieces, e.g. each block a socket read, while it is still in cache."""
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_64()
+
+    def update(self, buf: memoryview | bytes) -> None:
+        self._hasher.update(buf)
+
+    @property
+    def value(self) -> int:
+        return self._hasher.intdigest() & 0xFFFFFFFF
 
 
 def encode(state: LayerState) -> list[bytes | memoryview]:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl as ssl_module
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from minifaas.transport.errors import ConnectionLostError, StallError, TruncatedError
 
 Buffer = bytes | bytearray | memoryview
+Digest = Callable[[memoryview], None]
+WAKE_BYTES = 256 << 10  # a receive waits for up to this much before it wakes (SO_RCVLOWAT)
 
 
 class Channel:
@@ -29,6 +31,7 @@ class Channel:
         self.sock = sock
         self._streams = streams
         self._write_lock = asyncio.Lock()
+        self._wake_bytes = 1  # SO_RCVLOWAT
         self.closed = False
 
     async def send(self, parts: Sequence[Buffer], timeout: float | None) -> None:
@@ -76,8 +79,9 @@ class Channel:
         finally:
             remove(fd)
 
-    async def recv_into(self, view: memoryview, timeout: float | None) -> bool:
-        """Fill ``view`` exactly. False if the peer closed cleanly before the first byte."""
+    async def recv_into(self, view: memoryview, timeout: float | None, digest: Digest | None = None) -> bool:
+        """Fill ``view`` exactly, handing each block read to ``digest`` while it is in cache.
+        False if the peer closed cleanly before the first byte."""
         got = 0
         try:
             while got < view.nbytes:
@@ -86,6 +90,8 @@ class Channel:
                     if got == 0:
                         return False
                     raise TruncatedError(f"stream ended after {got} of {view.nbytes} bytes")
+                if digest is not None:
+                    digest(view[got : got + n])
                 got += n
         except TimeoutError:
             raise StallError(f"receive made no progress for {timeout} s") from None
@@ -109,7 +115,14 @@ class Channel:
             try:
                 return self.sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
+                self._wake_at(min(view.nbytes, WAKE_BYTES))
                 await self._wait_ready(asyncio.get_running_loop(), timeout, write=False)
+
+    def _wake_at(self, nbytes: int) -> None:
+        """Be woken only when ``nbytes`` have arrived (or the stream ended): one big read instead of many small."""
+        if nbytes != self._wake_bytes:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(nbytes, 1))
+            self._wake_bytes = nbytes
 
     def close(self, reset: bool = False) -> None:
         """Close; ``reset`` sends an RST so the peer learns at once that the stream is broken."""

@@ -30,7 +30,6 @@ from minifaas.transport.errors import ProtocolError, RejectedError, StallError, 
 from minifaas.transport.pool import ConnectionPool
 from minifaas.transport.wire import (
     HEADER_SIZE,
-    THREAD_CHECKSUM_BYTES,
     FrameType,
     Limits,
     control,
@@ -181,11 +180,9 @@ class OutgoingTransfer:
         chunk = await self._queue.get()
         if chunk is None:
             return None
-        if chunk.length >= THREAD_CHECKSUM_BYTES and self._settings.checksums:  # other pumps send meanwhile
-            header, payload = await asyncio.to_thread(chunk.frame, self.id, self._settings.checksums)
-        else:
-            header, payload = chunk.frame(self.id, self._settings.checksums)
-            await asyncio.sleep(0)  # framing did not yield: let the other pumps take a turn
+        # checksummed here, on this thread, just before the send: the kernel then copies bytes still in cache
+        header, payload = chunk.frame(self.id, self._settings.checksums)
+        await asyncio.sleep(0)  # framing did not yield: let the other pumps take a turn
         return chunk, header, payload
 
     async def _await_done(self, channel: Channel) -> None:

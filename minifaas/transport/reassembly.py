@@ -31,6 +31,7 @@ class _Slot:
     dtype: int
     shape: tuple[int, ...]
     data: torch.Tensor  # uint8, the slot's bytes
+    view: memoryview  # of ``data``: chunks are received into slices of it
     chunks: dict[int, int] = field(default_factory=dict)  # offset -> length
     received: int = 0
 
@@ -120,15 +121,14 @@ class Reassembly:
                 raise ProtocolError(f"transfer {self.transfer} exceeds its limit of {self.max_bytes} bytes")
             self.allocated += h.slot_bytes
             data = self._allocate(h.slot_bytes)
-            slot = layer.slots[h.slot] = _Slot(h.name, h.dtype, h.shape, data)
+            view = memoryview(data.numpy()).cast("B") if h.slot_bytes else memoryview(b"")
+            slot = layer.slots[h.slot] = _Slot(h.name, h.dtype, h.shape, data, view)
         elif (slot.name, slot.dtype, slot.shape) != (h.name, h.dtype, h.shape):
             raise ProtocolError(f"transfer {self.transfer}: chunks of slot {h.name!r} disagree on dtype or shape")
         if h.offset in slot.chunks:
             raise ProtocolError(f"transfer {self.transfer}: duplicate chunk at byte {h.offset} of {h.name!r}")
         self.pending += 1
-        if h.length == 0:
-            return memoryview(b"")
-        return memoryview(slot.data.numpy()).cast("B")[h.offset : h.offset + h.length]
+        return slot.view[h.offset : h.offset + h.length]
 
     def commit(self, h: FrameHeader, payload: memoryview, crc: int | None = None) -> list[LayerState]:
         """Accept a received chunk; ``crc`` is its checksum if the caller computed it already."""

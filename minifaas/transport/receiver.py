@@ -7,8 +7,8 @@
 
 Each connection first passes the shared-secret handshake; then its frames are
 read one by one. A chunk's payload is received straight into the slot's final
-tensor memory (recycled memory once states are released); big chunks are
-checksummed in a worker thread while the next one arrives. Anything wrong
+tensor memory (recycled memory once states are released) and checksummed
+block by block as it is read, while the bytes are still in cache. Anything wrong
 with a connection (bad header, checksum, sizes, a reset, a truncated stream)
 drops that connection and fails every unfinished transfer it carried, with the
 specific error. A transfer with no progress for
@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from minifaas.model.layer_state import LayerState, ModelState
-from minifaas.model.state_codec import checksum
+from minifaas.model.state_codec import Checksum, checksum
 from minifaas.transport.auth import check_secret, verify_sender
 from minifaas.transport.buffers import BufferPool
 from minifaas.transport.channel import Channel, accept_channel
@@ -40,12 +40,10 @@ from minifaas.transport.errors import (
     TransferAbortedError,
     TransferError,
     TruncatedError,
-    first_transfer_error,
 )
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.wire import (
     HEADER_SIZE,
-    THREAD_CHECKSUM_BYTES,
     UNCHECKED,
     FrameHeader,
     FrameType,
@@ -188,12 +186,8 @@ class KVReceiver:
         try:
             channel = await accept_channel(sock, self._ssl)
             await verify_sender(channel, self.config.secret, self.config.handshake_timeout)
-            try:
-                async with asyncio.TaskGroup() as checks:  # checksums of big chunks, in threads
-                    while await self._read_frame(channel, carried, checks):
-                        pass
-            except BaseExceptionGroup as eg:
-                raise first_transfer_error(eg) from None
+            while await self._read_frame(channel, carried):
+                pass
             clean = True
             await self._lost(carried, TruncatedError("connection closed before the transfer was complete"))
         except AuthError as e:
@@ -215,7 +209,7 @@ class KVReceiver:
             if t is not None:
                 await self._fail(t, error)
 
-    async def _read_frame(self, channel: Channel, carried: set[int], checks: asyncio.TaskGroup) -> bool:
+    async def _read_frame(self, channel: Channel, carried: set[int]) -> bool:
         raw = bytearray(HEADER_SIZE)
         if not await channel.recv_into(memoryview(raw), None):
             return False
@@ -231,27 +225,23 @@ class KVReceiver:
         carried.add(h.transfer)
         t.started = True
         try:
-            await self._apply(t, h, channel, checks)
+            await self._apply(t, h, channel)
         except TransferError as e:
             await self._fail(t, e)
             raise
         return True
 
-    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, checks: asyncio.TaskGroup) -> None:
+    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel) -> None:
         assert t.assembly is not None
         if h.type is FrameType.CHUNK:
             unchecked = bool(h.flags & UNCHECKED)
             if unchecked and not self.config.accept_unchecked:
                 raise ProtocolError("a chunk without a payload checksum; this receiver requires them")
             view = t.assembly.buffer_for(h)
-            await channel.recv_into(view, self.config.stall_timeout)
+            digest = None if unchecked else Checksum()  # fed each block as it is read, while it is in cache
+            await channel.recv_into(view, self.config.stall_timeout, None if digest is None else digest.update)
             self.stats.bytes_received += h.length
-            if unchecked:
-                await self._commit(t, h, view, crc=h.crc)
-            elif h.length >= THREAD_CHECKSUM_BYTES:  # check it in a thread while the next chunk comes in
-                checks.create_task(self._commit(t, h, view, threaded=True))
-            else:
-                await self._commit(t, h, view)
+            await self._commit(t, h, view, h.crc if digest is None else digest.value)
             return
         payload = await channel.recv_exactly(h.length, self.config.stall_timeout)
         if checksum(payload) != h.crc:
@@ -268,11 +258,7 @@ class KVReceiver:
         else:
             raise ProtocolError(f"a receiver does not accept {h.type.name} frames")
 
-    async def _commit(
-        self, t: IncomingTransfer, h: FrameHeader, view: memoryview, threaded: bool = False, crc: int | None = None
-    ) -> None:
-        if threaded:
-            crc = await asyncio.to_thread(checksum, view)
+    async def _commit(self, t: IncomingTransfer, h: FrameHeader, view: memoryview, crc: int) -> None:
         if t.assembly is None:
             return  # the transfer failed meanwhile
         try:

@@ -55,7 +55,6 @@ MAX_NDIM = 8
 NAME_BYTES = 24
 MAX_SLOTS = 256
 MAX_CONTROL_BYTES = 4096
-THREAD_CHECKSUM_BYTES = 256 << 10  # payloads below this are checksummed inline: a thread hand-off costs more
 
 _HEADER = struct.Struct("<4sBBBBQIHHBB2xIQQQ8Q24s")
 UNCHECKED = 1  # flag: the sender skipped the payload checksum (only a receiver that allows it accepts this)
