@@ -23,7 +23,6 @@ import contextlib
 import logging
 import socket
 import ssl as ssl_module
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from minifaas.model.layer_state import LayerState, ModelState
@@ -42,6 +41,7 @@ from minifaas.transport.errors import (
     TruncatedError,
 )
 from minifaas.transport.incoming import IncomingTransfer
+from minifaas.transport.transfer_table import TransferTable, reason
 from minifaas.transport.wire import (
     HEADER_SIZE,
     UNCHECKED,
@@ -55,7 +55,6 @@ from minifaas.transport.wire import (
 )
 
 log = logging.getLogger(__name__)
-_FORGET_AFTER = 4096  # finished transfer ids remembered, so late frames are skipped, not restarted
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +93,7 @@ class KVReceiver:
         self.stats = ReceiverStats()
         self.buffers = BufferPool(config.recycle_bytes)
         self._ssl = ssl
-        self._transfers: dict[int, IncomingTransfer] = {}
-        self._forgotten: OrderedDict[int, str] = OrderedDict()  # ended transfer -> why it failed ("" if it did not)
+        self._table = TransferTable(config.max_open_transfers, config.max_transfer_bytes, self.buffers.take)
         self._listener: socket.socket | None = None
         self._group = asyncio.TaskGroup()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -122,16 +120,12 @@ class KVReceiver:
         finally:
             if self._listener is not None:
                 self._listener.close()
-            for t in self._transfers.values():
+            for t in self._table.open.values():
                 t.fail(ConnectionLostError("the receiver shut down"))
 
     def transfer(self, transfer_id: int) -> IncomingTransfer:
         """The incoming transfer with this id, claimed by the caller (created if no frame came yet)."""
-        t = self._transfers.get(transfer_id) or self._open(transfer_id)
-        t.claimed = True
-        if t.finished:
-            del self._transfers[transfer_id]
-        return t
+        return self._table.claim(transfer_id, asyncio.get_running_loop().time())
 
     def release(self, state: ModelState | LayerState) -> None:
         """The consumer is done with a received state: its memory may receive the next transfer."""
@@ -144,22 +138,10 @@ class KVReceiver:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _open(self, transfer_id: int) -> IncomingTransfer:
-        if len(self._transfers) >= self.config.max_open_transfers:
-            raise ProtocolError(f"more than {self.config.max_open_transfers} open transfers")
-        now = asyncio.get_running_loop().time()
-        t = IncomingTransfer(transfer_id, self.config.max_transfer_bytes, now, self.buffers.take)
-        self._transfers[transfer_id] = t
-        return t
-
     def _finish(self, t: IncomingTransfer) -> None:
         self.stats.completed += t.complete
         self.stats.failed += t.error is not None
-        self._forgotten[t.id] = "" if t.error is None else _reason(t.error)
-        while len(self._forgotten) > _FORGET_AFTER:
-            self._forgotten.popitem(last=False)
-        if t.claimed:
-            self._transfers.pop(t.id, None)
+        self._table.ended(t)
 
     async def _fail(self, t: IncomingTransfer, error: TransferError) -> None:
         if not t.fail(error):
@@ -168,7 +150,7 @@ class KVReceiver:
         self._finish(t)
         if t.reply_to is not None and not t.reply_to.closed:
             with contextlib.suppress(TransferError):  # else the sender learns from the broken connection
-                abort = control(FrameType.ABORT, t.id, _reason(error).encode())
+                abort = control(FrameType.ABORT, t.id, reason(error).encode())
                 await t.reply_to.send([abort], self.config.stall_timeout)
 
     async def _accept_loop(self) -> None:
@@ -205,7 +187,7 @@ class KVReceiver:
 
     async def _lost(self, carried: set[int], error: TransferError) -> None:
         for transfer_id in carried:
-            t = self._transfers.get(transfer_id)
+            t = self._table.open.get(transfer_id)
             if t is not None:
                 await self._fail(t, error)
 
@@ -214,13 +196,11 @@ class KVReceiver:
         if not await channel.recv_into(memoryview(raw), None):
             return False
         h = unpack_header(raw, self.config.limits)
-        t = self._transfers.get(h.transfer)
-        if t is None and h.transfer not in self._forgotten:
-            t = self._open(h.transfer)
-        if t is None or t.finished:
+        t = self._table.for_frame(h.transfer, asyncio.get_running_loop().time())
+        if t is None:
             await channel.recv_exactly(h.length, self.config.stall_timeout)  # too late: skip it
-            if h.type is FrameType.END and (reason := self._forgotten.get(h.transfer)):
-                await channel.send([control(FrameType.ABORT, h.transfer, reason.encode())], self.config.stall_timeout)
+            if h.type is FrameType.END and (why := self._table.failure(h.transfer)):
+                await channel.send([control(FrameType.ABORT, h.transfer, why.encode())], self.config.stall_timeout)
             return True
         carried.add(h.transfer)
         t.started = True
@@ -281,11 +261,5 @@ class KVReceiver:
         limit = self.config.stall_timeout
         while True:
             await asyncio.sleep(min(limit / 4, 1.0))
-            now = loop.time()
-            for t in list(self._transfers.values()):
-                if t.started and not t.finished and now - t.last_progress > limit:
-                    await self._fail(t, StallError(f"transfer {t.id}: no progress for {limit} s"))
-
-
-def _reason(error: TransferError) -> str:
-    return f"{type(error).__name__}: {error}"[:1024]
+            for t in self._table.stalled(loop.time(), limit):
+                await self._fail(t, StallError(f"transfer {t.id}: no progress for {limit} s"))
