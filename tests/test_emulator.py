@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import subprocess
 import sys
 from collections.abc import Coroutine
@@ -14,6 +15,7 @@ import pytest
 
 from minifaas.transport.emulator_control import EmulatorError, EmulatorProcess
 from minifaas.transport.pacer import DelayLine, Pacer, RateSchedule, parse_rate
+from minifaas.transport.relay_blocks import CopiedBlock, SplicedBlock, splice_available
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,13 +108,15 @@ async def echo_through(port: int, payload: bytes) -> bytes:
     return data
 
 
-def test_relay_carries_bytes_exactly_both_ways_and_counts_them() -> None:
+@pytest.mark.parametrize("splice", ["on", "off"])
+def test_relay_carries_bytes_exactly_both_ways_and_counts_them(splice: str) -> None:
     payload = os.urandom(3 << 20)
 
     async def main() -> None:
         server = await echo_server()
         target = server.sockets[0].getsockname()
-        async with server, EmulatorProcess(target, rate="400mbit", delay_ms=3, jitter_ms=2, read_bytes=4096) as link:
+        options = {"rate": "400mbit", "delay_ms": 3, "jitter_ms": 2, "read_bytes": 4096, "splice": splice}
+        async with server, EmulatorProcess(target, **options) as link:
             results = await asyncio.gather(*(echo_through(link.port, payload) for _ in range(3)))
             assert all(r == payload for r in results)
             stats = await link.control.stats()
@@ -165,3 +169,58 @@ def test_command_line_help() -> None:
         [sys.executable, "-m", "minifaas.transport.emulator", "--help"], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 0 and "--flow-rate" in done.stdout
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        near = socket.create_connection(server.getsockname())
+        far, _ = server.accept()
+    for sock in (near, far):
+        sock.setblocking(False)
+    return near, far
+
+
+@pytest.mark.parametrize("kind", [SplicedBlock, CopiedBlock])
+def test_a_block_moves_a_stream_between_sockets_and_can_flip_one_byte(kind: type) -> None:
+    if kind is SplicedBlock and not splice_available():
+        pytest.skip("no splice(2) on this platform")
+    payload = os.urandom(3 << 20)
+
+    async def main() -> tuple[bytes, int]:
+        loop = asyncio.get_running_loop()
+        (src_in, src), (dst, dst_out) = tcp_pair(), tcp_pair()
+        block = kind(1 << 16)
+
+        async def feed() -> None:
+            await loop.sock_sendall(src_in, payload)
+            src_in.shutdown(socket.SHUT_WR)
+
+        async def collect() -> bytes:
+            out = bytearray()
+            while data := await loop.sock_recv(dst_out, 1 << 20):
+                out += data
+            return bytes(out)
+
+        flipped_at = -1
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(feed())
+                received = tg.create_task(collect())
+                moved = 0
+                while n := await block.fill(src, 1 << 16):
+                    if flipped_at < 0:
+                        block.flip_byte(n // 2)
+                        flipped_at = moved + n // 2
+                    await block.drain(dst)
+                    moved += n
+                dst.shutdown(socket.SHUT_WR)
+        finally:
+            block.close()
+            for sock in (src_in, src, dst, dst_out):
+                sock.close()
+        return received.result(), flipped_at
+
+    received, flipped_at = run(main())
+    expected = bytearray(payload)
+    expected[flipped_at] ^= 0xFF
+    assert flipped_at >= 0 and received == bytes(expected)

@@ -90,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", default="", help="rate steps SECONDS:RATE,..., e.g. 0:1gbit,10:100mbit")
     parser.add_argument("--read-bytes", type=int, default=1 << 20, help="relay read size")
     parser.add_argument("--seed", type=int, default=0, help="jitter seed")
+    parser.add_argument("--splice", choices=("on", "off"), default="on",
+                        help="move bytes with splice(2) (off: copy them through the relay)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     config = LinkConfig(
         target_host, target_port, listen[0], listen[1], parse_rate(args.rate), parse_rate(args.flow_rate),
         args.delay_ms, args.jitter_ms, RateSchedule.parse(args.schedule), args.read_bytes, args.seed,
+        args.splice == "on",
     )  # fmt: skip
     return asyncio.run(_serve(config, _address(args.control)))
 

@@ -6,6 +6,8 @@ flow; that is why several connections help). A flow's bytes wait for both
 pacers at once, then for the one-way delay (with jitter that never reorders a
 flow). The relay reads only as fast as the link drains, in steps of about
 2 ms of the slowest rate on the path, so TCP backpressure reaches the sender.
+Bytes wait in pipes and move with splice(2), never copied through the relay
+(``splice=False``: recycled buffers, copied in and out; see ``relay_blocks``).
 Faults: ``cut`` resets every connection, ``stall`` forwards nothing (resets
 included) for a while, ``corrupt_pending`` flips a byte in the next chunk
 towards the target.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minifaas.transport.pacer import DelayLine, Pacer, RateSchedule
+from minifaas.transport.relay_blocks import Block, CopiedBlock, SplicedBlock, splice_available
 
 UP, DOWN = "up", "down"  # up: towards the target (KV direction); down: the replies
 
@@ -38,6 +41,11 @@ class LinkConfig:
     schedule: RateSchedule = field(default_factory=lambda: RateSchedule(()))
     read_bytes: int = 1 << 20
     seed: int = 0
+    splice: bool = True  # move bytes with splice(2) where the platform has it; False: copy them
+
+    @property
+    def uses_splice(self) -> bool:
+        return self.splice and splice_available()
 
     def __post_init__(self) -> None:
         for rate in (self.rate_bps, self.flow_rate_bps):
@@ -56,9 +64,13 @@ class _Flow:
         self.upstream: socket.socket | None = None
         self.pacers = {UP: Pacer(flow_rate), DOWN: Pacer(flow_rate)}
         self.delays = {UP: DelayLine(rng), DOWN: DelayLine(rng)}
+        self.blocks: list[Block] = []  # every block this flow made, closed with it
 
     def close(self, reset: bool) -> None:
         """Close both sides; ``reset`` sends RSTs (a cut) instead of an orderly close."""
+        for block in self.blocks:
+            block.close()
+        self.blocks.clear()
         for sock in (self.client, self.upstream):
             if sock is not None and sock.fileno() >= 0:
                 if reset:
@@ -139,8 +151,8 @@ class LinkEmulator:
                 await self._loop.sock_connect(upstream, (self.config.target_host, self.config.target_port))
             async with asyncio.TaskGroup() as tg:
                 for direction, src, dst in ((UP, client, upstream), (DOWN, upstream, client)):
-                    queue: asyncio.Queue[tuple[float, bytearray, int]] = asyncio.Queue(self._queue_items)
-                    free: list[bytearray] = []
+                    queue: asyncio.Queue[tuple[float, Block, int]] = asyncio.Queue(self._queue_items)
+                    free: list[Block] = []
                     tg.create_task(self._pace(flow, direction, src, queue, free))
                     tg.create_task(self._deliver(dst, queue, free))
             flow.close(reset=False)
@@ -154,11 +166,11 @@ class LinkEmulator:
     async def _pace(self, flow: _Flow, direction: str, src: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:
             await self._while_stalled()
-            buf = free.pop() if free else bytearray(self.config.read_bytes)  # recycled: no page faults per read
-            n = await self._loop.sock_recv_into(src, memoryview(buf)[: self._read_size(flow, direction)])
+            block = free.pop() if free else self._new_block(flow)  # recycled: no page faults, no new pipes
+            n = await block.fill(src, self._read_size(flow, direction))
             if n == 0:
                 await queue.put(
-                    (flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s), buf, 0)
+                    (flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s), block, 0)
                 )
                 return
             now = self._loop.time()
@@ -168,10 +180,16 @@ class LinkEmulator:
                 await asyncio.sleep(wait)
             if direction == UP and self.corrupt_pending:
                 self.corrupt_pending -= 1
-                buf[n // 2] ^= 0xFF
+                block.flip_byte(n // 2)
             self.bytes[direction] += n
             release_at = flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s)
-            await queue.put((release_at, buf, n))
+            await queue.put((release_at, block, n))
+
+    def _new_block(self, flow: _Flow) -> Block:
+        size = self.config.read_bytes
+        block: Block = SplicedBlock(size) if self.config.uses_splice else CopiedBlock(size)
+        flow.blocks.append(block)
+        return block
 
     def _read_size(self, flow: _Flow, direction: str) -> int:
         """About 2 ms of the slowest rate on the path: bytes cross a slow link in small steps, not in one MiB."""
@@ -182,15 +200,15 @@ class LinkEmulator:
 
     async def _deliver(self, dst: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:
-            release_at, buf, n = await queue.get()
+            release_at, block, n = await queue.get()
             if (wait := release_at - self._loop.time()) > 0:
                 await asyncio.sleep(wait)
             await self._while_stalled()
             if n == 0:
                 dst.shutdown(socket.SHUT_WR)
                 return
-            await self._loop.sock_sendall(dst, memoryview(buf)[:n])
-            free.append(buf)
+            await block.drain(dst)
+            free.append(block)
 
     async def _while_stalled(self) -> None:
         while (left := self._stalled_until - self._loop.time()) > 0:
