@@ -3,7 +3,8 @@
     python benchmarks/bench_transport.py [--quick] [--json]
 
 1. loopback goodput of the transport vs a plain socket.sendall loop moving the same bytes;
-2. goodput through the link emulator at 0.1, 1 and 5 Gbit/s aggregate;
+2. goodput through the link emulator at 0.1, 1 and 5 Gbit/s aggregate (and at 5 without payload
+   checksums, and with the relay copying bytes instead of splicing them);
 3. per-flow cap of 1/4 of the link: 1 vs 4 vs 8 connections;
 4. pipelining on the tiny default model: time from prefill end to the last byte received, not
    pipelined, by layer, and with chunked prefill (full-attention KV by token chunks), all through
@@ -20,13 +21,14 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,8 +48,23 @@ def row(section: str, case: str, figure: str, note: str = "") -> None:
     print(f"  {section:<12} {case:<40} {figure:>16}  {note}", flush=True)
 
 
+class Peer(NamedTuple):
+    port: int
+    pid: int
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU time of this process (all threads) or of process ``pid`` (Linux)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @asynccontextmanager
-async def sink() -> AsyncIterator[int]:
+async def sink() -> AsyncIterator[Peer]:
     """A KV receiver process that takes transfers 0, 1, 2, ... and drops them."""
     argv = [sys.executable, "-m", "minifaas.transport.netns", "sink", "--listen", "127.0.0.1:0", "--transfers", "0",
             "--accept-unchecked"]  # fmt: skip
@@ -56,14 +73,14 @@ async def sink() -> AsyncIterator[int]:
     try:
         async with asyncio.timeout(60):
             ready = json.loads(await process.stdout.readline())  # type: ignore[union-attr]
-        yield ready["port"]
+        yield Peer(ready["port"], process.pid)
     finally:
         process.terminate()
         await process.wait()
 
 
 @asynccontextmanager
-async def raw_sink() -> AsyncIterator[int]:
+async def raw_sink() -> AsyncIterator[Peer]:
     """The baseline's receiver: recv_into a buffer until the announced bytes are in, then one byte back."""
     code = (
         "import socket,struct,sys\n"
@@ -78,7 +95,7 @@ async def raw_sink() -> AsyncIterator[int]:
     )
     process = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
     try:
-        yield int(await process.stdout.readline())  # type: ignore[union-attr]
+        yield Peer(int(await process.stdout.readline()), process.pid)  # type: ignore[union-attr]
     finally:
         process.terminate()
         await process.wait()
@@ -122,27 +139,38 @@ async def loopback(nbytes: int, repeats: int) -> None:
         "1 connection": {"connections": 1},
         "4 connections": {"connections": 4},
         "1 connection, no payload crc": {"connections": 1, "checksums": False},
+        "1 connection, 4 MiB chunks": {"connections": 1, "chunk_bytes": 4 << 20},
     }
     times: dict[str, list[float]] = {name: [] for name in ["raw", *variants]}
-    async with sink() as port, raw_sink() as raw_port:
+    cpu = dict.fromkeys(times, 0.0)  # CPU seconds of sender and receiver together: steadier than time on a busy host
+    async with sink() as receiver, raw_sink() as raw_receiver:
         ids = Transfers()
+        port = receiver.port
         senders = {name: KVSender(SenderConfig("127.0.0.1", port, SECRET, **kw)) for name, kw in variants.items()}
         for sender in senders.values():  # dial, authenticate and fill the receiver's buffer pool before timing
             await timed_send(sender, ids, state)
-        await asyncio.to_thread(raw_send, raw_port, state)
+        await asyncio.to_thread(raw_send, raw_receiver.port, state)
         for _ in range(repeats):  # interleaved, so a busy moment hits every variant alike
-            times["raw"].append(await asyncio.to_thread(raw_send, raw_port, state))
+            before = cpu_seconds() + cpu_seconds(raw_receiver.pid)
+            times["raw"].append(await asyncio.to_thread(raw_send, raw_receiver.port, state))
+            cpu["raw"] += cpu_seconds() + cpu_seconds(raw_receiver.pid) - before
             for name, sender in senders.items():
+                before = cpu_seconds() + cpu_seconds(receiver.pid)
                 times[name].append(await timed_send(sender, ids, state))
+                cpu[name] += cpu_seconds() + cpu_seconds(receiver.pid) - before
         for sender in senders.values():
             await sender.__aexit__(None, None, None)
     raw = statistics.median(times["raw"])
-    row("loopback", f"socket.sendall, {nbytes >> 20} MiB", f"{8 * nbytes / raw / 1e9:.2f} Gbit/s", "baseline")
+    row("loopback", f"socket.sendall, {nbytes >> 20} MiB", f"{8 * nbytes / raw / 1e9:.2f} Gbit/s",
+        f"baseline; {cpu['raw'] / (repeats * nbytes / (1 << 30)):.2f} CPU s/GiB")  # fmt: skip
     RESULTS["loopback_raw_gbps"] = round(8 * nbytes / raw / 1e9, 3)
     for name in variants:
         t = statistics.median(times[name])
-        row("loopback", f"transport, {name}", f"{8 * nbytes / t / 1e9:.2f} Gbit/s", f"{raw / t:.2f} of raw")
-        RESULTS[f"loopback_{name.replace(' ', '_').replace(',', '')}_vs_raw"] = round(raw / t, 3)
+        row("loopback", f"transport, {name}", f"{8 * nbytes / t / 1e9:.2f} Gbit/s",
+            f"{raw / t:.2f} of raw; CPU {cpu[name] / cpu['raw']:.2f}x raw's")  # fmt: skip
+        key = name.replace(" ", "_").replace(",", "")
+        RESULTS[f"loopback_{key}_vs_raw"] = round(raw / t, 3)
+        RESULTS[f"loopback_{key}_cpu_vs_raw"] = round(cpu[name] / cpu["raw"], 3)
 
 
 async def through_emulator(
@@ -152,13 +180,17 @@ async def through_emulator(
     flow_bps: float | None = None,
     nbytes: int = 0,
     checksums: bool = True,
+    splice: bool = True,
 ) -> float:
     """Achieved goodput in bits/s over the emulated link."""
     state = bulk_state(nbytes or int((rate_bps or 0) / 8 * seconds))
-    options: dict[str, Any] = {"rate": "none" if rate_bps is None else f"{rate_bps:.0f}"}
+    options: dict[str, Any] = {
+        "rate": "none" if rate_bps is None else f"{rate_bps:.0f}",
+        "splice": "on" if splice else "off",
+    }
     if flow_bps is not None:
         options["flow_rate"] = f"{flow_bps:.0f}"
-    async with sink() as port, EmulatorProcess(("127.0.0.1", port), **options) as link:
+    async with sink() as receiver, EmulatorProcess(("127.0.0.1", receiver.port), **options) as link:
         ids = Transfers()
         config = SenderConfig(
             "127.0.0.1", link.port, SECRET, connections=connections, done_timeout=120, checksums=checksums
@@ -178,10 +210,15 @@ async def emulated_rates(rates: list[float], seconds: float) -> None:
         row("emulated", f"{rate / 1e9:g} Gbit/s link, 4 connections", f"{goodput / 1e9:.3f} Gbit/s",
             f"{goodput / rate:.3f} of the link")  # fmt: skip
     top = max(rates)
-    goodput = await through_emulator(top, seconds, connections=4, checksums=False)
-    RESULTS[f"emulated_{top / 1e9:g}gbps_no_crc_ratio"] = round(goodput / top, 3)
-    row("emulated", f"{top / 1e9:g} Gbit/s link, no payload crc", f"{goodput / 1e9:.3f} Gbit/s",
-        f"{goodput / top:.3f} of the link")  # fmt: skip
+    ablations = {  # name -> (key, settings)
+        "no payload crc": ("no_crc", {"checksums": False}),
+        "relay copying (no splice)": ("no_splice", {"splice": False}),
+    }
+    for name, (key, settings) in ablations.items():
+        goodput = await through_emulator(top, seconds, connections=4, **settings)
+        RESULTS[f"emulated_{top / 1e9:g}gbps_{key}_ratio"] = round(goodput / top, 3)
+        row("emulated", f"{top / 1e9:g} Gbit/s link, {name}", f"{goodput / 1e9:.3f} Gbit/s",
+            f"{goodput / top:.3f} of the link")  # fmt: skip
 
 
 async def flow_caps(rate: float, seconds: float) -> None:
@@ -256,7 +293,7 @@ async def pipelining(tokens: int, repeats: int, chunk_tokens: int) -> None:
     }
     ratios: dict[str, list[float]] = {mode: [] for mode in modes}
     prefills: dict[str, list[float]] = {mode: [] for mode in modes}
-    async with sink() as port, EmulatorProcess(("127.0.0.1", port)) as link:
+    async with sink() as receiver, EmulatorProcess(("127.0.0.1", receiver.port)) as link:
         transfers = Transfers()
         for _ in range(repeats):
             for mode, (pipelined, chunk, snapshots) in modes.items():
@@ -287,7 +324,7 @@ async def pipelining(tokens: int, repeats: int, chunk_tokens: int) -> None:
 async def main(args: argparse.Namespace) -> None:
     quick = args.quick
     print(f"  {'section':<12} {'case':<40} {'figure':>16}  note")
-    await loopback(nbytes=(64 if quick else 256) << 20, repeats=3)
+    await loopback(nbytes=(64 if quick else 256) << 20, repeats=3 if quick else 9)
     await emulated_rates([0.1e9, 1e9, 5e9], seconds=1.0 if quick else 2.0)
     await flow_caps(rate=400e6, seconds=1.0 if quick else 2.0)
     await pipelining(tokens=1024 if quick else 2048, repeats=2 if quick else 3, chunk_tokens=256)
