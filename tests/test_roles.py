@@ -91,6 +91,8 @@ def test_workers_change_role_under_load_and_no_request_fails() -> None:
             assert {r.prefill_worker for r in after if r.route == "local"} <= {"pd-p1", "pd-p2"}
             assert {r.route for r, _ in done} == {"local", "prfaas"}
             assert [c.new for c in gw.roles.done] == ["pd-p1", "pd-d2", "pd-p2"]
+            scraped = gw.metrics.exposition().decode()
+            assert 'minifaas:role_changes_total{outcome="done",to="prefill"} 2.0' in scraped
 
     asyncio.run(scenario())
 
@@ -110,6 +112,9 @@ def test_a_drain_that_times_out_keeps_the_worker_in_its_role() -> None:
             assert not holder.serving  # draining: routed nothing new
             assert await conversion is None
             assert holder.serving and holder.role == "decode" and gw.roles.counts["abandoned"] == 1
+            assert (
+                'minifaas:role_changes_total{outcome="abandoned",to="prefill"} 1.0' in gw.metrics.exposition().decode()
+            )
             tokens += [e.token_id async for e in stream]
             assert len(tokens) == 48 and record.phase is Phase.FINISHED
 

@@ -73,6 +73,8 @@ class ServeMetrics:
         self.scheduler_decisions = Counter(
             "minifaas:scheduler_decisions", "Scheduler decisions", ["policy", "action", "reason"], registry=r
         )
+        # PD workers that changed role (to prefill or decode), and conversions that did not happen and why.
+        self.role_changes = Counter("minifaas:role_changes", "PD role conversions", ["to", "outcome"], registry=r)
         # The offload threshold in force: incremental prompt tokens above which PrfaaS prefills.
         self.threshold = Gauge("minifaas:offload_threshold_tokens", "Offload threshold", registry=r)
         for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
@@ -123,6 +125,9 @@ class ServeMetrics:
 
     def scheduler_decision(self, policy: str, action: str, reason: str) -> None:
         self.scheduler_decisions.labels(policy=policy, action=action, reason=reason).inc()
+
+    def role_change(self, to: str, outcome: str) -> None:
+        self.role_changes.labels(to=to, outcome=outcome).inc()
 
     def set_threshold(self, tokens: int) -> None:
         self.threshold.set(tokens)

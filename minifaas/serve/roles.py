@@ -111,6 +111,7 @@ class RoleChanger:
             worker = self.pick(to_prefill > 0)
             if worker is None:
                 self.counts["refused"] += 1
+                self.gateway.metrics.role_change("prefill" if to_prefill > 0 else "decode", "refused")
                 log.warning("rebalance: no PD worker can change role now (to_prefill %+d)", to_prefill)
                 done(False)
                 continue
@@ -151,6 +152,7 @@ class RoleChanger:
         except TimeoutError:
             old.draining = False
             self.counts["abandoned"] += 1
+            gw.metrics.role_change(role, "abandoned")
             log.warning("worker %s: still busy after %.0f s; it stays %s", old.name, timeout, old.role)
             return None
         drained = time.monotonic()
@@ -158,6 +160,7 @@ class RoleChanger:
         new = WorkerHandle(self._fresh_name(role), role, "pd", worker_argv(gw.config, role, "pd"), gw.secret)
         await gw.launch(new)
         self.counts[f"to_{role}"] += 1
+        gw.metrics.role_change(role, "done")
         self.done.append(Conversion(old.name, new.name, role, drained - began, time.monotonic() - drained))
         log.info("worker %s replaced %s: drained in %.1f s, serving %.1f s later",
                  new.name, old.name, drained - began, time.monotonic() - drained)  # fmt: skip
