@@ -161,6 +161,7 @@ async def loopback(nbytes: int, repeats: int) -> None:
         for sender in senders.values():
             await sender.__aexit__(None, None, None)
     raw = statistics.median(times["raw"])
+    cpu["raw"] = max(cpu["raw"], 1e-3)  # /proc counts in clock ticks: never divide by a zero reading
     row("loopback", f"socket.sendall, {nbytes >> 20} MiB", f"{8 * nbytes / raw / 1e9:.2f} Gbit/s",
         f"baseline; {cpu['raw'] / (repeats * nbytes / (1 << 30)):.2f} CPU s/GiB")  # fmt: skip
     RESULTS["loopback_raw_gbps"] = round(8 * nbytes / raw / 1e9, 3)
