@@ -76,8 +76,11 @@ def runs(request: pytest.FixtureRequest) -> Iterator[dict[tuple[str, ...], Futur
         for item in request.session.items
         if getattr(item, "originalname", None) == "test_benchmark_runs_quick"
     ]
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
         yield {argv: pool.submit(_run, argv) for argv in chosen}
+    finally:  # after a failure under -x, the runs not started yet are dropped
+        pool.shutdown(cancel_futures=True)
 
 
 @pytest.mark.parametrize("argv", UNIQUE, ids=[" ".join(a) for a in UNIQUE])
