@@ -56,7 +56,10 @@ class PrefillService:
     ) -> None:
         if chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
-        self.runtime, self.secret, self.store, self.chunk_tokens = runtime, secret, store, chunk_tokens
+        # without full attention nothing can stream before the last token: chunks would only cost, and the
+        # transfer would sit open with nothing on it
+        self.chunk_tokens = chunk_tokens if any(kind.grows for kind in store.layout) else 0
+        self.runtime, self.secret, self.store = runtime, secret, store
         self.receiver, self.import_timeout = receiver, import_timeout
         self.connections, self.pipelined = connections, pipelined
         self.senders: dict[tuple[str, int], KVSender] = {}
