@@ -147,6 +147,35 @@ def test_control_commands_change_the_link() -> None:
     run(main())
 
 
+def test_routes_carry_flows_to_several_targets_over_one_link() -> None:
+    async def tagged_server(tag: bytes) -> asyncio.Server:
+        async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(tag + await reader.read())
+            await writer.drain()
+            writer.close()
+
+        return await asyncio.start_server(reply, "127.0.0.1", 0)
+
+    async def main() -> None:
+        first, second = await tagged_server(b"1:"), await tagged_server(b"2:")
+        async with first, second, EmulatorProcess(first.sockets[0].getsockname(), rate="1gbit") as link:
+            port = await link.control.add_route(second.sockets[0].getsockname()[:2])
+            assert port != link.port
+            assert await echo_through(link.port, b"a") == b"1:a"
+            assert await echo_through(port, b"bb") == b"2:bb"
+            stats = await link.control.stats()
+            assert stats["up_bytes"] == 3 and stats["flows_total"] == 2  # one link counts both routes
+            assert set(stats["routes"]) == {str(link.port), str(port)}
+            await link.control.remove_route(link.port)  # the first route can go too
+            with pytest.raises(OSError):
+                await echo_through(link.port, b"c")
+            assert await echo_through(port, b"d") == b"2:d"
+            with pytest.raises(EmulatorError, match="no route"):
+                await link.control.remove_route(link.port)
+
+    run(main())
+
+
 def test_cut_resets_every_connection() -> None:
     async def main() -> None:
         server = await echo_server()

@@ -19,6 +19,8 @@ and answers one per line (see ``EmulatorControl``):
     {"cmd": "rate", "bps": 1e9}           aggregate rate (null: unlimited); also "flow_bps"
     {"cmd": "delay", "ms": 10, "jitter_ms": 1}
     {"cmd": "schedule", "steps": [[0, 1e9], [5, 1e8]]}   rates from now on
+    {"cmd": "route", "target": "127.0.0.1:9001"}   one more target over the same link: {"port": ...}
+    {"cmd": "unroute", "port": 40123}     stop taking new flows on that port
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def apply_command(link: LinkEmulator, request: dict[str, Any]) -> dict[str, Any]
             link.set_flow_rate(request["flow_bps"])
     elif cmd == "delay":
         link.set_delay(float(request["ms"]), float(request.get("jitter_ms", 0)))
+    elif cmd == "route":
+        host, port = _address(str(request["target"]))
+        return {"port": link.add_route(host, port)}
+    elif cmd == "unroute":
+        link.remove_route(int(request["port"]))
     elif cmd == "schedule":
         link.set_schedule(RateSchedule(tuple((float(t), r) for t, r in request["steps"])))
     else:

@@ -66,6 +66,13 @@ class EmulatorControl:
     async def schedule(self, steps: list[tuple[float, float | None]]) -> None:
         await self.command("schedule", steps=[list(s) for s in steps])
 
+    async def add_route(self, target: tuple[str, int]) -> int:
+        """Another target behind the same link; returns the port senders use for it."""
+        return int((await self.command("route", target=f"{target[0]}:{target[1]}"))["port"])
+
+    async def remove_route(self, port: int) -> None:
+        await self.command("unroute", port=port)
+
 
 class EmulatorProcess:
     def __init__(self, target: tuple[str, int], start_timeout: float = 30.0, **options: Any):

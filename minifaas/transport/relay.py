@@ -95,23 +95,22 @@ class LinkEmulator:
         in_flight = peak / 8 * (self.delay_s + self.jitter_s + 0.02)
         self._queue_items = max(16, math.ceil(in_flight / c.read_bytes) + 4)
         self._group = asyncio.TaskGroup()
-        self._servers: list[socket.socket] = []
+        self._routes: dict[int, tuple[socket.socket, tuple[str, int], asyncio.Task[None]]] = {}  # listen port ->
+        self._port = 0  # the first route's
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
-        return self._servers[0].getsockname()[1]
+        """Where senders connect for the first target (``config.target_*``)."""
+        return self._port
 
     async def __aenter__(self) -> LinkEmulator:
         c = self.config
-        server = socket.create_server((c.listen_host, c.listen_port), backlog=128)
-        server.setblocking(False)
-        self._servers.append(server)
         await self._group.__aenter__()
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.time()
         self._last_stats = (self._started, 0)
-        self._spawn(self._accept(self._servers[0], self._relay))
+        self._port = self.add_route(c.target_host, c.target_port, c.listen_port)
         self._schedule = self._spawn(self._follow_schedule(c.schedule, self._started))
         return self
 
@@ -120,8 +119,25 @@ class LinkEmulator:
         for task in list(self._tasks):
             task.cancel()
         await self._group.__aexit__(None, None, None)
-        for server in self._servers:
+        for server, _, _ in self._routes.values():
             server.close()
+
+    def add_route(self, host: str, port: int, listen_port: int = 0) -> int:
+        """Carry flows to another target over the same link (the same pacers, delay and faults): senders
+        reach it on the listening port this returns. A cluster with several receivers shares one link so."""
+        server = socket.create_server((self.config.listen_host, listen_port), backlog=128)
+        server.setblocking(False)
+        bound = server.getsockname()[1]
+        self._routes[bound] = (server, (host, port), self._spawn(self._accept(server, (host, port))))
+        return bound
+
+    def remove_route(self, listen_port: int) -> None:
+        """Stop taking new flows on ``listen_port``; flows already on it run to their end."""
+        if listen_port not in self._routes:
+            raise ValueError(f"no route listens on port {listen_port}")
+        server, _, accepting = self._routes.pop(listen_port)
+        accepting.cancel()
+        server.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = self._group.create_task(coro)
@@ -129,13 +145,13 @@ class LinkEmulator:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _accept(self, server: socket.socket, handler: Any) -> None:
+    async def _accept(self, server: socket.socket, target: tuple[str, int]) -> None:
         while True:
             sock, _ = await self._loop.sock_accept(server)
             sock.setblocking(False)
-            self._spawn(handler(sock))
+            self._spawn(self._relay(sock, target))
 
-    async def _relay(self, client: socket.socket) -> None:
+    async def _relay(self, client: socket.socket, target: tuple[str, int]) -> None:
         self.flows_total += 1
         flow = _Flow(self.flows_total, client, self.flow_rate_bps, self._rng)
         task = asyncio.current_task()
@@ -148,7 +164,7 @@ class LinkEmulator:
             for sock in (client, upstream):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             async with asyncio.timeout(10):
-                await self._loop.sock_connect(upstream, (self.config.target_host, self.config.target_port))
+                await self._loop.sock_connect(upstream, target)
             async with asyncio.TaskGroup() as tg:
                 for direction, src, dst in ((UP, client, upstream), (DOWN, upstream, client)):
                     queue: asyncio.Queue[tuple[float, Block, int]] = asyncio.Queue(self._queue_items)
@@ -270,4 +286,5 @@ class LinkEmulator:
             "cuts": self.cuts,
             "stalled": self._stalled_until > now,
             "uptime_s": now - self._started,
+            "routes": {str(port): f"{host}:{to}" for port, (_, (host, to), _) in self._routes.items()},
         }
