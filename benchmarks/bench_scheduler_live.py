@@ -9,7 +9,7 @@ drop   one PrfaaS prefill worker, one PD-P and one PD-D worker, the link at
        after ``--drop-after`` requests have finished the emulator's rate
        falls to ``--drop-bps``.
 shift  one PrfaaS worker, one PD-P and two PD-D workers, the link at
-       20 Mbit/s per decode worker. Three clients send decode-heavy requests
+       20 Mbit/s (one link to both decode workers). Three clients send decode-heavy requests
        (48-token prompts, 24 tokens out), then prefill-heavy ones (500 and
        900-token prompts, 2 tokens out; t = 600 offloads the longer half).
        The adaptive configuration also re-plans every ``--period`` seconds
@@ -21,7 +21,7 @@ Configurations:
   naive     --fixed-threshold with t = 0: every prefill on PrfaaS.
 Reported: requests done and failed, throughput, TTFT p90 (in shift: of the
 prefill-heavy phase), share offloaded, link utilisation (drop: bytes the emulator
-forwarded, shift: KV bytes offloaded; over the links' capacity for the run), t at the end, and in shift the
+forwarded, shift: KV bytes offloaded; over the link's capacity for the run), t at the end, and in shift the
 role changes and the PD split at the end (+n: n workers still changing role). Every PD worker shares this
 machine's two cores, so a new split cannot add compute here: the shift
 scenario shows the conversion working under load, not its gain (the
@@ -75,11 +75,11 @@ async def one_run(config: ServeConfig, n: int, drop_after: int, drop_bps: float)
                     failed += 1
                 if dropped_at is None and len(records) + failed >= drop_after:
                     dropped_at = time.monotonic()
-                    await gw.emulators["pd-d0"].control.set_rate(drop_bps)
+                    await gw.link.control.set_rate(drop_bps)
 
         await asyncio.gather(client(), client())
         ended = time.monotonic()
-        stats = await gw.emulators["pd-d0"].control.stats()
+        stats = await gw.link.control.stats()
         drop = dropped_at if dropped_at is not None else ended
         capacity_bytes = (FULL_BPS * (drop - started) + drop_bps * (ended - drop)) / 8
         ttft = np.array([r.ttft_s for r in records if r.ttft_s is not None])
@@ -127,7 +127,6 @@ async def shift_run(config: ServeConfig, n_short: int, n_long: int) -> dict[str,
         await asyncio.gather(client(), client(), client())
         ended = time.monotonic()
         heavy = np.array([r.ttft_s for r in records if r.request_id.startswith("long") and r.ttft_s is not None])
-        decode_links = config.pd.decode_workers  # each decode worker has its own emulated link
         split = [w.role for w in gw.workers.values() if w.cluster == "pd"]
         return {
             "done": len(records),
@@ -135,8 +134,7 @@ async def shift_run(config: ServeConfig, n_short: int, n_long: int) -> dict[str,
             "tput": len(records) / (ended - started),
             "ttft_p90": float(np.percentile(heavy, 90)) if heavy.size else 0.0,
             "offloaded": sum(r.route == "prfaas" for r in records) / max(1, len(records)),
-            "link_util": sum(r.kv_bytes for r in records if r.route == "prfaas")
-            / (decode_links * FULL_BPS * (ended - started) / 8),
+            "link_util": sum(r.kv_bytes for r in records if r.route == "prfaas") / (FULL_BPS * (ended - started) / 8),
             "t_end": gw.threshold,
             "role_changes": len(gw.roles.done),
             "split": f"{split.count('prefill')}P/{split.count('decode')}D"

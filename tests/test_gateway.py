@@ -71,7 +71,7 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             await _wait_alive(gw, "prfaas-p0")
 
             # the link is cut mid-transfer: the request completes through PD-P
-            link = gw.emulators["pd-d0"].control
+            link = gw.link.control
             await link.set_rate(1e6)  # slow enough that the cut surely lands inside the transfer
             sent_before = (await link.stats())["up_bytes"]
             task = asyncio.create_task(_run(gw, "cut", LONG))

@@ -80,7 +80,10 @@ def test_workers_change_role_under_load_and_no_request_fails() -> None:
 
             assert _roles(gw) == {"pd-p1": "prefill", "pd-p2": "prefill", "pd-d2": "decode"}
             assert gw.roles.counts == {"to_prefill": 2, "to_decode": 1}
-            assert set(gw.emulators) == {"pd-d2"}  # each retired decode worker's link is gone
+            assert set(gw.link_ports) == {"pd-d2"}  # each retired decode worker's route is gone
+            assert list((await gw.link.control.stats())["routes"].values()) == [
+                f"127.0.0.1:{gw.workers['pd-d2'].kv_port}"
+            ]
             assert set(gw.prefixes.manager.indexes) == set(gw.workers)
             # zero failures: every request finished with every token, and the same tokens as before
             for record, tokens in done:

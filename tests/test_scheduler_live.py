@@ -49,7 +49,7 @@ def test_a_bandwidth_drop_raises_the_threshold_loses_nothing_and_egress_fits_the
             async with asyncio.TaskGroup() as clients:
                 for name in ("a", "b"):
                     clients.create_task(_client(gw, name, stop, done))
-                await gw.emulators["pd-d0"].control.set_rate(DROPPED_BPS)
+                await gw.link.control.set_rate(DROPPED_BPS)
                 async with asyncio.timeout(150):  # a deadline for the scenario, not an assertion on timing
                     while gw.threshold == THRESHOLD:
                         await asyncio.sleep(0.25)
@@ -95,7 +95,7 @@ def test_the_fixed_threshold_switch_keeps_t_through_a_drop() -> None:
 
     async def scenario() -> None:
         async with Gateway(config) as gw:
-            await gw.emulators["pd-d0"].control.set_rate(DROPPED_BPS)
+            await gw.link.control.set_rate(DROPPED_BPS)
             results = await asyncio.gather(*(_run(gw, f"f{i}", i) for i in range(2)))
             ticks = gw.scheduler.short.reasons[Reason.FIXED]
             assert ticks >= 1, "the scheduler never ticked"

@@ -1,6 +1,6 @@
 """The scheduler in the live gateway: the gateway's state turned into ``Signals`` once per sampling tick.
 
-The gateway already samples its link emulators and worker queues every second
+The gateway already samples its link emulator and worker queues every second
 (``Gateway._watch_links``); at the end of each pass it calls ``tick``, which
 steps the short-term policy and writes its threshold and rule back into the
 gateway, where the next ``_route`` reads them. Every decision is logged by
@@ -17,9 +17,8 @@ applies once the new worker serves, and a conversion that could not happen
 (no worker may go, or the drain timed out) is taken back out of the policy's
 split.
 
-What the live signals hold: PrfaaS egress and the link ceiling summed over the
-emulators in front of the decode workers (their interval byte counters and
-current rates); queue depth per stage from the requests open on each worker;
+What the live signals hold: PrfaaS egress and the link ceiling from the link
+emulator all PrfaaS states cross (its interval byte counter and current rate); queue depth per stage from the requests open on each worker;
 the incremental lengths the router placed; the wait at each prefill stage, the
 prompt tokens on its least loaded serving worker (sent and not yet answered,
 so a transfer held up by the link counts) over the stage's measured prefill
@@ -78,7 +77,7 @@ class LiveScheduler:
         if n_p + n_d < 2:
             log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
             return None
-        rate = parse_rate(gw.config.link.rate)  # per decode worker: each has its own emulated link
+        rate = parse_rate(gw.config.link.rate)
         case = PlanCase(
             name="live",
             prfaas=prfaas,
@@ -89,7 +88,7 @@ class LiveScheduler:
             n_prfaas=n_prfaas,
             n_pd=n_p + n_d,
             n_homogeneous=max(2, n_prfaas + n_p + n_d),
-            link_gbps=n_d * rate / 1e9 if rate else UNLIMITED_LINK_GBPS,
+            link_gbps=rate / 1e9 if rate else UNLIMITED_LINK_GBPS,
         )
         return LongTermPolicy(config, case, gw.threshold, n_p, n_d)
 

@@ -3,7 +3,9 @@
 Processes it owns (all children; none outlives it):
     PrfaaS cluster   prefill workers, remote: their KV crosses the emulated link
     PD cluster       PD-P prefill workers and PD-D decode workers, local
-    link emulator    one relay in front of each decode worker's KV port
+    link emulator    the inter-cluster link: one relay process, one route (a
+                     listening port of its own) to each decode worker's KV port,
+                     one pacer for all of them
 
 A request: route (policy.router, with each prefill node's cached prefix from
 the prefix directory) -> ask the decode worker to expect the state
@@ -60,9 +62,10 @@ from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, 
 from minifaas.serve.roles import RoleChanger, plan_workers
 from minifaas.serve.token_stream import decode_tokens
 from minifaas.serve.worker_handle import LOST, WorkerHandle
-from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.transport.emulator_control import EmulatorError, EmulatorProcess
 
 log = logging.getLogger("minifaas.gateway")
+LINK = "prfaas->pd"  # the inter-cluster link's name in /metrics and link_stats
 
 
 class Gateway:
@@ -83,7 +86,9 @@ class Gateway:
         self.known_names = set(self.workers)  # a name is never reused, even after its worker is retired
         hybrid = needs_snapshot(state_layout(load_config(spec)))
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, self.workers)
-        self.emulators: dict[str, EmulatorProcess] = {}
+        self.link: EmulatorProcess | None = None  # PrfaaS -> PD: every PrfaaS state crosses it
+        self.link_ports: dict[str, int] = {}  # decode worker -> the link's port that leads to its KV port
+        self._link_lock = asyncio.Lock()
         self.move_links: dict[str, EmulatorProcess] = {}  # the link into each prefill node, for cache moves
         self.cache_moves: Counter[str] = Counter()
         short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=self.max_context)
@@ -118,13 +123,11 @@ class Gateway:
         a decode worker's KV port (PrfaaS states) and, with cache moves, a prefill worker's."""
         try:
             reader = await w.start()
-            link = self.config.link
-            options = {"rate": link.rate, "flow_rate": link.flow_rate, "delay_ms": link.delay_ms}
-            options["jitter_ms"] = link.jitter_ms
-            links = self.emulators if w.role == "decode" else self.move_links if self.config.cache.moves else None
-            if links is not None:
-                emulator = EmulatorProcess(("127.0.0.1", w.kv_port), **options)
-                links[w.name] = await self._stack.enter_async_context(emulator)
+            if w.role == "decode":
+                self.link_ports[w.name] = await self._route_link(w.kv_port)
+            elif self.config.cache.moves:
+                emulator = EmulatorProcess(("127.0.0.1", w.kv_port), **self._link_options())
+                self.move_links[w.name] = await self._stack.enter_async_context(emulator)
         except BaseException:
             await w.stop()
             raise
@@ -140,26 +143,38 @@ class Gateway:
         w.retired = True
         self.workers.pop(w.name, None)
         await w.stop()
-        for links in (self.emulators, self.move_links):
-            emulator = links.pop(w.name, None)
-            if emulator is not None:
-                await emulator.__aexit__(None, None, None)
-        if self.link_stats.pop(w.name, None) is not None:
-            self.metrics.set_link_utilization(f"prfaas->{w.name}", 0.0)
+        port = self.link_ports.pop(w.name, None)
+        if port is not None and self.link is not None:
+            with contextlib.suppress(EmulatorError, OSError, TimeoutError):
+                await self.link.control.remove_route(port)
+        emulator = self.move_links.pop(w.name, None)
+        if emulator is not None:
+            await emulator.__aexit__(None, None, None)
         self.prefixes.drop(w.name)
 
+    def _link_options(self) -> dict[str, object]:
+        link = self.config.link
+        return {"rate": link.rate, "flow_rate": link.flow_rate, "delay_ms": link.delay_ms, "jitter_ms": link.jitter_ms}
+
+    async def _route_link(self, kv_port: int) -> int:
+        """The inter-cluster link's port towards ``kv_port``: the link starts with the first decode worker."""
+        async with self._link_lock:
+            if self.link is None:
+                emulator = EmulatorProcess(("127.0.0.1", kv_port), **self._link_options())
+                self.link = await self._stack.enter_async_context(emulator)
+                return self.link.port
+            return await self.link.control.add_route(("127.0.0.1", kv_port))
+
     async def _watch_links(self, period: float = 1.0) -> None:
-        """Sample each emulated link and the stage queues into /metrics."""
+        """Sample the inter-cluster link and the stage queues into /metrics."""
         while not self._closing:
-            for name, emulator in list(self.emulators.items()):  # a conversion may retire one meanwhile
-                try:
-                    stats = await emulator.control.stats()
-                except (OSError, RuntimeError, TimeoutError):
-                    continue
-                if name not in self.emulators:
-                    continue
-                self.link_stats[name] = stats
-                self.metrics.set_link_utilization(f"prfaas->{name}", stats.get("utilisation") or 0.0)
+            try:
+                stats = await self.link.control.stats() if self.link is not None else None
+            except (OSError, RuntimeError, TimeoutError):
+                stats = None
+            if stats is not None:
+                self.link_stats[LINK] = stats
+                self.metrics.set_link_utilization(LINK, stats.get("utilisation") or 0.0)
             for stage, cluster, role in (("prfaas_prefill", "prfaas", "prefill"), ("pd_prefill", "pd", "prefill")):
                 queued = sum(len(w.inboxes) for w in self.workers.values() if w.cluster == cluster and w.role == role)
                 self.metrics.set_queue_depth(stage, queued)

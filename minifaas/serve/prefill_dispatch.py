@@ -47,7 +47,7 @@ class PrefillDispatch:
             record.prefill_worker = worker.name
             record.phase = advance(record.phase, Phase.PREFILLING)
             transfer = next(self.gateway.transfer_ids)
-            port = self.gateway.emulators[decode.name].port if worker.cluster == "prfaas" else decode.kv_port
+            port = self.gateway.link_ports[decode.name] if worker.cluster == "prfaas" else decode.kv_port
             outcome = await self._once(request, record, worker, decode, transfer, port, expected_hit, moved)
             moved = None  # a retry elsewhere does not take the move
             if isinstance(outcome, int):

@@ -10,10 +10,10 @@ processes, one worker at a time:
      cache moves pass it by; wait until every request it holds has finished.
      Nothing is handed over or lost: its requests end where they are.
   3. retire it: stop the process, drop its entries from the prefix directory
-     (its pool dies with it) and close the link emulator in front of it.
+     (its pool dies with it) and its route through the inter-cluster link.
   4. start a worker in the new role under a fresh name (pd-p<k> or pd-d<k>)
-     with what that role needs: a decode worker gets its own KV port and an
-     emulated link in front of it, a prefill worker its prefix cache.
+     with what that role needs: a decode worker gets its own KV port and a
+     route to it through the link, a prefill worker its prefix cache.
   5. it joins the workers the router sees as soon as it is ready.
 
 A drain that does not end within ``drain_timeout`` is called off: the worker
@@ -56,7 +56,7 @@ def worker_argv(c: ServeConfig, role: str, cluster: str) -> list[str]:
         if c.cache.moves:
             argv += ["--accept-moves", "--kv-port", str(free_port())]
     else:  # a decode node keeps the KV it receives only to take increments later;
-        # a fixed port, so a restarted worker is found where its emulator points
+        # a fixed port, so a restarted worker is found where its link route points
         keep = c.cache.enabled and c.cache.incremental_transfer
         argv += ["--prefix-cache", "hybrid" if keep else "none", "--kv-port", str(free_port())]
         argv += ["--max-batch", str(c.pd.max_batch)]

@@ -156,4 +156,4 @@ async def _serve(config: ServeConfig) -> None:
     async with running_server(config) as (_, port):
         log.info("serving %s on http://%s:%d/v1 (Ctrl-C to stop)", config.model, config.host, port)
         await stop.wait()
-        log.info("stopping: workers and link emulators are shut down")
+        log.info("stopping: workers and the link emulator are shut down")

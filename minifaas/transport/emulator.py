@@ -75,7 +75,7 @@ async def _control_session(link: LinkEmulator, reader: asyncio.StreamReader, wri
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
-    except ConnectionError:
+    except (ConnectionError, asyncio.CancelledError):  # a client gone, or the emulator stopping
         pass
     finally:
         writer.close()
