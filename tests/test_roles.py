@@ -18,7 +18,7 @@ from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, Schedu
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.lifecycle import Phase
 from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.serve.roles import RoleChanger
+from minifaas.serve.roles import RoleChanger, worker_argv
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 LENGTHS = (40, 300, 90, 520)  # short ones stay local, long ones go PrfaaS at t = 256
@@ -179,3 +179,15 @@ def test_the_long_term_policy_re_roles_a_worker_when_its_plan_says_so(tmp_path: 
             assert 'policy="long_term",reason="convert"' in scraped
 
     asyncio.run(scenario())
+
+
+def test_each_role_gets_its_command_line_and_prefill_chunks_follow_the_cluster() -> None:
+    config = _config(pd=ClusterConfig(prefill_workers=1, decode_workers=2, prefill_chunk=0, max_batch=4))
+    pd_prefill = worker_argv(config, "prefill", "pd")
+    assert pd_prefill[pd_prefill.index("--prefill-chunk") + 1] == "0" and "--max-batch" not in pd_prefill
+    prfaas = worker_argv(config, "prefill", "prfaas")
+    assert prfaas[prfaas.index("--prefill-chunk") + 1] == "512"
+    decode = worker_argv(config, "decode", "pd")
+    assert decode[decode.index("--max-batch") + 1] == "4" and "--kv-port" in decode and "--prefill-chunk" not in decode
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        ClusterConfig(prefill_chunk=-1)

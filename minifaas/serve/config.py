@@ -1,8 +1,9 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
 [serve]            host, port, model, threshold, api_key, deadlines
-[prfaas]           the remote prefill cluster: prefill_workers, device
-[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device
+[prfaas]           the remote prefill cluster: prefill_workers, device, prefill_chunk
+[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, max_batch,
+                   prefill_chunk
 [link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections
 [cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
 [scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
@@ -23,12 +24,15 @@ class ClusterConfig:
     decode_workers: int = 0
     device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there
     max_batch: int = 32  # decode rows per forward on its decode workers (1: unbatched, one forward per request)
+    prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("worker counts must be >= 0")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
 

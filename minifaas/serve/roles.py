@@ -52,7 +52,8 @@ def worker_argv(c: ServeConfig, role: str, cluster: str) -> list[str]:
     argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]
     argv += ["--snapshot-interval", str(c.cache.snapshot_interval_blocks)]
     if role == "prefill":
-        argv += ["--prefix-cache", c.cache.mode]
+        chunk = (c.prfaas if cluster == "prfaas" else c.pd).prefill_chunk
+        argv += ["--prefix-cache", c.cache.mode, "--prefill-chunk", str(chunk)]
         if c.cache.moves:
             argv += ["--accept-moves", "--kv-port", str(free_port())]
     else:  # a decode node keeps the KV it receives only to take increments later;

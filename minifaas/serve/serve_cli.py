@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pd-prefill-workers", type=int, help="PD-P workers (default 1)")
     parser.add_argument("--pd-decode-workers", type=int, help="PD-D workers (default 1)")
     parser.add_argument("--max-batch", type=int, help=f"decode rows per forward, 1: unbatched ({d.pd.max_batch})")
+    parser.add_argument(
+        "--prefill-chunk", type=int, help=f"prompt tokens per prefill forward, 0: one (default {d.pd.prefill_chunk})"
+    )
     parser.add_argument("--prfaas-device", help="cpu or cuda:N for the PrfaaS cluster")
     parser.add_argument("--pd-device", help="cpu or cuda:N for the PD cluster")
     parser.add_argument("--link-rate", help="inter-cluster bandwidth, e.g. 100mbit, 10gbit, none")
@@ -69,13 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     base = ServeConfig.from_toml(args.config) if args.config else ServeConfig()
     prfaas = ClusterConfig(
-        _pick(args.prfaas_workers, base.prfaas.prefill_workers), 0, _pick(args.prfaas_device, base.prfaas.device)
+        _pick(args.prfaas_workers, base.prfaas.prefill_workers),
+        0,
+        _pick(args.prfaas_device, base.prfaas.device),
+        prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
     )
     pd = ClusterConfig(
         _pick(args.pd_prefill_workers, base.pd.prefill_workers),
         _pick(args.pd_decode_workers, base.pd.decode_workers),
         _pick(args.pd_device, base.pd.device),
         _pick(args.max_batch, base.pd.max_batch),
+        _pick(args.prefill_chunk, base.pd.prefill_chunk),
     )
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
