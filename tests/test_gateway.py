@@ -13,6 +13,7 @@ from minifaas.serve.config import CacheConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.lifecycle import Phase
 from minifaas.serve.requests import GenerateRequest, RequestRecord
+from minifaas.serve.worker_handle import WorkerError
 
 THRESHOLD = 200
 SHORT = [(7 * i) % 256 for i in range(40)]
@@ -95,3 +96,16 @@ async def _wait_alive(gw: Gateway, name: str) -> None:
     async with asyncio.timeout(120):
         while not gw.workers[name].alive:
             await asyncio.sleep(0.2)
+
+
+def test_a_worker_that_cannot_start_is_named_and_nothing_is_left_running() -> None:
+    async def scenario() -> None:
+        gw = Gateway(ServeConfig())
+        gw.workers["pd-d0"].argv.append("--no-such-flag")
+        with pytest.raises(WorkerError, match="worker pd-d0 did not start"):
+            async with gw:
+                pass
+        assert all(w.process is None or w.process.returncode is not None for w in gw.workers.values())
+        assert gw.link is None  # it starts with the first decode worker, which never came up
+
+    asyncio.run(scenario())

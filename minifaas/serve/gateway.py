@@ -111,8 +111,10 @@ class Gateway:
             async with asyncio.TaskGroup() as starting:  # one failing cancels the others
                 for w in list(self.workers.values()):
                     starting.create_task(self.launch(w))
-        except BaseException:
+        except BaseException as e:
             await self._stack.aclose()
+            if isinstance(e, BaseExceptionGroup):  # say why the first worker failed, not "a TaskGroup failed"
+                raise e.exceptions[0] from None
             raise
         self._tasks.create_task(self._watch_links())
         log.info("gateway ready: %s", ", ".join(self.workers))
