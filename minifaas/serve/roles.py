@@ -14,6 +14,8 @@ processes, one worker at a time:
   4. start a worker in the new role under a fresh name (pd-p<k> or pd-d<k>)
      with what that role needs: a decode worker gets its own KV port and a
      route to it through the link, a prefill worker its prefix cache.
+     A start that fails is tried again every ``RETRY_S``, as the supervisor
+     does for a worker that died.
   5. it joins the workers the router sees as soon as it is ready.
 
 A drain that does not end within ``drain_timeout`` is called off: the worker
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("minifaas.gateway")
 PREFIX = {("prfaas", "prefill"): "prfaas-p", ("pd", "prefill"): "pd-p", ("pd", "decode"): "pd-d"}
+RETRY_S = 2.0  # between attempts to start a converted worker
 
 
 def worker_argv(c: ServeConfig, role: str, cluster: str) -> list[str]:
@@ -159,7 +162,13 @@ class RoleChanger:
         drained = time.monotonic()
         await gw.retire(old)
         new = WorkerHandle(self._fresh_name(role), role, "pd", worker_argv(gw.config, role, "pd"), gw.secret)
-        await gw.launch(new)
+        while True:  # the old worker is gone: keep trying, as the supervisor does for a dead one
+            try:
+                await gw.launch(new)
+                break
+            except RuntimeError as e:
+                log.error("worker %s did not start in its new role (%s); trying again", new.name, e)
+                await asyncio.sleep(RETRY_S)
         self.counts[f"to_{role}"] += 1
         gw.metrics.role_change(role, "done")
         self.done.append(Conversion(old.name, new.name, role, drained - began, time.monotonic() - drained))
