@@ -32,8 +32,8 @@ import asyncio
 import logging
 import time
 
-from minifaas.model.layer_state import LayerState, ModelState, StateKind
-from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens, PrefillResult
+from minifaas.model.layer_state import LayerState, StateKind
+from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens
 from minifaas.model.sampling import GREEDY, SamplingParams
 from minifaas.serve.control import sampling_from_json
 from minifaas.serve.prefix_store import CachedPrefill, Computed, PrefixStore
@@ -164,25 +164,8 @@ def compute_streaming(
 ) -> Computed:
     """The rest of ``plan``'s prompt, streamed to ``forward``: with ``chunk_tokens``, every forward in
     token chunks; without, the last segment by layer. Blocking: run it in a thread."""
-    streaming = _ChunkedRuntime(runtime, chunk_tokens, forward.tokens) if chunk_tokens else runtime
-    return store.compute(streaming, plan, forward, sampling)  # type: ignore[arg-type]
-
-
-class _ChunkedRuntime:
-    """The runtime as the prefix store drives it, but every forward runs in token chunks whose
-    full-attention KV goes to ``on_tokens`` as it is made (snapshot segments' too)."""
-
-    def __init__(self, runtime: ModelRuntime, chunk_tokens: int, on_tokens: OnTokens) -> None:
-        self.runtime, self.chunk_tokens, self.on_tokens = runtime, chunk_tokens, on_tokens
-
-    def prefill(
-        self,
-        token_ids: list[int],
-        prefix_state: ModelState | None = None,
-        on_layer: OnLayer | None = None,
-        sampling: SamplingParams = GREEDY,
-    ) -> PrefillResult:
-        return self.runtime.prefill(token_ids, prefix_state, on_layer, sampling, self.chunk_tokens, self.on_tokens)
+    on_tokens = forward.tokens if chunk_tokens else None
+    return store.compute(runtime, plan, forward, sampling, chunk_tokens, on_tokens)
 
 
 class LayerForwarder:

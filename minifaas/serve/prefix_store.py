@@ -37,7 +37,7 @@ from minifaas.cache.entry import Lease
 from minifaas.cache.events import CacheEvent
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
-from minifaas.model.runtime import ModelRuntime, OnLayer, PrefillResult
+from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens, PrefillResult
 from minifaas.model.sampling import GREEDY, SamplingParams
 
 Payload = tuple[LayerState, ...]
@@ -108,14 +108,17 @@ class PrefixStore:
         snapshot_end = bool(points) and points[-1] == len(tokens)
         return CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end, h)
 
-    def advance(self, runtime: ModelRuntime, plan: CachedPrefill) -> None:
-        """Prefill up to the last snapshot point inside the prompt, keeping the state at each. Blocking."""
+    def advance(
+        self, runtime: ModelRuntime, plan: CachedPrefill, chunk_tokens: int = 0, on_tokens: OnTokens | None = None
+    ) -> None:
+        """Prefill up to the last snapshot point inside the prompt, keeping the state at each. Blocking.
+        ``chunk_tokens`` and ``on_tokens`` go to every forward (``ModelRuntime.prefill``)."""
         tokens = plan.keys.tokens
         assert tokens is not None
         for end in plan.points:
             if end <= plan.done:
                 continue
-            step = runtime.prefill(tokens[plan.done : end], prefix_state=plan.state)
+            step = runtime.prefill(tokens[plan.done : end], plan.state, chunk_tokens=chunk_tokens, on_tokens=on_tokens)
             plan.state, plan.done, plan.seconds = step.state, end, plan.seconds + step.seconds
             plan.snapshots.append((end, snapshot_payload(step.state, self.layout, self.pool.config.block_size)))
 
@@ -125,13 +128,15 @@ class PrefixStore:
         plan: CachedPrefill,
         on_layer: OnLayer | None = None,
         sampling: SamplingParams = GREEDY,
+        chunk_tokens: int = 0,
+        on_tokens: OnTokens | None = None,
     ) -> Computed:
         """Prefill the rest of the prompt (``on_layer`` sees only this last forward's layers) and cut what
         the pool keeps. Blocking: run it in a thread."""
-        self.advance(runtime, plan)
+        self.advance(runtime, plan, chunk_tokens, on_tokens)
         tokens = plan.keys.tokens
         assert tokens is not None
-        result = runtime.prefill(tokens[plan.done :], prefix_state=plan.state, on_layer=on_layer, sampling=sampling)
+        result = runtime.prefill(tokens[plan.done :], plan.state, on_layer, sampling, chunk_tokens, on_tokens)
         result.seconds += plan.seconds
         result.computed_tokens = len(tokens) - plan.hit_tokens
         if not self.enabled:
