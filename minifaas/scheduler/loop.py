@@ -18,8 +18,9 @@ applies once the new worker serves, and a conversion that could not happen
 split.
 
 What the live signals hold: PrfaaS egress and the link ceiling from the link
-emulator all PrfaaS states cross (its interval byte counter and current rate); queue depth per stage from the requests open on each worker;
-the incremental lengths the router placed; the wait at each prefill stage, the
+emulator all PrfaaS states cross (its interval byte counter and current
+rate); queue depth per stage from the requests open on each worker; the
+incremental lengths the router placed; the wait at each prefill stage, the
 prompt tokens on its least loaded serving worker (sent and not yet answered,
 so a transfer held up by the link counts) over the stage's measured prefill
 speed; decode occupancy, the requests on the decode workers over their batch

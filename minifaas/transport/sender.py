@@ -35,7 +35,7 @@ class SenderConfig:
     connections: int = 4
     chunk_bytes: int = 1 << 20
     pipelined: bool = True
-    checksums: bool = True  # crc32 of every payload; off only towards a receiver with accept_unchecked (TLS)
+    checksums: bool = True  # xxh3 checksum of every payload; off only towards a receiver with accept_unchecked (TLS)
     unsent_limit_bytes: int | None = 1 << 20  # kernel-queued unsent bytes per connection (None: kernel default)
     connect_timeout: float = 5.0
     stall_timeout: float = 10.0
