@@ -88,8 +88,41 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             tokens, rec = await _run(gw, "after", FRESH)
             assert tokens == reference["fresh"] and rec.route == "prfaas", rec.to_json()
 
+            # the client leaves during a long prefill: the prefill stops early, nothing is left queued,
+            # and the worker serves the next request as before
+            await _leave_mid_prefill(gw)
+            tokens, rec = await _run(gw, "after-leave", FRESH)
+            assert tokens == reference["fresh"] and rec.route == "prfaas", rec.to_json()
+
     asyncio.run(scenario())
     assert _children() <= before, "worker or emulator processes outlived the gateway"
+
+
+async def _leave_mid_prefill(gw: Gateway) -> None:
+    worker, link = gw.workers["prfaas-p0"], gw.link.control
+    prompt = [(11 * i + 1) % 256 for i in range(3000)]  # 6 chunks of 512 tokens: seconds of prefill here
+    sample = gw.metrics.registry.get_sample_value
+    stopped_before = sample("minifaas:prefills_stopped_total", {"cluster": "prfaas"}) or 0.0
+    sent_before = (await link.stats())["up_bytes"]
+    task = asyncio.create_task(_run(gw, "leaves", prompt))
+    async with asyncio.timeout(120):
+        while (await link.stats())["up_bytes"] < sent_before + (64 << 10):  # KV of its first chunk, not handshakes
+            await asyncio.sleep(0.05)
+    task.cancel()  # what the HTTP layer does when the client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with asyncio.timeout(60):
+        while (sample("minifaas:prefills_stopped_total", {"cluster": "prfaas"}) or 0.0) == stopped_before:
+            await asyncio.sleep(0.05)
+    spared = sample("minifaas:prefill_tokens_spared_total", {"cluster": "prfaas"})
+    assert spared is not None and 0 < spared < len(prompt)
+    inbox = worker.open("load?")
+    worker.send({"op": "load", "req": "load?"})
+    async with asyncio.timeout(30):
+        reply = await inbox.get()
+    worker.close("load?")
+    assert reply["load"] == 0, "the stopped prompt still counts as queued"
+    assert worker.busy == 0 and worker.load_tokens == 0
 
 
 async def _wait_alive(gw: Gateway, name: str) -> None:

@@ -133,12 +133,19 @@ class Gateway:
         except BaseException:
             await w.stop()
             raise
+        w.on_unclaimed = self._unclaimed
         self.prefixes.forget(w.name)  # a new pool starts empty
         self.known_names.add(w.name)
         self.workers[w.name] = w
         assert self._tasks is not None
         self._tasks.create_task(self._supervise(w, reader))
         self._tasks.create_task(self._follow_cache(w))
+
+    def _unclaimed(self, w: WorkerHandle, msg: dict) -> None:
+        if msg.get("op") == "aborted":  # a prefill the gateway aborted has stopped
+            req, tokens, done = msg["req"], msg["tokens"], msg["done_tokens"]
+            log.info("%s stopped the prefill of %s after %d of %d tokens", w.name, req, done, tokens)
+            self.metrics.prefill_stopped(w.cluster, tokens, done)
 
     async def retire(self, w: WorkerHandle) -> None:
         """Stop a worker for good (it changes role: ``serve.roles``); forget its pool and its link."""

@@ -75,6 +75,12 @@ class ServeMetrics:
         )
         # PD workers that changed role (to prefill or decode), and conversions that did not happen and why.
         self.role_changes = Counter("minifaas:role_changes", "PD role conversions", ["to", "outcome"], registry=r)
+        # Prefills stopped early because their request was aborted (client left, or timed out), by cluster,
+        # and the prompt tokens they were spared.
+        self.prefills_stopped = Counter("minifaas:prefills_stopped", "Prefills stopped early", ["cluster"], registry=r)
+        self.prefill_tokens_spared = Counter(
+            "minifaas:prefill_tokens_spared", "Prompt tokens not prefilled after an abort", ["cluster"], registry=r
+        )
         # The offload threshold in force: incremental prompt tokens above which PrfaaS prefills.
         self.threshold = Gauge("minifaas:offload_threshold_tokens", "Offload threshold", registry=r)
         for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
@@ -134,3 +140,7 @@ class ServeMetrics:
 
     def add_kv_bytes(self, link: str, nbytes: int) -> None:
         self.kv_bytes_sent.labels(link=link).inc(nbytes)
+
+    def prefill_stopped(self, cluster: str, tokens: int, done_tokens: int) -> None:
+        self.prefills_stopped.labels(cluster=cluster).inc()
+        self.prefill_tokens_spared.labels(cluster=cluster).inc(max(tokens - done_tokens, 0))

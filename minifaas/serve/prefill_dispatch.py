@@ -87,6 +87,7 @@ class PrefillDispatch:
         sampling = sampling_to_json(request.sampling)
         inbox = worker.open(rid)
         worker.load_tokens += n
+        reply: dict | None = None
         # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first
         link_start = (
             self.gateway.prefixes.kv_prefix(request.prompt_ids, decode.name) if worker.cluster == "prfaas" else 0
@@ -125,6 +126,9 @@ class PrefillDispatch:
         finally:
             worker.load_tokens -= n
             worker.close(rid)
+            if reply is None:  # timed out, or the client left: stop the prefill rather than let it run on
+                with contextlib.suppress(RuntimeError):
+                    worker.send({"op": "abort", "req": rid})
         if reply["op"] == "lost":
             return f"worker_lost: {worker.name} went away"
         if reply["op"] == "failed":

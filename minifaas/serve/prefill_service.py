@@ -10,6 +10,14 @@ its turn comes (so it sees everything the prompts before it stored), computes
 only the rest, and stores its blocks and snapshots before the next prompt's
 turn. The worker tells the gateway of the pool's store/evict events.
 
+An aborted request (its client left, or the gateway gave up on it) stops its
+prefill: a waiting prompt leaves the queue, and a running forward stops at
+the next layer that hands state on (``LayerForwarder`` raises ``Stopped``
+from the model's hook; with ``chunk_tokens=0`` only the last segment hands
+state on, so earlier snapshot segments run to their end). The compute lock is let go only once the forward's
+thread has really ended, and the open transfer is reset, so the decode node
+frees what arrived. Nothing of a stopped prompt goes into the pool.
+
 Chunked prefill (``chunk_tokens``): every forward of the prompt (the snapshot
 segments too, which are chunks already) runs in pieces of at most that many
 tokens, and each piece's full-attention keys and values go on the wire as soon
@@ -29,8 +37,12 @@ counted, and the prompt is prefilled without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens
@@ -40,6 +52,11 @@ from minifaas.serve.prefix_store import CachedPrefill, Computed, PrefixStore
 from minifaas.transport import KVReceiver, KVSender, SenderConfig, TransferError
 
 log = logging.getLogger("minifaas.prefill")
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """Raised in the compute thread, from the model's layer hook, once the request was aborted."""
 
 
 class PrefillService:
@@ -65,6 +82,7 @@ class PrefillService:
         self.senders: dict[tuple[str, int], KVSender] = {}
         self.compute = asyncio.Lock()
         self.queued_tokens = 0
+        self.stopped_at: dict[str, int] = {}  # aborted request -> prompt tokens its forward had handed on
 
     def sender(self, host: str, port: int) -> KVSender:
         key = (host, port)
@@ -74,41 +92,57 @@ class PrefillService:
         return self.senders[key]
 
     async def prefill(self, msg: dict) -> dict:
+        """Prefill ``msg["tokens"]`` and stream the state. Cancelling the task aborts the request: the
+        forward stops early and ``stopped_at[req]`` says how far it got."""
         tokens: list[int] = msg["tokens"]
         sampling = sampling_from_json(msg["sampling"])
         sender = self.sender(*msg["kv"])
         arrived = time.perf_counter()
         if "import" in msg:
             await self._import(tokens, msg["import"])
+        stop = threading.Event()
+        forward: LayerForwarder | None = None
+        held, queued = False, True  # the compute lock; the prompt's tokens counted in queued_tokens
+
+        def done_computing() -> None:  # after the forward, or on the way out if it never ran or ended
+            nonlocal held, queued
+            if held:
+                held = False
+                self.compute.release()
+            if queued:
+                queued = False
+                self.queued_tokens -= len(tokens)
+
         self.queued_tokens += len(tokens)
-        await self.compute.acquire()
-        held = True
         try:
+            await self.compute.acquire()
+            held = True
             started = time.perf_counter()
             plan = self.store.begin(tokens, started)
             try:
                 if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
-                    await asyncio.to_thread(self.store.advance, self.runtime, plan)
+                    await _until_stopped(stop, self.store.advance, self.runtime, plan)
                 async with sender.stream(msg["transfer"], layers=self.runtime.num_layers) as tx:
                     link_start = msg.get("link_start", 0)
-                    forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens))
+                    forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
                     try:
-                        computed = await asyncio.to_thread(
-                            compute_streaming, self.store, self.runtime, plan, forward, self.chunk_tokens, sampling
-                        )
+                        computed = await _until_stopped(
+                            stop, compute_streaming, self.store, self.runtime, plan, forward, self.chunk_tokens,
+                            sampling,
+                        )  # fmt: skip
                         self.store.finish(plan, computed, time.perf_counter())
                     finally:
-                        self.compute.release()
-                        held = False
-                        self.queued_tokens -= len(tokens)
+                        done_computing()
                     computed_at = time.perf_counter()
                 finished = time.perf_counter()
             finally:
                 self.store.release(plan)
+        except asyncio.CancelledError:
+            self.stopped_at[msg["req"]] = forward.handed_tokens if forward is not None else 0
+            raise
         finally:
-            if held:
-                self.compute.release()
-                self.queued_tokens -= len(tokens)
+            done_computing()
+        assert forward is not None
         result = computed.result
         return {
             "op": "prefilled",
@@ -154,6 +188,23 @@ class PrefillService:
             await sender.__aexit__(None, None, None)
 
 
+async def _until_stopped(stop: threading.Event, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` in a thread. If the awaiting task is cancelled, set ``stop`` and wait for the thread
+    to end (a forward checks ``stop`` at its next layer) before the cancellation goes on: the compute
+    lock must not be let go while a forward still runs."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        stop.set()
+        while not work.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([work])
+        if not work.cancelled():
+            work.exception()  # retrieved (Stopped, or what the forward raised): the request is gone anyway
+        raise
+
+
 def compute_streaming(
     store: PrefixStore,
     runtime: ModelRuntime,
@@ -177,12 +228,22 @@ class LayerForwarder:
     of which hands over its prefix again: only the tokens not yet sent go out.
     """
 
-    def __init__(self, put: OnLayer, put_tokens: OnTokens, link_start: int, total: int) -> None:
+    def __init__(
+        self, put: OnLayer, put_tokens: OnTokens, link_start: int, total: int, stop: threading.Event | None = None
+    ) -> None:
         self.put, self.put_tokens, self.link_start, self.total = put, put_tokens, link_start, total
+        self.stop = stop
         self.nbytes = 0
+        self.handed_tokens = 0  # the furthest token any layer has handed on
         self._sent: dict[int, int] = {}  # full-attention layer -> tokens [0, n) handed over (or skipped)
 
+    def _check(self, end: int) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped(f"aborted after {self.handed_tokens} of {self.total} tokens")
+        self.handed_tokens = max(self.handed_tokens, end)
+
     def __call__(self, layer: LayerState) -> None:
+        self._check(self.total)
         if self.link_start and layer.kind is StateKind.FULL_ATTENTION:
             layer = layer.slice_tokens(self.link_start, layer.seq_len)
         self.nbytes += layer.nbytes
@@ -191,6 +252,7 @@ class LayerForwarder:
     def tokens(self, piece: LayerState, start: int, _forward_total: int) -> None:
         """Tokens [start, start + piece.seq_len) of a full-attention layer of the prompt."""
         end, skip = start + piece.seq_len, self.link_start
+        self._check(end)
         first = max(start, self._sent.get(piece.layer, skip))
         if end <= first and end < self.total:
             return  # nothing new for the decode node

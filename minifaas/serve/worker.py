@@ -142,6 +142,7 @@ async def _handle(
     prefixes: DecodePrefixCache | None = None,
 ) -> None:
     jobs: dict[str, asyncio.Task[None]] = {}
+    aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
 
     pool = service.store if isinstance(service, PrefillService) else prefixes
 
@@ -161,14 +162,17 @@ async def _handle(
                 emit(await (service.export(msg) if msg["op"] == "export" else service.prefill(msg)))
             else:
                 await service.decode(msg, emit)
-        except asyncio.CancelledError:
-            pass  # aborted by the gateway
+        except asyncio.CancelledError:  # aborted by the gateway (or the worker is closing)
+            if req in aborted and isinstance(service, PrefillService) and msg["op"] == "prefill":
+                done = service.stopped_at.pop(req, 0)
+                emit({"op": "aborted", "req": req, "tokens": len(msg["tokens"]), "done_tokens": done})
         except (TransferError, TimeoutError, OSError, ValueError, RuntimeError) as e:
             emit(failed(msg, e))
         except Exception as e:  # a bug: report it with its trace rather than leave the request hanging
             emit(failed(msg, e))
             traceback.print_exc()
         finally:
+            aborted.discard(req)
             if prefixes is not None:
                 prefixes.cancel(msg["transfer"])  # unpins a prefix whose state never arrived
             if jobs.get(req) is asyncio.current_task():
@@ -188,7 +192,8 @@ async def _handle(
             if isinstance(service, DecodeService):
                 service.abort(req)
             task = jobs.pop(req, None)
-            if task is not None and isinstance(service, DecodeService):
+            if task is not None:  # a prefill stops at its next layer (PrefillService.prefill)
+                aborted.add(req)
                 task.cancel()
         elif op == "load":
             queued = service.queued_tokens if isinstance(service, PrefillService) else service.load

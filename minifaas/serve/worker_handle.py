@@ -1,7 +1,8 @@
 """The gateway's handle on one worker process: start it, talk to it, notice when it dies.
 
-Replies from the worker are sorted into one inbox per request. When the
-control connection ends (the process died or was killed), every open inbox
+Replies from the worker are sorted into one inbox per request; a reply no
+request waits for any more (the notice of a prefill stopped by an abort) goes
+to ``on_unclaimed``. When the control connection ends (the process died or was killed), every open inbox
 receives ``{"op": "lost"}``, so no request waits on a worker that is gone.
 
 A worker that is changing role (``serve.roles``) is ``draining``: the router
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from minifaas.child_process import wait_or_kill
 from minifaas.serve import control
@@ -45,6 +47,7 @@ class WorkerHandle:
         self.retired = False  # stopped for good (replaced by a worker in its new role)
         self.claims = 0  # prefills routed here that have not opened their inbox yet
         self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
+        self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
 
     @property
     def serving(self) -> bool:
@@ -94,6 +97,8 @@ class WorkerHandle:
                 inbox = self.inboxes.get(msg.get("req", ""))
                 if inbox is not None:
                     inbox.put_nowait(msg)
+                elif self.on_unclaimed is not None:
+                    self.on_unclaimed(self, msg)
         except (ConnectionError, json.JSONDecodeError) as e:
             log.warning("worker %s: control channel broke: %r", self.name, e)
         finally:
