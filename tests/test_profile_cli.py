@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from minifaas.cli import main
-from minifaas.model.profile_cli import _latency_model
+from minifaas.model.batch_decoder import BatchDecoder, make_decoder
+from minifaas.model.decoder import DecoderConfig
+from minifaas.model.interleaved_decoder import InterleavedDecoder
+from minifaas.model.profile_cli import _latency_model, measure_decode
 from minifaas.planner.paper import paper_case
 from minifaas.planner.profile import PrefillProfile, ProfilePoint, load_profiles
 from minifaas.planner.search import best_prfaas
@@ -29,6 +32,17 @@ def test_profile_writes_what_the_planner_reads(tmp_path, capsys: pytest.CaptureF
     case = with_profiles(paper_case(), None, str(out))
     assert case.pd_prefill == prefill and case.decode == decode and case.prfaas == paper_case().prfaas
     assert best_prfaas(case).throughput_rps > 0
+
+
+def test_decode_is_timed_on_the_decoder_a_worker_runs() -> None:
+    from minifaas.model.runtime import ModelRuntime
+
+    runtime = ModelRuntime.load("kimi-linear-tiny")
+    for batched in (True, False):
+        steps = measure_decode(runtime, [1, 3], 2, batched)
+        assert [b for b, _ in steps] == [1, 3] and all(s > 0 for _, s in steps)
+    assert isinstance(make_decoder(runtime, DecoderConfig(max_batch=3)), BatchDecoder)
+    assert isinstance(make_decoder(runtime, DecoderConfig(max_batch=1)), InterleavedDecoder)
 
 
 def test_noisy_timings_still_give_a_latency_model_that_stays_positive() -> None:

@@ -25,13 +25,17 @@ LOWER_LAYERS = ("minifaas.planner", "minifaas.policy", "minifaas.cache", "minifa
 _TRANSFORMERS = "transformers imports in seconds, and only after select_kernels() has decided whether fla may load"
 _TORCH_IN_CHILD = "the process that sets up the namespaces never loads torch; its sink and probe children do"
 _PLOT = "matplotlib is the optional plot extra"
+_TORCH_WHEN_PROFILING = "torch loads when profiling starts, not to parse flags"
 # (module, what it imports inside a function) -> why the import is not at the top of the module
 LAZY_IMPORTS = {
     ("minifaas.model.layer_state", "transformers"): _TRANSFORMERS,
     ("minifaas.model.loader", "transformers"): _TRANSFORMERS,
     ("minifaas.model.runtime", "transformers"): _TRANSFORMERS,
     ("minifaas.model.tokenizer", "transformers"): _TRANSFORMERS,
-    ("minifaas.model.profile_cli", "minifaas.model.runtime"): "torch loads when profiling starts, not to parse flags",
+    ("minifaas.model.profile_cli", "minifaas.model.runtime"): _TORCH_WHEN_PROFILING,
+    ("minifaas.model.profile_cli", "minifaas.model.batch_decoder"): _TORCH_WHEN_PROFILING,
+    ("minifaas.model.profile_cli", "minifaas.model.decoder"): _TORCH_WHEN_PROFILING,
+    ("minifaas.model.profile_cli", "minifaas.model.sampling"): _TORCH_WHEN_PROFILING,
     ("minifaas.planner.plot", "matplotlib"): _PLOT,
     ("minifaas.sim.metrics", "matplotlib"): _PLOT,
     ("minifaas.transport.netns", "minifaas.transport.receiver"): _TORCH_IN_CHILD,

@@ -29,16 +29,20 @@ row leaves the per-forward overhead dominant, which a batch shares.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from minifaas.model.batch_cache import BatchCache
-from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
+from minifaas.model.decoder import Decoder, DecoderConfig, QueueFull, StepToken
+from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, finish_reason
 from minifaas.model.sampling import SamplingParams, sample_batch
+
+log = logging.getLogger("minifaas.decode")
 
 
 @dataclass(slots=True)
@@ -133,3 +137,15 @@ class BatchDecoder:
         if moved is not None:
             self.running[index] = self.running[moved]
         self.running.pop()
+
+
+def make_decoder(runtime: ModelRuntime, config: DecoderConfig) -> Decoder:
+    """The decoder a decode worker runs for ``config``: batched, unless ``max_batch`` is 1 or the model's
+    layers have no batched cache (then one forward per request, with a warning)."""
+    if not config.batched:
+        return InterleavedDecoder(runtime)
+    try:
+        return BatchDecoder(runtime, config)
+    except NotImplementedError as e:
+        log.warning("%s: decoding UNBATCHED, one forward per request (%s)", runtime.spec.name, e)
+        return InterleavedDecoder(runtime)

@@ -6,9 +6,10 @@
 Prefill: for each length, the median over ``--repeats`` of one prefill's wall
 time, and the bytes of the state it leaves (every layer's KV or recurrent
 state: what crosses the link). Decode: for each batch size B, the time of one
-decode step of B requests as this runtime serves them (one forward per
-request, so a step of B is B forwards); BS_max is the largest B whose step
-still meets ``--slo`` tokens/s. The file has the [prefill] and [decode] tables
+decode step of B requests as a decode worker runs them (``make_decoder``:
+one batched forward of B rows; with ``--unbatched``, B forwards, as a worker
+with ``--max-batch 1``); BS_max is the largest B whose step still meets
+``--slo`` tokens/s. The file has the [prefill] and [decode] tables
 of ``planner.profile``: ``minifaas sim --prfaas-profile/--pd-profile`` use them,
 and ``load_profiles`` reads them anywhere else.
 """
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="64,256,1024", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes, comma-separated")
     parser.add_argument("--decode-steps", type=int, default=8, help="steps timed per batch size")
+    parser.add_argument(
+        "--unbatched", action="store_true", help="time decode one forward per request (workers' --max-batch 1)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="prefills timed per length (the median is kept)")
     parser.add_argument("--slo", type=float, default=40.0, help="decode SLO in tokens/s per request")
     parser.add_argument("--gpus-per-instance", type=int, default=1)
@@ -53,15 +57,23 @@ def measure_prefill(runtime: ModelRuntime, lengths: list[int], repeats: int) -> 
     return tuple(points)
 
 
-def measure_decode(runtime: ModelRuntime, batches: list[int], steps: int) -> list[tuple[int, float]]:
+def measure_decode(runtime: ModelRuntime, batches: list[int], steps: int, batched: bool) -> list[tuple[int, float]]:
+    """Seconds per step with B requests decoding, for each B, on the decoder a decode worker runs."""
+    from minifaas.model.batch_decoder import make_decoder
+    from minifaas.model.decoder import DecoderConfig
+    from minifaas.model.sampling import SamplingParams
+
     prompt = runtime.prefill([(13 * i + 5) % 256 for i in range(64)])
+    sampling = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     out = []
     for b in batches:
-        streams = [runtime.start_decode(prompt.state, prompt.next_token) for _ in range(b)]
+        decoder = make_decoder(runtime, DecoderConfig(max_batch=max(b, 2) if batched else 1))
+        for i in range(b):
+            decoder.submit(f"r{i}", prompt.state, prompt.next_token, sampling)
+        decoder.step()  # admission (the states are copied in) and first-call allocations: not timed
         started = time.perf_counter()
         for _ in range(steps):
-            for s in streams:
-                s.step()
+            decoder.step()
         out.append((b, (time.perf_counter() - started) / steps))
     return out
 
@@ -89,12 +101,12 @@ def run(args: argparse.Namespace) -> int:
         kv_fixed_bytes=max(fixed, 0.0),
         kv_bytes_per_token=per_token,
     )
-    steps = measure_decode(runtime, batches, args.decode_steps)
+    steps = measure_decode(runtime, batches, args.decode_steps, not args.unbatched)
     print(f"{name}: prefill")
     for p in points:
         print(f"  {p.tokens:>7} tokens  {p.latency_s:8.4f} s  {p.kv_bytes / 2**20:9.3f} MiB")
     print(f"  KV = {prefill.kv_fixed_bytes:,.0f} B + {per_token:,.1f} B/token; latency coeffs {prefill.latency_coeffs}")
-    print("decode step time")
+    print(f"decode step time ({'one forward per request' if args.unbatched else 'batched'})")
     for b, seconds in steps:
         print(f"  batch {b:>4}  {seconds * 1000:9.2f} ms  ({1 / seconds:7.1f} tokens/s per request)")
     decode: DecodeProfile | None = None

@@ -15,19 +15,16 @@ as it is at most a decode worker's ``max_batch + max_waiting``, as by default.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 
-from minifaas.model.batch_decoder import BatchDecoder
-from minifaas.model.decoder import Decoder, DecoderConfig, QueueFull
-from minifaas.model.interleaved_decoder import InterleavedDecoder
+from minifaas.model.batch_decoder import make_decoder
+from minifaas.model.decoder import DecoderConfig, QueueFull
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, finish_reason
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.control import sampling_from_json
 from minifaas.transport import KVReceiver
 
-log = logging.getLogger("minifaas.decode")
 Emit = Callable[[dict], None]
 Arrival = tuple[str, ModelState, int, SamplingParams]
 
@@ -37,7 +34,7 @@ class DecodeService:
         self, runtime: ModelRuntime, receiver: KVReceiver, state_timeout: float, config: DecoderConfig | None = None
     ) -> None:
         self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
-        self.decoder = _decoder(runtime, config or DecoderConfig())
+        self.decoder = make_decoder(runtime, config or DecoderConfig())
         self.clients: dict[str, tuple[Emit, int]] = {}  # request -> (emit, transfer) while it decodes
         self.first_tokens: dict[str, asyncio.Future[int]] = {}
         self.stepping = False
@@ -130,13 +127,3 @@ class DecodeService:
                 emit({"op": "token", "req": t.request, "transfer": transfer, "token": t.token, "finish": t.finish})
                 if t.finish is not None:
                     del self.clients[t.request]
-
-
-def _decoder(runtime: ModelRuntime, config: DecoderConfig) -> Decoder:
-    if not config.batched:
-        return InterleavedDecoder(runtime)
-    try:
-        return BatchDecoder(runtime, config)
-    except NotImplementedError as e:
-        log.warning("%s: decoding UNBATCHED, one forward per request (%s)", runtime.spec.name, e)
-        return InterleavedDecoder(runtime)
