@@ -137,6 +137,9 @@ async def shift_run(config: ServeConfig, n_short: int, n_long: int) -> dict[str,
             "link_util": sum(r.kv_bytes for r in records if r.route == "prfaas") / (FULL_BPS * (ended - started) / 8),
             "t_end": gw.threshold,
             "role_changes": len(gw.roles.done),
+            "changes": ", ".join(
+                f"{c.old}->{c.role} (drain {c.drain_s:.1f} s, start {c.start_s:.1f} s)" for c in gw.roles.done
+            ),
             "split": f"{split.count('prefill')}P/{split.count('decode')}D"
             + (f"+{gw.roles.in_progress}" if gw.roles.in_progress else ""),  # +n: n workers changing role
             "wall": ended - started,
@@ -187,12 +190,14 @@ def shift_scenario(args: argparse.Namespace, out: dict) -> None:
         print(f"shift: kimi-linear-tiny on CPU, {args.short} decode-heavy then {args.long} prefill-heavy requests, "
               f"re-plan every {args.period:g} s")  # fmt: skip
         print(f"{'config':<10}{'done':>6}{'failed':>8}{'req/s':>8}{'ttft p90 s':>12}{'offloaded':>11}{'link util':>11}"
-              f"{'t end':>7}{'roles':>7}{'split':>7}{'wall s':>8}")  # fmt: skip
+              f"{'t end':>7}{'roles':>7}{'split':>9}{'wall s':>8}")  # fmt: skip
         for name, config in _chosen(configs, args.quick):
             r = asyncio.run(shift_run(config, args.short, args.long))
             print(f"{name:<10}{r['done']:>6}{r['failed']:>8}{r['tput']:>8.3f}{r['ttft_p90']:>12.2f}"
                   f"{r['offloaded']:>11.2f}{r['link_util']:>11.3f}{r['t_end']:>7}{r['role_changes']:>7}"
-                  f"{r['split']:>7}{r['wall']:>8.1f}")  # fmt: skip
+                  f"{r['split']:>9}{r['wall']:>8.1f}")  # fmt: skip
+            if r["changes"]:
+                print(f"{'':<10}role changes: {r['changes']}")
             out[f"shift_{name}"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
 
 

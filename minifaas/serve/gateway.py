@@ -188,11 +188,16 @@ class Gateway:
                 queued = sum(len(w.inboxes) for w in self.workers.values() if w.cluster == cluster and w.role == role)
                 self.metrics.set_queue_depth(stage, queued)
             self.metrics.set_queue_depth("decode", sum(len(w.inboxes) for w in self._decode_workers()))
-            self.scheduler.tick(time.monotonic())
+            if not self._closing:  # shutdown may have begun while the link answered: start no conversion now
+                self.scheduler.tick(time.monotonic())
             await asyncio.sleep(period)
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     async def _shutdown(self) -> None:
         self._closing = True
@@ -219,7 +224,8 @@ class Gateway:
                 except RuntimeError as e:
                     log.error("%s", e)
                     await asyncio.sleep(2.0)
-            else:
+            if self._closing:  # shutdown began meanwhile, after it stopped the workers it knew of
+                await w.stop()
                 return
 
     async def _follow_cache(self, w: WorkerHandle) -> None:

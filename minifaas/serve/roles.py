@@ -112,7 +112,7 @@ class RoleChanger:
         """Start |to_prefill| conversions, decode -> prefill when positive; each drains on its own and
         then calls ``done`` with whether it happened (False at once when no worker may go)."""
         for _ in range(abs(to_prefill)):
-            worker = self.pick(to_prefill > 0)
+            worker = self.pick(to_prefill > 0) if not self.gateway.closing else None
             if worker is None:
                 self.counts["refused"] += 1
                 self.gateway.metrics.role_change("prefill" if to_prefill > 0 else "decode", "refused")
@@ -160,15 +160,20 @@ class RoleChanger:
             log.warning("worker %s: still busy after %.0f s; it stays %s", old.name, timeout, old.role)
             return None
         drained = time.monotonic()
+        if gw.closing:  # shutdown stops the old worker; a new one would outlive the gateway
+            return None
         await gw.retire(old)
         new = WorkerHandle(self._fresh_name(role), role, "pd", worker_argv(gw.config, role, "pd"), gw.secret)
-        while True:  # the old worker is gone: keep trying, as the supervisor does for a dead one
+        while not gw.closing:  # the old worker is gone: keep trying, as the supervisor does for a dead one
             try:
                 await gw.launch(new)
                 break
             except RuntimeError as e:
                 log.error("worker %s did not start in its new role (%s); trying again", new.name, e)
                 await asyncio.sleep(RETRY_S)
+        if gw.closing:  # shutdown began while it started, after it stopped the workers it knew of
+            await new.stop()
+            return None
         self.counts[f"to_{role}"] += 1
         gw.metrics.role_change(role, "done")
         self.done.append(Conversion(old.name, new.name, role, drained - began, time.monotonic() - drained))
