@@ -14,9 +14,10 @@ An aborted request (its client left, or the gateway gave up on it) stops its
 prefill: a waiting prompt leaves the queue, and a running forward stops at
 the next layer that hands state on (``LayerForwarder`` raises ``Stopped``
 from the model's hook; with ``chunk_tokens=0`` only the last segment hands
-state on, so earlier snapshot segments run to their end). The compute lock is let go only once the forward's
-thread has really ended, and the open transfer is reset, so the decode node
-frees what arrived. Nothing of a stopped prompt goes into the pool.
+state on, so earlier snapshot segments run to their end). The compute lock
+is let go only once the forward's thread has really ended, and the open
+transfer is reset, so the decode node frees what arrived. Nothing of a
+stopped prompt goes into the pool.
 
 Chunked prefill (``chunk_tokens``): every forward of the prompt (the snapshot
 segments too, which are chunks already) runs in pieces of at most that many
