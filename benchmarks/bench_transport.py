@@ -189,60 +189,55 @@ async def loopback(nbytes: int, repeats: int) -> None:
         RESULTS[f"loopback_{key}_cpu_vs_raw"] = round(cpu[name] / cpu["raw"], 3)
 
 
-async def through_emulator(
-    rate_bps: float | None,
-    seconds: float,
-    connections: int,
-    flow_bps: float | None = None,
-    nbytes: int = 0,
-    checksums: bool = True,
-    splice: bool = True,
-) -> float:
-    """Achieved goodput in bits/s over the emulated link."""
-    state = bulk_state(nbytes or int((rate_bps or 0) / 8 * seconds))
-    options: dict[str, Any] = {
-        "rate": "none" if rate_bps is None else f"{rate_bps:.0f}",
-        "splice": "on" if splice else "off",
-    }
-    if flow_bps is not None:
-        options["flow_rate"] = f"{flow_bps:.0f}"
+@asynccontextmanager
+async def emulated_link(**options: str) -> AsyncIterator[EmulatorProcess]:
+    """A sink behind a link emulator started with ``options``; rates are then set over its control port."""
     async with sink() as receiver, EmulatorProcess(("127.0.0.1", receiver.port), **options) as link:
-        ids = Transfers()
-        config = SenderConfig(
-            "127.0.0.1", link.port, SECRET, connections=connections, done_timeout=120, checksums=checksums
-        )
-        async with KVSender(config) as sender:
-            await timed_send(sender, ids, bulk_state(1 << 16))
-            return 8 * state.nbytes / await timed_send(sender, ids, state)
+        yield link
+
+
+async def goodput(
+    link: EmulatorProcess, ids: Transfers, nbytes: int, connections: int, checksums: bool = True
+) -> float:
+    """Bits/s of one transfer of ``nbytes`` through ``link``, on a fresh sender (its own connections)."""
+    state = bulk_state(nbytes)
+    config = SenderConfig(
+        "127.0.0.1", link.port, SECRET, connections=connections, done_timeout=120, checksums=checksums
+    )
+    async with KVSender(config) as sender:
+        await timed_send(sender, ids, bulk_state(1 << 16))  # connections up first
+        return 8 * state.nbytes / await timed_send(sender, ids, state)
 
 
 async def emulated_rates(rates: list[float], seconds: float) -> None:
-    ceiling = await through_emulator(None, seconds, connections=4, nbytes=int(max(rates) / 8 * seconds))
-    RESULTS["emulated_unlimited_gbps"] = round(ceiling / 1e9, 3)
-    row("emulated", "no rate limit (this host's ceiling)", f"{ceiling / 1e9:.3f} Gbit/s", "4 connections")
-    for rate in rates:
-        goodput = await through_emulator(rate, seconds, connections=4)
-        RESULTS[f"emulated_{rate / 1e9:g}gbps_ratio"] = round(goodput / rate, 3)
-        row("emulated", f"{rate / 1e9:g} Gbit/s link, 4 connections", f"{goodput / 1e9:.3f} Gbit/s",
-            f"{goodput / rate:.3f} of the link")  # fmt: skip
     top = max(rates)
-    ablations = {  # name -> (key, settings)
-        "no payload crc": ("no_crc", {"checksums": False}),
-        "relay copying (no splice)": ("no_splice", {"splice": False}),
-    }
-    for name, (key, settings) in ablations.items():
-        goodput = await through_emulator(top, seconds, connections=4, **settings)
-        RESULTS[f"emulated_{top / 1e9:g}gbps_{key}_ratio"] = round(goodput / top, 3)
-        row("emulated", f"{top / 1e9:g} Gbit/s link, {name}", f"{goodput / 1e9:.3f} Gbit/s",
-            f"{goodput / top:.3f} of the link")  # fmt: skip
+    async with emulated_link(rate="none") as link:
+        ids = Transfers()
+        ceiling = await goodput(link, ids, int(top / 8 * seconds), connections=4)
+        RESULTS["emulated_unlimited_gbps"] = round(ceiling / 1e9, 3)
+        row("emulated", "no rate limit (this host's ceiling)", f"{ceiling / 1e9:.3f} Gbit/s", "4 connections")
+        for rate in rates:
+            await link.control.set_rate(rate)
+            bps = await goodput(link, ids, int(rate / 8 * seconds), connections=4)
+            RESULTS[f"emulated_{rate / 1e9:g}gbps_ratio"] = round(bps / rate, 3)
+            row("emulated", f"{rate / 1e9:g} Gbit/s link, 4 connections", f"{bps / 1e9:.3f} Gbit/s",
+                f"{bps / rate:.3f} of the link")  # fmt: skip
+        no_crc = await goodput(link, ids, int(top / 8 * seconds), connections=4, checksums=False)
+    async with emulated_link(rate=f"{top:.0f}", splice="off") as link:
+        copying = await goodput(link, Transfers(), int(top / 8 * seconds), connections=4)
+    for name, key, bps in (("no payload crc", "no_crc", no_crc), ("relay copying (no splice)", "no_splice", copying)):
+        RESULTS[f"emulated_{top / 1e9:g}gbps_{key}_ratio"] = round(bps / top, 3)
+        row("emulated", f"{top / 1e9:g} Gbit/s link, {name}", f"{bps / 1e9:.3f} Gbit/s", f"{bps / top:.3f} of the link")
 
 
 async def flow_caps(rate: float, seconds: float) -> None:
-    for connections in (1, 4, 8):
-        goodput = await through_emulator(rate, seconds, connections, flow_bps=rate / 4)
-        RESULTS[f"flowcap_{connections}conn_ratio"] = round(goodput / rate, 3)
-        row("flow cap", f"cap 1/4 of {rate / 1e6:g} Mbit/s, {connections} conn", f"{goodput / 1e6:.1f} Mbit/s",
-            f"{goodput / rate:.3f} of the link")  # fmt: skip
+    async with emulated_link(rate=f"{rate:.0f}", flow_rate=f"{rate / 4:.0f}") as link:
+        ids = Transfers()
+        for connections in (1, 4, 8):
+            bps = await goodput(link, ids, int(rate / 8 * seconds), connections)
+            RESULTS[f"flowcap_{connections}conn_ratio"] = round(bps / rate, 3)
+            row("flow cap", f"cap 1/4 of {rate / 1e6:g} Mbit/s, {connections} conn", f"{bps / 1e6:.1f} Mbit/s",
+                f"{bps / rate:.3f} of the link")  # fmt: skip
 
 
 class Recording:
@@ -343,7 +338,7 @@ async def main(args: argparse.Namespace) -> None:
         "loopback": lambda: loopback(nbytes=(64 if quick else 256) << 20, repeats=3 if quick else 9),
         "emulated": lambda: emulated_rates([0.1e9, 1e9, 5e9], seconds=1.0 if quick else 2.0),
         "flowcap": lambda: flow_caps(rate=400e6, seconds=1.0 if quick else 2.0),
-        "pipelining": lambda: pipelining(tokens=1024 if quick else 2048, repeats=2 if quick else 3, chunk_tokens=256),
+        "pipelining": lambda: pipelining(tokens=1024 if quick else 2048, repeats=1 if quick else 3, chunk_tokens=256),
     }
     print(f"  {'section':<12} {'case':<40} {'figure':>16}  note")
     for name, part in parts.items():
