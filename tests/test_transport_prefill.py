@@ -119,3 +119,40 @@ def test_streamed_pieces_rebuild_the_computed_state_bit_exact(runtime: ModelRunt
         assert ranges == list(itertools.pairwise(bounds)), f"layer {layer}"
         assert {total for i, *_, total in pieces if i == layer} == {len(SECOND) - link_start}
     assert len(bounds) > 3
+
+
+def test_an_aborted_prefill_stops_part_way_and_the_next_prompt_runs_alone() -> None:
+    runtime = ModelRuntime.load("kimi-linear-tiny")
+    long, short = prompt(2000, 3), prompt(40, 4)
+
+    async def main() -> tuple[PrefillService, ModelState, dict]:
+        store = store_for(runtime)
+        service = PrefillService(runtime, SECRET, 2, True, store, chunk_tokens=64)
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+
+            def msg(req: str, tokens: list[int], transfer: int) -> dict:
+                return {"req": req, "tokens": tokens, "sampling": sampling_to_json(PARAMS), "transfer": transfer,
+                        "kv": ["127.0.0.1", rx.port]}  # fmt: skip
+
+            running = asyncio.create_task(service.prefill(msg("long", long, 0)))
+            queued = asyncio.create_task(service.prefill(msg("queued", long, 1)))
+            while rx.stats.bytes_received == 0:  # the long prompt's first chunk is on the wire
+                await asyncio.sleep(0.01)
+            running.cancel()
+            queued.cancel()
+            for task in (running, queued):
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert not service.compute.locked() and service.queued_tokens == 0
+            # the stopped forward's thread has ended: a prompt after it runs alone on the model
+            reply, state = await asyncio.gather(service.prefill(msg("short", short, 2)), rx.transfer(2).model_state())
+        await service.close()
+        return service, state, reply
+
+    service, state, reply = run(main())
+    assert 0 < service.stopped_at["long"] < len(long), service.stopped_at
+    assert service.stopped_at["queued"] == 0
+    plan = service.store.begin(long, 0.0)  # nothing of the stopped prompt went into the pool
+    service.store.release(plan)
+    assert plan.hit_tokens == 0
+    assert runtime.start_decode(state, reply["next_token"], PARAMS).run() == runtime.generate(short, PARAMS)
