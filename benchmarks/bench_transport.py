@@ -268,10 +268,11 @@ def serving_prefill(runtime: Any, ids: list[int], chunk_tokens: int, snapshots: 
     """One prompt through the prefill worker's own streaming code (``compute_streaming`` and its
     ``LayerForwarder``), with a cold prefix cache (segments at its snapshot points) or none."""
     from minifaas.cache.pool import PoolConfig
+    from minifaas.model.state_layout import needs_snapshot
     from minifaas.serve.prefill_service import LayerForwarder, compute_streaming
-    from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
+    from minifaas.serve.prefix_store import PrefixStore
 
-    layout = state_layout(runtime.config)
+    layout = runtime.layout.kinds
     pool = PoolConfig("bench", 1 << 30, 32, 4, needs_snapshot(layout), enabled=snapshots)  # the worker's defaults
     store = PrefixStore(pool, runtime.spec.name, layout, "bench")
     plan = store.begin(ids, 0.0)
@@ -317,7 +318,7 @@ async def pipelining(tokens: int, repeats: int, chunk_tokens: int) -> None:
                                       chunk_bytes=64 << 10, done_timeout=300)  # fmt: skip
                 async with KVSender(config) as sender:
                     await timed_send(sender, transfers, bulk_state(1 << 12, layers=1))  # connections up first
-                    async with sender.stream(transfers.take(), runtime.num_layers, kv_bytes) as out:
+                    async with sender.stream(transfers.take(), runtime.num_states, kv_bytes) as out:
                         prefill_end = await replay(recording, seconds, out)
                     ratios[mode].append((time.perf_counter() - prefill_end) / seconds)
     row("pipelining", "link = state / prefill time", "", f"{tokens} tokens, {kv_bytes / 1e6:.2f} MB state")

@@ -49,7 +49,7 @@ async def main() -> None:
         start = time.monotonic()
         async with asyncio.TaskGroup() as tasks:
             receiving = tasks.create_task(receive())
-            async with sender.stream(1, runtime.num_layers) as out:
+            async with sender.stream(1, runtime.num_states) as out:
 
                 def on_layer(layer: LayerState) -> None:  # runs in the prefill thread
                     produced[layer.layer] = time.monotonic()
@@ -64,7 +64,7 @@ async def main() -> None:
         i = state.layer
         kind = state.kind.name
         print(f"{i:>5}  {kind:<16}{state.nbytes:>7}  {produced[i] - start:>8.3f}s {received[i] - start:>8.3f}s")
-    prefill_end, last = produced[runtime.num_layers - 1] - start, max(received.values()) - start
+    prefill_end, last = produced[runtime.num_states - 1] - start, max(received.values()) - start
     after = stats["up_bytes"] * 8 / (parse_rate(RATE) or float("inf"))
     print(f"prefill ended at {prefill_end:.3f}s and the last layer arrived at {last:.3f}s;")
     print(f"sent only after prefill, the {stats['up_bytes']} bytes would need ~{after:.3f}s more on this link")

@@ -16,7 +16,8 @@ from __future__ import annotations
 from minifaas.cache.pool import PoolConfig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
+from minifaas.model.state_layout import needs_snapshot
+from minifaas.serve.prefix_store import PrefixStore
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 SYSTEM = "System: you are a concise assistant for engineers who run LLM inference across datacenters.\n" * 2
@@ -37,7 +38,7 @@ def serve(store: PrefixStore, runtime: ModelRuntime, text: str) -> tuple[list[in
 
 def main() -> None:
     runtime = ModelRuntime.load()
-    layout = state_layout(runtime.config)
+    layout = runtime.layout.kinds
     config = PoolConfig("local", 64 << 20, BLOCK, snapshot_interval_blocks=0, needs_snapshot=needs_snapshot(layout))
     store = PrefixStore(config, "example", layout, node="prefill-0")
     kinds = sorted({kind.name for kind in layout})

@@ -9,7 +9,6 @@ from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.decode_prefix import DecodePrefixCache
-from minifaas.serve.prefix_store import state_layout
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -29,7 +28,7 @@ def _same(a: LayerState, b: LayerState) -> bool:
 
 def test_increment_joined_onto_the_kept_prefix_decodes_like_the_whole_state() -> None:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    cache = DecodePrefixCache(PoolConfig("d", 1 << 30, BLOCK), "m", state_layout(rt.config), "d")
+    cache = DecodePrefixCache(PoolConfig("d", 1 << 30, BLOCK), "m", rt.layout.kinds, "d")
     first = [(3 * i + 1) % 256 for i in range(70)]
     cache.pin(1, first, 0, now=0.0)
     cache.received(1, rt.prefill(first).state, now=0.0)
@@ -51,7 +50,7 @@ def test_increment_joined_onto_the_kept_prefix_decodes_like_the_whole_state() ->
 
 def test_a_cancelled_transfer_unpins_and_a_disabled_cache_pins_nothing() -> None:
     rt = ModelRuntime.load("qwen3-tiny")
-    layout = state_layout(rt.config)
+    layout = rt.layout.kinds
     tokens = [(7 * i) % 256 for i in range(40)]
     cache = DecodePrefixCache(PoolConfig("d", 1 << 30, BLOCK), "m", layout, "d")
     cache.pin(1, tokens, 0, 0.0)

@@ -8,7 +8,8 @@ from minifaas.cache.pool import PoolConfig
 from minifaas.model.layer_state import StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
+from minifaas.model.state_layout import needs_snapshot
+from minifaas.serve.prefix_store import PrefixStore
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 BLOCK = 16
@@ -31,7 +32,7 @@ def _serve(store: PrefixStore, rt: ModelRuntime, tokens: list[int]) -> tuple[lis
 @pytest.mark.parametrize("preset", PRESETS)
 def test_output_with_any_hit_equals_cold_output(preset: str) -> None:
     rt = ModelRuntime.load(preset)
-    layout = state_layout(rt.config)
+    layout = rt.layout.kinds
     hybrid = needs_snapshot(layout)
     assert hybrid == (preset != "qwen3-tiny")
     store = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, hybrid), preset, layout, "n")
@@ -55,7 +56,7 @@ def test_output_with_any_hit_equals_cold_output(preset: str) -> None:
 
 def test_off_switches_store_nothing_and_take_no_snapshots_between_ends() -> None:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    layout = state_layout(rt.config)
+    layout = rt.layout.kinds
     assert layout.count(StateKind.FULL_ATTENTION) == 2
     tokens = _tokens(4, 4 * BLOCK + 5)
     off = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, enabled=False), "m", layout, "n")
@@ -76,7 +77,7 @@ def test_off_switches_store_nothing_and_take_no_snapshots_between_ends() -> None
 
 def test_a_pinned_hit_survives_a_full_pool_and_is_released() -> None:
     rt = ModelRuntime.load("qwen3.5-tiny")
-    layout = state_layout(rt.config)
+    layout = rt.layout.kinds
     tokens = _tokens(5, 3 * BLOCK + 1)
     probe = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 1), "m", layout, "n")
     _serve(probe, rt, tokens)

@@ -28,9 +28,8 @@ _PLOT = "matplotlib is the optional plot extra"
 _TORCH_WHEN_PROFILING = "torch loads when profiling starts, not to parse flags"
 # (module, what it imports inside a function) -> why the import is not at the top of the module
 LAZY_IMPORTS = {
-    ("minifaas.model.layer_state", "transformers"): _TRANSFORMERS,
+    ("minifaas.model.state_layout", "transformers"): _TRANSFORMERS,
     ("minifaas.model.loader", "transformers"): _TRANSFORMERS,
-    ("minifaas.model.runtime", "transformers"): _TRANSFORMERS,
     ("minifaas.model.tokenizer", "transformers"): _TRANSFORMERS,
     ("minifaas.model.profile_cli", "minifaas.model.runtime"): _TORCH_WHEN_PROFILING,
     ("minifaas.model.profile_cli", "minifaas.model.batch_decoder"): _TORCH_WHEN_PROFILING,

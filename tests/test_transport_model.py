@@ -69,7 +69,7 @@ def test_layers_streamed_during_prefill_decode_like_the_local_state(runtime: Mod
             incoming = rx.transfer(42)
             async with KVSender(config) as tx, asyncio.TaskGroup() as tg:
                 receiving = tg.create_task(incoming.model_state())
-                async with tx.stream(42, runtime.num_layers) as out:
+                async with tx.stream(42, runtime.num_states) as out:
                     result = await asyncio.to_thread(runtime.prefill, ids, on_layer=out.put_threadsafe)
             return result, receiving.result()
 
@@ -88,7 +88,7 @@ def test_prefill_in_token_chunks_streams_full_attention_ranges(runtime: ModelRun
     async def main() -> tuple[Any, Any]:
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
             config = SenderConfig("127.0.0.1", rx.port, SECRET, connections=2, chunk_bytes=4096)
-            async with KVSender(config) as tx, tx.stream(7, runtime.num_layers) as out:
+            async with KVSender(config) as tx, tx.stream(7, runtime.num_states) as out:
 
                 def prefill_in_chunks() -> Any:
                     state = None

@@ -20,9 +20,10 @@ from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.serve.control import sampling_to_json
 from minifaas.serve.prefill_service import LayerForwarder, PrefillService, compute_streaming
-from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
+from minifaas.serve.prefix_store import PrefixStore
 from minifaas.transport import KVReceiver, KVSender, ReceiverConfig, SenderConfig
 from minifaas.transport.synthetic import same_state
 
@@ -47,7 +48,7 @@ def runtime(request: pytest.FixtureRequest) -> ModelRuntime:
 
 def store_for(runtime: ModelRuntime) -> PrefixStore:
     """Blocks of 16 tokens, a snapshot every 32: a prompt of 180 runs as several segments."""
-    layout = state_layout(runtime.config)
+    layout = runtime.layout.kinds
     return PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, needs_snapshot(layout)), runtime.spec.name, layout, "n")
 
 
@@ -94,7 +95,7 @@ def test_streamed_pieces_rebuild_the_computed_state_bit_exact(runtime: ModelRunt
         segments = [96, *plan.points, len(SECOND)]  # each one forward's tokens, run in chunks of 24
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
             config = SenderConfig("127.0.0.1", rx.port, SECRET, connections=2, chunk_bytes=4096)
-            async with KVSender(config) as sender, sender.stream(5, runtime.num_layers) as tx:
+            async with KVSender(config) as sender, sender.stream(5, runtime.num_states) as tx:
 
                 def put_tokens(piece: LayerState, start: int, total: int) -> None:
                     pieces.append((piece.layer, start, start + piece.seq_len, total))

@@ -8,24 +8,21 @@ A hybrid model keeps three kinds of per-layer state, each in named tensor slots:
 - SLIDING_WINDOW: ``keys``/``values`` of the last ``window - 1`` tokens plus the
   absolute length they end at. Bounded size.
 - LINEAR_ATTENTION: ``conv.<i>`` (short-convolution tail) and ``recurrent.<i>``
-  (the linear-attention / SSM state). Fixed size, valid at exactly one length.
+  (the linear-attention, Mamba or RG-LRU state); a short-convolution layer
+  (LFM2) has only ``conv``. Fixed size, valid at exactly one length.
 
-``extract_layer`` reads one layer out of a transformers ``Cache``;
-``build_cache`` puts a list of them back into a fresh ``DynamicCache`` that the
-same model can continue from. The byte codec lives in ``state_codec``.
+A layer that keeps two kinds at once (attention beside a Mamba mixer) is two
+LayerStates, one of each kind; ``state_layout`` says which states a model
+has, reads them out of a transformers ``Cache`` and puts them back. The byte
+codec lives in ``state_codec``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # transformers takes seconds to import: only the functions that touch a Cache load it
-    from transformers import DynamicCache, PreTrainedConfig
 
 
 class StateKind(IntEnum):
@@ -106,87 +103,3 @@ class ModelState:
         for s in self.layers:
             out[s.kind] = out.get(s.kind, 0) + s.nbytes
         return out
-
-
-def extract_layer(cache: object, layer: int, seq_len: int, clone_fixed: bool = True) -> LayerState:
-    """Read layer ``layer`` of a transformers Cache, after ``seq_len`` tokens, as a LayerState.
-
-    Full-attention KV is not copied: transformers replaces (never mutates) it on
-    update. Sliding-window and linear states are updated in place by later
-    forwards, so they are cloned unless ``clone_fixed`` is False.
-    """
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
-
-    cache_layer = cache.layers[layer]  # type: ignore[attr-defined]
-    keep = (lambda t: t.clone()) if clone_fixed else (lambda t: t)
-    if isinstance(cache_layer, LinearAttentionCacheLayerMixin):
-        if isinstance(cache_layer, DynamicLayer):
-            raise NotImplementedError("layers with both linear and attention state are not supported yet")
-        slots: list[tuple[str, torch.Tensor]] = []
-        for i in range(cache_layer.number_of_states):
-            if cache_layer.is_conv_states_initialized[i]:
-                slots.append((f"conv.{i}", keep(cache_layer.conv_states[i])))
-            if cache_layer.is_recurrent_states_initialized[i]:
-                slots.append((f"recurrent.{i}", keep(cache_layer.recurrent_states[i])))
-        return LayerState(layer, StateKind.LINEAR_ATTENTION, seq_len, tuple(slots))
-    if isinstance(cache_layer, DynamicSlidingWindowLayer):
-        slots = (("keys", keep(cache_layer.keys)), ("values", keep(cache_layer.values)))
-        if cache_layer.cumulative_length != seq_len:
-            raise ValueError(f"layer {layer}: window ends at {cache_layer.cumulative_length}, expected {seq_len}")
-        return LayerState(layer, StateKind.SLIDING_WINDOW, seq_len, slots)
-    if isinstance(cache_layer, DynamicLayer):
-        k, v = cache_layer.keys, cache_layer.values
-        if k.shape[-2] != seq_len:
-            raise ValueError(f"layer {layer}: cache holds {k.shape[-2]} tokens, expected {seq_len}")
-        return LayerState(layer, StateKind.FULL_ATTENTION, k.shape[-2], (("keys", k), ("values", v)))
-    raise NotImplementedError(f"cache layer type {type(cache_layer).__name__} is not supported")
-
-
-def build_cache(config: PreTrainedConfig, states: Sequence[LayerState], device: torch.device | str) -> DynamicCache:
-    """A fresh DynamicCache holding ``states`` (one per layer, in order), ready to continue.
-
-    Tensors are copied onto ``device`` (a no-op copy is still a copy), so the
-    cache never mutates a state that someone else holds, e.g. a pooled prefix.
-    """
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    if len(states) != len(cache.layers):
-        raise ValueError(f"model has {len(cache.layers)} cache layers, got {len(states)} states")
-    for i, (cache_layer, state) in enumerate(zip(cache.layers, states)):
-        if state.layer != i:
-            raise ValueError(f"state for layer {state.layer} given at position {i}")
-        _fill_layer(cache_layer, state, device)
-    return cache
-
-
-def _fill_layer(cache_layer: object, state: LayerState, device: torch.device | str) -> None:
-    from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
-
-    tensors = {n: t.to(device, copy=True) for n, t in state.slots}
-    if isinstance(cache_layer, LinearAttentionCacheLayerMixin):
-        if state.kind is not StateKind.LINEAR_ATTENTION:
-            raise ValueError(f"layer {state.layer}: model expects linear state, got {state.kind.name}")
-        for name, t in tensors.items():
-            which, idx = name.split(".")
-            i = int(idx)
-            if which == "conv":
-                cache_layer.conv_states[i] = t
-                cache_layer.conv_kernel_size[i] = t.shape[-1]
-                cache_layer.is_conv_states_initialized[i] = True
-            else:
-                cache_layer.recurrent_states[i] = t
-                cache_layer.is_recurrent_states_initialized[i] = True
-            cache_layer.has_previous_state[i] = True
-            cache_layer.device, cache_layer.dtype = t.device, t.dtype
-        return
-    expected = (
-        StateKind.SLIDING_WINDOW if isinstance(cache_layer, DynamicSlidingWindowLayer) else StateKind.FULL_ATTENTION
-    )
-    if state.kind is not expected:
-        raise ValueError(f"layer {state.layer}: model expects {expected.name}, got {state.kind.name}")
-    keys, values = tensors["keys"], tensors["values"]
-    cache_layer.lazy_initialization(keys, values)
-    cache_layer.keys, cache_layer.values = keys, values
-    if expected is StateKind.SLIDING_WINDOW:
-        cache_layer.cumulative_length = state.seq_len

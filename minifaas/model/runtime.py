@@ -3,8 +3,10 @@
 ``prefill`` registers a forward hook on every decoder layer. When layer i's
 forward returns, its cache entry holds the final state for the whole prompt, so
 the hook hands that LayerState to ``on_layer`` right away, while layer i+1 is
-yet to run. That ordering is what lets a sender put layer i on the wire during
-the rest of the forward (layer-pipelined transfer).
+yet to run (a layer with attention and a Mamba mixer side by side hands on its
+two parts, a layer without state nothing: see ``state_layout``). That ordering
+is what lets a sender put layer i on the wire during the rest of the forward
+(layer-pipelined transfer).
 
 With ``chunk_tokens`` the prompt runs as several forwards on one cache (the
 arithmetic of a prefix continuation). A full-attention layer's keys and values
@@ -27,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minifaas.model.layer_state import LayerState, ModelState, build_cache, extract_layer
+from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
+from minifaas.model.state_layout import StateLayout, build_cache, new_cache
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 OnLayer = Callable[[LayerState], None]
@@ -51,6 +54,10 @@ class ModelRuntime:
         self.config = model.config
         self.decoder_layers = model.model.layers
         self.num_layers = len(self.decoder_layers)
+        self.layout = StateLayout.of(self.config)
+        self.num_states = len(self.layout.parts)  # what a transfer counts as layers (see state_layout)
+        if self.layout.num_layers != self.num_layers:
+            raise ValueError(f"{spec.name}: {self.num_layers} decoder layers but {self.layout.num_layers} cache layers")
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
 
     @classmethod
@@ -105,14 +112,14 @@ class ModelRuntime:
 
         def hook(module: torch.nn.Module, args: object, output: object, index: int) -> None:
             begin, end = running
-            state = extract_layer(cache, index, end, clone_fixed=False)
-            if end == total:
-                layers.append(state)
-            if on_tokens is not None and state.kind.grows:
-                first = 0 if begin == prefix_len else begin
-                on_tokens(state.slice_tokens(first, end), first, total)
-            elif end == total and on_layer is not None:
-                on_layer(state)
+            for state in self.layout.extract(cache, index, end, clone_fixed=False):
+                if end == total:
+                    layers.append(state)
+                if on_tokens is not None and state.kind.grows:
+                    first = 0 if begin == prefix_len else begin
+                    on_tokens(state.slice_tokens(first, end), first, total)
+                elif end == total and on_layer is not None:
+                    on_layer(state)
 
         handles = [
             layer.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i))
@@ -127,16 +134,14 @@ class ModelRuntime:
         finally:
             for h in handles:
                 h.remove()
-        if [s.layer for s in layers] != list(range(self.num_layers)):
-            raise RuntimeError(f"layer hooks fired as {[s.layer for s in layers]}, expected each layer once in order")
+        if [s.layer for s in layers] != list(range(self.num_states)):
+            raise RuntimeError(f"layer hooks gave states {[s.layer for s in layers]}, expected each part once in order")
         logits = out.logits[0, -1].float().cpu()
         token = sample(logits, sampling, total)
         return PrefillResult(ModelState(layers, total), token, logits, len(token_ids), time.perf_counter() - start)
 
     def new_cache(self) -> object:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
+        return new_cache(self.config)
 
     @torch.no_grad()
     def forward_one(self, cache: object, token: int) -> torch.Tensor:

@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict
+from minifaas.model.state_layout import StateLayout, needs_snapshot
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from minifaas.policy.router import (
     ClusterView,
@@ -57,7 +58,6 @@ from minifaas.serve.lifecycle import Phase, advance
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.prefill_dispatch import PrefillDispatch
 from minifaas.serve.prefix_directory import PrefixDirectory
-from minifaas.serve.prefix_store import needs_snapshot, state_layout
 from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.serve.roles import RoleChanger, plan_workers
 from minifaas.serve.token_stream import decode_tokens
@@ -84,7 +84,7 @@ class Gateway:
         self.secret = secrets.token_bytes(32)
         self.workers = plan_workers(config, self.secret)
         self.known_names = set(self.workers)  # a name is never reused, even after its worker is retired
-        hybrid = needs_snapshot(state_layout(load_config(spec)))
+        hybrid = needs_snapshot(StateLayout.of(load_config(spec)).kinds)
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, self.workers)
         self.link: EmulatorProcess | None = None  # PrfaaS -> PD: every PrfaaS state crosses it
         self.link_ports: dict[str, int] = {}  # decode worker -> the link's port that leads to its KV port

@@ -123,7 +123,7 @@ class PrefillService:
             try:
                 if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
                     await _until_stopped(stop, self.store.advance, self.runtime, plan)
-                async with sender.stream(msg["transfer"], layers=self.runtime.num_layers) as tx:
+                async with sender.stream(msg["transfer"], layers=self.runtime.num_states) as tx:
                     link_start = msg.get("link_start", 0)
                     forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
                     try:

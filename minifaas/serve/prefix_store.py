@@ -29,8 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedConfig
-from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.entry import Lease
@@ -41,24 +39,6 @@ from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens, PrefillResul
 from minifaas.model.sampling import GREEDY, SamplingParams
 
 Payload = tuple[LayerState, ...]
-
-
-def state_layout(config: PreTrainedConfig) -> tuple[StateKind, ...]:
-    """The kind of state each layer of the model keeps, in layer order."""
-    kinds = []
-    for layer in DynamicCache(config=config).layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            kinds.append(StateKind.LINEAR_ATTENTION)
-        elif isinstance(layer, DynamicSlidingWindowLayer):
-            kinds.append(StateKind.SLIDING_WINDOW)
-        else:
-            kinds.append(StateKind.FULL_ATTENTION)
-    return tuple(kinds)
-
-
-def needs_snapshot(layout: Sequence[StateKind]) -> bool:
-    """A model with any fixed-size state can reuse a prefix only where a snapshot was taken."""
-    return any(kind is not StateKind.FULL_ATTENTION for kind in layout)
 
 
 @dataclass(slots=True)

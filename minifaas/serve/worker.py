@@ -26,11 +26,12 @@ from minifaas.cache.pool import PoolConfig
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.serve import control
 from minifaas.serve.decode_prefix import DecodePrefixCache, JoiningReceiver
 from minifaas.serve.decode_service import DecodeService
 from minifaas.serve.prefill_service import PrefillService
-from minifaas.serve.prefix_store import PrefixStore, needs_snapshot, state_layout
+from minifaas.serve.prefix_store import PrefixStore
 from minifaas.transport import KVReceiver, ReceiverConfig, TransferError
 
 log = logging.getLogger("minifaas.worker")
@@ -120,18 +121,17 @@ def _pool_config(args: argparse.Namespace, runtime: ModelRuntime) -> PoolConfig:
         int(args.cache_mib * (1 << 20)),
         args.cache_block_size,
         args.snapshot_interval,
-        needs_snapshot(state_layout(runtime.config)),
+        needs_snapshot(runtime.layout.kinds),
         enabled=args.prefix_cache != "none",
     )
 
 
 def _prefix_store(args: argparse.Namespace, runtime: ModelRuntime) -> PrefixStore:
-    return PrefixStore(_pool_config(args, runtime), runtime.spec.name, state_layout(runtime.config), args.name)
+    return PrefixStore(_pool_config(args, runtime), runtime.spec.name, runtime.layout.kinds, args.name)
 
 
 def _decode_prefixes(args: argparse.Namespace, runtime: ModelRuntime) -> DecodePrefixCache:
-    layout = state_layout(runtime.config)
-    return DecodePrefixCache(_pool_config(args, runtime), runtime.spec.name, layout, args.name)
+    return DecodePrefixCache(_pool_config(args, runtime), runtime.spec.name, runtime.layout.kinds, args.name)
 
 
 async def _handle(

@@ -2,7 +2,9 @@
 
 Every frame is one 148-byte header followed by ``length`` payload bytes. All
 integers are little-endian. The format knows tensors, not models: a chunk frame
-carries one byte range of one tensor slot of one layer's state.
+carries one byte range of one tensor slot of one layer's state. "Layer" is the
+state's index in the model's list of states (``state_layout``): a decoder layer
+with attention and a Mamba mixer side by side sends two, each of one kind.
 
     offset size field
        0    4  magic        b"MFKV"
