@@ -1,0 +1,203 @@
+"""The cache layers of a decode batch: each holds one model layer's state for every row (request).
+
+One decode step feeds one token per row; row r of every buffer belongs to the
+same request. A row layer takes a request's parts of its layer (see
+``state_layout``) with ``put``, moves a row with ``move``, and before each step
+``prepare`` points the model at rows 0..n-1:
+
+- full attention, ``PaddedKVLayer``: ``[rows, heads, capacity, dim]``, right
+  padded. Row r holds its tokens in slots ``0..len_r-1`` and writes the new one
+  at slot ``len_r`` (its absolute position). The forward sees the view
+  ``[:n, :, :width]`` with ``width`` = longest row + 1, and a mask that hides
+  each row's padding. Capacity grows geometrically (x2), so a step copies only
+  the n new tokens; a whole row is copied when it joins or moves.
+- sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: the
+  token at position p lives in slot ``p % window``. Attention is order-free
+  once keys carry their rotary phase, so the ring needs no shifting.
+- linear state, ``RowLinearLayer``: conv and recurrent states stacked by row,
+  handed to the model as ``[:n]`` views it updates in place.
+- attention and linear state in one layer (Falcon-H1, Zamba), ``RowHybridLayer``:
+  both of the above in one object, because the model reaches both through the
+  same ``cache.layers[i]``.
+- no state (Nemotron-H's MLP and MoE layers), ``StatelessRowLayer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer
+
+from minifaas.model.layer_state import LayerState, StateKind
+
+
+def grown(buffer: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
+    """``buffer`` if dimension ``dim`` holds ``needed``; else a copy at least twice as large (zeros after)."""
+    if buffer.shape[dim] >= needed:
+        return buffer
+    shape = list(buffer.shape)
+    shape[dim] = max(needed, 2 * buffer.shape[dim])
+    out = buffer.new_zeros(shape)
+    out.narrow(dim, 0, buffer.shape[dim]).copy_(buffer)
+    return out
+
+
+class PaddedKVLayer(CacheLayerMixin):
+    """Full-attention KV of every row, right padded to a shared capacity."""
+
+    parts = (StateKind.FULL_ATTENTION,)
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.buffers: dict[str, torch.Tensor] = {}  # "keys"/"values": [rows, heads, capacity, dim]
+        self.rows, self.width = 0, 0
+        self.write_at = torch.zeros(0, dtype=torch.long)
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        state = states[0]
+        for name, t in state.slots:
+            if name not in self.buffers:
+                self.buffers[name] = torch.zeros((row + 1, *t.shape[1:]), dtype=t.dtype, device=self.device)
+            buf = self.buffers[name]
+            buf = grown(buf, 0, row + 1)
+            buf = grown(buf, 2, state.seq_len)
+            buf[row, :, : state.seq_len].copy_(t[0])
+            self.buffers[name] = buf
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        for buf in self.buffers.values():
+            buf[dst, :, :tokens].copy_(buf[src, :, :tokens])
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        self.rows, self.write_at, self.width = rows, write_at, width
+        for name, buf in self.buffers.items():
+            self.buffers[name] = grown(buf, 2, width)
+        self.keys, self.values = self.buffers.get("keys"), self.buffers.get("values")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [rows, heads, 1, dim], one new token per row, written at each row's own position
+        index = torch.arange(self.rows, device=self.device)
+        for name, new in (("keys", key_states), ("values", value_states)):
+            self.buffers[name][index, :, self.write_at] = new[:, :, 0]
+        n, w = self.rows, self.width
+        return self.buffers["keys"][:n, :, :w], self.buffers["values"][:n, :, :w]
+
+    def lazy_initialization(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("rows are added with put(), not by a forward")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.width - 1
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RingKVLayer(PaddedKVLayer):
+    """Sliding-window KV of every row in a ring of ``window`` slots."""
+
+    parts = (StateKind.SLIDING_WINDOW,)
+
+    def __init__(self, window: int, device: torch.device | str) -> None:
+        super().__init__(device)
+        self.window = window
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        # the last `held` tokens, ending at position seq_len - 1; the next step needs window - 1 of them
+        state = states[0]
+        held = min(state.tensor("keys").shape[-2], self.window - 1)
+        slots = torch.arange(state.seq_len - held, state.seq_len, device=self.device) % self.window
+        for name, t in state.slots:
+            if name not in self.buffers:
+                shape = (row + 1, t.shape[1], self.window, t.shape[3])
+                self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
+            buf = grown(self.buffers[name], 0, row + 1)
+            buf[row, :, slots] = t[0, :, t.shape[-2] - held :].to(self.device)
+            self.buffers[name] = buf
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        super().move(src, dst, self.window)
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        super().prepare(rows, write_at % self.window, self.window)
+
+
+class RowLinearLayer(LinearAttentionLayer):
+    """Conv and recurrent states of every row, stacked; the model updates the [:n] views in place."""
+
+    parts = (StateKind.LINEAR_ATTENTION,)
+
+    def __init__(self, number_of_states: int, device: torch.device | str) -> None:
+        super().__init__(number_of_states=number_of_states)
+        self.device = torch.device(device)
+        self.linear_buffers: dict[str, torch.Tensor] = {}  # "conv.<i>" / "recurrent.<i>": [rows, ...]
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        for name, t in states[-1].slots:
+            if name not in self.linear_buffers:
+                self.linear_buffers[name] = torch.zeros((row + 1, *t.shape[1:]), dtype=t.dtype, device=self.device)
+            buf = grown(self.linear_buffers[name], 0, row + 1)
+            buf[row].copy_(t[0])
+            self.linear_buffers[name] = buf
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        for buf in self.linear_buffers.values():
+            buf[dst].copy_(buf[src])
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        for name, buf in self.linear_buffers.items():
+            which, idx = name.split(".")
+            i = int(idx)
+            if which == "conv":
+                self.conv_states[i] = buf[:rows]
+                self.conv_kernel_size[i] = buf.shape[-1]
+                self.is_conv_states_initialized[i] = True
+            else:
+                self.recurrent_states[i] = buf[:rows]
+                self.is_recurrent_states_initialized[i] = True
+            self.has_previous_state[i] = True
+            self.dtype = buf.dtype
+
+
+class RowHybridLayer(PaddedKVLayer, RowLinearLayer):
+    """A layer's attention KV (padded rows) and its linear state (stacked rows), its two parts in that order."""
+
+    parts = (StateKind.FULL_ATTENTION, StateKind.LINEAR_ATTENTION)
+
+    def __init__(self, number_of_states: int, device: torch.device | str) -> None:
+        PaddedKVLayer.__init__(self, device)
+        RowLinearLayer.__init__(self, number_of_states, device)
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        PaddedKVLayer.put(self, row, states)
+        RowLinearLayer.put(self, row, states)
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        PaddedKVLayer.move(self, src, dst, tokens)
+        RowLinearLayer.move(self, src, dst, tokens)
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        PaddedKVLayer.prepare(self, rows, write_at, width)
+        RowLinearLayer.prepare(self, rows, write_at, width)
+
+
+class StatelessRowLayer(DummyLayer):
+    parts: tuple[StateKind, ...] = ()
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        pass
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        pass
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        pass
+
+
+RowLayer = PaddedKVLayer | RowLinearLayer | StatelessRowLayer
