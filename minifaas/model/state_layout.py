@@ -54,12 +54,13 @@ class StateLayout:
 
     @classmethod
     def of(cls, config: PreTrainedConfig) -> StateLayout:
-        """The layout of the cache transformers builds for ``config``."""
-        from transformers import DynamicCache
+        """The layout of the cache the model of ``config`` runs on."""
+        return cls.of_cache(new_cache(config))
 
-        cache_layers = DynamicCache(config=config).layers
-        parts = tuple(StatePart(i, kind) for i, layer in enumerate(cache_layers) for kind in part_kinds(layer))
-        return cls(parts, len(cache_layers))
+    @classmethod
+    def of_cache(cls, cache: Cache) -> StateLayout:
+        parts = tuple(StatePart(i, kind) for i, layer in enumerate(cache.layers) for kind in part_kinds(layer))
+        return cls(parts, len(cache.layers))
 
     @property
     def kinds(self) -> tuple[StateKind, ...]:
@@ -154,7 +155,7 @@ def build_cache(config: PreTrainedConfig, states: Sequence[LayerState], device: 
     cache never mutates a state that someone else holds, e.g. a pooled prefix.
     """
     cache = new_cache(config)
-    layout = StateLayout.of(config)
+    layout = StateLayout.of_cache(cache)
     if len(states) != len(layout.parts):
         raise ValueError(f"the model's layers hold {len(layout.parts)} states, got {len(states)}")
     for i, (part, state) in enumerate(zip(layout.parts, states)):
