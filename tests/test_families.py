@@ -95,6 +95,15 @@ class Child:
         return await asyncio.to_thread(exchange)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny forwards on shared cores run faster on one thread (the child process uses one too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def child() -> Iterator[Child]:
     c = Child()
@@ -157,7 +166,6 @@ def batched_equals_alone(rt: ModelRuntime, received: dict[str, tuple[dict, Model
 
 @pytest.mark.parametrize("family", FAMILIES_HERE)
 def test_family_round_trip_prefix_and_batch(family: str, child: Child) -> None:
-    torch.set_num_threads(1)
     rt = family_runtime(family)
     row = TABLE[family]
     assert "".join(LETTERS[k] for k in rt.layout.kinds) == row["parts"], f"{family}: state parts in the table"
