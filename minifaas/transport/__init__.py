@@ -11,8 +11,8 @@ from typing import Any
 
 _HOMES = {
     "errors": (
-        "AuthError", "ConnectionLostError", "CorruptFrameError", "ProtocolError", "RejectedError", "StallError",
-        "TransferAbortedError", "TransferError", "TruncatedError",
+        "AuthError", "ConnectionLostError", "CorruptFrameError", "DroppedError", "ProtocolError", "RejectedError",
+        "StallError", "TransferAbortedError", "TransferError", "TruncatedError",
     ),
     "incoming": ("IncomingTransfer",),
     "link_health": ("LinkHealth", "LinkMonitor", "TcpInfo"),

@@ -44,6 +44,10 @@ class TransferAbortedError(TransferError):
     """The sender gave up on the transfer and told the receiver so."""
 
 
+class DroppedError(TransferError):
+    """The receiver dropped the transfer: no consumer claimed it in time, or its table needed the room."""
+
+
 def first_transfer_error(group: BaseExceptionGroup) -> BaseException:
     """The TransferError inside a TaskGroup's exception group (else its first exception)."""
     for e in group.exceptions:

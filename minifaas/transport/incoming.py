@@ -65,6 +65,11 @@ class IncomingTransfer:
         self._queue.put_nowait(error)
         return True
 
+    def discard(self) -> list[LayerState]:
+        """Take back the delivered layers no consumer took (the transfer was dropped unclaimed)."""
+        items = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+        return [item for item in items if isinstance(item, LayerState)]
+
     def __aiter__(self) -> AsyncIterator[LayerState]:
         return self._layers()
 

@@ -14,6 +14,9 @@ drops that connection and fails every unfinished transfer it carried, with the
 specific error. A transfer with no progress for
 ``stall_timeout`` after its first frame fails with ``StallError``. A failed
 transfer's partial state is freed at once; later frames for it are skipped.
+A transfer no consumer claims is dropped ``unclaimed_grace`` seconds after it
+ends, or sooner when the table of ``max_open_transfers`` needs its place
+(``transfer_table``); a warning names the cause and its memory is reused.
 """
 
 from __future__ import annotations
@@ -66,13 +69,14 @@ class ReceiverConfig:
     stall_timeout: float = 10.0
     max_transfer_bytes: int = 64 << 30
     max_open_transfers: int = 256
+    unclaimed_grace: float = 10.0  # an ended transfer no consumer claimed is dropped after this long
     recycle_bytes: int = 4 << 30  # received memory kept for reuse once released (0: none)
     accept_unchecked: bool = False  # take chunks whose sender skipped the payload checksum (TLS, trusted links)
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         check_secret(self.secret)
-        if min(self.handshake_timeout, self.stall_timeout) <= 0:
+        if min(self.handshake_timeout, self.stall_timeout, self.unclaimed_grace) <= 0:
             raise ValueError("timeouts must be positive")
         if self.max_transfer_bytes <= 0 or self.max_open_transfers <= 0 or self.recycle_bytes < 0:
             raise ValueError("transfer limits must be positive")
@@ -84,6 +88,7 @@ class ReceiverStats:
     auth_failures: int = 0
     completed: int = 0
     failed: int = 0
+    dropped: int = 0  # unclaimed transfers dropped (after the grace, or to make room)
     bytes_received: int = 0
 
 
@@ -93,7 +98,13 @@ class KVReceiver:
         self.stats = ReceiverStats()
         self.buffers = BufferPool(config.recycle_bytes)
         self._ssl = ssl
-        self._table = TransferTable(config.max_open_transfers, config.max_transfer_bytes, self.buffers.take)
+        self._table = TransferTable(
+            config.max_open_transfers,
+            config.max_transfer_bytes,
+            self.buffers.take,
+            config.unclaimed_grace,
+            self._dropped,
+        )
         self._listener: socket.socket | None = None
         self._group = asyncio.TaskGroup()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -141,7 +152,20 @@ class KVReceiver:
     def _finish(self, t: IncomingTransfer) -> None:
         self.stats.completed += t.complete
         self.stats.failed += t.error is not None
-        self._table.ended(t)
+        self._table.ended(t, asyncio.get_running_loop().time())
+
+    def _dropped(self, t: IncomingTransfer, cause: str) -> None:
+        self.stats.dropped += 1
+        log.warning("%s", cause)
+        for layer in t.discard():
+            self.release(layer)
+        if not t.complete and t.reply_to is not None and not t.reply_to.closed:  # its sender waits for DONE
+            abort = control(FrameType.ABORT, t.id, f"DroppedError: {cause}".encode())
+            self._spawn(self._reply_quietly(t.reply_to, abort))
+
+    async def _reply_quietly(self, channel: Channel, frame: bytes) -> None:
+        with contextlib.suppress(TransferError):  # else the sender learns from the broken connection or its deadline
+            await channel.send([frame], self.config.stall_timeout)
 
     async def _fail(self, t: IncomingTransfer, error: TransferError) -> None:
         if not t.fail(error):
@@ -149,9 +173,7 @@ class KVReceiver:
         log.warning("transfer %d failed: %s: %s", t.id, type(error).__name__, error)
         self._finish(t)
         if t.reply_to is not None and not t.reply_to.closed:
-            with contextlib.suppress(TransferError):  # else the sender learns from the broken connection
-                abort = control(FrameType.ABORT, t.id, reason(error).encode())
-                await t.reply_to.send([abort], self.config.stall_timeout)
+            await self._reply_quietly(t.reply_to, control(FrameType.ABORT, t.id, reason(error).encode()))
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -226,6 +248,8 @@ class KVReceiver:
         payload = await channel.recv_exactly(h.length, self.config.stall_timeout)
         if checksum(payload) != h.crc:
             raise CorruptFrameError(f"{h.type.name} payload checksum mismatch")
+        if t.assembly is None:
+            return  # the transfer failed or was dropped while its payload arrived
         t.last_progress = asyncio.get_running_loop().time()
         if h.type is FrameType.START:
             t.assembly.start(*unpack_counts(payload))
@@ -261,5 +285,6 @@ class KVReceiver:
         limit = self.config.stall_timeout
         while True:
             await asyncio.sleep(min(limit / 4, 1.0))
+            self._table.sweep(loop.time())
             for t in self._table.stalled(loop.time(), limit):
                 await self._fail(t, StallError(f"transfer {t.id}: no progress for {limit} s"))
