@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Coroutine
 from typing import Any
 
@@ -103,3 +104,47 @@ def test_an_ended_transfer_nobody_claims_is_dropped_after_the_grace(caplog: pyte
     with caplog.at_level(logging.WARNING, logger="minifaas.transport.receiver"):
         run(main())
     assert "transfer 7 was dropped: ended" in caplog.text and "no consumer claimed it" in caplog.text
+
+
+def test_pooled_connections_to_a_receiver_that_restarted_on_the_same_port_are_not_reused() -> None:
+    state = synthetic_state(layers=8, tokens=64, width=8)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as first:
+            port = first.port
+            tx = KVSender(SenderConfig("127.0.0.1", port, SECRET, connections=4, chunk_bytes=1024))
+            incoming = first.transfer(1)
+            await tx.send(1, state)
+            assert same_state(await incoming.model_state(), state) and tx.pool.dialled == 4
+        async with KVReceiver(ReceiverConfig(SECRET, port=port)) as restarted:  # its idle connections died
+            incoming = restarted.transfer(2)
+            await tx.send(2, state)
+            assert same_state(await incoming.model_state(), state)
+            assert tx.pool.stale == 4 and tx.pool.dialled == 8
+            incoming = restarted.transfer(3)  # and the new ones are reused as before
+            await tx.send(3, state)
+            assert same_state(await incoming.model_state(), state) and tx.pool.dialled == 8
+        tx.pool.close()
+
+    run(main())
+
+
+def test_a_first_send_that_fails_on_a_reused_connection_is_redone_once_on_a_new_one() -> None:
+    state = synthetic_state(layers=8, tokens=64, width=8)
+
+    async def main() -> None:
+        async with (
+            KVReceiver(ReceiverConfig(SECRET)) as rx,
+            KVSender(SenderConfig("127.0.0.1", rx.port, SECRET, connections=2, chunk_bytes=1024)) as tx,
+        ):
+            incoming = rx.transfer(1)
+            await tx.send(1, state)
+            assert same_state(await incoming.model_state(), state)
+            for channel in tx.pool.live.values():  # each looks quiet to the check, but its way out is gone
+                channel.sock.shutdown(socket.SHUT_WR)
+            incoming = rx.transfer(2)
+            await tx.send(2, state)  # no await since the shutdown: the receiver has not answered the FIN yet
+            assert same_state(await incoming.model_state(), state)
+            assert tx.pool.stale == 2 and tx.pool.dialled == 4
+
+    run(main())

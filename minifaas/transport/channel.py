@@ -124,6 +124,26 @@ class Channel:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(nbytes, 1))
             self._wake_bytes = nbytes
 
+    def usable(self) -> bool:
+        """For an idle connection: the peer has sent no EOF, reset or stray bytes since its last use.
+
+        A receiver that restarted closed every connection it had; without this check the next
+        transfer would go into one of them and fail with a broken pipe."""
+        if self.closed:
+            return False
+        if self._streams is not None:  # asyncio owns a TLS socket and reads it: its stream knows
+            reader, writer = self._streams
+            return not (reader.at_eof() or writer.is_closing())
+        try:
+            if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                return False
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return True  # nothing to read: quiet, as an idle connection should be
+        except OSError:
+            return False
+        return False  # EOF, or bytes no idle connection should carry
+
     def close(self, reset: bool = False) -> None:
         """Close; ``reset`` sends an RST so the peer learns at once that the stream is broken."""
         if self.closed:

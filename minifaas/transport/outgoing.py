@@ -149,11 +149,11 @@ class OutgoingTransfer:
         clean = False
         try:
             start = control(FrameType.START, self.id, pack_counts(self.layers, self.total_bytes))
-            await channels[0].send([start], s.stall_timeout)
+            channels[0] = await self._pool.send_first(channels[0], [start], s.stall_timeout)
             try:
                 async with asyncio.TaskGroup() as tg:
-                    for channel in channels:
-                        tg.create_task(self._pump(channel))
+                    for i in range(len(channels)):
+                        tg.create_task(self._pump(channels, i))
             except BaseExceptionGroup as eg:
                 raise first_transfer_error(eg) from None
             end = control(FrameType.END, self.id, pack_counts(self.layers, self.sent_bytes))
@@ -169,10 +169,16 @@ class OutgoingTransfer:
         assert self._loop is not None
         return TransferReport(self.id, self.layers, self.sent_bytes, len(channels), self._loop.time() - self._started)
 
-    async def _pump(self, channel: Channel) -> None:
+    async def _pump(self, channels: list[Channel], i: int) -> None:
+        """Send chunks on ``channels[i]``; its first send may replace it (``ConnectionPool.send_first``)."""
+        first = i > 0  # the first connection's first send was START
         while (upcoming := await self._next_frame()) is not None:
             chunk, header, payload = upcoming
-            await channel.send([header, payload], self._settings.stall_timeout)
+            if first:
+                channels[i] = await self._pool.send_first(channels[i], [header, payload], self._settings.stall_timeout)
+                first = False
+            else:
+                await channels[i].send([header, payload], self._settings.stall_timeout)
             self.queued_bytes -= chunk.length
             self.sent_bytes += chunk.length
 

@@ -2,19 +2,28 @@
 
 A transfer borrows connections for its whole life and gives them back only if
 it ended cleanly (a connection that broke mid-frame is closed, never reused).
-Every live connection, idle or busy, is listed so link health can sample its
-TCP_INFO.
+An idle connection is checked before it is lent again (``Channel.usable``): one
+whose receiver went away meanwhile (it restarted, so it closed them all) is
+dropped and a new one dialled. A transfer's first send on a reused connection
+that fails anyway (the peer left just after the check) is redone, once, on a
+fresh connection (``send_first``). Every live connection, idle or busy, is
+listed so link health can sample its TCP_INFO.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl as ssl_module
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
 
 from minifaas.transport.auth import prove_as_sender
-from minifaas.transport.channel import Channel, open_channel
+from minifaas.transport.channel import Buffer, Channel, open_channel
+from minifaas.transport.errors import ConnectionLostError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +43,20 @@ class ConnectionPool:
         self._idle: list[Channel] = []
         self.live: dict[int, Channel] = {}  # connection id -> channel
         self._ids = count()
+        self._reused: set[Channel] = set()  # lent from the idle list, their first send not made yet
         self.dialled = 0
+        self.stale = 0  # idle connections found dead and dropped, or replaced after a failed first send
 
     async def acquire(self, n: int) -> list[Channel]:
-        """``n`` connections: idle ones first, the rest dialled in parallel."""
-        while self._idle and self._idle[-1].closed:
-            self._idle.pop()
-        taken = [self._idle.pop() for _ in range(min(n, len(self._idle)))]
+        """``n`` connections: idle ones that are still usable first, the rest dialled in parallel."""
+        taken: list[Channel] = []
+        while self._idle and len(taken) < n:
+            channel = self._idle.pop()
+            if channel.usable():
+                taken.append(channel)
+                self._reused.add(channel)
+            else:
+                self._replaced(channel, "the receiver closed it while it was idle")
         dials: list[asyncio.Task[Channel]] = []
         try:
             async with asyncio.TaskGroup() as tg:
@@ -51,6 +67,28 @@ class ConnectionPool:
                 self.release(channel)
             raise eg.exceptions[0] from None
         return taken + [task.result() for task in dials]
+
+    async def send_first(self, channel: Channel, parts: Sequence[Buffer], timeout: float | None) -> Channel:
+        """A transfer's first send on ``channel``; the connection that carried it (a new one if a reused
+        connection failed: nothing of the transfer reached a receiver through it)."""
+        reused = channel in self._reused
+        self._reused.discard(channel)
+        try:
+            await channel.send(parts, timeout)
+            return channel
+        except ConnectionLostError as e:
+            if not reused:
+                raise
+            self._replaced(channel, str(e))
+        fresh = await self._dial()
+        await fresh.send(parts, timeout)
+        return fresh
+
+    def _replaced(self, channel: Channel, why: str) -> None:
+        self.stale += 1
+        e = self.endpoint
+        log.info("pooled connection to %s:%d dropped (%s); dialling a new one", e.host, e.port, why)
+        self.discard(channel, reset=True)
 
     async def _dial(self) -> Channel:
         e = self.endpoint
@@ -65,12 +103,14 @@ class ConnectionPool:
         return channel
 
     def release(self, channel: Channel) -> None:
+        self._reused.discard(channel)
         if channel.closed or len(self._idle) >= self.max_idle:
             self.discard(channel)
         else:
             self._idle.append(channel)
 
     def discard(self, channel: Channel, reset: bool = False) -> None:
+        self._reused.discard(channel)
         channel.close(reset=reset)
         for key, ch in list(self.live.items()):
             if ch is channel:
