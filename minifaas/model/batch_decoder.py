@@ -40,7 +40,7 @@ from minifaas.model.decoder import Decoder, DecoderConfig, QueueFull, StepToken
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, finish_reason
-from minifaas.model.sampling import SamplingParams, sample_batch
+from minifaas.model.sampling import History, SamplingParams, sample_batch
 
 log = logging.getLogger("minifaas.decode")
 
@@ -50,6 +50,7 @@ class Row:
     request: str
     sampling: SamplingParams
     position: int  # absolute position of the newest token, the one the next step feeds
+    history: History  # what the sampler needs of the tokens so far
     tokens: list[int] = field(default_factory=list)
     state: ModelState | None = None  # held while waiting, dropped once copied into the batch
 
@@ -72,7 +73,8 @@ class BatchDecoder:
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests already wait for a decode row")
         self.cache.check(state.layers)  # a bad state fails its own request here, not a later step of the batch
-        self.waiting.append(Row(request, sampling, state.seq_len, [next_token], state))
+        history = History(sampling, (next_token,))
+        self.waiting.append(Row(request, sampling, state.seq_len, history, [next_token], state))
 
     def abort(self, request: str) -> bool:
         for row in self.waiting:
@@ -95,10 +97,14 @@ class BatchDecoder:
         for row in self.running:
             row.position += 1
             positions.append(row.position)
-        tokens = sample_batch(logits, [r.sampling for r in self.running], positions)
+        histories = [r.history for r in self.running]
+        tokens = sample_batch(
+            logits, [r.sampling for r in self.running], positions, histories, self.runtime.eos_token_id
+        )
         out, finished = [], []
         for index, (row, token) in enumerate(zip(self.running, tokens)):
             row.tokens.append(token)
+            row.history.add(token)
             finish = finish_reason(self.runtime, row.sampling, token, len(row.tokens), row.position)
             out.append(StepToken(row.request, token, finish))
             if finish is not None:

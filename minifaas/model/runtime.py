@@ -31,7 +31,7 @@ import torch
 
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model
-from minifaas.model.sampling import GREEDY, SamplingParams, sample
+from minifaas.model.sampling import GREEDY, History, SamplingParams, sample
 from minifaas.model.state_layout import StateLayout, build_cache, new_cache
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -137,7 +137,7 @@ class ModelRuntime:
         if [s.layer for s in layers] != list(range(self.num_states)):
             raise RuntimeError(f"layer hooks gave states {[s.layer for s in layers]}, expected each part once in order")
         logits = out.logits[0, -1].float().cpu()
-        token = sample(logits, sampling, total)
+        token = sample(logits, sampling, total, eos_token_id=self.eos_token_id)  # the first token: no history
         return PrefillResult(ModelState(layers, total), token, logits, len(token_ids), time.perf_counter() - start)
 
     def new_cache(self) -> object:
@@ -167,6 +167,7 @@ class DecodeStream:
         self.cache = build_cache(runtime.config, state.layers, runtime.device)
         self.position = state.seq_len  # absolute position of the newest token
         self.tokens = [next_token]
+        self.history = History(sampling, (next_token,))
         self.finish_reason: str | None = None
         self._check_stop(next_token)
 
@@ -180,8 +181,9 @@ class DecodeStream:
             raise RuntimeError(f"stream already finished ({self.finish_reason})")
         logits = self.runtime.forward_one(self.cache, self.tokens[-1])
         self.position += 1
-        token = sample(logits, self.sampling, self.position)
+        token = sample(logits, self.sampling, self.position, self.history, self.runtime.eos_token_id)
         self.tokens.append(token)
+        self.history.add(token)
         self._check_stop(token)
         return token
 
