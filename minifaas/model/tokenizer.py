@@ -62,20 +62,3 @@ class HFTokenizer:
 
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return list(self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
-
-
-class IncrementalDecoder:
-    """Turns a stream of token ids into text pieces without splitting a multi-byte character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._emitted = 0
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):  # an unfinished character: wait for its next byte
-            return ""
-        piece, self._emitted = text[self._emitted :], len(text)
-        return piece

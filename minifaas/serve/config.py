@@ -1,6 +1,7 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
 [serve]            host, port, model, threshold, api_key, deadlines
+[http]             the HTTP server's bounds: connections, header and body timeouts, body size
 [prfaas]           the remote prefill cluster: prefill_workers, device, prefill_chunk
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, max_batch,
                    prefill_chunk
@@ -107,6 +108,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """What one client may hold of the HTTP server: nothing forever, and never the last descriptor."""
+
+    max_connections: int = 1024  # open client connections; one more is answered 503 (the fd limit may lower it)
+    header_timeout: float = 15.0  # to send a request's line and headers, from connecting or the last response
+    body_timeout: float = 30.0  # to send the request body once its headers are in
+    max_body_bytes: int = 4 << 20
+    backlog: int = 512  # connections the kernel queues before they are accepted
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_body_bytes < 1 or self.backlog < 1:
+            raise ValueError("need max_connections, max_body_bytes and backlog >= 1")
+        if min(self.header_timeout, self.body_timeout) <= 0:
+            raise ValueError("header_timeout and body_timeout must be positive")
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -115,7 +133,9 @@ class ServeConfig:
     threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
     fixed_threshold: bool = False  # off switch of the scheduler: t and the routing rule never move
     api_key: str | None = None
-    request_timeout: float = 300.0  # no request waits longer than this for its answer
+    first_token_timeout: float = 300.0  # a request with no first token by then fails (504)
+    token_timeout: float = 60.0  # nor may the gateway be silent longer than this between two tokens
+    request_timeout: float | None = None  # a limit on the whole request, however it streams (None: none)
     prefill_timeout: float = 120.0  # a prefill (and its transfer) that takes longer falls back to PD-P
     max_queued_requests: int = 256
     prfaas: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1))
@@ -123,6 +143,7 @@ class ServeConfig:
     link: LinkConfig = field(default_factory=LinkConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
     def __post_init__(self) -> None:
         if self.threshold < 0 or not 0 <= self.port < 65536:
@@ -131,7 +152,8 @@ class ServeConfig:
             raise ValueError("the PD cluster needs at least one decode worker")
         if self.pd.prefill_workers + self.prfaas.prefill_workers < 1:
             raise ValueError("at least one prefill worker is needed")
-        if min(self.request_timeout, self.prefill_timeout) <= 0:
+        total = () if self.request_timeout is None else (self.request_timeout,)
+        if min(self.first_token_timeout, self.token_timeout, self.prefill_timeout, *total) <= 0:
             raise ValueError("timeouts must be positive")
 
     @classmethod
@@ -144,6 +166,7 @@ class ServeConfig:
             ("link", LinkConfig),
             ("cache", CacheConfig),
             ("scheduler", SchedulerConfig),
+            ("http", HttpConfig),
         ):
             if name in data:
                 top[name] = kind(**data[name])

@@ -54,11 +54,19 @@ from minifaas.scheduler.loop import LiveScheduler
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.config import ServeConfig
 from minifaas.serve.control import CACHE_EVENTS
+from minifaas.serve.deadline import RequestDeadline
 from minifaas.serve.lifecycle import Phase, advance
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.prefill_dispatch import PrefillDispatch
 from minifaas.serve.prefix_directory import PrefixDirectory
-from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
+from minifaas.serve.requests import (
+    DeadlineExceeded,
+    GenerateRequest,
+    Overloaded,
+    RequestFailed,
+    RequestRecord,
+    TokenEvent,
+)
 from minifaas.serve.roles import RoleChanger, plan_workers
 from minifaas.serve.token_stream import decode_tokens
 from minifaas.serve.worker_handle import LOST, WorkerHandle
@@ -289,21 +297,26 @@ class Gateway:
         self.inflight += 1
         start = time.perf_counter()
         rid, decode = request.request_id, None
+        c = self.config
+        deadline = RequestDeadline(
+            c.first_token_timeout, c.token_timeout, c.request_timeout, asyncio.get_running_loop().time()
+        )
         try:
-            async with asyncio.timeout(self.config.request_timeout):
+            async with deadline.first_token():
                 decision = self._route(request.prompt_ids)
                 decode = self.workers[decision.decode_node]  # type: ignore[index]
                 record.decode_worker = decode.name
                 inbox = decode.open(rid)
                 transfer, first = await self.dispatch.run(request, record, decision, decode)
-                record.ttft_s = time.perf_counter() - start
-                record.phase = advance(record.phase, Phase.DECODING)
-                async for event in decode_tokens(request, record, self.tokenizer, decode, inbox, transfer, first):
-                    yield event
-                record.phase = advance(record.phase, Phase.FINISHED)
-        except TimeoutError:
+            record.ttft_s = time.perf_counter() - start
+            record.phase = advance(record.phase, Phase.DECODING)
+            tokens = decode_tokens(request, record, self.tokenizer, decode, inbox, transfer, first, deadline)
+            async for event in tokens:
+                yield event
+            record.phase = advance(record.phase, Phase.FINISHED)
+        except DeadlineExceeded:
             record.phase = Phase.FAILED
-            raise RequestFailed(f"no answer within {self.config.request_timeout:.0f} s") from None
+            raise
         finally:
             self.inflight -= 1
             record.e2e_s = time.perf_counter() - start

@@ -60,6 +60,10 @@ class RequestFailed(Exception):
     """Every path to an answer failed (HTTP 500); the message says why."""
 
 
+class DeadlineExceeded(RequestFailed):
+    """The gateway was silent longer than a deadline allows, or the request outlived its total limit (HTTP 504)."""
+
+
 class GatewayAPI(Protocol):
     """What the HTTP layer needs from the gateway."""
 

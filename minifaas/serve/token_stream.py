@@ -1,8 +1,10 @@
 """The decode half of a request, as the client sees it: worker messages in, token events out.
 
 The first token comes from the prefill worker; the decode worker streams the
-rest. Text is detokenized incrementally (never splitting a UTF-8 character) and
-checked for stop strings here, since only the gateway sees the text.
+rest, each within the request's deadline between tokens. Text is detokenized
+incrementally (never splitting a UTF-8 character) and checked for stop strings
+here, since only the gateway sees the text; both cost the same per token however
+long the output grows (``model.detokenizer``, ``serve.stop_strings``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from minifaas.model.tokenizer import IncrementalDecoder, Tokenizer
+from minifaas.model.detokenizer import IncrementalDecoder
+from minifaas.model.sampling import SamplingParams
+from minifaas.model.tokenizer import Tokenizer
+from minifaas.serve.deadline import RequestDeadline
 from minifaas.serve.requests import GenerateRequest, RequestFailed, RequestRecord, TokenEvent
+from minifaas.serve.stop_strings import StopMatcher
 from minifaas.serve.worker_handle import WorkerHandle
 
 
@@ -23,27 +29,23 @@ async def decode_tokens(
     inbox: asyncio.Queue[dict],
     transfer: int,
     first: int,
+    deadline: RequestDeadline,
 ) -> AsyncIterator[TokenEvent]:
-    detok = IncrementalDecoder(tokenizer)
-    stops, text = request.sampling.stop, ""
+    text = OutputText(tokenizer, request.sampling)
     token, finish = first, finish_reason(first, 1, request, tokenizer)
     if finish is None:
         decode.send({"op": "start", "req": request.request_id, "next_token": first})
     while True:
         record.completion_tokens += 1
-        piece = detok.push(token)
-        if stops and piece:
-            cut = find_stop(text, piece, stops)
-            if cut is not None:
-                yield TokenEvent(token, piece[:cut], "stop")
-                return
-        text += piece
-        yield TokenEvent(token, piece, finish)
-        if finish is not None:
+        piece, stopped = text.push(token, record.completion_tokens)
+        if stopped or finish is not None:
+            yield TokenEvent(token, piece if stopped else piece + text.flush(), "stop" if stopped else finish)
             return
-        msg = await inbox.get()
-        while msg.get("transfer", transfer) != transfer or msg["op"] in ("received", "pinned"):
-            msg = await inbox.get()  # "received", or news of an abandoned transfer
+        yield TokenEvent(token, piece, None)
+        async with deadline.next_token():
+            msg = await inbox.get()
+            while msg.get("transfer", transfer) != transfer or msg["op"] in ("received", "pinned"):
+                msg = await inbox.get()  # "received", or news of an abandoned transfer
         if msg["op"] in ("lost", "failed"):
             raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
         if msg["op"] == "done":
@@ -52,16 +54,32 @@ async def decode_tokens(
             token, finish = msg["token"], msg["finish"]
 
 
+class OutputText:
+    """A request's output as text: each token's piece, with stop strings cut and what may start one held back."""
+
+    def __init__(self, tokenizer: Tokenizer, sampling: SamplingParams) -> None:
+        self._detok = IncrementalDecoder(tokenizer)
+        self._stops = StopMatcher(sampling.stop) if sampling.stop else None
+        self._min_tokens = sampling.min_tokens
+
+    def push(self, token: int, count: int) -> tuple[str, bool]:
+        """The text to send after the ``count``-th token, and whether a stop string ended the output."""
+        piece = self._detok.push(token)
+        if self._stops is None:
+            return piece, False
+        return self._stops.feed(piece, stop_allowed=count >= self._min_tokens)
+
+    def flush(self) -> str:
+        """The rest, when the output ends without a stop string."""
+        tail = self._detok.flush()
+        if self._stops is None:
+            return tail
+        shown, stopped = self._stops.feed(tail)
+        return shown if stopped else shown + self._stops.flush()
+
+
 def finish_reason(token: int, count: int, request: GenerateRequest, tokenizer: Tokenizer) -> str | None:
     p = request.sampling
     if (token == tokenizer.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
         return "stop"
     return "length" if count >= p.max_tokens else None
-
-
-def find_stop(text: str, piece: str, stops: tuple[str, ...]) -> int | None:
-    """Where in ``piece`` the output must end, if ``text + piece`` now contains a stop string."""
-    combined = text + piece
-    window_start = max(0, len(text) - max(len(x) for x in stops) + 1)
-    hits = [i for x in stops if (i := combined.find(x, window_start)) != -1]
-    return max(min(hits) - len(text), 0) if hits else None
