@@ -1,8 +1,11 @@
 """OpenAI request bodies in, validated token ids and SamplingParams out; errors as OpenAI error bodies.
 
 Sans-IO: nothing here reads a socket, so every rule can be tested without a server. Fields the
-OpenAI API defines but minifaas does not implement (logprobs, echo, tools, n > 1, ...) are
-refused with a 400 rather than silently ignored. Unknown extra fields are ignored, as OpenAI does.
+OpenAI API (or vLLM's) defines but minifaas does not implement (logprobs, echo, tools, logit_bias,
+response_format, min_p, n > 1, ...) are refused by name with a 400 unless they ask for nothing,
+rather than silently ignored; top_k, min_tokens and the presence and frequency penalties are
+honoured (``model.sampling``). Text that is not valid Unicode (a lone surrogate such as
+``"\ud800"``, which JSON can carry) is a 400 too. Unknown extra fields are ignored.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
+from minifaas.serve.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 
 
 class Endpoint(Enum):
@@ -48,7 +52,32 @@ class ParsedRequest:
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "best_of")
+# Fields not implemented here, each with the values that ask for nothing (and so are accepted).
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
 _ROLES = ("system", "developer", "user", "assistant")
 _DEFAULT_MAX_TOKENS = 16
 
@@ -69,8 +98,9 @@ def parse_request(
     model = _field(body, "model", str, model_name)
     if model != model_name:
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False) and not (name == "best_of" and body[name] == 1):
+    for name, nothing in _UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in nothing):
             raise APIError(400, f"'{name}' is not supported by this server.", param=name)
     if _field(body, "n", int, 1) != 1:
         raise APIError(400, "Only n=1 is supported: send one request per choice.", param="n")
@@ -113,6 +143,10 @@ def parse_request(
             max_tokens=max_tokens,
             temperature=float(_field(body, "temperature", (int, float), 1.0)),
             top_p=float(_field(body, "top_p", (int, float), 1.0)),
+            top_k=_top_k(body),
+            min_tokens=_field(body, "min_tokens", int, 0),
+            presence_penalty=float(_field(body, "presence_penalty", (int, float), 0.0)),
+            frequency_penalty=float(_field(body, "frequency_penalty", (int, float), 0.0)),
             seed=_field(body, "seed", int, None),
             stop=_stop(body),
             ignore_eos=_field(body, "ignore_eos", bool, False),
@@ -146,7 +180,7 @@ def _prompt_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(_unicode(prompt, "prompt"))
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         if any(not 0 <= t < tokenizer.vocab_size for t in ids):
@@ -179,11 +213,11 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
 def _content(content: Any, param: str) -> str:
     """A message's text: a string, or an array of {"type": "text", "text": ...} parts joined."""
     if isinstance(content, str):
-        return content
+        return _unicode(content, param)
     if isinstance(content, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):
-        return "".join(p["text"] for p in content)
+        return _unicode("".join(p["text"] for p in content), param)
     raise APIError(400, f"'{param}' must be a string or an array of text parts.", param=param)
 
 
@@ -194,4 +228,26 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise APIError(400, "'stop' must be a non-empty string or an array of them.", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"'stop' may hold at most {MAX_STOPS} strings, got {len(stops)}.", param="stop")
+    for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(400, f"A stop string may be at most {MAX_STOP_CHARS} characters long.", param="stop")
+        _unicode(s, "stop")
     return tuple(stops)
+
+
+def _top_k(body: dict[str, Any]) -> int:
+    top_k = _field(body, "top_k", int, 0)
+    return 0 if top_k == -1 else top_k  # vLLM's -1 and 0 both mean all tokens
+
+
+def _unicode(text: str, param: str) -> str:
+    """``text`` if it can be encoded; JSON can carry a lone surrogate ("\\ud800"), which no tokenizer can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = f"U+{ord(text[e.start]):04X}"
+        message = f"'{param}' is not valid Unicode: a lone surrogate ({code}) at character {e.start}."
+        raise APIError(400, message, param=param) from None
+    return text
