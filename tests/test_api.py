@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minifaas.model.tokenizer import ByteTokenizer
 from minifaas.serve.api import build_app
+from minifaas.serve.config import HttpConfig
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 
@@ -43,7 +44,8 @@ class FakeGateway:
         self.aborted_event = asyncio.Event()
         self.endless = False
         self.refuse: Exception | None = None  # raised before the first token
-        self.fail_after: int | None = None  # raise RequestFailed after this many tokens
+        self.fail_after: int | None = None  # raise ``failure`` after this many tokens
+        self.failure: Exception = RequestFailed("decode worker died")
         self.healthy = True
 
     def stream(self, request: GenerateRequest, record: RequestRecord) -> FakeStream:
@@ -78,7 +80,7 @@ class FakeStream:
             raise StopAsyncIteration
         await asyncio.sleep(0)
         if gw.fail_after is not None and self.sent == gw.fail_after:
-            raise RequestFailed("decode worker died")
+            raise gw.failure
         ch = REPLY[self.sent % len(REPLY)]
         self.sent += 1
         self.finished = not gw.endless and self.sent == n
@@ -107,9 +109,8 @@ async def serving(
 ) -> AsyncIterator[Served]:
     """The app on a real runner on 127.0.0.1 (handler_cancellation off by default, as in web.AppRunner)."""
     gateway, metrics = FakeGateway(), ServeMetrics()
-    runner = web.AppRunner(
-        build_app(gateway, metrics, api_key, max_body_bytes), handler_cancellation=handler_cancellation
-    )
+    app = build_app(gateway, metrics, api_key, HttpConfig(max_body_bytes=max_body_bytes))
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)

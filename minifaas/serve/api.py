@@ -2,11 +2,13 @@
 
 Handlers only move bytes: rules live in openai_schema, response shapes in openai_responses, and
 generation in the gateway. A streamed request waits for its first token before sending headers,
-so a request the gateway refuses (503) or cannot serve (500) still gets a real status; a failure
-after that arrives as an SSE ``data: {"error": ...}`` event, as vLLM sends it. A client that goes
-away makes the next write fail (or, with the runner's handler_cancellation on, cancels the
-handler); either way leaving ``_closing`` closes the gateway's iterator, which aborts the request
-on every worker.
+so a request the gateway refuses (503) or cannot serve (500, or 504 past a deadline) still gets a
+real status; a failure after that arrives as an SSE ``data: {"error": ...}`` event, as vLLM sends
+it. Every error is an OpenAI error body, an unexpected exception included (logged with its trace),
+and is counted in ``minifaas:request_errors_total`` by cause; every 503 carries Retry-After. A
+client that goes away makes the next write fail (or, with the runner's handler_cancellation on,
+cancels the handler); either way leaving ``_closing`` closes the gateway's iterator, which aborts
+the request on every worker. The socket side (connection cap, header timeout) is http_server's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -21,21 +24,35 @@ from typing import Any
 
 from aiohttp import web
 
+from minifaas.serve.config import HttpConfig
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.openai_responses import Reply
 from minifaas.serve.openai_schema import APIError, Endpoint, parse_json, parse_request
-from minifaas.serve.requests import GatewayAPI, GenerateRequest, Overloaded, RequestFailed, TokenEvent
+from minifaas.serve.requests import (
+    DeadlineExceeded,
+    GatewayAPI,
+    GenerateRequest,
+    Overloaded,
+    RequestFailed,
+    TokenEvent,
+)
 
+log = logging.getLogger("minifaas.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+RETRY_AFTER_S = "1"
+# the metric cause of an error whose body has no code
+_CAUSES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 def build_app(
-    gateway: GatewayAPI, metrics: ServeMetrics, api_key: str | None, max_body_bytes: int = 4 << 20
+    gateway: GatewayAPI, metrics: ServeMetrics, api_key: str | None, http: HttpConfig | None = None
 ) -> web.Application:
-    api = OpenAIServer(gateway, metrics, max_body_bytes)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_openai_errors, _bearer_auth(api_key)])
+    http = http or HttpConfig()
+    api = OpenAIServer(gateway, metrics, http)
+    middlewares = [_openai_errors(metrics), _bearer_auth(api_key)]
+    app = web.Application(client_max_size=http.max_body_bytes, middlewares=middlewares)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
@@ -44,16 +61,39 @@ def build_app(
     return app
 
 
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except APIError as e:
-        return web.json_response(e.body(), status=e.status)
-    except web.HTTPException as e:  # aiohttp's own 404/405 under /v1 get an OpenAI body too
-        if e.status < 400 or not request.path.startswith("/v1"):
-            raise
-        return web.json_response(APIError(e.status, e.reason).body(), status=e.status)
+def _openai_errors(metrics: ServeMetrics) -> Middleware:
+    """Every error as an OpenAI error body, counted by cause; every 503 with Retry-After."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except APIError as e:
+            response = _error_response(e, metrics)
+        except web.HTTPException as e:  # aiohttp's own 404, 405, ...
+            if e.status < 400:
+                raise
+            response = _error_response(APIError(e.status, e.reason), metrics)
+        except Exception as e:  # a bug: the client still gets JSON, the log the trace
+            log.exception("%s %s failed", request.method, request.path)
+            response = _error_response(api_error(e), metrics)
+        if response.status == 503:  # /health's too
+            response.headers.setdefault("Retry-After", RETRY_AFTER_S)
+        return response
+
+    return errors
+
+
+def _error_response(error: APIError, metrics: ServeMetrics) -> web.Response:
+    metrics.request_error(cause_of(error))
+    response = web.json_response(error.body(), status=error.status)
+    if error.status == 408:  # the body is still coming: close rather than read the rest
+        response.force_close()
+    return response
+
+
+def cause_of(error: APIError) -> str:
+    return error.code or _CAUSES.get(error.status, f"http_{error.status}")
 
 
 def _bearer_auth(api_key: str | None) -> Middleware:
@@ -81,10 +121,10 @@ async def _closing(events: AsyncIterator[TokenEvent]) -> AsyncIterator[AsyncIter
 
 
 class OpenAIServer:
-    def __init__(self, gateway: GatewayAPI, metrics: ServeMetrics, max_body_bytes: int) -> None:
+    def __init__(self, gateway: GatewayAPI, metrics: ServeMetrics, http: HttpConfig) -> None:
         self.gateway = gateway
         self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
+        self.http = http
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, Endpoint.COMPLETIONS)
@@ -111,13 +151,17 @@ class OpenAIServer:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type})
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
-        too_large = APIError(413, f"The request body exceeds {self.max_body_bytes} bytes.", code="request_too_large")
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
+        limit, seconds = self.http.max_body_bytes, self.http.body_timeout
+        too_large = APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
             raise too_large
         try:
-            raw = await request.read()  # bounded by the app's client_max_size, chunked bodies included
+            async with asyncio.timeout(seconds):
+                raw = await request.read()  # bounded by the app's client_max_size, chunked bodies included
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
+        except TimeoutError:
+            raise APIError(408, f"The request body did not arrive within {seconds:g} s.", code="body_timeout") from None
         return parse_json(raw)
 
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -145,11 +189,10 @@ class OpenAIServer:
                     else:
                         response, outcome = await self._complete(reply, events)
             return response
-        except Overloaded as e:
-            outcome = "overloaded"
-            raise APIError(503, str(e) or "The server is overloaded; retry later.", code="overloaded") from e
-        except RequestFailed as e:
-            raise APIError(500, str(e), code="request_failed") from e
+        except (Overloaded, RequestFailed) as e:
+            error = api_error(e)
+            outcome = "overloaded" if error.status == 503 else "error"
+            raise error from e
         except asyncio.CancelledError:
             outcome = "abort"
             raise
@@ -184,8 +227,14 @@ class OpenAIServer:
                 for chunk in reply.closing_chunks(include_usage):
                     await _send(response, chunk)
                 outcome = str(reply.finish_reason)
-            except (Overloaded, RequestFailed) as e:
-                await _send(response, APIError(500, str(e), code="request_failed").body())
+            except ConnectionResetError:
+                raise
+            except Exception as e:  # after the 200: the error goes in the stream, as vLLM sends it
+                error = api_error(e)
+                if error.code == "internal_error":
+                    log.exception("stream of %s failed", reply.id)
+                self.metrics.request_error(cause_of(error))
+                await _send(response, error.body())
                 outcome = "error"
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:  # the client went away: leaving closes the gateway's iterator
@@ -198,6 +247,19 @@ class OpenAIServer:
         text = reply.add(event, time.perf_counter())
         if text:  # a token inside a multi-byte character has no text of its own yet
             await _send(response, reply.content_chunk(text, include_usage))
+
+
+def api_error(e: Exception) -> APIError:
+    """The OpenAI error a failure of the gateway's stream becomes."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, Overloaded):
+        return APIError(503, str(e) or "The server is overloaded; retry later.", code="overloaded")
+    if isinstance(e, DeadlineExceeded):
+        return APIError(504, str(e), code="timeout")
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), code="request_failed")
+    return APIError(500, f"Internal error ({type(e).__name__}); the request was not completed.", code="internal_error")
 
 
 def _check_finished(reply: Reply) -> None:

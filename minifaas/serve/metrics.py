@@ -20,7 +20,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
 
 # Outcomes of requests_total: "stop" / "length" (finished), "abort" (client went away),
-# "invalid" (rejected with a 4xx), "overloaded" (503), "error" (500).
+# "invalid" (rejected with a 4xx), "overloaded" (503), "error" (500 or 504).
+# Causes of request_errors_total: the error body's code (invalid_request, invalid_api_key, model_not_found,
+# context_length_exceeded, request_too_large, body_timeout, not_found, method_not_allowed, overloaded,
+# too_many_connections, request_failed, timeout, internal_error), so every error a client got is counted.
 NO_ROUTE = "none"  # the route label of a request rejected before it was routed
 ROUTES = ("prfaas", "local")
 
@@ -33,6 +36,10 @@ class ServeMetrics:
         r = self.registry
         # Requests that ended, by route (prfaas, local, none) and outcome.
         self.requests = Counter("minifaas:requests", "Requests that ended", ["route", "outcome"], registry=r)
+        # Error answers (HTTP status >= 400, or an error event in a stream), by cause.
+        self.request_errors = Counter("minifaas:request_errors", "Errors returned to clients", ["cause"], registry=r)
+        # Open HTTP client connections (the server answers 503 beyond its max_connections).
+        self.connections = Gauge("minifaas:http_connections", "Open HTTP client connections", registry=r)
         # Requests between arrival and their last byte.
         self.running = Gauge("minifaas:num_requests_running", "Requests in flight in the HTTP layer", registry=r)
         # Arrival to first token, as the client sees it.
@@ -117,6 +124,12 @@ class ServeMetrics:
             if record.completion_tokens > 1:
                 tpot = (record.e2e_s - record.ttft_s) / (record.completion_tokens - 1)
                 self.tpot.labels(route=route).observe(max(tpot, 0.0))
+
+    def request_error(self, cause: str) -> None:
+        self.request_errors.labels(cause=cause).inc()
+
+    def set_connections(self, n: int) -> None:
+        self.connections.set(n)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,4 +1,9 @@
-"""``minifaas serve``: start both clusters and the link between them, then serve the OpenAI API."""
+"""``minifaas serve``: start both clusters and the link between them, then serve the OpenAI API.
+
+The API key comes from ``--api-key``, ``--api-key-file``, the MINIFAAS_API_KEY
+environment variable or the TOML file, in that order; the last three keep it out
+of ``ps``.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +11,58 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
-
-from aiohttp import web
+from pathlib import Path
 
 from minifaas.serve.api import build_app
-from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.serve.config import CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
+from minifaas.serve.http_server import serve_http
 from minifaas.serve.metrics import ServeMetrics
 
 log = logging.getLogger("minifaas.serve")
+API_KEY_ENV = "MINIFAAS_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     parser.add_argument(
-        "--config", help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler]); flags override it"
+        "--config",
+        help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler], [http]); flags override it",
     )
     parser.add_argument("--host", help=f"address to listen on (default {d.host})")
     parser.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
     parser.add_argument("--model", help=f"preset or local checkpoint dir (default {d.model})")
     parser.add_argument("--threshold", type=int, help=f"prompts longer than this go PrfaaS (default {d.threshold})")
     parser.add_argument("--fixed-threshold", action="store_true", help="the scheduler never moves t or the rule")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument(
+        "--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (shows in ps: prefer ${API_KEY_ENV})"
+    )
+    parser.add_argument("--api-key-file", metavar="PATH", help="read the API key from the first line of PATH")
+    parser.add_argument(
+        "--first-token-timeout",
+        type=float,
+        help=f"seconds a request may wait for its first token (default {d.first_token_timeout:g})",
+    )
+    parser.add_argument(
+        "--token-timeout",
+        type=float,
+        help=f"seconds the output may pause between two tokens (default {d.token_timeout:g})",
+    )
+    parser.add_argument("--request-timeout", type=float, help="seconds a whole request may take (default: no limit)")
+    parser.add_argument(
+        "--max-connections", type=int, help=f"open HTTP connections; more get 503 (default {d.http.max_connections})"
+    )
+    parser.add_argument(
+        "--header-timeout", type=float, help=f"seconds to send a request's headers (default {d.http.header_timeout:g})"
+    )
+    parser.add_argument(
+        "--body-timeout", type=float, help=f"seconds to send a request's body (default {d.http.body_timeout:g})"
+    )
     parser.add_argument("--prfaas-workers", type=int, help="PrfaaS prefill workers (default 1)")
     parser.add_argument("--pd-prefill-workers", type=int, help="PD-P workers (default 1)")
     parser.add_argument("--pd-decode-workers", type=int, help="PD-D workers (default 1)")
@@ -101,6 +133,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         incremental_transfer=base.cache.incremental_transfer and not args.no_incremental_transfer,
         cross_cluster_moves=base.cache.cross_cluster_moves and not args.no_cache_moves,
     )
+    http = HttpConfig(
+        max_connections=_pick(args.max_connections, base.http.max_connections),
+        header_timeout=_pick(args.header_timeout, base.http.header_timeout),
+        body_timeout=_pick(args.body_timeout, base.http.body_timeout),
+        max_body_bytes=base.http.max_body_bytes,
+        backlog=base.http.backlog,
+    )
     scheduler = replace(
         base.scheduler,
         profile=_pick(args.profile, base.scheduler.profile),
@@ -114,8 +153,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         seed=base.seed,
         threshold=_pick(args.threshold, base.threshold),
         fixed_threshold=args.fixed_threshold or base.fixed_threshold,
-        api_key=_pick(args.api_key, base.api_key),
-        request_timeout=base.request_timeout,
+        api_key=_api_key(args, base.api_key),
+        first_token_timeout=_pick(args.first_token_timeout, base.first_token_timeout),
+        token_timeout=_pick(args.token_timeout, base.token_timeout),
+        request_timeout=_pick(args.request_timeout, base.request_timeout),
         prefill_timeout=base.prefill_timeout,
         max_queued_requests=base.max_queued_requests,
         prfaas=prfaas,
@@ -123,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         link=link,
         cache=cache,
         scheduler=scheduler,
+        http=http,
     )
 
 
@@ -130,27 +172,37 @@ def _pick(flag: object, default: object) -> object:
     return default if flag is None else flag
 
 
+def _api_key(args: argparse.Namespace, configured: str | None) -> str | None:
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"cannot read --api-key-file: {e}") from None
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return lines[0].strip()
+    return os.environ.get(API_KEY_ENV) or configured
+
+
 @contextlib.asynccontextmanager
 async def running_server(config: ServeConfig) -> AsyncIterator[tuple[Gateway, int]]:
     """The gateway with its HTTP API listening; yields (gateway, bound port)."""
     metrics = ServeMetrics()
     async with Gateway(config, metrics) as gateway:
-        runner = web.AppRunner(
-            build_app(gateway, metrics, config.api_key), handle_signals=False, handler_cancellation=True
-        )
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, config.host, config.port)
-            await site.start()
-            port = runner.addresses[0][1]
-            yield gateway, port
-        finally:
-            await runner.cleanup()
+        app = build_app(gateway, metrics, config.api_key, config.http)
+        async with serve_http(app, config.host, config.port, config.http, metrics) as site:
+            yield gateway, site.port
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError, TypeError) as e:
+        print(f"minifaas serve: error: {e}", file=sys.stderr)
+        return 2
     asyncio.run(_serve(config))
     return 0
 
