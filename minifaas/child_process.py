@@ -8,6 +8,7 @@ killed, so no caller can hang on a stuck child.
 from __future__ import annotations
 
 import asyncio
+import signal
 
 
 async def wait_or_kill(process: asyncio.subprocess.Process, grace: float) -> None:
@@ -18,3 +19,15 @@ async def wait_or_kill(process: asyncio.subprocess.Process, grace: float) -> Non
     except TimeoutError:
         process.kill()
         await process.wait()
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a process ended, for a log line: "exit code 1", "killed by SIGKILL"."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"

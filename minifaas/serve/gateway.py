@@ -221,8 +221,7 @@ class Gateway:
             await w.pump(reader)
             if self._closing or w.retired:
                 return
-            code = w.process.returncode if w.process else None
-            log.error("worker %s died (exit code %s): restarting it", w.name, code)
+            log.error("worker %s died (%s): restarting it", w.name, await w.exit_status())
             await w.stop()
             w.restarts += 1
             while not self._closing:

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from minifaas.child_process import wait_or_kill
+from minifaas.child_process import describe_exit, wait_or_kill
 from minifaas.serve import control
 from minifaas.serve.control import CACHE_EVENTS
 
@@ -129,6 +129,21 @@ class WorkerHandle:
         if p.stdin is not None:
             p.stdin.close()  # the worker exits when its stdin closes
         await wait_or_kill(p, grace=5)
+
+    async def exit_status(self, grace: float = 5.0) -> str:
+        """How the process ended, once it has: "exit code 1", "killed by SIGKILL". One still running
+        ``grace`` seconds after its control channel closed is killed."""
+        p = self.process
+        if p is None:
+            return "never started"
+        try:
+            async with asyncio.timeout(grace):
+                await p.wait()
+        except TimeoutError:
+            p.kill()
+            await p.wait()
+            return f"control channel closed, still running after {grace:g} s: killed"
+        return describe_exit(p.returncode)
 
     def kill(self) -> None:
         """Kill the process now (fault injection in tests and the demo)."""
