@@ -45,7 +45,9 @@ def _post(url: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def server() -> str:
+def server(tmp_path_factory: pytest.TempPathFactory) -> str:
+    key_file = tmp_path_factory.mktemp("serve") / "api-key"
+    key_file.write_text(KEY + "\n")  # from a file, so the key is not in ps
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -56,8 +58,8 @@ def server() -> str:
             "0",
             "--threshold",
             "300",
-            "--api-key",
-            KEY,
+            "--api-key-file",
+            str(key_file),
             "--link-rate",
             "50mbit",
             "--log-level",
@@ -158,6 +160,19 @@ def test_bad_input_gets_4xx_and_the_server_stays_healthy(server: str, body: byte
         ).encode(),
     )
     assert ok == 200 and good["usage"]["completion_tokens"] == 2
+
+
+def test_sampling_fields_are_honoured_as_generate_honours_them(server: str) -> None:
+    params = {"max_tokens": 10, "temperature": 0.7, "seed": 11, "top_k": 8, "min_tokens": 4, "frequency_penalty": 1.0}
+    code, reply = _post(
+        f"{server}/v1/completions", json.dumps({"model": "kimi-linear-tiny", "prompt": SHORT} | params).encode()
+    )
+    assert code == 200, reply
+    rt, tok = ModelRuntime.load("kimi-linear-tiny"), ByteTokenizer()
+    expected = rt.generate(tok.encode(SHORT), SamplingParams(**params))
+    assert reply["choices"][0]["text"] == tok.decode(expected)
+    code, reply = _post(f"{server}/v1/completions", b'{"model": "kimi-linear-tiny", "prompt": "\\ud800"}')
+    assert code == 400 and "lone surrogate" in reply["error"]["message"]
 
 
 def test_api_key_health_and_metrics(server: str) -> None:

@@ -1,0 +1,109 @@
+"""Deadlines and worker deaths in a real gateway: worker processes, sockets, signals.
+
+A deadline bounds silence, not length: a stream read slowly for longer than every
+deadline completes, a decode worker stopped mid-stream fails its request within the
+deadline between tokens. A worker killed by a signal is logged with that signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from minifaas.model.sampling import SamplingParams
+from minifaas.serve.config import CacheConfig, ClusterConfig, ServeConfig
+from minifaas.serve.gateway import Gateway
+from minifaas.serve.requests import DeadlineExceeded, GenerateRequest, RequestRecord
+
+TOKEN_TIMEOUT = 1.5
+CONFIG = ServeConfig(
+    threshold=100_000,  # every prompt stays local: no PrfaaS worker is needed
+    prfaas=ClusterConfig(prefill_workers=0),
+    cache=CacheConfig(mode="none"),
+    first_token_timeout=60.0,
+    token_timeout=TOKEN_TIMEOUT,
+)
+PROMPT = [(3 * i + 1) % 256 for i in range(24)]
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(loop: asyncio.AbstractEventLoop) -> Iterator[Gateway]:
+    gw = Gateway(CONFIG)
+    loop.run_until_complete(gw.__aenter__())
+    yield gw
+    loop.run_until_complete(gw.__aexit__(None, None, None))
+
+
+def run(loop: asyncio.AbstractEventLoop, coro: object, seconds: float = 120) -> object:
+    return loop.run_until_complete(asyncio.wait_for(coro, seconds))  # type: ignore[arg-type]
+
+
+async def generate(gw: Gateway, rid: str, max_tokens: int, read_pause: float = 0.0) -> list[int]:
+    request = GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    tokens = []
+    async for event in gw.stream(request, RequestRecord(rid, len(PROMPT))):
+        tokens.append(event.token_id)
+        await asyncio.sleep(read_pause)  # a client that reads slowly is not the server being silent
+    return tokens
+
+
+def test_a_stream_longer_than_every_deadline_completes(gateway: Gateway, loop: asyncio.AbstractEventLoop) -> None:
+    start = time.monotonic()
+    tokens = run(loop, generate(gateway, "slow-reader", 40, read_pause=0.1))
+    assert len(tokens) == 40  # type: ignore[arg-type]
+    assert time.monotonic() - start > 2.5 * TOKEN_TIMEOUT
+
+
+def test_a_decode_worker_gone_silent_fails_its_request_within_the_deadline(
+    gateway: Gateway, loop: asyncio.AbstractEventLoop
+) -> None:
+    decode = gateway.workers["pd-d0"]
+    assert decode.process is not None
+
+    async def stopped_mid_stream() -> float:
+        request = GenerateRequest("stopped", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
+        events = gateway.stream(request, RequestRecord("stopped", len(PROMPT)))
+        await anext(events)
+        await anext(events)
+        os.kill(decode.process.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        start = time.monotonic()
+        try:
+            with pytest.raises(DeadlineExceeded, match=f"no token for {TOKEN_TIMEOUT:g} s"):
+                async for _ in events:
+                    pass
+        finally:
+            os.kill(decode.process.pid, signal.SIGCONT)  # type: ignore[union-attr]
+        return time.monotonic() - start
+
+    waited = run(loop, stopped_mid_stream())
+    assert waited < TOKEN_TIMEOUT + 2.0  # type: ignore[operator]
+    assert len(run(loop, generate(gateway, "after", 5))) == 5  # type: ignore[arg-type]
+
+
+def test_a_killed_worker_is_logged_with_its_signal(
+    gateway: Gateway, loop: asyncio.AbstractEventLoop, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = gateway.workers["pd-p0"]
+
+    async def kill_and_wait() -> None:
+        worker.kill()
+        while worker.restarts == 0:  # counted once the death is logged and the restart begins
+            await asyncio.sleep(0.05)
+
+    with caplog.at_level(logging.ERROR, logger="minifaas.gateway"):
+        run(loop, kill_and_wait())
+    assert "worker pd-p0 died (killed by SIGKILL): restarting it" in caplog.text
