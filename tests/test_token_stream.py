@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from minifaas.model.detokenizer import IncrementalDecoder
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.tokenizer import ByteTokenizer
+from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer
 from minifaas.serve.deadline import RequestDeadline
 from minifaas.serve.requests import DeadlineExceeded
 from minifaas.serve.stop_strings import StopMatcher
@@ -65,6 +67,34 @@ def test_detokenizing_costs_the_same_per_token_however_long_the_output() -> None
     short, long = ids_decoded(1000), ids_decoded(16000)
     assert long / 16000 < 1.2 * short / 1000  # per token, not per token times the length
     assert long < 16000 * 12  # a few tokens of window per token; a whole decode per token would be 128 M
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte-level"])
+def test_a_checkpoint_tokenizer_streams_the_text_its_whole_decode_gives(kind: str, tmp_path: Path) -> None:
+    """SentencePiece-like (a token's leading space depends on what comes before it) and GPT-2-like (a
+    character's bytes split over tokens) BPE, trained here on the repository's Shakespeare."""
+    from transformers import PreTrainedTokenizerFast  # no model code: the kernel choice is not at stake
+
+    shakespeare = (Path(__file__).parent.parent / "data" / "text" / "tinyshakespeare.txt").read_text()[:100_000]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if kind == "metaspace":
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet: list[str] = []
+    else:
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<eos>"], initial_alphabet=alphabet)
+    tok.train_from_iterator([shakespeare], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path)
+    hf = HFTokenizer(tmp_path)
+    text = "To be, or not to be: that is the question. Whether 'tis nobler in the mind " * 3
+    if kind == "byte-level":
+        text += "café 中文 😀, señor"
+    ids = hf.encode(text)
+    detok = IncrementalDecoder(hf)
+    pieces = [detok.push(i) for i in ids]
+    assert "".join(pieces) + detok.flush() == hf.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
 
 
 def naive_cut(text: str, stops: list[str]) -> int | None:
