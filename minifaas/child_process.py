@@ -11,14 +11,16 @@ import asyncio
 import signal
 
 
-async def wait_or_kill(process: asyncio.subprocess.Process, grace: float) -> None:
-    """Wait up to ``grace`` seconds for ``process`` to exit; kill it if it has not."""
+async def wait_or_kill(process: asyncio.subprocess.Process, grace: float) -> bool:
+    """Wait up to ``grace`` seconds for ``process`` to exit; kill it if it has not (then True)."""
     try:
         async with asyncio.timeout(grace):
             await process.wait()
     except TimeoutError:
         process.kill()
         await process.wait()
+        return True
+    return False
 
 
 def describe_exit(returncode: int | None) -> str:

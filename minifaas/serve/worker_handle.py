@@ -136,12 +136,7 @@ class WorkerHandle:
         p = self.process
         if p is None:
             return "never started"
-        try:
-            async with asyncio.timeout(grace):
-                await p.wait()
-        except TimeoutError:
-            p.kill()
-            await p.wait()
+        if await wait_or_kill(p, grace):
             return f"control channel closed, still running after {grace:g} s: killed"
         return describe_exit(p.returncode)
 
