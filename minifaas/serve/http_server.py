@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import resource
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -39,12 +40,14 @@ FD_SHARE = 0.75  # of the descriptor limit, the most the HTTP clients may hold
 
 def raise_fd_limit() -> int:
     """Raise the soft RLIMIT_NOFILE to the hard limit (or the kernel's ceiling); returns the soft limit now."""
+    unlimited = resource.RLIM_INFINITY
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < target:
+    target = hard if hard != unlimited else max(soft, 1 << 20)
+    if soft != unlimited and soft < target:
         with contextlib.suppress(ValueError, OSError):  # a hard limit past the kernel's nr_open
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return sys.maxsize if soft == unlimited else soft
 
 
 def connection_cap(configured: int, fd_limit: int) -> int:
