@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import socket
+import ssl
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
+from test_transport import _self_signed
 
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -106,23 +110,37 @@ def test_an_ended_transfer_nobody_claims_is_dropped_after_the_grace(caplog: pyte
     assert "transfer 7 was dropped: ended" in caplog.text and "no consumer claimed it" in caplog.text
 
 
-def test_pooled_connections_to_a_receiver_that_restarted_on_the_same_port_are_not_reused() -> None:
+@pytest.mark.parametrize("tls", [False, True])
+def test_pooled_connections_to_a_receiver_that_restarted_on_the_same_port_are_not_reused(
+    tls: bool, tmp_path: Path
+) -> None:
     state = synthetic_state(layers=8, tokens=64, width=8)
+    server_ctx = client_ctx = None
+    if tls:
+        if shutil.which("openssl") is None:
+            pytest.skip("needs the openssl command to make a test certificate")
+        cert, key = _self_signed(tmp_path)
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(cert, key)
+        client_ctx = ssl.create_default_context(cafile=str(cert))
 
     async def main() -> None:
-        async with KVReceiver(ReceiverConfig(SECRET)) as first:
+        async with KVReceiver(ReceiverConfig(SECRET), ssl=server_ctx) as first:
             port = first.port
-            tx = KVSender(SenderConfig("127.0.0.1", port, SECRET, connections=4, chunk_bytes=1024))
+            tx = KVSender(SenderConfig("127.0.0.1", port, SECRET, connections=4, chunk_bytes=1024), ssl=client_ctx)
             incoming = first.transfer(1)
             await tx.send(1, state)
             assert same_state(await incoming.model_state(), state) and tx.pool.dialled == 4
-        async with KVReceiver(ReceiverConfig(SECRET, port=port)) as restarted:  # its idle connections died
-            incoming = restarted.transfer(2)
+            incoming = first.transfer(2)  # an idle connection that is fine is reused
             await tx.send(2, state)
+            assert same_state(await incoming.model_state(), state) and tx.pool.dialled == 4
+        async with KVReceiver(ReceiverConfig(SECRET, port=port), ssl=server_ctx) as restarted:  # idle ones died
+            incoming = restarted.transfer(3)
+            await tx.send(3, state)
             assert same_state(await incoming.model_state(), state)
             assert tx.pool.stale == 4 and tx.pool.dialled == 8
-            incoming = restarted.transfer(3)  # and the new ones are reused as before
-            await tx.send(3, state)
+            incoming = restarted.transfer(4)  # and the new ones are reused as before
+            await tx.send(4, state)
             assert same_state(await incoming.model_state(), state) and tx.pool.dialled == 8
         tx.pool.close()
 
