@@ -43,9 +43,7 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.traces import MOONCAKE_BLOCK_TOKENS, SHARED_TRACES
-
-TRACE = SHARED_TRACES / "mooncake_synthetic_trace.jsonl"
+from minifaas.traces import MOONCAKE_BLOCK_TOKENS, trace_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +120,7 @@ def summarise(records: list[RequestRecord], moved_bytes: int, repeats: list[bool
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default="mooncake-synthetic", help="a shipped trace or a Mooncake .jsonl file")
     p.add_argument("--requests", type=int, default=36)
     p.add_argument("--scale", type=int, default=32, help="divide every trace length by this")
     p.add_argument("--min-turns", type=int, default=3)
@@ -136,7 +135,8 @@ def main() -> None:
         p.set_defaults(requests=6, scale=128)
         args = p.parse_args()
 
-    turns = conversations(TRACE, args.scale, args.requests, args.min_turns)
+    trace = trace_path(args.trace)
+    turns = conversations(trace, args.scale, args.requests, args.min_turns)
     block = MOONCAKE_BLOCK_TOKENS // args.scale
     ideal = ideal_hits(turns, block)
     repeats = [hit > 0 for hit in ideal]  # a turn that shares a prefix with an earlier one
@@ -161,7 +161,7 @@ def main() -> None:
         results[name] = summarise(records, moved, repeats, time.perf_counter() - start)
     ideal_ratio = sum(ideal) / results["none"]["prompt_tokens"]
 
-    print(f"{len(turns)} requests from {TRACE.name}, lengths / {args.scale} ({block}-token blocks), {args.model}")
+    print(f"{len(turns)} requests from {trace.name}, lengths / {args.scale} ({block}-token blocks), {args.model}")
     print(
         f"threshold {args.threshold} and the {args.rule} rule held fixed, snapshots every {args.snapshot_interval} "
         "blocks, one request at a time"

@@ -8,28 +8,22 @@ ids), at 1.2 times their recorded rate, go through three deployments: PrfaaS
 as planned, PrfaaS with the prefix cache off, and homogeneous PD, whose
 prefill falls behind at this rate.
 
-    python examples/simulate_trace.py [TRACE.jsonl]   # default: ../shared/traces of the repo
+    python examples/simulate_trace.py [TRACE.jsonl]   # default: the Mooncake trace in data/traces
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from minifaas.planner import LengthDistribution, plan
 from minifaas.planner.paper import paper_case
 from minifaas.sim import Simulation, config_for, read_trace
-from minifaas.traces import SHARED_TRACES
 
 REQUESTS, RATE_SCALE = 1500, 1.2
 
 
 def main() -> None:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else SHARED_TRACES / "mooncake_synthetic_trace.jsonl"
-    if not path.exists():
-        print(f"skipped: no trace at {path} (pass a Mooncake .jsonl trace as the argument)")
-        return
-    trace = read_trace(path, rate_scale=RATE_SCALE)
+    trace = read_trace(sys.argv[1] if len(sys.argv) > 1 else "mooncake-synthetic", rate_scale=RATE_SCALE)
     workload = trace.head(REQUESTS)
     mean_in = workload.input_tokens.mean()
     print(

@@ -10,6 +10,9 @@ as they are); ``rate_scale`` multiplies the arrival rate (timestamps are
 divided by it). Time starts at the first request. The planner takes the
 prompt lengths (``minifaas.planner.case``); the simulator replays the whole
 trace (``minifaas.sim.traces``).
+
+The traces the repository ships (data/traces, with their licences) go by name
+(``SHIPPED_TRACES``: ``--trace mooncake-synthetic``); anything else is a path.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from pathlib import Path
 import numpy as np
 
 MOONCAKE_BLOCK_TOKENS = 512
-SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"  # ../shared/traces of the repo
+TRACES_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"
+SHIPPED_TRACES = {  # name -> file in TRACES_DIR
+    "mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
+    "azure-conv": "AzureLLMInferenceTrace_conv.csv",
+    "azure-code": "AzureLLMInferenceTrace_code.csv",
+}
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,19 @@ class Trace:
     block_tokens: int
 
 
-def read_trace(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
-    path = Path(path)
+def trace_path(name_or_path: str | Path) -> Path:
+    """A shipped trace's file, or the path given; FileNotFoundError names the shipped ones."""
+    if str(name_or_path) in SHIPPED_TRACES:
+        return TRACES_DIR / SHIPPED_TRACES[str(name_or_path)]
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        names = ", ".join(SHIPPED_TRACES)
+        raise FileNotFoundError(f"no trace {str(name_or_path)!r}: not a shipped trace ({names}) or a file")
+    return path
+
+
+def read_trace(name_or_path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
+    path = trace_path(name_or_path)
     if path.suffix == ".jsonl":
         return read_mooncake(path, length_scale, rate_scale)
     if path.suffix == ".csv":

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -13,9 +12,10 @@ from minifaas.cache.entry import Lease
 from minifaas.cache.events import EventKind
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.cache.prefix_index import EntryKind
+from minifaas.traces import trace_path
 
 B = 8  # tokens per block in these tests
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = trace_path("mooncake-synthetic")
 
 
 def keys(tokens: list[int]) -> PromptKeys:
@@ -215,7 +215,6 @@ def test_pool_invariants_under_random_traffic(
             assert not needs_parent or p.entry(EntryKind.BLOCK, e.parent) is not None
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"Mooncake trace not found at {TRACE}")
 def test_infinite_pool_replay_of_the_mooncake_trace_hits_every_repeated_leading_block() -> None:
     block = 512
     rows = [json.loads(line) for line in TRACE.read_text().splitlines()]

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from minifaas.sim.traces import SHARED_TRACES
-
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXPECTED = {
     "disaggregated_by_hand": "same tokens as generate() in one process: True",
@@ -72,7 +70,4 @@ def test_every_example_is_covered_and_says_how_to_run_it() -> None:
 def test_example_runs(name: str, outputs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     result = outputs[name]
     assert result.returncode == 0, f"{name} exited {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
-    if name == "simulate_trace" and not (SHARED_TRACES / "mooncake_synthetic_trace.jsonl").exists():
-        assert "skipped: no trace" in result.stdout
-        pytest.skip("the Mooncake trace is not here")
     assert EXPECTED[name] in result.stdout, f"{name} printed:\n{result.stdout}\n{result.stderr[-3000:]}"

@@ -9,10 +9,10 @@ import pytest
 
 from minifaas.cli import main
 from minifaas.model.kv_size import kv_profile
-from minifaas.model.loader import ModelSpec, load_config_dict, preset_names
+from minifaas.model.loader import MODELS_DIR, ModelSpec, load_config_dict, preset_names
 from minifaas.model.runtime import ModelRuntime
 
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "model_configs"
+CONFIGS = MODELS_DIR / "configs"
 
 
 @pytest.mark.parametrize("preset", preset_names())
@@ -35,19 +35,13 @@ def test_config_arithmetic_equals_measured_state_bytes(preset: str) -> None:
     ],
 )
 def test_real_configs_match_the_reference_figures(config: str, per_token: int, fixed: int) -> None:
-    path = SHARED_CONFIGS / config
-    if not path.is_file():
-        pytest.skip(f"{path} is not present on this machine")
-    p = kv_profile(json.loads(path.read_text()))
+    p = kv_profile(json.loads((CONFIGS / config).read_text()))
     assert sum(c.bytes_per_token for c in p.layers if c.window is None) == per_token
     assert sum(c.fixed_bytes for c in p.layers) == fixed
 
 
 def test_mimo_sliding_window_is_capped() -> None:
-    path = SHARED_CONFIGS / "XiaomiMiMo__MiMo-V2-Flash.aiconfigurator.json"
-    if not path.is_file():
-        pytest.skip(f"{path} is not present on this machine")
-    p = kv_profile(json.loads(path.read_text()))
+    p = kv_profile(json.loads((CONFIGS / "XiaomiMiMo__MiMo-V2-Flash.aiconfigurator.json").read_text()))
     kinds = p.by_kind()
     assert kinds["full_attention"][:2] == (9, 23040) and kinds["sliding_window"][0] == 39
     assert p.bytes_at(10**6) - p.bytes_at(10**6 - 1) == 23040  # past the window only full layers grow
@@ -77,11 +71,7 @@ def test_cli_accepts_a_bare_config_file(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_kimi_linear_reconstructed_config_matches_the_reference_figures() -> None:
-    from minifaas.model.loader import MODELS_DIR
-
-    cfg = json.loads(
-        (MODELS_DIR / "configs" / "moonshotai__Kimi-Linear-48B-A3B-Instruct.reconstructed.json").read_text()
-    )
+    cfg = json.loads((CONFIGS / "moonshotai__Kimi-Linear-48B-A3B-Instruct.reconstructed.json").read_text())
     p = kv_profile(cfg)
     kinds = p.by_kind()
     assert kinds["mla"][:2] == (7, 8064)  # (512 + 64) x 2 bytes per MLA layer

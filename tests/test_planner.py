@@ -15,7 +15,7 @@ from minifaas.cli import main
 from minifaas.planner import LengthDistribution, SearchGrid, best_prfaas, load_case, load_profiles, plan, stages
 from minifaas.planner.model import operating_point
 from minifaas.planner.paper import H20_PREFILL, H200, H200_TABLE, REPORTED, paper_case
-from minifaas.sim.traces import SHARED_TRACES
+from minifaas.traces import trace_path
 
 
 def test_h200_fit_matches_the_published_fit() -> None:
@@ -193,9 +193,8 @@ def test_profiles_round_trip_through_a_file(tmp_path) -> None:
     assert load_profiles(path) == (H200, H20_DECODE)
 
 
-@pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"traces not found at {SHARED_TRACES}")
-def test_a_case_file_can_take_its_lengths_from_a_trace(tmp_path) -> None:
-    trace = SHARED_TRACES / "AzureLLMInferenceTrace_code.csv"
+@pytest.mark.parametrize("trace", ["azure-code", str(trace_path("azure-code"))], ids=["name", "path"])
+def test_a_case_file_can_take_its_lengths_from_a_trace(tmp_path, trace: str) -> None:
     text = (tmp_path / "case.toml").write_text(
         f'name = "azure-code"\nn_prfaas = 4\nn_pd = 8\nn_homogeneous = 12\nlink_gbps = 100\noutput_tokens = 28\n'
         f'[lengths]\ntrace = "{trace}"\n'

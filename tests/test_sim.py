@@ -17,7 +17,7 @@ from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
 from minifaas.sim.config import NO_OFFLOAD, config_for
 from minifaas.sim.link import LinkConfig
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.traces import SHARED_TRACES, read_trace
+from minifaas.sim.traces import read_trace
 from minifaas.sim.workload import Workload, synthetic
 
 
@@ -79,9 +79,8 @@ def direct_prefix_hits(workload: Workload) -> float:
     return hit / total
 
 
-@pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"traces not found at {SHARED_TRACES}")
 def test_infinite_cache_replay_matches_a_direct_count_of_hash_ids() -> None:
-    trace = read_trace(SHARED_TRACES / "mooncake_synthetic_trace.jsonl").head(1_500)
+    trace = read_trace("mooncake-synthetic").head(1_500)
     spaced = replace(trace, arrival_s=np.arange(len(trace)) * 100.0)  # one at a time: all earlier prompts cached
     case = paper_case()
     config = config_for(case, plan(case).homogeneous, snapshot_interval_blocks=1)

@@ -11,7 +11,8 @@ from minifaas.sim.decode import DecodePool
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.link import FluidLink, LinkConfig
 from minifaas.sim.prefill import PrefillPool
-from minifaas.sim.traces import SHARED_TRACES, read_trace
+from minifaas.sim.traces import read_trace
+from minifaas.traces import trace_path
 
 GB = 1e9 / 8  # bytes in one gigabit
 
@@ -106,24 +107,27 @@ def test_decode_pool_holds_at_most_bs_max_and_hands_slots_over() -> None:
     assert pool.total_running == H20_DECODE.bs_max and pool.assigned[0] == H20_DECODE.bs_max + 1
 
 
-needs_traces = pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"traces not found at {SHARED_TRACES}")
-
-
-@needs_traces
 def test_mooncake_trace_reads_as_documented() -> None:
-    trace = read_trace(SHARED_TRACES / "mooncake_synthetic_trace.jsonl")
+    trace = read_trace("mooncake-synthetic")
     assert len(trace) == 3_993 and trace.hash_ids is not None
     assert trace.input_tokens.mean() == pytest.approx(15_326, rel=0.01)
     assert trace.rate == pytest.approx(3.9, rel=0.05)
-    faster = read_trace(SHARED_TRACES / "mooncake_synthetic_trace.jsonl", length_scale=0.25, rate_scale=2.0)
+    faster = read_trace("mooncake-synthetic", length_scale=0.25, rate_scale=2.0)
     assert faster.duration_s == pytest.approx(trace.duration_s / 2)
     assert faster.block_tokens == 128
     assert all(-(-p // 128) == len(h) for p, h in zip(faster.input_tokens.tolist(), faster.hash_ids, strict=True))
 
 
-@needs_traces
 def test_azure_trace_reads_as_documented() -> None:
-    trace = read_trace(SHARED_TRACES / "AzureLLMInferenceTrace_conv.csv")
+    trace = read_trace("azure-conv")
     assert len(trace) == 19_366 and trace.hash_ids is None
     assert trace.input_tokens.mean() == pytest.approx(1_155, rel=0.01)
     assert 3_000 < trace.duration_s < 3_700  # one hour
+
+
+def test_a_shipped_trace_is_found_by_name_or_path_and_a_wrong_name_lists_the_names() -> None:
+    by_path = read_trace(trace_path("azure-code"))
+    assert trace_path("azure-code").parent.parent.name == "data"  # in the repository, nothing beside it
+    assert len(by_path) == len(read_trace("azure-code")) == 8_819
+    with pytest.raises(FileNotFoundError, match="mooncake-synthetic, azure-conv, azure-code"):
+        read_trace("mooncake")

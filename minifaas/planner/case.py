@@ -13,7 +13,8 @@ Loadable from TOML (or JSON) so any deployment can be planned without code:
     sigma = 1.00
     low = 128
     high = 128000
-    # ... or: trace = "path/to/trace.jsonl" (Mooncake JSONL or Azure CSV input lengths)
+    # ... or: trace = "azure-code" (a shipped trace's name, or a Mooncake
+    #     JSONL / Azure CSV file, relative to the case file: its input lengths)
     [prfaas]                # a prefill profile (see profile.py)
     [pd_prefill]            # a prefill profile
     [decode]                # a decode profile
@@ -33,7 +34,7 @@ from minifaas.planner.profile import (
     load_table,
     prefill_from_dict,
 )
-from minifaas.traces import read_trace
+from minifaas.traces import SHIPPED_TRACES, read_trace
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class PlanCase:
 def case_from_dict(data: dict[str, Any], base_dir: Path = Path(".")) -> PlanCase:
     spec = data["lengths"]
     if "trace" in spec:
-        trace = read_trace(base_dir / spec["trace"], length_scale=float(spec.get("length_scale", 1.0)))
+        source = spec["trace"] if spec["trace"] in SHIPPED_TRACES else base_dir / spec["trace"]
+        trace = read_trace(source, length_scale=float(spec.get("length_scale", 1.0)))
         lengths = LengthDistribution.empirical(str(spec["trace"]), trace.input_tokens)
     else:
         lengths = LengthDistribution.lognormal(

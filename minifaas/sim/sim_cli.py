@@ -3,7 +3,7 @@
     minifaas sim --case paper --load 0.8 --arrivals poisson --duration 3600
     minifaas sim --case paper --config homogeneous --load 0.95 --arrivals bursty --json
     minifaas sim --case paper --gpus 10000 --load 0.8 --duration 3600          # 1,250 instances
-    minifaas sim --case paper --trace ../shared/traces/mooncake_synthetic_trace.jsonl --rate-scale 0.5
+    minifaas sim --case paper --trace mooncake-synthetic --rate-scale 0.5          # a shipped trace, or a file
     minifaas sim --case paper --bandwidth-schedule 600:20,900:100 --queues-png q.png
     minifaas sim --case paper --bandwidth-schedule 600:6,1500:100 --scheduler      # t and N_p/N_d adapt
     minifaas sim --case paper --scheduler --no-rebalance                            # only t adapts

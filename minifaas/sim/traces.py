@@ -10,11 +10,9 @@ from pathlib import Path
 
 from minifaas import traces
 from minifaas.sim.workload import Workload
-from minifaas.traces import SHARED_TRACES
-
-__all__ = ["SHARED_TRACES", "read_trace"]  # the simulator's callers find the traces here too
 
 
-def read_trace(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Workload:
-    t = traces.read_trace(path, length_scale, rate_scale)
+def read_trace(name_or_path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Workload:
+    """A shipped trace by name (``minifaas.traces.SHIPPED_TRACES``) or a trace file, as a Workload."""
+    t = traces.read_trace(name_or_path, length_scale, rate_scale)
     return Workload(t.name, t.arrival_s, t.input_tokens, t.output_tokens, t.hash_ids, t.block_tokens)
