@@ -193,9 +193,9 @@ class Gateway:
                 self.link_stats[LINK] = stats
                 self.metrics.set_link_utilization(LINK, stats.get("utilisation") or 0.0)
             for stage, cluster, role in (("prfaas_prefill", "prfaas", "prefill"), ("pd_prefill", "pd", "prefill")):
-                queued = sum(len(w.inboxes) for w in self.workers.values() if w.cluster == cluster and w.role == role)
+                queued = sum(w.requests for w in self.workers.values() if w.cluster == cluster and w.role == role)
                 self.metrics.set_queue_depth(stage, queued)
-            self.metrics.set_queue_depth("decode", sum(len(w.inboxes) for w in self._decode_workers()))
+            self.metrics.set_queue_depth("decode", sum(w.requests for w in self._decode_workers()))
             if not self._closing:  # shutdown may have begun while the link answered: start no conversion now
                 self.scheduler.tick(time.monotonic())
             await asyncio.sleep(period)

@@ -55,9 +55,14 @@ class WorkerHandle:
         return self.alive and not self.draining
 
     @property
+    def requests(self) -> int:
+        """Requests waiting on replies from the worker (not the cache-events inbox, open for the worker's life)."""
+        return sum(req != CACHE_EVENTS for req in self.inboxes)
+
+    @property
     def busy(self) -> int:
         """Requests that still hold the worker."""
-        return self.claims + sum(req != CACHE_EVENTS for req in self.inboxes)
+        return self.claims + self.requests
 
     def release(self) -> None:
         """A claim is over (the prefill opened its inbox, or went elsewhere)."""
