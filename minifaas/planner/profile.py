@@ -17,7 +17,7 @@ measuring tool can write it and a planner run can read it back:
     name = "H20x8"
     gpus_per_instance = 8
     bs_max = 20                    # the largest batch meeting the decode SLO
-    step_time_s = 0.025            # 1 / SLO tokens per second (DecodeProfile.from_steps derives both)
+    step_time_s = 0.025            # one decode step at bs_max (the paper's: 1 / SLO tokens per second)
 
 Latency: the polynomial when ``latency_coeffs`` is given, else piecewise-linear
 interpolation of ``points`` (linear extrapolation past either end). KV bytes:
@@ -100,7 +100,7 @@ class DecodeProfile:
     name: str
     gpus_per_instance: int
     bs_max: int
-    step_time_s: float  # per decode step at bs_max: the SLO's time per output token
+    step_time_s: float  # one decode step at bs_max: measured, or at most the SLO's time per output token
 
     def __post_init__(self) -> None:
         if self.gpus_per_instance < 1 or self.bs_max < 1 or self.step_time_s <= 0:
@@ -114,13 +114,13 @@ class DecodeProfile:
     def from_steps(
         cls, name: str, gpus_per_instance: int, steps: list[tuple[int, float]], slo_tokens_per_s: float
     ) -> DecodeProfile:
-        """From measured (batch size, step seconds): BS_max is the largest batch that still meets
-        the per-token SLO, and decode runs paced at the SLO (one token per request per 1/SLO s)."""
+        """From measured (batch size, step seconds): BS_max is the largest batch whose step still meets
+        the per-token SLO, and its measured step is the step time (a batch decodes as fast as it can)."""
         slo_step = 1.0 / slo_tokens_per_s
-        fitting = [batch for batch, seconds in steps if seconds <= slo_step]
+        fitting = [(batch, seconds) for batch, seconds in steps if seconds <= slo_step]
         if not fitting:
-            raise ValueError(f"{name}: no measured batch meets {slo_tokens_per_s} tokens/s")
-        return cls(name, gpus_per_instance, max(fitting), slo_step)
+            raise ValueError(f"{name}: no measured batch meets {slo_tokens_per_s:g} tokens/s")
+        return cls(name, gpus_per_instance, *max(fitting))
 
 
 def fit_latency(points: tuple[ProfilePoint, ...], degree: int = 2) -> tuple[float, ...]:
