@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from minifaas import figures
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import Decoder, DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder
@@ -225,7 +226,7 @@ def main() -> None:
                 flush=True,
             )
     if args.json:
-        print(json.dumps(summary))
+        print(figures.dumps(summary))
 
 
 if __name__ == "__main__":

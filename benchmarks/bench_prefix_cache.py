@@ -39,6 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from minifaas import figures
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
@@ -184,7 +185,7 @@ def main() -> None:
         print(f"{label:24}" + "".join(f"{fmt.format(results[name][key]):>14}" for name in runs))
     print(f"{'ideal hit ratio':24}{ideal_ratio:>14.3f}")
     if args.json:
-        print(json.dumps({"bench": "prefix_cache", "scale": args.scale, "ideal_hit_ratio": ideal_ratio, **results}))
+        print(figures.dumps({"bench": "prefix_cache", "scale": args.scale, "ideal_hit_ratio": ideal_ratio, **results}))
 
 
 if __name__ == "__main__":

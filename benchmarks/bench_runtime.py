@@ -11,11 +11,11 @@ decode tokens, one repeat unless given; the same code path.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from minifaas import figures
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.loader import ModelSpec, load_config_dict, preset_names
 from minifaas.model.runtime import ModelRuntime
@@ -71,7 +71,7 @@ def main() -> None:
         )
     print(f"(threads: {torch.get_num_threads()}; the 32K ratio is qwen3-tiny's state over each model's)")
     if args.json:
-        print(json.dumps({"bench": "runtime", "rows": rows}))
+        print(figures.dumps({"bench": "runtime", "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ JSON line of every row.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 
 import numpy as np
 
+from minifaas import figures
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.paper import paper_case
 from minifaas.planner.search import plan
@@ -137,7 +137,7 @@ def main() -> None:
             )
     print(f"({time.perf_counter() - started:.1f} s wall)")
     if args.json:
-        print(json.dumps({"bench": "scheduler", "load": args.load, "duration_s": args.duration, "rows": rows}))
+        print(figures.dumps({"bench": "scheduler", "load": args.load, "duration_s": args.duration, "rows": rows}))
 
 
 if __name__ == "__main__":

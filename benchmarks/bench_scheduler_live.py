@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minifaas import figures
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
@@ -226,7 +226,7 @@ def main() -> None:
     if args.scenario in ("shift", "both"):
         shift_scenario(args, out)
     if args.json:
-        print(json.dumps(out))
+        print(figures.dumps(out))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import aiohttp
 
+from minifaas import figures
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import LinkConfig, ServeConfig
@@ -136,7 +137,7 @@ def main() -> None:
         )
     print(f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats})")
     if a.json:
-        print(json.dumps({"bench": "serve", "rows": rows}))
+        print(figures.dumps({"bench": "serve", "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ given, the same code path; ``--json`` ends with one JSON line of the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
+from minifaas import figures
 from minifaas.planner.paper import paper_case
 from minifaas.planner.search import plan
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
@@ -68,7 +68,7 @@ def main() -> None:
     print(f"egress       mean {result.egress_gbps_mean:.0f} Gbps, p99 {result.egress_gbps_p99:.0f} Gbps")
     print(f"             planned {point.egress_gbps * args.load:.0f} Gbps at this load")
     if args.json:
-        figures = {
+        measured = {
             "gpus": config.gpus,
             "requests": len(workload),
             "duration_s": args.duration,
@@ -81,7 +81,7 @@ def main() -> None:
             "ttft_p90_s": result.ttft_p90_s,
             "egress_gbps_mean": result.egress_gbps_mean,
         }
-        print(json.dumps({"bench": "sim", **figures}))
+        print(figures.dumps({"bench": "sim", **measured}))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from minifaas import figures
 from minifaas.model.state_codec import tensor_bytes
 from minifaas.transport import KVSender, SenderConfig
 from minifaas.transport.emulator_control import EmulatorProcess
@@ -346,7 +347,7 @@ async def main(args: argparse.Namespace) -> None:
         if args.only in (None, name):
             await part()
     if args.json:
-        print(json.dumps(RESULTS))
+        print(figures.dumps(RESULTS))
 
 
 if __name__ == "__main__":

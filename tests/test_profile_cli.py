@@ -8,9 +8,9 @@ from minifaas.cli import main
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder
-from minifaas.model.profile_cli import _latency_model, measure_decode
+from minifaas.model.profile_cli import _bs_max_text, _latency_model, _latency_text, measure_decode
 from minifaas.planner.paper import paper_case
-from minifaas.planner.profile import PrefillProfile, ProfilePoint, load_profiles
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, load_profiles
 from minifaas.planner.search import best_prfaas
 from minifaas.sim.sim_cli import with_profiles
 
@@ -19,7 +19,9 @@ def test_profile_writes_what_the_planner_reads(tmp_path, capsys: pytest.CaptureF
     out = tmp_path / "cpu.json"
     argv = ["profile", "--model", "kimi-linear-tiny", "--lengths", "16,64,128", "--batches", "1,2"]
     assert main([*argv, "--repeats", "1", "--decode-steps", "2", "--slo", "0.001", "--out", str(out)]) == 0
-    assert "wrote" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "()" not in printed  # the latency model is written out, not an empty tuple
+    assert "the largest batch measured, and it still meets 0.001 tokens/s" in printed  # BS_max is a lower bound
 
     prefill, decode = load_profiles(out)
     assert prefill is not None and decode is not None
@@ -27,11 +29,22 @@ def test_profile_writes_what_the_planner_reads(tmp_path, capsys: pytest.CaptureF
     sizes = [p.kv_bytes for p in prefill.points]
     assert sizes[0] < sizes[1] < sizes[2], "the state grows with the prompt (full-attention KV)"
     assert prefill.kv_bytes_per_token > 0 and prefill.kv_fixed_bytes > 0  # hybrid: a fixed recurrent state too
-    assert decode.bs_max == 2 and decode.step_time_s == pytest.approx(1000.0)
+    assert decode.bs_max == 2 and decode.step_time_s < 1.0  # the step measured at batch 2, not 1/SLO = 1000 s
+    assert f"step {decode.step_time_s * 1000:.2f} ms" in printed
 
     case = with_profiles(paper_case(), None, str(out))
     assert case.pd_prefill == prefill and case.decode == decode and case.prfaas == paper_case().prfaas
     assert best_prfaas(case).throughput_rps > 0
+
+
+def test_bs_max_says_which_measured_batch_missed_the_slo() -> None:
+    steps = [(1, 0.01), (4, 0.02), (16, 0.05)]
+    decode = DecodeProfile.from_steps("cpu", 1, steps, slo_tokens_per_s=40)
+    assert (decode.bs_max, decode.step_time_s) == (4, 0.02)
+    text = _bs_max_text(decode, steps, 40)
+    assert "the largest batch meeting 40 tokens/s (25.0 ms a step); batch 16 took 50.00 ms" in text
+    assert "T(l) = 0.1 + 0.002 l + 3e-06 l^2 s" in _latency_text((0.1, 0.002, 3e-6))
+    assert "piecewise-linear" in _latency_text(())
 
 
 def test_decode_is_timed_on_the_decoder_a_worker_runs() -> None:

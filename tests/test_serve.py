@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -45,7 +46,8 @@ def _post(url: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> str:
+def serve_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[str]]]:
+    """A ``minifaas serve`` process: its URL, and the lines it logged until it served."""
     key_file = tmp_path_factory.mktemp("serve") / "api-key"
     key_file.write_text(KEY + "\n")  # from a file, so the key is not in ps
     proc = subprocess.Popen(
@@ -69,21 +71,27 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> str:
         text=True,
         start_new_session=True,
     )
-    port = None
+    port, lines = None, []
     deadline = time.monotonic() + 240
     while port is None and time.monotonic() < deadline:
         line = proc.stderr.readline()  # type: ignore[union-attr]
         if not line:
             break
+        lines.append(line)
         if "serving" in line and "http://" in line:
             port = int(line.split("http://")[1].split("/")[0].rsplit(":", 1)[1])
     assert port is not None, "server did not start"
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", lines
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     time.sleep(0.5)
     leftovers = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert leftovers == [], f"processes left after shutdown: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def server(serve_process: tuple[str, list[str]]) -> str:
+    return serve_process[0]
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +207,31 @@ def test_client_disconnect_mid_stream_frees_the_request(server: str) -> None:
         time.sleep(0.2)
     assert _get(f"{server}/health")[1]["inflight"] == 0
     assert 'outcome="abort"' in _get(f"{server}/metrics")[1]
+
+
+def test_start_up_logs_each_process_starting_then_ready(serve_process: tuple[str, list[str]]) -> None:
+    lines = serve_process[1]
+    for name in ("prfaas-p0", "pd-p0", "pd-d0", "prfaas->pd"):
+        starting = next(i for i, line in enumerate(lines) if f"{name} (" in line and "starting" in line)
+        ready = next(i for i, line in enumerate(lines) if f"{name} (" in line and "ready after" in line)
+        assert starting < ready, f"{name}: ready before starting"
+    assert "t 300, rule scarce: moved by the link's use from now on" in "".join(lines)
+
+
+def test_an_idle_server_reports_empty_queues(server: str) -> None:
+    """Each worker's cache-events inbox is open for its whole life: it is not a queued request."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _get(f"{server}/health")[1]["inflight"] != 0:
+        time.sleep(0.2)
+    depths: dict[str, float] = {}
+    while time.monotonic() < deadline:  # the gateway samples its queues once a second
+        text = str(_get(f"{server}/metrics")[1])
+        depths = {
+            line.split('stage="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("minifaas:queue_depth{")
+        }
+        if set(depths) == {"prfaas_prefill", "pd_prefill", "decode"} and not any(depths.values()):
+            break
+        time.sleep(0.5)
+    assert depths == {"prfaas_prefill": 0, "pd_prefill": 0, "decode": 0}

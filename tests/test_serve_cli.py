@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from minifaas.cli import main
 from minifaas.serve.config import ServeConfig
-from minifaas.serve.serve_cli import API_KEY_ENV, add_arguments, config_from_args, run
+from minifaas.serve.serve_cli import API_KEY_ENV, add_arguments, config_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -40,7 +41,9 @@ def test_a_missing_or_empty_key_file_is_a_one_line_error(
     keyfile = tmp_path / "key"
     if content is not None:
         keyfile.write_text(content)
-    assert run(parse("--api-key-file", str(keyfile))) == 2
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--api-key-file", str(keyfile)])
+    assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("minifaas serve: error: ") and "--api-key-file" in err and err.count("\n") == 1
 

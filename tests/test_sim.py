@@ -13,6 +13,7 @@ import pytest
 from minifaas.cli import main
 from minifaas.planner import LengthDistribution, OperatingPoint, PlanCase, plan
 from minifaas.planner.paper import paper_case
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, save_profiles
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
 from minifaas.sim.config import NO_OFFLOAD, config_for
 from minifaas.sim.link import LinkConfig
@@ -162,6 +163,21 @@ def test_sim_json_command(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
         assert key in out
     assert out["requests"] > 100 and out["completed"] == out["requests"]
     assert csv_path.read_text().startswith("time_s,prfaas_prefill,pd_prefill")
+
+
+def test_a_plan_that_leaves_pd_prefill_unused_says_why(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny CPU model's profile (slow prefill, slow decode) against the paper's H200 PrfaaS: every prompt goes
+    to PrfaaS, so the PD prefill figures are null in JSON, and one line says why."""
+    points = (ProfilePoint(64, 1.0, 176_128.0), ProfilePoint(256, 3.0, 299_008.0))
+    save_profiles(tmp_path / "cpu.json", PrefillProfile("cpu", 1, points), DecodeProfile("cpu", 1, 8, 0.1))
+    assert (
+        main(["sim", "--case", "paper", "--pd-profile", str(tmp_path / "cpu.json"), "--duration", "300", "--json"]) == 0
+    )
+    captured = capsys.readouterr()
+    out = json.loads(captured.out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert out["threshold_tokens"] == 0 and out["n_prefill"] == 0 and out["offload_fraction"] == 1.0
+    assert out["ttft_pd_mean_s"] is None and out["ttft_prfaas_mean_s"] > 0
+    assert "plan: PrfaaS prefills every prompt (t = 0)" in captured.err and "no request takes the PD" in captured.err
 
 
 def test_sim_does_not_import_torch() -> None:

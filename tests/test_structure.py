@@ -26,8 +26,12 @@ _TRANSFORMERS = "transformers imports in seconds, and only after select_kernels(
 _TORCH_IN_CHILD = "the process that sets up the namespaces never loads torch; its sink and probe children do"
 _PLOT = "matplotlib is the optional plot extra"
 _TORCH_WHEN_PROFILING = "torch loads when profiling starts, not to parse flags"
+_TORCH_FOR_A_MODEL_FLAG = "torch loads to check a --model or a CUDA --device, not for every command's flags"
 # (module, what it imports inside a function) -> why the import is not at the top of the module
 LAZY_IMPORTS = {
+    ("minifaas.arguments", "minifaas.model.loader"): _TORCH_FOR_A_MODEL_FLAG,
+    ("minifaas.arguments", "torch"): _TORCH_FOR_A_MODEL_FLAG,
+    ("minifaas.arguments", "minifaas.traces"): "numpy loads for a --trace flag, not in the link emulator's process",
     ("minifaas.model.state_layout", "transformers"): _TRANSFORMERS,
     ("minifaas.model.loader", "transformers"): _TRANSFORMERS,
     ("minifaas.model.tokenizer", "transformers"): _TRANSFORMERS,

@@ -5,29 +5,32 @@ from __future__ import annotations
 import argparse
 import time
 
-from rich.console import Console
-
+from minifaas import arguments
+from minifaas.cli import stdout_console, user_input
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or local checkpoint directory")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    parser.add_argument("--prompt", default="To be, or not to be, that is the question:")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--model", type=arguments.model, default=DEFAULT_MODEL, help="preset or local checkpoint dir")
+    parser.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--prompt", default="To be, or not to be, that is the question:", help="the prompt's text")
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens to generate (the end token does not stop it)"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
+    parser.add_argument("--seed", type=int, help="sampling seed (default: none, a fresh one per run)")
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = stdout_console()
+    with user_input():
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=True
+        )
     rt = ModelRuntime.load(args.model, device=args.device)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=True
-    )
     ids = rt.tokenizer.encode(args.prompt)
     layers: list[str] = []
     result = rt.prefill(ids, sampling=params, on_layer=lambda s: layers.append(f"{s.layer}:{s.kind.name.lower()}"))

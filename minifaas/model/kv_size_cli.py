@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from minifaas import arguments, figures
+from minifaas.cli import stdout_console, user_input
 from minifaas.model.kv_size import KVProfile, kv_profile
 from minifaas.model.loader import DEFAULT_MODEL, MODELS_DIR, ModelSpec, load_config_dict, preset_names
 
@@ -19,16 +19,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         action="append",
+        type=arguments.model,
         metavar="PRESET|DIR|config.json",
         help=f"a preset ({', '.join(preset_names())}), a checkpoint dir or a config.json; "
-        f"repeat to compare (default {DEFAULT_MODEL})",
+        f"repeat to compare (default: {DEFAULT_MODEL})",
     )
     parser.add_argument("--all-presets", action="store_true", help="every preset")
-    parser.add_argument("--real-configs", action="store_true", help=f"every config in {MODELS_DIR / 'configs'}")
+    parser.add_argument("--real-configs", action="store_true", help="every config in the repository's models/configs")
     parser.add_argument(
-        "--lengths", default=",".join(str(n) for n in DEFAULT_LENGTHS), help="comma-separated prompt lengths in tokens"
+        "--lengths",
+        type=arguments.positive_ints,
+        default=",".join(str(n) for n in DEFAULT_LENGTHS),
+        help="comma-separated prompt lengths in tokens",
     )
-    parser.add_argument("--baseline", help="model whose total the others are divided by (default: the first dense one)")
+    parser.add_argument(
+        "--baseline",
+        help="a model shown, or any model, whose bytes the others are divided by (default: the first dense one)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -39,12 +46,13 @@ def run(args: argparse.Namespace) -> int:
     if args.real_configs:
         specs += sorted(str(p) for p in (MODELS_DIR / "configs").glob("*.json"))
     profiles = [_profile(s) for s in (specs or [DEFAULT_MODEL])]
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    baseline = _baseline(profiles, args.baseline)
+    lengths = args.lengths
+    with user_input():
+        baseline = _baseline(profiles, args.baseline)
     if args.json:
-        print(json.dumps({p.name: _as_dict(p, lengths, baseline) for p in profiles}))
+        print(figures.dumps({p.name: _as_dict(p, lengths, baseline) for p in profiles}))
         return 0
-    console = Console()
+    console = stdout_console()
     for p in profiles:
         table = Table(title=f"{p.name}: state per request by layer kind")
         for col in ("layer kind", "layers", "bytes/token (growing)", "fixed bytes/request", "window"):

@@ -8,10 +8,13 @@ time, and the bytes of the state it leaves (every layer's KV or recurrent
 state: what crosses the link). Decode: for each batch size B, the time of one
 decode step of B requests as a decode worker runs them (``make_decoder``:
 one batched forward of B rows; with ``--unbatched``, B forwards, as a worker
-with ``--max-batch 1``); BS_max is the largest B whose step still meets
-``--slo`` tokens/s. The file has the [prefill] and [decode] tables
-of ``planner.profile``: ``minifaas sim --prfaas-profile/--pd-profile`` use them,
-and ``load_profiles`` reads them anywhere else.
+with ``--max-batch 1``). BS_max is the largest measured B whose step still
+meets ``--slo`` tokens/s per request, and the step time written is the one
+measured at BS_max. When even the largest B measured meets the SLO, BS_max is
+only a lower bound, and the command says so: time larger batches
+(``--batches``) to find the limit. The file has the [prefill] and [decode]
+tables of ``planner.profile``: ``minifaas sim --prfaas-profile/--pd-profile``
+use them, and ``load_profiles`` reads them anywhere else.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from minifaas import arguments
+from minifaas.cli import BadInput
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, fit_kv, fit_latency, save_profiles
 
@@ -31,20 +36,20 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=arguments.model, default=DEFAULT_MODEL, help="preset or local checkpoint dir")
+    parser.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N")
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"preset or local checkpoint dir (default {DEFAULT_MODEL})"
+        "--lengths", type=arguments.positive_ints, default="64,256,1024", help="prompt lengths in tokens (two or more)"
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    parser.add_argument("--lengths", default="64,256,1024", help="prompt lengths in tokens, comma-separated")
-    parser.add_argument("--batches", default="1,2,4,8", help="decode batch sizes, comma-separated")
+    parser.add_argument("--batches", type=arguments.positive_ints, default="1,2,4,8", help="decode batch sizes")
     parser.add_argument("--decode-steps", type=int, default=8, help="steps timed per batch size")
     parser.add_argument(
         "--unbatched", action="store_true", help="time decode one forward per request (workers' --max-batch 1)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="prefills timed per length (the median is kept)")
     parser.add_argument("--slo", type=float, default=40.0, help="decode SLO in tokens/s per request")
-    parser.add_argument("--gpus-per-instance", type=int, default=1)
-    parser.add_argument("--name", help="profile name (default: model@device)")
+    parser.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs one instance of the model uses")
+    parser.add_argument("--name", help="profile name (default: MODEL@DEVICE)")
     parser.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
 
 
@@ -81,10 +86,9 @@ def measure_decode(runtime: ModelRuntime, batches: list[int], steps: int, batche
 def run(args: argparse.Namespace) -> int:
     from minifaas.model.runtime import ModelRuntime  # torch is loaded only here
 
-    lengths = sorted(int(x) for x in args.lengths.split(","))
-    batches = sorted(int(x) for x in args.batches.split(","))
-    if len(lengths) < 2 or min(lengths) < 1 or min(batches) < 1 or args.repeats < 1 or args.decode_steps < 1:
-        raise SystemExit("need at least two lengths >= 1, batches >= 1, repeats and decode steps >= 1")
+    lengths, batches = sorted(set(args.lengths)), sorted(set(args.batches))
+    if len(lengths) < 2 or args.repeats < 1 or args.decode_steps < 1 or args.slo <= 0:
+        raise BadInput("need two lengths or more, --repeats and --decode-steps >= 1 and --slo > 0")
     runtime = ModelRuntime.load(args.model, args.device)
     name = args.name or f"{args.model}@{args.device}"
     runtime.prefill([1, 2, 3, 4])  # warm-up: first-call allocations are not the model's speed
@@ -105,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{name}: prefill")
     for p in points:
         print(f"  {p.tokens:>7} tokens  {p.latency_s:8.4f} s  {p.kv_bytes / 2**20:9.3f} MiB")
-    print(f"  KV = {prefill.kv_fixed_bytes:,.0f} B + {per_token:,.1f} B/token; latency coeffs {prefill.latency_coeffs}")
+    print(f"  KV = {prefill.kv_fixed_bytes:,.0f} B + {per_token:,.1f} B/token")
+    print(f"  latency {_latency_text(prefill.latency_coeffs)}")
     print(f"decode step time ({'one forward per request' if args.unbatched else 'batched'})")
     for b, seconds in steps:
         print(f"  batch {b:>4}  {seconds * 1000:9.2f} ms  ({1 / seconds:7.1f} tokens/s per request)")
@@ -115,10 +120,32 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"  no [decode] table written: {e}")
     else:
-        print(f"  BS_max {decode.bs_max} at {args.slo:g} tokens/s")
+        print(f"  {_bs_max_text(decode, steps, args.slo)}")
     save_profiles(args.out, prefill, decode)
     print(f"wrote {args.out}")
     return 0
+
+
+def _latency_text(coeffs: tuple[float, ...]) -> str:
+    if not coeffs:
+        return "T(l): piecewise-linear through the points above, extended linearly past them"
+    terms = [f"{c:.4g}" + ("" if i == 0 else " l" if i == 1 else f" l^{i}") for i, c in enumerate(coeffs)]
+    return f"T(l) = {' + '.join(terms)} s (least squares)"
+
+
+def _bs_max_text(decode: DecodeProfile, steps: list[tuple[int, float]], slo: float) -> str:
+    """What BS_max rests on: the first batch measured that misses the SLO, or none (then it is a lower bound)."""
+    step = f"step {decode.step_time_s * 1000:.2f} ms"
+    missed = next(((b, s) for b, s in steps if b > decode.bs_max), None)
+    if missed is None:
+        return (
+            f"BS_max {decode.bs_max} ({step}): the largest batch measured, and it still meets {slo:g} tokens/s, "
+            "so the real limit is higher; time larger batches (--batches) to find it"
+        )
+    return (
+        f"BS_max {decode.bs_max} ({step}): the largest batch meeting {slo:g} tokens/s "
+        f"({1000 / slo:.1f} ms a step); batch {missed[0]} took {missed[1] * 1000:.2f} ms"
+    )
 
 
 def _latency_model(points: tuple[ProfilePoint, ...]) -> tuple[float, ...]:

@@ -8,8 +8,9 @@ minifaas plan --case my.toml --link-gbps 25 --plot out.png
 from __future__ import annotations
 
 import argparse
-import json
 
+from minifaas import figures
+from minifaas.cli import user_input
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.paper import named_case
@@ -20,19 +21,27 @@ from minifaas.planner.search import Plan, SearchGrid, plan
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", metavar="PNG", help="draw the bounds vs N_p and vs t (needs matplotlib)")
-    parser.add_argument("--link-gbps", type=float, help="override the PrfaaS egress bandwidth")
-    parser.add_argument("--n-prfaas", type=int, help="override the PrfaaS instance count")
-    parser.add_argument("--n-pd", type=int, help="override N_p + N_d")
-    parser.add_argument("--n-homogeneous", type=int, help="override the homogeneous baseline's instances")
-    parser.add_argument("--output-tokens", type=float, help="override the mean output length")
+    parser.add_argument(
+        "--plot", metavar="PNG", help="draw the bounds vs N_p and vs t (needs matplotlib; default: no plot)"
+    )
+    parser.add_argument("--link-gbps", type=float, help="PrfaaS egress bandwidth in Gbit/s (default: the case's)")
+    parser.add_argument("--n-prfaas", type=int, help="PrfaaS instances (default: the case's)")
+    parser.add_argument("--n-pd", type=int, help="PD instances, N_p + N_d (default: the case's)")
+    parser.add_argument("--n-homogeneous", type=int, help="instances of the homogeneous baseline (default: the case's)")
+    parser.add_argument("--output-tokens", type=float, help="mean output length in tokens (default: the case's)")
     parser.add_argument("--threshold-step", type=int, default=100, help="grid step of t in tokens")
-    parser.add_argument("--kv-bytes-per-token", type=float, help="replace the model's KV growth (both clusters)")
-    parser.add_argument("--kv-fixed-bytes", type=float, help="replace the model's fixed-size state per request")
+    parser.add_argument(
+        "--kv-bytes-per-token", type=float, help="replace the model's KV growth, both clusters (default: the case's)"
+    )
+    parser.add_argument(
+        "--kv-fixed-bytes", type=float, help="replace the model's fixed state per request (default: the case's)"
+    )
     parser.add_argument(
         "--expected-latency", action="store_true", help="price prefill by E[T(L)] instead of the paper's T(E[L])"
     )
-    parser.add_argument("--price-ratio", type=float, help="price of a PrfaaS GPU over a PD GPU: adds cost figures")
+    parser.add_argument(
+        "--price-ratio", type=float, help="price of a PrfaaS GPU over a PD GPU: adds cost figures (default: none)"
+    )
 
 
 def resolve_case(args: argparse.Namespace) -> PlanCase:
@@ -63,11 +72,12 @@ def to_json(case: PlanCase, result: Plan, price_ratio: float | None) -> dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    case = resolve_case(args)
-    grid = SearchGrid(threshold_step=args.threshold_step)
+    with user_input():
+        case = resolve_case(args)
+        grid = SearchGrid(threshold_step=args.threshold_step)
     result = plan(case, grid, args.expected_latency)
     if args.json:
-        print(json.dumps(to_json(case, result, args.price_ratio), indent=2))
+        print(figures.dumps(to_json(case, result, args.price_ratio), indent=2))
     else:
         print_table(case, result, args.price_ratio)
     if args.plot:

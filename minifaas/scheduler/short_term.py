@@ -169,9 +169,11 @@ class ShortTermPolicy:
         self.reasons[reason] += 1
         self.rule_changes += self.rule is not previous_rule
         self.history.append(decision)
-        level = logging.INFO if action is not Action.HOLD or self.rule is not previous_rule else logging.DEBUG
+        changed = self.rule is not previous_rule
+        level = logging.INFO if action is not Action.HOLD or changed else logging.DEBUG
+        rule = f"{previous_rule} -> {self.rule}" if changed else str(self.rule)
         log.log(level, "t %d -> %d (%s: %s), rule %s, utilisation %.2f", previous, self.threshold, action,
-                reason, self.rule, self.utilisation)  # fmt: skip
+                reason, rule, self.utilisation)  # fmt: skip
         return decision
 
     def _move(self, s: Signals) -> tuple[Action, Reason]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.transport.pacer import parse_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,8 @@ class LinkConfig:
     def __post_init__(self) -> None:
         if self.connections < 1 or self.delay_ms < 0 or self.jitter_ms < 0:
             raise ValueError("need connections >= 1 and non-negative delay and jitter")
+        for rate in (self.rate, self.flow_rate):  # a rate the emulator cannot read fails here, not in its process
+            parse_rate(rate)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,29 +10,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, replace
 
 import aiohttp
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from minifaas import arguments
+from minifaas.cli import stdout_console, user_input
 from minifaas.serve.config import LinkConfig, ServeConfig
 from minifaas.serve.serve_cli import running_server
+from minifaas.serve.startup import StartupView
 
 VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=ServeConfig().model)
+    parser.add_argument("--model", type=arguments.model, default=ServeConfig().model, help="preset or checkpoint dir")
     parser.add_argument("--short", type=int, default=8, help="short prompts (stay local)")
     parser.add_argument("--long", type=int, default=4, help="long prompts (go to PrfaaS)")
-    parser.add_argument("--long-tokens", type=int, default=2000)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--threshold", type=int, default=512)
-    parser.add_argument("--link-rate", default="50mbit")
+    parser.add_argument("--long-tokens", type=int, default=2000, help="length of the first long prompt in tokens")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
+    parser.add_argument("--threshold", type=int, default=512, help="prompts longer than this go to PrfaaS")
+    parser.add_argument("--link-rate", type=arguments.rate, default="50mbit", help="the inter-cluster link's rate")
 
 
 @dataclass(slots=True)
@@ -54,14 +57,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    console = Console()
-    config = replace(
-        ServeConfig(model=args.model, port=0, threshold=args.threshold),
-        link=LinkConfig(rate=args.link_rate, delay_ms=5.0),
-    )
+    console = stdout_console()
+    with user_input():
+        if min(args.short, args.long) < 0 or min(args.long_tokens, args.max_tokens) < 1:
+            raise ValueError("need --short, --long >= 0 and --long-tokens, --max-tokens >= 1")
+        config = replace(
+            ServeConfig(model=args.model, port=0, threshold=args.threshold),
+            link=LinkConfig(rate=args.link_rate, delay_ms=5.0),
+        )
     console.print(f"[bold]starting[/] PrfaaS prefill + PD-P + PD-D workers and a {args.link_rate} link emulator ...")
     t0 = time.perf_counter()
-    async with running_server(config) as (gateway, port):
+    async with contextlib.AsyncExitStack() as stack:
+        with StartupView(console, console.print) as view:
+            gateway, port = await stack.enter_async_context(running_server(config, view))
         console.print(
             f"ready in {time.perf_counter() - t0:.1f} s on port {port}; sending {args.short} short "
             f"and {args.long} long prompts at once (threshold {args.threshold} tokens)"
@@ -69,15 +77,22 @@ async def _demo(args: argparse.Namespace) -> int:
         rows = [Row(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
         rows += [Row(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
         base = f"http://127.0.0.1:{port}/v1/completions"
+        # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
+        live = Live(_table(rows, gateway.link_stats), console=console) if console.is_terminal else None
         async with aiohttp.ClientSession() as http:
-            with Live(_table(rows, gateway.link_stats), console=console, refresh_per_second=4) as live:
+            with live or contextlib.nullcontext():
                 jobs = [asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens)) for row in rows]
                 while not all(j.done() for j in jobs):
-                    live.update(_table(rows, gateway.link_stats))
+                    if live is not None:
+                        live.update(_table(rows, gateway.link_stats))
                     await asyncio.sleep(0.25)
-                live.update(_table(rows, gateway.link_stats))
+                if live is not None:
+                    live.update(_table(rows, gateway.link_stats))
                 for j in jobs:
                     j.result()
+        if live is None:
+            console.print(_table(rows, gateway.link_stats))
+        console.print()  # the summary's title apart from the table above
         console.print(_summary(rows))
     console.print(f"[bold]stopped[/]: all processes shut down; total {time.perf_counter() - t0:.1f} s")
     return 0 if all(r.status == "done" for r in rows) else 1

@@ -13,92 +13,146 @@ import contextlib
 import logging
 import os
 import signal
-import sys
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
+from rich.console import Console
+from rich.logging import RichHandler
+
+from minifaas import arguments
+from minifaas.cli import BadInput, user_input
+from minifaas.model.loader import ModelSpec
+from minifaas.planner.profile import load_profiles
+from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.api import build_app
 from minifaas.serve.config import CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.http_server import serve_http
 from minifaas.serve.metrics import ServeMetrics
+from minifaas.serve.startup import StartupListener, StartupView
 
 log = logging.getLogger("minifaas.serve")
 API_KEY_ENV = "MINIFAAS_API_KEY"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ServeConfig()
+    # the flags default to None, so a --config file's settings stand unless a flag is given;
+    # the defaults shown are ServeConfig's
+    d, rules = ServeConfig(), ShortTermConfig()
     parser.add_argument(
         "--config",
-        help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler], [http]); flags override it",
+        type=arguments.existing_file,
+        help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler], [http]); flags override it "
+        "(default: none)",
     )
-    parser.add_argument("--host", help=f"address to listen on (default {d.host})")
-    parser.add_argument("--port", type=int, help=f"HTTP port (default {d.port})")
-    parser.add_argument("--model", help=f"preset or local checkpoint dir (default {d.model})")
-    parser.add_argument("--threshold", type=int, help=f"prompts longer than this go PrfaaS (default {d.threshold})")
-    parser.add_argument("--fixed-threshold", action="store_true", help="the scheduler never moves t or the rule")
+    parser.add_argument("--host", help=f"address to listen on (default: {d.host})")
+    parser.add_argument("--port", type=int, help=f"HTTP port; 0: any free one (default: {d.port})")
+    parser.add_argument("--model", type=arguments.model, help=f"preset or local checkpoint dir (default: {d.model})")
     parser.add_argument(
-        "--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (shows in ps: prefer ${API_KEY_ENV})"
+        "--threshold", type=int, help=f"prompts longer than this go to PrfaaS, at start (default: {d.threshold})"
     )
-    parser.add_argument("--api-key-file", metavar="PATH", help="read the API key from the first line of PATH")
+    parser.add_argument(
+        "--fixed-threshold", action="store_true", help="the short-term scheduler never moves t or the routing rule"
+    )
+    parser.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' on /v1/*; shows in ps: prefer ${API_KEY_ENV} (default: none, open)",
+    )
+    parser.add_argument(
+        "--api-key-file", metavar="PATH", help="read the API key from the first line of PATH (default: none)"
+    )
     parser.add_argument(
         "--first-token-timeout",
         type=float,
-        help=f"seconds a request may wait for its first token (default {d.first_token_timeout:g})",
+        help=f"seconds a request may wait for its first token (default: {d.first_token_timeout:g})",
     )
     parser.add_argument(
         "--token-timeout",
         type=float,
-        help=f"seconds the output may pause between two tokens (default {d.token_timeout:g})",
+        help=f"seconds the output may pause between two tokens (default: {d.token_timeout:g})",
     )
     parser.add_argument("--request-timeout", type=float, help="seconds a whole request may take (default: no limit)")
     parser.add_argument(
-        "--max-connections", type=int, help=f"open HTTP connections; more get 503 (default {d.http.max_connections})"
+        "--max-connections", type=int, help=f"open HTTP connections; more get 503 (default: {d.http.max_connections})"
     )
     parser.add_argument(
-        "--header-timeout", type=float, help=f"seconds to send a request's headers (default {d.http.header_timeout:g})"
+        "--header-timeout", type=float, help=f"seconds to send a request's headers (default: {d.http.header_timeout:g})"
     )
     parser.add_argument(
-        "--body-timeout", type=float, help=f"seconds to send a request's body (default {d.http.body_timeout:g})"
+        "--body-timeout", type=float, help=f"seconds to send a request's body (default: {d.http.body_timeout:g})"
     )
-    parser.add_argument("--prfaas-workers", type=int, help="PrfaaS prefill workers (default 1)")
-    parser.add_argument("--pd-prefill-workers", type=int, help="PD-P workers (default 1)")
-    parser.add_argument("--pd-decode-workers", type=int, help="PD-D workers (default 1)")
-    parser.add_argument("--max-batch", type=int, help=f"decode rows per forward, 1: unbatched ({d.pd.max_batch})")
     parser.add_argument(
-        "--prefill-chunk", type=int, help=f"prompt tokens per prefill forward, 0: one (default {d.pd.prefill_chunk})"
+        "--prfaas-workers", type=int, help=f"PrfaaS prefill workers (default: {d.prfaas.prefill_workers})"
     )
-    parser.add_argument("--prfaas-device", help="cpu or cuda:N for the PrfaaS cluster")
-    parser.add_argument("--pd-device", help="cpu or cuda:N for the PD cluster")
-    parser.add_argument("--link-rate", help="inter-cluster bandwidth, e.g. 100mbit, 10gbit, none")
-    parser.add_argument("--link-delay-ms", type=float, help="one-way delay of the link")
-    parser.add_argument("--connections", type=int, help="TCP connections per KV transfer")
+    parser.add_argument("--pd-prefill-workers", type=int, help=f"PD-P workers (default: {d.pd.prefill_workers})")
+    parser.add_argument("--pd-decode-workers", type=int, help=f"PD-D workers (default: {d.pd.decode_workers})")
+    parser.add_argument(
+        "--max-batch", type=int, help=f"decode rows per forward; 1: unbatched (default: {d.pd.max_batch})"
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=int, help=f"prompt tokens per prefill forward; 0: one (default: {d.pd.prefill_chunk})"
+    )
+    parser.add_argument(
+        "--prfaas-device",
+        type=arguments.device,
+        help=f"cpu or cuda:N for the PrfaaS cluster (default: {d.prfaas.device})",
+    )
+    parser.add_argument(
+        "--pd-device", type=arguments.device, help=f"cpu or cuda:N for the PD cluster (default: {d.pd.device})"
+    )
+    parser.add_argument(
+        "--link-rate",
+        type=arguments.rate,
+        help=f"inter-cluster bandwidth, e.g. 100mbit, 10gbit, none (default: {d.link.rate})",
+    )
+    parser.add_argument(
+        "--link-delay-ms", type=float, help=f"one-way delay of the link in ms (default: {d.link.delay_ms:g})"
+    )
+    parser.add_argument(
+        "--connections", type=int, help=f"TCP connections per KV transfer (default: {d.link.connections})"
+    )
     parser.add_argument("--no-pipelining", action="store_true", help="send a state only when all layers are done")
-    parser.add_argument("--prefix-cache", choices=("hybrid", "none"), help=f"prefix cache (default {d.cache.mode})")
-    parser.add_argument("--cache-block-size", type=int, help=f"tokens per cached block (default {d.cache.block_size})")
+    parser.add_argument("--prefix-cache", choices=("hybrid", "none"), help=f"prefix cache (default: {d.cache.mode})")
+    parser.add_argument("--cache-block-size", type=int, help=f"tokens per cached block (default: {d.cache.block_size})")
     parser.add_argument(
         "--snapshot-interval",
         type=int,
-        help=f"blocks between state snapshots; 0: at prompt ends only (default {d.cache.snapshot_interval_blocks})",
+        help=f"blocks between state snapshots; 0: at prompt ends only (default: {d.cache.snapshot_interval_blocks})",
     )
     parser.add_argument(
-        "--cache-mib", type=float, help=f"prefix cache per prefill node (default {d.cache.capacity_mib})"
+        "--cache-mib", type=float, help=f"prefix cache per prefill node in MiB (default: {d.cache.capacity_mib:g})"
     )
     parser.add_argument(
         "--no-incremental-transfer", action="store_true", help="ship the whole KV even if decode holds a prefix"
     )
     parser.add_argument("--no-cache-moves", action="store_true", help="never move a cache across the link first")
-    parser.add_argument("--route-rule", choices=("scarce", "abundant"), help=f"routing rule (default {d.cache.rule})")
     parser.add_argument(
-        "--profile", help="an instance profile (minifaas profile --out): turns on re-planning and PD role conversion"
+        "--route-rule",
+        choices=("scarce", "abundant"),
+        help="the routing rule to start with; the short-term scheduler then picks it from the link's use "
+        f"(abundant while under {_percent(rules.abundant_below)} busy, scarce above {_percent(rules.scarce_above)}) "
+        f"unless --fixed-threshold (default: {d.cache.rule})",
     )
     parser.add_argument(
-        "--rebalance-period", type=float, help=f"seconds between re-plans (default {d.scheduler.period_s})"
+        "--profile",
+        type=arguments.existing_file,
+        help="an instance profile (minifaas profile --out): turns on re-planning and PD role conversion "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--rebalance-period", type=float, help=f"seconds between re-plans (default: {d.scheduler.period_s:g})"
     )
     parser.add_argument("--no-rebalance", action="store_true", help="never re-plan or change a PD worker's role")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="the least severe log lines shown"
+    )
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction:.0%}".replace("%", "%%")  # argparse formats help with %
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -187,32 +241,56 @@ def _api_key(args: argparse.Namespace, configured: str | None) -> str | None:
 
 
 @contextlib.asynccontextmanager
-async def running_server(config: ServeConfig) -> AsyncIterator[tuple[Gateway, int]]:
+async def running_server(
+    config: ServeConfig, on_startup: StartupListener | None = None
+) -> AsyncIterator[tuple[Gateway, int]]:
     """The gateway with its HTTP API listening; yields (gateway, bound port)."""
     metrics = ServeMetrics()
-    async with Gateway(config, metrics) as gateway:
+    async with Gateway(config, metrics, on_startup) as gateway:
         app = build_app(gateway, metrics, config.api_key, config.http)
         async with serve_http(app, config.host, config.port, config.http, metrics) as site:
             yield gateway, site.port
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+def checked_config(args: argparse.Namespace) -> ServeConfig:
+    """The configuration, with what it names checked before any worker starts: the model, the profile, the port."""
+    with user_input():
         config = config_from_args(args)
-    except (ValueError, OSError, TypeError) as e:
-        print(f"minifaas serve: error: {e}", file=sys.stderr)
-        return 2
-    asyncio.run(_serve(config))
+        ModelSpec.resolve(config.model)
+        if config.scheduler.profile is not None:
+            load_profiles(config.scheduler.profile)
+    if config.port:
+        try:  # aiohttp would find the port taken only once every worker is up
+            socket.create_server((config.host, config.port), family=_family(config.host)).close()
+        except OSError as e:
+            raise BadInput(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+    return config
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def run(args: argparse.Namespace) -> int:
+    config = checked_config(args)
+    console = Console(stderr=True)  # where the log goes
+    if console.is_terminal:  # log lines print above the live start-up table instead of through it
+        handler: logging.Handler = RichHandler(console=console, show_path=False, markup=False)
+        logging.basicConfig(level=args.log_level, format="%(name)s %(message)s", handlers=[handler])
+    else:
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(_serve(config, StartupView(console, log.info)))
     return 0
 
 
-async def _serve(config: ServeConfig) -> None:
+async def _serve(config: ServeConfig, view: StartupView) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with running_server(config) as (_, port):
+    async with contextlib.AsyncExitStack() as stack:
+        with view:
+            _, port = await stack.enter_async_context(running_server(config, view))
         log.info("serving %s on http://%s:%d/v1 (Ctrl-C to stop)", config.model, config.host, port)
         await stop.wait()
         log.info("stopping: workers and the link emulator are shut down")

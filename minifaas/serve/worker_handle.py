@@ -92,7 +92,7 @@ class WorkerHandle:
             raise WorkerError(f"worker {self.name} did not start: {e!r}") from None
         self.kv_port = ready["kv_port"]
         self.alive = True
-        log.info("worker %s (%s, %s) ready, pid %s", self.name, self.role, self.cluster, ready["pid"])
+        log.debug("worker %s (%s, %s) ready, pid %s", self.name, self.role, self.cluster, ready["pid"])
         return reader
 
     async def pump(self, reader: asyncio.StreamReader) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,11 +42,12 @@ class SimResult:
     role_conversions: int = 0  # PD workers that changed role and rejoined
     schedule: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)), repr=False)  # rows of SCHEDULE_COLUMNS
 
-    def to_dict(self) -> dict[str, float | int]:
+    def to_dict(self) -> dict[str, float | int | None]:
+        """The figures; None where there was nothing to measure (no request took the PD prefill path)."""
         out = asdict(self)
         out.pop("queues")
         out.pop("schedule")
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
     def write_queues_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="") as f:

@@ -17,13 +17,14 @@ configuration's planned throughput.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from minifaas import arguments, figures
+from minifaas.cli import user_input
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.paper import named_case
@@ -39,24 +40,39 @@ from minifaas.sim.metrics import SimResult
 from minifaas.sim.simulator import Simulation
 from minifaas.sim.traces import read_trace
 from minifaas.sim.workload import Workload, synthetic
+from minifaas.traces import SHIPPED_TRACES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy = parser.add_argument_group("deployment")
     deploy.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
-    deploy.add_argument("--config", choices=("prfaas", "homogeneous", "naive"), default="prfaas")
-    deploy.add_argument("--gpus", type=int, help="scale the case's instance counts and link to this many GPUs")
-    deploy.add_argument("--n-prfaas", type=int)
-    deploy.add_argument("--n-prefill", type=int)
-    deploy.add_argument("--n-decode", type=int)
+    deploy.add_argument("--config", choices=("prfaas", "homogeneous", "naive"), default="prfaas", help="what to run")
+    deploy.add_argument(
+        "--gpus", type=int, help="scale the case's instance counts and link to this many GPUs (default: the case's)"
+    )
+    deploy.add_argument("--n-prfaas", type=int, help="PrfaaS instances (default: the plan's)")
+    deploy.add_argument("--n-prefill", type=int, help="PD-P instances (default: the plan's)")
+    deploy.add_argument("--n-decode", type=int, help="PD-D instances (default: the plan's)")
     deploy.add_argument("--threshold", type=int, help="offload threshold in tokens (default: the plan's)")
-    deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value)
-    deploy.add_argument("--no-prefix-cache", action="store_true")
-    deploy.add_argument("--cache-gb", type=float, help="prefix pool size per cluster (default unlimited)")
-    deploy.add_argument("--kv-bytes-per-token", type=float, help="replace the model's KV growth (both clusters)")
-    deploy.add_argument("--kv-fixed-bytes", type=float, help="replace the model's fixed-size state per request")
-    deploy.add_argument("--prfaas-profile", help="a profile file (minifaas profile) for the PrfaaS instances")
-    deploy.add_argument("--pd-profile", help="a profile file for the PD instances (prefill and, if present, decode)")
+    deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value, help="routing rule")
+    deploy.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache in either cluster")
+    deploy.add_argument("--cache-gb", type=float, help="prefix pool size per cluster (default: unlimited)")
+    deploy.add_argument(
+        "--kv-bytes-per-token", type=float, help="replace the model's KV growth, both clusters (default: the case's)"
+    )
+    deploy.add_argument(
+        "--kv-fixed-bytes", type=float, help="replace the model's fixed state per request (default: the case's)"
+    )
+    deploy.add_argument(
+        "--prfaas-profile",
+        type=arguments.existing_file,
+        help="a profile file (minifaas profile) for the PrfaaS instances (default: the case's)",
+    )
+    deploy.add_argument(
+        "--pd-profile",
+        type=arguments.existing_file,
+        help="a profile file for the PD instances, prefill and, if it has one, decode (default: the case's)",
+    )
     sched = parser.add_argument_group("scheduler (off by default: the plan's t and split stay fixed)")
     sched.add_argument("--scheduler", action="store_true", help="adapt t every tick and re-plan N_p/N_d")
     sched.add_argument("--fixed-threshold", action="store_true", help="with --scheduler: t and the rule stay fixed")
@@ -65,28 +81,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--convert-s", type=float, default=60.0, help="restart time of a re-roled PD worker")
     link = parser.add_argument_group("link")
     link.add_argument("--link-gbps", type=float, help="inter-cluster bandwidth (default: the case's)")
-    link.add_argument("--rtt-ms", type=float, default=10.0)
+    link.add_argument("--rtt-ms", type=float, default=10.0, help="round-trip time of the link")
     link.add_argument("--pipeline-layers", type=int, default=61, help="layers streamed during prefill; 0 = off")
-    link.add_argument("--bandwidth-schedule", default="", help="changes as time_s:gbps,... e.g. 600:20,900:100")
+    link.add_argument(
+        "--bandwidth-schedule",
+        type=bandwidth_schedule,
+        default="",
+        help="changes as TIME_S:GBPS,..., e.g. 600:20,900:100 (default: none)",
+    )
     load = parser.add_argument_group("workload")
-    load.add_argument("--trace", help="a Mooncake .jsonl or Azure .csv trace instead of synthetic requests")
-    load.add_argument("--length-scale", type=float, default=1.0)
-    load.add_argument("--rate-scale", type=float, default=1.0)
-    load.add_argument("--arrivals", choices=[k.value for k in ArrivalKind], default=ArrivalKind.POISSON.value)
+    load.add_argument(
+        "--trace",
+        type=arguments.trace,
+        help=f"replay a trace instead of synthetic requests: {', '.join(SHIPPED_TRACES)} (shipped in data/traces), "
+        "or a Mooncake .jsonl / Azure .csv file (default: none)",
+    )
+    load.add_argument("--length-scale", type=float, default=1.0, help="a trace's prompt lengths times this")
+    load.add_argument("--rate-scale", type=float, default=1.0, help="a trace's arrival rate times this")
+    load.add_argument(
+        "--arrivals", choices=[k.value for k in ArrivalKind], default=ArrivalKind.POISSON.value, help="arrival process"
+    )
     load.add_argument("--load", type=float, default=0.8, help="offered rate as a fraction of planned capacity")
-    load.add_argument("--rate", type=float, help="offered rate in req/s (overrides --load)")
-    load.add_argument("--duration", type=float, help="seconds of arrivals (default 600; a trace: all of it)")
+    load.add_argument("--rate", type=float, help="offered rate in req/s (default: from --load)")
+    load.add_argument("--duration", type=float, help="seconds of arrivals (default: 600; a trace: all of it)")
     load.add_argument("--on-s", type=float, default=10.0, help="bursty: mean ON period")
     load.add_argument("--off-s", type=float, default=10.0, help="bursty: mean OFF period")
     load.add_argument("--off-fraction", type=float, default=0.0, help="bursty: OFF rate / ON rate")
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
     out = parser.add_argument_group("output")
     out.add_argument("--warmup", type=float, default=0.0, help="seconds not counted in throughput")
     out.add_argument("--no-drain", action="store_true", help="stop at the last arrival")
-    out.add_argument("--json", action="store_true")
-    out.add_argument("--queues-csv")
-    out.add_argument("--queues-png")
-    out.add_argument("--no-progress", action="store_true")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--queues-csv", metavar="CSV", help="write the queue depths over time (default: none)")
+    out.add_argument(
+        "--queues-png", metavar="PNG", help="plot the queue depths over time (needs matplotlib; default: none)"
+    )
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on a long run")
+
+
+def bandwidth_schedule(text: str) -> tuple[tuple[float, float], ...]:
+    """'600:20,900:100' -> ((600.0, 20.0), (900.0, 100.0)): from 600 s the link runs at 20 Gbit/s, and so on."""
+    try:
+        steps = tuple((float(t), float(g)) for t, g in (item.split(":") for item in text.split(",") if item))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not TIME_S:GBPS,...: {text!r} (e.g. 600:20,900:100)") from None
+    if any(t < 0 or g < 0 for t, g in steps):
+        raise argparse.ArgumentTypeError(f"times and rates must be >= 0: {text!r}")
+    return steps
 
 
 def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> PlanCase:
@@ -124,10 +165,7 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
     base = with_profiles(base, args.prfaas_profile, args.pd_profile)
     case = scaled_case(base, args.gpus, args.link_gbps).with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
     point: OperatingPoint = getattr(plan(case), args.config)
-    schedule = tuple(
-        (float(t), float(g)) for t, g in (item.split(":") for item in args.bandwidth_schedule.split(",") if item)
-    )
-    link = LinkConfig(case.link_gbps, args.rtt_ms / 1000, args.pipeline_layers, schedule)
+    link = LinkConfig(case.link_gbps, args.rtt_ms / 1000, args.pipeline_layers, args.bandwidth_schedule)
     config = config_for(
         case,
         point,
@@ -177,7 +215,8 @@ def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimR
 
 
 def run(args: argparse.Namespace) -> int:
-    config, workload, point = build(args)
+    with user_input():
+        config, workload, point = build(args)
     show = not args.no_progress and sys.stderr.isatty() and len(workload) > 20_000
     result = simulate(config, workload, show)
     if args.queues_csv:
@@ -192,13 +231,33 @@ def run(args: argparse.Namespace) -> int:
         "n_prfaas": config.n_prfaas,
         "n_prefill": config.n_prefill,
         "n_decode": config.n_decode,
-        "planned_throughput_rps": round(point.throughput_rps, 6),
+        "planned_throughput_rps": point.throughput_rps,
         "scheduler": bool(args.scheduler),
         **result.to_dict(),
     }
+    note = plan_note(config, point)
+    if note:  # on stderr with --json, so that stdout stays one JSON object
+        print(note, file=sys.stderr if args.json else sys.stdout)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(figures.dumps(summary, indent=2))
     else:
-        for key, value in summary.items():
-            print(f"{key:>28}  {value}")
+        for key, value in figures.rounded(summary).items():
+            print(f"{key:>28}  {'-' if value is None else value}")
     return 0
+
+
+def plan_note(config: SimConfig, point: OperatingPoint) -> str | None:
+    """One line on a plan that leaves a path unused, and why, so that its empty figures are no surprise."""
+    if point.config != "prfaas" or 0 < point.offload_fraction < 1:
+        return None
+    offloaded = point.offload_fraction == 1
+    mean = point.l_long if offloaded else point.l_short
+    pd_s, prfaas_s = float(config.pd_prefill.latency_s(mean)), float(config.prfaas.latency_s(mean))
+    times = f"a {mean:,.0f}-token prefill takes {pd_s:.3g} s on a PD instance and {prfaas_s:.3g} s on PrfaaS"
+    if offloaded:
+        return (
+            f"plan: PrfaaS prefills every prompt (t = {config.threshold:,}), {config.n_decode} PD instances decode "
+            f"and {config.n_prefill} prefill: {times}, so the PD cluster is worth more decoding (bottleneck: "
+            f"{point.bottleneck}); no request takes the PD prefill path, and its figures are empty"
+        )
+    return f"plan: no prompt is offloaded (t = {config.threshold:,}): {times}; PrfaaS stays idle"

@@ -32,6 +32,8 @@ import signal
 import sys
 from typing import Any
 
+from minifaas import arguments
+from minifaas.cli import user_input
 from minifaas.transport.pacer import RateSchedule, parse_rate
 from minifaas.transport.relay import LinkConfig, LinkEmulator
 
@@ -87,14 +89,25 @@ def _address(text: str) -> tuple[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="HOST:PORT the relay forwards to (the receiver)")
-    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for senders (port 0: any)")
-    parser.add_argument("--control", default="127.0.0.1:0", help="HOST:PORT of the JSON-lines control port")
-    parser.add_argument("--rate", default="none", help="aggregate rate per direction, e.g. 1gbit (default: none)")
-    parser.add_argument("--flow-rate", default="none", help="cap of one flow, e.g. 250mbit (default: none)")
+    parser.add_argument(
+        "--target", type=arguments.address, required=True, help="HOST:PORT the relay forwards to (the receiver)"
+    )
+    parser.add_argument(
+        "--listen", type=arguments.address, default="127.0.0.1:0", help="HOST:PORT for senders (port 0: any)"
+    )
+    parser.add_argument(
+        "--control", type=arguments.address, default="127.0.0.1:0", help="HOST:PORT of the JSON-lines control port"
+    )
+    parser.add_argument("--rate", type=arguments.rate, default="none", help="aggregate rate per direction, e.g. 1gbit")
+    parser.add_argument("--flow-rate", type=arguments.rate, default="none", help="cap of one flow, e.g. 250mbit")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter on the delay")
-    parser.add_argument("--schedule", default="", help="rate steps SECONDS:RATE,..., e.g. 0:1gbit,10:100mbit")
+    parser.add_argument(
+        "--schedule",
+        type=arguments.rate_schedule,
+        default="",
+        help="rate steps SECONDS:RATE,..., e.g. 0:1gbit,10:100mbit (default: none)",
+    )
     parser.add_argument("--read-bytes", type=int, default=1 << 20, help="relay read size")
     parser.add_argument("--seed", type=int, default=0, help="jitter seed")
     parser.add_argument("--splice", choices=("on", "off"), default="on",
@@ -102,13 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    (target_host, target_port), listen = _address(args.target), _address(args.listen)
-    config = LinkConfig(
-        target_host, target_port, listen[0], listen[1], parse_rate(args.rate), parse_rate(args.flow_rate),
-        args.delay_ms, args.jitter_ms, RateSchedule.parse(args.schedule), args.read_bytes, args.seed,
-        args.splice == "on",
-    )  # fmt: skip
-    return asyncio.run(_serve(config, _address(args.control)))
+    (target_host, target_port), listen = args.target, args.listen
+    with user_input():
+        config = LinkConfig(
+            target_host, target_port, listen[0], listen[1], parse_rate(args.rate), parse_rate(args.flow_rate),
+            args.delay_ms, args.jitter_ms, RateSchedule.parse(args.schedule), args.read_bytes, args.seed,
+            args.splice == "on",
+        )  # fmt: skip
+    return asyncio.run(_serve(config, args.control))
 
 
 async def _serve(config: LinkConfig, control: tuple[str, int]) -> int:

@@ -1,0 +1,132 @@
+"""The ``minifaas`` command itself: its help, every flag's help and default, and one error line for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minifaas.cli import COMMANDS, HelpFormatter, command_parser, main
+
+
+def test_top_level_help_describes_minifaas_and_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "Prefill-as-a-Service" in out and "``" not in out and "subcommand module" not in out
+    assert all(name in out for name in COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_flag_has_help_that_shows_its_default(name: str) -> None:
+    parser = command_parser(name)
+    formatter = HelpFormatter(parser.prog)
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        assert action.help, f"minifaas {name} {flag} has no help"
+        takes_value = action.nargs != 0
+        if takes_value and not action.required:
+            shown = formatter._get_help_string(action) or ""
+            assert "default" in shown, f"minifaas {name} {flag}: the help does not say its default"
+    parser.format_help()  # every help string formats (a stray % would raise here)
+
+
+@pytest.fixture(scope="module")
+def taken_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        yield s.getsockname()[1]
+
+
+BAD_INPUT = [
+    (["kv-size", "--model", "nope"], "no model 'nope': not a preset (kimi-linear-tiny"),
+    (["kv-size", "--lengths", "1k"], "not a list of integers"),
+    (["kv-size", "--baseline", "nope"], "no model 'nope'"),
+    (["serve", "--model", "nope"], "no model 'nope'"),
+    (["serve", "--config", "missing.toml"], "no such file: missing.toml"),
+    (["serve", "--profile", "missing.json"], "no such file: missing.json"),
+    (["serve", "--threshold", "-1"], "need threshold >= 0"),
+    (["serve", "--link-rate", "fast"], "not a rate: 'fast'"),
+    (["serve", "--prefill-chunk", "-5"], "prefill_chunk must be >= 0"),
+    (["serve", "--pd-device", "gpu0"], "not a device: 'gpu0'"),
+    (["demo", "--model", "nope"], "no model 'nope'"),
+    (["demo", "--link-rate", "fast"], "not a rate"),
+    (["demo", "--short", "-1"], "need --short, --long >= 0"),
+    (["generate", "--model", "nope"], "no model 'nope'"),
+    (["generate", "--temperature", "-1"], "temperature must be in [0, 100]"),
+    (["generate", "--max-tokens", "x"], "invalid int value: 'x'"),
+    (["plan", "--case", "missing.toml"], "missing.toml"),
+    (["plan", "--link-gbps", "0"], "link_gbps and output_tokens must be > 0"),
+    (["sim", "--trace", "mooncake"], "not a shipped trace (mooncake-synthetic, azure-conv, azure-code) or a file"),
+    (["sim", "--pd-profile", "missing.json"], "no such file: missing.json"),
+    (["sim", "--bandwidth-schedule", "600"], "not TIME_S:GBPS"),
+    (["sim", "--n-decode", "0"], "at least one decode instance"),
+    (["profile", "--model", "nope"], "no model 'nope'"),
+    (["profile", "--lengths", "64"], "need two lengths or more"),
+    (["profile", "--batches", "0,1"], "need integers >= 1"),
+    (["link-emulator", "--target", "localhost"], "not HOST:PORT: 'localhost'"),
+    (["link-emulator", "--target", "127.0.0.1:9", "--schedule", "0:fast"], "not a rate schedule"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_error_line_and_exit_code_2(
+    argv: list[str], says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the missing files are missing here
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert err.count("\n") == 1 and err.startswith(f"minifaas {argv[0]}: error: "), err
+    assert says in err
+
+
+def test_a_taken_port_is_an_error_before_any_worker_starts(taken_port: int, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--port", str(taken_port)])
+    assert done.value.code == 2
+    assert f"cannot listen on 127.0.0.1:{taken_port}: Address already in use" in capsys.readouterr().err
+
+
+def test_the_command_prints_no_traceback() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "minifaas.cli", "generate", "--model", "nope"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("minifaas generate: error: argument --model: no model 'nope'")
+    assert done.stderr.count("\n") == 1
+
+
+def _floats(value: object) -> list[float]:
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, dict):
+        return [f for v in value.values() for f in _floats(v)]
+    if isinstance(value, list):
+        return [f for v in value for f in _floats(v)]
+    return []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--case", "paper", "--json", "--price-ratio", "1.7"],
+        ["sim", "--case", "paper", "--duration", "60", "--json"],
+        ["kv-size", "--model", "kimi-linear-tiny", "--model", "qwen3-tiny", "--json", "--lengths", "1000,3000"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_json_figures_have_six_significant_digits(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    values = _floats(json.loads(capsys.readouterr().out))
+    assert values, "no figures"
+    assert all(math.isfinite(v) and float(f"{v:.6g}") == v for v in values), values

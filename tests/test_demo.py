@@ -1,0 +1,32 @@
+"""``minifaas demo`` into a pipe, as a script or CI sees it: start-up lines, whole table rows, tables apart."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+NAMES = ("prfaas-p0", "pd-p0", "pd-d0", "prfaas->pd")
+
+
+@pytest.mark.slow
+def test_demo_output_into_a_pipe_reads_line_by_line() -> None:
+    argv = ["demo", "--short", "2", "--long", "1", "--long-tokens", "700", "--max-tokens", "4"]
+    env = {**os.environ, "COLUMNS": "80"}  # what rich would wrap at; the demo must not
+    done = subprocess.run(
+        [sys.executable, "-m", "minifaas.cli", *argv], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for name in NAMES:  # each process shown starting, then ready
+        starting = next(i for i, line in enumerate(lines) if line.startswith(f"{name} (") and "starting" in line)
+        ready = next(i for i, line in enumerate(lines) if line.startswith(f"{name} (") and "ready after" in line)
+        assert starting < ready
+    rows = {line.split()[1]: line for line in lines if line.startswith("│ short-") or line.startswith("│ long-")}
+    assert set(rows) == {"short-0", "short-1", "long-0"}, lines
+    assert all("done" in row for row in rows.values()), rows  # one row, one line: nothing wrapped
+    assert "local" in rows["short-0"] and "prfaas" in rows["long-0"]
+    summary = next(i for i, line in enumerate(lines) if line.strip() == "summary by route")
+    assert lines[summary - 1] == "" and lines[summary - 2].startswith("└"), "the summary's title is glued to a table"
