@@ -2,14 +2,15 @@
 
 A type returns the value as the code downstream takes it (a model stays its
 name, a rate its text), having made sure it will be understood: a model
-resolves, a file exists, a trace is shipped or a file, a rate parses.
+resolves, a trace is shipped or a file, a rate parses. Files a command reads
+(profiles, configs, cases) are checked when it reads them (``cli.user_input``),
+so that parsing a command never depends on what a command before it wrote.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 from minifaas.transport.pacer import RateSchedule, parse_rate
 
@@ -28,22 +29,20 @@ def model(text: str) -> str:
 
 
 def device(text: str) -> str:
-    """cpu or cuda[:N], and a CUDA device only where there is one."""
+    """cpu or cuda[:N] (whether this machine has it is ``present_device``'s to say, when the command runs)."""
     if not _DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu or cuda:N)")
-    if text.startswith("cuda"):
+    return text
+
+
+def present_device(name: str) -> None:
+    """ValueError unless this machine has the device: before a model loads there and fails deep in torch."""
+    if name.startswith("cuda"):
         import torch
 
-        index = int(text.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return text
-
-
-def existing_file(text: str) -> str:
-    if not Path(text).expanduser().is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {text}")
-    return text
+        index, count = int(name.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"no device {name}: this machine has {count} CUDA device(s)")
 
 
 def trace(text: str) -> str:

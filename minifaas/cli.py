@@ -48,7 +48,9 @@ def user_input() -> Iterator[None]:
         yield
     except KeyError as e:  # a table or setting missing from a file
         raise BadInput(f"missing setting {e.args[0]!r}") from None
-    except (ValueError, OSError) as e:  # includes TOML and JSON syntax errors, missing files
+    except OSError as e:
+        raise BadInput(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
+    except ValueError as e:  # includes TOML and JSON syntax errors
         raise BadInput(str(e)) from None
 
 

@@ -26,7 +26,7 @@ _TRANSFORMERS = "transformers imports in seconds, and only after select_kernels(
 _TORCH_IN_CHILD = "the process that sets up the namespaces never loads torch; its sink and probe children do"
 _PLOT = "matplotlib is the optional plot extra"
 _TORCH_WHEN_PROFILING = "torch loads when profiling starts, not to parse flags"
-_TORCH_FOR_A_MODEL_FLAG = "torch loads to check a --model or a CUDA --device, not for every command's flags"
+_TORCH_FOR_A_MODEL_FLAG = "torch loads to check a --model, or that a CUDA device is there, not for every command"
 # (module, what it imports inside a function) -> why the import is not at the top of the module
 LAZY_IMPORTS = {
     ("minifaas.arguments", "minifaas.model.loader"): _TORCH_FOR_A_MODEL_FLAG,

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     console = stdout_console()
     with user_input():
+        arguments.present_device(args.device)
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, ignore_eos=True
         )

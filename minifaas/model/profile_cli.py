@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minifaas import arguments
-from minifaas.cli import BadInput
+from minifaas.cli import BadInput, user_input
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, fit_kv, fit_latency, save_profiles
 
@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     lengths, batches = sorted(set(args.lengths)), sorted(set(args.batches))
     if len(lengths) < 2 or args.repeats < 1 or args.decode_steps < 1 or args.slo <= 0:
         raise BadInput("need two lengths or more, --repeats and --decode-steps >= 1 and --slo > 0")
+    with user_input():
+        arguments.present_device(args.device)
     runtime = ModelRuntime.load(args.model, args.device)
     name = args.name or f"{args.model}@{args.device}"
     runtime.prefill([1, 2, 3, 4])  # warm-up: first-call allocations are not the model's speed

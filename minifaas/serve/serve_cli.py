@@ -44,7 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d, rules = ServeConfig(), ShortTermConfig()
     parser.add_argument(
         "--config",
-        type=arguments.existing_file,
         help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler], [http]); flags override it "
         "(default: none)",
     )
@@ -138,7 +137,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile",
-        type=arguments.existing_file,
         help="an instance profile (minifaas profile --out): turns on re-planning and PD role conversion "
         "(default: none)",
     )
@@ -253,10 +251,12 @@ async def running_server(
 
 
 def checked_config(args: argparse.Namespace) -> ServeConfig:
-    """The configuration, with what it names checked before any worker starts: the model, the profile, the port."""
+    """The configuration, with what it names checked before any worker starts: model, devices, profile, port."""
     with user_input():
         config = config_from_args(args)
         ModelSpec.resolve(config.model)
+        for device in {config.prfaas.device, config.pd.device}:
+            arguments.present_device(device)
         if config.scheduler.profile is not None:
             load_profiles(config.scheduler.profile)
     if config.port:

@@ -65,12 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     deploy.add_argument(
         "--prfaas-profile",
-        type=arguments.existing_file,
         help="a profile file (minifaas profile) for the PrfaaS instances (default: the case's)",
     )
     deploy.add_argument(
         "--pd-profile",
-        type=arguments.existing_file,
         help="a profile file for the PD instances, prefill and, if it has one, decode (default: the case's)",
     )
     sched = parser.add_argument_group("scheduler (off by default: the plan's t and split stay fixed)")
