@@ -34,8 +34,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict
 from minifaas.model.state_layout import StateLayout, needs_snapshot
@@ -69,14 +68,13 @@ from minifaas.serve.requests import (
     TokenEvent,
 )
 from minifaas.serve.roles import RoleChanger, plan_workers
-from minifaas.serve.startup import Stage, StartupListener, describe
+from minifaas.serve.startup import StartupListener, reported
 from minifaas.serve.token_stream import decode_tokens
 from minifaas.serve.worker_handle import LOST, WorkerHandle
 from minifaas.transport.emulator_control import EmulatorError, EmulatorProcess
 
 log = logging.getLogger("minifaas.gateway")
 LINK = "prfaas->pd"  # the inter-cluster link's name in /metrics and link_stats
-T = TypeVar("T")
 
 
 class Gateway:
@@ -136,36 +134,18 @@ class Gateway:
         log.info("gateway ready: %s; t %d, rule %s: %s", ", ".join(self.workers), self.threshold, self.rule, moving)
         return self
 
-    async def _starting(self, name: str, what: str, start: Awaitable[T]) -> T:
-        """Await a process's start; tell ``on_startup`` (or the log) that it began and how it ended."""
-        began = time.perf_counter()
-        self._report(name, what, Stage.STARTING, None)
-        try:
-            started = await start
-        except BaseException:
-            self._report(name, what, Stage.FAILED, time.perf_counter() - began)
-            raise
-        self._report(name, what, Stage.READY, time.perf_counter() - began)
-        return started
-
-    def _report(self, name: str, what: str, stage: Stage, took: float | None) -> None:
-        if self.on_startup is not None:
-            self.on_startup(name, what, stage)
-        else:
-            log.info("%s", describe(name, what, stage, took))
-
     async def launch(self, w: WorkerHandle) -> None:
         """Start a worker, follow it, and put an emulated link in front of what crosses clusters into it:
         a decode worker's KV port (PrfaaS states) and, with cache moves, a prefill worker's."""
         try:
-            reader = await self._starting(w.name, f"{w.cluster} {w.role} worker", w.start())
+            reader = await reported(self.on_startup, w.name, f"{w.cluster} {w.role} worker", w.start())
             if w.role == "decode":
                 self.link_ports[w.name] = await self._route_link(w.kv_port)
             elif self.config.cache.moves:
                 emulator = EmulatorProcess(("127.0.0.1", w.kv_port), **self._link_options())
                 entered = self._stack.enter_async_context(emulator)
-                self.move_links[w.name] = await self._starting(
-                    f"{w.name}-link", "link emulator for cache moves", entered
+                self.move_links[w.name] = await reported(
+                    self.on_startup, f"{w.name}-link", "link emulator for cache moves", entered
                 )
         except BaseException:
             await w.stop()
@@ -208,7 +188,7 @@ class Gateway:
             if self.link is None:
                 emulator = EmulatorProcess(("127.0.0.1", kv_port), **self._link_options())
                 entered = self._stack.enter_async_context(emulator)
-                self.link = await self._starting(LINK, f"link emulator, {self.config.link.rate}", entered)
+                self.link = await reported(self.on_startup, LINK, f"link emulator, {self.config.link.rate}", entered)
                 return self.link.port
             return await self.link.control.add_route(("127.0.0.1", kv_port))
 
@@ -256,7 +236,7 @@ class Gateway:
             w.restarts += 1
             while not self._closing:
                 try:
-                    reader = await self._starting(w.name, f"{w.cluster} {w.role} worker", w.start())
+                    reader = await reported(self.on_startup, w.name, f"{w.cluster} {w.role} worker", w.start())
                     break
                 except RuntimeError as e:
                     log.error("%s", e)

@@ -1,22 +1,27 @@
 """Start-up progress: each worker and link emulator the gateway starts, starting and then ready.
 
 Loading a model in every worker takes seconds each on shared CPU cores, so
-``Gateway.__aenter__`` reports every process it starts to a ``StartupListener``
-(name, what it is, ``Stage``). ``StartupView`` shows the reports: on a terminal
-one rich table that updates in place; into a file or a pipe, one plain line
-per report.
+``Gateway.__aenter__`` starts every process through ``reported``, which tells a
+``StartupListener`` (name, what it is, ``Stage``), or the log where there is
+none. ``StartupView`` shows the reports: on a terminal one rich table that
+updates in place; into a file or a pipe, one plain line per report.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from types import TracebackType
+from typing import TypeVar
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+log = logging.getLogger("minifaas.gateway")
+T = TypeVar("T")
 
 
 class Stage(StrEnum):
@@ -31,6 +36,26 @@ StartupListener = Callable[[str, str, Stage], None]  # (name, what it is, stage)
 def describe(name: str, what: str, stage: Stage, took: float | None) -> str:
     """One report as a line: ``pd-d0 (pd decode worker) ready after 4.2 s``."""
     return f"{name} ({what}) {stage}" + ("" if took is None else f" after {took:.1f} s")
+
+
+async def reported(listener: StartupListener | None, name: str, what: str, start: Awaitable[T]) -> T:
+    """Await a process's start, and tell ``listener`` that it began and how it ended (no listener: the log)."""
+
+    def report(stage: Stage, took: float | None) -> None:
+        if listener is not None:
+            listener(name, what, stage)
+        else:
+            log.info("%s", describe(name, what, stage, took))
+
+    began = time.perf_counter()
+    report(Stage.STARTING, None)
+    try:
+        started = await start
+    except BaseException:
+        report(Stage.FAILED, time.perf_counter() - began)
+        raise
+    report(Stage.READY, time.perf_counter() - began)
+    return started
 
 
 class StartupView:
