@@ -47,7 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--unbatched", action="store_true", help="time decode one forward per request (workers' --max-batch 1)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="prefills timed per length (the median is kept)")
-    parser.add_argument("--slo", type=float, default=40.0, help="decode SLO in tokens/s per request")
+    parser.add_argument(
+        "--slo",
+        type=float,
+        default=40.0,
+        help="decode SLO in tokens/s per request: BS_max is the largest batch meeting it",
+    )
     parser.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs one instance of the model uses")
     parser.add_argument("--name", help="profile name (default: MODEL@DEVICE)")
     parser.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
