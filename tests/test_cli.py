@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from minifaas.cli import COMMANDS, HelpFormatter, command_parser, main
+from minifaas.planner.paper import H200
+from minifaas.planner.profile import save_profiles
 
 
 def test_top_level_help_describes_minifaas_and_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,6 +56,7 @@ BAD_INPUT = [
     (["serve", "--config", "missing.toml"], "missing.toml: No such file or directory"),
     (["serve", "--profile", "missing.json"], "missing.json: No such file or directory"),
     (["serve", "--threshold", "-1"], "need threshold >= 0"),
+    (["serve", "--profile", "prefill-only.json"], "prefill-only.json: a profile needs [prefill] and [decode] tables"),
     (["serve", "--link-rate", "fast"], "not a rate: 'fast'"),
     (["serve", "--prefill-chunk", "-5"], "prefill_chunk must be >= 0"),
     (["serve", "--pd-device", "gpu0"], "not a device: 'gpu0'"),
@@ -83,6 +86,7 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     argv: list[str], says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the missing files are missing here
+    save_profiles(tmp_path / "prefill-only.json", H200)
     with pytest.raises(SystemExit) as done:
         main(argv)
     err = capsys.readouterr().err

@@ -187,6 +187,14 @@ def load_profiles(path: str | Path) -> tuple[PrefillProfile | None, DecodeProfil
     return prefill, decode
 
 
+def load_pd_profiles(path: str | Path) -> tuple[PrefillProfile, DecodeProfile]:
+    """Both tables of a PD instance's profile file; ValueError if either is missing."""
+    prefill, decode = load_profiles(path)
+    if prefill is None or decode is None:
+        raise ValueError(f"{path}: a profile needs [prefill] and [decode] tables (minifaas profile)")
+    return prefill, decode
+
+
 def save_profiles(path: str | Path, prefill: PrefillProfile | None = None, decode: DecodeProfile | None = None) -> None:
     """Write one profile file (JSON) that ``load_profiles`` reads back unchanged."""
     data: dict[str, Any] = {}

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
-from minifaas.planner.profile import load_profiles
+from minifaas.planner.profile import load_pd_profiles, load_profiles
 from minifaas.policy.router import RouteDecision
 from minifaas.scheduler.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
 from minifaas.scheduler.short_term import Action, ShortTermConfig, ShortTermPolicy
@@ -67,9 +67,7 @@ class LiveScheduler:
     def _long_term(self, config: LongTermConfig) -> LongTermPolicy | None:
         """The long-term policy over the planning case of this deployment, or None if it cannot be planned."""
         sc, gw = self.gateway.config.scheduler, self.gateway
-        prefill, decode = load_profiles(sc.profile)  # type: ignore[arg-type]
-        if prefill is None or decode is None:
-            raise ValueError(f"{sc.profile}: a profile needs [prefill] and [decode] tables (minifaas profile)")
+        prefill, decode = load_pd_profiles(sc.profile)  # type: ignore[arg-type]
         prfaas = load_profiles(sc.prfaas_profile)[0] if sc.prfaas_profile else prefill
         if prfaas is None:
             raise ValueError(f"{sc.prfaas_profile}: no [prefill] table")

@@ -24,7 +24,7 @@ from rich.logging import RichHandler
 from minifaas import arguments
 from minifaas.cli import BadInput, user_input
 from minifaas.model.loader import ModelSpec
-from minifaas.planner.profile import load_profiles
+from minifaas.planner.profile import load_pd_profiles
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.api import build_app
 from minifaas.serve.config import CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
@@ -258,7 +258,7 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
         for device in {config.prfaas.device, config.pd.device}:
             arguments.present_device(device)
         if config.scheduler.profile is not None:
-            load_profiles(config.scheduler.profile)
+            load_pd_profiles(config.scheduler.profile)
     if config.port:
         try:  # aiohttp would find the port taken only once every worker is up
             socket.create_server((config.host, config.port), family=_family(config.host)).close()
