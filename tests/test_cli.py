@@ -8,6 +8,7 @@ import math
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_every_flag_has_help_that_shows_its_default(name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def taken_port() -> int:
+def taken_port() -> Iterator[int]:
     with socket.create_server(("127.0.0.1", 0)) as s:
         yield s.getsockname()[1]
 
