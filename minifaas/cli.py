@@ -107,5 +107,7 @@ def command_parser(name: str) -> argparse.ArgumentParser:
     return parser
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # python -m minifaas.cli: this module is __main__, and its BadInput is not the one
+    from minifaas.cli import main as package_main  # the subcommands raise, so run the package's main
+
+    raise SystemExit(package_main())

@@ -103,13 +103,18 @@ def test_a_taken_port_is_an_error_before_any_worker_starts(taken_port: int, caps
     assert f"cannot listen on 127.0.0.1:{taken_port}: Address already in use" in capsys.readouterr().err
 
 
-def test_the_command_prints_no_traceback() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "minifaas.cli", "generate", "--model", "nope"], capture_output=True, text=True
-    )
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["generate", "--model", "nope"], "minifaas generate: error: argument --model: no model 'nope'"),
+        (["plan", "--link-gbps", "0"], "minifaas plan: error: paper: link_gbps and output_tokens must be > 0"),
+    ],
+    ids=["a flag's type", "a value read by the command"],
+)
+def test_the_command_prints_no_traceback(argv: list[str], says: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "minifaas.cli", *argv], capture_output=True, text=True)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.startswith("minifaas generate: error: argument --model: no model 'nope'")
-    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(says) and done.stderr.count("\n") == 1, done.stderr
 
 
 def _floats(value: object) -> list[float]:
