@@ -67,7 +67,7 @@ def test_a_bandwidth_drop_raises_the_threshold_loses_nothing_and_egress_fits_the
                 assert record.phase is Phase.FINISHED and n == PARAMS.max_tokens, record.to_json()
             # after the raise nothing new crosses the link: PrfaaS egress offered from then on fits the ceiling.
             # With the link idle the policy later probes t back down (headroom); the window ends there.
-            lowered = [d.now_s for d in gw.scheduler.short.history if d.action is Action.LOWER and d.now_s > raised_at]
+            lowered = [d.at_s for d in gw.scheduler.short.history if d.action is Action.LOWER and d.at_s > raised_at]
             until = min(lowered, default=ended)
             late = [r for started, r, _ in done if raised_at <= started < until]
             assert late and all(r.route == "local" for r in late), [r.to_json() for r in late]
