@@ -50,7 +50,7 @@ def user_input() -> Iterator[None]:
         raise BadInput(f"missing setting {e.args[0]!r}") from None
     except OSError as e:
         raise BadInput(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
-    except ValueError as e:  # includes TOML and JSON syntax errors
+    except (ValueError, TypeError) as e:  # includes TOML and JSON syntax errors, and a setting of the wrong type
         raise BadInput(str(e)) from None
 
 
