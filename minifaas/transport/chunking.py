@@ -5,16 +5,22 @@ A whole layer is cut slot by slot. A token range of a full-attention layer
 final as soon as that chunk has passed the layer) is cut into the byte ranges
 it will occupy in the finished slot, so the receiver assembles the whole
 layer from its pieces without knowing they were pieces. Payloads are views
-of tensor memory: nothing is copied until the kernel copies it.
+of tensor memory: nothing is copied until the kernel copies it, or until a
+codec (``codec``) reads it to make the coded payload the frame carries instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.state_codec import DTYPE_CODES, checksum, tensor_bytes
+from minifaas.transport.codec import Codec, Coded
 from minifaas.transport.wire import MAX_NDIM, NAME_BYTES, UNCHECKED, FrameHeader, FrameType
+
+Payload = bytes | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,16 +36,31 @@ class Chunk:
     shape: tuple[int, ...]  # of the finished slot
     seq_len: int  # of the finished layer
 
+    @property
+    def payload(self) -> memoryview:
+        return self.data[self.source : self.source + self.length]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.state.slots[self.slot][1].dtype
+
     def frame(self, transfer: int, checked: bool = True) -> tuple[bytes, memoryview]:
         """Header and payload; the checksum is computed here, when the chunk is about to be sent."""
+        payload = self.payload
+        return self._header(transfer, payload.nbytes, checksum(payload) if checked else None, Codec.NONE), payload
+
+    def coded_frame(self, transfer: int, coded: Coded) -> tuple[bytes, list[Payload]]:
+        """Header and payload parts of the chunk as ``coded`` (checksummed always: so is the decoder)."""
+        return self._header(transfer, coded.nbytes, coded.crc, coded.codec), coded.parts
+
+    def _header(self, transfer: int, length: int, crc: int | None, codec: Codec) -> bytes:
         name, tensor = self.state.slots[self.slot]
-        payload = self.data[self.source : self.source + self.length]
         header = FrameHeader(
-            FrameType.CHUNK, transfer, self.length, checksum(payload) if checked else 0, self.state.layer,
-            int(self.state.kind), self.slot, len(self.state.slots), name, DTYPE_CODES[tensor.dtype], self.shape,
-            self.seq_len, self.offset, 0 if checked else UNCHECKED,
+            FrameType.CHUNK, transfer, length, crc or 0, self.state.layer, int(self.state.kind), self.slot,
+            len(self.state.slots), name, DTYPE_CODES[tensor.dtype], self.shape, self.seq_len, self.offset,
+            UNCHECKED if crc is None else 0, int(codec), self.length,
         )  # fmt: skip
-        return header.pack(), payload
+        return header.pack()
 
 
 def _wire_ready(name: str, dtype: object, ndim: int) -> None:

@@ -34,6 +34,8 @@ class IncomingTransfer:
         self.last_progress = now
         self.reply_to: Channel | None = None  # where END came from; DONE or ABORT goes back there
         self.received_bytes = 0
+        self.wire_bytes = 0  # payload bytes as they came off the network (coded ones smaller)
+        self.decode_s = 0.0
         self.complete = False
         self.layers = 0  # delivered so far
         self._queue: asyncio.Queue[LayerState | TransferError | None] = asyncio.Queue()

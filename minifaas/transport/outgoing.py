@@ -14,29 +14,40 @@ producer is done, the first connection carries END and waits for the
 receiver's DONE (or ABORT with its reason). With ``pipelined=False`` the
 layers are held until the producer is done and only then queued: the naive
 reference the pipelined path is measured against.
+
+A transfer may ask for a codec (``codec``): each pump codes its next chunk
+just before sending it, in a thread when the chunk is large (zstd and the
+numpy passes let go of the GIL, so the event loop keeps moving bytes), and the
+codec is the one the receiver offered in the handshake, or the best it has.
+The report says how many bytes went on the wire and how long coding took on
+each end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minifaas.model.layer_state import LayerState
 from minifaas.transport.channel import Channel
-from minifaas.transport.chunking import Chunk, split_chunks, split_token_range
+from minifaas.transport.chunking import Chunk, Payload, split_chunks, split_token_range
+from minifaas.transport.codec import Codec, Coded, FrameEncoder, frame_codec, offered, usable
 from minifaas.transport.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
 from minifaas.transport.pool import ConnectionPool
 from minifaas.transport.wire import (
     HEADER_SIZE,
     FrameType,
     Limits,
+    Receipt,
     control,
     pack_counts,
-    unpack_counts,
     unpack_header,
 )
+
+OFF_LOOP_BYTES = 64 << 10  # chunks this large are coded in a thread; smaller ones cost less than the hand-off
 
 if TYPE_CHECKING:
     from minifaas.transport.sender import SenderConfig
@@ -46,18 +57,37 @@ if TYPE_CHECKING:
 class TransferReport:
     transfer: int
     layers: int
-    nbytes: int
+    nbytes: int  # of state, as the receiver holds it
     connections: int
     seconds: float  # from entering the transfer to the receiver's DONE
+    codec: str = "none"  # what the transfer used (the one asked for, or the best the receiver offered)
+    wire_bytes: int = 0  # payload bytes that crossed the network
+    encode_s: float = 0.0  # coding time at the sender, summed over its pumps
+    decode_s: float = 0.0  # decoding time at the receiver, as its DONE says
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / self.wire_bytes if self.wire_bytes else 1.0
 
 
 class OutgoingTransfer:
-    def __init__(self, transfer: int, layers: int, total_bytes: int, pool: ConnectionPool, settings: SenderConfig):
+    def __init__(
+        self,
+        transfer: int,
+        layers: int,
+        total_bytes: int,
+        pool: ConnectionPool,
+        settings: SenderConfig,
+        codec: Codec = Codec.NONE,
+    ) -> None:
         self.id = transfer
         self.layers = layers
         self.total_bytes = total_bytes
+        self.codec = codec  # asked for; once connected, what the receiver can decode
         self.queued_bytes = 0  # put but not yet handed to a socket
         self.sent_bytes = 0
+        self.wire_bytes = 0
+        self.encode_s = 0.0
         self.report: TransferReport | None = None
         self.finished = False
         self._pool = pool
@@ -146,6 +176,7 @@ class OutgoingTransfer:
     async def _run(self) -> TransferReport:
         s = self._settings
         channels = await self._pool.acquire(s.connections)
+        self.codec = usable(self.codec, offered(self._pool.offer(channels)))
         clean = False
         try:
             start = control(FrameType.START, self.id, pack_counts(self.layers, self.total_bytes))
@@ -158,7 +189,7 @@ class OutgoingTransfer:
                 raise first_transfer_error(eg) from None
             end = control(FrameType.END, self.id, pack_counts(self.layers, self.sent_bytes))
             await channels[0].send([end], s.stall_timeout)
-            await self._await_done(channels[0])
+            receipt = await self._await_done(channels[0])
             clean = True
         finally:
             for channel in channels:
@@ -167,31 +198,47 @@ class OutgoingTransfer:
                 else:
                     self._pool.discard(channel, reset=True)
         assert self._loop is not None
-        return TransferReport(self.id, self.layers, self.sent_bytes, len(channels), self._loop.time() - self._started)
+        elapsed = self._loop.time() - self._started
+        return TransferReport(
+            self.id, self.layers, self.sent_bytes, len(channels), elapsed, self.codec.label, self.wire_bytes,
+            self.encode_s, receipt.decode_s,
+        )  # fmt: skip
 
     async def _pump(self, channels: list[Channel], i: int) -> None:
         """Send chunks on ``channels[i]``; its first send may replace it (``ConnectionPool.send_first``)."""
         first = i > 0  # the first connection's first send was START
-        while (upcoming := await self._next_frame()) is not None:
+        encoder = FrameEncoder()
+        while (upcoming := await self._next_frame(encoder)) is not None:
             chunk, header, payload = upcoming
             if first:
-                channels[i] = await self._pool.send_first(channels[i], [header, payload], self._settings.stall_timeout)
+                channels[i] = await self._pool.send_first(channels[i], [header, *payload], self._settings.stall_timeout)
                 first = False
             else:
-                await channels[i].send([header, payload], self._settings.stall_timeout)
+                await channels[i].send([header, *payload], self._settings.stall_timeout)
             self.queued_bytes -= chunk.length
             self.sent_bytes += chunk.length
+            self.wire_bytes += sum(memoryview(p).nbytes for p in payload)
 
-    async def _next_frame(self) -> tuple[Chunk, bytes, memoryview] | None:
+    async def _next_frame(self, encoder: FrameEncoder) -> tuple[Chunk, bytes, list[Payload]] | None:
         chunk = await self._queue.get()
         if chunk is None:
             return None
-        # checksummed here, on this thread, just before the send: the kernel then copies bytes still in cache
-        header, payload = chunk.frame(self.id, self._settings.checksums)
-        await asyncio.sleep(0)  # framing did not yield: let the other pumps take a turn
-        return chunk, header, payload
+        codec = frame_codec(self.codec, chunk.state.kind, chunk.dtype, chunk.length)
+        if codec is Codec.NONE:
+            # checksummed here, on this thread, just before the send: the kernel then copies bytes still in cache
+            header, payload = chunk.frame(self.id, self._settings.checksums)
+            await asyncio.sleep(0)  # framing did not yield: let the other pumps take a turn
+            return chunk, header, [payload]
+        if chunk.length >= OFF_LOOP_BYTES:
+            coded, seconds = await asyncio.to_thread(_timed_encode, encoder, codec, chunk)
+        else:
+            coded, seconds = _timed_encode(encoder, codec, chunk)
+            await asyncio.sleep(0)
+        self.encode_s += seconds
+        header, parts = chunk.coded_frame(self.id, coded)
+        return chunk, header, parts
 
-    async def _await_done(self, channel: Channel) -> None:
+    async def _await_done(self, channel: Channel) -> Receipt:
         s = self._settings
         try:
             async with asyncio.timeout(s.done_timeout):
@@ -206,5 +253,13 @@ class OutgoingTransfer:
             raise RejectedError(f"transfer {self.id}: receiver says {payload.decode(errors='replace')}")
         if h.type is not FrameType.DONE:
             raise ProtocolError(f"expected DONE, got {h.type.name}")
-        if unpack_counts(payload) != (self.layers, self.sent_bytes):
-            raise ProtocolError(f"transfer {self.id}: receiver counted {unpack_counts(payload)}")
+        receipt = Receipt.unpack(payload)
+        if (receipt.layers, receipt.nbytes, receipt.wire_bytes) != (self.layers, self.sent_bytes, self.wire_bytes):
+            raise ProtocolError(f"transfer {self.id}: receiver counted {receipt}")
+        return receipt
+
+
+def _timed_encode(encoder: FrameEncoder, codec: Codec, chunk: Chunk) -> tuple[Coded, float]:
+    start = time.perf_counter()
+    coded = encoder.encode(codec, chunk.dtype, chunk.payload)
+    return coded, time.perf_counter() - start

@@ -7,7 +7,8 @@ whose receiver went away meanwhile (it restarted, so it closed them all) is
 dropped and a new one dialled. A transfer's first send on a reused connection
 that fails anyway (the peer left just after the check) is redone, once, on a
 fresh connection (``send_first``). Every live connection, idle or busy, is
-listed so link health can sample its TCP_INFO.
+listed so link health can sample its TCP_INFO, with the codecs its receiver
+offered in the handshake.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ConnectionPool:
         self._ssl = ssl
         self._idle: list[Channel] = []
         self.live: dict[int, Channel] = {}  # connection id -> channel
+        self._offers: dict[Channel, int] = {}  # the codec offer each connection's handshake made
         self._ids = count()
         self._reused: set[Channel] = set()  # lent from the idle list, their first send not made yet
         self.dialled = 0
@@ -94,13 +96,20 @@ class ConnectionPool:
         e = self.endpoint
         channel = await open_channel(e.host, e.port, e.connect_timeout, self._ssl, e.unsent_limit)
         try:
-            await prove_as_sender(channel, e.secret, e.connect_timeout)
+            self._offers[channel] = await prove_as_sender(channel, e.secret, e.connect_timeout)
         except BaseException:
             channel.close(reset=True)
             raise
         self.dialled += 1
         self.live[next(self._ids)] = channel
         return channel
+
+    def offer(self, channels: list[Channel]) -> int:
+        """The codec offer all of ``channels`` share (their receivers' handshakes, ANDed)."""
+        mask = 0xFF
+        for channel in channels:
+            mask &= self._offers.get(channel, 0)
+        return mask
 
     def release(self, channel: Channel) -> None:
         self._reused.discard(channel)
@@ -112,6 +121,7 @@ class ConnectionPool:
     def discard(self, channel: Channel, reset: bool = False) -> None:
         self._reused.discard(channel)
         channel.close(reset=reset)
+        self._offers.pop(channel, None)
         for key, ch in list(self.live.items()):
             if ch is channel:
                 del self.live[key]

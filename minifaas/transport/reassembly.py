@@ -1,8 +1,8 @@
 """Rebuilding one transfer's layer states from chunks that arrive in any order (sans-IO).
 
 The receiver asks ``buffer_for(header)`` where a chunk's payload goes (a view
-into the slot's final tensor memory, so payloads are received without a copy),
-reads the payload into it, then calls ``commit``, which checks the checksum
+into the slot's final tensor memory, so payloads are received without a copy,
+or decoded straight into it), reads the payload into it, then calls ``commit``, which checks the checksum
 and returns the layers that are now deliverable: complete, and every layer
 before them already delivered. Chunks may come over several connections in
 any order; layers still leave strictly in layer order.
@@ -128,7 +128,7 @@ class Reassembly:
         if h.offset in slot.chunks:
             raise ProtocolError(f"transfer {self.transfer}: duplicate chunk at byte {h.offset} of {h.name!r}")
         self.pending += 1
-        return slot.view[h.offset : h.offset + h.length]
+        return slot.view[h.offset : h.offset + h.decoded]
 
     def commit(self, h: FrameHeader, payload: memoryview, crc: int | None = None) -> list[LayerState]:
         """Accept a received chunk; ``crc`` is its checksum if the caller computed it already."""
@@ -136,9 +136,9 @@ class Reassembly:
         if (checksum(payload) if crc is None else crc) != h.crc:
             raise CorruptFrameError(f"transfer {self.transfer}: payload checksum mismatch in layer {h.layer}")
         slot = self._layers[h.layer].slots[h.slot]
-        slot.chunks[h.offset] = h.length
-        slot.received += h.length
-        self.received += h.length
+        slot.chunks[h.offset] = h.decoded
+        slot.received += h.decoded
+        self.received += h.decoded
         if slot.received > slot.data.numel():
             raise ProtocolError(f"slot {slot.name!r} received more bytes than it holds")
         if slot.complete:

@@ -11,7 +11,11 @@ tensor memory (recycled memory once states are released) and checksummed
 block by block as it is read, while the bytes are still in cache. Anything wrong
 with a connection (bad header, checksum, sizes, a reset, a truncated stream)
 drops that connection and fails every unfinished transfer it carried, with the
-specific error. A transfer with no progress for
+specific error. A coded chunk (``codec``) is read whole into the connection's
+scratch buffer and decoded into the slot's memory as soon as it is in, in a
+thread when it is large, then checksummed there: the checksum is that of the
+decoded bytes. The receiver offers in the handshake only the codecs in
+``codecs``. A transfer with no progress for
 ``stall_timeout`` after its first frame fails with ``StallError``. A failed
 transfer's partial state is freed at once; later frames for it are skipped.
 A transfer no consumer claims is dropped ``unclaimed_grace`` seconds after it
@@ -33,6 +37,7 @@ from minifaas.model.state_codec import Checksum, checksum
 from minifaas.transport.auth import check_secret, verify_sender
 from minifaas.transport.buffers import BufferPool
 from minifaas.transport.channel import Channel, accept_channel
+from minifaas.transport.codec import ALL_CODECS, Codec, FrameDecoder, offer_mask
 from minifaas.transport.errors import (
     AuthError,
     ConnectionLostError,
@@ -51,13 +56,14 @@ from minifaas.transport.wire import (
     FrameHeader,
     FrameType,
     Limits,
+    Receipt,
     control,
-    pack_counts,
     unpack_counts,
     unpack_header,
 )
 
 log = logging.getLogger(__name__)
+OFF_LOOP_BYTES = 64 << 10  # coded chunks this large are decoded in a thread, off the event loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,7 @@ class ReceiverConfig:
     recycle_bytes: int = 4 << 30  # received memory kept for reuse once released (0: none)
     accept_unchecked: bool = False  # take chunks whose sender skipped the payload checksum (TLS, trusted links)
     limits: Limits = field(default_factory=Limits)
+    codecs: frozenset[Codec] = ALL_CODECS  # offered in the handshake: senders code frames with these only
 
     def __post_init__(self) -> None:
         check_secret(self.secret)
@@ -89,7 +96,9 @@ class ReceiverStats:
     completed: int = 0
     failed: int = 0
     dropped: int = 0  # unclaimed transfers dropped (after the grace, or to make room)
-    bytes_received: int = 0
+    bytes_received: int = 0  # payload bytes off the network
+    decoded_bytes: int = 0  # slot bytes that coded payloads decoded to
+    decode_s: float = 0.0
 
 
 class KVReceiver:
@@ -189,8 +198,10 @@ class KVReceiver:
         clean = False
         try:
             channel = await accept_channel(sock, self._ssl)
-            await verify_sender(channel, self.config.secret, self.config.handshake_timeout)
-            while await self._read_frame(channel, carried):
+            offer = offer_mask(self.config.codecs)
+            await verify_sender(channel, self.config.secret, self.config.handshake_timeout, offer)
+            decoder = FrameDecoder()
+            while await self._read_frame(channel, carried, decoder):
                 pass
             clean = True
             await self._lost(carried, TruncatedError("connection closed before the transfer was complete"))
@@ -198,6 +209,7 @@ class KVReceiver:
             self.stats.auth_failures += 1
             log.warning("rejected a connection: %s", e)
         except TransferError as e:
+            log.warning("dropped a connection: %s: %s", type(e).__name__, e)
             await self._lost(carried, e)
         except OSError as e:
             await self._lost(carried, ConnectionLostError(str(e)))
@@ -213,7 +225,7 @@ class KVReceiver:
             if t is not None:
                 await self._fail(t, error)
 
-    async def _read_frame(self, channel: Channel, carried: set[int]) -> bool:
+    async def _read_frame(self, channel: Channel, carried: set[int], decoding: FrameDecoder) -> bool:
         raw = bytearray(HEADER_SIZE)
         if not await channel.recv_into(memoryview(raw), None):
             return False
@@ -227,14 +239,17 @@ class KVReceiver:
         carried.add(h.transfer)
         t.started = True
         try:
-            await self._apply(t, h, channel)
+            await self._apply(t, h, channel, decoding)
         except TransferError as e:
             await self._fail(t, e)
             raise
         return True
 
-    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel) -> None:
+    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, decoding: FrameDecoder) -> None:
         assert t.assembly is not None
+        if h.type is FrameType.CHUNK and h.codec:
+            await self._decode_chunk(t, h, channel, decoding)
+            return
         if h.type is FrameType.CHUNK:
             unchecked = bool(h.flags & UNCHECKED)
             if unchecked and not self.config.accept_unchecked:
@@ -243,6 +258,7 @@ class KVReceiver:
             digest = None if unchecked else Checksum()  # fed each block as it is read, while it is in cache
             await channel.recv_into(view, self.config.stall_timeout, None if digest is None else digest.update)
             self.stats.bytes_received += h.length
+            t.wire_bytes += h.length
             await self._commit(t, h, view, h.crc if digest is None else digest.value)
             return
         payload = await channel.recv_exactly(h.length, self.config.stall_timeout)
@@ -262,6 +278,25 @@ class KVReceiver:
         else:
             raise ProtocolError(f"a receiver does not accept {h.type.name} frames")
 
+    async def _decode_chunk(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, dec: FrameDecoder) -> None:
+        codec = Codec(h.codec)
+        if codec not in self.config.codecs:
+            raise ProtocolError(f"a {codec.label} chunk; this receiver did not offer that codec")
+        assert t.assembly is not None
+        view = t.assembly.buffer_for(h)
+        payload = dec.scratch(h.length)
+        await channel.recv_into(payload, self.config.stall_timeout)
+        self.stats.bytes_received += h.length
+        t.wire_bytes += h.length
+        if h.length >= OFF_LOOP_BYTES:
+            crc, seconds = await asyncio.to_thread(dec.decode_into, codec, h.dtype, payload, view)
+        else:
+            crc, seconds = dec.decode_into(codec, h.dtype, payload, view)
+        t.decode_s += seconds
+        self.stats.decoded_bytes += h.decoded
+        self.stats.decode_s += seconds
+        await self._commit(t, h, view, crc)
+
     async def _commit(self, t: IncomingTransfer, h: FrameHeader, view: memoryview, crc: int) -> None:
         if t.assembly is None:
             return  # the transfer failed meanwhile
@@ -277,8 +312,8 @@ class KVReceiver:
             return
         self._finish(t)
         if t.reply_to is not None:
-            done = control(FrameType.DONE, t.id, pack_counts(t.layers, t.received_bytes))
-            await t.reply_to.send([done], self.config.stall_timeout)
+            receipt = Receipt(t.layers, t.received_bytes, t.wire_bytes, t.decode_s)
+            await t.reply_to.send([control(FrameType.DONE, t.id, receipt.pack())], self.config.stall_timeout)
 
     async def _reap_stalled(self) -> None:
         loop = asyncio.get_running_loop()

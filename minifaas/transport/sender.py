@@ -5,6 +5,7 @@
         async with sender.stream(transfer_id, layers=n) as tx:       # layers as prefill makes them
             await asyncio.to_thread(runtime.prefill, tokens, on_layer=tx.put_threadsafe)
         # prefill in token chunks: tx.put_tokens(layer.slice_tokens(a, b), a, total) for full attention
+        await sender.send(transfer_id, model_state, codec=Codec.LOSSLESS)  # coded on the wire (``codec``)
 
 Health: ``sender.tcp_infos()`` (kernel TCP_INFO per connection) and
 ``sender.queued_bytes`` feed ``link_health.LinkMonitor``.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from minifaas.model.layer_state import ModelState
 from minifaas.transport.auth import check_secret
+from minifaas.transport.codec import Codec
 from minifaas.transport.link_health import TcpInfo, read_tcp_info
 from minifaas.transport.outgoing import OutgoingTransfer, TransferReport
 from minifaas.transport.pool import ConnectionPool, Endpoint
@@ -69,15 +71,17 @@ class KVSender:
     async def __aexit__(self, *exc: object) -> None:
         self.pool.close()
 
-    def stream(self, transfer_id: int, layers: int, total_bytes: int = 0) -> OutgoingTransfer:
+    def stream(
+        self, transfer_id: int, layers: int, total_bytes: int = 0, codec: Codec = Codec.NONE
+    ) -> OutgoingTransfer:
         """A transfer to fill with ``put``; entering it starts sending, leaving it waits for DONE."""
-        tx = OutgoingTransfer(transfer_id, layers, total_bytes, self.pool, self.config)
+        tx = OutgoingTransfer(transfer_id, layers, total_bytes, self.pool, self.config, codec)
         self._active = {t for t in self._active if not t.finished}
         self._active.add(tx)
         return tx
 
-    async def send(self, transfer_id: int, state: ModelState) -> TransferReport:
-        async with self.stream(transfer_id, len(state.layers), state.nbytes) as tx:
+    async def send(self, transfer_id: int, state: ModelState, codec: Codec = Codec.NONE) -> TransferReport:
+        async with self.stream(transfer_id, len(state.layers), state.nbytes, codec) as tx:
             for layer in state.layers:
                 tx.put(layer)
         assert tx.report is not None

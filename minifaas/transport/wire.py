@@ -1,6 +1,6 @@
-"""The KV transport's wire format: fixed-size frame headers, then raw payload bytes.
+"""The KV transport's wire format: fixed-size frame headers, then payload bytes.
 
-Every frame is one 148-byte header followed by ``length`` payload bytes. All
+Every frame is one 156-byte header followed by ``length`` payload bytes. All
 integers are little-endian. The format knows tensors, not models: a chunk frame
 carries one byte range of one tensor slot of one layer's state. "Layer" is the
 state's index in the model's list of states (``state_layout``): a decoder layer
@@ -8,7 +8,7 @@ with attention and a Mamba mixer side by side sends two, each of one kind.
 
     offset size field
        0    4  magic        b"MFKV"
-       4    1  version      1
+       4    1  version      2
        5    1  frame type   FrameType
        6    1  state kind   StateKind of the layer (chunk frames; else 0)
        7    1  dtype code   state_codec.DTYPES key (chunk frames; else 0)
@@ -18,23 +18,28 @@ with attention and a Mamba mixer side by side sends two, each of one kind.
       22    2  slot count   slots in the layer (so the receiver knows when it is whole)
       24    1  ndim         <= 8
       25    1  flags        bit 0: payload not checksummed (checksum field is 0)
-      26    2  (zero)
-      28    4  checksum of the payload (xxh3-64, low 32 bits)
+      26    1  codec        codec.Codec of the payload (0: the slot's bytes as they are)
+      27    1  (zero)
+      28    4  checksum of the decoded payload (xxh3-64, low 32 bits)
       32    8  seq_len      tokens the layer state covers
       40    8  byte offset  of this chunk within the slot's bytes
       48    8  length       payload bytes that follow the header
-      56   64  shape        8 x u64, unused dims 0
-     120   24  slot name    utf-8, NUL padded
-     144    4  checksum of header bytes 0..143
+      56    8  decoded      slot bytes the payload decodes to (= length when the codec is 0)
+      64   64  shape        8 x u64, unused dims 0
+     128   24  slot name    utf-8, NUL padded
+     152    4  checksum of header bytes 0..151
 
 Frame types and their payloads:
 
     START  sender -> receiver   u32 layers, u64 total bytes (0: not known yet)
-    CHUNK  sender -> receiver   the slot's bytes [offset, offset + length)
-    END    sender -> receiver   u32 layers, u64 total bytes actually sent
-    DONE   receiver -> sender   u32 layers, u64 bytes received (on END's connection)
+    CHUNK  sender -> receiver   the slot's bytes [offset, offset + decoded), coded by ``codec``
+    END    sender -> receiver   u32 layers, u64 total bytes actually sent (decoded)
+    DONE   receiver -> sender   u32 layers, u64 bytes received (decoded), u64 bytes on the wire,
+                                u64 nanoseconds spent decoding (on END's connection)
     ABORT  either way           utf-8 reason; the transfer is over
 
+Version 1 (148-byte headers, no codecs) is refused by both ends: its handshake
+already differs (``auth``), and a header of another version never passes.
 A header is validated completely (magic, version, its own checksum, sizes
 against the caller's limits) before any memory is set aside for its payload.
 """
@@ -52,17 +57,19 @@ from minifaas.model.state_codec import DTYPES, checksum
 from minifaas.transport.errors import CorruptFrameError, ProtocolError
 
 MAGIC = b"MFKV"
-VERSION = 1
+VERSION = 2
 MAX_NDIM = 8
 NAME_BYTES = 24
 MAX_SLOTS = 256
 MAX_CONTROL_BYTES = 4096
 
-_HEADER = struct.Struct("<4sBBBBQIHHBB2xIQQQ8Q24s")
+_HEADER = struct.Struct("<4sBBBBQIHHBBBxIQQQQ8Q24s")
 UNCHECKED = 1  # flag: the sender skipped the payload checksum (only a receiver that allows it accepts this)
 _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _HEADER_CRC.size
 _COUNTS = struct.Struct("<IQ")
+_RECEIPT = struct.Struct("<IQQQ")
+CODECS = 4  # codec ids 0..3 (codec.Codec)
 
 _KINDS = frozenset(int(k) for k in StateKind)
 _ITEMSIZE = {code: torch.empty((), dtype=dtype).element_size() for code, dtype in DTYPES.items()}
@@ -104,6 +111,12 @@ class FrameHeader:
     seq_len: int = 0
     offset: int = 0
     flags: int = 0
+    codec: int = 0
+    decoded: int = -1  # slot bytes the payload stands for; left out (-1): ``length``, an uncoded payload
+
+    def __post_init__(self) -> None:
+        if self.decoded < 0:
+            object.__setattr__(self, "decoded", self.length)
 
     @property
     def slot_bytes(self) -> int:
@@ -121,8 +134,9 @@ class FrameHeader:
             raise ValueError(f"{len(self.shape)} dims; the wire carries at most {MAX_NDIM}")
         shape = (*self.shape, *([0] * (MAX_NDIM - len(self.shape))))
         head = _HEADER.pack(
-            MAGIC, VERSION, self.type, self.kind, self.dtype, self.transfer, self.layer, self.slot,
-            self.n_slots, len(self.shape), self.flags, self.crc, self.seq_len, self.offset, self.length, *shape, name,
+            MAGIC, VERSION, self.type, self.kind, self.dtype, self.transfer, self.layer, self.slot, self.n_slots,
+            len(self.shape), self.flags, self.codec, self.crc, self.seq_len, self.offset, self.length, self.decoded,
+            *shape, name,
         )  # fmt: skip
         return head + _HEADER_CRC.pack(checksum(head))
 
@@ -132,13 +146,12 @@ def unpack_header(buf: bytes | bytearray | memoryview, limits: Limits) -> FrameH
     if len(buf) != HEADER_SIZE:
         raise ProtocolError(f"header must be {HEADER_SIZE} bytes, got {len(buf)}")
     fields = _HEADER.unpack_from(buf, 0)
-    magic, version, ftype, kind, dtype, transfer, layer, slot, n_slots, ndim, flags, crc, seq_len, offset, length = (
-        fields[:15]
-    )
+    magic, version, ftype, kind, dtype, transfer, layer, slot, n_slots, ndim, flags, codec = fields[:12]
+    crc, seq_len, offset, length, decoded = fields[12:17]
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
-        raise ProtocolError(f"unsupported wire version {version}")
+        raise ProtocolError(f"wire version {version} frame; this end speaks version {VERSION}")
     if _HEADER_CRC.unpack_from(buf, _HEADER.size)[0] != checksum(memoryview(buf)[: _HEADER.size]):
         raise CorruptFrameError(f"header checksum mismatch (transfer {transfer}, layer {layer})")
     try:
@@ -147,9 +160,10 @@ def unpack_header(buf: bytes | bytearray | memoryview, limits: Limits) -> FrameH
         raise ProtocolError(f"unknown frame type {ftype}") from None
     if ndim > MAX_NDIM:
         raise ProtocolError(f"ndim {ndim} > {MAX_NDIM}")
+    name = fields[25].rstrip(b"\0").decode(errors="replace")
     header = FrameHeader(
-        frame_type, transfer, length, crc, layer, kind, slot, n_slots,
-        fields[23].rstrip(b"\0").decode(errors="replace"), dtype, tuple(fields[15 : 15 + ndim]), seq_len, offset, flags,
+        frame_type, transfer, length, crc, layer, kind, slot, n_slots, name, dtype, tuple(fields[17 : 17 + ndim]),
+        seq_len, offset, flags, codec, decoded,
     )  # fmt: skip
     if frame_type is FrameType.CHUNK:
         _check_chunk(header, limits)
@@ -165,12 +179,16 @@ def _check_chunk(h: FrameHeader, limits: Limits) -> None:
         raise ProtocolError(f"unknown dtype code {h.dtype}")
     if not 0 <= h.slot < h.n_slots <= MAX_SLOTS:
         raise ProtocolError(f"slot {h.slot} of {h.n_slots} (at most {MAX_SLOTS})")
-    if h.length > limits.max_chunk_bytes:
-        raise ProtocolError(f"chunk claims {h.length} bytes, limit {limits.max_chunk_bytes}")
+    if h.codec >= CODECS:
+        raise ProtocolError(f"unknown codec {h.codec}")
+    if h.codec == 0 and h.decoded != h.length:
+        raise ProtocolError(f"an uncoded chunk of {h.length} bytes claims to decode to {h.decoded}")
+    if max(h.length, h.decoded) > limits.max_chunk_bytes:
+        raise ProtocolError(f"chunk claims {max(h.length, h.decoded)} bytes, limit {limits.max_chunk_bytes}")
     if h.slot_bytes > limits.max_slot_bytes:
         raise ProtocolError(f"slot {h.name!r} claims {h.slot_bytes} bytes, limit {limits.max_slot_bytes}")
-    if h.offset + h.length > h.slot_bytes:
-        raise ProtocolError(f"chunk [{h.offset}, {h.offset + h.length}) outside slot of {h.slot_bytes} bytes")
+    if h.offset + h.decoded > h.slot_bytes:
+        raise ProtocolError(f"chunk [{h.offset}, {h.offset + h.decoded}) outside slot of {h.slot_bytes} bytes")
 
 
 def control(ftype: FrameType, transfer: int, payload: bytes = b"") -> bytes:
@@ -187,3 +205,23 @@ def unpack_counts(payload: bytes | bytearray | memoryview) -> tuple[int, int]:
         raise ProtocolError(f"counts payload must be {_COUNTS.size} bytes, got {len(payload)}")
     layers, nbytes = _COUNTS.unpack(payload)
     return layers, nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """DONE's payload: what the receiver took in, and what decoding it cost there."""
+
+    layers: int
+    nbytes: int  # decoded
+    wire_bytes: int
+    decode_s: float
+
+    def pack(self) -> bytes:
+        return _RECEIPT.pack(self.layers, self.nbytes, self.wire_bytes, round(self.decode_s * 1e9))
+
+    @classmethod
+    def unpack(cls, payload: bytes | bytearray | memoryview) -> Receipt:
+        if len(payload) != _RECEIPT.size:
+            raise ProtocolError(f"DONE payload must be {_RECEIPT.size} bytes, got {len(payload)}")
+        layers, nbytes, wire_bytes, nanoseconds = _RECEIPT.unpack(payload)
+        return cls(layers, nbytes, wire_bytes, nanoseconds / 1e9)

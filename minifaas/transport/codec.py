@@ -1,0 +1,162 @@
+"""KV codecs on the wire: which one a frame gets, and the stage that codes and decodes it.
+
+    none      the slot's bytes as they are
+    lossless  sign and exponent bytes entropy-coded apart from the mantissa bytes (``byte_planes``);
+              float32, bfloat16 and float16 slots, decoded bit for bit
+    fp8/int8  8-bit codes with a float32 scale per 128 elements (``block_scaled``); only full-attention
+              and sliding-window KV in float slots, the rest of a lossy transfer goes lossless
+
+A transfer asks for one codec; each frame then gets the codec that fits its
+slot (``frame_codec``), so int slots, ragged ranges and frames too small to
+gain go uncoded in any transfer. A frame whose coding would not shrink it goes
+uncoded too. The receiver says in the handshake which codecs it decodes
+(``auth``), and a sender never uses another.
+
+The checksum in a coded frame's header is that of the decoded bytes, the
+ones the receiver ends up holding: it covers the codec too. For the lossy
+codes the encoder decodes its own output to get it.
+
+Coding sits between the state's bytes in host memory and the socket: the
+sender's pumps code each chunk just before it goes (off the event loop when it
+is large), the receiver decodes each chunk into the slot's tensor as soon as
+the chunk is in, so layers still stream.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from minifaas.model.layer_state import StateKind
+from minifaas.model.state_codec import DTYPES, checksum
+from minifaas.transport import block_scaled
+from minifaas.transport.block_scaled import BlockError
+from minifaas.transport.byte_planes import PlaneDecoder, PlaneEncoder, PlaneError
+from minifaas.transport.errors import CorruptFrameError
+
+MIN_CODED_BYTES = 4096  # smaller frames go as they are: the prefix and the call cost more than coding saves
+_LOSSY_KINDS = (StateKind.FULL_ATTENTION, StateKind.SLIDING_WINDOW)
+
+
+class Codec(IntEnum):
+    NONE = 0
+    LOSSLESS = 1
+    FP8 = 2
+    INT8 = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @property
+    def lossy(self) -> bool:
+        return self in (Codec.FP8, Codec.INT8)
+
+    @classmethod
+    def named(cls, name: str) -> Codec:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown KV codec {name!r}; known: {', '.join(c.label for c in cls)}") from None
+
+
+ALL_CODECS = frozenset(Codec)
+
+
+def offer_mask(codecs: frozenset[Codec]) -> int:
+    """The handshake's byte: bit i set when codec i decodes here."""
+    return sum(1 << c for c in codecs | {Codec.NONE})
+
+
+def offered(mask: int) -> frozenset[Codec]:
+    return frozenset(c for c in Codec if mask >> c & 1) | {Codec.NONE}
+
+
+def usable(requested: Codec, offer: frozenset[Codec]) -> Codec:
+    """What a transfer may use towards a receiver offering ``offer``: a lossy code it lacks becomes lossless."""
+    if requested in offer:
+        return requested
+    return Codec.LOSSLESS if Codec.LOSSLESS in offer else Codec.NONE
+
+
+def frame_codec(requested: Codec, kind: StateKind, dtype: torch.dtype, nbytes: int) -> Codec:
+    """The codec one frame of a slot gets in a transfer that asked for ``requested``."""
+    if requested is Codec.NONE or dtype not in block_scaled.FLOATS or nbytes < MIN_CODED_BYTES:
+        return Codec.NONE
+    if nbytes % torch.empty((), dtype=dtype).element_size():
+        return Codec.NONE
+    if requested.lossy and kind in _LOSSY_KINDS:
+        return requested
+    return Codec.LOSSLESS
+
+
+@dataclass(frozen=True, slots=True)
+class Coded:
+    codec: Codec  # what the frame carries: NONE when coding did not pay
+    parts: list[memoryview | bytes]
+    crc: int  # of the decoded bytes
+    nbytes: int  # on the wire
+
+
+class FrameEncoder:
+    """One per sending connection (zstd contexts are not shared between threads)."""
+
+    def __init__(self) -> None:
+        self._planes = PlaneEncoder()
+
+    def encode(self, codec: Codec, dtype: torch.dtype, raw: memoryview) -> Coded:
+        crc = None
+        if codec.lossy:
+            coded = block_scaled.encode(raw, dtype, codec.label)
+            if coded is None:  # inf or nan in the range: no scale fits it
+                codec = Codec.LOSSLESS
+            else:
+                parts, decoded = coded
+                crc = checksum(memoryview(decoded.view(torch.uint8).numpy()).cast("B"))
+        if codec is Codec.LOSSLESS:
+            parts = self._planes.encode(raw, raw_width(dtype))
+        if crc is None:
+            crc = checksum(raw)
+        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
+        if codec is Codec.NONE or nbytes >= len(raw):
+            return Coded(Codec.NONE, [raw], checksum(raw) if codec.lossy else crc, len(raw))
+        return Coded(codec, parts, crc, nbytes)
+
+
+class FrameDecoder:
+    """One per receiving connection, with the scratch memory its coded payloads are read into."""
+
+    def __init__(self) -> None:
+        self._planes = PlaneDecoder()
+        self._buffer = bytearray()
+
+    def scratch(self, nbytes: int) -> memoryview:
+        """Room for one payload (reused, grown when a larger one comes)."""
+        if len(self._buffer) < nbytes:
+            self._buffer = bytearray(nbytes)
+        return memoryview(self._buffer)[:nbytes]
+
+    def decode_into(self, codec: Codec, dtype_code: int, payload: memoryview, out: memoryview) -> tuple[int, float]:
+        """Decode a frame's payload into the slot bytes it stands for; returns their checksum and the
+        seconds it took. CorruptFrameError if the payload does not decode to them."""
+        start = time.perf_counter()
+        self._decode(codec, DTYPES[dtype_code], payload, out)
+        return checksum(out), time.perf_counter() - start
+
+    def _decode(self, codec: Codec, dtype: torch.dtype, payload: memoryview, out: memoryview) -> None:
+        try:
+            if codec is Codec.LOSSLESS:
+                self._planes.decode_into(payload, raw_width(dtype), out)
+            elif codec.lossy:
+                block_scaled.decode_into(payload, dtype, codec.label, out)
+            else:
+                raise PlaneError(f"{codec.name} is not a coded frame")
+        except (PlaneError, BlockError) as e:
+            raise CorruptFrameError(f"{codec.label} payload: {e}") from None
+
+
+def raw_width(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
