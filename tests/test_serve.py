@@ -64,6 +64,8 @@ def serve_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
             str(key_file),
             "--link-rate",
             "50mbit",
+            "--kv-compression",
+            "lossless",
             "--log-level",
             "INFO",
         ],
@@ -111,7 +113,12 @@ def test_openai_client_completions_and_chat(server: str, reference: dict[str, st
     assert short.model_extra["minifaas"]["route"] == "local"
     assert long.model_extra["minifaas"]["route"] == "prfaas"
     rt = ModelRuntime.load("kimi-linear-tiny")
-    assert long.model_extra["minifaas"]["kv_bytes"] == rt.prefill(ByteTokenizer().encode(LONG)).state.nbytes
+    info = long.model_extra["minifaas"]
+    assert info["kv_bytes"] == rt.prefill(ByteTokenizer().encode(LONG)).state.nbytes
+    # coded across the link and decoded bit for bit: the text equals one-process generate's
+    assert (info["kv_codec"], info["kv_codec_reason"]) == ("lossless", "forced")
+    assert 0 < info["kv_wire_bytes"] < info["kv_bytes"] and info["kv_encode_s"] > 0 and info["kv_decode_s"] > 0
+    assert short.model_extra["minifaas"]["kv_codec"] == "none"  # the local route is never coded
     streamed = client.completions.create(
         model=model, prompt=LONG, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
     )
@@ -190,6 +197,16 @@ def test_api_key_health_and_metrics(server: str) -> None:
     assert code == 200 and health["healthy"]
     code, text = _get(f"{server}/metrics")
     assert code == 200 and "minifaas:time_to_first_token_seconds" in text and 'route="prfaas"' in text
+    assert 'minifaas:kv_codec_choices_total{codec="lossless",reason="forced"}' in text
+    state, wire = (
+        _metric(text, f'minifaas:kv_codec_{side}_bytes_total{{codec="lossless"}}') for side in ("state", "wire")
+    )
+    assert state > wire > 0 and _metric(text, 'minifaas:kv_codec_seconds_total{codec="lossless",side="decode"}') > 0
+    assert _metric(text, "minifaas:kv_codec_break_even_bits_per_second") > 0  # measured when the workers started
+
+
+def _metric(text: str, series: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(series + " ")))
 
 
 def test_client_disconnect_mid_stream_frees_the_request(server: str) -> None:

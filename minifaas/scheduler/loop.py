@@ -28,6 +28,12 @@ rows. Not measured live (left at 0, so the rules that use them stay quiet):
 the link backlog (the KV senders live in the prefill workers), rtt and
 retransmissions (the relay ends every connection on loopback; netns mode
 would give real ones).
+
+The codec of each transfer across the link comes from the compression policy
+(``policy.compression``) on the same readings: the link's rate and smoothed
+utilisation, and the PrfaaS prefills in flight (each streams its state while
+it runs). The figures it weighs come from the PrfaaS prefill workers' start-up
+measurements (``calibrated``) and then from every coded transfer (``coded``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import TYPE_CHECKING
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.profile import load_pd_profiles, load_profiles
+from minifaas.policy.compression import CodecChoice, CompressionConfig, CompressionPolicy, LinkShare
 from minifaas.policy.router import RouteDecision
 from minifaas.scheduler.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
 from minifaas.scheduler.short_term import Action, ShortTermConfig, ShortTermPolicy
@@ -62,6 +69,8 @@ class LiveScheduler:
         self.egress_since: dict[str, float] = {}  # emulator -> its uptime at the reading last used
         self._outputs = [0, 0]  # completion tokens, finished requests: the mean output length
         self.speed: dict[str, float] = {}  # cluster -> prefill tokens/s, a moving average over recent prefills
+        self.compression = CompressionPolicy(CompressionConfig(gateway.config.link.kv_compression))
+        self.link_rate_bps = parse_rate(gateway.config.link.rate) or math.inf  # until the link is read
         gateway.metrics.set_threshold(gateway.threshold)
 
     def _long_term(self, config: LongTermConfig) -> LongTermPolicy | None:
@@ -107,6 +116,25 @@ class LiveScheduler:
             self._outputs[0] += completion_tokens
             self._outputs[1] += 1
 
+    def codec(self) -> CodecChoice:
+        """The codec for a transfer about to cross the link."""
+        on_link = sum(w.busy for w in self.gateway.workers.values() if w.cluster == "prfaas" and w.role == "prefill")
+        choice = self.compression.choose(LinkShare(self.link_rate_bps, self.short.utilisation, on_link))
+        self.gateway.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
+        return choice
+
+    def coded(self, reply: dict, nbytes: int) -> None:
+        """A transfer across the link ended: what its codec did (a worker's ``coding`` fields)."""
+        codec = reply.get("codec", "none")
+        wire, encode_s, decode_s = reply["kv_wire_bytes"], reply["kv_encode_s"], reply["kv_decode_s"]
+        self.compression.meter.observe(codec, nbytes, wire, encode_s, decode_s)
+        self.gateway.metrics.kv_coded(codec, nbytes, wire, encode_s, decode_s)
+
+    def calibrated(self, samples: dict[str, list[float]]) -> None:
+        """A PrfaaS prefill worker's start-up measurement of its codecs (nbytes, wire, encode s, decode s)."""
+        for codec, (nbytes, wire, encode_s, decode_s) in samples.items():
+            self.compression.meter.observe(codec, int(nbytes), int(wire), encode_s, decode_s)
+
     def observe(self, decision: RouteDecision) -> None:
         """A request was routed: remember how much of it had to be prefilled."""
         self.lengths.append(decision.incremental_tokens)
@@ -120,6 +148,7 @@ class LiveScheduler:
                 egress += 8 * stats["interval_up_bytes"] / stats["interval_s"]
             rate += stats["rate_bps"] if stats.get("rate_bps") is not None else math.inf
         lengths, self.lengths = tuple(self.lengths), []
+        self.link_rate_bps = rate if self.gateway.link_stats else self.link_rate_bps
         decode = self._stage("pd", "decode")
         slots = decode.nodes * self.gateway.config.pd.max_batch
         return Signals(

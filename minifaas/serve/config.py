@@ -5,7 +5,7 @@
 [prfaas]           the remote prefill cluster: prefill_workers, device, prefill_chunk
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, max_batch,
                    prefill_chunk
-[link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections
+[link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections, kv_compression
 [cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
 [scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.policy.compression import MODES
 from minifaas.transport.pacer import parse_rate
 
 
@@ -47,12 +48,15 @@ class LinkConfig:
     jitter_ms: float = 0.0
     connections: int = 4  # TCP connections per KV transfer
     pipelined: bool = True
+    kv_compression: str = "auto"  # codec of state crossing the link; auto: lossless only where it saves time
 
     def __post_init__(self) -> None:
         if self.connections < 1 or self.delay_ms < 0 or self.jitter_ms < 0:
             raise ValueError("need connections >= 1 and non-negative delay and jitter")
         for rate in (self.rate, self.flow_rate):  # a rate the emulator cannot read fails here, not in its process
             parse_rate(rate)
+        if self.kv_compression not in MODES:
+            raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
 
 
 @dataclass(frozen=True, slots=True)

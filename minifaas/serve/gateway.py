@@ -150,6 +150,8 @@ class Gateway:
         except BaseException:
             await w.stop()
             raise
+        if w.cluster == "prfaas" and w.role == "prefill":
+            self.scheduler.calibrated(w.codecs)
         w.on_unclaimed = self._unclaimed
         self.prefixes.forget(w.name)  # a new pool starts empty
         self.known_names.add(w.name)

@@ -88,6 +88,23 @@ class ServeMetrics:
         self.prefill_tokens_spared = Counter(
             "minifaas:prefill_tokens_spared", "Prompt tokens not prefilled after an abort", ["cluster"], registry=r
         )
+        # The codec chosen for each KV transfer across the link, and why (policy.compression).
+        self.kv_codec_choices = Counter(
+            "minifaas:kv_codec_choices", "Codec chosen per KV transfer", ["codec", "reason"], registry=r
+        )
+        # State bytes of coded transfers before coding, the bytes on the wire after, and the time spent
+        # coding (side "encode", at the prefill worker) and decoding (side "decode", at the receiver).
+        self.kv_codec_state_bytes = Counter(
+            "minifaas:kv_codec_state_bytes", "KV state bytes before coding", ["codec"], registry=r
+        )
+        self.kv_codec_wire_bytes = Counter(
+            "minifaas:kv_codec_wire_bytes", "KV bytes on the wire after coding", ["codec"], registry=r
+        )
+        self.kv_codec_seconds = Counter("minifaas:kv_codec_seconds", "KV coding time", ["codec", "side"], registry=r)
+        # The link rate (bits/s) a transfer must get less of for lossless coding to save time (0: unmeasured).
+        self.kv_codec_break_even = Gauge(
+            "minifaas:kv_codec_break_even_bits_per_second", "Break-even link rate of lossless coding", registry=r
+        )
         # The offload threshold in force: incremental prompt tokens above which PrfaaS prefills.
         self.threshold = Gauge("minifaas:offload_threshold_tokens", "Offload threshold", registry=r)
         for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
@@ -153,6 +170,16 @@ class ServeMetrics:
 
     def add_kv_bytes(self, link: str, nbytes: int) -> None:
         self.kv_bytes_sent.labels(link=link).inc(nbytes)
+
+    def codec_chosen(self, codec: str, reason: str, break_even_bytes_per_s: float) -> None:
+        self.kv_codec_choices.labels(codec=codec, reason=reason).inc()
+        self.kv_codec_break_even.set(8 * break_even_bytes_per_s)
+
+    def kv_coded(self, codec: str, nbytes: int, wire_bytes: int, encode_s: float, decode_s: float) -> None:
+        self.kv_codec_state_bytes.labels(codec=codec).inc(nbytes)
+        self.kv_codec_wire_bytes.labels(codec=codec).inc(wire_bytes)
+        self.kv_codec_seconds.labels(codec=codec, side="encode").inc(encode_s)
+        self.kv_codec_seconds.labels(codec=codec, side="decode").inc(decode_s)
 
     def prefill_stopped(self, cluster: str, tokens: int, done_tokens: int) -> None:
         self.prefills_stopped.labels(cluster=cluster).inc()

@@ -88,10 +88,11 @@ class PrefillDispatch:
         inbox = worker.open(rid)
         worker.load_tokens += n
         reply: dict | None = None
-        # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first
-        link_start = (
-            self.gateway.prefixes.kv_prefix(request.prompt_ids, decode.name) if worker.cluster == "prfaas" else 0
-        )
+        # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first,
+        # and only it is worth coding for (the cluster's own network is not the bottleneck)
+        remote = worker.cluster == "prfaas"
+        link_start = self.gateway.prefixes.kv_prefix(request.prompt_ids, decode.name) if remote else 0
+        choice = self.gateway.scheduler.codec() if remote else None
         try:
             decode.send(
                 {
@@ -114,6 +115,7 @@ class PrefillDispatch:
                     "sampling": sampling,
                     "kv": ["127.0.0.1", port],
                     "link_start": link_start,
+                    "codec": choice.codec if choice is not None else "none",
                     **({"import": moved} if moved is not None else {}),
                 }
             )
@@ -134,6 +136,12 @@ class PrefillDispatch:
         if reply["op"] == "failed":
             return f"transfer_failed: {reply['error']}"
         record.kv_bytes = reply["kv_bytes"]
+        record.kv_codec, record.kv_codec_reason = reply["codec"], choice.reason if choice is not None else "local"
+        record.kv_wire_bytes, record.kv_encode_s, record.kv_decode_s = (
+            reply["kv_wire_bytes"], reply["kv_encode_s"], reply["kv_decode_s"]
+        )  # fmt: skip
+        if remote:
+            self.gateway.scheduler.coded(reply, reply["kv_bytes"])
         record.cached_tokens = reply["cached_tokens"]
         self.gateway.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
         record.queue_s = reply["queue_s"]
@@ -159,8 +167,11 @@ class PrefillDispatch:
         inbox = src.open(rid)
         try:
             link = ["127.0.0.1", self.gateway.move_links[dst.name].port]
-            tokens, length = request.prompt_ids, move.end_tokens
-            src.send({"op": "export", "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link})
+            tokens, length, codec = request.prompt_ids, move.end_tokens, self.gateway.scheduler.codec().codec
+            src.send(
+                {"op": "export", "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link,
+                 "codec": codec}
+            )  # fmt: skip
             async with asyncio.timeout(self.gateway.config.prefill_timeout):
                 reply = await inbox.get()
         except (TimeoutError, RuntimeError) as e:
@@ -173,6 +184,7 @@ class PrefillDispatch:
             return None
         self.gateway.cache_moves["done"] += 1
         self.gateway.cache_moves["bytes"] += reply["bytes"]
+        self.gateway.scheduler.coded(reply, reply["bytes"])
         self.gateway.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"])
         record.events.append(f"cache_move {src.name}->{dst.name} {reply['tokens']} tokens")
         return transfer

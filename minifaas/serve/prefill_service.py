@@ -33,6 +33,13 @@ state from this node's pool to a node of the other cluster, whose ``prefill``
 first takes it off its receiver (``import``) and keeps it in its pool, where the
 prompt's turn then finds it like any other hit. A move that fails is logged and
 counted, and the prompt is prefilled without it.
+
+KV compression: the gateway names a codec per transfer (``"codec"`` in the
+message; the scheduler chose it, ``policy.compression``). The worker uses it
+when its own ``--kv-compression`` allows it (``codecs``), else the nearest it
+allows, and reports the bytes before and after and the coding time at both
+ends. At start it measures its codecs once on a real state
+(``calibrate``), so the scheduler has figures before the first request.
 """
 
 from __future__ import annotations
@@ -50,10 +57,13 @@ from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens
 from minifaas.model.sampling import GREEDY, SamplingParams
 from minifaas.serve.control import sampling_from_json
 from minifaas.serve.prefix_store import CachedPrefill, Computed, PrefixStore
-from minifaas.transport import KVReceiver, KVSender, SenderConfig, TransferError
+from minifaas.transport import KVReceiver, KVSender, SenderConfig, TransferError, TransferReport
+from minifaas.transport.codec import Codec, usable
+from minifaas.transport.codec_probe import probe
 
 log = logging.getLogger("minifaas.prefill")
 T = TypeVar("T")
+CALIBRATION_PROMPT = [(37 * i + 11) % 256 for i in range(256)]  # token ids every preset's vocabulary holds
 
 
 class Stopped(Exception):
@@ -71,6 +81,7 @@ class PrefillService:
         receiver: KVReceiver | None = None,  # takes cache moves in; None: this node accepts none
         import_timeout: float = 30.0,
         chunk_tokens: int = 0,  # prefill in forwards of at most this many tokens, streaming each (0: one forward)
+        codecs: frozenset[Codec] = frozenset(),  # the codecs this worker may send with (none always)
     ) -> None:
         if chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
@@ -80,6 +91,7 @@ class PrefillService:
         self.runtime, self.secret, self.store = runtime, secret, store
         self.receiver, self.import_timeout = receiver, import_timeout
         self.connections, self.pipelined = connections, pipelined
+        self.codecs = codecs | {Codec.NONE}
         self.senders: dict[tuple[str, int], KVSender] = {}
         self.compute = asyncio.Lock()
         self.queued_tokens = 0
@@ -123,7 +135,8 @@ class PrefillService:
             try:
                 if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
                     await _until_stopped(stop, self.store.advance, self.runtime, plan)
-                async with sender.stream(msg["transfer"], layers=self.runtime.num_states) as tx:
+                codec = self.codec(msg)
+                async with sender.stream(msg["transfer"], layers=self.runtime.num_states, codec=codec) as tx:
                     link_start = msg.get("link_start", 0)
                     forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
                     try:
@@ -143,7 +156,7 @@ class PrefillService:
             raise
         finally:
             done_computing()
-        assert forward is not None
+        assert forward is not None and tx.report is not None
         result = computed.result
         return {
             "op": "prefilled",
@@ -155,7 +168,18 @@ class PrefillService:
             "queue_s": started - arrived,
             "prefill_s": result.seconds,
             "transfer_tail_s": finished - computed_at,
+            **coding(tx.report),
         }
+
+    def codec(self, msg: dict) -> Codec:
+        """The codec the gateway asked for, or the nearest this worker allows."""
+        return usable(Codec.named(msg.get("codec", "none")), frozenset(self.codecs))
+
+    def calibrate(self) -> dict[str, list[float]]:
+        """Each codec this worker may use, measured once on the state of a real prefill: what the
+        scheduler starts from (nbytes, wire bytes, encode s, decode s). Blocking: run it in a thread."""
+        state = self.runtime.prefill(CALIBRATION_PROMPT).state
+        return {c.label: probe(state, c).to_json() for c in sorted(self.codecs - {Codec.NONE})}
 
     async def _import(self, tokens: list[int], transfer: int) -> None:
         if self.receiver is None:
@@ -175,18 +199,28 @@ class PrefillService:
         """Send the usable prefix of ``tokens`` up to ``length`` to another cluster's node."""
         lease, state = self.store.export_state(msg["tokens"], msg["length"], time.perf_counter())
         try:
+            report = None
             if state is not None:
-                async with self.sender(*msg["kv"]).stream(msg["transfer"], layers=len(state.layers)) as tx:
-                    for layer in state.layers:
-                        tx.put(layer)
+                report = await self.sender(*msg["kv"]).send(msg["transfer"], state, self.codec(msg))
         finally:
             self.store.pool.release(lease)
         nbytes = state.nbytes if state is not None else 0
-        return {"op": "exported", "req": msg["req"], "tokens": lease.hit_tokens, "bytes": nbytes}
+        reply = {"op": "exported", "req": msg["req"], "tokens": lease.hit_tokens, "bytes": nbytes}
+        return reply | (coding(report) if report is not None else {})
 
     async def close(self) -> None:
         for sender in self.senders.values():
             await sender.__aexit__(None, None, None)
+
+
+def coding(report: TransferReport) -> dict:
+    """What a reply says of a transfer's codec: its name, the bytes on the wire, the time on each end."""
+    return {
+        "codec": report.codec,
+        "kv_wire_bytes": report.wire_bytes,
+        "kv_encode_s": report.encode_s,
+        "kv_decode_s": report.decode_s,
+    }
 
 
 async def _until_stopped(stop: threading.Event, fn: Callable[..., T], *args: object) -> T:

@@ -37,7 +37,12 @@ class RequestRecord:
     decode_worker: str | None = None
     cached_tokens: int = 0
     completion_tokens: int = 0
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # of state
+    kv_codec: str | None = None  # how it crossed the wire: none, lossless, fp8 or int8
+    kv_codec_reason: str | None = None  # why (policy.compression; "local" within a cluster)
+    kv_wire_bytes: int = 0  # what crossed the wire after coding
+    kv_encode_s: float = 0.0  # coding time at the prefill worker
+    kv_decode_s: float = 0.0  # decoding time at the decode worker
     transfer_s: float | None = None
     queue_s: float | None = None
     ttft_s: float | None = None

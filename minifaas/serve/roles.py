@@ -50,6 +50,7 @@ def worker_argv(c: ServeConfig, role: str, cluster: str) -> list[str]:
     """The worker command line for a role in a cluster (``--role`` and ``--name`` are added at start)."""
     device = c.prfaas.device if cluster == "prfaas" else c.pd.device
     argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
+    argv += ["--kv-compression", c.link.kv_compression]
     if not c.link.pipelined:
         argv.append("--no-pipelining")
     argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]

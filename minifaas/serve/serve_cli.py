@@ -25,6 +25,7 @@ from minifaas import arguments
 from minifaas.cli import BadInput, user_input
 from minifaas.model.loader import ModelSpec
 from minifaas.planner.profile import load_pd_profiles
+from minifaas.policy.compression import MODES
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.api import build_app
 from minifaas.serve.config import CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
@@ -113,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--connections", type=int, help=f"TCP connections per KV transfer (default: {d.link.connections})"
     )
+    parser.add_argument(
+        "--kv-compression",
+        choices=MODES,
+        help="codec of KV crossing the link: auto codes lossless only when the time it saves on the link exceeds "
+        f"the coding time; fp8/int8 are lossy, for attention KV, only when named (default: {d.link.kv_compression})",
+    )
     parser.add_argument("--no-pipelining", action="store_true", help="send a state only when all layers are done")
     parser.add_argument("--prefix-cache", choices=("hybrid", "none"), help=f"prefix cache (default: {d.cache.mode})")
     parser.add_argument("--cache-block-size", type=int, help=f"tokens per cached block (default: {d.cache.block_size})")
@@ -175,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         jitter_ms=base.link.jitter_ms,
         connections=_pick(args.connections, base.link.connections),
         pipelined=base.link.pipelined and not args.no_pipelining,
+        kv_compression=_pick(args.kv_compression, base.link.kv_compression),
     )
     cache = CacheConfig(
         mode=_pick(args.prefix_cache, base.cache.mode),

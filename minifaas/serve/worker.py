@@ -2,7 +2,8 @@
 
 Started by the gateway, one per node. It loads the model, opens its control
 port (and, for decode, its KV receiver), prints one JSON line
-``{"control_port": ..., "kv_port": ...}`` when ready, and serves the gateway's
+``{"control_port": ..., "kv_port": ...}`` when ready (a prefill worker adds its
+codecs measured on a warm-up state: ``"codecs"``), and serves the gateway's
 one control connection. It exits when the gateway closes its stdin, so a
 gateway that dies, however it dies, leaves no worker behind.
 
@@ -27,12 +28,14 @@ from minifaas.model.decoder import DecoderConfig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
+from minifaas.policy.compression import MODES
 from minifaas.serve import control
 from minifaas.serve.decode_prefix import DecodePrefixCache, JoiningReceiver
 from minifaas.serve.decode_service import DecodeService
 from minifaas.serve.prefill_service import PrefillService
 from minifaas.serve.prefix_store import PrefixStore
 from minifaas.transport import KVReceiver, ReceiverConfig, TransferError
+from minifaas.transport.codec import codecs_for
 
 log = logging.getLogger("minifaas.worker")
 
@@ -52,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                    help="prefill: run a prompt in forwards of at most TOKENS, each one's full-attention KV "
                    "streamed as soon as it is made (0: one forward)")  # fmt: skip
+    p.add_argument("--kv-compression", choices=MODES, default="auto",
+                   help="KV codecs this worker sends with (prefill) or offers its senders (decode); the gateway "
+                   "picks one per transfer. auto: none and lossless; fp8 or int8 add that lossy code")  # fmt: skip
     p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid", help="this node's prefix cache")
     p.add_argument("--cache-block-size", type=int, default=32, help="tokens per cached full-attention block")
     p.add_argument("--snapshot-interval", type=int, default=4, help="blocks between state snapshots (0: ends only)")
@@ -68,12 +74,14 @@ async def serve(args: argparse.Namespace) -> None:
     secret = bytes.fromhex(os.environ["MINIFAAS_KV_SECRET"])
     runtime = await asyncio.to_thread(ModelRuntime.load, args.model, args.device, args.seed)
     await asyncio.to_thread(runtime.generate, [0, 1, 2], SamplingParams(max_tokens=2))  # first forwards are slow
+    codecs = codecs_for(args.kv_compression)
+    ready: dict = {}
     async with contextlib.AsyncExitStack() as stack:
         kv_port = 0
         prefixes: DecodePrefixCache | None = None
         if args.role == "decode":
             receiver = await stack.enter_async_context(
-                KVReceiver(ReceiverConfig(secret, host=args.kv_host, port=args.kv_port))
+                KVReceiver(ReceiverConfig(secret, host=args.kv_host, port=args.kv_port, codecs=codecs))
             )
             kv_port = receiver.port
             prefixes = _decode_prefixes(args, runtime)
@@ -83,14 +91,16 @@ async def serve(args: argparse.Namespace) -> None:
         else:
             moves = None
             if args.accept_moves:
-                config = ReceiverConfig(secret, host=args.kv_host, port=args.kv_port)
+                config = ReceiverConfig(secret, host=args.kv_host, port=args.kv_port, codecs=codecs)
                 moves = await stack.enter_async_context(KVReceiver(config))
                 kv_port = moves.port
             store = _prefix_store(args, runtime)
             service = PrefillService(
-                runtime, secret, args.connections, not args.no_pipelining, store, moves, chunk_tokens=args.prefill_chunk
-            )
+                runtime, secret, args.connections, not args.no_pipelining, store, moves,
+                chunk_tokens=args.prefill_chunk, codecs=codecs,
+            )  # fmt: skip
             stack.push_async_callback(service.close)
+            ready["codecs"] = await asyncio.to_thread(service.calibrate)
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -102,7 +112,8 @@ async def serve(args: argparse.Namespace) -> None:
         )
         async with server:
             port = server.sockets[0].getsockname()[1]
-            print(json.dumps({"control_port": port, "kv_port": kv_port, "pid": os.getpid()}), flush=True)
+            ready |= {"control_port": port, "kv_port": kv_port, "pid": os.getpid()}
+            print(json.dumps(ready), flush=True)
             reader, writer = await connected
             async with asyncio.TaskGroup() as tg:
                 stdin_closed = tg.create_task(_wait_stdin_closed())

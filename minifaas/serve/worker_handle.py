@@ -39,6 +39,7 @@ class WorkerHandle:
         self.process: asyncio.subprocess.Process | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.kv_port = 0
+        self.codecs: dict[str, list[float]] = {}  # what a prefill worker measured of its codecs when it started
         self.alive = False
         self.restarts = 0
         self.load_tokens = 0  # prompt tokens sent and not yet answered (prefill) / requests decoding
@@ -91,6 +92,7 @@ class WorkerHandle:
             await self.stop()
             raise WorkerError(f"worker {self.name} did not start: {e!r}") from None
         self.kv_port = ready["kv_port"]
+        self.codecs = ready.get("codecs", {})
         self.alive = True
         log.debug("worker %s (%s, %s) ready, pid %s", self.name, self.role, self.cluster, ready["pid"])
         return reader

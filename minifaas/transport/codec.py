@@ -160,3 +160,13 @@ class FrameDecoder:
 
 def raw_width(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def codecs_for(mode: str) -> frozenset[Codec]:
+    """The codecs a worker run with ``--kv-compression mode`` sends with or offers: ``auto`` is none and
+    lossless (the scheduler picks per transfer), a lossy mode adds only its own code."""
+    if mode == "none":
+        return frozenset()
+    if mode in ("lossless", "auto"):
+        return frozenset({Codec.LOSSLESS})
+    return frozenset({Codec.LOSSLESS, Codec.named(mode)})

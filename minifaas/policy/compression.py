@@ -1,0 +1,146 @@
+"""Which codec a KV transfer gets: coding pays only when the link time it saves exceeds the time it costs.
+
+A transfer of B bytes that gets bw bytes/s of the link takes B / bw. Coded
+with ratio r it takes B / (r bw) on the link, plus B / enc to code it and
+B / dec to decode it, charged in full as if nothing overlapped (the sender
+codes chunk by chunk while earlier ones are on the wire, so the real cost is
+lower: the rule leans towards not coding). Coding pays when
+
+    B / bw * (1 - 1/r)  >  B / enc + B / dec     <=>     bw  <  (1 - 1/r) / (1/enc + 1/dec)
+
+B cancels: the choice depends on the link and the codec, not on the request.
+The right side is the break-even bandwidth; at or above it ``auto`` sends
+uncoded. bw is what a new transfer can expect of the link now: the unused
+part of its rate, rate * (1 - u) with u the measured utilisation, but never
+less than a fair share, rate / (n + 1) with n transfers already on it (TCP
+flows on one bottleneck split it about evenly). Both the live gateway and the
+simulator fill in ``LinkShare`` from what they measure and call ``choose``.
+
+r, enc and dec are measured: each coded transfer reports its bytes before and
+after and its coding time at both ends, and ``CodecMeter`` keeps a moving
+average per codec (a prefill worker also measures its codecs once on the
+state of its warm-up prefill, so the first requests have figures too). A
+codec never measured is never chosen by ``auto``. ``auto`` chooses among
+``none`` and ``lossless`` only; a lossy code changes the model's output and is
+used only when asked for by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Compression(StrEnum):
+    NONE = "none"
+    LOSSLESS = "lossless"
+    FP8 = "fp8"
+    INT8 = "int8"
+    AUTO = "auto"
+
+
+MODES = tuple(m.value for m in Compression)
+
+
+@dataclass(frozen=True, slots=True)
+class CodecEstimate:
+    ratio: float  # state bytes / bytes on the wire
+    encode_bps: float  # state bytes coded per second at the sender
+    decode_bps: float  # state bytes decoded per second at the receiver
+
+    @property
+    def break_even_bps(self) -> float:
+        """The link bandwidth (bytes/s) below which this codec saves time."""
+        if self.ratio <= 1:
+            return 0.0
+        return (1 - 1 / self.ratio) / (1 / self.encode_bps + 1 / self.decode_bps)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkShare:
+    """What a new transfer can expect of the link, as measured now."""
+
+    rate_bps: float  # the link's rate in bits/s (inf: no limit; 0: cut)
+    utilisation: float = 0.0  # measured egress over the rate, 0..1
+    transfers: int = 0  # transfers on the link now
+
+    @property
+    def expected_bytes_per_s(self) -> float:
+        if math.isinf(self.rate_bps):
+            return math.inf
+        free = max(0.0, 1.0 - self.utilisation)
+        return self.rate_bps / 8 * max(free, 1 / (self.transfers + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class CodecChoice:
+    codec: str  # none, lossless, fp8 or int8
+    reason: str  # forced, saves_time, costs_more, unmeasured, unlimited_link
+    expected_bps: float  # bytes/s the transfer was expected to get
+    break_even_bps: float  # bytes/s below which lossless pays (0 when unmeasured)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionConfig:
+    mode: str = Compression.AUTO.value
+    smoothing: float = 0.3  # weight of the newest transfer in each moving average
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"kv compression must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+
+
+@dataclass
+class CodecMeter:
+    """Moving averages of each codec's ratio and speeds, from what transfers report (sans-IO)."""
+
+    smoothing: float = 0.3
+    estimates: dict[str, CodecEstimate] = field(default_factory=dict)
+    samples: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, codec: str, nbytes: int, wire_bytes: int, encode_s: float, decode_s: float) -> None:
+        """One transfer (or calibration) coded with ``codec``: ``nbytes`` of state became ``wire_bytes``."""
+        if codec == Compression.NONE or nbytes <= 0 or wire_bytes <= 0 or encode_s <= 0 or decode_s <= 0:
+            return
+        new = CodecEstimate(nbytes / wire_bytes, nbytes / encode_s, nbytes / decode_s)
+        old = self.estimates.get(codec)
+        if old is not None:
+            w = self.smoothing
+            new = CodecEstimate(
+                *(w * n + (1 - w) * o for n, o in zip(_fields(new), _fields(old), strict=True))
+            )  # fmt: skip
+        self.estimates[codec] = new
+        self.samples[codec] = self.samples.get(codec, 0) + 1
+
+
+class CompressionPolicy:
+    def __init__(self, config: CompressionConfig) -> None:
+        self.config = config
+        self.meter = CodecMeter(config.smoothing)
+        self.history: dict[tuple[str, str], int] = {}  # (codec, reason) -> transfers
+
+    def choose(self, link: LinkShare) -> CodecChoice:
+        mode = Compression(self.config.mode)
+        expected = link.expected_bytes_per_s
+        lossless = self.meter.estimates.get(Compression.LOSSLESS)
+        break_even = lossless.break_even_bps if lossless is not None else 0.0
+        if mode is not Compression.AUTO:
+            choice = CodecChoice(mode.value, "forced", expected, break_even)
+        elif lossless is None:
+            choice = CodecChoice(Compression.NONE, "unmeasured", expected, break_even)
+        elif math.isinf(expected):
+            choice = CodecChoice(Compression.NONE, "unlimited_link", expected, break_even)
+        elif expected < break_even:
+            choice = CodecChoice(Compression.LOSSLESS, "saves_time", expected, break_even)
+        else:
+            choice = CodecChoice(Compression.NONE, "costs_more", expected, break_even)
+        key = (choice.codec, choice.reason)
+        self.history[key] = self.history.get(key, 0) + 1
+        return choice
+
+
+def _fields(e: CodecEstimate) -> tuple[float, float, float]:
+    return e.ratio, e.encode_bps, e.decode_bps

@@ -1,0 +1,68 @@
+"""A codec measured on a real state: the bytes before and after, and the time to code and decode them.
+
+Chunks are cut and coded as the sender does it (``split_chunks``, then each
+frame's codec from ``frame_codec``), on this thread, then decoded as the
+receiver does and checked against the original bytes (lossless) or the
+sender's checksum (lossy). A prefill worker runs it once on the state of its
+warm-up prefill and reports the figures, so the scheduler has measured ones
+before the first request; ``benchmarks/bench_kv_compression.py`` builds its
+codec table from it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from minifaas.model.layer_state import ModelState
+from minifaas.model.state_codec import DTYPE_CODES
+from minifaas.transport.chunking import split_chunks
+from minifaas.transport.codec import Codec, FrameDecoder, FrameEncoder, frame_codec
+
+
+@dataclass(frozen=True, slots=True)
+class CodecSample:
+    codec: str
+    nbytes: int  # of state
+    wire_bytes: int  # payload bytes the frames would carry
+    encode_s: float
+    decode_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    def to_json(self) -> list[float]:
+        return [self.nbytes, self.wire_bytes, self.encode_s, self.decode_s]
+
+
+def probe(state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20) -> CodecSample:
+    """Code and decode every chunk of ``state`` with ``codec``; raises ValueError if a frame comes back wrong."""
+    encoder, decoder = FrameEncoder(), FrameDecoder()
+    nbytes = wire = 0
+    encode_s = decode_s = 0.0
+    for layer in state.layers:
+        for chunk in split_chunks(layer, chunk_bytes):
+            nbytes += chunk.length
+            frame = frame_codec(codec, layer.kind, chunk.dtype, chunk.length)
+            if frame is Codec.NONE:
+                wire += chunk.length
+                continue
+            start = time.perf_counter()
+            coded = encoder.encode(frame, chunk.dtype, chunk.payload)
+            encode_s += time.perf_counter() - start
+            wire += coded.nbytes
+            if coded.codec is Codec.NONE:
+                continue
+            payload = decoder.scratch(coded.nbytes)
+            at = 0
+            for part in coded.parts:
+                view = memoryview(part).cast("B")
+                payload[at : at + view.nbytes] = view
+                at += view.nbytes
+            out = memoryview(bytearray(chunk.length))
+            crc, seconds = decoder.decode_into(coded.codec, DTYPE_CODES[chunk.dtype], payload, out)
+            decode_s += seconds
+            if crc != coded.crc or (not coded.codec.lossy and out != chunk.payload):
+                raise ValueError(f"{coded.codec.label} did not decode layer {layer.layer} back")
+    return CodecSample(codec.label, nbytes, wire, encode_s, decode_s)

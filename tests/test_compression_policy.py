@@ -1,0 +1,85 @@
+"""The codec choice, with no event loop: compress only where the link time saved exceeds the coding time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minifaas.policy.compression import (
+    CodecEstimate,
+    CodecMeter,
+    CompressionConfig,
+    CompressionPolicy,
+    LinkShare,
+)
+
+MB = 1e6
+LOSSLESS = CodecEstimate(ratio=1.25, encode_bps=500 * MB, decode_bps=1000 * MB)  # break-even 66.7 MB/s
+
+
+def policy(mode: str = "auto", estimate: CodecEstimate | None = LOSSLESS) -> CompressionPolicy:
+    p = CompressionPolicy(CompressionConfig(mode))
+    if estimate is not None:
+        p.meter.estimates["lossless"] = estimate
+    return p
+
+
+def transfer_s(nbytes: float, bw: float, estimate: CodecEstimate, coded: bool) -> float:
+    if not coded:
+        return nbytes / bw
+    return nbytes / estimate.ratio / bw + nbytes / estimate.encode_bps + nbytes / estimate.decode_bps
+
+
+def test_break_even_is_where_saved_link_time_equals_coding_time() -> None:
+    bw = LOSSLESS.break_even_bps
+    assert bw == pytest.approx((1 - 1 / 1.25) / (1 / (500 * MB) + 1 / (1000 * MB)))
+    assert transfer_s(1e9, bw, LOSSLESS, True) == pytest.approx(transfer_s(1e9, bw, LOSSLESS, False))
+    assert CodecEstimate(1.0, 1e9, 1e9).break_even_bps == 0  # a codec that does not shrink never pays
+
+
+@pytest.mark.parametrize("mbit", [1, 10, 50, 200, 500, 533, 534, 1000, 10_000])
+def test_auto_is_never_slower_than_none(mbit: float) -> None:
+    choice = policy().choose(LinkShare(mbit * 1e6))
+    bw = mbit * 1e6 / 8
+    chosen = transfer_s(1e8, bw, LOSSLESS, choice.codec == "lossless")
+    assert chosen <= transfer_s(1e8, bw, LOSSLESS, False) + 1e-12
+    assert choice.codec == ("lossless" if bw < LOSSLESS.break_even_bps else "none")
+    assert choice.reason == ("saves_time" if choice.codec == "lossless" else "costs_more")
+
+
+def test_a_busy_link_leaves_less_for_a_new_transfer() -> None:
+    fast = 800e6  # 100 MB/s: alone on it, lossless does not pay
+    assert policy().choose(LinkShare(fast)).codec == "none"
+    assert policy().choose(LinkShare(fast, utilisation=0.7, transfers=2)).codec == "lossless"  # a third left
+    assert policy().choose(LinkShare(fast, utilisation=0.7)).codec == "none"  # nothing on it now: all of it
+    assert policy().choose(LinkShare(fast, utilisation=1.0, transfers=1)).codec == "lossless"  # a half share
+    assert LinkShare(fast, utilisation=1.0, transfers=3).expected_bytes_per_s == pytest.approx(fast / 8 / 4)
+    assert LinkShare(fast, utilisation=0.5, transfers=3).expected_bytes_per_s == pytest.approx(fast / 8 / 2)
+
+
+def test_modes() -> None:
+    assert policy("none").choose(LinkShare(1e3)).codec == "none"
+    assert policy("lossless").choose(LinkShare(1e12)).codec == "lossless"
+    assert policy("fp8").choose(LinkShare(1e12)).reason == "forced"
+    assert policy("auto").choose(LinkShare(math.inf)).reason == "unlimited_link"
+    assert policy("auto", None).choose(LinkShare(1e3)).reason == "unmeasured"  # nothing measured: no guess
+    with pytest.raises(ValueError, match="none, lossless, fp8, int8, auto"):
+        CompressionConfig("zstd")
+
+
+def test_lossy_is_never_chosen_automatically() -> None:
+    p = policy()
+    p.meter.estimates["fp8"] = CodecEstimate(3.9, 1e12, 1e12)  # cheaper and smaller than lossless
+    assert {p.choose(LinkShare(mbit * 1e6)).codec for mbit in (0.1, 1, 10, 100, 1e4)} <= {"none", "lossless"}
+
+
+def test_meter_averages_what_transfers_report() -> None:
+    meter = CodecMeter(smoothing=0.5)
+    meter.observe("lossless", 1000, 800, 1e-6, 5e-7)
+    assert meter.estimates["lossless"] == CodecEstimate(1.25, 1e9, 2e9)
+    meter.observe("lossless", 1000, 1000, 1e-6, 5e-7)
+    assert meter.estimates["lossless"].ratio == pytest.approx(1.125)
+    meter.observe("none", 1000, 1000, 0, 0)
+    meter.observe("lossless", 1000, 0, 1, 1)  # nothing measured: ignored
+    assert set(meter.estimates) == {"lossless"} and meter.samples["lossless"] == 2
