@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.profile import DecodeProfile, PrefillProfile
+from minifaas.policy.compression import MODES, CodecEstimate
 from minifaas.policy.router import RouterConfig, Rule
 from minifaas.scheduler.long_term import LongTermConfig
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.sim.link import LinkConfig
 
 NO_OFFLOAD = 10**12  # a threshold no prompt exceeds
+# lossless byte-plane coding of bf16 KV on a GPU: about 1.3x at hundreds of GB/s (SplitZip, arXiv 2605.01708)
+GPU_LOSSLESS = CodecEstimate(ratio=1.3, encode_bps=200e9, decode_bps=200e9)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class SimConfig:
     short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
     long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion
     convert_s: float = 60.0  # a drained PD worker restarts in its new role this much later
+    kv_compression: str = "none"  # codec of PrfaaS transfers (policy.compression); none: state crosses as it is
+    codecs: tuple[tuple[str, CodecEstimate], ...] = (("lossless", GPU_LOSSLESS),)  # what the policy weighs
 
     def __post_init__(self) -> None:
         if min(self.n_prfaas, self.n_prefill, self.n_decode) < 0 or self.n_decode < 1:
@@ -48,6 +53,10 @@ class SimConfig:
             raise ValueError("convert_s must be >= 0")
         if self.snapshot_interval_blocks < 0:
             raise ValueError("snapshot_interval_blocks must be >= 0")
+        if self.kv_compression not in MODES:
+            raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
+        if self.kv_compression not in ("none", "auto", *dict(self.codecs)):
+            raise ValueError(f"kv_compression {self.kv_compression}: no figures for that codec in codecs")
 
     @property
     def gpus(self) -> int:

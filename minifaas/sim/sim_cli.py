@@ -30,6 +30,7 @@ from minifaas.planner.model import OperatingPoint
 from minifaas.planner.paper import named_case
 from minifaas.planner.profile import PrefillProfile, load_profiles
 from minifaas.planner.search import plan
+from minifaas.policy.compression import CodecEstimate
 from minifaas.policy.router import Rule
 from minifaas.scheduler.long_term import LongTermConfig
 from minifaas.scheduler.short_term import ShortTermConfig
@@ -87,6 +88,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="changes as TIME_S:GBPS,..., e.g. 600:20,900:100 (default: none)",
     )
+    link.add_argument(
+        "--kv-compression",
+        choices=("none", "lossless", "auto"),
+        default="none",
+        help="codec of PrfaaS transfers, chosen by the live policy; auto: lossless where it saves time (default: none)",
+    )
+    link.add_argument(
+        "--lossless",
+        type=codec_figures,
+        default="1.3,200,200",
+        metavar="RATIO,ENC_GBPS,DEC_GBPS",
+        help="the lossless codec's ratio and GB/s of state coded and decoded (default: 1.3,200,200, SplitZip's "
+        "figures on a GPU)",
+    )
     load = parser.add_argument_group("workload")
     load.add_argument(
         "--trace",
@@ -126,6 +141,17 @@ def bandwidth_schedule(text: str) -> tuple[tuple[float, float], ...]:
     if any(t < 0 or g < 0 for t, g in steps):
         raise argparse.ArgumentTypeError(f"times and rates must be >= 0: {text!r}")
     return steps
+
+
+def codec_figures(text: str) -> CodecEstimate:
+    """'1.3,200,200' -> ratio 1.3, coding and decoding 200 GB/s of state."""
+    try:
+        ratio, encode, decode = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not RATIO,ENCODE_GBPS,DECODE_GBPS: {text!r} (e.g. 1.3,200,200)") from None
+    if ratio <= 0 or encode <= 0 or decode <= 0:
+        raise argparse.ArgumentTypeError(f"ratio and speeds must be > 0: {text!r}")
+    return CodecEstimate(ratio, encode * 1e9, decode * 1e9)
 
 
 def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> PlanCase:
@@ -174,6 +200,8 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         warmup_s=args.warmup,
         drain=not args.no_drain,
         convert_s=args.convert_s,
+        kv_compression=args.kv_compression,
+        codecs=(("lossless", args.lossless),),
     )
     if args.scheduler:
         ceiling = int(case.lengths.values[-1])

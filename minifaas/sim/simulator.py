@@ -4,10 +4,11 @@ One request's life, as events:
   arrive      the global cache manager's prefix hits per cluster -> the router
               (the same ``decide`` the gateway runs) -> a prefill node and a
               decode node; the prefill's start and end follow from the node's queue
-  flow_start  (PrfaaS path, pipelining on) the KV stream enters the link as prefill starts
+  flow_start  (PrfaaS path, pipelining on) the KV stream enters the link as prefill starts, at the
+              size its codec leaves (``coding``: the live compression policy picks it at arrival)
   prefill_end the node's queue shrinks; PD path: KV is at the decode node (same
               fabric); PrfaaS path, pipelining off: the stream enters the link now
-  link        the pipe's head flow finished; its KV lands after the tail layer and RTT/2
+  link        the pipe's head flow finished; its KV lands after the tail layer, its coding time and RTT/2
   kv_ready    join the decode batch, or wait for a slot
   decode_end  free the slot for the next waiting request
 """
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from minifaas.policy.router import ClusterView, Path, RouteInput, Router
+from minifaas.sim.coding import SimCoding
 from minifaas.sim.config import SimConfig
 from minifaas.sim.decode import DecodePool
 from minifaas.sim.engine import EventLoop
@@ -59,7 +61,9 @@ class Simulation:
         self._tokens = [0] * n  # incremental (computed) prefill tokens
         self._decode_node = [0] * n
         self._prefill_end = [0.0] * n
-        self._kv_bytes = [0.0] * n
+        self._kv_bytes = [0.0] * n  # on the wire
+        self._coding_s = [0.0] * n
+        self.coding = SimCoding(config.kv_compression, config.codecs)
         self.first_token = [math.nan] * n
         self.finished = [math.nan] * n
         self._link_gen = 0
@@ -110,7 +114,10 @@ class Simulation:
         if decision.path is Path.PRFAAS:
             self.path[rid] = PRFAAS
             shipped = prompt - decision.link_kv_start
-            self._kv_bytes[rid] = pool.kv_bytes(shipped)
+            utilisation = sched.short.utilisation if sched.short is not None else 0.0
+            self._kv_bytes[rid], self._coding_s[rid] = self.coding.transfer(
+                pool.kv_bytes(shipped), self.link.bytes_per_s * 8, utilisation, self.link.active
+            )
             if self.config.link.pipeline_layers:
                 self.loop.at(start, self._flow_start, rid)
         else:
@@ -153,7 +160,7 @@ class Simulation:
             if layers:  # the last layer leaves only after prefill ends
                 tail = self._kv_bytes[rid] / layers / self.link.share_bytes_per_s()
                 ready = max(now, self._prefill_end[rid] + tail)
-            ready += self.config.link.one_way_s
+            ready += self.config.link.one_way_s + self._coding_s[rid]
             if self.caches is not None:
                 self.caches.store_received(self.pd.cluster, self.workload.hash_ids[rid], self._prompt[rid], ready)
             self.loop.at(ready, self._kv_ready, rid)
@@ -233,6 +240,8 @@ class Simulation:
             pd_prefill_utilisation=self.pd.busy_s / max(1e-9, makespan * len(self.pd)),
             events=self.loop.events,
             queues=np.array(self._samples, dtype=float).reshape(-1, 6),
+            kv_coded_fraction=self.coding.coded_fraction,
+            kv_wire_ratio=self.coding.ratio,
             **self._schedule_summary(),
         )
 
