@@ -117,9 +117,9 @@ class LiveScheduler:
             self._outputs[1] += 1
 
     def codec(self) -> CodecChoice:
-        """The codec for a transfer about to cross the link."""
-        on_link = sum(w.busy for w in self.gateway.workers.values() if w.cluster == "prfaas" and w.role == "prefill")
-        choice = self.compression.choose(LinkShare(self.link_rate_bps, self.short.utilisation, on_link))
+        """The codec for a transfer about to cross the link (its own request already holds a PrfaaS worker)."""
+        busy = sum(w.busy for w in self.gateway.workers.values() if w.cluster == "prfaas" and w.role == "prefill")
+        choice = self.compression.choose(LinkShare(self.link_rate_bps, self.short.utilisation, max(0, busy - 1)))
         self.gateway.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
         return choice
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from minifaas.model.layer_state import ModelState
+import torch
+
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.state_codec import DTYPE_CODES
 from minifaas.transport.chunking import split_chunks
-from minifaas.transport.codec import Codec, FrameDecoder, FrameEncoder, frame_codec
+from minifaas.transport.codec import Codec, Coded, FrameDecoder, FrameEncoder, frame_codec
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,31 +40,51 @@ class CodecSample:
 
 def probe(state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20) -> CodecSample:
     """Code and decode every chunk of ``state`` with ``codec``; raises ValueError if a frame comes back wrong."""
+    return roundtrip(state, codec, chunk_bytes)[1]
+
+
+def roundtrip(
+    state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20, every_kind: bool = False
+) -> tuple[ModelState, CodecSample]:
+    """``state`` as a receiver would hold it after a transfer coded with ``codec``, and the measurement.
+    ``every_kind`` codes linear-attention state with a lossy code too, which no transfer does: it is
+    how the benchmark measures what that would cost."""
     encoder, decoder = FrameEncoder(), FrameDecoder()
     nbytes = wire = 0
     encode_s = decode_s = 0.0
+    layers = []
     for layer in state.layers:
+        received = [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8) for _, t in layer.slots]
         for chunk in split_chunks(layer, chunk_bytes):
             nbytes += chunk.length
-            frame = frame_codec(codec, layer.kind, chunk.dtype, chunk.length)
-            if frame is Codec.NONE:
-                wire += chunk.length
-                continue
+            out = memoryview(received[chunk.slot].numpy()).cast("B")[chunk.offset : chunk.offset + chunk.length]
+            kind = StateKind.FULL_ATTENTION if every_kind else layer.kind
+            frame = frame_codec(codec, kind, chunk.dtype, chunk.length)
             start = time.perf_counter()
-            coded = encoder.encode(frame, chunk.dtype, chunk.payload)
+            coded = encoder.encode(frame, chunk.dtype, chunk.payload) if frame is not Codec.NONE else None
             encode_s += time.perf_counter() - start
-            wire += coded.nbytes
-            if coded.codec is Codec.NONE:
+            if coded is None or coded.codec is Codec.NONE:
+                wire += chunk.length
+                out[:] = chunk.payload
                 continue
-            payload = decoder.scratch(coded.nbytes)
-            at = 0
-            for part in coded.parts:
-                view = memoryview(part).cast("B")
-                payload[at : at + view.nbytes] = view
-                at += view.nbytes
-            out = memoryview(bytearray(chunk.length))
-            crc, seconds = decoder.decode_into(coded.codec, DTYPE_CODES[chunk.dtype], payload, out)
+            wire += coded.nbytes
+            crc, seconds = decoder.decode_into(coded.codec, DTYPE_CODES[chunk.dtype], _joined(decoder, coded), out)
             decode_s += seconds
             if crc != coded.crc or (not coded.codec.lossy and out != chunk.payload):
                 raise ValueError(f"{coded.codec.label} did not decode layer {layer.layer} back")
-    return CodecSample(codec.label, nbytes, wire, encode_s, decode_s)
+        slots = tuple(
+            (name, data.view(t.dtype).reshape(t.shape)) for (name, t), data in zip(layer.slots, received, strict=True)
+        )
+        layers.append(LayerState(layer.layer, layer.kind, layer.seq_len, slots))
+    return ModelState(layers, state.seq_len), CodecSample(codec.label, nbytes, wire, encode_s, decode_s)
+
+
+def _joined(decoder: FrameDecoder, coded: Coded) -> memoryview:
+    """The coded parts in one buffer, as the receiver reads a payload."""
+    payload = decoder.scratch(coded.nbytes)
+    at = 0
+    for part in coded.parts:
+        view = memoryview(part).cast("B")
+        payload[at : at + view.nbytes] = view
+        at += view.nbytes
+    return payload

@@ -209,7 +209,8 @@ class KVReceiver:
             self.stats.auth_failures += 1
             log.warning("rejected a connection: %s", e)
         except TransferError as e:
-            log.warning("dropped a connection: %s: %s", type(e).__name__, e)
+            if isinstance(e, ProtocolError):  # the peer sent what the wire does not allow (another version, say)
+                log.warning("dropped a connection: %s: %s", type(e).__name__, e)
             await self._lost(carried, e)
         except OSError as e:
             await self._lost(carried, ConnectionLostError(str(e)))
