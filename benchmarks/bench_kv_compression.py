@@ -228,7 +228,7 @@ def main() -> None:
         p.set_defaults(tokens=256, prompts=2, accuracy_tokens=48, steps=3, repeats=1, rates="10,1000")
         a = p.parse_args()
     torch.set_num_threads(1)  # one core: the figures are per core, and other work shares this machine
-    names = models() if not a.quick else ["kimi-linear-tiny", "qwen3.5-tiny"]
+    names = models() if not a.quick else ["qwen3.5-tiny"]
     dtypes = list(DTYPES) if not a.quick else ["float32", "bfloat16"]
     out: dict[str, object] = {"bench": "kv_compression"}
     if a.only in (None, "codecs"):

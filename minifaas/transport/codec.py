@@ -25,6 +25,7 @@ the chunk is in, so layers still stream.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -108,22 +109,27 @@ class FrameEncoder:
         self._planes = PlaneEncoder()
 
     def encode(self, codec: Codec, dtype: torch.dtype, raw: memoryview) -> Coded:
-        crc = None
+        """``raw`` (whole elements of ``dtype``) coded with ``codec``, or as it is if that would not shrink it."""
         if codec.lossy:
-            coded = block_scaled.encode(raw, dtype, codec.label)
-            if coded is None:  # inf or nan in the range: no scale fits it
-                codec = Codec.LOSSLESS
-            else:
-                parts, decoded = coded
-                crc = checksum(memoryview(decoded.view(torch.uint8).numpy()).cast("B"))
+            lossy = block_scaled.encode(raw, dtype, codec.label)
+            if lossy is not None:
+                parts, decoded = lossy
+                return _smaller(codec, parts, lambda: checksum(_bytes(decoded)), raw)
+            codec = Codec.LOSSLESS  # inf or nan in the range: no scale fits it
         if codec is Codec.LOSSLESS:
-            parts = self._planes.encode(raw, raw_width(dtype))
-        if crc is None:
-            crc = checksum(raw)
-        nbytes = sum(len(memoryview(p).cast("B")) for p in parts)
-        if codec is Codec.NONE or nbytes >= len(raw):
-            return Coded(Codec.NONE, [raw], checksum(raw) if codec.lossy else crc, len(raw))
-        return Coded(codec, parts, crc, nbytes)
+            return _smaller(codec, self._planes.encode(raw, raw_width(dtype)), lambda: checksum(raw), raw)
+        return Coded(Codec.NONE, [raw], checksum(raw), len(raw))
+
+
+def _smaller(codec: Codec, parts: list[memoryview | bytes], crc: Callable[[], int], raw: memoryview) -> Coded:
+    nbytes = sum(memoryview(p).nbytes for p in parts)
+    if nbytes >= len(raw):
+        return Coded(Codec.NONE, [raw], checksum(raw), len(raw))
+    return Coded(codec, parts, crc(), nbytes)
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 class FrameDecoder:
