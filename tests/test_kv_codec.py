@@ -18,6 +18,7 @@ from minifaas.transport.codec import (
     Codec,
     FrameDecoder,
     FrameEncoder,
+    codecs_for,
     frame_codec,
     offer_mask,
     offered,
@@ -152,3 +153,9 @@ def test_damaged_or_short_payloads_are_corrupt_frames(codec: Codec) -> None:
     except CorruptFrameError:
         return
     assert crc != coded.crc  # decoded to something else: the receiver's checksum of the decoded bytes catches it
+
+
+def test_what_each_worker_mode_sends_with_or_offers() -> None:
+    assert codecs_for("none") == frozenset()
+    assert codecs_for("auto") == codecs_for("lossless") == {Codec.LOSSLESS}  # auto never codes lossy
+    assert codecs_for("fp8") == {Codec.LOSSLESS, Codec.FP8} and codecs_for("int8") == {Codec.LOSSLESS, Codec.INT8}

@@ -8,6 +8,7 @@
     minifaas sim --case paper --bandwidth-schedule 600:6,1500:100 --scheduler      # t and N_p/N_d adapt
     minifaas sim --case paper --scheduler --no-rebalance                            # only t adapts
     minifaas sim --case paper --pd-profile cpu.json --prfaas-profile gpu.json      # from ``minifaas profile``
+    minifaas sim --case paper --link-gbps 5 --kv-compression auto                  # the live codec choice
 
 The instance counts and threshold come from the planner's solution for the
 chosen configuration (flags override them); ``--load`` is a fraction of that
