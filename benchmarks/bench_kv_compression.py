@@ -16,7 +16,9 @@
    every prompt prefilled on PrfaaS, no prefix cache) and long prompts through the link emulator at
    several rates, compression off, lossless and auto interleaved request by request
    (the benchmark sets the gateway's policy mode between requests: same workers, same moment), and
-   the rate below which auto codes, from the figures the gateway measured.
+   the rate below which auto codes, from the figures the gateway measured. Beside TTFT, the tail:
+   prefill end to the whole state at the decode node (``transfer_s``), the part a codec can change
+   once the link keeps up with prefill (TTFT itself then moves with the prefill's compute time).
 """
 
 from __future__ import annotations
@@ -165,15 +167,19 @@ def accuracy(names: list[str], dtypes: list[str], prompts: int, tokens: int, ste
     return rows
 
 
-async def ttft_sweep(model: str, rates_mbit: list[float], tokens: int, repeats: int) -> tuple[list[dict], float]:
+async def ttft_sweep(
+    model: str, rates_mbit: list[float], tokens: int, repeats: int, debug: bool = False
+) -> tuple[list[dict], float]:
     config = ServeConfig(
-        model=model, port=0, threshold=0, cache=CacheConfig(mode="none"), link=LinkConfig(delay_ms=5.0)
+        model=model, port=0, threshold=0, fixed_threshold=True, cache=CacheConfig(mode="none"),
+        link=LinkConfig(delay_ms=5.0),
     )  # fmt: skip
     runtime = ModelRuntime.load(model)
     modes = ("none", "lossless", "auto")
     times: dict[tuple[float, str], list[float]] = {(r, m): [] for r in rates_mbit for m in modes}
     codecs: dict[tuple[float, str], set[str]] = {key: set() for key in times}
     wire: dict[tuple[float, str], list[float]] = {key: [] for key in times}
+    tails: dict[tuple[float, str], list[float]] = {key: [] for key in times}
     async with running_server(config) as (gateway, port), aiohttp.ClientSession() as http:
         url = f"http://127.0.0.1:{port}/v1/completions"
         assert gateway.link is not None
@@ -181,32 +187,40 @@ async def ttft_sweep(model: str, rates_mbit: list[float], tokens: int, repeats: 
             await gateway.link.control.set_rate(rate * 1e6)
             await asyncio.sleep(2.5)  # the scheduler reads the new rate on its next ticks
             for i in range(repeats + 1):  # the first round warms this rate up
-                for mode in modes:
+                for mode in modes[i % 3 :] + modes[: i % 3]:  # each mode goes first in turn
                     gateway.scheduler.compression.config = CompressionConfig(mode)
                     ids = prompt(runtime, tokens, 104729 * (i + 1) + int(rate) * 7 + len(mode))
                     body = {"model": gateway.model_name, "prompt": ids, "max_tokens": 2, "temperature": 0}
                     async with http.post(url, json=body) as resp:
                         info = (await resp.json())["minifaas"]
                     assert info["route"] == "prfaas", info
+                    if debug:
+                        print(rate, mode, i, info["kv_codec"], info["ttft_s"], info["transfer_s"], info["queue_s"])
                     if i:
                         times[rate, mode].append(info["ttft_s"])
                         codecs[rate, mode].add(info["kv_codec"])
                         wire[rate, mode].append(info["kv_bytes"] / max(info["kv_wire_bytes"], 1))
+                        tails[rate, mode].append(info["transfer_s"])
                     await asyncio.sleep(0.3)  # let the link drain: each request finds it idle
         estimate = gateway.scheduler.compression.meter.estimates.get("lossless")
     break_even_mbit = 8 * estimate.break_even_bps / 1e6 if estimate is not None else 0.0
     rows = []
-    print(f"{'Mbit/s':>7} {'mode':<9} {'codec':<9} {'ratio':>6} {'TTFT s':>8} {'/ none':>7}")
+    head = f"{'Mbit/s':>7} {'mode':<9} {'codec':<9} {'ratio':>6} {'TTFT s':>8} {'/ none':>7} {'tail s':>8}"
+    print(f"{head} {'/ none':>7}")
     for rate in rates_mbit:
-        base = statistics.median(times[rate, "none"])
+        base, base_tail = statistics.median(times[rate, "none"]), statistics.median(tails[rate, "none"])
         for mode in modes:
-            ttft = statistics.median(times[rate, mode])
+            ttft, tail = statistics.median(times[rate, mode]), statistics.median(tails[rate, mode])
             row = {
                 "rate_mbit": rate, "mode": mode, "codec": "/".join(sorted(codecs[rate, mode])),
                 "ratio": statistics.median(wire[rate, mode]), "ttft_s": ttft, "over_none": ttft / base,
+                "tail_s": tail, "tail_over_none": tail / base_tail,
             }  # fmt: skip
             rows.append(row)
-            print(f"{rate:>7.0f} {mode:<9} {row['codec']:<9} {row['ratio']:>6.3f} {ttft:>8.3f} {ttft / base:>7.3f}")
+            print(
+                f"{rate:>7.0f} {mode:<9} {row['codec']:<9} {row['ratio']:>6.3f} {ttft:>8.3f} {ttft / base:>7.3f} "
+                f"{tail:>8.3f} {tail / base_tail:>7.3f}"
+            )
     print(f"auto codes below {break_even_mbit:.0f} Mbit/s (lossless as measured by the gateway; {tokens} tokens)")
     return rows, break_even_mbit
 
@@ -218,7 +232,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=50, help="prompts per model for accuracy")
     p.add_argument("--accuracy-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=16, help="decode steps compared per prompt")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rates", default="10,50,200,1000", help="link rates of the TTFT sweep, Mbit/s")
     p.add_argument("--ttft-model", default="qwen3.5-tiny", help="served in the TTFT sweep (its KV outruns prefill)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every row")

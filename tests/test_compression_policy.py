@@ -12,6 +12,7 @@ from minifaas.policy.compression import (
     CompressionConfig,
     CompressionPolicy,
     LinkShare,
+    TransferShape,
 )
 
 MB = 1e6
@@ -83,3 +84,32 @@ def test_meter_averages_what_transfers_report() -> None:
     meter.observe("none", 1000, 1000, 0, 0)
     meter.observe("lossless", 1000, 0, 1, 1)  # nothing measured: ignored
     assert set(meter.estimates) == {"lossless"} and meter.samples["lossless"] == 2
+
+
+def test_only_what_is_left_after_the_prefill_counts() -> None:
+    """Streaming while the prefill runs: the bulk's coding hides behind it too, the tail's does not."""
+    hidden = TransferShape(nbytes=10e6, prefill_s=2.0, tail_bytes=0.5e6)  # 0.8 s of link time in 2 s of prefill
+    assert hidden.exposed_s(12.5e6) == pytest.approx(0.04)  # the tail alone
+    assert hidden.exposed_s(12.5e6, LOSSLESS) == pytest.approx(0.5e6 / (1.25 * 12.5e6) + 0.5e6 / 500e6 + 0.5e-3)
+    # link-bound above the break-even: alone it would not pay, but the bulk's coding runs during the prefill
+    bulk = TransferShape(nbytes=1e9, prefill_s=5.0, tail_bytes=1e6)
+    fast = LinkShare(800e6)  # 100 MB/s
+    assert policy().choose(fast).codec == "none"
+    assert bulk.exposed_s(100e6) == pytest.approx(5.0) and bulk.exposed_s(100e6, LOSSLESS) == pytest.approx(3.0)
+    assert policy().choose(fast, bulk).codec == "lossless"
+
+
+def test_without_overlap_the_shape_rule_is_the_break_even_rule() -> None:
+    for mbit in (100, 500, 533, 534, 600):
+        bw = mbit * 1e6 / 8
+        shape = TransferShape(nbytes=3e6)
+        coded = shape.exposed_s(bw, LOSSLESS) < shape.exposed_s(bw)
+        assert coded == (bw < LOSSLESS.break_even_bps)
+        assert policy().choose(LinkShare(mbit * 1e6), shape).codec == ("lossless" if coded else "none")
+
+
+def test_a_codec_slower_than_the_link_paces_the_stream() -> None:
+    slow = CodecEstimate(ratio=2.0, encode_bps=10e6, decode_bps=1e9)
+    shape = TransferShape(nbytes=100e6, prefill_s=1.0, tail_bytes=1e6)
+    assert shape.exposed_s(50e6, slow) == pytest.approx(100e6 / 10e6 - 1.0)  # the coder, not the link
+    assert policy(estimate=slow).choose(LinkShare(400e6), shape).codec == "none"

@@ -6,7 +6,7 @@ import pytest
 
 from minifaas.planner import plan
 from minifaas.planner.paper import paper_case
-from minifaas.policy.compression import CodecEstimate, CompressionPolicy
+from minifaas.policy.compression import CodecEstimate, CompressionPolicy, TransferShape
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
 from minifaas.sim.coding import SimCoding
 from minifaas.sim.config import GPU_LOSSLESS, config_for
@@ -28,9 +28,12 @@ def simulate(gbps: float, mode: str, codec: CodecEstimate = GPU_LOSSLESS) -> Sim
 def test_the_simulator_asks_the_live_policy() -> None:
     coding = SimCoding("auto", (("lossless", GPU_LOSSLESS),))
     assert isinstance(coding.policy, CompressionPolicy)
-    slow = coding.transfer(1e9, 10e9, 0.0, 0)
+    alone = TransferShape(1e9)
+    slow = coding.transfer(alone, 10e9, 0.0, 0)
     assert slow == pytest.approx((1e9 / 1.3, 1e9 / 200e9 * 2)) and coding.chosen["lossless"] == 1
-    assert coding.transfer(1e9, 1e12, 0.0, 0) == (1e9, 0.0) and coding.chosen["none"] == 1
+    assert coding.transfer(alone, 1e12, 0.0, 0) == (1e9, 0.0) and coding.chosen["none"] == 1
+    streamed = coding.transfer(TransferShape(1e9, prefill_s=1.0, tail_bytes=1e7), 10e9, 0.0, 0)
+    assert streamed == pytest.approx((1e9 / 1.3, 1e7 / 200e9 * 2))  # only the tail's coding waits
 
 
 def test_auto_codes_on_a_scarce_link_and_gets_there_sooner() -> None:

@@ -2,19 +2,30 @@
 
 A transfer of B bytes that gets bw bytes/s of the link takes B / bw. Coded
 with ratio r it takes B / (r bw) on the link, plus B / enc to code it and
-B / dec to decode it, charged in full as if nothing overlapped (the sender
-codes chunk by chunk while earlier ones are on the wire, so the real cost is
-lower: the rule leans towards not coding). Coding pays when
+B / dec to decode it. Alone, with nothing to hide behind, coding pays when
 
     B / bw * (1 - 1/r)  >  B / enc + B / dec     <=>     bw  <  (1 - 1/r) / (1/enc + 1/dec)
 
-B cancels: the choice depends on the link and the codec, not on the request.
-The right side is the break-even bandwidth; at or above it ``auto`` sends
-uncoded. bw is what a new transfer can expect of the link now: the unused
-part of its rate, rate * (1 - u) with u the measured utilisation, but never
-less than a fair share, rate / (n + 1) with n transfers already on it (TCP
-flows on one bottleneck split it about evenly). Both the live gateway and the
-simulator fill in ``LinkShare`` from what they measure and call ``choose``.
+B cancels: the right side is the break-even bandwidth (``break_even_bps``).
+But a transfer streams while its prefill runs (layers and token chunks go as
+they are made), so what delays the first token is only the part of it left
+when the prefill ends: max(B / bw - T, tail / bw), with T the prefill's time
+and tail the bytes that are final only at its end (the fixed-size state and
+the last chunk's KV). Coding shortens that part r-fold, and what it costs
+on that path is coding the tail at both ends (the rest is coded as it
+streams, while the prefill runs); when a codec is slower than the coded
+stream, it is the stream's pace instead. ``exposed_s`` is this arithmetic;
+with T = 0 and tail = B it is the rule above, and ``auto`` codes only when
+the coded transfer's exposed time is the shorter. ``TransferShape`` says what
+is known of a transfer before it starts (B, T, tail); the rule leans towards
+not coding when T is unknown (0).
+
+bw is what a new transfer can expect of the link now: the unused part of
+its rate, rate * (1 - u) with u the measured utilisation, but never less
+than a fair share, rate / (n + 1) with n transfers already on it (TCP flows
+on one bottleneck split it about evenly). Both the live gateway and the
+simulator fill in ``LinkShare`` and ``TransferShape`` from what they measure
+and call ``choose``.
 
 r, enc and dec are measured: each coded transfer reports its bytes before and
 after and its coding time at both ends, and ``CodecMeter`` keeps a moving
@@ -55,6 +66,27 @@ class CodecEstimate:
         if self.ratio <= 1:
             return 0.0
         return (1 - 1 / self.ratio) / (1 / self.encode_bps + 1 / self.decode_bps)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferShape:
+    """What is known of a transfer before it starts."""
+
+    nbytes: float  # state bytes it will carry
+    prefill_s: float = 0.0  # how long the prefill that produces them runs (0: unknown, nothing hides it)
+    tail_bytes: float | None = None  # bytes final only when the prefill ends (None: all of them)
+
+    @property
+    def tail(self) -> float:
+        return self.nbytes if self.tail_bytes is None else min(self.tail_bytes, self.nbytes)
+
+    def exposed_s(self, bw: float, codec: CodecEstimate | None = None) -> float:
+        """Seconds the transfer adds after its prefill at ``bw`` bytes/s, coded with ``codec`` or not."""
+        if codec is None:
+            return max(self.nbytes / bw - self.prefill_s, self.tail / bw)
+        pace = min(codec.ratio * bw, codec.encode_bps, codec.decode_bps)  # state bytes/s of the coded stream
+        tail_s = self.tail / (codec.ratio * bw) + self.tail / codec.encode_bps + self.tail / codec.decode_bps
+        return max(self.nbytes / pace - self.prefill_s, tail_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +154,9 @@ class CompressionPolicy:
         self.meter = CodecMeter(config.smoothing)
         self.history: dict[tuple[str, str], int] = {}  # (codec, reason) -> transfers
 
-    def choose(self, link: LinkShare) -> CodecChoice:
+    def choose(self, link: LinkShare, transfer: TransferShape = TransferShape(1.0)) -> CodecChoice:
+        """The codec for ``transfer`` on ``link``; without a shape, the rule for a transfer with nothing to
+        hide behind (which depends on the link and the codec only)."""
         mode = Compression(self.config.mode)
         expected = link.expected_bytes_per_s
         lossless = self.meter.estimates.get(Compression.LOSSLESS)
@@ -133,7 +167,7 @@ class CompressionPolicy:
             choice = CodecChoice(Compression.NONE, "unmeasured", expected, break_even)
         elif math.isinf(expected):
             choice = CodecChoice(Compression.NONE, "unlimited_link", expected, break_even)
-        elif expected < break_even:
+        elif expected <= 0 or transfer.exposed_s(expected, lossless) < transfer.exposed_s(expected):
             choice = CodecChoice(Compression.LOSSLESS, "saves_time", expected, break_even)
         else:
             choice = CodecChoice(Compression.NONE, "costs_more", expected, break_even)

@@ -32,7 +32,10 @@ would give real ones).
 The codec of each transfer across the link comes from the compression policy
 (``policy.compression``) on the same readings: the link's rate and smoothed
 utilisation, and the PrfaaS prefills in flight (each streams its state while
-it runs). The figures it weighs come from the PrfaaS prefill workers' start-up
+it runs); the transfer's shape comes from the model's state sizes
+(``kv_size``): its bytes, the bytes final only at the end (the fixed-size
+state and the last prefill chunk's KV), and its prefill time at the measured
+PrfaaS speed. The figures it weighs come from the PrfaaS prefill workers' start-up
 measurements (``calibrated``) and then from every coded transfer (``coded``).
 """
 
@@ -42,10 +45,11 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+from minifaas.model.kv_size import KVProfile
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.profile import load_pd_profiles, load_profiles
-from minifaas.policy.compression import CodecChoice, CompressionConfig, CompressionPolicy, LinkShare
+from minifaas.policy.compression import CodecChoice, CompressionConfig, CompressionPolicy, LinkShare, TransferShape
 from minifaas.policy.router import RouteDecision
 from minifaas.scheduler.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
 from minifaas.scheduler.short_term import Action, ShortTermConfig, ShortTermPolicy
@@ -116,12 +120,24 @@ class LiveScheduler:
             self._outputs[0] += completion_tokens
             self._outputs[1] += 1
 
-    def codec(self) -> CodecChoice:
-        """The codec for a transfer about to cross the link (its own request already holds a PrfaaS worker)."""
+    def codec(self, tokens: int = 0, computed: int = 0, link_start: int = 0) -> CodecChoice:
+        """The codec for a transfer about to cross the link: the state of a ``tokens`` prompt from
+        ``link_start`` on, ``computed`` of its tokens prefilled on PrfaaS (its own request already holds
+        a PrfaaS worker). Without tokens, the rule for a transfer with nothing to hide behind."""
         busy = sum(w.busy for w in self.gateway.workers.values() if w.cluster == "prfaas" and w.role == "prefill")
-        choice = self.compression.choose(LinkShare(self.link_rate_bps, self.short.utilisation, max(0, busy - 1)))
+        link = LinkShare(self.link_rate_bps, self.short.utilisation, max(0, busy - 1))
+        shape = self._shape(self.gateway.kv_profile, tokens, computed, link_start) if tokens else TransferShape(1.0)
+        choice = self.compression.choose(link, shape)
         self.gateway.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
         return choice
+
+    def _shape(self, kv: KVProfile, tokens: int, computed: int, link_start: int) -> TransferShape:
+        fixed = kv.bytes_at(0)
+        nbytes = kv.bytes_at(tokens) - (kv.bytes_at(link_start) - fixed)
+        chunk = self.gateway.config.prfaas.prefill_chunk
+        tail = kv.bytes_at(min(chunk, computed)) if chunk else nbytes  # the fixed state and the last chunk's KV
+        speed = self.speed.get("prfaas")
+        return TransferShape(nbytes, computed / speed if speed else 0.0, tail)
 
     def coded(self, reply: dict, nbytes: int) -> None:
         """A transfer across the link ended: what its codec did (a worker's ``coding`` fields)."""

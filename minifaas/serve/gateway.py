@@ -36,6 +36,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
+from minifaas.model.kv_size import kv_profile
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict
 from minifaas.model.state_layout import StateLayout, needs_snapshot
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -89,6 +90,7 @@ class Gateway:
         self.model_name = spec.name
         self.tokenizer: Tokenizer = ByteTokenizer() if spec.kind == "preset" else HFTokenizer(spec.path.parent)
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
+        self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
         self.threshold = config.threshold
         self.rule = Rule(config.cache.rule)
         # the gateway works out the incremental transfer itself, per decode node (see PrefillDispatch._once)

@@ -92,7 +92,7 @@ class PrefillDispatch:
         # and only it is worth coding for (the cluster's own network is not the bottleneck)
         remote = worker.cluster == "prfaas"
         link_start = self.gateway.prefixes.kv_prefix(request.prompt_ids, decode.name) if remote else 0
-        choice = self.gateway.scheduler.codec() if remote else None
+        choice = None
         try:
             decode.send(
                 {
@@ -106,6 +106,8 @@ class PrefillDispatch:
             )
             if link_start:
                 link_start = await self._pinned(decode, rid, transfer)
+            if remote:
+                choice = self.gateway.scheduler.codec(len(request.prompt_ids), n, link_start)
             worker.send(
                 {
                     "op": "prefill",

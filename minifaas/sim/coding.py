@@ -2,19 +2,20 @@
 
 Each PrfaaS transfer asks ``policy.compression`` for a codec with the link as
 the simulator sees it when the transfer is placed (its rate, the short-term
-scheduler's smoothed utilisation when one runs, the flows on the pipe). A
-coded flow enters the pipe at its coded size, and its KV lands later by the
-full coding time, encode plus decode, charged after the last byte: the same
-serial cost the policy weighs, so the simulator is pessimistic about coding
-exactly where the rule is. The codec figures are given (``SimConfig.codecs``),
-not measured: the simulator has no bytes to code.
+scheduler's smoothed utilisation when one runs, the flows on the pipe) and
+the transfer's shape (its bytes, its prefill time, and, when layers stream,
+one layer's bytes as the tail that waits for the prefill's end). A coded flow
+enters the pipe at its coded size, and its KV lands later by the time coding
+the tail takes at both ends (the rest is coded as it streams): the cost the
+policy weighs. The codec figures are given (``SimConfig.codecs``), not
+measured: the simulator has no bytes to code.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from minifaas.policy.compression import CodecEstimate, CompressionConfig, CompressionPolicy, LinkShare
+from minifaas.policy.compression import CodecEstimate, CompressionConfig, CompressionPolicy, LinkShare, TransferShape
 
 
 class SimCoding:
@@ -25,15 +26,16 @@ class SimCoding:
         self.state_bytes = 0.0
         self.wire_bytes = 0.0
 
-    def transfer(self, nbytes: float, rate_bps: float, utilisation: float, flows: int) -> tuple[float, float]:
-        """Bytes on the wire and seconds of coding for a transfer of ``nbytes`` of state placed now."""
-        choice = self.policy.choose(LinkShare(rate_bps, utilisation, flows))
+    def transfer(self, shape: TransferShape, rate_bps: float, utilisation: float, flows: int) -> tuple[float, float]:
+        """Bytes on the wire and seconds of coding after the last byte, for a transfer placed now."""
+        choice = self.policy.choose(LinkShare(rate_bps, utilisation, flows), shape)
         self.chosen[choice.codec] += 1
         estimate = self.policy.meter.estimates.get(choice.codec)
+        nbytes = shape.nbytes
         wire, seconds = nbytes, 0.0
         if estimate is not None and choice.codec != "none":
             wire = nbytes / estimate.ratio
-            seconds = nbytes / estimate.encode_bps + nbytes / estimate.decode_bps
+            seconds = shape.tail / estimate.encode_bps + shape.tail / estimate.decode_bps
         self.state_bytes += nbytes
         self.wire_bytes += wire
         return wire, seconds

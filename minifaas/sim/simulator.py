@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from minifaas.policy.compression import TransferShape
 from minifaas.policy.router import ClusterView, Path, RouteInput, Router
 from minifaas.sim.coding import SimCoding
 from minifaas.sim.config import SimConfig
@@ -115,8 +116,10 @@ class Simulation:
             self.path[rid] = PRFAAS
             shipped = prompt - decision.link_kv_start
             utilisation = sched.short.utilisation if sched.short is not None else 0.0
+            nbytes, layers = pool.kv_bytes(shipped), self.config.link.pipeline_layers
+            shape = TransferShape(nbytes, end - start if layers else 0.0, nbytes / layers if layers else nbytes)
             self._kv_bytes[rid], self._coding_s[rid] = self.coding.transfer(
-                pool.kv_bytes(shipped), self.link.bytes_per_s * 8, utilisation, self.link.active
+                shape, self.link.bytes_per_s * 8, utilisation, self.link.active
             )
             if self.config.link.pipeline_layers:
                 self.loop.at(start, self._flow_start, rid)

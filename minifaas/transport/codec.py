@@ -39,6 +39,8 @@ from minifaas.transport.byte_planes import PlaneDecoder, PlaneEncoder, PlaneErro
 from minifaas.transport.errors import CorruptFrameError
 
 MIN_CODED_BYTES = 4096  # smaller frames go as they are: the prefix and the call cost more than coding saves
+# frames this large are coded and decoded in a thread, off the event loop; smaller ones cost less than the hand-off
+OFF_LOOP_BYTES = 64 << 10
 _LOSSY_KINDS = (StateKind.FULL_ATTENTION, StateKind.SLIDING_WINDOW)
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from minifaas.model.layer_state import LayerState
 from minifaas.transport.channel import Channel
 from minifaas.transport.chunking import Chunk, Payload, split_chunks, split_token_range
-from minifaas.transport.codec import Codec, Coded, FrameEncoder, frame_codec, offered, usable
+from minifaas.transport.codec import OFF_LOOP_BYTES, Codec, Coded, FrameEncoder, frame_codec, offered, usable
 from minifaas.transport.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
 from minifaas.transport.pool import ConnectionPool
 from minifaas.transport.wire import (
@@ -46,8 +46,6 @@ from minifaas.transport.wire import (
     pack_counts,
     unpack_header,
 )
-
-OFF_LOOP_BYTES = 64 << 10  # chunks this large are coded in a thread; smaller ones cost less than the hand-off
 
 if TYPE_CHECKING:
     from minifaas.transport.sender import SenderConfig

@@ -37,7 +37,7 @@ from minifaas.model.state_codec import Checksum, checksum
 from minifaas.transport.auth import check_secret, verify_sender
 from minifaas.transport.buffers import BufferPool
 from minifaas.transport.channel import Channel, accept_channel
-from minifaas.transport.codec import ALL_CODECS, Codec, FrameDecoder, offer_mask
+from minifaas.transport.codec import ALL_CODECS, OFF_LOOP_BYTES, Codec, FrameDecoder, offer_mask
 from minifaas.transport.errors import (
     AuthError,
     ConnectionLostError,
@@ -63,7 +63,6 @@ from minifaas.transport.wire import (
 )
 
 log = logging.getLogger(__name__)
-OFF_LOOP_BYTES = 64 << 10  # coded chunks this large are decoded in a thread, off the event loop
 
 
 @dataclass(frozen=True, slots=True)
