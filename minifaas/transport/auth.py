@@ -19,6 +19,13 @@ cannot be replayed. This authenticates; it does not encrypt: use TLS for that.
 Wire version 1 began with b"MFKA" and a bare nonce: a sender of this version
 meeting such a receiver stops with an error that says so, and a version-1
 sender stops at this hello's magic.
+
+Control sessions (``minifaas.control``) run the same handshake with the magic
+b"MFC1" and no codec offer; since the MACs cover the hello and its magic, a
+handshake that one protocol's peer answered is worth nothing on the other's
+port. Both ends then derive a session key from the hello and the client's
+nonce, HMAC-SHA256(secret, "key" | hello | client nonce), and the control
+channel signs every message with it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from minifaas.transport.errors import AuthError, ProtocolError, TransferError
 
 MAGIC = b"MFK2"
 OLD_MAGIC = b"MFKA"  # wire version 1
+CONTROL = b"MFC1"  # a control session's handshake
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MIN_SECRET_BYTES = 16
@@ -49,15 +57,29 @@ def check_secret(secret: bytes) -> None:
         raise ValueError(f"the shared secret needs at least {MIN_SECRET_BYTES} bytes")
 
 
+def session_key(secret: bytes, hello: bytes, client_nonce: bytes) -> bytes:
+    return mac(secret, b"key", hello, client_nonce)
+
+
 async def prove_as_sender(channel: Channel, secret: bytes, timeout: float) -> int:
     """Client side of the handshake; returns the receiver's codec offer. Raises AuthError if either side
     fails to prove itself, ProtocolError if the receiver speaks another wire version."""
+    return (await _prove(channel, secret, timeout, MAGIC))[0]
+
+
+async def prove_control_client(channel: Channel, secret: bytes, timeout: float) -> bytes:
+    """Client side of a control session's handshake; returns the session key. Raises AuthError."""
+    return (await _prove(channel, secret, timeout, CONTROL))[1]
+
+
+async def _prove(channel: Channel, secret: bytes, timeout: float, magic: bytes) -> tuple[int, bytes]:
     try:
         head = await channel.recv_exactly(len(MAGIC) + NONCE_BYTES, timeout)  # as long as a version-1 hello
-        if head[: len(MAGIC)] == OLD_MAGIC:
+        if head[: len(MAGIC)] == OLD_MAGIC and magic == MAGIC:
             raise ProtocolError("the receiver speaks KV wire version 1; this sender speaks version 2")
-        if head[: len(MAGIC)] != MAGIC:
-            raise AuthError("the peer is not a KV receiver (bad handshake magic)")
+        if head[: len(MAGIC)] != magic:
+            what = "a KV receiver" if magic == MAGIC else "a control port"
+            raise AuthError(f"the peer is not {what} (handshake magic {bytes(head[: len(MAGIC)])!r})")
         hello = bytes(head + await channel.recv_exactly(_OFFER.size, timeout))
         ours = secrets.token_bytes(NONCE_BYTES)
         await channel.send([ours, mac(secret, b"send", hello, ours)], timeout)
@@ -68,13 +90,22 @@ async def prove_as_sender(channel: Channel, secret: bytes, timeout: float) -> in
         raise AuthError(f"handshake failed (wrong secret?): {e}") from None
     if not hmac.compare_digest(bytes(reply), mac(secret, b"recv", ours, hello)):
         raise AuthError("the receiver does not hold the shared secret")
-    return _OFFER.unpack_from(hello, len(MAGIC) + NONCE_BYTES)[0]
+    return _OFFER.unpack_from(hello, len(MAGIC) + NONCE_BYTES)[0], session_key(secret, hello, ours)
 
 
 async def verify_sender(channel: Channel, secret: bytes, timeout: float, offer: int) -> None:
     """Server side of the handshake, offering the codecs in ``offer``; raises AuthError (the caller then
     drops the connection)."""
-    hello = MAGIC + secrets.token_bytes(NONCE_BYTES) + _OFFER.pack(offer)
+    await _verify(channel, secret, timeout, MAGIC, offer)
+
+
+async def verify_control_client(channel: Channel, secret: bytes, timeout: float) -> bytes:
+    """Server side of a control session's handshake; returns the session key. Raises AuthError."""
+    return await _verify(channel, secret, timeout, CONTROL, 0)
+
+
+async def _verify(channel: Channel, secret: bytes, timeout: float, magic: bytes, offer: int) -> bytes:
+    hello = magic + secrets.token_bytes(NONCE_BYTES) + _OFFER.pack(offer)
     try:
         await channel.send([hello], timeout)
         answer = await channel.recv_exactly(NONCE_BYTES + MAC_BYTES, timeout)
@@ -84,3 +115,4 @@ async def verify_sender(channel: Channel, secret: bytes, timeout: float, offer: 
     if not hmac.compare_digest(their_mac, mac(secret, b"send", hello, theirs)):
         raise AuthError("the sender does not hold the shared secret")
     await channel.send([mac(secret, b"recv", theirs, hello)], timeout)
+    return session_key(secret, hello, theirs)

@@ -1,0 +1,135 @@
+"""What a control message may hold: one table of fields per op, checked before anything uses the message.
+
+    SCHEMAS = {"abort": {"req": Text()}, "prefill": {"req": Text(), "tokens": IntList(0, 2**31), ...}}
+    op, msg = validate(raw, SCHEMAS)      # or BadMessage, naming the first thing wrong
+
+Every field is required unless wrapped in ``Optional``; a field the table does
+not name is refused too, so a misspelt one is an error rather than a silent
+default. Numbers must be finite and in range, strings and lists bounded, so a
+validated message can be used without further checks and no value in it can
+make a handler raise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class BadMessage(ValueError):
+    """A control message that its op's schema does not allow."""
+
+
+class Kind:
+    def check(self, value: object) -> str | None:
+        """Why ``value`` is not of this kind, or None."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Int(Kind):
+    lo: int = 0
+    hi: int = 2**63 - 1
+
+    def check(self, value: object) -> str | None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"an integer, not {type(value).__name__}"
+        return None if self.lo <= value <= self.hi else f"{value} is outside [{self.lo}, {self.hi}]"
+
+
+@dataclass(frozen=True)
+class Number(Kind):
+    lo: float = 0.0
+    hi: float = math.inf
+
+    def check(self, value: object) -> str | None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return f"a finite number, not {value!r}"[:80]
+        return None if self.lo <= value <= self.hi else f"{value} is outside [{self.lo}, {self.hi}]"
+
+
+@dataclass(frozen=True)
+class Bool(Kind):
+    def check(self, value: object) -> str | None:
+        return None if isinstance(value, bool) else f"true or false, not {type(value).__name__}"
+
+
+@dataclass(frozen=True)
+class Text(Kind):
+    max_len: int = 256
+
+    def check(self, value: object) -> str | None:
+        if not isinstance(value, str):
+            return f"a string, not {type(value).__name__}"
+        return None if len(value) <= self.max_len else f"a string of {len(value)} characters (at most {self.max_len})"
+
+
+@dataclass(frozen=True)
+class IntList(Kind):
+    lo: int = 0
+    hi: int = 2**31 - 1
+    max_len: int = 1 << 24
+
+    def check(self, value: object) -> str | None:
+        if not isinstance(value, list) or len(value) > self.max_len:
+            return f"a list of at most {self.max_len} integers"
+        item = Int(self.lo, self.hi)
+        return next((f"item {i}: {why}" for i, v in enumerate(value) if (why := item.check(v))), None)
+
+
+@dataclass(frozen=True)
+class Address(Kind):
+    """[host, port]: where to send something."""
+
+    def check(self, value: object) -> str | None:
+        if not isinstance(value, list) or len(value) != 2:
+            return "[host, port]"
+        return Text(253).check(value[0]) or Int(1, 65535).check(value[1])
+
+
+@dataclass(frozen=True)
+class Optional(Kind):
+    kind: Kind
+
+    def check(self, value: object) -> str | None:
+        return self.kind.check(value)
+
+
+@dataclass(frozen=True)
+class Fields(Kind):
+    """A nested object with a schema of its own."""
+
+    schema: Mapping[str, Kind]
+
+    def check(self, value: object) -> str | None:
+        if not isinstance(value, dict):
+            return f"an object, not {type(value).__name__}"
+        try:
+            check_fields(value, self.schema)
+        except BadMessage as e:
+            return str(e)
+        return None
+
+
+def check_fields(message: dict, schema: Mapping[str, Kind]) -> None:
+    unknown = sorted(set(message) - set(schema))
+    if unknown:
+        raise BadMessage(f"unknown fields {unknown}"[:200])
+    for name, kind in schema.items():
+        if name not in message:
+            if isinstance(kind, Optional):
+                continue
+            raise BadMessage(f"{name!r} is missing")
+        why = kind.check(message[name])
+        if why is not None:
+            raise BadMessage(f"{name!r} must be {why}")
+
+
+def validate(message: dict, schemas: Mapping[str, Mapping[str, Kind]]) -> tuple[str, dict]:
+    """The message's op and the message, if its op's schema allows it."""
+    op = message.get("op")
+    if not isinstance(op, str) or op not in schemas:
+        raise BadMessage(f"unknown op {op!r}"[:100])
+    check_fields(message, {"op": Text(), **schemas[op]})
+    return op, message

@@ -1,0 +1,182 @@
+"""One authenticated control session over TCP or TLS: the KV link's handshake, then signed JSON messages.
+
+    frame   length u32 big-endian | MAC 32 B | body: one JSON object, UTF-8 (length counts the body)
+    MAC     HMAC-SHA256(session key, direction byte | sequence number u64 | body)
+
+The session key comes out of the handshake (``transport.auth``, its control
+session form), so only the two ends of this connection can sign. Each
+direction numbers its frames from 0, so a frame that is injected, replayed,
+dropped or reordered fails its MAC. A frame is checked before anything reads
+it: a length over ``max_bytes`` is ``Oversized`` (the body is never read) and
+a wrong MAC is ``Forged``; both end the session, because the stream can no
+longer be trusted. A signed body that is not a JSON object is ``Garbled``:
+the peer is authentic, so the session goes on and the caller answers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import ssl as ssl_module
+import struct
+from collections.abc import Sequence
+
+from minifaas.transport.auth import MAC_BYTES, prove_control_client, verify_control_client
+from minifaas.transport.errors import AuthError, ConnectionLostError, StallError, TruncatedError
+
+MAX_BYTES = 64 << 20  # a prompt of a few million token ids still fits
+_PREFIX = struct.Struct(">I")
+_FROM_CLIENT, _FROM_SERVER = b"c", b"s"
+
+
+class ControlError(Exception):
+    """A control session failed or refused something."""
+
+
+class SessionLost(ControlError):
+    """The connection closed, broke, or went silent past its deadline."""
+
+
+class Refused(ControlError):
+    """The handshake failed, or the server refused this client (it serves another)."""
+
+
+class Forged(ControlError):
+    """A frame's MAC did not verify: not from the peer, or altered on the way."""
+
+
+class Oversized(ControlError):
+    """A frame longer than the session accepts."""
+
+
+class Garbled(ControlError):
+    """A signed frame whose body is not a JSON object."""
+
+
+class _Streams:
+    """asyncio streams as the handshake's ``Wire``: exact reads and sends, each with a deadline."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def send(self, parts: Sequence[bytes], timeout: float | None) -> None:
+        self.writer.writelines(parts)
+        try:
+            async with asyncio.timeout(timeout):
+                await self.writer.drain()
+        except TimeoutError:
+            raise StallError(f"send made no progress for {timeout} s") from None
+        except OSError as e:
+            raise ConnectionLostError(f"send failed: {e}") from None
+
+    async def recv_exactly(self, n: int, timeout: float | None) -> bytearray:
+        try:
+            async with asyncio.timeout(timeout):
+                return bytearray(await self.reader.readexactly(n))
+        except TimeoutError:
+            raise StallError(f"nothing received for {timeout} s") from None
+        except asyncio.IncompleteReadError as e:
+            raise TruncatedError(f"stream ended after {len(e.partial)} of {n} bytes") from None
+        except OSError as e:
+            raise ConnectionLostError(f"receive failed: {e}") from None
+
+
+class Session:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, server: bool, max_bytes: int
+    ) -> None:
+        self._reader, self._writer, self._key, self.max_bytes = reader, writer, key, max_bytes
+        self._out, self._in = (_FROM_SERVER, _FROM_CLIENT) if server else (_FROM_CLIENT, _FROM_SERVER)
+        self._sent = self._received = 0
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.closed = False
+
+    def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
+        return hmac.new(self._key, direction + seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
+
+    def send(self, message: dict) -> None:
+        """Queue one message (call ``drain`` now and then); raises SessionLost once the session is over."""
+        if self.closed or self._writer.is_closing():
+            raise SessionLost(f"the session with {self.peer} is closed")
+        body = json.dumps(message, separators=(",", ":")).encode()
+        self._writer.write(_PREFIX.pack(len(body)) + self._mac(self._out, self._sent, body) + body)
+        self._sent += 1
+
+    async def drain(self, timeout: float | None = None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await self._writer.drain()
+        except TimeoutError:
+            raise SessionLost(f"{self.peer} took nothing for {timeout} s") from None
+        except OSError as e:
+            raise SessionLost(f"{self.peer}: {e}") from None
+
+    async def recv(self, timeout: float | None = None) -> dict | None:
+        """The next message, or None when the peer closed cleanly between frames."""
+        try:
+            async with asyncio.timeout(timeout):
+                head = await self._reader.readexactly(_PREFIX.size + MAC_BYTES)
+                (length,) = _PREFIX.unpack_from(head)
+                if length > self.max_bytes:
+                    raise Oversized(f"a frame of {length} bytes from {self.peer} (at most {self.max_bytes})")
+                body = await self._reader.readexactly(length)
+        except TimeoutError:
+            raise SessionLost(f"nothing heard from {self.peer} for {timeout} s") from None
+        except asyncio.IncompleteReadError as e:
+            if not e.partial:
+                return None
+            raise SessionLost(f"{self.peer} closed the session in the middle of a frame") from None
+        except OSError as e:
+            raise SessionLost(f"{self.peer}: {e}") from None
+        if not hmac.compare_digest(head[_PREFIX.size :], self._mac(self._in, self._received, body)):
+            raise Forged(f"frame {self._received} from {self.peer} does not carry the session's MAC")
+        self._received += 1
+        try:
+            message = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise Garbled(f"not JSON: {e}") from None
+        if not isinstance(message, dict):
+            raise Garbled(f"a JSON {type(message).__name__}, not an object")
+        return message
+
+    def close(self) -> None:
+        self.closed = True
+        self._writer.close()
+
+
+async def connect(
+    host: str,
+    port: int,
+    secret: bytes,
+    timeout: float,
+    ssl: ssl_module.SSLContext | None = None,
+    max_bytes: int = MAX_BYTES,
+) -> Session:
+    """Dial a control port and prove the secret both ways; raises SessionLost or Refused."""
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port, ssl=ssl)
+    except TimeoutError:
+        raise SessionLost(f"connecting to {host}:{port} took over {timeout} s") from None
+    except OSError as e:
+        raise SessionLost(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+    try:
+        key = await prove_control_client(_Streams(reader, writer), secret, timeout)
+    except AuthError as e:
+        writer.close()
+        raise Refused(f"{host}:{port}: {e}") from None
+    return Session(reader, writer, key, server=False, max_bytes=max_bytes)
+
+
+async def accept(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, timeout: float, max_bytes: int
+) -> Session:
+    """The server's side of a new connection: the client proves the secret, or Refused."""
+    try:
+        key = await verify_control_client(_Streams(reader, writer), secret, timeout)
+    except AuthError as e:
+        raise Refused(str(e)) from None
+    return Session(reader, writer, key, server=True, max_bytes=max_bytes)
