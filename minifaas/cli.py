@@ -28,6 +28,7 @@ import minifaas
 COMMANDS: dict[str, tuple[str, str]] = {
     "kv-size": ("minifaas.model.kv_size_cli", "KV bytes per token and fixed state per layer kind of a model"),
     "serve": ("minifaas.serve.serve_cli", "start the PrfaaS and PD clusters and serve the OpenAI-compatible API"),
+    "worker": ("minifaas.serve.worker", "one prefill or decode worker, on any host, waiting for a gateway"),
     "demo": ("minifaas.serve.demo", "start the default clusters, send a live mix of short and long prompts, stop"),
     "generate": ("minifaas.model.generate_cli", "prefill and decode one prompt in this process, with timings"),
     "plan": ("minifaas.planner.plan_cli", "solve the PrfaaS throughput model: best threshold and P/D split"),

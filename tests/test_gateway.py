@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -132,13 +133,16 @@ async def _wait_alive(gw: Gateway, name: str) -> None:
 
 
 def test_a_worker_that_cannot_start_is_named_and_nothing_is_left_running() -> None:
+    before = _children()
+
     async def scenario() -> None:
         gw = Gateway(ServeConfig())
-        gw.workers["pd-d0"].argv.append("--no-such-flag")
+        planned = gw.pool.planned
+        planned[:] = [replace(s, argv=(*s.argv, "--no-such-flag")) if s.name == "pd-d0" else s for s in planned]
         with pytest.raises(WorkerError, match="worker pd-d0 did not start"):
             async with gw:
                 pass
-        assert all(w.process is None or w.process.returncode is not None for w in gw.workers.values())
-        assert gw.link is None  # it starts with the first decode worker, which never came up
+        assert gw.link.emulator is None  # it starts with the first decode worker, which never came up
 
     asyncio.run(scenario())
+    assert _children() <= before, "a worker outlived the failed start"

@@ -18,7 +18,8 @@ from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, Schedu
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.lifecycle import Phase
 from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.serve.roles import RoleChanger, worker_argv
+from minifaas.serve.roles import RoleChanger
+from minifaas.serve.worker_specs import worker_argv
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 LENGTHS = (40, 300, 90, 520)  # short ones stay local, long ones go PrfaaS at t = 256
@@ -80,7 +81,7 @@ def test_workers_change_role_under_load_and_no_request_fails() -> None:
 
             assert _roles(gw) == {"pd-p1": "prefill", "pd-p2": "prefill", "pd-d2": "decode"}
             assert gw.roles.counts == {"to_prefill": 2, "to_decode": 1}
-            assert set(gw.link_ports) == {"pd-d2"}  # each retired decode worker's route is gone
+            assert set(gw.link.routes) == {"pd-d2"}  # each retired decode worker's route is gone
             assert list((await gw.link.control.stats())["routes"].values()) == [
                 f"127.0.0.1:{gw.workers['pd-d2'].kv_port}"
             ]
@@ -188,6 +189,6 @@ def test_each_role_gets_its_command_line_and_prefill_chunks_follow_the_cluster()
     prfaas = worker_argv(config, "prefill", "prfaas")
     assert prfaas[prfaas.index("--prefill-chunk") + 1] == "512"
     decode = worker_argv(config, "decode", "pd")
-    assert decode[decode.index("--max-batch") + 1] == "4" and "--kv-port" in decode and "--prefill-chunk" not in decode
+    assert decode[decode.index("--max-batch") + 1] == "4" and "--prefill-chunk" not in decode
     with pytest.raises(ValueError, match="prefill_chunk"):
         ClusterConfig(prefill_chunk=-1)

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "minifaas"
 
 # Policy code is sans-IO and shared with the simulator; it must not depend on the live system.
 POLICY_PACKAGES = ("minifaas.policy", "minifaas.cache", "minifaas.planner", "minifaas.scheduler", "minifaas.sim")
-POLICY_EXCEPTIONS = {"minifaas.scheduler.loop"}  # the short-term policy's driver inside the live gateway
+POLICY_EXCEPTIONS: set[str] = set()  # the live scheduler's driver is serving code (serve/live_scheduler.py)
 # Below the simulator and the live system: the planner (which the simulator drives), the router, the caches
 # and the trace readers they share. None of them may import minifaas.sim or minifaas.serve, not even lazily.
 LOWER_LAYERS = ("minifaas.planner", "minifaas.policy", "minifaas.cache", "minifaas.traces")
@@ -27,6 +27,7 @@ _TORCH_IN_CHILD = "the process that sets up the namespaces never loads torch; it
 _PLOT = "matplotlib is the optional plot extra"
 _TORCH_WHEN_PROFILING = "torch loads when profiling starts, not to parse flags"
 _TORCH_FOR_A_MODEL_FLAG = "torch loads to check a --model, or that a CUDA device is there, not for every command"
+_RAY = "ray is the optional ray extra, loaded only by the gateway that uses the Ray launcher"
 # (module, what it imports inside a function) -> why the import is not at the top of the module
 LAZY_IMPORTS = {
     ("minifaas.arguments", "minifaas.model.loader"): _TORCH_FOR_A_MODEL_FLAG,
@@ -40,6 +41,7 @@ LAZY_IMPORTS = {
     ("minifaas.model.profile_cli", "minifaas.model.decoder"): _TORCH_WHEN_PROFILING,
     ("minifaas.model.profile_cli", "minifaas.model.sampling"): _TORCH_WHEN_PROFILING,
     ("minifaas.planner.plot", "matplotlib"): _PLOT,
+    ("minifaas.serve.gateway", "minifaas.serve.launch.ray_actors"): _RAY,
     ("minifaas.sim.metrics", "matplotlib"): _PLOT,
     ("minifaas.transport.netns", "minifaas.transport.receiver"): _TORCH_IN_CHILD,
     ("minifaas.transport.netns", "minifaas.transport.sender"): _TORCH_IN_CHILD,
@@ -104,14 +106,23 @@ def _package_of(name: str, path: Path) -> str:
     return name if path.name == "__init__.py" else name.rpartition(".")[0]
 
 
-def import_graph(files: dict[str, Path], lazy: bool = False) -> dict[str, set[str]]:
-    """Module -> the minifaas modules it imports at load time (and inside its functions, if ``lazy``)."""
+def every_import(tree: ast.Module, package: str) -> set[str]:
+    """Every dotted name the module imports anywhere: at load time, inside functions, for type checking."""
+    return {name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for name in _imported_names([node], package)}  # fmt: skip
+
+
+def import_graph(files: dict[str, Path], lazy: bool = False, everything: bool = False) -> dict[str, set[str]]:
+    """Module -> the minifaas modules it imports at load time (and inside its functions, if ``lazy``;
+    anywhere at all, type-checking imports included, if ``everything``)."""
     graph = {}
     for name, path in files.items():
         tree, package = ast.parse(path.read_text()), _package_of(name, path)
         imported_names = _imported_names(tree.body, package)
         if lazy:
             imported_names |= function_imports(tree, package)
+        if everything:
+            imported_names |= every_import(tree, package)
         targets = set()
         for imported in imported_names:
             while imported and imported not in files:  # `from a.b import C` names module a.b
@@ -160,6 +171,17 @@ def test_the_graph_covers_the_package(graph: dict[str, set[str]]) -> None:
 
 def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
     assert find_cycle(graph) is None
+
+
+def test_no_cycle_even_through_type_checking_imports() -> None:
+    assert find_cycle(import_graph(module_files(PACKAGE), everything=True)) is None
+
+
+def test_the_gateways_parts_do_not_import_it() -> None:
+    """Role changes, prefill dispatch, the live scheduler and the rest get narrow collaborators, not the Gateway."""
+    graph = import_graph(module_files(PACKAGE), everything=True)
+    users = sorted(module for module, targets in graph.items() if "minifaas.serve.gateway" in targets)
+    assert users == ["minifaas.serve.serve_cli"]
 
 
 def test_no_policy_module_imports_serving(graph: dict[str, set[str]]) -> None:

@@ -66,6 +66,16 @@ class Text(Kind):
 
 
 @dataclass(frozen=True)
+class OneOf(Kind):
+    """One of a few names (a codec, a mode): a name the table lacks is refused here, not deep in a handler."""
+
+    names: tuple[str, ...]
+
+    def check(self, value: object) -> str | None:
+        return None if value in self.names else f"one of {', '.join(self.names)}, not {value!r}"[:120]
+
+
+@dataclass(frozen=True)
 class IntList(Kind):
     lo: int = 0
     hi: int = 2**31 - 1

@@ -1,11 +1,13 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
-[serve]            host, port, model, threshold, api_key, deadlines
+[serve]            host, port, model, threshold, api_key, deadlines, launcher, secret_file, heartbeats
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
-[prfaas]           the remote prefill cluster: prefill_workers, device, prefill_chunk
+[prfaas]           the remote prefill cluster: prefill_workers, device, prefill_chunk, or the
+                   addresses of hand-started workers (workers = ["host:port", ...])
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, max_batch,
-                   prefill_chunk
-[link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections, kv_compression
+                   prefill_chunk, or workers = [...]
+[link]             the inter-cluster link: rate, delay (emulated), per-flow cap, connections, kv_compression, emulated
+[ray]              the Ray launcher: cluster address, namespace, CPUs and GPUs per worker
 [cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
 [scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.policy.compression import MODES
+from minifaas.serve.launch.launcher import parse_address
 from minifaas.transport.pacer import parse_rate
 
 
@@ -28,8 +31,12 @@ class ClusterConfig:
     device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there
     max_batch: int = 32  # decode rows per forward on its decode workers (1: unbatched, one forward per request)
     prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
+    workers: tuple[str, ...] = ()  # control addresses of hand-started workers; the counts then do not apply
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(self.workers))  # a TOML array comes as a list
+        for address in self.workers:
+            parse_address(address)
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("worker counts must be >= 0")
         if self.max_batch < 1:
@@ -42,13 +49,14 @@ class ClusterConfig:
 
 @dataclass(frozen=True, slots=True)
 class LinkConfig:
-    rate: str = "100mbit"  # aggregate inter-cluster bandwidth ("none": unlimited)
+    rate: str = "100mbit"  # inter-cluster bandwidth: the emulator's, or a real link's capacity ("none": unlimited)
     flow_rate: str = "none"  # per-connection cap
     delay_ms: float = 5.0  # one way
     jitter_ms: float = 0.0
     connections: int = 4  # TCP connections per KV transfer
     pipelined: bool = True
     kv_compression: str = "auto"  # codec of state crossing the link; auto: lossless only where it saves time
+    emulated: bool | None = None  # through the link emulator; None: when every worker is a local child
 
     def __post_init__(self) -> None:
         if self.connections < 1 or self.delay_ms < 0 or self.jitter_ms < 0:
@@ -57,6 +65,21 @@ class LinkConfig:
             parse_rate(rate)
         if self.kv_compression not in MODES:
             raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RayConfig:
+    """Workers as Ray actors (``launcher = "ray"``): each on a node holding its cluster's custom resource."""
+
+    address: str = "auto"  # a running cluster ("auto": the one this host belongs to; "local": start one here)
+    namespace: str = "minifaas"
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 1.0  # for workers on a cuda device; CPU workers reserve none
+    start_timeout: float = 300.0  # placement of every worker, and a restarted actor's readiness
+
+    def __post_init__(self) -> None:
+        if self.cpus_per_worker < 0 or self.gpus_per_worker < 0 or self.start_timeout <= 0:
+            raise ValueError("need cpus_per_worker >= 0, gpus_per_worker >= 0 and start_timeout > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,23 +168,45 @@ class ServeConfig:
     request_timeout: float | None = None  # a limit on the whole request, however it streams (None: none)
     prefill_timeout: float = 120.0  # a prefill (and its transfer) that takes longer falls back to PD-P
     max_queued_requests: int = 256
+    launcher: str = "local"  # who starts the workers: "local" (child processes) or "ray" (actors)
+    secret_file: str | None = None  # the cluster secret (else $MINIFAAS_SECRET); needed with any remote worker
+    heartbeat_s: float = 1.0  # the gateway pings every worker this often
+    heartbeat_deadline_s: float = 5.0  # a worker silent for this long leaves routing until it answers again
     prfaas: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1))
     pd: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1, decode_workers=1))
     link: LinkConfig = field(default_factory=LinkConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         if self.threshold < 0 or not 0 <= self.port < 65536:
             raise ValueError("need threshold >= 0 and a valid port")
-        if self.pd.decode_workers < 1:
+        if self.pd.decode_workers < 1 and not self.pd.workers:
             raise ValueError("the PD cluster needs at least one decode worker")
-        if self.pd.prefill_workers + self.prfaas.prefill_workers < 1:
+        if self.pd.prefill_workers + self.prfaas.prefill_workers < 1 and not (self.pd.workers or self.prfaas.workers):
             raise ValueError("at least one prefill worker is needed")
         total = () if self.request_timeout is None else (self.request_timeout,)
         if min(self.first_token_timeout, self.token_timeout, self.prefill_timeout, *total) <= 0:
             raise ValueError("timeouts must be positive")
+        if self.launcher not in ("local", "ray"):
+            raise ValueError(f"launcher must be local or ray, got {self.launcher!r}")
+        if not 0 < self.heartbeat_s < self.heartbeat_deadline_s:
+            raise ValueError("need 0 < heartbeat_s < heartbeat_deadline_s")
+        if self.link.emulated and not self.all_local:
+            raise ValueError("the link emulator runs beside the gateway: with remote workers the link is the network")
+        if self.scheduler.enabled and (self.pd.workers or self.prfaas.workers):
+            raise ValueError("re-planning converts PD workers, and hand-started ones keep their role: --no-rebalance")
+
+    @property
+    def all_local(self) -> bool:
+        """Every worker is a child process of the gateway, on this host."""
+        return self.launcher == "local" and not (self.prfaas.workers or self.pd.workers)
+
+    @property
+    def link_emulated(self) -> bool:
+        return self.all_local if self.link.emulated is None else self.link.emulated
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
@@ -174,6 +219,7 @@ class ServeConfig:
             ("cache", CacheConfig),
             ("scheduler", SchedulerConfig),
             ("http", HttpConfig),
+            ("ray", RayConfig),
         ):
             if name in data:
                 top[name] = kind(**data[name])

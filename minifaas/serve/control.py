@@ -1,32 +1,72 @@
-"""The gateway <-> worker control channel: one JSON object per line over a local TCP stream.
+"""The gateway <-> worker control protocol: what each message holds, over an authenticated session.
 
-Messages are small dicts with an ``op`` and usually a ``req`` (request id);
-bulk state never goes here (it goes over the KV transport). A worker's prefix
-cache events, ``{"op": "cache", "events": [...]}``, belong to no request: they
-go under the ``req`` CACHE_EVENTS, which the gateway listens on for as long as
-the worker runs.
+Messages are small dicts with an ``op`` and usually a ``req`` (request id),
+signed and framed by ``minifaas.control.session``; bulk state never goes here
+(it goes over the KV transport). ``WORKER_OPS`` is everything a worker accepts,
+field by field; a worker checks each message against it before it acts on it.
+
+    attach   the gateway takes over the session; the worker answers ``attached``
+             (name, role, cluster, model, KV address, pid) and its pool's inventory
+    ping     -> ``pong`` (the TCP_INFO of the worker's KV connections)
+    prefill  compute a prompt and stream its state to ``kv``; -> ``prefilled``
+    export   send a cached prefix to another cluster's node; -> ``exported``
+    decode   expect the state of ``transfer`` and decode it; -> ``token``..., ``done``
+    start    the first token of a request whose state has arrived
+    abort    stop a request, wherever it is
+    load     -> ``load``: prompt tokens queued (prefill) or requests decoding
+
+A worker's prefix cache events, ``{"op": "cache", "events": [...]}``, belong to
+no request: they go under the ``req`` CACHE_EVENTS, which the gateway listens
+on for as long as the worker runs.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import AsyncIterator
-
+from minifaas.control.schema import Address, Bool, Fields, Int, IntList, Kind, Number, OneOf, Optional, Text
 from minifaas.model.sampling import SamplingParams
+from minifaas.transport.codec import Codec
 
-MAX_LINE = 64 << 20  # a prompt of a few million token ids still fits
 CACHE_EVENTS = "@cache"  # no request id starts with "@"
 
-
-async def messages(reader: asyncio.StreamReader) -> AsyncIterator[dict]:
-    while line := await reader.readline():
-        yield json.loads(line)
-
-
-def send(writer: asyncio.StreamWriter, message: dict) -> None:
-    """Queue one message; writes of whole lines never interleave (the loop runs one task at a time)."""
-    writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+_REQ, _TRANSFER, _COUNT = Text(256), Int(0, 2**63 - 1), Int(0, 2**31 - 1)
+_TOKENS = IntList(0, 2**31 - 1)
+_CODEC = OneOf(tuple(c.label for c in Codec))
+_SAMPLING = Fields(
+    {
+        "max_tokens": Int(1, 2**31 - 1),
+        "temperature": Number(0.0, 100.0),
+        "top_p": Number(0.0, 1.0),
+        "seed": Int(-(2**63), 2**63 - 1),
+        "stop_token_ids": IntList(0, 2**31 - 1, max_len=4096),
+        "ignore_eos": Bool(),
+    }
+)
+WORKER_OPS: dict[str, dict[str, Kind]] = {
+    "attach": {"gateway": Text()},
+    "ping": {},
+    "prefill": {
+        "req": _REQ,
+        "transfer": _TRANSFER,
+        "tokens": _TOKENS,
+        "sampling": _SAMPLING,
+        "kv": Address(),
+        "link_start": _COUNT,
+        "codec": Optional(_CODEC),
+        "import": Optional(_TRANSFER),
+    },
+    "export": {
+        "req": _REQ,
+        "transfer": _TRANSFER,
+        "tokens": _TOKENS,
+        "length": _COUNT,
+        "kv": Address(),
+        "codec": Optional(_CODEC),
+    },
+    "decode": {"req": _REQ, "transfer": _TRANSFER, "sampling": _SAMPLING, "tokens": _TOKENS, "link_start": _COUNT},
+    "start": {"req": _REQ, "next_token": _COUNT},
+    "abort": {"req": _REQ},
+    "load": {"req": _REQ},
+}
 
 
 def sampling_to_json(p: SamplingParams) -> dict:

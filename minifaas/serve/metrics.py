@@ -74,6 +74,11 @@ class ServeMetrics:
         self.kv_bytes_sent = Counter("minifaas:kv_bytes_sent", "KV bytes sent", ["link"], registry=r)
         # Fraction of each link's bandwidth in use, 0..1.
         self.link_utilization = Gauge("minifaas:link_utilization", "Link utilisation", ["link"], registry=r)
+        # Over a real link, the KV connections' smoothed rtt and the share of bytes retransmitted (0 when emulated).
+        self.link_rtt = Gauge("minifaas:link_rtt_seconds", "Smoothed rtt of the KV connections", ["link"], registry=r)
+        self.link_retransmits = Gauge(
+            "minifaas:link_retransmit_ratio", "Retransmitted over sent KV bytes", ["link"], registry=r
+        )
         # Requests waiting at each stage (e.g. prfaas_prefill, pd_prefill, decode).
         self.queue_depth = Gauge("minifaas:queue_depth", "Requests waiting per stage", ["stage"], registry=r)
         # The scheduler's decisions, by policy, action (raise, lower, hold) and reason.
@@ -158,6 +163,11 @@ class ServeMetrics:
 
     def set_link_utilization(self, link: str, fraction: float) -> None:
         self.link_utilization.labels(link=link).set(fraction)
+
+    def set_link_health(self, link: str, utilisation: float, rtt_ms: float, retrans_rate: float) -> None:
+        self.set_link_utilization(link, utilisation)
+        self.link_rtt.labels(link=link).set(rtt_ms / 1000)
+        self.link_retransmits.labels(link=link).set(retrans_rate)
 
     def scheduler_decision(self, policy: str, action: str, reason: str) -> None:
         self.scheduler_decisions.labels(policy=policy, action=action, reason=reason).inc()

@@ -5,37 +5,67 @@ redone on a PD-P worker; the request's record says why. Before a PrfaaS
 prefill the decode node pins the prefix it already holds, so only the rest of
 the full-attention KV crosses the link; under the ABUNDANT rule the router may
 first move a cached prefix to the prefill node's cluster.
+
+Transfer ids start at a random point of a 62-bit space, so a gateway that
+restarted never reuses an id a worker may still remember from the one before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from typing import TYPE_CHECKING
+import secrets
+from collections import Counter
+from typing import Protocol
 
+from minifaas.policy.compression import CodecChoice
 from minifaas.policy.router import CacheMove, RouteDecision
 from minifaas.serve.control import sampling_to_json
 from minifaas.serve.lifecycle import Phase, advance
+from minifaas.serve.link import InterClusterLink
+from minifaas.serve.metrics import ServeMetrics
+from minifaas.serve.prefix_directory import PrefixDirectory
 from minifaas.serve.requests import GenerateRequest, RequestFailed, RequestRecord
 from minifaas.serve.worker_handle import WorkerHandle
-
-if TYPE_CHECKING:
-    from minifaas.serve.gateway import Gateway
+from minifaas.serve.worker_pool import WorkerPool
 
 log = logging.getLogger("minifaas.gateway")
 
 
+class LinkScheduler(Protocol):
+    """What dispatch asks of the live scheduler: a codec for each transfer across the link, and what came of it."""
+
+    def codec(self, tokens: int = 0, computed: int = 0, link_start: int = 0) -> CodecChoice: ...
+
+    def coded(self, reply: dict, nbytes: int) -> None: ...
+
+    def prefilled(self, cluster: str, tokens: int, seconds: float) -> None: ...
+
+
 class PrefillDispatch:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        pool: WorkerPool,
+        link: InterClusterLink,
+        prefixes: PrefixDirectory,
+        metrics: ServeMetrics,
+        prefill_timeout: float,
+        scheduler: LinkScheduler,
+    ) -> None:
+        self.pool, self.link, self.prefixes, self.metrics = pool, link, prefixes, metrics
+        self.prefill_timeout, self.scheduler = prefill_timeout, scheduler
+        self.transfer_ids = itertools.count(secrets.randbits(62))
+        self.fallbacks: Counter[str] = Counter()
+        self.cache_moves: Counter[str] = Counter()
 
     async def run(
         self, request: GenerateRequest, record: RequestRecord, decision: RouteDecision, decode: WorkerHandle
     ) -> tuple[int, int]:
         """Prefill on the routed worker; if that fails, on a PD-P worker. Returns (transfer id, first token)."""
         tried: set[str] = set()
-        worker = self.gateway.workers[decision.prefill_node]  # type: ignore[index]
+        worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]
         expected_hit = decision.cached_tokens
         worker.claims += 1  # held until _once opens its inbox, so a drain cannot end in between
         try:
@@ -46,9 +76,8 @@ class PrefillDispatch:
             record.route = "prfaas" if worker.cluster == "prfaas" else "local"
             record.prefill_worker = worker.name
             record.phase = advance(record.phase, Phase.PREFILLING)
-            transfer = next(self.gateway.transfer_ids)
-            port = self.gateway.link_ports[decode.name] if worker.cluster == "prfaas" else decode.kv_port
-            outcome = await self._once(request, record, worker, decode, transfer, port, expected_hit, moved)
+            transfer = next(self.transfer_ids)
+            outcome = await self._once(request, record, worker, decode, transfer, expected_hit, moved)
             moved = None  # a retry elsewhere does not take the move
             if isinstance(outcome, int):
                 return transfer, outcome
@@ -57,17 +86,13 @@ class PrefillDispatch:
             record.phase = advance(record.phase, Phase.FALLBACK)
             reason = outcome.split(":")[0]
             record.fallback = reason
-            self.gateway.fallbacks[reason] = self.gateway.fallbacks.get(reason, 0) + 1
+            self.fallbacks[reason] += 1
             with contextlib.suppress(RuntimeError):
                 decode.send({"op": "abort", "req": request.request_id})
-            local = [
-                w
-                for w in self.gateway.workers.values()
-                if w.role == "prefill" and w.cluster == "pd" and w.serving and w.name not in tried
-            ]
+            local = [w for w in self.pool.of("pd", "prefill") if w.serving and w.name not in tried]
             if not local:
                 raise RequestFailed(f"prefill failed on every worker tried: {outcome}")
-            hits = self.gateway.prefixes.node_hits(request.prompt_ids)
+            hits = self.prefixes.node_hits(request.prompt_ids)
             worker = min(local, key=lambda w: w.load_tokens - hits.get(w.name, 0))
             expected_hit = hits.get(worker.name, 0)
 
@@ -78,7 +103,6 @@ class PrefillDispatch:
         worker: WorkerHandle,
         decode: WorkerHandle,
         transfer: int,
-        port: int,
         expected_hit: int,
         moved: int | None = None,
     ) -> int | str:
@@ -91,8 +115,8 @@ class PrefillDispatch:
         # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first,
         # and only it is worth coding for (the cluster's own network is not the bottleneck)
         remote = worker.cluster == "prfaas"
-        link_start = self.gateway.prefixes.kv_prefix(request.prompt_ids, decode.name) if remote else 0
-        choice = None
+        link_start = self.prefixes.kv_prefix(request.prompt_ids, decode.name) if remote else 0
+        choice: CodecChoice | None = None
         try:
             decode.send(
                 {
@@ -107,7 +131,7 @@ class PrefillDispatch:
             if link_start:
                 link_start = await self._pinned(decode, rid, transfer)
             if remote:
-                choice = self.gateway.scheduler.codec(len(request.prompt_ids), n, link_start)
+                choice = self.scheduler.codec(len(request.prompt_ids), n, link_start)
             worker.send(
                 {
                     "op": "prefill",
@@ -115,13 +139,13 @@ class PrefillDispatch:
                     "transfer": transfer,
                     "tokens": request.prompt_ids,
                     "sampling": sampling,
-                    "kv": ["127.0.0.1", port],
+                    "kv": self.link.kv_address(worker, decode),
                     "link_start": link_start,
                     "codec": choice.codec if choice is not None else "none",
                     **({"import": moved} if moved is not None else {}),
                 }
             )
-            async with asyncio.timeout(self.gateway.config.prefill_timeout):
+            async with asyncio.timeout(self.prefill_timeout):
                 reply = await inbox.get()
         except TimeoutError:
             return "timeout: prefill and transfer took too long"
@@ -143,12 +167,12 @@ class PrefillDispatch:
             reply["kv_wire_bytes"], reply["kv_encode_s"], reply["kv_decode_s"]
         )  # fmt: skip
         if remote:
-            self.gateway.scheduler.coded(reply, reply["kv_bytes"])
+            self.scheduler.coded(reply, reply["kv_bytes"])
         record.cached_tokens = reply["cached_tokens"]
-        self.gateway.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
+        self.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
         record.queue_s = reply["queue_s"]
         record.transfer_s = reply["transfer_tail_s"]
-        self.gateway.scheduler.prefilled(worker.cluster, reply["computed_tokens"], reply["prefill_s"])
+        self.scheduler.prefilled(worker.cluster, reply["computed_tokens"], reply["prefill_s"])
         record.phase = advance(record.phase, Phase.TRANSFERRING)
         return int(reply["next_token"])
 
@@ -157,24 +181,22 @@ class PrefillDispatch:
     ) -> int | None:
         """Carry out the router's cache move: the source cluster's node with the longest hit sends that
         prefix's state to ``dst`` across the link. Returns the transfer ``dst`` takes it from, or None."""
-        rid, transfer = request.request_id, next(self.gateway.transfer_ids)
-        hits = self.gateway.prefixes.node_hits(request.prompt_ids)
-        sources = [
-            w for w in self.gateway.workers.values() if w.cluster == move.src and w.serving and hits.get(w.name, 0)
-        ]
-        if not sources or dst.name not in self.gateway.move_links:
-            self.gateway.cache_moves["no_source"] += 1
+        rid, transfer = request.request_id, next(self.transfer_ids)
+        hits = self.prefixes.node_hits(request.prompt_ids)
+        sources = [w for w in self.pool.workers.values() if w.cluster == move.src and w.serving and hits.get(w.name, 0)]
+        link = self.link.move_address(dst)
+        if not sources or link is None:
+            self.cache_moves["no_source"] += 1
             return None
         src = max(sources, key=lambda w: (hits[w.name], w.name))
         inbox = src.open(rid)
         try:
-            link = ["127.0.0.1", self.gateway.move_links[dst.name].port]
-            tokens, length, codec = request.prompt_ids, move.end_tokens, self.gateway.scheduler.codec().codec
+            tokens, length, codec = request.prompt_ids, move.end_tokens, self.scheduler.codec().codec
             src.send(
                 {"op": "export", "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link,
                  "codec": codec}
             )  # fmt: skip
-            async with asyncio.timeout(self.gateway.config.prefill_timeout):
+            async with asyncio.timeout(self.prefill_timeout):
                 reply = await inbox.get()
         except (TimeoutError, RuntimeError) as e:
             reply = {"op": "failed", "error": repr(e)}
@@ -182,19 +204,19 @@ class PrefillDispatch:
             src.close(rid)
         if reply["op"] != "exported" or not reply["tokens"]:
             log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, reply.get("error"))
-            self.gateway.cache_moves["failed"] += 1
+            self.cache_moves["failed"] += 1
             return None
-        self.gateway.cache_moves["done"] += 1
-        self.gateway.cache_moves["bytes"] += reply["bytes"]
-        self.gateway.scheduler.coded(reply, reply["bytes"])
-        self.gateway.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"])
+        self.cache_moves["done"] += 1
+        self.cache_moves["bytes"] += reply["bytes"]
+        self.scheduler.coded(reply, reply["bytes"])
+        self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"])
         record.events.append(f"cache_move {src.name}->{dst.name} {reply['tokens']} tokens")
         return transfer
 
     async def _pinned(self, decode: WorkerHandle, rid: str, transfer: int) -> int:
         """Tokens of the prompt whose KV the decode node has pinned: the prefill sends only the rest."""
         inbox = decode.inboxes[rid]
-        async with asyncio.timeout(self.gateway.config.prefill_timeout):
+        async with asyncio.timeout(self.prefill_timeout):
             while True:
                 msg = await inbox.get()
                 if msg["op"] == "lost" or (msg["op"] == "failed" and msg.get("transfer") == transfer):

@@ -1,4 +1,4 @@
-"""The PD cluster's workers: what each role is started with, and changing a worker's role while serving.
+"""Changing a PD worker's role while the gateway serves: drain, restart in the other role, rejoin.
 
 The long-term scheduler (``scheduler.long_term``) decides how many PD workers
 prefill and how many decode; ``RoleChanger`` carries a decision out on live
@@ -12,15 +12,16 @@ processes, one worker at a time:
   3. retire it: stop the process, drop its entries from the prefix directory
      (its pool dies with it) and its route through the inter-cluster link.
   4. start a worker in the new role under a fresh name (pd-p<k> or pd-d<k>)
-     with what that role needs: a decode worker gets its own KV port and a
-     route to it through the link, a prefill worker its prefix cache.
+     with what that role needs (``worker_specs``): a decode worker gets its own
+     KV port and a route to it through the link, a prefill worker its prefix cache.
      A start that fails is tried again every ``RETRY_S``, as the supervisor
      does for a worker that died.
   5. it joins the workers the router sees as soon as it is ready.
 
 A drain that does not end within ``drain_timeout`` is called off: the worker
 takes new requests again, and the conversion counts as abandoned. PrfaaS
-workers are never re-roled: they are another cluster, on other hardware.
+workers are never re-roled: they are another cluster, on other hardware; nor
+are hand-started workers, whose role is their own command line's.
 """
 
 from __future__ import annotations
@@ -28,65 +29,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from minifaas.serve.config import ServeConfig
+from minifaas.serve.launch.launcher import NAME_PREFIX
+from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.worker_handle import WorkerHandle
-
-if TYPE_CHECKING:
-    from minifaas.serve.gateway import Gateway
+from minifaas.serve.worker_pool import WorkerPool
+from minifaas.serve.worker_specs import worker_spec
 
 log = logging.getLogger("minifaas.gateway")
-PREFIX = {("prfaas", "prefill"): "prfaas-p", ("pd", "prefill"): "pd-p", ("pd", "decode"): "pd-d"}
 RETRY_S = 2.0  # between attempts to start a converted worker
-
-
-def worker_argv(c: ServeConfig, role: str, cluster: str) -> list[str]:
-    """The worker command line for a role in a cluster (``--role`` and ``--name`` are added at start)."""
-    device = c.prfaas.device if cluster == "prfaas" else c.pd.device
-    argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
-    argv += ["--kv-compression", c.link.kv_compression]
-    if not c.link.pipelined:
-        argv.append("--no-pipelining")
-    argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]
-    argv += ["--snapshot-interval", str(c.cache.snapshot_interval_blocks)]
-    if role == "prefill":
-        chunk = (c.prfaas if cluster == "prfaas" else c.pd).prefill_chunk
-        argv += ["--prefix-cache", c.cache.mode, "--prefill-chunk", str(chunk)]
-        if c.cache.moves:
-            argv += ["--accept-moves", "--kv-port", str(free_port())]
-    else:  # a decode node keeps the KV it receives only to take increments later;
-        # a fixed port, so a restarted worker is found where its link route points
-        keep = c.cache.enabled and c.cache.incremental_transfer
-        argv += ["--prefix-cache", "hybrid" if keep else "none", "--kv-port", str(free_port())]
-        argv += ["--max-batch", str(c.pd.max_batch)]
-    return argv
-
-
-def plan_workers(c: ServeConfig, secret: bytes) -> dict[str, WorkerHandle]:
-    """Every worker the configuration asks for, not started yet."""
-    counts = [
-        ("prfaas", "prefill", c.prfaas.prefill_workers),
-        ("pd", "prefill", c.pd.prefill_workers),
-        ("pd", "decode", c.pd.decode_workers),
-    ]
-    workers = {}
-    for cluster, role, count in counts:
-        for i in range(count):
-            name = f"{PREFIX[cluster, role]}{i}"
-            workers[name] = WorkerHandle(name, role, cluster, worker_argv(c, role, cluster), secret)
-    return workers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +55,8 @@ class Conversion:
 
 
 class RoleChanger:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, pool: WorkerPool, config: ServeConfig, metrics: ServeMetrics) -> None:
+        self.pool, self.config, self.metrics = pool, config, metrics
         self.counts: Counter[str] = Counter()  # to_prefill, to_decode, abandoned, refused
         self.done: list[Conversion] = []
         self._tasks: set[asyncio.Task] = set()
@@ -113,10 +69,10 @@ class RoleChanger:
         """Start |to_prefill| conversions, decode -> prefill when positive; each drains on its own and
         then calls ``done`` with whether it happened (False at once when no worker may go)."""
         for _ in range(abs(to_prefill)):
-            worker = self.pick(to_prefill > 0) if not self.gateway.closing else None
+            worker = self.pick(to_prefill > 0) if not self.pool.closing else None
             if worker is None:
                 self.counts["refused"] += 1
-                self.gateway.metrics.role_change("prefill" if to_prefill > 0 else "decode", "refused")
+                self.metrics.role_change("prefill" if to_prefill > 0 else "decode", "refused")
                 log.warning("rebalance: no PD worker can change role now (to_prefill %+d)", to_prefill)
                 done(False)
                 continue
@@ -127,8 +83,8 @@ class RoleChanger:
 
     def pick(self, to_prefill: bool) -> WorkerHandle | None:
         """The least busy worker of the shrinking role, or None when none may go."""
-        workers = self.gateway.workers.values()
-        shrinking = [w for w in workers if w.cluster == "pd" and w.role == ("decode" if to_prefill else "prefill")]
+        workers = self.pool.workers.values()
+        shrinking = [w for w in self.pool.of("pd", "decode" if to_prefill else "prefill") if w.spec.address is None]
         serving = [w for w in shrinking if w.serving]
         prefill_elsewhere = any(w.serving for w in workers if w.role == "prefill" and w.cluster == "prfaas")
         if not serving or (len(serving) == 1 and (to_prefill or not prefill_elsewhere)):
@@ -139,6 +95,8 @@ class RoleChanger:
         """Drain ``worker`` and bring it back as ``role``, in the background."""
         if worker.cluster != "pd" or worker.role == role or role not in ("prefill", "decode"):
             raise ValueError(f"{worker.name} ({worker.cluster} {worker.role}) cannot become a {role} worker")
+        if worker.spec.address is not None:
+            raise ValueError(f"{worker.name} was started by hand: its role is its own command line's")
         if worker.draining:
             raise ValueError(f"{worker.name} is already changing role")
         worker.draining = True  # at once: from now on the router passes it by
@@ -148,8 +106,8 @@ class RoleChanger:
         return task
 
     async def _convert(self, old: WorkerHandle, role: str) -> WorkerHandle | None:
-        gw, began = self.gateway, time.monotonic()
-        timeout = gw.config.scheduler.drain_timeout
+        pool, began = self.pool, time.monotonic()
+        timeout = self.config.scheduler.drain_timeout
         log.info("worker %s: draining (%d requests) to become a %s worker", old.name, old.busy, role)
         try:
             async with asyncio.timeout(timeout):
@@ -157,34 +115,39 @@ class RoleChanger:
         except TimeoutError:
             old.draining = False
             self.counts["abandoned"] += 1
-            gw.metrics.role_change(role, "abandoned")
+            self.metrics.role_change(role, "abandoned")
             log.warning("worker %s: still busy after %.0f s; it stays %s", old.name, timeout, old.role)
             return None
         drained = time.monotonic()
-        if gw.closing:  # shutdown stops the old worker; a new one would outlive the gateway
+        if pool.closing:  # shutdown stops the old worker; a new one would outlive the gateway
             return None
-        await gw.retire(old)
-        new = WorkerHandle(self._fresh_name(role), role, "pd", worker_argv(gw.config, role, "pd"), gw.secret)
-        while not gw.closing:  # the old worker is gone: keep trying, as the supervisor does for a dead one
+        await pool.retire(old)
+        spec = worker_spec(self.config, self._fresh_name(role), role, "pd")
+        pool.known_names.add(spec.name)
+        new: WorkerHandle | None = None
+        while not pool.closing:  # the old worker is gone: keep trying, as the supervisor does for a dead one
             try:
-                await gw.launch(new)
+                new = await pool.launch(spec)
                 break
             except RuntimeError as e:
-                log.error("worker %s did not start in its new role (%s); trying again", new.name, e)
+                log.error("worker %s did not start in its new role (%s); trying again", spec.name, e)
                 await asyncio.sleep(RETRY_S)
-        if gw.closing:  # shutdown began while it started, after it stopped the workers it knew of
-            await new.stop()
+        if pool.closing or new is None:  # shutdown began while it started, after it stopped the workers it knew of
+            if new is not None:
+                await pool.retire(new)
             return None
         self.counts[f"to_{role}"] += 1
-        gw.metrics.role_change(role, "done")
+        self.metrics.role_change(role, "done")
         self.done.append(Conversion(old.name, new.name, role, drained - began, time.monotonic() - drained))
         log.info("worker %s replaced %s: drained in %.1f s, serving %.1f s later",
                  new.name, old.name, drained - began, time.monotonic() - drained)  # fmt: skip
         return new
 
     def _fresh_name(self, role: str) -> str:
-        prefix = PREFIX["pd", role]
-        taken = {int(n[len(prefix) :]) for n in self.gateway.known_names if n.startswith(prefix)}
+        prefix = NAME_PREFIX["pd", role]
+        taken = {
+            int(n[len(prefix) :]) for n in self.pool.known_names if n.startswith(prefix) and n[len(prefix) :].isdigit()
+        }
         return f"{prefix}{next(i for i in itertools.count() if i not in taken)}"
 
     async def cancel(self) -> None:

@@ -1,4 +1,9 @@
-"""``minifaas serve``: start both clusters and the link between them, then serve the OpenAI API.
+"""``minifaas serve``: start (or attach to) both clusters and the link between them, then serve the OpenAI API.
+
+By default every worker is a child process on this host. ``--prfaas-worker`` /
+``--pd-worker`` attach to workers started by hand elsewhere (``minifaas
+worker``), and ``--launcher ray`` places them as Ray actors; docs/DEPLOY.md
+shows each.
 
 The API key comes from ``--api-key``, ``--api-key-file``, the MINIFAAS_API_KEY
 environment variable or the TOML file, in that order; the last three keep it out
@@ -10,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -29,8 +35,9 @@ from minifaas.policy.compression import MODES
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.api import build_app
 from minifaas.serve.config import CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
+from minifaas.serve.gateway import Gateway, cluster_secret
 from minifaas.serve.http_server import serve_http
+from minifaas.serve.launch.launcher import parse_address
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.startup import StartupListener, StartupView
 
@@ -45,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d, rules = ServeConfig(), ShortTermConfig()
     parser.add_argument(
         "--config",
-        help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler], [http]); flags override it "
+        help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler], [http], [ray]); flags override it "
         "(default: none)",
     )
     parser.add_argument("--host", help=f"address to listen on (default: {d.host})")
@@ -95,6 +102,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-chunk", type=int, help=f"prompt tokens per prefill forward; 0: one (default: {d.pd.prefill_chunk})"
     )
+    parser.add_argument(
+        "--prfaas-worker", action="append", type=_address, metavar="HOST:PORT",
+        help="attach to a hand-started PrfaaS worker (repeat for more) (default: none, start them here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pd-worker", action="append", type=_address, metavar="HOST:PORT",
+        help="attach to a hand-started PD worker, prefill or decode (repeat) (default: none, start them here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--secret-file",
+        help="the cluster secret, needed with remote workers (default: $MINIFAAS_SECRET, or a fresh one)",
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        help=f"who starts the workers: child processes or Ray actors (default: {d.launcher})",
+    )
+    parser.add_argument(
+        "--ray-address",
+        help=f"the Ray cluster for --launcher ray; 'local': start one on this host (default: {d.ray.address})",
+    )
+    parser.add_argument(
+        "--link-emulator", action=argparse.BooleanOptionalAction,
+        help="put the link emulator between the clusters (default: when every worker is a local child)",
+    )  # fmt: skip
     parser.add_argument(
         "--prfaas-device",
         type=arguments.device,
@@ -167,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         0,
         _pick(args.prfaas_device, base.prfaas.device),
         prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
+        workers=_pick(args.prfaas_worker, base.prfaas.workers),
     )
     pd = ClusterConfig(
         _pick(args.pd_prefill_workers, base.pd.prefill_workers),
@@ -174,6 +207,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         _pick(args.pd_device, base.pd.device),
         _pick(args.max_batch, base.pd.max_batch),
         _pick(args.prefill_chunk, base.pd.prefill_chunk),
+        _pick(args.pd_worker, base.pd.workers),
     )
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
@@ -183,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         connections=_pick(args.connections, base.link.connections),
         pipelined=base.link.pipelined and not args.no_pipelining,
         kv_compression=_pick(args.kv_compression, base.link.kv_compression),
+        emulated=_pick(args.link_emulator, base.link.emulated),
     )
     cache = CacheConfig(
         mode=_pick(args.prefix_cache, base.cache.mode),
@@ -219,13 +254,23 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         request_timeout=_pick(args.request_timeout, base.request_timeout),
         prefill_timeout=base.prefill_timeout,
         max_queued_requests=base.max_queued_requests,
+        launcher=_pick(args.launcher, base.launcher),
+        secret_file=_pick(args.secret_file, base.secret_file),
+        heartbeat_s=base.heartbeat_s,
+        heartbeat_deadline_s=base.heartbeat_deadline_s,
         prfaas=prfaas,
         pd=pd,
         link=link,
         cache=cache,
         scheduler=scheduler,
         http=http,
+        ray=replace(base.ray, address=_pick(args.ray_address, base.ray.address)),
     )
+
+
+def _address(text: str) -> str:
+    parse_address(text)  # argparse reports the ValueError as a usage error
+    return text
 
 
 def _pick(flag: object, default: object) -> object:
@@ -267,6 +312,9 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
             arguments.present_device(device)
         if config.scheduler.profile is not None:
             load_pd_profiles(config.scheduler.profile)
+        cluster_secret(config)  # a secret that is missing or too open
+        if config.launcher == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("--launcher ray needs the ray extra: pip install 'minifaas[ray]'")
     if config.port:
         try:  # aiohttp would find the port taken only once every worker is up
             socket.create_server((config.host, config.port), family=_family(config.host)).close()
@@ -301,4 +349,4 @@ async def _serve(config: ServeConfig, view: StartupView) -> None:
             _, port = await stack.enter_async_context(running_server(config, view))
         log.info("serving %s on http://%s:%d/v1 (Ctrl-C to stop)", config.model, config.host, port)
         await stop.wait()
-        log.info("stopping: workers and the link emulator are shut down")
+        log.info("stopping: the workers the gateway started and the link emulator are shut down")

@@ -1,14 +1,21 @@
-"""A worker process: ``python -m minifaas.serve.worker --role prefill|decode ...``.
+"""A worker: ``minifaas worker --role prefill|decode --cluster prfaas|pd --listen HOST:PORT``.
 
-Started by the gateway, one per node. It loads the model, opens its control
-port (and, for decode, its KV receiver), prints one JSON line
-``{"control_port": ..., "kv_port": ...}`` when ready (a prefill worker adds its
-codecs measured on a warm-up state: ``"codecs"``), and serves the gateway's
-one control connection. It exits when the gateway closes its stdin, so a
-gateway that dies, however it dies, leaves no worker behind.
+One per node, on any host. It loads the model, opens its KV port (decode: the
+receiver; prefill with ``--accept-moves``: the one cache moves arrive on) and
+its control port, and waits for a gateway: ``worker_session`` serves one at a
+time, and a gateway that restarts attaches again to the same process.
 
-The KV secret comes from the MINIFAAS_KV_SECRET environment variable (hex),
-never from the command line, where other users could read it.
+    --listen        the control port the gateway dials
+    --kv-listen     where the KV receiver listens (default: the --listen host, any port)
+    --advertise     the KV address others are told to send to, for NAT and containers
+                    (default: the --kv-listen address; a wildcard host means "the
+                    address the gateway reached this worker at")
+
+It prints one JSON line when ready (``{"control": [host, port], "kv": ..., "pid": ...}``)
+and serves until SIGTERM or SIGINT; with ``--exit-with-stdin`` (how the gateway
+starts its local children) it exits as soon as its stdin closes, so a gateway
+that dies, however it dies, leaves none behind. The cluster secret comes from
+``--secret-file`` or $MINIFAAS_SECRET, never from the command line.
 """
 
 from __future__ import annotations
@@ -19,36 +26,52 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import socket
 import sys
+import threading
 import time
-import traceback
+from collections.abc import Callable
 
 from minifaas.cache.pool import PoolConfig
+from minifaas.control.secret import SECRET_ENV, load_secret
+from minifaas.control.server import ControlServer
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.policy.compression import MODES
-from minifaas.serve import control
 from minifaas.serve.decode_prefix import DecodePrefixCache, JoiningReceiver
 from minifaas.serve.decode_service import DecodeService
+from minifaas.serve.launch.launcher import NAME_PREFIX, parse_address
 from minifaas.serve.prefill_service import PrefillService
 from minifaas.serve.prefix_store import PrefixStore
-from minifaas.transport import KVReceiver, ReceiverConfig, TransferError
+from minifaas.serve.worker_session import WorkerNode, serve_gateway
+from minifaas.transport import KVReceiver, ReceiverConfig
 from minifaas.transport.codec import codecs_for
 
 log = logging.getLogger("minifaas.worker")
+WILDCARDS = ("", "0.0.0.0", "::")
+READY = "waiting for a gateway"  # in the log line that says the worker is ready
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m minifaas.serve.worker")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
-    p.add_argument("--name", required=True)
+    p.add_argument("--cluster", choices=("prfaas", "pd"), required=True, help="the cluster this worker serves in")
+    p.add_argument("--name", help="this node's name in routing and metrics (default: cluster-role-host-port)")
+    p.add_argument("--listen", type=parse_address, default=("127.0.0.1", 0), metavar="HOST:PORT",
+                   help="the control port the gateway dials (default 127.0.0.1:0, any free port)")  # fmt: skip
+    p.add_argument("--kv-listen", type=parse_address, metavar="HOST:PORT",
+                   help="where the KV receiver listens (default: the --listen host, any free port)")  # fmt: skip
+    p.add_argument("--advertise", metavar="HOST[:PORT]",
+                   help="the KV address others are told to send to (NAT, containers; default --kv-listen)")  # fmt: skip
+    p.add_argument("--secret-file", help=f"file holding the cluster secret (default: ${SECRET_ENV})")
+    p.add_argument("--gateway-deadline", type=float, default=30.0, metavar="S",
+                   help="drop a gateway silent for S seconds, so another may attach (default 30)")  # fmt: skip
+    p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (the gateway's children)")
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver listens on (decode)")
-    p.add_argument("--kv-port", type=int, default=0, help="its port (0: any free one)")
     p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
     p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (prefill)")
     p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
@@ -57,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "streamed as soon as it is made (0: one forward)")  # fmt: skip
     p.add_argument("--kv-compression", choices=MODES, default="auto",
                    help="KV codecs this worker sends with (prefill) or offers its senders (decode); the gateway "
-                   "picks one per transfer. auto: none and lossless; fp8 or int8 add that lossy code")  # fmt: skip
+                   "picks one per transfer. auto: none and lossless; fp8 or int8 add that lossy code "
+                   "(default: auto)")  # fmt: skip
     p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid", help="this node's prefix cache")
     p.add_argument("--cache-block-size", type=int, default=32, help="tokens per cached full-attention block")
     p.add_argument("--snapshot-interval", type=int, default=4, help="blocks between state snapshots (0: ends only)")
@@ -67,68 +91,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="decode rows per forward (1: unbatched)")
     p.add_argument("--step-tokens", type=int, default=d.step_token_budget, help="KV slots a decode step may attend")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="requests queued for a decode row")
-    return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    secret = bytes.fromhex(os.environ["MINIFAAS_KV_SECRET"])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="minifaas worker", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def default_name(args: argparse.Namespace) -> str:
+    tag = args.listen[1] or os.getpid()  # a fixed port names the node; an ephemeral one does not
+    return f"{NAME_PREFIX[args.cluster, args.role]}-{socket.gethostname()}-{tag}"
+
+
+def _advertised(args: argparse.Namespace, kv_host: str, kv_port: int) -> list:
+    if args.advertise is None:
+        return ["" if kv_host in WILDCARDS else kv_host, kv_port]
+    host, _, port = args.advertise.rpartition(":") if ":" in args.advertise else (args.advertise, "", "")
+    return [host.strip("[]"), int(port) if port else kv_port]
+
+
+async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop: asyncio.Event | None = None) -> None:
+    """Run the worker until ``stop`` is set (or stdin closes, with --exit-with-stdin)."""
+    secret = load_secret(args.secret_file)
+    name = args.name or default_name(args)
     runtime = await asyncio.to_thread(ModelRuntime.load, args.model, args.device, args.seed)
     await asyncio.to_thread(runtime.generate, [0, 1, 2], SamplingParams(max_tokens=2))  # first forwards are slow
+    kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
     codecs = codecs_for(args.kv_compression)
-    ready: dict = {}
-    async with contextlib.AsyncExitStack() as stack:
-        kv_port = 0
-        prefixes: DecodePrefixCache | None = None
+    measured: dict = {}  # a prefill worker's codecs, measured on a warm-up state
+    async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
+        kv, prefixes = None, None
         if args.role == "decode":
-            receiver = await stack.enter_async_context(
-                KVReceiver(ReceiverConfig(secret, host=args.kv_host, port=args.kv_port, codecs=codecs))
+            config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs)
+            receiver = await stack.enter_async_context(KVReceiver(config))
+            kv = _advertised(args, kv_host, receiver.port)
+            prefixes = DecodePrefixCache(
+                _pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name
             )
-            kv_port = receiver.port
-            prefixes = _decode_prefixes(args, runtime)
             joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
             decoding = DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting)
             service: PrefillService | DecodeService = DecodeService(runtime, joining, args.state_timeout, decoding)  # type: ignore[arg-type]
+            decode_loop = tg.create_task(service.run())
         else:
             moves = None
             if args.accept_moves:
-                config = ReceiverConfig(secret, host=args.kv_host, port=args.kv_port, codecs=codecs)
+                config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs)
                 moves = await stack.enter_async_context(KVReceiver(config))
-                kv_port = moves.port
-            store = _prefix_store(args, runtime)
+                kv = _advertised(args, kv_host, moves.port)
+            store = PrefixStore(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
             service = PrefillService(
                 runtime, secret, args.connections, not args.no_pipelining, store, moves,
                 chunk_tokens=args.prefill_chunk, codecs=codecs,
             )  # fmt: skip
             stack.push_async_callback(service.close)
-            ready["codecs"] = await asyncio.to_thread(service.calibrate)
-        connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
-            asyncio.get_running_loop().create_future()
+            measured = await asyncio.to_thread(service.calibrate)
+        node = WorkerNode(
+            name, args.role, args.cluster, runtime.spec.name, service, prefixes, kv, os.getpid(), measured
         )
-        server = await asyncio.start_server(
-            lambda r, w: connected.set_result((r, w)) if not connected.done() else w.close(),
-            "127.0.0.1",
-            0,
-            limit=control.MAX_LINE,
-        )
-        async with server:
-            port = server.sockets[0].getsockname()[1]
-            ready |= {"control_port": port, "kv_port": kv_port, "pid": os.getpid()}
-            print(json.dumps(ready), flush=True)
-            reader, writer = await connected
-            async with asyncio.TaskGroup() as tg:
-                stdin_closed = tg.create_task(_wait_stdin_closed())
-                if isinstance(service, DecodeService):
-                    loop_task = tg.create_task(service.run())
-                await _handle(service, reader, writer, tg, prefixes)
-                stdin_closed.cancel()
-                if isinstance(service, DecodeService):
-                    loop_task.cancel()
+        server = ControlServer(
+            args.listen, secret, lambda session: serve_gateway(node, session, args.gateway_deadline),
+            deadline_s=args.gateway_deadline,
+        )  # fmt: skip
+        await stack.enter_async_context(server)
+        host = args.listen[0]
+        announce({"control": [host, server.port], "kv": kv, "pid": node.pid, "name": name})
+        log.info("worker %s (%s %s, %s) %s on %s:%d; KV %s", name, args.cluster, args.role, runtime.spec.name,
+                 READY, host, server.port, "none" if kv is None else f"{kv[0] or '*'}:{kv[1]}")  # fmt: skip
+        await (_stdin_closed() if args.exit_with_stdin else (stop or asyncio.Event()).wait())
+        if args.role == "decode":
+            decode_loop.cancel()
 
 
-def _pool_config(args: argparse.Namespace, runtime: ModelRuntime) -> PoolConfig:
+def _pool_config(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> PoolConfig:
     """This node's pool, named after the node: the gateway tracks each node's pool apart."""
     return PoolConfig(
-        args.name,
+        name,
         int(args.cache_mib * (1 << 20)),
         args.cache_block_size,
         args.snapshot_interval,
@@ -137,97 +175,41 @@ def _pool_config(args: argparse.Namespace, runtime: ModelRuntime) -> PoolConfig:
     )
 
 
-def _prefix_store(args: argparse.Namespace, runtime: ModelRuntime) -> PrefixStore:
-    return PrefixStore(_pool_config(args, runtime), runtime.spec.name, runtime.layout.kinds, args.name)
-
-
-def _decode_prefixes(args: argparse.Namespace, runtime: ModelRuntime) -> DecodePrefixCache:
-    return DecodePrefixCache(_pool_config(args, runtime), runtime.spec.name, runtime.layout.kinds, args.name)
-
-
-async def _handle(
-    service: PrefillService | DecodeService,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    tg: asyncio.TaskGroup,
-    prefixes: DecodePrefixCache | None = None,
-) -> None:
-    jobs: dict[str, asyncio.Task[None]] = {}
-    aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
-
-    pool = service.store if isinstance(service, PrefillService) else prefixes
-
-    def emit(message: dict) -> None:
-        events = pool.drain_events() if pool is not None else []
-        if events:  # the pool's changes go out before the news that follows them
-            control.send(writer, {"op": "cache", "req": control.CACHE_EVENTS, "events": [e.to_json() for e in events]})
-        control.send(writer, message)
-
-    def failed(msg: dict, e: Exception) -> dict:
-        return {"op": "failed", "req": msg["req"], "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"}
-
-    async def job(msg: dict) -> None:
-        req = msg["req"]
-        try:
-            if isinstance(service, PrefillService):
-                emit(await (service.export(msg) if msg["op"] == "export" else service.prefill(msg)))
-            else:
-                await service.decode(msg, emit)
-        except asyncio.CancelledError:  # aborted by the gateway (or the worker is closing)
-            if req in aborted and isinstance(service, PrefillService) and msg["op"] == "prefill":
-                done = service.stopped_at.pop(req, 0)
-                emit({"op": "aborted", "req": req, "tokens": len(msg["tokens"]), "done_tokens": done})
-        except (TransferError, TimeoutError, OSError, ValueError, RuntimeError) as e:
-            emit(failed(msg, e))
-        except Exception as e:  # a bug: report it with its trace rather than leave the request hanging
-            emit(failed(msg, e))
-            traceback.print_exc()
-        finally:
-            aborted.discard(req)
-            if prefixes is not None:
-                prefixes.cancel(msg["transfer"])  # unpins a prefix whose state never arrived
-            if jobs.get(req) is asyncio.current_task():
-                del jobs[req]
-
-    async for msg in control.messages(reader):
-        op, req = msg["op"], msg.get("req", "")
-        if op == "decode" and prefixes is not None and "tokens" in msg:
-            pinned = prefixes.pin(msg["transfer"], msg["tokens"], msg.get("link_start", 0), time.perf_counter())
-            if msg.get("link_start", 0):
-                emit({"op": "pinned", "req": req, "transfer": msg["transfer"], "tokens": pinned})
-        if op in ("prefill", "decode", "export"):
-            jobs[req] = tg.create_task(job(msg))
-        elif op == "start" and isinstance(service, DecodeService):
-            service.start(req, msg["next_token"])
-        elif op == "abort":
-            if isinstance(service, DecodeService):
-                service.abort(req)
-            task = jobs.pop(req, None)
-            if task is not None:  # a prefill stops at its next layer (PrefillService.prefill)
-                aborted.add(req)
-                task.cancel()
-        elif op == "load":
-            queued = service.queued_tokens if isinstance(service, PrefillService) else service.load
-            emit({"op": "load", "req": req, "load": queued})
-        await writer.drain()
-    for task in jobs.values():
-        task.cancel()
-
-
-async def _wait_stdin_closed() -> None:
+async def _stdin_closed() -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while await reader.read(4096):
         pass
     log.info("gateway gone: exiting")
-    os._exit(0)
+    os._exit(0)  # at once: a forward still running in its thread would hold up a clean exit
+
+
+def _print_ready(ready: dict) -> None:
+    print(json.dumps(ready), flush=True)
+
+
+async def _until_signalled(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await serve(args, _print_ready, stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        load_secret(args.secret_file)  # a missing secret is one line, before the model loads
+    except ValueError as e:
+        print(f"minifaas worker: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(_until_signalled(args))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(parse_args(argv)))
+    sys.exit(run(parse_args(argv)))
 
 
 if __name__ == "__main__":

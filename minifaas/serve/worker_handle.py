@@ -1,9 +1,14 @@
-"""The gateway's handle on one worker process: start it, talk to it, notice when it dies.
+"""The gateway's handle on one worker: attach over the control channel, talk to it, notice when it is gone.
 
-Replies from the worker are sorted into one inbox per request; a reply no
-request waits for any more (the notice of a prefill stopped by an abort) goes
-to ``on_unclaimed``. When the control connection ends (the process died or was killed), every open inbox
-receives ``{"op": "lost"}``, so no request waits on a worker that is gone.
+``attach`` dials the worker's control port, proves the cluster secret both
+ways and says ``attach``; the worker answers what it is. ``pump`` then runs
+the session: a ping every ``heartbeat_s``, replies sorted into one inbox per
+request; a reply no request waits for any more (the notice of a prefill
+stopped by an abort) goes to ``on_unclaimed``. The session is lost when the
+connection ends, a frame fails its MAC, or nothing is heard for the deadline:
+the worker stops serving at once, and every open inbox receives
+``{"op": "lost"}``, so no request waits on a worker that is gone (it falls back
+instead). The pool then attaches again when the worker answers.
 
 A worker that is changing role (``serve.roles``) is ``draining``: the router
 sends it nothing new, and ``wait_idle`` returns once the requests it holds
@@ -14,45 +19,75 @@ sends it nothing new, and ``wait_idle`` returns once the requests it holds
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import sys
+import signal
+import socket
+import ssl as ssl_module
 from collections.abc import Callable
 
-from minifaas.child_process import describe_exit, wait_or_kill
-from minifaas.serve import control
+from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
+from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
 from minifaas.serve.control import CACHE_EVENTS
+from minifaas.serve.launch.launcher import Address, WorkerError, WorkerSpec
+from minifaas.transport.link_health import TcpInfo
 
 log = logging.getLogger("minifaas.gateway")
 LOST = {"op": "lost"}
+GATEWAY_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 
-class WorkerError(RuntimeError):
-    pass
+class Busy(ControlError):
+    """The worker serves another gateway."""
+
+
+async def attach(
+    address: Address, secret: bytes, timeout: float, ssl: ssl_module.SSLContext | None = None
+) -> tuple[Session, dict]:
+    """A session with the worker at ``address`` and what it said it is; raises ControlError."""
+    session = await connect(*address, secret, timeout, ssl)
+    try:
+        session.send({"op": "attach", "gateway": GATEWAY_ID})
+        await session.drain(timeout)
+        hello = await session.recv(timeout)
+    except BaseException:
+        session.close()
+        raise
+    if hello is None or hello.get("op") != "attached":
+        session.close()
+        why = hello.get("error", hello) if hello else "it hung up"
+        kind = Busy if hello and hello.get("op") == "refused" else Refused
+        raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
+    return session, hello
 
 
 class WorkerHandle:
-    def __init__(self, name: str, role: str, cluster: str, argv: list[str], secret: bytes) -> None:
-        self.name, self.role, self.cluster = name, role, cluster
-        self.argv, self.secret = argv, secret
-        self.process: asyncio.subprocess.Process | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.kv_port = 0
-        self.codecs: dict[str, list[float]] = {}  # what a prefill worker measured of its codecs when it started
+    def __init__(self, spec: WorkerSpec, name: str, role: str, cluster: str) -> None:
+        self.spec, self.name, self.role, self.cluster = spec, name, role, cluster
+        self.session: Session | None = None
+        self.address: Address | None = None  # its control port
+        self.kv: Address | None = None  # where KV for it goes (its advertised address)
+        self.pid = 0
         self.alive = False
-        self.restarts = 0
+        self.rejoins = 0  # times it came back after its session was lost
         self.load_tokens = 0  # prompt tokens sent and not yet answered (prefill) / requests decoding
-        self.inboxes: dict[str, asyncio.Queue[dict]] = {}
+        self.inboxes: dict[str, asyncio.Queue[dict]] = {CACHE_EVENTS: asyncio.Queue()}  # cache events from the start
         self.draining = False  # changing role: routed nothing new
         self.retired = False  # stopped for good (replaced by a worker in its new role)
         self.claims = 0  # prefills routed here that have not opened their inbox yet
+        self.tcp: dict[str, TcpInfo] = {}  # its KV connections, as of its last pong
+        self.queued_bytes = 0  # KV it has not handed to a socket yet, as of its last pong
+        self.codecs: dict[str, list[float]] = {}  # what a prefill worker measured of its codecs when it started
         self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
         self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
 
     @property
+    def kv_port(self) -> int:
+        return self.kv[1] if self.kv else 0
+
+    @property
     def serving(self) -> bool:
-        """Takes new requests: running and not draining."""
+        """Takes new requests: attached and not draining."""
         return self.alive and not self.draining
 
     @property
@@ -75,43 +110,37 @@ class WorkerHandle:
             self._quieter.clear()
             await self._quieter.wait()
 
-    async def start(self, timeout: float = 300.0) -> asyncio.StreamReader:
-        argv = [sys.executable, "-m", "minifaas.serve.worker", "--role", self.role, "--name", self.name, *self.argv]
-        env = {**os.environ, "MINIFAAS_KV_SECRET": self.secret.hex()}
-        self.process = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
-        )
-        try:
-            async with asyncio.timeout(timeout):
-                line = await self.process.stdout.readline()  # type: ignore[union-attr]
-                ready = json.loads(line)
-                reader, self.writer = await asyncio.open_connection(
-                    "127.0.0.1", ready["control_port"], limit=control.MAX_LINE
-                )
-        except (TimeoutError, json.JSONDecodeError, OSError) as e:
-            await self.stop()
-            raise WorkerError(f"worker {self.name} did not start: {e!r}") from None
-        self.kv_port = ready["kv_port"]
-        self.codecs = ready.get("codecs", {})
+    def attached(self, session: Session, hello: dict, address: Address) -> None:
+        """The session is up: take the worker's own account of where it listens."""
+        self.session, self.address, self.pid = session, address, int(hello["pid"])
+        self.codecs = hello.get("codecs") or {}
+        kv = hello.get("kv")
+        self.kv = (kv[0] or address[0], int(kv[1])) if kv else None  # no host: the one we reached it at
         self.alive = True
-        log.debug("worker %s (%s, %s) ready, pid %s", self.name, self.role, self.cluster, ready["pid"])
-        return reader
 
-    async def pump(self, reader: asyncio.StreamReader) -> None:
-        """Deliver replies until the worker goes away; then wake every waiting request."""
+    async def pump(self, heartbeat: HeartbeatConfig) -> SessionLost:
+        """Run the session until it is lost; then wake every waiting request. Returns why it ended."""
+        assert self.session is not None
         try:
-            async for msg in control.messages(reader):
-                inbox = self.inboxes.get(msg.get("req", ""))
-                if inbox is not None:
-                    inbox.put_nowait(msg)
-                elif self.on_unclaimed is not None:
-                    self.on_unclaimed(self, msg)
-        except (ConnectionError, json.JSONDecodeError) as e:
-            log.warning("worker %s: control channel broke: %r", self.name, e)
+            return await keep_alive(self.session, heartbeat, self._deliver, lambda: {"op": "ping"})
         finally:
             self.alive = False
             for inbox in self.inboxes.values():
                 inbox.put_nowait(LOST)
+
+    def _deliver(self, msg: dict) -> None:
+        if msg.get("op") == "pong":
+            try:
+                self.tcp = {key: TcpInfo(**info) for key, info in msg.get("tcp", {}).items()}
+                self.queued_bytes = int(msg.get("queued_bytes", 0))
+            except (TypeError, ValueError, AttributeError) as e:  # a worker of another version: no link health
+                log.warning("worker %s: unreadable link report: %r", self.name, e)
+            return
+        inbox = self.inboxes.get(msg.get("req", ""))
+        if inbox is not None:
+            inbox.put_nowait(msg)
+        elif self.on_unclaimed is not None:
+            self.on_unclaimed(self, msg)
 
     def open(self, req: str) -> asyncio.Queue[dict]:
         self.inboxes[req] = asyncio.Queue()
@@ -122,32 +151,20 @@ class WorkerHandle:
         self._quieter.set()
 
     def send(self, message: dict) -> None:
-        if not self.alive or self.writer is None:
-            raise WorkerError(f"worker {self.name} is not running")
-        control.send(self.writer, message)
+        if not self.alive or self.session is None:
+            raise WorkerError(f"worker {self.name} is not attached")
+        try:
+            self.session.send(message)
+        except ControlError as e:
+            raise WorkerError(f"worker {self.name}: {e}") from None
 
-    async def stop(self) -> None:
+    def detach(self) -> None:
+        """End the session; the worker stays as it is (a local one is stopped by its launcher)."""
         self.alive = False
-        if self.writer is not None:
-            self.writer.close()
-        p = self.process
-        if p is None or p.returncode is not None:
-            return
-        if p.stdin is not None:
-            p.stdin.close()  # the worker exits when its stdin closes
-        await wait_or_kill(p, grace=5)
-
-    async def exit_status(self, grace: float = 5.0) -> str:
-        """How the process ended, once it has: "exit code 1", "killed by SIGKILL". One still running
-        ``grace`` seconds after its control channel closed is killed."""
-        p = self.process
-        if p is None:
-            return "never started"
-        if await wait_or_kill(p, grace):
-            return f"control channel closed, still running after {grace:g} s: killed"
-        return describe_exit(p.returncode)
+        if self.session is not None:
+            self.session.close()
 
     def kill(self) -> None:
-        """Kill the process now (fault injection in tests and the demo)."""
-        if self.process is not None and self.process.returncode is None:
-            self.process.kill()
+        """Kill the worker's process now (fault injection in tests and the demo; same host only)."""
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)

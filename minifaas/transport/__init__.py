@@ -18,7 +18,8 @@ _HOMES = {
     "link_health": ("LinkHealth", "LinkMonitor", "TcpInfo"),
     "outgoing": ("OutgoingTransfer", "TransferReport"),
     "receiver": ("KVReceiver", "ReceiverConfig"),
-    "sender": ("KVSender", "SenderConfig"),
+    "sender": ("KVSender",),
+    "sender_config": ("SenderConfig",),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from minifaas.model.layer_state import LayerState
 from minifaas.transport.channel import Channel
@@ -37,6 +36,7 @@ from minifaas.transport.chunking import Chunk, Payload, split_chunks, split_toke
 from minifaas.transport.codec import OFF_LOOP_BYTES, Codec, Coded, FrameEncoder, frame_codec, offered, usable
 from minifaas.transport.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
 from minifaas.transport.pool import ConnectionPool
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.wire import (
     HEADER_SIZE,
     FrameType,
@@ -46,9 +46,6 @@ from minifaas.transport.wire import (
     pack_counts,
     unpack_header,
 )
-
-if TYPE_CHECKING:
-    from minifaas.transport.sender import SenderConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""Where workers come from: local child processes, hand-started workers, or Ray actors (``launcher``)."""
