@@ -9,7 +9,12 @@ a real queue, loses packets and retransmits, and TCP_INFO shows it.
     with NetnsLink(rate="50mbit") as link:
         subprocess.run(link.exec("a", [sys.executable, "-m", ...]))   # a process inside namespace a
 
-The namespaces (and the veth inside them) are deleted on exit, also after an
+With ``from_root=True`` each namespace also gets an unshaped veth to the root
+namespace (``root_addresses``), so a process in the root namespace (a gateway)
+reaches both "hosts" while traffic between them crosses the shaped link:
+the two-host deployment of docs/DEPLOY.md on one machine.
+
+The namespaces (and the veths inside them) are deleted on exit, also after an
 error half-way through setting up. ``python -m minifaas.transport.netns`` runs
 the two ends of a measurement inside them: ``sink`` (a KV receiver) and
 ``probe`` (a KV sender that prints link-health readings as JSON lines).
@@ -51,15 +56,26 @@ def unavailable() -> str | None:
 
 
 class NetnsLink:
-    def __init__(self, rate: str = "50mbit", queue_bytes: int = 32_000, burst_bytes: int = 16_000, delay_ms: float = 0):
+    def __init__(
+        self,
+        rate: str = "50mbit",
+        queue_bytes: int = 32_000,
+        burst_bytes: int = 16_000,
+        delay_ms: float = 0,
+        from_root: bool = False,
+    ):
         if parse_rate(rate) is None:
             raise ValueError("a namespace link needs a finite rate")
         self.rate, self.queue_bytes, self.burst_bytes, self.delay_ms = rate, queue_bytes, burst_bytes, delay_ms
+        self.from_root = from_root
         tag = f"{os.getpid() % 100000}x{next(_serial)}"
         self.namespaces = {"a": f"mfa{tag}", "b": f"mfb{tag}"}
         self.devices = {"a": f"mfva{tag}", "b": f"mfvb{tag}"}
         subnet = 1 + (os.getpid() + next(_serial)) % 250
-        self.addresses = {"a": f"10.201.{subnet}.1", "b": f"10.201.{subnet}.2"}
+        self.addresses = {"a": f"10.201.{subnet}.1", "b": f"10.201.{subnet}.2"}  # the two ends of the link
+        self._root_devices = {"a": f"mfra{tag}", "b": f"mfrb{tag}"}
+        self._root_subnets = {"a": f"10.202.{subnet}", "b": f"10.203.{subnet}"}
+        self.root_addresses = {side: f"{net}.2" for side, net in self._root_subnets.items()}  # each seen from root
 
     def __enter__(self) -> NetnsLink:
         try:
@@ -96,9 +112,30 @@ class NetnsLink:
                 _tc("-n", ns, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *shaper)
             else:
                 _tc("-n", ns, "qdisc", "add", "dev", dev, "root", *shaper)
+        if self.from_root:
+            for side, ns in self.namespaces.items():
+                outside, inside, net = (
+                    self._root_devices[side],
+                    f"{self._root_devices[side]}i",
+                    self._root_subnets[side],
+                )
+                _ip("link", "add", outside, "type", "veth", "peer", "name", inside, "netns", ns)
+                _ip("addr", "add", f"{net}.1/30", "dev", outside)
+                _ip("link", "set", outside, "up")
+                _ip("-n", ns, "addr", "add", f"{net}.2/30", "dev", inside)
+                _ip("-n", ns, "link", "set", inside, "up")
+
+    def sent_bytes(self, side: str) -> int:
+        """Bytes the shaped end of ``side`` has sent across the link (its tbf's counter)."""
+        argv = ["tc", "-n", self.namespaces[side], "-j", "-s", "qdisc", "show", "dev", self.devices[side]]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True)
+        return max(q.get("bytes", 0) for q in json.loads(done.stdout))
 
     def close(self) -> None:
-        for ns in self.namespaces.values():  # deleting a namespace deletes the veth end inside it
+        if self.from_root:  # the root ends at once (a namespace's own devices go with it, in the background)
+            for device in self._root_devices.values():
+                subprocess.run(["ip", "link", "del", device], capture_output=True, timeout=10)
+        for ns in self.namespaces.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
