@@ -35,6 +35,11 @@ def code_of(markdown: str) -> list[str]:
     return fenced + indented + inline
 
 
+def marked_blocks(markdown: str, marker: str) -> list[str]:
+    """The fenced blocks that come right after the HTML comment ``<!-- marker -->``."""
+    return re.findall(rf"^<!-- {re.escape(marker)} -->\n```[^\n]*\n(.*?)^```", markdown, re.S | re.M)
+
+
 def commands_in(markdown: str) -> list[list[str]]:
     """Each quoted ``minifaas`` command as argv (subcommand first); loop variables take their first value."""
     loop_values = {name: values.split()[0] for name, values in _LOOP.findall(markdown)}
@@ -98,6 +103,12 @@ def test_readme_file_tree_lists_every_file() -> None:
     }
     assert sorted(present - listed) == [], "files missing from the README's tree"
     assert sorted(p for p in listed - present if not p.endswith("/")) == [], "the README lists files that do not exist"
+
+
+def test_marked_blocks() -> None:
+    text = "<!-- run-me -->\n```bash\nminifaas plan\n```\n\n```bash\nminifaas sim\n```\n"
+    assert marked_blocks(text, "run-me") == ["minifaas plan\n"]
+    assert marked_blocks(text, "other") == []
 
 
 def test_a_bad_flag_fails_to_parse() -> None:

@@ -11,7 +11,10 @@ where there is none.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
+import secrets
 import shlex
 import signal
 import subprocess
@@ -20,16 +23,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_docs_commands import CASES
+from test_docs_commands import CASES, DOCS, commands_in, marked_blocks
 
-LONG_RUNNING = {"serve": "serving", "link-emulator": '"port"'}
-UNIQUE = sorted({tuple(argv) for _, argv in CASES})
+LONG_RUNNING = {"serve": "serving", "link-emulator": '"port"', "worker": "waiting for a gateway"}
+# commands of a block that tests/test_deploy.py runs whole, as root, with the hosts it sets up
+RUN_AS_A_BLOCK = {
+    tuple(argv)
+    for path in DOCS
+    for block in marked_blocks(path.read_text(), "two-hosts-example")
+    for argv in commands_in(f"```bash\n{block}```")
+}
+UNIQUE = sorted({tuple(argv) for _, argv in CASES} - RUN_AS_A_BLOCK)
 
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("scratch")
     (work / "docs").mkdir()  # where the docs' plot commands write
+    key = work / "cluster.key"  # the cluster secret, made as docs/DEPLOY.md says
+    key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)
     return work
 
 
@@ -42,6 +55,8 @@ def test_no_command_reaches_outside_the_repository() -> None:
 def test_command_runs_as_written(argv: tuple[str, ...], scratch: Path) -> None:
     if "cuda" in " ".join(argv) and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    if "--launcher ray" in " ".join(argv) and importlib.util.find_spec("ray") is None:
+        pytest.skip("needs the ray extra (pip install -e '.[ray]')")
     cmd = [sys.executable, "-m", "minifaas.cli", *argv]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if argv[0] not in LONG_RUNNING:
@@ -50,6 +65,8 @@ def test_command_runs_as_written(argv: tuple[str, ...], scratch: Path) -> None:
         return
     if argv[0] == "link-emulator":
         env_cmd = cmd
+    elif argv[0] == "worker":  # any free port instead of the one quoted, which a test machine may be using
+        env_cmd = [re.sub(r":\d+$", ":0", a) if i and cmd[i - 1] == "--listen" else a for i, a in enumerate(cmd)]
     else:  # one server at a time; a free port instead of 8000, which a test machine may be using
         env_cmd = [*cmd, "--port", "0"] if "--port" not in argv else [a if a != "8000" else "0" for a in cmd]
     proc = subprocess.Popen(

@@ -1,0 +1,72 @@
+"""Which workers a configuration asks for, where they come from, and the settings that go with remote ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from minifaas.serve.config import ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.serve.launch.launcher import parse_address
+from minifaas.serve.worker import _advertised, parse_args
+from minifaas.serve.worker_specs import planned_specs
+
+
+def test_local_workers_by_default_and_hand_started_ones_by_address() -> None:
+    default = ServeConfig()
+    assert [(s.name, s.role, s.cluster, s.address) for s in planned_specs(default)] == [
+        ("prfaas-p0", "prefill", "prfaas", None),
+        ("pd-p0", "prefill", "pd", None),
+        ("pd-d0", "decode", "pd", None),
+    ]
+    assert default.all_local and default.link_emulated
+    mixed = ServeConfig(prfaas=ClusterConfig(workers=("10.0.0.7:7000", "[fd00::7]:7001")))
+    specs = planned_specs(mixed)
+    assert [(s.name, s.cluster, s.address) for s in specs[:2]] == [
+        ("", "prfaas", ("10.0.0.7", 7000)),
+        ("", "prfaas", ("fd00::7", 7001)),
+    ]
+    assert [s.name for s in specs[2:]] == ["pd-p0", "pd-d0"]  # the PD cluster still starts its own
+    assert not mixed.all_local and not mixed.link_emulated  # a remote worker: the link is the network
+    assert not ServeConfig(launcher="ray").link_emulated
+    assert ServeConfig(link=LinkConfig(emulated=False)).link_emulated is False
+
+
+def test_settings_that_cannot_hold_are_refused() -> None:
+    remote = ClusterConfig(workers=("10.0.0.7:7000",))
+    with pytest.raises(ValueError, match="the link is the network"):
+        ServeConfig(prfaas=remote, link=LinkConfig(emulated=True))
+    with pytest.raises(ValueError, match="hand-started ones keep their role"):
+        ServeConfig(pd=ClusterConfig(workers=("h:1", "h:2")), scheduler=SchedulerConfig(profile="p.json"))
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        ClusterConfig(workers=("no-port",))
+    with pytest.raises(ValueError, match="launcher"):
+        ServeConfig(launcher="k8s")
+    with pytest.raises(ValueError, match="heartbeat"):
+        ServeConfig(heartbeat_s=5.0, heartbeat_deadline_s=5.0)
+    assert ServeConfig(prfaas=ClusterConfig(prefill_workers=0), pd=ClusterConfig(workers=("h:1", "h:2")))
+
+
+def test_workers_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        '[serve]\nsecret_file = "cluster.key"\nlauncher = "ray"\n'
+        '[prfaas]\nworkers = ["203.0.113.7:7000"]\n'
+        '[ray]\naddress = "10.0.0.1:6379"\ncpus_per_worker = 2\n'
+    )
+    config = ServeConfig.from_toml(path)
+    assert config.prfaas.workers == ("203.0.113.7:7000",) and config.secret_file == "cluster.key"
+    assert config.ray.address == "10.0.0.1:6379" and config.ray.cpus_per_worker == 2
+
+
+def test_the_kv_address_a_worker_advertises() -> None:
+    def args(*extra: str) -> object:
+        return parse_args(["--role", "decode", "--cluster", "pd", "--model", "m", *extra])
+
+    assert _advertised(args(), "10.0.0.5", 7102) == ["10.0.0.5", 7102]
+    assert _advertised(args(), "0.0.0.0", 7102) == ["", 7102]  # the gateway fills in where it reached us
+    assert _advertised(args("--advertise", "203.0.113.9"), "0.0.0.0", 7102) == ["203.0.113.9", 7102]
+    assert _advertised(args("--advertise", "203.0.113.9:31000"), "0.0.0.0", 7102) == ["203.0.113.9", 31000]
+    assert parse_address("[::1]:80") == ("::1", 80)
+    with pytest.raises(SystemExit):
+        parse_args(["--role", "decode", "--cluster", "pd", "--model", "m", "--listen", "nowhere"])
