@@ -172,7 +172,7 @@ def test_keep_alive_notices_a_peer_that_stops_answering() -> None:
             loop = asyncio.get_running_loop()
             began = loop.time()
             lost = await keep_alive(session, HeartbeatConfig(0.05, 0.4), seen.append, ping)
-            assert isinstance(lost, SessionLost) and "nothing heard" in str(lost)
+            assert isinstance(lost, SessionLost) and "did not answer a ping" in str(lost)
             assert [m["n"] for m in seen] == [0, 1, 2] and 0.4 < loop.time() - began < 3
 
     asyncio.run(main())
@@ -196,11 +196,15 @@ def test_a_session_over_tls(tmp_path: Path) -> None:
 
 def test_heartbeat_rule() -> None:
     beat = Heartbeat(HeartbeatConfig(1.0, 5.0), now=100.0)
-    assert beat.ping_due(100.0) and not beat.late(104.0) and beat.late(105.5)
+    assert beat.ping_due(100.0) and not beat.late(200.0)  # nothing asked, nothing owed
     beat.pinged(100.0)
     assert not beat.ping_due(100.5) and beat.ping_due(101.0)
+    beat.pinged(101.0)  # still unanswered: the deadline runs from the first ping
+    assert not beat.late(105.0) and beat.late(105.5) and beat.deadline_left(104.0) == 1.0
     beat.heard(104.0)
-    assert not beat.late(108.0) and beat.deadline_left(108.0) == 1.0
+    assert not beat.late(300.0) and beat.deadline_left(300.0) == 5.0
+    beat.pinged(300.0)  # this side stalled for minutes: the peer is judged from the ping after it
+    assert not beat.late(304.0) and beat.late(305.5)
     with pytest.raises(ValueError):
         HeartbeatConfig(5.0, 5.0)
 

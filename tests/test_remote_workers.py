@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -163,13 +164,16 @@ def _serve(cluster: dict, port: int, log: Path) -> subprocess.Popen:
             "--secret-file", str(cluster["secret"])]  # fmt: skip
     for address in cluster["addresses"]:
         argv += ["--pd-worker", address]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    with log.open("a") as out:
-        for line in p.stdout:  # type: ignore[union-attr]
-            out.write(line)
-            if "serving" in line:
-                return p
-    raise AssertionError(f"the gateway exited before serving:\n{log.read_text()[-3000:]}")
+    with log.open("a") as out:  # a file, not a pipe: nobody would drain a pipe once it serves
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    seen = log.stat().st_size
+    deadline = time.monotonic() + 300
+    while "serving" not in log.read_text()[seen:]:
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            raise AssertionError(f"the gateway did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return p
 
 
 def _complete(port: int) -> str:
@@ -188,15 +192,20 @@ def test_a_gateway_killed_and_restarted_reattaches_to_the_same_workers(cluster: 
     pids = {name: w.pid for name, w in cluster["workers"].items()}
     log, port = cluster["tmp"] / "gateway.log", _free_port()
     first = _serve(cluster, port, log)
-    assert _complete(port) == expected
-    first.kill()  # SIGKILL: no goodbye to the workers, whose sessions simply break
-    first.wait(timeout=30)
+    try:
+        assert _complete(port) == expected
+    finally:
+        first.kill()  # SIGKILL: no goodbye to the workers, whose sessions simply break
+        first.wait(timeout=30)
     second = _serve(cluster, port, log)  # attaches at once: the workers noticed the broken sessions
     try:
         assert _complete(port) == expected
         assert {name: w.pid for name, w in cluster["workers"].items()} == pids  # not restarted
     finally:
         second.send_signal(signal.SIGTERM)
-        code = second.wait(timeout=60)
+        try:
+            code = second.wait(timeout=60)
+        finally:
+            second.kill()
     assert code == 0, log.read_text()[-3000:]
     assert all(alive(pid) for pid in pids.values()), "a hand-started worker must outlive its gateway"

@@ -1,11 +1,14 @@
 """Heartbeats with a deadline: the client side of a supervised control session.
 
 ``Heartbeat`` is the sans-IO rule: ping every ``interval_s``; the peer is late
-once nothing at all (a pong or any other message) was heard for
-``deadline_s``. ``keep_alive`` drives it over a live session: it sends the
-pings, hands every message on, and returns SessionLost the moment the peer is
-late, the connection ends or a frame is forged, so the caller takes the peer
-out of service at once.
+once a ping has gone unanswered (nothing at all heard since it was sent) for
+``deadline_s``. Counting from the ping rather than from the last message heard
+means that a client whose own event loop stalled (a long blocking call) does
+not blame its peers for the silence it caused: it pings again, and only a
+peer that then stays silent is late. ``keep_alive`` drives the rule over a live
+session: it sends the pings, hands every message on, and returns SessionLost
+the moment the peer is late, the connection ends or a frame is forged, so the
+caller takes the peer out of service at once.
 
 The deadline is several intervals (5 s over 1 s by default): a busy host may
 delay one pong by a second or two, and dropping a healthy worker costs every
@@ -38,21 +41,27 @@ class Heartbeat:
         self.config = config
         self.last_heard = now
         self.last_ping = now - config.interval_s  # the first ping is due at once
+        self.unanswered_since: float | None = None  # the first ping sent since the peer was last heard
 
     def heard(self, now: float) -> None:
         self.last_heard = max(self.last_heard, now)
+        self.unanswered_since = None
 
     def pinged(self, now: float) -> None:
         self.last_ping = now
+        if self.unanswered_since is None:
+            self.unanswered_since = now
 
     def ping_due(self, now: float) -> bool:
         return now - self.last_ping >= self.config.interval_s
 
     def late(self, now: float) -> bool:
-        return now - self.last_heard > self.config.deadline_s
+        return self.unanswered_since is not None and now - self.unanswered_since > self.config.deadline_s
 
     def deadline_left(self, now: float) -> float:
-        return max(0.0, self.config.deadline_s - (now - self.last_heard))
+        if self.unanswered_since is None:
+            return self.config.deadline_s
+        return max(0.0, self.config.deadline_s - (now - self.unanswered_since))
 
 
 async def keep_alive(
@@ -71,17 +80,24 @@ async def keep_alive(
             await asyncio.sleep(max(0.0, beat.last_ping + config.interval_s - loop.time()))
 
     async def listening() -> None:
-        while True:
-            message = await session.recv(timeout=beat.deadline_left(loop.time()) or 0.001)
-            if message is None:
-                raise SessionLost(f"{session.peer} closed the session")
+        while (message := await session.recv()) is not None:
             beat.heard(loop.time())
             on_message(message)
+        raise SessionLost(f"{session.peer} closed the session")
+
+    async def watching() -> None:
+        while True:
+            await asyncio.sleep(max(beat.deadline_left(loop.time()), 0.01))
+            for _ in range(2):  # after a stall of this loop, let the listener take what already arrived
+                await asyncio.sleep(0)
+            if beat.late(loop.time()):
+                raise SessionLost(f"{session.peer} did not answer a ping within {config.deadline_s} s")
 
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(pinging())
             tg.create_task(listening())
+            tg.create_task(watching())
     except BaseExceptionGroup as group:
         lost, rest = group.split(ControlError)
         if rest is not None or lost is None:
@@ -92,4 +108,4 @@ async def keep_alive(
         return error if isinstance(error, SessionLost) else SessionLost(f"{type(error).__name__}: {error}")
     finally:
         session.close()
-    raise AssertionError("both loops run until the session fails")  # pragma: no cover
+    raise AssertionError("the loops run until the session fails")  # pragma: no cover

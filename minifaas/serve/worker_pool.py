@@ -91,18 +91,20 @@ class WorkerPool:
     async def launch(self, spec: WorkerSpec) -> WorkerHandle:
         """Start (or find) the worker, attach, and supervise it from now on."""
         launcher = self.launcher_of(spec)
+        session, hello, address = None, {}, None
         try:
             what = f"{spec.cluster} {spec.role} worker" if spec.role else f"hand-started {spec.cluster} worker"
             first = self._first_attach(spec, launcher)
             session, hello, address = await reported(self.on_startup, spec.name or spec.label, what, first)
-            name, role = hello["name"], hello["role"]
-            if name in self.workers:
-                raise WorkerError(f"two workers call themselves {name}: give one another --name")
-            w = WorkerHandle(spec, name, role, hello["cluster"])
+            if hello["name"] in self.workers:
+                raise WorkerError(f"two workers call themselves {hello['name']}: give one another --name")
+            w = WorkerHandle(spec, hello["name"], hello["role"], hello["cluster"])
             w.on_unclaimed = self.on_unclaimed
             w.attached(session, hello, address)
             await self.link.join(w)
         except BaseException:
+            if session is not None:
+                session.close()
             await launcher.stop(spec)
             raise
         self.prefixes.forget(w.name)  # its inventory follows on the session
