@@ -5,18 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import ssl
 import struct
 from pathlib import Path
 
 import pytest
-from test_transport import _self_signed
+from test_transport import tls_contexts
 
 from minifaas.control.heartbeat import Heartbeat, HeartbeatConfig, keep_alive
 from minifaas.control.schema import Address, BadMessage, Fields, Int, IntList, Number, Optional, Text, validate
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
-from minifaas.control.session import Garbled, Refused, Session, SessionLost, _Streams, connect
+from minifaas.control.session import Garbled, Refused, Session, SessionLost, _wire, connect
 from minifaas.transport.auth import CONTROL, prove_as_sender, prove_control_client
 
 SECRET = b"control-test-secret-0123456789"
@@ -90,7 +89,7 @@ def test_no_secret_wrong_secret_and_the_kv_handshake_are_refused() -> None:
             writer.close()
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)  # the KV link's handshake
             with pytest.raises(Exception, match="not a KV receiver"):
-                await prove_as_sender(_Streams(reader, writer), SECRET, 5.0)
+                await prove_as_sender(_wire(reader, writer), SECRET, 5.0)
             writer.close()
             async with asyncio.timeout(5):
                 while server.refused < 3:
@@ -103,7 +102,7 @@ def test_no_secret_wrong_secret_and_the_kv_handshake_are_refused() -> None:
 
 async def _authenticated_raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    key = await prove_control_client(_Streams(reader, writer), SECRET, 5.0)
+    key = await prove_control_client(_wire(reader, writer), SECRET, 5.0)
     return reader, writer, key
 
 
@@ -180,10 +179,7 @@ def test_keep_alive_notices_a_peer_that_stops_answering() -> None:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
 def test_a_session_over_tls(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(cert, key)
-    client_ctx = ssl.create_default_context(cafile=str(cert))
+    server_ctx, client_ctx = tls_contexts(tmp_path)
 
     async def main() -> None:
         async with _server(ssl=server_ctx) as server:

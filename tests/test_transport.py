@@ -248,12 +248,17 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
-def test_round_trip_over_tls(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+def tls_contexts(directory: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a fresh self-signed certificate for 127.0.0.1, and a client that trusts it."""
+    cert, key = _self_signed(directory)
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(cert, key)
-    client_ctx = ssl.create_default_context(cafile=str(cert))
+    return server_ctx, ssl.create_default_context(cafile=str(cert))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
+def test_round_trip_over_tls(tmp_path: Path) -> None:
+    server_ctx, client_ctx = tls_contexts(tmp_path)
     state = synthetic_state(layers=8, tokens=64, width=16)
 
     async def main() -> None:

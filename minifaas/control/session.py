@@ -21,10 +21,10 @@ import hmac
 import json
 import ssl as ssl_module
 import struct
-from collections.abc import Sequence
 
 from minifaas.transport.auth import MAC_BYTES, prove_control_client, verify_control_client
-from minifaas.transport.errors import AuthError, ConnectionLostError, StallError, TruncatedError
+from minifaas.transport.channel import Channel
+from minifaas.transport.errors import AuthError
 
 MAX_BYTES = 64 << 20  # a prompt of a few million token ids still fits
 _PREFIX = struct.Struct(">I")
@@ -55,32 +55,9 @@ class Garbled(ControlError):
     """A signed frame whose body is not a JSON object."""
 
 
-class _Streams:
-    """asyncio streams as the handshake's ``Wire``: exact reads and sends, each with a deadline."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    async def send(self, parts: Sequence[bytes], timeout: float | None) -> None:
-        self.writer.writelines(parts)
-        try:
-            async with asyncio.timeout(timeout):
-                await self.writer.drain()
-        except TimeoutError:
-            raise StallError(f"send made no progress for {timeout} s") from None
-        except OSError as e:
-            raise ConnectionLostError(f"send failed: {e}") from None
-
-    async def recv_exactly(self, n: int, timeout: float | None) -> bytearray:
-        try:
-            async with asyncio.timeout(timeout):
-                return bytearray(await self.reader.readexactly(n))
-        except TimeoutError:
-            raise StallError(f"nothing received for {timeout} s") from None
-        except asyncio.IncompleteReadError as e:
-            raise TruncatedError(f"stream ended after {len(e.partial)} of {n} bytes") from None
-        except OSError as e:
-            raise ConnectionLostError(f"receive failed: {e}") from None
+def _wire(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Channel:
+    """The streams as the handshake's connection: exact reads and sends, each with a deadline."""
+    return Channel(writer.get_extra_info("socket"), (reader, writer))
 
 
 class Session:
@@ -164,7 +141,7 @@ async def connect(
     except OSError as e:
         raise SessionLost(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
     try:
-        key = await prove_control_client(_Streams(reader, writer), secret, timeout)
+        key = await prove_control_client(_wire(reader, writer), secret, timeout)
     except AuthError as e:
         writer.close()
         raise Refused(f"{host}:{port}: {e}") from None
@@ -176,7 +153,7 @@ async def accept(
 ) -> Session:
     """The server's side of a new connection: the client proves the secret, or Refused."""
     try:
-        key = await verify_control_client(_Streams(reader, writer), secret, timeout)
+        key = await verify_control_client(_wire(reader, writer), secret, timeout)
     except AuthError as e:
         raise Refused(str(e)) from None
     return Session(reader, writer, key, server=True, max_bytes=max_bytes)
