@@ -342,11 +342,16 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config: ServeConfig, view: StartupView) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+    on_signals()
     async with contextlib.AsyncExitStack() as stack:
         with view:
             _, port = await stack.enter_async_context(running_server(config, view))
+        on_signals()  # again: starting Ray installs handlers of its own
         log.info("serving %s on http://%s:%d/v1 (Ctrl-C to stop)", config.model, config.host, port)
         await stop.wait()
         log.info("stopping: the workers the gateway started and the link emulator are shut down")

@@ -94,7 +94,8 @@ class RayLauncher:
         if not ray.is_initialized():
             c = self.config
             local = {"resources": dict(self.sizes), "num_cpus": self._local_cpus()} if c.address == "local" else {}
-            await asyncio.to_thread(ray.init, address=c.address, namespace=c.namespace, **local)
+            # on this thread: Ray's driver state belongs to the thread that made it (seconds, before serving)
+            ray.init(address=c.address, namespace=c.namespace, **local)
             self._started_ray = True
         try:
             for cluster, n in self.sizes.items():
@@ -111,7 +112,7 @@ class RayLauncher:
             remove_placement_group(group)
         self.groups.clear()
         if self._started_ray:
-            await asyncio.to_thread(ray.shutdown)
+            ray.shutdown()
 
     def _local_cpus(self) -> int:
         return max(os.cpu_count() or 1, int(sum(self.sizes.values()) * self.config.cpus_per_worker + 0.999))
