@@ -27,7 +27,7 @@ from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.transport.netns import NetnsLink, unavailable
 
 _NO_NETNS = unavailable()
-pytestmark = [pytest.mark.root, pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")]
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")]
 
 RATE = "20mbit"
 THRESHOLD = 200
