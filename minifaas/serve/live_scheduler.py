@@ -48,7 +48,7 @@ from collections.abc import Callable
 from minifaas.model.kv_size import KVProfile
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
-from minifaas.planner.profile import load_pd_profiles, load_profiles
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_profiles
 from minifaas.policy.compression import CodecChoice, CompressionConfig, CompressionPolicy, LinkShare, TransferShape
 from minifaas.policy.router import RouteDecision, Rule
 from minifaas.scheduler.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
@@ -83,6 +83,7 @@ class LiveScheduler:
         self.threshold, self.rule = config.threshold, Rule(config.cache.rule)
         self.short = ShortTermPolicy(short_term, self.threshold, self.rule)
         self.long_term = long_term
+        self.profiles = self._profiles() if long_term is not None else None  # read now: a bad file fails at once
         self.long: LongTermPolicy | None = None  # built by ``prepare`` once the workers are known
         self.lengths: list[int] = []
         self.reading: LinkReading | None = None  # the link as last sampled
@@ -98,12 +99,18 @@ class LiveScheduler:
         if self.long_term is not None:
             self.long = self._long_term(self.long_term)
 
-    def _long_term(self, config: LongTermConfig) -> LongTermPolicy | None:
+    def _profiles(self) -> tuple[PrefillProfile, PrefillProfile, DecodeProfile]:
+        """The PD instance's prefill and decode profiles and the PrfaaS instance's prefill one."""
         sc = self.config.scheduler
         prefill, decode = load_pd_profiles(sc.profile)  # type: ignore[arg-type]
         prfaas = load_profiles(sc.prfaas_profile)[0] if sc.prfaas_profile else prefill
         if prfaas is None:
             raise ValueError(f"{sc.prfaas_profile}: no [prefill] table")
+        return prefill, prfaas, decode
+
+    def _long_term(self, config: LongTermConfig) -> LongTermPolicy | None:
+        assert self.profiles is not None
+        prefill, prfaas, decode = self.profiles
         n_prfaas, n_p, n_d = (len(self.pool.of(c, r)) for c, r in _STAGES)
         if n_p + n_d < 2:
             log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
