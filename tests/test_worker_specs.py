@@ -1,4 +1,4 @@
-"""Which workers a configuration asks for, where they come from, and the settings that go with remote ones."""
+"""Which workers a configuration asks for, where they come from, the settings of remote ones, their protocol."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from minifaas.control.schema import validate
+from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.serve.control import WORKER_OPS, sampling_from_json, sampling_to_json
 from minifaas.serve.launch.launcher import parse_address
 from minifaas.serve.worker import _advertised, parse_args
 from minifaas.serve.worker_specs import planned_specs
@@ -70,3 +73,13 @@ def test_the_kv_address_a_worker_advertises() -> None:
     assert parse_address("[::1]:80") == ("::1", 80)
     with pytest.raises(SystemExit):
         parse_args(["--role", "decode", "--cluster", "pd", "--model", "m", "--listen", "nowhere"])
+
+
+def test_the_worker_protocol_takes_every_sampling_field_the_gateway_sends() -> None:
+    params = SamplingParams(
+        max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_tokens=2, presence_penalty=-1.5,
+        frequency_penalty=2.0, seed=3, stop_token_ids=(1, 2), ignore_eos=True,
+    )  # fmt: skip
+    decode = {"req": "r", "transfer": 7, "tokens": [1, 2, 3], "link_start": 0, "sampling": sampling_to_json(params)}
+    assert validate({"op": "decode", **decode}, WORKER_OPS)[0] == "decode"
+    assert sampling_from_json(sampling_to_json(params)) == params
