@@ -64,7 +64,7 @@ def test_workers_from_toml(tmp_path: Path) -> None:
 
 def test_the_kv_address_a_worker_advertises() -> None:
     def args(*extra: str) -> object:
-        return parse_args(["--role", "decode", "--cluster", "pd", "--model", "m", *extra])
+        return parse_args(["--role", "decode", "--cluster", "pd", "--model", "kimi-linear-tiny", *extra])
 
     assert _advertised(args(), "10.0.0.5", 7102) == ["10.0.0.5", 7102]
     assert _advertised(args(), "0.0.0.0", 7102) == ["", 7102]  # the gateway fills in where it reached us
@@ -72,7 +72,7 @@ def test_the_kv_address_a_worker_advertises() -> None:
     assert _advertised(args("--advertise", "203.0.113.9:31000"), "0.0.0.0", 7102) == ["203.0.113.9", 31000]
     assert parse_address("[::1]:80") == ("::1", 80)
     with pytest.raises(SystemExit):
-        parse_args(["--role", "decode", "--cluster", "pd", "--model", "m", "--listen", "nowhere"])
+        parse_args(["--role", "decode", "--cluster", "pd", "--model", "kimi-linear-tiny", "--listen", "nowhere"])
 
 
 def test_the_worker_protocol_takes_every_sampling_field_the_gateway_sends() -> None:

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from minifaas import arguments
 from minifaas.cache.pool import PoolConfig
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
@@ -56,41 +57,49 @@ READY = "waiting for a gateway"  # in the log line that says the worker is ready
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--role", choices=("prefill", "decode"), required=True, help="what this worker does")
     p.add_argument("--cluster", choices=("prfaas", "pd"), required=True, help="the cluster this worker serves in")
     p.add_argument("--name", help="this node's name in routing and metrics (default: cluster-role-host-port)")
     p.add_argument("--listen", type=parse_address, default=("127.0.0.1", 0), metavar="HOST:PORT",
-                   help="the control port the gateway dials (default 127.0.0.1:0, any free port)")  # fmt: skip
+                   help="the control port the gateway dials (default: 127.0.0.1:0, any free port)")  # fmt: skip
     p.add_argument("--kv-listen", type=parse_address, metavar="HOST:PORT",
                    help="where the KV receiver listens (default: the --listen host, any free port)")  # fmt: skip
     p.add_argument("--advertise", metavar="HOST[:PORT]",
-                   help="the KV address others are told to send to (NAT, containers; default --kv-listen)")  # fmt: skip
+                   help="the KV address others are told to use (NAT, containers; default: --kv-listen)")  # fmt: skip
     p.add_argument("--secret-file", help=f"file holding the cluster secret (default: ${SECRET_ENV})")
     p.add_argument("--gateway-deadline", type=float, default=30.0, metavar="S",
-                   help="drop a gateway silent for S seconds, so another may attach (default 30)")  # fmt: skip
+                   help="drop a gateway silent for S seconds, so another may attach (default: 30)")  # fmt: skip
     p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (the gateway's children)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=arguments.model, required=True, help="preset or local checkpoint dir")
+    p.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N (default: cpu)")
+    p.add_argument("--seed", type=int, default=0, help="of a preset's random weights (default: 0)")
     p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
-    p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (prefill)")
+    p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (default: 4)")
     p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                    help="prefill: run a prompt in forwards of at most TOKENS, each one's full-attention KV "
-                   "streamed as soon as it is made (0: one forward)")  # fmt: skip
+                   "streamed as soon as it is made; 0: one forward (default: 512)")  # fmt: skip
     p.add_argument("--kv-compression", choices=MODES, default="auto",
                    help="KV codecs this worker sends with (prefill) or offers its senders (decode); the gateway "
                    "picks one per transfer. auto: none and lossless; fp8 or int8 add that lossy code "
                    "(default: auto)")  # fmt: skip
-    p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid", help="this node's prefix cache")
-    p.add_argument("--cache-block-size", type=int, default=32, help="tokens per cached full-attention block")
-    p.add_argument("--snapshot-interval", type=int, default=4, help="blocks between state snapshots (0: ends only)")
-    p.add_argument("--cache-mib", type=float, default=256.0, help="host memory for this node's prefix cache")
-    p.add_argument("--state-timeout", type=float, default=60.0, help="seconds a decode waits for its state")
+    p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid",
+                   help="this node's prefix cache (default: hybrid)")  # fmt: skip
+    p.add_argument("--cache-block-size", type=int, default=32,
+                   help="tokens per cached full-attention block (default: 32)")  # fmt: skip
+    p.add_argument("--snapshot-interval", type=int, default=4,
+                   help="blocks between state snapshots; 0: at prompt ends only (default: 4)")  # fmt: skip
+    p.add_argument("--cache-mib", type=float, default=256.0,
+                   help="host memory for this node's prefix cache in MiB (default: 256)")  # fmt: skip
+    p.add_argument("--state-timeout", type=float, default=60.0,
+                   help="seconds a decode waits for its state (default: 60)")  # fmt: skip
     d = DecoderConfig()
-    p.add_argument("--max-batch", type=int, default=d.max_batch, help="decode rows per forward (1: unbatched)")
-    p.add_argument("--step-tokens", type=int, default=d.step_token_budget, help="KV slots a decode step may attend")
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="requests queued for a decode row")
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"decode rows per forward; 1: unbatched (default: {d.max_batch})")  # fmt: skip
+    p.add_argument("--step-tokens", type=int, default=d.step_token_budget,
+                   help=f"KV slots a decode step may attend (default: {d.step_token_budget})")  # fmt: skip
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help=f"requests queued for a decode row (default: {d.max_waiting})")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
