@@ -35,6 +35,8 @@ from collections.abc import Callable
 
 from minifaas import arguments
 from minifaas.cache.pool import PoolConfig
+from minifaas.cli import BadInput, user_input
+from minifaas.cli import main as cli_main
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
 from minifaas.model.decoder import DecoderConfig
@@ -207,18 +209,22 @@ async def _until_signalled(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with user_input():  # one error line, before the model loads
+        load_secret(args.secret_file)
+        arguments.present_device(args.device)
+    for host, port in {args.listen, args.kv_listen or args.listen}:
+        if port:
+            try:  # the model would load for seconds before the bind failed
+                socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+            except OSError as e:
+                raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        load_secret(args.secret_file)  # a missing secret is one line, before the model loads
-    except ValueError as e:
-        print(f"minifaas worker: {e}", file=sys.stderr)
-        return 2
     asyncio.run(_until_signalled(args))
     return 0
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(run(parse_args(argv)))
+    sys.exit(cli_main(["worker", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":
