@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from minifaas.serve.config import LinkConfig, ServeConfig
-from minifaas.serve.roles import worker_argv
 from minifaas.serve.serve_cli import add_arguments, config_from_args
 from minifaas.serve.worker import parse_args
+from minifaas.serve.worker_specs import worker_argv
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -39,4 +39,4 @@ def test_a_bad_mode_is_one_clear_error(tmp_path: Path) -> None:
 def test_every_worker_gets_the_mode(role: str, cluster: str) -> None:
     config = ServeConfig(link=LinkConfig(kv_compression="int8"))
     argv = worker_argv(config, role, cluster)
-    assert parse_args(["--role", role, "--name", "w", *argv]).kv_compression == "int8"
+    assert parse_args(["--role", role, "--cluster", cluster, "--name", "w", *argv]).kv_compression == "int8"
