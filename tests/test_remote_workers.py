@@ -28,9 +28,11 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer
 from minifaas.serve.config import ClusterConfig, ServeConfig
+from minifaas.serve.control import sampling_to_json
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.serve.worker_handle import Busy, attach
+from minifaas.transport.auth import CONTROL, HELLO_BYTES
 
 pytestmark = pytest.mark.slow
 PROMPT = [(7 * i + 3) % 256 for i in range(60)]
@@ -91,7 +93,7 @@ def test_control_port_refuses_strangers_a_second_gateway_and_bad_messages(cluste
         # no secret: JSON lines straight at the port get the challenge and a hang-up
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(b'{"op": "attach", "gateway": "x"}\n{"op": "prefill"}\n')
-        await reader.read(36)
+        assert (await reader.readexactly(HELLO_BYTES)).startswith(CONTROL)
         assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()
         with pytest.raises(Refused):
@@ -110,6 +112,8 @@ def test_control_port_refuses_strangers_a_second_gateway_and_bad_messages(cluste
             {"op": "decode", "req": "x", "transfer": 1, "tokens": [1], "link_start": 0,
              "sampling": {"max_tokens": 1, "temperature": 0, "top_p": 1, "seed": 0, "stop_token_ids": [],
                           "ignore_eos": False}},  # a prefill worker does not decode
+            {"op": "prefill", "req": "x", "transfer": 1, "tokens": [1], "sampling": sampling_to_json(PARAMS),
+             "kv": ["h", 1], "link_start": 0, "codec": "zip"},  # a codec the worker does not know
             {"op": "start", "req": "x", "next_token": 1e308},
             {"op": "abort", "req": ["not", "a", "string"]},
             {"op": "load", "req": "x" * 100_000},
@@ -133,7 +137,7 @@ def test_control_port_refuses_strangers_a_second_gateway_and_bad_messages(cluste
             assert await _drained(session)
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(os.urandom(4096))  # noise
-        assert (await asyncio.wait_for(reader.read(), 10))[:4] == b"MFCA"
+        assert (await asyncio.wait_for(reader.read(), 10))[: len(CONTROL)] == CONTROL
         writer.close()
 
         # ... and the worker serves a gateway as before
