@@ -18,7 +18,7 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def model(text: str) -> str:
-    """A preset name, a checkpoint directory or a config.json."""
+    """A preset, a shipped checkpoint, a checkpoint directory, a config.json or a hub id (found or fetched)."""
     from minifaas.model.loader import ModelSpec
 
     try:

@@ -1,9 +1,9 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
-[serve]            host, port, model, threshold, api_key, deadlines
+[serve]            host, port, model, dtype, trust_remote_code, threshold, api_key, deadlines
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
-[prfaas]           the remote prefill cluster: prefill_workers, device, prefill_chunk
-[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, max_batch,
+[prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk
+[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
                    prefill_chunk
 [link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections, kv_compression
 [cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES, dtype_name
 from minifaas.policy.compression import MODES
 from minifaas.transport.pacer import parse_rate
 
@@ -28,8 +28,11 @@ class ClusterConfig:
     device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there
     max_batch: int = 32  # decode rows per forward on its decode workers (1: unbatched, one forward per request)
     prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
+    dtype: str | None = None  # the weights' dtype on its workers; None: [serve] dtype
 
     def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("worker counts must be >= 0")
         if self.max_batch < 1:
@@ -136,6 +139,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # of every worker, unless its cluster sets one; auto: bfloat16 on CUDA, float32 on CPU
+    trust_remote_code: bool = False  # let a checkpoint's own Python code (auto_map) run, in every process
     seed: int = 0
     threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
     fixed_threshold: bool = False  # off switch of the scheduler: t and the routing rule never move
@@ -162,6 +167,20 @@ class ServeConfig:
         total = () if self.request_timeout is None else (self.request_timeout,)
         if min(self.first_token_timeout, self.token_timeout, self.prefill_timeout, *total) <= 0:
             raise ValueError("timeouts must be positive")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        prfaas, pd = self.worker_dtype("prfaas"), self.worker_dtype("pd")
+        if self.prfaas.prefill_workers and prfaas != pd:  # state crosses as it is, byte for byte
+            raise ValueError(f"the PrfaaS cluster would run {prfaas} and the PD cluster {pd}: KV moves between "
+                             "them unconverted, so give both one dtype")  # fmt: skip
+
+    def cluster(self, name: str) -> ClusterConfig:
+        return self.prfaas if name == "prfaas" else self.pd
+
+    def worker_dtype(self, cluster: str) -> str:
+        """The dtype a worker of ``cluster`` loads the model in, "auto" resolved for its device."""
+        c = self.cluster(cluster)
+        return dtype_name(c.dtype or self.dtype, c.device)
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:

@@ -37,9 +37,9 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from minifaas.model.kv_size import kv_profile
-from minifaas.model.loader import ModelSpec, load_config, load_config_dict
+from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load_tokenizer
 from minifaas.model.state_layout import StateLayout, needs_snapshot
-from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from minifaas.model.tokenizer import Tokenizer
 from minifaas.policy.router import (
     ClusterView,
     NodeView,
@@ -88,7 +88,7 @@ class Gateway:
         self.link_stats: dict[str, dict] = {}
         spec = ModelSpec.resolve(config.model, config.seed)
         self.model_name = spec.name
-        self.tokenizer: Tokenizer = ByteTokenizer() if spec.kind == "preset" else HFTokenizer(spec.path.parent)
+        self.tokenizer: Tokenizer = load_tokenizer(spec, config.trust_remote_code)
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
         self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
         self.threshold = config.threshold
@@ -98,7 +98,7 @@ class Gateway:
         self.secret = secrets.token_bytes(32)
         self.workers = plan_workers(config, self.secret)
         self.known_names = set(self.workers)  # a name is never reused, even after its worker is retired
-        hybrid = needs_snapshot(StateLayout.of(load_config(spec)).kinds)
+        hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, self.workers)
         self.link: EmulatorProcess | None = None  # PrfaaS -> PD: every PrfaaS state crosses it
         self.link_ports: dict[str, int] = {}  # decode worker -> the link's port that leads to its KV port

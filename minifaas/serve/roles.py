@@ -48,15 +48,16 @@ RETRY_S = 2.0  # between attempts to start a converted worker
 
 def worker_argv(c: ServeConfig, role: str, cluster: str) -> list[str]:
     """The worker command line for a role in a cluster (``--role`` and ``--name`` are added at start)."""
-    device = c.prfaas.device if cluster == "prfaas" else c.pd.device
+    device = c.cluster(cluster).device
     argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
     argv += ["--kv-compression", c.link.kv_compression]
+    argv += ["--dtype", c.worker_dtype(cluster)] + (["--trust-remote-code"] if c.trust_remote_code else [])
     if not c.link.pipelined:
         argv.append("--no-pipelining")
     argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]
     argv += ["--snapshot-interval", str(c.cache.snapshot_interval_blocks)]
     if role == "prefill":
-        chunk = (c.prfaas if cluster == "prfaas" else c.pd).prefill_chunk
+        chunk = c.cluster(cluster).prefill_chunk
         argv += ["--prefix-cache", c.cache.mode, "--prefill-chunk", str(chunk)]
         if c.cache.moves:
             argv += ["--accept-moves", "--kv-port", str(free_port())]

@@ -23,7 +23,7 @@ from rich.logging import RichHandler
 
 from minifaas import arguments
 from minifaas.cli import BadInput, user_input
-from minifaas.model.loader import ModelSpec
+from minifaas.model.loader import add_model_arguments, checked_spec
 from minifaas.planner.profile import load_pd_profiles
 from minifaas.policy.compression import MODES
 from minifaas.scheduler.short_term import ShortTermConfig
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", help=f"address to listen on (default: {d.host})")
     parser.add_argument("--port", type=int, help=f"HTTP port; 0: any free one (default: {d.port})")
-    parser.add_argument("--model", type=arguments.model, help=f"preset or local checkpoint dir (default: {d.model})")
+    add_model_arguments(parser, defaults=False)
     parser.add_argument(
         "--threshold", type=int, help=f"prompts longer than this go to PrfaaS, at start (default: {d.threshold})"
     )
@@ -167,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         0,
         _pick(args.prfaas_device, base.prfaas.device),
         prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
+        dtype=None if args.dtype else base.prfaas.dtype,  # --dtype is for every cluster
     )
     pd = ClusterConfig(
         _pick(args.pd_prefill_workers, base.pd.prefill_workers),
@@ -174,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         _pick(args.pd_device, base.pd.device),
         _pick(args.max_batch, base.pd.max_batch),
         _pick(args.prefill_chunk, base.pd.prefill_chunk),
+        dtype=None if args.dtype else base.pd.dtype,
     )
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
@@ -210,6 +212,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         host=_pick(args.host, base.host),
         port=_pick(args.port, base.port),
         model=_pick(args.model, base.model),
+        dtype=_pick(args.dtype, base.dtype),
+        trust_remote_code=args.trust_remote_code or base.trust_remote_code,
         seed=base.seed,
         threshold=_pick(args.threshold, base.threshold),
         fixed_threshold=args.fixed_threshold or base.fixed_threshold,
@@ -262,7 +266,7 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
     """The configuration, with what it names checked before any worker starts: model, devices, profile, port."""
     with user_input():
         config = config_from_args(args)
-        ModelSpec.resolve(config.model)
+        checked_spec(config.model, config.trust_remote_code)
         for device in {config.prfaas.device, config.pd.device}:
             arguments.present_device(device)
         if config.scheduler.profile is not None:

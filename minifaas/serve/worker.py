@@ -25,6 +25,7 @@ import traceback
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.model.decoder import DecoderConfig
+from minifaas.model.loader import DTYPE_CHOICES, resolve_dtype
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint's own code run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver listens on (decode)")
     p.add_argument("--kv-port", type=int, default=0, help="its port (0: any free one)")
@@ -72,7 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     secret = bytes.fromhex(os.environ["MINIFAAS_KV_SECRET"])
-    runtime = await asyncio.to_thread(ModelRuntime.load, args.model, args.device, args.seed)
+    dtype = resolve_dtype(args.dtype, args.device)
+    runtime = await asyncio.to_thread(
+        ModelRuntime.load, args.model, args.device, args.seed, dtype, args.trust_remote_code
+    )
     await asyncio.to_thread(runtime.generate, [0, 1, 2], SamplingParams(max_tokens=2))  # first forwards are slow
     codecs = codecs_for(args.kv_compression)
     ready: dict = {}
