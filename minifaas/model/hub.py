@@ -4,7 +4,7 @@ huggingface_hub finds the cache (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else
 ~/.cache/huggingface/hub) and honours ``HF_HUB_OFFLINE=1`` itself. The cache is
 tried first with no network at all, so a cached model starts the same online
 or off; only a model that is not there is downloaded, and only the files a
-model needs (config, weights, tokenizer, chat template, remote code).
+model needs (config, safetensors weights, tokenizer, chat template, remote code).
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ def hub_cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
-def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+def hub_snapshot(repo_id: str) -> Path:
     """The local directory of ``repo_id``: from the cache, else downloaded (unless offline)."""
     cache = constants.HF_HUB_CACHE
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=MODEL_FILES, local_files_only=True))
+        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES, local_files_only=True))
     except LocalEntryNotFoundError:
         pass  # not cached (or cached in part): download, if we may
     if constants.HF_HUB_OFFLINE:
         raise FileNotFoundError(f"not in the hub cache {cache}, and HF_HUB_OFFLINE=1 forbids a download")
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=MODEL_FILES))
+        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES))
     except (OSError, ValueError) as e:  # no network, no such repo, gated, a bad id: all end here, named
         reason = str(e).strip().splitlines()[0].removeprefix("Got: ") if str(e).strip() else type(e).__name__
         raise FileNotFoundError(f"not in the hub cache {cache}, and the download failed: {reason}") from e

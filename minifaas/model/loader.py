@@ -200,6 +200,7 @@ def load_tokenizer(spec: ModelSpec, trust_remote_code: bool = False) -> Tokenize
     """The byte tokenizer for a preset; a checkpoint's own (AutoTokenizer) otherwise."""
     if spec.kind == "preset":
         return ByteTokenizer()
+    needs_remote_code(spec, trust_remote_code)  # before AutoTokenizer, which would only warn
     return HFTokenizer(spec.directory, trust_remote_code)
 
 

@@ -45,6 +45,7 @@ def export_checkpoint(model: torch.nn.Module, out: Path) -> None:
         export.save_pretrained(tmp)
         write_byte_tokenizer(tmp)
         for name in sorted(os.listdir(tmp)):
+            os.chmod(Path(tmp) / name, 0o644)  # readable as any checkpoint is, not private as a temp file
             os.replace(Path(tmp) / name, out / name)
 
 
