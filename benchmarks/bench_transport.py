@@ -292,7 +292,7 @@ async def pipelining(tokens: int, repeats: int, chunk_tokens: int) -> None:
     the live streaming path is in tests."""
     from minifaas.model.runtime import ModelRuntime
 
-    runtime = ModelRuntime.load()
+    runtime = ModelRuntime.load("kimi-linear-tiny")
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     first = runtime.prefill(ids)  # warm-up
     kv_bytes = first.state.nbytes

@@ -131,8 +131,8 @@ def test_without_matplotlib_no_png_is_written(monkeypatch: pytest.MonkeyPatch, t
 def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "minifaas.cli", "train", "--text", "tinyshakespeare", "--out", str(out),
-           "--layers", "4", "--hidden", "64", "--intermediate", "128", "--seq-len", "32", "--batch-size", "2", "--steps", "300",
-           "--warmup-steps", "1", "--log-every", "1", "--eval-every", "150", "--eval-batches", "1",
+           "--layers", "4", "--hidden", "64", "--intermediate", "128", "--seq-len", "32", "--batch-size", "2",
+           "--steps", "300", "--warmup-steps", "1", "--log-every", "1", "--eval-every", "150", "--eval-batches", "1",
            "--sample-tokens", "8"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.monotonic() + 120

@@ -27,7 +27,7 @@ from minifaas.model.hub import hub_cache_dir, hub_snapshot, looks_like_hub_id
 from minifaas.model.kernels import select_kernels
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-DEFAULT_MODEL = "kimi-linear-tiny"
+DEFAULT_MODEL = "shakespeare-qwen3.5"
 MODELS_DIR = Path(os.environ.get("MINIFAAS_MODELS_DIR", Path(__file__).resolve().parents[2] / "models"))
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
