@@ -84,6 +84,7 @@ def _text(done: subprocess.CompletedProcess) -> str:
     return done.stdout.strip().splitlines()[-1]  # the repr of the generated text
 
 
+@pytest.mark.slow
 def test_a_hub_id_loads_from_the_cache_offline_as_the_directory_does(
     offline_env: dict[str, str], from_directory: str
 ) -> None:
@@ -91,6 +92,7 @@ def test_a_hub_id_loads_from_the_cache_offline_as_the_directory_does(
     assert REPO_ID in from_hub.stdout and _text(from_hub) == from_directory
 
 
+@pytest.mark.slow
 def test_remote_code_runs_only_when_trusted(offline_env: dict[str, str], from_directory: str, tmp_path: Path) -> None:
     remote = tmp_path / "byte-qwen-remote"
     shutil.copytree(CHECKPOINT, remote, ignore=shutil.ignore_patterns("training_state*", "*.png", "*.jsonl"))

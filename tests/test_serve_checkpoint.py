@@ -20,6 +20,7 @@ from minifaas.model.loader import DEFAULT_MODEL, MODELS_DIR
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # a server of four processes, then a dozen requests
 CHECKPOINT = MODELS_DIR / "checkpoints" / DEFAULT_MODEL
 SHORT = "ROMEO:\nBut soft, what light"
 LONG = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" * 5

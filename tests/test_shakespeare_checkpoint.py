@@ -8,6 +8,7 @@ must not loop (word 4-grams mostly distinct) and must differ between seeds.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,12 +27,21 @@ def words(text: str) -> list[str]:
     return WORD.findall(text.lower())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Decoding one token at a time on shared cores runs faster on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def samples() -> dict[int, str]:
     rt = ModelRuntime.load(DEFAULT_MODEL)
     ids = rt.tokenizer.encode(PROMPT)
     return {
-        seed: rt.tokenizer.decode(rt.generate(ids, SamplingParams(max_tokens=240, temperature=0.8, seed=seed)))
+        seed: rt.tokenizer.decode(rt.generate(ids, SamplingParams(max_tokens=200, temperature=0.8, seed=seed)))
         for seed in SEEDS
     }
 
@@ -45,19 +55,21 @@ def test_the_default_model_is_the_shipped_checkpoint() -> None:
 def test_it_loads_in_bfloat16_and_still_writes_words() -> None:
     rt = ModelRuntime.load(DEFAULT_MODEL, dtype=torch.bfloat16)
     assert rt.model.dtype == torch.bfloat16
-    text = rt.tokenizer.decode(rt.generate(rt.tokenizer.encode(PROMPT), SamplingParams(max_tokens=60, seed=1)))
+    text = rt.tokenizer.decode(rt.generate(rt.tokenizer.encode(PROMPT), SamplingParams(max_tokens=40, seed=1)))
     assert len(words(text)) >= 5
 
 
+@pytest.mark.slow
 def test_samples_are_words_of_the_training_text(samples: dict[int, str]) -> None:
     vocabulary = set(words(TEXT.read_text()))
     for seed, text in samples.items():
         found = words(text)[:-1]  # the last word may be cut off by max_tokens
-        assert len(found) >= 25, (seed, text)
+        assert len(found) >= 20, (seed, text)
         known = sum(w in vocabulary for w in found) / len(found)
         assert known >= 0.8, (seed, known, text)
 
 
+@pytest.mark.slow
 def test_samples_do_not_loop_and_differ_by_seed(samples: dict[int, str]) -> None:
     for seed, text in samples.items():
         found = words(text)

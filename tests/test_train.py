@@ -128,6 +128,7 @@ def test_without_matplotlib_no_png_is_written(monkeypatch: pytest.MonkeyPatch, t
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.slow
 def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "minifaas.cli", "train", "--text", "tinyshakespeare", "--out", str(out),

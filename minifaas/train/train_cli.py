@@ -46,7 +46,7 @@ SETTINGS: dict[str, tuple[type, str]] = {
     "eval_every": (int, "steps between validations"),
     "eval_batches": (int, "held-out batches per validation"),
     "save_every": (int, "steps between checkpoints"),
-    "stop_at": (int, "stop (saved) after this step; --resume goes on later"),
+    "stop_at": (int, "stop (saved) after this step; --resume goes on later (default: none, all --steps)"),
 }
 
 
@@ -56,12 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, help="the checkpoint directory to write")
     parser.add_argument("--resume", action="store_true", help="go on from OUT/training_state.pt")
-    for name, (kind, help_text) in SETTINGS.items():
-        default = DEFAULTS[name]
-        shown = "" if default is None else f" (default {default})"
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=help_text + shown)
+    for name, (kind, help_text) in SETTINGS.items():  # the help shows each default (cli.HelpFormatter)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=DEFAULTS[name], help=help_text)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: fastest on shared cores)")
-    parser.add_argument("--sample-tokens", type=int, default=200, help="bytes sampled from the result; 0: none")
+    parser.add_argument(
+        "--sample-tokens", type=int, default=200, help="bytes sampled from the result at the end; 0: none"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
