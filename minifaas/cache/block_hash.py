@@ -75,9 +75,15 @@ class PromptKeys:
 
     @classmethod
     def from_ids(
-        cls, block_ids: Sequence[int], num_tokens: int, block_size: int, namespace: str = "trace-ids"
+        cls,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        block_size: int,
+        namespace: str = "trace-ids",
+        memo: dict[tuple[BlockKey, int], BlockKey] | None = None,
     ) -> PromptKeys:
-        """Keys from one id per block; equal ids mean equal block content."""
+        """Keys from one id per block; equal ids mean equal block content. ``memo`` keeps the chained
+        keys between calls, so prompts that share a prefix (a trace's conversations) hash it once."""
         if len(block_ids) != -(-num_tokens // block_size):
             raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // block_size)} block ids, got {len(block_ids)}")
         root = root_key(namespace)
@@ -85,8 +91,13 @@ class PromptKeys:
         keys: list[BlockKey] = []
         parent = root
         for block_id in block_ids[:full]:
-            parent = chain(parent, token_bytes([block_id]))
-            keys.append(parent)
+            key = None if memo is None else memo.get((parent, block_id))
+            if key is None:
+                key = chain(parent, token_bytes([block_id]))
+                if memo is not None:
+                    memo[(parent, block_id)] = key
+            keys.append(key)
+            parent = key
         tail = num_tokens - full * block_size
         end = chain(parent, token_bytes([block_ids[full], -tail])) if tail else parent
         return cls(root, block_size, num_tokens, tuple(keys), end)
@@ -99,6 +110,14 @@ class PromptKeys:
         """Key of the last full block inside the prefix of length n (the root if none)."""
         j = n // self.block_size
         return self.block_keys[j - 1] if j else self.root
+
+    def keyed_lengths(self, low: int, high: int) -> tuple[int, ...] | None:
+        """The lengths in [low, high] that have a key, longest first; None when every length has one
+        (the tokens are known). Without tokens only block boundaries and the prompt's end are keyed."""
+        if self.tokens is not None:
+            return None
+        ends = (self.num_tokens, *range(high - high % self.block_size, low - 1, -self.block_size))
+        return tuple(n for n in dict.fromkeys(ends) if low <= n <= high)
 
     def key_at(self, n: int) -> BlockKey | None:
         if not 0 <= n <= self.num_tokens:

@@ -29,7 +29,7 @@ but are never evicted themselves. Every decision is counted in ``counts``.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -42,6 +42,22 @@ P = TypeVar("P")
 
 
 @dataclass(frozen=True, slots=True)
+class _CountNames:
+    dups: str
+    orphans: str
+    no_room: str
+    stored: str
+
+
+_COUNT_NAMES = {  # names of the store counters per entry kind, made once: stores are the hot path
+    kind: _CountNames(
+        f"{kind}_store_dups", f"{kind}_store_skipped_orphan", f"{kind}_store_rejected_no_room", f"{kind}s_stored"
+    )
+    for kind in EntryKind
+}
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     cluster: str
     capacity_bytes: int
@@ -49,6 +65,7 @@ class PoolConfig:
     snapshot_interval_blocks: int = 8  # 0: snapshots only at prompt ends
     needs_snapshot: bool = True  # False for dense models: any block prefix is usable
     enabled: bool = True  # False: --prefix-cache none (no hits, nothing stored)
+    events: bool = True  # False: no store/evict events (the simulator's manager reads this pool's index)
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0 or self.block_size < 1 or self.snapshot_interval_blocks < 0:
@@ -123,8 +140,7 @@ class HybridPrefixPool(Generic[P]):
         snapshot_key = prompt.key_at(length) if length else None
         if snapshot_key is not None:
             self._touch((EntryKind.SNAPSHOT, snapshot_key), now)
-        for key in reversed(prompt.block_keys[: length // prompt.block_size]):
-            self._touch((EntryKind.BLOCK, key), now)
+        self._touch_blocks(reversed(prompt.block_keys[: length // prompt.block_size]), now)
 
     def snapshot_points(self, start: int, num_tokens: int) -> list[int]:
         """Lengths in (start, num_tokens] at which a prefill of a prompt should snapshot its state."""
@@ -167,6 +183,25 @@ class HybridPrefixPool(Generic[P]):
         parent, needs_parent = prompt.parent_of(length), length >= prompt.block_size
         return self._put(EntryKind.SNAPSHOT, key, parent, length, needs_parent, now, nbytes, payload, node)
 
+    def put_blocks(
+        self, prompt: PromptKeys, start: int, end: int, now: float, nbytes: int, node: str | None = None
+    ) -> int:
+        """``put_block`` for full blocks [start, end) in order, without payloads (simulator); stops at
+        the first one that cannot be stored, since every later one would be an orphan. Returns how
+        many are in the pool afterwards."""
+        holder = self.node if node is None else node
+        present = 0
+        if self.config.enabled and self.index.holds_all(holder):
+            # A replayed conversation finds most of its blocks here, all of them the holder's, so
+            # put_block would only touch them: find the leading run at once and touch it.
+            present = self.index.leading_blocks(prompt, start, end)
+            self.counts["block_store_dups"] += present
+            self._touch_blocks(prompt.block_keys[start : start + present], now)
+        for j in range(start + present, end):
+            if not self.put_block(prompt, j, now, nbytes, node=node):
+                return j - start
+        return end - start
+
     def store_prompt(
         self,
         prompt: PromptKeys,
@@ -177,8 +212,7 @@ class HybridPrefixPool(Generic[P]):
         node: str | None = None,
     ) -> None:
         """Store everything a prefill of tokens [start, end) leaves behind, without payloads (simulator)."""
-        for j in range(start // prompt.block_size, prompt.num_full_blocks):
-            self.put_block(prompt, j, now, block_nbytes, node=node)
+        self.put_blocks(prompt, start // prompt.block_size, prompt.num_full_blocks, now, block_nbytes, node)
         for n in self.snapshot_points(start, prompt.num_tokens):
             if prompt.key_at(n) is not None:
                 self.put_snapshot(prompt, n, now, snapshot_nbytes(n), node=node)
@@ -232,33 +266,36 @@ class HybridPrefixPool(Generic[P]):
         if not self.config.enabled:
             self.counts["store_skipped_disabled"] += 1
             return False
-        existing = self._entries.get((kind, key))
+        entries, slot, counts = self._entries, (kind, key), _COUNT_NAMES[kind]
+        existing = entries.get(slot)
         if existing is not None:
-            self.counts[f"{kind}_store_dups"] += 1
-            self._touch((kind, key), now)
-            if self.index.add(kind, key, node, parent, length):
+            self.counts[counts.dups] += 1
+            self._touch(slot, now)
+            if self.index.add(kind, key, node, parent, length) and self.config.events:
                 self._events.append(self._event(EventKind.STORE, existing, node, now))
             return True
-        parent_entry = self._entries.get((EntryKind.BLOCK, parent))
+        parent_entry = entries.get((EntryKind.BLOCK, parent))
         if parent_entry is None and needs_parent:
-            self.counts[f"{kind}_store_skipped_orphan"] += 1  # its prefix is gone: unreachable
+            self.counts[counts.orphans] += 1  # its prefix is gone: unreachable
             return False
-        if parent_entry is not None:
-            parent_entry.refs += 1  # keep the parent while making room for its child
-        room = self._make_room(nbytes, now)
-        if parent_entry is not None:
-            parent_entry.refs -= 1
-        if not room:
-            self.counts[f"{kind}_store_rejected_no_room"] += 1
-            return False
+        if self.free_bytes < nbytes:
+            if parent_entry is not None:
+                parent_entry.refs += 1  # keep the parent while making room for its child
+            room = self._make_room(nbytes, now)
+            if parent_entry is not None:
+                parent_entry.refs -= 1
+            if not room:
+                self.counts[counts.no_room] += 1
+                return False
         entry: Entry[P] = Entry(kind, key, parent, length, nbytes, payload, now)
-        self._entries[(kind, key)] = entry
+        entries[slot] = entry
         self.index.add(kind, key, node, parent, length)
         if parent_entry is not None:
             parent_entry.dependents += 1
         self.prefix_bytes += nbytes
-        self.counts[f"{kind}s_stored"] += 1
-        self._events.append(self._event(EventKind.STORE, entry, node, now))
+        self.counts[counts.stored] += 1
+        if self.config.events:
+            self._events.append(self._event(EventKind.STORE, entry, node, now))
         return True
 
     def _make_room(self, nbytes: int, now: float) -> bool:
@@ -280,7 +317,17 @@ class HybridPrefixPool(Generic[P]):
         self.prefix_bytes -= entry.nbytes
         self.counts[f"{entry.kind}s_evicted"] += 1
         self.counts["evicted_bytes"] += entry.nbytes
-        self._events.append(self._event(EventKind.EVICT, entry, "", now))
+        if self.config.events:
+            self._events.append(self._event(EventKind.EVICT, entry, "", now))
+
+    def _touch_blocks(self, keys: Iterable[BlockKey], now: float) -> None:
+        entries = self._entries
+        for key in keys:
+            slot = (EntryKind.BLOCK, key)
+            entry = entries.get(slot)
+            if entry is not None:
+                entry.last_used = now
+                entries.move_to_end(slot)
 
     def _touch(self, slot: tuple[EntryKind, BlockKey], now: float) -> None:
         entry = self._entries.get(slot)

@@ -1,10 +1,13 @@
 """The clusters' prefix caches in the simulator: the live pools and the live global manager, sizes only.
 
 Each cluster keeps one ``HybridPrefixPool`` (minifaas.cache) shared by its
-nodes. As in the gateway, the router's hits come from the ``GlobalCacheManager``,
-which hears the pools' store/evict events; here the events are applied at
-once (a real gateway hears them a little later). Trace hash ids become block
-keys with ``PromptKeys.from_ids``; a prefill stores what it computed with
+nodes. As in the gateway, the router's hits come from the ``GlobalCacheManager``.
+The gateway's manager mirrors each pool from its store/evict events, a little
+late; here they would be applied at once, which makes the mirror equal to the
+pool's own index, so the manager matches against that index (``attach``) and
+the pools make no events. Trace hash ids become block
+keys with ``PromptKeys.from_ids`` (once per request, each shared prefix
+hashed once); a prefill stores what it computed with
 ``store_prompt`` (no payloads). When a PrfaaS prefill's KV lands on a PD
 decode node, the PD pool keeps what arrived (``store_received``): the
 full-attention blocks and the state at the prompt's end, but none of the
@@ -38,30 +41,32 @@ class ClusterPrefixCaches:
         capacity = UNLIMITED_BYTES if capacity_bytes == float("inf") else int(capacity_bytes)
         self.block_tokens = block_tokens
         self.pools: dict[str, HybridPrefixPool[None]] = {
-            name: HybridPrefixPool(PoolConfig(name, capacity, block_tokens, snapshot_interval_blocks), node=name)
+            name: HybridPrefixPool(
+                PoolConfig(name, capacity, block_tokens, snapshot_interval_blocks, events=False), name
+            )
             for name in clusters
         }
         self.manager = GlobalCacheManager(clusters)
+        for name, pool in self.pools.items():
+            self.manager.attach(name, pool.index, name)
         fixed = float(kv_profile.kv_bytes(0))
         self._block_bytes = max(1, round(float(kv_profile.kv_bytes(block_tokens)) - fixed))
         self._snapshot_bytes = max(1, round(fixed))
+        self._chained: dict[tuple[bytes, int], bytes] = {}  # (parent key, block id) -> key: shared prefixes hash once
 
     def keys(self, hash_ids: tuple[int, ...], prompt_tokens: int) -> PromptKeys:
-        return PromptKeys.from_ids(hash_ids, prompt_tokens, self.block_tokens)
+        return PromptKeys.from_ids(hash_ids, prompt_tokens, self.block_tokens, memo=self._chained)
 
-    def match(self, hash_ids: tuple[int, ...], prompt_tokens: int) -> dict[str, ClusterMatch]:
+    def match(self, keys: PromptKeys) -> dict[str, ClusterMatch]:
         """Per cluster: the usable hit and the KV prefix present; at least one token is left to compute."""
-        return self.manager.match(self.keys(hash_ids, prompt_tokens), limit=prompt_tokens - 1)
+        return self.manager.match(keys, limit=keys.num_tokens - 1)
 
-    def store(self, cluster: str, hash_ids: tuple[int, ...], prompt_tokens: int, now: float) -> None:
-        pool = self.pools[cluster]
-        pool.store_prompt(self.keys(hash_ids, prompt_tokens), now, self._block_bytes, lambda _: self._snapshot_bytes)
-        self.manager.apply_all(pool.drain_events())
+    def store(self, cluster: str, keys: PromptKeys, now: float) -> None:
+        self.pools[cluster].store_prompt(keys, now, self._block_bytes, lambda _: self._snapshot_bytes)
 
-    def store_received(self, cluster: str, hash_ids: tuple[int, ...], prompt_tokens: int, now: float) -> None:
+    def store_received(self, cluster: str, keys: PromptKeys, now: float) -> None:
         pool = self.pools[cluster]
-        keys = self.keys(hash_ids, prompt_tokens)
-        stored = all(pool.put_block(keys, j, now, self._block_bytes) for j in range(keys.num_full_blocks))
-        if stored:  # the end state hangs from the last block; without it the snapshot would be an orphan
-            pool.put_snapshot(keys, prompt_tokens, now, self._snapshot_bytes)
-        self.manager.apply_all(pool.drain_events())
+        blocks = keys.num_full_blocks
+        # the end state hangs from the last block; without it the snapshot would be an orphan
+        if pool.put_blocks(keys, 0, blocks, now, self._block_bytes) == blocks:
+            pool.put_snapshot(keys, keys.num_tokens, now, self._snapshot_bytes)
