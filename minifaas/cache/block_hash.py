@@ -75,15 +75,9 @@ class PromptKeys:
 
     @classmethod
     def from_ids(
-        cls,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        block_size: int,
-        namespace: str = "trace-ids",
-        memo: dict[tuple[BlockKey, int], BlockKey] | None = None,
+        cls, block_ids: Sequence[int], num_tokens: int, block_size: int, namespace: str = "trace-ids"
     ) -> PromptKeys:
-        """Keys from one id per block; equal ids mean equal block content. ``memo`` keeps the chained
-        keys between calls, so prompts that share a prefix (a trace's conversations) hash it once."""
+        """Keys from one id per block; equal ids mean equal block content."""
         if len(block_ids) != -(-num_tokens // block_size):
             raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // block_size)} block ids, got {len(block_ids)}")
         root = root_key(namespace)
@@ -91,13 +85,8 @@ class PromptKeys:
         keys: list[BlockKey] = []
         parent = root
         for block_id in block_ids[:full]:
-            key = None if memo is None else memo.get((parent, block_id))
-            if key is None:
-                key = chain(parent, token_bytes([block_id]))
-                if memo is not None:
-                    memo[(parent, block_id)] = key
-            keys.append(key)
-            parent = key
+            parent = chain(parent, token_bytes([block_id]))
+            keys.append(parent)
         tail = num_tokens - full * block_size
         end = chain(parent, token_bytes([block_ids[full], -tail])) if tail else parent
         return cls(root, block_size, num_tokens, tuple(keys), end)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.events import CacheEvent, EventKind
@@ -40,7 +40,8 @@ class ClusterMatch:
 
     def view(self, prefill_nodes: Sequence[NodeView] = (), decode_nodes: Sequence[NodeView] = ()) -> ClusterView:
         """The router's view of this cluster: nodes keep their load and health, hits come from here."""
-        nodes = tuple(replace(n, hit_tokens=self.node_hits.get(n.node_id, 0)) for n in prefill_nodes)
+        hits = self.node_hits
+        nodes = tuple(NodeView(n.node_id, hits.get(n.node_id, 0), n.load, n.healthy) for n in prefill_nodes)
         return ClusterView(self.cluster, nodes, tuple(decode_nodes), self.kv_prefix_tokens, self.hit_tokens)
 
 

@@ -162,9 +162,10 @@ class HybridPrefixPool(Generic[P]):
     ) -> bool:
         """Store full block ``index`` of ``prompt``; True if it is in the pool afterwards."""
         self._check_block_size(prompt)
-        key, end = prompt.block_keys[index], (index + 1) * prompt.block_size
-        parent = prompt.parent_of(index * prompt.block_size)
-        return self._put(EntryKind.BLOCK, key, parent, end, index > 0, now, nbytes, payload, node)
+        keys = prompt.block_keys
+        parent = keys[index - 1] if index else prompt.root  # parent_of(index * block_size)
+        return self._put(EntryKind.BLOCK, keys[index], parent, (index + 1) * prompt.block_size, index > 0, now,
+                         nbytes, payload, node)  # fmt: skip
 
     def put_snapshot(
         self,
@@ -190,16 +191,30 @@ class HybridPrefixPool(Generic[P]):
         the first one that cannot be stored, since every later one would be an orphan. Returns how
         many are in the pool afterwards."""
         holder = self.node if node is None else node
-        present = 0
-        if self.config.enabled and self.index.holds_all(holder):
-            # A replayed conversation finds most of its blocks here, all of them the holder's, so
-            # put_block would only touch them: find the leading run at once and touch it.
-            present = self.index.leading_blocks(prompt, start, end)
-            self.counts["block_store_dups"] += present
-            self._touch_blocks(prompt.block_keys[start : start + present], now)
-        for j in range(start + present, end):
-            if not self.put_block(prompt, j, now, nbytes, node=node):
-                return j - start
+        if not (self.config.enabled and self.index.holds_all(holder)):
+            for j in range(start, end):
+                if not self.put_block(prompt, j, now, nbytes, node=node):
+                    return j - start
+            return end - start
+        # A replayed conversation finds most of its blocks here, all of them the holder's, so
+        # put_block would only touch them: find that leading run at once and touch it. Every block
+        # after it is missing too (the pool is prefix-closed), so each is stored under the one
+        # before it without a lookup, unless it needs room made (eviction: the general path).
+        present = self.index.leading_blocks(prompt, start, end)
+        self.counts["block_store_dups"] += present
+        keys, entries = prompt.block_keys, self._entries
+        self._touch_blocks(keys[start : start + present], now)
+        first_new = start + present
+        parent = entries.get((EntryKind.BLOCK, keys[first_new - 1])) if first_new else None
+        for j in range(first_new, end):
+            if (parent is None and j) or self.free_bytes < nbytes:
+                if not self.put_block(prompt, j, now, nbytes, node=node):
+                    return j - start
+                parent = entries[(EntryKind.BLOCK, keys[j])]
+            else:
+                parent_key = keys[j - 1] if j else prompt.root
+                parent = self._insert(EntryKind.BLOCK, keys[j], parent_key, (j + 1) * prompt.block_size, parent, now,
+                                      nbytes, None, holder)  # fmt: skip
         return end - start
 
     def store_prompt(
@@ -278,7 +293,7 @@ class HybridPrefixPool(Generic[P]):
         if parent_entry is None and needs_parent:
             self.counts[counts.orphans] += 1  # its prefix is gone: unreachable
             return False
-        if self.free_bytes < nbytes:
+        if self.config.capacity_bytes - self.prefix_bytes - self.transfer_bytes < nbytes:  # free_bytes, inline
             if parent_entry is not None:
                 parent_entry.refs += 1  # keep the parent while making room for its child
             room = self._make_room(nbytes, now)
@@ -287,16 +302,32 @@ class HybridPrefixPool(Generic[P]):
             if not room:
                 self.counts[counts.no_room] += 1
                 return False
+        self._insert(kind, key, parent, length, parent_entry, now, nbytes, payload, node)
+        return True
+
+    def _insert(
+        self,
+        kind: EntryKind,
+        key: BlockKey,
+        parent: BlockKey,
+        length: int,
+        parent_entry: Entry[P] | None,
+        now: float,
+        nbytes: int,
+        payload: P | None,
+        node: str,
+    ) -> Entry[P]:
+        """Add an entry known to be missing, with room for it, under ``parent_entry``."""
         entry: Entry[P] = Entry(kind, key, parent, length, nbytes, payload, now)
-        entries[slot] = entry
+        self._entries[(kind, key)] = entry
         self.index.add(kind, key, node, parent, length)
         if parent_entry is not None:
             parent_entry.dependents += 1
         self.prefix_bytes += nbytes
-        self.counts[counts.stored] += 1
+        self.counts[_COUNT_NAMES[kind].stored] += 1
         if self.config.events:
             self._events.append(self._event(EventKind.STORE, entry, node, now))
-        return True
+        return entry
 
     def _make_room(self, nbytes: int, now: float) -> bool:
         if nbytes > self.config.capacity_bytes:

@@ -5,9 +5,8 @@ nodes. As in the gateway, the router's hits come from the ``GlobalCacheManager``
 The gateway's manager mirrors each pool from its store/evict events, a little
 late; here they would be applied at once, which makes the mirror equal to the
 pool's own index, so the manager matches against that index (``attach``) and
-the pools make no events. Trace hash ids become block
-keys with ``PromptKeys.from_ids`` (once per request, each shared prefix
-hashed once); a prefill stores what it computed with
+the pools make no events. Trace hash ids become block keys once per request
+(``keys``: numbered, not hashed); a prefill stores what it computed with
 ``store_prompt`` (no payloads). When a PrfaaS prefill's KV lands on a PD
 decode node, the PD pool keeps what arrived (``store_received``): the
 full-attention blocks and the state at the prompt's end, but none of the
@@ -52,10 +51,35 @@ class ClusterPrefixCaches:
         fixed = float(kv_profile.kv_bytes(0))
         self._block_bytes = max(1, round(float(kv_profile.kv_bytes(block_tokens)) - fixed))
         self._snapshot_bytes = max(1, round(fixed))
-        self._chained: dict[tuple[bytes, int], bytes] = {}  # (parent key, block id) -> key: shared prefixes hash once
+        self._root = bytes(8)  # key 0; every other key is the number of a distinct prefix
+        self._children: dict[bytes, dict[int | tuple[int, int], bytes]] = {}  # parent key -> step -> key
+        self._named = 0
 
     def keys(self, hash_ids: tuple[int, ...], prompt_tokens: int) -> PromptKeys:
-        return PromptKeys.from_ids(hash_ids, prompt_tokens, self.block_tokens, memo=self._chained)
+        """The prompt's block keys, as ``PromptKeys.from_ids`` would chain them, but numbered instead
+        of hashed: a run only needs keys that are equal exactly when the prefixes are, so each new
+        (parent key, block id) gets the next number and a prefix many prompts share is keyed once."""
+        size = self.block_tokens
+        full, tail = divmod(prompt_tokens, size)
+        if len(hash_ids) != full + (tail > 0):
+            raise ValueError(f"{prompt_tokens} tokens need {full + (tail > 0)} block ids, got {len(hash_ids)}")
+        keys: list[bytes] = []
+        parent = self._root
+        for block_id in hash_ids[:full]:
+            parent = self._child(parent, block_id)
+            keys.append(parent)
+        end = self._child(parent, (hash_ids[full], tail)) if tail else parent  # a partial block: its length too
+        return PromptKeys(self._root, size, prompt_tokens, tuple(keys), end)
+
+    def _child(self, parent: bytes, step: int | tuple[int, int]) -> bytes:
+        children = self._children.get(parent)
+        if children is None:
+            children = self._children[parent] = {}
+        key = children.get(step)
+        if key is None:
+            self._named += 1
+            key = children[step] = self._named.to_bytes(8, "little")
+        return key
 
     def match(self, keys: PromptKeys) -> dict[str, ClusterMatch]:
         """Per cluster: the usable hit and the KV prefix present; at least one token is left to compute."""
