@@ -49,6 +49,12 @@ class _CountNames:
     stored: str
 
 
+def _slot(kind: EntryKind, key: BlockKey) -> bytes:
+    """Where an entry sits in the pool: a block under its key, a snapshot under its key marked (one
+    at a block boundary has its block's key). Plain bytes, no tuple to build on every lookup."""
+    return key if kind is EntryKind.BLOCK else b"s" + key
+
+
 _COUNT_NAMES = {  # names of the store counters per entry kind, made once: stores are the hot path
     kind: _CountNames(
         f"{kind}_store_dups", f"{kind}_store_skipped_orphan", f"{kind}_store_rejected_no_room", f"{kind}s_stored"
@@ -80,7 +86,7 @@ class HybridPrefixPool(Generic[P]):
         self.counts: Counter[str] = Counter()
         self.prefix_bytes = 0
         self.transfer_bytes = 0
-        self._entries: OrderedDict[tuple[EntryKind, BlockKey], Entry[P]] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[bytes, Entry[P]] = OrderedDict()  # by _slot, LRU first
         self._transfers: dict[str, tuple[int, P | None]] = {}
         self._events: list[CacheEvent] = []
 
@@ -93,7 +99,7 @@ class HybridPrefixPool(Generic[P]):
         return self.config.capacity_bytes - self.used_bytes
 
     def entry(self, kind: EntryKind, key: BlockKey) -> Entry[P] | None:
-        return self._entries.get((kind, key))
+        return self._entries.get(_slot(kind, key))
 
     def entries(self) -> list[Entry[P]]:
         """Everything held, least recently used first."""
@@ -115,8 +121,8 @@ class HybridPrefixPool(Generic[P]):
             kv_blocks = min(m.kv_blocks, max(0, limit) // prompt.block_size)
             m = Match(kv_blocks * prompt.block_size, kv_blocks, None)
         block_keys = prompt.block_keys[: m.hit_tokens // prompt.block_size]
-        blocks = tuple(self._entries[(EntryKind.BLOCK, k)] for k in block_keys)
-        snapshot = self._entries[(EntryKind.SNAPSHOT, m.snapshot_key)] if m.snapshot_key else None
+        blocks = tuple(self._entries[k] for k in block_keys)
+        snapshot = self._entries[_slot(EntryKind.SNAPSHOT, m.snapshot_key)] if m.snapshot_key else None
         for e in (*blocks, *([snapshot] if snapshot else [])):
             e.refs += 1
         self.touch(prompt, m.hit_tokens, now)
@@ -139,7 +145,7 @@ class HybridPrefixPool(Generic[P]):
         holds leaves and a prefix's root outlives its branches."""
         snapshot_key = prompt.key_at(length) if length else None
         if snapshot_key is not None:
-            self._touch((EntryKind.SNAPSHOT, snapshot_key), now)
+            self._touch(_slot(EntryKind.SNAPSHOT, snapshot_key), now)
         self._touch_blocks(reversed(prompt.block_keys[: length // prompt.block_size]), now)
 
     def snapshot_points(self, start: int, num_tokens: int) -> list[int]:
@@ -205,12 +211,12 @@ class HybridPrefixPool(Generic[P]):
         keys, entries = prompt.block_keys, self._entries
         self._touch_blocks(keys[start : start + present], now)
         first_new = start + present
-        parent = entries.get((EntryKind.BLOCK, keys[first_new - 1])) if first_new else None
+        parent = entries.get(keys[first_new - 1]) if first_new else None
         for j in range(first_new, end):
             if (parent is None and j) or self.free_bytes < nbytes:
                 if not self.put_block(prompt, j, now, nbytes, node=node):
                     return j - start
-                parent = entries[(EntryKind.BLOCK, keys[j])]
+                parent = entries[keys[j]]
             else:
                 parent_key = keys[j - 1] if j else prompt.root
                 parent = self._insert(EntryKind.BLOCK, keys[j], parent_key, (j + 1) * prompt.block_size, parent, now,
@@ -281,7 +287,7 @@ class HybridPrefixPool(Generic[P]):
         if not self.config.enabled:
             self.counts["store_skipped_disabled"] += 1
             return False
-        entries, slot, counts = self._entries, (kind, key), _COUNT_NAMES[kind]
+        entries, slot, counts = self._entries, _slot(kind, key), _COUNT_NAMES[kind]
         existing = entries.get(slot)
         if existing is not None:
             self.counts[counts.dups] += 1
@@ -289,7 +295,7 @@ class HybridPrefixPool(Generic[P]):
             if self.index.add(kind, key, node, parent, length) and self.config.events:
                 self._events.append(self._event(EventKind.STORE, existing, node, now))
             return True
-        parent_entry = entries.get((EntryKind.BLOCK, parent))
+        parent_entry = entries.get(parent)  # a block's slot is its key
         if parent_entry is None and needs_parent:
             self.counts[counts.orphans] += 1  # its prefix is gone: unreachable
             return False
@@ -319,7 +325,7 @@ class HybridPrefixPool(Generic[P]):
     ) -> Entry[P]:
         """Add an entry known to be missing, with room for it, under ``parent_entry``."""
         entry: Entry[P] = Entry(kind, key, parent, length, nbytes, payload, now)
-        self._entries[(kind, key)] = entry
+        self._entries[_slot(kind, key)] = entry
         self.index.add(kind, key, node, parent, length)
         if parent_entry is not None:
             parent_entry.dependents += 1
@@ -340,9 +346,9 @@ class HybridPrefixPool(Generic[P]):
         return True
 
     def _evict(self, entry: Entry[P], now: float) -> None:
-        del self._entries[(entry.kind, entry.key)]
+        del self._entries[_slot(entry.kind, entry.key)]
         self.index.remove(entry.kind, entry.key, entry.parent, entry.length)
-        parent_entry = self._entries.get((EntryKind.BLOCK, entry.parent))
+        parent_entry = self._entries.get(entry.parent)
         if parent_entry is not None:
             parent_entry.dependents -= 1
         self.prefix_bytes -= entry.nbytes
@@ -354,13 +360,12 @@ class HybridPrefixPool(Generic[P]):
     def _touch_blocks(self, keys: Iterable[BlockKey], now: float) -> None:
         entries = self._entries
         for key in keys:
-            slot = (EntryKind.BLOCK, key)
-            entry = entries.get(slot)
+            entry = entries.get(key)
             if entry is not None:
                 entry.last_used = now
-                entries.move_to_end(slot)
+                entries.move_to_end(key)
 
-    def _touch(self, slot: tuple[EntryKind, BlockKey], now: float) -> None:
+    def _touch(self, slot: bytes, now: float) -> None:
         entry = self._entries.get(slot)
         if entry is not None:
             entry.last_used = now

@@ -84,15 +84,16 @@ class Simulation:
         loop.at(0.0, self._sample)
         until = math.inf if self.config.drain else self.workload.duration_s
         # The run makes millions of small objects (heap entries, cache entries and their holder sets)
-        # and no reference cycles; the cyclic collector would walk every live one again and again.
+        # and no reference cycles; the cyclic collector would walk every live one again and again,
+        # and once more right after the run, though they die with the simulation by reference counts.
         collecting = gc.isenabled()
         gc.disable()
         try:
             loop.run(until=until, tick=progress)
+            return self._result()
         finally:
             if collecting:
                 gc.enable()
-        return self._result()
 
     def _arrive(self, rid: int) -> None:
         now = self.loop.now
