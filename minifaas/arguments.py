@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from minifaas.transport.pacer import RateSchedule, parse_rate
+from minifaas.transport.pacer import RateSchedule, check_window, parse_bytes, parse_rate
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -64,6 +64,15 @@ def rate(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
     if parsed is not None and parsed <= 0:
         raise argparse.ArgumentTypeError(f"a rate must be positive, got {text!r}")
+    return text
+
+
+def window(text: str) -> str:
+    """A flow window as ``parse_bytes`` reads it: 262144, 256KiB, 4MiB, none; at least one segment."""
+    try:
+        check_window(parse_bytes(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
