@@ -34,7 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("minifaas.sim.sim_cli", "discrete-event simulation of a PrfaaS deployment with the live policies"),
     "profile": ("minifaas.model.profile_cli", "measure prefill time, state bytes and decode steps; write a profile"),
     "train": ("minifaas.train.train_cli", "train a tiny hybrid checkpoint from a text file on the CPU"),
-    "link-emulator": ("minifaas.transport.emulator", "TCP relay imposing an inter-DC link: rate, delay, window, faults"),
+    "link-emulator": (
+        "minifaas.transport.emulator",
+        "TCP relay imposing an inter-DC link: rate, delay, window, faults",
+    ),
 }
 
 

@@ -5,7 +5,8 @@
 [prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
                    prefill_chunk
-[link]             the emulated inter-cluster link: rate, delay, per-flow cap, connections, kv_compression
+[link]             the emulated inter-cluster link: rate, delay, per-flow cap and window, connections,
+                   kv_compression
 [cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
 [scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
 """
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES, dtype_name
 from minifaas.policy.compression import MODES
-from minifaas.transport.pacer import parse_rate
+from minifaas.transport.pacer import check_window, parse_bytes, parse_rate
+from minifaas.transport.pool import DEFAULT_CONNECTIONS, MAX_CONNECTIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,17 +49,19 @@ class ClusterConfig:
 class LinkConfig:
     rate: str = "100mbit"  # aggregate inter-cluster bandwidth ("none": unlimited)
     flow_rate: str = "none"  # per-connection cap
+    window: str = "none"  # bytes in flight per connection, e.g. "4MiB": one moves at most window / RTT
     delay_ms: float = 5.0  # one way
     jitter_ms: float = 0.0
-    connections: int = 4  # TCP connections per KV transfer
+    connections: int = DEFAULT_CONNECTIONS  # TCP connections per KV transfer
     pipelined: bool = True
     kv_compression: str = "auto"  # codec of state crossing the link; auto: lossless only where it saves time
 
     def __post_init__(self) -> None:
-        if self.connections < 1 or self.delay_ms < 0 or self.jitter_ms < 0:
-            raise ValueError("need connections >= 1 and non-negative delay and jitter")
+        if not 1 <= self.connections <= MAX_CONNECTIONS or self.delay_ms < 0 or self.jitter_ms < 0:
+            raise ValueError(f"need connections 1..{MAX_CONNECTIONS} and non-negative delay and jitter")
         for rate in (self.rate, self.flow_rate):  # a rate the emulator cannot read fails here, not in its process
             parse_rate(rate)
+        check_window(parse_bytes(self.window))
         if self.kv_compression not in MODES:
             raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
 

@@ -184,7 +184,13 @@ class Gateway:
 
     def _link_options(self) -> dict[str, object]:
         link = self.config.link
-        return {"rate": link.rate, "flow_rate": link.flow_rate, "delay_ms": link.delay_ms, "jitter_ms": link.jitter_ms}
+        return {
+            "rate": link.rate,
+            "flow_rate": link.flow_rate,
+            "window": link.window,
+            "delay_ms": link.delay_ms,
+            "jitter_ms": link.jitter_ms,
+        }
 
     async def _route_link(self, kv_port: int) -> int:
         """The inter-cluster link's port towards ``kv_port``: the link starts with the first decode worker."""

@@ -109,7 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"inter-cluster bandwidth, e.g. 100mbit, 10gbit, none (default: {d.link.rate})",
     )
     parser.add_argument(
-        "--link-delay-ms", type=float, help=f"one-way delay of the link in ms (default: {d.link.delay_ms:g})"
+        "--link-delay-ms",
+        type=float,
+        help=f"one-way delay of the link in ms; the RTT is twice it (default: {d.link.delay_ms:g})",
+    )
+    parser.add_argument(
+        "--link-window",
+        type=arguments.window,
+        help=f"bytes in flight per connection, e.g. 4MiB (default: {d.link.window})",
     )
     parser.add_argument(
         "--connections", type=int, help=f"TCP connections per KV transfer (default: {d.link.connections})"
@@ -180,6 +187,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
         flow_rate=base.link.flow_rate,
+        window=_pick(args.link_window, base.link.window),
         delay_ms=_pick(args.link_delay_ms, base.link.delay_ms),
         jitter_ms=base.link.jitter_ms,
         connections=_pick(args.connections, base.link.connections),

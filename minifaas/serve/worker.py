@@ -37,6 +37,7 @@ from minifaas.serve.prefill_service import PrefillService
 from minifaas.serve.prefix_store import PrefixStore
 from minifaas.transport import KVReceiver, ReceiverConfig, TransferError
 from minifaas.transport.codec import codecs_for
+from minifaas.transport.pool import DEFAULT_CONNECTIONS
 
 log = logging.getLogger("minifaas.worker")
 
@@ -53,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver listens on (decode)")
     p.add_argument("--kv-port", type=int, default=0, help="its port (0: any free one)")
     p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
-    p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (prefill)")
+    p.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS,
+                   help=f"TCP connections per KV transfer (prefill; default {DEFAULT_CONNECTIONS})")  # fmt: skip
     p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                    help="prefill: run a prompt in forwards of at most TOKENS, each one's full-attention KV "

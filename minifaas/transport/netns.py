@@ -30,6 +30,7 @@ from typing import Any
 from minifaas.transport.errors import TransferError
 from minifaas.transport.link_health import LinkMonitor
 from minifaas.transport.pacer import parse_rate
+from minifaas.transport.pool import DEFAULT_CONNECTIONS
 
 _serial = count()
 
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = sub.add_parser("probe", help="a KV sender that prints link-health readings")
     probe.add_argument("--connect", required=True, help="HOST:PORT")
     probe.add_argument("--bytes", type=int, default=8 << 20)
-    probe.add_argument("--connections", type=int, default=4)
+    probe.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS)
     probe.add_argument("--rate", default="50mbit", help="the link rate utilisation is measured against")
     args = parser.parse_args(argv)
     if args.role == "sink":

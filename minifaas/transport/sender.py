@@ -1,6 +1,6 @@
 """The KV sender: streams layer states to one receiver over a pool of N TCP connections.
 
-    async with KVSender(SenderConfig(host, port, secret, connections=4)) as sender:
+    async with KVSender(SenderConfig(host, port, secret, connections=16)) as sender:
         report = await sender.send(transfer_id, model_state)        # a finished state
         async with sender.stream(transfer_id, layers=n) as tx:       # layers as prefill makes them
             await asyncio.to_thread(runtime.prefill, tokens, on_layer=tx.put_threadsafe)
@@ -26,7 +26,7 @@ from minifaas.transport.auth import check_secret
 from minifaas.transport.codec import Codec
 from minifaas.transport.link_health import TcpInfo, read_tcp_info
 from minifaas.transport.outgoing import OutgoingTransfer, TransferReport
-from minifaas.transport.pool import ConnectionPool, Endpoint
+from minifaas.transport.pool import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, ConnectionPool, Endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,7 @@ class SenderConfig:
     host: str
     port: int
     secret: bytes
-    connections: int = 4
+    connections: int = DEFAULT_CONNECTIONS
     chunk_bytes: int = 1 << 20
     pipelined: bool = True
     checksums: bool = True  # xxh3 checksum of every payload; off only towards a receiver with accept_unchecked (TLS)
@@ -45,8 +45,8 @@ class SenderConfig:
 
     def __post_init__(self) -> None:
         check_secret(self.secret)
-        if not 1 <= self.connections <= 64:
-            raise ValueError(f"connections must be 1..64, got {self.connections}")
+        if not 1 <= self.connections <= MAX_CONNECTIONS:
+            raise ValueError(f"connections must be 1..{MAX_CONNECTIONS}, got {self.connections}")
         if not 1 <= self.chunk_bytes <= 64 << 20:
             raise ValueError(f"chunk_bytes must be 1 B..64 MiB, got {self.chunk_bytes}")
         if self.unsent_limit_bytes is not None and self.unsent_limit_bytes <= 0:
