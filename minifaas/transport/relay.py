@@ -203,11 +203,17 @@ class LinkEmulator:
         return block
 
     def _read_size(self, flow: Flow, direction: str) -> int:
-        """About 2 ms of the slowest rate on the path: bytes cross a slow link in small steps, not in one MiB."""
+        """About 2 ms of the slowest rate on the path: bytes cross a slow link in small steps, not in one MiB.
+        At most an eighth of the flow's window: a block is acknowledged whole, after all of it has been
+        paced, so a window read in one block would stall a round trip plus its own sending time each turn,
+        where TCP's window slides one segment at a time."""
+        size = self.config.read_bytes
         rates = [r for r in (flow.pacers[direction].rate_bps, self.link[direction].rate_bps) if r is not None]
-        if not rates:
-            return self.config.read_bytes
-        return max(1500, min(self.config.read_bytes, int(min(rates) / 8 * 0.002)))
+        if rates:
+            size = min(size, int(min(rates) / 8 * 0.002))
+        if (window := flow.windows[direction].window_bytes) is not None:
+            size = min(size, window // 8)
+        return max(1500, size)
 
     async def _deliver(self, dst: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:

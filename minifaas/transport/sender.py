@@ -28,6 +28,8 @@ from minifaas.transport.link_health import TcpInfo, read_tcp_info
 from minifaas.transport.outgoing import OutgoingTransfer, TransferReport
 from minifaas.transport.pool import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, ConnectionPool, Endpoint
 
+MIN_UNSENT_BYTES = 128 << 10  # below this a connection drains faster than the event loop refills it
+
 
 @dataclass(frozen=True, slots=True)
 class SenderConfig:
@@ -38,7 +40,7 @@ class SenderConfig:
     chunk_bytes: int = 1 << 20
     pipelined: bool = True
     checksums: bool = True  # xxh3 checksum of every payload; off only towards a receiver with accept_unchecked (TLS)
-    unsent_limit_bytes: int | None = 1 << 20  # kernel-queued unsent bytes per connection (None: kernel default)
+    unsent_bytes: int | None = 4 << 20  # kernel-queued unsent bytes, all connections together (None: kernel default)
     connect_timeout: float = 5.0
     stall_timeout: float = 10.0
     done_timeout: float = 30.0
@@ -49,10 +51,19 @@ class SenderConfig:
             raise ValueError(f"connections must be 1..{MAX_CONNECTIONS}, got {self.connections}")
         if not 1 <= self.chunk_bytes <= 64 << 20:
             raise ValueError(f"chunk_bytes must be 1 B..64 MiB, got {self.chunk_bytes}")
-        if self.unsent_limit_bytes is not None and self.unsent_limit_bytes <= 0:
-            raise ValueError("unsent_limit_bytes must be positive (None: the kernel's default)")
+        if self.unsent_bytes is not None and self.unsent_bytes < MIN_UNSENT_BYTES:
+            raise ValueError(f"unsent_bytes must be >= {MIN_UNSENT_BYTES} (None: the kernel's default)")
         if min(self.connect_timeout, self.stall_timeout, self.done_timeout) <= 0:
             raise ValueError("timeouts must be positive")
+
+    @property
+    def unsent_limit_bytes(self) -> int | None:
+        """Unsent bytes one connection's kernel may queue. What a connection has queued stays on it, and
+        at a transfer's end the fullest finishes last, so the budget is shared out: the tail it can
+        leave is about ``unsent_bytes`` over the link's rate, however many connections there are."""
+        if self.unsent_bytes is None:
+            return None
+        return max(MIN_UNSENT_BYTES, self.unsent_bytes // self.connections)
 
     @property
     def endpoint(self) -> Endpoint:
