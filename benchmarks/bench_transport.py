@@ -197,14 +197,11 @@ async def emulated_link(**options: str) -> AsyncIterator[EmulatorProcess]:
         yield link
 
 
-async def goodput(
-    link: EmulatorProcess, ids: Transfers, nbytes: int, connections: int, checksums: bool = True
-) -> float:
-    """Bits/s of one transfer of ``nbytes`` through ``link``, on a fresh sender (its own connections)."""
+async def goodput(link: EmulatorProcess, ids: Transfers, nbytes: int, connections: int, **options: Any) -> float:
+    """Bits/s of one transfer of ``nbytes`` through ``link``, on a fresh sender (its own connections);
+    ``options``: other SenderConfig fields (checksums, chunk_bytes, ...)."""
     state = bulk_state(nbytes)
-    config = SenderConfig(
-        "127.0.0.1", link.port, SECRET, connections=connections, done_timeout=120, checksums=checksums
-    )
+    config = SenderConfig("127.0.0.1", link.port, SECRET, connections=connections, done_timeout=120, **options)
     async with KVSender(config) as sender:
         await timed_send(sender, ids, bulk_state(1 << 16))  # connections up first
         return 8 * state.nbytes / await timed_send(sender, ids, state)

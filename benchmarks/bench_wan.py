@@ -5,10 +5,12 @@
 The link being stood in for: a cross-datacenter link measured at 14.7 Gbit/s
 and 30 ms RTT, crossed by untuned Linux hosts, whose connections each keep at
 most 4 MiB in flight (net.ipv4.tcp_wmem). This machine cannot move 14.7
-Gbit/s, so the rate is scaled down and the window with it: at rate R each
-connection gets a window of 4 MiB * R / 14.7 Gbit/s, which keeps the number
-of connections the link needs, ceil(R * RTT / (8 * window)), what it is on
-the real link (14 at 30 ms, 3 at 5 ms).
+Gbit/s, so the rate is scaled down, and every size that is a time on the link
+with it: at rate R, R / 14.7 Gbit/s of the window (4 MiB per connection), of
+the sender's chunk (1 MiB) and of its unsent budget (4 MiB). That keeps the
+number of connections the link needs, ceil(R * RTT / (8 * window)), what it
+is on the real link (14 at 30 ms, 3 at 5 ms), and a chunk a quarter of a
+window, as there.
 
 1. emulator: the link emulator at ``--emulator-rate`` (1 Gbit/s) with that
    window per flow and half the RTT each way; goodput of one transfer for
@@ -19,20 +21,26 @@ the real link (14 at 30 ms, 3 at 5 ms).
    real transfer at the moments the prefill produced them (bench_transport's
    method), but ``k`` times faster, as a faster prefill of the same shape, so
    that the link that makes the transfer take as long as the prefill runs at
-   ``--pipeline-rate`` (50 Mbit/s), with the scaled window: sixteen windows
-   then fit it, as on the real link (a CPU prefill's own pace would be a few
-   Mbit/s, thinner than sixteen connections' smallest windows). The time from
-   prefill end to the receiver's DONE and the TTFT it makes (prefill plus
-   that), not pipelined, by layer, and with the worker's defaults (chunked
-   prefill). Goal: pipelined, prefill end to last byte within one RTT + 0.15x
-   the transfer time T (DONE is half an RTT after the last byte: stricter).
+   ``--pipeline-rate`` (50 Mbit/s; a CPU prefill's own pace would be a few
+   Mbit/s, thinner than sixteen connections' smallest windows). No window
+   here: sixteen of the real link's windows fill it with room to spare, and in
+   the emulator a window would leave the ~128 KB each connection has in the
+   relay's loopback buffers draining at one window per round trip, a stage
+   the real link does not have (its senders hold only their window and their
+   unsent share). The time from prefill end to the receiver's DONE and the
+   TTFT it makes (prefill plus that), not pipelined, by layer, and with the
+   worker's defaults (chunked prefill). Goal: pipelined, prefill end to last
+   byte within one RTT + 0.15x the transfer time T (DONE comes half an RTT
+   after the last byte: a stricter test).
 3. netns (root): the same two through two network namespaces, where the
    kernel's own TCP meets a tbf bottleneck at ``--netns-rate`` (200 Mbit/s,
    what a user-space return path keeps up with here), the receiver advertising
-   at most the scaled window (a route's window metric) and the RTT made in user
-   space on the return path (``minifaas.transport.netns_delay``: this kernel
-   has no netem). The kernel's own RTT reading (TCP_INFO) is shown beside.
-   The tbf row with no RTT and no window is what this host's tbf carries.
+   about the scaled window (a route's window metric; the kernel holds it a
+   little above, and not below about 60 KB) and the RTT made in user space on
+   the return path (``minifaas.transport.netns_delay``: this kernel has no
+   netem). The kernel's own RTT reading (TCP_INFO) is shown beside. The tbf
+   row with no RTT and no window is what this host's tbf carries. Pipelining
+   there runs with the kernel's own windows.
 
 Every figure is the median of the repeats; the load average is printed first,
 since two shared cores move all of it.
@@ -60,9 +68,11 @@ from minifaas.transport import KVSender, SenderConfig
 from minifaas.transport.emulator_control import EmulatorProcess
 from minifaas.transport.netns import SECRET_ENV, NetnsLink, unavailable
 from minifaas.transport.pool import DEFAULT_CONNECTIONS
+from minifaas.transport.sender import MIN_UNSENT_BYTES
 from minifaas.transport.synthetic import bulk_state
 
 REAL_RATE, REAL_WINDOW = 14.7e9, 4 << 20  # the link and the per-connection window being stood in for
+_DEFAULTS = SenderConfig("h", 1, SECRET)
 RESULTS: dict[str, Any] = {}
 MODES = {  # name -> (pipelined, chunk tokens, prefix cache with snapshots)
     "not pipelined": (False, 0, False),
@@ -77,6 +87,15 @@ def row(section: str, case: str, figure: str, note: str = "") -> None:
 
 def scaled_window(rate: float) -> int:
     return int(REAL_WINDOW * rate / REAL_RATE)
+
+
+def scaled_sender(rate: float) -> dict[str, int]:
+    """The sender's chunk and unsent budget, scaled as the window is (their defaults are sized for real links)."""
+    assert _DEFAULTS.unsent_bytes is not None
+    return {
+        "chunk_bytes": int(_DEFAULTS.chunk_bytes * rate / REAL_RATE),
+        "unsent_bytes": max(MIN_UNSENT_BYTES, int(_DEFAULTS.unsent_bytes * rate / REAL_RATE)),
+    }
 
 
 def window_bound(connections: int, window: int, rate: float, rtt: float) -> float:
@@ -107,7 +126,8 @@ async def emulator_goodput(rate: float, rtts: list[float], counts: list[int], se
             for n in counts:
                 bound = window_bound(n, window, rate, rtt)
                 nbytes = int(rate * bound / 8 * seconds)  # about `seconds` long whatever the share
-                bps = statistics.median([await goodput(link, ids, nbytes, n) for _ in range(repeats)])
+                bps = statistics.median([await goodput(link, ids, nbytes, n, **scaled_sender(rate))
+                                         for _ in range(repeats)])  # fmt: skip
                 RESULTS[key("emulator", f"{rtt * 1000:g}ms", n, "conn")] = round(bps / rate, 3)
                 default = " (the default)" if n == DEFAULT_CONNECTIONS else ""
                 row("emulator", f"RTT {rtt * 1000:g} ms, {n} connections{default}", f"{bps / rate:.3f} of link",
@@ -128,9 +148,9 @@ def record(runtime: Any, ids: list[int], mode: str, kv_bytes: int, rate: float) 
 
 
 async def replay_into(host: str, port: int, transfers: Transfers, recording: Recording, seconds: float,
-                      layers: int, kv_bytes: int, pipelined: bool) -> float:  # fmt: skip
+                      layers: int, kv_bytes: int, pipelined: bool, rate: float) -> float:  # fmt: skip
     """Replay a recorded prefill into a real transfer; returns the time from prefill end to the receiver's DONE."""
-    config = SenderConfig(host, port, SECRET, pipelined=pipelined, chunk_bytes=64 << 10, done_timeout=120)
+    config = SenderConfig(host, port, SECRET, pipelined=pipelined, done_timeout=120, **scaled_sender(rate))
     async with KVSender(config) as sender:
         await timed_send(sender, transfers, bulk_state(1 << 12, layers=1))  # connections up first
         async with sender.stream(transfers.take(), layers, kv_bytes) as out:
@@ -155,9 +175,8 @@ async def emulator_pipelining(tokens: int, rate: float, rtts: list[float], modes
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     kv_bytes = runtime.prefill(ids).state.nbytes  # (also the warm-up)
     row("pipelining", f"{tokens} tokens, {kv_bytes / 1e6:.2f} MB, link {rate / 1e6:g} Mbit/s",
-        f"T = {8 * kv_bytes / rate:.3f} s", f"window {scaled_window(rate) / 1e3:.1f} KB; T = prefill time")  # fmt: skip
-    async with sink() as receiver, EmulatorProcess(("127.0.0.1", receiver.port),
-                                                   window=str(scaled_window(rate))) as link:  # fmt: skip
+        f"T = {8 * kv_bytes / rate:.3f} s", f"{DEFAULT_CONNECTIONS} connections; T = prefill time")  # fmt: skip
+    async with sink() as receiver, EmulatorProcess(("127.0.0.1", receiver.port)) as link:
         transfers = Transfers()
         for rtt in rtts:
             await link.control.set_delay(rtt * 1000 / 2)
@@ -167,7 +186,7 @@ async def emulator_pipelining(tokens: int, rate: float, rtts: list[float], modes
                     recording, seconds = await asyncio.to_thread(record, runtime, ids, mode, kv_bytes, rate)
                     await link.control.set_rate(8 * kv_bytes / seconds)  # the transfer takes as long as the prefill
                     tail = await replay_into("127.0.0.1", link.port, transfers, recording, seconds,
-                                             runtime.num_layers, kv_bytes, MODES[mode][0])  # fmt: skip
+                                             runtime.num_layers, kv_bytes, MODES[mode][0], rate)  # fmt: skip
                     prefills.append(seconds)
                     tails.append(tail)
                 pipelining_rows("pipelining", rtt, mode, prefills, tails)
@@ -198,9 +217,12 @@ def netns_transfer(link: NetnsLink, argv: list[str], timeout: float) -> list[dic
         receiver.wait()
 
 
-def netns_goodput(rate: float, rtts: list[float], counts: list[int], seconds: float, repeats: int) -> None:
+def netns_goodput(
+    rate: float, rtts: list[float], counts: list[int], seconds: float, repeats: int, with_ceiling: bool
+) -> None:
     window = scaled_window(rate)
-    cases = [(0.0, None, DEFAULT_CONNECTIONS)] + [(rtt, window, n) for rtt in rtts for n in counts]
+    cases = [(0.0, None, DEFAULT_CONNECTIONS)] if with_ceiling else []
+    cases += [(rtt, window, n) for rtt in rtts for n in counts]
     for rtt, win, n in cases:
         if win is None:
             label, bound = f"tbf alone (no RTT, no window), {n} connections", 1.0
@@ -243,10 +265,10 @@ async def netns_pipelining(tokens: int, rate: float, rtts: list[float], modes: l
                     recording, seconds = await asyncio.to_thread(record, runtime, ids, mode, kv_bytes, rate)
                     path = Path(tmp) / "recording.pt"
                     torch.save({"events": recording.events, "seconds": seconds, "layers": runtime.num_layers,
-                                "kv_bytes": kv_bytes, "pipelined": MODES[mode][0]}, path)  # fmt: skip
+                                "kv_bytes": kv_bytes, "pipelined": MODES[mode][0], "rate": rate}, path)  # fmt: skip
                     paced = 8 * kv_bytes / seconds  # the transfer takes as long as the prefill
-                    with NetnsLink(rate=f"{paced:.0f}bit", queue_bytes=100_000, burst_bytes=32_000, rtt_ms=rtt * 1000,
-                                   window_bytes=scaled_window(rate)) as link:  # fmt: skip
+                    with NetnsLink(rate=f"{paced:.0f}bit", queue_bytes=100_000, burst_bytes=32_000,
+                                   rtt_ms=rtt * 1000) as link:  # fmt: skip
                         argv = [sys.executable, __file__, "--replay", str(path)]
                         (result,) = netns_transfer(link, argv, timeout=120 + 4 * seconds)
                     prefills.append(seconds)
@@ -261,7 +283,7 @@ async def replay_from_file(path: str, connect: str) -> None:
     recording.events = saved["events"]
     host, _, port = connect.rpartition(":")
     tail = await replay_into(host, int(port), Transfers(), recording, saved["seconds"], saved["layers"],
-                             saved["kv_bytes"], saved["pipelined"])  # fmt: skip
+                             saved["kv_bytes"], saved["pipelined"], saved["rate"])  # fmt: skip
     print(json.dumps({"tail_s": tail}), flush=True)
 
 
@@ -280,8 +302,8 @@ async def main(args: argparse.Namespace) -> None:
         if (reason := unavailable()) is not None:
             row("netns", "skipped", "", reason)
         else:
-            netns_goodput(args.netns_rate, rtts, counts, seconds * 1.5, repeats)
-            await netns_pipelining(tokens, args.pipeline_rate, rtts, modes, repeats)
+            netns_goodput(args.netns_rate, rtts, counts, seconds * 1.5, repeats, with_ceiling=not quick)
+            await netns_pipelining(tokens, args.pipeline_rate, rtts, modes[-1:] if quick else modes, repeats)
     if args.json:
         print(json.dumps({"bench": "wan", **RESULTS}))
 

@@ -118,10 +118,11 @@ def test_a_state_whose_last_chunks_were_cut_arrives_bit_exact(pipelined: bool) -
 def test_the_unsent_budget_is_shared_out_over_the_connections() -> None:
     assert sender_config(1, connections=4).unsent_limit_bytes == 1 << 20  # 4 MiB over 4, as before
     assert sender_config(1, connections=16).unsent_limit_bytes == 256 << 10
-    assert sender_config(1, connections=64).unsent_limit_bytes == MIN_UNSENT_BYTES
+    assert sender_config(1, connections=64).unsent_limit_bytes == 64 << 10
+    assert sender_config(1, connections=4, unsent_bytes=MIN_UNSENT_BYTES).unsent_limit_bytes == MIN_UNSENT_BYTES
     assert sender_config(1, unsent_bytes=None).unsent_limit_bytes is None
     with pytest.raises(ValueError, match="unsent_bytes"):
-        sender_config(1, unsent_bytes=1000)
+        sender_config(1, unsent_bytes=MIN_UNSENT_BYTES - 1)
 
 
 def test_chunks_are_striped_over_every_connection() -> None:

@@ -28,7 +28,7 @@ from minifaas.transport.link_health import TcpInfo, read_tcp_info
 from minifaas.transport.outgoing import OutgoingTransfer, TransferReport
 from minifaas.transport.pool import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, ConnectionPool, Endpoint
 
-MIN_UNSENT_BYTES = 128 << 10  # below this a connection drains faster than the event loop refills it
+MIN_UNSENT_BYTES = 16 << 10  # a dozen segments: a connection's kernel always has something to send
 
 
 @dataclass(frozen=True, slots=True)
