@@ -111,7 +111,7 @@ def main() -> None:
             rates[key].append(timed(run))
     median = {key: statistics.median(values) for key, values in rates.items()}
 
-    print(f"  {'configuration':<14} {'P/D':>6} {'minifaas req/s':>15} {'dynamo rr':>10} {'dynamo kv':>10}  ratio")
+    print(f"  {'configuration':<14} {'P/D':>6} {'sim req/s':>15} {'dynamo rr':>10} {'dynamo kv':>10}  ratio")
     figures: dict[str, Any] = {"requests": len(read_trace(TRACE)), "repeats": repeats}
     for name in CONFIGS:
         prefill, decode = counts[name]
