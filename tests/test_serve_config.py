@@ -71,6 +71,9 @@ def test_bad_link_settings_are_refused_in_one_line(changes: dict[str, object], m
         LinkConfig(**changes)  # type: ignore[arg-type]
 
 
-def test_a_bad_flag_stops_serve_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit, match="serve: a flow window must be a whole number of bytes"):
-        main(["serve", "--link-window", "100"])
+@pytest.mark.parametrize("command", ["serve --link-window 100", "link-emulator --target :9000 --window 100"])
+def test_a_bad_window_flag_is_one_error_line(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(command.split())
+    assert stopped.value.code == 2
+    assert "a flow window must be a whole number of bytes >= 1500, got 100" in capsys.readouterr().err
