@@ -54,7 +54,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,7 +65,7 @@ from bench_transport import SECRET, Recording, Transfers, goodput, replay, servi
 
 from minifaas.transport import KVSender, SenderConfig
 from minifaas.transport.emulator_control import EmulatorProcess
-from minifaas.transport.netns import SECRET_ENV, NetnsLink, unavailable
+from minifaas.transport.netns import SECRET_ENV, NetnsLink, run_pair, unavailable
 from minifaas.transport.pool import DEFAULT_CONNECTIONS
 from minifaas.transport.sender import MIN_UNSENT_BYTES
 from minifaas.transport.synthetic import bulk_state
@@ -199,24 +198,6 @@ def _netns_env() -> dict[str, str]:
     return {**os.environ, SECRET_ENV: SECRET.decode(), "PYTHONPATH": str(Path(__file__).resolve().parent)}
 
 
-def netns_transfer(link: NetnsLink, argv: list[str], timeout: float) -> list[dict[str, Any]]:
-    """A sink in namespace b and ``argv`` (a sender, given the sink's address) in a: the sender's JSON lines."""
-    env, b = _netns_env(), link.addresses["b"]
-    sink_argv = [sys.executable, "-m", "minifaas.transport.netns", "sink", "--listen", f"{b}:0", "--transfers", "0",
-                 "--accept-unchecked"]  # fmt: skip
-    receiver = subprocess.Popen(link.exec("b", sink_argv), stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        port = json.loads(receiver.stdout.readline())["port"]  # type: ignore[union-attr]
-        done = subprocess.run(link.exec("a", [*argv, "--connect", f"{b}:{port}"]), capture_output=True, env=env,
-                              text=True, timeout=timeout)  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"{argv[:4]} failed: {done.stderr[-2000:]}")
-        return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    finally:
-        receiver.kill()
-        receiver.wait()
-
-
 def netns_goodput(
     rate: float, rtts: list[float], counts: list[int], seconds: float, repeats: int, with_ceiling: bool
 ) -> None:
@@ -238,7 +219,7 @@ def netns_goodput(
                            window_bytes=win) as link:  # fmt: skip
                 argv = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--bytes", str(nbytes),
                         "--connections", str(n), "--rate", f"{rate:.0f}", "--warm-up"]  # fmt: skip
-                readings.append(netns_transfer(link, argv, timeout=60 + 4 * seconds))
+                readings.append(run_pair(link, argv, _netns_env(), timeout=60 + 4 * seconds))
         bps = statistics.median(8 * r[-1]["done"]["bytes"] / r[-1]["done"]["seconds"] for r in readings)
         rtts_seen = [h["health"]["rtt_ms"] for r in readings for h in r if "health" in h and h["health"]["rtt_ms"]]
         retrans = statistics.median(max((h["health"]["total_retrans"] for h in r if "health" in h), default=0)
@@ -270,7 +251,7 @@ async def netns_pipelining(tokens: int, rate: float, rtts: list[float], modes: l
                     with NetnsLink(rate=f"{paced:.0f}bit", queue_bytes=100_000, burst_bytes=32_000,
                                    rtt_ms=rtt * 1000) as link:  # fmt: skip
                         argv = [sys.executable, __file__, "--replay", str(path)]
-                        (result,) = netns_transfer(link, argv, timeout=120 + 4 * seconds)
+                        (result,) = run_pair(link, argv, _netns_env(), timeout=120 + 4 * seconds)
                     prefills.append(seconds)
                     tails.append(result["tail_s"])
                 pipelining_rows("netns pipe", rtt, mode, prefills, tails)

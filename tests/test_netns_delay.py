@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from minifaas.transport.netns import SECRET_ENV, NetnsLink, unavailable
+from minifaas.transport.netns import SECRET_ENV, NetnsLink, run_pair, unavailable
 
 DELAY = [sys.executable, "-m", "minifaas.transport.netns_delay"]
 
@@ -39,21 +38,10 @@ def test_the_kernels_tcp_sees_the_round_trip_and_keeps_one_window_in_flight() ->
     env = {**os.environ, SECRET_ENV: "netns-test-secret-0123456789"}
     window, rtt_ms, nbytes = 57_000, 30.0, 6 << 20
     with NetnsLink(rate="50mbit", queue_bytes=64_000, burst_bytes=16_000, rtt_ms=rtt_ms, window_bytes=window) as link:
-        b = link.addresses["b"]
-        sink_argv = [sys.executable, "-m", "minifaas.transport.netns", "sink", "--listen", f"{b}:0", "--transfers", "2"]
-        sink = subprocess.Popen(link.exec("b", sink_argv), stdout=subprocess.PIPE, env=env, text=True)
-        try:
-            port = json.loads(sink.stdout.readline())["port"]  # type: ignore[union-attr]
-            probe_argv = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--connect", f"{b}:{port}",
-                          "--bytes", str(nbytes), "--connections", "1", "--rate", "50mbit", "--warm-up"]  # fmt: skip
-            probe = subprocess.run(link.exec("a", probe_argv), capture_output=True, env=env, text=True, timeout=60)
-            assert probe.returncode == 0, probe.stderr
-            sink.wait(timeout=10)
-        finally:
-            sink.kill()
-            sink.wait()
+        probe = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--bytes", str(nbytes), "--connections",
+                 "1", "--rate", "50mbit", "--warm-up"]  # fmt: skip
+        lines = run_pair(link, probe, env, timeout=60)
         delay = link._delay
-    lines = [json.loads(line) for line in probe.stdout.splitlines()]
     rtts = [line["health"]["rtt_ms"] for line in lines if "health" in line and line["health"]["rtt_ms"]]
     done = lines[-1]["done"]
     assert rtts and min(rtts) >= rtt_ms * 0.95  # the kernel's own smoothed RTT: the delay is on its path

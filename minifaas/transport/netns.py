@@ -18,7 +18,7 @@ window-limited TCP. The namespaces (and the veth, tun and delay process in
 them) are gone on exit, also after an error half-way through setting up.
 ``python -m minifaas.transport.netns`` runs the two ends of a measurement
 inside them: ``sink`` (a KV receiver) and ``probe`` (a KV sender that prints
-link-health readings as JSON lines).
+link-health readings as JSON lines); ``run_pair`` runs a sink and a sender.
 """
 
 from __future__ import annotations
@@ -179,6 +179,25 @@ def _output(argv: list[str]) -> str:
 # --- the two ends of a measurement, run inside the namespaces ---
 
 SECRET_ENV = "MINIFAAS_KV_SECRET"
+
+
+def run_pair(link: NetnsLink, sender: list[str], env: dict[str, str], timeout: float) -> list[dict[str, Any]]:
+    """A sink (a KV receiver taking transfers 0, 1, ...) in namespace b and ``sender`` in a, given the sink's
+    address as ``--connect``: the JSON lines the sender printed. Both processes are gone on return."""
+    b = link.addresses["b"]
+    sink_argv = [sys.executable, "-m", "minifaas.transport.netns", "sink", "--listen", f"{b}:0", "--transfers", "0",
+                 "--accept-unchecked"]  # fmt: skip
+    sink = subprocess.Popen(link.exec("b", sink_argv), stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        port = json.loads(sink.stdout.readline())["port"]  # type: ignore[union-attr]
+        done = subprocess.run(link.exec("a", [*sender, "--connect", f"{b}:{port}"]), capture_output=True, env=env,
+                              text=True, timeout=timeout)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(sender[:4])} failed: {done.stderr[-2000:]}")
+        return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    finally:
+        sink.kill()
+        sink.wait()
 
 
 async def _sink(host: str, port: int, transfers: int, accept_unchecked: bool) -> None:
