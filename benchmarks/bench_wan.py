@@ -16,7 +16,7 @@ window, as there.
    window per flow and half the RTT each way; goodput of one transfer for
    1, 4, 8 and 16 connections (16 is the default), beside what the windows
    allow, min(1, N * window * 8 / (R * RTT)).
-2. pipelining, through the emulator: a long prompt on the tiny default model
+2. pipelining, through the emulator: a long prompt on the kimi-linear-tiny preset
    through the prefill worker's own streaming code, its layers replayed into a
    real transfer at the moments the prefill produced them (bench_transport's
    method), but ``k`` times faster, as a faster prefill of the same shape, so
@@ -71,6 +71,7 @@ from minifaas.transport.sender import MIN_UNSENT_BYTES
 from minifaas.transport.synthetic import bulk_state
 
 REAL_RATE, REAL_WINDOW = 14.7e9, 4 << 20  # the link and the per-connection window being stood in for
+MODEL = "kimi-linear-tiny"  # a seeded preset, as bench_transport: its last layer (MLA) sets the by-layer floor
 _DEFAULTS = SenderConfig("h", 1, SECRET)
 RESULTS: dict[str, Any] = {}
 MODES = {  # name -> (pipelined, chunk tokens, prefix cache with snapshots)
@@ -170,7 +171,7 @@ def pipelining_rows(place: str, rtt: float, mode: str, prefills: list[float], ta
 async def emulator_pipelining(tokens: int, rate: float, rtts: list[float], modes: list[str], repeats: int) -> None:
     from minifaas.model.runtime import ModelRuntime
 
-    runtime = ModelRuntime.load()
+    runtime = ModelRuntime.load(MODEL)
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     kv_bytes = runtime.prefill(ids).state.nbytes  # (also the warm-up)
     row("pipelining", f"{tokens} tokens, {kv_bytes / 1e6:.2f} MB, link {rate / 1e6:g} Mbit/s",
@@ -235,7 +236,7 @@ async def netns_pipelining(tokens: int, rate: float, rtts: list[float], modes: l
     """Prefill here, replay it from namespace a (``--replay``) into a sink in b over a tbf paced to the prefill."""
     from minifaas.model.runtime import ModelRuntime
 
-    runtime = ModelRuntime.load()
+    runtime = ModelRuntime.load(MODEL)
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     kv_bytes = runtime.prefill(ids).state.nbytes
     with tempfile.TemporaryDirectory() as tmp:
