@@ -1,6 +1,6 @@
 """KV compression: codec ratio and speed on real states, lossy accuracy, and TTFT through the emulated link.
 
-    python benchmarks/bench_kv_compression.py [--quick] [--json] [--only codecs|accuracy|ttft]
+    python benchmarks/bench_kv_compression.py [--quick] [--json] [--only codecs|accuracy|ttft] [--models A,B]
 
 1. codecs: every preset (and every checkpoint under models/checkpoints/), prefilled in float32,
    bfloat16 and float16 on a Shakespeare prompt; each state coded and decoded chunk by chunk as the
@@ -235,6 +235,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rates", default="10,50,200,1000", help="link rates of the TTFT sweep, Mbit/s")
     p.add_argument("--ttft-model", default="qwen3.5-tiny", help="served in the TTFT sweep (its KV outruns prefill)")
+    p.add_argument("--models", help="comma-separated models (default: every preset and shipped checkpoint)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     a = p.parse_args()
@@ -242,7 +243,7 @@ def main() -> None:
         p.set_defaults(tokens=256, prompts=2, accuracy_tokens=48, steps=3, repeats=1, rates="10,1000")
         a = p.parse_args()
     torch.set_num_threads(1)  # one core: the figures are per core, and other work shares this machine
-    names = models() if not a.quick else ["qwen3.5-tiny"]
+    names = a.models.split(",") if a.models else models() if not a.quick else ["qwen3.5-tiny"]
     dtypes = list(DTYPES) if not a.quick else ["float32", "bfloat16"]
     out: dict[str, object] = {"bench": "kv_compression"}
     if a.only in (None, "codecs"):

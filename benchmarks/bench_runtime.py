@@ -1,9 +1,10 @@
-"""Prefill and decode speed of every preset on this machine, and their state sizes.
+"""Prefill and decode speed of every preset and shipped checkpoint on this machine, and their state sizes.
 
-    python benchmarks/bench_runtime.py [--lengths 1024,4096] [--decode-tokens 32] [--json] [--quick]
+    python benchmarks/bench_runtime.py [--lengths 1024,4096] [--decode-tokens 32] [--threads 1] [--json] [--quick]
 
-All presets run in one process, one after another, with the same prompts, so
-the figures compare side by side. Each timing is the best of --repeats runs.
+All presets and the trained checkpoints (models/checkpoints/) run in one
+process, one after another, with the same prompts and torch threads, so the
+figures compare side by side. Each timing is the best of --repeats runs.
 ``--quick`` is the smoke run the tests make: 32- and 128-token prompts, 4
 decode tokens, one repeat unless given; the same code path.
 """
@@ -17,7 +18,7 @@ import torch
 
 from minifaas import figures
 from minifaas.model.kv_size import kv_profile
-from minifaas.model.loader import ModelSpec, load_config_dict, preset_names
+from minifaas.model.loader import ModelSpec, checkpoint_names, load_config_dict, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -51,23 +52,26 @@ def main() -> None:
     p.add_argument("--lengths", default="1024,4096")
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", action="store_true", help="also print one JSON line at the end")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     args = p.parse_args()
     if args.quick:  # flags given on the command line still win
         p.set_defaults(lengths="32,128", decode_tokens=4, repeats=1)
         args = p.parse_args()
+    torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
-    rows = [measure(name, lengths, args.decode_tokens, args.repeats) for name in preset_names()]
+    models = preset_names() + checkpoint_names()
+    rows = [measure(name, lengths, args.decode_tokens, args.repeats) for name in models]
     dense = next(r for r in rows if r["fixed_state_bytes"] == 0 and r["model"] == "qwen3-tiny")
     for r in rows:
         r["dense_over_this_32k"] = dense["state_bytes_32k"] / r["state_bytes_32k"]
     cols = [f"prefill_tok_s_{n}" for n in lengths] + [f"decode_tok_s_{n}" for n in lengths]
     cols += ["kv_bytes_per_token", "fixed_state_bytes", "state_bytes_32k", "dense_over_this_32k"]
-    print(f"{'model':18}" + "".join(f"{c:>22}" for c in cols))
+    print(f"{'model':20}" + "".join(f"{c:>22}" for c in cols))
     for r in rows:
         print(
-            f"{r['model']:18}" + "".join(f"{r[c]:>22.1f}" if isinstance(r[c], float) else f"{r[c]:>22}" for c in cols)
+            f"{r['model']:20}" + "".join(f"{r[c]:>22.1f}" if isinstance(r[c], float) else f"{r[c]:>22}" for c in cols)
         )
     print(f"(threads: {torch.get_num_threads()}; the 32K ratio is qwen3-tiny's state over each model's)")
     if args.json:

@@ -155,7 +155,12 @@ def measure_profile(path: Path, quick: bool) -> None:
 
 
 def drop_scenario(args: argparse.Namespace, out: dict) -> None:
-    base = ServeConfig(threshold=200, link=LinkConfig(rate="20mbit", delay_ms=2.0), cache=CacheConfig(mode="none"))
+    base = ServeConfig(
+        model="kimi-linear-tiny",
+        threshold=200,
+        link=LinkConfig(rate="20mbit", delay_ms=2.0),
+        cache=CacheConfig(mode="none"),
+    )
     configs = {
         "adaptive": base,
         "fixed": replace(base, fixed_threshold=True),
@@ -176,6 +181,7 @@ def shift_scenario(args: argparse.Namespace, out: dict) -> None:
         profile = Path(tmp) / "profile.json"
         measure_profile(profile, args.quick)
         base = ServeConfig(
+            model="kimi-linear-tiny",
             threshold=600,
             pd=ClusterConfig(prefill_workers=1, decode_workers=2),
             link=LinkConfig(rate="20mbit", delay_ms=2.0),

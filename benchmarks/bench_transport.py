@@ -197,14 +197,11 @@ async def emulated_link(**options: str) -> AsyncIterator[EmulatorProcess]:
         yield link
 
 
-async def goodput(
-    link: EmulatorProcess, ids: Transfers, nbytes: int, connections: int, checksums: bool = True
-) -> float:
-    """Bits/s of one transfer of ``nbytes`` through ``link``, on a fresh sender (its own connections)."""
+async def goodput(link: EmulatorProcess, ids: Transfers, nbytes: int, connections: int, **options: Any) -> float:
+    """Bits/s of one transfer of ``nbytes`` through ``link``, on a fresh sender (its own connections);
+    ``options``: other SenderConfig fields (checksums, chunk_bytes, ...)."""
     state = bulk_state(nbytes)
-    config = SenderConfig(
-        "127.0.0.1", link.port, SECRET, connections=connections, done_timeout=120, checksums=checksums
-    )
+    config = SenderConfig("127.0.0.1", link.port, SECRET, connections=connections, done_timeout=120, **options)
     async with KVSender(config) as sender:
         await timed_send(sender, ids, bulk_state(1 << 16))  # connections up first
         return 8 * state.nbytes / await timed_send(sender, ids, state)
@@ -292,7 +289,7 @@ async def pipelining(tokens: int, repeats: int, chunk_tokens: int) -> None:
     the live streaming path is in tests."""
     from minifaas.model.runtime import ModelRuntime
 
-    runtime = ModelRuntime.load()
+    runtime = ModelRuntime.load("kimi-linear-tiny")
     ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     first = runtime.prefill(ids)  # warm-up
     kv_bytes = first.state.nbytes

@@ -12,20 +12,16 @@ from __future__ import annotations
 import argparse
 import re
 
-from minifaas.transport.pacer import RateSchedule, parse_rate
+from minifaas.transport.pacer import RateSchedule, check_window, parse_bytes, parse_rate
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def model(text: str) -> str:
-    """A preset name, a checkpoint directory or a config.json."""
-    from minifaas.model.loader import ModelSpec
+    """A preset, a shipped checkpoint, a checkpoint directory, a config.json or a hub id (found or fetched)."""
+    from minifaas.model.loader import model_argument  # torch: only once a model is named
 
-    try:
-        ModelSpec.resolve(text)
-    except FileNotFoundError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return model_argument(text)
 
 
 def device(text: str) -> str:
@@ -64,6 +60,15 @@ def rate(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
     if parsed is not None and parsed <= 0:
         raise argparse.ArgumentTypeError(f"a rate must be positive, got {text!r}")
+    return text
+
+
+def window(text: str) -> str:
+    """A flow window as ``parse_bytes`` reads it: 262144, 256KiB, 4MiB, none; at least one segment."""
+    try:
+        check_window(parse_bytes(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

@@ -34,7 +34,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("minifaas.planner.plan_cli", "solve the PrfaaS throughput model: best threshold and P/D split"),
     "sim": ("minifaas.sim.sim_cli", "discrete-event simulation of a PrfaaS deployment with the live policies"),
     "profile": ("minifaas.model.profile_cli", "measure prefill time, state bytes and decode steps; write a profile"),
-    "link-emulator": ("minifaas.transport.emulator", "TCP relay imposing an inter-DC link: rate, delay, faults"),
+    "train": ("minifaas.train.train_cli", "train a tiny hybrid checkpoint from a text file on the CPU"),
+    "link-emulator": (
+        "minifaas.transport.emulator",
+        "TCP relay imposing an inter-DC link: rate, delay, window, faults",
+    ),
 }
 
 

@@ -28,5 +28,8 @@ def test_demo_output_into_a_pipe_reads_line_by_line() -> None:
     assert set(rows) == {"short-0", "short-1", "long-0"}, lines
     assert all("done" in row for row in rows.values()), rows  # one row, one line: nothing wrapped
     assert "local" in rows["short-0"] and "prfaas" in rows["long-0"]
+    assert any(line.startswith("┃ request") and line.rstrip("┃ ").endswith("text") for line in lines), lines
+    snippets = {name: row.rstrip("│ ").rsplit("│", 1)[-1].strip() for name, row in rows.items()}
+    assert all(snippets.values()), snippets  # the start of each answer, sampled
     summary = next(i for i, line in enumerate(lines) if line.strip() == "summary by route")
     assert lines[summary - 1] == "" and lines[summary - 2].startswith("└"), "the summary's title is glued to a table"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from minifaas.transport.emulator_control import EmulatorError, EmulatorProcess
-from minifaas.transport.pacer import DelayLine, Pacer, RateSchedule, parse_rate
+from minifaas.transport.pacer import DelayLine, FlowWindow, Pacer, RateSchedule, parse_bytes, parse_rate
 from minifaas.transport.relay_blocks import CopiedBlock, SplicedBlock, splice_available
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,6 +86,41 @@ def test_delay_line_never_reorders() -> None:
     assert times == sorted(times) and min(t - i * 1e-4 for i, t in enumerate(times)) >= 0.002 - 1e-12
 
 
+def test_parse_bytes() -> None:
+    assert parse_bytes("262144") == 262144 and parse_bytes("256KiB") == 262144 and parse_bytes("4mib") == 4 << 20
+    assert parse_bytes("64KB") == 64_000 and parse_bytes("none") is None
+    for bad in ("fast", "4XB", "-5"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_a_flow_window_lets_window_bytes_per_round_trip_through() -> None:
+    window, rtt = FlowWindow(64_000), 0.02
+    now, sent = 0.0, 0
+    while now < 1.0:  # a sender that sends whatever the window allows, as soon as it allows it
+        room = window.room(now)
+        assert room is not None
+        if room:
+            window.sent(room, acked_at=now + rtt)
+            sent += room
+        else:
+            now = window.next_ack()  # type: ignore[assignment]
+    assert sent == pytest.approx(64_000 / rtt, rel=0.03)  # window / RTT, whatever the link's rate
+    assert window.in_flight <= 64_000
+
+
+def test_a_window_set_mid_flow_counts_what_is_already_in_flight() -> None:
+    window = FlowWindow(None)
+    assert window.room(0.0) is None
+    window.sent(50_000, acked_at=1.0)
+    window.set_window(20_000)
+    assert window.room(0.5) == 0 and window.next_ack() == 1.0
+    assert window.room(1.0) == 20_000 and window.next_ack() is None
+    for bad in (0, 100, 2.5e6, True, "4MiB"):
+        with pytest.raises(ValueError, match="whole number of bytes"):
+            FlowWindow(bad)  # type: ignore[arg-type]
+
+
 # --- the relay process ---
 
 
@@ -143,6 +178,47 @@ def test_control_commands_change_the_link() -> None:
             assert (await link.control.stats())["stalled"] is True
             with pytest.raises(EmulatorError):
                 await link.control.command("explode")
+
+    run(main())
+
+
+async def counting_server(received: list[int]) -> asyncio.Server:
+    """Reads every connection to its end, adding up the bytes."""
+
+    async def read_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            received[0] += len(data)
+        writer.close()
+
+    return await asyncio.start_server(read_all, "127.0.0.1", 0)
+
+
+def test_a_window_caps_each_flow_at_window_per_round_trip_and_changes_over_the_control_port() -> None:
+    window, rtt = 48_000, 0.02  # 10 ms each way, and no rate limit: only the window holds the flow back
+
+    async def main() -> None:
+        received = [0]
+        server = await counting_server(received)
+        options = {"window": "48000", "delay_ms": rtt / 2 * 1000}
+        async with server, EmulatorProcess(server.sockets[0].getsockname(), **options) as link:
+            assert (await link.control.stats())["window_bytes"] == window
+            nbytes = 1_200_000
+            loop = asyncio.get_running_loop()
+            _, writer = await asyncio.open_connection("127.0.0.1", link.port)
+            start = loop.time()
+            writer.write(bytes(nbytes))
+            async with asyncio.timeout(20):
+                while received[0] < nbytes:
+                    await asyncio.sleep(0.005)
+            seconds = loop.time() - start
+            writer.close()
+            # every byte passed the window, and a window's worth is acknowledged one round trip after it left
+            assert seconds >= 0.95 * rtt * (nbytes / window - 1)
+            await link.control.set_window(None)
+            assert (await link.control.stats())["window_bytes"] is None
+            for bad in (100, 3.5, "big"):
+                with pytest.raises(EmulatorError, match="whole number of bytes"):
+                    await link.control.set_window(bad)  # type: ignore[arg-type]
 
     run(main())
 

@@ -45,7 +45,10 @@ def _children() -> set[int]:
 def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[int]]) -> None:
     # no prefix cache: the fault scenarios below need every long prompt to be prefilled and sent in full
     config = ServeConfig(
-        threshold=THRESHOLD, link=LinkConfig(rate="20mbit", delay_ms=2.0), cache=CacheConfig(mode="none")
+        model="kimi-linear-tiny",
+        threshold=THRESHOLD,
+        link=LinkConfig(rate="20mbit", delay_ms=2.0),
+        cache=CacheConfig(mode="none"),
     )
     before = _children()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 import subprocess
@@ -13,7 +12,7 @@ import time
 import pytest
 
 from minifaas.transport.link_health import LinkMonitor, TcpInfo, read_tcp_info
-from minifaas.transport.netns import SECRET_ENV, NetnsLink, unavailable
+from minifaas.transport.netns import SECRET_ENV, NetnsLink, run_pair, unavailable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,21 +66,10 @@ def test_monitor_ignores_a_connection_until_its_second_sample() -> None:
 def test_a_real_bottleneck_shows_loss_and_retransmissions() -> None:
     env = {**os.environ, SECRET_ENV: "netns-test-secret-0123456789"}
     with NetnsLink(rate="20mbit", queue_bytes=16_000) as link:
-        b = link.addresses["b"]
-        sink_argv = [sys.executable, "-m", "minifaas.transport.netns", "sink", "--listen", f"{b}:0"]
-        sink = subprocess.Popen(link.exec("b", sink_argv), stdout=subprocess.PIPE, env=env, text=True)
-        try:
-            port = json.loads(sink.stdout.readline())["port"]  # type: ignore[union-attr]
-            probe_argv = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--connect", f"{b}:{port}",
-                          "--bytes", str(3 << 20), "--connections", "4", "--rate", "20mbit"]  # fmt: skip
-            probe = subprocess.run(link.exec("a", probe_argv), capture_output=True, env=env, text=True, timeout=45)
-            assert probe.returncode == 0, probe.stderr
-            sink.wait(timeout=10)
-        finally:
-            sink.kill()
-            sink.wait()
+        probe = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--bytes", str(3 << 20), "--connections",
+                 "4", "--rate", "20mbit"]  # fmt: skip
+        lines = run_pair(link, probe, env, timeout=45)
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    lines = [json.loads(line) for line in probe.stdout.splitlines()]
     readings = [line["health"] for line in lines if "health" in line]
     assert lines[-1]["done"]["bytes"] >= 3 << 20
     assert readings and max(r["goodput_bps"] for r in readings) > 0

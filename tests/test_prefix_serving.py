@@ -42,6 +42,7 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
     long_text = rt.tokenizer.decode(rt.start_decode(long_state, long_prefill.next_token, HTTP_PARAMS).run())
     kv_per_token = long_state.bytes_by_kind()[StateKind.FULL_ATTENTION] // len(LONG)
     config = ServeConfig(
+        model="kimi-linear-tiny",
         port=0,
         threshold=THRESHOLD,
         fixed_threshold=True,  # the scheduler leaves t and the rule where the test puts them

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from minifaas.cli import command_parser
 from minifaas.model.sampling import SamplingParams
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, save_profiles
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
@@ -19,6 +20,7 @@ from minifaas.serve.gateway import Gateway
 from minifaas.serve.lifecycle import Phase
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.serve.roles import RoleChanger
+from minifaas.serve.serve_cli import config_from_args
 from minifaas.serve.worker_specs import worker_argv
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -192,3 +194,33 @@ def test_each_role_gets_its_command_line_and_prefill_chunks_follow_the_cluster()
     assert decode[decode.index("--max-batch") + 1] == "4" and "--prefill-chunk" not in decode
     with pytest.raises(ValueError, match="prefill_chunk"):
         ClusterConfig(prefill_chunk=-1)
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_dtype_and_remote_code_reach_every_worker_per_cluster(tmp_path: Path) -> None:
+    config = _config(trust_remote_code=True)
+    for role, cluster in (("prefill", "prfaas"), ("prefill", "pd"), ("decode", "pd")):
+        argv = worker_argv(config, role, cluster)
+        assert _flag(argv, "--dtype") == "float32" and "--trust-remote-code" in argv  # auto on a CPU
+    assert "--trust-remote-code" not in worker_argv(_config(), "decode", "pd")
+    on_gpu = _config(prfaas=ClusterConfig(device="cuda:0"), pd=ClusterConfig(1, 1, device="cuda:1"))
+    assert {_flag(worker_argv(on_gpu, r, c), "--dtype") for r, c in (("prefill", "prfaas"), ("decode", "pd"))} == {
+        "bfloat16"
+    }
+    with pytest.raises(ValueError, match="PrfaaS cluster would run bfloat16 and the PD cluster float32"):
+        _config(prfaas=ClusterConfig(device="cuda:0"))
+    toml = tmp_path / "serve.toml"
+    toml.write_text('[serve]\ndtype = "float16"\ntrust_remote_code = true\n[pd]\ndecode_workers = 1\n'
+                    '[prfaas]\nprefill_workers = 0\n[link]\nrate = "none"\n')  # fmt: skip
+    loaded = ServeConfig.from_toml(toml)
+    assert loaded.trust_remote_code and _flag(worker_argv(loaded, "decode", "pd"), "--dtype") == "float16"
+    toml.write_text('[pd]\ndecode_workers = 1\ndtype = "bfloat16"\n[prfaas]\nprefill_workers = 0\n')
+    assert _flag(worker_argv(ServeConfig.from_toml(toml), "prefill", "pd"), "--dtype") == "bfloat16"
+    flags = command_parser("serve").parse_args(["--config", str(toml), "--dtype", "float16", "--trust-remote-code"])
+    from_flags = config_from_args(flags)  # a flag wins over the file, for every cluster
+    assert from_flags.pd.dtype is None and from_flags.worker_dtype("pd") == "float16" and from_flags.trust_remote_code
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ClusterConfig(dtype="fp8")

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,6 +11,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from serve_child import serving
 
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -50,45 +48,9 @@ def serve_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     """A ``minifaas serve`` process: its URL, and the lines it logged until it served."""
     key_file = tmp_path_factory.mktemp("serve") / "api-key"
     key_file.write_text(KEY + "\n")  # from a file, so the key is not in ps
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "minifaas.cli",
-            "serve",
-            "--port",
-            "0",
-            "--threshold",
-            "300",
-            "--api-key-file",
-            str(key_file),
-            "--link-rate",
-            "50mbit",
-            "--kv-compression",
-            "lossless",
-            "--log-level",
-            "INFO",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    port, lines = None, []
-    deadline = time.monotonic() + 240
-    while port is None and time.monotonic() < deadline:
-        line = proc.stderr.readline()  # type: ignore[union-attr]
-        if not line:
-            break
-        lines.append(line)
-        if "serving" in line and "http://" in line:
-            port = int(line.split("http://")[1].split("/")[0].rsplit(":", 1)[1])
-    assert port is not None, "server did not start"
-    yield f"http://127.0.0.1:{port}", lines
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    time.sleep(0.5)
-    leftovers = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert leftovers == [], f"processes left after shutdown: {leftovers}"
+    flags = ["--model", "kimi-linear-tiny", "--threshold", "300", "--api-key-file", str(key_file)]
+    with serving(*flags, "--link-rate", "50mbit", "--kv-compression", "lossless") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

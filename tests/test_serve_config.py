@@ -1,4 +1,5 @@
-"""The serve configuration's KV compression setting: TOML, flags, what the workers are started with."""
+"""The serve configuration's link section: the window beside rate and delay, KV compression (TOML, flags, what the
+workers are started with), defaults, and bad values refused."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from minifaas.cli import main
 from minifaas.serve.config import LinkConfig, ServeConfig
 from minifaas.serve.serve_cli import add_arguments, config_from_args
 from minifaas.serve.worker import parse_args
 from minifaas.serve.worker_specs import worker_argv
+from minifaas.transport.pool import DEFAULT_CONNECTIONS
+from minifaas.transport.sender_config import SenderConfig
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -40,3 +44,36 @@ def test_every_worker_gets_the_mode(role: str, cluster: str) -> None:
     config = ServeConfig(link=LinkConfig(kv_compression="int8"))
     argv = worker_argv(config, role, cluster)
     assert parse_args(["--role", role, "--cluster", cluster, "--name", "w", *argv]).kv_compression == "int8"
+
+
+def test_the_link_takes_a_window_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "serve.toml"
+    path.write_text('[link]\nrate = "1gbit"\nwindow = "4MiB"\ndelay_ms = 15.0\n')
+    link = ServeConfig.from_toml(path).link
+    assert (link.rate, link.window, link.delay_ms) == ("1gbit", "4MiB", 15.0)
+
+
+def test_one_default_number_of_connections_everywhere() -> None:
+    assert LinkConfig().connections == SenderConfig("h", 1, b"s" * 32).connections == DEFAULT_CONNECTIONS == 16
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"window": "10"}, "whole number of bytes"),
+        ({"window": "4XB"}, "not a size"),
+        ({"rate": "fast"}, "not a rate"),
+        ({"connections": 0}, "connections 1..64"),
+    ],
+)
+def test_bad_link_settings_are_refused_in_one_line(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LinkConfig(**changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("command", ["serve --link-window 100", "link-emulator --target :9000 --window 100"])
+def test_a_bad_window_flag_is_one_error_line(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(command.split())
+    assert stopped.value.code == 2
+    assert "a flow window must be a whole number of bytes >= 1500, got 100" in capsys.readouterr().err

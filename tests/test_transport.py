@@ -9,6 +9,7 @@ import ssl
 import subprocess
 import threading
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,10 @@ from minifaas.transport import (
     SenderConfig,
     TransferError,
 )
+from minifaas.transport.chunking import split_chunks
 from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.transport.outgoing import cut_tail
+from minifaas.transport.sender_config import MIN_UNSENT_BYTES
 from minifaas.transport.synthetic import bulk_state, same_state, synthetic_state
 
 SECRET = b"cluster-secret-0123456789abcdef"
@@ -80,6 +84,45 @@ def test_big_chunks_checked_off_the_event_loop_round_trip(connections: int) -> N
             assert rx.buffers.reused > 0
 
     run(main())
+
+
+def covered(chunks: list[Any]) -> list[tuple[int, int, int]]:
+    """Every 4 KiB position the chunks write, in the order they write it: (layer, slot, offset)."""
+    return [(c.state.layer, c.slot, at) for c in chunks for at in range(c.offset, c.offset + c.length, 4096)]
+
+
+def test_the_last_chunks_are_cut_small_so_the_connections_end_together() -> None:
+    state = bulk_state(10 << 20, layers=5)  # ten 1 MiB slots
+    chunks = [c for layer in state.layers for c in split_chunks(layer, 1 << 20)]
+    cut = cut_tail(chunks, connections=2, piece_bytes=256 << 10)
+    assert [c.length for c in cut] == [1 << 20] * 8 + [256 << 10] * 8  # two connections: the last 2 MiB cut
+    assert covered(cut) == covered(chunks)  # the same bytes, in the same order
+    assert cut_tail(chunks, connections=1, piece_bytes=256 << 10) == chunks  # one connection ends with itself
+    assert cut_tail(chunks, connections=4, piece_bytes=None) == chunks  # no unsent limit: no cut either
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_state_whose_last_chunks_were_cut_arrives_bit_exact(pipelined: bool) -> None:
+    state = bulk_state(3 << 20, layers=3)
+
+    async def main() -> None:
+        config = sender_config(0, connections=4, chunk_bytes=1 << 20, unsent_bytes=512 << 10, pipelined=pipelined)
+        assert config.unsent_limit_bytes == 128 << 10  # the budget shared out: the pieces at the end
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx, KVSender(replace(config, port=rx.port)) as tx:
+            await tx.send(1, state)
+            assert same_state(await rx.transfer(1).model_state(), state)
+
+    run(main())
+
+
+def test_the_unsent_budget_is_shared_out_over_the_connections() -> None:
+    assert sender_config(1, connections=4).unsent_limit_bytes == 1 << 20  # 4 MiB over 4, as before
+    assert sender_config(1, connections=16).unsent_limit_bytes == 256 << 10
+    assert sender_config(1, connections=64).unsent_limit_bytes == 64 << 10
+    assert sender_config(1, connections=4, unsent_bytes=MIN_UNSENT_BYTES).unsent_limit_bytes == MIN_UNSENT_BYTES
+    assert sender_config(1, unsent_bytes=None).unsent_limit_bytes is None
+    with pytest.raises(ValueError, match="unsent_bytes"):
+        sender_config(1, unsent_bytes=MIN_UNSENT_BYTES - 1)
 
 
 def test_chunks_are_striped_over_every_connection() -> None:

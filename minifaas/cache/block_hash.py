@@ -100,6 +100,14 @@ class PromptKeys:
         j = n // self.block_size
         return self.block_keys[j - 1] if j else self.root
 
+    def keyed_lengths(self, low: int, high: int) -> tuple[int, ...] | None:
+        """The lengths in [low, high] that have a key, longest first; None when every length has one
+        (the tokens are known). Without tokens only block boundaries and the prompt's end are keyed."""
+        if self.tokens is not None:
+            return None
+        ends = (self.num_tokens, *range(high - high % self.block_size, low - 1, -self.block_size))
+        return tuple(n for n in dict.fromkeys(ends) if low <= n <= high)
+
     def key_at(self, n: int) -> BlockKey | None:
         if not 0 <= n <= self.num_tokens:
             raise ValueError(f"length {n} outside 0..{self.num_tokens}")

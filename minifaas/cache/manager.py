@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.events import CacheEvent, EventKind
@@ -40,7 +40,8 @@ class ClusterMatch:
 
     def view(self, prefill_nodes: Sequence[NodeView] = (), decode_nodes: Sequence[NodeView] = ()) -> ClusterView:
         """The router's view of this cluster: nodes keep their load and health, hits come from here."""
-        nodes = tuple(replace(n, hit_tokens=self.node_hits.get(n.node_id, 0)) for n in prefill_nodes)
+        hits = self.node_hits
+        nodes = tuple(NodeView(n.node_id, hits.get(n.node_id, 0), n.load, n.healthy) for n in prefill_nodes)
         return ClusterView(self.cluster, nodes, tuple(decode_nodes), self.kv_prefix_tokens, self.hit_tokens)
 
 
@@ -49,6 +50,12 @@ class GlobalCacheManager:
         self.indexes = {name: PrefixIndex(needs_snapshot) for name in clusters}
         self.nodes: dict[str, set[str]] = {name: set() for name in self.indexes}
         self.counts: Counter[str] = Counter()
+
+    def attach(self, cluster: str, index: PrefixIndex, node: str) -> None:
+        """Match ``cluster`` against its pool's own index, held by ``node`` alone: what replaying the
+        pool's events at once would build, without the events (a pool in this process: the simulator)."""
+        self.indexes[cluster] = index
+        self.nodes[cluster] = {node}
 
     def apply(self, event: CacheEvent) -> None:
         index = self.indexes.get(event.cluster)
@@ -69,17 +76,18 @@ class GlobalCacheManager:
     def forget_node(self, cluster: str, node: str) -> None:
         """A node left: it no longer holds anything locally (the cluster's pool still does)."""
         self.nodes[cluster].discard(node)
-        for table in (self.indexes[cluster].blocks, self.indexes[cluster].snapshots):
-            for holders in table.values():
-                holders.discard(node)
+        self.indexes[cluster].forget(node)
 
     def match(self, prompt: PromptKeys, limit: int | None = None) -> dict[str, ClusterMatch]:
         out = {}
         for name, index in self.indexes.items():
             m = index.match(prompt, limit)
             node_hits = {}
-            if m.hit_tokens:
-                node_hits = {node: index.match(prompt, limit, node).hit_tokens for node in sorted(self.nodes[name])}
+            if m.hit_tokens:  # a node that holds every entry has the cluster's hit: no second walk
+                node_hits = {
+                    node: m.hit_tokens if index.holds_all(node) else index.match(prompt, limit, node).hit_tokens
+                    for node in sorted(self.nodes[name])
+                }
             kv = min(m.kv_tokens(prompt.block_size), prompt.num_tokens if limit is None else max(limit, 0))
             out[name] = ClusterMatch(name, m.hit_tokens, kv, node_hits)
             self.counts[f"{name}_lookups"] += 1

@@ -29,7 +29,7 @@ but are never evicted themselves. Every decision is counted in ``counts``.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -42,6 +42,28 @@ P = TypeVar("P")
 
 
 @dataclass(frozen=True, slots=True)
+class _CountNames:
+    dups: str
+    orphans: str
+    no_room: str
+    stored: str
+
+
+def _slot(kind: EntryKind, key: BlockKey) -> bytes:
+    """Where an entry sits in the pool: a block under its key, a snapshot under its key marked (one
+    at a block boundary has its block's key). Plain bytes, no tuple to build on every lookup."""
+    return key if kind is EntryKind.BLOCK else b"s" + key
+
+
+_COUNT_NAMES = {  # names of the store counters per entry kind, made once: stores are the hot path
+    kind: _CountNames(
+        f"{kind}_store_dups", f"{kind}_store_skipped_orphan", f"{kind}_store_rejected_no_room", f"{kind}s_stored"
+    )
+    for kind in EntryKind
+}
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     cluster: str
     capacity_bytes: int
@@ -49,6 +71,7 @@ class PoolConfig:
     snapshot_interval_blocks: int = 8  # 0: snapshots only at prompt ends
     needs_snapshot: bool = True  # False for dense models: any block prefix is usable
     enabled: bool = True  # False: --prefix-cache none (no hits, nothing stored)
+    events: bool = True  # False: no store/evict events (the simulator's manager reads this pool's index)
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0 or self.block_size < 1 or self.snapshot_interval_blocks < 0:
@@ -63,7 +86,7 @@ class HybridPrefixPool(Generic[P]):
         self.counts: Counter[str] = Counter()
         self.prefix_bytes = 0
         self.transfer_bytes = 0
-        self._entries: OrderedDict[tuple[EntryKind, BlockKey], Entry[P]] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[bytes, Entry[P]] = OrderedDict()  # by _slot, LRU first
         self._transfers: dict[str, tuple[int, P | None]] = {}
         self._events: list[CacheEvent] = []
 
@@ -76,7 +99,7 @@ class HybridPrefixPool(Generic[P]):
         return self.config.capacity_bytes - self.used_bytes
 
     def entry(self, kind: EntryKind, key: BlockKey) -> Entry[P] | None:
-        return self._entries.get((kind, key))
+        return self._entries.get(_slot(kind, key))
 
     def entries(self) -> list[Entry[P]]:
         """Everything held, least recently used first."""
@@ -98,8 +121,8 @@ class HybridPrefixPool(Generic[P]):
             kv_blocks = min(m.kv_blocks, max(0, limit) // prompt.block_size)
             m = Match(kv_blocks * prompt.block_size, kv_blocks, None)
         block_keys = prompt.block_keys[: m.hit_tokens // prompt.block_size]
-        blocks = tuple(self._entries[(EntryKind.BLOCK, k)] for k in block_keys)
-        snapshot = self._entries[(EntryKind.SNAPSHOT, m.snapshot_key)] if m.snapshot_key else None
+        blocks = tuple(self._entries[k] for k in block_keys)
+        snapshot = self._entries[_slot(EntryKind.SNAPSHOT, m.snapshot_key)] if m.snapshot_key else None
         for e in (*blocks, *([snapshot] if snapshot else [])):
             e.refs += 1
         self.touch(prompt, m.hit_tokens, now)
@@ -122,9 +145,8 @@ class HybridPrefixPool(Generic[P]):
         holds leaves and a prefix's root outlives its branches."""
         snapshot_key = prompt.key_at(length) if length else None
         if snapshot_key is not None:
-            self._touch((EntryKind.SNAPSHOT, snapshot_key), now)
-        for key in reversed(prompt.block_keys[: length // prompt.block_size]):
-            self._touch((EntryKind.BLOCK, key), now)
+            self._touch(_slot(EntryKind.SNAPSHOT, snapshot_key), now)
+        self._touch_blocks(reversed(prompt.block_keys[: length // prompt.block_size]), now)
 
     def snapshot_points(self, start: int, num_tokens: int) -> list[int]:
         """Lengths in (start, num_tokens] at which a prefill of a prompt should snapshot its state."""
@@ -146,9 +168,10 @@ class HybridPrefixPool(Generic[P]):
     ) -> bool:
         """Store full block ``index`` of ``prompt``; True if it is in the pool afterwards."""
         self._check_block_size(prompt)
-        key, end = prompt.block_keys[index], (index + 1) * prompt.block_size
-        parent = prompt.parent_of(index * prompt.block_size)
-        return self._put(EntryKind.BLOCK, key, parent, end, index > 0, now, nbytes, payload, node)
+        keys = prompt.block_keys
+        parent = keys[index - 1] if index else prompt.root  # parent_of(index * block_size)
+        return self._put(EntryKind.BLOCK, keys[index], parent, (index + 1) * prompt.block_size, index > 0, now,
+                         nbytes, payload, node)  # fmt: skip
 
     def put_snapshot(
         self,
@@ -167,6 +190,39 @@ class HybridPrefixPool(Generic[P]):
         parent, needs_parent = prompt.parent_of(length), length >= prompt.block_size
         return self._put(EntryKind.SNAPSHOT, key, parent, length, needs_parent, now, nbytes, payload, node)
 
+    def put_blocks(
+        self, prompt: PromptKeys, start: int, end: int, now: float, nbytes: int, node: str | None = None
+    ) -> int:
+        """``put_block`` for full blocks [start, end) in order, without payloads (simulator); stops at
+        the first one that cannot be stored, since every later one would be an orphan. Returns how
+        many are in the pool afterwards."""
+        holder = self.node if node is None else node
+        if not (self.config.enabled and self.index.holds_all(holder)):
+            for j in range(start, end):
+                if not self.put_block(prompt, j, now, nbytes, node=node):
+                    return j - start
+            return end - start
+        # A replayed conversation finds most of its blocks here, all of them the holder's, so
+        # put_block would only touch them: find that leading run at once and touch it. Every block
+        # after it is missing too (the pool is prefix-closed), so each is stored under the one
+        # before it without a lookup, unless it needs room made (eviction: the general path).
+        present = self.index.leading_blocks(prompt, start, end)
+        self.counts["block_store_dups"] += present
+        keys, entries = prompt.block_keys, self._entries
+        self._touch_blocks(keys[start : start + present], now)
+        first_new = start + present
+        parent = entries.get(keys[first_new - 1]) if first_new else None
+        for j in range(first_new, end):
+            if (parent is None and j) or self.free_bytes < nbytes:
+                if not self.put_block(prompt, j, now, nbytes, node=node):
+                    return j - start
+                parent = entries[keys[j]]
+            else:
+                parent_key = keys[j - 1] if j else prompt.root
+                parent = self._insert(EntryKind.BLOCK, keys[j], parent_key, (j + 1) * prompt.block_size, parent, now,
+                                      nbytes, None, holder)  # fmt: skip
+        return end - start
+
     def store_prompt(
         self,
         prompt: PromptKeys,
@@ -177,8 +233,7 @@ class HybridPrefixPool(Generic[P]):
         node: str | None = None,
     ) -> None:
         """Store everything a prefill of tokens [start, end) leaves behind, without payloads (simulator)."""
-        for j in range(start // prompt.block_size, prompt.num_full_blocks):
-            self.put_block(prompt, j, now, block_nbytes, node=node)
+        self.put_blocks(prompt, start // prompt.block_size, prompt.num_full_blocks, now, block_nbytes, node)
         for n in self.snapshot_points(start, prompt.num_tokens):
             if prompt.key_at(n) is not None:
                 self.put_snapshot(prompt, n, now, snapshot_nbytes(n), node=node)
@@ -232,34 +287,53 @@ class HybridPrefixPool(Generic[P]):
         if not self.config.enabled:
             self.counts["store_skipped_disabled"] += 1
             return False
-        existing = self._entries.get((kind, key))
+        entries, slot, counts = self._entries, _slot(kind, key), _COUNT_NAMES[kind]
+        existing = entries.get(slot)
         if existing is not None:
-            self.counts[f"{kind}_store_dups"] += 1
-            self._touch((kind, key), now)
-            if self.index.add(kind, key, node, parent, length):
+            self.counts[counts.dups] += 1
+            self._touch(slot, now)
+            if self.index.add(kind, key, node, parent, length) and self.config.events:
                 self._events.append(self._event(EventKind.STORE, existing, node, now))
             return True
-        parent_entry = self._entries.get((EntryKind.BLOCK, parent))
+        parent_entry = entries.get(parent)  # a block's slot is its key
         if parent_entry is None and needs_parent:
-            self.counts[f"{kind}_store_skipped_orphan"] += 1  # its prefix is gone: unreachable
+            self.counts[counts.orphans] += 1  # its prefix is gone: unreachable
             return False
-        if parent_entry is not None:
-            parent_entry.refs += 1  # keep the parent while making room for its child
-        room = self._make_room(nbytes, now)
-        if parent_entry is not None:
-            parent_entry.refs -= 1
-        if not room:
-            self.counts[f"{kind}_store_rejected_no_room"] += 1
-            return False
+        if self.config.capacity_bytes - self.prefix_bytes - self.transfer_bytes < nbytes:  # free_bytes, inline
+            if parent_entry is not None:
+                parent_entry.refs += 1  # keep the parent while making room for its child
+            room = self._make_room(nbytes, now)
+            if parent_entry is not None:
+                parent_entry.refs -= 1
+            if not room:
+                self.counts[counts.no_room] += 1
+                return False
+        self._insert(kind, key, parent, length, parent_entry, now, nbytes, payload, node)
+        return True
+
+    def _insert(
+        self,
+        kind: EntryKind,
+        key: BlockKey,
+        parent: BlockKey,
+        length: int,
+        parent_entry: Entry[P] | None,
+        now: float,
+        nbytes: int,
+        payload: P | None,
+        node: str,
+    ) -> Entry[P]:
+        """Add an entry known to be missing, with room for it, under ``parent_entry``."""
         entry: Entry[P] = Entry(kind, key, parent, length, nbytes, payload, now)
-        self._entries[(kind, key)] = entry
+        self._entries[_slot(kind, key)] = entry
         self.index.add(kind, key, node, parent, length)
         if parent_entry is not None:
             parent_entry.dependents += 1
         self.prefix_bytes += nbytes
-        self.counts[f"{kind}s_stored"] += 1
-        self._events.append(self._event(EventKind.STORE, entry, node, now))
-        return True
+        self.counts[_COUNT_NAMES[kind].stored] += 1
+        if self.config.events:
+            self._events.append(self._event(EventKind.STORE, entry, node, now))
+        return entry
 
     def _make_room(self, nbytes: int, now: float) -> bool:
         if nbytes > self.config.capacity_bytes:
@@ -272,17 +346,26 @@ class HybridPrefixPool(Generic[P]):
         return True
 
     def _evict(self, entry: Entry[P], now: float) -> None:
-        del self._entries[(entry.kind, entry.key)]
+        del self._entries[_slot(entry.kind, entry.key)]
         self.index.remove(entry.kind, entry.key, entry.parent, entry.length)
-        parent_entry = self._entries.get((EntryKind.BLOCK, entry.parent))
+        parent_entry = self._entries.get(entry.parent)
         if parent_entry is not None:
             parent_entry.dependents -= 1
         self.prefix_bytes -= entry.nbytes
         self.counts[f"{entry.kind}s_evicted"] += 1
         self.counts["evicted_bytes"] += entry.nbytes
-        self._events.append(self._event(EventKind.EVICT, entry, "", now))
+        if self.config.events:
+            self._events.append(self._event(EventKind.EVICT, entry, "", now))
 
-    def _touch(self, slot: tuple[EntryKind, BlockKey], now: float) -> None:
+    def _touch_blocks(self, keys: Iterable[BlockKey], now: float) -> None:
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None:
+                entry.last_used = now
+                entries.move_to_end(key)
+
+    def _touch(self, slot: bytes, now: float) -> None:
         entry = self._entries.get(slot)
         if entry is not None:
             entry.last_used = now

@@ -49,6 +49,7 @@ class PrefixIndex:
         self.blocks: dict[BlockKey, set[str]] = {}
         self.snapshots: dict[BlockKey, set[str]] = {}
         self._snapshot_lengths: dict[BlockKey, dict[int, int]] = {}  # parent -> length -> count
+        self._held_by: dict[str, int] = {}  # node -> entries it holds
 
     def __len__(self) -> int:
         return len(self.blocks) + len(self.snapshots)
@@ -62,16 +63,20 @@ class PrefixIndex:
             if kind is EntryKind.SNAPSHOT:
                 lengths = self._snapshot_lengths.setdefault(parent, {})
                 lengths[length] = lengths.get(length, 0) + 1
-            return True
-        if node in holders:
+        elif node in holders:
             return False
-        holders.add(node)
+        else:
+            holders.add(node)
+        self._held_by[node] = self._held_by.get(node, 0) + 1
         return True
 
     def remove(self, kind: EntryKind, key: BlockKey, parent: BlockKey = b"", length: int = 0) -> bool:
         table = self.blocks if kind is EntryKind.BLOCK else self.snapshots
-        if table.pop(key, None) is None:
+        holders = table.pop(key, None)
+        if holders is None:
             return False
+        for holder in holders:
+            self._held_by[holder] -= 1
         if kind is EntryKind.SNAPSHOT:
             lengths = self._snapshot_lengths[parent]
             lengths[length] -= 1
@@ -85,21 +90,58 @@ class PrefixIndex:
         table = self.blocks if kind is EntryKind.BLOCK else self.snapshots
         return table.get(key, set())
 
+    def forget(self, node: str) -> None:
+        """``node`` holds nothing any more; the entries stay (other nodes may load them)."""
+        for table in (self.blocks, self.snapshots):
+            for holders in table.values():
+                holders.discard(node)
+        self._held_by.pop(node, None)
+
+    def holds_all(self, node: str) -> bool:
+        """True if ``node`` holds every entry: its own match is then the index's match."""
+        return self._held_by.get(node, 0) == len(self)
+
+    def leading_blocks(self, prompt: PromptKeys, start: int = 0, end: int | None = None) -> int:
+        """How many of the prompt's full blocks [start, end) are present, counted from ``start`` up to
+        the first missing one. Found by bisection: the blocks present are prefix-closed (a pool
+        stores a block only under its parent and evicts only blocks nothing hangs from, and a
+        mirror replays its events in order), so along one prompt's chain they are a leading run."""
+        keys, blocks = prompt.block_keys, self.blocks
+        low, high = start, len(keys) if end is None else end
+        while low < high:
+            mid = (low + high) // 2
+            if keys[mid] in blocks:
+                low = mid + 1
+            else:
+                high = mid
+        return low - start
+
     def match(self, prompt: PromptKeys, limit: int | None = None, node: str | None = None) -> Match:
         """Longest usable prefix of ``prompt`` no longer than ``limit`` (held by ``node``, if given)."""
         limit = prompt.num_tokens if limit is None else max(0, min(limit, prompt.num_tokens))
-        kv_blocks = 0
-        for key in prompt.block_keys:
-            if not self._held(self.blocks, key, node):
-                break
-            kv_blocks += 1
-        size = prompt.block_size
+        if node is not None and self.holds_all(node):
+            node = None  # its entries are all the entries
+        if node is None:
+            kv_blocks = self.leading_blocks(prompt)
+        else:  # a node's own entries need not be prefix-closed (it stores what it computed)
+            kv_blocks = 0
+            for key in prompt.block_keys:
+                holders = self.blocks.get(key)
+                if holders is None or node not in holders:
+                    break
+                kv_blocks += 1
+        size, keys, snapshot_lengths = prompt.block_size, prompt.block_keys, self._snapshot_lengths
+        # from the longest candidate down; most parents have no snapshot, so look before sorting
         for j in range(min(kv_blocks, limit // size), -1, -1):
-            lengths = self._snapshot_lengths.get(prompt.parent_of(j * size), {})
-            for n in sorted((n for n in lengths if j * size <= n < (j + 1) * size and n <= limit), reverse=True):
-                key = prompt.key_at(n)
-                if key is not None and self._held(self.snapshots, key, node):
-                    return Match(n, kv_blocks, key)
+            lengths = snapshot_lengths.get(keys[j - 1] if j else prompt.root)  # parent_of(j * size)
+            if lengths:
+                low, high = j * size, min((j + 1) * size - 1, limit)
+                keyed = prompt.keyed_lengths(low, high)
+                for n in sorted(lengths, reverse=True) if keyed is None else [n for n in keyed if n in lengths]:
+                    if low <= n <= high:
+                        key = prompt.key_at(n)
+                        if key is not None and self._held(self.snapshots, key, node):
+                            return Match(n, kv_blocks, key)
             if j and not self.needs_snapshot:
                 return Match(j * size, kv_blocks, None)
         return Match(0, kv_blocks, None)

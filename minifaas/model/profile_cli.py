@@ -28,7 +28,7 @@ import numpy as np
 
 from minifaas import arguments
 from minifaas.cli import BadInput, user_input
-from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.model.loader import add_model_arguments, checked_spec, resolve_dtype
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, fit_kv, fit_latency, save_profiles
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=arguments.model, default=DEFAULT_MODEL, help="preset or local checkpoint dir")
+    add_model_arguments(parser)
     parser.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N")
     parser.add_argument(
         "--lengths", type=arguments.positive_ints, default="64,256,1024", help="prompt lengths in tokens (two or more)"
@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("need two lengths or more, --repeats and --decode-steps >= 1 and --slo > 0")
     with user_input():
         arguments.present_device(args.device)
-    runtime = ModelRuntime.load(args.model, args.device)
+        checked_spec(args.model, args.trust_remote_code)
+        dtype = resolve_dtype(args.dtype, args.device)
+    runtime = ModelRuntime.load(args.model, args.device, dtype=dtype, trust_remote_code=args.trust_remote_code)
     name = args.name or f"{args.model}@{args.device}"
     runtime.prefill([1, 2, 3, 4])  # warm-up: first-call allocations are not the model's speed
     points = measure_prefill(runtime, lengths, args.repeats)

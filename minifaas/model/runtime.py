@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from minifaas.model.layer_state import LayerState, ModelState
-from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model
+from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
 from minifaas.model.sampling import GREEDY, History, SamplingParams, sample
 from minifaas.model.state_layout import StateLayout, build_cache, new_cache
-from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from minifaas.model.tokenizer import Tokenizer
 
 OnLayer = Callable[[LayerState], None]
 OnTokens = Callable[[LayerState, int, int], None]  # (piece, start, total): see ModelRuntime.prefill
@@ -62,16 +62,20 @@ class ModelRuntime:
 
     @classmethod
     def load(
-        cls, name_or_path: str = DEFAULT_MODEL, device: str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32
+        cls,
+        name_or_path: str = DEFAULT_MODEL,
+        device: str = "cpu",
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+        trust_remote_code: bool = False,
     ) -> ModelRuntime:
+        """``dtype`` None: ``--dtype auto`` (bfloat16 on CUDA, float32 on the CPU)."""
         spec = ModelSpec.resolve(name_or_path, seed)
-        if spec.kind == "preset":
-            tokenizer: Tokenizer = ByteTokenizer()
-            if load_config(spec).vocab_size < tokenizer.vocab_size:
-                raise ValueError(f"{spec.name}: vocab smaller than the byte tokenizer's")
-        else:
-            tokenizer = HFTokenizer(spec.path.parent)
-        return cls(load_model(spec, device, dtype), tokenizer, spec, device)
+        tokenizer = load_tokenizer(spec, trust_remote_code)
+        if spec.kind == "preset" and load_config(spec).vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"{spec.name}: vocab smaller than the byte tokenizer's")
+        model = load_model(spec, device, dtype or resolve_dtype("auto", device), trust_remote_code)
+        return cls(model, tokenizer, spec, device)
 
     @property
     def eos_token_id(self) -> int:

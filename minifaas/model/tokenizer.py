@@ -5,7 +5,7 @@ Both follow one small protocol so the rest of minifaas never asks which it has.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -47,10 +47,10 @@ class ByteTokenizer:
 class HFTokenizer:
     """A checkpoint directory's tokenizer, loaded with AutoTokenizer (local files only)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, trust_remote_code: bool = False) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
         self.eos_token_id = int(self._tok.eos_token_id)
         self.vocab_size = len(self._tok)
 
@@ -61,4 +61,6 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return list(self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+        out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        # transformers 5 returns a BatchEncoding (a Mapping) by default; transformers 4 returned the ids
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)

@@ -1,12 +1,14 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
-[serve]            host, port, model, threshold, api_key, deadlines, launcher, secret_file, heartbeats
+[serve]            host, port, model, dtype, trust_remote_code, threshold, api_key, deadlines, launcher,
+                   secret_file, heartbeats
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
-[prfaas]           the remote prefill cluster: prefill_workers, device, prefill_chunk, or the
+[prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, or the
                    addresses of hand-started workers (workers = ["host:port", ...])
-[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, max_batch,
+[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
                    prefill_chunk, or workers = [...]
-[link]             the inter-cluster link: rate, delay (emulated), per-flow cap, connections, kv_compression, emulated
+[link]             the inter-cluster link: rate, delay (emulated), per-flow cap and window, connections,
+                   kv_compression, emulated
 [ray]              the Ray launcher: cluster address, namespace, CPUs and GPUs per worker
 [cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
 [scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
@@ -18,10 +20,11 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES, dtype_name
 from minifaas.policy.compression import MODES
 from minifaas.serve.launch.launcher import parse_address
-from minifaas.transport.pacer import parse_rate
+from minifaas.transport.pacer import check_window, parse_bytes, parse_rate
+from minifaas.transport.pool import DEFAULT_CONNECTIONS, MAX_CONNECTIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +35,14 @@ class ClusterConfig:
     max_batch: int = 32  # decode rows per forward on its decode workers (1: unbatched, one forward per request)
     prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
     workers: tuple[str, ...] = ()  # control addresses of hand-started workers; the counts then do not apply
+    dtype: str | None = None  # the weights' dtype on its workers; None: [serve] dtype
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(self.workers))  # a TOML array comes as a list
         for address in self.workers:
             parse_address(address)
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("worker counts must be >= 0")
         if self.max_batch < 1:
@@ -51,18 +57,20 @@ class ClusterConfig:
 class LinkConfig:
     rate: str = "100mbit"  # inter-cluster bandwidth: the emulator's, or a real link's capacity ("none": unlimited)
     flow_rate: str = "none"  # per-connection cap
+    window: str = "none"  # bytes in flight per connection, e.g. "4MiB": one moves at most window / RTT
     delay_ms: float = 5.0  # one way
     jitter_ms: float = 0.0
-    connections: int = 4  # TCP connections per KV transfer
+    connections: int = DEFAULT_CONNECTIONS  # TCP connections per KV transfer
     pipelined: bool = True
     kv_compression: str = "auto"  # codec of state crossing the link; auto: lossless only where it saves time
     emulated: bool | None = None  # through the link emulator; None: when every worker is a local child
 
     def __post_init__(self) -> None:
-        if self.connections < 1 or self.delay_ms < 0 or self.jitter_ms < 0:
-            raise ValueError("need connections >= 1 and non-negative delay and jitter")
+        if not 1 <= self.connections <= MAX_CONNECTIONS or self.delay_ms < 0 or self.jitter_ms < 0:
+            raise ValueError(f"need connections 1..{MAX_CONNECTIONS} and non-negative delay and jitter")
         for rate in (self.rate, self.flow_rate):  # a rate the emulator cannot read fails here, not in its process
             parse_rate(rate)
+        check_window(parse_bytes(self.window))
         if self.kv_compression not in MODES:
             raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
 
@@ -159,6 +167,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # of every worker, unless its cluster sets one; auto: bfloat16 on CUDA, float32 on CPU
+    trust_remote_code: bool = False  # let a checkpoint's own Python code (auto_map) run, in every process
     seed: int = 0
     threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
     fixed_threshold: bool = False  # off switch of the scheduler: t and the routing rule never move
@@ -199,6 +209,13 @@ class ServeConfig:
         if self.scheduler.enabled and (self.pd.workers or self.prfaas.workers):
             raise ValueError("re-planning converts PD workers, and hand-started ones keep their role: --no-rebalance")
 
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        prfaas, pd = self.worker_dtype("prfaas"), self.worker_dtype("pd")
+        if self.prfaas.prefill_workers and prfaas != pd:  # state crosses as it is, byte for byte
+            raise ValueError(f"the PrfaaS cluster would run {prfaas} and the PD cluster {pd}: KV moves between "
+                             "them unconverted, so give both one dtype")  # fmt: skip
+
     @property
     def all_local(self) -> bool:
         """Every worker is a child process of the gateway, on this host."""
@@ -207,6 +224,14 @@ class ServeConfig:
     @property
     def link_emulated(self) -> bool:
         return self.all_local if self.link.emulated is None else self.link.emulated
+
+    def cluster(self, name: str) -> ClusterConfig:
+        return self.prfaas if name == "prfaas" else self.pd
+
+    def worker_dtype(self, cluster: str) -> str:
+        """The dtype a worker of ``cluster`` loads the model in, "auto" resolved for its device."""
+        c = self.cluster(cluster)
+        return dtype_name(c.dtype or self.dtype, c.device)
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:

@@ -2,8 +2,10 @@
 
 Starts the gateway (PrfaaS prefill worker, PD-P, PD-D, link emulator) on a free
 port, sends the mix through the real OpenAI-compatible HTTP API with streaming,
-shows per-request progress and the link's utilisation, prints a summary, and
-shuts everything down.
+shows per-request progress, the start of each answer and the link's
+utilisation, prints a summary, and shuts everything down. Answers are sampled
+(temperature 0.8, a fixed seed per request), since greedy decoding of a small
+byte model falls into loops.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ from rich.table import Table
 
 from minifaas import arguments
 from minifaas.cli import stdout_console, user_input
+from minifaas.model.loader import add_model_arguments, checked_spec
 from minifaas.serve.config import LinkConfig, ServeConfig
 from minifaas.serve.serve_cli import running_server
 from minifaas.serve.startup import StartupView
 
 VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
+TEMPERATURE = 0.8
+SNIPPET_CHARS = 40
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=arguments.model, default=ServeConfig().model, help="preset or checkpoint dir")
+    add_model_arguments(parser)
     parser.add_argument("--short", type=int, default=8, help="short prompts (stay local)")
     parser.add_argument("--long", type=int, default=4, help="long prompts (go to PrfaaS)")
     parser.add_argument("--long-tokens", type=int, default=2000, help="length of the first long prompt in tokens")
@@ -50,6 +55,7 @@ class Row:
     ended: float | None = None
     kv_bytes: int = 0
     fallback: str | None = None
+    text: str = ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,8 +67,15 @@ async def _demo(args: argparse.Namespace) -> int:
     with user_input():
         if min(args.short, args.long) < 0 or min(args.long_tokens, args.max_tokens) < 1:
             raise ValueError("need --short, --long >= 0 and --long-tokens, --max-tokens >= 1")
+        checked_spec(args.model, args.trust_remote_code)
         config = replace(
-            ServeConfig(model=args.model, port=0, threshold=args.threshold),
+            ServeConfig(
+                model=args.model,
+                dtype=args.dtype,
+                trust_remote_code=args.trust_remote_code,
+                port=0,
+                threshold=args.threshold,
+            ),
             link=LinkConfig(rate=args.link_rate, delay_ms=5.0),
         )
     console.print(f"[bold]starting[/] PrfaaS prefill + PD-P + PD-D workers and a {args.link_rate} link emulator ...")
@@ -81,7 +94,10 @@ async def _demo(args: argparse.Namespace) -> int:
         live = Live(_table(rows, gateway.link_stats), console=console) if console.is_terminal else None
         async with aiohttp.ClientSession() as http:
             with live or contextlib.nullcontext():
-                jobs = [asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens)) for row in rows]
+                jobs = [
+                    asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens, seed))
+                    for seed, row in enumerate(rows)
+                ]
                 while not all(j.done() for j in jobs):
                     if live is not None:
                         live.update(_table(rows, gateway.link_stats))
@@ -98,14 +114,16 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r.status == "done" for r in rows) else 1
 
 
-async def _one(http: aiohttp.ClientSession, url: str, model: str, row: Row, max_tokens: int) -> None:
-    prompt = (VERSE * (row.prompt_chars // len(VERSE) + 1))[: row.prompt_chars]
+async def _one(http: aiohttp.ClientSession, url: str, model: str, row: Row, max_tokens: int, seed: int) -> None:
+    prompt = (VERSE * (row.prompt_chars // len(VERSE) + 1))[: row.prompt_chars].rsplit(" ", 1)[0] + " "
+    row.prompt_chars = len(prompt)  # cut after a whole word, so the answer starts with one
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
-        "temperature": 0,
+        "temperature": TEMPERATURE,
+        "seed": seed,
         "stream_options": {"include_usage": True},
     }
     row.started = time.perf_counter()
@@ -120,6 +138,7 @@ async def _one(http: aiohttp.ClientSession, url: str, model: str, row: Row, max_
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("choices"):
+                row.text += chunk["choices"][0].get("text") or ""
                 row.tokens += 1
                 row.ttft = row.ttft or time.perf_counter() - row.started
                 row.status = "decoding"
@@ -137,6 +156,7 @@ def _table(rows: list[Row], links: dict[str, dict]) -> Table:
     table = Table(title=f"requests (link utilisation {util})")
     for col in ("request", "prompt chars", "status", "route", "TTFT s", "tokens", "tokens/s"):
         table.add_column(col, justify="left" if col in ("request", "status", "route") else "right")
+    table.add_column("text", no_wrap=True, max_width=SNIPPET_CHARS, overflow="ellipsis")
     for r in rows:
         rate = r.tokens / ((r.ended or time.perf_counter()) - r.started) if r.tokens else 0.0
         table.add_row(
@@ -147,6 +167,7 @@ def _table(rows: list[Row], links: dict[str, dict]) -> Table:
             f"{r.ttft:.2f}" if r.ttft else "-",
             str(r.tokens),
             f"{rate:.1f}",
+            r.text.replace("\n", " / ")[:SNIPPET_CHARS],
         )
     return table
 

@@ -40,10 +40,19 @@ from typing import TYPE_CHECKING
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
 from minifaas.model.kv_size import kv_profile
-from minifaas.model.loader import ModelSpec, load_config, load_config_dict
+from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load_tokenizer
 from minifaas.model.state_layout import StateLayout, needs_snapshot
-from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig, Rule
+from minifaas.model.tokenizer import Tokenizer
+from minifaas.policy.router import (
+    ClusterView,
+    NodeView,
+    Path,
+    RouteDecision,
+    RouteInput,
+    Router,
+    RouterConfig,
+    Rule,
+)
 from minifaas.scheduler.long_term import LongTermConfig
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.config import ServeConfig
@@ -104,13 +113,13 @@ class Gateway:
         self.metrics = metrics or ServeMetrics()
         spec = ModelSpec.resolve(config.model, config.seed)
         self.model_name = spec.name
-        self.tokenizer: Tokenizer = ByteTokenizer() if spec.kind == "preset" else HFTokenizer(spec.path.parent)
+        self.tokenizer: Tokenizer = load_tokenizer(spec, config.trust_remote_code)
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
         self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
         # the gateway works out the incremental transfer itself, per decode node (see PrefillDispatch._once)
         self.router = Router(RouterConfig(cross_cluster_cache_move=config.cache.moves, incremental_transfer=False))
         self.secret = cluster_secret(config)
-        hybrid = needs_snapshot(StateLayout.of(load_config(spec)).kinds)
+        hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, ())
         self.link = InterClusterLink(config.link, config.link_emulated, config.cache.moves)
         heartbeat = HeartbeatConfig(config.heartbeat_s, config.heartbeat_deadline_s)

@@ -74,7 +74,13 @@ class InterClusterLink:
 
     def _options(self) -> dict[str, object]:
         c = self.config
-        return {"rate": c.rate, "flow_rate": c.flow_rate, "delay_ms": c.delay_ms, "jitter_ms": c.jitter_ms}
+        return {
+            "rate": c.rate,
+            "flow_rate": c.flow_rate,
+            "window": c.window,
+            "delay_ms": c.delay_ms,
+            "jitter_ms": c.jitter_ms,
+        }
 
     async def join(self, w: WorkerHandle) -> None:
         """Put the emulated link in front of what crosses clusters into ``w`` (once; it keeps its KV port)."""

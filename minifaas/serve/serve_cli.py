@@ -29,7 +29,7 @@ from rich.logging import RichHandler
 
 from minifaas import arguments
 from minifaas.cli import BadInput, user_input
-from minifaas.model.loader import ModelSpec
+from minifaas.model.loader import add_model_arguments, checked_spec
 from minifaas.planner.profile import load_pd_profiles
 from minifaas.policy.compression import MODES
 from minifaas.scheduler.short_term import ShortTermConfig
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", help=f"address to listen on (default: {d.host})")
     parser.add_argument("--port", type=int, help=f"HTTP port; 0: any free one (default: {d.port})")
-    parser.add_argument("--model", type=arguments.model, help=f"preset or local checkpoint dir (default: {d.model})")
+    add_model_arguments(parser, defaults=False)
     parser.add_argument(
         "--threshold", type=int, help=f"prompts longer than this go to PrfaaS, at start (default: {d.threshold})"
     )
@@ -141,7 +141,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"inter-cluster bandwidth, e.g. 100mbit, 10gbit, none (default: {d.link.rate})",
     )
     parser.add_argument(
-        "--link-delay-ms", type=float, help=f"one-way delay of the link in ms (default: {d.link.delay_ms:g})"
+        "--link-delay-ms",
+        type=float,
+        help=f"one-way delay of the link in ms; the RTT is twice it (default: {d.link.delay_ms:g})",
+    )
+    parser.add_argument(
+        "--link-window",
+        type=arguments.window,
+        help=f"bytes in flight per connection, e.g. 4MiB (default: {d.link.window})",
     )
     parser.add_argument(
         "--connections", type=int, help=f"TCP connections per KV transfer (default: {d.link.connections})"
@@ -200,6 +207,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         _pick(args.prfaas_device, base.prfaas.device),
         prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
         workers=_pick(args.prfaas_worker, base.prfaas.workers),
+        dtype=None if args.dtype else base.prfaas.dtype,  # --dtype is for every cluster
     )
     pd = ClusterConfig(
         _pick(args.pd_prefill_workers, base.pd.prefill_workers),
@@ -207,11 +215,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         _pick(args.pd_device, base.pd.device),
         _pick(args.max_batch, base.pd.max_batch),
         _pick(args.prefill_chunk, base.pd.prefill_chunk),
-        _pick(args.pd_worker, base.pd.workers),
+        workers=_pick(args.pd_worker, base.pd.workers),
+        dtype=None if args.dtype else base.pd.dtype,
     )
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
         flow_rate=base.link.flow_rate,
+        window=_pick(args.link_window, base.link.window),
         delay_ms=_pick(args.link_delay_ms, base.link.delay_ms),
         jitter_ms=base.link.jitter_ms,
         connections=_pick(args.connections, base.link.connections),
@@ -245,6 +255,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         host=_pick(args.host, base.host),
         port=_pick(args.port, base.port),
         model=_pick(args.model, base.model),
+        dtype=_pick(args.dtype, base.dtype),
+        trust_remote_code=args.trust_remote_code or base.trust_remote_code,
         seed=base.seed,
         threshold=_pick(args.threshold, base.threshold),
         fixed_threshold=args.fixed_threshold or base.fixed_threshold,
@@ -307,7 +319,7 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
     """The configuration, with what it names checked before any worker starts: model, devices, profile, port."""
     with user_input():
         config = config_from_args(args)
-        ModelSpec.resolve(config.model)
+        checked_spec(config.model, config.trust_remote_code)
         for device in {config.prfaas.device, config.pd.device}:
             arguments.present_device(device)
         if config.scheduler.profile is not None:

@@ -40,6 +40,7 @@ from minifaas.cli import main as cli_main
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
 from minifaas.model.decoder import DecoderConfig
+from minifaas.model.loader import add_model_arguments, resolve_dtype
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
@@ -52,6 +53,7 @@ from minifaas.serve.prefix_store import PrefixStore
 from minifaas.serve.worker_session import WorkerNode, serve_gateway
 from minifaas.transport import KVReceiver, ReceiverConfig
 from minifaas.transport.codec import codecs_for
+from minifaas.transport.pool import DEFAULT_CONNECTIONS
 
 log = logging.getLogger("minifaas.worker")
 WILDCARDS = ("", "0.0.0.0", "::")
@@ -72,11 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway-deadline", type=float, default=30.0, metavar="S",
                    help="drop a gateway silent for S seconds, so another may attach (default: 30)")  # fmt: skip
     p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (the gateway's children)")
-    p.add_argument("--model", type=arguments.model, required=True, help="preset or local checkpoint dir")
+    add_model_arguments(p)
     p.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="of a preset's random weights (default: 0)")
     p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
-    p.add_argument("--connections", type=int, default=4, help="TCP connections per KV transfer (default: 4)")
+    p.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS,
+                   help=f"TCP connections per KV transfer (prefill; default: {DEFAULT_CONNECTIONS})")  # fmt: skip
     p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                    help="prefill: run a prompt in forwards of at most TOKENS, each one's full-attention KV "
@@ -126,7 +129,10 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     """Run the worker until ``stop`` is set (or stdin closes, with --exit-with-stdin)."""
     secret = load_secret(args.secret_file)
     name = args.name or default_name(args)
-    runtime = await asyncio.to_thread(ModelRuntime.load, args.model, args.device, args.seed)
+    dtype = resolve_dtype(args.dtype, args.device)
+    runtime = await asyncio.to_thread(
+        ModelRuntime.load, args.model, args.device, args.seed, dtype, args.trust_remote_code
+    )
     await asyncio.to_thread(runtime.generate, [0, 1, 2], SamplingParams(max_tokens=2))  # first forwards are slow
     kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
     codecs = codecs_for(args.kv_compression)

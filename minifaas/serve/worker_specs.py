@@ -14,15 +14,16 @@ from minifaas.serve.launch.launcher import NAME_PREFIX, WorkerSpec, parse_addres
 
 def worker_argv(c: ServeConfig, role: str, cluster: str) -> tuple[str, ...]:
     """The flags of a worker the gateway starts (``--role``, ``--name`` and addresses come from its launcher)."""
-    device = c.prfaas.device if cluster == "prfaas" else c.pd.device
+    device = c.cluster(cluster).device
     argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
     argv += ["--kv-compression", c.link.kv_compression]
+    argv += ["--dtype", c.worker_dtype(cluster)] + (["--trust-remote-code"] if c.trust_remote_code else [])
     if not c.link.pipelined:
         argv.append("--no-pipelining")
     argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]
     argv += ["--snapshot-interval", str(c.cache.snapshot_interval_blocks)]
     if role == "prefill":
-        chunk = (c.prfaas if cluster == "prfaas" else c.pd).prefill_chunk
+        chunk = c.cluster(cluster).prefill_chunk
         argv += ["--prefix-cache", c.cache.mode, "--prefill-chunk", str(chunk)]
         if c.cache.moves:
             argv.append("--accept-moves")
@@ -33,7 +34,7 @@ def worker_argv(c: ServeConfig, role: str, cluster: str) -> tuple[str, ...]:
 
 
 def worker_spec(c: ServeConfig, name: str, role: str, cluster: str) -> WorkerSpec:
-    device = (c.prfaas if cluster == "prfaas" else c.pd).device
+    device = c.cluster(cluster).device
     gpus = c.ray.gpus_per_worker if device.startswith("cuda") else 0.0
     return WorkerSpec(name, role, cluster, worker_argv(c, role, cluster), gpus=gpus)
 

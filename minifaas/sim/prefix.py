@@ -1,10 +1,12 @@
 """The clusters' prefix caches in the simulator: the live pools and the live global manager, sizes only.
 
 Each cluster keeps one ``HybridPrefixPool`` (minifaas.cache) shared by its
-nodes. As in the gateway, the router's hits come from the ``GlobalCacheManager``,
-which hears the pools' store/evict events; here the events are applied at
-once (a real gateway hears them a little later). Trace hash ids become block
-keys with ``PromptKeys.from_ids``; a prefill stores what it computed with
+nodes. As in the gateway, the router's hits come from the ``GlobalCacheManager``.
+The gateway's manager mirrors each pool from its store/evict events, a little
+late; here they would be applied at once, which makes the mirror equal to the
+pool's own index, so the manager matches against that index (``attach``) and
+the pools make no events. Trace hash ids become block keys once per request
+(``keys``: numbered, not hashed); a prefill stores what it computed with
 ``store_prompt`` (no payloads). When a PrfaaS prefill's KV lands on a PD
 decode node, the PD pool keeps what arrived (``store_received``): the
 full-attention blocks and the state at the prompt's end, but none of the
@@ -38,30 +40,57 @@ class ClusterPrefixCaches:
         capacity = UNLIMITED_BYTES if capacity_bytes == float("inf") else int(capacity_bytes)
         self.block_tokens = block_tokens
         self.pools: dict[str, HybridPrefixPool[None]] = {
-            name: HybridPrefixPool(PoolConfig(name, capacity, block_tokens, snapshot_interval_blocks), node=name)
+            name: HybridPrefixPool(
+                PoolConfig(name, capacity, block_tokens, snapshot_interval_blocks, events=False), name
+            )
             for name in clusters
         }
         self.manager = GlobalCacheManager(clusters)
+        for name, pool in self.pools.items():
+            self.manager.attach(name, pool.index, name)
         fixed = float(kv_profile.kv_bytes(0))
         self._block_bytes = max(1, round(float(kv_profile.kv_bytes(block_tokens)) - fixed))
         self._snapshot_bytes = max(1, round(fixed))
+        self._root = bytes(8)  # key 0; every other key is the number of a distinct prefix
+        self._children: dict[bytes, dict[int | tuple[int, int], bytes]] = {}  # parent key -> step -> key
+        self._named = 0
 
     def keys(self, hash_ids: tuple[int, ...], prompt_tokens: int) -> PromptKeys:
-        return PromptKeys.from_ids(hash_ids, prompt_tokens, self.block_tokens)
+        """The prompt's block keys, as ``PromptKeys.from_ids`` would chain them, but numbered instead
+        of hashed: a run only needs keys that are equal exactly when the prefixes are, so each new
+        (parent key, block id) gets the next number and a prefix many prompts share is keyed once."""
+        size = self.block_tokens
+        full, tail = divmod(prompt_tokens, size)
+        if len(hash_ids) != full + (tail > 0):
+            raise ValueError(f"{prompt_tokens} tokens need {full + (tail > 0)} block ids, got {len(hash_ids)}")
+        keys: list[bytes] = []
+        parent = self._root
+        for block_id in hash_ids[:full]:
+            parent = self._child(parent, block_id)
+            keys.append(parent)
+        end = self._child(parent, (hash_ids[full], tail)) if tail else parent  # a partial block: its length too
+        return PromptKeys(self._root, size, prompt_tokens, tuple(keys), end)
 
-    def match(self, hash_ids: tuple[int, ...], prompt_tokens: int) -> dict[str, ClusterMatch]:
+    def _child(self, parent: bytes, step: int | tuple[int, int]) -> bytes:
+        children = self._children.get(parent)
+        if children is None:
+            children = self._children[parent] = {}
+        key = children.get(step)
+        if key is None:
+            self._named += 1
+            key = children[step] = self._named.to_bytes(8, "little")
+        return key
+
+    def match(self, keys: PromptKeys) -> dict[str, ClusterMatch]:
         """Per cluster: the usable hit and the KV prefix present; at least one token is left to compute."""
-        return self.manager.match(self.keys(hash_ids, prompt_tokens), limit=prompt_tokens - 1)
+        return self.manager.match(keys, limit=keys.num_tokens - 1)
 
-    def store(self, cluster: str, hash_ids: tuple[int, ...], prompt_tokens: int, now: float) -> None:
-        pool = self.pools[cluster]
-        pool.store_prompt(self.keys(hash_ids, prompt_tokens), now, self._block_bytes, lambda _: self._snapshot_bytes)
-        self.manager.apply_all(pool.drain_events())
+    def store(self, cluster: str, keys: PromptKeys, now: float) -> None:
+        self.pools[cluster].store_prompt(keys, now, self._block_bytes, lambda _: self._snapshot_bytes)
 
-    def store_received(self, cluster: str, hash_ids: tuple[int, ...], prompt_tokens: int, now: float) -> None:
+    def store_received(self, cluster: str, keys: PromptKeys, now: float) -> None:
         pool = self.pools[cluster]
-        keys = self.keys(hash_ids, prompt_tokens)
-        stored = all(pool.put_block(keys, j, now, self._block_bytes) for j in range(keys.num_full_blocks))
-        if stored:  # the end state hangs from the last block; without it the snapshot would be an orphan
-            pool.put_snapshot(keys, prompt_tokens, now, self._snapshot_bytes)
-        self.manager.apply_all(pool.drain_events())
+        blocks = keys.num_full_blocks
+        # the end state hangs from the last block; without it the snapshot would be an orphan
+        if pool.put_blocks(keys, 0, blocks, now, self._block_bytes) == blocks:
+            pool.put_snapshot(keys, keys.num_tokens, now, self._snapshot_bytes)

@@ -15,11 +15,13 @@ One request's life, as events:
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 
 import numpy as np
 
+from minifaas.cache.block_hash import PromptKeys
 from minifaas.policy.compression import TransferShape
 from minifaas.policy.router import ClusterView, Path, RouteInput, Router
 from minifaas.sim.coding import SimCoding
@@ -65,6 +67,7 @@ class Simulation:
         self._kv_bytes = [0.0] * n  # on the wire
         self._coding_s = [0.0] * n
         self.coding = SimCoding(config.kv_compression, config.codecs)
+        self._keys: dict[int, list] = {}  # rid -> [block keys, uses left]: dropped after the last use
         self.first_token = [math.nan] * n
         self.finished = [math.nan] * n
         self._link_gen = 0
@@ -80,8 +83,17 @@ class Simulation:
             loop.at(at_s, self._set_bandwidth, gbps)
         loop.at(0.0, self._sample)
         until = math.inf if self.config.drain else self.workload.duration_s
-        loop.run(until=until, tick=progress)
-        return self._result()
+        # The run makes millions of small objects (heap entries, cache entries and their holder sets)
+        # and no reference cycles; the cyclic collector would walk every live one again and again,
+        # and once more right after the run, though they die with the simulation by reference counts.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            loop.run(until=until, tick=progress)
+            return self._result()
+        finally:
+            if collecting:
+                gc.enable()
 
     def _arrive(self, rid: int) -> None:
         now = self.loop.now
@@ -91,13 +103,16 @@ class Simulation:
             prfaas = ClusterView(self.prfaas.cluster, prfaas_nodes)
             pd = ClusterView(self.pd.cluster, pd_nodes, decode_nodes)
         else:  # as the gateway does: the global manager's match, turned into the router's view
-            matches = self.caches.match(self.workload.hash_ids[rid], prompt)  # type: ignore[index]
+            keys = self.caches.keys(self.workload.hash_ids[rid], prompt)  # type: ignore[index]
+            matches = self.caches.match(keys)
             prfaas = matches[self.prfaas.cluster].view(prfaas_nodes)
             pd = matches[self.pd.cluster].view(pd_nodes, decode_nodes)
         sched = self.scheduler
         decision = self.router.route(RouteInput(prompt, sched.threshold, sched.rule, prfaas, pd))
         if decision.path is Path.REJECT:
             return
+        if self.caches is not None:  # stored after prefill, and a PrfaaS prompt's KV again where it lands
+            self._keys[rid] = [keys, 2 if decision.path is Path.PRFAAS else 1]
         sched.lengths.append(decision.incremental_tokens)
         pool = self.prfaas if decision.path is Path.PRFAAS else self.pd
         node = pool.index[decision.prefill_node]  # type: ignore[index]
@@ -138,12 +153,19 @@ class Simulation:
         if pool.done(self._node[rid], self._tokens[rid]):
             self.scheduler.drained(into_prefill=False)
         if self.caches is not None:
-            self.caches.store(pool.cluster, self.workload.hash_ids[rid], self._prompt[rid], now)
+            self.caches.store(pool.cluster, self._used_keys(rid), now)
         if path == PD:
             self._kv_ready(rid)
         elif not self.config.link.pipeline_layers:
             self.link.add(now, rid, self._kv_bytes[rid])
             self._reschedule_link()
+
+    def _used_keys(self, rid: int) -> PromptKeys:
+        held = self._keys[rid]
+        held[1] -= 1
+        if not held[1]:
+            del self._keys[rid]
+        return held[0]
 
     def _reschedule_link(self) -> None:
         self._link_gen += 1
@@ -165,7 +187,7 @@ class Simulation:
                 ready = max(now, self._prefill_end[rid] + tail)
             ready += self.config.link.one_way_s + self._coding_s[rid]
             if self.caches is not None:
-                self.caches.store_received(self.pd.cluster, self.workload.hash_ids[rid], self._prompt[rid], ready)
+                self.caches.store_received(self.pd.cluster, self._used_keys(rid), ready)
             self.loop.at(ready, self._kv_ready, rid)
         self._reschedule_link()
 

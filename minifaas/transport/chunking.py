@@ -11,7 +11,7 @@ codec (``codec``) reads it to make the coded payload the frame carries instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,13 @@ class Chunk:
     @property
     def dtype(self) -> torch.dtype:
         return self.state.slots[self.slot][1].dtype
+
+    def pieces(self, piece_bytes: int) -> list[Chunk]:
+        """The same bytes as consecutive chunks of at most ``piece_bytes``."""
+        return [
+            replace(self, source=self.source + at, offset=self.offset + at, length=min(piece_bytes, self.length - at))
+            for at in range(0, self.length, piece_bytes)
+        ]
 
     def frame(self, transfer: int, checked: bool = True) -> tuple[bytes, memoryview]:
         """Header and payload; the checksum is computed here, when the chunk is about to be sent."""

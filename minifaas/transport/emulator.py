@@ -1,12 +1,13 @@
 """The cross-datacenter link emulator: a TCP relay process that every inter-cluster connection crosses.
 
     python -m minifaas.transport.emulator --target 127.0.0.1:9000 --rate 1gbit \\
-        --flow-rate 250mbit --delay-ms 10 --jitter-ms 1 --schedule 0:1gbit,30:200mbit
+        --flow-rate 250mbit --window 4MiB --delay-ms 15 --jitter-ms 1 --schedule 0:1gbit,30:200mbit
     minifaas link-emulator ...   (the same)
 
 The link itself (one aggregate pacer shared by all flows, an optional
-per-flow cap, delay, jitter, faults) is ``relay.LinkEmulator``; this module
-is the process around it: flags, a control port, a clean stop.
+per-flow cap and per-flow window, delay, jitter, faults) is
+``relay.LinkEmulator``; this module is the process around it: flags, a
+control port, a clean stop. The round trip is twice ``--delay-ms``.
 
 On start it prints one JSON line, ``{"port": ..., "control_port": ...}``, then
 serves until SIGINT/SIGTERM. The control port takes one JSON object per line
@@ -17,6 +18,7 @@ and answers one per line (see ``EmulatorControl``):
     {"cmd": "stall", "seconds": 2.5}      forward nothing for that long
     {"cmd": "corrupt"}                    flip one byte in the next forwarded chunk (towards the target)
     {"cmd": "rate", "bps": 1e9}           aggregate rate (null: unlimited); also "flow_bps"
+    {"cmd": "window", "bytes": 4194304}   bytes in flight per flow (null: no window)
     {"cmd": "delay", "ms": 10, "jitter_ms": 1}
     {"cmd": "schedule", "steps": [[0, 1e9], [5, 1e8]]}   rates from now on
     {"cmd": "route", "target": "127.0.0.1:9001"}   one more target over the same link: {"port": ...}
@@ -34,7 +36,7 @@ from typing import Any
 
 from minifaas import arguments
 from minifaas.cli import user_input
-from minifaas.transport.pacer import RateSchedule, parse_rate
+from minifaas.transport.pacer import RateSchedule, parse_bytes, parse_rate
 from minifaas.transport.relay import LinkConfig, LinkEmulator
 
 
@@ -54,6 +56,8 @@ def apply_command(link: LinkEmulator, request: dict[str, Any]) -> dict[str, Any]
             link.set_rate(request["bps"])
         if "flow_bps" in request:
             link.set_flow_rate(request["flow_bps"])
+    elif cmd == "window":
+        link.set_window(request["bytes"])
     elif cmd == "delay":
         link.set_delay(float(request["ms"]), float(request.get("jitter_ms", 0)))
     elif cmd == "route":
@@ -85,6 +89,8 @@ async def _control_session(link: LinkEmulator, reader: asyncio.StreamReader, wri
 
 def _address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"not HOST:PORT: {text!r}")
     return host or "127.0.0.1", int(port)
 
 
@@ -100,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rate", type=arguments.rate, default="none", help="aggregate rate per direction, e.g. 1gbit")
     parser.add_argument("--flow-rate", type=arguments.rate, default="none", help="cap of one flow, e.g. 250mbit")
-    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay")
+    parser.add_argument("--window", type=arguments.window, default="none", help="bytes in flight per flow, e.g. 4MiB")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (the RTT is twice it)")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter on the delay")
     parser.add_argument(
         "--schedule",
@@ -119,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     with user_input():
         config = LinkConfig(
             target_host, target_port, listen[0], listen[1], parse_rate(args.rate), parse_rate(args.flow_rate),
-            args.delay_ms, args.jitter_ms, RateSchedule.parse(args.schedule), args.read_bytes, args.seed,
-            args.splice == "on",
+            parse_bytes(args.window), args.delay_ms, args.jitter_ms, RateSchedule.parse(args.schedule),
+            args.read_bytes, args.seed, args.splice == "on",
         )  # fmt: skip
     return asyncio.run(_serve(config, args.control))
 

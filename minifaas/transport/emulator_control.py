@@ -60,6 +60,10 @@ class EmulatorControl:
     async def set_flow_rate(self, bps: float | None) -> None:
         await self.command("rate", flow_bps=bps)
 
+    async def set_window(self, nbytes: int | None) -> None:
+        """Bytes in flight per flow (None: no window); running flows take it at once."""
+        await self.command("window", bytes=nbytes)
+
     async def set_delay(self, ms: float, jitter_ms: float = 0.0) -> None:
         await self.command("delay", ms=ms, jitter_ms=jitter_ms)
 
@@ -76,7 +80,8 @@ class EmulatorControl:
 
 class EmulatorProcess:
     def __init__(self, target: tuple[str, int], start_timeout: float = 30.0, **options: Any):
-        """``options``: rate, flow_rate, delay_ms, jitter_ms, schedule, read_bytes, seed (as on the command line)."""
+        """``options``: rate, flow_rate, window, delay_ms, jitter_ms, schedule, read_bytes, seed (as on the
+        command line)."""
         self.target = target
         self.options = options
         self.start_timeout = start_timeout

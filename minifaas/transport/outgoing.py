@@ -4,8 +4,9 @@ Layer-pipelined streaming. Prefill finishes layer i long before it finishes
 the model, so each layer is cut into chunks and queued the moment it is put;
 N pump tasks, one per connection, take the next chunk from the shared queue
 as soon as their connection has room (the kernel holds at most
-``unsent_limit_bytes`` unsent per connection). A connection that a per-flow
-limit slows down simply takes fewer chunks, so striping balances itself. The
+``unsent_limit_bytes`` unsent per connection: the sender's ``unsent_bytes``
+shared out). A connection that a per-flow limit or window slows down simply
+takes fewer chunks, so striping balances itself. The
 queue is FIFO, so layer i's chunks all leave before layer i+1's and the
 receiver can hand layers on in order while later ones are still being
 computed. ``put_tokens`` goes finer still: token ranges of full-attention
@@ -65,6 +66,26 @@ class TransferReport:
         return self.nbytes / self.wire_bytes if self.wire_bytes else 1.0
 
 
+def cut_tail(chunks: list[Chunk], connections: int, piece_bytes: int | None) -> list[Chunk]:
+    """The chunks with the last ``connections`` chunks' worth of bytes cut into pieces of ``piece_bytes``.
+
+    Once the producer is done, what is still queued is all that is left. A chunk a pump takes stays
+    on its connection, so the connections end when their last chunks do; with small pieces at the
+    end they end together, instead of a few of them carrying a whole chunk each while the rest idle
+    (on a link that only many windows fill, that idling is lost rate)."""
+    if piece_bytes is None or connections == 1 or not chunks:
+        return chunks
+    budget, cut = connections * max(c.length for c in chunks), []
+    for chunk in reversed(chunks):
+        if budget <= 0 or chunk.length <= piece_bytes:
+            cut.append(chunk)
+        else:
+            cut.extend(reversed(chunk.pieces(piece_bytes)))
+        budget -= chunk.length
+    cut.reverse()
+    return cut
+
+
 class OutgoingTransfer:
     def __init__(
         self,
@@ -119,11 +140,20 @@ class OutgoingTransfer:
             if self._producer_error is not None and exc is None:
                 raise self._producer_error
             return
-        for chunk in self._held:
+        waiting = [*self._drain_queue(), *self._held]
+        for chunk in cut_tail(waiting, self._settings.connections, self._settings.unsent_limit_bytes):
             self._queue.put_nowait(chunk)
         for _ in range(self._settings.connections):
             self._queue.put_nowait(None)
         self.report = await self._runner
+
+    def _drain_queue(self) -> list[Chunk]:
+        chunks = []
+        while not self._queue.empty():
+            chunk = self._queue.get_nowait()
+            assert chunk is not None  # the end markers go in after this
+            chunks.append(chunk)
+        return chunks
 
     def put(self, layer: LayerState) -> None:
         """Queue a finished layer. Call on the event loop's thread."""

@@ -1,4 +1,4 @@
-"""The link emulator's policy, free of I/O: rate pacing, rate schedules, delay with jitter.
+"""The link emulator's policy, free of I/O: rate pacing, rate schedules, delay with jitter, flow windows.
 
 ``Pacer`` is a token bucket written as a virtual clock: a link of rate R
 serialises bytes in the order they arrive, so n bytes reserved at time t
@@ -6,12 +6,20 @@ leave at max(t, previous departure) + 8n/R. Oversleeping is forgiven up to
 ``burst_bytes``, so the average rate stays exact even when the event loop
 wakes up late. One Pacer shared by every flow is an aggregate link; one per
 flow is a per-flow cap.
+
+``FlowWindow`` is what makes a long fat pipe: a TCP sender keeps at most its
+window of bytes unacknowledged, and an acknowledgement comes back one RTT
+after the bytes left, so one flow moves at most window / RTT however fast the
+link is. Filling a link of rate R at round trip RTT takes ceil(R * RTT / (8 *
+window)) flows. The relay ends TCP on loopback, so without it a sender would
+never feel the round trip.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from collections import deque
 from dataclasses import dataclass
 
 _RATE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?\s*$", re.IGNORECASE)
@@ -26,6 +34,59 @@ def parse_rate(text: str) -> float | None:
     if m is None:
         raise ValueError(f"not a rate: {text!r} (try 100mbit, 5gbit, 2.5e8)")
     return float(m.group(1)) * _SCALE[m.group(2).lower()]
+
+
+_BYTES = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(|b|kb|mb|gb|kib|mib|gib)\s*$", re.IGNORECASE)
+_BYTE_SCALE = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+MIN_WINDOW_BYTES = 1500  # one full-size segment: a window can always carry a packet
+
+
+def parse_bytes(text: str) -> int | None:
+    """'262144', '256KiB', '4MiB', '64KB' -> bytes; 'none' -> None (unlimited)."""
+    if text.strip().lower() in ("none", "inf", "unlimited"):
+        return None
+    m = _BYTES.match(text)
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (try 262144, 256KiB, 4MiB)")
+    return int(float(m.group(1)) * _BYTE_SCALE[m.group(2).lower()])
+
+
+def check_window(window_bytes: object) -> int | None:
+    """A flow window as given (None: unlimited); ValueError unless a whole number of bytes >= one segment."""
+    if window_bytes is None:
+        return None
+    if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < MIN_WINDOW_BYTES:
+        raise ValueError(f"a flow window must be a whole number of bytes >= {MIN_WINDOW_BYTES}, got {window_bytes!r}")
+    return window_bytes
+
+
+class FlowWindow:
+    """One flow's bytes in flight, one direction: sent and not yet acknowledged (see the module docstring)."""
+
+    def __init__(self, window_bytes: int | None) -> None:
+        self.window_bytes = check_window(window_bytes)
+        self.in_flight = 0
+        self._acks: deque[tuple[float, int]] = deque()  # (acknowledged at, bytes), in sending order
+
+    def set_window(self, window_bytes: int | None) -> None:
+        self.window_bytes = check_window(window_bytes)
+
+    def room(self, now: float) -> int | None:
+        """Bytes the flow may send now (None: no window); acknowledgements due by ``now`` are taken in."""
+        acks = self._acks
+        while acks and acks[0][0] <= now:
+            self.in_flight -= acks.popleft()[1]
+        return None if self.window_bytes is None else max(0, self.window_bytes - self.in_flight)
+
+    def next_ack(self) -> float | None:
+        """When the oldest bytes in flight are acknowledged (None: nothing in flight)."""
+        return self._acks[0][0] if self._acks else None
+
+    def sent(self, nbytes: int, acked_at: float) -> None:
+        """``nbytes`` left; their acknowledgement is back at ``acked_at``. Counted with no window too, so
+        a window set mid-flow starts from what is really in flight."""
+        self.in_flight += nbytes
+        self._acks.append((acked_at, nbytes))
 
 
 class Pacer:

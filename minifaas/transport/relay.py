@@ -2,10 +2,13 @@
 
 Each direction of the link has ONE aggregate pacer shared by all flows, like a
 real link, plus an optional per-flow pacer (real inter-DC paths often cap one
-flow; that is why several connections help). A flow's bytes wait for both
+flow; that is why several connections help) and an optional per-flow window
+(bytes in flight per connection: a long fat pipe, where one flow moves at most
+window / RTT). A flow's bytes wait for room in its window, then for both
 pacers at once, then for the one-way delay (with jitter that never reorders a
-flow). The relay reads only as fast as the link drains, in steps of about
-2 ms of the slowest rate on the path, so TCP backpressure reaches the sender.
+flow); they are acknowledged one more one-way delay after they arrive. The
+relay reads only as fast as the link drains, in steps of about 2 ms of the
+slowest rate on the path, so TCP backpressure reaches the sender.
 Bytes wait in pipes and move with splice(2), never copied through the relay
 (``splice=False``: recycled buffers, copied in and out; see ``relay_blocks``).
 Faults: ``cut`` resets every connection, ``stall`` forwards nothing (resets
@@ -22,10 +25,9 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from minifaas.transport.pacer import DelayLine, Pacer, RateSchedule
+from minifaas.transport.pacer import FlowWindow, Pacer, RateSchedule, check_window
 from minifaas.transport.relay_blocks import Block, CopiedBlock, SplicedBlock, splice_available
-
-UP, DOWN = "up", "down"  # up: towards the target (KV direction); down: the replies
+from minifaas.transport.relay_flow import DOWN, UP, Flow
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,7 @@ class LinkConfig:
     listen_port: int = 0
     rate_bps: float | None = None
     flow_rate_bps: float | None = None
+    window_bytes: int | None = None  # bytes in flight per flow and direction (None: no window)
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     schedule: RateSchedule = field(default_factory=lambda: RateSchedule(()))
@@ -55,27 +58,7 @@ class LinkConfig:
             raise ValueError("need delay_ms >= 0 and 0 <= jitter_ms <= delay_ms")
         if self.read_bytes < 1024:
             raise ValueError("read_bytes must be at least 1 KiB")
-
-
-class _Flow:
-    def __init__(self, flow_id: int, client: socket.socket, flow_rate: float | None, rng: random.Random):
-        self.id = flow_id
-        self.client = client
-        self.upstream: socket.socket | None = None
-        self.pacers = {UP: Pacer(flow_rate), DOWN: Pacer(flow_rate)}
-        self.delays = {UP: DelayLine(rng), DOWN: DelayLine(rng)}
-        self.blocks: list[Block] = []  # every block this flow made, closed with it
-
-    def close(self, reset: bool) -> None:
-        """Close both sides; ``reset`` sends RSTs (a cut) instead of an orderly close."""
-        for block in self.blocks:
-            block.close()
-        self.blocks.clear()
-        for sock in (self.client, self.upstream):
-            if sock is not None and sock.fileno() >= 0:
-                if reset:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
-                sock.close()
+        check_window(self.window_bytes)
 
 
 class LinkEmulator:
@@ -84,9 +67,10 @@ class LinkEmulator:
         c = config
         self.link = {UP: Pacer(c.rate_bps), DOWN: Pacer(c.rate_bps)}
         self.flow_rate_bps = c.flow_rate_bps
+        self.window_bytes = c.window_bytes
         self.delay_s, self.jitter_s = c.delay_ms / 1000, c.jitter_ms / 1000
         self.bytes = {UP: 0, DOWN: 0}
-        self.flows: dict[int, tuple[_Flow, asyncio.Task[None]]] = {}
+        self.flows: dict[int, tuple[Flow, asyncio.Task[None]]] = {}
         self.flows_total = self.cuts = self.corrupt_pending = 0
         self._rng = random.Random(c.seed)
         self._stalled_until = 0.0
@@ -153,7 +137,7 @@ class LinkEmulator:
 
     async def _relay(self, client: socket.socket, target: tuple[str, int]) -> None:
         self.flows_total += 1
-        flow = _Flow(self.flows_total, client, self.flow_rate_bps, self._rng)
+        flow = Flow(self.flows_total, client, self.flow_rate_bps, self.window_bytes, self._rng)
         task = asyncio.current_task()
         assert task is not None
         self.flows[flow.id] = (flow, task)
@@ -179,11 +163,14 @@ class LinkEmulator:
             flow.close(reset=True)  # no-op unless cancelled (a cut)
             self.flows.pop(flow.id, None)
 
-    async def _pace(self, flow: _Flow, direction: str, src: socket.socket, queue: asyncio.Queue, free: list) -> None:
+    async def _pace(self, flow: Flow, direction: str, src: socket.socket, queue: asyncio.Queue, free: list) -> None:
+        window = flow.windows[direction]
         while True:
             await self._while_stalled()
+            room = await self._window_room(window)
             block = free.pop() if free else self._new_block(flow)  # recycled: no page faults, no new pipes
-            n = await block.fill(src, self._read_size(flow, direction))
+            size = self._read_size(flow, direction)
+            n = await block.fill(src, size if room is None else min(size, room))
             if n == 0:
                 await queue.put(
                     (flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s), block, 0)
@@ -199,20 +186,34 @@ class LinkEmulator:
                 block.flip_byte(n // 2)
             self.bytes[direction] += n
             release_at = flow.delays[direction].release_time(self._loop.time(), self.delay_s, self.jitter_s)
+            window.sent(n, release_at + self.delay_s)  # arrived, and its acknowledgement back one way later
             await queue.put((release_at, block, n))
 
-    def _new_block(self, flow: _Flow) -> Block:
+    async def _window_room(self, window: FlowWindow) -> int | None:
+        """Wait until the flow's window has room again (a window can shrink while bytes are in flight)."""
+        while (room := window.room(self._loop.time())) == 0:
+            acked_at = window.next_ack()
+            await asyncio.sleep(0.001 if acked_at is None else max(0.0, acked_at - self._loop.time()))
+        return room
+
+    def _new_block(self, flow: Flow) -> Block:
         size = self.config.read_bytes
         block: Block = SplicedBlock(size) if self.config.uses_splice else CopiedBlock(size)
         flow.blocks.append(block)
         return block
 
-    def _read_size(self, flow: _Flow, direction: str) -> int:
-        """About 2 ms of the slowest rate on the path: bytes cross a slow link in small steps, not in one MiB."""
+    def _read_size(self, flow: Flow, direction: str) -> int:
+        """About 2 ms of the slowest rate on the path: bytes cross a slow link in small steps, not in one MiB.
+        At most an eighth of the flow's window: a block is acknowledged whole, after all of it has been
+        paced, so a window read in one block would stall a round trip plus its own sending time each turn,
+        where TCP's window slides one segment at a time."""
+        size = self.config.read_bytes
         rates = [r for r in (flow.pacers[direction].rate_bps, self.link[direction].rate_bps) if r is not None]
-        if not rates:
-            return self.config.read_bytes
-        return max(1500, min(self.config.read_bytes, int(min(rates) / 8 * 0.002)))
+        if rates:
+            size = min(size, int(min(rates) / 8 * 0.002))
+        if (window := flow.windows[direction].window_bytes) is not None:
+            size = min(size, window // 8)
+        return max(1500, size)
 
     async def _deliver(self, dst: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:
@@ -265,6 +266,13 @@ class LinkEmulator:
             for pacer in flow.pacers.values():
                 pacer.set_rate(bps)
 
+    def set_window(self, window_bytes: int | None) -> None:
+        """Bytes in flight per flow and direction, for new flows and those running (None: no window)."""
+        self.window_bytes = check_window(window_bytes)
+        for flow, _ in self.flows.values():
+            for window in flow.windows.values():
+                window.set_window(window_bytes)
+
     def stats(self) -> dict[str, Any]:
         now = self._loop.time()
         since, bytes_then = self._last_stats
@@ -279,6 +287,7 @@ class LinkEmulator:
             "utilisation": 8 * sent / (rate * (now - since)) if rate and now > since else None,
             "rate_bps": rate,
             "flow_rate_bps": self.flow_rate_bps,
+            "window_bytes": self.window_bytes,
             "delay_ms": self.delay_s * 1000,
             "jitter_ms": self.jitter_s * 1000,
             "flows": len(self.flows),

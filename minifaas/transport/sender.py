@@ -1,6 +1,6 @@
 """The KV sender: streams layer states to one receiver over a pool of N TCP connections.
 
-    async with KVSender(SenderConfig(host, port, secret, connections=4)) as sender:
+    async with KVSender(SenderConfig(host, port, secret, connections=16)) as sender:
         report = await sender.send(transfer_id, model_state)        # a finished state
         async with sender.stream(transfer_id, layers=n) as tx:       # layers as prefill makes them
             await asyncio.to_thread(runtime.prefill, tokens, on_layer=tx.put_threadsafe)

@@ -1,0 +1,1 @@
+"""Training a tiny hybrid checkpoint on the CPU: ``minifaas train``."""
