@@ -121,8 +121,9 @@ class Gateway:
         self.secret = cluster_secret(config)
         hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, ())
-        self.link = InterClusterLink(config.link, config.link_emulated, config.cache.moves)
         heartbeat = HeartbeatConfig(config.heartbeat_s, config.heartbeat_deadline_s)
+        self.link = InterClusterLink(config.link, config.link_emulated, config.cache.moves, heartbeat)
+        self.link.secret = self.secret
         self.launcher = make_launcher(config, self.secret)
         self.pool = WorkerPool(
             planned_specs(config), self.launcher, self.secret, spec.name, heartbeat, self.link,
@@ -219,10 +220,13 @@ class Gateway:
         healthy = any(w.alive for w in self._decode_workers()) and any(
             w.alive for w in self.workers.values() if w.role == "prefill"
         )
+        links = {name: f"down: {self.link.down[name]}" if name in self.link.down else "up"
+                 for name in self.link.emulators()}  # fmt: skip
         return {
-            "status": "ok" if healthy else "degraded",
+            "status": "ok" if healthy and not self.link.down else "degraded",
             "healthy": healthy,
             "workers": status,
+            "links": links,
             "threshold": self.threshold,
             "inflight": self.inflight,
             "cache_moves": dict(self.cache_moves),
@@ -245,6 +249,7 @@ class Gateway:
                 self.rule,
                 ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill")),
                 ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode")),
+                link_up=self.link.up,
             )
         )
         if decision.path is Path.REJECT:
@@ -267,6 +272,7 @@ class Gateway:
                 decision = self._route(request.prompt_ids)
                 decode = self.workers[decision.decode_node]  # type: ignore[index]
                 record.decode_worker = decode.name
+                record.route_reason = decision.reason.value
                 inbox = decode.open(rid)
                 transfer, first = await self.dispatch.run(request, record, decision, decode)
             record.ttft_s = time.perf_counter() - start

@@ -7,6 +7,14 @@ however many decode workers there are; with cache moves, one more emulator in
 front of each prefill worker's move receiver. Its counters are the link's
 reading. Only state from the PrfaaS cluster goes through it.
 
+Every emulator is supervised as the workers are (``HeartbeatConfig``): pinged
+over its authenticated control session each ``interval_s``; one that exited,
+or did not answer within ``deadline_s`` (SIGSTOP, a stuck loop), is down at
+once: the router keeps long prompts local (``long_but_prfaas_down``, in the
+request's ``minifaas`` object and /metrics), and the emulator is killed and
+started again on the same port with backoff, with a route to every decode
+worker it had. /health says which link is down and why.
+
 Real (``[link] emulated = false``, and whenever workers run elsewhere): KV goes
 straight to each decode worker's advertised address, and the reading comes
 from the kernel. Every PrfaaS worker reports the TCP_INFO of its KV
@@ -19,10 +27,14 @@ nothing about the link: that is why the emulated reading leaves it at zero.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 
+from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.serve.config import LinkConfig
 from minifaas.serve.startup import StartupListener, reported
 from minifaas.serve.worker_handle import WorkerHandle
@@ -31,6 +43,8 @@ from minifaas.transport.link_health import LinkMonitor, TcpInfo
 from minifaas.transport.pacer import parse_rate
 
 NAME = "prfaas->pd"  # the inter-cluster link's name in /metrics
+log = logging.getLogger("minifaas.gateway")
+RETRY_S, MAX_RETRY_S = 0.5, 5.0  # an emulator that does not start again: the next try after 0.5, 1, 2, 4, 5, 5... s
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +60,17 @@ class LinkReading:
 
 
 class InterClusterLink:
-    def __init__(self, config: LinkConfig, emulated: bool, moves: bool) -> None:
+    def __init__(
+        self, config: LinkConfig, emulated: bool, moves: bool, heartbeat: HeartbeatConfig | None = None
+    ) -> None:
         self.config, self.emulated, self.moves = config, emulated, moves
+        self.heartbeat = heartbeat or HeartbeatConfig()
+        self.secret: bytes | None = None  # the emulators' control ports take the cluster secret; None: a fresh one
         self.emulator: EmulatorProcess | None = None  # PrfaaS -> PD: every PrfaaS state crosses it
-        self.routes: dict[str, int] = {}  # decode worker -> the emulator's port that leads to its KV port
+        self.routes: dict[str, tuple[str, int]] = {}  # decode worker -> its KV port, behind the emulator
         self.move_links: dict[str, EmulatorProcess] = {}  # the link into each prefill node, for cache moves
+        self.down: dict[str, str] = {}  # emulator (NAME, or "<prefill node>-link") -> why it is out of service
+        self.restarts: Counter[str] = Counter()
         self.stats: dict = {}  # the emulator's last counters
         self._uptime = -1.0  # of the counters last read, so a stale reading counts no egress
         rate = parse_rate(config.rate)
@@ -58,12 +78,62 @@ class InterClusterLink:
         self._rate = rate or math.inf
         self.on_startup: StartupListener | None = None  # told of each emulator starting and ready; None: the log
         self._stack = contextlib.AsyncExitStack()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._watchers: dict[str, asyncio.Task] = {}  # emulator name -> its supervisor
 
     async def __aenter__(self) -> InterClusterLink:
+        self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())  # out last: after the emulators
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        for task in self._watchers.values():  # no restart once the emulators are being stopped
+            task.cancel()
         await self._stack.aclose()
+
+    @property
+    def up(self) -> bool:
+        """PrfaaS KV can cross now: always over the network; through the emulator unless it is down."""
+        return NAME not in self.down
+
+    def emulators(self) -> dict[str, EmulatorProcess]:
+        """Every emulator process by its name in /health and /metrics."""
+        named = {NAME: self.emulator} if self.emulator is not None else {}
+        return named | {f"{name}-link": e for name, e in self.move_links.items()}
+
+    async def _started(self, name: str, what: str, target: tuple[str, int]) -> EmulatorProcess:
+        entered = self._stack.enter_async_context(EmulatorProcess(target, secret=self.secret, **self._options()))
+        emulator = await reported(self.on_startup, name, what, entered)
+        assert self._tasks is not None, "enter the link first"
+        self._watchers[name] = self._tasks.create_task(self._supervise(name, emulator))
+        return emulator
+
+    async def _supervise(self, name: str, emulator: EmulatorProcess) -> None:
+        """Ping the emulator each interval; when it is gone or late, take it out of service and restart it."""
+        hb = self.heartbeat
+        while True:
+            await asyncio.sleep(hb.interval_s)
+            if not emulator.alive:
+                why = "its process exited"
+            else:
+                try:
+                    await emulator.control.ping(hb.deadline_s)
+                    continue
+                except EmulatorError as e:
+                    why = f"no answer to a ping within {hb.deadline_s:g} s ({e})" if emulator.alive else str(e)
+            self.down[name] = why
+            log.error("link emulator %s (pid %d) left service: %s", name, emulator.pid, why)
+            delay = RETRY_S
+            while True:
+                try:
+                    await emulator.restart()
+                    break
+                except (EmulatorError, OSError) as e:
+                    log.warning("link emulator %s not back yet (%s); again in %.1f s", name, e, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, MAX_RETRY_S)
+            del self.down[name]
+            self.restarts[name] += 1
+            log.info("link emulator %s back (pid %d), %d routes", name, emulator.pid, len(emulator.routes) + 1)
 
     @property
     def control(self) -> EmulatorControl:
@@ -88,30 +158,40 @@ class InterClusterLink:
             return
         if w.role == "decode" and w.name not in self.routes:
             if self.emulator is None:  # the link starts with the first decode worker
-                entered = self._stack.enter_async_context(EmulatorProcess(w.kv, **self._options()))
-                self.emulator = await reported(self.on_startup, NAME, f"link emulator, {self.config.rate}", entered)
-                self.routes[w.name] = self.emulator.port
+                self.emulator = await self._started(NAME, f"link emulator, {self.config.rate}", w.kv)
             else:
-                self.routes[w.name] = await self.emulator.control.add_route(w.kv)
+                self.emulator.routes[w.kv] = 0  # a restart of the emulator routes it, whatever happens now
+                try:
+                    await self.emulator.add_route(w.kv)
+                except EmulatorError as e:  # the emulator is down: its restart brings the route
+                    log.warning("no route to %s through the link yet: %s", w.name, e)
+            self.routes[w.name] = w.kv
         elif w.role == "prefill" and self.moves and w.name not in self.move_links:
-            entered = self._stack.enter_async_context(EmulatorProcess(w.kv, **self._options()))
-            what = "link emulator for cache moves"
-            self.move_links[w.name] = await reported(self.on_startup, f"{w.name}-link", what, entered)
+            self.move_links[w.name] = await self._started(f"{w.name}-link", "link emulator for cache moves", w.kv)
 
     async def leave(self, w: WorkerHandle) -> None:
-        port = self.routes.pop(w.name, None)
-        if port is not None and self.emulator is not None:
+        target = self.routes.pop(w.name, None)
+        if target is not None and self.emulator is not None:
             with contextlib.suppress(EmulatorError, OSError, TimeoutError):
-                await self.emulator.control.remove_route(port)
+                if target == self.emulator.target:
+                    await self.emulator.control.remove_route(self.emulator.port)
+                else:
+                    await self.emulator.remove_route(target)
         emulator = self.move_links.pop(w.name, None)
         if emulator is not None:
+            watcher = self._watchers.pop(f"{w.name}-link", None)
+            if watcher is not None:
+                watcher.cancel()
+            self.down.pop(f"{w.name}-link", None)
             await emulator.__aexit__(None, None, None)
 
     def kv_address(self, prefill: WorkerHandle, decode: WorkerHandle) -> list:
         """Where ``prefill`` sends KV for ``decode``: through the emulator when it crosses clusters."""
         assert decode.kv is not None
         if prefill.cluster == "prfaas" and self.emulated:
-            return ["127.0.0.1", self.routes[decode.name]]
+            assert self.emulator is not None
+            target = self.routes[decode.name]
+            return ["127.0.0.1", self.emulator.port if target == self.emulator.target else self.emulator.routes[target]]
         return list(decode.kv)
 
     def move_address(self, dst: WorkerHandle) -> list | None:
@@ -120,7 +200,8 @@ class InterClusterLink:
             return None
         if self.emulated:
             emulator = self.move_links.get(dst.name)
-            return ["127.0.0.1", emulator.port] if emulator is not None else None
+            up = emulator is not None and f"{dst.name}-link" not in self.down
+            return ["127.0.0.1", emulator.port] if up else None  # type: ignore[union-attr]
         return list(dst.kv)
 
     async def sample(self, prfaas: list[WorkerHandle], now: float) -> LinkReading | None:

@@ -138,6 +138,10 @@ class LiveScheduler:
             if reading is not None:
                 self.reading = reading
                 self.metrics.set_link_health(NAME, reading.utilisation, reading.rtt_ms, reading.retrans_rate)
+            for w in self.pool.workers.values():
+                self.metrics.set_process(w.name, w.alive, w.rejoins)
+            for name in self.link.emulators():
+                self.metrics.set_process(name, name not in self.link.down, self.link.restarts[name])
             for stage, (cluster, role) in zip(("prfaas_prefill", "pd_prefill", "decode"), _STAGES, strict=True):
                 self.metrics.set_queue_depth(stage, sum(w.requests for w in self.pool.of(cluster, role)))
             if not self.pool.closing:  # shutdown may have begun while the link answered: start no conversion now

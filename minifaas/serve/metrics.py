@@ -110,6 +110,12 @@ class ServeMetrics:
         self.kv_codec_break_even = Gauge(
             "minifaas:kv_codec_break_even_bits_per_second", "Break-even link rate of lossless coding", registry=r
         )
+        # Every process the gateway supervises (workers by name, link emulators by link): 1 in service, 0 down;
+        # and how many times each came back after it was lost.
+        self.process_up = Gauge("minifaas:process_up", "Supervised process in service", ["process"], registry=r)
+        self.process_restarts = Gauge(
+            "minifaas:process_restarts", "Times a supervised process came back", ["process"], registry=r
+        )
         # The offload threshold in force: incremental prompt tokens above which PrfaaS prefills.
         self.threshold = Gauge("minifaas:offload_threshold_tokens", "Offload threshold", registry=r)
         for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
@@ -168,6 +174,10 @@ class ServeMetrics:
         self.set_link_utilization(link, utilisation)
         self.link_rtt.labels(link=link).set(rtt_ms / 1000)
         self.link_retransmits.labels(link=link).set(retrans_rate)
+
+    def set_process(self, name: str, up: bool, restarts: int) -> None:
+        self.process_up.labels(process=name).set(1 if up else 0)
+        self.process_restarts.labels(process=name).set(restarts)
 
     def scheduler_decision(self, policy: str, action: str, reason: str) -> None:
         self.scheduler_decisions.labels(policy=policy, action=action, reason=reason).inc()

@@ -1,7 +1,8 @@
 """The prefill half of a request: carry out the router's decision, and fall back when it fails.
 
-A PrfaaS prefill that fails (worker gone, link cut or stalled, too slow) is
-redone on a PD-P worker; the request's record says why. Before a PrfaaS
+A prefill that fails (worker gone, link cut or stalled, too slow) is redone
+on a PD-P worker not tried yet, or, when none is left, on a PrfaaS worker
+while the link is up; the request's record says why. Before a PrfaaS
 prefill the decode node pins the prefix it already holds, so only the rest of
 the full-attention KV crosses the link; under the ABUNDANT rule the router may
 first move a cached prefix to the prefill node's cluster.
@@ -89,12 +90,23 @@ class PrefillDispatch:
             self.fallbacks[reason] += 1
             with contextlib.suppress(RuntimeError):
                 decode.send({"op": "abort", "req": request.request_id})
-            local = [w for w in self.pool.of("pd", "prefill") if w.serving and w.name not in tried]
-            if not local:
+            worker = self._retry_on(request, tried)
+            if worker is None:
                 raise RequestFailed(f"prefill failed on every worker tried: {outcome}")
             hits = self.prefixes.node_hits(request.prompt_ids)
-            worker = min(local, key=lambda w: w.load_tokens - hits.get(w.name, 0))
             expected_hit = hits.get(worker.name, 0)
+
+    def _retry_on(self, request: GenerateRequest, tried: set[str]) -> WorkerHandle | None:
+        """Where a failed prefill goes next: a PD-P worker not tried yet, else a PrfaaS one while the link
+        is up (a PD-P that died must not fail a request PrfaaS can serve); the least loaded net of its hit."""
+        hits = self.prefixes.node_hits(request.prompt_ids)
+        for cluster in ("pd", "prfaas"):
+            if cluster == "prfaas" and not self.link.up:
+                break
+            left = [w for w in self.pool.of(cluster, "prefill") if w.serving and w.name not in tried]
+            if left:
+                return min(left, key=lambda w: w.load_tokens - hits.get(w.name, 0))
+        return None
 
     async def _once(
         self,

@@ -44,6 +44,7 @@ from minifaas.model.loader import add_model_arguments, resolve_dtype
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
+from minifaas.parent_watch import die_with_parent, exit_when_stdin_closes
 from minifaas.policy.compression import MODES
 from minifaas.serve.decode_prefix import DecodePrefixCache, JoiningReceiver
 from minifaas.serve.decode_service import DecodeService
@@ -175,7 +176,7 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
         announce({"control": [host, server.port], "kv": kv, "pid": node.pid, "name": name})
         log.info("worker %s (%s %s, %s) %s on %s:%d; KV %s", name, args.cluster, args.role, runtime.spec.name,
                  READY, host, server.port, "none" if kv is None else f"{kv[0] or '*'}:{kv[1]}")  # fmt: skip
-        await (_stdin_closed() if args.exit_with_stdin else (stop or asyncio.Event()).wait())
+        await (exit_when_stdin_closes() if args.exit_with_stdin else (stop or asyncio.Event()).wait())
         if args.role == "decode":
             decode_loop.cancel()
 
@@ -190,16 +191,6 @@ def _pool_config(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> 
         needs_snapshot(runtime.layout.kinds),
         enabled=args.prefix_cache != "none",
     )
-
-
-async def _stdin_closed() -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while await reader.read(4096):
-        pass
-    log.info("gateway gone: exiting")
-    os._exit(0)  # at once: a forward still running in its thread would hold up a clean exit
 
 
 def _print_ready(ready: dict) -> None:
@@ -225,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
             except OSError as e:
                 raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    die_with_parent()  # a child of the gateway: killed with it, however it dies
     asyncio.run(_until_signalled(args))
     return 0
 

@@ -23,6 +23,17 @@ and answers one per line (see ``EmulatorControl``):
     {"cmd": "schedule", "steps": [[0, 1e9], [5, 1e8]]}   rates from now on
     {"cmd": "route", "target": "127.0.0.1:9001"}   one more target over the same link: {"port": ...}
     {"cmd": "unroute", "port": 40123}     stop taking new flows on that port
+    {"cmd": "ping"}                       {} at once: the gateway's heartbeat
+
+The control port speaks the workers' control protocol (``control.session``):
+a client proves the cluster secret ($MINIFAAS_SECRET or ``--secret-file``)
+and then sends signed frames; one client at a time, at most a few in the
+handshake, and a client silent for ``--control-idle`` seconds is dropped.
+Every command is validated first (``emulator_commands``): a bad one is
+refused with ``{"ok": false, "error": ...}`` and the emulator goes on. With
+``--exit-with-stdin`` (how the gateway starts it) it exits when its stdin
+closes, and the kernel kills it when its parent dies
+(``minifaas.parent_watch``).
 """
 
 from __future__ import annotations
@@ -32,66 +43,29 @@ import asyncio
 import json
 import signal
 import sys
-from typing import Any
 
 from minifaas import arguments
 from minifaas.cli import user_input
+from minifaas.control.secret import load_secret
+from minifaas.control.server import ControlServer
+from minifaas.control.session import Session
+from minifaas.parent_watch import die_with_parent, exit_when_stdin_closes
+from minifaas.transport.emulator_commands import CommandError, apply_command
 from minifaas.transport.pacer import RateSchedule, parse_bytes, parse_rate
 from minifaas.transport.relay import LinkConfig, LinkEmulator
 
 
-def apply_command(link: LinkEmulator, request: dict[str, Any]) -> dict[str, Any]:
-    """One control-port command; raises ValueError/KeyError/TypeError on a bad one."""
-    cmd = request.get("cmd")
-    if cmd == "stats":
-        return link.stats()
-    if cmd == "cut":
-        link.cut()
-    elif cmd == "stall":
-        link.stall(float(request["seconds"]))
-    elif cmd == "corrupt":
-        link.corrupt_pending += 1
-    elif cmd == "rate":
-        if "bps" in request:
-            link.set_rate(request["bps"])
-        if "flow_bps" in request:
-            link.set_flow_rate(request["flow_bps"])
-    elif cmd == "window":
-        link.set_window(request["bytes"])
-    elif cmd == "delay":
-        link.set_delay(float(request["ms"]), float(request.get("jitter_ms", 0)))
-    elif cmd == "route":
-        host, port = _address(str(request["target"]))
-        return {"port": link.add_route(host, port)}
-    elif cmd == "unroute":
-        link.remove_route(int(request["port"]))
-    elif cmd == "schedule":
-        link.set_schedule(RateSchedule(tuple((float(t), r) for t, r in request["steps"])))
-    else:
-        raise ValueError(f"unknown command {cmd!r}")
-    return {}
-
-
-async def _control_session(link: LinkEmulator, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while line := await reader.readline():
-            try:
-                reply = {"ok": True, **apply_command(link, json.loads(line))}
-            except (ValueError, KeyError, TypeError) as e:
-                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            writer.write(json.dumps(reply).encode() + b"\n")
-            await writer.drain()
-    except (ConnectionError, asyncio.CancelledError):  # a client gone, or the emulator stopping
-        pass
-    finally:
-        writer.close()
-
-
-def _address(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"not HOST:PORT: {text!r}")
-    return host or "127.0.0.1", int(port)
+async def _control_session(link: LinkEmulator, route_hosts: frozenset[str], session: Session, idle_s: float) -> None:
+    """Answer one authenticated client's commands; a bad one gets an error reply, and the session goes on."""
+    while (request := await session.recv(idle_s)) is not None:
+        try:
+            reply = {"ok": True, **apply_command(link, request, route_hosts)}
+        except CommandError as e:
+            reply = {"ok": False, "error": str(e)}
+        if "id" in request:
+            reply["id"] = request["id"]
+        session.send(reply)
+        await session.drain(idle_s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,30 +93,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="jitter seed")
     parser.add_argument("--splice", choices=("on", "off"), default="on",
                         help="move bytes with splice(2) (off: copy them through the relay)")  # fmt: skip
+    parser.add_argument(
+        "--secret-file", default=None, help="the cluster secret for the control port (default: $MINIFAAS_SECRET)"
+    )
+    parser.add_argument(
+        "--route-host", action="append", default=None,
+        help="a host the route command may lead to (repeatable; default: the --target's host)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--control-idle", type=float, default=30.0, help="drop a control client silent this long, seconds"
+    )
+    parser.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (the gateway's)")
 
 
 def run(args: argparse.Namespace) -> int:
     (target_host, target_port), listen = args.target, args.listen
     with user_input():
+        secret = load_secret(args.secret_file)
+        if not args.control_idle > 0:
+            raise ValueError(f"--control-idle must be > 0, got {args.control_idle}")
         config = LinkConfig(
             target_host, target_port, listen[0], listen[1], parse_rate(args.rate), parse_rate(args.flow_rate),
             parse_bytes(args.window), args.delay_ms, args.jitter_ms, RateSchedule.parse(args.schedule),
             args.read_bytes, args.seed, args.splice == "on",
         )  # fmt: skip
-    return asyncio.run(_serve(config, args.control))
+    die_with_parent()
+    return asyncio.run(_serve(config, args, secret))
 
 
-async def _serve(config: LinkConfig, control: tuple[str, int]) -> int:
+async def _serve(config: LinkConfig, args: argparse.Namespace, secret: bytes) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with LinkEmulator(config) as link:
-        server = await asyncio.start_server(lambda r, w: _control_session(link, r, w), *control)
-        async with server:
-            control_port = server.sockets[0].getsockname()[1]
-            print(json.dumps({"port": link.port, "control_port": control_port}), flush=True)
+    route_hosts = frozenset(args.route_host or [config.target_host])
+    async with LinkEmulator(config) as link, asyncio.TaskGroup() as tg:
+        idle = args.control_idle
+        handler = lambda session: _control_session(link, route_hosts, session, idle)  # noqa: E731
+        async with ControlServer(args.control, secret, handler, deadline_s=idle) as server:
+            print(json.dumps({"port": link.port, "control_port": server.port}), flush=True)
+            watching = tg.create_task(exit_when_stdin_closes()) if args.exit_with_stdin else None
             await stop.wait()
+            if watching is not None:
+                watching.cancel()
     return 0
 
 

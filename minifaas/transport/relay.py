@@ -19,6 +19,7 @@ towards the target.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import socket
@@ -74,6 +75,7 @@ class LinkEmulator:
         self.flows_total = self.cuts = self.corrupt_pending = 0
         self._rng = random.Random(c.seed)
         self._stalled_until = 0.0
+        self._stall_changed = asyncio.Event()
         self._last_stats = (0.0, 0)
         peak = max([r for r in (c.rate_bps, *(r for _, r in c.schedule.steps)) if r is not None], default=1e10)
         in_flight = peak / 8 * (self.delay_s + self.jitter_s + 0.02)
@@ -114,6 +116,11 @@ class LinkEmulator:
         bound = server.getsockname()[1]
         self._routes[bound] = (server, (host, port), self._spawn(self._accept(server, (host, port))))
         return bound
+
+    @property
+    def routes(self) -> dict[int, tuple[str, int]]:
+        """Listening port -> the target its flows go to."""
+        return {port: target for port, (_, target, _) in self._routes.items()}
 
     def remove_route(self, listen_port: int) -> None:
         """Stop taking new flows on ``listen_port``; flows already on it run to their end."""
@@ -228,8 +235,13 @@ class LinkEmulator:
             free.append(block)
 
     async def _while_stalled(self) -> None:
+        # bounded by the stall (at most emulator_commands.MAX_STALL_S), and a later, shorter one
+        # (``stall 0``) wakes it at once
         while (left := self._stalled_until - self._loop.time()) > 0:
-            await asyncio.sleep(left)
+            self._stall_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._stall_changed.wait()
 
     async def _follow_schedule(self, schedule: RateSchedule, origin: float) -> None:
         for at, rate in schedule.steps:
@@ -244,7 +256,11 @@ class LinkEmulator:
             task.cancel()  # its finally resets both sides
 
     def stall(self, seconds: float) -> None:
-        self._stalled_until = max(self._stalled_until, self._loop.time() + seconds)
+        """Forward nothing for ``seconds`` from now, replacing any stall before (0: end it)."""
+        if not 0 <= seconds < math.inf:
+            raise ValueError(f"a stall of {seconds} s")
+        self._stalled_until = self._loop.time() + seconds
+        self._stall_changed.set()
 
     def set_rate(self, bps: float | None) -> None:
         for pacer in self.link.values():

@@ -4,8 +4,9 @@ A child runs ``python -m minifaas.serve.worker --exit-with-stdin`` with the
 cluster secret in its environment, listens on 127.0.0.1 (control on any free
 port, KV on a port fixed per worker name, so a restarted worker is found where
 the link emulator's route points) and prints one JSON line when ready. It
-exits when its stdin closes, so a gateway that dies, however it dies, leaves
-no worker behind.
+exits when its stdin closes and is killed by the kernel when the gateway
+dies (``minifaas.parent_watch``), so a gateway that dies, however it dies,
+leaves no worker behind.
 
 ``start`` of a worker whose process still runs returns the address it has:
 one that is only slow (stopped, overloaded) is re-attached, not replaced.
@@ -22,6 +23,7 @@ import sys
 
 from minifaas.child_process import describe_exit, wait_or_kill
 from minifaas.control.secret import SECRET_ENV
+from minifaas.parent_watch import child_env
 from minifaas.serve.launch.launcher import Address, WorkerError, WorkerSpec
 
 log = logging.getLogger("minifaas.gateway")
@@ -65,7 +67,7 @@ class LocalLauncher:
         kv_port = self.kv_ports.setdefault(spec.name, free_port())
         argv = [sys.executable, "-m", "minifaas.serve.worker", "--role", spec.role, "--cluster", spec.cluster]
         argv += ["--name", spec.name, "--listen", f"{HOST}:0", "--kv-listen", f"{HOST}:{kv_port}", "--exit-with-stdin"]
-        env = {**os.environ, SECRET_ENV: self.secret.decode()}
+        env = child_env({**os.environ, SECRET_ENV: self.secret.decode()})
         process = await asyncio.create_subprocess_exec(
             *argv, *spec.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
         )
