@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from test_emulator import echo_server
 
 from minifaas.control.session import ControlError, connect
 from minifaas.transport.emulator_control import EmulatorError, EmulatorProcess
@@ -45,16 +46,6 @@ BAD_COMMANDS = [
 
 def run(coro: object) -> object:
     return asyncio.run(asyncio.wait_for(coro, 90))  # type: ignore[arg-type]
-
-
-async def echo_server() -> asyncio.Server:
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(1 << 16):
-            writer.write(data)
-            await writer.drain()
-        writer.close()
-
-    return await asyncio.start_server(echo, "127.0.0.1", 0)
 
 
 async def round_trip(port: int, payload: bytes = b"ping") -> bytes:
@@ -139,12 +130,13 @@ def test_an_emulator_dies_with_its_parent_however_the_parent_dies(stopped: bool)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _running(pid):
+    while time.monotonic() < deadline and running(pid):
         time.sleep(0.05)
-    assert not _running(pid), f"emulator {pid} outlived its parent"
+    assert not running(pid), f"emulator {pid} outlived its parent"
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[1][0] != "Z"

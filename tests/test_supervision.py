@@ -9,6 +9,7 @@ while PrfaaS is healthy. A gateway killed with SIGKILL leaves no process behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from test_emulator_control import running
 
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -112,7 +114,7 @@ def test_a_lost_emulator_leaves_service_within_its_deadline_and_comes_back_route
             assert record.route_reason == "long"
 
     run(loop, scenario())
-    assert not _running(old), "the lost emulator was not replaced"
+    assert not running(old), "the lost emulator was not replaced"
     text = gateway.metrics.exposition().decode()
     assert f'minifaas:process_up{{process="{NAME}"}} 1.0' in text
     assert f'minifaas:process_restarts{{process="{NAME}"}} {restarts + 1}.0' in text
@@ -173,18 +175,10 @@ def test_a_gateway_killed_with_sigkill_leaves_no_process_behind(tmp_path: object
             time.sleep(0.1)
         assert _group(proc.pid) == [], "children outlived a gateway killed with SIGKILL"
     finally:
-        with __import__("contextlib").suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _group(pgid: int) -> list[str]:
     pids = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
-    return [p for p in pids if _running(int(p))]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
+    return [p for p in pids if running(int(p))]
