@@ -23,12 +23,17 @@ import time
 from dataclasses import replace
 
 import aiohttp
+import torch
 
 from minifaas import figures
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import LinkConfig, ServeConfig
+from minifaas.serve.config import ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.serve_cli import running_server
+
+# where a served request's time goes (the response's ``minifaas`` object); http_s is the client's TTFT less
+# the gateway's: the HTTP request, the SSE event and the client's parsing
+BREAKDOWN = ("dispatch_s", "queue_s", "prefill_s", "store_s", "transfer_s", "control_s", "first_step_s", "http_s")
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -53,7 +58,7 @@ async def served(
     async with running_server(config) as (gateway, port), aiohttp.ClientSession() as http:
         url = f"http://127.0.0.1:{port}/v1/completions"
         for n in lengths:
-            ttfts, e2es, routes, kv, refs = [], [], set(), 0, []
+            ttfts, e2es, routes, kv, refs, parts = [], [], set(), 0, [], []
             for i in range(repeats + 1):  # the first is a warm-up
                 body = {
                     "model": gateway.model_name,
@@ -75,6 +80,9 @@ async def served(
                             routes.add(info["route"])
                             kv = info["kv_bytes"]
                 if i:
+                    parts.append(
+                        {k: info[k] or 0.0 for k in BREAKDOWN[:-1]} | {"http_s": (first or 0.0) - info["ttft_s"]}
+                    )
                     ttfts.append(first or 0.0)
                     e2es.append(time.perf_counter() - start)
                     refs.append(await asyncio.to_thread(reference, rt, prompt(n, 7919 * i + n + 1), max_tokens))
@@ -85,6 +93,7 @@ async def served(
                 "kv_bytes": kv,
                 "generate_ttft_s": statistics.median(r[0] for r in refs),
                 "generate_e2e_s": statistics.median(r[1] for r in refs),
+                "breakdown": {k: statistics.median(b[k] for b in parts) for k in BREAKDOWN},
             }
     return out
 
@@ -97,6 +106,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--link-rate", default="100mbit")
+    p.add_argument("--threads", type=int, default=0, help="torch threads here and per worker (0: torch's default)")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=ClusterConfig().prefill_chunk, help="tokens per prefill forward"
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     a = p.parse_args()
@@ -106,7 +119,15 @@ def main() -> None:
     lengths = [a.short, a.long]
     rt = ModelRuntime.load(a.model)
     rt.generate([1, 2, 3], SamplingParams(max_tokens=2))
-    base = replace(ServeConfig(model=a.model, port=0), link=LinkConfig(rate=a.link_rate, delay_ms=5.0))
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    d = ServeConfig()
+    base = replace(
+        ServeConfig(model=a.model, port=0),
+        link=LinkConfig(rate=a.link_rate, delay_ms=5.0),
+        prfaas=replace(d.prfaas, threads=a.threads, prefill_chunk=a.prefill_chunk),
+        pd=replace(d.pd, threads=a.threads, prefill_chunk=a.prefill_chunk),
+    )
     local = asyncio.run(served(replace(base, threshold=10**9), rt, lengths, a.max_tokens, a.repeats))
     prfaas = asyncio.run(served(replace(base, threshold=0), rt, lengths, a.max_tokens, a.repeats))
     rows = []
@@ -123,6 +144,7 @@ def main() -> None:
                     "generate_e2e_s": res["generate_e2e_s"],
                     "ttft_over_generate": res["ttft_s"] / res["generate_ttft_s"],
                     "asked": name,
+                    "breakdown": res["breakdown"],
                 }
             )
     print(
@@ -135,7 +157,15 @@ def main() -> None:
             f"{r['generate_ttft_s']:>9.3f} {r['generate_e2e_s']:>8.3f} {r['ttft_over_generate']:>9.2f} "
             f"{r['kv_bytes'] / 1e6:>7.2f}"
         )
-    print(f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats})")
+    print("\nwhere the served TTFT goes (ms, medians), and the first decode step after it:")
+    print(f"{'tokens':>7} {'route':>7} " + " ".join(f"{k.removesuffix('_s'):>10}" for k in BREAKDOWN))
+    for r in rows:
+        cells = " ".join(f"{1e3 * r['breakdown'][k]:>10.1f}" for k in BREAKDOWN)
+        print(f"{r['prompt_tokens']:>7} {r['route']:>7} {cells}")
+    print(
+        f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats}; "
+        f"torch threads: {torch.get_num_threads()} here, {a.threads or 'the default'} per worker)"
+    )
     if a.json:
         print(figures.dumps({"bench": "serve", "rows": rows}))
 

@@ -37,6 +37,7 @@ from minifaas.cache.block_hash import BlockKey, PromptKeys
 from minifaas.cache.entry import Entry, Lease
 from minifaas.cache.events import CacheEvent, EventKind
 from minifaas.cache.prefix_index import EntryKind, Match, PrefixIndex
+from minifaas.cache.snapshot_policy import SnapshotPolicy, snapshot_points
 
 P = TypeVar("P")
 
@@ -68,14 +69,16 @@ class PoolConfig:
     cluster: str
     capacity_bytes: int
     block_size: int = 512
-    snapshot_interval_blocks: int = 8  # 0: snapshots only at prompt ends
+    snapshot_interval_blocks: int = 8  # the interval policy's spacing; 0: snapshots only at prompt ends
     needs_snapshot: bool = True  # False for dense models: any block prefix is usable
     enabled: bool = True  # False: --prefix-cache none (no hits, nothing stored)
     events: bool = True  # False: no store/evict events (the simulator's manager reads this pool's index)
+    snapshot_policy: SnapshotPolicy = SnapshotPolicy.INTERVAL  # where snapshots go (cache.snapshot_policy)
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0 or self.block_size < 1 or self.snapshot_interval_blocks < 0:
             raise ValueError(f"bad pool config {self}")
+        object.__setattr__(self, "snapshot_policy", SnapshotPolicy(self.snapshot_policy))  # a name is fine too
 
 
 class HybridPrefixPool(Generic[P]):
@@ -148,14 +151,19 @@ class HybridPrefixPool(Generic[P]):
             self._touch(_slot(EntryKind.SNAPSHOT, snapshot_key), now)
         self._touch_blocks(reversed(prompt.block_keys[: length // prompt.block_size]), now)
 
-    def snapshot_points(self, start: int, num_tokens: int) -> list[int]:
-        """Lengths in (start, num_tokens] at which a prefill of a prompt should snapshot its state."""
-        size = self.config.block_size
-        points = [num_tokens] if num_tokens > start and (self.config.needs_snapshot or num_tokens % size) else []
-        step = self.config.snapshot_interval_blocks * size
-        if step and self.config.needs_snapshot:
-            points[:0] = range((start // step + 1) * step, num_tokens, step)
-        return points
+    def snapshot_points(self, start: int, num_tokens: int, seen_tokens: int = 0) -> list[int]:
+        """Lengths in (start, num_tokens] at which a prefill of a prompt should snapshot its state;
+        ``seen_tokens``: the prompt's longest block prefix already stored (its branch point)."""
+        c = self.config
+        return snapshot_points(
+            c.snapshot_policy,
+            start,
+            num_tokens,
+            c.block_size,
+            c.snapshot_interval_blocks,
+            c.needs_snapshot,
+            seen_tokens,
+        )
 
     def put_block(
         self,

@@ -10,7 +10,7 @@
 [link]             the inter-cluster link: rate, delay (emulated), per-flow cap and window, connections,
                    kv_compression, emulated
 [ray]              the Ray launcher: cluster address, namespace, CPUs and GPUs per worker
-[cache]            the hybrid prefix cache: mode, block size, snapshot interval, bytes per node
+[cache]            the hybrid prefix cache: mode, block size, snapshot policy and interval, bytes per node
 [scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
 """
 
@@ -20,11 +20,14 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from minifaas.cache.snapshot_policy import SnapshotPolicy
 from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES, dtype_name
 from minifaas.policy.compression import MODES
 from minifaas.serve.launch.launcher import parse_address
 from minifaas.transport.pacer import check_window, parse_bytes, parse_rate
 from minifaas.transport.pool import DEFAULT_CONNECTIONS, MAX_CONNECTIONS
+
+SNAPSHOT_POLICIES = tuple(p.value for p in SnapshotPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,7 @@ class ClusterConfig:
     prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
     workers: tuple[str, ...] = ()  # control addresses of hand-started workers; the counts then do not apply
     dtype: str | None = None  # the weights' dtype on its workers; None: [serve] dtype
+    threads: int = 0  # torch threads per worker (0: torch's default, one per core)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(self.workers))  # a TOML array comes as a list
@@ -49,6 +53,8 @@ class ClusterConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
 
@@ -96,7 +102,10 @@ class CacheConfig:
 
     mode: str = "hybrid"  # "none": no hits, nothing stored, routing on prompt length alone
     block_size: int = 32  # tokens per full-attention block
-    snapshot_interval_blocks: int = 4  # 0: state snapshots only at prompt ends
+    snapshot_policy: str = (
+        "reuse"  # where linear-state snapshots go (cache.snapshot_policy); "interval": every N blocks
+    )
+    snapshot_interval_blocks: int = 4  # the interval policy's spacing; 0: state snapshots only at prompt ends
     capacity_mib: float = 256.0  # per prefill node
     rule: str = "scarce"  # at start (the scheduler may switch it): "scarce" or "abundant" (the longer cache counts)
     incremental_transfer: bool = True  # off: PrfaaS ships the whole KV even when the decode node holds a prefix
@@ -105,6 +114,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("hybrid", "none") or self.rule not in ("scarce", "abundant"):
             raise ValueError(f"cache mode must be hybrid|none and rule scarce|abundant, got {self.mode}, {self.rule}")
+        if self.snapshot_policy not in SNAPSHOT_POLICIES:
+            raise ValueError(
+                f"snapshot_policy must be one of {', '.join(SNAPSHOT_POLICIES)}, got {self.snapshot_policy}"
+            )
         if self.block_size < 1 or self.snapshot_interval_blocks < 0 or self.capacity_mib < 0:
             raise ValueError("need block_size >= 1, snapshot_interval_blocks >= 0, capacity_mib >= 0")
 

@@ -57,6 +57,7 @@ WORKER_OPS: dict[str, dict[str, Kind]] = {
         "link_start": _COUNT,
         "codec": Optional(_CODEC),
         "import": Optional(_TRANSFER),
+        "seen_tokens": Optional(_COUNT),  # the prompt's longest prefix some node stored: a snapshot point
     },
     "export": {
         "req": _REQ,

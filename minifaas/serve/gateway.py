@@ -274,6 +274,7 @@ class Gateway:
                 record.decode_worker = decode.name
                 record.route_reason = decision.reason.value
                 inbox = decode.open(rid)
+                record.dispatch_s = time.perf_counter() - start  # routing; the prefill dispatch adds its part
                 transfer, first = await self.dispatch.run(request, record, decision, decode)
             record.ttft_s = time.perf_counter() - start
             record.phase = advance(record.phase, Phase.DECODING)

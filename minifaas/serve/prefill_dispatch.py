@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import time
 from collections import Counter
 from typing import Protocol
 
@@ -129,6 +130,7 @@ class PrefillDispatch:
         remote = worker.cluster == "prfaas"
         link_start = self.prefixes.kv_prefix(request.prompt_ids, decode.name) if remote else 0
         choice: CodecChoice | None = None
+        asked = time.perf_counter()
         try:
             decode.send(
                 {
@@ -154,11 +156,14 @@ class PrefillDispatch:
                     "kv": self.link.kv_address(worker, decode),
                     "link_start": link_start,
                     "codec": choice.codec if choice is not None else "none",
+                    "seen_tokens": self.prefixes.seen_prefix(request.prompt_ids),
                     **({"import": moved} if moved is not None else {}),
                 }
             )
+            sent = time.perf_counter()
             async with asyncio.timeout(self.prefill_timeout):
                 reply = await inbox.get()
+            replied = time.perf_counter()
         except TimeoutError:
             return "timeout: prefill and transfer took too long"
         except RuntimeError as e:
@@ -182,8 +187,14 @@ class PrefillDispatch:
             self.scheduler.coded(reply, reply["kv_bytes"])
         record.cached_tokens = reply["cached_tokens"]
         self.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
-        record.queue_s = reply["queue_s"]
-        record.transfer_s = reply["transfer_tail_s"]
+        record.queue_s, record.prefill_s, record.transfer_s = (
+            reply["queue_s"],
+            reply["prefill_s"],
+            reply["transfer_tail_s"],
+        )
+        record.dispatch_s = (record.dispatch_s or 0.0) + sent - asked
+        record.store_s = reply["worker_s"] - reply["prefill_s"] - reply["transfer_tail_s"]
+        record.control_s = max(0.0, replied - sent - reply["queue_s"] - reply["worker_s"])
         self.scheduler.prefilled(worker.cluster, reply["computed_tokens"], reply["prefill_s"])
         record.phase = advance(record.phase, Phase.TRANSFERRING)
         return int(reply["next_token"])

@@ -131,7 +131,7 @@ class PrefillService:
             await self.compute.acquire()
             held = True
             started = time.perf_counter()
-            plan = self.store.begin(tokens, started)
+            plan = self.store.begin(tokens, started, msg.get("seen_tokens", 0))
             try:
                 if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
                     await _until_stopped(stop, self.store.advance, self.runtime, plan)
@@ -168,6 +168,7 @@ class PrefillService:
             "queue_s": started - arrived,
             "prefill_s": result.seconds,
             "transfer_tail_s": finished - computed_at,
+            "worker_s": finished - started,
             **coding(tx.report),
         }
 

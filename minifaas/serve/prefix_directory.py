@@ -50,6 +50,16 @@ class PrefixDirectory:
         keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
         return self.manager.match(keys, limit=len(prompt_ids) - 1)[node].kv_prefix_tokens
 
+    def seen_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """The longest prefix of the prompt whose KV blocks any node stored: a branch point another prompt
+        shared, where a state snapshot is worth taking (``cache.snapshot_policy``)."""
+        if not self.config.enabled or len(prompt_ids) < 2:
+            return 0
+        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
+        return max(
+            (m.kv_prefix_tokens for m in self.manager.match(keys, limit=len(prompt_ids) - 1).values()), default=0
+        )
+
     def node_hits(self, prompt_ids: Sequence[int]) -> dict[str, int]:
         """Each node's usable hit for the prompt, leaving at least one token to compute."""
         if not self.config.enabled or len(prompt_ids) < 2:

@@ -20,7 +20,8 @@ A prefill with a hit of h tokens continues from the hit's state and runs the res
 in segments that end at the pool's snapshot points, so the state at each point can
 be kept (``advance``); only the last segment streams its layers to the decode side
 (``compute``), so the transfer opens when there is something to send. Short
-segments cost extra forwards: the snapshot interval trades that against hits.
+segments cost extra forwards, so the default policy (``cache.snapshot_policy``)
+splits a prompt only at a prefix another prompt already stored.
 """
 
 from __future__ import annotations
@@ -77,14 +78,19 @@ class PrefixStore:
     def enabled(self) -> bool:
         return self.pool.config.enabled
 
-    def begin(self, tokens: Sequence[int], now: float) -> CachedPrefill:
-        """Pin the usable hit (at least one token is left to compute) and load its state."""
+    def begin(self, tokens: Sequence[int], now: float, seen_tokens: int = 0) -> CachedPrefill:
+        """Pin the usable hit (at least one token is left to compute) and load its state. ``seen_tokens``:
+        the longest prefix of the prompt that some node stored (the gateway's directory), a branch point
+        worth a snapshot; this node's own pool adds what it holds."""
         size = self.pool.config.block_size
         keys = PromptKeys.from_tokens(tokens, size, self.namespace)
         lease = self.pool.acquire(keys, now, limit=len(tokens) - 1)
         h = lease.hit_tokens
         prefix = assemble(self.layout, lease.block_payloads, lease.snapshot_payload, h) if h else None
-        points = self.pool.snapshot_points(h, len(tokens)) if self.enabled else []
+        points = []
+        if self.enabled:
+            seen = max(seen_tokens, self.pool.match(keys, limit=len(tokens) - 1).kv_blocks * size)
+            points = self.pool.snapshot_points(h, len(tokens), seen)
         snapshot_end = bool(points) and points[-1] == len(tokens)
         return CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end, h)
 

@@ -44,8 +44,17 @@ class RequestRecord:
     kv_wire_bytes: int = 0  # what crossed the wire after coding
     kv_encode_s: float = 0.0  # coding time at the prefill worker
     kv_decode_s: float = 0.0  # decoding time at the decode worker
-    transfer_s: float | None = None
-    queue_s: float | None = None
+    transfer_s: float | None = None  # the transfer's tail: from the prefill's end to the decode node's DONE
+    queue_s: float | None = None  # waiting for the prefill worker's compute lock
+    # where the time to the first token went, ttft_s = dispatch_s + queue_s + prefill_s + store_s + transfer_s
+    # + control_s (the rest, a few microseconds, is the gateway's own bookkeeping):
+    dispatch_s: float | None = None  # gateway: routing, pinning the decode node's prefix, the prefill message
+    prefill_s: float | None = None  # the prefill worker's forwards
+    store_s: float | None = (
+        None  # the prefix cache: loading the hit, copying snapshots and blocks, opening the transfer
+    )
+    control_s: float | None = None  # the prefill round trip less the worker's queue, forwards and transfer tail
+    first_step_s: float | None = None  # first token to second: the decode worker's first step and its hop back
     ttft_s: float | None = None
     e2e_s: float | None = None
     fallback: str | None = None  # why the request was re-prefilled locally, if it was

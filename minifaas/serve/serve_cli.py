@@ -34,7 +34,7 @@ from minifaas.planner.profile import load_pd_profiles
 from minifaas.policy.compression import MODES
 from minifaas.scheduler.short_term import ShortTermConfig
 from minifaas.serve.api import build_app
-from minifaas.serve.config import CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
+from minifaas.serve.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway, cluster_secret
 from minifaas.serve.http_server import serve_http
 from minifaas.serve.launch.launcher import parse_address
@@ -163,9 +163,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache", choices=("hybrid", "none"), help=f"prefix cache (default: {d.cache.mode})")
     parser.add_argument("--cache-block-size", type=int, help=f"tokens per cached block (default: {d.cache.block_size})")
     parser.add_argument(
+        "--snapshot-policy",
+        choices=SNAPSHOT_POLICIES,
+        help="where linear-state snapshots go: reuse keeps them at prompt ends and at prefixes an earlier prompt "
+        f"shared; interval every --snapshot-interval blocks too (default: {d.cache.snapshot_policy})",
+    )
+    parser.add_argument(
         "--snapshot-interval",
         type=int,
-        help=f"blocks between state snapshots; 0: at prompt ends only (default: {d.cache.snapshot_interval_blocks})",
+        help="the interval policy's blocks between state snapshots; 0: at prompt ends only "
+        f"(default: {d.cache.snapshot_interval_blocks})",
     )
     parser.add_argument(
         "--cache-mib", type=float, help=f"prefix cache per prefill node in MiB (default: {d.cache.capacity_mib:g})"
@@ -232,6 +239,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     cache = CacheConfig(
         mode=_pick(args.prefix_cache, base.cache.mode),
         block_size=_pick(args.cache_block_size, base.cache.block_size),
+        snapshot_policy=_pick(args.snapshot_policy, base.cache.snapshot_policy),
         snapshot_interval_blocks=_pick(args.snapshot_interval, base.cache.snapshot_interval_blocks),
         capacity_mib=_pick(args.cache_mib, base.cache.capacity_mib),
         rule=_pick(args.route_rule, base.cache.rule),

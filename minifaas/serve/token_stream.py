@@ -10,6 +10,7 @@ long the output grows (``model.detokenizer``, ``serve.stop_strings``).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from minifaas.model.detokenizer import IncrementalDecoder
@@ -42,10 +43,13 @@ async def decode_tokens(
             yield TokenEvent(token, piece if stopped else piece + text.flush(), "stop" if stopped else finish)
             return
         yield TokenEvent(token, piece, None)
+        asked = time.perf_counter()
         async with deadline.next_token():
             msg = await inbox.get()
             while msg.get("transfer", transfer) != transfer or msg["op"] in ("received", "pinned"):
                 msg = await inbox.get()  # "received", or news of an abandoned transfer
+        if record.first_step_s is None:
+            record.first_step_s = time.perf_counter() - asked
         if msg["op"] in ("lost", "failed"):
             raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
         if msg["op"] == "done":

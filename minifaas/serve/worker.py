@@ -33,6 +33,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from minifaas import arguments
 from minifaas.cache.pool import PoolConfig
 from minifaas.cli import BadInput, user_input
@@ -46,6 +48,7 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.parent_watch import die_with_parent, exit_when_stdin_closes
 from minifaas.policy.compression import MODES
+from minifaas.serve.config import SNAPSHOT_POLICIES
 from minifaas.serve.decode_prefix import DecodePrefixCache, JoiningReceiver
 from minifaas.serve.decode_service import DecodeService
 from minifaas.serve.launch.launcher import NAME_PREFIX, parse_address
@@ -78,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="of a preset's random weights (default: 0)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads; 0: torch's default, one per core it may use (default: 0)")  # fmt: skip
     p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
     p.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS,
                    help=f"TCP connections per KV transfer (prefill; default: {DEFAULT_CONNECTIONS})")  # fmt: skip
@@ -93,8 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this node's prefix cache (default: hybrid)")  # fmt: skip
     p.add_argument("--cache-block-size", type=int, default=32,
                    help="tokens per cached full-attention block (default: 32)")  # fmt: skip
+    p.add_argument("--snapshot-policy", choices=SNAPSHOT_POLICIES, default="reuse",
+                   help="where state snapshots go: prompt ends and prefixes another prompt shared (reuse), or "
+                   "every --snapshot-interval blocks too (default: reuse)")  # fmt: skip
     p.add_argument("--snapshot-interval", type=int, default=4,
-                   help="blocks between state snapshots; 0: at prompt ends only (default: 4)")  # fmt: skip
+                   help="the interval policy's blocks between state snapshots; 0: at prompt ends only "
+                   "(default: 4)")  # fmt: skip
     p.add_argument("--cache-mib", type=float, default=256.0,
                    help="host memory for this node's prefix cache in MiB (default: 256)")  # fmt: skip
     p.add_argument("--state-timeout", type=float, default=60.0,
@@ -130,6 +139,8 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     """Run the worker until ``stop`` is set (or stdin closes, with --exit-with-stdin)."""
     secret = load_secret(args.secret_file)
     name = args.name or default_name(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, args.device)
     runtime = await asyncio.to_thread(
         ModelRuntime.load, args.model, args.device, args.seed, dtype, args.trust_remote_code
@@ -190,6 +201,7 @@ def _pool_config(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> 
         args.snapshot_interval,
         needs_snapshot(runtime.layout.kinds),
         enabled=args.prefix_cache != "none",
+        snapshot_policy=args.snapshot_policy,
     )
 
 

@@ -18,10 +18,11 @@ def worker_argv(c: ServeConfig, role: str, cluster: str) -> tuple[str, ...]:
     argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
     argv += ["--kv-compression", c.link.kv_compression]
     argv += ["--dtype", c.worker_dtype(cluster)] + (["--trust-remote-code"] if c.trust_remote_code else [])
+    argv += ["--threads", str(c.cluster(cluster).threads)]
     if not c.link.pipelined:
         argv.append("--no-pipelining")
     argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]
-    argv += ["--snapshot-interval", str(c.cache.snapshot_interval_blocks)]
+    argv += ["--snapshot-policy", c.cache.snapshot_policy, "--snapshot-interval", str(c.cache.snapshot_interval_blocks)]
     if role == "prefill":
         chunk = c.cluster(cluster).prefill_chunk
         argv += ["--prefix-cache", c.cache.mode, "--prefill-chunk", str(chunk)]
