@@ -48,7 +48,7 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
         fixed_threshold=True,  # the scheduler leaves t and the rule where the test puts them
         pd=ClusterConfig(prefill_workers=2, decode_workers=1),
         link=LinkConfig(rate="50mbit", delay_ms=2.0),
-        cache=CacheConfig(block_size=32, snapshot_interval_blocks=4),
+        cache=CacheConfig(block_size=32, snapshot_policy="interval", snapshot_interval_blocks=4),
     )
 
     async def scenario() -> None:

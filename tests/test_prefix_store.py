@@ -54,6 +54,25 @@ def test_output_with_any_hit_equals_cold_output(preset: str) -> None:
     assert store.pool.counts["lookups_hit"] == 3
 
 
+def test_reuse_policy_splits_only_at_a_prefix_seen_before() -> None:
+    """Under ``reuse`` a cold prompt runs as one segment; a second prompt that shares blocks with it takes a
+    snapshot where they branch, and a third one loads it, with the cold output."""
+    rt = ModelRuntime.load("kimi-linear-tiny")
+    layout = rt.layout.kinds
+    store = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, snapshot_policy="reuse"), "m", layout, "n")
+    a, b, c = (_tokens(1, 3 * BLOCK) + _tokens(seed, 40) for seed in (4, 5, 6))
+    plan = store.begin(a, now=0.0)
+    assert (plan.points, plan.snapshot_end) == ([], True)  # no split: only the end's state is kept
+    store.release(plan)
+    assert _serve(store, rt, a)[1] == 0
+    plan = store.begin(b, now=0.0)
+    assert (plan.hit_tokens, plan.points, plan.snapshot_end) == (0, [3 * BLOCK], True)
+    store.release(plan)
+    assert _serve(store, rt, b)[1] == 0
+    assert _serve(store, rt, c) == (rt.generate(c, PARAMS), 3 * BLOCK)
+    assert _serve(store, rt, [*a, 9])[1] == len(a)  # the next turn continues from the end snapshot
+
+
 def test_off_switches_store_nothing_and_take_no_snapshots_between_ends() -> None:
     rt = ModelRuntime.load("kimi-linear-tiny")
     layout = rt.layout.kinds

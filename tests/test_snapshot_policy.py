@@ -59,7 +59,7 @@ def test_a_third_prompt_hits_where_the_first_two_branched() -> None:
     assert prefill(a) == 0
     assert prefill(b) == 0  # B found A's blocks but no state to start from: it snapshots at 12
     assert prefill(c) == 12
-    assert prefill(a + [1, 2, 3]) == len(a)  # the next turn of A continues from A's end
+    assert prefill([*a, 1, 2, 3]) == len(a)  # the next turn of A continues from A's end
 
 
 def test_pool_config_takes_a_policy_by_name_and_refuses_others() -> None:
