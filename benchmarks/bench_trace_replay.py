@@ -13,8 +13,9 @@ divided by the trace's ``--scale``; a Mooncake hash id becomes a fixed
 pseudo-random block of 512/scale token ids (same id, same tokens, so prefixes
 are shared as in the trace), and an Azure request, which has no prefix
 information, gets tokens no other request shares. Outputs are 1-4 tokens: TTFT
-is what is measured. The cache's block size is the first trace's scaled Mooncake
-block; the traces run one after another through the same three servers.
+is what is measured. The cache's blocks are ``--block-tokens`` (16: a Mooncake
+block at the default scale); the traces run one after another through the same
+three servers.
 
 Reported per trace: TTFT p50 and p90 of each server and their ratios to cache
 off; by prompt length (up to 256, 257-1,024, above 1,024 tokens) the count and
@@ -46,6 +47,7 @@ from minifaas.traces import MOONCAKE_BLOCK_TOKENS, read_trace
 
 SERVERS = ("reuse", "interval", "none")
 BUCKETS = ((1, 256), (257, 1024), (1025, 10**9))
+PARTS = ("queue_s", "prefill_s", "store_s", "transfer_s", "control_s")  # where TTFT went (RequestRecord)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +57,9 @@ class Arrival:
     max_tokens: int
 
 
-def arrivals(name: str, scale: int, requests: int, block: int, vocab: int = 256) -> list[Arrival]:
+def arrivals(name: str, scale: int, requests: int, vocab: int = 256) -> list[Arrival]:
     """The trace's first ``requests`` requests, lengths / ``scale``, as token ids."""
+    block = max(1, MOONCAKE_BLOCK_TOKENS // scale)  # the tokens one hash id stands for
     trace = read_trace(name, length_scale=1.0 / scale)
     out = []
     for k in range(min(requests, len(trace.input_tokens))):
@@ -126,7 +129,7 @@ def summarise(records: dict[str, list[RequestRecord]], late: int) -> dict:
             "p50_over_none": statistics.median(xs) / statistics.median(off),
             "p90_over_none": p90(xs) / p90(off),
             "hit_ratio": sum(r.cached_tokens for r in rs) / sum(r.prompt_tokens for r in rs),
-        }
+        } | {f"{part}_p50_s": statistics.median(getattr(r, part) or 0.0 for r in rs) for part in PARTS}
     lengths = [r.prompt_tokens for r in records["none"]]
     for lo, hi in BUCKETS:
         ks = [k for k, n in enumerate(lengths) if lo <= n <= hi]
@@ -142,6 +145,7 @@ def main() -> None:
     p.add_argument("--traces", default="mooncake-synthetic,azure-conv,azure-code", help="shipped traces or files")
     p.add_argument("--requests", type=int, default=60, help="the first this many of each trace")
     p.add_argument("--scale", default="32,2,2", help="divide each trace's lengths by this (one per trace)")
+    p.add_argument("--block-tokens", type=int, default=16, help="the cache's block (a Mooncake block over 32)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's timestamps by this")
     p.add_argument("--threshold", type=int, default=512, help="incremental tokens above this go PrfaaS (held)")
     spacing = "the interval server's blocks between snapshots (8 x 16: the serving default's 128 tokens)"
@@ -156,7 +160,7 @@ def main() -> None:
     names, scales = args.traces.split(","), [int(s) for s in args.scale.split(",")]
     if len(scales) != len(names):
         p.error(f"--scale needs one value per trace: {len(names)} traces, {len(scales)} scales")
-    block = max(1, MOONCAKE_BLOCK_TOKENS // scales[0])
+    block = args.block_tokens
     base = ServeConfig(
         model=args.model,
         threshold=args.threshold,
@@ -171,7 +175,7 @@ def main() -> None:
         "interval": replace(base, cache=replace(base.cache, snapshot_policy="interval")),
         "none": replace(base, cache=replace(base.cache, mode="none")),
     }
-    traces = {name: arrivals(name, scale, args.requests, block) for name, scale in zip(names, scales, strict=True)}
+    traces = {name: arrivals(name, scale, args.requests) for name, scale in zip(names, scales, strict=True)}
     replayed = asyncio.run(replay(configs, traces, args.time_scale))
     results = {}
     for (name, (records, late)), scale in zip(replayed.items(), scales, strict=True):
@@ -185,6 +189,7 @@ def main() -> None:
             ("p50 over cache off", "p50_over_none", "{:.2f}"),
             ("p90 over cache off", "p90_over_none", "{:.2f}"),
             ("usable hit ratio", "hit_ratio", "{:.3f}"),
+            *((f"  {part.removesuffix('_s')} p50 (s)", f"{part}_p50_s", "{:.4f}") for part in PARTS),
         ):
             print(f"{label:22}" + "".join(f"{fmt.format(res['servers'][s][key]):>12}" for s in SERVERS))
         print(f"{'median TTFT ratio to cache off, by prompt tokens':52}{'reuse':>10}{'interval':>10}")
