@@ -3,10 +3,11 @@
 [serve]            host, port, model, dtype, trust_remote_code, threshold, api_key, deadlines, launcher,
                    secret_file, heartbeats
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
-[prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, or the
+[prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, threads,
+                   or the
                    addresses of hand-started workers (workers = ["host:port", ...])
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
-                   prefill_chunk, or workers = [...]
+                   prefill_chunk, threads, or workers = [...]
 [link]             the inter-cluster link: rate, delay (emulated), per-flow cap and window, connections,
                    kv_compression, emulated
 [ray]              the Ray launcher: cluster address, namespace, CPUs and GPUs per worker
