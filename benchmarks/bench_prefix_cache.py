@@ -19,7 +19,7 @@ decode node, and caches moved before prefill under ``--rule abundant``). The
 scheduler is held fixed (threshold and rule do not move), so the runs differ in
 the cache alone.
 
-    python benchmarks/bench_prefix_cache.py [--requests 36] [--scale 32] [--json] [--quick]
+    python benchmarks/bench_prefix_cache.py [--requests 36] [--scale 32] [--snapshot-policy reuse] [--json] [--quick]
 
 ``--quick`` is the smoke run the tests make: 6 requests, lengths / 128
 unless given; the same three gateways.
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from minifaas import figures
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.serve.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.traces import MOONCAKE_BLOCK_TOKENS, trace_path
@@ -126,7 +126,9 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=32, help="divide every trace length by this")
     p.add_argument("--min-turns", type=int, default=3)
     p.add_argument("--threshold", type=int, default=256, help="incremental tokens above this go PrfaaS")
-    p.add_argument("--snapshot-interval", type=int, default=4, help="blocks between state snapshots")
+    p.add_argument("--snapshot-policy", choices=SNAPSHOT_POLICIES, default=CacheConfig().snapshot_policy,
+                   help="where state snapshots go (cache.snapshot_policy)")  # fmt: skip
+    p.add_argument("--snapshot-interval", type=int, default=4, help="the interval policy's blocks between snapshots")
     p.add_argument("--rule", choices=("scarce", "abundant"), default="scarce", help="routing rule, held fixed")
     p.add_argument("--model", default="kimi-linear-tiny")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
@@ -148,7 +150,12 @@ def main() -> None:
         prfaas=ClusterConfig(prefill_workers=1),
         pd=ClusterConfig(prefill_workers=1, decode_workers=1),
         link=LinkConfig(rate="100mbit", delay_ms=5.0),
-        cache=CacheConfig(block_size=block, snapshot_interval_blocks=args.snapshot_interval, rule=args.rule),
+        cache=CacheConfig(
+            block_size=block,
+            snapshot_policy=args.snapshot_policy,
+            snapshot_interval_blocks=args.snapshot_interval,
+            rule=args.rule,
+        ),
     )
     runs = {
         "cache": base.cache,
@@ -163,10 +170,9 @@ def main() -> None:
     ideal_ratio = sum(ideal) / results["none"]["prompt_tokens"]
 
     print(f"{len(turns)} requests from {trace.name}, lengths / {args.scale} ({block}-token blocks), {args.model}")
-    print(
-        f"threshold {args.threshold} and the {args.rule} rule held fixed, snapshots every {args.snapshot_interval} "
-        "blocks, one request at a time"
-    )
+    interval = args.snapshot_policy == "interval"
+    where = f"every {args.snapshot_interval} blocks" if interval else "at ends and branch points"
+    print(f"threshold {args.threshold} and the {args.rule} rule held fixed, snapshots {where}, one request at a time")
     print(f"{'':24}{'cache':>14}{'cache, full':>14}{'none':>14}")
     rows = [
         ("TTFT p50 (s)", "ttft_p50_s", "{:.3f}"),
