@@ -4,8 +4,7 @@
                    secret_file, heartbeats
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
 [prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, threads,
-                   or the
-                   addresses of hand-started workers (workers = ["host:port", ...])
+                   or the addresses of hand-started workers (workers = ["host:port", ...])
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
                    prefill_chunk, threads, or workers = [...]
 [link]             the inter-cluster link: rate, delay (emulated), per-flow cap and window, connections,
