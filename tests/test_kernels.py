@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -59,3 +60,39 @@ def test_cuda_kernel_choice_refuses_a_process_that_blocked_fla() -> None:
         "try:\n    select_kernels('cuda:0')\nexcept RuntimeError as e:\n    print('refused', e)\n"
     )
     assert "refused" in out.stdout, out.stderr
+
+
+def test_the_kernel_report_reads_what_a_cpu_model_is_bound_to() -> None:
+    """On the CPU fla is blocked, so transformers bound every fla function to its torch reference:
+    the report must say so (this is the check a CUDA worker runs before it refuses to start)."""
+    code = (
+        "import json\n"
+        "from minifaas.model.runtime import ModelRuntime\n"
+        "out = {}\n"
+        "for name in ('kimi-linear-tiny', 'shakespeare-qwen3.5', 'qwen3-tiny'):\n"
+        "    out[name] = ModelRuntime.load(name).kernels.to_json()\n"
+        "print(json.dumps(out))\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    reports = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reports["qwen3-tiny"] == {"kernels": "none", "bindings": {}}  # dense: nothing to bind
+    kimi, qwen = reports["kimi-linear-tiny"], reports["shakespeare-qwen3.5"]
+    assert kimi["kernels"] == qwen["kernels"] == "torch"
+    assert {"chunk_kda", "fused_recurrent_kda"} <= set(kimi["bindings"])
+    assert {"chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"} <= set(qwen["bindings"])
+    assert all(module.startswith("transformers.models.") for module in qwen["bindings"].values())
+
+
+def test_a_cuda_worker_refuses_the_reference_kernels_unless_allowed() -> None:
+    from minifaas.model.kernels import KernelBinding, KernelReport, require_fast
+
+    slow = KernelReport((KernelBinding("chunk_kda", "fla", "transformers.models.kimi_linear.modeling_kimi_linear"),))
+    fast = KernelReport((KernelBinding("chunk_kda", "fla", "fla.ops.kda.chunk"),))
+    conv = KernelBinding("causal_conv1d_fn", "causal_conv1d", "transformers.models.kimi_linear.modeling_kimi_linear")
+    assert (slow.label, fast.label, KernelReport((conv,)).label) == ("torch", "fla", "none")
+    with pytest.raises(RuntimeError, match="--allow-slow-kernels"):
+        require_fast(slow, "cuda:0", allow_slow=False)
+    require_fast(slow, "cuda:0", allow_slow=True)
+    require_fast(slow, "cpu", allow_slow=False)  # the CPU has no other kernels
+    require_fast(KernelReport((*fast.bindings, conv)), "cuda:0", allow_slow=False)  # conv1d's torch path is fine

@@ -157,7 +157,11 @@ def test_api_key_health_and_metrics(server: str) -> None:
     assert _get(f"{server}/v1/models", KEY)[0] == 200
     code, health = _get(f"{server}/health")
     assert code == 200 and health["healthy"]
+    assert set(health["kernels"].values()) == {"torch"}  # kimi-linear-tiny on the CPU: the reference kernels
+    assert set(health["kernels"]) == set(health["workers"])
     code, text = _get(f"{server}/metrics")
+    for worker in health["workers"]:
+        assert f'minifaas:worker_kernels{{kernels="torch",worker="{worker}"}} 1.0' in text
     assert code == 200 and "minifaas:time_to_first_token_seconds" in text and 'route="prfaas"' in text
     assert 'minifaas:kv_codec_choices_total{codec="lossless",reason="forced"}' in text
     state, wire = (

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minifaas.model.kernels import KernelReport, kernels_in_use
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
 from minifaas.model.sampling import GREEDY, History, SamplingParams, sample
@@ -59,6 +60,7 @@ class ModelRuntime:
         if self.layout.num_layers != self.num_layers:
             raise ValueError(f"{spec.name}: {self.num_layers} decoder layers but {self.layout.num_layers} cache layers")
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
+        self.kernels: KernelReport = kernels_in_use(model)  # what the linear-attention layers really call
 
     @classmethod
     def load(

@@ -182,6 +182,7 @@ class ServeConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # of every worker, unless its cluster sets one; auto: bfloat16 on CUDA, float32 on CPU
     trust_remote_code: bool = False  # let a checkpoint's own Python code (auto_map) run, in every process
+    allow_slow_kernels: bool = False  # a CUDA worker may run the torch reference kernels (else it refuses)
     seed: int = 0
     threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
     fixed_threshold: bool = False  # off switch of the scheduler: t and the routing rule never move

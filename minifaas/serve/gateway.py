@@ -176,6 +176,7 @@ class Gateway:
     def _attached(self, w: WorkerHandle) -> None:
         if w.cluster == "prfaas" and w.role == "prefill":  # the codecs its transfers across the link may use
             self.scheduler.calibrated(w.codecs)
+        self.metrics.worker_kernels(w.name, w.kernels)
 
     def _unclaimed(self, w: WorkerHandle, msg: dict) -> None:
         if msg.get("op") == "aborted":  # a prefill the gateway aborted has stopped
@@ -227,6 +228,7 @@ class Gateway:
             "healthy": healthy,
             "workers": status,
             "links": links,
+            "kernels": {n: w.kernels for n, w in self.pool.workers.items()},
             "threshold": self.threshold,
             "inflight": self.inflight,
             "cache_moves": dict(self.cache_moves),

@@ -116,6 +116,11 @@ class ServeMetrics:
         self.process_restarts = Gauge(
             "minifaas:process_restarts", "Times a supervised process came back", ["process"], registry=r
         )
+        # 1 for each worker's kernels: fla, torch (the reference kernels) or none (a model without linear layers).
+        self._kernels_of: dict[str, str] = {}
+        self.kernels = Gauge(
+            "minifaas:worker_kernels", "Kernels a worker's model runs", ["worker", "kernels"], registry=r
+        )
         # The offload threshold in force: incremental prompt tokens above which PrfaaS prefills.
         self.threshold = Gauge("minifaas:offload_threshold_tokens", "Offload threshold", registry=r)
         for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
@@ -184,6 +189,14 @@ class ServeMetrics:
 
     def role_change(self, to: str, outcome: str) -> None:
         self.role_changes.labels(to=to, outcome=outcome).inc()
+
+    def worker_kernels(self, worker: str, kernels: str) -> None:
+        """One series per worker: a worker restarted (a role change) replaces its old one."""
+        old = self._kernels_of.pop(worker, None)
+        if old is not None:
+            self.kernels.remove(worker, old)
+        self._kernels_of[worker] = kernels
+        self.kernels.labels(worker=worker, kernels=kernels).set(1)
 
     def set_threshold(self, tokens: int) -> None:
         self.threshold.set(tokens)

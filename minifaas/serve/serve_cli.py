@@ -136,6 +136,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pd-device", type=arguments.device, help=f"cpu or cuda:N for the PD cluster (default: {d.pd.device})"
     )
     parser.add_argument(
+        "--allow-slow-kernels",
+        action="store_true",
+        help="let CUDA workers run without flash-linear-attention (the torch reference kernels; by default they "
+        "refuse to start)",
+    )
+    parser.add_argument(
         "--link-rate",
         type=arguments.rate,
         help=f"inter-cluster bandwidth, e.g. 100mbit, 10gbit, none (default: {d.link.rate})",
@@ -265,6 +271,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         model=_pick(args.model, base.model),
         dtype=_pick(args.dtype, base.dtype),
         trust_remote_code=args.trust_remote_code or base.trust_remote_code,
+        allow_slow_kernels=args.allow_slow_kernels or base.allow_slow_kernels,
         seed=base.seed,
         threshold=_pick(args.threshold, base.threshold),
         fixed_threshold=args.fixed_threshold or base.fixed_threshold,

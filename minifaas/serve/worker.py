@@ -42,6 +42,7 @@ from minifaas.cli import main as cli_main
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
 from minifaas.model.decoder import DecoderConfig
+from minifaas.model.kernels import require_fast
 from minifaas.model.loader import add_model_arguments, resolve_dtype
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -83,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="of a preset's random weights (default: 0)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0: torch's default, one per core it may use (default: 0)")  # fmt: skip
+    p.add_argument("--allow-slow-kernels", action="store_true",
+                   help="on CUDA, start even without flash-linear-attention (torch reference kernels)")  # fmt: skip
     p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
     p.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS,
                    help=f"TCP connections per KV transfer (prefill; default: {DEFAULT_CONNECTIONS})")  # fmt: skip
@@ -145,6 +148,8 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     runtime = await asyncio.to_thread(
         ModelRuntime.load, args.model, args.device, args.seed, dtype, args.trust_remote_code
     )
+    require_fast(runtime.kernels, args.device, args.allow_slow_kernels)
+    log.info("worker %s on %s: kernels %s", name, args.device, runtime.kernels.to_json())
     await asyncio.to_thread(runtime.generate, [0, 1, 2], SamplingParams(max_tokens=2))  # first forwards are slow
     kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
     codecs = codecs_for(args.kv_compression)
@@ -176,7 +181,16 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
             stack.push_async_callback(service.close)
             measured = await asyncio.to_thread(service.calibrate)
         node = WorkerNode(
-            name, args.role, args.cluster, runtime.spec.name, service, prefixes, kv, os.getpid(), measured
+            name,
+            args.role,
+            args.cluster,
+            runtime.spec.name,
+            service,
+            prefixes,
+            kv,
+            os.getpid(),
+            measured,
+            runtime.kernels.label,
         )
         server = ControlServer(
             args.listen, secret, lambda session: serve_gateway(node, session, args.gateway_deadline),
@@ -184,9 +198,10 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
         )  # fmt: skip
         await stack.enter_async_context(server)
         host = args.listen[0]
-        announce({"control": [host, server.port], "kv": kv, "pid": node.pid, "name": name})
-        log.info("worker %s (%s %s, %s) %s on %s:%d; KV %s", name, args.cluster, args.role, runtime.spec.name,
-                 READY, host, server.port, "none" if kv is None else f"{kv[0] or '*'}:{kv[1]}")  # fmt: skip
+        announce({"control": [host, server.port], "kv": kv, "pid": node.pid, "name": name, "kernels": node.kernels})
+        log.info("worker %s (%s %s, %s, %s kernels) %s on %s:%d; KV %s", name, args.cluster, args.role,
+                 runtime.spec.name, node.kernels, READY, host, server.port,
+                 "none" if kv is None else f"{kv[0] or '*'}:{kv[1]}")  # fmt: skip
         await (exit_when_stdin_closes() if args.exit_with_stdin else (stop or asyncio.Event()).wait())
         if args.role == "decode":
             decode_loop.cancel()

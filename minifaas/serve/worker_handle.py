@@ -78,6 +78,7 @@ class WorkerHandle:
         self.tcp: dict[str, TcpInfo] = {}  # its KV connections, as of its last pong
         self.queued_bytes = 0  # KV it has not handed to a socket yet, as of its last pong
         self.codecs: dict[str, list[float]] = {}  # what a prefill worker measured of its codecs when it started
+        self.kernels = "unknown"  # what its linear-attention layers run (fla, torch, none), as it says
         self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
         self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
 
@@ -114,6 +115,7 @@ class WorkerHandle:
         """The session is up: take the worker's own account of where it listens."""
         self.session, self.address, self.pid = session, address, int(hello["pid"])
         self.codecs = hello.get("codecs") or {}
+        self.kernels = str(hello.get("kernels", "unknown"))
         kv = hello.get("kv")
         self.kv = (kv[0] or address[0], int(kv[1])) if kv else None  # no host: the one we reached it at
         self.alive = True

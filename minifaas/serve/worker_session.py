@@ -48,6 +48,7 @@ class WorkerNode:
     kv: list | None  # [host, port] others send KV to ("" host: the address the gateway reached us at)
     pid: int
     codecs: dict  # a prefill worker's codecs as measured at start: name -> [bytes, wire bytes, encode s, decode s]
+    kernels: str = "unknown"  # what its linear-attention layers run: fla, torch (the reference) or none
 
     @property
     def pool(self) -> HybridPrefixPool | None:
@@ -59,7 +60,7 @@ class WorkerNode:
 
     def describe(self) -> dict:
         fields = {"name": self.name, "role": self.role, "cluster": self.cluster, "model": self.model}
-        return {**fields, "kv": self.kv, "pid": self.pid, "codecs": self.codecs}
+        return {**fields, "kv": self.kv, "pid": self.pid, "codecs": self.codecs, "kernels": self.kernels}
 
 
 async def serve_gateway(node: WorkerNode, session: Session, deadline_s: float) -> None:

@@ -19,6 +19,8 @@ def worker_argv(c: ServeConfig, role: str, cluster: str) -> tuple[str, ...]:
     argv += ["--kv-compression", c.link.kv_compression]
     argv += ["--dtype", c.worker_dtype(cluster)] + (["--trust-remote-code"] if c.trust_remote_code else [])
     argv += ["--threads", str(c.cluster(cluster).threads)]
+    if c.allow_slow_kernels:
+        argv.append("--allow-slow-kernels")
     if not c.link.pipelined:
         argv.append("--no-pipelining")
     argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]
