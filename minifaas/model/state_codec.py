@@ -60,9 +60,12 @@ class StateCodecError(ValueError):
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A byte view of a tensor's memory (copied only if it is not contiguous on the CPU)."""
+    """A byte view of a host tensor's memory (copied only if it is not contiguous).
+
+    A device tensor is refused rather than copied here: this runs on event loops, where a ``.cpu()``
+    would block the loop until the GPU caught up (``host_copy`` stages states off the loop)."""
     if t.device.type != "cpu":
-        t = t.cpu()
+        raise ValueError(f"a {t.device} tensor reached the byte codec: stage it to host memory first (host_copy)")
     t = t.contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 

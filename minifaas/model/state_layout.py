@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minifaas.model.host_copy import to_device
 from minifaas.model.layer_state import LayerState, StateKind
 
 if TYPE_CHECKING:  # transformers takes seconds to import: only the functions that touch a Cache load it
@@ -189,7 +190,7 @@ def _read(cache_layer: Any, index: int, kind: StateKind, seq_len: int, keep: Cal
 
 
 def _write(cache_layer: Any, state: LayerState, device: torch.device | str) -> None:
-    tensors = {n: t.to(device, copy=True) for n, t in state.slots}
+    tensors = dict(to_device(state, device).slots)  # asynchronous from pinned memory
     if state.kind is StateKind.LINEAR_ATTENTION:
         for name, t in tensors.items():
             which, idx = name.split(".")

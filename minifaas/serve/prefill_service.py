@@ -52,7 +52,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from minifaas.model.layer_state import LayerState, StateKind
+from minifaas.model.host_copy import HostCopier
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens
 from minifaas.model.sampling import GREEDY, SamplingParams
 from minifaas.serve.control import sampling_from_json
@@ -180,6 +181,8 @@ class PrefillService:
         """Each codec this worker may use, measured once on the state of a real prefill: what the
         scheduler starts from (nbytes, wire bytes, encode s, decode s). Blocking: run it in a thread."""
         state = self.runtime.prefill(CALIBRATION_PROMPT).state
+        copier = HostCopier(self.runtime.device)
+        state = ModelState([copier.to_host(s) for s in state.layers], state.seq_len)
         return {c.label: probe(state, c).to_json() for c in sorted(self.codecs - {Codec.NONE})}
 
     async def _import(self, tokens: list[int], transfer: int) -> None:

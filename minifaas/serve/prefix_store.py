@@ -11,7 +11,7 @@ that two nodes of a cluster do not see each other's entries (a hit on a busy
 node is either waited for or recomputed elsewhere, the router's choice), and a
 worker that restarts comes back with an empty pool.
 
-Payloads are tuples of LayerState:
+Payloads are tuples of LayerState, in host memory whatever the model's device:
 - a block: the full-attention KV of its ``block_size`` tokens, one state per full-attention layer;
 - a snapshot at length n: the full-attention KV of the partial block [n - n % block_size, n),
   and every other layer's state (linear attention, sliding window) at exactly n.
@@ -219,7 +219,10 @@ def join_tokens(parts: list[LayerState]) -> LayerState:
 
 
 def _copy(s: LayerState) -> LayerState:
-    return LayerState(s.layer, s.kind, s.seq_len, tuple((n, t.clone()) for n, t in s.slots))
+    """Copied into host memory: the pool's budget (``--cache-mib``) is host memory, and a hit joins blocks
+    computed here with blocks moved in from another cluster (received on the host) without mixing devices.
+    From a GPU the copy waits for the device; ``compute`` runs in the compute thread, never on the loop."""
+    return LayerState(s.layer, s.kind, s.seq_len, tuple((n, t.to("cpu", copy=True)) for n, t in s.slots))
 
 
 def _nbytes(payload: Payload) -> int:

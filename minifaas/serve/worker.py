@@ -156,8 +156,9 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     measured: dict = {}  # a prefill worker's codecs, measured on a warm-up state
     async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
         kv, prefixes = None, None
-        if args.role == "decode":
-            config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs)
+        if args.role == "decode":  # on a GPU, states land in page-locked memory and move to it asynchronously
+            pinned = args.device.startswith("cuda")
+            config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs, pinned=pinned)
             receiver = await stack.enter_async_context(KVReceiver(config))
             kv = _advertised(args, kv_host, receiver.port)
             prefixes = DecodePrefixCache(

@@ -7,6 +7,10 @@ gives it back with ``KVReceiver.release``, and the next transfer receives into
 the same pages. Nothing is recycled unless it is given back, so forgetting to
 release only costs speed; releasing a state that is still in use is a bug
 (its bytes will be overwritten).
+
+``pinned``: a decode node on a GPU receives into page-locked memory, from which
+its copies to the device run asynchronously (``model.host_copy.to_device``).
+Such a state is given back only once those copies are done (a stream sync).
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ import torch
 
 
 class BufferPool:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, pinned: bool = False):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0 (0: recycle nothing)")
-        self.max_bytes = max_bytes
+        self.max_bytes, self.pinned = max_bytes, pinned
         self.held_bytes = 0
         self._sizes: list[int] = []  # sorted, parallel to _buffers
         self._buffers: list[torch.Tensor] = []
@@ -36,7 +40,7 @@ class BufferPool:
             self._held.discard(buf.data_ptr())
             self.reused += 1
             return buf[:nbytes]
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def give(self, tensor: torch.Tensor) -> None:
         """Return the memory behind ``tensor`` (a slot of a received state) to the pool."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from minifaas.model.host_copy import CopyDone
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.state_codec import DTYPE_CODES, checksum, tensor_bytes
 from minifaas.transport.codec import Codec, Coded
@@ -35,6 +36,7 @@ class Chunk:
     length: int
     shape: tuple[int, ...]  # of the finished slot
     seq_len: int  # of the finished layer
+    ready: CopyDone | None = None  # the device-to-host copy of ``data`` to wait for before reading it (None: ready)
 
     @property
     def payload(self) -> memoryview:
@@ -79,8 +81,9 @@ def _ranges(start: int, length: int, chunk_bytes: int) -> range:
     return range(start, start + max(length, 1), chunk_bytes)
 
 
-def split_chunks(state: LayerState, chunk_bytes: int) -> list[Chunk]:
-    """Chunks covering every slot of ``state`` (an empty slot still gets one, empty, chunk)."""
+def split_chunks(state: LayerState, chunk_bytes: int, ready: CopyDone | None = None) -> list[Chunk]:
+    """Chunks covering every slot of ``state`` (an empty slot still gets one, empty, chunk); ``ready``: the
+    copy that fills the host tensors, if it is still under way."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     chunks = []
@@ -90,11 +93,13 @@ def split_chunks(state: LayerState, chunk_bytes: int) -> list[Chunk]:
         shape = tuple(tensor.shape)
         for at in _ranges(0, data.nbytes, chunk_bytes):
             length = min(chunk_bytes, data.nbytes - at)
-            chunks.append(Chunk(state, index, data, at, at, length, shape, state.seq_len))
+            chunks.append(Chunk(state, index, data, at, at, length, shape, state.seq_len, ready))
     return chunks
 
 
-def split_token_range(piece: LayerState, start: int, total: int, chunk_bytes: int) -> list[Chunk]:
+def split_token_range(
+    piece: LayerState, start: int, total: int, chunk_bytes: int, ready: CopyDone | None = None
+) -> list[Chunk]:
     """Chunks that put ``piece`` (tokens [start, start + piece.seq_len) of a full-attention layer)
     where those tokens sit in the finished layer of ``total`` tokens.
 
@@ -118,5 +123,5 @@ def split_token_range(piece: LayerState, start: int, total: int, chunk_bytes: in
             source, offset = run * piece.seq_len * row, (run * total + start) * row
             for at in _ranges(0, piece.seq_len * row, chunk_bytes):
                 length = min(chunk_bytes, piece.seq_len * row - at)
-                chunks.append(Chunk(piece, index, data, source + at, offset + at, length, shape, total))
+                chunks.append(Chunk(piece, index, data, source + at, offset + at, length, shape, total, ready))
     return chunks

@@ -16,6 +16,12 @@ receiver's DONE (or ABORT with its reason). With ``pipelined=False`` the
 layers are held until the producer is done and only then queued: the naive
 reference the pipelined path is measured against.
 
+Layers made on a GPU are staged by ``put_threadsafe`` in the producer's
+thread: a copy into pinned host memory on a side stream, with an event
+(``model.host_copy``). A pump that takes a chunk whose copy is still under way
+waits for the event in a thread, so the loop never blocks on the GPU and
+layer i's copy overlaps layer i+1's compute.
+
 A transfer may ask for a codec (``codec``): each pump codes its next chunk
 just before sending it, in a thread when the chunk is large (zstd and the
 numpy passes let go of the GIL, so the event loop keeps moving bytes), and the
@@ -31,6 +37,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+from minifaas.model.host_copy import CopyDone, HostCopier, device_of
 from minifaas.model.layer_state import LayerState
 from minifaas.transport.channel import Channel
 from minifaas.transport.chunking import Chunk, Payload, split_chunks, split_token_range
@@ -115,6 +122,8 @@ class OutgoingTransfer:
         self._producer_error: Exception | None = None
         self._runner: asyncio.Task[TransferReport] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._copier: HostCopier | None = None  # made by the first state that comes from a GPU
+        self.copy_wait_s = 0.0  # pumps waiting for device-to-host copies (in threads, not on the loop)
 
     async def __aenter__(self) -> OutgoingTransfer:
         self._loop = asyncio.get_running_loop()
@@ -155,12 +164,13 @@ class OutgoingTransfer:
             chunks.append(chunk)
         return chunks
 
-    def put(self, layer: LayerState) -> None:
-        """Queue a finished layer. Call on the event loop's thread."""
+    def put(self, layer: LayerState, ready: CopyDone | None = None) -> None:
+        """Queue a finished layer in host memory (``ready``: its copy there, if still under way). Call on the
+        event loop's thread."""
         if self._accept(layer.layer, 0, layer.seq_len, layer.seq_len):
-            self._enqueue(split_chunks(layer, self._settings.chunk_bytes))
+            self._enqueue(split_chunks(layer, self._settings.chunk_bytes, ready))
 
-    def put_tokens(self, piece: LayerState, start: int, total: int) -> None:
+    def put_tokens(self, piece: LayerState, start: int, total: int, ready: CopyDone | None = None) -> None:
         """Queue tokens [start, start + piece.seq_len) of a full-attention layer that will hold ``total``.
 
         For prefill run in token chunks: a layer's keys and values for a chunk are
@@ -168,16 +178,26 @@ class OutgoingTransfer:
         Pieces of one layer go in token order; the receiver sees one whole layer.
         """
         if self._accept(piece.layer, start, start + piece.seq_len, total):
-            self._enqueue(split_token_range(piece, start, total, self._settings.chunk_bytes))
+            self._enqueue(split_token_range(piece, start, total, self._settings.chunk_bytes, ready))
 
     def put_threadsafe(self, layer: LayerState) -> None:
-        """``put`` from another thread, e.g. a model runtime's per-layer callback."""
+        """``put`` from another thread, e.g. a model runtime's per-layer callback. A state on a GPU is
+        staged to pinned host memory here, in the caller's thread, without waiting for the copy."""
         assert self._loop is not None, "enter the transfer first"
-        self._loop.call_soon_threadsafe(self.put, layer)
+        self._loop.call_soon_threadsafe(self.put, *self._stage(layer))
 
     def put_tokens_threadsafe(self, piece: LayerState, start: int, total: int) -> None:
         assert self._loop is not None, "enter the transfer first"
-        self._loop.call_soon_threadsafe(self.put_tokens, piece, start, total)
+        host, ready = self._stage(piece)
+        self._loop.call_soon_threadsafe(self.put_tokens, host, start, total, ready)
+
+    def _stage(self, state: LayerState) -> tuple[LayerState, CopyDone | None]:
+        device = device_of(state)
+        if device.type == "cpu":
+            return state, None
+        if self._copier is None:
+            self._copier = HostCopier(device)
+        return self._copier.stage(state)
 
     def _accept(self, layer: int, start: int, end: int, total: int) -> bool:
         if self._producer_error is not None:
@@ -248,6 +268,10 @@ class OutgoingTransfer:
         chunk = await self._queue.get()
         if chunk is None:
             return None
+        if chunk.ready is not None and not chunk.ready.query():  # its layer is still being copied off the GPU
+            started = time.perf_counter()
+            await asyncio.to_thread(chunk.ready.synchronize)
+            self.copy_wait_s += time.perf_counter() - started
         codec = frame_codec(self.codec, chunk.state.kind, chunk.dtype, chunk.length)
         if codec is Codec.NONE:
             # checksummed here, on this thread, just before the send: the kernel then copies bytes still in cache

@@ -79,6 +79,7 @@ class ReceiverConfig:
     accept_unchecked: bool = False  # take chunks whose sender skipped the payload checksum (TLS, trusted links)
     limits: Limits = field(default_factory=Limits)
     codecs: frozenset[Codec] = ALL_CODECS  # offered in the handshake: senders code frames with these only
+    pinned: bool = False  # receive into page-locked memory (a decode node on a GPU: async copies to it)
 
     def __post_init__(self) -> None:
         check_secret(self.secret)
@@ -104,7 +105,7 @@ class KVReceiver:
     def __init__(self, config: ReceiverConfig, ssl: ssl_module.SSLContext | None = None):
         self.config = config
         self.stats = ReceiverStats()
-        self.buffers = BufferPool(config.recycle_bytes)
+        self.buffers = BufferPool(config.recycle_bytes, config.pinned)
         self._ssl = ssl
         self._table = TransferTable(
             config.max_open_transfers,

@@ -1,0 +1,85 @@
+"""Layer states out of the GPU without stalling anyone: pinned host buffers, a side stream, an event.
+
+A prefill's layer hook runs in the compute thread while the GPU is still
+working through the forward. ``HostCopier.stage`` queues each tensor's copy
+into pinned host memory on a side CUDA stream (ordered after the kernels that
+wrote it, ``wait_stream``) and records an event; it returns at once, so the
+thread goes on launching the next layer. Whoever reads the host bytes waits
+for the event first, off the event loop (``OutgoingTransfer``'s pumps call
+``synchronize`` in a thread): no ``.cpu()`` ever runs on the loop, and the
+copy of layer i overlaps the compute of layer i+1.
+
+Pinned memory comes from torch's caching host allocator, so after the first
+requests a stage allocates nothing new. The source tensor is recorded on the
+side stream (``record_stream``), so its GPU memory is not reused before the
+copy has read it.
+
+On the CPU all of this is nothing: ``stage`` hands the state back as it is,
+with no event, and the sender reads the tensors directly (today's path).
+
+``to_device`` is the other direction, for a decode node: host states (pinned
+by the receiver on a CUDA node) copied to the GPU without blocking the host.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from minifaas.model.layer_state import LayerState
+
+
+class CopyDone(Protocol):
+    """What a reader of staged bytes waits on: a ``torch.cuda.Event`` has exactly these two methods."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class HostCopier:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def copies(self) -> bool:
+        return self.stream is not None
+
+    def stage(self, state: LayerState) -> tuple[LayerState, CopyDone | None]:
+        """The state in host memory, and the event its bytes are ready at (None: ready now)."""
+        if self.stream is None or all(t.device.type == "cpu" for _, t in state.slots):
+            return state, None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the kernels that wrote it
+        slots = []
+        with torch.cuda.stream(self.stream):
+            for name, tensor in state.slots:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self.stream)
+                slots.append((name, host))
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return LayerState(state.layer, state.kind, state.seq_len, tuple(slots)), done
+
+    def to_host(self, state: LayerState) -> LayerState:
+        """The state copied to host memory, waited for (blocking: call it off the event loop)."""
+        host, done = self.stage(state)
+        if done is not None:
+            done.synchronize()
+        return host
+
+
+def device_of(state: LayerState) -> torch.device:
+    return state.slots[0][1].device
+
+
+def to_device(state: LayerState, device: torch.device | str) -> LayerState:
+    """``state`` on ``device``; from pinned host memory the copies are asynchronous on the current stream,
+    so the forward that reads them is queued behind them and the host never waits."""
+    target = torch.device(device)
+    slots = tuple(
+        (n, t.to(target, non_blocking=t.device.type == "cpu" and t.is_pinned(), copy=True)) for n, t in state.slots
+    )
+    return LayerState(state.layer, state.kind, state.seq_len, slots)
