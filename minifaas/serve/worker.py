@@ -41,12 +41,13 @@ from minifaas.cli import BadInput, user_input
 from minifaas.cli import main as cli_main
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
+from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.kernels import require_fast
 from minifaas.model.loader import add_model_arguments, resolve_dtype
 from minifaas.model.runtime import ModelRuntime
-from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
+from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import die_with_parent, exit_when_stdin_closes
 from minifaas.policy.compression import MODES
 from minifaas.serve.config import SNAPSHOT_POLICIES
@@ -150,7 +151,11 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     )
     require_fast(runtime.kernels, args.device, args.allow_slow_kernels)
     log.info("worker %s on %s: kernels %s", name, args.device, runtime.kernels.to_json())
-    await asyncio.to_thread(runtime.generate, [0, 1, 2], SamplingParams(max_tokens=2))  # first forwards are slow
+    decoding = DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting)
+    plan = WarmUpPlan.for_worker(args.prefill_chunk, decoding.max_batch if args.role == "decode" else None)
+    plan = plan if args.device.startswith("cuda") else plan.cpu_plan()  # nothing to compile on the CPU
+    decoder = make_decoder(runtime, decoding) if args.role == "decode" else None  # a throwaway: same shapes
+    log.info("worker %s warmed up: %s", name, await asyncio.to_thread(warm_up, runtime, plan, decoder))
     kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
     codecs = codecs_for(args.kv_compression)
     measured: dict = {}  # a prefill worker's codecs, measured on a warm-up state
@@ -165,7 +170,6 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
                 _pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name
             )
             joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
-            decoding = DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting)
             service: PrefillService | DecodeService = DecodeService(runtime, joining, args.state_timeout, decoding)  # type: ignore[arg-type]
             decode_loop = tg.create_task(service.run())
         else:

@@ -1,0 +1,73 @@
+"""Warm-up: run the shapes real requests will use before a worker says it is ready.
+
+On a GPU the first forward of each new shape compiles and autotunes Triton
+kernels (fla's chunked linear attention), seconds each. Without a warm-up
+that happens on the first real requests, inside their prefill deadline. So a
+worker runs, before it reports ready:
+
+- prefill: a prompt of two full chunks and a short tail, which runs the
+  chunk shape with and without a prefix in the cache, and a last chunk
+  shorter than the rest; a second prompt ends in a one-token chunk;
+- decode: one step at each batch size a power of two up to ``max_batch``
+  (and ``max_batch`` itself), through the decoder the worker will run.
+
+On the CPU there is nothing to compile, so the worker asks for tiny sizes
+(``cpu_plan``): the same code path, a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from minifaas.model.decoder import Decoder
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
+
+TAIL_TOKENS = 7  # a last chunk shorter than the others
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUpPlan:
+    prefill_chunk: int  # the worker's --prefill-chunk (0: one forward per prompt)
+    batch_sizes: tuple[int, ...]  # decode batches to step once each (empty: a prefill worker)
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 0 or any(b < 1 for b in self.batch_sizes):
+            raise ValueError("need prefill_chunk >= 0 and batch sizes >= 1")
+
+    @classmethod
+    def for_worker(cls, prefill_chunk: int, max_batch: int | None) -> WarmUpPlan:
+        batches: tuple[int, ...] = ()
+        if max_batch:
+            powers = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
+            batches = tuple(sorted({*powers, max_batch}))
+        return cls(prefill_chunk, batches)
+
+    def cpu_plan(self) -> WarmUpPlan:
+        """The same steps at sizes that cost nothing on the CPU."""
+        return WarmUpPlan(min(self.prefill_chunk, 8), tuple(b for b in self.batch_sizes if b <= 2))
+
+    def prompt_lengths(self) -> tuple[int, ...]:
+        chunk = self.prefill_chunk or 64
+        return (2 * chunk + TAIL_TOKENS, chunk + 1)
+
+
+def warm_up(runtime: ModelRuntime, plan: WarmUpPlan, decoder: Decoder | None = None) -> dict:
+    """Run ``plan`` (blocking: call it in a thread); what ran and how long it took, for the log."""
+    started = time.perf_counter()
+    states = []
+    for n in plan.prompt_lengths():
+        tokens = [(13 * i + 5) % 256 for i in range(min(n, runtime.max_context - 2))]
+        states.append(runtime.prefill(tokens, chunk_tokens=plan.prefill_chunk))
+    for size in plan.batch_sizes:
+        if decoder is None:
+            break
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        for row in range(size):
+            first = states[row % len(states)]
+            decoder.submit(f"warm-up-{size}-{row}", first.state, first.next_token, params)
+        while decoder.load:  # two steps: the batch of ``size`` forms, then finishes
+            decoder.step()
+    return {"prompts": list(plan.prompt_lengths()), "batches": list(plan.batch_sizes),
+            "seconds": round(time.perf_counter() - started, 3)}  # fmt: skip
