@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument(
         "--prefill-chunk", type=int, default=ClusterConfig().prefill_chunk, help="tokens per prefill forward"
     )
+    p.add_argument("--device", default="cpu", help="every worker's device, and the reference's (cpu or cuda:N)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     a = p.parse_args()
@@ -117,7 +118,7 @@ def main() -> None:
         p.set_defaults(short=32, long=128, max_tokens=4, repeats=1)
         a = p.parse_args()
     lengths = [a.short, a.long]
-    rt = ModelRuntime.load(a.model)
+    rt = ModelRuntime.load(a.model, a.device)
     rt.generate([1, 2, 3], SamplingParams(max_tokens=2))
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -125,8 +126,8 @@ def main() -> None:
     base = replace(
         ServeConfig(model=a.model, port=0),
         link=LinkConfig(rate=a.link_rate, delay_ms=5.0),
-        prfaas=replace(d.prfaas, threads=a.threads, prefill_chunk=a.prefill_chunk),
-        pd=replace(d.pd, threads=a.threads, prefill_chunk=a.prefill_chunk),
+        prfaas=replace(d.prfaas, threads=a.threads, prefill_chunk=a.prefill_chunk, device=a.device),
+        pd=replace(d.pd, threads=a.threads, prefill_chunk=a.prefill_chunk, device=a.device),
     )
     local = asyncio.run(served(replace(base, threshold=10**9), rt, lengths, a.max_tokens, a.repeats))
     prfaas = asyncio.run(served(replace(base, threshold=0), rt, lengths, a.max_tokens, a.repeats))
