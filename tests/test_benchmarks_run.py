@@ -21,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 from test_docs_commands import DOCS, ROOT, code_of
 
+pytestmark = pytest.mark.slow  # every benchmark's smoke run: minutes in all
+
 _BENCHMARK = re.compile(r"(?:^|[\s(])python +(benchmarks/[\w/]+\.py)([^\n;|&#`]*)")
 
 

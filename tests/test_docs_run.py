@@ -27,6 +27,8 @@ import pytest
 import torch
 from test_docs_commands import CASES, DOCS, commands_in, marked_blocks
 
+pytestmark = pytest.mark.slow  # every documented command run as written, a server start each
+
 LONG_RUNNING = {"serve": "serving", "link-emulator": '"port"', "worker": "waiting for a gateway"}
 # commands of a block that tests/test_deploy.py runs whole, as root, with the hosts it sets up
 RUN_AS_A_BLOCK = {

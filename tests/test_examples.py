@@ -26,7 +26,7 @@ EXPECTED = {
 }
 TIMEOUT_S = 170
 
-pytestmark = pytest.mark.timeout(TIMEOUT_S + 30)
+pytestmark = [pytest.mark.timeout(TIMEOUT_S + 30), pytest.mark.slow]  # every example run whole
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ SECRET = b"family-secret-0123456789abcdef01"
 CHILD = Path(__file__).with_name("family_child.py")
 GREEDY = SamplingParams(max_tokens=8)  # stops at EOS, as generate() does
 LETTERS = {StateKind.FULL_ATTENTION: "F", StateKind.SLIDING_WINDOW: "S", StateKind.LINEAR_ATTENTION: "L"}
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # every hybrid family through prefill, the wire and decode
 
 
 def coverage_table() -> dict[str, dict[str, str]]:

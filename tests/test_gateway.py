@@ -16,6 +16,8 @@ from minifaas.serve.lifecycle import Phase
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.serve.worker_handle import WorkerError
 
+pytestmark = pytest.mark.slow  # gateways started, faulted and stopped
+
 THRESHOLD = 200
 SHORT = [(7 * i) % 256 for i in range(40)]
 LONG = [(13 * i + 5) % 256 for i in range(1500)]

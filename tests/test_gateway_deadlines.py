@@ -30,7 +30,7 @@ CONFIG = ServeConfig(
     token_timeout=TOKEN_TIMEOUT,
 )
 PROMPT = [(3 * i + 1) % 256 for i in range(24)]
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # a gateway held past its deadlines
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import openai
+import pytest
 
 from minifaas.model.layer_state import StateKind
 from minifaas.model.runtime import ModelRuntime
@@ -16,6 +17,8 @@ from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeC
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.serve.serve_cli import running_server
+
+pytestmark = pytest.mark.slow  # a gateway replaying conversations
 
 THRESHOLD = 200
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)

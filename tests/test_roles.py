@@ -23,6 +23,8 @@ from minifaas.serve.roles import RoleChanger
 from minifaas.serve.serve_cli import config_from_args
 from minifaas.serve.worker_specs import worker_argv
 
+pytestmark = pytest.mark.slow  # gateways whose workers change role under load
+
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 LENGTHS = (40, 300, 90, 520)  # short ones stay local, long ones go PrfaaS at t = 256
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from minifaas.model.sampling import SamplingParams
 from minifaas.scheduler.short_term import Action, Reason
 from minifaas.serve.config import CacheConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.lifecycle import Phase
 from minifaas.serve.requests import GenerateRequest, RequestRecord
+
+pytestmark = pytest.mark.slow  # the live scheduler through link drops on a running gateway
 
 THRESHOLD = 200
 PROMPT_TOKENS = 240  # offloaded at t = 200; local once t has made one raise (200 -> 264)

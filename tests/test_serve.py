@@ -17,6 +17,8 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.slow  # a `minifaas serve` process and the openai client
+
 SHORT = "To be, or not to be: that is the question."
 LONG = "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune. " * 14
 KEY = "test-key"
