@@ -1,14 +1,22 @@
-"""Progress for a long run: each test that took a while says so on its own line, with the time so far.
+"""Shared test plumbing: progress lines for a long run, and two module-scoped fixtures.
 
 ``pytest -q`` prints a dot per test, and a module of served tests can hold the
-line for minutes; these lines show what ran and how the run is going.
+line for minutes; each test that took a while says so on its own line, with
+the run's time so far.
+
+    loop               one event loop for a module whose fixtures keep a gateway up across tests
+    one_torch_thread   torch on one thread for the module (``pytest.mark.usefixtures``): small
+                       forwards on shared, busy cores run several times faster on one thread than two
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 NOTE_AFTER_S = 15.0  # a test (setup, call and teardown together) longer than this gets a line
 
@@ -31,3 +39,18 @@ def pytest_configure(config: pytest.Config) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         config.pluginmanager.register(Progress(reporter), "minifaas-progress")
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import math
 import weakref
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -30,14 +29,7 @@ MAX_TOKENS = (9, 3, 6, 7)
 JOIN_AT = (0, 0, 1, 2)  # step at which each request's state arrives; the last waits for a free row
 RUNTIMES: dict[str, ModelRuntime] = {}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Small forwards on shared, busy cores run several times faster on one thread than on two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: one thread is faster on shared cores
 
 
 def runtime_for(name: str) -> ModelRuntime:

@@ -45,7 +45,11 @@ SECRET = b"family-secret-0123456789abcdef01"
 CHILD = Path(__file__).with_name("family_child.py")
 GREEDY = SamplingParams(max_tokens=8)  # stops at EOS, as generate() does
 LETTERS = {StateKind.FULL_ATTENTION: "F", StateKind.SLIDING_WINDOW: "S", StateKind.LINEAR_ATTENTION: "L"}
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # every hybrid family through prefill, the wire and decode
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.timeout(300),
+    pytest.mark.slow,
+]  # every hybrid family through prefill, the wire and decode
 
 
 def coverage_table() -> dict[str, dict[str, str]]:
@@ -93,15 +97,6 @@ class Child:
             return json.loads(line)
 
         return await asyncio.to_thread(exchange)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny forwards on shared cores run faster on one thread (the child process uses one too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,6 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # a gateway held past
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def gateway(loop: asyncio.AbstractEventLoop) -> Iterator[Gateway]:
     gw = Gateway(CONFIG)
     loop.run_until_complete(gw.__aenter__())

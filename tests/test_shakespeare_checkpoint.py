@@ -8,7 +8,6 @@ must not loop (word 4-grams mostly distinct) and must differ between seeds.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,18 +21,11 @@ PROMPT = "KING HENRY:\nNow, lords, "
 SEEDS = (1, 2, 3)
 WORD = re.compile(r"[a-z]+(?:'[a-z]+)*")
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: one thread is faster on shared cores
+
 
 def words(text: str) -> list[str]:
     return WORD.findall(text.lower())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Decoding one token at a time on shared cores runs faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -51,13 +51,6 @@ def reference() -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def gateway(loop: asyncio.AbstractEventLoop, reference: dict) -> Iterator[Gateway]:
     gw = Gateway(CONFIG)
     loop.run_until_complete(gw.__aenter__())
