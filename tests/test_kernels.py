@@ -25,6 +25,7 @@ def test_ci_environment_has_fla_installed() -> None:
     assert out.stdout.strip() == "True", out.stderr
 
 
+@pytest.mark.slow  # a child process per case
 def test_cpu_runtime_blocks_fla_and_still_runs() -> None:
     code = (
         "import sys\n"
@@ -37,6 +38,7 @@ def test_cpu_runtime_blocks_fla_and_still_runs() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+@pytest.mark.slow  # a child process per case
 @pytest.mark.skipif(not FLA_INSTALLED, reason="flash-linear-attention is not installed here")
 def test_without_the_block_an_installed_fla_breaks_cpu_forward() -> None:
     """The failure the block prevents: transformers picks fla's Triton kernels, which need a GPU."""

@@ -15,6 +15,7 @@ from minifaas.model.runtime import ModelRuntime
 CONFIGS = MODELS_DIR / "configs"
 
 
+@pytest.mark.slow  # loads and prefills every preset
 @pytest.mark.parametrize("preset", preset_names())
 def test_config_arithmetic_equals_measured_state_bytes(preset: str) -> None:
     rt = ModelRuntime.load(preset)

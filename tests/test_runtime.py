@@ -55,6 +55,7 @@ def _receive_states(server: socket.socket, count: int) -> list[tuple[ModelState,
     return out
 
 
+@pytest.mark.slow  # a child process per case
 def test_prefill_in_one_process_decode_in_another_equals_generate(runtime: ModelRuntime) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(300)
@@ -127,6 +128,7 @@ def test_seeded_sampling_is_the_same_across_prefill_and_decode_processes(runtime
     assert other != whole
 
 
+@pytest.mark.slow  # a child process per case
 def test_same_preset_and_seed_give_identical_weights_in_another_process(runtime: ModelRuntime) -> None:
     code = (
         "from minifaas.model.runtime import ModelRuntime; from minifaas.model.loader import weights_digest;"
