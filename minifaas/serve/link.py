@@ -59,6 +59,10 @@ class LinkReading:
         return self.egress_bps / self.rate_bps if 0 < self.rate_bps < math.inf else 0.0
 
 
+class LinkNotReady(RuntimeError):
+    """The emulated link has no route to a decode worker now (a RuntimeError: dispatch falls back on it)."""
+
+
 class InterClusterLink:
     def __init__(
         self, config: LinkConfig, emulated: bool, moves: bool, heartbeat: HeartbeatConfig | None = None
@@ -191,7 +195,10 @@ class InterClusterLink:
         if prefill.cluster == "prfaas" and self.emulated:
             assert self.emulator is not None
             target = self.routes[decode.name]
-            return ["127.0.0.1", self.emulator.port if target == self.emulator.target else self.emulator.routes[target]]
+            port = self.emulator.port if target == self.emulator.target else self.emulator.routes.get(target)
+            if not port:  # the emulator restarting, or the route not answered yet: the prefill falls back
+                raise LinkNotReady(f"the link has no route to {decode.name} yet")
+            return ["127.0.0.1", port]
         return list(decode.kv)
 
     def move_address(self, dst: WorkerHandle) -> list | None:
