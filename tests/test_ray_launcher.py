@@ -40,6 +40,7 @@ def test_workers_land_on_their_clusters_nodes_and_a_killed_actor_comes_back() ->
     cluster.add_node(num_cpus=1, resources={"prfaas": 1})
     ray.init(address=cluster.address)  # the gateway shares this driver, so the test can look at its actors
     config = ServeConfig(
+        model="kimi-linear-tiny",  # the model the expected tokens come from
         threshold=200,
         fixed_threshold=True,
         launcher="ray",

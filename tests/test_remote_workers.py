@@ -72,6 +72,7 @@ def reference() -> list[int]:
 
 def _config(cluster: dict) -> ServeConfig:
     return ServeConfig(
+        model="kimi-linear-tiny",  # what the hand-started workers run
         threshold=10_000,
         secret_file=str(cluster["secret"]),
         prfaas=ClusterConfig(prefill_workers=0),
@@ -165,7 +166,7 @@ async def _drained(session: Session) -> bool:
 
 def _serve(cluster: dict, port: int, log: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "minifaas.cli", "serve", "--port", str(port), "--prfaas-workers", "0",
-            "--secret-file", str(cluster["secret"])]  # fmt: skip
+            "--secret-file", str(cluster["secret"]), "--model", "kimi-linear-tiny"]  # fmt: skip
     for address in cluster["addresses"]:
         argv += ["--pd-worker", address]
     with log.open("a") as out:  # a file, not a pipe: nobody would drain a pipe once it serves

@@ -80,6 +80,7 @@ def test_two_hosts_route_stream_over_the_bottleneck_and_survive_faults(tmp_path:
         workers = _workers(hosts, secret, tmp_path)
         start_all(list(workers.values()))
         config = ServeConfig(
+            model="kimi-linear-tiny",  # what the hand-started workers run
             threshold=THRESHOLD,
             fixed_threshold=True,  # routing stays on length: the rtt the link shows must not move t here
             secret_file=str(secret),
