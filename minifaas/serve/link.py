@@ -122,8 +122,8 @@ class InterClusterLink:
                 try:
                     await emulator.control.ping(hb.deadline_s)
                     continue
-                except EmulatorError as e:
-                    why = f"no answer to a ping within {hb.deadline_s:g} s ({e})" if emulator.alive else str(e)
+                except Exception as e:  # any failed probe: a supervisor that raised would cancel the gateway
+                    why = f"no answer to a ping within {hb.deadline_s:g} s ({e!r})" if emulator.alive else repr(e)
             self.down[name] = why
             log.error("link emulator %s (pid %d) left service: %s", name, emulator.pid, why)
             delay = RETRY_S
@@ -131,8 +131,8 @@ class InterClusterLink:
                 try:
                     await emulator.restart()
                     break
-                except (EmulatorError, OSError) as e:
-                    log.warning("link emulator %s not back yet (%s); again in %.1f s", name, e, delay)
+                except Exception as e:  # as above: keep trying, never take the gateway down with it
+                    log.warning("link emulator %s not back yet (%r); again in %.1f s", name, e, delay)
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, MAX_RETRY_S)
             del self.down[name]
