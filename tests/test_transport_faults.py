@@ -27,7 +27,7 @@ from minifaas.transport.auth import prove_as_sender
 from minifaas.transport.channel import Channel, open_channel
 from minifaas.transport.chunking import split_chunks
 from minifaas.transport.emulator_control import EmulatorProcess
-from minifaas.transport.synthetic import bulk_state, synthetic_state
+from minifaas.transport.synthetic import bulk_state, same_state, synthetic_state
 from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts
 
 SECRET = b"cluster-secret-0123456789abcdef"
@@ -101,6 +101,27 @@ def test_stalled_link() -> None:
     sender_error, receiver_error = run(through_slow_link("stall"))
     assert isinstance(sender_error, StallError)
     assert isinstance(receiver_error, StallError)
+
+
+def test_a_slow_link_is_not_a_stalled_one() -> None:
+    """Each chunk takes longer than the stall deadline to arrive, but its bytes keep coming: no StallError.
+    (The receiver is woken only once a whole chunk is in, SO_RCVLOWAT, so progress has to be asked for.)"""
+
+    async def scenario() -> None:
+        state = bulk_state(100_000, layers=2)  # 4 chunks of 25 KB, each ~1.25 s at 160 kbit/s > STALL
+        async with (
+            KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx,
+            EmulatorProcess(("127.0.0.1", rx.port), rate="160kbit") as link,
+        ):
+            config = SenderConfig("127.0.0.1", link.port, SECRET, connections=1, stall_timeout=STALL,
+                                  done_timeout=10 * STALL)  # fmt: skip
+            incoming = rx.transfer(1)
+            async with KVSender(config) as tx:
+                report = await tx.send(1, state)
+            assert report.nbytes == sum(t.nbytes for layer in state.layers for _, t in layer.slots)
+            assert same_state(await incoming.model_state(), state)
+
+    run(scenario())
 
 
 def test_byte_corrupted_on_the_link() -> None:

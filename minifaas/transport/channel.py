@@ -8,13 +8,20 @@ bytes anyway, so the copy there costs nothing extra.
 
 A deadline applies to *progress*: a send or receive fails with ``StallError``
 only when no byte moves for ``timeout`` seconds, however large the buffer.
+The kernel's wake-ups lag progress on a slow link (TCP_NOTSENT_LOWAT says
+writable only once half the unsent bytes have gone, SO_RCVLOWAT says readable
+only once a whole block is in), so a wait that times out first asks the
+kernel whether its queue moved meanwhile and, if it did, waits on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
 import ssl as ssl_module
+import struct
+import termios
 from collections.abc import Callable, Sequence
 
 from minifaas.transport.errors import ConnectionLostError, StallError, TruncatedError
@@ -64,7 +71,28 @@ class Channel:
                     views[0] = views[0][sent:]
                     sent = 0
             if views:
-                await self._wait_ready(loop, timeout, write=True)
+                await self._wait_moving(loop, timeout, write=True)
+
+    async def _wait_moving(self, loop: asyncio.AbstractEventLoop, timeout: float | None, write: bool) -> None:
+        """``_wait_ready``, with its deadline moved on each time the socket's queue changed since the last:
+        bytes left the send queue, or came into the receive queue below SO_RCVLOWAT."""
+        queued = self._queued(write)
+        while True:
+            try:
+                return await self._wait_ready(loop, timeout, write)
+            except TimeoutError:
+                now = self._queued(write)
+                if now == queued:
+                    raise
+                queued = now
+
+    def _queued(self, write: bool) -> int:
+        """Bytes in the kernel's send queue (not yet acknowledged) or receive queue (not yet read)."""
+        request = termios.TIOCOUTQ if write else termios.FIONREAD
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), request, b"\0\0\0\0"))[0]
+        except OSError:
+            return -1  # closed meanwhile: no progress; the next read or write reports why
 
     async def _wait_ready(self, loop: asyncio.AbstractEventLoop, timeout: float | None, write: bool) -> None:
         ready = loop.create_future()
@@ -116,7 +144,7 @@ class Channel:
                 return self.sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
                 self._wake_at(min(view.nbytes, WAKE_BYTES))
-                await self._wait_ready(asyncio.get_running_loop(), timeout, write=False)
+                await self._wait_moving(asyncio.get_running_loop(), timeout, write=False)
 
     def _wake_at(self, nbytes: int) -> None:
         """Be woken only when ``nbytes`` have arrived (or the stream ended): one big read instead of many small."""

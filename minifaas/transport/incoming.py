@@ -32,6 +32,7 @@ class IncomingTransfer:
         self.started = False  # a frame has arrived
         self.claimed = False  # a consumer holds this object
         self.last_progress = now
+        self.receiving = 0  # chunk payloads being read now: each connection's own deadline watches those
         self.reply_to: Channel | None = None  # where END came from; DONE or ABORT goes back there
         self.received_bytes = 0
         self.wire_bytes = 0  # payload bytes as they came off the network (coded ones smaller)

@@ -16,7 +16,9 @@ scratch buffer and decoded into the slot's memory as soon as it is in, in a
 thread when it is large, then checksummed there: the checksum is that of the
 decoded bytes. The receiver offers in the handshake only the codecs in
 ``codecs``. A transfer with no progress for
-``stall_timeout`` after its first frame fails with ``StallError``. A failed
+``stall_timeout`` after its first frame fails with ``StallError``: no frame
+finished and no payload being read (a payload arriving slowly is watched by
+its connection, which fails only when no byte came for that long). A failed
 transfer's partial state is freed at once; later frames for it are skipped.
 A transfer no consumer claims is dropped ``unclaimed_grace`` seconds after it
 ends, or sooner when the table of ``max_open_transfers`` needs its place
@@ -36,7 +38,7 @@ from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.state_codec import Checksum, checksum
 from minifaas.transport.auth import check_secret, verify_sender
 from minifaas.transport.buffers import BufferPool
-from minifaas.transport.channel import Channel, accept_channel
+from minifaas.transport.channel import Channel, Digest, accept_channel
 from minifaas.transport.codec import ALL_CODECS, OFF_LOOP_BYTES, Codec, FrameDecoder, offer_mask
 from minifaas.transport.errors import (
     AuthError,
@@ -257,7 +259,7 @@ class KVReceiver:
                 raise ProtocolError("a chunk without a payload checksum; this receiver requires them")
             view = t.assembly.buffer_for(h)
             digest = None if unchecked else Checksum()  # fed each block as it is read, while it is in cache
-            await channel.recv_into(view, self.config.stall_timeout, None if digest is None else digest.update)
+            await self._receive(t, channel, view, None if digest is None else digest.update)
             self.stats.bytes_received += h.length
             t.wire_bytes += h.length
             await self._commit(t, h, view, h.crc if digest is None else digest.value)
@@ -286,7 +288,7 @@ class KVReceiver:
         assert t.assembly is not None
         view = t.assembly.buffer_for(h)
         payload = dec.scratch(h.length)
-        await channel.recv_into(payload, self.config.stall_timeout)
+        await self._receive(t, channel, payload)
         self.stats.bytes_received += h.length
         t.wire_bytes += h.length
         if h.length >= OFF_LOOP_BYTES:
@@ -297,6 +299,17 @@ class KVReceiver:
         self.stats.decoded_bytes += h.decoded
         self.stats.decode_s += seconds
         await self._commit(t, h, view, crc)
+
+    async def _receive(
+        self, t: IncomingTransfer, channel: Channel, view: memoryview, digest: Digest | None = None
+    ) -> None:
+        """Read one chunk's payload; meanwhile the transfer is not judged stalled as a whole."""
+        t.receiving += 1
+        try:
+            await channel.recv_into(view, self.config.stall_timeout, digest)
+        finally:
+            t.receiving -= 1
+            t.last_progress = asyncio.get_running_loop().time()
 
     async def _commit(self, t: IncomingTransfer, h: FrameHeader, view: memoryview, crc: int) -> None:
         if t.assembly is None:

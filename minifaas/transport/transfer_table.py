@@ -87,8 +87,13 @@ class TransferTable:
             self._drop(transfer_id, f"ended {now - ended_at:.1f} s ago and no consumer claimed it")
 
     def stalled(self, now: float, limit: float) -> list[IncomingTransfer]:
-        """Started, unfinished transfers without progress for more than ``limit`` seconds."""
-        return [t for t in self.open.values() if t.started and not t.finished and now - t.last_progress > limit]
+        """Started, unfinished transfers without progress for more than ``limit`` seconds and no payload
+        being read (a payload still arriving, however slowly, is its connection's deadline to judge)."""
+        return [
+            t
+            for t in self.open.values()
+            if t.started and not t.finished and not t.receiving and now - t.last_progress > limit
+        ]
 
     def _open(self, transfer_id: int, now: float) -> IncomingTransfer:
         if len(self.open) >= self.max_open:
