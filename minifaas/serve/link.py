@@ -84,12 +84,15 @@ class InterClusterLink:
         self._stack = contextlib.AsyncExitStack()
         self._tasks: asyncio.TaskGroup | None = None
         self._watchers: dict[str, asyncio.Task] = {}  # emulator name -> its supervisor
+        self._joining = asyncio.Lock()  # workers join at once as they start: one emulator, however many join
+        self._closing = False
 
     async def __aenter__(self) -> InterClusterLink:
         self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())  # out last: after the emulators
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._closing = True
         for task in self._watchers.values():  # no restart once the emulators are being stopped
             task.cancel()
         await self._stack.aclose()
@@ -108,14 +111,17 @@ class InterClusterLink:
         entered = self._stack.enter_async_context(EmulatorProcess(target, secret=self.secret, **self._options()))
         emulator = await reported(self.on_startup, name, what, entered)
         assert self._tasks is not None, "enter the link first"
+        assert name not in self._watchers, f"a second {name} emulator"
         self._watchers[name] = self._tasks.create_task(self._supervise(name, emulator))
         return emulator
 
     async def _supervise(self, name: str, emulator: EmulatorProcess) -> None:
         """Ping the emulator each interval; when it is gone or late, take it out of service and restart it."""
         hb = self.heartbeat
-        while True:
+        while not self._closing:
             await asyncio.sleep(hb.interval_s)
+            if self._closing:
+                return
             if not emulator.alive:
                 why = "its process exited"
             else:
@@ -127,7 +133,7 @@ class InterClusterLink:
             self.down[name] = why
             log.error("link emulator %s (pid %d) left service: %s", name, emulator.pid, why)
             delay = RETRY_S
-            while True:
+            while not self._closing:
                 try:
                     await emulator.restart()
                     break
@@ -135,6 +141,8 @@ class InterClusterLink:
                     log.warning("link emulator %s not back yet (%r); again in %.1f s", name, e, delay)
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, MAX_RETRY_S)
+            if self._closing:
+                return
             del self.down[name]
             self.restarts[name] += 1
             log.info("link emulator %s back (pid %d), %d routes", name, emulator.pid, len(emulator.routes) + 1)
@@ -160,6 +168,11 @@ class InterClusterLink:
         """Put the emulated link in front of what crosses clusters into ``w`` (once; it keeps its KV port)."""
         if not self.emulated or w.kv is None:
             return
+        async with self._joining:
+            await self._join(w)
+
+    async def _join(self, w: WorkerHandle) -> None:
+        assert w.kv is not None
         if w.role == "decode" and w.name not in self.routes:
             if self.emulator is None:  # the link starts with the first decode worker
                 self.emulator = await self._started(NAME, f"link emulator, {self.config.rate}", w.kv)
@@ -174,6 +187,10 @@ class InterClusterLink:
             self.move_links[w.name] = await self._started(f"{w.name}-link", "link emulator for cache moves", w.kv)
 
     async def leave(self, w: WorkerHandle) -> None:
+        async with self._joining:
+            await self._leave(w)
+
+    async def _leave(self, w: WorkerHandle) -> None:
         target = self.routes.pop(w.name, None)
         if target is not None and self.emulator is not None:
             with contextlib.suppress(EmulatorError, OSError, TimeoutError):
