@@ -32,6 +32,7 @@ from minifaas.serve.requests import (
     DeadlineExceeded,
     GatewayAPI,
     GenerateRequest,
+    MigrationLimit,
     Overloaded,
     RequestFailed,
     TokenEvent,
@@ -255,6 +256,8 @@ def api_error(e: Exception) -> APIError:
         return e
     if isinstance(e, Overloaded):
         return APIError(503, str(e) or "The server is overloaded; retry later.", code="overloaded")
+    if isinstance(e, MigrationLimit):
+        return APIError(503, str(e), code="migration_limit")
     if isinstance(e, DeadlineExceeded):
         return APIError(504, str(e), code="timeout")
     if isinstance(e, RequestFailed):

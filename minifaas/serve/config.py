@@ -1,7 +1,7 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
 [serve]            host, port, model, dtype, trust_remote_code, threshold, api_key, deadlines, launcher,
-                   secret_file, heartbeats
+                   secret_file, heartbeats, migration_limit
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
 [prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, threads,
                    or the addresses of hand-started workers (workers = ["host:port", ...])
@@ -191,6 +191,7 @@ class ServeConfig:
     token_timeout: float = 60.0  # nor may the gateway be silent longer than this between two tokens
     request_timeout: float | None = None  # a limit on the whole request, however it streams (None: none)
     prefill_timeout: float = 120.0  # a prefill (and its transfer) that takes longer falls back to PD-P
+    migration_limit: int = 2  # moves to another decode worker a request may make after losing its own
     max_queued_requests: int = 256
     launcher: str = "local"  # who starts the workers: "local" (child processes) or "ray" (actors)
     secret_file: str | None = None  # the cluster secret (else $MINIFAAS_SECRET); needed with any remote worker
@@ -214,6 +215,8 @@ class ServeConfig:
         total = () if self.request_timeout is None else (self.request_timeout,)
         if min(self.first_token_timeout, self.token_timeout, self.prefill_timeout, *total) <= 0:
             raise ValueError("timeouts must be positive")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.launcher not in ("local", "ray"):
             raise ValueError(f"launcher must be local or ray, got {self.launcher!r}")
         if not 0 < self.heartbeat_s < self.heartbeat_deadline_s:

@@ -13,7 +13,8 @@ A request: route (policy.router, with each prefill node's cached prefix from
 the prefix directory) -> ask the decode worker to expect the state
 -> ask the prefill worker to prefill and stream it (through the link when it
 comes from PrfaaS) -> the first token goes to the client at once -> the
-decode worker streams the rest. A PrfaaS prefill that fails (worker gone, link
+decode worker streams the rest (a decode worker lost on the way: the request
+migrates to another, ``serve.migration``). A PrfaaS prefill that fails (worker gone, link
 cut or stalled, too slow) is redone on PD-P: the request still completes, and
 its record says why it fell back.
 
@@ -62,10 +63,11 @@ from minifaas.serve.lifecycle import Phase, advance
 from minifaas.serve.link import NAME, InterClusterLink
 from minifaas.serve.live_scheduler import LiveScheduler
 from minifaas.serve.metrics import ServeMetrics
+from minifaas.serve.migration import Migration
 from minifaas.serve.prefill_dispatch import PrefillDispatch
 from minifaas.serve.prefix_directory import PrefixDirectory
 from minifaas.serve.requests import (
-    DeadlineExceeded,
+    DecodeLost,
     GenerateRequest,
     Overloaded,
     RequestFailed,
@@ -74,7 +76,7 @@ from minifaas.serve.requests import (
 )
 from minifaas.serve.roles import RoleChanger
 from minifaas.serve.startup import StartupListener
-from minifaas.serve.token_stream import decode_tokens
+from minifaas.serve.token_stream import OutputText, decode_tokens
 from minifaas.serve.worker_handle import WorkerHandle
 from minifaas.serve.worker_pool import WorkerPool
 from minifaas.serve.worker_specs import planned_specs
@@ -264,36 +266,72 @@ class Gateway:
             raise Overloaded(f"{self.inflight} requests in flight; try again later")
         self.inflight += 1
         start = time.perf_counter()
-        rid, decode = request.request_id, None
         c = self.config
         deadline = RequestDeadline(
             c.first_token_timeout, c.token_timeout, c.request_timeout, asyncio.get_running_loop().time()
         )
+        moving = Migration(request, c.migration_limit)
+        text = OutputText(self.tokenizer, request.sampling)  # one text across decode workers: no token twice
         try:
-            async with deadline.first_token():
-                decision = self._route(request.prompt_ids)
-                decode = self.workers[decision.decode_node]  # type: ignore[index]
-                record.decode_worker = decode.name
-                record.route_reason = decision.reason.value
-                inbox = decode.open(rid)
-                record.dispatch_s = time.perf_counter() - start  # routing; the prefill dispatch adds its part
-                transfer, first = await self.dispatch.run(request, record, decision, decode)
-            record.ttft_s = time.perf_counter() - start
-            record.phase = advance(record.phase, Phase.DECODING)
-            tokens = decode_tokens(request, record, self.tokenizer, decode, inbox, transfer, first, deadline)
-            async for event in tokens:
-                yield event
+            while True:
+                try:
+                    async with contextlib.aclosing(self._attempt(moving, record, text, deadline, start)) as events:
+                        async for event in events:
+                            moving.sending(event.token_id)
+                            yield event
+                    break
+                except DecodeLost as lost:
+                    self._migrate(moving, record, lost)
             record.phase = advance(record.phase, Phase.FINISHED)
-        except DeadlineExceeded:
+        except RequestFailed:
             record.phase = Phase.FAILED
             raise
         finally:
             self.inflight -= 1
             record.e2e_s = time.perf_counter() - start
             self.scheduler.finished(record.completion_tokens)
+            if record.decode_worker is not None and not record.phase.done:
+                record.phase = Phase.ABORTED
+
+    def _migrate(self, moving: Migration, record: RequestRecord, lost: DecodeLost) -> None:
+        """Move the request to another decode worker, or raise when it may not move again."""
+        try:
+            moving.move(lost)
+        except RequestFailed:
+            self.metrics.migration("refused")
+            raise
+        record.migrations = moving.moves
+        record.phase = advance(record.phase, Phase.MIGRATING)
+        record.events.append(f"migrated from {record.decode_worker} after {len(moving.sent)} tokens")
+        self.metrics.migration("moved")
+        log.warning("request %s: %s; migrating with %d tokens sent", record.request_id, lost, len(moving.sent))
+
+    async def _attempt(
+        self, moving: Migration, record: RequestRecord, text: OutputText, deadline: RequestDeadline, start: float
+    ) -> AsyncIterator[TokenEvent]:
+        """One decode worker's share of the request: route, prefill, stream until done or the worker is lost."""
+        request = moving.request()
+        rid, decode = request.request_id, None
+        try:
+            async with deadline.first_token():  # after a migration: the re-prefill, the client's wait
+                if moving.moves:  # the lost one may be the only decode worker: wait for it back, not fail
+                    await self.pool.serving("pd", "decode")
+                decision = self._route(request.prompt_ids)
+                decode = self.workers[decision.decode_node]  # type: ignore[index]
+                record.decode_worker = decode.name
+                record.route_reason = decision.reason.value
+                inbox = decode.open(rid)
+                if record.ttft_s is None:  # the breakdown is the first token's; a migration's prefill adds to it
+                    record.dispatch_s = time.perf_counter() - start  # routing; the prefill dispatch adds its part
+                transfer, first = await self.dispatch.run(request, record, decision, decode)
+            if record.ttft_s is None:
+                record.ttft_s = time.perf_counter() - start
+            record.phase = advance(record.phase, Phase.DECODING)
+            tokens = decode_tokens(request, record, self.tokenizer, decode, inbox, transfer, first, deadline, text)
+            async for event in tokens:
+                yield event
+        finally:
             if decode is not None:
                 decode.close(rid)
-                if not record.phase.done:
-                    record.phase = Phase.ABORTED
                 with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
                     decode.send({"op": "abort", "req": rid})

@@ -2,6 +2,7 @@
 
     QUEUED -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED
     PREFILLING / TRANSFERRING -> FALLBACK -> PREFILLING   (prefill node or link lost: re-prefill locally)
+    any live state -> MIGRATING -> PREFILLING             (decode node lost: prompt + output so far re-prefilled)
     any live state -> ABORTED (client gone) | FAILED (no way left to answer)
 
 Prefill streams layers while it computes, so PREFILLING and TRANSFERRING
@@ -19,6 +20,7 @@ class Phase(Enum):
     PREFILLING = "prefilling"
     TRANSFERRING = "transferring"
     FALLBACK = "fallback"
+    MIGRATING = "migrating"
     DECODING = "decoding"
     FINISHED = "finished"
     ABORTED = "aborted"
@@ -30,12 +32,14 @@ class Phase(Enum):
 
 
 _END = {Phase.ABORTED, Phase.FAILED}
+_LOST = {Phase.MIGRATING} | _END  # a decode node can go at any live step
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.QUEUED: frozenset({Phase.PREFILLING} | _END),
-    Phase.PREFILLING: frozenset({Phase.TRANSFERRING, Phase.FALLBACK} | _END),
-    Phase.TRANSFERRING: frozenset({Phase.DECODING, Phase.FALLBACK} | _END),
-    Phase.FALLBACK: frozenset({Phase.PREFILLING} | _END),
-    Phase.DECODING: frozenset({Phase.FINISHED} | _END),
+    Phase.PREFILLING: frozenset({Phase.TRANSFERRING, Phase.FALLBACK} | _LOST),
+    Phase.TRANSFERRING: frozenset({Phase.DECODING, Phase.FALLBACK} | _LOST),
+    Phase.FALLBACK: frozenset({Phase.PREFILLING} | _LOST),
+    Phase.MIGRATING: frozenset({Phase.PREFILLING} | _END),
+    Phase.DECODING: frozenset({Phase.FINISHED} | _LOST),
     Phase.FINISHED: frozenset(),
     Phase.ABORTED: frozenset(),
     Phase.FAILED: frozenset(),

@@ -68,6 +68,10 @@ class ServeMetrics:
         self.cached_tokens = Counter("minifaas:prompt_tokens_cached", "Prompt tokens found in cache", registry=r)
         # Tokens generated and sent to clients.
         self.generation_tokens = Counter("minifaas:generation_tokens", "Generation tokens produced", registry=r)
+        # Requests whose decode worker went away: moved to another (re-prefilled), or refused past the limit.
+        self.migrations = Counter(
+            "minifaas:migrations", "Requests that lost their decode worker: moved, or refused", ["outcome"], registry=r
+        )
         # Requests re-prefilled locally because their PrfaaS path failed, by reason.
         self.fallbacks = Counter("minifaas:fallbacks", "PrfaaS requests that fell back", ["reason"], registry=r)
         # Layer-state bytes put on each link (counted by the gateway, partial transfers included).
@@ -160,6 +164,9 @@ class ServeMetrics:
 
     def request_error(self, cause: str) -> None:
         self.request_errors.labels(cause=cause).inc()
+
+    def migration(self, outcome: str) -> None:
+        self.migrations.labels(outcome).inc()
 
     def set_connections(self, n: int) -> None:
         self.connections.set(n)

@@ -7,6 +7,10 @@ prefill the decode node pins the prefix it already holds, so only the rest of
 the full-attention KV crosses the link; under the ABUNDANT rule the router may
 first move a cached prefix to the prefill node's cluster.
 
+A decode worker that goes away meanwhile ends the attempt at once with
+``DecodeLost`` (the prefill is stopped): the gateway migrates the request
+(``serve.migration``) instead of retrying the prefill into a worker that is gone.
+
 Transfer ids start at a random point of a 62-bit space, so a gateway that
 restarted never reuses an id a worker may still remember from the one before.
 """
@@ -29,7 +33,7 @@ from minifaas.serve.lifecycle import Phase, advance
 from minifaas.serve.link import InterClusterLink
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.prefix_directory import PrefixDirectory
-from minifaas.serve.requests import GenerateRequest, RequestFailed, RequestRecord
+from minifaas.serve.requests import DecodeLost, GenerateRequest, RequestFailed, RequestRecord
 from minifaas.serve.worker_handle import WorkerHandle
 from minifaas.serve.worker_pool import WorkerPool
 
@@ -83,6 +87,8 @@ class PrefillDispatch:
             moved = None  # a retry elsewhere does not take the move
             if isinstance(outcome, int):
                 return transfer, outcome
+            if not decode.alive:
+                raise DecodeLost(f"decode worker {decode.name} went away during the prefill ({outcome})")
             tried.add(worker.name)
             log.warning("request %s: prefill on %s failed (%s)", request.request_id, worker.name, outcome)
             record.phase = advance(record.phase, Phase.FALLBACK)
@@ -131,7 +137,10 @@ class PrefillDispatch:
         link_start = self.prefixes.kv_prefix(request.prompt_ids, decode.name) if remote else 0
         choice: CodecChoice | None = None
         asked = time.perf_counter()
+        gone = decode.gone  # this session's: a decode worker that came back does not know the request
         try:
+            if not decode.alive:
+                raise DecodeLost(f"decode worker {decode.name} is not attached")
             decode.send(
                 {
                     "op": "decode",
@@ -162,8 +171,10 @@ class PrefillDispatch:
             )
             sent = time.perf_counter()
             async with asyncio.timeout(self.prefill_timeout):
-                reply = await inbox.get()
+                reply = await _unless_gone(inbox, gone)
             replied = time.perf_counter()
+            if reply is None:
+                raise DecodeLost(f"decode worker {decode.name} went away during the prefill")
         except TimeoutError:
             return "timeout: prefill and transfer took too long"
         except RuntimeError as e:
@@ -242,7 +253,20 @@ class PrefillDispatch:
         async with asyncio.timeout(self.prefill_timeout):
             while True:
                 msg = await inbox.get()
-                if msg["op"] == "lost" or (msg["op"] == "failed" and msg.get("transfer") == transfer):
+                if msg["op"] == "lost":
+                    raise DecodeLost(f"decode worker {decode.name} went away before pinning its prefix")
+                if msg["op"] == "failed" and msg.get("transfer") == transfer:
                     raise RuntimeError(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
                 if msg["op"] == "pinned" and msg["transfer"] == transfer:
                     return int(msg["tokens"])
+
+
+async def _unless_gone(inbox: asyncio.Queue[dict], gone: asyncio.Event) -> dict | None:
+    """The next reply in ``inbox``, or None as soon as ``gone`` is set (the decode worker's session ended)."""
+    get, lost = asyncio.ensure_future(inbox.get()), asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait({get, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        get.cancel()
+        lost.cancel()
+    return None if gone.is_set() or not get.done() or get.cancelled() else get.result()

@@ -58,6 +58,7 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     fallback: str | None = None  # why the request was re-prefilled locally, if it was
+    migrations: int = 0  # times it moved to another decode worker after losing its own
     events: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -73,6 +74,14 @@ class Overloaded(Exception):
 
 class RequestFailed(Exception):
     """Every path to an answer failed (HTTP 500); the message says why."""
+
+
+class DecodeLost(RequestFailed):
+    """The decode worker holding the request went away (its session was lost): the request may migrate."""
+
+
+class MigrationLimit(RequestFailed):
+    """The request lost its decode worker more often than ``--migration-limit`` allows (HTTP 503, retryable)."""
 
 
 class DeadlineExceeded(RequestFailed):

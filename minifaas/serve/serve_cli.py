@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--request-timeout", type=float, help="seconds a whole request may take (default: no limit)")
     parser.add_argument(
+        "--migration-limit",
+        type=int,
+        help=f"times a request may move to another decode worker after losing its own (default: {d.migration_limit})",
+    )
+    parser.add_argument(
         "--max-connections", type=int, help=f"open HTTP connections; more get 503 (default: {d.http.max_connections})"
     )
     parser.add_argument(
@@ -279,6 +284,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         first_token_timeout=_pick(args.first_token_timeout, base.first_token_timeout),
         token_timeout=_pick(args.token_timeout, base.token_timeout),
         request_timeout=_pick(args.request_timeout, base.request_timeout),
+        migration_limit=_pick(args.migration_limit, base.migration_limit),
         prefill_timeout=base.prefill_timeout,
         max_queued_requests=base.max_queued_requests,
         launcher=_pick(args.launcher, base.launcher),

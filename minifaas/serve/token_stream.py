@@ -1,7 +1,9 @@
 """The decode half of a request, as the client sees it: worker messages in, token events out.
 
 The first token comes from the prefill worker; the decode worker streams the
-rest, each within the request's deadline between tokens. Text is detokenized
+rest, each within the request's deadline between tokens. A decode worker that
+goes away raises ``DecodeLost``: the gateway migrates the request
+(``serve.migration``) and streams on with the same ``OutputText``. Text is detokenized
 incrementally (never splitting a UTF-8 character) and checked for stop strings
 here, since only the gateway sees the text; both cost the same per token however
 long the output grows (``model.detokenizer``, ``serve.stop_strings``).
@@ -17,7 +19,7 @@ from minifaas.model.detokenizer import IncrementalDecoder
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
 from minifaas.serve.deadline import RequestDeadline
-from minifaas.serve.requests import GenerateRequest, RequestFailed, RequestRecord, TokenEvent
+from minifaas.serve.requests import DecodeLost, GenerateRequest, RequestFailed, RequestRecord, TokenEvent
 from minifaas.serve.stop_strings import StopMatcher
 from minifaas.serve.worker_handle import WorkerHandle
 
@@ -31,11 +33,16 @@ async def decode_tokens(
     transfer: int,
     first: int,
     deadline: RequestDeadline,
+    text: OutputText,
 ) -> AsyncIterator[TokenEvent]:
-    text = OutputText(tokenizer, request.sampling)
+    """``request`` is the attempt's (after a migration: prompt plus output so far, and only the tokens still
+    owed); ``text`` and ``record.completion_tokens`` span every attempt."""
     token, finish = first, finish_reason(first, 1, request, tokenizer)
     if finish is None:
-        decode.send({"op": "start", "req": request.request_id, "next_token": first})
+        try:
+            decode.send({"op": "start", "req": request.request_id, "next_token": first})
+        except RuntimeError as e:  # gone between the prefill and now
+            raise DecodeLost(str(e)) from None
     while True:
         record.completion_tokens += 1
         piece, stopped = text.push(token, record.completion_tokens)
@@ -50,7 +57,9 @@ async def decode_tokens(
                 msg = await inbox.get()  # "received", or news of an abandoned transfer
         if record.first_step_s is None:
             record.first_step_s = time.perf_counter() - asked
-        if msg["op"] in ("lost", "failed"):
+        if msg["op"] == "lost":
+            raise DecodeLost(f"decode worker {decode.name} went away")
+        if msg["op"] == "failed":
             raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
         if msg["op"] == "done":
             return

@@ -80,6 +80,7 @@ class WorkerHandle:
         self.codecs: dict[str, list[float]] = {}  # what a prefill worker measured of its codecs when it started
         self.kernels = "unknown"  # what its linear-attention layers run (fla, torch, none), as it says
         self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
+        self.gone = asyncio.Event()  # this session's end: a new one per attach, so a waiter sees its own session go
         self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
 
     @property
@@ -118,6 +119,7 @@ class WorkerHandle:
         self.kernels = str(hello.get("kernels", "unknown"))
         kv = hello.get("kv")
         self.kv = (kv[0] or address[0], int(kv[1])) if kv else None  # no host: the one we reached it at
+        self.gone = asyncio.Event()
         self.alive = True
 
     async def pump(self, heartbeat: HeartbeatConfig) -> SessionLost:
@@ -127,6 +129,7 @@ class WorkerHandle:
             return await keep_alive(self.session, heartbeat, self._deliver, lambda: {"op": "ping"})
         finally:
             self.alive = False
+            self.gone.set()
             for inbox in self.inboxes.values():
                 inbox.put_nowait(LOST)
 

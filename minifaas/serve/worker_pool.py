@@ -63,6 +63,7 @@ class WorkerPool:
         self.on_attached: Callable[[WorkerHandle], None] = lambda w: None  # after each attach, first or again
         self.on_startup: StartupListener | None = None  # told of each worker starting and ready; None: the log
         self._tasks: asyncio.TaskGroup | None = None
+        self._joined = asyncio.Event()  # set (and replaced) whenever a worker attaches, first or again
         self._stack = contextlib.AsyncExitStack()
 
     def launcher_of(self, spec: WorkerSpec) -> Launcher:
@@ -70,6 +71,16 @@ class WorkerPool:
 
     def of(self, cluster: str, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.cluster == cluster and w.role == role]
+
+    async def serving(self, cluster: str, role: str) -> None:
+        """Return once a worker of ``cluster`` and ``role`` takes requests (the caller bounds the wait)."""
+        while not any(w.serving for w in self.of(cluster, role)):
+            await self._joined.wait()
+
+    def _join(self, w: WorkerHandle) -> None:
+        self.on_attached(w)
+        joined, self._joined = self._joined, asyncio.Event()
+        joined.set()
 
     async def __aenter__(self) -> WorkerPool:
         self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
@@ -110,7 +121,7 @@ class WorkerPool:
         self.prefixes.forget(w.name)  # its inventory follows on the session
         self.known_names.add(w.name)
         self.workers[w.name] = w
-        self.on_attached(w)
+        self._join(w)
         assert self._tasks is not None
         self._tasks.create_task(self._supervise(w))
         self._tasks.create_task(self._follow_cache(w))
@@ -183,7 +194,7 @@ class WorkerPool:
                 w.detach()
                 return
             w.rejoins += 1
-            self.on_attached(w)
+            self._join(w)
             log.info("worker %s rejoined (pid %d)", w.name, w.pid)
 
     async def _follow_cache(self, w: WorkerHandle) -> None:
