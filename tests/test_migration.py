@@ -14,28 +14,20 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
+from test_supervision import CONFIG as SUPERVISED
 
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.api import api_error
-from minifaas.serve.config import CacheConfig, ClusterConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
 from minifaas.serve.migration import Migration
 from minifaas.serve.requests import DecodeLost, GenerateRequest, MigrationLimit, RequestRecord
 
-HEARTBEAT_S, DEADLINE_S = 0.5, 2.0
-CONFIG = ServeConfig(
-    model="kimi-linear-tiny",
-    threshold=200,
-    fixed_threshold=True,
-    pd=ClusterConfig(prefill_workers=1, decode_workers=2),
-    cache=CacheConfig(mode="none"),
-    heartbeat_s=HEARTBEAT_S,
-    heartbeat_deadline_s=DEADLINE_S,
-    migration_limit=1,
-)
+CONFIG = replace(SUPERVISED, migration_limit=1)  # the supervision tests' gateway: two decode workers
+DEADLINE_S = CONFIG.heartbeat_deadline_s
 PROMPT = [(11 * i + 3) % 256 for i in range(40)]
 LONG = [(13 * i + 5) % 256 for i in range(300)]  # prefilled on PrfaaS, across the link
 PARAMS = SamplingParams(max_tokens=120, ignore_eos=True)
