@@ -171,7 +171,8 @@ class PrefillDispatch:
             )
             sent = time.perf_counter()
             async with asyncio.timeout(self.prefill_timeout):
-                reply = await _unless_gone(inbox, gone)
+                while (reply := await _unless_gone(inbox, gone)) is not None and not _answers(reply, transfer):
+                    worker.unclaimed(reply)  # an earlier attempt's (a migrated request keeps its id)
             replied = time.perf_counter()
             if reply is None:
                 raise DecodeLost(f"decode worker {decode.name} went away during the prefill")
@@ -259,6 +260,11 @@ class PrefillDispatch:
                     raise RuntimeError(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
                 if msg["op"] == "pinned" and msg["transfer"] == transfer:
                     return int(msg["tokens"])
+
+
+def _answers(reply: dict, transfer: int) -> bool:
+    """The reply is this prefill's: its outcome for this transfer, or the worker's session lost."""
+    return reply["op"] == "lost" or (reply["op"] in ("prefilled", "failed") and reply.get("transfer") == transfer)
 
 
 async def _unless_gone(inbox: asyncio.Queue[dict], gone: asyncio.Event) -> dict | None:

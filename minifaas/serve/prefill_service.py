@@ -162,6 +162,7 @@ class PrefillService:
         return {
             "op": "prefilled",
             "req": msg["req"],
+            "transfer": msg["transfer"],
             "next_token": result.next_token,
             "kv_bytes": forward.nbytes,
             "cached_tokens": plan.hit_tokens,

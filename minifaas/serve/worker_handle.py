@@ -144,7 +144,12 @@ class WorkerHandle:
         inbox = self.inboxes.get(msg.get("req", ""))
         if inbox is not None:
             inbox.put_nowait(msg)
-        elif self.on_unclaimed is not None:
+        else:
+            self.unclaimed(msg)
+
+    def unclaimed(self, msg: dict) -> None:
+        """A message no waiting request wants (a stopped prefill's news, a reply that came too late)."""
+        if self.on_unclaimed is not None:
             self.on_unclaimed(self, msg)
 
     def open(self, req: str) -> asyncio.Queue[dict]:
