@@ -1,7 +1,7 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
 [serve]            host, port, model, dtype, trust_remote_code, threshold, api_key, deadlines, launcher,
-                   secret_file, heartbeats, migration_limit
+                   fork_workers, secret_file, heartbeats, migration_limit
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
 [prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, threads,
                    or the addresses of hand-started workers (workers = ["host:port", ...])
@@ -194,6 +194,7 @@ class ServeConfig:
     migration_limit: int = 2  # moves to another decode worker a request may make after losing its own
     max_queued_requests: int = 256
     launcher: str = "local"  # who starts the workers: "local" (child processes) or "ray" (actors)
+    fork_workers: bool = True  # local CPU workers fork from a parent that imported torch and the model once
     secret_file: str | None = None  # the cluster secret (else $MINIFAAS_SECRET); needed with any remote worker
     heartbeat_s: float = 1.0  # the gateway pings every worker this often
     heartbeat_deadline_s: float = 5.0  # a worker silent for this long leaves routing until it answers again

@@ -99,7 +99,7 @@ def cluster_secret(config: ServeConfig) -> bytes:
 def make_launcher(config: ServeConfig, secret: bytes) -> LocalLauncher | RayLauncher:
     """The launcher of the workers the gateway starts (hand-started ones are only dialled)."""
     if config.launcher != "ray":
-        return LocalLauncher(secret)
+        return LocalLauncher(secret, model=config.model if config.fork_workers else None)
     try:
         from minifaas.serve.launch.ray_actors import RayLauncher
     except ImportError as e:

@@ -125,6 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"who starts the workers: child processes or Ray actors (default: {d.launcher})",
     )
     parser.add_argument(
+        "--fork-workers", action=argparse.BooleanOptionalAction,
+        help="fork local CPU workers from a parent that has imported torch and the model once, or start each "
+        f"as a fresh interpreter (default: {'fork' if d.fork_workers else 'fresh'})",
+    )  # fmt: skip
+    parser.add_argument(
         "--ray-address",
         help=f"the Ray cluster for --launcher ray; 'local': start one on this host (default: {d.ray.address})",
     )
@@ -288,6 +293,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefill_timeout=base.prefill_timeout,
         max_queued_requests=base.max_queued_requests,
         launcher=_pick(args.launcher, base.launcher),
+        fork_workers=_pick(args.fork_workers, base.fork_workers),
         secret_file=_pick(args.secret_file, base.secret_file),
         heartbeat_s=base.heartbeat_s,
         heartbeat_deadline_s=base.heartbeat_deadline_s,

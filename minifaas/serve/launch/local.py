@@ -8,6 +8,11 @@ exits when its stdin closes and is killed by the kernel when the gateway
 dies (``minifaas.parent_watch``), so a gateway that dies, however it dies,
 leaves no worker behind.
 
+A CPU worker is forked from a pre-loaded parent (``zygote``) that has
+imported torch, transformers and the model's code once, so it skips seconds
+of imports; it is the same worker from ``main`` on. ``fork=False``, a CUDA
+worker, or a parent that fails start it as a fresh interpreter instead.
+
 ``start`` of a worker whose process still runs returns the address it has:
 one that is only slow (stopped, overloaded) is re-attached, not replaced.
 """
@@ -24,6 +29,7 @@ import sys
 from minifaas.child_process import describe_exit, wait_or_kill
 from minifaas.control.secret import SECRET_ENV
 from minifaas.parent_watch import child_env
+from minifaas.serve.launch.forked import ForkedProcess, ForkError, ForkServer
 from minifaas.serve.launch.launcher import Address, WorkerError, WorkerSpec
 
 log = logging.getLogger("minifaas.gateway")
@@ -36,21 +42,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def on_cpu(spec: WorkerSpec) -> bool:
+    argv = list(spec.argv)
+    return "--device" not in argv or argv[argv.index("--device") + 1] == "cpu"
+
+
 class LocalLauncher:
-    def __init__(self, secret: bytes, start_timeout: float = 300.0) -> None:
+    def __init__(self, secret: bytes, start_timeout: float = 300.0, model: str | None = None) -> None:
+        """``model``: fork CPU workers from a parent that has imported its code (None: every worker fresh)."""
         self.secret, self.start_timeout = secret, start_timeout
-        self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.forks = ForkServer(model) if model is not None else None
+        self.processes: dict[str, asyncio.subprocess.Process | ForkedProcess] = {}
         self.addresses: dict[str, Address] = {}
         self.kv_ports: dict[str, int] = {}  # chosen at the first start, kept across restarts
         self.starts: dict[str, int] = {}
         self.restarts: dict[str, int] = {}  # started again after the process died
 
     async def __aenter__(self) -> LocalLauncher:
+        if self.forks is not None:
+            await self.forks.start()  # it imports while the gateway sets up the rest
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         """No child outlives the gateway, whatever the pool did or did not stop."""
         await asyncio.gather(*(self.stop(WorkerSpec(name, "", "")) for name in list(self.processes)))
+        if self.forks is not None:
+            await self.forks.close()
 
     def alive(self, spec: WorkerSpec) -> bool:
         p = self.processes.get(spec.name)
@@ -65,13 +82,10 @@ class LocalLauncher:
             self.restarts[spec.name] = self.restarts.get(spec.name, 0) + 1
         await self.stop(spec)
         kv_port = self.kv_ports.setdefault(spec.name, free_port())
-        argv = [sys.executable, "-m", "minifaas.serve.worker", "--role", spec.role, "--cluster", spec.cluster]
-        argv += ["--name", spec.name, "--listen", f"{HOST}:0", "--kv-listen", f"{HOST}:{kv_port}", "--exit-with-stdin"]
+        flags = ["--role", spec.role, "--cluster", spec.cluster, "--name", spec.name, "--listen", f"{HOST}:0"]
+        flags += ["--kv-listen", f"{HOST}:{kv_port}", "--exit-with-stdin", *spec.argv]
         env = child_env({**os.environ, SECRET_ENV: self.secret.decode()})
-        process = await asyncio.create_subprocess_exec(
-            *argv, *spec.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
-        )
-        self.processes[spec.name] = process
+        process = self.processes[spec.name] = await self._spawn(spec, flags, env)
         try:
             async with asyncio.timeout(self.start_timeout):
                 ready = json.loads(await process.stdout.readline())  # type: ignore[union-attr]
@@ -82,6 +96,22 @@ class LocalLauncher:
         self.addresses[spec.name] = (HOST, ready["control"][1])
         log.info("worker %s (%s, %s) started, pid %s", spec.name, spec.role, spec.cluster, ready["pid"])
         return self.addresses[spec.name]
+
+    async def _spawn(
+        self, spec: WorkerSpec, flags: list[str], env: dict[str, str]
+    ) -> asyncio.subprocess.Process | ForkedProcess:
+        forks = self.forks
+        if forks is not None and on_cpu(spec):
+            try:
+                return await forks.spawn(flags, env)
+            except ForkError as e:
+                log.warning("%s: %s; starting workers as fresh processes from now on", spec.name, e)
+                if self.forks is forks:
+                    self.forks = None
+                    await forks.close()
+        argv = [sys.executable, "-m", "minifaas.serve.worker", *flags]
+        pipe = asyncio.subprocess.PIPE
+        return await asyncio.create_subprocess_exec(*argv, stdin=pipe, stdout=pipe, env=env)
 
     async def stop(self, spec: WorkerSpec) -> None:
         p = self.processes.pop(spec.name, None)
