@@ -157,6 +157,7 @@ def main() -> None:
     preload(model)
     say({"ready": os.getpid()})
     serve(control)
+    os._exit(0)  # at once: tearing down torch and transformers' modules takes a second and serves nothing
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""Local workers forked from the pre-loaded parent: real processes, their exits, restarts and the fallback.
+
+Every served test starts its workers this way (``fork_workers`` is the
+default); this module checks what only the launcher can see: whose child each
+worker is, the exit status the parent reports, a restart, and a parent that
+dies so the launcher falls back to fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from minifaas.control.secret import new_secret
+from minifaas.serve.config import ServeConfig
+from minifaas.serve.launch.forked import ForkedProcess
+from minifaas.serve.launch.launcher import WorkerSpec
+from minifaas.serve.launch.local import LocalLauncher, on_cpu
+from minifaas.serve.worker_specs import worker_spec
+
+MODEL = "kimi-linear-tiny"
+SPEC = worker_spec(ServeConfig(model=MODEL), "pd-d0", "decode", "pd")
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def until(check, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.05)
+
+
+def test_a_forked_worker_is_the_parents_child_reports_its_exit_and_restarts() -> None:
+    async def scenario() -> None:
+        async with LocalLauncher(new_secret(), model=MODEL) as launcher:
+            await launcher.start(SPEC)
+            process = launcher.processes[SPEC.name]
+            zygote = launcher.forks.parent  # type: ignore[union-attr]
+            assert isinstance(process, ForkedProcess) and zygote is not None
+            assert parent_of(process.pid) == zygote.pid != os.getpid()
+            process.kill()
+            assert await asyncio.wait_for(process.wait(), 10) == -signal.SIGKILL  # reaped and reported
+            assert not launcher.alive(SPEC)
+            await launcher.start(SPEC)  # what the pool does when its session is lost
+            again = launcher.processes[SPEC.name]
+            assert isinstance(again, ForkedProcess) and again.pid != process.pid and launcher.restarts[SPEC.name] == 1
+            pids = [again.pid, zygote.pid]
+        assert all(gone(pid) for pid in pids), "a worker or the parent outlived the launcher"
+
+    asyncio.run(scenario())
+
+
+def test_when_the_parent_dies_workers_start_fresh_and_the_forked_ones_are_still_noticed() -> None:
+    async def scenario() -> None:
+        other = worker_spec(ServeConfig(model=MODEL), "pd-p0", "prefill", "pd")
+        async with LocalLauncher(new_secret(), model=MODEL) as launcher:
+            await launcher.start(SPEC)
+            forked = launcher.processes[SPEC.name]
+            launcher.forks.parent.kill()  # type: ignore[union-attr]
+            await launcher.start(other)
+            fresh = launcher.processes[other.name]
+            assert not isinstance(fresh, ForkedProcess) and launcher.forks is None
+            assert parent_of(fresh.pid) == os.getpid()
+            await until(lambda: forked.returncode is not None)  # it died with its parent (PR_SET_PDEATHSIG)
+            assert not launcher.alive(SPEC)
+        assert gone(fresh.pid)
+
+    asyncio.run(scenario())
+
+
+def test_only_cpu_workers_are_forked() -> None:
+    assert on_cpu(SPEC) and on_cpu(WorkerSpec("w", "prefill", "pd", ("--model", MODEL)))
+    assert not on_cpu(WorkerSpec("w", "prefill", "prfaas", ("--model", MODEL, "--device", "cuda:0")))
