@@ -27,6 +27,7 @@ _TORCH_IN_CHILD = "the process that sets up the namespaces never loads torch; it
 _PLOT = "matplotlib is the optional plot extra"
 _TORCH_WHEN_PROFILING = "torch loads when profiling starts, not to parse flags"
 _TORCH_FOR_A_MODEL_FLAG = "torch loads to check a --model, or that a CUDA device is there, not for every command"
+_PRELOAD = "the pre-loaded parent imports a worker's modules only after select_kernels() has kept fla out"
 _RAY = "ray is the optional ray extra, loaded only by the gateway that uses the Ray launcher"
 # (module, what it imports inside a function) -> why the import is not at the top of the module
 LAZY_IMPORTS = {
@@ -42,6 +43,10 @@ LAZY_IMPORTS = {
     ("minifaas.model.profile_cli", "minifaas.model.sampling"): _TORCH_WHEN_PROFILING,
     ("minifaas.planner.plot", "matplotlib"): _PLOT,
     ("minifaas.serve.gateway", "minifaas.serve.launch.ray_actors"): _RAY,
+    ("minifaas.serve.launch.zygote", "minifaas.model.kernels"): _PRELOAD,
+    ("minifaas.serve.launch.zygote", "minifaas.model.loader"): _PRELOAD,
+    ("minifaas.serve.launch.zygote", "minifaas.serve.worker"): _PRELOAD,
+    ("minifaas.serve.launch.zygote", "transformers"): _PRELOAD,
     ("minifaas.sim.metrics", "matplotlib"): _PLOT,
     ("minifaas.train.checkpoint", "transformers"): _TRANSFORMERS,
     ("minifaas.train.tokenizer_files", "transformers"): _TRANSFORMERS,

@@ -41,6 +41,7 @@ import socket
 import sys
 import traceback
 
+from minifaas.cli import main as cli_main
 from minifaas.parent_watch import die_with_parent
 
 MAX_MESSAGE = 1 << 20
@@ -90,9 +91,7 @@ def child(argv: list[str], env: dict[str, str], stdin: int, stdout: int, control
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["minifaas worker", *argv]
-        from minifaas.cli import main
-
-        code = main(["worker", *argv])
+        code = cli_main(["worker", *argv])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # a worker that crashes says why, as a fresh one would
