@@ -3,7 +3,8 @@
 Each quoted command runs from the repository root as written plus ``--quick``
 (every benchmark's smoke run: smaller sizes and fewer repeats on the same code
 path) and ``--json``: it must exit 0, print its table and end with one JSON
-line of finite figures. Two run at a time. The figures in the docs come from
+line of finite figures. Two run at a time. A benchmark whose own test runs it
+so and checks its figures (``RUN_BY_OWN_TEST``: the chaos run) is not run twice. The figures in the docs come from
 full runs; these runs only prove that the commands a reader copies still work.
 Every benchmark in benchmarks/ must be quoted somewhere, so none goes untested.
 """
@@ -48,6 +49,14 @@ def _refuse(constant: str) -> float:
 # the device check is not a --quick benchmark: tests/test_gpu_check.py runs it whole with --dry-run (every
 # probe on the CPU), and its probes are the steps it runs
 RUN_ELSEWHERE = {"benchmarks/gpu_check.py", "benchmarks/gpu_probe.py"}
+# run by their own tests as quoted, plus --quick --json, with checks of their figures: not run twice
+RUN_BY_OWN_TEST = {"benchmarks/bench_chaos.py": "tests/test_chaos.py"}
+SMOKE_RUNS = [argv for argv in UNIQUE if argv[0] not in RUN_BY_OWN_TEST]
+
+
+def test_the_benchmarks_left_out_here_are_run_by_their_own_tests() -> None:
+    for script, test in RUN_BY_OWN_TEST.items():
+        assert f'"{script}", "--quick", "--json"' in (ROOT / test).read_text(), f"{test} does not run {script}"
 
 
 def test_every_benchmark_is_quoted() -> None:
@@ -90,7 +99,7 @@ def runs(request: pytest.FixtureRequest) -> Iterator[dict[tuple[str, ...], Futur
         pool.shutdown(cancel_futures=True)
 
 
-@pytest.mark.parametrize("argv", UNIQUE, ids=[" ".join(a) for a in UNIQUE])
+@pytest.mark.parametrize("argv", SMOKE_RUNS, ids=[" ".join(a) for a in SMOKE_RUNS])
 def test_benchmark_runs_quick(
     argv: tuple[str, ...], runs: dict[tuple[str, ...], Future[subprocess.CompletedProcess[str]]]
 ) -> None:
