@@ -1,4 +1,4 @@
-"""Shared test plumbing: progress lines for a long run, and two module-scoped fixtures.
+"""Shared test plumbing: progress lines for a long run, two module-scoped fixtures and a gateway helper.
 
 ``pytest -q`` prints a dot per test, and a module of served tests can hold the
 line for minutes; each test that took a while says so on its own line, with
@@ -7,6 +7,7 @@ the run's time so far.
     loop               one event loop for a module whose fixtures keep a gateway up across tests
     one_torch_thread   torch on one thread for the module (``pytest.mark.usefixtures``): small
                        forwards on shared, busy cores run several times faster on one thread than two
+    served(loop, config)  a module fixture's gateway: ``yield from served(loop, CONFIG)``
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def pytest_configure(config: pytest.Config) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         config.pluginmanager.register(Progress(reporter), "minifaas-progress")
+
+
+def served(loop: asyncio.AbstractEventLoop, config: object) -> Iterator[object]:
+    """A module's gateway on its ``loop``, up for the module's tests (yield from it in a module fixture)."""
+    from minifaas.serve.gateway import Gateway  # only the served modules pay for its imports
+
+    gw = Gateway(config)  # type: ignore[arg-type]
+    loop.run_until_complete(gw.__aenter__())
+    yield gw
+    loop.run_until_complete(gw.__aexit__(None, None, None))
 
 
 @pytest.fixture(scope="module")

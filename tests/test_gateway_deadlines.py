@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import served
 
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, ServeConfig
@@ -35,10 +36,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # a gateway held past
 
 @pytest.fixture(scope="module")
 def gateway(loop: asyncio.AbstractEventLoop) -> Iterator[Gateway]:
-    gw = Gateway(CONFIG)
-    loop.run_until_complete(gw.__aenter__())
-    yield gw
-    loop.run_until_complete(gw.__aexit__(None, None, None))
+    yield from served(loop, CONFIG)  # type: ignore[misc]
 
 
 def run(loop: asyncio.AbstractEventLoop, coro: object, seconds: float = 120) -> object:

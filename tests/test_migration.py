@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
+from conftest import served
 from test_supervision import CONFIG as SUPERVISED
 
 from minifaas.model.runtime import ModelRuntime
@@ -62,18 +63,8 @@ def reference() -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def gateway(loop: asyncio.AbstractEventLoop, reference: dict) -> Iterator[Gateway]:
-    gw = Gateway(CONFIG)
-    loop.run_until_complete(gw.__aenter__())
-    yield gw
-    loop.run_until_complete(gw.__aexit__(None, None, None))
+    yield from served(loop, CONFIG)  # type: ignore[misc]
 
 
 async def every_worker_up(gw: Gateway) -> None:

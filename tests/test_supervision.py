@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import served
 from test_emulator_control import running
 
 from minifaas.model.runtime import ModelRuntime
@@ -52,10 +53,7 @@ def reference() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def gateway(loop: asyncio.AbstractEventLoop, reference: dict) -> Iterator[Gateway]:
-    gw = Gateway(CONFIG)
-    loop.run_until_complete(gw.__aenter__())
-    yield gw
-    loop.run_until_complete(gw.__aexit__(None, None, None))
+    yield from served(loop, CONFIG)  # type: ignore[misc]
 
 
 def run(loop: asyncio.AbstractEventLoop, coro: object, seconds: float = 120) -> object:
