@@ -46,6 +46,7 @@ def test_a_forked_worker_is_the_parents_child_reports_its_exit_and_restarts() ->
     async def scenario() -> None:
         async with LocalLauncher(new_secret(), model=MODEL) as launcher:
             await launcher.start(SPEC)
+            kv_port = launcher.kv_ports[SPEC.name]  # the free port its first start bound and reported
             process = launcher.processes[SPEC.name]
             zygote = launcher.forks.parent  # type: ignore[union-attr]
             assert isinstance(process, ForkedProcess) and zygote is not None
@@ -56,6 +57,7 @@ def test_a_forked_worker_is_the_parents_child_reports_its_exit_and_restarts() ->
             await launcher.start(SPEC)  # what the pool does when its session is lost
             again = launcher.processes[SPEC.name]
             assert isinstance(again, ForkedProcess) and again.pid != process.pid and launcher.restarts[SPEC.name] == 1
+            assert kv_port > 0 and launcher.kv_ports[SPEC.name] == kv_port  # where the link's route points
             pids = [again.pid, zygote.pid]
         assert all(gone(pid) for pid in pids), "a worker or the parent outlived the launcher"
 

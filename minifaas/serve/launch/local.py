@@ -2,8 +2,9 @@
 
 A child runs ``python -m minifaas.serve.worker --exit-with-stdin`` with the
 cluster secret in its environment, listens on 127.0.0.1 (control on any free
-port, KV on a port fixed per worker name, so a restarted worker is found where
-the link emulator's route points) and prints one JSON line when ready. It
+port; KV on any free port at its first start, which it reports, and on that
+same port after a restart, so a restarted worker is found where the link
+emulator's route points) and prints one JSON line when ready. It
 exits when its stdin closes and is killed by the kernel when the gateway
 dies (``minifaas.parent_watch``), so a gateway that dies, however it dies,
 leaves no worker behind.
@@ -23,7 +24,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import sys
 
 from minifaas.child_process import describe_exit, wait_or_kill
@@ -34,12 +34,6 @@ from minifaas.serve.launch.launcher import Address, WorkerError, WorkerSpec
 
 log = logging.getLogger("minifaas.gateway")
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def on_cpu(spec: WorkerSpec) -> bool:
@@ -81,17 +75,22 @@ class LocalLauncher:
             log.error("worker %s died (%s): restarting it", spec.name, describe_exit(dead.returncode))
             self.restarts[spec.name] = self.restarts.get(spec.name, 0) + 1
         await self.stop(spec)
-        kv_port = self.kv_ports.setdefault(spec.name, free_port())
+        kv_port = self.kv_ports.get(spec.name, 0)  # the first start binds any free port; restarts keep it
         flags = ["--role", spec.role, "--cluster", spec.cluster, "--name", spec.name, "--listen", f"{HOST}:0"]
         flags += ["--kv-listen", f"{HOST}:{kv_port}", "--exit-with-stdin", *spec.argv]
         env = child_env({**os.environ, SECRET_ENV: self.secret.decode()})
         process = self.processes[spec.name] = await self._spawn(spec, flags, env)
+        line = b""
         try:
             async with asyncio.timeout(self.start_timeout):
-                ready = json.loads(await process.stdout.readline())  # type: ignore[union-attr]
+                line = await process.stdout.readline()  # type: ignore[union-attr]
+            ready = json.loads(line)
         except (TimeoutError, json.JSONDecodeError) as e:
             await self.stop(spec)
-            raise WorkerError(f"worker {spec.name} did not start: {e!r}") from None
+            why = f"it exited before it was ready ({describe_exit(process.returncode)})" if not line else repr(e)
+            raise WorkerError(f"worker {spec.name} did not start: {why}") from None
+        if ready.get("kv"):
+            self.kv_ports[spec.name] = ready["kv"][1]  # where the link's routes and cache moves will point
         self.starts[spec.name] = self.starts.get(spec.name, 0) + 1
         self.addresses[spec.name] = (HOST, ready["control"][1])
         log.info("worker %s (%s, %s) started, pid %s", spec.name, spec.role, spec.cluster, ready["pid"])
