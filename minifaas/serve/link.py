@@ -118,7 +118,7 @@ class InterClusterLink:
     async def _supervise(self, name: str, emulator: EmulatorProcess) -> None:
         """Ping the emulator each interval; when it is gone or late, take it out of service and restart it."""
         hb = self.heartbeat
-        while not self._closing:
+        while True:
             await asyncio.sleep(hb.interval_s)
             if self._closing:
                 return
