@@ -83,3 +83,27 @@ def test_the_worker_protocol_takes_every_sampling_field_the_gateway_sends() -> N
     decode = {"req": "r", "transfer": 7, "tokens": [1, 2, 3], "link_start": 0, "sampling": sampling_to_json(params)}
     assert validate({"op": "decode", **decode}, WORKER_OPS)[0] == "decode"
     assert sampling_from_json(sampling_to_json(params)) == params
+
+
+def _threads(c: ServeConfig) -> dict[str, int]:
+    return {s.name: int(s.argv[s.argv.index("--threads") + 1]) for s in planned_specs(c)}
+
+
+def test_local_cpu_workers_share_the_hosts_cores_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert _threads(ServeConfig()) == {"prfaas-p0": 5, "pd-p0": 5, "pd-d0": 5}  # 16 cores, 3 workers
+    wide = ServeConfig(pd=ClusterConfig(prefill_workers=8, decode_workers=12))  # more workers than cores
+    assert set(_threads(wide).values()) == {1}
+    told = ServeConfig(pd=ClusterConfig(prefill_workers=1, decode_workers=1, threads=3))
+    assert _threads(told) == {"prfaas-p0": 10, "pd-p0": 3, "pd-d0": 3}  # what the two PD workers leave of 16
+    gpu = ServeConfig(pd=ClusterConfig(prefill_workers=1, decode_workers=1, device="cuda:0"), dtype="float32")
+    assert _threads(gpu) == {"prfaas-p0": 16, "pd-p0": 0, "pd-d0": 0}  # a GPU worker keeps torch's default
+    assert set(_threads(ServeConfig(launcher="ray")).values()) == {0}  # a Ray node's own cores
+
+
+def test_a_toml_cluster_table_keeps_the_defaults_it_does_not_name(tmp_path: Path) -> None:
+    path = tmp_path / "serve.toml"
+    path.write_text("[pd]\nthreads = 1\n")
+    c = ServeConfig.from_toml(path)
+    assert (c.pd.prefill_workers, c.pd.decode_workers, c.pd.threads) == (1, 1, 1)
+    assert c.prfaas == ServeConfig().prfaas

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -39,7 +40,7 @@ class ClusterConfig:
     prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
     workers: tuple[str, ...] = ()  # control addresses of hand-started workers; the counts then do not apply
     dtype: str | None = None  # the weights' dtype on its workers; None: [serve] dtype
-    threads: int = 0  # torch threads per worker (0: torch's default, one per core)
+    threads: int = 0  # torch threads per worker (0: auto, see ServeConfig.worker_threads)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(self.workers))  # a TOML array comes as a list
@@ -251,10 +252,30 @@ class ServeConfig:
         c = self.cluster(cluster)
         return dtype_name(c.dtype or self.dtype, c.device)
 
+    def worker_threads(self, cluster: str) -> int:
+        """Torch threads of a worker of ``cluster`` that the gateway starts; 0 leaves torch's default.
+
+        A cluster's ``threads`` when set. Otherwise (0, auto) a CPU worker of the local launcher
+        gets an equal share of this host's cores, less those the clusters with ``threads`` set
+        take, and at least one: every local CPU worker runs on them, and torch's default of a
+        thread per core in each would put several spinning OpenMP threads on every core. A GPU
+        worker, or one on a Ray node, keeps torch's default (its own device or host).
+        """
+        c = self.cluster(cluster)
+        if c.threads or self.launcher != "local" or c.device != "cpu":
+            return c.threads
+        cpu = [(cc.prefill_workers + cc.decode_workers, cc.threads) for cc in (self.prfaas, self.pd)
+               if cc.device == "cpu" and not cc.workers]  # fmt: skip
+        told = sum(n * threads for n, threads in cpu)  # the cores of the clusters whose threads are set
+        auto = sum(n for n, threads in cpu if not threads)
+        return max(1, (len(os.sched_getaffinity(0)) - told) // max(1, auto))
+
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
         data = tomllib.loads(Path(path).read_text())
         top = dict(data.get("serve", {}))
+        base = cls()
+        defaults = {"prfaas": base.prfaas, "pd": base.pd}
         for name, kind in (
             ("prfaas", ClusterConfig),
             ("pd", ClusterConfig),
@@ -264,8 +285,8 @@ class ServeConfig:
             ("http", HttpConfig),
             ("ray", RayConfig),
         ):
-            if name in data:
-                top[name] = kind(**data[name])
+            if name in data:  # a table sets what it names; the rest keeps its default (counts included)
+                top[name] = replace(defaults[name], **data[name]) if name in defaults else kind(**data[name])
         known = {f.name for f in fields(cls)}
         unknown = set(top) - known
         if unknown:

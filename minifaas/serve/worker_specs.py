@@ -18,7 +18,7 @@ def worker_argv(c: ServeConfig, role: str, cluster: str) -> tuple[str, ...]:
     argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
     argv += ["--kv-compression", c.link.kv_compression]
     argv += ["--dtype", c.worker_dtype(cluster)] + (["--trust-remote-code"] if c.trust_remote_code else [])
-    argv += ["--threads", str(c.cluster(cluster).threads)]
+    argv += ["--threads", str(c.worker_threads(cluster))]
     if c.allow_slow_kernels:
         argv.append("--allow-slow-kernels")
     if not c.link.pipelined:
