@@ -8,7 +8,9 @@ in an empty scratch folder, far from the repository, so the files they write
 needed (the traces and the training text ship in data/ and go by name). A
 command that needs a GPU is skipped where there is none, and so is the full
 training recipe of the shipped checkpoint (over an hour on two cores;
-tests/test_train.py runs the same code with small sizes).
+tests/test_train.py runs the same code with small sizes). They run two at a
+time, in sorted order; a command that reads a file another writes (``--out``)
+waits for that one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,6 +44,7 @@ RUN_AS_A_BLOCK = {
     for argv in commands_in(f"```bash\n{block}```")
 }
 UNIQUE = sorted({tuple(argv) for _, argv in CASES} - RUN_AS_A_BLOCK)
+READY_WITHIN_S = 300.0  # a server that has not announced itself by then is killed and fails
 
 
 @pytest.fixture(scope="module")
@@ -55,44 +62,107 @@ def test_no_command_reaches_outside_the_repository() -> None:
     assert outside == [], "the docs quote commands that need files beside the repository"
 
 
-@pytest.mark.parametrize("argv", UNIQUE, ids=[" ".join(a)[:80] for a in UNIQUE])
-def test_command_runs_as_written(argv: tuple[str, ...], scratch: Path) -> None:
+def _skip_reason(argv: tuple[str, ...]) -> str | None:
     if "cuda" in " ".join(argv) and not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
+        return "needs a GPU"
     if "--launcher ray" in " ".join(argv) and importlib.util.find_spec("ray") is None:
-        pytest.skip("needs the ray extra (pip install -e '.[ray]')")
+        return "needs the ray extra (pip install -e '.[ray]')"
     if argv[0] == "train" and "--steps" not in argv:
-        pytest.skip("the shipped checkpoint's full training recipe: over an hour")
+        return "the shipped checkpoint's full training recipe: over an hour"
+    return None
+
+
+def _written(argv: tuple[str, ...]) -> str | None:
+    """The file a command writes with ``--out FILE``, which a later command may read."""
+    return argv[argv.index("--out") + 1] if "--out" in argv else None
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    code: int | None  # the exit status; None: a server killed for not coming up in time
+    output: str
+    ready: bool = True  # a server announced where it listens
+
+
+def _run(argv: tuple[str, ...], scratch: Path, needs: list[Future[Ran]]) -> Ran:
+    for before in needs:  # the command that writes a file this one reads goes first
+        before.result()
     cmd = [sys.executable, "-m", "minifaas.cli", *argv]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if argv[0] not in LONG_RUNNING:
         done = subprocess.run(cmd, cwd=scratch, capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, f"`minifaas {shlex.join(argv)}` failed:\n{done.stderr[-3000:]}"
-        return
-    if argv[0] == "link-emulator":
-        env_cmd = cmd
-    elif argv[0] == "worker":  # any free port instead of the one quoted, which a test machine may be using
-        env_cmd = [re.sub(r":\d+$", ":0", a) if i and cmd[i - 1] == "--listen" else a for i, a in enumerate(cmd)]
-    else:  # one server at a time; a free port instead of 8000, which a test machine may be using
-        env_cmd = [*cmd, "--port", "0"] if "--port" not in argv else [a if a != "8000" else "0" for a in cmd]
+        return Ran(done.returncode, done.stderr)
+    if argv[0] == "worker":  # any free port instead of the one quoted, which a test machine may be using
+        cmd = [re.sub(r":\d+$", ":0", a) if i and cmd[i - 1] == "--listen" else a for i, a in enumerate(cmd)]
+    elif argv[0] == "serve":  # a free port instead of 8000, which a test machine may be using
+        cmd = [*cmd, "--port", "0"] if "--port" not in argv else [a if a != "8000" else "0" for a in cmd]
     proc = subprocess.Popen(
-        env_cmd,
-        cwd=scratch,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
+        cmd, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
+    late = threading.Timer(READY_WITHIN_S, proc.kill)  # a server that never comes up ends its output
+    late.start()
+    seen: list[str] = []
     try:
-        seen = []
         for line in proc.stdout:  # type: ignore[union-attr]
             seen.append(line)
             if LONG_RUNNING[argv[0]] in line:
                 break
-        else:
-            pytest.fail(f"`minifaas {shlex.join(argv)}` exited before it was ready:\n{''.join(seen)[-3000:]}")
+        ready = bool(seen) and LONG_RUNNING[argv[0]] in seen[-1]
     finally:
+        late.cancel()
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-    assert code in (0, -signal.SIGTERM), f"`minifaas {shlex.join(argv)}` did not stop cleanly (exit {code})"
+        try:
+            code: int | None = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = None
+    return Ran(code, "".join(seen)[-3000:], ready)
+
+
+@pytest.fixture(scope="module")
+def runs(scratch: Path, request: pytest.FixtureRequest) -> Iterator[dict[tuple[str, ...], Future[Ran]]]:
+    """The selected commands, two at a time in their sorted order: most of them spend their time
+    starting a process, a model or a server, so a pair keeps both cores busy. A command that reads
+    a file another writes (``--out prof.json``) waits for it."""
+    chosen = [
+        item.callspec.params["argv"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_command_runs_as_written"
+    ]
+    writers: dict[str, Future[Ran]] = {}
+    futures: dict[tuple[str, ...], Future[Ran]] = {}
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        for argv in chosen:
+            if _skip_reason(argv):
+                continue
+            needs = [writers[a] for a in argv[1:] if a in writers]
+            futures[argv] = pool.submit(_run, argv, scratch, needs)
+            if (out := _written(argv)) is not None:
+                writers[out] = futures[argv]
+        yield futures
+    finally:  # after a failure under -x, the runs not started yet are dropped
+        pool.shutdown(cancel_futures=True)
+
+
+def test_a_file_is_written_before_the_commands_that_read_it_run() -> None:
+    written = {out: i for i, argv in enumerate(UNIQUE) if (out := _written(argv))}
+    read = [(i, a) for i, argv in enumerate(UNIQUE) for a in argv[1:] if a in written and _written(argv) != a]
+    assert read, "no documented command reads a file another writes (then this check is pointless)"
+    for i, a in read:
+        assert written[a] < i, f"`{shlex.join(UNIQUE[i])}` would run before the command that writes {a}"
+
+
+@pytest.mark.parametrize("argv", UNIQUE, ids=[" ".join(a)[:80] for a in UNIQUE])
+def test_command_runs_as_written(argv: tuple[str, ...], runs: dict[tuple[str, ...], Future[Ran]]) -> None:
+    if reason := _skip_reason(argv):
+        pytest.skip(reason)
+    ran = runs[argv].result()
+    shown = f"`minifaas {shlex.join(argv)}`"
+    if argv[0] not in LONG_RUNNING:
+        assert ran.code == 0, f"{shown} failed:\n{ran.output[-3000:]}"
+        return
+    assert ran.ready, (
+        f"{shown} exited (or did not come up within {READY_WITHIN_S:.0f} s) before it was ready:\n{ran.output}"
+    )
+    assert ran.code in (0, -signal.SIGTERM), f"{shown} did not stop cleanly (exit {ran.code})"
