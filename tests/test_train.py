@@ -133,7 +133,7 @@ def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "minifaas.cli", "train", "--text", "tinyshakespeare", "--out", str(out),
            "--layers", "4", "--hidden", "64", "--intermediate", "128", "--seq-len", "32", "--batch-size", "2",
-           "--steps", "300", "--warmup-steps", "1", "--log-every", "1", "--eval-every", "150", "--eval-batches", "1",
+           "--steps", "150", "--warmup-steps", "1", "--log-every", "1", "--eval-every", "75", "--eval-batches", "1",
            "--sample-tokens", "8"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.monotonic() + 120
@@ -144,10 +144,10 @@ def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path) -> None:
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "stopped after step" in stdout, stderr[-2000:]
     stopped = torch.load(out / STATE_FILE, weights_only=True)["step"]
-    assert 1 <= stopped < 300
+    assert 1 <= stopped < 150
     done = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "step 300/300" in done.stdout and "sample (temperature 0.8" in done.stdout
-    assert [r["step"] for r in read_log(out / LOG_FILE)] == list(range(1, 301))
+    assert "step 150/150" in done.stdout and "sample (temperature 0.8" in done.stdout
+    assert [r["step"] for r in read_log(out / LOG_FILE)] == list(range(1, 151))
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert again.returncode == 2 and "add --resume" in again.stderr and "Traceback" not in again.stderr
