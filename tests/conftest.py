@@ -1,25 +1,29 @@
-"""Shared test plumbing: progress lines for a long run, two module-scoped fixtures and a gateway helper.
+"""Shared test plumbing: one torch thread, progress lines for a long run, a loop fixture and a gateway helper.
 
 ``pytest -q`` prints a dot per test, and a module of served tests can hold the
 line for minutes; each test that took a while says so on its own line, with
 the run's time so far.
 
+Torch runs on one thread in the test process: its forwards are small, and the
+workers and children the tests start share the same cores (a second thread
+per process only spins against them).
+
     loop               one event loop for a module whose fixtures keep a gateway up across tests
-    one_torch_thread   torch on one thread for the module (``pytest.mark.usefixtures``): small
-                       forwards on shared, busy cores run several times faster on one thread than two
     served(loop, config)  a module fixture's gateway: ``yield from served(loop, CONFIG)``
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-NOTE_AFTER_S = 15.0  # a test (setup, call and teardown together) longer than this gets a line
+# a test (setup, call and teardown together) longer than this gets a line
+NOTE_AFTER_S = float(os.environ.get("MINIFAAS_NOTE_AFTER_S", "15"))
 
 
 class Progress:
@@ -36,7 +40,9 @@ class Progress:
             self.reporter.write_line(f"  [{minutes:5.1f} min] {spent:5.1f} s  {report.nodeid}")  # type: ignore[attr-defined]
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered, in its own pytest_configure
 def pytest_configure(config: pytest.Config) -> None:
+    torch.set_num_threads(1)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         config.pluginmanager.register(Progress(reporter), "minifaas-progress")
@@ -57,11 +63,3 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

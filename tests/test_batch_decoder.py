@@ -29,8 +29,6 @@ MAX_TOKENS = (9, 3, 6, 7)
 JOIN_AT = (0, 0, 1, 2)  # step at which each request's state arrives; the last waits for a free row
 RUNTIMES: dict[str, ModelRuntime] = {}
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: one thread is faster on shared cores
-
 
 def runtime_for(name: str) -> ModelRuntime:
     if name not in RUNTIMES:

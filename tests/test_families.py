@@ -46,7 +46,6 @@ CHILD = Path(__file__).with_name("family_child.py")
 GREEDY = SamplingParams(max_tokens=8)  # stops at EOS, as generate() does
 LETTERS = {StateKind.FULL_ATTENTION: "F", StateKind.SLIDING_WINDOW: "S", StateKind.LINEAR_ATTENTION: "L"}
 pytestmark = [
-    pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.timeout(300),
     pytest.mark.slow,
 ]  # every hybrid family through prefill, the wire and decode

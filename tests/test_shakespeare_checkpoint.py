@@ -21,8 +21,6 @@ PROMPT = "KING HENRY:\nNow, lords, "
 SEEDS = (1, 2, 3)
 WORD = re.compile(r"[a-z]+(?:'[a-z]+)*")
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small forwards: one thread is faster on shared cores
-
 
 def words(text: str) -> list[str]:
     return WORD.findall(text.lower())
