@@ -106,7 +106,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--link-rate", default="100mbit")
-    p.add_argument("--threads", type=int, default=0, help="torch threads here and per worker (0: torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads here and per worker (0: torch's default here, each worker its share of the cores)",
+    )
     p.add_argument(
         "--prefill-chunk", type=int, default=ClusterConfig().prefill_chunk, help="tokens per prefill forward"
     )
@@ -165,7 +170,7 @@ def main() -> None:
         print(f"{r['prompt_tokens']:>7} {r['route']:>7} {cells}")
     print(
         f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats}; "
-        f"torch threads: {torch.get_num_threads()} here, {a.threads or 'the default'} per worker)"
+        f"torch threads: {torch.get_num_threads()} here, {base.worker_threads('pd')} per worker)"
     )
     if a.json:
         print(figures.dumps({"bench": "serve", "rows": rows}))
