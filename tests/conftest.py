@@ -4,12 +4,6 @@
 line for minutes; each test that took a while says so on its own line, with
 the run's time so far.
 
-The files with slow tests run first (each file's tests in their own order):
-with two files at a time (``-n 2 --dist loadfile``, which then hands files out
-in this order rather than by their number of tests) the long ones start at
-once and the many quick ones fill in around them, instead of a long file with
-few tests running alone at the end.
-
 Torch runs on one thread in the test process: its forwards are small, and the
 workers and children the tests start share the same cores (a second thread
 per process only spins against them).
@@ -49,16 +43,9 @@ class Progress:
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered, in its own pytest_configure
 def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand out files in this order, not by test count
-        config.option.loadscopereorder = False
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         config.pluginmanager.register(Progress(reporter), "minifaas-progress")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)  # stable: files and tests keep their order otherwise
 
 
 def served(loop: asyncio.AbstractEventLoop, config: object) -> Iterator[object]:
