@@ -274,19 +274,10 @@ class ServeConfig:
     def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
         data = tomllib.loads(Path(path).read_text())
         top = dict(data.get("serve", {}))
-        base = cls()
-        defaults = {"prfaas": base.prfaas, "pd": base.pd}
-        for name, kind in (
-            ("prfaas", ClusterConfig),
-            ("pd", ClusterConfig),
-            ("link", LinkConfig),
-            ("cache", CacheConfig),
-            ("scheduler", SchedulerConfig),
-            ("http", HttpConfig),
-            ("ray", RayConfig),
-        ):
-            if name in data:  # a table sets what it names; the rest keeps its default (counts included)
-                top[name] = replace(defaults[name], **data[name]) if name in defaults else kind(**data[name])
+        defaults = cls()
+        for name in ("prfaas", "pd", "link", "cache", "scheduler", "http", "ray"):
+            if name in data:  # a table sets what it names; the rest keeps its default (worker counts included)
+                top[name] = replace(getattr(defaults, name), **data[name])
         known = {f.name for f in fields(cls)}
         unknown = set(top) - known
         if unknown:
