@@ -55,17 +55,31 @@ def _receive_states(server: socket.socket, count: int) -> list[tuple[ModelState,
     return out
 
 
-@pytest.mark.slow  # a child process per case
-def test_prefill_in_one_process_decode_in_another_equals_generate(runtime: ModelRuntime) -> None:
+@pytest.fixture(scope="module")
+def other_process() -> tuple[dict[str, list[tuple[ModelState, int]]], dict[str, str]]:
+    """One child process for every preset (seed 0): each prompt's streamed state, and each preset's weights' digest."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(300)
         port = server.getsockname()[1]
-        cmd = [sys.executable, str(CHILD), str(port), runtime.spec.name, "0", *map(str, LENGTHS)]
-        child = subprocess.Popen(cmd)
+        cmd = [sys.executable, str(CHILD), str(port), "0", ",".join(PRESETS), *map(str, LENGTHS)]
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         try:
-            received = _receive_states(server, len(LENGTHS))
+            states = {preset: _receive_states(server, len(LENGTHS)) for preset in PRESETS}
+            out, _ = child.communicate(timeout=300)
         finally:
-            assert child.wait(timeout=300) == 0
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    assert child.returncode == 0
+    digests = dict(line.split() for line in out.splitlines())
+    return states, digests
+
+
+@pytest.mark.slow  # a child process, shared by every preset
+def test_prefill_in_one_process_decode_in_another_equals_generate(
+    runtime: ModelRuntime, other_process: tuple[dict[str, list[tuple[ModelState, int]]], dict[str, str]]
+) -> None:
+    received = other_process[0][runtime.spec.name]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for n, (state, next_token) in zip(LENGTHS, received):
         assert state.seq_len == n and [s.layer for s in state.layers] == list(range(runtime.num_layers))
@@ -128,14 +142,11 @@ def test_seeded_sampling_is_the_same_across_prefill_and_decode_processes(runtime
     assert other != whole
 
 
-@pytest.mark.slow  # a child process per case
-def test_same_preset_and_seed_give_identical_weights_in_another_process(runtime: ModelRuntime) -> None:
-    code = (
-        "from minifaas.model.runtime import ModelRuntime; from minifaas.model.loader import weights_digest;"
-        f"print(weights_digest(ModelRuntime.load({runtime.spec.name!r}).model))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.strip() == weights_digest(runtime.model)
+@pytest.mark.slow  # the child process above
+def test_same_preset_and_seed_give_identical_weights_in_another_process(
+    runtime: ModelRuntime, other_process: tuple[dict[str, list[tuple[ModelState, int]]], dict[str, str]]
+) -> None:
+    assert other_process[1][runtime.spec.name] == weights_digest(runtime.model)
     other_seed = ModelRuntime.load(runtime.spec.name, seed=1)
     assert weights_digest(other_seed.model) != weights_digest(runtime.model)
 
