@@ -2,8 +2,9 @@
 
 Every served test starts its workers this way (``fork_workers`` is the
 default); this module checks what only the launcher can see: whose child each
-worker is, the exit status the parent reports, a restart, and a parent that
-dies so the launcher falls back to fresh interpreters.
+worker is, the exit status the parent reports, a restart, one parent shared by
+the launchers of a process, and a parent that dies so the launcher falls back
+to fresh interpreters.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 
 from minifaas.control.secret import new_secret
 from minifaas.serve.config import ServeConfig
+from minifaas.serve.launch import forked
 from minifaas.serve.launch.forked import ForkedProcess
 from minifaas.serve.launch.launcher import WorkerSpec
 from minifaas.serve.launch.local import LocalLauncher, on_cpu
@@ -58,10 +60,22 @@ def test_a_forked_worker_is_the_parents_child_reports_its_exit_and_restarts() ->
             again = launcher.processes[SPEC.name]
             assert isinstance(again, ForkedProcess) and again.pid != process.pid and launcher.restarts[SPEC.name] == 1
             assert kv_port > 0 and launcher.kv_ports[SPEC.name] == kv_port  # where the link's route points
-            pids = [again.pid, zygote.pid]
-        assert all(gone(pid) for pid in pids), "a worker or the parent outlived the launcher"
+            worker = again.pid
+        await until(lambda: gone(worker))
+        assert zygote.poll() is None, "the shared parent ended with one launcher"
+        return zygote.pid
 
-    asyncio.run(scenario())
+    zygote = asyncio.run(scenario())
+
+    async def next_launcher() -> None:  # another event loop, as the next test's gateway has
+        async with LocalLauncher(new_secret(), model=MODEL) as launcher:
+            await launcher.start(SPEC)
+            assert launcher.forks.parent.pid == zygote  # type: ignore[union-attr]  # no second parent's imports
+            assert parent_of(launcher.processes[SPEC.name].pid) == zygote
+
+    asyncio.run(next_launcher())
+    forked.close_shared()  # what the end of this process does
+    assert gone(zygote)
 
 
 def test_when_the_parent_dies_workers_start_fresh_and_the_forked_ones_are_still_noticed() -> None:
@@ -69,15 +83,18 @@ def test_when_the_parent_dies_workers_start_fresh_and_the_forked_ones_are_still_
         other = worker_spec(ServeConfig(model=MODEL), "pd-p0", "prefill", "pd")
         async with LocalLauncher(new_secret(), model=MODEL) as launcher:
             await launcher.start(SPEC)
-            forked = launcher.processes[SPEC.name]
+            forked_one = launcher.processes[SPEC.name]
             launcher.forks.parent.kill()  # type: ignore[union-attr]
             await launcher.start(other)
             fresh = launcher.processes[other.name]
             assert not isinstance(fresh, ForkedProcess) and launcher.forks is None
             assert parent_of(fresh.pid) == os.getpid()
-            await until(lambda: forked.returncode is not None)  # it died with its parent (PR_SET_PDEATHSIG)
+            await until(lambda: forked_one.returncode is not None)  # it died with its parent (PR_SET_PDEATHSIG)
             assert not launcher.alive(SPEC)
         assert gone(fresh.pid)
+        async with LocalLauncher(new_secret(), model=MODEL) as launcher:  # the next one gets a live parent
+            await launcher.start(SPEC)
+            assert isinstance(launcher.processes[SPEC.name], ForkedProcess) and launcher.forks is not None
 
     asyncio.run(scenario())
 

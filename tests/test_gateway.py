@@ -12,6 +12,7 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
+from minifaas.serve.launch import forked
 from minifaas.serve.lifecycle import Phase
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.serve.worker_handle import WorkerError
@@ -40,8 +41,18 @@ async def _run(gw: Gateway, rid: str, ids: list[int]) -> tuple[list[int], Reques
 
 
 def _children() -> set[int]:
-    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
-        return {int(p) for p in f.read().split()}
+    """Every process below this one but the shared pre-loaded parents, which stay for the next gateway."""
+    found, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                below = {int(p) for p in f.read().split()}
+        except FileNotFoundError:  # it has just exited
+            continue
+        found |= below
+        todo += below
+    return found - forked.shared_pids()
 
 
 def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[int]]) -> None:

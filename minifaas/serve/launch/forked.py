@@ -1,21 +1,31 @@
 """The gateway's end of the pre-loaded parent (``zygote``): forked workers that look like child processes.
 
-    forks = ForkServer("shakespeare-qwen3.5")
-    await forks.start()                          # the parent starts importing at once
+    forks = acquire("shakespeare-qwen3.5")       # this process's parent for the model, started if need be
     process = await forks.spawn(flags, env)      # a worker: pid, stdin, stdout, returncode, wait(), kill()
-    await forks.close()                          # the parent exits; its workers go on until their stdin closes
+    release(forks)                               # its workers are the caller's to stop; the parent stays
 
 A ``ForkedProcess`` has what ``LocalLauncher`` uses of an asyncio child process,
 so the launcher treats both alike. Its exit status comes from the parent, which
 reaps it; if the parent itself dies, each worker's end is found by polling its
 pid. Anything that goes wrong with the parent raises ``ForkError``, and the
 launcher starts the worker as a fresh interpreter instead.
+
+One parent serves every gateway of a process, one after another or at once
+(a benchmark of several configurations, a test suite, a notebook): its imports
+are seconds of CPU, paid once. It is kept per model and per environment (a
+module may read a variable as it is imported), is shared only from the main
+thread (the kernel ends it with the thread that started it, PR_SET_PDEATHSIG),
+and ends with the process. Events from it are read on a thread of their own
+and handed to the event loop of the worker they concern, so the loops that use
+it may come and go.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import atexit
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -23,13 +33,16 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
+from collections.abc import Callable
 
-from minifaas.child_process import wait_or_kill
 from minifaas.parent_watch import PARENT_ENV, child_env
 
 log = logging.getLogger("minifaas.gateway")
 READY_TIMEOUT_S = 120.0  # the parent's imports: seconds on a quiet machine, more on a busy one
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})  # changed per test by a test runner; no import reads it
 
 
 class ForkError(RuntimeError):
@@ -91,48 +104,57 @@ class ForkedProcess:
 
 
 class ForkServer:
+    """One pre-loaded parent process and the workers it forked (``acquire`` one rather than build it)."""
+
     def __init__(self, model: str) -> None:
         self.model = model
-        self.parent: asyncio.subprocess.Process | None = None
-        self.processes: dict[int, ForkedProcess] = {}
+        self.parent: subprocess.Popen[bytes] | None = None
+        self.users = 0  # launchers holding it (``acquire`` / ``release``)
+        self._processes: dict[int, tuple[asyncio.AbstractEventLoop, ForkedProcess]] = {}
+        self._exited: dict[int, int] = {}  # ends reported before their fork's reply was handled
+        self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[dict]]] = {}
         self._control: socket.socket | None = None
-        self._ready: asyncio.Future[int] | None = None
-        self._replies: dict[int, asyncio.Future[dict]] = {}
+        self._ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._ended = threading.Event()  # the parent's stdout has closed: it is gone
+        self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._reader: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
+    def start(self) -> None:
+        """Start the parent; it imports at once, in its own process, while the caller goes on."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message per request
         try:
             argv = [sys.executable, "-m", "minifaas.serve.launch.zygote", str(theirs.fileno()), self.model]
-            self.parent = await asyncio.create_subprocess_exec(
-                *argv, stdout=asyncio.subprocess.PIPE, pass_fds=(theirs.fileno(),), env=child_env()
-            )
+            self.parent = subprocess.Popen(argv, stdout=subprocess.PIPE, pass_fds=(theirs.fileno(),), env=child_env())
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
         self._control = ours
-        self._ready = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.create_task(self._read_events())
+        threading.Thread(target=self._read_events, name=f"forks-{self.parent.pid}", daemon=True).start()
+
+    @property
+    def running(self) -> bool:
+        return self.parent is not None and self._control is not None and not self._ended.is_set()
 
     async def spawn(self, flags: list[str], env: dict[str, str], timeout: float = 30.0) -> ForkedProcess:
         """Fork a worker with these ``minifaas worker`` flags and this environment."""
-        if self._ready is None or self._control is None or self.parent is None:
+        if not self.running:
             raise ForkError("the pre-loaded parent is not running")
-        env = {**env, PARENT_ENV: str(self.parent.pid)}  # its parent is the zygote, which dies with the gateway
-        try:
-            async with asyncio.timeout(READY_TIMEOUT_S):
-                await asyncio.shield(self._ready)
+        assert self.parent is not None and self._control is not None
+        env = {**env, PARENT_ENV: str(self.parent.pid)}  # its parent is the zygote, which dies with this process
+        try:  # shielded: a caller that gives up must not cancel the readiness every caller shares
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ready)), READY_TIMEOUT_S)
         except TimeoutError:
             raise ForkError(f"the pre-loaded parent was not ready after {READY_TIMEOUT_S:.0f} s") from None
         loop = asyncio.get_running_loop()
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         request_id = next(self._ids)
-        reply = self._replies[request_id] = loop.create_future()
+        reply: asyncio.Future[dict] = loop.create_future()
+        with self._lock:
+            self._replies[request_id] = (loop, reply)
         try:
             message = json.dumps({"id": request_id, "argv": flags, "env": env}).encode()
             fds = array.array("i", [stdin_r, stdout_w])
@@ -144,7 +166,8 @@ class ForkServer:
             os.close(stdout_r)
             raise ForkError(f"the pre-loaded parent did not fork: {e!r}") from None
         finally:
-            self._replies.pop(request_id, None)
+            with self._lock:
+                self._replies.pop(request_id, None)
             os.close(stdin_r)
             os.close(stdout_w)
         if "pid" not in answer:
@@ -155,46 +178,133 @@ class ForkServer:
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(stdout_r, "rb", 0)
         )
-        process = self.processes[answer["pid"]] = ForkedProcess(answer["pid"], stdin_w, reader, transport)
+        process = ForkedProcess(answer["pid"], stdin_w, reader, transport)
+        with self._lock:
+            code = self._exited.pop(process.pid, None)
+            if code is None:
+                self._processes[process.pid] = (loop, process)
+        if code is not None:  # it was already over
+            process.ended(code)
         return process
 
-    async def _read_events(self) -> None:
-        assert self.parent is not None and self.parent.stdout is not None and self._ready is not None
+    def _read_events(self) -> None:
+        """The parent's event lines, on this thread; each goes to the loop of the worker it concerns."""
+        assert self.parent is not None and self.parent.stdout is not None
         try:
-            while line := await self.parent.stdout.readline():
+            for line in self.parent.stdout:
                 event = json.loads(line)
                 if "ready" in event:
                     self._ready.set_result(event["ready"])
                 elif "exit" in event:
-                    process = self.processes.pop(event["exit"], None)
-                    if process is not None:
-                        process.ended(event["code"])
-                elif (reply := self._replies.get(event.get("id"))) is not None and not reply.done():
-                    reply.set_result(event)
+                    with self._lock:
+                        entry = self._processes.pop(event["exit"], None)
+                        if entry is None:
+                            self._exited[event["exit"]] = event["code"]
+                    if entry is not None:
+                        _call_in(entry[0], entry[1].ended, event["code"])
+                else:
+                    with self._lock:
+                        waiting = self._replies.get(event.get("id"))
+                    if waiting is not None:
+                        _call_in(waiting[0], _settle, waiting[1], event, None)
+        except (ValueError, OSError) as e:
+            log.warning("the pre-loaded parent's events stopped: %r", e)
         finally:  # the parent is gone: nothing more will be forked or reported
+            self._ended.set()
             failure = ForkError("the pre-loaded parent exited")
             if not self._ready.done():
                 self._ready.set_exception(failure)
-            for reply in self._replies.values():
-                if not reply.done():
-                    reply.set_exception(failure)
-            for process in self.processes.values():
-                watcher = asyncio.get_running_loop().create_task(process.poll_until_gone())
-                self._watchers.add(watcher)
-                watcher.add_done_callback(self._watchers.discard)
-            self.processes.clear()
+            with self._lock:
+                replies, processes = list(self._replies.values()), list(self._processes.values())
+                self._processes.clear()
+            for loop, reply in replies:
+                _call_in(loop, _settle, reply, None, failure)
+            for loop, process in processes:
+                _call_in(loop, self._watch, process)
+            self.parent.stdout.close()
 
-    async def close(self) -> None:
-        """Stop the parent (its workers are the launcher's to stop)."""
+    def _watch(self, process: ForkedProcess) -> None:
+        watcher = asyncio.get_running_loop().create_task(process.poll_until_gone())
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+
+    def close(self, grace: float = 5.0) -> None:
+        """Stop the parent: it exits at the end of its control socket (its workers are their launcher's)."""
         if self._control is not None:
-            self._control.close()  # the parent exits at the end of its control socket
+            self._control.close()
             self._control = None
         if self.parent is not None:
-            if self.parent.returncode is None:
-                await wait_or_kill(self.parent, grace=5)
-            self.parent = None
-        if self._reader is not None:
-            await self._reader
-            self._reader = None
-        if self._ready is not None and self._ready.done() and not self._ready.cancelled():
-            self._ready.exception()  # retrieved: a parent that never became ready is not an unhandled error
+            try:
+                self.parent.wait(timeout=grace)  # it exits at once: os._exit, nothing torn down
+            except subprocess.TimeoutExpired:
+                self.parent.kill()
+                self.parent.wait()
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    with contextlib.suppress(RuntimeError):  # that loop has closed: nobody is waiting there any more
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle(future: asyncio.Future[dict], result: dict | None, error: BaseException | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result or {})
+
+
+_shared: dict[tuple[str, frozenset[tuple[str, str]]], ForkServer] = {}
+_shared_lock = threading.Lock()
+
+
+def acquire(model: str) -> ForkServer:
+    """The pre-loaded parent for ``model`` that this process's launchers share, started if need be.
+
+    From a thread other than the main one it is a parent of the caller's own, closed at ``release``.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        forks = ForkServer(model)
+        forks.start()
+        forks.users = 1
+        return forks
+    key = (model, frozenset((k, v) for k, v in os.environ.items() if k not in VOLATILE_ENV))
+    with _shared_lock:
+        forks = _shared.get(key)
+        if forks is None or not forks.running:
+            for other_key, other in list(_shared.items()):  # idle ones for an old environment are not kept
+                if other.users == 0 or not other.running:
+                    other.close()
+                    del _shared[other_key]
+            forks = _shared[key] = ForkServer(model)
+            forks.start()
+        forks.users += 1
+        return forks
+
+
+def release(forks: ForkServer) -> None:
+    """A launcher is done with ``forks``: a shared parent stays for the next one, any other is closed."""
+    with _shared_lock:
+        forks.users -= 1
+        shared = forks in _shared.values()
+        if shared and not forks.running:
+            for key in [k for k, v in _shared.items() if v is forks]:
+                del _shared[key]
+            shared = False
+    if not shared and forks.users <= 0:
+        forks.close()
+
+
+def shared_pids() -> set[int]:
+    """The pids of the shared parents now running."""
+    with _shared_lock:
+        return {forks.parent.pid for forks in _shared.values() if forks.parent is not None and forks.running}
+
+
+@atexit.register
+def close_shared() -> None:
+    """Stop every shared parent (a benchmark that times a cold start calls this first)."""
+    with _shared_lock:
+        for forks in _shared.values():
+            forks.close()
+        _shared.clear()

@@ -11,7 +11,8 @@ leaves no worker behind.
 
 A CPU worker is forked from a pre-loaded parent (``zygote``) that has
 imported torch, transformers and the model's code once, so it skips seconds
-of imports; it is the same worker from ``main`` on. ``fork=False``, a CUDA
+of imports; it is the same worker from ``main`` on. The parent is shared by
+every launcher of the process (``forked.acquire``). ``model=None``, a CUDA
 worker, or a parent that fails start it as a fresh interpreter instead.
 
 ``start`` of a worker whose process still runs returns the address it has:
@@ -29,6 +30,7 @@ import sys
 from minifaas.child_process import describe_exit, wait_or_kill
 from minifaas.control.secret import SECRET_ENV
 from minifaas.parent_watch import child_env
+from minifaas.serve.launch import forked
 from minifaas.serve.launch.forked import ForkedProcess, ForkError, ForkServer
 from minifaas.serve.launch.launcher import Address, WorkerError, WorkerSpec
 
@@ -44,8 +46,8 @@ def on_cpu(spec: WorkerSpec) -> bool:
 class LocalLauncher:
     def __init__(self, secret: bytes, start_timeout: float = 300.0, model: str | None = None) -> None:
         """``model``: fork CPU workers from a parent that has imported its code (None: every worker fresh)."""
-        self.secret, self.start_timeout = secret, start_timeout
-        self.forks = ForkServer(model) if model is not None else None
+        self.secret, self.start_timeout, self.model = secret, start_timeout, model
+        self.forks: ForkServer | None = None
         self.processes: dict[str, asyncio.subprocess.Process | ForkedProcess] = {}
         self.addresses: dict[str, Address] = {}
         self.kv_ports: dict[str, int] = {}  # chosen at the first start, kept across restarts
@@ -53,15 +55,16 @@ class LocalLauncher:
         self.restarts: dict[str, int] = {}  # started again after the process died
 
     async def __aenter__(self) -> LocalLauncher:
-        if self.forks is not None:
-            await self.forks.start()  # it imports while the gateway sets up the rest
+        if self.model is not None:
+            self.forks = forked.acquire(self.model)  # a new one imports while the gateway sets up the rest
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         """No child outlives the gateway, whatever the pool did or did not stop."""
         await asyncio.gather(*(self.stop(WorkerSpec(name, "", "")) for name in list(self.processes)))
         if self.forks is not None:
-            await self.forks.close()
+            forked.release(self.forks)
+            self.forks = None
 
     def alive(self, spec: WorkerSpec) -> bool:
         p = self.processes.get(spec.name)
@@ -107,7 +110,7 @@ class LocalLauncher:
                 log.warning("%s: %s; starting workers as fresh processes from now on", spec.name, e)
                 if self.forks is forks:
                     self.forks = None
-                    await forks.close()
+                    forked.release(forks)
         argv = [sys.executable, "-m", "minifaas.serve.worker", *flags]
         pipe = asyncio.subprocess.PIPE
         return await asyncio.create_subprocess_exec(*argv, stdin=pipe, stdout=pipe, env=env)

@@ -10,7 +10,8 @@ minifaas.serve.worker ARGV`` from its first line of ``main`` on: its own pid,
 its own model, its own sockets and threads.
 
 Each child's parent is this process, so each gets ``MINIFAAS_PARENT_PID`` of
-this one (``parent_watch``); this one dies with the gateway, and they with it.
+this one (``parent_watch``); this one dies with the gateway's process, and they
+with it. One serves every gateway of that process (``forked.acquire``).
 
 The gateway (``forked.ForkServer``) talks to it over two channels:
 
@@ -24,8 +25,9 @@ The gateway (``forked.ForkServer``) talks to it over two channels:
 
 Nothing here runs a torch op, a thread or an event loop before it forks: a
 child starts as clean as a fresh interpreter with the modules already in
-memory. It exits when the control socket closes (the gateway is gone); its
-children go on until their own stdin closes, as every local worker does.
+memory. It exits when the control socket closes (its process is done), and any
+child still running dies with it; a child's launcher stops it before then, by
+closing its stdin, as with every local worker.
 Only CPU workers are forked: a CUDA worker is started fresh (CUDA state does
 not survive a fork, and fla must be importable there).
 """
