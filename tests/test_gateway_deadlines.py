@@ -1,8 +1,9 @@
-"""Deadlines and worker deaths in a real gateway: worker processes, sockets, signals.
+"""Deadlines, worker deaths and refused prompts in a real gateway: worker processes, sockets, signals.
 
 A deadline bounds silence, not length: a stream read slowly for longer than every
 deadline completes, a decode worker stopped mid-stream fails its request within the
-deadline between tokens. A worker killed by a signal is logged with that signal.
+deadline between tokens. A worker killed by a signal is logged with that signal. A
+prompt the model cannot take is refused by the Python API before anything runs.
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ def test_a_stream_longer_than_every_deadline_completes(gateway: Gateway, loop: a
     tokens = run(loop, generate(gateway, "slow-reader", 40, read_pause=0.1))
     assert len(tokens) == 40  # type: ignore[arg-type]
     assert time.monotonic() - start > 2.5 * TOKEN_TIMEOUT
+
+
+@pytest.mark.parametrize("bad", ["empty", "negative", "past the vocabulary"])
+def test_the_python_api_refuses_a_prompt_it_cannot_serve_before_anything_runs(
+    gateway: Gateway, loop: asyncio.AbstractEventLoop, bad: str
+) -> None:
+    vocab = gateway.tokenizer.vocab_size
+    prompt, says = {
+        "empty": ([], "the prompt is empty"),
+        "negative": ([5, -1, 7], "token id -1 is outside"),
+        "past the vocabulary": ([5, vocab, 7], f"token id {vocab} is outside the vocabulary \\[0, {vocab}\\)"),
+    }[bad]
+
+    async def ask() -> list[int]:
+        request = GenerateRequest("bad", prompt, SamplingParams(max_tokens=2))
+        return [event.token_id async for event in gateway.stream(request, RequestRecord("bad", len(prompt)))]
+
+    with pytest.raises(ValueError, match=says):
+        run(loop, ask())
+    assert gateway.inflight == 0
+    assert len(run(loop, generate(gateway, "after-bad", 3))) == 3  # type: ignore[arg-type]
 
 
 def test_a_decode_worker_gone_silent_fails_its_request_within_the_deadline(

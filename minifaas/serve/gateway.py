@@ -262,6 +262,14 @@ class Gateway:
         return decision
 
     async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
+        """Token events until one carries a finish_reason. A prompt that cannot be served (empty, or a token id
+        outside the vocabulary) raises ValueError before anything runs; the HTTP layer answers those with a 400."""
+        ids, vocab = request.prompt_ids, self.tokenizer.vocab_size
+        if not ids:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})")
         if self.inflight >= self.config.max_queued_requests:
             raise Overloaded(f"{self.inflight} requests in flight; try again later")
         self.inflight += 1
