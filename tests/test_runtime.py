@@ -21,6 +21,7 @@ from minifaas.model.sampling import SamplingParams
 PRESETS = preset_names()
 LENGTHS = (1, 7, 64, 1030)
 CHILD = Path(__file__).with_name("prefill_child.py")
+OtherProcess = tuple[dict[str, list[tuple[ModelState, int]]], dict[str, str]]  # states by preset, digests by preset
 
 
 def prompt(length: int) -> list[int]:
@@ -56,7 +57,7 @@ def _receive_states(server: socket.socket, count: int) -> list[tuple[ModelState,
 
 
 @pytest.fixture(scope="module")
-def other_process() -> tuple[dict[str, list[tuple[ModelState, int]]], dict[str, str]]:
+def other_process() -> OtherProcess:
     """One child process for every preset (seed 0): each prompt's streamed state, and each preset's weights' digest."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(300)
@@ -77,7 +78,7 @@ def other_process() -> tuple[dict[str, list[tuple[ModelState, int]]], dict[str, 
 
 @pytest.mark.slow  # a child process, shared by every preset
 def test_prefill_in_one_process_decode_in_another_equals_generate(
-    runtime: ModelRuntime, other_process: tuple[dict[str, list[tuple[ModelState, int]]], dict[str, str]]
+    runtime: ModelRuntime, other_process: OtherProcess
 ) -> None:
     received = other_process[0][runtime.spec.name]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -144,7 +145,7 @@ def test_seeded_sampling_is_the_same_across_prefill_and_decode_processes(runtime
 
 @pytest.mark.slow  # the child process above
 def test_same_preset_and_seed_give_identical_weights_in_another_process(
-    runtime: ModelRuntime, other_process: tuple[dict[str, list[tuple[ModelState, int]]], dict[str, str]]
+    runtime: ModelRuntime, other_process: OtherProcess
 ) -> None:
     assert other_process[1][runtime.spec.name] == weights_digest(runtime.model)
     other_seed = ModelRuntime.load(runtime.spec.name, seed=1)

@@ -218,7 +218,7 @@ class ForkServer:
                 replies, processes = list(self._replies.values()), list(self._processes.values())
                 self._processes.clear()
             for loop, reply in replies:
-                _call_in(loop, _settle, reply, None, failure)
+                _call_in(loop, _settle, reply, {}, failure)
             for loop, process in processes:
                 _call_in(loop, self._watch, process)
             self.parent.stdout.close()
@@ -246,12 +246,12 @@ def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: 
         loop.call_soon_threadsafe(fn, *args)
 
 
-def _settle(future: asyncio.Future[dict], result: dict | None, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future[dict], result: dict, error: BaseException | None) -> None:
     if not future.done():
         if error is not None:
             future.set_exception(error)
         else:
-            future.set_result(result or {})
+            future.set_result(result)
 
 
 _shared: dict[tuple[str, frozenset[tuple[str, str]]], ForkServer] = {}
@@ -303,7 +303,7 @@ def shared_pids() -> set[int]:
 
 @atexit.register
 def close_shared() -> None:
-    """Stop every shared parent (a benchmark that times a cold start calls this first)."""
+    """Stop every shared parent: at exit, and between starts of a benchmark that times cold ones."""
     with _shared_lock:
         for forks in _shared.values():
             forks.close()
