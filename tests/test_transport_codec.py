@@ -175,7 +175,7 @@ def test_a_version_1_frame_is_refused_by_name(caplog: pytest.LogCaptureFixture) 
 
     with caplog.at_level("WARNING", logger="minifaas.transport.receiver"):
         run(main())
-    assert "wire version 1 frame; this end speaks version 2" in caplog.text
+    assert "wire version 1 frame; this end speaks version 3" in caplog.text
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,26 @@ def test_a_slow_link_is_not_a_stalled_one() -> None:
     run(scenario())
 
 
+def test_a_slow_producer_is_not_a_stalled_sender() -> None:
+    """Prefill takes longer than the stall deadline between two layers (a long chunk on a busy host): the
+    sender's ALIVE frames keep the transfer open, and it completes whole."""
+    state = synthetic_state(layers=3, tokens=64, width=8)
+
+    async def scenario() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET, stall_timeout=STALL)) as rx:
+            incoming = rx.transfer(1)
+            config = SenderConfig("127.0.0.1", rx.port, SECRET, connections=2, stall_timeout=STALL)
+            async with KVSender(config) as tx, tx.stream(1, layers=3) as out:
+                for layer in state.layers:
+                    out.put(layer)
+                    await asyncio.sleep(2.5 * STALL)  # the producer's next layer is this far off
+            assert out.report is not None and out.report.layers == 3
+            assert same_state(await incoming.model_state(), state)
+            assert rx.stats.failed == 0
+
+    run(scenario())
+
+
 def test_byte_corrupted_on_the_link() -> None:
     sender_error, receiver_error = run(through_slow_link("corrupt"))
     assert isinstance(receiver_error, (CorruptFrameError, ProtocolError))

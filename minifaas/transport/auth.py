@@ -76,7 +76,7 @@ async def _prove(channel: Channel, secret: bytes, timeout: float, magic: bytes) 
     try:
         head = await channel.recv_exactly(len(MAGIC) + NONCE_BYTES, timeout)  # as long as a version-1 hello
         if head[: len(MAGIC)] == OLD_MAGIC and magic == MAGIC:
-            raise ProtocolError("the receiver speaks KV wire version 1; this sender speaks version 2")
+            raise ProtocolError("the receiver speaks KV wire version 1, which this sender no longer speaks")
         if head[: len(MAGIC)] != magic:
             what = "a KV receiver" if magic == MAGIC else "a control port"
             raise AuthError(f"the peer is not {what} (handshake magic {bytes(head[: len(MAGIC)])!r})")

@@ -28,6 +28,11 @@ numpy passes let go of the GIL, so the event loop keeps moving bytes), and the
 codec is the one the receiver offered in the handshake, or the best it has.
 The report says how many bytes went on the wire and how long coding took on
 each end.
+
+While the producer has no new layer (a long prefill chunk on a busy host), the
+first connection sends an ALIVE frame every third of ``stall_timeout``, so the
+receiver fails a transfer for a dead sender or link, never for a slow
+producer: bounding the producer is its caller's deadline.
 """
 
 from __future__ import annotations
@@ -253,7 +258,8 @@ class OutgoingTransfer:
         """Send chunks on ``channels[i]``; its first send may replace it (``ConnectionPool.send_first``)."""
         first = i > 0  # the first connection's first send was START
         encoder = FrameEncoder()
-        while (upcoming := await self._next_frame(encoder)) is not None:
+        alive_on = channels[0] if i == 0 else None
+        while (upcoming := await self._next_frame(encoder, alive_on)) is not None:
             chunk, header, payload = upcoming
             if first:
                 channels[i] = await self._pool.send_first(channels[i], [header, *payload], self._settings.stall_timeout)
@@ -264,8 +270,10 @@ class OutgoingTransfer:
             self.sent_bytes += chunk.length
             self.wire_bytes += sum(memoryview(p).nbytes for p in payload)
 
-    async def _next_frame(self, encoder: FrameEncoder) -> tuple[Chunk, bytes, list[Payload]] | None:
-        chunk = await self._queue.get()
+    async def _next_frame(
+        self, encoder: FrameEncoder, alive_on: Channel | None
+    ) -> tuple[Chunk, bytes, list[Payload]] | None:
+        chunk = await self._take(alive_on)
         if chunk is None:
             return None
         if chunk.ready is not None and not chunk.ready.query():  # its layer is still being copied off the GPU
@@ -286,6 +294,18 @@ class OutgoingTransfer:
         self.encode_s += seconds
         header, parts = chunk.coded_frame(self.id, coded)
         return chunk, header, parts
+
+    async def _take(self, alive_on: Channel | None) -> Chunk | None:
+        """The next chunk. While the producer has none, ``alive_on`` carries an ALIVE frame every third of
+        the stall timeout: the receiver's stall deadline is for a dead sender or link, not a slow prefill."""
+        if alive_on is None:
+            return await self._queue.get()
+        while True:
+            try:
+                async with asyncio.timeout(self._settings.stall_timeout / 3):
+                    return await self._queue.get()
+            except TimeoutError:
+                await alive_on.send([control(FrameType.ALIVE, self.id)], self._settings.stall_timeout)
 
     async def _await_done(self, channel: Channel) -> Receipt:
         s = self._settings

@@ -17,8 +17,9 @@ thread when it is large, then checksummed there: the checksum is that of the
 decoded bytes. The receiver offers in the handshake only the codecs in
 ``codecs``. A transfer with no progress for
 ``stall_timeout`` after its first frame fails with ``StallError``: no frame
-finished and no payload being read (a payload arriving slowly is watched by
-its connection, which fails only when no byte came for that long). A failed
+finished (ALIVE frames count: the sender's producer is slow, not gone) and no
+payload being read (a payload arriving slowly is watched by its connection,
+which fails only when no byte came for that long). A failed
 transfer's partial state is freed at once; later frames for it are skipped.
 A transfer no consumer claims is dropped ``unclaimed_grace`` seconds after it
 ends, or sooner when the table of ``max_open_transfers`` needs its place
@@ -278,7 +279,7 @@ class KVReceiver:
             await self._progress(t, [])
         elif h.type is FrameType.ABORT:
             await self._fail(t, TransferAbortedError(f"sender: {payload.decode(errors='replace')}"))
-        else:
+        elif h.type is not FrameType.ALIVE:  # the sender lives: the progress stamped above is all it means
             raise ProtocolError(f"a receiver does not accept {h.type.name} frames")
 
     async def _decode_chunk(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, dec: FrameDecoder) -> None:

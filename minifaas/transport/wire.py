@@ -8,7 +8,7 @@ with attention and a Mamba mixer side by side sends two, each of one kind.
 
     offset size field
        0    4  magic        b"MFKV"
-       4    1  version      2
+       4    1  version      3
        5    1  frame type   FrameType
        6    1  state kind   StateKind of the layer (chunk frames; else 0)
        7    1  dtype code   state_codec.DTYPES key (chunk frames; else 0)
@@ -37,9 +37,12 @@ Frame types and their payloads:
     DONE   receiver -> sender   u32 layers, u64 bytes received (decoded), u64 bytes on the wire,
                                 u64 nanoseconds spent decoding (on END's connection)
     ABORT  either way           utf-8 reason; the transfer is over
+    ALIVE  sender -> receiver   empty: the sender lives while its producer has no new layer yet
 
 Version 1 (148-byte headers, no codecs) is refused by both ends: its handshake
 already differs (``auth``), and a header of another version never passes.
+Version 3 added ALIVE to version 2; a version-2 peer's first header is refused
+by name.
 A header is validated completely (magic, version, its own checksum, sizes
 against the caller's limits) before any memory is set aside for its payload.
 """
@@ -57,7 +60,7 @@ from minifaas.model.state_codec import DTYPES, checksum
 from minifaas.transport.errors import CorruptFrameError, ProtocolError
 
 MAGIC = b"MFKV"
-VERSION = 2
+VERSION = 3
 MAX_NDIM = 8
 NAME_BYTES = 24
 MAX_SLOTS = 256
@@ -81,6 +84,7 @@ class FrameType(IntEnum):
     END = 3
     DONE = 4
     ABORT = 5
+    ALIVE = 6
 
 
 @dataclass(frozen=True, slots=True)
