@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 from minifaas.control.secret import new_secret
 from minifaas.serve.config import ServeConfig
@@ -97,6 +100,52 @@ def test_when_the_parent_dies_workers_start_fresh_and_the_forked_ones_are_still_
             assert isinstance(launcher.processes[SPEC.name], ForkedProcess) and launcher.forks is not None
 
     asyncio.run(scenario())
+
+
+# run as a fresh interpreter: start_here forks its caller, which must not be this test process
+HERE = """
+import asyncio, os
+import minifaas.serve.serve_cli  # what `minifaas serve` has imported when it forks the parent
+from minifaas.serve.launch import forked
+
+MODEL = "kimi-linear-tiny"
+inside_a_loop = asyncio.run(asyncio.to_thread(forked.start_here, MODEL))  # a thread runs: never a fork
+assert forked.start_here(MODEL) is True, "no pre-loaded parent forked from a quiet main thread"
+assert forked.start_here(MODEL) is False  # one per model
+zygote = forked.acquire(MODEL).parent
+
+from minifaas.control.secret import new_secret
+from minifaas.serve.launch.local import LocalLauncher
+from test_fork_launcher import SPEC, parent_of
+
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+assert parent_of(zygote.pid) == os.getpid() and zygote.poll() is None
+assert cmdline(zygote.pid) == cmdline(os.getpid()), "the shared parent is a fresh interpreter, not this one forked"
+forked.release(forked.acquire(MODEL))
+
+
+async def started() -> int:
+    async with LocalLauncher(new_secret(), model=MODEL) as launcher:
+        await launcher.start(SPEC)
+        assert launcher.forks.parent is zygote, "the launcher started a parent of its own"
+        return parent_of(launcher.processes[SPEC.name].pid)
+
+
+print(inside_a_loop, zygote.pid, asyncio.run(started()))
+"""
+
+
+def test_a_command_forks_the_parent_from_itself_and_its_launchers_use_that_one() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", HERE], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    inside_a_loop, zygote, worker_parent = done.stdout.split()
+    assert inside_a_loop == "False" and worker_parent == zygote
+    assert gone(int(zygote))  # it ended with its process
 
 
 def test_only_cpu_workers_are_forked() -> None:

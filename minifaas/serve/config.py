@@ -241,6 +241,14 @@ class ServeConfig:
         return self.launcher == "local" and not (self.prfaas.workers or self.pd.workers)
 
     @property
+    def forks_on_cpu_only(self) -> bool:
+        """The gateway starts CPU workers here, forked from a pre-loaded parent, and no GPU worker."""
+        clusters = (self.prfaas, self.pd)
+        local = any(c.prefill_workers + c.decode_workers and not c.workers for c in clusters)
+        on_cpu = all(c.device == "cpu" for c in clusters)
+        return self.launcher == "local" and self.fork_workers and local and on_cpu
+
+    @property
     def link_emulated(self) -> bool:
         return self.all_local if self.link.emulated is None else self.link.emulated
 

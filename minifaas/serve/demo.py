@@ -22,10 +22,10 @@ from rich.live import Live
 from rich.table import Table
 
 from minifaas import arguments
-from minifaas.cli import stdout_console, user_input
+from minifaas.cli import exit_at_once, stdout_console, user_input
 from minifaas.model.loader import add_model_arguments, checked_spec
 from minifaas.serve.config import LinkConfig, ServeConfig
-from minifaas.serve.serve_cli import running_server
+from minifaas.serve.serve_cli import running_server, start_forks
 from minifaas.serve.startup import StartupView
 
 VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
@@ -59,16 +59,20 @@ class Row:
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_demo(args))
+    config = _config(args)
+    forked_here = start_forks(config)
+    code = asyncio.run(_demo(args, config))
+    if forked_here:  # this process holds the workers' modules too
+        exit_at_once(code)
+    return code
 
 
-async def _demo(args: argparse.Namespace) -> int:
-    console = stdout_console()
+def _config(args: argparse.Namespace) -> ServeConfig:
     with user_input():
         if min(args.short, args.long) < 0 or min(args.long_tokens, args.max_tokens) < 1:
             raise ValueError("need --short, --long >= 0 and --long-tokens, --max-tokens >= 1")
         checked_spec(args.model, args.trust_remote_code)
-        config = replace(
+        return replace(
             ServeConfig(
                 model=args.model,
                 dtype=args.dtype,
@@ -78,6 +82,10 @@ async def _demo(args: argparse.Namespace) -> int:
             ),
             link=LinkConfig(rate=args.link_rate, delay_ms=5.0),
         )
+
+
+async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
+    console = stdout_console()
     console.print(f"[bold]starting[/] PrfaaS prefill + PD-P + PD-D workers and a {args.link_rate} link emulator ...")
     t0 = time.perf_counter()
     async with contextlib.AsyncExitStack() as stack:

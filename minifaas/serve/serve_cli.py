@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from minifaas import arguments
-from minifaas.cli import BadInput, user_input
+from minifaas.cli import BadInput, exit_at_once, user_input
 from minifaas.model.loader import add_model_arguments, checked_spec
 from minifaas.planner.profile import load_pd_profiles
 from minifaas.policy.compression import MODES
@@ -37,6 +37,7 @@ from minifaas.serve.api import build_app
 from minifaas.serve.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway, cluster_secret
 from minifaas.serve.http_server import serve_http
+from minifaas.serve.launch import forked
 from minifaas.serve.launch.launcher import parse_address
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.startup import StartupListener, StartupView
@@ -362,12 +363,19 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
     return config
 
 
+def start_forks(config: ServeConfig) -> bool:
+    """Before the event loop runs: the workers' pre-loaded parent, forked from this process once it has
+    imported their modules (two seconds of imports it then does not repeat). True if it was."""
+    return config.forks_on_cpu_only and forked.start_here(config.model)
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def run(args: argparse.Namespace) -> int:
     config = checked_config(args)
+    forked_here = start_forks(config)
     console = Console(stderr=True)  # where the log goes
     if console.is_terminal:  # log lines print above the live start-up table instead of through it
         handler: logging.Handler = RichHandler(console=console, show_path=False, markup=False)
@@ -375,6 +383,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(config, StartupView(console, log.info)))
+    if forked_here:  # this process holds the workers' modules too
+        exit_at_once(0)
     return 0
 
 

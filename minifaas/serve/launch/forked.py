@@ -10,6 +10,11 @@ reaps it; if the parent itself dies, each worker's end is found by polling its
 pid. Anything that goes wrong with the parent raises ``ForkError``, and the
 launcher starts the worker as a fresh interpreter instead.
 
+``minifaas serve`` and ``demo`` make theirs with ``start_here`` before their
+event loop runs: the parent is forked from the command's own process once it
+has imported the worker's modules, so the imports the command already did
+(torch, two of the four seconds) are not paid again in a fresh interpreter.
+
 One parent serves every gateway of a process, one after another or at once
 (a benchmark of several configurations, a test suite, a notebook): its imports
 are seconds of CPU, paid once. It is kept per model and per environment (a
@@ -36,9 +41,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
+from typing import IO
 
-from minifaas.parent_watch import PARENT_ENV, child_env
+from minifaas.parent_watch import PARENT_ENV, child_env, die_with_parent
+from minifaas.serve.launch import zygote
 
 log = logging.getLogger("minifaas.gateway")
 READY_TIMEOUT_S = 120.0  # the parent's imports: seconds on a quiet machine, more on a busy one
@@ -120,12 +128,18 @@ class ForkServer:
         self._ids = itertools.count()
         self._watchers: set[asyncio.Task[None]] = set()
 
-    def start(self) -> None:
-        """Start the parent; it imports at once, in its own process, while the caller goes on."""
+    def start(self, here: bool = False) -> None:
+        """Start the parent; it imports at once, in its own process, while the caller goes on. ``here``:
+        import in this process and fork it (``start_here``), so it is ready when this returns."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message per request
         try:
-            argv = [sys.executable, "-m", "minifaas.serve.launch.zygote", str(theirs.fileno()), self.model]
-            self.parent = subprocess.Popen(argv, stdout=subprocess.PIPE, pass_fds=(theirs.fileno(),), env=child_env())
+            if here:
+                self.parent = _fork_parent(self.model, theirs, ours)
+            else:
+                argv = [sys.executable, "-m", "minifaas.serve.launch.zygote", str(theirs.fileno()), self.model]
+                self.parent = subprocess.Popen(
+                    argv, stdout=subprocess.PIPE, pass_fds=(theirs.fileno(),), env=child_env()
+                )
         except BaseException:
             ours.close()
             raise
@@ -241,6 +255,59 @@ class ForkServer:
                 self.parent.wait()
 
 
+class _Forked:
+    """A parent forked from this process, with what ``ForkServer`` uses of a ``subprocess.Popen``."""
+
+    def __init__(self, pid: int, stdout: IO[bytes]) -> None:
+        self.pid, self.stdout = pid, stdout
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = zygote.returncode(status)
+            elif deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pre-loaded parent {self.pid}", timeout or 0.0)
+            else:
+                time.sleep(0.01)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.wait(0)
+        return None
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def _fork_parent(model: str, theirs: socket.socket, ours: socket.socket) -> _Forked:
+    """Import what a worker of ``model`` needs here, then fork the parent from this process."""
+    zygote.preload(model)
+    events_r, events_w = os.pipe()
+    sys.stdout.flush()  # nothing buffered may be written twice
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the parent-to-be: nothing of this process's but the imports, and never back to its code
+        try:
+            ours.close()
+            os.close(events_r)
+            os.dup2(events_w, 1)
+            os.close(events_w)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in zygote.main
+            os.environ[PARENT_ENV] = str(os.getppid())
+            die_with_parent()
+            zygote.run(theirs)
+        finally:
+            os._exit(1)
+    os.close(events_w)
+    return _Forked(pid, os.fdopen(events_r, "rb"))
+
+
 def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
     with contextlib.suppress(RuntimeError):  # that loop has closed: nobody is waiting there any more
         loop.call_soon_threadsafe(fn, *args)
@@ -268,7 +335,7 @@ def acquire(model: str) -> ForkServer:
         forks.start()
         forks.users = 1
         return forks
-    key = (model, frozenset((k, v) for k, v in os.environ.items() if k not in VOLATILE_ENV))
+    key = _key(model)
     with _shared_lock:
         forks = _shared.get(key)
         if forks is None or not forks.running:
@@ -280,6 +347,29 @@ def acquire(model: str) -> ForkServer:
             forks.start()
         forks.users += 1
         return forks
+
+
+def start_here(model: str) -> bool:
+    """Make this process's shared parent for ``model`` by forking this very process (see the module's
+    docstring); True if it did. Only where a fork is safe: on the main thread, with no other thread
+    and no event loop running (a fork copies only its caller's thread, with every lock as it stands).
+    Elsewhere it does nothing, and ``acquire`` starts a fresh parent."""
+    if threading.current_thread() is not threading.main_thread() or threading.active_count() > 1:
+        return False
+    with contextlib.suppress(RuntimeError):
+        asyncio.get_running_loop()
+        return False
+    with _shared_lock:
+        if any(forks.model == model and forks.running for forks in _shared.values()):
+            return False
+        forks = ForkServer(model)
+        forks.start(here=True)
+        _shared[_key(model)] = forks  # after the imports, which may set variables (TORCHINDUCTOR_CACHE_DIR)
+        return True
+
+
+def _key(model: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    return model, frozenset((k, v) for k, v in os.environ.items() if k not in VOLATILE_ENV)
 
 
 def release(forks: ForkServer) -> None:

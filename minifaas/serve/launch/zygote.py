@@ -152,10 +152,15 @@ def serve(control: socket.socket) -> None:
 
 def main() -> None:
     fd, model = int(sys.argv[1]), sys.argv[2]
-    control = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the gateway's to handle
     die_with_parent()  # the gateway's child: killed with it, and its workers with it (theirs is this one)
     preload(model)
+    run(socket.socket(fileno=fd))
+
+
+def run(control: socket.socket) -> None:
+    """Serve fork requests once the imports are done (``preload`` here, or in the process this one was
+    forked from: ``forked.start_here``). Never returns."""
     say({"ready": os.getpid()})
     serve(control)
     os._exit(0)  # at once: tearing down torch and transformers' modules takes a second and serves nothing
