@@ -31,6 +31,14 @@ def device(text: str) -> str:
     return text
 
 
+def gpus(text: str) -> tuple[str, ...]:
+    """A comma-separated list of distinct CUDA devices: cuda:0,cuda:1."""
+    listed = tuple(d.strip() for d in text.split(","))
+    if not all(re.fullmatch(r"cuda:\d+", d) for d in listed) or len(set(listed)) < len(listed):
+        raise argparse.ArgumentTypeError(f"not a list of distinct GPUs: {text!r} (cuda:0,cuda:1)")
+    return listed
+
+
 def present_device(name: str) -> None:
     """ValueError unless this machine has the device: before a model loads there and fails deep in torch."""
     if name.startswith("cuda"):

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -35,15 +36,27 @@ SNAPSHOT_POLICIES = tuple(p.value for p in SnapshotPolicy)
 class ClusterConfig:
     prefill_workers: int = 1
     decode_workers: int = 0
-    device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there
+    device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there (unless ``devices``)
     max_batch: int = 32  # decode rows per forward on its decode workers (1: unbatched, one forward per request)
     prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
     workers: tuple[str, ...] = ()  # control addresses of hand-started workers; the counts then do not apply
     dtype: str | None = None  # the weights' dtype on its workers; None: [serve] dtype
     threads: int = 0  # torch threads per worker (0: auto, see ServeConfig.worker_threads)
+    devices: tuple[str, ...] = ()  # GPUs its workers are dealt to in turn, prefill workers first ("cuda:N")
+    memory_fraction: float = 0.0  # of its GPU per worker; 0: an equal share where workers share one, else all
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(self.workers))  # a TOML array comes as a list
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if self.devices:
+            bad = [d for d in self.devices if not re.fullmatch(r"cuda:\d+", d)]
+            if bad or len(set(self.devices)) < len(self.devices):
+                raise ValueError(f"devices must be distinct cuda:N, got {list(self.devices)}")
+            if self.device not in ("cpu", self.devices[0]):
+                raise ValueError(f"give device or devices, not both (device {self.device}, devices {self.devices})")
+            object.__setattr__(self, "device", self.devices[0])  # the kind of device, for dtype and threads
+        if not 0 <= self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in [0, 1], got {self.memory_fraction}")
         for address in self.workers:
             parse_address(address)
         if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
@@ -58,6 +71,18 @@ class ClusterConfig:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+        if self.memory_fraction and self.device == "cpu":
+            raise ValueError("memory_fraction is a GPU's: the cluster runs on the CPU")
+        if len(self.devices) > self.prefill_workers + self.decode_workers and not self.workers:
+            raise ValueError(f"{len(self.devices)} devices for {self.prefill_workers + self.decode_workers} "
+                             "workers: give each device a worker")  # fmt: skip
+
+    def placement(self) -> list[tuple[str, int, str]]:
+        """(role, index, device) of each worker the gateway starts for this cluster: devices dealt in turn."""
+        devices = self.devices or (self.device,)
+        roles = [("prefill", i) for i in range(self.prefill_workers)]
+        roles += [("decode", i) for i in range(self.decode_workers)]
+        return [(role, i, devices[k % len(devices)]) for k, (role, i) in enumerate(roles)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +248,10 @@ class ServeConfig:
             raise ValueError(f"launcher must be local or ray, got {self.launcher!r}")
         if not 0 < self.heartbeat_s < self.heartbeat_deadline_s:
             raise ValueError("need 0 < heartbeat_s < heartbeat_deadline_s")
+        if self.launcher == "ray" and (self.prfaas.devices or self.pd.devices):
+            raise ValueError("Ray gives each actor its GPUs: give a cluster's device (cuda:0) and "
+                             "[ray] gpus_per_worker instead of devices")  # fmt: skip
+        self._gpu_shares()  # raises if the workers placed on a GPU ask for more than all of it
         if self.link.emulated and not self.all_local:
             raise ValueError("the link emulator runs beside the gateway: with remote workers the link is the network")
         if self.scheduler.enabled and (self.pd.workers or self.prfaas.workers):
@@ -239,6 +268,28 @@ class ServeConfig:
     def all_local(self) -> bool:
         """Every worker is a child process of the gateway, on this host."""
         return self.launcher == "local" and not (self.prfaas.workers or self.pd.workers)
+
+    def memory_fraction(self, cluster: str, device: str) -> float:
+        """The share of ``device`` a worker of ``cluster`` placed there may take (0: no limit)."""
+        if device == "cpu":
+            return 0.0
+        return self.cluster(cluster).memory_fraction or self._gpu_shares().get(device, 0.0)
+
+    def _gpu_shares(self) -> dict[str, float]:
+        """Per GPU that local workers share: the equal share of it left to each worker not given a fraction."""
+        placed: dict[str, list[float]] = {}  # the fraction each worker there asks for (0: none given)
+        for c in (self.prfaas, self.pd):
+            if self.launcher == "local" and not c.workers and c.device != "cpu":
+                for _, _, device in c.placement():
+                    placed.setdefault(device, []).append(c.memory_fraction)
+        shares = {}
+        for device, fractions in placed.items():
+            left, auto = 1.0 - sum(fractions), fractions.count(0.0)
+            if left < -1e-9 or (auto and len(fractions) > 1 and left <= 0):
+                raise ValueError(f"the {len(fractions)} workers on {device} ask for more than all of it")
+            if auto and len(fractions) > 1:
+                shares[device] = left / auto
+        return shares
 
     @property
     def forks_on_cpu_only(self) -> bool:

@@ -122,7 +122,7 @@ class RoleChanger:
         if pool.closing:  # shutdown stops the old worker; a new one would outlive the gateway
             return None
         await pool.retire(old)
-        spec = worker_spec(self.config, self._fresh_name(role), role, "pd")
+        spec = worker_spec(self.config, self._fresh_name(role), role, "pd", old.spec.device)  # its GPU, now free
         pool.known_names.add(spec.name)
         new: WorkerHandle | None = None
         while not pool.closing:  # the old worker is gone: keep trying, as the supervisor does for a dead one

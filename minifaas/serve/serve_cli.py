@@ -41,6 +41,7 @@ from minifaas.serve.launch import forked
 from minifaas.serve.launch.launcher import parse_address
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.startup import StartupListener, StartupView
+from minifaas.serve.worker_specs import planned_specs
 
 log = logging.getLogger("minifaas.serve")
 API_KEY_ENV = "MINIFAAS_API_KEY"
@@ -147,6 +148,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pd-device", type=arguments.device, help=f"cpu or cuda:N for the PD cluster (default: {d.pd.device})"
     )
     parser.add_argument(
+        "--prfaas-devices",
+        type=arguments.gpus,
+        help="GPUs for the PrfaaS cluster, one worker each unless --prfaas-workers says otherwise, e.g. "
+        "cuda:0,cuda:1 (default: none, --prfaas-device)",
+    )
+    parser.add_argument(
+        "--pd-devices",
+        type=arguments.gpus,
+        help="GPUs for the PD cluster, dealt to its workers in turn, prefill first; one worker each unless "
+        "--pd-decode-workers says otherwise (default: none, --pd-device)",
+    )
+    parser.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        help="the share of its GPU each worker may take (default: workers that share a GPU split it equally, "
+        "one alone has all of it)",
+    )
+    parser.add_argument(
         "--allow-slow-kernels",
         action="store_true",
         help="let CUDA workers run without flash-linear-attention (the torch reference kernels; by default they "
@@ -219,28 +238,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _gpu_share(args: argparse.Namespace, device: str, devices: tuple[str, ...], base: float) -> float:
+    """--gpu-memory-fraction for a cluster on GPUs; a cluster on the CPU keeps its own (none)."""
+    on_gpu = bool(devices) or device.startswith("cuda")
+    return args.gpu_memory_fraction if args.gpu_memory_fraction is not None and on_gpu else base
+
+
 def _percent(fraction: float) -> str:
     return f"{fraction:.0%}".replace("%", "%%")  # argparse formats help with %
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     base = ServeConfig.from_toml(args.config) if args.config else ServeConfig()
+    for one, many in (("--prfaas-device", args.prfaas_devices), ("--pd-device", args.pd_devices)):
+        if many and getattr(args, one[2:].replace("-", "_")):
+            raise ValueError(f"give {one} or {one}s, not both")
+    prfaas_devices = _pick(args.prfaas_devices, base.prfaas.devices)
+    prfaas_device = _pick(args.prfaas_device, "cpu" if args.prfaas_devices else base.prfaas.device)
     prfaas = ClusterConfig(
-        _pick(args.prfaas_workers, base.prfaas.prefill_workers),
+        _pick(args.prfaas_workers, len(args.prfaas_devices) if args.prfaas_devices else base.prfaas.prefill_workers),
         0,
-        _pick(args.prfaas_device, base.prfaas.device),
+        prfaas_device,
         prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
         workers=_pick(args.prfaas_worker, base.prfaas.workers),
         dtype=None if args.dtype else base.prfaas.dtype,  # --dtype is for every cluster
+        devices=prfaas_devices,
+        memory_fraction=_gpu_share(args, prfaas_device, prfaas_devices, base.prfaas.memory_fraction),
     )
+    pd_prefill = _pick(args.pd_prefill_workers, base.pd.prefill_workers)
+    pd_decode = max(1, len(args.pd_devices) - pd_prefill) if args.pd_devices else base.pd.decode_workers
+    pd_devices = _pick(args.pd_devices, base.pd.devices)
+    pd_device = _pick(args.pd_device, "cpu" if args.pd_devices else base.pd.device)
     pd = ClusterConfig(
-        _pick(args.pd_prefill_workers, base.pd.prefill_workers),
-        _pick(args.pd_decode_workers, base.pd.decode_workers),
-        _pick(args.pd_device, base.pd.device),
+        pd_prefill,
+        _pick(args.pd_decode_workers, pd_decode),
+        pd_device,
         _pick(args.max_batch, base.pd.max_batch),
         _pick(args.prefill_chunk, base.pd.prefill_chunk),
         workers=_pick(args.pd_worker, base.pd.workers),
         dtype=None if args.dtype else base.pd.dtype,
+        devices=pd_devices,
+        memory_fraction=_gpu_share(args, pd_device, pd_devices, base.pd.memory_fraction),
     )
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
@@ -348,8 +386,9 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
     with user_input():
         config = config_from_args(args)
         checked_spec(config.model, config.trust_remote_code)
-        for device in {config.prfaas.device, config.pd.device}:
+        for device in {d for c in (config.prfaas, config.pd) for d in (c.devices or (c.device,))}:
             arguments.present_device(device)
+        planned_specs(config)  # a GPU the gateway's CUDA_VISIBLE_DEVICES does not show
         if config.scheduler.profile is not None:
             load_pd_profiles(config.scheduler.profile)
         cluster_secret(config)  # a secret that is missing or too open

@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (the gateway's children)")
     add_model_arguments(p)
     p.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N (default: cpu)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.0, metavar="F",
+                   help="the share of its GPU's memory this worker may take, where workers share one; "
+                   "0: no limit (default: 0)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="of a preset's random weights (default: 0)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0: torch's default, one per core it may use (default: 0)")  # fmt: skip
@@ -145,6 +148,8 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     name = args.name or default_name(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gpu_memory_fraction:  # before the weights: the caching allocator holds it from the first one
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction, torch.device(args.device))
     dtype = resolve_dtype(args.dtype, args.device)
     runtime = await asyncio.to_thread(
         ModelRuntime.load, args.model, args.device, args.seed, dtype, args.trust_remote_code
@@ -241,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
     with user_input():  # one error line, before the model loads
         load_secret(args.secret_file)
         arguments.present_device(args.device)
+        if not 0 <= args.gpu_memory_fraction <= 1 or (args.gpu_memory_fraction and args.device == "cpu"):
+            raise ValueError(f"--gpu-memory-fraction {args.gpu_memory_fraction}: a share in [0, 1] of a GPU")
     for host, port in {args.listen, args.kv_listen or args.listen}:
         if port:
             try:  # the model would load for seconds before the bind failed

@@ -4,18 +4,33 @@ A cluster either lists hand-started workers (``workers = ["host:port", ...]``:
 they are dialled, never started) or has counts of workers the gateway's
 launcher starts (local children or Ray actors), named ``prfaas-p<i>``,
 ``pd-p<i>`` and ``pd-d<i>``.
+
+Placement: a cluster's workers are dealt to its ``devices`` in turn, prefill
+workers first (``ClusterConfig.placement``), so by default each has a GPU of
+its own. A local worker on ``cuda:N`` sees that GPU alone
+(``CUDA_VISIBLE_DEVICES``, counted within the gateway's own, if set) and is
+told ``--device cuda:0``; workers that share a GPU each get a fraction of its
+memory (``ServeConfig.memory_fraction``). A Ray actor is given its GPUs by
+Ray. A converted worker keeps the device of the one it replaces.
 """
 
 from __future__ import annotations
+
+import os
 
 from minifaas.serve.config import ServeConfig
 from minifaas.serve.launch.launcher import NAME_PREFIX, WorkerSpec, parse_address
 
 
-def worker_argv(c: ServeConfig, role: str, cluster: str) -> tuple[str, ...]:
+def worker_argv(c: ServeConfig, role: str, cluster: str, device: str | None = None) -> tuple[str, ...]:
     """The flags of a worker the gateway starts (``--role``, ``--name`` and addresses come from its launcher)."""
-    device = c.cluster(cluster).device
+    device = device or c.cluster(cluster).device
+    fraction = c.memory_fraction(cluster, device)
+    if device.startswith("cuda") and c.launcher == "local":
+        device = "cuda:0"  # the one GPU its CUDA_VISIBLE_DEVICES shows it
     argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
+    if fraction:
+        argv += ["--gpu-memory-fraction", f"{fraction:.4g}"]
     argv += ["--kv-compression", c.link.kv_compression]
     argv += ["--dtype", c.worker_dtype(cluster)] + (["--trust-remote-code"] if c.trust_remote_code else [])
     argv += ["--threads", str(c.worker_threads(cluster))]
@@ -36,19 +51,36 @@ def worker_argv(c: ServeConfig, role: str, cluster: str) -> tuple[str, ...]:
     return tuple(argv)
 
 
-def worker_spec(c: ServeConfig, name: str, role: str, cluster: str) -> WorkerSpec:
-    device = c.cluster(cluster).device
+def worker_spec(c: ServeConfig, name: str, role: str, cluster: str, device: str | None = None) -> WorkerSpec:
+    """The worker ``name`` on ``device`` (None: its cluster's first)."""
+    device = device or c.cluster(cluster).device
     gpus = c.ray.gpus_per_worker if device.startswith("cuda") else 0.0
-    return WorkerSpec(name, role, cluster, worker_argv(c, role, cluster), gpus=gpus)
+    local_gpu = device.startswith("cuda") and c.launcher == "local"
+    env = (("CUDA_VISIBLE_DEVICES", visible_gpu(device)),) if local_gpu else ()
+    return WorkerSpec(name, role, cluster, worker_argv(c, role, cluster, device), gpus=gpus, device=device, env=env)
+
+
+def visible_gpu(device: str, environ: dict[str, str] | None = None) -> str:
+    """What CUDA_VISIBLE_DEVICES shows a worker on ``device``: that one GPU of those the gateway sees."""
+    index = int(device.partition(":")[2] or 0)
+    seen = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if seen is None:
+        return str(index)
+    listed = [d.strip() for d in seen.split(",") if d.strip()]
+    if index >= len(listed):
+        raise ValueError(f"no {device}: CUDA_VISIBLE_DEVICES={seen!r} shows {len(listed)} GPU(s)")
+    return listed[index]
 
 
 def planned_specs(c: ServeConfig) -> list[WorkerSpec]:
-    """Every worker the configuration asks for, not started yet."""
+    """Every worker the configuration asks for, not started yet, each on its device."""
     specs = []
     for cluster, cc in (("prfaas", c.prfaas), ("pd", c.pd)):
         if cc.workers:
             specs += [WorkerSpec("", "", cluster, address=parse_address(a)) for a in cc.workers]
             continue
-        for role, count in (("prefill", cc.prefill_workers), ("decode", cc.decode_workers)):
-            specs += [worker_spec(c, f"{NAME_PREFIX[cluster, role]}{i}", role, cluster) for i in range(count)]
+        specs += [
+            worker_spec(c, f"{NAME_PREFIX[cluster, role]}{i}", role, cluster, device)
+            for role, i, device in cc.placement()
+        ]
     return specs

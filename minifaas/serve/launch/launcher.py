@@ -52,6 +52,8 @@ class WorkerSpec:
     argv: tuple[str, ...] = ()  # the worker's flags (model, device, cache, ...) for one the gateway starts
     address: Address | None = None  # a hand-started worker's control port
     gpus: float = 0.0  # GPUs the worker uses (Ray reserves them)
+    device: str = "cpu"  # where it runs, as the gateway's host numbers its GPUs (a new role keeps it)
+    env: tuple[tuple[str, str], ...] = ()  # set in its environment by a local launcher (CUDA_VISIBLE_DEVICES)
 
     @property
     def label(self) -> str:

@@ -81,7 +81,7 @@ class LocalLauncher:
         kv_port = self.kv_ports.get(spec.name, 0)  # the first start binds any free port; restarts keep it
         flags = ["--role", spec.role, "--cluster", spec.cluster, "--name", spec.name, "--listen", f"{HOST}:0"]
         flags += ["--kv-listen", f"{HOST}:{kv_port}", "--exit-with-stdin", *spec.argv]
-        env = child_env({**os.environ, SECRET_ENV: self.secret.decode()})
+        env = child_env({**os.environ, SECRET_ENV: self.secret.decode(), **dict(spec.env)})
         process = self.processes[spec.name] = await self._spawn(spec, flags, env)
         line = b""
         try:
