@@ -47,6 +47,7 @@ class FakeGateway:
         self.fail_after: int | None = None  # raise ``failure`` after this many tokens
         self.failure: Exception = RequestFailed("decode worker died")
         self.healthy = True
+        self.reply: list[tuple[int, str]] | None = None  # (token id, its text) to answer with instead of REPLY
 
     def stream(self, request: GenerateRequest, record: RequestRecord) -> FakeStream:
         self.requests.append(request)
@@ -81,10 +82,11 @@ class FakeStream:
         await asyncio.sleep(0)
         if gw.fail_after is not None and self.sent == gw.fail_after:
             raise gw.failure
-        ch = REPLY[self.sent % len(REPLY)]
+        token, text = gw.reply[self.sent % len(gw.reply)] if gw.reply else (ord(REPLY[self.sent % len(REPLY)]), "")
+        text = text if gw.reply else chr(token)
         self.sent += 1
         self.finished = not gw.endless and self.sent == n
-        return TokenEvent(ord(ch), ch, "length" if self.finished else None)
+        return TokenEvent(token, text, "length" if self.finished else None)
 
     async def aclose(self) -> None:
         if not self.finished and self.gateway.fail_after is None:
@@ -324,6 +326,20 @@ async def test_stream_shape(path: str, include_usage: bool) -> None:
             assert choices[0]["delta"] == {"role": "assistant", "content": ""} and choices[-1]["delta"] == {}
             text = "".join(c["delta"].get("content", "") for c in choices)
         assert text == REPLY[:6]
+
+
+@run_async
+async def test_the_first_token_is_streamed_at_once_even_inside_a_character() -> None:
+    """A token that starts a multi-byte character has no text yet. The first one is sent anyway, as an empty
+    chunk, so the client sees its time to first token; a later one waits to go out with the rest."""
+    u_umlaut = [(0xC3, ""), (0xBC, "ü")]  # the two bytes of one character: the text comes with the second
+    async with serving() as s:
+        for reply, texts in (([*u_umlaut, (0x78, "x")], ["", "ü", "x"]), ([(0x78, "x"), *u_umlaut], ["x", "ü"])):
+            s.gateway.reply = reply
+            resp = await s.client.post(C, json=GOOD | {"max_tokens": 3, "stream": True})
+            *chunks, done = sse_events(await resp.text())
+            assert done == "[DONE]" and chunks[-1]["choices"][0]["text"] == ""  # the closing chunk
+            assert [c["choices"][0]["text"] for c in chunks[:-1]] == texts
 
 
 @run_async

@@ -246,7 +246,9 @@ class OpenAIServer:
         self, response: web.StreamResponse, reply: Reply, event: TokenEvent, include_usage: bool
     ) -> None:
         text = reply.add(event, time.perf_counter())
-        if text:  # a token inside a multi-byte character has no text of its own yet
+        # A token inside a multi-byte character has no text of its own yet, and waits for the rest; but the
+        # first token's chunk goes out at once, with whatever text it has, so a client sees when it came.
+        if text or reply.tokens == 1:
             await _send(response, reply.content_chunk(text, include_usage))
 
 
