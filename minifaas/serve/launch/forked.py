@@ -362,10 +362,15 @@ def start_here(model: str) -> bool:
     with _shared_lock:
         if any(forks.model == model and forks.running for forks in _shared.values()):
             return False
-        forks = ForkServer(model)
-        forks.start(here=True)
+    forks = ForkServer(model)
+    try:
+        forks.start(here=True)  # outside the lock: the parent must not start with a lock taken
+    except OSError as e:  # no fork now (memory, process limits): the launcher starts a fresh parent instead
+        log.warning("could not fork the pre-loaded parent from this process: %s", e)
+        return False
+    with _shared_lock:
         _shared[_key(model)] = forks  # after the imports, which may set variables (TORCHINDUCTOR_CACHE_DIR)
-        return True
+    return True
 
 
 def _key(model: str) -> tuple[str, frozenset[tuple[str, str]]]:
