@@ -127,6 +127,8 @@ def test_the_flags_deal_one_worker_per_gpu_unless_counts_are_given() -> None:
                                        "0.2", "--dtype", "float32"))  # fmt: skip
     assert (told.pd.prefill_workers, told.pd.decode_workers, told.pd.memory_fraction) == (1, 3, 0.2)
     assert told.prfaas.memory_fraction == 0  # the PrfaaS cluster is on the CPU
+    with pytest.raises(ValueError, match="no cluster runs on a GPU"):
+        config_from_args(serve_args("--gpu-memory-fraction", "0.5"))
     with pytest.raises(ValueError, match="not both"):
         config_from_args(serve_args("--pd-device", "cuda:0", "--pd-devices", "cuda:1"))
     with pytest.raises(SystemExit):  # argparse's error line

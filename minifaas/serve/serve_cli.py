@@ -150,18 +150,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prfaas-devices",
         type=arguments.gpus,
+        metavar="GPUS",
         help="GPUs for the PrfaaS cluster, one worker each unless --prfaas-workers says otherwise, e.g. "
         "cuda:0,cuda:1 (default: none, --prfaas-device)",
     )
     parser.add_argument(
         "--pd-devices",
         type=arguments.gpus,
+        metavar="GPUS",
         help="GPUs for the PD cluster, dealt to its workers in turn, prefill first; one worker each unless "
         "--pd-decode-workers says otherwise (default: none, --pd-device)",
     )
     parser.add_argument(
         "--gpu-memory-fraction",
         type=float,
+        metavar="F",
         help="the share of its GPU each worker may take (default: workers that share a GPU split it equally, "
         "one alone has all of it)",
     )
@@ -280,6 +283,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         devices=pd_devices,
         memory_fraction=_gpu_share(args, pd_device, pd_devices, base.pd.memory_fraction),
     )
+    if args.gpu_memory_fraction is not None and prfaas.device == pd.device == "cpu":
+        raise ValueError("--gpu-memory-fraction: no cluster runs on a GPU")
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
         flow_rate=base.link.flow_rate,
