@@ -241,50 +241,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _gpu_share(args: argparse.Namespace, device: str, devices: tuple[str, ...], base: float) -> float:
-    """--gpu-memory-fraction for a cluster on GPUs; a cluster on the CPU keeps its own (none)."""
-    on_gpu = bool(devices) or device.startswith("cuda")
-    return args.gpu_memory_fraction if args.gpu_memory_fraction is not None and on_gpu else base
-
-
 def _percent(fraction: float) -> str:
     return f"{fraction:.0%}".replace("%", "%%")  # argparse formats help with %
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     base = ServeConfig.from_toml(args.config) if args.config else ServeConfig()
-    for one, many in (("--prfaas-device", args.prfaas_devices), ("--pd-device", args.pd_devices)):
-        if many and getattr(args, one[2:].replace("-", "_")):
-            raise ValueError(f"give {one} or {one}s, not both")
-    prfaas_devices = _pick(args.prfaas_devices, base.prfaas.devices)
-    prfaas_device = _pick(args.prfaas_device, "cpu" if args.prfaas_devices else base.prfaas.device)
+    if args.prfaas_device and args.prfaas_devices:
+        raise ValueError("give --prfaas-device or --prfaas-devices, not both")
+    if args.pd_device and args.pd_devices:
+        raise ValueError("give --pd-device or --pd-devices, not both")
     prfaas = ClusterConfig(
         _pick(args.prfaas_workers, len(args.prfaas_devices) if args.prfaas_devices else base.prfaas.prefill_workers),
         0,
-        prfaas_device,
+        _pick(args.prfaas_device, "cpu" if args.prfaas_devices else base.prfaas.device),
         prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
         workers=_pick(args.prfaas_worker, base.prfaas.workers),
         dtype=None if args.dtype else base.prfaas.dtype,  # --dtype is for every cluster
-        devices=prfaas_devices,
-        memory_fraction=_gpu_share(args, prfaas_device, prfaas_devices, base.prfaas.memory_fraction),
+        devices=_pick(args.prfaas_devices, base.prfaas.devices),
+        memory_fraction=base.prfaas.memory_fraction,
     )
     pd_prefill = _pick(args.pd_prefill_workers, base.pd.prefill_workers)
     pd_decode = max(1, len(args.pd_devices) - pd_prefill) if args.pd_devices else base.pd.decode_workers
-    pd_devices = _pick(args.pd_devices, base.pd.devices)
-    pd_device = _pick(args.pd_device, "cpu" if args.pd_devices else base.pd.device)
     pd = ClusterConfig(
         pd_prefill,
         _pick(args.pd_decode_workers, pd_decode),
-        pd_device,
+        _pick(args.pd_device, "cpu" if args.pd_devices else base.pd.device),
         _pick(args.max_batch, base.pd.max_batch),
         _pick(args.prefill_chunk, base.pd.prefill_chunk),
         workers=_pick(args.pd_worker, base.pd.workers),
         dtype=None if args.dtype else base.pd.dtype,
-        devices=pd_devices,
-        memory_fraction=_gpu_share(args, pd_device, pd_devices, base.pd.memory_fraction),
+        devices=_pick(args.pd_devices, base.pd.devices),
+        memory_fraction=base.pd.memory_fraction,
     )
-    if args.gpu_memory_fraction is not None and prfaas.device == pd.device == "cpu":
-        raise ValueError("--gpu-memory-fraction: no cluster runs on a GPU")
+    if args.gpu_memory_fraction is not None:  # for the clusters on GPUs; one on the CPU has no share to set
+        if prfaas.device == pd.device == "cpu":
+            raise ValueError("--gpu-memory-fraction: no cluster runs on a GPU")
+        prfaas, pd = (c if c.device == "cpu" else replace(c, memory_fraction=args.gpu_memory_fraction)
+                      for c in (prfaas, pd))  # fmt: skip
     link = LinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
         flow_rate=base.link.flow_rate,

@@ -26,7 +26,7 @@ def worker_argv(c: ServeConfig, role: str, cluster: str, device: str | None = No
     """The flags of a worker the gateway starts (``--role``, ``--name`` and addresses come from its launcher)."""
     device = device or c.cluster(cluster).device
     fraction = c.memory_fraction(cluster, device)
-    if device.startswith("cuda") and c.launcher == "local":
+    if _sees_one_gpu(c, device):
         device = "cuda:0"  # the one GPU its CUDA_VISIBLE_DEVICES shows it
     argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
     if fraction:
@@ -55,9 +55,13 @@ def worker_spec(c: ServeConfig, name: str, role: str, cluster: str, device: str 
     """The worker ``name`` on ``device`` (None: its cluster's first)."""
     device = device or c.cluster(cluster).device
     gpus = c.ray.gpus_per_worker if device.startswith("cuda") else 0.0
-    local_gpu = device.startswith("cuda") and c.launcher == "local"
-    env = (("CUDA_VISIBLE_DEVICES", visible_gpu(device)),) if local_gpu else ()
+    env = (("CUDA_VISIBLE_DEVICES", visible_gpu(device)),) if _sees_one_gpu(c, device) else ()
     return WorkerSpec(name, role, cluster, worker_argv(c, role, cluster, device), gpus=gpus, device=device, env=env)
+
+
+def _sees_one_gpu(c: ServeConfig, device: str) -> bool:
+    """A local worker on a GPU is shown that one alone; a Ray actor's GPUs are Ray's to show."""
+    return device.startswith("cuda") and c.launcher == "local"
 
 
 def visible_gpu(device: str, environ: dict[str, str] | None = None) -> str:

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from minifaas.parent_watch import PARENT_ENV, child_env, die_with_parent
+from minifaas.parent_watch import PARENT_ENV, child_env
 from minifaas.serve.launch import zygote
 
 log = logging.getLogger("minifaas.gateway")
@@ -298,9 +298,8 @@ def _fork_parent(model: str, theirs: socket.socket, ours: socket.socket) -> _For
             os.close(events_r)
             os.dup2(events_w, 1)
             os.close(events_w)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in zygote.main
             os.environ[PARENT_ENV] = str(os.getppid())
-            die_with_parent()
+            zygote.tie_to_gateway()
             zygote.run(theirs)
         finally:
             os._exit(1)

@@ -152,10 +152,16 @@ def serve(control: socket.socket) -> None:
 
 def main() -> None:
     fd, model = int(sys.argv[1]), sys.argv[2]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the gateway's to handle
-    die_with_parent()  # the gateway's child: killed with it, and its workers with it (theirs is this one)
+    tie_to_gateway()
     preload(model)
     run(socket.socket(fileno=fd))
+
+
+def tie_to_gateway() -> None:
+    """Ignore a terminal's ^C (the gateway's to handle) and die with the gateway, whose child this is; its
+    workers die with this one (theirs is this one)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
 
 
 def run(control: socket.socket) -> None:
