@@ -10,6 +10,7 @@ per process only spins against them).
 
     loop               one event loop for a module whose fixtures keep a gateway up across tests
     served(loop, config)  a module fixture's gateway: ``yield from served(loop, CONFIG)``
+    python             ``python ARGV`` commands forked from one pre-loaded interpreter (tests/preloaded.py)
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ def served(loop: asyncio.AbstractEventLoop, config: object) -> Iterator[object]:
     loop.run_until_complete(gw.__aenter__())
     yield gw
     loop.run_until_complete(gw.__aexit__(None, None, None))
+
+
+@pytest.fixture(scope="session")
+def python() -> Iterator[object]:
+    """The documented commands, benchmarks and examples run through this: each is still a process of its
+    own, but the seconds of torch imports are paid once per test process, not once per command."""
+    from preloaded import Preloaded
+
+    with Preloaded() as preloaded:
+        yield preloaded
 
 
 @pytest.fixture(scope="module")

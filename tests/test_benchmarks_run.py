@@ -3,7 +3,8 @@
 Each quoted command runs from the repository root as written plus ``--quick``
 (every benchmark's smoke run: smaller sizes and fewer repeats on the same code
 path) and ``--json``: it must exit 0, print its table and end with one JSON
-line of finite figures. Two run at a time. A benchmark whose own test runs it
+line of finite figures. Two run at a time, each a process forked from the
+pre-loaded interpreter (``python`` in conftest.py). A benchmark whose own test runs it
 so and checks its figures (``RUN_BY_OWN_TEST``: the chaos run) is not run twice. The figures in the docs come from
 full runs; these runs only prove that the commands a reader copies still work.
 Every benchmark in benchmarks/ must be quoted somewhere, so none goes untested.
@@ -12,14 +13,15 @@ Every benchmark in benchmarks/ must be quoted somewhere, so none goes untested.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+from preloaded import Preloaded
 from test_docs_commands import DOCS, ROOT, code_of
 
 pytestmark = pytest.mark.slow  # every benchmark's smoke run: minutes in all
@@ -78,13 +80,14 @@ def test_extraction() -> None:
     ]
 
 
-def _run(argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, *argv, "--quick", "--json"]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _run(python: Preloaded, argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    return python.run([*argv, "--quick", "--json"], cwd=ROOT, env=dict(os.environ), timeout=600)
 
 
 @pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest) -> Iterator[dict[tuple[str, ...], Future[subprocess.CompletedProcess[str]]]]:
+def runs(
+    request: pytest.FixtureRequest, python: Preloaded
+) -> Iterator[dict[tuple[str, ...], Future[subprocess.CompletedProcess[str]]]]:
     """The selected runs, two at a time: the live benchmarks spend much of their time waiting on
     process starts and emulated links, so a pair keeps both cores busy."""
     chosen = [
@@ -94,7 +97,7 @@ def runs(request: pytest.FixtureRequest) -> Iterator[dict[tuple[str, ...], Futur
     ]
     pool = ThreadPoolExecutor(max_workers=2)
     try:
-        yield {argv: pool.submit(_run, argv) for argv in chosen}
+        yield {argv: pool.submit(_run, python, argv) for argv in chosen}
     finally:  # after a failure under -x, the runs not started yet are dropped
         pool.shutdown(cancel_futures=True)
 

@@ -9,8 +9,9 @@ needed (the traces and the training text ship in data/ and go by name). A
 command that needs a GPU is skipped where there is none, and so is the full
 training recipe of the shipped checkpoint (over an hour on two cores;
 tests/test_train.py runs the same code with small sizes). They run two at a
-time, in sorted order; a command that reads a file another writes (``--out``)
-waits for that one.
+time, in sorted order, each as ``python -m minifaas.cli ...`` in a process
+forked from the pre-loaded interpreter (``python`` in conftest.py); a command
+that reads a file another writes (``--out``) waits for that one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import secrets
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from preloaded import Preloaded
 from test_docs_commands import CASES, DOCS, commands_in, marked_blocks
 
 pytestmark = pytest.mark.slow  # every documented command run as written, a server start each
@@ -84,43 +85,50 @@ class Ran:
     ready: bool = True  # a server announced where it listens
 
 
-def _run(argv: tuple[str, ...], scratch: Path, needs: list[Future[Ran]]) -> Ran:
+def _run(python: Preloaded, argv: tuple[str, ...], scratch: Path, needs: list[Future[Ran]]) -> Ran:
     for before in needs:  # the command that writes a file this one reads goes first
         before.result()
-    cmd = [sys.executable, "-m", "minifaas.cli", *argv]
+    cmd = ["-m", "minifaas.cli", *argv]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if argv[0] not in LONG_RUNNING:
-        done = subprocess.run(cmd, cwd=scratch, capture_output=True, text=True, timeout=600, env=env)
+        done = python.run(cmd, cwd=scratch, env=env, timeout=600)
         return Ran(done.returncode, done.stderr)
     if argv[0] == "worker":  # any free port instead of the one quoted, which a test machine may be using
         cmd = [re.sub(r":\d+$", ":0", a) if i and cmd[i - 1] == "--listen" else a for i, a in enumerate(cmd)]
     elif argv[0] == "serve":  # a free port instead of 8000, which a test machine may be using
         cmd = [*cmd, "--port", "0"] if "--port" not in argv else [a if a != "8000" else "0" for a in cmd]
-    proc = subprocess.Popen(
-        cmd, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
+    read, write = os.pipe()
+    try:
+        proc = python.start(cmd, cwd=scratch, env=env, stdout=write, stderr=write, new_session=True)
+    finally:
+        os.close(write)
     late = threading.Timer(READY_WITHIN_S, proc.kill)  # a server that never comes up ends its output
     late.start()
     seen: list[str] = []
     try:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            seen.append(line)
-            if LONG_RUNNING[argv[0]] in line:
-                break
-        ready = bool(seen) and LONG_RUNNING[argv[0]] in seen[-1]
+        with open(read, errors="replace") as output:
+            for line in output:
+                seen.append(line)
+                if LONG_RUNNING[argv[0]] in line:
+                    break
+            ready = bool(seen) and LONG_RUNNING[argv[0]] in seen[-1]
+            late.cancel()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code: int | None = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = None
     finally:
         late.cancel()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code: int | None = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = None
+        proc.kill()  # a no-op once it has ended
     return Ran(code, "".join(seen)[-3000:], ready)
 
 
 @pytest.fixture(scope="module")
-def runs(scratch: Path, request: pytest.FixtureRequest) -> Iterator[dict[tuple[str, ...], Future[Ran]]]:
+def runs(
+    scratch: Path, request: pytest.FixtureRequest, python: Preloaded
+) -> Iterator[dict[tuple[str, ...], Future[Ran]]]:
     """The selected commands, two at a time in their sorted order: most of them spend their time
     starting a process, a model or a server, so a pair keeps both cores busy. A command that reads
     a file another writes (``--out prof.json``) waits for it."""
@@ -137,7 +145,7 @@ def runs(scratch: Path, request: pytest.FixtureRequest) -> Iterator[dict[tuple[s
             if _skip_reason(argv):
                 continue
             needs = [writers[a] for a in argv[1:] if a in writers]
-            futures[argv] = pool.submit(_run, argv, scratch, needs)
+            futures[argv] = pool.submit(_run, python, argv, scratch, needs)
             if (out := _written(argv)) is not None:
                 writers[out] = futures[argv]
         yield futures

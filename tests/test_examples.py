@@ -1,19 +1,23 @@
 """Every script in examples/ runs to the end and prints its conclusion (smoke tests, so none rots).
 
-The examples start together as subprocesses and are checked one by one: each
-is a few seconds of CPU, and running them side by side keeps the whole file
-short even on busy cores.
+The examples start together, each a process forked from the pre-loaded
+interpreter (``python`` in conftest.py), and are checked one by one: each is a
+few seconds of CPU, and running them side by side keeps the whole file short
+even on busy cores.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import subprocess
-import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+from preloaded import Preloaded
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXPECTED = {
@@ -30,29 +34,30 @@ pytestmark = [pytest.mark.timeout(TIMEOUT_S + 30), pytest.mark.slow]  # every ex
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+def outputs(tmp_path_factory: pytest.TempPathFactory, python: Preloaded) -> dict[str, subprocess.CompletedProcess[str]]:
     cwd = tmp_path_factory.mktemp("examples")  # nothing may depend on the working directory
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    running = {
-        name: subprocess.Popen(
-            [sys.executable, str(EXAMPLES / f"{name}.py")],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in EXPECTED
-    }
-    done = {}
-    for name, process in running.items():
-        try:
-            out, err = process.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-            err += f"\n(killed after {TIMEOUT_S} s)"
-        done[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    with contextlib.ExitStack() as files:
+        running = {}
+        for name in EXPECTED:
+            out, err = (files.enter_context(tempfile.TemporaryFile()) for _ in range(2))
+            script = [str(EXAMPLES / f"{name}.py")]
+            running[name] = out, err, python.start(script, cwd=cwd, env=env, stdout=out.fileno(), stderr=err.fileno())
+        done = {}
+        deadline = time.monotonic() + TIMEOUT_S
+        for name, (out, err, process) in running.items():
+            note = ""
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                note = f"\n(killed after {TIMEOUT_S} s)"
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read().decode(errors="replace"))
+            done[name] = subprocess.CompletedProcess(process.args, process.returncode, texts[0], texts[1] + note)
     return done
 
 

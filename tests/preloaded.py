@@ -1,0 +1,294 @@
+"""Commands run as processes forked from one interpreter that has already imported torch and minifaas.
+
+The suite runs about eighty documented commands, benchmarks and examples
+(``python -m minifaas.cli ...``, ``python benchmarks/x.py ...``), and a fresh
+interpreter pays 3-4 s of CPU importing torch, transformers and the serving
+code before its first line of work. Here that is paid once: a server process
+imports it all, then forks one child per command. A child is a whole process
+of its own (pid, stdin, stdout, stderr, working directory, environment,
+session), and from its first line it runs the command exactly as
+``python ARGV`` would, through ``runpy``; it ends as an interpreter ends, exit
+handlers and all, with the exit status the command gave. Only the imports are
+shared. (The project's own pre-loaded parent, ``minifaas.serve.launch.zygote``,
+does the same for workers; this one runs any command line.)
+
+    with Preloaded() as python:
+        done = python.run(["-m", "minifaas.cli", "plan"], cwd=..., env=..., timeout=600)
+        server = python.start(["-m", "minifaas.cli", "serve"], cwd=..., env=..., stdout=fd, stderr=fd)
+
+A command runs with the environment it is given, plus the variables the
+imports set (as a fresh interpreter would have them: TORCHINDUCTOR_CACHE_DIR).
+The server dies with the process that started it.
+
+Protocol: a SOCK_SEQPACKET socket, one JSON request per message with four
+descriptors attached (the child's stdin, stdout, stderr and a status socket).
+The status socket carries ``{"pid": N}`` once the child runs and
+``{"code": C}`` when it has ended (its returncode as ``subprocess`` writes it).
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import contextlib
+import io
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+READY_TIMEOUT_S = 300.0  # the imports: seconds on a quiet machine, far more on a loaded one
+_FDS = 4
+
+
+class Forked:
+    """A command forked by the server: what the tests use of a ``subprocess.Popen``."""
+
+    def __init__(self, args: list[str], status: socket.socket) -> None:
+        self.args = args
+        self._status = status
+        self.returncode: int | None = None
+        self.cpu_s = 0.0  # its CPU seconds, once it has ended
+        self.pid = self._message(None)["pid"]
+
+    def _message(self, timeout: float | None) -> dict:
+        self._status.settimeout(timeout)
+        try:
+            data = self._status.recv(4096)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
+        if not data:
+            raise RuntimeError(f"the pre-loaded server went away while running {self.args}")
+        return json.loads(data)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            ended = self._message(timeout)
+            self.returncode, self.cpu_s = ended["code"], ended["cpu_s"]
+            self._status.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Preloaded:
+    """One pre-loaded server and the commands it forks (use it as a context manager)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, "MINIFAAS_PARENT_PID": str(os.getpid())}
+        self._server = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        theirs.close()
+        self._control = ours
+        ours.settimeout(READY_TIMEOUT_S)
+        if ours.recv(16) != b"ready":
+            raise RuntimeError("the pre-loaded server did not start")
+        ours.settimeout(None)
+
+    def start(
+        self, argv: list[str], *, cwd: Path, env: dict[str, str], stdout: int, stderr: int, new_session: bool = False
+    ) -> Forked:
+        """Fork ``python ARGV`` (``argv`` as after the interpreter: ``-m module ...`` or ``script ...``)."""
+        status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        try:
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "new_session": new_session}
+            fds = array.array("i", [stdin, stdout, stderr, theirs.fileno()])
+            self._control.sendmsg([json.dumps(request).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        finally:
+            os.close(stdin)
+            theirs.close()
+        return Forked([sys.executable, *argv], status)
+
+    def run(self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        """Like ``subprocess.run(capture_output=True, text=True, timeout=...)`` on ``python ARGV``."""
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            child = self.start(argv, cwd=cwd, env=env, stdout=out.fileno(), stderr=err.fileno())
+            try:
+                child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+                raise
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read().decode(errors="replace"))
+        return subprocess.CompletedProcess(child.args, child.wait(), *texts)
+
+    def close(self) -> None:
+        self._control.close()  # the server exits at the end of its control socket
+        try:
+            self._server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._server.kill()
+            self._server.wait()
+
+    def __enter__(self) -> Preloaded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----- the server, in its own process -----
+
+
+def _preload() -> dict[str, str]:
+    """Import what the commands import; returns the variables the imports set."""
+    before = dict(os.environ)
+    from minifaas.model.kernels import select_kernels
+
+    select_kernels("cpu")  # before any model code, as every CPU command does
+    import numpy  # noqa: F401
+    import transformers.models.qwen3  # noqa: F401
+
+    import minifaas.cli
+    import minifaas.serve.gateway
+    import minifaas.serve.worker
+    import minifaas.sim.engine  # noqa: F401
+
+    return {k: v for k, v in os.environ.items() if before.get(k) != v}
+
+
+def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
+    fds = array.array("i")
+    message, ancillary, _, _ = control.recvmsg(1 << 20, socket.CMSG_LEN(_FDS * fds.itemsize))
+    if not message:
+        return None
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    return json.loads(message), list(fds)
+
+
+def _serve(control: socket.socket) -> tuple[dict, list[int]] | None:
+    """Fork a child per request; returns in the child, with its request and descriptors, and None in
+    the server once its control socket has closed."""
+    statuses: dict[int, socket.socket] = {}
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ)
+    while True:
+        ready = selector.select(timeout=0.05)  # a child's end is reported within 50 ms
+        while statuses:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            cpu = usage.ru_utime + usage.ru_stime  # its own and that of the children it waited for
+            with statuses.pop(pid) as sock:
+                sock.send(json.dumps({"code": code, "cpu_s": cpu}).encode())
+        if not ready:
+            continue
+        received = _receive(control)
+        if received is None:
+            return None
+        request, fds = received
+        pid = os.fork()
+        if pid == 0:
+            selector.close()
+            control.close()
+            for sock in statuses.values():
+                sock.close()
+            return request, fds
+        status_sock = socket.socket(fileno=fds[3])
+        for fd in fds[:3]:
+            os.close(fd)
+        status_sock.send(json.dumps({"pid": pid}).encode())
+        statuses[pid] = status_sock
+
+
+def _become(request: dict, fds: list[int], added: dict[str, str]) -> None:
+    """In the child: take the descriptors and the environment, and be ``python ARGV``. Never returns."""
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.close(fds[3])  # the server reports this child's end; nothing is sent from here
+    if request["new_session"]:
+        os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update({**request["env"], **added})
+    sys.stdin, sys.stdout, sys.stderr = _stdio(0), _stdio(1), _stdio(2)
+    import numpy
+
+    numpy.random.seed()  # a fresh interpreter's global generator is seeded from the OS, not copied
+    code = _run_as_main(request["argv"])
+    # then end as python ends, but without tearing down the modules (torch's alone takes a second and
+    # would be paid per command): non-daemon threads joined, exit handlers run, streams flushed
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def _run_as_main(argv: list[str]) -> int:
+    """``python ARGV`` in this process; its exit status."""
+    import runpy
+
+    try:
+        if argv[0] == "-m":
+            sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
+            sys.modules.pop(argv[1], None)  # run afresh as __main__, as ``python -m`` does, not the imported copy
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv, sys.path[0] = list(argv), os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:  # as the interpreter reads it
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _stdio(fd: int) -> io.TextIOWrapper:
+    """A standard stream on ``fd`` as a fresh interpreter makes it (PYTHONUNBUFFERED read now)."""
+    unbuffered = fd and bool(os.environ.get("PYTHONUNBUFFERED"))
+    raw = io.FileIO(fd, "w" if fd else "r", closefd=False)
+    buffer = raw if unbuffered else (io.BufferedWriter(raw) if fd else io.BufferedReader(raw))
+    return io.TextIOWrapper(
+        buffer, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
+        line_buffering=fd == 2 or raw.isatty(), write_through=unbuffered,
+    )  # fmt: skip
+
+
+def main() -> None:
+    from minifaas.parent_watch import die_with_parent
+
+    control = socket.socket(fileno=int(sys.argv[1]))
+    die_with_parent()  # ends with the test process that started it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is for the test run
+    added = _preload()
+    control.send(b"ready")
+    forked = _serve(control)
+    if forked is None:
+        os._exit(0)  # at once: tearing down torch's modules serves nothing
+    _become(*forked, added)
+
+
+if __name__ == "__main__":
+    main()
