@@ -1,0 +1,76 @@
+"""The pre-loaded interpreter the suite runs its commands through ends each one as ``python ARGV`` would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from preloaded import Preloaded
+
+SCRIPT = """
+import atexit, os, sys, threading, time
+print("argv", sys.argv[1:], "name", __name__, "cwd", os.getcwd(), "path0", sys.path[0])
+print("env", os.environ.get("ASKED"), "torch loaded", "torch" in sys.modules)
+print("to stderr", file=sys.stderr)
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished", flush=True))).start()
+if sys.argv[1] == "raise":
+    raise RuntimeError("boom")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("scripts") / "probe.py"
+    path.write_text(textwrap.dedent(SCRIPT))
+    return path
+
+
+def test_a_script_runs_as_main_with_its_argv_cwd_env_and_exit_status(
+    python: Preloaded, script: Path, tmp_path: Path
+) -> None:
+    done = python.run([str(script), "3"], cwd=tmp_path, env={**os.environ, "ASKED": "yes"}, timeout=60)
+    assert done.returncode == 3
+    assert f"argv ['3'] name __main__ cwd {tmp_path} path0 {script.parent}" in done.stdout
+    assert "env yes torch loaded True" in done.stdout  # the imports are the only thing shared
+    # non-daemon threads are joined and exit handlers run, in that order, before it ends
+    assert done.stdout.index("thread finished") < done.stdout.index("atexit ran")
+    assert done.stderr == "to stderr\n"
+
+
+def test_an_uncaught_exception_prints_its_traceback_and_exits_1(
+    python: Preloaded, script: Path, tmp_path: Path
+) -> None:
+    done = python.run([str(script), "raise"], cwd=tmp_path, env=dict(os.environ), timeout=60)
+    assert done.returncode == 1
+    assert "RuntimeError: boom" in done.stderr and "Traceback" in done.stderr
+
+
+def test_a_module_runs_as_python_dash_m_does(python: Preloaded, tmp_path: Path) -> None:
+    forked = python.run(["-m", "minifaas.cli", "plan", "--help"], cwd=tmp_path, env=dict(os.environ), timeout=60)
+    fresh = subprocess.run([sys.executable, "-m", "minifaas.cli", "plan", "--help"], capture_output=True, text=True)
+    assert forked.returncode == fresh.returncode == 0
+    assert (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr)
+
+
+def test_a_signal_ends_it_as_it_ends_a_process(python: Preloaded, tmp_path: Path) -> None:
+    read, write = os.pipe()
+    code = "import time; print('up', flush=True); time.sleep(120)"
+    (waiting := tmp_path / "wait.py").write_text(code)
+    try:
+        child = python.start([str(waiting)], cwd=tmp_path, env=dict(os.environ), stdout=write, stderr=write)
+    finally:
+        os.close(write)
+    with open(read) as output:
+        assert output.readline() == "up\n"
+        assert child.pid != os.getpid()
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=0.2)
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == -signal.SIGTERM
