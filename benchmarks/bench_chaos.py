@@ -36,6 +36,7 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.serve.api import api_error
 from minifaas.serve.config import CacheConfig, ClusterConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
+from minifaas.serve.launch import forked
 from minifaas.serve.link import NAME
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 
@@ -215,6 +216,7 @@ def main() -> None:
     args = p.parse_args()
     calm_s = args.calm_s or (10.0 if args.quick else 30.0)
     chaos_s = args.chaos_s or (35.0 if args.quick else 150.0)
+    forked.start_here(CONFIG.model)  # the workers' parent, forked from here before any torch op
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     result = asyncio.run(chaos(args.seed, calm_s, chaos_s))
     c, q = result["calm"], result["chaos"]

@@ -36,6 +36,7 @@ from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.serve.launch import forked
 
 PROMPT_LENGTHS = (32, 96, 200, 64, 400, 128, 48, 256)  # cycled: a mix of contexts in one batch
 
@@ -192,6 +193,8 @@ def main() -> None:
         quick = {"streams": "1,4", "tokens": 4, "repeats": 1, "e2e_requests": 4, "e2e_max_batch": 4}
         parser.set_defaults(**quick, prefill_lengths="16,32", prefill_batch=2)
         args = parser.parse_args()
+    if args.e2e:
+        forked.start_here(args.model)  # the workers' parent, forked from here before any torch op
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)

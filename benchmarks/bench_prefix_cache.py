@@ -43,6 +43,7 @@ from minifaas import figures
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
+from minifaas.serve.launch import forked
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.traces import MOONCAKE_BLOCK_TOKENS, trace_path
 
@@ -137,6 +138,7 @@ def main() -> None:
     if args.quick:  # flags given on the command line still win
         p.set_defaults(requests=6, scale=128)
         args = p.parse_args()
+    forked.start_here(args.model)  # the workers' parent, forked from here before any torch op
 
     trace = trace_path(args.trace)
     turns = conversations(trace, args.scale, args.requests, args.min_turns)

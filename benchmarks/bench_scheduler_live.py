@@ -47,6 +47,7 @@ from minifaas import figures
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
+from minifaas.serve.launch import forked
 from minifaas.serve.requests import GenerateRequest, RequestFailed, RequestRecord
 
 FULL_BPS = 20e6
@@ -226,6 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.requests, args.drop_after, args.short, args.long, args.period = 6, 2, 3, 9, 3.0
+    forked.start_here("kimi-linear-tiny")  # the workers' parent, forked from here before any torch op
     out: dict[str, dict] = {}
     if args.scenario in ("drop", "both"):
         drop_scenario(args, out)

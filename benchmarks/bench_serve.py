@@ -29,6 +29,7 @@ from minifaas import figures
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import ClusterConfig, LinkConfig, ServeConfig
+from minifaas.serve.launch import forked
 from minifaas.serve.serve_cli import running_server
 
 # where a served request's time goes (the response's ``minifaas`` object); http_s is the client's TTFT less
@@ -122,6 +123,8 @@ def main() -> None:
     if a.quick:  # flags given on the command line still win
         p.set_defaults(short=32, long=128, max_tokens=4, repeats=1)
         a = p.parse_args()
+    if a.device == "cpu":
+        forked.start_here(a.model)  # the workers' parent, forked from here before any torch op
     lengths = [a.short, a.long]
     rt = ModelRuntime.load(a.model, a.device)
     rt.generate([1, 2, 3], SamplingParams(max_tokens=2))

@@ -42,6 +42,7 @@ from minifaas import figures
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.gateway import Gateway
+from minifaas.serve.launch import forked
 from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.traces import MOONCAKE_BLOCK_TOKENS, read_trace
 
@@ -157,6 +158,7 @@ def main() -> None:
     if args.quick:  # flags given on the command line still win
         p.set_defaults(requests=3, scale="128,8,8", time_scale=0.0)
         args = p.parse_args()
+    forked.start_here(args.model)  # the workers' parent, forked from here before any torch op
     names, scales = args.traces.split(","), [int(s) for s in args.scale.split(",")]
     if len(scales) != len(names):
         p.error(f"--scale needs one value per trace: {len(names)} traces, {len(scales)} scales")
