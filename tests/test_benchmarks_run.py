@@ -4,9 +4,11 @@ Each quoted command runs from the repository root as written plus ``--quick``
 (every benchmark's smoke run: smaller sizes and fewer repeats on the same code
 path) and ``--json``: it must exit 0, print its table and end with one JSON
 line of finite figures. Two run at a time, each a process forked from the
-pre-loaded interpreter (``python`` in conftest.py). A benchmark whose own test runs it
-so and checks its figures (``RUN_BY_OWN_TEST``: the chaos run) is not run twice. The figures in the docs come from
-full runs; these runs only prove that the commands a reader copies still work.
+pre-loaded interpreter (``python`` in conftest.py). A benchmark whose own test
+runs it so and checks its figures (``RUN_BY_OWN_TEST``: the chaos run) is not
+run twice, nor is the served-TTFT smoke run that the device check's dry run
+makes (``RUN_BY_THE_DRY_RUN``). The figures in the docs come from full runs;
+these runs only prove that the commands a reader copies still work.
 Every benchmark in benchmarks/ must be quoted somewhere, so none goes untested.
 """
 
@@ -53,12 +55,16 @@ def _refuse(constant: str) -> float:
 RUN_ELSEWHERE = {"benchmarks/gpu_check.py", "benchmarks/gpu_probe.py"}
 # run by their own tests as quoted, plus --quick --json, with checks of their figures: not run twice
 RUN_BY_OWN_TEST = {"benchmarks/bench_chaos.py": "tests/test_chaos.py"}
-SMOKE_RUNS = [argv for argv in UNIQUE if argv[0] not in RUN_BY_OWN_TEST]
+# one quoted form run so by the device check's dry run, whose test checks its figures (tests/test_gpu_check.py)
+RUN_BY_THE_DRY_RUN = {("benchmarks/bench_serve.py",): "benchmarks/gpu_check.py"}
+SMOKE_RUNS = [argv for argv in UNIQUE if argv[0] not in RUN_BY_OWN_TEST and argv not in RUN_BY_THE_DRY_RUN]
 
 
 def test_the_benchmarks_left_out_here_are_run_by_their_own_tests() -> None:
-    for script, test in RUN_BY_OWN_TEST.items():
+    elsewhere = {**RUN_BY_OWN_TEST, **{argv[0]: where for argv, where in RUN_BY_THE_DRY_RUN.items()}}
+    for script, test in elsewhere.items():
         assert f'"{script}", "--quick", "--json"' in (ROOT / test).read_text(), f"{test} does not run {script}"
+    assert set(RUN_BY_THE_DRY_RUN) <= set(UNIQUE), "a form left to the dry run is not quoted"
 
 
 def test_every_benchmark_is_quoted() -> None:

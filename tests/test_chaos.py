@@ -1,6 +1,7 @@
 """Chaos: a real gateway under steady mixed load while its workers and link emulator are killed and stopped.
 
-The benchmark's own run (benchmarks/bench_chaos.py --quick --json, a fixed seed), in its own process:
+The benchmark's own run (benchmarks/bench_chaos.py --quick --json, a fixed seed), in its own process
+(forked from the pre-loaded interpreter, ``python`` in conftest.py):
 seeded SIGKILLs and SIGSTOP/SIGCONTs of every worker role and the emulator, one at a time. Every
 request must complete with generate()'s greedy tokens or fail with a clear, counted error; none may
 outlive the bound its deadlines allow; every process the gateway ever started must be gone after
@@ -10,11 +11,11 @@ shutdown, and every process that was faulted must have come back into routing.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
+from preloaded import Preloaded
 
 ROOT = Path(__file__).resolve().parent.parent
 # what a failure may say: the codes of the gateway's OpenAI error bodies (minifaas.serve.api.api_error)
@@ -23,9 +24,11 @@ CLEAN_CAUSES = {"request_failed", "timeout", "overloaded", "migration_limit"}
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_under_kills_and_stops_every_request_is_right_or_cleanly_failed_and_nothing_hangs_or_stays() -> None:
-    cmd = [sys.executable, "benchmarks/bench_chaos.py", "--quick", "--json", "--calm-s", "5", "--chaos-s", "40"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+def test_under_kills_and_stops_every_request_is_right_or_cleanly_failed_and_nothing_hangs_or_stays(
+    python: Preloaded,
+) -> None:
+    cmd = ["benchmarks/bench_chaos.py", "--quick", "--json", "--calm-s", "5", "--chaos-s", "40"]
+    done = python.run(cmd, cwd=ROOT, env=dict(os.environ), timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     chaos, faults = result["chaos"], result["faults"]

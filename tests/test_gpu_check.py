@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from preloaded import Preloaded
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_the_dry_run_runs_every_step_and_writes_its_json(tmp_path: Path) -> None:
+def test_the_dry_run_runs_every_step_and_writes_its_json(tmp_path: Path, python: Preloaded) -> None:
     out = tmp_path / "gpu_check.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)],
-        capture_output=True, text=True, timeout=400, cwd=ROOT,
-    )  # fmt: skip
+    argv = ["benchmarks/gpu_check.py", "--dry-run", "--out", str(out)]
+    done = python.run(argv, cwd=ROOT, env=dict(os.environ), timeout=400)  # its steps are fresh interpreters
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert results["dry_run"] and results["device"] == "cpu"
@@ -28,6 +28,10 @@ def test_the_dry_run_runs_every_step_and_writes_its_json(tmp_path: Path) -> None
     )
     assert all(v["rc"] == 0 for v in steps.values()), steps
     assert steps["kernels kimi-linear-tiny"]["result"]["kernels"] == "torch"  # the reference kernels on the CPU
+    # the served step is bench_serve.py --quick --json, the smoke run tests/test_benchmarks_run.py leaves to this
+    served = steps["served TTFT per route"]["result"]
+    assert isinstance(served, dict) and served.get("rows"), served
+    json.dumps(served, allow_nan=False)  # ValueError on a NaN or infinite figure: a run that measured nothing
 
 
 def test_the_gpu_tests_are_collected_and_skipped_with_the_reason_on_the_cpu() -> None:
