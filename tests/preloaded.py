@@ -43,6 +43,7 @@ import tempfile
 import threading
 import traceback
 from pathlib import Path
+from typing import IO
 
 READY_TIMEOUT_S = 300.0  # the imports: seconds on a quiet machine, far more on a loaded one
 _FDS = 4
@@ -51,9 +52,10 @@ _FDS = 4
 class Forked:
     """A command forked by the server: what the tests use of a ``subprocess.Popen``."""
 
-    def __init__(self, args: list[str], status: socket.socket) -> None:
+    def __init__(self, args: list[str], status: socket.socket, captured: list[IO[bytes]]) -> None:
         self.args = args
         self._status = status
+        self._captured = captured  # the files its stdout and stderr go to, unless the caller gave its own
         self.returncode: int | None = None
         self.cpu_s = 0.0  # its CPU seconds, once it has ended
         self.pid = self._message(None)["pid"]
@@ -74,6 +76,16 @@ class Forked:
             self.returncode, self.cpu_s = ended["code"], ended["cpu_s"]
             self._status.close()
         return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for it to end; what it wrote to the stdout and stderr captured for it."""
+        self.wait(timeout)
+        texts = []
+        for f in self._captured:
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+            f.close()
+        return texts[0], texts[1]
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -102,9 +114,21 @@ class Preloaded:
         ours.settimeout(None)
 
     def start(
-        self, argv: list[str], *, cwd: Path, env: dict[str, str], stdout: int, stderr: int, new_session: bool = False
+        self,
+        argv: list[str],
+        *,
+        cwd: Path,
+        env: dict[str, str],
+        stdout: int | None = None,
+        stderr: int | None = None,
+        new_session: bool = False,
     ) -> Forked:
-        """Fork ``python ARGV`` (``argv`` as after the interpreter: ``-m module ...`` or ``script ...``)."""
+        """Fork ``python ARGV`` (``argv`` as after the interpreter: ``-m module ...`` or ``script ...``), its
+        stdout and stderr to these descriptors, or captured for ``communicate`` where none is given."""
+        # files ``communicate`` reads and closes
+        captured = [] if stdout is not None else [tempfile.TemporaryFile() for _ in range(2)]  # noqa: SIM115
+        if captured:
+            stdout, stderr = captured[0].fileno(), captured[1].fileno()
         status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         stdin = os.open(os.devnull, os.O_RDONLY)
         try:
@@ -114,23 +138,18 @@ class Preloaded:
         finally:
             os.close(stdin)
             theirs.close()
-        return Forked([sys.executable, *argv], status)
+        return Forked([sys.executable, *argv], status, captured)
 
     def run(self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         """Like ``subprocess.run(capture_output=True, text=True, timeout=...)`` on ``python ARGV``."""
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            child = self.start(argv, cwd=cwd, env=env, stdout=out.fileno(), stderr=err.fileno())
-            try:
-                child.wait(timeout)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-                raise
-            texts = []
-            for f in (out, err):
-                f.seek(0)
-                texts.append(f.read().decode(errors="replace"))
-        return subprocess.CompletedProcess(child.args, child.wait(), *texts)
+        child = self.start(argv, cwd=cwd, env=env)
+        try:
+            out, err = child.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise
+        return subprocess.CompletedProcess(child.args, child.wait(), out, err)
 
     def close(self) -> None:
         self._control.close()  # the server exits at the end of its control socket

@@ -9,10 +9,8 @@ even on busy cores.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,27 +35,18 @@ pytestmark = [pytest.mark.timeout(TIMEOUT_S + 30), pytest.mark.slow]  # every ex
 def outputs(tmp_path_factory: pytest.TempPathFactory, python: Preloaded) -> dict[str, subprocess.CompletedProcess[str]]:
     cwd = tmp_path_factory.mktemp("examples")  # nothing may depend on the working directory
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with contextlib.ExitStack() as files:
-        running = {}
-        for name in EXPECTED:
-            out, err = (files.enter_context(tempfile.TemporaryFile()) for _ in range(2))
-            script = [str(EXAMPLES / f"{name}.py")]
-            running[name] = out, err, python.start(script, cwd=cwd, env=env, stdout=out.fileno(), stderr=err.fileno())
-        done = {}
-        deadline = time.monotonic() + TIMEOUT_S
-        for name, (out, err, process) in running.items():
-            note = ""
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-                note = f"\n(killed after {TIMEOUT_S} s)"
-            texts = []
-            for f in (out, err):
-                f.seek(0)
-                texts.append(f.read().decode(errors="replace"))
-            done[name] = subprocess.CompletedProcess(process.args, process.returncode, texts[0], texts[1] + note)
+    running = {name: python.start([str(EXAMPLES / f"{name}.py")], cwd=cwd, env=env) for name in EXPECTED}
+    done = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    for name, process in running.items():
+        note = ""
+        try:
+            out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            note = f"\n(killed after {TIMEOUT_S} s)"
+        done[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err + note)
     return done
 
 

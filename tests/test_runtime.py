@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from preloaded import Preloaded
 
 from minifaas.model import state_codec
 from minifaas.model.layer_state import LayerState, ModelState
@@ -57,21 +57,21 @@ def _receive_states(server: socket.socket, count: int) -> list[tuple[ModelState,
 
 
 @pytest.fixture(scope="module")
-def other_process() -> OtherProcess:
+def other_process(python: Preloaded) -> OtherProcess:
     """One child process for every preset (seed 0): each prompt's streamed state, and each preset's weights' digest."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(300)
         port = server.getsockname()[1]
-        cmd = [sys.executable, str(CHILD), str(port), "0", ",".join(PRESETS), *map(str, LENGTHS)]
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        cmd = [str(CHILD), str(port), "0", ",".join(PRESETS), *map(str, LENGTHS)]
+        child = python.start(cmd, cwd=CHILD.parent, env=dict(os.environ))
         try:
             states = {preset: _receive_states(server, len(LENGTHS)) for preset in PRESETS}
-            out, _ = child.communicate(timeout=300)
+            out, err = child.communicate(timeout=300)
         finally:
-            if child.poll() is None:
+            if child.returncode is None:
                 child.kill()
-                child.wait()
-    assert child.returncode == 0
+                child.communicate()
+    assert child.returncode == 0, err[-2000:]
     digests = dict(line.split() for line in out.splitlines())
     return states, digests
 

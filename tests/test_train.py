@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from preloaded import Preloaded
 from rich.console import Console
 
 from minifaas.model.loader import ModelSpec
@@ -129,13 +130,13 @@ def test_without_matplotlib_no_png_is_written(monkeypatch: pytest.MonkeyPatch, t
 
 
 @pytest.mark.slow
-def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path) -> None:
+def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path, python: Preloaded) -> None:
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "minifaas.cli", "train", "--text", "tinyshakespeare", "--out", str(out),
+    cmd = ["-m", "minifaas.cli", "train", "--text", "tinyshakespeare", "--out", str(out),
            "--layers", "4", "--hidden", "64", "--intermediate", "128", "--seq-len", "32", "--batch-size", "2",
            "--steps", "150", "--warmup-steps", "1", "--log-every", "1", "--eval-every", "75", "--eval-batches", "1",
            "--sample-tokens", "8"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = python.start(cmd, cwd=ROOT, env=dict(os.environ))
     deadline = time.monotonic() + 120
     log = out / LOG_FILE
     while not (log.is_file() and log.read_text().endswith("\n")) and time.monotonic() < deadline:
@@ -145,9 +146,9 @@ def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path) -> None:
     assert proc.returncode == 130 and "stopped after step" in stdout, stderr[-2000:]
     stopped = torch.load(out / STATE_FILE, weights_only=True)["step"]
     assert 1 <= stopped < 150
-    done = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = python.run([*cmd, "--resume"], cwd=ROOT, env=dict(os.environ), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 150/150" in done.stdout and "sample (temperature 0.8" in done.stdout
     assert [r["step"] for r in read_log(out / LOG_FILE)] == list(range(1, 151))
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    again = python.run(cmd, cwd=ROOT, env=dict(os.environ), timeout=300)
     assert again.returncode == 2 and "add --resume" in again.stderr and "Traceback" not in again.stderr
