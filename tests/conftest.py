@@ -1,4 +1,4 @@
-"""Shared test plumbing: one torch thread, progress lines for a long run, a loop fixture and a gateway helper.
+"""Shared test plumbing: one torch thread, progress lines for a long run, the longest files first, fixtures.
 
 ``pytest -q`` prints a dot per test, and a module of served tests can hold the
 line for minutes; each test that took a while says so on its own line, with
@@ -25,6 +25,14 @@ import torch
 
 # a test (setup, call and teardown together) longer than this gets a line
 NOTE_AFTER_S = float(os.environ.get("MINIFAAS_NOTE_AFTER_S", "15"))
+# the files that take longest on two cores (a minute or more each), longest first: they start first, so
+# that no worker is left running one alone at the end while the other has nothing to do. Under
+# ``-n 2 --dist loadfile`` xdist hands out files in the order collected here (pytest_configure turns
+# its own order, most tests first, off: that one sends these, which hold one or two tests each, last).
+LONGEST_FIRST = (
+    "test_benchmarks_run.py", "test_docs_run.py", "test_runtime.py", "test_gpu_check.py", "test_deploy.py",
+    "test_chaos.py", "test_two_hosts.py", "test_scheduler_live.py",
+)  # fmt: skip
 
 
 class Progress:
@@ -44,9 +52,19 @@ class Progress:
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered, in its own pytest_configure
 def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         config.pluginmanager.register(Progress(reporter), "minifaas-progress")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every file's own tests keep their order
 
 
 def served(loop: asyncio.AbstractEventLoop, config: object) -> Iterator[object]:
