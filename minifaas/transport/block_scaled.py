@@ -55,7 +55,7 @@ def encode(raw: memoryview, dtype: torch.dtype, code: str) -> tuple[list[memoryv
 
 def decode_into(payload: memoryview, dtype: torch.dtype, code: str, out: memoryview) -> None:
     """Write the elements ``payload`` codes (``len(out)`` bytes of ``dtype``) into ``out``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if dtype not in FLOATS or len(out) % itemsize:
         raise BlockError(f"{len(out)} bytes are not whole {dtype} elements")
     n = len(out) // itemsize

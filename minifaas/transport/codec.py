@@ -89,7 +89,7 @@ def frame_codec(requested: Codec, kind: StateKind, dtype: torch.dtype, nbytes: i
     """The codec one frame of a slot gets in a transfer that asked for ``requested``."""
     if requested is Codec.NONE or dtype not in block_scaled.FLOATS or nbytes < MIN_CODED_BYTES:
         return Codec.NONE
-    if nbytes % torch.empty((), dtype=dtype).element_size():
+    if nbytes % dtype.itemsize:
         return Codec.NONE
     if requested.lossy and kind in _LOSSY_KINDS:
         return requested
@@ -167,7 +167,7 @@ class FrameDecoder:
 
 
 def raw_width(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def codecs_for(mode: str) -> frozenset[Codec]:
