@@ -1,16 +1,18 @@
 """Commands run as processes forked from one interpreter that has already imported torch and minifaas.
 
-The suite runs about eighty documented commands, benchmarks and examples
+The suite runs about ninety documented commands, benchmarks and examples
 (``python -m minifaas.cli ...``, ``python benchmarks/x.py ...``), and a fresh
 interpreter pays 3-4 s of CPU importing torch, transformers and the serving
 code before its first line of work. Here that is paid once: a server process
 imports it all, then forks one child per command. A child is a whole process
 of its own (pid, stdin, stdout, stderr, working directory, environment,
 session), and from its first line it runs the command exactly as
-``python ARGV`` would, through ``runpy``; it ends as an interpreter ends, exit
-handlers and all, with the exit status the command gave. Only the imports are
-shared. (The project's own pre-loaded parent, ``minifaas.serve.launch.zygote``,
-does the same for workers; this one runs any command line.)
+``python ARGV`` would, through ``runpy``; it ends as an interpreter ends
+(non-daemon threads joined, exit handlers run, streams flushed, the exit status
+the command gave), except that its modules are not torn down: a second of CPU
+per command with torch loaded, and nothing to see. Only the imports are shared.
+(The project's own pre-loaded parent, ``minifaas.serve.launch.zygote``, does
+the same for workers; this one runs any command line.)
 
     with Preloaded() as python:
         done = python.run(["-m", "minifaas.cli", "plan"], cwd=..., env=..., timeout=600)
@@ -23,7 +25,8 @@ The server dies with the process that started it.
 Protocol: a SOCK_SEQPACKET socket, one JSON request per message with four
 descriptors attached (the child's stdin, stdout, stderr and a status socket).
 The status socket carries ``{"pid": N}`` once the child runs and
-``{"code": C}`` when it has ended (its returncode as ``subprocess`` writes it).
+``{"code": C, "cpu_s": S}`` when it has ended (its returncode as ``subprocess``
+writes it, and its CPU seconds with those of the children it waited for).
 """
 
 from __future__ import annotations
