@@ -189,20 +189,11 @@ def _preload() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if before.get(k) != v}
 
 
-def _receive(control: socket.socket) -> tuple[dict, list[int]] | None:
-    fds = array.array("i")
-    message, ancillary, _, _ = control.recvmsg(1 << 20, socket.CMSG_LEN(_FDS * fds.itemsize))
-    if not message:
-        return None
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-    return json.loads(message), list(fds)
-
-
 def _serve(control: socket.socket) -> tuple[dict, list[int]] | None:
     """Fork a child per request; returns in the child, with its request and descriptors, and None in
     the server once its control socket has closed."""
+    from minifaas.serve.launch import zygote
+
     statuses: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ)
@@ -218,7 +209,7 @@ def _serve(control: socket.socket) -> tuple[dict, list[int]] | None:
                 sock.send(json.dumps({"code": code, "cpu_s": cpu}).encode())
         if not ready:
             continue
-        received = _receive(control)
+        received = zygote.receive(control, _FDS)  # the same framing as the workers' parent
         if received is None:
             return None
         request, fds = received

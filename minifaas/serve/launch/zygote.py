@@ -68,10 +68,11 @@ def preload(model: str) -> None:
         pass
 
 
-def receive(sock: socket.socket) -> tuple[dict, list[int]] | None:
-    """One request and its two descriptors; None once the gateway has closed the socket."""
+def receive(sock: socket.socket, descriptors: int = 2) -> tuple[dict, list[int]] | None:
+    """One request and the descriptors attached to it (two here: a child's stdin and stdout); None once
+    the other end has closed the socket."""
     fds = array.array("i")
-    message, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_LEN(2 * fds.itemsize))
+    message, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_LEN(descriptors * fds.itemsize))
     if not message:
         return None
     for level, kind, data in ancillary:
