@@ -42,6 +42,7 @@ from minifaas.model.sampling import GREEDY
 from minifaas.model.state_layout import build_cache
 from minifaas.policy.compression import CompressionConfig
 from minifaas.serve.config import CacheConfig, LinkConfig, ServeConfig
+from minifaas.serve.launch import forked
 from minifaas.serve.serve_cli import running_server
 from minifaas.transport.chunking import split_chunks
 from minifaas.transport.codec import Codec
@@ -242,6 +243,8 @@ def main() -> None:
     if a.quick:  # flags given on the command line still win
         p.set_defaults(tokens=256, prompts=2, accuracy_tokens=48, steps=3, repeats=1, rates="10,1000")
         a = p.parse_args()
+    if a.only in (None, "ttft"):
+        forked.start_here(a.ttft_model)  # the servers' workers' parent, forked from here before any torch op
     torch.set_num_threads(1)  # one core: the figures are per core, and other work shares this machine
     names = a.models.split(",") if a.models else models() if not a.quick else ["qwen3.5-tiny"]
     dtypes = list(DTYPES) if not a.quick else ["float32", "bfloat16"]

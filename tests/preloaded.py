@@ -25,8 +25,7 @@ The server dies with the process that started it.
 Protocol: a SOCK_SEQPACKET socket, one JSON request per message with four
 descriptors attached (the child's stdin, stdout, stderr and a status socket).
 The status socket carries ``{"pid": N}`` once the child runs and
-``{"code": C, "cpu_s": S}`` when it has ended (its returncode as ``subprocess``
-writes it, and its CPU seconds with those of the children it waited for).
+``{"code": C}`` when it has ended (its returncode as ``subprocess`` writes it).
 """
 
 from __future__ import annotations
@@ -48,6 +47,8 @@ import traceback
 from pathlib import Path
 from typing import IO
 
+from minifaas.parent_watch import child_env, die_with_parent
+
 READY_TIMEOUT_S = 300.0  # the imports: seconds on a quiet machine, far more on a loaded one
 _FDS = 4
 
@@ -60,7 +61,6 @@ class Forked:
         self._status = status
         self._captured = captured  # the files its stdout and stderr go to, unless the caller gave its own
         self.returncode: int | None = None
-        self.cpu_s = 0.0  # its CPU seconds, once it has ended
         self.pid = self._message(None)["pid"]
 
     def _message(self, timeout: float | None) -> dict:
@@ -75,8 +75,7 @@ class Forked:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            ended = self._message(timeout)
-            self.returncode, self.cpu_s = ended["code"], ended["cpu_s"]
+            self.returncode = self._message(timeout)["code"]
             self._status.close()
         return self.returncode
 
@@ -104,9 +103,8 @@ class Preloaded:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "MINIFAAS_PARENT_PID": str(os.getpid())}
         self._server = subprocess.Popen(
-            [sys.executable, __file__, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
+            [sys.executable, __file__, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=child_env(),
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
         theirs.close()
@@ -175,15 +173,12 @@ class Preloaded:
 def _preload() -> dict[str, str]:
     """Import what the commands import; returns the variables the imports set."""
     before = dict(os.environ)
-    from minifaas.model.kernels import select_kernels
+    from minifaas.model.loader import DEFAULT_MODEL
+    from minifaas.serve.launch import zygote
 
-    select_kernels("cpu")  # before any model code, as every CPU command does
-    import numpy  # noqa: F401
-    import transformers.models.qwen3  # noqa: F401
-
+    zygote.preload(DEFAULT_MODEL)  # what a CPU worker imports, the kernels chosen first, as every CPU command does
     import minifaas.cli
     import minifaas.serve.gateway
-    import minifaas.serve.worker
     import minifaas.sim.engine  # noqa: F401
 
     return {k: v for k, v in os.environ.items() if before.get(k) != v}
@@ -192,7 +187,7 @@ def _preload() -> dict[str, str]:
 def _serve(control: socket.socket) -> tuple[dict, list[int]] | None:
     """Fork a child per request; returns in the child, with its request and descriptors, and None in
     the server once its control socket has closed."""
-    from minifaas.serve.launch import zygote
+    from minifaas.serve.launch import zygote  # imported already (``_preload``)
 
     statuses: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
@@ -200,13 +195,11 @@ def _serve(control: socket.socket) -> tuple[dict, list[int]] | None:
     while True:
         ready = selector.select(timeout=0.05)  # a child's end is reported within 50 ms
         while statuses:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            cpu = usage.ru_utime + usage.ru_stime  # its own and that of the children it waited for
             with statuses.pop(pid) as sock:
-                sock.send(json.dumps({"code": code, "cpu_s": cpu}).encode())
+                sock.send(json.dumps({"code": zygote.returncode(status)}).encode())
         if not ready:
             continue
         received = zygote.receive(control, _FDS)  # the same framing as the workers' parent
@@ -290,7 +283,6 @@ def _stdio(fd: int) -> io.TextIOWrapper:
 
 
 def main() -> None:
-    from minifaas.parent_watch import die_with_parent
 
     control = socket.socket(fileno=int(sys.argv[1]))
     die_with_parent()  # ends with the test process that started it
