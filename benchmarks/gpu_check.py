@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = [sys.executable, str(ROOT / "benchmarks" / "gpu_probe.py")]
+PROBE = str(ROOT / "benchmarks" / "gpu_probe.py")
 MODELS = ("shakespeare-qwen3.5", "kimi-linear-tiny", "qwen3.5-tiny", "qwen3-tiny", "mimo-v2-tiny")
 BUDGET_S = 480  # the whole run
 
@@ -47,17 +47,17 @@ def step(name: str, argv: list[str], timeout: float, results: dict, env: dict | 
     return record
 
 
-def install(dry_run: bool) -> list[str]:
+def install(python: str, dry_run: bool) -> list[str]:
     wheels = ROOT / ".whl"
     if dry_run:  # found, not imported: fla and triton never load on the CPU
         found = "{m: bool(u.find_spec(m)) for m in ('fla', 'triton')}"
-        return [sys.executable, "-c", f"import importlib.util as u, json; print(json.dumps({found}))"]
+        return [python, "-c", f"import importlib.util as u, json; print(json.dumps({found}))"]
     if wheels.is_dir() and any(wheels.glob("*.whl")):
-        return [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+        return [python, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
                 "-e", f"{ROOT}[gpu,test]"]  # fmt: skip
     # no wheels: the environment must already hold the gpu extra (the check never reaches the network)
     code = "import fla, triton, torch, json; print(json.dumps({'fla': fla.__version__, 'torch': torch.__version__}))"
-    return [sys.executable, "-c", code]
+    return [python, "-c", code]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the fewest models and steps (implied by --dry-run)")
     p.add_argument("--out", default="gpu_check.json", help="the results file (default: gpu_check.json)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter each step runs in, a fresh process per step (default: this one)")  # fmt: skip
     a = p.parse_args(argv)
+    py, probe = a.python, [a.python, PROBE]
     quick = a.quick or a.dry_run
     device = "cpu" if a.dry_run else "cuda:0"
     tokens = "96" if quick else "2048"
@@ -79,27 +82,27 @@ def main(argv: list[str] | None = None) -> int:
         return max(1.0, min(limit, deadline - time.perf_counter()))
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    step("install", install(a.dry_run), left(120), results, env)
+    step("install", install(py, a.dry_run), left(120), results, env)
     if not a.dry_run:
         step("nvidia-smi", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"],
              left(15), results, env)  # fmt: skip
-    step("pytest -m gpu", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/test_gpu.py"],
+    step("pytest -m gpu", [py, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/test_gpu.py"],
          left(30 if a.dry_run else 200), results, env)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             ref = str(Path(tmp) / f"{model}.pt")
             common = ["--model", model, "--tokens", tokens]
-            step(f"reference {model}", [*PROBE, "reference", *common, "--device", "cpu", "--file", ref], left(60),
+            step(f"reference {model}", [*probe, "reference", *common, "--device", "cpu", "--file", ref], left(60),
                  results, env)  # fmt: skip
-            step(f"kernels {model}", [*PROBE, "kernels", *common, "--device", device, "--file", ref], left(90),
+            step(f"kernels {model}", [*probe, "kernels", *common, "--device", device, "--file", ref], left(90),
                  results, env)  # fmt: skip
-            step(f"runtime {model}", [*PROBE, "runtime", *common, "--device", device], left(60), results, env)
-    step("exactness", [*PROBE, "exactness", "--tokens", "64", "--device", device], left(90), results, env)
-    step("pipelining", [*PROBE, "pipelining", "--tokens", tokens, "--device", device], left(60), results, env)
+            step(f"runtime {model}", [*probe, "runtime", *common, "--device", device], left(60), results, env)
+    step("exactness", [*probe, "exactness", "--tokens", "64", "--device", device], left(90), results, env)
+    step("pipelining", [*probe, "pipelining", "--tokens", tokens, "--device", device], left(60), results, env)
     streams = "4" if a.dry_run else "16"
-    step("decode batching", [*PROBE, "decode", "--tokens", "64", "--streams", streams, "--device", device], left(60),
+    step("decode batching", [*probe, "decode", "--tokens", "64", "--streams", streams, "--device", device], left(60),
          results, env)  # fmt: skip
-    serve = [sys.executable, "benchmarks/bench_serve.py", "--quick", "--json"]
+    serve = [py, "benchmarks/bench_serve.py", "--quick", "--json"]
     if not a.dry_run:
         serve += ["--device", device]
     step("served TTFT per route", serve, left(120), results, env)

@@ -17,15 +17,26 @@ the same for workers; this one runs any command line.)
     with Preloaded() as python:
         done = python.run(["-m", "minifaas.cli", "plan"], cwd=..., env=..., timeout=600)
         server = python.start(["-m", "minifaas.cli", "serve"], cwd=..., env=..., stdout=fd, stderr=fd)
+        exe = python.interpreter()  # for a program that starts ``python`` processes of its own
+
+``interpreter()`` is an executable that stands in for ``python``: ``exe ARGV``
+is a small client (no torch) that has the server fork ``python ARGV`` with the
+client's own stdin, stdout, stderr, working directory and environment, waits for
+it, and exits as it did. Signals it gets go on to the command, and the command
+is killed if the client is.
 
 A command runs with the environment it is given, plus the variables the
 imports set (as a fresh interpreter would have them: TORCHINDUCTOR_CACHE_DIR).
 The server dies with the process that started it.
 
 Protocol: a SOCK_SEQPACKET socket, one JSON request per message with four
-descriptors attached (the child's stdin, stdout, stderr and a status socket).
-The status socket carries ``{"pid": N}`` once the child runs and
-``{"code": C}`` when it has ended (its returncode as ``subprocess`` writes it).
+descriptors attached (the child's stdin, stdout, stderr and a status socket),
+and a fifth from a client: the read end of a pipe whose other end only the
+client holds, so its end of file means the client has gone. The status
+socket carries ``{"pid": N}`` once the child runs and ``{"code": C}`` when it
+has ended (its returncode as ``subprocess`` writes it). Requests come on the
+control socket of the test process and on a listening socket in a private
+folder, one connection per client.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import io
 import json
 import os
 import selectors
+import shlex
 import signal
 import socket
 import subprocess
@@ -50,7 +62,7 @@ from typing import IO
 from minifaas.parent_watch import child_env, die_with_parent
 
 READY_TIMEOUT_S = 300.0  # the imports: seconds on a quiet machine, far more on a loaded one
-_FDS = 4
+_FDS = 5  # at most: stdin, stdout, stderr, status, and a client's lifeline
 
 
 class Forked:
@@ -103,11 +115,17 @@ class Preloaded:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._folder = tempfile.TemporaryDirectory(prefix="preloaded-")
+        self.address = os.path.join(self._folder.name, "server")  # where clients connect
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(self.address)
+        listener.listen()
+        fds = (theirs.fileno(), listener.fileno())
         self._server = subprocess.Popen(
-            [sys.executable, __file__, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=child_env(),
-            stdin=subprocess.DEVNULL,
+            [sys.executable, __file__, *map(str, fds)], pass_fds=fds, env=child_env(), stdin=subprocess.DEVNULL,
         )  # fmt: skip
         theirs.close()
+        listener.close()
         self._control = ours
         ours.settimeout(READY_TIMEOUT_S)
         if ours.recv(16) != b"ready":
@@ -152,6 +170,16 @@ class Preloaded:
             raise
         return subprocess.CompletedProcess(child.args, child.wait(), out, err)
 
+    def interpreter(self) -> Path:
+        """An executable to use in place of ``python``: ``EXE ARGV`` runs as ``python ARGV`` would, forked
+        from this server (the module docstring says how)."""
+        path = Path(self._folder.name) / "python"
+        if not path.exists():
+            client = shlex.join([sys.executable, __file__, "--connect", self.address])
+            path.write_text(f'#!/bin/sh\nexec {client} "$@"\n')
+            path.chmod(0o755)
+        return path
+
     def close(self) -> None:
         self._control.close()  # the server exits at the end of its control socket
         try:
@@ -159,6 +187,7 @@ class Preloaded:
         except subprocess.TimeoutExpired:
             self._server.kill()
             self._server.wait()
+        self._folder.cleanup()
 
     def __enter__(self) -> Preloaded:
         return self
@@ -184,7 +213,7 @@ def _preload() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if before.get(k) != v}
 
 
-def _serve(control: socket.socket) -> tuple[dict, list[int]] | None:
+def _serve(control: socket.socket, listener: socket.socket) -> tuple[dict, list[int]] | None:
     """Fork a child per request; returns in the child, with its request and descriptors, and None in
     the server once its control socket has closed."""
     from minifaas.serve.launch import zygote  # imported already (``_preload``)
@@ -192,32 +221,43 @@ def _serve(control: socket.socket) -> tuple[dict, list[int]] | None:
     statuses: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ)
+    selector.register(listener, selectors.EVENT_READ)
     while True:
         ready = selector.select(timeout=0.05)  # a child's end is reported within 50 ms
         while statuses:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            with statuses.pop(pid) as sock:
+            with statuses.pop(pid) as sock, contextlib.suppress(OSError):  # its client may be gone (killed)
                 sock.send(json.dumps({"code": zygote.returncode(status)}).encode())
-        if not ready:
-            continue
-        received = zygote.receive(control, _FDS)  # the same framing as the workers' parent
-        if received is None:
-            return None
-        request, fds = received
-        pid = os.fork()
-        if pid == 0:
-            selector.close()
-            control.close()
-            for sock in statuses.values():
+        for key, _ in ready:
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            if sock is listener:
+                selector.register(listener.accept()[0], selectors.EVENT_READ)  # a client
+                continue
+            received = zygote.receive(sock, _FDS)  # the same framing as the workers' parent
+            if received is None:
+                if sock is control:
+                    return None
+                selector.unregister(sock)  # a client that has sent its request and gone
                 sock.close()
-            return request, fds
-        status_sock = socket.socket(fileno=fds[3])
-        for fd in fds[:3]:
-            os.close(fd)
-        status_sock.send(json.dumps({"pid": pid}).encode())
-        statuses[pid] = status_sock
+                continue
+            request, fds = received
+            pid = os.fork()
+            if pid == 0:
+                for key in list(selector.get_map().values()):
+                    key.fileobj.close()  # type: ignore[union-attr]
+                selector.close()
+                for other in statuses.values():
+                    other.close()
+                return request, fds
+            status_sock = socket.socket(fileno=fds[3])
+            for fd in fds[:3] + fds[4:]:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                status_sock.send(json.dumps({"pid": pid}).encode())
+            statuses[pid] = status_sock
 
 
 def _become(request: dict, fds: list[int], added: dict[str, str]) -> None:
@@ -226,6 +266,9 @@ def _become(request: dict, fds: list[int], added: dict[str, str]) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.close(fds[3])  # the server reports this child's end; nothing is sent from here
+    if len(fds) > 4:  # a client's: the command dies with it
+        os.set_inheritable(fds[4], False)
+        threading.Thread(target=_die_with_client, args=(fds[4],), daemon=True).start()
     if request["new_session"]:
         os.setsid()
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -247,12 +290,20 @@ def _become(request: dict, fds: list[int], added: dict[str, str]) -> None:
     os._exit(code)
 
 
+def _die_with_client(lifeline: int) -> None:
+    os.read(lifeline, 1)  # nothing is ever written: this returns at the end of file, when the client has gone
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _run_as_main(argv: list[str]) -> int:
     """``python ARGV`` in this process; its exit status."""
     import runpy
 
     try:
-        if argv[0] == "-m":
+        if argv[0] == "-c":
+            sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        elif argv[0] == "-m":
             sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
             sys.modules.pop(argv[1], None)  # run afresh as __main__, as ``python -m`` does, not the imported copy
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -282,14 +333,39 @@ def _stdio(fd: int) -> io.TextIOWrapper:
     )  # fmt: skip
 
 
-def main() -> None:
+def _client(address: str, argv: list[str]) -> None:
+    """``python ARGV`` forked by the server at ``address``, with this process's stdio, folder and
+    environment; exits as the command did. Never returns."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.connect(address)
+    status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lifeline, _held = os.pipe()  # the write end stays open here until this process ends
+    request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "new_session": False}
+    fds = array.array("i", [0, 1, 2, theirs.fileno(), lifeline])
+    server.sendmsg([json.dumps(request).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    theirs.close()
+    os.close(lifeline)
+    server.close()
+    pid = json.loads(status.recv(4096))["pid"]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda sig, _frame: os.kill(pid, sig))
+    ended = status.recv(4096)
+    code = json.loads(ended)["code"] if ended else 1
+    if code < 0:  # killed by a signal: end the same way
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
 
-    control = socket.socket(fileno=int(sys.argv[1]))
+
+def main() -> None:
+    if sys.argv[1] == "--connect":
+        _client(sys.argv[2], sys.argv[3:])
+    control, listener = (socket.socket(fileno=int(fd)) for fd in sys.argv[1:3])
     die_with_parent()  # ends with the test process that started it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is for the test run
     added = _preload()
     control.send(b"ready")
-    forked = _serve(control)
+    forked = _serve(control, listener)
     if forked is None:
         os._exit(0)  # at once: tearing down torch's modules serves nothing
     _become(*forked, added)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,41 @@ def test_a_signal_ends_it_as_it_ends_a_process(python: Preloaded, tmp_path: Path
             child.wait(timeout=0.2)
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_the_interpreter_stand_in_runs_a_command_with_its_callers_stdio_cwd_env_and_status(
+    python: Preloaded, script: Path, tmp_path: Path
+) -> None:
+    exe = str(python.interpreter())
+    env = {**os.environ, "ASKED": "client"}
+    done = subprocess.run([exe, str(script), "4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 4
+    assert f"argv ['4'] name __main__ cwd {tmp_path} path0 {script.parent}" in done.stdout
+    assert "env client torch loaded True" in done.stdout  # forked from the server, not a fresh interpreter
+    assert done.stdout.index("thread finished") < done.stdout.index("atexit ran")
+    assert done.stderr == "to stderr\n"
+    code = "import sys; print(sys.argv[1:], __name__); sys.exit(7)"
+    inline = subprocess.run([exe, "-c", code, "a", "b"], capture_output=True, text=True, timeout=60)
+    assert (inline.returncode, inline.stdout) == (7, "['a', 'b'] __main__\n")  # python -c, as a fresh one runs it
+
+
+def test_the_stand_in_passes_signals_on_and_its_command_dies_with_it(python: Preloaded, tmp_path: Path) -> None:
+    code = "import os, time; print(os.getpid(), flush=True); time.sleep(120)"
+    (waiting := tmp_path / "wait.py").write_text(code)
+    exe = str(python.interpreter())
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGTERM goes on to the command; SIGKILL can't, its lifeline can
+        client = subprocess.Popen([exe, str(waiting)], stdout=subprocess.PIPE, text=True)
+        assert client.stdout is not None
+        command = int(client.stdout.readline())
+        assert command != client.pid  # the command is the server's child, not the client
+        client.send_signal(sig)
+        assert client.wait(timeout=30) == -sig
+        client.stdout.close()
+        for _ in range(300):  # the server reaps it within 50 ms of its end
+            if not os.path.exists(f"/proc/{command}"):
+                break
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{command}"), f"the command outlived its client ({sig!r})"
+    # and the server lives on for the next command, though it had no one to tell of this one's end
+    after = python.run(["-c", "print('next')"], cwd=tmp_path, env=dict(os.environ), timeout=60)
+    assert (after.returncode, after.stdout) == (0, "next\n")
