@@ -335,8 +335,8 @@ async def main(args: argparse.Namespace) -> None:
     quick = args.quick
     parts = {
         "loopback": lambda: loopback(nbytes=(64 if quick else 256) << 20, repeats=3 if quick else 9),
-        "emulated": lambda: emulated_rates([0.1e9, 1e9, 5e9], seconds=1.0 if quick else 2.0),
-        "flowcap": lambda: flow_caps(rate=400e6, seconds=1.0 if quick else 2.0),
+        "emulated": lambda: emulated_rates([0.1e9, 1e9, 5e9], seconds=0.5 if quick else 2.0),
+        "flowcap": lambda: flow_caps(rate=400e6, seconds=0.5 if quick else 2.0),
         "pipelining": lambda: pipelining(tokens=512 if quick else 2048, repeats=1 if quick else 3, chunk_tokens=256),
     }
     print(f"  {'section':<12} {'case':<40} {'figure':>16}  note")
