@@ -157,3 +157,33 @@ def test_an_aborted_prefill_stops_part_way_and_the_next_prompt_runs_alone() -> N
     service.store.release(plan)
     assert plan.hit_tokens == 0
     assert runtime.start_decode(state, reply["next_token"], PARAMS).run() == runtime.generate(short, PARAMS)
+
+
+def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_computes() -> None:
+    runtime = ModelRuntime.load("kimi-linear-tiny")
+    tokens = prompt(200, 5)
+
+    async def main() -> tuple[list[dict], list[int], list[str]]:
+        service = PrefillService(runtime, SECRET, 2, True, store_for(runtime), chunk_tokens=64)
+        stored: list[int] = []
+        news: list[str] = []
+        service.kept = lambda: (stored.append(len(service.store.pool.entries())), news.extend(
+            e.kind.value for e in service.store.drain_events()))  # fmt: skip
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            replies = []
+            for transfer in (0, 1):  # the same prompt twice, the second sent the moment the first is answered
+                msg = {"req": f"r{transfer}", "tokens": tokens, "sampling": sampling_to_json(PARAMS),
+                       "transfer": transfer, "kv": ["127.0.0.1", rx.port]}  # fmt: skip
+                reply, _ = await asyncio.gather(service.prefill(msg), rx.transfer(transfer).model_state())
+                replies.append(reply)
+            await service.close()  # waits for the last store
+        assert not service.compute.locked() and service.queued_tokens == 0
+        return replies, stored, news
+
+    (first, second), stored, news = run(main())
+    # the first prompt's blocks were in the pool when the second took its turn: a hit of every whole block
+    # but the last token's (at least one token is computed)
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == (len(tokens) - 1) // BLOCK * BLOCK
+    assert second["next_token"] == first["next_token"]
+    assert len(stored) == 2 and stored[0] > 0  # each store told the session once, after it was done
+    assert "store" in news

@@ -2,13 +2,16 @@
 
 One forward runs at a time (prefill is compute-bound; a second one would only
 halve both), and waiting prompts take their turn in arrival order. The lock is
-held for the compute only: while the tail of one request's state is still on
-the wire, the next prompt is already running.
+held for the compute and the pool's copies only: while the tail of one
+request's state is still on the wire, the next prompt is already running.
 
 With a prefix store, a prompt loads the usable hit from the node's pool when
 its turn comes (so it sees everything the prompts before it stored), computes
 only the rest, and stores its blocks and snapshots before the next prompt's
-turn. The worker tells the gateway of the pool's store/evict events.
+turn. That store runs beside the transfer's tail and the reply (``_keep``), so
+no request's first token waits for it: a cache that nothing reuses costs a
+request only the lookup. The worker tells the gateway of the pool's
+store/evict events.
 
 An aborted request (its client left, or the gateway gave up on it) stops its
 prefill: a waiting prompt leaves the queue, and a running forward stops at
@@ -94,8 +97,10 @@ class PrefillService:
         self.connections, self.pipelined = connections, pipelined
         self.codecs = codecs | {Codec.NONE}
         self.senders: dict[tuple[str, int], KVSender] = {}
-        self.compute = asyncio.Lock()
+        self.compute = asyncio.Lock()  # one prompt computes at a time; held until the pool has kept its part
         self.queued_tokens = 0
+        self._keeping: set[asyncio.Task[None]] = set()  # stores into the pool still under way
+        self.kept: Callable[[], None] | None = None  # called after each store (the session sends the pool's news)
         self.stopped_at: dict[str, int] = {}  # aborted request -> prompt tokens its forward had handed on
 
     def sender(self, host: str, port: int) -> KVSender:
@@ -116,16 +121,19 @@ class PrefillService:
             await self._import(tokens, msg["import"])
         stop = threading.Event()
         forward: LayerForwarder | None = None
-        held, queued = False, True  # the compute lock; the prompt's tokens counted in queued_tokens
+        held, queued, keeping = False, True, False  # the compute lock; the prompt in queued_tokens; the pool's task
 
-        def done_computing() -> None:  # after the forward, or on the way out if it never ran or ended
-            nonlocal held, queued
-            if held:
-                held = False
-                self.compute.release()
+        def unqueue() -> None:  # once the forwards are done, or on the way out if they never ran or ended
+            nonlocal queued
             if queued:
                 queued = False
                 self.queued_tokens -= len(tokens)
+
+        def unlock() -> None:  # the next prompt's turn: after the pool has kept this one's part
+            nonlocal held
+            if held:
+                held = False
+                self.compute.release()
 
         self.queued_tokens += len(tokens)
         try:
@@ -145,18 +153,23 @@ class PrefillService:
                             stop, compute_streaming, self.store, self.runtime, plan, forward, self.chunk_tokens,
                             sampling,
                         )  # fmt: skip
-                        self.store.finish(plan, computed, time.perf_counter())
                     finally:
-                        done_computing()
+                        unqueue()
                     computed_at = time.perf_counter()
+                    # the pool keeps its part while the transfer's tail drains and the reply goes out
+                    self._keep(plan, computed, unlock)
+                    keeping = True
                 finished = time.perf_counter()
             finally:
-                self.store.release(plan)
+                if not keeping:
+                    self.store.release(plan)
         except asyncio.CancelledError:
             self.stopped_at[msg["req"]] = forward.handed_tokens if forward is not None else 0
             raise
         finally:
-            done_computing()
+            unqueue()
+            if not keeping:
+                unlock()
         assert forward is not None and tx.report is not None
         result = computed.result
         return {
@@ -173,6 +186,26 @@ class PrefillService:
             "worker_s": finished - started,
             **coding(tx.report),
         }
+
+    def _keep(self, plan: CachedPrefill, computed: Computed, unlock: Callable[[], None]) -> None:
+        """Copy out (in a thread) and store what the pool keeps of a computed prompt, then let the next
+        prompt compute: it sees this one's blocks. Nobody waits on it for a first token."""
+
+        async def keep() -> None:
+            try:
+                await asyncio.to_thread(self.store.cut, plan, computed)
+                self.store.finish(plan, computed, time.perf_counter())
+            except Exception:  # the prompt was answered; only its cache entries are lost
+                log.exception("storing a prompt's prefix in the pool failed")
+            finally:
+                self.store.release(plan)
+                unlock()
+                if self.kept is not None:
+                    self.kept()
+
+        task = asyncio.ensure_future(keep())
+        self._keeping.add(task)
+        task.add_done_callback(self._keeping.discard)
 
     def codec(self, msg: dict) -> Codec:
         """The codec the gateway asked for, or the nearest this worker allows."""
@@ -214,6 +247,7 @@ class PrefillService:
         return reply | (coding(report) if report is not None else {})
 
     async def close(self) -> None:
+        await asyncio.gather(*self._keeping, return_exceptions=True)
         for sender in self.senders.values():
             await sender.__aexit__(None, None, None)
 

@@ -21,7 +21,10 @@ in segments that end at the pool's snapshot points, so the state at each point c
 be kept (``advance``); only the last segment streams its layers to the decode side
 (``compute``), so the transfer opens when there is something to send. Short
 segments cost extra forwards, so the default policy (``cache.snapshot_policy``)
-splits a prompt only at a prefix another prompt already stored.
+splits a prompt only at a prefix another prompt already stored. The blocks and
+the end snapshot are copied out (``cut``) and stored (``finish``) after the
+prefill's result has gone on: a prompt that nothing will reuse pays for them
+in no one's time to the first token.
 """
 
 from __future__ import annotations
@@ -62,11 +65,13 @@ class CachedPrefill:
 
 @dataclass(slots=True)
 class Computed:
-    """What a prefill leaves for the pool, built off the event loop."""
+    """A prefill's result, and what of it the pool keeps: cut from the final state by ``cut``, after the
+    result has gone on (the copies are no part of the time to the first token)."""
 
     result: PrefillResult
-    blocks: list[tuple[int, Payload]]  # (block index, payload)
-    snapshots: list[tuple[int, Payload]]  # (length, payload)
+    blocks: list[tuple[int, Payload]] = field(default_factory=list)  # (block index, payload)
+    snapshots: list[tuple[int, Payload]] = field(default_factory=list)  # (length, payload)
+    cut: bool = False  # the blocks and the end snapshot are in
 
 
 class PrefixStore:
@@ -117,27 +122,33 @@ class PrefixStore:
         chunk_tokens: int = 0,
         on_tokens: OnTokens | None = None,
     ) -> Computed:
-        """Prefill the rest of the prompt (``on_layer`` sees only this last forward's layers) and cut what
-        the pool keeps. Blocking: run it in a thread."""
+        """Prefill the rest of the prompt (``on_layer`` sees only this last forward's layers). Blocking: run it
+        in a thread. What the pool keeps of it is cut later (``cut``, ``finish``)."""
         self.advance(runtime, plan, chunk_tokens, on_tokens)
         tokens = plan.keys.tokens
         assert tokens is not None
         result = runtime.prefill(tokens[plan.done :], plan.state, on_layer, sampling, chunk_tokens, on_tokens)
         result.seconds += plan.seconds
         result.computed_tokens = len(tokens) - plan.hit_tokens
-        if not self.enabled:
-            return Computed(result, [], [])
-        size, final = self.pool.config.block_size, result.state
-        snapshots = list(plan.snapshots)
+        return Computed(result, snapshots=list(plan.snapshots), cut=not self.enabled)
+
+    def cut(self, plan: CachedPrefill, computed: Computed) -> None:
+        """Copy out of the final state what the pool keeps: the new blocks and the end snapshot. Blocking (on
+        a GPU the copies wait for the device): run it in a thread. The pool itself is not touched."""
+        if computed.cut:
+            return
+        size, final = self.pool.config.block_size, computed.result.state
         if plan.snapshot_end:
-            snapshots.append((len(tokens), snapshot_payload(final, self.layout, size)))
+            computed.snapshots.append((plan.keys.num_tokens, snapshot_payload(final, self.layout, size)))
         first = plan.hit_tokens // size
-        blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
-        return Computed(result, blocks, snapshots)
+        computed.blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
+        computed.cut = True
 
     def finish(self, plan: CachedPrefill, computed: Computed, now: float) -> None:
-        """Store the new blocks (in order, so each finds its parent), then the snapshots; unpin the hit."""
+        """Store the new blocks (in order, so each finds its parent), then the snapshots; unpin the hit. Cuts
+        them first where ``cut`` has not (then it blocks as ``cut`` does)."""
         try:
+            self.cut(plan, computed)
             for j, payload in computed.blocks:
                 if not self.pool.put_block(plan.keys, j, now, _nbytes(payload), payload):
                     break  # a later block would be an orphan

@@ -50,9 +50,9 @@ class RequestRecord:
     # + control_s (the rest, a few microseconds, is the gateway's own bookkeeping):
     dispatch_s: float | None = None  # gateway: routing, pinning the decode node's prefix, the prefill message
     prefill_s: float | None = None  # the prefill worker's forwards
-    store_s: float | None = (
-        None  # the prefix cache: loading the hit, copying snapshots and blocks, opening the transfer
-    )
+    # the prefix cache (loading the hit, keeping the snapshot segments' states) and opening the transfer;
+    # the prompt's blocks and end snapshot are stored after the reply, in no request's time
+    store_s: float | None = None
     control_s: float | None = None  # the prefill round trip less the worker's queue, forwards and transfer tail
     first_step_s: float | None = None  # first token to second: the decode worker's first step and its hop back
     ttft_s: float | None = None

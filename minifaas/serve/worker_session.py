@@ -73,11 +73,16 @@ async def serve_gateway(node: WorkerNode, session: Session, deadline_s: float) -
         if not session.closed:  # after the session ended its requests answer no one
             session.send(message)
 
-    def emit(message: dict) -> None:
-        events = node.pool.drain_events() if node.pool is not None else []
-        if events:  # the pool's changes go out before the news that follows them
+    def send_cache_events() -> None:
+        if node.pool is not None and (events := node.pool.drain_events()):
             send({"op": "cache", "req": CACHE_EVENTS, "events": [e.to_json() for e in events]})
+
+    def emit(message: dict) -> None:
+        send_cache_events()  # the pool's changes go out before the news that follows them
         send(message)
+
+    if isinstance(service, PrefillService):
+        service.kept = send_cache_events  # a prompt's blocks are stored after its reply: their news follows
 
     def failed(msg: dict, e: BaseException) -> dict:
         return {"op": "failed", "req": msg["req"], "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"}
