@@ -25,13 +25,15 @@ import torch
 
 # a test (setup, call and teardown together) longer than this gets a line
 NOTE_AFTER_S = float(os.environ.get("MINIFAAS_NOTE_AFTER_S", "15"))
-# the files that take longest on two cores (a minute or more each), longest first: they start first, so
-# that no worker is left running one alone at the end while the other has nothing to do. Under
-# ``-n 2 --dist loadfile`` xdist hands out files in the order collected here (pytest_configure turns
-# its own order, most tests first, off: that one sends these, which hold one or two tests each, last).
+# the files that take longest on two cores (a minute or more each): they start first, so that no worker
+# is left running one alone at the end while the other has nothing to do. Under ``-n 2 --dist loadfile``
+# xdist hands out files in the order collected here (pytest_configure turns its own order, most tests
+# first, off: that one sends these, which hold one or two tests each, last). The first runs two commands
+# at a time for minutes; the next four spend much of their time waiting on links, deadlines and emulated
+# load, so the other worker runs them beside it and fills the cores they leave idle.
 LONGEST_FIRST = (
-    "test_benchmarks_run.py", "test_docs_run.py", "test_runtime.py", "test_gpu_check.py", "test_deploy.py",
-    "test_chaos.py", "test_two_hosts.py", "test_scheduler_live.py",
+    "test_benchmarks_run.py", "test_deploy.py", "test_chaos.py", "test_two_hosts.py", "test_scheduler_live.py",
+    "test_docs_run.py", "test_runtime.py", "test_gpu_check.py",
 )  # fmt: skip
 
 
