@@ -167,8 +167,12 @@ def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_
         service = PrefillService(runtime, SECRET, 2, True, store_for(runtime), chunk_tokens=64)
         stored: list[int] = []
         news: list[str] = []
-        service.kept = lambda: (stored.append(len(service.store.pool.entries())), news.extend(
-            e.kind.value for e in service.store.drain_events()))  # fmt: skip
+
+        def kept() -> None:  # what the session would send: the pool's size and news after each store
+            stored.append(len(service.store.pool.entries()))
+            news.extend(e.kind.value for e in service.store.drain_events())
+
+        service.kept = kept
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
             replies = []
             for transfer in (0, 1):  # the same prompt twice, the second sent the moment the first is answered

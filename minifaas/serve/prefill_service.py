@@ -193,7 +193,8 @@ class PrefillService:
 
         async def keep() -> None:
             try:
-                await asyncio.to_thread(self.store.cut, plan, computed)
+                if not computed.cut:  # nothing to copy with the cache off: no thread hop either
+                    await asyncio.to_thread(self.store.cut, plan, computed)
                 self.store.finish(plan, computed, time.perf_counter())
             except Exception:  # the prompt was answered; only its cache entries are lost
                 log.exception("storing a prompt's prefix in the pool failed")
