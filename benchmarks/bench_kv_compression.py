@@ -6,7 +6,9 @@
    bfloat16 and float16 on a Shakespeare prompt; each state coded and decoded chunk by chunk as the
    transport does it (``codec_probe``), on one thread: ratio of the whole state and of its
    full-attention KV alone, and MB/s of state coded and decoded (medians of the repeats). Beside
-   lossless, zstd level 1 on the unsplit bytes, the baseline the byte-plane split is measured against.
+   lossless, the same split with the coder's fallback ("full search": zstd's match finder not
+   accelerated, literal coding left as zstd sets it), and zstd level 1 on the unsplit bytes, the
+   baseline the byte-plane split is measured against.
 2. accuracy: the lossy codes against the exact state on many prompts: the greedy continuation of the
    exact state is fed to the decoded one (teacher forcing), and at every step the argmax must agree;
    the logit error at those steps; and how many free-running continuations come out the same.
@@ -87,25 +89,29 @@ def zstd_whole(state: ModelState) -> tuple[int, float, float]:
 
 def codec_table(names: list[str], dtypes: list[str], tokens: int, repeats: int) -> list[dict]:
     rows = []
-    print(f"{'model':<18} {'dtype':<9} {'codec':<18} {'MB':>6} {'ratio':>6} {'FA':>6} {'enc MB/s':>9} {'dec MB/s':>9}")
+    print(f"{'model':<18} {'dtype':<9} {'codec':<22} {'MB':>6} {'ratio':>6} {'FA':>6} {'enc MB/s':>9} {'dec MB/s':>9}")
     for name in names:
         for dtype in dtypes:
             runtime = ModelRuntime.load(name, dtype=DTYPES[dtype])
             state = runtime.prefill(prompt(runtime, tokens, 0)).state
             full = kind_only(state, StateKind.FULL_ATTENTION)
-            cases = [(c.label, c) for c in (Codec.LOSSLESS, Codec.FP8, Codec.INT8)] + [("zstd-1, unsplit", None)]
-            for label, codec in cases:
+            cases = [(c.label, c, True) for c in (Codec.LOSSLESS, Codec.FP8, Codec.INT8)]
+            cases += [("lossless, full search", Codec.LOSSLESS, False), ("zstd-1, unsplit", None, True)]
+            for label, codec, accelerated in cases:
                 samples = []
                 for _ in range(repeats + 1):  # the first warms the codec's code paths up
                     if codec is None:
                         samples.append(zstd_whole(state))
                     else:
-                        s = roundtrip(state, codec)[1]
+                        s = roundtrip(state, codec, accelerated=accelerated)[1]
                         samples.append((s.wire_bytes, s.encode_s, s.decode_s))
                 wire = samples[-1][0]
                 encode_s = statistics.median(s[1] for s in samples[1:])
                 decode_s = statistics.median(s[2] for s in samples[1:])
-                fa = full.nbytes / (zstd_whole(full)[0] if codec is None else roundtrip(full, codec)[1].wire_bytes)
+                if codec is None:
+                    fa = full.nbytes / zstd_whole(full)[0]
+                else:
+                    fa = full.nbytes / roundtrip(full, codec, accelerated=accelerated)[1].wire_bytes
                 row = {
                     "model": runtime.spec.name, "dtype": dtype, "codec": label, "state_bytes": state.nbytes,
                     "ratio": state.nbytes / wire, "ratio_full_attention": fa,
@@ -113,7 +119,7 @@ def codec_table(names: list[str], dtypes: list[str], tokens: int, repeats: int) 
                 }  # fmt: skip
                 rows.append(row)
                 print(
-                    f"{row['model']:<18} {dtype:<9} {label:<18} {state.nbytes / 1e6:>6.2f} {row['ratio']:>6.3f} "
+                    f"{row['model']:<18} {dtype:<9} {label:<22} {state.nbytes / 1e6:>6.2f} {row['ratio']:>6.3f} "
                     f"{fa:>6.3f} {row['encode_mb_s']:>9.0f} {row['decode_mb_s']:>9.0f}",
                     flush=True,
                 )
@@ -231,9 +237,9 @@ def main() -> None:
     p.add_argument("--only", choices=("codecs", "accuracy", "ttft"), help="run one part")
     p.add_argument("--tokens", type=int, default=2048, help="prompt tokens of the codec table and the TTFT sweep")
     p.add_argument("--prompts", type=int, default=50, help="prompts per model for accuracy")
-    p.add_argument("--accuracy-tokens", type=int, default=256)
+    p.add_argument("--accuracy-tokens", type=int, default=256, help="prompt tokens of the accuracy part")
     p.add_argument("--steps", type=int, default=16, help="decode steps compared per prompt")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="timed passes per codec table row (the median is shown)")
     p.add_argument("--rates", default="10,50,200,1000", help="link rates of the TTFT sweep, Mbit/s")
     p.add_argument("--ttft-model", default="qwen3.5-tiny", help="served in the TTFT sweep (its KV outruns prefill)")
     p.add_argument("--models", help="comma-separated models (default: every preset and shipped checkpoint)")

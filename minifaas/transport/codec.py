@@ -105,10 +105,11 @@ class Coded:
 
 
 class FrameEncoder:
-    """One per sending connection (zstd contexts are not shared between threads)."""
+    """One per sending connection (zstd contexts are not shared between threads). ``accelerated``: see
+    ``PlaneEncoder``."""
 
-    def __init__(self) -> None:
-        self._planes = PlaneEncoder()
+    def __init__(self, accelerated: bool = True) -> None:
+        self._planes = PlaneEncoder(accelerated)
 
     def encode(self, codec: Codec, dtype: torch.dtype, raw: memoryview) -> Coded:
         """``raw`` (whole elements of ``dtype``) coded with ``codec``, or as it is if that would not shrink it."""

@@ -44,12 +44,13 @@ def probe(state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20) -> CodecS
 
 
 def roundtrip(
-    state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20, every_kind: bool = False
+    state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20, every_kind: bool = False, accelerated: bool = True
 ) -> tuple[ModelState, CodecSample]:
     """``state`` as a receiver would hold it after a transfer coded with ``codec``, and the measurement.
     ``every_kind`` codes linear-attention state with a lossy code too, which no transfer does: it is
-    how the benchmark measures what that would cost."""
-    encoder, decoder = FrameEncoder(), FrameDecoder()
+    how the benchmark measures what that would cost. ``accelerated`` False codes lossless frames with
+    the coder's fallback (``PlaneEncoder``)."""
+    encoder, decoder = FrameEncoder(accelerated), FrameDecoder()
     nbytes = wire = 0
     encode_s = decode_s = 0.0
     layers = []
