@@ -47,6 +47,11 @@ from collections.abc import Callable
 import numpy as np
 import zstandard
 
+try:  # zstd's experimental settings (``_literal_coder``); the module loads only where cffi is installed
+    from zstandard import _cffi
+except ImportError:
+    _cffi = None
+
 _PREFIX = struct.Struct("<B3xI")
 RAW, ZSTD = 0, 1
 WIDTHS = (2, 4)  # bytes per element this codec splits (float16, bfloat16, float32)
@@ -82,10 +87,9 @@ class PlaneEncoder:
 def _literal_coder() -> Callable[[np.ndarray], memoryview] | None:
     """zstd with literal coding forced on and the finder accelerated, through the zstandard package's
     cffi module; None where that module cannot load."""
-    try:
-        from zstandard._cffi import ffi, lib
-    except ImportError:
+    if _cffi is None:
         return None
+    ffi, lib = _cffi.ffi, _cffi.lib
     cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
     settings = {
         lib.ZSTD_c_strategy: lib.ZSTD_fast, lib.ZSTD_c_windowLog: 17, lib.ZSTD_c_hashLog: 6,
