@@ -89,18 +89,20 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             assert tokens == reference["long"] and rec.route == "local" and rec.fallback
             await _wait_alive(gw, "prfaas-p0")
 
-            # the link is cut mid-transfer: the request completes through PD-P
+            # the first token goes to the client when the prefill ends, while the state still crosses the
+            # link; the link is cut then: the request is redone on PD-P with that token as part of its
+            # prompt, and the client's output is unchanged
             link = gw.link.control
-            await link.set_rate(1e6)  # slow enough that the cut surely lands inside the transfer
-            sent_before = (await link.stats())["up_bytes"]
-            task = asyncio.create_task(_run(gw, "cut", LONG))
-            async with asyncio.timeout(120):
-                while (await link.stats())["up_bytes"] <= sent_before:
-                    await asyncio.sleep(0.05)
+            await link.set_rate(1e6)  # the state's tail takes seconds at this rate
+            rec = RequestRecord("cut", len(LONG))
+            events = gw.stream(GenerateRequest("cut", LONG, PARAMS), rec)
+            first = await anext(events)
+            assert rec.phase is Phase.PREFILLING and rec.ttft_s is not None, rec.to_json()  # no reply yet
             await link.cut()
-            tokens, rec = await task
+            tokens = [first.token_id] + [e.token_id async for e in events]
             assert tokens == reference["long"], rec.to_json()
-            assert rec.route == "local" and rec.fallback, rec.to_json()
+            assert rec.route == "local" and rec.fallback == "transfer_failed", rec.to_json()
+            assert any("redone" in e for e in rec.events), rec.to_json()
             await link.set_rate(20e6)
             assert gw.health()["healthy"]
             tokens, rec = await _run(gw, "after", FRESH)

@@ -8,7 +8,8 @@ field by field; a worker checks each message against it before it acts on it.
     attach   the gateway takes over the session; the worker answers ``attached``
              (name, role, cluster, model, KV address, pid) and its pool's inventory
     ping     -> ``pong`` (the TCP_INFO of the worker's KV connections)
-    prefill  compute a prompt and stream its state to ``kv``; -> ``prefilled``
+    prefill  compute a prompt and stream its state to ``kv``; -> ``first`` (the first token, as soon as
+             the forwards are done), then ``prefilled`` once the state has gone
     export   send a cached prefix to another cluster's node; -> ``exported``
     decode   expect the state of ``transfer`` and decode it; -> ``token``..., ``done``
     start    the first token of a request whose state has arrived

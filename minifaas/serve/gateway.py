@@ -64,7 +64,7 @@ from minifaas.serve.link import NAME, InterClusterLink
 from minifaas.serve.live_scheduler import LiveScheduler
 from minifaas.serve.metrics import ServeMetrics
 from minifaas.serve.migration import Migration
-from minifaas.serve.prefill_dispatch import PrefillDispatch
+from minifaas.serve.prefill_dispatch import EarlyFirst, PrefillDispatch, Prefilled
 from minifaas.serve.prefix_directory import PrefixDirectory
 from minifaas.serve.requests import (
     DecodeLost,
@@ -76,7 +76,7 @@ from minifaas.serve.requests import (
 )
 from minifaas.serve.roles import RoleChanger
 from minifaas.serve.startup import StartupListener
-from minifaas.serve.token_stream import OutputText, decode_tokens
+from minifaas.serve.token_stream import OutputText, decode_tokens, finish_reason, token_event
 from minifaas.serve.worker_handle import WorkerHandle
 from minifaas.serve.worker_pool import WorkerPool
 from minifaas.serve.worker_specs import planned_specs
@@ -301,6 +301,24 @@ class Gateway:
             if record.decode_worker is not None and not record.phase.done:
                 record.phase = Phase.ABORTED
 
+    async def _shown_early(
+        self, prefill: asyncio.Future[Prefilled], early: EarlyFirst | None, request: GenerateRequest
+    ) -> int | None:
+        """The first token to send before the prefill's state has all arrived, or None when the prefill
+        ended first (or its first token ends the output, which then waits for the prefill's end)."""
+        while early is not None and not prefill.done():
+            arrived = asyncio.ensure_future(early.arrived.wait())
+            try:
+                await asyncio.wait({prefill, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrived.cancel()
+            if early.token is not None and not prefill.done():  # not withdrawn meanwhile
+                if finish_reason(early.token, 1, request, self.tokenizer) is None:
+                    return early.show()
+                early = None
+        await asyncio.wait({prefill})
+        return None
+
     def _migrate(self, moving: Migration, record: RequestRecord, lost: DecodeLost) -> None:
         """Move the request to another decode worker, or raise when it may not move again."""
         try:
@@ -319,7 +337,9 @@ class Gateway:
     ) -> AsyncIterator[TokenEvent]:
         """One decode worker's share of the request: route, prefill, stream until done or the worker is lost."""
         request = moving.request()
-        rid, decode = request.request_id, None
+        rid, decode, prefill = request.request_id, None, None
+        # penalties count generated tokens only, so a prefill redone after a shown token would change them
+        early = None if request.sampling.penalised else EarlyFirst()
         try:
             async with deadline.first_token():  # after a migration: the re-prefill, the client's wait
                 if moving.moves:  # the lost one may be the only decode worker: wait for it back, not fail
@@ -331,14 +351,30 @@ class Gateway:
                 inbox = decode.open(rid)
                 if record.ttft_s is None:  # the breakdown is the first token's; a migration's prefill adds to it
                     record.dispatch_s = time.perf_counter() - start  # routing; the prefill dispatch adds its part
-                transfer, first = await self.dispatch.run(request, record, decision, decode)
+                prefill = asyncio.ensure_future(self.dispatch.run(request, record, decision, decode, early))
+                shown = await self._shown_early(prefill, early, request)
             if record.ttft_s is None:
                 record.ttft_s = time.perf_counter() - start
+            if shown is not None:  # the state's tail is still on its way
+                event = token_event(shown, None, text, record)
+                yield event
+                if event.finish_reason is not None:  # a stop string in the first token's text
+                    return
+                async with deadline.first_token():  # the tail, or a prefill redone after the shown token
+                    await asyncio.wait({prefill})
+            done = prefill.result()
             record.phase = advance(record.phase, Phase.DECODING)
-            tokens = decode_tokens(request, record, self.tokenizer, decode, inbox, transfer, first, deadline, text)
+            sent = shown is not None and done.request is request  # else it was redone after the shown token
+            tokens = decode_tokens(
+                done.request, record, self.tokenizer, decode, inbox, done.transfer, done.first, deadline, text, sent
+            )
             async for event in tokens:
                 yield event
         finally:
+            if prefill is not None and not prefill.done():  # the client left, or a deadline passed
+                prefill.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await prefill
             if decode is not None:
                 decode.close(rid)
                 with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it

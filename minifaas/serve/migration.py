@@ -38,11 +38,7 @@ class Migration:
 
     def request(self) -> GenerateRequest:
         """What the current attempt asks for: the prompt plus what was sent, and only the tokens still owed."""
-        if not self.sent:
-            return self.original
-        p, n = self.original.sampling, len(self.sent)
-        sampling = dataclasses.replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n))
-        return dataclasses.replace(self.original, prompt_ids=self.original.prompt_ids + self.sent, sampling=sampling)
+        return continued(self.original, self.sent)
 
     def move(self, lost: DecodeLost) -> None:
         """The decode worker is gone: count a move, or raise MigrationLimit (or DecodeLost) when none is allowed."""
@@ -53,3 +49,12 @@ class Migration:
                 f"{lost}; the request already moved {self.moves} time(s), the migration limit ({self.limit})"
             ) from lost
         self.moves += 1
+
+
+def continued(request: GenerateRequest, sent: list[int]) -> GenerateRequest:
+    """``request`` after ``sent`` went to the client: those tokens join the prompt, and only the rest is owed."""
+    if not sent:
+        return request
+    p, n = request.sampling, len(sent)
+    sampling = dataclasses.replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n))
+    return dataclasses.replace(request, prompt_ids=request.prompt_ids + sent, sampling=sampling)

@@ -7,6 +7,13 @@ prefill the decode node pins the prefix it already holds, so only the rest of
 the full-attention KV crosses the link; under the ABUNDANT rule the router may
 first move a cached prefix to the prefill node's cluster.
 
+The first token can reach the client before the state's tail has crossed:
+the prefill worker sends it (``first``) as soon as its forwards are done, and
+``EarlyFirst`` hands it to the gateway while the dispatch waits for the
+transfer. Once the gateway has shown it, a prefill that then fails is redone
+with that token as part of the prompt (as a migration does), and the retry's
+first token is the one after it.
+
 A decode worker that goes away meanwhile ends the attempt at once with
 ``DecodeLost`` (the prefill is stopped): the gateway migrates the request
 (``serve.migration``) instead of retrying the prefill into a worker that is gone.
@@ -24,6 +31,7 @@ import logging
 import secrets
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Protocol
 
 from minifaas.policy.compression import CodecChoice
@@ -32,6 +40,7 @@ from minifaas.serve.control import sampling_to_json
 from minifaas.serve.lifecycle import Phase, advance
 from minifaas.serve.link import InterClusterLink
 from minifaas.serve.metrics import ServeMetrics
+from minifaas.serve.migration import continued
 from minifaas.serve.prefix_directory import PrefixDirectory
 from minifaas.serve.requests import DecodeLost, GenerateRequest, RequestFailed, RequestRecord
 from minifaas.serve.worker_handle import WorkerHandle
@@ -48,6 +57,43 @@ class LinkScheduler(Protocol):
     def coded(self, reply: dict, nbytes: int) -> None: ...
 
     def prefilled(self, cluster: str, tokens: int, seconds: float) -> None: ...
+
+
+class EarlyFirst:
+    """A prefill's first token as soon as its worker has it, and whether the gateway has shown it.
+
+    Both sides act on it without awaiting in between, so on the one event loop a token is either shown
+    (and a failed prefill is redone after it) or withdrawn (and never shown)."""
+
+    def __init__(self) -> None:
+        self.token: int | None = None
+        self.shown = False
+        self.arrived = asyncio.Event()
+
+    def offer(self, token: int) -> None:
+        if not self.shown:
+            self.token = token
+            self.arrived.set()
+
+    def show(self) -> int:
+        """The gateway sends the token to the client: from now on the prefill must continue after it."""
+        assert self.token is not None
+        self.shown = True
+        return self.token
+
+    def withdraw(self) -> bool:
+        """The attempt that offered the token failed: drop it unless it was shown. Returns ``shown``."""
+        if not self.shown:
+            self.token = None
+            self.arrived.clear()
+        return self.shown
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    transfer: int
+    first: int  # the first token after ``request``'s prompt
+    request: GenerateRequest  # what was prefilled: the attempt's, or it with a shown early token appended
 
 
 class PrefillDispatch:
@@ -67,9 +113,16 @@ class PrefillDispatch:
         self.cache_moves: Counter[str] = Counter()
 
     async def run(
-        self, request: GenerateRequest, record: RequestRecord, decision: RouteDecision, decode: WorkerHandle
-    ) -> tuple[int, int]:
-        """Prefill on the routed worker; if that fails, on a PD-P worker. Returns (transfer id, first token)."""
+        self,
+        request: GenerateRequest,
+        record: RequestRecord,
+        decision: RouteDecision,
+        decode: WorkerHandle,
+        early: EarlyFirst | None = None,
+    ) -> Prefilled:
+        """Prefill on the routed worker; if that fails, on a PD-P worker. ``early`` gets the first token
+        before the transfer ends; if the gateway showed it and the prefill then fails, the retry prefills
+        it too (the returned request says so)."""
         tried: set[str] = set()
         worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]
         expected_hit = decision.cached_tokens
@@ -83,10 +136,10 @@ class PrefillDispatch:
             record.prefill_worker = worker.name
             record.phase = advance(record.phase, Phase.PREFILLING)
             transfer = next(self.transfer_ids)
-            outcome = await self._once(request, record, worker, decode, transfer, expected_hit, moved)
+            outcome = await self._once(request, record, worker, decode, transfer, expected_hit, moved, early)
             moved = None  # a retry elsewhere does not take the move
             if isinstance(outcome, int):
-                return transfer, outcome
+                return Prefilled(transfer, outcome, request)
             if not decode.alive:
                 raise DecodeLost(f"decode worker {decode.name} went away during the prefill ({outcome})")
             tried.add(worker.name)
@@ -97,6 +150,9 @@ class PrefillDispatch:
             self.fallbacks[reason] += 1
             with contextlib.suppress(RuntimeError):
                 decode.send({"op": "abort", "req": request.request_id})
+            if early is not None and early.withdraw():  # the client has the first token: go on after it
+                request, early = continued(request, [early.show()]), None
+                record.events.append("prefill failed after its first token was sent: redone with it")
             worker = self._retry_on(request, tried)
             if worker is None:
                 raise RequestFailed(f"prefill failed on every worker tried: {outcome}")
@@ -124,6 +180,7 @@ class PrefillDispatch:
         transfer: int,
         expected_hit: int,
         moved: int | None = None,
+        early: EarlyFirst | None = None,
     ) -> int | str:
         """The first token, or why this attempt failed."""
         rid, n = request.request_id, len(request.prompt_ids) - expected_hit  # the tokens it will compute
@@ -172,6 +229,10 @@ class PrefillDispatch:
             sent = time.perf_counter()
             async with asyncio.timeout(self.prefill_timeout):
                 while (reply := await _unless_gone(inbox, gone)) is not None and not _answers(reply, transfer):
+                    if reply["op"] == "first" and reply.get("transfer") == transfer:
+                        if early is not None:
+                            early.offer(int(reply["next_token"]))
+                        continue
                     worker.unclaimed(reply)  # an earlier attempt's (a migrated request keeps its id)
             replied = time.perf_counter()
             if reply is None:

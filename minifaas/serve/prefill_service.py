@@ -110,9 +110,10 @@ class PrefillService:
             self.senders[key] = KVSender(config)
         return self.senders[key]
 
-    async def prefill(self, msg: dict) -> dict:
-        """Prefill ``msg["tokens"]`` and stream the state. Cancelling the task aborts the request: the
-        forward stops early and ``stopped_at[req]`` says how far it got."""
+    async def prefill(self, msg: dict, first: Callable[[dict], None] | None = None) -> dict:
+        """Prefill ``msg["tokens"]`` and stream the state. ``first`` gets the first token (``{"op": "first"}``)
+        as soon as the forwards are done, ahead of the transfer's tail and the reply. Cancelling the task
+        aborts the request: the forward stops early and ``stopped_at[req]`` says how far it got."""
         tokens: list[int] = msg["tokens"]
         sampling = sampling_from_json(msg["sampling"])
         sender = self.sender(*msg["kv"])
@@ -156,6 +157,9 @@ class PrefillService:
                     finally:
                         unqueue()
                     computed_at = time.perf_counter()
+                    if first is not None:  # the client may see it while the tail is still on the wire
+                        first({"op": "first", "req": msg["req"], "transfer": msg["transfer"],
+                               "next_token": computed.result.next_token})  # fmt: skip
                     # the pool keeps its part while the transfer's tail drains and the reply goes out
                     self._keep(plan, computed, unlock)
                     keeping = True

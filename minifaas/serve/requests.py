@@ -46,8 +46,9 @@ class RequestRecord:
     kv_decode_s: float = 0.0  # decoding time at the decode worker
     transfer_s: float | None = None  # the transfer's tail: from the prefill's end to the decode node's DONE
     queue_s: float | None = None  # waiting for the prefill worker's compute lock
-    # where the time to the first token went, ttft_s = dispatch_s + queue_s + prefill_s + store_s + transfer_s
-    # + control_s (the rest, a few microseconds, is the gateway's own bookkeeping):
+    # where the prefill's time went: dispatch_s + queue_s + prefill_s + store_s + transfer_s + control_s is the
+    # prefill's round trip (the rest, a few microseconds, is the gateway's own bookkeeping); ttft_s is that less
+    # the transfer's tail and the reply, when the first token went to the client ahead of them:
     dispatch_s: float | None = None  # gateway: routing, pinning the decode node's prefix, the prefill message
     prefill_s: float | None = None  # the prefill worker's forwards
     # the prefix cache (loading the hit, keeping the snapshot segments' states) and opening the transfer;

@@ -1,12 +1,13 @@
 """The decode half of a request, as the client sees it: worker messages in, token events out.
 
-The first token comes from the prefill worker; the decode worker streams the
-rest, each within the request's deadline between tokens. A decode worker that
-goes away raises ``DecodeLost``: the gateway migrates the request
-(``serve.migration``) and streams on with the same ``OutputText``. Text is detokenized
-incrementally (never splitting a UTF-8 character) and checked for stop strings
-here, since only the gateway sees the text; both cost the same per token however
-long the output grows (``model.detokenizer``, ``serve.stop_strings``).
+The first token comes from the prefill worker (often before the state's tail
+has reached the decode worker); the decode worker streams the rest, each
+within the request's deadline between tokens. A decode worker that goes away
+raises ``DecodeLost``: the gateway migrates the request (``serve.migration``)
+and streams on with the same ``OutputText``. Text is detokenized incrementally
+(never splitting a UTF-8 character) and checked for stop strings here, since
+only the gateway sees the text; both cost the same per token however long the
+output grows (``model.detokenizer``, ``serve.stop_strings``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ async def decode_tokens(
     first: int,
     deadline: RequestDeadline,
     text: OutputText,
+    shown: bool = False,
 ) -> AsyncIterator[TokenEvent]:
     """``request`` is the attempt's (after a migration: prompt plus output so far, and only the tokens still
-    owed); ``text`` and ``record.completion_tokens`` span every attempt."""
+    owed); ``text`` and ``record.completion_tokens`` span every attempt. ``shown``: the first token's event
+    went out already (``token_event``, before the state's tail arrived)."""
     token, finish = first, finish_reason(first, 1, request, tokenizer)
     if finish is None:
         try:
@@ -44,12 +47,12 @@ async def decode_tokens(
         except RuntimeError as e:  # gone between the prefill and now
             raise DecodeLost(str(e)) from None
     while True:
-        record.completion_tokens += 1
-        piece, stopped = text.push(token, record.completion_tokens)
-        if stopped or finish is not None:
-            yield TokenEvent(token, piece if stopped else piece + text.flush(), "stop" if stopped else finish)
-            return
-        yield TokenEvent(token, piece, None)
+        if not shown:
+            event = token_event(token, finish, text, record)
+            yield event
+            if event.finish_reason is not None:
+                return
+        shown = False
         asked = time.perf_counter()
         async with deadline.next_token():
             msg = await inbox.get()
@@ -89,6 +92,15 @@ class OutputText:
             return tail
         shown, stopped = self._stops.feed(tail)
         return shown if stopped else shown + self._stops.flush()
+
+
+def token_event(token: int, finish: str | None, text: OutputText, record: RequestRecord) -> TokenEvent:
+    """The next token's event: its text, and the reason the output ends with it (a stop string, or ``finish``)."""
+    record.completion_tokens += 1
+    piece, stopped = text.push(token, record.completion_tokens)
+    if stopped or finish is not None:
+        return TokenEvent(token, piece if stopped else piece + text.flush(), "stop" if stopped else finish)
+    return TokenEvent(token, piece, None)
 
 
 def finish_reason(token: int, count: int, request: GenerateRequest, tokenizer: Tokenizer) -> str | None:

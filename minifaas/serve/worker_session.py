@@ -91,7 +91,7 @@ async def serve_gateway(node: WorkerNode, session: Session, deadline_s: float) -
         req = msg["req"]
         try:
             if isinstance(service, PrefillService):
-                emit(await (service.export(msg) if msg["op"] == "export" else service.prefill(msg)))
+                emit(await (service.export(msg) if msg["op"] == "export" else service.prefill(msg, send)))
             else:
                 await service.decode(msg, emit)
         except asyncio.CancelledError:  # aborted by the gateway, or the session is over
