@@ -351,7 +351,7 @@ class Gateway:
                 inbox = decode.open(rid)
                 if record.ttft_s is None:  # the breakdown is the first token's; a migration's prefill adds to it
                     record.dispatch_s = time.perf_counter() - start  # routing; the prefill dispatch adds its part
-                prefill = asyncio.ensure_future(self.dispatch.run(request, record, decision, decode, early))
+                prefill = self.dispatch.start(request, record, decision, decode, early)
                 shown = await self._shown_early(prefill, early, request)
             if record.ttft_s is None:
                 record.ttft_s = time.perf_counter() - start

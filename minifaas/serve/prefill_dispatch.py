@@ -31,6 +31,7 @@ import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -112,6 +113,27 @@ class PrefillDispatch:
         self.fallbacks: Counter[str] = Counter()
         self.cache_moves: Counter[str] = Counter()
 
+    def start(
+        self,
+        request: GenerateRequest,
+        record: RequestRecord,
+        decision: RouteDecision,
+        decode: WorkerHandle,
+        early: EarlyFirst | None = None,
+    ) -> asyncio.Task[Prefilled]:
+        """``run`` as a task, with the prompt counted on its prefill worker at once: the task starts a turn
+        of the loop later, and a request routed meanwhile must see this one's load."""
+        worker, pending = self.pool.workers[decision.prefill_node], [len(request.prompt_ids) - decision.cached_tokens]
+        worker.load_tokens += pending[0]
+
+        def settle() -> None:  # the first attempt has counted the prompt itself, or the task ended before
+            worker.load_tokens -= pending[0]
+            pending[0] = 0
+
+        task = asyncio.ensure_future(self.run(request, record, decision, decode, early, settle))
+        task.add_done_callback(lambda _: settle())
+        return task
+
     async def run(
         self,
         request: GenerateRequest,
@@ -119,10 +141,12 @@ class PrefillDispatch:
         decision: RouteDecision,
         decode: WorkerHandle,
         early: EarlyFirst | None = None,
+        counted: Callable[[], None] | None = None,
     ) -> Prefilled:
         """Prefill on the routed worker; if that fails, on a PD-P worker. ``early`` gets the first token
         before the transfer ends; if the gateway showed it and the prefill then fails, the retry prefills
-        it too (the returned request says so)."""
+        it too (the returned request says so). ``counted`` is called once the first attempt has counted the
+        prompt on its worker (``start``)."""
         tried: set[str] = set()
         worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]
         expected_hit = decision.cached_tokens
@@ -136,8 +160,8 @@ class PrefillDispatch:
             record.prefill_worker = worker.name
             record.phase = advance(record.phase, Phase.PREFILLING)
             transfer = next(self.transfer_ids)
-            outcome = await self._once(request, record, worker, decode, transfer, expected_hit, moved, early)
-            moved = None  # a retry elsewhere does not take the move
+            outcome = await self._once(request, record, worker, decode, transfer, expected_hit, moved, early, counted)
+            moved, counted = None, None  # a retry elsewhere does not take the move
             if isinstance(outcome, int):
                 return Prefilled(transfer, outcome, request)
             if not decode.alive:
@@ -181,12 +205,15 @@ class PrefillDispatch:
         expected_hit: int,
         moved: int | None = None,
         early: EarlyFirst | None = None,
+        counted: Callable[[], None] | None = None,
     ) -> int | str:
         """The first token, or why this attempt failed."""
         rid, n = request.request_id, len(request.prompt_ids) - expected_hit  # the tokens it will compute
         sampling = sampling_to_json(request.sampling)
         inbox = worker.open(rid)
         worker.load_tokens += n
+        if counted is not None:
+            counted()
         reply: dict | None = None
         # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first,
         # and only it is worth coding for (the cluster's own network is not the bottleneck)
