@@ -1,6 +1,7 @@
 """The KV link at a real WAN's round trip: goodput by connection count, and layer pipelining, at 5 and 30 ms RTT.
 
     python benchmarks/bench_wan.py [--quick] [--json] [--only emulator|netns]
+                                   [--rtts 5,30] [--counts 1,4,8,16] [--repeats N] [--goodput-only]
 
 The link being stood in for: a cross-datacenter link measured at 14.7 Gbit/s
 and 30 ms RTT, crossed by untuned Linux hosts, whose connections each keep at
@@ -275,17 +276,22 @@ async def main(args: argparse.Namespace) -> None:
     counts = [1, DEFAULT_CONNECTIONS] if quick else [1, 4, 8, 16]
     modes = ["not pipelined", "worker defaults"] if quick else list(MODES)
     repeats, tokens, seconds = (1, 512, 0.5) if quick else (3, 2048, 2.0)
+    rtts = [float(ms) / 1000 for ms in args.rtts.split(",")] if args.rtts else rtts
+    counts = [int(n) for n in args.counts.split(",")] if args.counts else counts
+    repeats = args.repeats or repeats
     print(f"  load average {os.getloadavg()[0]:.2f} (two cores)")
     print(f"  {'section':<14} {'case':<42} {'figure':>15}  note")
     if args.only in (None, "emulator"):
         await emulator_goodput(args.emulator_rate, rtts, counts, seconds, repeats)
-        await emulator_pipelining(tokens, args.pipeline_rate, rtts, modes, repeats)
+        if not args.goodput_only:
+            await emulator_pipelining(tokens, args.pipeline_rate, rtts, modes, repeats)
     if args.only in (None, "netns"):
         if (reason := unavailable()) is not None:
             row("netns", "skipped", "", reason)
         else:
             netns_goodput(args.netns_rate, rtts, counts, seconds * 1.5, repeats, with_ceiling=not quick)
-            await netns_pipelining(tokens, args.pipeline_rate, rtts, modes[-1:] if quick else modes, repeats)
+            if not args.goodput_only:
+                await netns_pipelining(tokens, args.pipeline_rate, rtts, modes[-1:] if quick else modes, repeats)
     if args.json:
         print(json.dumps({"bench": "wan", **RESULTS}))
 
@@ -298,6 +304,10 @@ if __name__ == "__main__":
     parser.add_argument("--emulator-rate", type=float, default=1e9, help="bits/s of the emulated link")
     parser.add_argument("--netns-rate", type=float, default=200e6, help="bits/s of the namespace link's tbf")
     parser.add_argument("--pipeline-rate", type=float, default=50e6, help="bits/s of the link in the pipelining runs")
+    parser.add_argument("--rtts", help="round trips to run, ms, comma-separated (default: 5,30; --quick: 30)")
+    parser.add_argument("--counts", help="connection counts of the goodput rows (default: 1,4,8,16; --quick: 1,16)")
+    parser.add_argument("--repeats", type=int, help="runs of each figure, the median shown (default: 3; --quick: 1)")
+    parser.add_argument("--goodput-only", action="store_true", help="the goodput rows only, no pipelining runs")
     parser.add_argument("--replay", help=argparse.SUPPRESS)  # the sender half of netns pipelining, in namespace a
     parser.add_argument("--connect", help=argparse.SUPPRESS)
     parsed = parser.parse_args()
