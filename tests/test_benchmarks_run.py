@@ -2,14 +2,15 @@
 
 Each quoted command runs from the repository root as written plus ``--quick``
 (every benchmark's smoke run: smaller sizes and fewer repeats on the same code
-path) and ``--json``: it must exit 0, print its table and end with one JSON
-line of finite figures. Two run at a time, each a process forked from the
-pre-loaded interpreter (``python`` in conftest.py). A benchmark whose own test
-runs it so and checks its figures (``RUN_BY_OWN_TEST``: the chaos run) is not
-run twice, nor is the served-TTFT smoke run that the device check's dry run
-makes (``RUN_BY_THE_DRY_RUN``). The figures in the docs come from full runs;
-these runs only prove that the commands a reader copies still work.
-Every benchmark in benchmarks/ must be quoted somewhere, so none goes untested.
+path) and ``--json``, less any ``--repeats N`` of the full run (``smoke_form``):
+it must exit 0, print its table and end with one JSON line of finite figures.
+Two run at a time, each a process forked from the pre-loaded interpreter
+(``python`` in conftest.py). A benchmark whose own test runs it so and checks
+its figures (``RUN_BY_OWN_TEST``: the chaos run) is not run twice, nor is the
+served-TTFT smoke run that the device check's dry run makes
+(``RUN_BY_THE_DRY_RUN``). The figures in the docs come from full runs; these
+runs only prove that the commands a reader copies still work. Every benchmark
+in benchmarks/ must be quoted somewhere, so none goes untested.
 """
 
 from __future__ import annotations
@@ -40,10 +41,20 @@ def benchmark_commands(markdown: str) -> list[list[str]]:
     return found
 
 
-# every run adds --json, so two quotes that differ only in it are one run
-UNIQUE = sorted(
-    {tuple(a for a in argv if a != "--json") for path in DOCS for argv in benchmark_commands(path.read_text())}
-)
+def smoke_form(argv: list[str]) -> tuple[str, ...]:
+    """A quoted command as its smoke run takes it: every run adds --json, and a full run's ``--repeats N``
+    gives way to the smoke run's own (one), so quotes that differ only in those are one run."""
+    out: list[str] = []
+    for a in argv:
+        if a == "--json" or (out and out[-1] == "--repeats"):
+            if out and out[-1] == "--repeats":
+                out.pop()
+            continue
+        out.append(a)
+    return tuple(out)
+
+
+UNIQUE = sorted({smoke_form(argv) for path in DOCS for argv in benchmark_commands(path.read_text())})
 
 
 def _refuse(constant: str) -> float:
@@ -84,6 +95,11 @@ def test_extraction() -> None:
         ["benchmarks/bench_scheduler.py", "--load", "0.8"],
         ["benchmarks/bench_sim.py"],
     ]
+
+
+def test_a_full_runs_repeats_and_json_flag_are_left_to_the_smoke_run() -> None:
+    assert smoke_form(["b.py", "--repeats", "11", "--json", "--long", "256"]) == ("b.py", "--long", "256")
+    assert smoke_form(["b.py", "--threads", "1"]) == ("b.py", "--threads", "1")
 
 
 def _run(python: Preloaded, argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
