@@ -32,7 +32,7 @@ from minifaas.serve.config import ClusterConfig, LinkConfig, ServeConfig
 from minifaas.serve.launch import forked
 from minifaas.serve.serve_cli import running_server
 
-# where a served request's time goes (the response's ``minifaas`` object); http_s is the client's TTFT less
+# where a served prefill's time goes (the response's ``minifaas`` object); http_s is the client's TTFT less
 # the gateway's: the HTTP request, the SSE event and the client's parsing
 BREAKDOWN = ("dispatch_s", "queue_s", "prefill_s", "store_s", "transfer_s", "control_s", "first_step_s", "http_s")
 
@@ -166,7 +166,10 @@ def main() -> None:
             f"{r['generate_ttft_s']:>9.3f} {r['generate_e2e_s']:>8.3f} {r['ttft_over_generate']:>9.2f} "
             f"{r['kv_bytes'] / 1e6:>7.2f}"
         )
-    print("\nwhere the served TTFT goes (ms, medians), and the first decode step after it:")
+    print(
+        "\nwhere the prefill's time goes (ms, medians; the first token leaves before the transfer's tail),"
+        " and the first decode step after it:"
+    )
     print(f"{'tokens':>7} {'route':>7} " + " ".join(f"{k.removesuffix('_s'):>10}" for k in BREAKDOWN))
     for r in rows:
         cells = " ".join(f"{1e3 * r['breakdown'][k]:>10.1f}" for k in BREAKDOWN)
