@@ -155,8 +155,9 @@ def test_sampling_fields_are_honoured_as_generate_honours_them(server: str) -> N
 
 
 def test_api_key_health_and_metrics(server: str) -> None:
-    # a long prompt of its own, so the PrfaaS and codec series below hold whatever ran before
-    body = {"model": "kimi-linear-tiny", "prompt": LONG, "max_tokens": 2, "temperature": 0}
+    # a long prompt of its own (no earlier one shares its prefix), so the PrfaaS and codec series below hold
+    # whatever ran before
+    body = {"model": "kimi-linear-tiny", "prompt": "Metrics. " + LONG, "max_tokens": 2, "temperature": 0}
     code, reply = _post(f"{server}/v1/completions", json.dumps(body).encode())
     assert code == 200 and reply["minifaas"]["route"] == "prfaas", reply
     assert _get(f"{server}/v1/models")[0] == 401
