@@ -45,12 +45,12 @@ def smoke_form(argv: list[str]) -> tuple[str, ...]:
     """A quoted command as its smoke run takes it: every run adds --json, and a full run's ``--repeats N``
     gives way to the smoke run's own (one), so quotes that differ only in those are one run."""
     out: list[str] = []
-    for a in argv:
-        if a == "--json" or (out and out[-1] == "--repeats"):
-            if out and out[-1] == "--repeats":
-                out.pop()
-            continue
-        out.append(a)
+    args = iter(argv)
+    for a in args:
+        if a == "--repeats":
+            next(args, None)  # and its value
+        elif a != "--json":
+            out.append(a)
     return tuple(out)
 
 

@@ -72,9 +72,9 @@ class PlaneEncoder:
     takes the fallback (the finder's full search) even where the accelerated coder loads."""
 
     def __init__(self, accelerated: bool = True) -> None:
-        fallback = zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS).compress
-        self.accelerated = accelerated and (coder := _literal_coder()) is not None
-        self._compress = coder if self.accelerated else fallback
+        coder = _literal_coder() if accelerated else None
+        self.accelerated = coder is not None
+        self._compress = coder or zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS).compress
 
     def encode(self, raw: memoryview, width: int) -> list[bytes | memoryview]:
         top, rest = split(raw, width)
