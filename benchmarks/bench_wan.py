@@ -71,6 +71,7 @@ from minifaas.transport.pool import DEFAULT_CONNECTIONS
 from minifaas.transport.sender_config import MIN_UNSENT_BYTES
 from minifaas.transport.synthetic import bulk_state
 
+FRAME_BYTES, SEGMENT_PAYLOAD_BYTES = 1514, 1448  # a full TCP segment on the veth (MTU 1500), and its payload
 REAL_RATE, REAL_WINDOW = 14.7e9, 4 << 20  # the link and the per-connection window being stood in for
 MODEL = "kimi-linear-tiny"  # a seeded preset, as bench_transport: its last layer (MLA) sets the by-layer floor
 _DEFAULTS = SenderConfig("h", 1, SECRET)
@@ -196,6 +197,13 @@ async def emulator_pipelining(tokens: int, rate: float, rtts: list[float], modes
 # --- 3. the same through network namespaces ---
 
 
+def tbf_rate(payload_bps: float) -> str:
+    """The tbf rate that carries ``payload_bps`` of TCP payload. A link's measured rate (the 14.7 Gbit/s)
+    is what a transfer tool moved over it, and the emulator paces payload bytes too; tbf paces frames, of
+    which a full segment's 1,514 bytes carry 1,448 (Ethernet, IP and TCP headers, TCP timestamps)."""
+    return f"{payload_bps * FRAME_BYTES / SEGMENT_PAYLOAD_BYTES:.0f}bit"
+
+
 def _netns_env() -> dict[str, str]:
     return {**os.environ, SECRET_ENV: SECRET.decode(), "PYTHONPATH": str(Path(__file__).resolve().parent)}
 
@@ -217,10 +225,13 @@ def netns_goodput(
         nbytes = int(rate * bound / 8 * seconds)
         readings = []
         for _ in range(repeats):
-            with NetnsLink(rate=f"{rate:.0f}bit", queue_bytes=100_000, burst_bytes=32_000, rtt_ms=rtt * 1000,
+            with NetnsLink(rate=tbf_rate(rate), queue_bytes=100_000, burst_bytes=32_000, rtt_ms=rtt * 1000,
                            window_bytes=win) as link:  # fmt: skip
+                sizes = scaled_sender(rate)
                 argv = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--bytes", str(nbytes),
-                        "--connections", str(n), "--rate", f"{rate:.0f}", "--warm-up"]  # fmt: skip
+                        "--connections", str(n), "--rate", f"{rate:.0f}", "--warm-up",
+                        "--chunk-bytes", str(sizes["chunk_bytes"]),
+                        "--unsent-bytes", str(sizes["unsent_bytes"])]  # fmt: skip
                 readings.append(run_pair(link, argv, _netns_env(), timeout=60 + 4 * seconds))
         bps = statistics.median(8 * r[-1]["done"]["bytes"] / r[-1]["done"]["seconds"] for r in readings)
         rtts_seen = [h["health"]["rtt_ms"] for r in readings for h in r if "health" in h and h["health"]["rtt_ms"]]
@@ -250,7 +261,7 @@ async def netns_pipelining(tokens: int, rate: float, rtts: list[float], modes: l
                     torch.save({"events": recording.events, "seconds": seconds, "layers": runtime.num_layers,
                                 "kv_bytes": kv_bytes, "pipelined": MODES[mode][0], "rate": rate}, path)  # fmt: skip
                     paced = 8 * kv_bytes / seconds  # the transfer takes as long as the prefill
-                    with NetnsLink(rate=f"{paced:.0f}bit", queue_bytes=100_000, burst_bytes=32_000,
+                    with NetnsLink(rate=tbf_rate(paced), queue_bytes=100_000, burst_bytes=32_000,
                                    rtt_ms=rtt * 1000) as link:  # fmt: skip
                         argv = [sys.executable, __file__, "--replay", str(path)]
                         (result,) = run_pair(link, argv, _netns_env(), timeout=120 + 4 * seconds)

@@ -223,6 +223,46 @@ def test_a_window_caps_each_flow_at_window_per_round_trip_and_changes_over_the_c
     run(main())
 
 
+async def only_flow(link: Any) -> Any:
+    """The one flow through an in-process relay, once its target end is connected."""
+    async with asyncio.timeout(10):
+        while not link.flows or next(iter(link.flows.values()))[0].upstream is None:
+            await asyncio.sleep(0.005)
+    return next(iter(link.flows.values()))[0]
+
+
+def test_the_relay_buffers_two_reads_per_flow_so_backpressure_reaches_the_sender() -> None:
+    """Left to the kernel, a loopback receive buffer grows to megabytes, and a window-bound flow's backlog
+    sits in the relay, out of the sender's sight: the end of a 16-connection transfer at 30 ms waited on it."""
+    from minifaas.transport.relay import LinkConfig, LinkEmulator
+
+    async def main() -> None:
+        server = await counting_server([0])
+        target = server.sockets[0].getsockname()
+        async with server, LinkEmulator(LinkConfig(*target, rate_bps=1e9, window_bytes=285_000)) as link:
+            _, writer = await asyncio.open_connection("127.0.0.1", link.port)
+            flow = await only_flow(link)
+
+            def buffers() -> tuple[int, int]:  # Linux reports twice what it was given
+                ends = (flow.client, flow.upstream)
+                client, upstream = (end.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2 for end in ends)
+                return client, upstream
+
+            assert buffers() == (2 * (285_000 // 8), 2 * (285_000 // 8))  # reads of an eighth of the window
+            link.set_rate(100e6)  # reads of 2 ms at 100 Mbit/s, 25 KB: the floor, one loopback segment
+            assert buffers() == (64 << 10, 64 << 10)
+            link.set_window(None)
+            link.set_rate(400e6)  # 2 ms: 100 KB
+            assert buffers() == (200_000, 200_000)
+            writer.close()
+        async with LinkEmulator(LinkConfig(*target)) as bare:  # no rate and no window: the kernel's sizing
+            _, writer = await asyncio.open_connection("127.0.0.1", bare.port)
+            assert not getattr(await only_flow(bare), "bounded", None)
+            writer.close()
+
+    run(main())
+
+
 def test_routes_carry_flows_to_several_targets_over_one_link() -> None:
     async def tagged_server(tag: bytes) -> asyncio.Server:
         async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

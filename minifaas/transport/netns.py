@@ -247,13 +247,16 @@ async def _sink(host: str, port: int, transfers: int, accept_unchecked: bool) ->
             transfer_id += 1
 
 
-async def _probe(host: str, port: int, nbytes: int, connections: int, rate: str, warm_up: bool) -> None:
+async def _probe(host: str, port: int, args: argparse.Namespace) -> None:
     from minifaas.transport.sender import KVSender, SenderConfig
     from minifaas.transport.synthetic import bulk_state
 
-    state = bulk_state(nbytes)
-    monitor = LinkMonitor(parse_rate(rate) or 1.0)
-    config = SenderConfig(host, port, os.environb[SECRET_ENV.encode()], connections=connections, done_timeout=120)
+    state = bulk_state(args.bytes)
+    monitor = LinkMonitor(parse_rate(args.rate) or 1.0)
+    sizes = {name: value for name in ("chunk_bytes", "unsent_bytes") if (value := getattr(args, name)) is not None}
+    config = SenderConfig(host, port, os.environb[SECRET_ENV.encode()], connections=args.connections,
+                          done_timeout=120, **sizes)  # fmt: skip
+    warm_up = args.warm_up
     async with KVSender(config) as tx, asyncio.TaskGroup() as tg:
         loop = asyncio.get_running_loop()
         if warm_up:  # transfer 0 dials and authenticates every connection; the measured one is transfer 1
@@ -284,13 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS)
     probe.add_argument("--rate", default="50mbit", help="the link rate utilisation is measured against")
     probe.add_argument("--warm-up", action="store_true", help="first a small transfer (0) to open the connections")
+    probe.add_argument("--chunk-bytes", type=int, help="the sender's chunk (default: SenderConfig's)")
+    probe.add_argument("--unsent-bytes", type=int, help="the sender's unsent budget (default: SenderConfig's)")
     args = parser.parse_args(argv)
     if args.role == "sink":
         host, _, port = args.listen.rpartition(":")
         asyncio.run(_sink(host, int(port), args.transfers, args.accept_unchecked))
     else:
         host, _, port = args.connect.rpartition(":")
-        asyncio.run(_probe(host, int(port), args.bytes, args.connections, args.rate, args.warm_up))
+        asyncio.run(_probe(host, int(port), args))
     return 0
 
 

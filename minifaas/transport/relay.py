@@ -8,7 +8,11 @@ window / RTT). A flow's bytes wait for room in its window, then for both
 pacers at once, then for the one-way delay (with jitter that never reorders a
 flow); they are acknowledged one more one-way delay after they arrive. The
 relay reads only as fast as the link drains, in steps of about 2 ms of the
-slowest rate on the path, so TCP backpressure reaches the sender.
+slowest rate on the path, and its sockets buffer only two such steps (one
+loopback segment at least), so TCP
+backpressure reaches the sender: bytes a flow cannot send yet wait in the
+sender's own socket, as they would before a real link, not in a relay buffer
+that no real path has (``_bound_buffers``).
 Bytes wait in pipes and move with splice(2), never copied through the relay
 (``splice=False``: recycled buffers, copied in and out; see ``relay_blocks``).
 Faults: ``cut`` resets every connection, ``stall`` forwards nothing (resets
@@ -29,6 +33,9 @@ from typing import Any
 from minifaas.transport.pacer import FlowWindow, Pacer, RateSchedule, check_window
 from minifaas.transport.relay_blocks import Block, CopiedBlock, SplicedBlock, splice_available
 from minifaas.transport.relay_flow import DOWN, UP, Flow
+
+# one loopback segment: a receive buffer under it advertises less, and the sender's TCP waits on its timers
+_MIN_SOCKET_BUFFER = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +159,7 @@ class LinkEmulator:
             upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             flow.upstream = upstream
             upstream.setblocking(False)
+            self._bound_buffers(flow)
             for sock in (client, upstream):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             async with asyncio.timeout(10):
@@ -222,6 +230,22 @@ class LinkEmulator:
             size = min(size, window // 8)
         return max(1500, size)
 
+    def _bound_buffers(self, flow: Flow) -> None:
+        """Let each of the flow's sockets take in two reads' worth (``_read_size``), or one loopback segment.
+
+        Left to the kernel, a loopback socket's receive buffer grows to megabytes, and a slow flow's
+        bytes pile up there out of the sender's sight: its unsent budget (TCP_NOTSENT_LOWAT) counts
+        only its own socket. The sender then cannot move the last chunks to the connections that are
+        draining, and a transfer ends when its most loaded flow has crawled through its backlog at one
+        window per round trip. Sized again whenever the rate or the window changes; a direction with
+        neither, never bounded before, keeps the kernel's own sizing, which moves bytes fastest."""
+        for direction, sock in zip((UP, DOWN), flow.sockets, strict=True):
+            read = self._read_size(flow, direction)
+            if sock is None or sock.fileno() < 0 or (read >= self.config.read_bytes and direction not in flow.bounded):
+                continue
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(_MIN_SOCKET_BUFFER, 2 * read))
+            flow.bounded.add(direction)
+
     async def _deliver(self, dst: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:
             release_at, block, n = await queue.get()
@@ -265,6 +289,11 @@ class LinkEmulator:
     def set_rate(self, bps: float | None) -> None:
         for pacer in self.link.values():
             pacer.set_rate(bps)
+        self._bound_all_buffers()
+
+    def _bound_all_buffers(self) -> None:
+        for flow, _ in self.flows.values():
+            self._bound_buffers(flow)
 
     def set_schedule(self, schedule: RateSchedule) -> None:
         """Rate steps from now on, replacing any schedule still running."""
@@ -281,6 +310,7 @@ class LinkEmulator:
         for flow, _ in self.flows.values():
             for pacer in flow.pacers.values():
                 pacer.set_rate(bps)
+        self._bound_all_buffers()
 
     def set_window(self, window_bytes: int | None) -> None:
         """Bytes in flight per flow and direction, for new flows and those running (None: no window)."""
@@ -288,6 +318,7 @@ class LinkEmulator:
         for flow, _ in self.flows.values():
             for window in flow.windows.values():
                 window.set_window(window_bytes)
+        self._bound_all_buffers()
 
     def stats(self) -> dict[str, Any]:
         now = self._loop.time()

@@ -29,13 +29,19 @@ class Flow:
         self.windows = {UP: FlowWindow(window), DOWN: FlowWindow(window)}
         self.delays = {UP: DelayLine(rng), DOWN: DelayLine(rng)}
         self.blocks: list[Block] = []  # every block this flow made, closed with it
+        self.bounded: set[str] = set()  # directions whose receive buffer the relay has sized (relay._bound_buffers)
+
+    @property
+    def sockets(self) -> tuple[socket.socket, socket.socket | None]:
+        """The flow's two ends: the client's (read going up) and the target's (read coming down)."""
+        return self.client, self.upstream
 
     def close(self, reset: bool) -> None:
         """Close both sides; ``reset`` sends RSTs (a cut) instead of an orderly close."""
         for block in self.blocks:
             block.close()
         self.blocks.clear()
-        for sock in (self.client, self.upstream):
+        for sock in self.sockets:
             if sock is not None and sock.fileno() >= 0:
                 if reset:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
