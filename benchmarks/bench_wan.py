@@ -35,7 +35,10 @@ window, as there.
    after the last byte: a stricter test).
 3. netns (root): the same two through two network namespaces, where the
    kernel's own TCP meets a tbf bottleneck at ``--netns-rate`` (200 Mbit/s,
-   what a user-space return path keeps up with here), the receiver advertising
+   what a user-space return path keeps up with here) of TCP payload, as the
+   emulator paces and as a transfer tool measures a link (tbf paces frames,
+   so it is set 1514/1448 higher: a full segment's headers), the sender's
+   chunk and unsent budget scaled as in 1, the receiver advertising
    about the scaled window (a route's window metric; the kernel holds it a
    little above, and not below about 60 KB) and the RTT made in user space on
    the return path (``minifaas.transport.netns_delay``: this kernel has no
