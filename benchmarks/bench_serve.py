@@ -8,16 +8,23 @@ PrfaaS (PrfaaS prefill -> emulated link -> PD-D); each served request is
 followed by the single-process reference (prefill + decode in this process) on
 a prompt of the same length, so the two see the same machine load. Requests go one
 at a time through the HTTP API with streaming, each with a fresh prompt (no
-prefix-cache hits); medians of --repeats. ``--quick`` is the smoke run the
-tests make: 32- and 128-token prompts, 4 output tokens, one repeat unless
-given; the same code path.
+prefix-cache hits); medians of --repeats, and the median of each request's
+own ratio to the reference right after it (``pairs``: slower drift cancels).
+``--pin`` (Linux, two or more CPUs) runs the prefill workers and the
+reference's forwards on CPU 0 and every other process and thread of the run
+on the other CPUs, so both sides' forwards meet the same core; unpinned, the
+kernel places them, and on a shared VM two cores need not be equally fast.
+``--quick`` is the smoke run the tests make: 32- and 128-token prompts, 4
+output tokens, one repeat unless given; the same code path.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -29,6 +36,7 @@ from minifaas import figures
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import ClusterConfig, LinkConfig, ServeConfig
+from minifaas.serve.gateway import Gateway
 from minifaas.serve.launch import forked
 from minifaas.serve.serve_cli import running_server
 
@@ -42,21 +50,65 @@ def prompt(n: int, salt: int) -> list[int]:
     return [(37 * i + 11 * salt + 5) % 256 for i in range(n)]
 
 
-def reference(rt: ModelRuntime, ids: list[int], max_tokens: int) -> tuple[float, float]:
-    """TTFT and end-to-end time of prefill + decode in this process."""
-    start = time.perf_counter()
-    result = rt.prefill(ids)
-    ttft = time.perf_counter() - start
-    rt.start_decode(result.state, result.next_token, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).run()
-    return ttft, time.perf_counter() - start
+FORWARD_CPUS, OTHER_CPUS = {0}, set(range(1, os.cpu_count() or 1))  # --pin
+
+
+def reference(rt: ModelRuntime, ids: list[int], max_tokens: int, pin: bool = False) -> tuple[float, float]:
+    """TTFT and end-to-end time of prefill + decode in this process (``pin``: this thread on FORWARD_CPUS)."""
+    if pin:
+        os.sched_setaffinity(0, FORWARD_CPUS)  # 0: the calling thread
+    try:
+        start = time.perf_counter()
+        result = rt.prefill(ids)
+        ttft = time.perf_counter() - start
+        rt.start_decode(result.state, result.next_token, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).run()
+        return ttft, time.perf_counter() - start
+    finally:
+        if pin:
+            os.sched_setaffinity(0, OTHER_CPUS)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process under ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus``; threads it starts later inherit it."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that has ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def pin_run(gateway: Gateway) -> None:
+    """The prefill workers on FORWARD_CPUS; this process and every other one it started on OTHER_CPUS."""
+    prefill = {w.pid for w in gateway.pool.workers.values() if w.role == "prefill"}
+    for pid in descendants(os.getpid()) | {os.getpid()}:
+        pin_process(pid, FORWARD_CPUS if pid in prefill else OTHER_CPUS)
 
 
 async def served(
-    config: ServeConfig, rt: ModelRuntime, lengths: list[int], max_tokens: int, repeats: int
+    config: ServeConfig, rt: ModelRuntime, lengths: list[int], max_tokens: int, repeats: int, pin: bool
 ) -> dict[int, dict]:
     """Each served request is followed by the same prompt through ``rt`` here, so both see the same load."""
     out: dict[int, dict] = {}
     async with running_server(config) as (gateway, port), aiohttp.ClientSession() as http:
+        if pin:
+            pin_run(gateway)
         url = f"http://127.0.0.1:{port}/v1/completions"
         for n in lengths:
             ttfts, e2es, routes, kv, refs, parts = [], [], set(), 0, [], []
@@ -86,7 +138,7 @@ async def served(
                     )
                     ttfts.append(first or 0.0)
                     e2es.append(time.perf_counter() - start)
-                    refs.append(await asyncio.to_thread(reference, rt, prompt(n, 7919 * i + n + 1), max_tokens))
+                    refs.append(await asyncio.to_thread(reference, rt, prompt(n, 7919 * i + n + 1), max_tokens, pin))
             out[n] = {
                 "ttft_s": statistics.median(ttfts),
                 "e2e_s": statistics.median(e2es),
@@ -94,6 +146,7 @@ async def served(
                 "kv_bytes": kv,
                 "generate_ttft_s": statistics.median(r[0] for r in refs),
                 "generate_e2e_s": statistics.median(r[1] for r in refs),
+                "pairs": statistics.median(t / r[0] for t, r in zip(ttfts, refs, strict=True)),
                 "breakdown": {k: statistics.median(b[k] for b in parts) for k in BREAKDOWN},
             }
     return out
@@ -117,12 +170,15 @@ def main() -> None:
         "--prefill-chunk", type=int, default=ClusterConfig().prefill_chunk, help="tokens per prefill forward"
     )
     p.add_argument("--device", default="cpu", help="every worker's device, and the reference's (cpu or cuda:N)")
+    p.add_argument("--pin", action="store_true", help="prefill workers and the reference on CPU 0, the rest apart")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     a = p.parse_args()
     if a.quick:  # flags given on the command line still win
         p.set_defaults(short=32, long=128, max_tokens=4, repeats=1)
         a = p.parse_args()
+    if a.pin and not (hasattr(os, "sched_setaffinity") and OTHER_CPUS):
+        p.error("--pin needs Linux and two or more CPUs")
     if a.device == "cpu":
         forked.start_here(a.model)  # the workers' parent, forked from here before any torch op
     lengths = [a.short, a.long]
@@ -137,8 +193,8 @@ def main() -> None:
         prfaas=replace(d.prfaas, threads=a.threads, prefill_chunk=a.prefill_chunk, device=a.device),
         pd=replace(d.pd, threads=a.threads, prefill_chunk=a.prefill_chunk, device=a.device),
     )
-    local = asyncio.run(served(replace(base, threshold=10**9), rt, lengths, a.max_tokens, a.repeats))
-    prfaas = asyncio.run(served(replace(base, threshold=0), rt, lengths, a.max_tokens, a.repeats))
+    local = asyncio.run(served(replace(base, threshold=10**9), rt, lengths, a.max_tokens, a.repeats, a.pin))
+    prfaas = asyncio.run(served(replace(base, threshold=0), rt, lengths, a.max_tokens, a.repeats, a.pin))
     rows = []
     for n in lengths:
         for name, res in (("local", local[n]), ("prfaas", prfaas[n])):
@@ -152,19 +208,20 @@ def main() -> None:
                     "generate_ttft_s": res["generate_ttft_s"],
                     "generate_e2e_s": res["generate_e2e_s"],
                     "ttft_over_generate": res["ttft_s"] / res["generate_ttft_s"],
+                    "pairs": res["pairs"],
                     "asked": name,
                     "breakdown": res["breakdown"],
                 }
             )
     print(
         f"{'tokens':>7} {'route':>7} {'TTFT s':>8} {'e2e s':>8} {'gen TTFT':>9} {'gen e2e':>8} "
-        f"{'TTFT/gen':>9} {'KV MB':>7}"
+        f"{'TTFT/gen':>9} {'pairs':>6} {'KV MB':>7}"
     )
     for r in rows:
         print(
             f"{r['prompt_tokens']:>7} {r['route']:>7} {r['ttft_s']:>8.3f} {r['e2e_s']:>8.3f} "
             f"{r['generate_ttft_s']:>9.3f} {r['generate_e2e_s']:>8.3f} {r['ttft_over_generate']:>9.2f} "
-            f"{r['kv_bytes'] / 1e6:>7.2f}"
+            f"{r['pairs']:>6.2f} {r['kv_bytes'] / 1e6:>7.2f}"
         )
     print(
         "\nwhere the prefill's time goes (ms, medians; the first token leaves before the transfer's tail),"
@@ -176,7 +233,8 @@ def main() -> None:
         print(f"{r['prompt_tokens']:>7} {r['route']:>7} {cells}")
     print(
         f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats}; "
-        f"torch threads: {torch.get_num_threads()} here, {base.worker_threads('pd')} per worker)"
+        f"torch threads: {torch.get_num_threads()} here, {base.worker_threads('pd')} per worker"
+        f"{'; forwards pinned to CPU 0' if a.pin else ''})"
     )
     if a.json:
         print(figures.dumps({"bench": "serve", "rows": rows}))
