@@ -10,6 +10,10 @@ a prompt of the same length, so the two see the same machine load. Requests go o
 at a time through the HTTP API with streaming, each with a fresh prompt (no
 prefix-cache hits); medians of --repeats, and the median of each request's
 own ratio to the reference right after it (``pairs``: slower drift cancels).
+``--rounds R`` starts R fresh servers per route, the routes' order turning
+each round, and pools their requests: one server's processes can be 10-20%
+faster or slower than the next one's on this kind of host, for all of their
+requests, and the reference moves between servers as much.
 ``--pin`` (Linux, two or more CPUs) runs the prefill workers and the
 reference's forwards on CPU 0 and every other process and thread of the run
 on the other CPUs, so both sides' forwards meet the same core; unpinned, the
@@ -27,7 +31,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import torch
@@ -101,21 +105,45 @@ def pin_run(gateway: Gateway) -> None:
         pin_process(pid, FORWARD_CPUS if pid in prefill else OTHER_CPUS)
 
 
+@dataclass
+class Samples:
+    """One route's requests at one prompt length, over every server it ran on."""
+
+    ttfts: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    refs: list[tuple[float, float]] = field(default_factory=list)  # the reference right after each: TTFT, e2e
+    parts: list[dict[str, float]] = field(default_factory=list)
+    routes: set[str] = field(default_factory=set)
+    kv_bytes: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "ttft_s": statistics.median(self.ttfts),
+            "e2e_s": statistics.median(self.e2es),
+            "route": "/".join(sorted(self.routes)),
+            "kv_bytes": self.kv_bytes,
+            "generate_ttft_s": statistics.median(r[0] for r in self.refs),
+            "generate_e2e_s": statistics.median(r[1] for r in self.refs),
+            "pairs": statistics.median(t / r[0] for t, r in zip(self.ttfts, self.refs, strict=True)),
+            "breakdown": {k: statistics.median(b[k] for b in self.parts) for k in BREAKDOWN},
+        }
+
+
 async def served(
-    config: ServeConfig, rt: ModelRuntime, lengths: list[int], max_tokens: int, repeats: int, pin: bool
-) -> dict[int, dict]:
+    config: ServeConfig, rt: ModelRuntime, lengths: list[int], max_tokens: int, repeats: int, pin: bool,
+    out: dict[int, Samples], salt: int,
+) -> None:  # fmt: skip
     """Each served request is followed by the same prompt through ``rt`` here, so both see the same load."""
-    out: dict[int, dict] = {}
     async with running_server(config) as (gateway, port), aiohttp.ClientSession() as http:
         if pin:
             pin_run(gateway)
         url = f"http://127.0.0.1:{port}/v1/completions"
         for n in lengths:
-            ttfts, e2es, routes, kv, refs, parts = [], [], set(), 0, [], []
+            got = out.setdefault(n, Samples())
             for i in range(repeats + 1):  # the first is a warm-up
                 body = {
                     "model": gateway.model_name,
-                    "prompt": prompt(n, 7919 * i + n),
+                    "prompt": prompt(n, 7919 * i + n + salt),
                     "max_tokens": max_tokens,
                     "temperature": 0,
                     "stream": True,
@@ -130,26 +158,16 @@ async def served(
                             first = time.perf_counter() - start
                         if '"minifaas"' in line:
                             info = json.loads(line[6:])["minifaas"]
-                            routes.add(info["route"])
-                            kv = info["kv_bytes"]
+                            got.routes.add(info["route"])
+                            got.kv_bytes = info["kv_bytes"]
                 if i:
-                    parts.append(
+                    got.parts.append(
                         {k: info[k] or 0.0 for k in BREAKDOWN[:-1]} | {"http_s": (first or 0.0) - info["ttft_s"]}
                     )
-                    ttfts.append(first or 0.0)
-                    e2es.append(time.perf_counter() - start)
-                    refs.append(await asyncio.to_thread(reference, rt, prompt(n, 7919 * i + n + 1), max_tokens, pin))
-            out[n] = {
-                "ttft_s": statistics.median(ttfts),
-                "e2e_s": statistics.median(e2es),
-                "route": "/".join(sorted(routes)),
-                "kv_bytes": kv,
-                "generate_ttft_s": statistics.median(r[0] for r in refs),
-                "generate_e2e_s": statistics.median(r[1] for r in refs),
-                "pairs": statistics.median(t / r[0] for t, r in zip(ttfts, refs, strict=True)),
-                "breakdown": {k: statistics.median(b[k] for b in parts) for k in BREAKDOWN},
-            }
-    return out
+                    got.ttfts.append(first or 0.0)
+                    got.e2es.append(time.perf_counter() - start)
+                    ids = prompt(n, 7919 * i + n + salt + 1)
+                    got.refs.append(await asyncio.to_thread(reference, rt, ids, max_tokens, pin))
 
 
 def main() -> None:
@@ -170,6 +188,7 @@ def main() -> None:
         "--prefill-chunk", type=int, default=ClusterConfig().prefill_chunk, help="tokens per prefill forward"
     )
     p.add_argument("--device", default="cpu", help="every worker's device, and the reference's (cpu or cuda:N)")
+    p.add_argument("--rounds", type=int, default=1, help="fresh servers per route, the requests pooled")
     p.add_argument("--pin", action="store_true", help="prefill workers and the reference on CPU 0, the rest apart")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
@@ -193,8 +212,14 @@ def main() -> None:
         prfaas=replace(d.prfaas, threads=a.threads, prefill_chunk=a.prefill_chunk, device=a.device),
         pd=replace(d.pd, threads=a.threads, prefill_chunk=a.prefill_chunk, device=a.device),
     )
-    local = asyncio.run(served(replace(base, threshold=10**9), rt, lengths, a.max_tokens, a.repeats, a.pin))
-    prfaas = asyncio.run(served(replace(base, threshold=0), rt, lengths, a.max_tokens, a.repeats, a.pin))
+    samples: dict[str, dict[int, Samples]] = {"local": {}, "prfaas": {}}
+    thresholds = {"local": 10**9, "prfaas": 0}
+    for r in range(a.rounds):  # a fresh server per route and round, the order turning with the round
+        for name in ["local", "prfaas"] if r % 2 == 0 else ["prfaas", "local"]:
+            config = replace(base, threshold=thresholds[name])
+            asyncio.run(served(config, rt, lengths, a.max_tokens, a.repeats, a.pin, samples[name], 1_000_003 * r))
+    local = {n: got.summary() for n, got in samples["local"].items()}
+    prfaas = {n: got.summary() for n, got in samples["prfaas"].items()}
     rows = []
     for n in lengths:
         for name, res in (("local", local[n]), ("prfaas", prfaas[n])):
@@ -232,7 +257,8 @@ def main() -> None:
         cells = " ".join(f"{1e3 * r['breakdown'][k]:>10.1f}" for k in BREAKDOWN)
         print(f"{r['prompt_tokens']:>7} {r['route']:>7} {cells}")
     print(
-        f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats}; "
+        f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats}"
+        f"{f' x {a.rounds} servers per route' if a.rounds > 1 else ''}; "
         f"torch threads: {torch.get_num_threads()} here, {base.worker_threads('pd')} per worker"
         f"{'; forwards pinned to CPU 0' if a.pin else ''})"
     )

@@ -22,13 +22,18 @@ a thread (``asyncio.to_thread``) so their event loop keeps moving bytes.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
+from minifaas.model.host_memory import keep_freed_memory
 from minifaas.model.kernels import KernelReport, kernels_in_use
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
@@ -38,6 +43,7 @@ from minifaas.model.tokenizer import Tokenizer
 
 OnLayer = Callable[[LayerState], None]
 OnTokens = Callable[[LayerState, int, int], None]  # (piece, start, total): see ModelRuntime.prefill
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -61,6 +67,15 @@ class ModelRuntime:
             raise ValueError(f"{spec.name}: {self.num_layers} decoder layers but {self.layout.num_layers} cache layers")
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
         self.kernels: KernelReport = kernels_in_use(model)  # what the linear-attention layers really call
+        self._forward_thread: ThreadPoolExecutor | None = None
+
+    async def on_forward_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on this runtime's own thread, where a server runs all of its forwards. One
+        thread's allocator arena hands the same blocks back to every forward, still in the caches;
+        spread over a pool's threads, a 128-token prefill took about 3% longer."""
+        if self._forward_thread is None:
+            self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix=f"forward-{self.spec.name}")
+        return await asyncio.get_running_loop().run_in_executor(self._forward_thread, functools.partial(fn, *args))
 
     @classmethod
     def load(
@@ -71,7 +86,9 @@ class ModelRuntime:
         dtype: torch.dtype | None = None,
         trust_remote_code: bool = False,
     ) -> ModelRuntime:
-        """``dtype`` None: ``--dtype auto`` (bfloat16 on CUDA, float32 on the CPU)."""
+        """``dtype`` None: ``--dtype auto`` (bfloat16 on CUDA, float32 on the CPU). Sets the process's
+        C allocator to keep freed memory for the next forward (``host_memory.keep_freed_memory``)."""
+        keep_freed_memory()
         spec = ModelSpec.resolve(name_or_path, seed)
         tokenizer = load_tokenizer(spec, trust_remote_code)
         if spec.kind == "preset" and load_config(spec).vocab_size < tokenizer.vocab_size:

@@ -116,7 +116,7 @@ class DecodeService:
                 self.wakeup.clear()
                 continue
             self.stepping = True
-            tokens = await asyncio.to_thread(self.decoder.step)
+            tokens = await self.runtime.on_forward_thread(self.decoder.step)
             self.stepping = False
             self._apply_pending()
             for t in tokens:

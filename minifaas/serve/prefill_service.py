@@ -144,15 +144,15 @@ class PrefillService:
             plan = self.store.begin(tokens, started, msg.get("seen_tokens", 0))
             try:
                 if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
-                    await _until_stopped(stop, self.store.advance, self.runtime, plan)
+                    await _until_stopped(stop, self.runtime, self.store.advance, self.runtime, plan)
                 codec = self.codec(msg)
                 async with sender.stream(msg["transfer"], layers=self.runtime.num_states, codec=codec) as tx:
                     link_start = msg.get("link_start", 0)
                     forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
                     try:
                         computed = await _until_stopped(
-                            stop, compute_streaming, self.store, self.runtime, plan, forward, self.chunk_tokens,
-                            sampling,
+                            stop, self.runtime, compute_streaming, self.store, self.runtime, plan, forward,
+                            self.chunk_tokens, sampling,
                         )  # fmt: skip
                     finally:
                         unqueue()
@@ -198,7 +198,7 @@ class PrefillService:
         async def keep() -> None:
             try:
                 if not computed.cut:  # nothing to copy with the cache off: no thread hop either
-                    await asyncio.to_thread(self.store.cut, plan, computed)
+                    await self.runtime.on_forward_thread(self.store.cut, plan, computed)
                 self.store.finish(plan, computed, time.perf_counter())
             except Exception:  # the prompt was answered; only its cache entries are lost
                 log.exception("storing a prompt's prefix in the pool failed")
@@ -267,11 +267,11 @@ def coding(report: TransferReport) -> dict:
     }
 
 
-async def _until_stopped(stop: threading.Event, fn: Callable[..., T], *args: object) -> T:
-    """``fn(*args)`` in a thread. If the awaiting task is cancelled, set ``stop`` and wait for the thread
-    to end (a forward checks ``stop`` at its next layer) before the cancellation goes on: the compute
-    lock must not be let go while a forward still runs."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+async def _until_stopped(stop: threading.Event, runtime: ModelRuntime, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on ``runtime``'s forward thread. If the awaiting task is cancelled, set ``stop`` and
+    wait for the thread to end (a forward checks ``stop`` at its next layer) before the cancellation goes
+    on: the compute lock must not be let go while a forward still runs."""
+    work = asyncio.ensure_future(runtime.on_forward_thread(fn, *args))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

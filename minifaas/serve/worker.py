@@ -160,7 +160,7 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     plan = WarmUpPlan.for_worker(args.prefill_chunk, decoding.max_batch if args.role == "decode" else None)
     plan = plan if args.device.startswith("cuda") else plan.cpu_plan()  # nothing to compile on the CPU
     decoder = make_decoder(runtime, decoding) if args.role == "decode" else None  # a throwaway: same shapes
-    log.info("worker %s warmed up: %s", name, await asyncio.to_thread(warm_up, runtime, plan, decoder))
+    log.info("worker %s warmed up: %s", name, await runtime.on_forward_thread(warm_up, runtime, plan, decoder))
     kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
     codecs = codecs_for(args.kv_compression)
     measured: dict = {}  # a prefill worker's codecs, measured on a warm-up state
@@ -189,7 +189,7 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
                 chunk_tokens=args.prefill_chunk, codecs=codecs,
             )  # fmt: skip
             stack.push_async_callback(service.close)
-            measured = await asyncio.to_thread(service.calibrate)
+            measured = await runtime.on_forward_thread(service.calibrate)
         node = WorkerNode(
             name,
             args.role,

@@ -106,10 +106,17 @@ class Coded:
 
 class FrameEncoder:
     """One per sending connection (zstd contexts are not shared between threads). ``accelerated``: see
-    ``PlaneEncoder``."""
+    ``PlaneEncoder``, made at the first lossless frame: a transfer with no codec makes no zstd context."""
 
     def __init__(self, accelerated: bool = True) -> None:
-        self._planes = PlaneEncoder(accelerated)
+        self._accelerated = accelerated
+        self._plane_encoder: PlaneEncoder | None = None
+
+    @property
+    def _planes(self) -> PlaneEncoder:
+        if self._plane_encoder is None:
+            self._plane_encoder = PlaneEncoder(self._accelerated)
+        return self._plane_encoder
 
     def encode(self, codec: Codec, dtype: torch.dtype, raw: memoryview) -> Coded:
         """``raw`` (whole elements of ``dtype``) coded with ``codec``, or as it is if that would not shrink it."""

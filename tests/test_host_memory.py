@@ -1,0 +1,50 @@
+"""Freed host memory kept for the next forward: a forward stops paying page faults for its activations."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from minifaas.model import host_memory
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
+
+FAULTS = """
+import json, resource, torch
+from minifaas.model.host_memory import keep_freed_memory
+from minifaas.model.runtime import ModelRuntime
+torch.set_num_threads(1)
+rt = ModelRuntime.load("kimi-linear-tiny")
+ids = list(range(128))
+rt.prefill(ids)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    rt.prefill(ids)
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+print(json.dumps({"kept": keep_freed_memory(), "faults": faults}))
+"""
+
+
+def faults_per_prefill(**env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k != host_memory.ENV} | env
+    done = subprocess.run([sys.executable, "-c", FAULTS], env=environ, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_loaded_runtime_keeps_freed_memory_and_its_prefills_stop_faulting_pages_in() -> None:
+    kept, system = faults_per_prefill(), faults_per_prefill(**{host_memory.ENV: "system"})
+    assert kept["kept"] is True and system["kept"] is False
+    # glibc's defaults map a 128-token prefill's activations afresh each time: thousands of faults
+    assert system["faults"] > 2_000
+    assert kept["faults"] < system["faults"] / 10
+
+
+def test_keeping_freed_memory_is_set_once_per_process() -> None:
+    first = host_memory.keep_freed_memory()
+    assert host_memory.keep_freed_memory() is first
