@@ -1,6 +1,7 @@
 """TTFT and end-to-end latency of a short and a long prompt on each route, against one-process generate().
 
-    python benchmarks/bench_serve.py [--short 128] [--long 2048] [--max-tokens 16] [--repeats 3] [--json] [--quick]
+    python benchmarks/bench_serve.py [--short 128] [--long 2048] [--max-tokens 16] [--repeats 3] [--rounds 1]
+                                     [--threads N] [--json] [--quick]
 
 One run measures, on the same machine: a server whose threshold sends
 everything local (PD-P -> PD-D), then one whose threshold sends everything to
@@ -14,10 +15,6 @@ own ratio to the reference right after it (``pairs``: slower drift cancels).
 each round, and pools their requests: one server's processes can be 10-20%
 faster or slower than the next one's on this kind of host, for all of their
 requests, and the reference moves between servers as much.
-``--pin`` (Linux, two or more CPUs) runs the prefill workers and the
-reference's forwards on CPU 0 and every other process and thread of the run
-on the other CPUs, so both sides' forwards meet the same core; unpinned, the
-kernel places them, and on a shared VM two cores need not be equally fast.
 ``--quick`` is the smoke run the tests make: 32- and 128-token prompts, 4
 output tokens, one repeat unless given; the same code path.
 """
@@ -26,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -40,7 +35,6 @@ from minifaas import figures
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.serve.config import ClusterConfig, LinkConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
 from minifaas.serve.launch import forked
 from minifaas.serve.serve_cli import running_server
 
@@ -54,55 +48,13 @@ def prompt(n: int, salt: int) -> list[int]:
     return [(37 * i + 11 * salt + 5) % 256 for i in range(n)]
 
 
-FORWARD_CPUS, OTHER_CPUS = {0}, set(range(1, os.cpu_count() or 1))  # --pin
-
-
-def reference(rt: ModelRuntime, ids: list[int], max_tokens: int, pin: bool = False) -> tuple[float, float]:
-    """TTFT and end-to-end time of prefill + decode in this process (``pin``: this thread on FORWARD_CPUS)."""
-    if pin:
-        os.sched_setaffinity(0, FORWARD_CPUS)  # 0: the calling thread
-    try:
-        start = time.perf_counter()
-        result = rt.prefill(ids)
-        ttft = time.perf_counter() - start
-        rt.start_decode(result.state, result.next_token, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).run()
-        return ttft, time.perf_counter() - start
-    finally:
-        if pin:
-            os.sched_setaffinity(0, OTHER_CPUS)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process under ``pid`` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):  # gone meanwhile
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def pin_process(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid`` onto ``cpus``; threads it starts later inherit it."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that has ended
-            os.sched_setaffinity(int(tid), cpus)
-
-
-def pin_run(gateway: Gateway) -> None:
-    """The prefill workers on FORWARD_CPUS; this process and every other one it started on OTHER_CPUS."""
-    prefill = {w.pid for w in gateway.pool.workers.values() if w.role == "prefill"}
-    for pid in descendants(os.getpid()) | {os.getpid()}:
-        pin_process(pid, FORWARD_CPUS if pid in prefill else OTHER_CPUS)
+def reference(rt: ModelRuntime, ids: list[int], max_tokens: int) -> tuple[float, float]:
+    """TTFT and end-to-end time of prefill + decode in this process."""
+    start = time.perf_counter()
+    result = rt.prefill(ids)
+    ttft = time.perf_counter() - start
+    rt.start_decode(result.state, result.next_token, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).run()
+    return ttft, time.perf_counter() - start
 
 
 @dataclass
@@ -130,13 +82,11 @@ class Samples:
 
 
 async def served(
-    config: ServeConfig, rt: ModelRuntime, lengths: list[int], max_tokens: int, repeats: int, pin: bool,
+    config: ServeConfig, rt: ModelRuntime, lengths: list[int], max_tokens: int, repeats: int,
     out: dict[int, Samples], salt: int,
 ) -> None:  # fmt: skip
     """Each served request is followed by the same prompt through ``rt`` here, so both see the same load."""
     async with running_server(config) as (gateway, port), aiohttp.ClientSession() as http:
-        if pin:
-            pin_run(gateway)
         url = f"http://127.0.0.1:{port}/v1/completions"
         for n in lengths:
             got = out.setdefault(n, Samples())
@@ -167,7 +117,7 @@ async def served(
                     got.ttfts.append(first or 0.0)
                     got.e2es.append(time.perf_counter() - start)
                     ids = prompt(n, 7919 * i + n + salt + 1)
-                    got.refs.append(await asyncio.to_thread(reference, rt, ids, max_tokens, pin))
+                    got.refs.append(await asyncio.to_thread(reference, rt, ids, max_tokens))
 
 
 def main() -> None:
@@ -189,15 +139,12 @@ def main() -> None:
     )
     p.add_argument("--device", default="cpu", help="every worker's device, and the reference's (cpu or cuda:N)")
     p.add_argument("--rounds", type=int, default=1, help="fresh servers per route, the requests pooled")
-    p.add_argument("--pin", action="store_true", help="prefill workers and the reference on CPU 0, the rest apart")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     a = p.parse_args()
     if a.quick:  # flags given on the command line still win
         p.set_defaults(short=32, long=128, max_tokens=4, repeats=1)
         a = p.parse_args()
-    if a.pin and not (hasattr(os, "sched_setaffinity") and OTHER_CPUS):
-        p.error("--pin needs Linux and two or more CPUs")
     if a.device == "cpu":
         forked.start_here(a.model)  # the workers' parent, forked from here before any torch op
     lengths = [a.short, a.long]
@@ -217,7 +164,7 @@ def main() -> None:
     for r in range(a.rounds):  # a fresh server per route and round, the order turning with the round
         for name in ["local", "prfaas"] if r % 2 == 0 else ["prfaas", "local"]:
             config = replace(base, threshold=thresholds[name])
-            asyncio.run(served(config, rt, lengths, a.max_tokens, a.repeats, a.pin, samples[name], 1_000_003 * r))
+            asyncio.run(served(config, rt, lengths, a.max_tokens, a.repeats, samples[name], 1_000_003 * r))
     local = {n: got.summary() for n, got in samples["local"].items()}
     prfaas = {n: got.summary() for n, got in samples["prfaas"].items()}
     rows = []
@@ -259,8 +206,7 @@ def main() -> None:
     print(
         f"(link {a.link_rate}, 5 ms one way; {a.max_tokens} output tokens; medians of {a.repeats}"
         f"{f' x {a.rounds} servers per route' if a.rounds > 1 else ''}; "
-        f"torch threads: {torch.get_num_threads()} here, {base.worker_threads('pd')} per worker"
-        f"{'; forwards pinned to CPU 0' if a.pin else ''})"
+        f"torch threads: {torch.get_num_threads()} here, {base.worker_threads('pd')} per worker)"
     )
     if a.json:
         print(figures.dumps({"bench": "serve", "rows": rows}))

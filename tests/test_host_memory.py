@@ -48,3 +48,21 @@ def test_a_loaded_runtime_keeps_freed_memory_and_its_prefills_stop_faulting_page
 def test_keeping_freed_memory_is_set_once_per_process() -> None:
     first = host_memory.keep_freed_memory()
     assert host_memory.keep_freed_memory() is first
+
+
+def test_a_runtime_runs_what_it_is_given_on_one_thread_of_its_own() -> None:
+    import asyncio
+    import threading
+
+    from minifaas.model.runtime import ModelRuntime
+
+    runtime = ModelRuntime.load("kimi-linear-tiny")
+
+    async def main() -> list[int]:
+        forwards = [runtime.on_forward_thread(lambda: (runtime.prefill([1, 2, 3]), threading.get_ident())[1])
+                    for _ in range(4)]  # fmt: skip
+        return list(await asyncio.gather(*forwards, asyncio.to_thread(threading.get_ident)))
+
+    *forward_threads, pool_thread = asyncio.run(main())
+    assert len(set(forward_threads)) == 1
+    assert forward_threads[0] not in (threading.get_ident(), pool_thread)
