@@ -145,6 +145,8 @@ def main() -> None:
     if a.quick:  # flags given on the command line still win
         p.set_defaults(short=32, long=128, max_tokens=4, repeats=1)
         a = p.parse_args()
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
     if a.device == "cpu":
         forked.start_here(a.model)  # the workers' parent, forked from here before any torch op
     lengths = [a.short, a.long]

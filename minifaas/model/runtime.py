@@ -16,8 +16,9 @@ sliding-window state is final only after the last token and goes to
 ``on_layer`` at the end. The transfer then waits after the prefill only for
 the last chunk's KV and the fixed-size state, not for whole layers.
 
-Everything here is synchronous and blocks on the model; async callers run it in
-a thread (``asyncio.to_thread``) so their event loop keeps moving bytes.
+Everything here is synchronous and blocks on the model; async callers run it on
+the runtime's own thread (``on_forward_thread``) so their event loop keeps
+moving bytes.
 """
 
 from __future__ import annotations

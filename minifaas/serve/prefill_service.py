@@ -144,15 +144,15 @@ class PrefillService:
             plan = self.store.begin(tokens, started, msg.get("seen_tokens", 0))
             try:
                 if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
-                    await _until_stopped(stop, self.runtime, self.store.advance, self.runtime, plan)
+                    await self._until_stopped(stop, self.store.advance, self.runtime, plan)
                 codec = self.codec(msg)
                 async with sender.stream(msg["transfer"], layers=self.runtime.num_states, codec=codec) as tx:
                     link_start = msg.get("link_start", 0)
                     forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
                     try:
-                        computed = await _until_stopped(
-                            stop, self.runtime, compute_streaming, self.store, self.runtime, plan, forward,
-                            self.chunk_tokens, sampling,
+                        computed = await self._until_stopped(
+                            stop, compute_streaming, self.store, self.runtime, plan, forward, self.chunk_tokens,
+                            sampling,
                         )  # fmt: skip
                     finally:
                         unqueue()
@@ -191,8 +191,24 @@ class PrefillService:
             **coding(tx.report),
         }
 
+    async def _until_stopped(self, stop: threading.Event, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the runtime's forward thread. If the awaiting task is cancelled, set ``stop`` and
+        wait for the thread to end (a forward checks ``stop`` at its next layer) before the cancellation goes
+        on: the compute lock must not be let go while a forward still runs."""
+        work = asyncio.ensure_future(self.runtime.on_forward_thread(fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            stop.set()
+            while not work.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([work])
+            if not work.cancelled():
+                work.exception()  # retrieved (Stopped, or what the forward raised): the request is gone anyway
+            raise
+
     def _keep(self, plan: CachedPrefill, computed: Computed, unlock: Callable[[], None]) -> None:
-        """Copy out (in a thread) and store what the pool keeps of a computed prompt, then let the next
+        """Copy out (on the forward thread) and store what the pool keeps of a computed prompt, then let the next
         prompt compute: it sees this one's blocks. Nobody waits on it for a first token."""
 
         async def keep() -> None:
@@ -265,23 +281,6 @@ def coding(report: TransferReport) -> dict:
         "kv_encode_s": report.encode_s,
         "kv_decode_s": report.decode_s,
     }
-
-
-async def _until_stopped(stop: threading.Event, runtime: ModelRuntime, fn: Callable[..., T], *args: object) -> T:
-    """``fn(*args)`` on ``runtime``'s forward thread. If the awaiting task is cancelled, set ``stop`` and
-    wait for the thread to end (a forward checks ``stop`` at its next layer) before the cancellation goes
-    on: the compute lock must not be let go while a forward still runs."""
-    work = asyncio.ensure_future(runtime.on_forward_thread(fn, *args))
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        stop.set()
-        while not work.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([work])
-        if not work.cancelled():
-            work.exception()  # retrieved (Stopped, or what the forward raised): the request is gone anyway
-        raise
 
 
 def compute_streaming(

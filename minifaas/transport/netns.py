@@ -256,12 +256,11 @@ async def _probe(host: str, port: int, args: argparse.Namespace) -> None:
     sizes = {name: value for name in ("chunk_bytes", "unsent_bytes") if (value := getattr(args, name)) is not None}
     config = SenderConfig(host, port, os.environb[SECRET_ENV.encode()], connections=args.connections,
                           done_timeout=120, **sizes)  # fmt: skip
-    warm_up = args.warm_up
     async with KVSender(config) as tx, asyncio.TaskGroup() as tg:
         loop = asyncio.get_running_loop()
-        if warm_up:  # transfer 0 dials and authenticates every connection; the measured one is transfer 1
+        if args.warm_up:  # transfer 0 dials and authenticates every connection; the measured one is transfer 1
             await tx.send(0, bulk_state(64 << 10))
-        sending = tg.create_task(tx.send(int(warm_up), state))
+        sending = tg.create_task(tx.send(int(args.warm_up), state))
         while not sending.done():
             await asyncio.wait([sending], timeout=0.2)
             health = monitor.update(loop.time(), tx.tcp_infos(), tx.queued_bytes)
