@@ -31,14 +31,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from minifaas.config import CacheConfig, ClusterConfig, ServeConfig
+from minifaas.gateway.api import api_error
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.inter_cluster_link import NAME
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.launch import forked
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.api import api_error
-from minifaas.serve.config import CacheConfig, ClusterConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.launch import forked
-from minifaas.serve.link import NAME
-from minifaas.serve.requests import GenerateRequest, RequestRecord
 
 CONFIG = ServeConfig(
     model="kimi-linear-tiny",

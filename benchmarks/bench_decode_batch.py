@@ -30,13 +30,13 @@ import time
 import torch
 
 from minifaas import figures
+from minifaas.launch import forked
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import Decoder, DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.launch import forked
 
 PROMPT_LENGTHS = (32, 96, 200, 64, 400, 128, 48, 256)  # cycled: a mix of contexts in one batch
 
@@ -120,8 +120,8 @@ async def bench_server(model: str, max_batch: int, requests: int, seed: int = 0)
     """Throughput and TTFT / TPOT percentiles of ``requests`` concurrent mixed streamed completions."""
     import aiohttp
 
-    from minifaas.serve.config import ClusterConfig, ServeConfig
-    from minifaas.serve.serve_cli import running_server
+    from minifaas.commands.serve import running_server
+    from minifaas.config import ClusterConfig, ServeConfig
 
     config = ServeConfig(
         port=0,

@@ -37,17 +37,17 @@ import aiohttp
 import torch
 import zstandard
 
+from minifaas.codec.codec import Codec
+from minifaas.commands.serve import running_server
+from minifaas.config import CacheConfig, LinkConfig, ServeConfig
+from minifaas.launch import forked
 from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import MODELS_DIR, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import GREEDY
 from minifaas.model.state_layout import build_cache
-from minifaas.policy.compression import CompressionConfig
-from minifaas.serve.config import CacheConfig, LinkConfig, ServeConfig
-from minifaas.serve.launch import forked
-from minifaas.serve.serve_cli import running_server
+from minifaas.policy.codec_policy import CompressionConfig
 from minifaas.transport.chunking import split_chunks
-from minifaas.transport.codec import Codec
 from minifaas.transport.codec_probe import roundtrip
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "text" / "tinyshakespeare.txt"

@@ -40,11 +40,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from minifaas import figures
+from minifaas.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.launch import forked
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, LinkConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.launch import forked
-from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.traces import MOONCAKE_BLOCK_TOKENS, trace_path
 
 

@@ -33,11 +33,11 @@ from minifaas import figures
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.paper import paper_case
 from minifaas.planner.search import plan
-from minifaas.scheduler.long_term import LongTermConfig
-from minifaas.scheduler.short_term import ShortTermConfig
+from minifaas.policy.long_term import LongTermConfig
+from minifaas.policy.short_term import ShortTermConfig
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
-from minifaas.sim.config import SimConfig, config_for
-from minifaas.sim.link import LinkConfig
+from minifaas.sim.deployment import SimConfig, config_for
+from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.simulator import Simulation
 from minifaas.sim.workload import Workload, synthetic
 

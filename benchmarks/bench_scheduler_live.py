@@ -44,11 +44,11 @@ from pathlib import Path
 import numpy as np
 
 from minifaas import figures
+from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.requests import GenerateRequest, RequestFailed, RequestRecord
+from minifaas.launch import forked
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.launch import forked
-from minifaas.serve.requests import GenerateRequest, RequestFailed, RequestRecord
 
 FULL_BPS = 20e6
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -150,7 +150,7 @@ async def shift_run(config: ServeConfig, n_short: int, n_long: int) -> dict[str,
 def measure_profile(path: Path, quick: bool) -> None:
     """The instance profile the adaptive configuration re-plans with: ``minifaas profile`` on this machine."""
     lengths, batches = ("32,128", "1,2") if quick else ("64,256,1024", "1,2,4,8")
-    cmd = [sys.executable, "-m", "minifaas.cli", "profile", "--lengths", lengths, "--batches", batches]
+    cmd = [sys.executable, "-m", "minifaas.commands.main", "profile", "--lengths", lengths, "--batches", batches]
     cmd += ["--slo", "1", "--repeats", "1" if quick else "3", "--out", str(path)]  # slo: any CPU meets it
     subprocess.run(cmd, check=True, capture_output=True)
 

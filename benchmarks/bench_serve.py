@@ -32,11 +32,11 @@ import aiohttp
 import torch
 
 from minifaas import figures
+from minifaas.commands.serve import running_server
+from minifaas.config import ClusterConfig, LinkConfig, ServeConfig
+from minifaas.launch import forked
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import ClusterConfig, LinkConfig, ServeConfig
-from minifaas.serve.launch import forked
-from minifaas.serve.serve_cli import running_server
 
 # where a served prefill's time goes (the response's ``minifaas`` object); http_s is the client's TTFT less
 # the gateway's: the HTTP request, the SSE event and the client's parsing

@@ -1,6 +1,6 @@
 """``minifaas serve`` from launch to serving and to stopped, the command as a user runs it, against another checkout.
 
-Each round launches ``python -m minifaas.cli serve --port 0`` (the default
+Each round launches ``python -m minifaas.commands.main serve --port 0`` (the default
 clusters: three local CPU workers and the link emulators), waits for its
 "serving" line, sends SIGTERM and waits for the exit, which must be 0. Timed:
 launch to serving, launch to exited, and the CPU seconds of the whole process
@@ -45,7 +45,7 @@ def one_start(checkout: Path, scratch: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
     cpu0, t0 = tree_cpu_s(), time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minifaas.cli", "serve", "--port", "0"],
+        [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0"],
         cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     late = threading.Timer(READY_TIMEOUT_S, proc.kill)  # a serve that never comes up ends its output

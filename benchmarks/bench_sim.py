@@ -19,12 +19,12 @@ import argparse
 import time
 
 from minifaas import figures
+from minifaas.commands.sim import scaled_case
 from minifaas.planner.paper import paper_case
 from minifaas.planner.search import plan
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
-from minifaas.sim.config import config_for
-from minifaas.sim.link import LinkConfig
-from minifaas.sim.sim_cli import scaled_case
+from minifaas.sim.deployment import config_for
+from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.simulator import Simulation
 from minifaas.sim.workload import synthetic
 

@@ -31,10 +31,10 @@ from typing import Any
 
 from minifaas.planner.paper import paper_case
 from minifaas.planner.search import plan
-from minifaas.sim.config import config_for
-from minifaas.sim.link import LinkConfig
+from minifaas.sim.deployment import config_for
+from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.traces import read_trace
+from minifaas.sim.trace_workload import read_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 CONFIGS = ("homogeneous", "prfaas", "naive")

@@ -23,13 +23,13 @@ import statistics
 import time
 
 from minifaas import figures
+from minifaas.config import ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.launch import forked
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.launch import forked
-from minifaas.serve.requests import GenerateRequest, RequestRecord
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPTS = {"local": 64, "prfaas": 700}  # tokens; the threshold below sends the long one to PrfaaS

@@ -39,11 +39,11 @@ import time
 from dataclasses import dataclass, replace
 
 from minifaas import figures
+from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.launch import forked
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.launch import forked
-from minifaas.serve.requests import GenerateRequest, RequestRecord
 from minifaas.traces import MOONCAKE_BLOCK_TOKENS, read_trace
 
 SERVERS = ("reuse", "interval", "none")

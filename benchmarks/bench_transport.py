@@ -11,7 +11,7 @@
    the prefill worker's own streaming code, on a link whose transfer time equals the prefill time
    (layers replayed at the moments a real prefill produced them: see ``pipelining``).
 
-Receivers run in their own processes (``python -m minifaas.transport.netns sink``),
+Receivers run in their own processes (``python benchmarks/netns.py sink``),
 the emulator in its own, the sender here. Every figure is the median of the repeats.
 """
 
@@ -31,12 +31,13 @@ from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 import torch
+from netns import NETNS, SECRET_ENV
 
 from minifaas import figures
+from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.model.state_codec import tensor_bytes
-from minifaas.transport import KVSender, SenderConfig
-from minifaas.transport.emulator_control import EmulatorProcess
-from minifaas.transport.netns import SECRET_ENV
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import bulk_state
 
 SECRET = b"benchmark-secret-0123456789abcdef"
@@ -67,7 +68,7 @@ def cpu_seconds(pid: int | None = None) -> float:
 @asynccontextmanager
 async def sink() -> AsyncIterator[Peer]:
     """A KV receiver process that takes transfers 0, 1, 2, ... and drops them."""
-    argv = [sys.executable, "-m", "minifaas.transport.netns", "sink", "--listen", "127.0.0.1:0", "--transfers", "0",
+    argv = [sys.executable, NETNS, "sink", "--listen", "127.0.0.1:0", "--transfers", "0",
             "--accept-unchecked"]  # fmt: skip
     env = {**os.environ, SECRET_ENV: SECRET.decode()}
     process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, env=env)
@@ -267,8 +268,8 @@ def serving_prefill(runtime: Any, ids: list[int], chunk_tokens: int, snapshots: 
     ``LayerForwarder``), with a cold prefix cache (segments at its snapshot points) or none."""
     from minifaas.cache.pool import PoolConfig
     from minifaas.model.state_layout import needs_snapshot
-    from minifaas.serve.prefill_service import LayerForwarder, compute_streaming
-    from minifaas.serve.prefix_store import PrefixStore
+    from minifaas.worker.prefill_service import LayerForwarder, compute_streaming
+    from minifaas.worker.prefix_store import PrefixStore
 
     layout = runtime.layout.kinds
     pool = PoolConfig("bench", 1 << 30, 32, 4, needs_snapshot(layout), enabled=snapshots)  # the worker's defaults

@@ -66,12 +66,12 @@ from typing import Any
 
 import torch
 from bench_transport import SECRET, Recording, Transfers, goodput, replay, serving_prefill, sink, timed_send
+from netns import NETNS, SECRET_ENV, NetnsLink, run_pair, unavailable
 
-from minifaas.transport import KVSender, SenderConfig
-from minifaas.transport.emulator_control import EmulatorProcess
-from minifaas.transport.netns import SECRET_ENV, NetnsLink, run_pair, unavailable
-from minifaas.transport.pool import DEFAULT_CONNECTIONS
-from minifaas.transport.sender_config import MIN_UNSENT_BYTES
+from minifaas.emulator.emulator_process import EmulatorProcess
+from minifaas.net.connections import DEFAULT_CONNECTIONS
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import MIN_UNSENT_BYTES, SenderConfig
 from minifaas.transport.synthetic import bulk_state
 
 FRAME_BYTES, SEGMENT_PAYLOAD_BYTES = 1514, 1448  # a full TCP segment on the veth (MTU 1500), and its payload
@@ -231,7 +231,7 @@ def netns_goodput(
             with NetnsLink(rate=tbf_rate(rate), queue_bytes=100_000, burst_bytes=32_000, rtt_ms=rtt * 1000,
                            window_bytes=win) as link:  # fmt: skip
                 sizes = scaled_sender(rate)
-                argv = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--bytes", str(nbytes),
+                argv = [sys.executable, NETNS, "probe", "--bytes", str(nbytes),
                         "--connections", str(n), "--rate", f"{rate:.0f}", "--warm-up",
                         "--chunk-bytes", str(sizes["chunk_bytes"]),
                         "--unsent-bytes", str(sizes["unsent_bytes"])]  # fmt: skip

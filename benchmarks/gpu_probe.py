@@ -32,8 +32,10 @@ from minifaas.model.host_copy import HostCopier
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.prefill_service import LayerForwarder
-from minifaas.transport import KVReceiver, KVSender, ReceiverConfig, SenderConfig
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
+from minifaas.worker.prefill_service import LayerForwarder
 
 SECRET = b"gpu-probe-secret-0123456789abcdef"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

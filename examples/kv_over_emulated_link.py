@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from minifaas.emulator.emulator_process import EmulatorProcess
+from minifaas.emulator.pacer import parse_rate
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.runtime import ModelRuntime
-from minifaas.transport import KVReceiver, KVSender, ReceiverConfig, SenderConfig
-from minifaas.transport.emulator_control import EmulatorProcess
-from minifaas.transport.pacer import parse_rate
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state
 
 SECRET = b"example-link-secret-0123456789ab"

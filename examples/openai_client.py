@@ -17,8 +17,8 @@ import json
 
 import openai
 
-from minifaas.serve.config import ServeConfig
-from minifaas.serve.serve_cli import running_server
+from minifaas.commands.serve import running_server
+from minifaas.config import ServeConfig
 
 LONG = "Long prompts go to the remote prefill cluster; short ones stay local. " * 5
 THRESHOLD = 128  # prompt tokens above which prefill goes to PrfaaS

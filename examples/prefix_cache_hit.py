@@ -17,7 +17,7 @@ from minifaas.cache.pool import PoolConfig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
-from minifaas.serve.prefix_store import PrefixStore
+from minifaas.worker.prefix_store import PrefixStore
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 SYSTEM = "System: you are a concise assistant for engineers who run LLM inference across datacenters.\n" * 2

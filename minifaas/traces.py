@@ -9,7 +9,7 @@ for 512 * scale tokens, so prefix structure is kept; output lengths are left
 as they are); ``rate_scale`` multiplies the arrival rate (timestamps are
 divided by it). Time starts at the first request. The planner takes the
 prompt lengths (``minifaas.planner.case``); the simulator replays the whole
-trace (``minifaas.sim.traces``).
+trace (``minifaas.sim.trace_workload``).
 
 The traces the repository ships (data/traces, with their licences) go by name
 (``SHIPPED_TRACES``: ``--trace mooncake-synthetic``); anything else is a path.

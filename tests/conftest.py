@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+# the network-namespace test hosts (netns.py) live beside the benchmarks that also use them
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 # a test (setup, call and teardown together) longer than this gets a line
 NOTE_AFTER_S = float(os.environ.get("MINIFAAS_NOTE_AFTER_S", "15"))
@@ -71,7 +76,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def served(loop: asyncio.AbstractEventLoop, config: object) -> Iterator[object]:
     """A module's gateway on its ``loop``, up for the module's tests (yield from it in a module fixture)."""
-    from minifaas.serve.gateway import Gateway  # only the served modules pay for its imports
+    from minifaas.gateway.gateway import Gateway  # only the served modules pay for its imports
 
     gw = Gateway(config)  # type: ignore[arg-type]
     loop.run_until_complete(gw.__aenter__())

@@ -24,8 +24,8 @@ from minifaas.model.loader import MODELS_DIR, ModelSpec, load_model, weights_dig
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.tokenizer import ByteTokenizer
-from minifaas.serve.prefill_service import PrefillService
-from minifaas.serve.prefix_store import PrefixStore
+from minifaas.worker.prefill_service import PrefillService
+from minifaas.worker.prefix_store import PrefixStore
 
 FAMILIES = MODELS_DIR / "families"
 BLOCK, SNAPSHOT_EVERY, CHUNK = 16, 2, 16  # a snapshot every 32 tokens; prefill in forwards of 16

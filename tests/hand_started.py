@@ -28,7 +28,7 @@ class HandStarted:
     def __init__(self, argv: Sequence[str], log: Path, prefix: Sequence[str] = ()) -> None:
         # one torch thread each: a test's workers share this machine's cores, and torch's default of a thread
         # per core in each would spin them against each other in every forward
-        self.argv = [*prefix, sys.executable, "-m", "minifaas.cli", "worker", *MODEL, "--threads", "1", *argv]
+        self.argv = [*prefix, sys.executable, "-m", "minifaas.commands.main", "worker", *MODEL, "--threads", "1", *argv]
         self.log_path = log
         self.process: subprocess.Popen | None = None
         self.ready: dict = {}

@@ -1,7 +1,7 @@
 """Commands run as processes forked from one interpreter that has already imported torch and minifaas.
 
 The suite runs about ninety documented commands, benchmarks and examples
-(``python -m minifaas.cli ...``, ``python benchmarks/x.py ...``), and a fresh
+(``python -m minifaas.commands.main ...``, ``python benchmarks/x.py ...``), and a fresh
 interpreter pays 3-4 s of CPU importing torch, transformers and the serving
 code before its first line of work. Here that is paid once: a server process
 imports it all, then forks one child per command. A child is a whole process
@@ -11,12 +11,12 @@ session), and from its first line it runs the command exactly as
 (non-daemon threads joined, exit handlers run, streams flushed, the exit status
 the command gave), except that its modules are not torn down: a second of CPU
 per command with torch loaded, and nothing to see. Only the imports are shared.
-(The project's own pre-loaded parent, ``minifaas.serve.launch.zygote``, does
+(The project's own pre-loaded parent, ``minifaas.launch.zygote``, does
 the same for workers; this one runs any command line.)
 
     with Preloaded() as python:
-        done = python.run(["-m", "minifaas.cli", "plan"], cwd=..., env=..., timeout=600)
-        server = python.start(["-m", "minifaas.cli", "serve"], cwd=..., env=..., stdout=fd, stderr=fd)
+        done = python.run(["-m", "minifaas.commands.main", "plan"], cwd=..., env=..., timeout=600)
+        server = python.start(["-m", "minifaas.commands.main", "serve"], cwd=..., env=..., stdout=fd, stderr=fd)
         exe = python.interpreter()  # for a program that starts ``python`` processes of its own
 
 ``interpreter()`` is an executable that stands in for ``python``: ``exe ARGV``
@@ -202,12 +202,12 @@ class Preloaded:
 def _preload() -> dict[str, str]:
     """Import what the commands import; returns the variables the imports set."""
     before = dict(os.environ)
+    from minifaas.launch import zygote
     from minifaas.model.loader import DEFAULT_MODEL
-    from minifaas.serve.launch import zygote
 
     zygote.preload(DEFAULT_MODEL)  # what a CPU worker imports, the kernels chosen first, as every CPU command does
-    import minifaas.cli
-    import minifaas.serve.gateway
+    import minifaas.commands.main
+    import minifaas.gateway.gateway
     import minifaas.sim.engine  # noqa: F401
 
     return {k: v for k, v in os.environ.items() if before.get(k) != v}
@@ -216,7 +216,7 @@ def _preload() -> dict[str, str]:
 def _serve(control: socket.socket, listener: socket.socket) -> tuple[dict, list[int]] | None:
     """Fork a child per request; returns in the child, with its request and descriptors, and None in
     the server once its control socket has closed."""
-    from minifaas.serve.launch import zygote  # imported already (``_preload``)
+    from minifaas.launch import zygote  # imported already (``_preload``)
 
     statuses: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()

@@ -16,7 +16,7 @@ def serving(*flags: str, start_timeout: float = 240.0) -> Iterator[tuple[str, li
 
     On exit: SIGTERM, exit status 0, and no process of its group left."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minifaas.cli", "serve", "--port", "0", "--log-level", "INFO", *flags],
+        [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", "--log-level", "INFO", *flags],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,

@@ -20,11 +20,11 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from minifaas.config import HttpConfig
+from minifaas.gateway.api import build_app
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.model.tokenizer import ByteTokenizer
-from minifaas.serve.api import build_app
-from minifaas.serve.config import HttpConfig
-from minifaas.serve.metrics import ServeMetrics
-from minifaas.serve.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 
 MODEL = "tiny-hybrid"
 REPLY = "The quick brown fox jumps over the lazy dog. "

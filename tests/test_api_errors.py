@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from test_api import CHAT, CHAT_GOOD, GOOD, C, metric_samples, run_async, serving, sse_events
 
-from minifaas.serve.requests import DeadlineExceeded, Overloaded
-from minifaas.serve.stop_strings import MAX_STOP_CHARS, MAX_STOPS
+from minifaas.gateway.requests import DeadlineExceeded, Overloaded
+from minifaas.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 
 
 async def errors_by_cause(s: Any) -> dict[str, float]:

@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 
+from minifaas.control.worker_ops import sampling_to_json
 from minifaas.model.batch_cache import BatchCache
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
@@ -20,8 +21,7 @@ from minifaas.model.row_layers import PaddedKVLayer
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import build_cache
-from minifaas.serve.control import sampling_to_json
-from minifaas.serve.decode_service import DecodeService
+from minifaas.worker.decode_service import DecodeService
 
 # Lengths straddle mimo-v2-tiny's 65-token window: below it, crossing it while decoding, and past it.
 LENGTHS = (3, 70, 20, 60)

@@ -89,7 +89,7 @@ def test_extraction() -> None:
     text = (
         "| 7 | simulator | `python benchmarks/bench_sim.py` |\n\n"
         "    python benchmarks/bench_scheduler.py --load 0.8  # a comment\n\n"
-        "(python benchmarks/bench_serve.py in prose is not a command) and python -m minifaas.cli\n"
+        "(python benchmarks/bench_serve.py in prose is not a command) and python -m minifaas.commands.main\n"
     )
     assert benchmark_commands(text) == [
         ["benchmarks/bench_scheduler.py", "--load", "0.8"],

@@ -18,7 +18,7 @@ import pytest
 from preloaded import Preloaded
 
 ROOT = Path(__file__).resolve().parent.parent
-# what a failure may say: the codes of the gateway's OpenAI error bodies (minifaas.serve.api.api_error)
+# what a failure may say: the codes of the gateway's OpenAI error bodies (minifaas.gateway.api.api_error)
 CLEAN_CAUSES = {"request_failed", "timeout", "overloaded", "migration_limit"}
 
 

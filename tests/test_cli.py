@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minifaas.cli import COMMANDS, HelpFormatter, command_parser, main
+from minifaas.commands.main import COMMANDS, HelpFormatter, command_parser, main
 from minifaas.planner.paper import H200
 from minifaas.planner.profile import save_profiles
 
@@ -112,7 +112,7 @@ def test_a_taken_port_is_an_error_before_any_worker_starts(taken_port: int, caps
     ids=["a flag's type", "a value read by the command"],
 )
 def test_the_command_prints_no_traceback(argv: list[str], says: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "minifaas.cli", *argv], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "minifaas.commands.main", *argv], capture_output=True, text=True)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith(says) and done.stderr.count("\n") == 1, done.stderr
 

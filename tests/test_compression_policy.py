@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from minifaas.policy.compression import (
+from minifaas.policy.codec_policy import (
     CodecEstimate,
     CodecMeter,
     CompressionConfig,

@@ -8,7 +8,7 @@ from minifaas.cache.pool import PoolConfig
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.decode_prefix import DecodePrefixCache
+from minifaas.worker.decode_prefix import DecodePrefixCache
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)

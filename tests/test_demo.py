@@ -15,7 +15,7 @@ NAMES = ("prfaas-p0", "pd-p0", "pd-d0", "prfaas->pd")
 def test_demo_output_into_a_pipe_reads_line_by_line(python: Preloaded, tmp_path: Path) -> None:
     argv = ["demo", "--short", "2", "--long", "1", "--long-tokens", "700", "--max-tokens", "4"]
     env = {**os.environ, "COLUMNS": "80"}  # what rich would wrap at; the demo must not
-    done = python.run(["-m", "minifaas.cli", *argv], cwd=tmp_path, env=env, timeout=600)
+    done = python.run(["-m", "minifaas.commands.main", *argv], cwd=tmp_path, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     for name in NAMES:  # each process shown starting, then ready

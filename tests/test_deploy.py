@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from netns import unavailable
 from test_docs_commands import ROOT, marked_blocks
-
-from minifaas.transport.netns import unavailable
 
 _NO_NETNS = unavailable()
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from minifaas.cli import COMMANDS, command_parser
+from minifaas.commands.main import COMMANDS, command_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -82,7 +82,7 @@ def test_extraction() -> None:
         "Run `minifaas plan --case paper` or\n\n"
         "    for g in 10 25; do minifaas plan --link-gbps $g --json; done\n\n"
         "```bash\nminifaas sim --case paper \\\n  --load 0.8  # a comment\n```\n"
-        "The `minifaas` object; see minifaas/cli.py and python -m minifaas.serve.worker.\n"
+        "The `minifaas` object; see minifaas/commands/main.py and python -m minifaas.commands.worker.\n"
     )
     assert commands_in(text) == [
         ["sim", "--case", "paper", "--load", "0.8"],

@@ -10,7 +10,7 @@ command that needs a GPU is skipped where there is none. The full training
 recipe of the shipped checkpoint (over an hour on two cores) runs its first
 step and stops there, saved (``--stop-at 1``); tests/test_train.py checks that
 a stopped run resumes to the same weights as one that never stopped. They run two at a
-time, in sorted order, each as ``python -m minifaas.cli ...`` in a process
+time, in sorted order, each as ``python -m minifaas.commands.main ...`` in a process
 forked from the pre-loaded interpreter (``python`` in conftest.py); a command
 that reads a file another writes (``--out``) waits for that one.
 """
@@ -93,7 +93,7 @@ class Ran:
 def _run(python: Preloaded, argv: tuple[str, ...], scratch: Path, needs: list[Future[Ran]]) -> Ran:
     for before in needs:  # the command that writes a file this one reads goes first
         before.result()
-    cmd = ["-m", "minifaas.cli", *_as_run(argv)]
+    cmd = ["-m", "minifaas.commands.main", *_as_run(argv)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if argv[0] not in LONG_RUNNING:
         done = python.run(cmd, cwd=scratch, env=env, timeout=600)

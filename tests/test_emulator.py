@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from minifaas.transport.emulator_control import EmulatorError, EmulatorProcess
-from minifaas.transport.pacer import DelayLine, FlowWindow, Pacer, RateSchedule, parse_bytes, parse_rate
-from minifaas.transport.relay_blocks import CopiedBlock, SplicedBlock, splice_available
+from minifaas.emulator.emulator_process import EmulatorError, EmulatorProcess
+from minifaas.emulator.pacer import DelayLine, FlowWindow, Pacer, RateSchedule, parse_bytes, parse_rate
+from minifaas.emulator.relay_blocks import CopiedBlock, SplicedBlock, splice_available
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,7 +234,7 @@ async def only_flow(link: Any) -> Any:
 def test_the_relay_buffers_two_reads_per_flow_so_backpressure_reaches_the_sender() -> None:
     """Left to the kernel, a loopback receive buffer grows to megabytes, and a window-bound flow's backlog
     sits in the relay, out of the sender's sight: the end of a 16-connection transfer at 30 ms waited on it."""
-    from minifaas.transport.relay import LinkConfig, LinkEmulator
+    from minifaas.emulator.relay import LinkConfig, LinkEmulator
 
     async def main() -> None:
         server = await counting_server([0])
@@ -311,7 +311,7 @@ def test_cut_resets_every_connection() -> None:
 
 def test_command_line_help() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "minifaas.transport.emulator", "--help"], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "minifaas.commands.link_emulator", "--help"], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 0 and "--flow-rate" in done.stdout
 

@@ -19,7 +19,7 @@ import pytest
 from test_emulator import echo_server
 
 from minifaas.control.session import ControlError, connect
-from minifaas.transport.emulator_control import EmulatorError, EmulatorProcess
+from minifaas.emulator.emulator_process import EmulatorError, EmulatorProcess
 
 pytestmark = pytest.mark.timeout(120)
 BAD_COMMANDS = [
@@ -112,7 +112,7 @@ def test_a_stall_is_bounded_and_stall_zero_ends_it() -> None:
 
 PARENT = """
 import asyncio, os, sys
-from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.emulator.emulator_process import EmulatorProcess
 async def main():
     async with EmulatorProcess(("127.0.0.1", 9)) as link:
         print(link.pid, flush=True)

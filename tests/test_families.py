@@ -28,7 +28,8 @@ import torch
 from family_child import BLOCK, FAMILIES, family_runtime
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.cli import main
+from minifaas.commands.main import main
+from minifaas.control.worker_ops import sampling_to_json
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder
@@ -37,9 +38,8 @@ from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import MODELS_DIR, ModelSpec, load_config_dict, weights_digest
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.control import sampling_to_json
-from minifaas.serve.decode_prefix import DecodePrefixCache, JoiningReceiver
-from minifaas.transport import KVReceiver, ReceiverConfig
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.worker.decode_prefix import DecodePrefixCache, JoiningReceiver
 
 SECRET = b"family-secret-0123456789abcdef01"
 CHILD = Path(__file__).with_name("family_child.py")

@@ -16,13 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from minifaas.config import ServeConfig
 from minifaas.control.secret import new_secret
-from minifaas.serve.config import ServeConfig
-from minifaas.serve.launch import forked
-from minifaas.serve.launch.forked import ForkedProcess
-from minifaas.serve.launch.launcher import WorkerSpec
-from minifaas.serve.launch.local import LocalLauncher, on_cpu
-from minifaas.serve.worker_specs import worker_spec
+from minifaas.launch import forked
+from minifaas.launch.forked import ForkedProcess
+from minifaas.launch.launcher import WorkerSpec
+from minifaas.launch.local import LocalLauncher, on_cpu
+from minifaas.launch.worker_specs import worker_spec
 
 MODEL = "kimi-linear-tiny"
 SPEC = worker_spec(ServeConfig(model=MODEL), "pd-d0", "decode", "pd")
@@ -105,8 +105,8 @@ def test_when_the_parent_dies_workers_start_fresh_and_the_forked_ones_are_still_
 # run as a fresh interpreter: start_here forks its caller, which must not be this test process
 HERE = """
 import asyncio, os
-import minifaas.serve.serve_cli  # what `minifaas serve` has imported when it forks the parent
-from minifaas.serve.launch import forked
+import minifaas.commands.serve  # what `minifaas serve` has imported when it forks the parent
+from minifaas.launch import forked
 
 MODEL = "kimi-linear-tiny"
 inside_a_loop = asyncio.run(asyncio.to_thread(forked.start_here, MODEL))  # a thread runs: never a fork
@@ -115,7 +115,7 @@ assert forked.start_here(MODEL) is False  # one per model
 zygote = forked.acquire(MODEL).parent
 
 from minifaas.control.secret import new_secret
-from minifaas.serve.launch.local import LocalLauncher
+from minifaas.launch.local import LocalLauncher
 from test_fork_launcher import SPEC, parent_of
 
 def cmdline(pid):

@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 
+from minifaas.config import CacheConfig, LinkConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.lifecycle import Phase
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.gateway.worker_handle import WorkerError
+from minifaas.launch import forked
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import CacheConfig, LinkConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.launch import forked
-from minifaas.serve.lifecycle import Phase
-from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.serve.worker_handle import WorkerError
 
 pytestmark = pytest.mark.slow  # gateways started, faulted and stopped
 

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import pytest
 from conftest import served
 
+from minifaas.config import CacheConfig, ClusterConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.requests import DeadlineExceeded, GenerateRequest, RequestRecord
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import CacheConfig, ClusterConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.requests import DeadlineExceeded, GenerateRequest, RequestRecord
 
 TOKEN_TIMEOUT = 1.5
 CONFIG = ServeConfig(

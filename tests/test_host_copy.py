@@ -16,10 +16,12 @@ from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_codec import tensor_bytes
-from minifaas.serve.prefix_store import PrefixStore
-from minifaas.transport import KVReceiver, KVSender, ReceiverConfig, SenderConfig
 from minifaas.transport.chunking import split_chunks
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state, synthetic_state
+from minifaas.worker.prefix_store import PrefixStore
 
 SECRET = b"cluster-secret-0123456789abcdef"
 pytestmark = pytest.mark.timeout(60)

@@ -23,11 +23,11 @@ import aiohttp
 import pytest
 from test_api import GOOD, KEY, C, FakeGateway, metric_samples, run_async, series
 
-from minifaas.serve.api import build_app
-from minifaas.serve.config import HttpConfig
-from minifaas.serve.connection_limit import LINGER_S
-from minifaas.serve.http_server import BoundedSite, connection_cap, serve_http
-from minifaas.serve.metrics import ServeMetrics
+from minifaas.config import HttpConfig
+from minifaas.gateway.api import build_app
+from minifaas.gateway.connection_limit import LINGER_S
+from minifaas.gateway.http_server import BoundedSite, connection_cap, serve_http
+from minifaas.gateway.metrics import ServeMetrics
 
 LIMITS = HttpConfig(max_connections=32, header_timeout=1.0, body_timeout=1.0)
 FULL = HttpConfig(max_connections=32, header_timeout=3.0)  # the idle ones stay while the 503s are checked
@@ -137,11 +137,11 @@ ACCEPT_FLOOD = """
 import asyncio, logging, os, resource, socket, sys
 sys.path.insert(0, {tests!r})
 from test_api import FakeGateway
-from minifaas.serve.api import build_app
-from minifaas.serve.config import HttpConfig
-from minifaas.serve.connection_limit import LINGER_S
-from minifaas.serve.http_server import serve_http
-from minifaas.serve.metrics import ServeMetrics
+from minifaas.gateway.api import build_app
+from minifaas.config import HttpConfig
+from minifaas.gateway.connection_limit import LINGER_S
+from minifaas.gateway.http_server import serve_http
+from minifaas.gateway.metrics import ServeMetrics
 
 logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 

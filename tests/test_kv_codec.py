@@ -8,11 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifaas.model.layer_state import StateKind
-from minifaas.model.state_codec import DTYPE_CODES, checksum, tensor_bytes
-from minifaas.transport import block_scaled
-from minifaas.transport.byte_planes import PlaneDecoder, PlaneEncoder, split
-from minifaas.transport.codec import (
+from minifaas.codec import block_scaled
+from minifaas.codec.byte_planes import PlaneDecoder, PlaneEncoder, split
+from minifaas.codec.codec import (
     ALL_CODECS,
     MIN_CODED_BYTES,
     Codec,
@@ -24,7 +22,9 @@ from minifaas.transport.codec import (
     offered,
     usable,
 )
-from minifaas.transport.errors import CorruptFrameError
+from minifaas.model.layer_state import StateKind
+from minifaas.model.state_codec import DTYPE_CODES, checksum, tensor_bytes
+from minifaas.net.errors import CorruptFrameError
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

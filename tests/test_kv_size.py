@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from minifaas.cli import main
+from minifaas.commands.main import main
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.loader import MODELS_DIR, ModelSpec, load_config_dict, preset_names
 from minifaas.model.runtime import ModelRuntime

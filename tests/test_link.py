@@ -14,11 +14,11 @@ import socket
 
 import pytest
 
+from minifaas.config import LinkConfig
 from minifaas.control.heartbeat import HeartbeatConfig
-from minifaas.serve.config import LinkConfig
-from minifaas.serve.launch.launcher import WorkerSpec
-from minifaas.serve.link import NAME, InterClusterLink
-from minifaas.serve.worker_handle import WorkerHandle
+from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
+from minifaas.gateway.worker_handle import WorkerHandle
+from minifaas.launch.launcher import WorkerSpec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
+from netns import NETNS, SECRET_ENV, NetnsLink, run_pair, unavailable
 
-from minifaas.transport.link_health import LinkMonitor, TcpInfo, read_tcp_info
-from minifaas.transport.netns import SECRET_ENV, NetnsLink, run_pair, unavailable
+from minifaas.net.link_health import LinkMonitor, TcpInfo, read_tcp_info
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,7 +66,7 @@ def test_monitor_ignores_a_connection_until_its_second_sample() -> None:
 def test_a_real_bottleneck_shows_loss_and_retransmissions() -> None:
     env = {**os.environ, SECRET_ENV: "netns-test-secret-0123456789"}
     with NetnsLink(rate="20mbit", queue_bytes=16_000) as link:
-        probe = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--bytes", str(3 << 20), "--connections",
+        probe = [sys.executable, NETNS, "probe", "--bytes", str(3 << 20), "--connections",
                  "4", "--rate", "20mbit"]  # fmt: skip
         lines = run_pair(link, probe, env, timeout=45)
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -20,12 +20,12 @@ import pytest
 from conftest import served
 from test_supervision import CONFIG as SUPERVISED
 
+from minifaas.gateway.api import api_error
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.migration import Migration
+from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit, RequestRecord
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.api import api_error
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.migration import Migration
-from minifaas.serve.requests import DecodeLost, GenerateRequest, MigrationLimit, RequestRecord
 
 CONFIG = replace(SUPERVISED, migration_limit=1)  # the supervision tests' gateway: two decode workers
 DEADLINE_S = CONFIG.heartbeat_deadline_s

@@ -75,7 +75,7 @@ def from_directory(offline_env: dict[str, str]) -> str:
 
 
 def _generate(model: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "minifaas.cli", "generate", "--model", model, "--prompt", PROMPT,
+    cmd = [sys.executable, "-m", "minifaas.commands.main", "generate", "--model", model, "--prompt", PROMPT,
            "--max-tokens", "24", "--temperature", "0.8", "--seed", "3", *extra]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
@@ -113,7 +113,7 @@ def test_remote_code_runs_only_when_trusted(offline_env: dict[str, str], from_di
 
 def test_a_worker_process_loads_a_hub_id_offline(offline_env: dict[str, str]) -> None:
     env = {**offline_env, SECRET_ENV: "00" * 32}
-    cmd = [sys.executable, "-m", "minifaas.serve.worker", "--role", "decode", "--cluster", "pd", "--name", "pd-d0",
+    cmd = [sys.executable, "-m", "minifaas.commands.worker", "--role", "decode", "--cluster", "pd", "--name", "pd-d0",
            "--model", REPO_ID, "--prefix-cache", "none", "--dtype", "float32", "--exit-with-stdin"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:

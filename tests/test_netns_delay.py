@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from netns import NETNS, NETNS_DELAY, SECRET_ENV, NetnsLink, run_pair, unavailable
 
-from minifaas.transport.netns import SECRET_ENV, NetnsLink, run_pair, unavailable
-
-DELAY = [sys.executable, "-m", "minifaas.transport.netns_delay"]
+DELAY = [sys.executable, NETNS_DELAY]
 
 
 @pytest.mark.parametrize(
@@ -38,7 +37,7 @@ def test_the_kernels_tcp_sees_the_round_trip_and_keeps_one_window_in_flight() ->
     env = {**os.environ, SECRET_ENV: "netns-test-secret-0123456789"}
     window, rtt_ms, nbytes = 57_000, 30.0, 6 << 20
     with NetnsLink(rate="50mbit", queue_bytes=64_000, burst_bytes=16_000, rtt_ms=rtt_ms, window_bytes=window) as link:
-        probe = [sys.executable, "-m", "minifaas.transport.netns", "probe", "--bytes", str(nbytes), "--connections",
+        probe = [sys.executable, NETNS, "probe", "--bytes", str(nbytes), "--connections",
                  "1", "--rate", "50mbit", "--warm-up"]  # fmt: skip
         lines = run_pair(link, probe, env, timeout=60)
         delay = link._delay

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from minifaas.commands.serve import add_arguments, config_from_args
+from minifaas.commands.worker import parse_args
+from minifaas.commands.worker import run as run_worker
+from minifaas.config import ClusterConfig, ServeConfig
 from minifaas.control.secret import new_secret
-from minifaas.serve.config import ClusterConfig, ServeConfig
-from minifaas.serve.launch.launcher import WorkerSpec
-from minifaas.serve.launch.local import LocalLauncher
-from minifaas.serve.serve_cli import add_arguments, config_from_args
-from minifaas.serve.worker import parse_args
-from minifaas.serve.worker import run as run_worker
-from minifaas.serve.worker_specs import planned_specs, visible_gpu, worker_spec
+from minifaas.launch.launcher import WorkerSpec
+from minifaas.launch.local import LocalLauncher
+from minifaas.launch.worker_specs import planned_specs, visible_gpu, worker_spec
 
 MODEL = "kimi-linear-tiny"
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minifaas.cli import main
+from minifaas.commands.main import main
 from minifaas.planner import LengthDistribution, SearchGrid, best_prfaas, load_case, load_profiles, plan, stages
 from minifaas.planner.model import operating_point
 from minifaas.planner.paper import H20_PREFILL, H200, H200_TABLE, REPORTED, paper_case
@@ -149,7 +149,7 @@ def test_plan_json_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_does_not_import_torch() -> None:
-    code = "import sys, minifaas.planner.plan_cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, minifaas.commands.plan; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

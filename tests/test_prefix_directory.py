@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.serve.config import CacheConfig
-from minifaas.serve.prefix_directory import PrefixDirectory
+from minifaas.config import CacheConfig
+from minifaas.gateway.prefix_directory import PrefixDirectory
 
 BLOCK = 8
 TOKENS = list(range(50))

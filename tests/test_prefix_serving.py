@@ -9,14 +9,14 @@ import time
 import openai
 import pytest
 
+from minifaas.commands.serve import running_server
+from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.layer_state import StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.policy.router import Rule
-from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.serve.serve_cli import running_server
 
 pytestmark = pytest.mark.slow  # a gateway replaying conversations
 

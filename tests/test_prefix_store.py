@@ -9,7 +9,7 @@ from minifaas.model.layer_state import StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
-from minifaas.serve.prefix_store import PrefixStore
+from minifaas.worker.prefix_store import PrefixStore
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 BLOCK = 16

@@ -54,8 +54,12 @@ def test_an_uncaught_exception_prints_its_traceback_and_exits_1(
 
 
 def test_a_module_runs_as_python_dash_m_does(python: Preloaded, tmp_path: Path) -> None:
-    forked = python.run(["-m", "minifaas.cli", "plan", "--help"], cwd=tmp_path, env=dict(os.environ), timeout=60)
-    fresh = subprocess.run([sys.executable, "-m", "minifaas.cli", "plan", "--help"], capture_output=True, text=True)
+    forked = python.run(
+        ["-m", "minifaas.commands.main", "plan", "--help"], cwd=tmp_path, env=dict(os.environ), timeout=60
+    )
+    fresh = subprocess.run(
+        [sys.executable, "-m", "minifaas.commands.main", "plan", "--help"], capture_output=True, text=True
+    )
     assert forked.returncode == fresh.returncode == 0
     assert (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr)
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from minifaas.cli import main
+from minifaas.commands.main import main
+from minifaas.commands.profile_model import _bs_max_text, _latency_model, _latency_text, measure_decode
+from minifaas.commands.sim import with_profiles
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder
-from minifaas.model.profile_cli import _bs_max_text, _latency_model, _latency_text, measure_decode
 from minifaas.planner.paper import paper_case
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, load_profiles
 from minifaas.planner.search import best_prfaas
-from minifaas.sim.sim_cli import with_profiles
 
 
 def test_profile_writes_what_the_planner_reads(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
+from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, RayConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, RayConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.requests import GenerateRequest, RequestRecord
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402

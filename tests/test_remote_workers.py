@@ -22,17 +22,17 @@ from pathlib import Path
 import pytest
 from hand_started import HandStarted, alive, start_all, write_secret
 
+from minifaas.config import ClusterConfig, ServeConfig
 from minifaas.control.secret import load_secret
 from minifaas.control.session import Refused, Session, connect
+from minifaas.control.worker_ops import sampling_to_json
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.gateway.worker_handle import Busy, attach
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer
-from minifaas.serve.config import ClusterConfig, ServeConfig
-from minifaas.serve.control import sampling_to_json
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.serve.worker_handle import Busy, attach
-from minifaas.transport.auth import CONTROL, HELLO_BYTES
+from minifaas.net.auth import CONTROL, HELLO_BYTES
 
 pytestmark = pytest.mark.slow
 PROMPT = [(7 * i + 3) % 256 for i in range(60)]
@@ -165,7 +165,7 @@ async def _drained(session: Session) -> bool:
 
 
 def _serve(cluster: dict, port: int, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "minifaas.cli", "serve", "--port", str(port), "--prfaas-workers", "0",
+    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", str(port), "--prfaas-workers", "0",
             "--secret-file", str(cluster["secret"]), "--model", "kimi-linear-tiny"]  # fmt: skip
     for address in cluster["addresses"]:
         argv += ["--pd-worker", address]

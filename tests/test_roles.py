@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from minifaas.cli import command_parser
+from minifaas.commands.main import command_parser
+from minifaas.commands.serve import config_from_args
+from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.lifecycle import Phase
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.gateway.roles import RoleChanger
+from minifaas.launch.worker_specs import worker_argv
 from minifaas.model.sampling import SamplingParams
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, save_profiles
-from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.lifecycle import Phase
-from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.serve.roles import RoleChanger
-from minifaas.serve.serve_cli import config_from_args
-from minifaas.serve.worker_specs import worker_argv
 
 pytestmark = pytest.mark.slow  # gateways whose workers change role under load
 

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from minifaas.control.worker_ops import sampling_from_json, sampling_to_json
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import History, SamplingParams, sample
-from minifaas.serve.control import sampling_from_json, sampling_to_json
 
 EOS = 7
 

@@ -9,11 +9,12 @@ import pytest
 
 from minifaas.planner import LengthDistribution
 from minifaas.planner.paper import paper_case
+from minifaas.policy.long_term import LongTermConfig, LongTermPolicy
+from minifaas.policy.long_term import Reason as LongReason
 from minifaas.policy.router import Rule
-from minifaas.scheduler import LongTermConfig, LongTermPolicy, ShortTermConfig, ShortTermPolicy, Signals, StageLoad
-from minifaas.scheduler.long_term import Reason as LongReason
-from minifaas.scheduler.short_term import Action
-from minifaas.scheduler.short_term import Reason as ShortReason
+from minifaas.policy.short_term import Action, ShortTermConfig, ShortTermPolicy
+from minifaas.policy.short_term import Reason as ShortReason
+from minifaas.policy.signals import Signals, StageLoad
 
 GBPS = 1e9
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
+from minifaas.config import CacheConfig, LinkConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.lifecycle import Phase
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.sampling import SamplingParams
-from minifaas.scheduler.short_term import Action, Reason
-from minifaas.serve.config import CacheConfig, LinkConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.lifecycle import Phase
-from minifaas.serve.requests import GenerateRequest, RequestRecord
+from minifaas.policy.short_term import Action, Reason
 
 pytestmark = pytest.mark.slow  # the live scheduler through link drops on a running gateway
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from minifaas.cli import main
-from minifaas.serve.config import ServeConfig
-from minifaas.serve.serve_cli import API_KEY_ENV, add_arguments, config_from_args
+from minifaas.commands.main import main
+from minifaas.commands.serve import API_KEY_ENV, add_arguments, config_from_args
+from minifaas.config import ServeConfig
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from minifaas.cli import main
-from minifaas.serve.config import LinkConfig, ServeConfig
-from minifaas.serve.serve_cli import add_arguments, config_from_args
-from minifaas.serve.worker import parse_args
-from minifaas.serve.worker_specs import worker_argv
-from minifaas.transport.pool import DEFAULT_CONNECTIONS
+from minifaas.commands.main import main
+from minifaas.commands.serve import add_arguments, config_from_args
+from minifaas.commands.worker import parse_args
+from minifaas.config import LinkConfig, ServeConfig
+from minifaas.launch.worker_specs import worker_argv
+from minifaas.net.connections import DEFAULT_CONNECTIONS
 from minifaas.transport.sender_config import SenderConfig
 
 

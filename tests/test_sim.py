@@ -10,15 +10,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from minifaas.cli import main
+from minifaas.commands.main import main
 from minifaas.planner import LengthDistribution, OperatingPoint, PlanCase, plan
 from minifaas.planner.paper import paper_case
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, save_profiles
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
-from minifaas.sim.config import NO_OFFLOAD, config_for
-from minifaas.sim.link import LinkConfig
+from minifaas.sim.deployment import NO_OFFLOAD, config_for
+from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.traces import read_trace
+from minifaas.sim.trace_workload import read_trace
 from minifaas.sim.workload import Workload, synthetic
 
 
@@ -181,5 +181,5 @@ def test_a_plan_that_leaves_pd_prefill_unused_says_why(tmp_path, capsys: pytest.
 
 
 def test_sim_does_not_import_torch() -> None:
-    code = "import sys, minifaas.sim.sim_cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, minifaas.commands.sim; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -6,12 +6,12 @@ import pytest
 
 from minifaas.planner import plan
 from minifaas.planner.paper import paper_case
-from minifaas.policy.compression import CodecEstimate, CompressionPolicy, TransferShape
+from minifaas.policy.codec_policy import CodecEstimate, CompressionPolicy, TransferShape
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
 from minifaas.sim.coding import SimCoding
-from minifaas.sim.config import GPU_LOSSLESS, config_for
-from minifaas.sim.link import LinkConfig
-from minifaas.sim.metrics import SimResult
+from minifaas.sim.deployment import GPU_LOSSLESS, config_for
+from minifaas.sim.fluid_link import LinkConfig
+from minifaas.sim.report import SimResult
 from minifaas.sim.simulator import Simulation
 from minifaas.sim.workload import synthetic
 

@@ -9,9 +9,9 @@ from minifaas.planner.paper import H20_DECODE, H20_PREFILL
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec, arrival_times
 from minifaas.sim.decode import DecodePool
 from minifaas.sim.engine import EventLoop
-from minifaas.sim.link import FluidLink, LinkConfig
+from minifaas.sim.fluid_link import FluidLink, LinkConfig
 from minifaas.sim.prefill import PrefillPool
-from minifaas.sim.traces import read_trace
+from minifaas.sim.trace_workload import read_trace
 from minifaas.traces import trace_path
 
 GB = 1e9 / 8  # bytes in one gigabit

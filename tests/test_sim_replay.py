@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minifaas.sim import sim_cli
+from minifaas.commands import sim as sim_cli
 from minifaas.sim.simulator import Simulation
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_synthetic_trace.jsonl"

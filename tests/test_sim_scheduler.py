@@ -8,10 +8,11 @@ import numpy as np
 
 from minifaas.planner import LengthDistribution, plan
 from minifaas.planner.paper import paper_case
-from minifaas.scheduler import LongTermConfig, ShortTermConfig
+from minifaas.policy.long_term import LongTermConfig
+from minifaas.policy.short_term import ShortTermConfig
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
-from minifaas.sim.config import config_for
-from minifaas.sim.link import LinkConfig
+from minifaas.sim.deployment import config_for
+from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.simulator import Simulation
 from minifaas.sim.workload import Workload, synthetic
 

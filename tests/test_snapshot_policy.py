@@ -6,7 +6,7 @@ import pytest
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.cache.snapshot_policy import SnapshotPolicy, snapshot_points
+from minifaas.policy.snapshot_policy import SnapshotPolicy, snapshot_points
 
 REUSE, INTERVAL = SnapshotPolicy.REUSE, SnapshotPolicy.INTERVAL
 

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from minifaas.serve.startup import Stage, StartupView, describe
+from minifaas.launch.startup import Stage, StartupView, describe
 
 
 def test_into_a_file_each_report_is_one_line() -> None:

@@ -16,14 +16,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "minifaas"
 
 # Policy code is sans-IO and shared with the simulator; it must not depend on the live system.
-POLICY_PACKAGES = ("minifaas.policy", "minifaas.cache", "minifaas.planner", "minifaas.scheduler", "minifaas.sim")
-POLICY_EXCEPTIONS: set[str] = set()  # the live scheduler's driver is serving code (serve/live_scheduler.py)
+POLICY_PACKAGES = ("minifaas.policy", "minifaas.cache", "minifaas.planner", "minifaas.sim")
+POLICY_EXCEPTIONS: set[str] = set()  # the live scheduler's driver is serving code (gateway/live_scheduler.py)
+# the live system: the gateway, the workers, their launchers and the commands that start them
+SERVING = ("minifaas.gateway", "minifaas.worker", "minifaas.launch", "minifaas.commands")
 # Below the simulator and the live system: the planner (which the simulator drives), the router, the caches
-# and the trace readers they share. None of them may import minifaas.sim or minifaas.serve, not even lazily.
+# and the trace readers they share. None of them may import minifaas.sim or serving code, not even lazily.
 LOWER_LAYERS = ("minifaas.planner", "minifaas.policy", "minifaas.cache", "minifaas.traces")
 
 _TRANSFORMERS = "transformers imports in seconds, and only after select_kernels() has decided whether fla may load"
-_TORCH_IN_CHILD = "the process that sets up the namespaces never loads torch; its sink and probe children do"
 _PLOT = "matplotlib is the optional plot extra"
 _TORCH_WHEN_PROFILING = "torch loads when profiling starts, not to parse flags"
 _TORCH_FOR_A_MODEL_FLAG = "torch loads to check a --model, or that a CUDA device is there, not for every command"
@@ -31,30 +32,27 @@ _PRELOAD = "the pre-loaded parent imports a worker's modules only after select_k
 _RAY = "ray is the optional ray extra, loaded only by the gateway that uses the Ray launcher"
 # (module, what it imports inside a function) -> why the import is not at the top of the module
 LAZY_IMPORTS = {
-    ("minifaas.arguments", "minifaas.model.loader"): _TORCH_FOR_A_MODEL_FLAG,
-    ("minifaas.arguments", "torch"): _TORCH_FOR_A_MODEL_FLAG,
-    ("minifaas.arguments", "minifaas.traces"): "numpy loads for a --trace flag, not in the link emulator's process",
+    ("minifaas.commands.arguments", "minifaas.model.loader"): _TORCH_FOR_A_MODEL_FLAG,
+    ("minifaas.commands.arguments", "torch"): _TORCH_FOR_A_MODEL_FLAG,
+    ("minifaas.commands.arguments", "minifaas.traces"): "numpy loads for a --trace flag, not in the link emulator",
     ("minifaas.model.state_layout", "transformers"): _TRANSFORMERS,
     ("minifaas.model.loader", "transformers"): _TRANSFORMERS,
     ("minifaas.model.tokenizer", "transformers"): _TRANSFORMERS,
-    ("minifaas.model.profile_cli", "minifaas.model.runtime"): _TORCH_WHEN_PROFILING,
-    ("minifaas.model.profile_cli", "minifaas.model.batch_decoder"): _TORCH_WHEN_PROFILING,
-    ("minifaas.model.profile_cli", "minifaas.model.decoder"): _TORCH_WHEN_PROFILING,
-    ("minifaas.model.profile_cli", "minifaas.model.sampling"): _TORCH_WHEN_PROFILING,
+    ("minifaas.commands.profile_model", "minifaas.model.runtime"): _TORCH_WHEN_PROFILING,
+    ("minifaas.commands.profile_model", "minifaas.model.batch_decoder"): _TORCH_WHEN_PROFILING,
+    ("minifaas.commands.profile_model", "minifaas.model.decoder"): _TORCH_WHEN_PROFILING,
+    ("minifaas.commands.profile_model", "minifaas.model.sampling"): _TORCH_WHEN_PROFILING,
     ("minifaas.planner.plot", "matplotlib"): _PLOT,
-    ("minifaas.serve.gateway", "minifaas.serve.launch.ray_actors"): _RAY,
-    ("minifaas.serve.launch.zygote", "minifaas.model.kernels"): _PRELOAD,
-    ("minifaas.serve.launch.zygote", "minifaas.model.loader"): _PRELOAD,
-    ("minifaas.serve.launch.zygote", "minifaas.serve.worker"): _PRELOAD,
-    ("minifaas.serve.launch.zygote", "transformers"): _PRELOAD,
-    ("minifaas.sim.metrics", "matplotlib"): _PLOT,
+    ("minifaas.gateway.gateway", "minifaas.launch.ray_actors"): _RAY,
+    ("minifaas.launch.zygote", "minifaas.model.kernels"): _PRELOAD,
+    ("minifaas.launch.zygote", "minifaas.model.loader"): _PRELOAD,
+    ("minifaas.launch.zygote", "minifaas.worker.worker_process"): _PRELOAD,
+    ("minifaas.launch.zygote", "transformers"): _PRELOAD,
+    ("minifaas.sim.report", "matplotlib"): _PLOT,
     ("minifaas.train.checkpoint", "transformers"): _TRANSFORMERS,
     ("minifaas.train.tokenizer_files", "transformers"): _TRANSFORMERS,
     ("minifaas.train.train_log", "matplotlib"): _PLOT,
     ("minifaas.train.trainer", "transformers"): _TRANSFORMERS,
-    ("minifaas.transport.netns", "minifaas.transport.receiver"): _TORCH_IN_CHILD,
-    ("minifaas.transport.netns", "minifaas.transport.sender"): _TORCH_IN_CHILD,
-    ("minifaas.transport.netns", "minifaas.transport.synthetic"): _TORCH_IN_CHILD,
 }
 
 
@@ -173,8 +171,8 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_graph_covers_the_package(graph: dict[str, set[str]]) -> None:
-    assert "minifaas.serve.gateway" in graph
-    assert "minifaas.policy.router" in graph["minifaas.serve.gateway"]
+    assert "minifaas.gateway.gateway" in graph
+    assert "minifaas.policy.router" in graph["minifaas.gateway.gateway"]
     assert "minifaas.model.layer_state" in graph["minifaas.transport.wire"]
 
 
@@ -189,8 +187,8 @@ def test_no_cycle_even_through_type_checking_imports() -> None:
 def test_the_gateways_parts_do_not_import_it() -> None:
     """Role changes, prefill dispatch, the live scheduler and the rest get narrow collaborators, not the Gateway."""
     graph = import_graph(module_files(PACKAGE), everything=True)
-    users = sorted(module for module, targets in graph.items() if "minifaas.serve.gateway" in targets)
-    assert users == ["minifaas.serve.serve_cli"]
+    users = sorted(module for module, targets in graph.items() if "minifaas.gateway.gateway" in targets)
+    assert users == ["minifaas.commands.serve"]
 
 
 def test_no_policy_module_imports_serving(graph: dict[str, set[str]]) -> None:
@@ -199,7 +197,7 @@ def test_no_policy_module_imports_serving(graph: dict[str, set[str]]) -> None:
         for module, targets in graph.items()
         if module.startswith(POLICY_PACKAGES) and module not in POLICY_EXCEPTIONS
         for target in targets
-        if target == "minifaas.serve" or target.startswith("minifaas.serve.")
+        if target.startswith(SERVING)
     )
     assert upward == []
 
@@ -212,7 +210,7 @@ def test_lower_layers_never_import_sim_or_serve() -> None:
         for module, targets in graph.items()
         if module.startswith(LOWER_LAYERS)
         for target in targets
-        if target.startswith(("minifaas.sim", "minifaas.serve"))
+        if target.startswith(("minifaas.sim", *SERVING))
     )
     assert upward == []
 

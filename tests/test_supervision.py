@@ -21,13 +21,13 @@ import pytest
 from conftest import served
 from test_emulator_control import running
 
+from minifaas.config import CacheConfig, ClusterConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.inter_cluster_link import NAME
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.policy.router import Reason
-from minifaas.serve.config import CacheConfig, ClusterConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.link import NAME
-from minifaas.serve.requests import GenerateRequest, RequestRecord
 
 HEARTBEAT_S, DEADLINE_S = 0.5, 2.0
 CONFIG = ServeConfig(
@@ -152,7 +152,7 @@ def test_a_pd_prefill_killed_mid_prefill_is_retried_on_prfaas(
 
 
 def test_a_gateway_killed_with_sigkill_leaves_no_process_behind(tmp_path: object) -> None:
-    argv = [sys.executable, "-m", "minifaas.cli", "serve", "--port", "0", "--model", "kimi-linear-tiny"]
+    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", "--model", "kimi-linear-tiny"]
     argv += ["--prfaas-workers", "1", "--pd-prefill-workers", "1", "--pd-decode-workers", "1"]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

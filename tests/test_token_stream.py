@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from minifaas.gateway.deadline import RequestDeadline
+from minifaas.gateway.requests import DeadlineExceeded
+from minifaas.gateway.stop_strings import StopMatcher
+from minifaas.gateway.token_stream import OutputText
 from minifaas.model.detokenizer import IncrementalDecoder
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer
-from minifaas.serve.deadline import RequestDeadline
-from minifaas.serve.requests import DeadlineExceeded
-from minifaas.serve.stop_strings import StopMatcher
-from minifaas.serve.token_stream import OutputText
 
 
 class CountingTokenizer(ByteTokenizer):

@@ -20,8 +20,8 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer
 from minifaas.train.checkpoint import STATE_FILE
-from minifaas.train.config import TrainConfig
 from minifaas.train.tokenizer_files import write_byte_tokenizer
+from minifaas.train.train_config import TrainConfig
 from minifaas.train.train_log import LOG_FILE, PLOT_FILE, plot_loss, read_log
 from minifaas.train.trainer import Trainer, learning_rate
 
@@ -132,7 +132,7 @@ def test_without_matplotlib_no_png_is_written(monkeypatch: pytest.MonkeyPatch, t
 @pytest.mark.slow
 def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path, python: Preloaded) -> None:
     out = tmp_path / "cli"
-    cmd = ["-m", "minifaas.cli", "train", "--text", "tinyshakespeare", "--out", str(out),
+    cmd = ["-m", "minifaas.commands.main", "train", "--text", "tinyshakespeare", "--out", str(out),
            "--layers", "4", "--hidden", "64", "--intermediate", "128", "--seq-len", "32", "--batch-size", "2",
            "--steps", "150", "--warmup-steps", "1", "--log-every", "1", "--eval-every", "75", "--eval-batches", "1",
            "--sample-tokens", "8"]  # fmt: skip

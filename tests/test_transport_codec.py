@@ -13,25 +13,20 @@ from typing import Any
 import pytest
 import torch
 
+from minifaas.codec.codec import Codec, FrameEncoder
+from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_codec import tensor_bytes
-from minifaas.transport import (
-    CorruptFrameError,
-    KVReceiver,
-    KVSender,
-    ProtocolError,
-    ReceiverConfig,
-    SenderConfig,
-    TransferError,
-)
-from minifaas.transport.auth import OLD_MAGIC, prove_as_sender
-from minifaas.transport.channel import Channel, open_channel
+from minifaas.net.auth import OLD_MAGIC, prove_as_sender
+from minifaas.net.channel import Channel, open_channel
+from minifaas.net.errors import CorruptFrameError, ProtocolError, TransferError
 from minifaas.transport.chunking import split_chunks
-from minifaas.transport.codec import Codec, FrameEncoder
-from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import FrameType, control, pack_counts
 

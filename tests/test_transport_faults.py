@@ -8,25 +8,24 @@ from typing import Any
 
 import pytest
 
-from minifaas.transport import (
+from minifaas.emulator.emulator_process import EmulatorProcess
+from minifaas.net.auth import prove_as_sender
+from minifaas.net.channel import Channel, open_channel
+from minifaas.net.errors import (
     ConnectionLostError,
     CorruptFrameError,
-    IncomingTransfer,
-    KVReceiver,
-    KVSender,
     ProtocolError,
-    ReceiverConfig,
     RejectedError,
-    SenderConfig,
     StallError,
     TransferAbortedError,
     TransferError,
     TruncatedError,
 )
-from minifaas.transport.auth import prove_as_sender
-from minifaas.transport.channel import Channel, open_channel
 from minifaas.transport.chunking import split_chunks
-from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.transport.incoming import IncomingTransfer
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import bulk_state, same_state, synthetic_state
 from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts
 

@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import torch
 
+from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.transport import KVReceiver, KVSender, ReceiverConfig, SenderConfig
-from minifaas.transport.emulator_control import EmulatorProcess
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state
 
 SECRET = b"cluster-secret-0123456789abcdef"

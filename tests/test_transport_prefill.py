@@ -16,16 +16,18 @@ import pytest
 import torch
 
 from minifaas.cache.pool import PoolConfig
+from minifaas.control.worker_ops import sampling_to_json
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
-from minifaas.serve.control import sampling_to_json
-from minifaas.serve.prefill_service import LayerForwarder, PrefillService, compute_streaming
-from minifaas.serve.prefix_store import PrefixStore
-from minifaas.transport import KVReceiver, KVSender, ReceiverConfig, SenderConfig
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state
+from minifaas.worker.prefill_service import LayerForwarder, PrefillService, compute_streaming
+from minifaas.worker.prefix_store import PrefixStore
 
 SECRET = b"cluster-secret-0123456789abcdef"
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -21,9 +21,12 @@ from test_transport import _self_signed
 
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.transport import DroppedError, KVReceiver, KVSender, ReceiverConfig, SenderConfig
-from minifaas.transport.auth import prove_as_sender
-from minifaas.transport.channel import open_channel
+from minifaas.net.auth import prove_as_sender
+from minifaas.net.channel import open_channel
+from minifaas.net.errors import DroppedError
+from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.sender import KVSender
+from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import FrameType, control, pack_counts
 

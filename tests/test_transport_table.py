@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minifaas.model.layer_state import LayerState, StateKind
-from minifaas.transport.errors import CorruptFrameError, DroppedError, ProtocolError
+from minifaas.net.errors import CorruptFrameError, DroppedError, ProtocolError
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.transfer_table import FORGET_AFTER, TransferTable
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 from hand_started import HandStarted, alive, start_all, write_secret
+from netns import NetnsLink, unavailable
 
+from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
+from minifaas.gateway.lifecycle import Phase
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
-from minifaas.serve.gateway import Gateway
-from minifaas.serve.lifecycle import Phase
-from minifaas.serve.requests import GenerateRequest, RequestRecord
-from minifaas.transport.netns import NetnsLink, unavailable
 
 _NO_NETNS = unavailable()
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")]

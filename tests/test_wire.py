@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from minifaas.model.layer_state import ModelState
 from minifaas.model.state_codec import Checksum, checksum
+from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.chunking import split_chunks, split_token_range
-from minifaas.transport.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.reassembly import Reassembly
 from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import (

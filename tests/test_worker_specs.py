@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from minifaas.commands.worker import parse_args
+from minifaas.config import ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
 from minifaas.control.schema import validate
+from minifaas.control.worker_ops import WORKER_OPS, sampling_from_json, sampling_to_json
+from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.sampling import SamplingParams
-from minifaas.serve.config import ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
-from minifaas.serve.control import WORKER_OPS, sampling_from_json, sampling_to_json
-from minifaas.serve.launch.launcher import parse_address
-from minifaas.serve.worker import _advertised, parse_args
-from minifaas.serve.worker_specs import planned_specs
+from minifaas.net.address import parse_address
+from minifaas.worker.worker_process import _advertised
 
 
 def test_local_workers_by_default_and_hand_started_ones_by_address() -> None:

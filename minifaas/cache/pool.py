@@ -37,7 +37,7 @@ from minifaas.cache.block_hash import BlockKey, PromptKeys
 from minifaas.cache.entry import Entry, Lease
 from minifaas.cache.events import CacheEvent, EventKind
 from minifaas.cache.prefix_index import EntryKind, Match, PrefixIndex
-from minifaas.cache.snapshot_policy import SnapshotPolicy, snapshot_points
+from minifaas.policy.snapshot_policy import SnapshotPolicy, snapshot_points
 
 P = TypeVar("P")
 

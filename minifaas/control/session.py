@@ -22,9 +22,9 @@ import json
 import ssl as ssl_module
 import struct
 
-from minifaas.transport.auth import MAC_BYTES, prove_control_client, verify_control_client
-from minifaas.transport.channel import Channel
-from minifaas.transport.errors import AuthError
+from minifaas.net.auth import MAC_BYTES, prove_control_client, verify_control_client
+from minifaas.net.channel import Channel
+from minifaas.net.errors import AuthError
 
 MAX_BYTES = 64 << 20  # a prompt of a few million token ids still fits
 _PREFIX = struct.Struct(">I")

@@ -13,7 +13,6 @@ config.json (no weights) is enough for ``kv-size`` and the planner.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -30,37 +29,6 @@ DEFAULT_MODEL = "shakespeare-qwen3.5"
 MODELS_DIR = Path(os.environ.get("MINIFAAS_MODELS_DIR", Path(__file__).resolve().parents[2] / "models"))
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
-
-
-def add_model_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """--model, --dtype and --trust-remote-code, as every command that loads a model takes them.
-
-    ``defaults`` False leaves them None, for a command whose config file may set them.
-    """
-    parser.add_argument(
-        "--model",
-        type=model_argument,
-        default=DEFAULT_MODEL if defaults else None,
-        help=f"a preset, a shipped checkpoint, a checkpoint directory or a hub id org/name (default: {DEFAULT_MODEL})",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        default="auto" if defaults else None,
-        help="the weights' dtype; auto: bfloat16 on CUDA, float32 on CPU (default: auto)",
-    )
-    parser.add_argument(
-        "--trust-remote-code", action="store_true", help="let a checkpoint's own Python code (auto_map) run"
-    )
-
-
-def model_argument(text: str) -> str:
-    """``--model``'s type: the name as given, once it resolves (argparse's one error line if not)."""
-    try:
-        ModelSpec.resolve(text)
-    except FileNotFoundError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def preset_names() -> list[str]:

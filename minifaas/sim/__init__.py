@@ -1,11 +1,11 @@
 """The cluster simulator: workloads and traces replayed through the live router and prefix caches (no torch)."""
 
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
-from minifaas.sim.config import SimConfig, config_for
-from minifaas.sim.link import LinkConfig
-from minifaas.sim.metrics import SimResult
+from minifaas.sim.deployment import SimConfig, config_for
+from minifaas.sim.fluid_link import LinkConfig
+from minifaas.sim.report import SimResult
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.traces import read_trace
+from minifaas.sim.trace_workload import read_trace
 from minifaas.sim.workload import Workload, synthetic
 
 __all__ = [

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minifaas.policy.compression import CodecEstimate, CompressionConfig, CompressionPolicy, LinkShare, TransferShape
+from minifaas.policy.codec_policy import CodecEstimate, CompressionConfig, CompressionPolicy, LinkShare, TransferShape
 
 
 class SimCoding:

@@ -15,13 +15,13 @@ import numpy as np
 
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
-from minifaas.scheduler.long_term import LongTermPolicy
-from minifaas.scheduler.short_term import ShortTermPolicy
-from minifaas.scheduler.signals import Signals, StageLoad
-from minifaas.sim.config import SimConfig
+from minifaas.policy.long_term import LongTermPolicy
+from minifaas.policy.short_term import ShortTermPolicy
+from minifaas.policy.signals import Signals, StageLoad
 from minifaas.sim.decode import DecodePool
+from minifaas.sim.deployment import SimConfig
 from minifaas.sim.engine import EventLoop
-from minifaas.sim.link import FluidLink
+from minifaas.sim.fluid_link import FluidLink
 from minifaas.sim.prefill import PrefillPool
 from minifaas.sim.workload import Workload
 

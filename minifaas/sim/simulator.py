@@ -22,16 +22,16 @@ from collections.abc import Callable
 import numpy as np
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.policy.compression import TransferShape
+from minifaas.policy.codec_policy import TransferShape
 from minifaas.policy.router import ClusterView, Path, RouteInput, Router
 from minifaas.sim.coding import SimCoding
-from minifaas.sim.config import SimConfig
 from minifaas.sim.decode import DecodePool
+from minifaas.sim.deployment import SimConfig
 from minifaas.sim.engine import EventLoop
-from minifaas.sim.link import FluidLink
-from minifaas.sim.metrics import SimResult, mean, percentile
+from minifaas.sim.fluid_link import FluidLink
 from minifaas.sim.prefill import PrefillPool
 from minifaas.sim.prefix import ClusterPrefixCaches
+from minifaas.sim.report import SimResult, mean, percentile
 from minifaas.sim.scheduling import SimScheduler
 from minifaas.sim.workload import Workload
 

@@ -21,8 +21,8 @@ from minifaas.model.kernels import select_kernels
 from minifaas.model.loader import config_from_dict
 from minifaas.train.architecture import architecture_dict
 from minifaas.train.checkpoint import STATE_FILE, clear_exports, export_checkpoint, load_state, save_state
-from minifaas.train.config import TrainConfig
 from minifaas.train.text_data import TextData
+from minifaas.train.train_config import TrainConfig
 from minifaas.train.train_log import LOG_FILE, PLOT_FILE, TrainLog, plot_loss, read_log
 
 

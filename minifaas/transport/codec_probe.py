@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from minifaas.codec.codec import Codec, Coded, FrameDecoder, FrameEncoder, frame_codec
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.state_codec import DTYPE_CODES
 from minifaas.transport.chunking import split_chunks
-from minifaas.transport.codec import Codec, Coded, FrameDecoder, FrameEncoder, frame_codec
 
 
 @dataclass(frozen=True, slots=True)

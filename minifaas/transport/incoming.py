@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from minifaas.model.layer_state import LayerState, ModelState
-from minifaas.transport.channel import Channel
-from minifaas.transport.errors import TransferError
+from minifaas.net.channel import Channel
+from minifaas.net.errors import TransferError
 from minifaas.transport.reassembly import Reassembly
 
 _END = None

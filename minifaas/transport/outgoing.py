@@ -42,13 +42,13 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+from minifaas.codec.codec import OFF_LOOP_BYTES, Codec, Coded, FrameEncoder, frame_codec, offered, usable
 from minifaas.model.host_copy import CopyDone, HostCopier, device_of
 from minifaas.model.layer_state import LayerState
-from minifaas.transport.channel import Channel
+from minifaas.net.channel import Channel
+from minifaas.net.connections import ConnectionPool
+from minifaas.net.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
 from minifaas.transport.chunking import Chunk, Payload, split_chunks, split_token_range
-from minifaas.transport.codec import OFF_LOOP_BYTES, Codec, Coded, FrameEncoder, frame_codec, offered, usable
-from minifaas.transport.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
-from minifaas.transport.pool import ConnectionPool
 from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.wire import (
     HEADER_SIZE,

@@ -17,7 +17,7 @@ import torch
 
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.state_codec import DTYPES, checksum
-from minifaas.transport.errors import CorruptFrameError, ProtocolError, TruncatedError
+from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.wire import FrameHeader
 
 

@@ -35,13 +35,12 @@ import socket
 import ssl as ssl_module
 from dataclasses import dataclass, field
 
+from minifaas.codec.codec import ALL_CODECS, OFF_LOOP_BYTES, Codec, FrameDecoder, offer_mask
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.state_codec import Checksum, checksum
-from minifaas.transport.auth import check_secret, verify_sender
-from minifaas.transport.buffers import BufferPool
-from minifaas.transport.channel import Channel, Digest, accept_channel
-from minifaas.transport.codec import ALL_CODECS, OFF_LOOP_BYTES, Codec, FrameDecoder, offer_mask
-from minifaas.transport.errors import (
+from minifaas.net.auth import check_secret, verify_sender
+from minifaas.net.channel import Channel, Digest, accept_channel
+from minifaas.net.errors import (
     AuthError,
     ConnectionLostError,
     CorruptFrameError,
@@ -51,6 +50,7 @@ from minifaas.transport.errors import (
     TransferError,
     TruncatedError,
 )
+from minifaas.transport.buffers import BufferPool
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.transfer_table import TransferTable, reason
 from minifaas.transport.wire import (

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import ssl as ssl_module
 
+from minifaas.codec.codec import Codec
 from minifaas.model.layer_state import ModelState
-from minifaas.transport.codec import Codec
-from minifaas.transport.link_health import TcpInfo, read_tcp_info
+from minifaas.net.connections import ConnectionPool
+from minifaas.net.link_health import TcpInfo, read_tcp_info
 from minifaas.transport.outgoing import OutgoingTransfer, TransferReport
-from minifaas.transport.pool import ConnectionPool
 from minifaas.transport.sender_config import SenderConfig
 
 __all__ = ["KVSender", "SenderConfig"]

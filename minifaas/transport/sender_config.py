@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minifaas.transport.auth import check_secret
-from minifaas.transport.pool import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, Endpoint
+from minifaas.net.auth import check_secret
+from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, Endpoint
 
 MIN_UNSENT_BYTES = 16 << 10  # a dozen segments: a connection's kernel always has something to send
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from minifaas.transport.errors import DroppedError, ProtocolError, TransferError
+from minifaas.net.errors import DroppedError, ProtocolError, TransferError
 from minifaas.transport.incoming import IncomingTransfer
 
 FORGET_AFTER = 4096  # ended transfer ids remembered, so late frames are skipped, not restarted

@@ -57,7 +57,7 @@ import torch
 
 from minifaas.model.layer_state import StateKind
 from minifaas.model.state_codec import DTYPES, checksum
-from minifaas.transport.errors import CorruptFrameError, ProtocolError
+from minifaas.net.errors import CorruptFrameError, ProtocolError
 
 MAGIC = b"MFKV"
 VERSION = 3

@@ -1,0 +1,136 @@
+"""Flag types the subcommands share: each checks a value as it is parsed, so a bad one is argparse's error line.
+
+A type returns the value as the code downstream takes it (a model stays its
+name, a rate its text), having made sure it will be understood: a model
+resolves, a trace is shipped or a file, a rate parses. Files a command reads
+(profiles, configs, cases) are checked when it reads them (``cli.user_input``),
+so that parsing a command never depends on what a command before it wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from minifaas.emulator.pacer import RateSchedule, check_window, parse_bytes, parse_rate
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def model(text: str) -> str:
+    """A preset, a shipped checkpoint, a checkpoint directory, a config.json or a hub id (found or fetched)."""
+    from minifaas.model.loader import ModelSpec  # torch: only once a model is named
+
+    try:
+        ModelSpec.resolve(text)
+    except FileNotFoundError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def device(text: str) -> str:
+    """cpu or cuda[:N] (whether this machine has it is ``present_device``'s to say, when the command runs)."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu or cuda:N)")
+    return text
+
+
+def gpus(text: str) -> tuple[str, ...]:
+    """A comma-separated list of distinct CUDA devices: cuda:0,cuda:1."""
+    listed = tuple(d.strip() for d in text.split(","))
+    if not all(re.fullmatch(r"cuda:\d+", d) for d in listed) or len(set(listed)) < len(listed):
+        raise argparse.ArgumentTypeError(f"not a list of distinct GPUs: {text!r} (cuda:0,cuda:1)")
+    return listed
+
+
+def present_device(name: str) -> None:
+    """ValueError unless this machine has the device: before a model loads there and fails deep in torch."""
+    if name.startswith("cuda"):
+        import torch
+
+        index, count = int(name.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"no device {name}: this machine has {count} CUDA device(s)")
+
+
+def trace(text: str) -> str:
+    """A shipped trace's name or a trace file."""
+    from minifaas.traces import trace_path
+
+    try:
+        trace_path(text)
+    except FileNotFoundError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def rate(text: str) -> str:
+    """A link rate as ``parse_rate`` reads it: 100mbit, 5gbit, 2.5e8, none."""
+    try:
+        parsed = parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if parsed is not None and parsed <= 0:
+        raise argparse.ArgumentTypeError(f"a rate must be positive, got {text!r}")
+    return text
+
+
+def window(text: str) -> str:
+    """A flow window as ``parse_bytes`` reads it: 262144, 256KiB, 4MiB, none; at least one segment."""
+    try:
+        check_window(parse_bytes(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def rate_schedule(text: str) -> str:
+    """Rate steps as ``RateSchedule.parse`` reads them: SECONDS:RATE,..."""
+    try:
+        RateSchedule.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a rate schedule: {text!r} ({e})") from None
+    return text
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1, e.g. 64,256,1024."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r} (e.g. 64,256,1024)") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need integers >= 1, got {text!r}")
+    return values
+
+
+def address(text: str) -> tuple[str, int]:
+    """HOST:PORT (or :PORT, on 127.0.0.1)."""
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """--model, --dtype and --trust-remote-code, as every command that loads a model takes them.
+
+    ``defaults`` False leaves them None, for a command whose config file may set them.
+    """
+    from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES  # torch: only for a command that loads a model
+
+    parser.add_argument(
+        "--model",
+        type=model,
+        default=DEFAULT_MODEL if defaults else None,
+        help=f"a preset, a shipped checkpoint, a checkpoint directory or a hub id org/name (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto" if defaults else None,
+        help="the weights' dtype; auto: bfloat16 on CUDA, float32 on CPU (default: auto)",
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="let a checkpoint's own Python code (auto_map) run"
+    )

@@ -1,0 +1,203 @@
+"""``minifaas demo``: the default clusters, a concurrent mix of short and long prompts, live.
+
+Starts the gateway (PrfaaS prefill worker, PD-P, PD-D, link emulator) on a free
+port, sends the mix through the real OpenAI-compatible HTTP API with streaming,
+shows per-request progress, the start of each answer and the link's
+utilisation, prints a summary, and shuts everything down. Answers are sampled
+(temperature 0.8, a fixed seed per request), since greedy decoding of a small
+byte model falls into loops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, replace
+
+import aiohttp
+from rich.live import Live
+from rich.table import Table
+
+from minifaas.commands import arguments
+from minifaas.commands.arguments import add_model_arguments
+from minifaas.commands.main import exit_at_once, stdout_console, user_input
+from minifaas.commands.serve import running_server, start_forks
+from minifaas.config import LinkConfig, ServeConfig
+from minifaas.launch.startup import StartupView
+from minifaas.model.loader import checked_spec
+
+VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
+TEMPERATURE = 0.8
+SNIPPET_CHARS = 40
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--short", type=int, default=8, help="short prompts (stay local)")
+    parser.add_argument("--long", type=int, default=4, help="long prompts (go to PrfaaS)")
+    parser.add_argument("--long-tokens", type=int, default=2000, help="length of the first long prompt in tokens")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
+    parser.add_argument("--threshold", type=int, default=512, help="prompts longer than this go to PrfaaS")
+    parser.add_argument("--link-rate", type=arguments.rate, default="50mbit", help="the inter-cluster link's rate")
+
+
+@dataclass(slots=True)
+class Row:
+    name: str
+    prompt_chars: int
+    status: str = "queued"
+    route: str = "-"
+    ttft: float | None = None
+    tokens: int = 0
+    started: float = 0.0
+    ended: float | None = None
+    kv_bytes: int = 0
+    fallback: str | None = None
+    text: str = ""
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    forked_here = start_forks(config)
+    code = asyncio.run(_demo(args, config))
+    if forked_here:  # this process holds the workers' modules too
+        exit_at_once(code)
+    return code
+
+
+def _config(args: argparse.Namespace) -> ServeConfig:
+    with user_input():
+        if min(args.short, args.long) < 0 or min(args.long_tokens, args.max_tokens) < 1:
+            raise ValueError("need --short, --long >= 0 and --long-tokens, --max-tokens >= 1")
+        checked_spec(args.model, args.trust_remote_code)
+        return replace(
+            ServeConfig(
+                model=args.model,
+                dtype=args.dtype,
+                trust_remote_code=args.trust_remote_code,
+                port=0,
+                threshold=args.threshold,
+            ),
+            link=LinkConfig(rate=args.link_rate, delay_ms=5.0),
+        )
+
+
+async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
+    console = stdout_console()
+    console.print(f"[bold]starting[/] PrfaaS prefill + PD-P + PD-D workers and a {args.link_rate} link emulator ...")
+    t0 = time.perf_counter()
+    async with contextlib.AsyncExitStack() as stack:
+        with StartupView(console, console.print) as view:
+            gateway, port = await stack.enter_async_context(running_server(config, view))
+        console.print(
+            f"ready in {time.perf_counter() - t0:.1f} s on port {port}; sending {args.short} short "
+            f"and {args.long} long prompts at once (threshold {args.threshold} tokens)"
+        )
+        rows = [Row(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
+        rows += [Row(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
+        base = f"http://127.0.0.1:{port}/v1/completions"
+        # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
+        live = Live(_table(rows, gateway.link_stats), console=console) if console.is_terminal else None
+        async with aiohttp.ClientSession() as http:
+            with live or contextlib.nullcontext():
+                jobs = [
+                    asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens, seed))
+                    for seed, row in enumerate(rows)
+                ]
+                while not all(j.done() for j in jobs):
+                    if live is not None:
+                        live.update(_table(rows, gateway.link_stats))
+                    await asyncio.sleep(0.25)
+                if live is not None:
+                    live.update(_table(rows, gateway.link_stats))
+                for j in jobs:
+                    j.result()
+        if live is None:
+            console.print(_table(rows, gateway.link_stats))
+        console.print()  # the summary's title apart from the table above
+        console.print(_summary(rows))
+    console.print(f"[bold]stopped[/]: all processes shut down; total {time.perf_counter() - t0:.1f} s")
+    return 0 if all(r.status == "done" for r in rows) else 1
+
+
+async def _one(http: aiohttp.ClientSession, url: str, model: str, row: Row, max_tokens: int, seed: int) -> None:
+    prompt = (VERSE * (row.prompt_chars // len(VERSE) + 1))[: row.prompt_chars].rsplit(" ", 1)[0] + " "
+    row.prompt_chars = len(prompt)  # cut after a whole word, so the answer starts with one
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": TEMPERATURE,
+        "seed": seed,
+        "stream_options": {"include_usage": True},
+    }
+    row.started = time.perf_counter()
+    row.status = "prefill"
+    async with http.post(url, json=body) as resp:
+        if resp.status != 200:
+            row.status = f"HTTP {resp.status}"
+            return
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                row.text += chunk["choices"][0].get("text") or ""
+                row.tokens += 1
+                row.ttft = row.ttft or time.perf_counter() - row.started
+                row.status = "decoding"
+            if chunk.get("usage"):
+                row.tokens = chunk["usage"]["completion_tokens"]
+            info = chunk.get("minifaas")
+            if info:
+                row.route, row.kv_bytes, row.fallback = info["route"], info["kv_bytes"], info["fallback"]
+    row.ended = time.perf_counter()
+    row.status = "done"
+
+
+def _table(rows: list[Row], links: dict[str, dict]) -> Table:
+    util = ", ".join(f"{name}: {100 * (s.get('utilisation') or 0):.0f}%" for name, s in links.items()) or "-"
+    table = Table(title=f"requests (link utilisation {util})")
+    for col in ("request", "prompt chars", "status", "route", "TTFT s", "tokens", "tokens/s"):
+        table.add_column(col, justify="left" if col in ("request", "status", "route") else "right")
+    table.add_column("text", no_wrap=True, max_width=SNIPPET_CHARS, overflow="ellipsis")
+    for r in rows:
+        rate = r.tokens / ((r.ended or time.perf_counter()) - r.started) if r.tokens else 0.0
+        table.add_row(
+            r.name,
+            str(r.prompt_chars),
+            r.status,
+            r.route,
+            f"{r.ttft:.2f}" if r.ttft else "-",
+            str(r.tokens),
+            f"{rate:.1f}",
+            r.text.replace("\n", " / ")[:SNIPPET_CHARS],
+        )
+    return table
+
+
+def _summary(rows: list[Row]) -> Table:
+    table = Table(title="summary by route")
+    for col in ("route", "requests", "mean TTFT s", "mean e2e s", "KV bytes sent", "fallbacks"):
+        table.add_column(col, justify="left" if col == "route" else "right")
+    for route in sorted({r.route for r in rows}):
+        group = [r for r in rows if r.route == route and r.ended]
+        if not group:
+            continue
+        ttft = sum(r.ttft or 0 for r in group) / len(group)
+        e2e = sum((r.ended or 0) - r.started for r in group) / len(group)
+        kv = sum(r.kv_bytes for r in group)
+        table.add_row(
+            route,
+            str(len(group)),
+            f"{ttft:.2f}",
+            f"{e2e:.2f}",
+            f"{kv / 1e6:.2f} MB",
+            str(sum(1 for r in group if r.fallback)),
+        )
+    return table

@@ -1,0 +1,111 @@
+"""``minifaas plan``: solve the throughput model for a case and print the three configurations.
+
+minifaas plan --case paper                 # the paper's case study, a table
+minifaas plan --case paper --json          # one JSON object {prfaas, homogeneous, naive}
+minifaas plan --case my.toml --link-gbps 25 --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from minifaas import figures
+from minifaas.commands.main import user_input
+from minifaas.planner.case import PlanCase
+from minifaas.planner.model import OperatingPoint
+from minifaas.planner.paper import named_case
+from minifaas.planner.plot import plot_plan
+from minifaas.planner.search import Plan, SearchGrid, plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--plot", metavar="PNG", help="draw the bounds vs N_p and vs t (needs matplotlib; default: no plot)"
+    )
+    parser.add_argument("--link-gbps", type=float, help="PrfaaS egress bandwidth in Gbit/s (default: the case's)")
+    parser.add_argument("--n-prfaas", type=int, help="PrfaaS instances (default: the case's)")
+    parser.add_argument("--n-pd", type=int, help="PD instances, N_p + N_d (default: the case's)")
+    parser.add_argument("--n-homogeneous", type=int, help="instances of the homogeneous baseline (default: the case's)")
+    parser.add_argument("--output-tokens", type=float, help="mean output length in tokens (default: the case's)")
+    parser.add_argument("--threshold-step", type=int, default=100, help="grid step of t in tokens")
+    parser.add_argument(
+        "--kv-bytes-per-token", type=float, help="replace the model's KV growth, both clusters (default: the case's)"
+    )
+    parser.add_argument(
+        "--kv-fixed-bytes", type=float, help="replace the model's fixed state per request (default: the case's)"
+    )
+    parser.add_argument(
+        "--expected-latency", action="store_true", help="price prefill by E[T(L)] instead of the paper's T(E[L])"
+    )
+    parser.add_argument(
+        "--price-ratio", type=float, help="price of a PrfaaS GPU over a PD GPU: adds cost figures (default: none)"
+    )
+
+
+def resolve_case(args: argparse.Namespace) -> PlanCase:
+    case = named_case(args.case).with_overrides(
+        link_gbps=args.link_gbps,
+        n_prfaas=args.n_prfaas,
+        n_pd=args.n_pd,
+        n_homogeneous=args.n_homogeneous,
+        output_tokens=args.output_tokens,
+    )
+    return case.with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
+
+
+def cost_units(case: PlanCase, op: OperatingPoint, price_ratio: float) -> float:
+    """GPU-hours priced in PD-cluster GPUs: PrfaaS GPUs count ``price_ratio`` each."""
+    prfaas_gpus = op.n_prfaas * case.prfaas.gpus_per_instance
+    pd_gpus = (op.n_prefill + op.n_decode) * case.decode.gpus_per_instance
+    return prfaas_gpus * price_ratio + pd_gpus
+
+
+def to_json(case: PlanCase, result: Plan, price_ratio: float | None) -> dict[str, dict[str, object]]:
+    out = result.to_dict()
+    if price_ratio is not None:
+        for op in (result.prfaas, result.homogeneous, result.naive):
+            cost = cost_units(case, op, price_ratio)
+            out[op.config] |= {"cost_units": cost, "throughput_per_100_cost": 100 * op.throughput_rps / cost}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    with user_input():
+        case = resolve_case(args)
+        grid = SearchGrid(threshold_step=args.threshold_step)
+    result = plan(case, grid, args.expected_latency)
+    if args.json:
+        print(figures.dumps(to_json(case, result, args.price_ratio), indent=2))
+    else:
+        print_table(case, result, args.price_ratio)
+    if args.plot:
+        plot_plan(case, result, grid, args.plot)
+    return 0
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(case: PlanCase, result: Plan, price_ratio: float | None = None) -> None:
+    print(
+        f"case {case.name}: {case.gpus} GPUs in PrfaaS + PD, lengths {case.lengths.name}, mean {case.lengths.mean:.0f}"
+    )
+    header = f"{'config':<12}{'t':>9}{'Nprf':>6}{'Np':>4}{'Nd':>4}{'p':>7}{'l_long':>9}{'l_short':>9}"
+    header += f"{'Th_prf':>8}{'Th_pdp':>8}{'Th_pdd':>8}{'req/s':>8}{'Gbps':>7}  bottleneck"
+    print(header)
+    ops: tuple[OperatingPoint, ...] = (result.prfaas, result.homogeneous, result.naive)
+    for op in ops:
+        print(
+            f"{op.config:<12}{_fmt(op.threshold_tokens, '.0f'):>9}{op.n_prfaas:>6}{op.n_prefill:>4}{op.n_decode:>4}"
+            f"{op.offload_fraction:>7.3f}{_fmt(op.l_long, '.0f'):>9}{_fmt(op.l_short, '.0f'):>9}"
+            f"{_fmt(op.theta_prfaas, '.3f'):>8}{_fmt(op.theta_pdp, '.3f'):>8}{op.theta_pdd:>8.3f}"
+            f"{op.throughput_rps:>8.3f}{_fmt(op.egress_gbps, '.1f'):>7}  {op.bottleneck}"
+        )
+    print(f"PrfaaS vs homogeneous: {result.gain_vs_homogeneous:+.1%}; vs naive: {result.gain_vs_naive:+.1%}")
+    if price_ratio is not None:
+        for op in ops:
+            cost = cost_units(case, op, price_ratio)
+            print(f"{op.config:<12} cost {cost:.0f} PD-GPU units, {100 * op.throughput_rps / cost:.3f} req/s per 100")

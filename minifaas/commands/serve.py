@@ -1,0 +1,445 @@
+"""``minifaas serve``: start (or attach to) both clusters and the link between them, then serve the OpenAI API.
+
+By default every worker is a child process on this host. ``--prfaas-worker`` /
+``--pd-worker`` attach to workers started by hand elsewhere (``minifaas
+worker``), and ``--launcher ray`` places them as Ray actors; docs/DEPLOY.md
+shows each.
+
+The API key comes from ``--api-key``, ``--api-key-file``, the MINIFAAS_API_KEY
+environment variable or the TOML file, in that order; the last three keep it out
+of ``ps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+from minifaas.commands import arguments
+from minifaas.commands.arguments import add_model_arguments
+from minifaas.commands.main import BadInput, exit_at_once, user_input
+from minifaas.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
+from minifaas.gateway.api import build_app
+from minifaas.gateway.gateway import Gateway, cluster_secret
+from minifaas.gateway.http_server import serve_http
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.launch import forked
+from minifaas.launch.startup import StartupListener, StartupView
+from minifaas.launch.worker_specs import planned_specs
+from minifaas.model.loader import checked_spec
+from minifaas.net.address import parse_address
+from minifaas.planner.profile import load_pd_profiles
+from minifaas.policy.codec_policy import MODES
+from minifaas.policy.short_term import ShortTermConfig
+
+log = logging.getLogger("minifaas.serve")
+API_KEY_ENV = "MINIFAAS_API_KEY"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # the flags default to None, so a --config file's settings stand unless a flag is given;
+    # the defaults shown are ServeConfig's
+    d, rules = ServeConfig(), ShortTermConfig()
+    parser.add_argument(
+        "--config",
+        help="a TOML file ([serve], [prfaas], [pd], [link], [cache], [scheduler], [http], [ray]); flags override it "
+        "(default: none)",
+    )
+    parser.add_argument("--host", help=f"address to listen on (default: {d.host})")
+    parser.add_argument("--port", type=int, help=f"HTTP port; 0: any free one (default: {d.port})")
+    add_model_arguments(parser, defaults=False)
+    parser.add_argument(
+        "--threshold", type=int, help=f"prompts longer than this go to PrfaaS, at start (default: {d.threshold})"
+    )
+    parser.add_argument(
+        "--fixed-threshold", action="store_true", help="the short-term scheduler never moves t or the routing rule"
+    )
+    parser.add_argument(
+        "--api-key",
+        help=f"require 'Authorization: Bearer KEY' on /v1/*; shows in ps: prefer ${API_KEY_ENV} (default: none, open)",
+    )
+    parser.add_argument(
+        "--api-key-file", metavar="PATH", help="read the API key from the first line of PATH (default: none)"
+    )
+    parser.add_argument(
+        "--first-token-timeout",
+        type=float,
+        help=f"seconds a request may wait for its first token (default: {d.first_token_timeout:g})",
+    )
+    parser.add_argument(
+        "--token-timeout",
+        type=float,
+        help=f"seconds the output may pause between two tokens (default: {d.token_timeout:g})",
+    )
+    parser.add_argument("--request-timeout", type=float, help="seconds a whole request may take (default: no limit)")
+    parser.add_argument(
+        "--migration-limit",
+        type=int,
+        help=f"times a request may move to another decode worker after losing its own (default: {d.migration_limit})",
+    )
+    parser.add_argument(
+        "--max-connections", type=int, help=f"open HTTP connections; more get 503 (default: {d.http.max_connections})"
+    )
+    parser.add_argument(
+        "--header-timeout", type=float, help=f"seconds to send a request's headers (default: {d.http.header_timeout:g})"
+    )
+    parser.add_argument(
+        "--body-timeout", type=float, help=f"seconds to send a request's body (default: {d.http.body_timeout:g})"
+    )
+    parser.add_argument(
+        "--prfaas-workers", type=int, help=f"PrfaaS prefill workers (default: {d.prfaas.prefill_workers})"
+    )
+    parser.add_argument("--pd-prefill-workers", type=int, help=f"PD-P workers (default: {d.pd.prefill_workers})")
+    parser.add_argument("--pd-decode-workers", type=int, help=f"PD-D workers (default: {d.pd.decode_workers})")
+    parser.add_argument(
+        "--max-batch", type=int, help=f"decode rows per forward; 1: unbatched (default: {d.pd.max_batch})"
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=int, help=f"prompt tokens per prefill forward; 0: one (default: {d.pd.prefill_chunk})"
+    )
+    parser.add_argument(
+        "--prfaas-worker", action="append", type=_address, metavar="HOST:PORT",
+        help="attach to a hand-started PrfaaS worker (repeat for more) (default: none, start them here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pd-worker", action="append", type=_address, metavar="HOST:PORT",
+        help="attach to a hand-started PD worker, prefill or decode (repeat) (default: none, start them here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--secret-file",
+        help="the cluster secret, needed with remote workers (default: $MINIFAAS_SECRET, or a fresh one)",
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "ray"),
+        help=f"who starts the workers: child processes or Ray actors (default: {d.launcher})",
+    )
+    parser.add_argument(
+        "--fork-workers", action=argparse.BooleanOptionalAction,
+        help="fork local CPU workers from a parent that has imported torch and the model once, or start each "
+        f"as a fresh interpreter (default: {'fork' if d.fork_workers else 'fresh'})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ray-address",
+        help=f"the Ray cluster for --launcher ray; 'local': start one on this host (default: {d.ray.address})",
+    )
+    parser.add_argument(
+        "--link-emulator", action=argparse.BooleanOptionalAction,
+        help="put the link emulator between the clusters (default: when every worker is a local child)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prfaas-device",
+        type=arguments.device,
+        help=f"cpu or cuda:N for the PrfaaS cluster (default: {d.prfaas.device})",
+    )
+    parser.add_argument(
+        "--pd-device", type=arguments.device, help=f"cpu or cuda:N for the PD cluster (default: {d.pd.device})"
+    )
+    parser.add_argument(
+        "--prfaas-devices",
+        type=arguments.gpus,
+        metavar="GPUS",
+        help="GPUs for the PrfaaS cluster, one worker each unless --prfaas-workers says otherwise, e.g. "
+        "cuda:0,cuda:1 (default: none, --prfaas-device)",
+    )
+    parser.add_argument(
+        "--pd-devices",
+        type=arguments.gpus,
+        metavar="GPUS",
+        help="GPUs for the PD cluster, dealt to its workers in turn, prefill first; one worker each unless "
+        "--pd-decode-workers says otherwise (default: none, --pd-device)",
+    )
+    parser.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        metavar="F",
+        help="the share of its GPU each worker may take (default: workers that share a GPU split it equally, "
+        "one alone has all of it)",
+    )
+    parser.add_argument(
+        "--allow-slow-kernels",
+        action="store_true",
+        help="let CUDA workers run without flash-linear-attention (the torch reference kernels; by default they "
+        "refuse to start)",
+    )
+    parser.add_argument(
+        "--link-rate",
+        type=arguments.rate,
+        help=f"inter-cluster bandwidth, e.g. 100mbit, 10gbit, none (default: {d.link.rate})",
+    )
+    parser.add_argument(
+        "--link-delay-ms",
+        type=float,
+        help=f"one-way delay of the link in ms; the RTT is twice it (default: {d.link.delay_ms:g})",
+    )
+    parser.add_argument(
+        "--link-window",
+        type=arguments.window,
+        help=f"bytes in flight per connection, e.g. 4MiB (default: {d.link.window})",
+    )
+    parser.add_argument(
+        "--connections", type=int, help=f"TCP connections per KV transfer (default: {d.link.connections})"
+    )
+    parser.add_argument(
+        "--kv-compression",
+        choices=MODES,
+        help="codec of KV crossing the link: auto codes lossless only when the time it saves on the link exceeds "
+        f"the coding time; fp8/int8 are lossy, for attention KV, only when named (default: {d.link.kv_compression})",
+    )
+    parser.add_argument("--no-pipelining", action="store_true", help="send a state only when all layers are done")
+    parser.add_argument("--prefix-cache", choices=("hybrid", "none"), help=f"prefix cache (default: {d.cache.mode})")
+    parser.add_argument("--cache-block-size", type=int, help=f"tokens per cached block (default: {d.cache.block_size})")
+    parser.add_argument(
+        "--snapshot-policy",
+        choices=SNAPSHOT_POLICIES,
+        help="where linear-state snapshots go: reuse keeps them at prompt ends and at prefixes an earlier prompt "
+        f"shared; interval every --snapshot-interval blocks too (default: {d.cache.snapshot_policy})",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=int,
+        help="the interval policy's blocks between state snapshots; 0: at prompt ends only "
+        f"(default: {d.cache.snapshot_interval_blocks})",
+    )
+    parser.add_argument(
+        "--cache-mib", type=float, help=f"prefix cache per prefill node in MiB (default: {d.cache.capacity_mib:g})"
+    )
+    parser.add_argument(
+        "--no-incremental-transfer", action="store_true", help="ship the whole KV even if decode holds a prefix"
+    )
+    parser.add_argument("--no-cache-moves", action="store_true", help="never move a cache across the link first")
+    parser.add_argument(
+        "--route-rule",
+        choices=("scarce", "abundant"),
+        help="the routing rule to start with; the short-term scheduler then picks it from the link's use "
+        f"(abundant while under {_percent(rules.abundant_below)} busy, scarce above {_percent(rules.scarce_above)}) "
+        f"unless --fixed-threshold (default: {d.cache.rule})",
+    )
+    parser.add_argument(
+        "--profile",
+        help="an instance profile (minifaas profile --out): turns on re-planning and PD role conversion "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--rebalance-period", type=float, help=f"seconds between re-plans (default: {d.scheduler.period_s:g})"
+    )
+    parser.add_argument("--no-rebalance", action="store_true", help="never re-plan or change a PD worker's role")
+    parser.add_argument(
+        "--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="the least severe log lines shown"
+    )
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction:.0%}".replace("%", "%%")  # argparse formats help with %
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    base = ServeConfig.from_toml(args.config) if args.config else ServeConfig()
+    if args.prfaas_device and args.prfaas_devices:
+        raise ValueError("give --prfaas-device or --prfaas-devices, not both")
+    if args.pd_device and args.pd_devices:
+        raise ValueError("give --pd-device or --pd-devices, not both")
+    prfaas = ClusterConfig(
+        _pick(args.prfaas_workers, len(args.prfaas_devices) if args.prfaas_devices else base.prfaas.prefill_workers),
+        0,
+        _pick(args.prfaas_device, "cpu" if args.prfaas_devices else base.prfaas.device),
+        prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
+        workers=_pick(args.prfaas_worker, base.prfaas.workers),
+        dtype=None if args.dtype else base.prfaas.dtype,  # --dtype is for every cluster
+        devices=_pick(args.prfaas_devices, base.prfaas.devices),
+        memory_fraction=base.prfaas.memory_fraction,
+    )
+    pd_prefill = _pick(args.pd_prefill_workers, base.pd.prefill_workers)
+    pd_decode = max(1, len(args.pd_devices) - pd_prefill) if args.pd_devices else base.pd.decode_workers
+    pd = ClusterConfig(
+        pd_prefill,
+        _pick(args.pd_decode_workers, pd_decode),
+        _pick(args.pd_device, "cpu" if args.pd_devices else base.pd.device),
+        _pick(args.max_batch, base.pd.max_batch),
+        _pick(args.prefill_chunk, base.pd.prefill_chunk),
+        workers=_pick(args.pd_worker, base.pd.workers),
+        dtype=None if args.dtype else base.pd.dtype,
+        devices=_pick(args.pd_devices, base.pd.devices),
+        memory_fraction=base.pd.memory_fraction,
+    )
+    if args.gpu_memory_fraction is not None:  # for the clusters on GPUs; one on the CPU has no share to set
+        if prfaas.device == pd.device == "cpu":
+            raise ValueError("--gpu-memory-fraction: no cluster runs on a GPU")
+        prfaas, pd = (c if c.device == "cpu" else replace(c, memory_fraction=args.gpu_memory_fraction)
+                      for c in (prfaas, pd))  # fmt: skip
+    link = LinkConfig(
+        rate=_pick(args.link_rate, base.link.rate),
+        flow_rate=base.link.flow_rate,
+        window=_pick(args.link_window, base.link.window),
+        delay_ms=_pick(args.link_delay_ms, base.link.delay_ms),
+        jitter_ms=base.link.jitter_ms,
+        connections=_pick(args.connections, base.link.connections),
+        pipelined=base.link.pipelined and not args.no_pipelining,
+        kv_compression=_pick(args.kv_compression, base.link.kv_compression),
+        emulated=_pick(args.link_emulator, base.link.emulated),
+    )
+    cache = CacheConfig(
+        mode=_pick(args.prefix_cache, base.cache.mode),
+        block_size=_pick(args.cache_block_size, base.cache.block_size),
+        snapshot_policy=_pick(args.snapshot_policy, base.cache.snapshot_policy),
+        snapshot_interval_blocks=_pick(args.snapshot_interval, base.cache.snapshot_interval_blocks),
+        capacity_mib=_pick(args.cache_mib, base.cache.capacity_mib),
+        rule=_pick(args.route_rule, base.cache.rule),
+        incremental_transfer=base.cache.incremental_transfer and not args.no_incremental_transfer,
+        cross_cluster_moves=base.cache.cross_cluster_moves and not args.no_cache_moves,
+    )
+    http = HttpConfig(
+        max_connections=_pick(args.max_connections, base.http.max_connections),
+        header_timeout=_pick(args.header_timeout, base.http.header_timeout),
+        body_timeout=_pick(args.body_timeout, base.http.body_timeout),
+        max_body_bytes=base.http.max_body_bytes,
+        backlog=base.http.backlog,
+    )
+    scheduler = replace(
+        base.scheduler,
+        profile=_pick(args.profile, base.scheduler.profile),
+        period_s=_pick(args.rebalance_period, base.scheduler.period_s),
+        rebalance=base.scheduler.rebalance and not args.no_rebalance,
+    )
+    return ServeConfig(
+        host=_pick(args.host, base.host),
+        port=_pick(args.port, base.port),
+        model=_pick(args.model, base.model),
+        dtype=_pick(args.dtype, base.dtype),
+        trust_remote_code=args.trust_remote_code or base.trust_remote_code,
+        allow_slow_kernels=args.allow_slow_kernels or base.allow_slow_kernels,
+        seed=base.seed,
+        threshold=_pick(args.threshold, base.threshold),
+        fixed_threshold=args.fixed_threshold or base.fixed_threshold,
+        api_key=_api_key(args, base.api_key),
+        first_token_timeout=_pick(args.first_token_timeout, base.first_token_timeout),
+        token_timeout=_pick(args.token_timeout, base.token_timeout),
+        request_timeout=_pick(args.request_timeout, base.request_timeout),
+        migration_limit=_pick(args.migration_limit, base.migration_limit),
+        prefill_timeout=base.prefill_timeout,
+        max_queued_requests=base.max_queued_requests,
+        launcher=_pick(args.launcher, base.launcher),
+        fork_workers=_pick(args.fork_workers, base.fork_workers),
+        secret_file=_pick(args.secret_file, base.secret_file),
+        heartbeat_s=base.heartbeat_s,
+        heartbeat_deadline_s=base.heartbeat_deadline_s,
+        prfaas=prfaas,
+        pd=pd,
+        link=link,
+        cache=cache,
+        scheduler=scheduler,
+        http=http,
+        ray=replace(base.ray, address=_pick(args.ray_address, base.ray.address)),
+    )
+
+
+def _address(text: str) -> str:
+    parse_address(text)  # argparse reports the ValueError as a usage error
+    return text
+
+
+def _pick(flag: object, default: object) -> object:
+    return default if flag is None else flag
+
+
+def _api_key(args: argparse.Namespace, configured: str | None) -> str | None:
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"cannot read --api-key-file: {e}") from None
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return lines[0].strip()
+    return os.environ.get(API_KEY_ENV) or configured
+
+
+@contextlib.asynccontextmanager
+async def running_server(
+    config: ServeConfig, on_startup: StartupListener | None = None
+) -> AsyncIterator[tuple[Gateway, int]]:
+    """The gateway with its HTTP API listening; yields (gateway, bound port)."""
+    metrics = ServeMetrics()
+    async with Gateway(config, metrics, on_startup) as gateway:
+        app = build_app(gateway, metrics, config.api_key, config.http)
+        async with serve_http(app, config.host, config.port, config.http, metrics) as site:
+            yield gateway, site.port
+
+
+def checked_config(args: argparse.Namespace) -> ServeConfig:
+    """The configuration, with what it names checked before any worker starts: model, devices, profile, port."""
+    with user_input():
+        config = config_from_args(args)
+        checked_spec(config.model, config.trust_remote_code)
+        for device in {d for c in (config.prfaas, config.pd) for d in (c.devices or (c.device,))}:
+            arguments.present_device(device)
+        planned_specs(config)  # a GPU the gateway's CUDA_VISIBLE_DEVICES does not show
+        if config.scheduler.profile is not None:
+            load_pd_profiles(config.scheduler.profile)
+        cluster_secret(config)  # a secret that is missing or too open
+        if config.launcher == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("--launcher ray needs the ray extra: pip install 'minifaas[ray]'")
+    if config.port:
+        try:  # aiohttp would find the port taken only once every worker is up
+            socket.create_server((config.host, config.port), family=_family(config.host)).close()
+        except OSError as e:
+            raise BadInput(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+    return config
+
+
+def start_forks(config: ServeConfig) -> bool:
+    """Before the event loop runs: the workers' pre-loaded parent, forked from this process once it has
+    imported their modules (two seconds of imports it then does not repeat). True if it was."""
+    return config.forks_on_cpu_only and forked.start_here(config.model)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def run(args: argparse.Namespace) -> int:
+    config = checked_config(args)
+    forked_here = start_forks(config)
+    console = Console(stderr=True)  # where the log goes
+    if console.is_terminal:  # log lines print above the live start-up table instead of through it
+        handler: logging.Handler = RichHandler(console=console, show_path=False, markup=False)
+        logging.basicConfig(level=args.log_level, format="%(name)s %(message)s", handlers=[handler])
+    else:
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(_serve(config, StartupView(console, log.info)))
+    if forked_here:  # this process holds the workers' modules too
+        exit_at_once(0)
+    return 0
+
+
+async def _serve(config: ServeConfig, view: StartupView) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+    on_signals()
+    async with contextlib.AsyncExitStack() as stack:
+        with view:
+            _, port = await stack.enter_async_context(running_server(config, view))
+        on_signals()  # again: starting Ray installs handlers of its own
+        log.info("serving %s on http://%s:%d/v1 (Ctrl-C to stop)", config.model, config.host, port)
+        await stop.wait()
+        log.info("stopping: the workers the gateway started and the link emulator are shut down")

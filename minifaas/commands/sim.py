@@ -1,0 +1,291 @@
+"""``minifaas sim``: simulate a planned deployment under a workload and report what it would do.
+
+    minifaas sim --case paper --load 0.8 --arrivals poisson --duration 3600
+    minifaas sim --case paper --config homogeneous --load 0.95 --arrivals bursty --json
+    minifaas sim --case paper --gpus 10000 --load 0.8 --duration 3600          # 1,250 instances
+    minifaas sim --case paper --trace mooncake-synthetic --rate-scale 0.5          # a shipped trace, or a file
+    minifaas sim --case paper --bandwidth-schedule 600:20,900:100 --queues-png q.png
+    minifaas sim --case paper --bandwidth-schedule 600:6,1500:100 --scheduler      # t and N_p/N_d adapt
+    minifaas sim --case paper --scheduler --no-rebalance                            # only t adapts
+    minifaas sim --case paper --pd-profile cpu.json --prfaas-profile gpu.json      # from ``minifaas profile``
+    minifaas sim --case paper --link-gbps 5 --kv-compression auto                  # the live codec choice
+
+The instance counts and threshold come from the planner's solution for the
+chosen configuration (flags override them); ``--load`` is a fraction of that
+configuration's planned throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from minifaas import figures
+from minifaas.commands import arguments
+from minifaas.commands.main import user_input
+from minifaas.planner.case import PlanCase
+from minifaas.planner.model import OperatingPoint
+from minifaas.planner.paper import named_case
+from minifaas.planner.profile import PrefillProfile, load_profiles
+from minifaas.planner.search import plan
+from minifaas.policy.codec_policy import CodecEstimate
+from minifaas.policy.long_term import LongTermConfig
+from minifaas.policy.router import Rule
+from minifaas.policy.short_term import ShortTermConfig
+from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
+from minifaas.sim.deployment import SimConfig, config_for
+from minifaas.sim.fluid_link import LinkConfig
+from minifaas.sim.report import SimResult
+from minifaas.sim.simulator import Simulation
+from minifaas.sim.trace_workload import read_trace
+from minifaas.sim.workload import Workload, synthetic
+from minifaas.traces import SHIPPED_TRACES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    deploy = parser.add_argument_group("deployment")
+    deploy.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
+    deploy.add_argument("--config", choices=("prfaas", "homogeneous", "naive"), default="prfaas", help="what to run")
+    deploy.add_argument(
+        "--gpus", type=int, help="scale the case's instance counts and link to this many GPUs (default: the case's)"
+    )
+    deploy.add_argument("--n-prfaas", type=int, help="PrfaaS instances (default: the plan's)")
+    deploy.add_argument("--n-prefill", type=int, help="PD-P instances (default: the plan's)")
+    deploy.add_argument("--n-decode", type=int, help="PD-D instances (default: the plan's)")
+    deploy.add_argument("--threshold", type=int, help="offload threshold in tokens (default: the plan's)")
+    deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value, help="routing rule")
+    deploy.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache in either cluster")
+    deploy.add_argument("--cache-gb", type=float, help="prefix pool size per cluster (default: unlimited)")
+    deploy.add_argument(
+        "--kv-bytes-per-token", type=float, help="replace the model's KV growth, both clusters (default: the case's)"
+    )
+    deploy.add_argument(
+        "--kv-fixed-bytes", type=float, help="replace the model's fixed state per request (default: the case's)"
+    )
+    deploy.add_argument(
+        "--prfaas-profile",
+        help="a profile file (minifaas profile) for the PrfaaS instances (default: the case's)",
+    )
+    deploy.add_argument(
+        "--pd-profile",
+        help="a profile file for the PD instances, prefill and, if it has one, decode (default: the case's)",
+    )
+    sched = parser.add_argument_group("scheduler (off by default: the plan's t and split stay fixed)")
+    sched.add_argument("--scheduler", action="store_true", help="adapt t every tick and re-plan N_p/N_d")
+    sched.add_argument("--fixed-threshold", action="store_true", help="with --scheduler: t and the rule stay fixed")
+    sched.add_argument("--no-rebalance", action="store_true", help="with --scheduler: no re-planning, no re-roling")
+    sched.add_argument("--rebalance-period", type=float, default=300.0, help="seconds between re-plans")
+    sched.add_argument("--convert-s", type=float, default=60.0, help="restart time of a re-roled PD worker")
+    link = parser.add_argument_group("link")
+    link.add_argument("--link-gbps", type=float, help="inter-cluster bandwidth (default: the case's)")
+    link.add_argument("--rtt-ms", type=float, default=10.0, help="round-trip time of the link")
+    link.add_argument("--pipeline-layers", type=int, default=61, help="layers streamed during prefill; 0 = off")
+    link.add_argument(
+        "--bandwidth-schedule",
+        type=bandwidth_schedule,
+        default="",
+        help="changes as TIME_S:GBPS,..., e.g. 600:20,900:100 (default: none)",
+    )
+    link.add_argument(
+        "--kv-compression",
+        choices=("none", "lossless", "auto"),
+        default="none",
+        help="codec of PrfaaS transfers, chosen by the live policy; auto: lossless where it saves time (default: none)",
+    )
+    link.add_argument(
+        "--lossless",
+        type=codec_figures,
+        default="1.3,200,200",
+        metavar="RATIO,ENC_GBPS,DEC_GBPS",
+        help="the lossless codec's ratio and GB/s of state coded and decoded (default: 1.3,200,200, SplitZip's "
+        "figures on a GPU)",
+    )
+    load = parser.add_argument_group("workload")
+    load.add_argument(
+        "--trace",
+        type=arguments.trace,
+        help=f"replay a trace instead of synthetic requests: {', '.join(SHIPPED_TRACES)} (shipped in data/traces), "
+        "or a Mooncake .jsonl / Azure .csv file (default: none)",
+    )
+    load.add_argument("--length-scale", type=float, default=1.0, help="a trace's prompt lengths times this")
+    load.add_argument("--rate-scale", type=float, default=1.0, help="a trace's arrival rate times this")
+    load.add_argument(
+        "--arrivals", choices=[k.value for k in ArrivalKind], default=ArrivalKind.POISSON.value, help="arrival process"
+    )
+    load.add_argument("--load", type=float, default=0.8, help="offered rate as a fraction of planned capacity")
+    load.add_argument("--rate", type=float, help="offered rate in req/s (default: from --load)")
+    load.add_argument("--duration", type=float, help="seconds of arrivals (default: 600; a trace: all of it)")
+    load.add_argument("--on-s", type=float, default=10.0, help="bursty: mean ON period")
+    load.add_argument("--off-s", type=float, default=10.0, help="bursty: mean OFF period")
+    load.add_argument("--off-fraction", type=float, default=0.0, help="bursty: OFF rate / ON rate")
+    load.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    out = parser.add_argument_group("output")
+    out.add_argument("--warmup", type=float, default=0.0, help="seconds not counted in throughput")
+    out.add_argument("--no-drain", action="store_true", help="stop at the last arrival")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--queues-csv", metavar="CSV", help="write the queue depths over time (default: none)")
+    out.add_argument(
+        "--queues-png", metavar="PNG", help="plot the queue depths over time (needs matplotlib; default: none)"
+    )
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on a long run")
+
+
+def bandwidth_schedule(text: str) -> tuple[tuple[float, float], ...]:
+    """'600:20,900:100' -> ((600.0, 20.0), (900.0, 100.0)): from 600 s the link runs at 20 Gbit/s, and so on."""
+    try:
+        steps = tuple((float(t), float(g)) for t, g in (item.split(":") for item in text.split(",") if item))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not TIME_S:GBPS,...: {text!r} (e.g. 600:20,900:100)") from None
+    if any(t < 0 or g < 0 for t, g in steps):
+        raise argparse.ArgumentTypeError(f"times and rates must be >= 0: {text!r}")
+    return steps
+
+
+def codec_figures(text: str) -> CodecEstimate:
+    """'1.3,200,200' -> ratio 1.3, coding and decoding 200 GB/s of state."""
+    try:
+        ratio, encode, decode = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not RATIO,ENCODE_GBPS,DECODE_GBPS: {text!r} (e.g. 1.3,200,200)") from None
+    if ratio <= 0 or encode <= 0 or decode <= 0:
+        raise argparse.ArgumentTypeError(f"ratio and speeds must be > 0: {text!r}")
+    return CodecEstimate(ratio, encode * 1e9, decode * 1e9)
+
+
+def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> PlanCase:
+    if gpus is None:
+        return case.with_overrides(link_gbps=link_gbps)
+    factor = gpus / case.gpus
+    return case.with_overrides(
+        n_prfaas=round(case.n_prfaas * factor),
+        n_pd=round(case.n_pd * factor),
+        n_homogeneous=round(case.n_homogeneous * factor),
+        link_gbps=link_gbps if link_gbps is not None else case.link_gbps * factor,
+    )
+
+
+def with_profiles(case: PlanCase, prfaas: str | None, pd: str | None) -> PlanCase:
+    """The case with measured instance profiles in place of its own."""
+    changes: dict[str, object] = {}
+    if prfaas:
+        changes["prfaas"] = _prefill_of(prfaas)
+    if pd:
+        changes["pd_prefill"] = _prefill_of(pd)
+        changes["decode"] = load_profiles(pd)[1]
+    return case.with_overrides(**changes)
+
+
+def _prefill_of(path: str) -> PrefillProfile:
+    prefill, _ = load_profiles(path)
+    if prefill is None:
+        raise SystemExit(f"{path}: no [prefill] table")
+    return prefill
+
+
+def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:
+    base = named_case(args.case)
+    base = with_profiles(base, args.prfaas_profile, args.pd_profile)
+    case = scaled_case(base, args.gpus, args.link_gbps).with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
+    point: OperatingPoint = getattr(plan(case), args.config)
+    link = LinkConfig(case.link_gbps, args.rtt_ms / 1000, args.pipeline_layers, args.bandwidth_schedule)
+    config = config_for(
+        case,
+        point,
+        link,
+        rule=Rule(args.rule),
+        prefix_cache=not args.no_prefix_cache,
+        cache_bytes=args.cache_gb * 1e9 if args.cache_gb else float("inf"),
+        warmup_s=args.warmup,
+        drain=not args.no_drain,
+        convert_s=args.convert_s,
+        kv_compression=args.kv_compression,
+        codecs=(("lossless", args.lossless),),
+    )
+    if args.scheduler:
+        ceiling = int(case.lengths.values[-1])
+        config = replace(
+            config,
+            short_term=ShortTermConfig(enabled=not args.fixed_threshold, ceiling=max(ceiling, 1)),
+            long_term=LongTermConfig(enabled=not args.no_rebalance, period_s=args.rebalance_period),
+        )
+    overrides = {
+        "n_prfaas": args.n_prfaas,
+        "n_prefill": args.n_prefill,
+        "n_decode": args.n_decode,
+        "threshold": args.threshold,
+    }
+    config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if args.trace:
+        workload = read_trace(args.trace, args.length_scale, args.rate_scale)
+        if args.duration is not None:
+            workload = workload.head(int((workload.arrival_s < args.duration).sum()))
+    else:
+        rate = args.rate if args.rate is not None else args.load * point.throughput_rps
+        arrivals = ArrivalSpec(ArrivalKind(args.arrivals), rate, args.on_s, args.off_s, args.off_fraction)
+        duration = 600.0 if args.duration is None else args.duration
+        workload = synthetic(case.lengths, round(case.output_tokens), arrivals, duration, args.seed)
+    return config, workload, point
+
+
+def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimResult:
+    simulation = Simulation(config, workload)
+    if not show_progress:
+        return simulation.run()
+    columns = (TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"))
+    with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("sim", total=max(workload.duration_s, 1.0))
+        result = simulation.run(progress=lambda now: progress.update(task, completed=min(now, workload.duration_s)))
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    with user_input():
+        config, workload, point = build(args)
+    show = not args.no_progress and sys.stderr.isatty() and len(workload) > 20_000
+    result = simulate(config, workload, show)
+    if args.queues_csv:
+        result.write_queues_csv(args.queues_csv)
+    if args.queues_png:
+        result.plot_queues(args.queues_png)
+    summary = {
+        "workload": workload.name,
+        "gpus": config.gpus,
+        "config": point.config,
+        "threshold_tokens": config.threshold,
+        "n_prfaas": config.n_prfaas,
+        "n_prefill": config.n_prefill,
+        "n_decode": config.n_decode,
+        "planned_throughput_rps": point.throughput_rps,
+        "scheduler": bool(args.scheduler),
+        **result.to_dict(),
+    }
+    note = plan_note(config, point)
+    if note:  # on stderr with --json, so that stdout stays one JSON object
+        print(note, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(figures.dumps(summary, indent=2))
+    else:
+        for key, value in figures.rounded(summary).items():
+            print(f"{key:>28}  {'-' if value is None else value}")
+    return 0
+
+
+def plan_note(config: SimConfig, point: OperatingPoint) -> str | None:
+    """One line on a plan that leaves a path unused, and why, so that its empty figures are no surprise."""
+    if point.config != "prfaas" or 0 < point.offload_fraction < 1:
+        return None
+    offloaded = point.offload_fraction == 1
+    mean = point.l_long if offloaded else point.l_short
+    pd_s, prfaas_s = float(config.pd_prefill.latency_s(mean)), float(config.prfaas.latency_s(mean))
+    times = f"a {mean:,.0f}-token prefill takes {pd_s:.3g} s on a PD instance and {prfaas_s:.3g} s on PrfaaS"
+    if offloaded:
+        return (
+            f"plan: PrfaaS prefills every prompt (t = {config.threshold:,}), {config.n_decode} PD instances decode "
+            f"and {config.n_prefill} prefill: {times}, so the PD cluster is worth more decoding (bottleneck: "
+            f"{point.bottleneck}); no request takes the PD prefill path, and its figures are empty"
+        )
+    return f"plan: no prompt is offloaded (t = {config.threshold:,}): {times}; PrfaaS stays idle"

@@ -1,0 +1,129 @@
+"""``minifaas worker``: one prefill or decode worker's flags, then the worker (``worker/worker_process.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+
+from minifaas.commands import arguments
+from minifaas.commands.arguments import add_model_arguments
+from minifaas.commands.main import BadInput, user_input
+from minifaas.commands.main import main as cli_main
+from minifaas.config import SNAPSHOT_POLICIES
+from minifaas.control.secret import SECRET_ENV, load_secret
+from minifaas.model.decoder import DecoderConfig
+from minifaas.net.address import parse_address
+from minifaas.net.connections import DEFAULT_CONNECTIONS
+from minifaas.parent_watch import die_with_parent
+from minifaas.policy.codec_policy import MODES
+from minifaas.worker.worker_process import serve
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=("prefill", "decode"), required=True, help="what this worker does")
+    p.add_argument("--cluster", choices=("prfaas", "pd"), required=True, help="the cluster this worker serves in")
+    p.add_argument("--name", help="this node's name in routing and metrics (default: cluster-role-host-port)")
+    p.add_argument("--listen", type=parse_address, default=("127.0.0.1", 0), metavar="HOST:PORT",
+                   help="the control port the gateway dials (default: 127.0.0.1:0, any free port)")  # fmt: skip
+    p.add_argument("--kv-listen", type=parse_address, metavar="HOST:PORT",
+                   help="where the KV receiver listens (default: the --listen host, any free port)")  # fmt: skip
+    p.add_argument("--advertise", metavar="HOST[:PORT]",
+                   help="the KV address others are told to use (NAT, containers; default: --kv-listen)")  # fmt: skip
+    p.add_argument("--secret-file", help=f"file holding the cluster secret (default: ${SECRET_ENV})")
+    p.add_argument("--gateway-deadline", type=float, default=30.0, metavar="S",
+                   help="drop a gateway silent for S seconds, so another may attach (default: 30)")  # fmt: skip
+    p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (the gateway's children)")
+    add_model_arguments(p)
+    p.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N (default: cpu)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.0, metavar="F",
+                   help="the share of its GPU's memory this worker may take, where workers share one; "
+                   "0: no limit (default: 0)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="of a preset's random weights (default: 0)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads; 0: torch's default, one per core it may use (default: 0)")  # fmt: skip
+    p.add_argument("--allow-slow-kernels", action="store_true",
+                   help="on CUDA, start even without flash-linear-attention (torch reference kernels)")  # fmt: skip
+    p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
+    p.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS,
+                   help=f"TCP connections per KV transfer (prefill; default: {DEFAULT_CONNECTIONS})")  # fmt: skip
+    p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                   help="prefill: run a prompt in forwards of at most TOKENS, each one's full-attention KV "
+                   "streamed as soon as it is made; 0: one forward (default: 512)")  # fmt: skip
+    p.add_argument("--kv-compression", choices=MODES, default="auto",
+                   help="KV codecs this worker sends with (prefill) or offers its senders (decode); the gateway "
+                   "picks one per transfer. auto: none and lossless; fp8 or int8 add that lossy code "
+                   "(default: auto)")  # fmt: skip
+    p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid",
+                   help="this node's prefix cache (default: hybrid)")  # fmt: skip
+    p.add_argument("--cache-block-size", type=int, default=32,
+                   help="tokens per cached full-attention block (default: 32)")  # fmt: skip
+    p.add_argument("--snapshot-policy", choices=SNAPSHOT_POLICIES, default="reuse",
+                   help="where state snapshots go: prompt ends and prefixes another prompt shared (reuse), or "
+                   "every --snapshot-interval blocks too (default: reuse)")  # fmt: skip
+    p.add_argument("--snapshot-interval", type=int, default=4,
+                   help="the interval policy's blocks between state snapshots; 0: at prompt ends only "
+                   "(default: 4)")  # fmt: skip
+    p.add_argument("--cache-mib", type=float, default=256.0,
+                   help="host memory for this node's prefix cache in MiB (default: 256)")  # fmt: skip
+    p.add_argument("--state-timeout", type=float, default=60.0,
+                   help="seconds a decode waits for its state (default: 60)")  # fmt: skip
+    d = DecoderConfig()
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"decode rows per forward; 1: unbatched (default: {d.max_batch})")  # fmt: skip
+    p.add_argument("--step-tokens", type=int, default=d.step_token_budget,
+                   help=f"KV slots a decode step may attend (default: {d.step_token_budget})")  # fmt: skip
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help=f"requests queued for a decode row (default: {d.max_waiting})")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="minifaas worker", description="one prefill or decode worker, waiting for a gateway"
+    )
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _print_ready(ready: dict) -> None:
+    print(json.dumps(ready), flush=True)
+
+
+async def _until_signalled(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await serve(args, _print_ready, stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    with user_input():  # one error line, before the model loads
+        load_secret(args.secret_file)
+        arguments.present_device(args.device)
+        if not 0 <= args.gpu_memory_fraction <= 1 or (args.gpu_memory_fraction and args.device == "cpu"):
+            raise ValueError(f"--gpu-memory-fraction {args.gpu_memory_fraction}: a share in [0, 1] of a GPU")
+    for host, port in {args.listen, args.kv_listen or args.listen}:
+        if port:
+            try:  # the model would load for seconds before the bind failed
+                socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+            except OSError as e:
+                raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    die_with_parent()  # a child of the gateway: killed with it, however it dies
+    asyncio.run(_until_signalled(args))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(cli_main(["worker", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    main()

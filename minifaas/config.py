@@ -1,0 +1,347 @@
+"""Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
+
+[serve]            host, port, model, dtype, trust_remote_code, threshold, api_key, deadlines, launcher,
+                   fork_workers, secret_file, heartbeats, migration_limit
+[http]             the HTTP server's bounds: connections, header and body timeouts, body size
+[prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, threads,
+                   or the addresses of hand-started workers (workers = ["host:port", ...])
+[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
+                   prefill_chunk, threads, or workers = [...]
+[link]             the inter-cluster link: rate, delay (emulated), per-flow cap and window, connections,
+                   kv_compression, emulated
+[ray]              the Ray launcher: cluster address, namespace, CPUs and GPUs per worker
+[cache]            the hybrid prefix cache: mode, block size, snapshot policy and interval, bytes per node
+[scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from minifaas.emulator.pacer import check_window, parse_bytes, parse_rate
+from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES, dtype_name
+from minifaas.net.address import parse_address
+from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS
+from minifaas.policy.codec_policy import MODES
+from minifaas.policy.snapshot_policy import SnapshotPolicy
+
+SNAPSHOT_POLICIES = tuple(p.value for p in SnapshotPolicy)
+
+# the start of a worker's name, by (cluster, role)
+NAME_PREFIX = {("prfaas", "prefill"): "prfaas-p", ("pd", "prefill"): "pd-p", ("pd", "decode"): "pd-d"}
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    prefill_workers: int = 1
+    decode_workers: int = 0
+    device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there (unless ``devices``)
+    max_batch: int = 32  # decode rows per forward on its decode workers (1: unbatched, one forward per request)
+    prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
+    workers: tuple[str, ...] = ()  # control addresses of hand-started workers; the counts then do not apply
+    dtype: str | None = None  # the weights' dtype on its workers; None: [serve] dtype
+    threads: int = 0  # torch threads per worker (0: auto, see ServeConfig.worker_threads)
+    devices: tuple[str, ...] = ()  # GPUs its workers are dealt to in turn, prefill workers first ("cuda:N")
+    memory_fraction: float = 0.0  # of its GPU per worker; 0: an equal share where workers share one, else all
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(self.workers))  # a TOML array comes as a list
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if self.devices:
+            bad = [d for d in self.devices if not re.fullmatch(r"cuda:\d+", d)]
+            if bad or len(set(self.devices)) < len(self.devices):
+                raise ValueError(f"devices must be distinct cuda:N, got {list(self.devices)}")
+            if self.device not in ("cpu", self.devices[0]):
+                raise ValueError(f"give device or devices, not both (device {self.device}, devices {self.devices})")
+            object.__setattr__(self, "device", self.devices[0])  # the kind of device, for dtype and threads
+        if not 0 <= self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in [0, 1], got {self.memory_fraction}")
+        for address in self.workers:
+            parse_address(address)
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+        if self.memory_fraction and self.device == "cpu":
+            raise ValueError("memory_fraction is a GPU's: the cluster runs on the CPU")
+        if len(self.devices) > self.prefill_workers + self.decode_workers and not self.workers:
+            raise ValueError(f"{len(self.devices)} devices for {self.prefill_workers + self.decode_workers} "
+                             "workers: give each device a worker")  # fmt: skip
+
+    def placement(self) -> list[tuple[str, int, str]]:
+        """(role, index, device) of each worker the gateway starts for this cluster: devices dealt in turn."""
+        devices = self.devices or (self.device,)
+        roles = [("prefill", i) for i in range(self.prefill_workers)]
+        roles += [("decode", i) for i in range(self.decode_workers)]
+        return [(role, i, devices[k % len(devices)]) for k, (role, i) in enumerate(roles)]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    rate: str = "100mbit"  # inter-cluster bandwidth: the emulator's, or a real link's capacity ("none": unlimited)
+    flow_rate: str = "none"  # per-connection cap
+    window: str = "none"  # bytes in flight per connection, e.g. "4MiB": one moves at most window / RTT
+    delay_ms: float = 5.0  # one way
+    jitter_ms: float = 0.0
+    connections: int = DEFAULT_CONNECTIONS  # TCP connections per KV transfer
+    pipelined: bool = True
+    kv_compression: str = "auto"  # codec of state crossing the link; auto: lossless only where it saves time
+    emulated: bool | None = None  # through the link emulator; None: when every worker is a local child
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.connections <= MAX_CONNECTIONS or self.delay_ms < 0 or self.jitter_ms < 0:
+            raise ValueError(f"need connections 1..{MAX_CONNECTIONS} and non-negative delay and jitter")
+        for rate in (self.rate, self.flow_rate):  # a rate the emulator cannot read fails here, not in its process
+            parse_rate(rate)
+        check_window(parse_bytes(self.window))
+        if self.kv_compression not in MODES:
+            raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RayConfig:
+    """Workers as Ray actors (``launcher = "ray"``): each on a node holding its cluster's custom resource."""
+
+    address: str = "auto"  # a running cluster ("auto": the one this host belongs to; "local": start one here)
+    namespace: str = "minifaas"
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 1.0  # for workers on a cuda device; CPU workers reserve none
+    start_timeout: float = 300.0  # placement of every worker, and a restarted actor's readiness
+
+    def __post_init__(self) -> None:
+        if self.cpus_per_worker < 0 or self.gpus_per_worker < 0 or self.start_timeout <= 0:
+            raise ValueError("need cpus_per_worker >= 0, gpus_per_worker >= 0 and start_timeout > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Each prefill node's prefix cache (held in the worker's own memory) and how routing uses it."""
+
+    mode: str = "hybrid"  # "none": no hits, nothing stored, routing on prompt length alone
+    block_size: int = 32  # tokens per full-attention block
+    snapshot_policy: str = (
+        "reuse"  # where linear-state snapshots go (cache.snapshot_policy); "interval": every N blocks
+    )
+    snapshot_interval_blocks: int = 4  # the interval policy's spacing; 0: state snapshots only at prompt ends
+    capacity_mib: float = 256.0  # per prefill node
+    rule: str = "scarce"  # at start (the scheduler may switch it): "scarce" or "abundant" (the longer cache counts)
+    incremental_transfer: bool = True  # off: PrfaaS ships the whole KV even when the decode node holds a prefix
+    cross_cluster_moves: bool = True  # off: no cache crosses the link before prefill (ABUNDANT then acts as SCARCE)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("hybrid", "none") or self.rule not in ("scarce", "abundant"):
+            raise ValueError(f"cache mode must be hybrid|none and rule scarce|abundant, got {self.mode}, {self.rule}")
+        if self.snapshot_policy not in SNAPSHOT_POLICIES:
+            raise ValueError(
+                f"snapshot_policy must be one of {', '.join(SNAPSHOT_POLICIES)}, got {self.snapshot_policy}"
+            )
+        if self.block_size < 1 or self.snapshot_interval_blocks < 0 or self.capacity_mib < 0:
+            raise ValueError("need block_size >= 1, snapshot_interval_blocks >= 0, capacity_mib >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.capacity_mib * (1 << 20))
+
+    @property
+    def moves(self) -> bool:
+        return self.enabled and self.cross_cluster_moves
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The long-term loop: re-plan (t, N_p, N_d) from measured traffic and re-role PD workers.
+
+    It needs a profile of the instances (``minifaas profile`` writes one); without one it stays off.
+    """
+
+    profile: str | None = None  # [prefill] and [decode] tables of a PD instance
+    prfaas_profile: str | None = None  # [prefill] of a PrfaaS instance; default: ``profile``'s
+    rebalance: bool = True  # off switch: no re-planning, no role conversion
+    period_s: float = 300.0  # between re-plans (scheduler.long_term says why 300)
+    min_requests: int = 200  # a period with fewer routed prompts is not re-planned
+    min_gain: float = 0.05  # a new split must plan this much more throughput
+    drain_timeout: float = 120.0  # a worker changing role that still holds requests after this keeps its role
+
+    def __post_init__(self) -> None:
+        if self.period_s <= 0 or self.min_requests < 1 or self.min_gain < 0 or self.drain_timeout <= 0:
+            raise ValueError("need period_s > 0, min_requests >= 1, min_gain >= 0, drain_timeout > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rebalance and self.profile is not None
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """What one client may hold of the HTTP server: nothing forever, and never the last descriptor."""
+
+    max_connections: int = 1024  # open client connections; one more is answered 503 (the fd limit may lower it)
+    header_timeout: float = 15.0  # to send a request's line and headers, from connecting or the last response
+    body_timeout: float = 30.0  # to send the request body once its headers are in
+    max_body_bytes: int = 4 << 20
+    backlog: int = 512  # connections the kernel queues before they are accepted
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_body_bytes < 1 or self.backlog < 1:
+            raise ValueError("need max_connections, max_body_bytes and backlog >= 1")
+        if min(self.header_timeout, self.body_timeout) <= 0:
+            raise ValueError("header_timeout and body_timeout must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # of every worker, unless its cluster sets one; auto: bfloat16 on CUDA, float32 on CPU
+    trust_remote_code: bool = False  # let a checkpoint's own Python code (auto_map) run, in every process
+    allow_slow_kernels: bool = False  # a CUDA worker may run the torch reference kernels (else it refuses)
+    seed: int = 0
+    threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
+    fixed_threshold: bool = False  # off switch of the scheduler: t and the routing rule never move
+    api_key: str | None = None
+    first_token_timeout: float = 300.0  # a request with no first token by then fails (504)
+    token_timeout: float = 60.0  # nor may the gateway be silent longer than this between two tokens
+    request_timeout: float | None = None  # a limit on the whole request, however it streams (None: none)
+    prefill_timeout: float = 120.0  # a prefill (and its transfer) that takes longer falls back to PD-P
+    migration_limit: int = 2  # moves to another decode worker a request may make after losing its own
+    max_queued_requests: int = 256
+    launcher: str = "local"  # who starts the workers: "local" (child processes) or "ray" (actors)
+    fork_workers: bool = True  # local CPU workers fork from a parent that imported torch and the model once
+    secret_file: str | None = None  # the cluster secret (else $MINIFAAS_SECRET); needed with any remote worker
+    heartbeat_s: float = 1.0  # the gateway pings every worker this often
+    heartbeat_deadline_s: float = 5.0  # a worker silent for this long leaves routing until it answers again
+    prfaas: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1))
+    pd: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1, decode_workers=1))
+    link: LinkConfig = field(default_factory=LinkConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        if self.threshold < 0 or not 0 <= self.port < 65536:
+            raise ValueError("need threshold >= 0 and a valid port")
+        if self.pd.decode_workers < 1 and not self.pd.workers:
+            raise ValueError("the PD cluster needs at least one decode worker")
+        if self.pd.prefill_workers + self.prfaas.prefill_workers < 1 and not (self.pd.workers or self.prfaas.workers):
+            raise ValueError("at least one prefill worker is needed")
+        total = () if self.request_timeout is None else (self.request_timeout,)
+        if min(self.first_token_timeout, self.token_timeout, self.prefill_timeout, *total) <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.launcher not in ("local", "ray"):
+            raise ValueError(f"launcher must be local or ray, got {self.launcher!r}")
+        if not 0 < self.heartbeat_s < self.heartbeat_deadline_s:
+            raise ValueError("need 0 < heartbeat_s < heartbeat_deadline_s")
+        if self.launcher == "ray" and (self.prfaas.devices or self.pd.devices):
+            raise ValueError("Ray gives each actor its GPUs: give a cluster's device (cuda:0) and "
+                             "[ray] gpus_per_worker instead of devices")  # fmt: skip
+        self._gpu_shares()  # raises if the workers placed on a GPU ask for more than all of it
+        if self.link.emulated and not self.all_local:
+            raise ValueError("the link emulator runs beside the gateway: with remote workers the link is the network")
+        if self.scheduler.enabled and (self.pd.workers or self.prfaas.workers):
+            raise ValueError("re-planning converts PD workers, and hand-started ones keep their role: --no-rebalance")
+
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        prfaas, pd = self.worker_dtype("prfaas"), self.worker_dtype("pd")
+        if self.prfaas.prefill_workers and prfaas != pd:  # state crosses as it is, byte for byte
+            raise ValueError(f"the PrfaaS cluster would run {prfaas} and the PD cluster {pd}: KV moves between "
+                             "them unconverted, so give both one dtype")  # fmt: skip
+
+    @property
+    def all_local(self) -> bool:
+        """Every worker is a child process of the gateway, on this host."""
+        return self.launcher == "local" and not (self.prfaas.workers or self.pd.workers)
+
+    def memory_fraction(self, cluster: str, device: str) -> float:
+        """The share of ``device`` a worker of ``cluster`` placed there may take (0: no limit)."""
+        if device == "cpu":
+            return 0.0
+        return self.cluster(cluster).memory_fraction or self._gpu_shares().get(device, 0.0)
+
+    def _gpu_shares(self) -> dict[str, float]:
+        """Per GPU that local workers share: the equal share of it left to each worker not given a fraction."""
+        placed: dict[str, list[float]] = {}  # the fraction each worker there asks for (0: none given)
+        for c in (self.prfaas, self.pd):
+            if self.launcher == "local" and not c.workers and c.device != "cpu":
+                for _, _, device in c.placement():
+                    placed.setdefault(device, []).append(c.memory_fraction)
+        shares = {}
+        for device, fractions in placed.items():
+            left, auto = 1.0 - sum(fractions), fractions.count(0.0)
+            if left < -1e-9 or (auto and len(fractions) > 1 and left <= 0):
+                raise ValueError(f"the {len(fractions)} workers on {device} ask for more than all of it")
+            if auto and len(fractions) > 1:
+                shares[device] = left / auto
+        return shares
+
+    @property
+    def forks_on_cpu_only(self) -> bool:
+        """The gateway starts CPU workers here, forked from a pre-loaded parent, and no GPU worker."""
+        clusters = (self.prfaas, self.pd)
+        local = any(c.prefill_workers + c.decode_workers and not c.workers for c in clusters)
+        on_cpu = all(c.device == "cpu" for c in clusters)
+        return self.launcher == "local" and self.fork_workers and local and on_cpu
+
+    @property
+    def link_emulated(self) -> bool:
+        return self.all_local if self.link.emulated is None else self.link.emulated
+
+    def cluster(self, name: str) -> ClusterConfig:
+        return self.prfaas if name == "prfaas" else self.pd
+
+    def worker_dtype(self, cluster: str) -> str:
+        """The dtype a worker of ``cluster`` loads the model in, "auto" resolved for its device."""
+        c = self.cluster(cluster)
+        return dtype_name(c.dtype or self.dtype, c.device)
+
+    def worker_threads(self, cluster: str) -> int:
+        """Torch threads of a worker of ``cluster`` that the gateway starts; 0 leaves torch's default.
+
+        A cluster's ``threads`` when set. Otherwise (0, auto) a CPU worker of the local launcher
+        gets an equal share of this host's cores, less those the clusters with ``threads`` set
+        take, and at least one: every local CPU worker runs on them, and torch's default of a
+        thread per core in each would put several spinning OpenMP threads on every core. A GPU
+        worker, or one on a Ray node, keeps torch's default (its own device or host).
+        """
+        c = self.cluster(cluster)
+        if c.threads or self.launcher != "local" or c.device != "cpu":
+            return c.threads
+        cpu = [(cc.prefill_workers + cc.decode_workers, cc.threads) for cc in (self.prfaas, self.pd)
+               if cc.device == "cpu" and not cc.workers]  # fmt: skip
+        told = sum(n * threads for n, threads in cpu)  # the cores of the clusters whose threads are set
+        auto = sum(n for n, threads in cpu if not threads)
+        return max(1, (len(os.sched_getaffinity(0)) - told) // max(1, auto))
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
+        data = tomllib.loads(Path(path).read_text())
+        top = dict(data.get("serve", {}))
+        defaults = cls()
+        for name in ("prfaas", "pd", "link", "cache", "scheduler", "http", "ray"):
+            if name in data:  # a table sets what it names; the rest keeps its default (worker counts included)
+                top[name] = replace(getattr(defaults, name), **data[name])
+        known = {f.name for f in fields(cls)}
+        unknown = set(top) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
+        return replace(cls(**top), **{k: v for k, v in overrides.items() if v is not None})

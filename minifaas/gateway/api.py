@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP API: completions and chat completions (streamed or not), models, health, metrics.
+
+Handlers only move bytes: rules live in openai_schema, response shapes in openai_responses, and
+generation in the gateway. A streamed request waits for its first token before sending headers,
+so a request the gateway refuses (503) or cannot serve (500, or 504 past a deadline) still gets a
+real status; a failure after that arrives as an SSE ``data: {"error": ...}`` event, as vLLM sends
+it. Every error is an OpenAI error body, an unexpected exception included (logged with its trace),
+and is counted in ``minifaas:request_errors_total`` by cause; every 503 carries Retry-After. A
+client that goes away makes the next write fail (or, with the runner's handler_cancellation on,
+cancels the handler); either way leaving ``_closing`` closes the gateway's iterator, which aborts
+the request on every worker. The socket side (connection cap, header timeout) is http_server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp import web
+
+from minifaas.config import HttpConfig
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.openai_responses import Reply
+from minifaas.gateway.openai_schema import APIError, Endpoint, parse_json, parse_request
+from minifaas.gateway.requests import (
+    DeadlineExceeded,
+    GatewayAPI,
+    GenerateRequest,
+    MigrationLimit,
+    Overloaded,
+    RequestFailed,
+    TokenEvent,
+)
+
+log = logging.getLogger("minifaas.api")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+RETRY_AFTER_S = "1"
+# the metric cause of an error whose body has no code
+_CAUSES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def build_app(
+    gateway: GatewayAPI, metrics: ServeMetrics, api_key: str | None, http: HttpConfig | None = None
+) -> web.Application:
+    http = http or HttpConfig()
+    api = OpenAIServer(gateway, metrics, http)
+    middlewares = [_openai_errors(metrics), _bearer_auth(api_key)]
+    app = web.Application(client_max_size=http.max_body_bytes, middlewares=middlewares)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics_text)
+    return app
+
+
+def _openai_errors(metrics: ServeMetrics) -> Middleware:
+    """Every error as an OpenAI error body, counted by cause; every 503 with Retry-After."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except APIError as e:
+            response = _error_response(e, metrics)
+        except web.HTTPException as e:  # aiohttp's own 404, 405, ...
+            if e.status < 400:
+                raise
+            response = _error_response(APIError(e.status, e.reason), metrics)
+        except Exception as e:  # a bug: the client still gets JSON, the log the trace
+            log.exception("%s %s failed", request.method, request.path)
+            response = _error_response(api_error(e), metrics)
+        if response.status == 503:  # /health's too
+            response.headers.setdefault("Retry-After", RETRY_AFTER_S)
+        return response
+
+    return errors
+
+
+def _error_response(error: APIError, metrics: ServeMetrics) -> web.Response:
+    metrics.request_error(cause_of(error))
+    response = web.json_response(error.body(), status=error.status)
+    if error.status == 408:  # the body is still coming: close rather than read the rest
+        response.force_close()
+    return response
+
+
+def cause_of(error: APIError) -> str:
+    return error.code or _CAUSES.get(error.status, f"http_{error.status}")
+
+
+def _bearer_auth(api_key: str | None) -> Middleware:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+@asynccontextmanager
+async def _closing(events: AsyncIterator[TokenEvent]) -> AsyncIterator[AsyncIterator[TokenEvent]]:
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class OpenAIServer:
+    def __init__(self, gateway: GatewayAPI, metrics: ServeMetrics, http: HttpConfig) -> None:
+        self.gateway = gateway
+        self.metrics = metrics
+        self.http = http
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.gateway.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "minifaas",
+            "max_model_len": self.gateway.max_context,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 with the gateway's report when it says ``"healthy": true``, else 503 with the same report."""
+        report = self.gateway.health()
+        return web.json_response(report, status=200 if report.get("healthy") is True else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type})
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        limit, seconds = self.http.max_body_bytes, self.http.body_timeout
+        too_large = APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            async with asyncio.timeout(seconds):
+                raw = await request.read()  # bounded by the app's client_max_size, chunked bodies included
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        except TimeoutError:
+            raise APIError(408, f"The request body did not arrive within {seconds:g} s.", code="body_timeout") from None
+        return parse_json(raw)
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            parsed = parse_request(
+                endpoint,
+                await self._read_json(request),
+                model_name=self.gateway.model_name,
+                tokenizer=self.gateway.tokenizer,
+                max_context=self.gateway.max_context,
+            )
+        except APIError:
+            self.metrics.request_finished(None, "invalid")
+            raise
+        reply = Reply.start(endpoint, self.gateway.model_name, len(parsed.prompt_ids), started)
+        outcome = "error"
+        try:
+            with self.metrics.in_flight():
+                generate = GenerateRequest(reply.id, parsed.prompt_ids, parsed.sampling)
+                events = self.gateway.stream(generate, reply.record)
+                async with _closing(events):
+                    if parsed.stream:
+                        response, outcome = await self._stream(request, reply, events, parsed.include_usage)
+                    else:
+                        response, outcome = await self._complete(reply, events)
+            return response
+        except (Overloaded, RequestFailed) as e:
+            error = api_error(e)
+            outcome = "overloaded" if error.status == 503 else "error"
+            raise error from e
+        except asyncio.CancelledError:
+            outcome = "abort"
+            raise
+        finally:
+            reply.seal(time.perf_counter())
+            self.metrics.request_finished(reply.record, outcome)
+
+    async def _complete(self, reply: Reply, events: AsyncIterator[TokenEvent]) -> tuple[web.Response, str]:
+        async for event in events:
+            reply.add(event, time.perf_counter())
+        _check_finished(reply)
+        reply.seal(time.perf_counter())
+        return web.json_response(reply.body()), str(reply.finish_reason)
+
+    async def _stream(
+        self, request: web.Request, reply: Reply, events: AsyncIterator[TokenEvent], include_usage: bool
+    ) -> tuple[web.StreamResponse, str]:
+        first = await anext(events, None)  # Overloaded / RequestFailed here still become an HTTP status
+        if first is None:
+            raise RequestFailed("the gateway ended the stream before the first token")
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            try:
+                for chunk in reply.opening_chunks(include_usage):
+                    await _send(response, chunk)
+                await self._send_token(response, reply, first, include_usage)
+                async for event in events:
+                    await self._send_token(response, reply, event, include_usage)
+                _check_finished(reply)
+                reply.seal(time.perf_counter())
+                for chunk in reply.closing_chunks(include_usage):
+                    await _send(response, chunk)
+                outcome = str(reply.finish_reason)
+            except ConnectionResetError:
+                raise
+            except Exception as e:  # after the 200: the error goes in the stream, as vLLM sends it
+                error = api_error(e)
+                if error.code == "internal_error":
+                    log.exception("stream of %s failed", reply.id)
+                self.metrics.request_error(cause_of(error))
+                await _send(response, error.body())
+                outcome = "error"
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the client went away: leaving closes the gateway's iterator
+            return response, "abort"
+        return response, outcome
+
+    async def _send_token(
+        self, response: web.StreamResponse, reply: Reply, event: TokenEvent, include_usage: bool
+    ) -> None:
+        text = reply.add(event, time.perf_counter())
+        # A token inside a multi-byte character has no text of its own yet, and waits for the rest; but the
+        # first token's chunk goes out at once, with whatever text it has, so a client sees when it came.
+        if text or reply.tokens == 1:
+            await _send(response, reply.content_chunk(text, include_usage))
+
+
+def api_error(e: Exception) -> APIError:
+    """The OpenAI error a failure of the gateway's stream becomes."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, Overloaded):
+        return APIError(503, str(e) or "The server is overloaded; retry later.", code="overloaded")
+    if isinstance(e, MigrationLimit):
+        return APIError(503, str(e), code="migration_limit")
+    if isinstance(e, DeadlineExceeded):
+        return APIError(504, str(e), code="timeout")
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), code="request_failed")
+    return APIError(500, f"Internal error ({type(e).__name__}); the request was not completed.", code="internal_error")
+
+
+def _check_finished(reply: Reply) -> None:
+    if reply.finish_reason is None:
+        raise RequestFailed("the gateway ended the stream without a finish reason")
+
+
+async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")

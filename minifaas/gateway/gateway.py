@@ -1,0 +1,381 @@
+"""The gateway: one asyncio program that attaches to both clusters and runs every request through them.
+
+What it composes (each part gets only the collaborators it needs):
+    WorkerPool         every worker: started by a launcher (local children by default, Ray actors, or
+                       hand-started ones it only dials), attached over the authenticated control
+                       channel, supervised with heartbeats, re-attached when it answers again
+    InterClusterLink   the PrfaaS -> PD link: an emulator beside the gateway, or the real network
+    PrefillDispatch    the prefill half of a request, with fallback to PD-P
+    RoleChanger        PD workers changing role on the long-term scheduler's word
+    LiveScheduler      the link and the queues sampled each second; the threshold and the rule
+
+A request: route (policy.router, with each prefill node's cached prefix from
+the prefix directory) -> ask the decode worker to expect the state
+-> ask the prefill worker to prefill and stream it (through the link when it
+comes from PrfaaS) -> the first token goes to the client at once -> the
+decode worker streams the rest (a decode worker lost on the way: the request
+migrates to another, ``serve.migration``). A PrfaaS prefill that fails (worker gone, link
+cut or stalled, too slow) is redone on PD-P: the request still completes, and
+its record says why it fell back.
+
+Prefix caching: every prefill node keeps a pool of what it computed; the store
+and evict events on its replies keep the gateway's prefix directory current, so
+routing sees the incremental length and picks the node that holds the prefix.
+Decode nodes keep the KV they receive, so when a PrfaaS prefill's decode node
+already holds a prefix, the decode node pins it and only the rest crosses the
+link. Under the ABUNDANT rule the router may ask for the longer cache of the
+other cluster: its node sends that prefix's state across the link (through an
+emulated link in front of the receiving prefill node) before the prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from minifaas.config import ServeConfig
+from minifaas.control.heartbeat import HeartbeatConfig
+from minifaas.control.secret import load_secret, new_secret
+from minifaas.gateway.deadline import RequestDeadline
+from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
+from minifaas.gateway.lifecycle import Phase, advance
+from minifaas.gateway.live_scheduler import LiveScheduler
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.migration import Migration
+from minifaas.gateway.prefill_dispatch import EarlyFirst, PrefillDispatch, Prefilled
+from minifaas.gateway.prefix_directory import PrefixDirectory
+from minifaas.gateway.requests import (
+    DecodeLost,
+    GenerateRequest,
+    Overloaded,
+    RequestFailed,
+    RequestRecord,
+    TokenEvent,
+)
+from minifaas.gateway.roles import RoleChanger
+from minifaas.gateway.token_stream import OutputText, decode_tokens, finish_reason, token_event
+from minifaas.gateway.worker_handle import WorkerHandle
+from minifaas.gateway.worker_pool import WorkerPool
+from minifaas.launch.local import LocalLauncher
+from minifaas.launch.startup import StartupListener
+from minifaas.launch.worker_specs import planned_specs
+from minifaas.model.kv_size import kv_profile
+from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load_tokenizer
+from minifaas.model.state_layout import StateLayout, needs_snapshot
+from minifaas.model.tokenizer import Tokenizer
+from minifaas.policy.long_term import LongTermConfig
+from minifaas.policy.router import (
+    ClusterView,
+    NodeView,
+    Path,
+    RouteDecision,
+    RouteInput,
+    Router,
+    RouterConfig,
+    Rule,
+)
+from minifaas.policy.short_term import ShortTermConfig
+
+if TYPE_CHECKING:
+    from minifaas.launch.ray_actors import RayLauncher
+
+log = logging.getLogger("minifaas.gateway")
+
+
+def cluster_secret(config: ServeConfig) -> bytes:
+    """The deployment's secret: given (file or environment) whenever a worker is not the gateway's own child."""
+    if config.secret_file is not None or (not config.all_local and config.launcher != "ray"):
+        return load_secret(config.secret_file)
+    with contextlib.suppress(ValueError):  # Ray actors are the gateway's own: a fresh secret does, if none is set
+        return load_secret()
+    return new_secret()
+
+
+def make_launcher(config: ServeConfig, secret: bytes) -> LocalLauncher | RayLauncher:
+    """The launcher of the workers the gateway starts (hand-started ones are only dialled)."""
+    if config.launcher != "ray":
+        return LocalLauncher(secret, model=config.model if config.fork_workers else None)
+    try:
+        from minifaas.launch.ray_actors import RayLauncher
+    except ImportError as e:
+        raise ValueError(f"the Ray launcher needs the ray extra (pip install 'minifaas[ray]'): {e}") from None
+    return RayLauncher(config.ray, secret, planned_specs(config))
+
+
+class Gateway:
+    def __init__(
+        self, config: ServeConfig, metrics: ServeMetrics | None = None, on_startup: StartupListener | None = None
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or ServeMetrics()
+        spec = ModelSpec.resolve(config.model, config.seed)
+        self.model_name = spec.name
+        self.tokenizer: Tokenizer = load_tokenizer(spec, config.trust_remote_code)
+        self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
+        self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
+        # the gateway works out the incremental transfer itself, per decode node (see PrefillDispatch._once)
+        self.router = Router(RouterConfig(cross_cluster_cache_move=config.cache.moves, incremental_transfer=False))
+        self.secret = cluster_secret(config)
+        hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
+        self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, ())
+        heartbeat = HeartbeatConfig(config.heartbeat_s, config.heartbeat_deadline_s)
+        self.link = InterClusterLink(config.link, config.link_emulated, config.cache.moves, heartbeat)
+        self.link.secret = self.secret
+        self.launcher = make_launcher(config, self.secret)
+        self.pool = WorkerPool(
+            planned_specs(config), self.launcher, self.secret, spec.name, heartbeat, self.link,
+            self.prefixes, start_timeout=config.ray.start_timeout if config.launcher == "ray" else 300.0,
+        )  # fmt: skip
+        self.pool.on_unclaimed = self._unclaimed
+        self.pool.on_attached = self._attached
+        self.pool.on_startup = self.link.on_startup = on_startup  # told of each process __aenter__ starts
+        self.roles = RoleChanger(self.pool, config, self.metrics)
+        short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=self.max_context)
+        sc = config.scheduler
+        long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
+        self.scheduler = LiveScheduler(
+            self.pool, self.link, config, self.metrics, self.roles.rebalance, self.kv_profile, short_term,
+            long_term if sc.enabled else None,
+        )  # fmt: skip
+        self.dispatch = PrefillDispatch(
+            self.pool, self.link, self.prefixes, self.metrics, config.prefill_timeout, self.scheduler
+        )
+        self.inflight = 0
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> Gateway:
+        try:
+            await self._stack.enter_async_context(self.link)  # last out: the workers stop before their link
+            await self._stack.enter_async_context(self.launcher)  # whatever its workers left, it ends
+            await self._stack.enter_async_context(self.pool)
+            self._stack.push_async_callback(self.roles.cancel)
+            self.scheduler.prepare()
+            tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
+            self._stack.callback(self._stop_sampling)
+            self._sampling = tasks.create_task(self.scheduler.run())
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        self.pool.on_startup = self.link.on_startup = None  # from now on restarts and role changes are logged
+        moving = "fixed (--fixed-threshold)" if self.config.fixed_threshold else "moved by the link's use from now on"
+        where = "emulated" if self.link.emulated else "the network"
+        log.info("gateway ready: %s; t %d, rule %s: %s; the PrfaaS link is %s",
+                 ", ".join(self.pool.workers), self.threshold, self.rule, moving, where)  # fmt: skip
+        return self
+
+    def _stop_sampling(self) -> None:
+        self.pool.closing = True
+        self._sampling.cancel()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    def _attached(self, w: WorkerHandle) -> None:
+        if w.cluster == "prfaas" and w.role == "prefill":  # the codecs its transfers across the link may use
+            self.scheduler.calibrated(w.codecs)
+        self.metrics.worker_kernels(w.name, w.kernels)
+
+    def _unclaimed(self, w: WorkerHandle, msg: dict) -> None:
+        if msg.get("op") == "aborted":  # a prefill the gateway aborted has stopped
+            req, tokens, done = msg["req"], msg["tokens"], msg["done_tokens"]
+            log.info("%s stopped the prefill of %s after %d of %d tokens", w.name, req, done, tokens)
+            self.metrics.prefill_stopped(w.cluster, tokens, done)
+
+    # what the tests, benchmarks and the demo read: each part's own state
+    @property
+    def workers(self) -> dict[str, WorkerHandle]:
+        return self.pool.workers
+
+    @property
+    def closing(self) -> bool:
+        return self.pool.closing
+
+    @property
+    def threshold(self) -> int:
+        return self.scheduler.threshold
+
+    @property
+    def rule(self) -> Rule:
+        return self.scheduler.rule
+
+    @rule.setter
+    def rule(self, rule: Rule) -> None:
+        self.scheduler.rule = rule
+
+    @property
+    def cache_moves(self) -> Counter[str]:
+        return self.dispatch.cache_moves
+
+    @property
+    def link_stats(self) -> dict[str, dict]:
+        return {NAME: self.link.stats} if self.link.stats else {}
+
+    def _decode_workers(self) -> list[WorkerHandle]:
+        return self.pool.of("pd", "decode")
+
+    def health(self) -> dict:
+        status = {n: ("down" if not w.alive else "draining" if w.draining else "up") for n, w in self.workers.items()}
+        healthy = any(w.alive for w in self._decode_workers()) and any(
+            w.alive for w in self.workers.values() if w.role == "prefill"
+        )
+        links = {name: f"down: {self.link.down[name]}" if name in self.link.down else "up"
+                 for name in self.link.emulators()}  # fmt: skip
+        return {
+            "status": "ok" if healthy and not self.link.down else "degraded",
+            "healthy": healthy,
+            "workers": status,
+            "links": links,
+            "kernels": {n: w.kernels for n, w in self.pool.workers.items()},
+            "threshold": self.threshold,
+            "inflight": self.inflight,
+            "cache_moves": dict(self.cache_moves),
+            "role_changes": dict(self.roles.counts),
+        }
+
+    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision:
+        hits = self.prefixes.node_hits(prompt_ids)
+
+        def nodes(cluster: str, role: str) -> tuple[NodeView, ...]:
+            return tuple(
+                NodeView(w.name, hits.get(w.name, 0), w.load_tokens, w.serving and w.name not in exclude)
+                for w in self.pool.of(cluster, role)
+            )
+
+        decision = self.router.route(
+            RouteInput(
+                len(prompt_ids),
+                self.threshold,
+                self.rule,
+                ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill")),
+                ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode")),
+                link_up=self.link.up,
+            )
+        )
+        if decision.path is Path.REJECT:
+            raise RequestFailed(f"no healthy worker can serve the request ({decision.reason})")
+        self.scheduler.observe(decision)
+        return decision
+
+    async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
+        """Token events until one carries a finish_reason. A prompt that cannot be served (empty, or a token id
+        outside the vocabulary) raises ValueError before anything runs; the HTTP layer answers those with a 400."""
+        ids, vocab = request.prompt_ids, self.tokenizer.vocab_size
+        if not ids:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if self.inflight >= self.config.max_queued_requests:
+            raise Overloaded(f"{self.inflight} requests in flight; try again later")
+        self.inflight += 1
+        start = time.perf_counter()
+        c = self.config
+        deadline = RequestDeadline(
+            c.first_token_timeout, c.token_timeout, c.request_timeout, asyncio.get_running_loop().time()
+        )
+        moving = Migration(request, c.migration_limit)
+        text = OutputText(self.tokenizer, request.sampling)  # one text across decode workers: no token twice
+        try:
+            while True:
+                try:
+                    async with contextlib.aclosing(self._attempt(moving, record, text, deadline, start)) as events:
+                        async for event in events:
+                            moving.sending(event.token_id)
+                            yield event
+                    break
+                except DecodeLost as lost:
+                    self._migrate(moving, record, lost)
+            record.phase = advance(record.phase, Phase.FINISHED)
+        except RequestFailed:
+            record.phase = Phase.FAILED
+            raise
+        finally:
+            self.inflight -= 1
+            record.e2e_s = time.perf_counter() - start
+            self.scheduler.finished(record.completion_tokens)
+            if record.decode_worker is not None and not record.phase.done:
+                record.phase = Phase.ABORTED
+
+    async def _shown_early(
+        self, prefill: asyncio.Future[Prefilled], early: EarlyFirst | None, request: GenerateRequest
+    ) -> int | None:
+        """The first token to send before the prefill's state has all arrived, or None when the prefill
+        ended first (or its first token ends the output, which then waits for the prefill's end)."""
+        while early is not None and not prefill.done():
+            arrived = asyncio.ensure_future(early.arrived.wait())
+            try:
+                await asyncio.wait({prefill, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrived.cancel()
+            if early.token is not None and not prefill.done():  # not withdrawn meanwhile
+                if finish_reason(early.token, 1, request, self.tokenizer) is None:
+                    return early.show()
+                early = None
+        await asyncio.wait({prefill})
+        return None
+
+    def _migrate(self, moving: Migration, record: RequestRecord, lost: DecodeLost) -> None:
+        """Move the request to another decode worker, or raise when it may not move again."""
+        try:
+            moving.move(lost)
+        except RequestFailed:
+            self.metrics.migration("refused")
+            raise
+        record.migrations = moving.moves
+        record.phase = advance(record.phase, Phase.MIGRATING)
+        record.events.append(f"migrated from {record.decode_worker} after {len(moving.sent)} tokens")
+        self.metrics.migration("moved")
+        log.warning("request %s: %s; migrating with %d tokens sent", record.request_id, lost, len(moving.sent))
+
+    async def _attempt(
+        self, moving: Migration, record: RequestRecord, text: OutputText, deadline: RequestDeadline, start: float
+    ) -> AsyncIterator[TokenEvent]:
+        """One decode worker's share of the request: route, prefill, stream until done or the worker is lost."""
+        request = moving.request()
+        rid, decode, prefill = request.request_id, None, None
+        # penalties count generated tokens only, so a prefill redone after a shown token would change them
+        early = None if request.sampling.penalised else EarlyFirst()
+        try:
+            async with deadline.first_token():  # after a migration: the re-prefill, the client's wait
+                if moving.moves:  # the lost one may be the only decode worker: wait for it back, not fail
+                    await self.pool.serving("pd", "decode")
+                decision = self._route(request.prompt_ids)
+                decode = self.workers[decision.decode_node]  # type: ignore[index]
+                record.decode_worker = decode.name
+                record.route_reason = decision.reason.value
+                inbox = decode.open(rid)
+                if record.ttft_s is None:  # the breakdown is the first token's; a migration's prefill adds to it
+                    record.dispatch_s = time.perf_counter() - start  # routing; the prefill dispatch adds its part
+                prefill = self.dispatch.start(request, record, decision, decode, early)
+                shown = await self._shown_early(prefill, early, request)
+            if record.ttft_s is None:
+                record.ttft_s = time.perf_counter() - start
+            if shown is not None:  # the state's tail is still on its way
+                event = token_event(shown, None, text, record)
+                yield event
+                if event.finish_reason is not None:  # a stop string in the first token's text
+                    return
+                async with deadline.first_token():  # the tail, or a prefill redone after the shown token
+                    await asyncio.wait({prefill})
+            done = prefill.result()
+            record.phase = advance(record.phase, Phase.DECODING)
+            sent = shown is not None and done.request is request  # else it was redone after the shown token
+            tokens = decode_tokens(
+                done.request, record, self.tokenizer, decode, inbox, done.transfer, done.first, deadline, text, sent
+            )
+            async for event in tokens:
+                yield event
+        finally:
+            if prefill is not None and not prefill.done():  # the client left, or a deadline passed
+                prefill.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await prefill
+            if decode is not None:
+                decode.close(rid)
+                with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
+                    decode.send({"op": "abort", "req": rid})

@@ -1,0 +1,125 @@
+"""The HTTP server around the OpenAI app, bounded so no client can hold it: connections, headers, bodies, logs.
+
+    async with serve_http(app, host, port, HttpConfig(), metrics) as bound_port: ...
+
+- Connections: at most ``max_connections`` open (``connection_limit``); the next
+  one is answered 503 at once. The soft RLIMIT_NOFILE is raised to the hard limit
+  first, and the cap kept to three quarters of it, so the rest stays for the
+  workers, the links and the 503 answers themselves.
+- Headers: a connection must send a request's line and headers within
+  ``header_timeout`` of connecting or of its last response, or it is closed
+  (aiohttp's keep-alive timer: it closes a connection still waiting for a whole
+  request head; the same limit ends an idle keep-alive connection).
+- Bodies: ``body_timeout`` bounds reading the body (``api.py``: 408), and
+  ``max_body_bytes`` its size (413). What a client still sends after its answer
+  is read for at most ``LINGER_S`` (aiohttp's lingering close), then it is cut.
+- Logs: the event loop's error handler is rate limited, so a flood of the same
+  failure (``accept()`` out of descriptors, repeated thousands of times a second)
+  is one line every ten seconds with a count, not a traceback per attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from minifaas.config import HttpConfig
+from minifaas.gateway.connection_limit import LINGER_S, ConnectionLimit, RateLimitedLog
+from minifaas.gateway.metrics import ServeMetrics
+
+log = logging.getLogger("minifaas.http")
+FD_SHARE = 0.75  # of the descriptor limit, the most the HTTP clients may hold
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (or the kernel's ceiling); returns the soft limit now."""
+    unlimited = resource.RLIM_INFINITY
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != unlimited else max(soft, 1 << 20)
+    if soft != unlimited and soft < target:
+        with contextlib.suppress(ValueError, OSError):  # a hard limit past the kernel's nr_open
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return sys.maxsize if soft == unlimited else soft
+
+
+def connection_cap(configured: int, fd_limit: int) -> int:
+    """``configured``, lowered to fit the descriptor limit."""
+    cap = min(configured, int(fd_limit * FD_SHARE))
+    if cap < 1:
+        raise ValueError(f"a descriptor limit of {fd_limit} leaves no room for HTTP connections")
+    if cap < configured:
+        log.warning("max_connections lowered from %d to %d: this process may open %d files", configured, cap, fd_limit)
+    return cap
+
+
+class BoundedSite(web.BaseSite):
+    """A TCP site whose protocol factory is wrapped in a ConnectionLimit."""
+
+    __slots__ = ("_bound_port", "_host", "_port", "limit")
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, limit: int, metrics: ServeMetrics, backlog: int):
+        super().__init__(runner, backlog=backlog)
+        self._host, self._port, self._bound_port = host, port, port
+        assert runner.server is not None
+        self.limit = ConnectionLimit(runner.server, limit, metrics)
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._bound_port}"
+
+    @property
+    def port(self) -> int:
+        return self._bound_port
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self.limit, self._host, self._port, backlog=self._backlog)
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
+def limit_loop_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """Log the loop's unhandled errors through a RateLimitedLog, keyed by message and error."""
+    limited = RateLimitedLog(log)
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = context.get("message", "unhandled error in the event loop")
+        error = context.get("exception")
+        key = f"{message}|{type(error).__name__}|{getattr(error, 'errno', '')}"
+        limited(key, logging.ERROR, f"{message}: {error!r}" if error else message, error)
+
+    loop.set_exception_handler(handler)
+
+
+@contextlib.asynccontextmanager
+async def serve_http(
+    app: web.Application, host: str, port: int, http: HttpConfig, metrics: ServeMetrics
+) -> AsyncIterator[BoundedSite]:
+    """``app`` listening on host:port within the bounds of ``http``; yields the site (its ``name``, its ``limit``)."""
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    limit_loop_errors(loop)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,
+        keepalive_timeout=http.header_timeout,
+        lingering_time=LINGER_S,
+    )
+    await runner.setup()
+    try:
+        cap = connection_cap(http.max_connections, raise_fd_limit())
+        site = BoundedSite(runner, host, port, cap, metrics, http.backlog)
+        await site.start()
+        yield site
+    finally:
+        await runner.cleanup()
+        loop.set_exception_handler(previous)

@@ -1,0 +1,248 @@
+"""The PrfaaS -> PD link as the gateway uses it: emulated beside the gateway, or the real network.
+
+Emulated (the default when every worker is a local child): one link emulator
+process, a route (a listening port of its own) to each decode worker's KV
+port and one pacer for all of them, so the PrfaaS egress shares one ceiling
+however many decode workers there are; with cache moves, one more emulator in
+front of each prefill worker's move receiver. Its counters are the link's
+reading. Only state from the PrfaaS cluster goes through it.
+
+Every emulator is supervised as the workers are (``HeartbeatConfig``): pinged
+over its authenticated control session each ``interval_s``; one that exited,
+or did not answer within ``deadline_s`` (SIGSTOP, a stuck loop), is down at
+once: the router keeps long prompts local (``long_but_prfaas_down``, in the
+request's ``minifaas`` object and /metrics), and the emulator is killed and
+started again on the same port with backoff, with a route to every decode
+worker it had. /health says which link is down and why.
+
+Real (``[link] emulated = false``, and whenever workers run elsewhere): KV goes
+straight to each decode worker's advertised address, and the reading comes
+from the kernel. Every PrfaaS worker reports the TCP_INFO of its KV
+connections with each pong; one ``LinkMonitor`` turns the growth of their
+counters into egress, rtt and retransmissions for the scheduler, and
+``rate`` is taken as the link's known capacity ("none": unknown). Through the
+emulator the connections end at the relay on loopback, so their rtt says
+nothing about the link: that is why the emulated reading leaves it at zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from minifaas.config import LinkConfig
+from minifaas.control.heartbeat import HeartbeatConfig
+from minifaas.emulator.emulator_process import EmulatorControl, EmulatorError, EmulatorProcess
+from minifaas.emulator.pacer import parse_rate
+from minifaas.gateway.worker_handle import WorkerHandle
+from minifaas.launch.startup import StartupListener, reported
+from minifaas.net.link_health import LinkMonitor, TcpInfo
+
+NAME = "prfaas->pd"  # the inter-cluster link's name in /metrics
+log = logging.getLogger("minifaas.gateway")
+RETRY_S, MAX_RETRY_S = 0.5, 5.0  # an emulator that does not start again: the next try after 0.5, 1, 2, 4, 5, 5... s
+
+
+@dataclass(frozen=True, slots=True)
+class LinkReading:
+    egress_bps: float  # PrfaaS egress since the previous reading (0 when nothing new was measured)
+    rate_bps: float  # the ceiling now: inf when unlimited or unknown, 0 when cut
+    rtt_ms: float = 0.0  # mean smoothed rtt of the KV connections; 0: not measured
+    retrans_rate: float = 0.0  # retransmitted / sent bytes since the previous reading
+
+    @property
+    def utilisation(self) -> float:
+        return self.egress_bps / self.rate_bps if 0 < self.rate_bps < math.inf else 0.0
+
+
+class LinkNotReady(RuntimeError):
+    """The emulated link has no route to a decode worker now (a RuntimeError: dispatch falls back on it)."""
+
+
+class InterClusterLink:
+    def __init__(
+        self, config: LinkConfig, emulated: bool, moves: bool, heartbeat: HeartbeatConfig | None = None
+    ) -> None:
+        self.config, self.emulated, self.moves = config, emulated, moves
+        self.heartbeat = heartbeat or HeartbeatConfig()
+        self.secret: bytes | None = None  # the emulators' control ports take the cluster secret; None: a fresh one
+        self.emulator: EmulatorProcess | None = None  # PrfaaS -> PD: every PrfaaS state crosses it
+        self.routes: dict[str, tuple[str, int]] = {}  # decode worker -> its KV port, behind the emulator
+        self.move_links: dict[str, EmulatorProcess] = {}  # the link into each prefill node, for cache moves
+        self.down: dict[str, str] = {}  # emulator (NAME, or "<prefill node>-link") -> why it is out of service
+        self.restarts: Counter[str] = Counter()
+        self.stats: dict = {}  # the emulator's last counters
+        self._uptime = -1.0  # of the counters last read, so a stale reading counts no egress
+        rate = parse_rate(config.rate)
+        self._monitor = LinkMonitor(rate or 1.0)
+        self._rate = rate or math.inf
+        self.on_startup: StartupListener | None = None  # told of each emulator starting and ready; None: the log
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._watchers: dict[str, asyncio.Task] = {}  # emulator name -> its supervisor
+        self._joining = asyncio.Lock()  # workers join at once as they start: one emulator, however many join
+        self._closing = False
+
+    async def __aenter__(self) -> InterClusterLink:
+        self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())  # out last: after the emulators
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._closing = True
+        for task in self._watchers.values():  # no restart once the emulators are being stopped
+            task.cancel()
+        await self._stack.aclose()
+
+    @property
+    def up(self) -> bool:
+        """PrfaaS KV can cross now: always over the network; through the emulator unless it is down."""
+        return NAME not in self.down
+
+    def emulators(self) -> dict[str, EmulatorProcess]:
+        """Every emulator process by its name in /health and /metrics."""
+        named = {NAME: self.emulator} if self.emulator is not None else {}
+        return named | {f"{name}-link": e for name, e in self.move_links.items()}
+
+    async def _started(self, name: str, what: str, target: tuple[str, int]) -> EmulatorProcess:
+        entered = self._stack.enter_async_context(EmulatorProcess(target, secret=self.secret, **self._options()))
+        emulator = await reported(self.on_startup, name, what, entered)
+        assert self._tasks is not None, "enter the link first"
+        assert name not in self._watchers, f"a second {name} emulator"
+        self._watchers[name] = self._tasks.create_task(self._supervise(name, emulator))
+        return emulator
+
+    async def _supervise(self, name: str, emulator: EmulatorProcess) -> None:
+        """Ping the emulator each interval; when it is gone or late, take it out of service and restart it."""
+        hb = self.heartbeat
+        while True:
+            await asyncio.sleep(hb.interval_s)
+            if self._closing:
+                return
+            if not emulator.alive:
+                why = "its process exited"
+            else:
+                try:
+                    await emulator.control.ping(hb.deadline_s)
+                    continue
+                except Exception as e:  # any failed probe: a supervisor that raised would cancel the gateway
+                    why = f"no answer to a ping within {hb.deadline_s:g} s ({e!r})" if emulator.alive else repr(e)
+            self.down[name] = why
+            log.error("link emulator %s (pid %d) left service: %s", name, emulator.pid, why)
+            delay = RETRY_S
+            while not self._closing:
+                try:
+                    await emulator.restart()
+                    break
+                except Exception as e:  # as above: keep trying, never take the gateway down with it
+                    log.warning("link emulator %s not back yet (%r); again in %.1f s", name, e, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, MAX_RETRY_S)
+            if self._closing:
+                return
+            del self.down[name]
+            self.restarts[name] += 1
+            log.info("link emulator %s back (pid %d), %d routes", name, emulator.pid, len(emulator.routes) + 1)
+
+    @property
+    def control(self) -> EmulatorControl:
+        """The emulator's control port (rate changes, stalls, cuts); emulated links only."""
+        if self.emulator is None:
+            raise RuntimeError("the link is not emulated (or no decode worker is up yet)")
+        return self.emulator.control
+
+    def _options(self) -> dict[str, object]:
+        c = self.config
+        return {
+            "rate": c.rate,
+            "flow_rate": c.flow_rate,
+            "window": c.window,
+            "delay_ms": c.delay_ms,
+            "jitter_ms": c.jitter_ms,
+        }
+
+    async def join(self, w: WorkerHandle) -> None:
+        """Put the emulated link in front of what crosses clusters into ``w`` (once; it keeps its KV port)."""
+        if not self.emulated or w.kv is None:
+            return
+        async with self._joining:
+            await self._join(w)
+
+    async def _join(self, w: WorkerHandle) -> None:
+        assert w.kv is not None
+        if w.role == "decode" and w.name not in self.routes:
+            if self.emulator is None:  # the link starts with the first decode worker
+                self.emulator = await self._started(NAME, f"link emulator, {self.config.rate}", w.kv)
+            else:
+                self.emulator.routes[w.kv] = 0  # a restart of the emulator routes it, whatever happens now
+                try:
+                    await self.emulator.add_route(w.kv)
+                except EmulatorError as e:  # the emulator is down: its restart brings the route
+                    log.warning("no route to %s through the link yet: %s", w.name, e)
+            self.routes[w.name] = w.kv
+        elif w.role == "prefill" and self.moves and w.name not in self.move_links:
+            self.move_links[w.name] = await self._started(f"{w.name}-link", "link emulator for cache moves", w.kv)
+
+    async def leave(self, w: WorkerHandle) -> None:
+        async with self._joining:
+            await self._leave(w)
+
+    async def _leave(self, w: WorkerHandle) -> None:
+        target = self.routes.pop(w.name, None)
+        if target is not None and self.emulator is not None:
+            with contextlib.suppress(EmulatorError, OSError, TimeoutError):
+                if target == self.emulator.target:
+                    await self.emulator.control.remove_route(self.emulator.port)
+                else:
+                    await self.emulator.remove_route(target)
+        emulator = self.move_links.pop(w.name, None)
+        if emulator is not None:
+            watcher = self._watchers.pop(f"{w.name}-link", None)
+            if watcher is not None:
+                watcher.cancel()
+            self.down.pop(f"{w.name}-link", None)
+            await emulator.__aexit__(None, None, None)
+
+    def kv_address(self, prefill: WorkerHandle, decode: WorkerHandle) -> list:
+        """Where ``prefill`` sends KV for ``decode``: through the emulator when it crosses clusters."""
+        assert decode.kv is not None
+        if prefill.cluster == "prfaas" and self.emulated:
+            assert self.emulator is not None
+            target = self.routes[decode.name]
+            port = self.emulator.port if target == self.emulator.target else self.emulator.routes.get(target)
+            if not port:  # the emulator restarting, or the route not answered yet: the prefill falls back
+                raise LinkNotReady(f"the link has no route to {decode.name} yet")
+            return ["127.0.0.1", port]
+        return list(decode.kv)
+
+    def move_address(self, dst: WorkerHandle) -> list | None:
+        """Where a cache move into ``dst`` goes, or None if ``dst`` takes none."""
+        if dst.kv is None:
+            return None
+        if self.emulated:
+            emulator = self.move_links.get(dst.name)
+            up = emulator is not None and f"{dst.name}-link" not in self.down
+            return ["127.0.0.1", emulator.port] if up else None  # type: ignore[union-attr]
+        return list(dst.kv)
+
+    async def sample(self, prfaas: list[WorkerHandle], now: float) -> LinkReading | None:
+        """The link now, or None when there is nothing to read (no emulator yet, or it did not answer)."""
+        if not self.emulated:
+            infos: dict[str, TcpInfo] = {f"{w.name}/{k}": i for w in prfaas if w.alive for k, i in w.tcp.items()}
+            queued = sum(w.queued_bytes for w in prfaas if w.alive)
+            health = self._monitor.update(now, infos, queued)
+            return LinkReading(health.goodput_bps, self._rate, health.rtt_ms, min(1.0, health.retrans_rate))
+        if self.emulator is None:
+            return None
+        try:
+            stats = await self.emulator.control.stats()
+        except (OSError, RuntimeError, TimeoutError):
+            return None
+        self.stats = stats
+        fresh, self._uptime = stats.get("uptime_s", 0.0) != self._uptime, stats.get("uptime_s", 0.0)
+        egress = 8 * stats["interval_up_bytes"] / stats["interval_s"] if fresh and stats.get("interval_s") else 0.0
+        rate = stats["rate_bps"] if stats.get("rate_bps") is not None else math.inf
+        return LinkReading(egress, rate)

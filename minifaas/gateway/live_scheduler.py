@@ -1,0 +1,276 @@
+"""The scheduler in the live gateway: the link and the worker queues sampled once a second into ``Signals``.
+
+``run`` reads the inter-cluster link (``InterClusterLink.sample``) and the
+stage queues each second, writes them to /metrics and calls ``tick``, which
+steps the short-term policy and keeps its threshold and rule here, where the
+gateway's next route reads them. Every decision is logged by the policy and
+counted in /metrics.
+
+The long-term policy runs on the same ticks when the serve configuration names
+a profile of the instances (``[scheduler] profile``, written by ``minifaas
+profile``): once a period it re-plans (t, N_p, N_d) from the prompts routed
+since, the measured prefill speeds (``prefilled``), the mean output length
+(``finished``) and the link's ceiling. Its t becomes the short-term policy's
+base. A new split is carried out by ``rebalance`` (the gateway's
+``RoleChanger``: drain, restart in the other role, rejoin), one worker at a
+time; the t planned for it applies once the new worker serves, and a
+conversion that could not happen (no worker may go, or the drain timed out) is
+taken back out of the policy's split.
+
+What the live signals hold: PrfaaS egress and the link ceiling (from the link
+emulator's counters, or over a real link from the KV connections' TCP_INFO,
+which also gives rtt, retransmissions and the senders' backlog); queue depth
+per stage from the requests open on each worker; the incremental lengths the
+router placed; the wait at each prefill stage, the prompt tokens on its least
+loaded serving worker (sent and not yet answered, so a transfer held up by the
+link counts) over the stage's measured prefill speed; decode occupancy, the
+requests on the decode workers over their batch rows. Through the emulator,
+rtt, retransmissions and backlog stay at 0, so the rules that use them stay
+quiet (the relay ends every connection on loopback).
+
+The codec of each transfer across the link comes from the compression policy
+(``policy.compression``) on the same readings: the link's rate and smoothed
+utilisation, and the PrfaaS prefills in flight (each streams its state while
+it runs); the transfer's shape comes from the model's state sizes
+(``kv_size``): its bytes, the bytes final only at the end (the fixed-size
+state and the last prefill chunk's KV), and its prefill time at the measured
+PrfaaS speed. The figures it weighs come from the PrfaaS prefill workers' start-up
+measurements (``calibrated``) and then from every coded transfer (``coded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+
+from minifaas.config import ServeConfig
+from minifaas.emulator.pacer import parse_rate
+from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkReading
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.worker_pool import WorkerPool
+from minifaas.model.kv_size import KVProfile
+from minifaas.planner.case import PlanCase
+from minifaas.planner.lengths import LengthDistribution
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_profiles
+from minifaas.policy.codec_policy import CodecChoice, CompressionConfig, CompressionPolicy, LinkShare, TransferShape
+from minifaas.policy.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
+from minifaas.policy.router import RouteDecision, Rule
+from minifaas.policy.short_term import Action, ShortTermConfig, ShortTermPolicy
+from minifaas.policy.signals import Signals, StageLoad
+
+log = logging.getLogger("minifaas.policy")
+UNLIMITED_LINK_GBPS = 1000.0  # what the planner is told when the link has no rate limit
+SPEED_WEIGHT = 0.3  # of the newest prefill in the speed average: a few prefills follow a change of load
+Rebalance = Callable[[int, Callable[[bool], None]], None]
+
+
+class LiveScheduler:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        link: InterClusterLink,
+        config: ServeConfig,
+        metrics: ServeMetrics,
+        rebalance: Rebalance,
+        kv: KVProfile,
+        short_term: ShortTermConfig,
+        long_term: LongTermConfig | None = None,
+    ) -> None:
+        self.pool, self.link, self.config, self.metrics, self.rebalance = pool, link, config, metrics, rebalance
+        self.kv = kv  # the model's state sizes: each transfer's shape
+        self.threshold, self.rule = config.threshold, Rule(config.cache.rule)
+        self.short = ShortTermPolicy(short_term, self.threshold, self.rule)
+        self.long_term = long_term
+        self.profiles = self._profiles() if long_term is not None else None  # read now: a bad file fails at once
+        self.long: LongTermPolicy | None = None  # built by ``prepare`` once the workers are known
+        self.lengths: list[int] = []
+        self.reading: LinkReading | None = None  # the link as last sampled
+        self.last: Signals | None = None  # what the policies saw at the last tick
+        self._outputs = [0, 0]  # completion tokens, finished requests: the mean output length
+        self.speed: dict[str, float] = {}  # cluster -> prefill tokens/s, a moving average over recent prefills
+        self.compression = CompressionPolicy(CompressionConfig(config.link.kv_compression))
+        self.link_rate_bps = parse_rate(config.link.rate) or math.inf  # until the link is read
+        metrics.set_threshold(self.threshold)
+
+    def prepare(self) -> None:
+        """The long-term policy over this deployment's planning case, now that its workers are attached."""
+        if self.long_term is not None:
+            self.long = self._long_term(self.long_term)
+
+    def _profiles(self) -> tuple[PrefillProfile, PrefillProfile, DecodeProfile]:
+        """The PD instance's prefill and decode profiles and the PrfaaS instance's prefill one."""
+        sc = self.config.scheduler
+        prefill, decode = load_pd_profiles(sc.profile)  # type: ignore[arg-type]
+        prfaas = load_profiles(sc.prfaas_profile)[0] if sc.prfaas_profile else prefill
+        if prfaas is None:
+            raise ValueError(f"{sc.prfaas_profile}: no [prefill] table")
+        return prefill, prfaas, decode
+
+    def _long_term(self, config: LongTermConfig) -> LongTermPolicy | None:
+        assert self.profiles is not None
+        prefill, prfaas, decode = self.profiles
+        n_prfaas, n_p, n_d = (len(self.pool.of(c, r)) for c, r in _STAGES)
+        if n_p + n_d < 2:
+            log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
+            return None
+        rate = parse_rate(self.config.link.rate)
+        case = PlanCase(
+            name="live",
+            prfaas=prfaas,
+            pd_prefill=prefill,
+            decode=decode,
+            lengths=LengthDistribution.empirical("until measured", [max(1, self.threshold)]),
+            output_tokens=16.0,  # replaced by the measured mean before each plan
+            n_prfaas=n_prfaas,
+            n_pd=n_p + n_d,
+            n_homogeneous=max(2, n_prfaas + n_p + n_d),
+            link_gbps=rate / 1e9 if rate else UNLIMITED_LINK_GBPS,
+        )
+        return LongTermPolicy(config, case, self.threshold, n_p, n_d)
+
+    async def run(self, period: float = 1.0) -> None:
+        """Sample the link and the stage queues into /metrics, and tick the policies, until shutdown."""
+        loop = asyncio.get_running_loop()
+        while not self.pool.closing:
+            reading = await self.link.sample(self.pool.of("prfaas", "prefill"), loop.time())
+            if reading is not None:
+                self.reading = reading
+                self.metrics.set_link_health(NAME, reading.utilisation, reading.rtt_ms, reading.retrans_rate)
+            for w in self.pool.workers.values():
+                self.metrics.set_process(w.name, w.alive, w.rejoins)
+            for name in self.link.emulators():
+                self.metrics.set_process(name, name not in self.link.down, self.link.restarts[name])
+            for stage, (cluster, role) in zip(("prfaas_prefill", "pd_prefill", "decode"), _STAGES, strict=True):
+                self.metrics.set_queue_depth(stage, sum(w.requests for w in self.pool.of(cluster, role)))
+            if not self.pool.closing:  # shutdown may have begun while the link answered: start no conversion now
+                self.tick(loop.time())
+            await asyncio.sleep(period)
+
+    def prefilled(self, cluster: str, tokens: int, seconds: float) -> None:
+        """A prefill ended on ``cluster`` after ``seconds`` for ``tokens`` computed: its measured speed."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        if self.long is not None:
+            self.long.observe_prefill(cluster, tokens, seconds)
+        old = self.speed.get(cluster)
+        self.speed[cluster] = (
+            tokens / seconds if old is None else SPEED_WEIGHT * tokens / seconds + (1 - SPEED_WEIGHT) * old
+        )
+
+    def finished(self, completion_tokens: int) -> None:
+        if completion_tokens > 0:
+            self._outputs[0] += completion_tokens
+            self._outputs[1] += 1
+
+    def codec(self, tokens: int = 0, computed: int = 0, link_start: int = 0) -> CodecChoice:
+        """The codec for a transfer about to cross the link: the state of a ``tokens`` prompt from
+        ``link_start`` on, ``computed`` of its tokens prefilled on PrfaaS (its own request already holds
+        a PrfaaS worker). Without tokens, the rule for a transfer with nothing to hide behind."""
+        busy = sum(w.busy for w in self.pool.of("prfaas", "prefill"))
+        link = LinkShare(self.link_rate_bps, self.short.utilisation, max(0, busy - 1))
+        shape = self._shape(tokens, computed, link_start) if tokens else TransferShape(1.0)
+        choice = self.compression.choose(link, shape)
+        self.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
+        return choice
+
+    def _shape(self, tokens: int, computed: int, link_start: int) -> TransferShape:
+        fixed = self.kv.bytes_at(0)
+        nbytes = self.kv.bytes_at(tokens) - (self.kv.bytes_at(link_start) - fixed)
+        chunk = self.config.prfaas.prefill_chunk
+        tail = self.kv.bytes_at(min(chunk, computed)) if chunk else nbytes  # the fixed state and the last chunk's KV
+        speed = self.speed.get("prfaas")
+        return TransferShape(nbytes, computed / speed if speed else 0.0, tail)
+
+    def coded(self, reply: dict, nbytes: int) -> None:
+        """A transfer across the link ended: what its codec did (a worker's ``coding`` fields)."""
+        codec = reply.get("codec", "none")
+        wire, encode_s, decode_s = reply["kv_wire_bytes"], reply["kv_encode_s"], reply["kv_decode_s"]
+        self.compression.meter.observe(codec, nbytes, wire, encode_s, decode_s)
+        self.metrics.kv_coded(codec, nbytes, wire, encode_s, decode_s)
+
+    def calibrated(self, samples: dict[str, list[float]]) -> None:
+        """A PrfaaS prefill worker's start-up measurement of its codecs (nbytes, wire, encode s, decode s)."""
+        for codec, (nbytes, wire, encode_s, decode_s) in samples.items():
+            self.compression.meter.observe(codec, int(nbytes), int(wire), encode_s, decode_s)
+
+    def observe(self, decision: RouteDecision) -> None:
+        """A request was routed: remember how much of it had to be prefilled."""
+        self.lengths.append(decision.incremental_tokens)
+
+    def signals(self, now: float) -> Signals:
+        reading, self.reading = self.reading, None if self.reading is None else _spent(self.reading)
+        lengths, self.lengths = tuple(self.lengths), []
+        if reading is not None:
+            self.link_rate_bps = reading.rate_bps
+        decode = self._stage("pd", "decode")
+        slots = decode.nodes * self.config.pd.max_batch
+        backlog_s = 0.0
+        if reading is not None and not self.link.emulated and 0 < reading.rate_bps < math.inf:
+            backlog_s = 8 * sum(w.queued_bytes for w in self.pool.of("prfaas", "prefill")) / reading.rate_bps
+        return Signals(
+            now_s=now,
+            link_rate_bps=reading.rate_bps if reading is not None else math.inf,
+            egress_bps=reading.egress_bps if reading is not None else 0.0,
+            prfaas=self._stage("prfaas", "prefill"),
+            pd_prefill=self._stage("pd", "prefill"),
+            decode=decode,
+            rtt_ms=reading.rtt_ms if reading is not None else 0.0,
+            retrans_rate=reading.retrans_rate if reading is not None else 0.0,
+            link_backlog_s=backlog_s,
+            decode_occupancy=min(1.0, decode.depth / slots) if slots else 0.0,
+            lengths=lengths,
+        )
+
+    def tick(self, now: float) -> None:
+        signals = self.last = self.signals(now)
+        decision = self.short.step(signals)
+        self.threshold, self.rule = decision.threshold, decision.rule
+        self.metrics.scheduler_decision("short_term", decision.action, decision.reason)
+        if self.long is not None:
+            self._replan(signals)
+        if decision.action is not Action.HOLD or self.threshold != self.short.threshold:
+            self.threshold = self.short.threshold
+            self.metrics.set_threshold(self.threshold)
+
+    def _replan(self, signals: Signals) -> None:
+        assert self.long is not None
+        if self._outputs[1]:
+            self.long.case = self.long.case.with_overrides(output_tokens=self._outputs[0] / self._outputs[1])
+        plan: RebalanceDecision | None = self.long.step(signals)
+        if plan is None:
+            return
+        self._outputs = [0, 0]  # the next plan sees the output lengths of its own period
+        self.metrics.scheduler_decision("long_term", "convert" if plan.to_prefill else "plan", plan.reason)
+        if not plan.to_prefill:
+            self.short.set_base(plan.threshold)
+            return
+        # the plan's t is for the new split: it applies once the worker serves in its new role
+        self.rebalance(plan.to_prefill, lambda ok: self._converted(plan, ok))
+
+    def _converted(self, plan: RebalanceDecision, ok: bool) -> None:
+        """A conversion the long-term policy asked for ended: take up its t, or undo its split."""
+        assert self.long is not None
+        if ok:
+            self.short.set_base(plan.threshold)
+            return
+        step = 1 if plan.to_prefill > 0 else -1  # one worker per conversion
+        self.long.n_prefill, self.long.n_decode = self.long.n_prefill - step, self.long.n_decode + step
+
+    def _stage(self, cluster: str, role: str) -> StageLoad:
+        """Draining workers do not serve the stage; their requests still count in its depth."""
+        workers = self.pool.of(cluster, role)
+        serving = [w for w in workers if w.serving]
+        wait = 0.0
+        if role == "prefill" and serving and self.speed.get(cluster):
+            wait = min(w.load_tokens for w in serving) / self.speed[cluster]
+        return StageLoad(len(serving), sum(w.busy for w in workers), wait)
+
+
+def _spent(reading: LinkReading) -> LinkReading:
+    """A reading once a tick has used it: the same ceiling and rtt, nothing new sent or retransmitted."""
+    return LinkReading(0.0, reading.rate_bps, reading.rtt_ms)
+
+
+_STAGES = (("prfaas", "prefill"), ("pd", "prefill"), ("pd", "decode"))

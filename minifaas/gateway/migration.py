@@ -1,0 +1,60 @@
+"""A request that outlives its decode worker: what it has sent so far, and what it asks of the next one.
+
+When the decode worker holding a request goes away (killed, or declared dead
+by its heartbeat deadline), the request migrates: the prompt plus every token
+already sent to the client is prefilled again, on whatever prefill node the
+router picks, and decoding continues on another decode worker (or the same one
+restarted). The continuation asks only for the tokens still owed, so the
+client sees no token twice and none missing; a greedy request's output is the
+one an undisturbed run gives, since greedy decoding is a function of the
+sequence so far. Dynamo's ``--migration-limit`` is the peer: past the limit the
+request fails with a retryable error rather than move again.
+
+A sampled request continues from the same sequence, but its random draws are
+not those of an undisturbed run. The presence and frequency penalties count
+only generated tokens, which a re-prefill would take for prompt: such a
+request fails rather than migrate into a different distribution.
+
+This is sans-IO: the gateway does the waiting and the streaming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit
+
+
+class Migration:
+    def __init__(self, request: GenerateRequest, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"the migration limit must be >= 0, got {limit}")
+        self.original, self.limit = request, limit
+        self.sent: list[int] = []  # tokens the client has been sent, across every decode worker
+        self.moves = 0
+
+    def sending(self, token: int) -> None:
+        self.sent.append(token)
+
+    def request(self) -> GenerateRequest:
+        """What the current attempt asks for: the prompt plus what was sent, and only the tokens still owed."""
+        return continued(self.original, self.sent)
+
+    def move(self, lost: DecodeLost) -> None:
+        """The decode worker is gone: count a move, or raise MigrationLimit (or DecodeLost) when none is allowed."""
+        if self.original.sampling.penalised and self.sent:
+            raise DecodeLost(f"{lost}; a request with presence or frequency penalties cannot migrate") from lost
+        if self.moves >= self.limit:
+            raise MigrationLimit(
+                f"{lost}; the request already moved {self.moves} time(s), the migration limit ({self.limit})"
+            ) from lost
+        self.moves += 1
+
+
+def continued(request: GenerateRequest, sent: list[int]) -> GenerateRequest:
+    """``request`` after ``sent`` went to the client: those tokens join the prompt, and only the rest is owed."""
+    if not sent:
+        return request
+    p, n = request.sampling, len(sent)
+    sampling = dataclasses.replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n))
+    return dataclasses.replace(request, prompt_ids=request.prompt_ids + sent, sampling=sampling)

@@ -1,0 +1,253 @@
+"""OpenAI request bodies in, validated token ids and SamplingParams out; errors as OpenAI error bodies.
+
+Sans-IO: nothing here reads a socket, so every rule can be tested without a server. Fields the
+OpenAI API (or vLLM's) defines but minifaas does not implement (logprobs, echo, tools, logit_bias,
+response_format, min_p, n > 1, ...) are refused by name with a 400 unless they ask for nothing,
+rather than silently ignored; top_k, min_tokens and the presence and frequency penalties are
+honoured (``model.sampling``). Text that is not valid Unicode (a lone surrogate such as
+``"\ud800"``, which JSON can carry) is a 400 too. Unknown extra fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from minifaas.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOPS
+from minifaas.model.sampling import SamplingParams
+from minifaas.model.tokenizer import Tokenizer
+
+
+class Endpoint(Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat.completions"
+
+
+class APIError(Exception):
+    """An error the client caused or must see, with the HTTP status and OpenAI error body it maps to."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
+# Fields not implemented here, each with the values that ask for nothing (and so are accepted).
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "use_beam_search": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+_ROLES = ("system", "developer", "user", "assistant")
+_DEFAULT_MAX_TOKENS = 16
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise APIError(400, f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    return body
+
+
+def parse_request(
+    endpoint: Endpoint, body: dict[str, Any], *, model_name: str, tokenizer: Tokenizer, max_context: int
+) -> ParsedRequest:
+    model = _field(body, "model", str, model_name)
+    if model != model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    for name, nothing in _UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in nothing):
+            raise APIError(400, f"'{name}' is not supported by this server.", param=name)
+    if _field(body, "n", int, 1) != 1:
+        raise APIError(400, "Only n=1 is supported: send one request per choice.", param="n")
+
+    if endpoint is Endpoint.CHAT:
+        prompt_ids, prompt_param = tokenizer.chat(_messages(body)), "messages"
+        max_tokens = _field(body, "max_completion_tokens", int, None)
+        param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
+        max_tokens = max_tokens if max_tokens is not None else _field(body, "max_tokens", int, _DEFAULT_MAX_TOKENS)
+    else:
+        prompt_ids, prompt_param = _prompt_ids(body, tokenizer), "prompt"
+        max_tokens, param = _field(body, "max_tokens", int, _DEFAULT_MAX_TOKENS), "max_tokens"
+    if max_tokens < 1:
+        raise APIError(400, f"'{param}' must be at least 1, got {max_tokens}.", param=param)
+    if len(prompt_ids) >= max_context:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_context} tokens, "
+            f"but the prompt has {len(prompt_ids)} tokens.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if len(prompt_ids) + max_tokens > max_context:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} "
+            f"in the completion). Please reduce '{param}'.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+    stream = _field(body, "stream", bool, False)
+    options = _field(body, "stream_options", dict, None)
+    if options is not None and not stream:
+        raise APIError(400, "'stream_options' may only be set when 'stream' is true.", param="stream_options")
+    include_usage = _field(options or {}, "include_usage", bool, False, param="stream_options.include_usage")
+    try:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(_field(body, "temperature", (int, float), 1.0)),
+            top_p=float(_field(body, "top_p", (int, float), 1.0)),
+            top_k=_top_k(body),
+            min_tokens=_field(body, "min_tokens", int, 0),
+            presence_penalty=float(_field(body, "presence_penalty", (int, float), 0.0)),
+            frequency_penalty=float(_field(body, "frequency_penalty", (int, float), 0.0)),
+            seed=_field(body, "seed", int, None),
+            stop=_stop(body),
+            ignore_eos=_field(body, "ignore_eos", bool, False),
+        )
+    except ValueError as e:  # SamplingParams messages start with the field's name
+        name = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=name if name in body else None) from None
+    return ParsedRequest(endpoint, prompt_ids, sampling, stream, include_usage)
+
+
+def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any, param: str = "") -> Any:
+    """body[name] if present and of the given type(s); ``default`` if absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        expected = _TYPE_NAMES[float if float in kinds else kinds[0]]
+        raise APIError(400, f"'{param or name}' must be {expected}, got {json.dumps(value)[:40]}.", param=param or name)
+    return value
+
+
+def _required(body: dict[str, Any], name: str) -> Any:
+    if body.get(name) is None:
+        raise APIError(400, f"'{name}' is a required property.", param=name)
+    return body[name]
+
+
+def _prompt_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    prompt = _required(body, "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(_unicode(prompt, "prompt"))
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        if any(not 0 <= t < tokenizer.vocab_size for t in ids):
+            raise APIError(400, f"Token ids must be in [0, {tokenizer.vocab_size}).", param="prompt")
+    elif isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
+        raise APIError(400, "Batched prompts are not supported: send one prompt per request.", param="prompt")
+    else:
+        raise APIError(400, "'prompt' must be a string or an array of token ids.", param="prompt")
+    if not ids:
+        raise APIError(400, "'prompt' must not be empty.", param="prompt")
+    return ids
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = _required(body, "messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty array.", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"'{param}' must be an object.", param=param)
+        role = _field(message, "role", str, None, param=f"{param}.role")
+        if role not in _ROLES:
+            raise APIError(400, f"'{param}.role' must be one of {', '.join(_ROLES)}.", param=f"{param}.role")
+        out.append({"role": role, "content": _content(message.get("content"), f"{param}.content")})
+    return out
+
+
+def _content(content: Any, param: str) -> str:
+    """A message's text: a string, or an array of {"type": "text", "text": ...} parts joined."""
+    if isinstance(content, str):
+        return _unicode(content, param)
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return _unicode("".join(p["text"] for p in content), param)
+    raise APIError(400, f"'{param}' must be a string or an array of text parts.", param=param)
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, "'stop' must be a non-empty string or an array of them.", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"'stop' may hold at most {MAX_STOPS} strings, got {len(stops)}.", param="stop")
+    for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(400, f"A stop string may be at most {MAX_STOP_CHARS} characters long.", param="stop")
+        _unicode(s, "stop")
+    return tuple(stops)
+
+
+def _top_k(body: dict[str, Any]) -> int:
+    top_k = _field(body, "top_k", int, 0)
+    return 0 if top_k == -1 else top_k  # vLLM's -1 and 0 both mean all tokens
+
+
+def _unicode(text: str, param: str) -> str:
+    """``text`` if it can be encoded; JSON can carry a lone surrogate ("\\ud800"), which no tokenizer can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = f"U+{ord(text[e.start]):04X}"
+        message = f"'{param}' is not valid Unicode: a lone surrogate ({code}) at character {e.start}."
+        raise APIError(400, message, param=param) from None
+    return text

@@ -1,0 +1,68 @@
+"""Where every cached prefix lives, as the gateway sees it, turned into the router's per-node hits.
+
+Each prefill node holds its own pool (``prefix_store`` says why), so the global
+cache manager keeps one mirror per node pool, fed by the store/evict events the
+nodes send with their replies. Decode nodes keep the full-attention KV they
+received (``decode_prefix``); their mirrors say how much of a prompt's KV need
+not cross the link again. A cluster's hit is its best node's hit: the
+router judges the cluster by it and, inside the cluster, weighs each node's own
+hit against its queue. No node can load another node's entries, so the pool hit
+every node of a cluster shares is zero.
+
+The answer is a forecast: events arrive with replies, and a node evicts on its
+own. The prefill node uses whatever its pool holds when the prompt's turn comes,
+and the request records that real figure as its cached tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.events import CacheEvent
+from minifaas.cache.manager import GlobalCacheManager
+from minifaas.cache.prefix_index import PrefixIndex
+from minifaas.config import CacheConfig
+
+
+class PrefixDirectory:
+    def __init__(self, config: CacheConfig, namespace: str, needs_snapshot: bool, nodes: Iterable[str]) -> None:
+        self.config, self.namespace, self.needs_snapshot = config, namespace, needs_snapshot
+        self.manager = GlobalCacheManager(nodes, needs_snapshot)
+
+    def apply(self, events: Iterable[dict]) -> None:
+        self.manager.apply_all(CacheEvent.from_json(e) for e in events)
+
+    def forget(self, node: str) -> None:
+        """The node's process is gone, and its pool with it."""
+        self.manager.indexes[node] = PrefixIndex(self.needs_snapshot)
+        self.manager.nodes[node] = set()
+
+    def drop(self, node: str) -> None:
+        """The node is gone for good (it changed role under a new name)."""
+        self.manager.indexes.pop(node, None)
+        self.manager.nodes.pop(node, None)
+
+    def kv_prefix(self, prompt_ids: Sequence[int], node: str) -> int:
+        """Full-attention KV of the prompt's prefix that ``node`` holds (a decode node needs no snapshot)."""
+        if not (self.config.enabled and self.config.incremental_transfer) or len(prompt_ids) < 2:
+            return 0
+        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
+        return self.manager.match(keys, limit=len(prompt_ids) - 1)[node].kv_prefix_tokens
+
+    def seen_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """The longest prefix of the prompt whose KV blocks any node stored: a branch point another prompt
+        shared, where a state snapshot is worth taking (``cache.snapshot_policy``)."""
+        if not self.config.enabled or len(prompt_ids) < 2:
+            return 0
+        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
+        return max(
+            (m.kv_prefix_tokens for m in self.manager.match(keys, limit=len(prompt_ids) - 1).values()), default=0
+        )
+
+    def node_hits(self, prompt_ids: Sequence[int]) -> dict[str, int]:
+        """Each node's usable hit for the prompt, leaving at least one token to compute."""
+        if not self.config.enabled or len(prompt_ids) < 2:
+            return {}
+        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
+        return {node: m.hit_tokens for node, m in self.manager.match(keys, limit=len(prompt_ids) - 1).items()}

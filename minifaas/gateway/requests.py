@@ -1,0 +1,103 @@
+"""What the HTTP layer and the gateway exchange: a request in, token events out, a record of what happened."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from minifaas.gateway.lifecycle import Phase
+from minifaas.model.sampling import SamplingParams
+from minifaas.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_id: int
+    text: str  # the text this token completes (may be "" inside a multi-byte character)
+    finish_reason: str | None = None  # "stop" | "length" on the last event
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """The ``minifaas`` object of a response: where the request went and what it cost."""
+
+    request_id: str
+    prompt_tokens: int
+    phase: Phase = Phase.QUEUED
+    route: str | None = None  # "prfaas" | "local"
+    route_reason: str | None = None  # the router's reason (policy.router.Reason), e.g. long_but_prfaas_down
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    kv_bytes: int = 0  # of state
+    kv_codec: str | None = None  # how it crossed the wire: none, lossless, fp8 or int8
+    kv_codec_reason: str | None = None  # why (policy.compression; "local" within a cluster)
+    kv_wire_bytes: int = 0  # what crossed the wire after coding
+    kv_encode_s: float = 0.0  # coding time at the prefill worker
+    kv_decode_s: float = 0.0  # decoding time at the decode worker
+    transfer_s: float | None = None  # the transfer's tail: from the prefill's end to the decode node's DONE
+    queue_s: float | None = None  # waiting for the prefill worker's compute lock
+    # where the prefill's time went: dispatch_s + queue_s + prefill_s + store_s + transfer_s + control_s is the
+    # prefill's round trip (the rest, a few microseconds, is the gateway's own bookkeeping); ttft_s is that less
+    # the transfer's tail and the reply, when the first token went to the client ahead of them:
+    dispatch_s: float | None = None  # gateway: routing, pinning the decode node's prefix, the prefill message
+    prefill_s: float | None = None  # the prefill worker's forwards
+    # the prefix cache (loading the hit, keeping the snapshot segments' states) and opening the transfer;
+    # the prompt's blocks and end snapshot are stored after the reply, in no request's time
+    store_s: float | None = None
+    control_s: float | None = None  # the prefill round trip less the worker's queue, forwards and transfer tail
+    first_step_s: float | None = None  # first token to second: the decode worker's first step and its hop back
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    fallback: str | None = None  # why the request was re-prefilled locally, if it was
+    migrations: int = 0  # times it moved to another decode worker after losing its own
+    events: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["phase"] = self.phase.value
+        out.pop("events")
+        return out
+
+
+class Overloaded(Exception):
+    """No capacity to queue the request now (HTTP 503)."""
+
+
+class RequestFailed(Exception):
+    """Every path to an answer failed (HTTP 500); the message says why."""
+
+
+class DecodeLost(RequestFailed):
+    """The decode worker holding the request went away (its session was lost): the request may migrate."""
+
+
+class MigrationLimit(RequestFailed):
+    """The request lost its decode worker more often than ``--migration-limit`` allows (HTTP 503, retryable)."""
+
+
+class DeadlineExceeded(RequestFailed):
+    """The gateway was silent longer than a deadline allows, or the request outlived its total limit (HTTP 504)."""
+
+
+class GatewayAPI(Protocol):
+    """What the HTTP layer needs from the gateway."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    max_context: int
+
+    def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
+        """Token events until one carries a finish_reason. Closing the iterator early aborts the request."""
+        ...
+
+    def health(self) -> dict: ...

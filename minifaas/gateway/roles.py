@@ -1,0 +1,156 @@
+"""Changing a PD worker's role while the gateway serves: drain, restart in the other role, rejoin.
+
+The long-term scheduler (``scheduler.long_term``) decides how many PD workers
+prefill and how many decode; ``RoleChanger`` carries a decision out on live
+processes, one worker at a time:
+
+  1. pick the least busy worker of the role that shrinks. The last decode
+     worker is never taken, nor the last prefill worker when PrfaaS has none.
+  2. drain it: it is marked draining, so the router, the PD-P fallback and
+     cache moves pass it by; wait until every request it holds has finished.
+     Nothing is handed over or lost: its requests end where they are.
+  3. retire it: stop the process, drop its entries from the prefix directory
+     (its pool dies with it) and its route through the inter-cluster link.
+  4. start a worker in the new role under a fresh name (pd-p<k> or pd-d<k>)
+     with what that role needs (``worker_specs``): a decode worker gets its own
+     KV port and a route to it through the link, a prefill worker its prefix cache.
+     A start that fails is tried again every ``RETRY_S``, as the supervisor
+     does for a worker that died.
+  5. it joins the workers the router sees as soon as it is ready.
+
+A drain that does not end within ``drain_timeout`` is called off: the worker
+takes new requests again, and the conversion counts as abandoned. PrfaaS
+workers are never re-roled: they are another cluster, on other hardware; nor
+are hand-started workers, whose role is their own command line's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minifaas.config import NAME_PREFIX, ServeConfig
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.worker_handle import WorkerHandle
+from minifaas.gateway.worker_pool import WorkerPool
+from minifaas.launch.worker_specs import worker_spec
+
+log = logging.getLogger("minifaas.gateway")
+RETRY_S = 2.0  # between attempts to start a converted worker
+
+
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    old: str
+    new: str
+    role: str  # the new role
+    drain_s: float  # from the decision until the old worker held nothing
+    start_s: float  # from then until the new worker was serving
+
+
+class RoleChanger:
+    def __init__(self, pool: WorkerPool, config: ServeConfig, metrics: ServeMetrics) -> None:
+        self.pool, self.config, self.metrics = pool, config, metrics
+        self.counts: Counter[str] = Counter()  # to_prefill, to_decode, abandoned, refused
+        self.done: list[Conversion] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def in_progress(self) -> int:
+        return len(self._tasks)
+
+    def rebalance(self, to_prefill: int, done: Callable[[bool], None] = lambda ok: None) -> None:
+        """Start |to_prefill| conversions, decode -> prefill when positive; each drains on its own and
+        then calls ``done`` with whether it happened (False at once when no worker may go)."""
+        for _ in range(abs(to_prefill)):
+            worker = self.pick(to_prefill > 0) if not self.pool.closing else None
+            if worker is None:
+                self.counts["refused"] += 1
+                self.metrics.role_change("prefill" if to_prefill > 0 else "decode", "refused")
+                log.warning("rebalance: no PD worker can change role now (to_prefill %+d)", to_prefill)
+                done(False)
+                continue
+            task = self.start(worker, "prefill" if to_prefill > 0 else "decode")
+            task.add_done_callback(
+                lambda t: done(not t.cancelled() and t.exception() is None and t.result() is not None)
+            )
+
+    def pick(self, to_prefill: bool) -> WorkerHandle | None:
+        """The least busy worker of the shrinking role, or None when none may go."""
+        workers = self.pool.workers.values()
+        shrinking = [w for w in self.pool.of("pd", "decode" if to_prefill else "prefill") if w.spec.address is None]
+        serving = [w for w in shrinking if w.serving]
+        prefill_elsewhere = any(w.serving for w in workers if w.role == "prefill" and w.cluster == "prfaas")
+        if not serving or (len(serving) == 1 and (to_prefill or not prefill_elsewhere)):
+            return None
+        return min(serving, key=lambda w: (w.busy, w.load_tokens, w.name))
+
+    def start(self, worker: WorkerHandle, role: str) -> asyncio.Task[WorkerHandle | None]:
+        """Drain ``worker`` and bring it back as ``role``, in the background."""
+        if worker.cluster != "pd" or worker.role == role or role not in ("prefill", "decode"):
+            raise ValueError(f"{worker.name} ({worker.cluster} {worker.role}) cannot become a {role} worker")
+        if worker.spec.address is not None:
+            raise ValueError(f"{worker.name} was started by hand: its role is its own command line's")
+        if worker.draining:
+            raise ValueError(f"{worker.name} is already changing role")
+        worker.draining = True  # at once: from now on the router passes it by
+        task = asyncio.get_running_loop().create_task(self._convert(worker, role))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _convert(self, old: WorkerHandle, role: str) -> WorkerHandle | None:
+        pool, began = self.pool, time.monotonic()
+        timeout = self.config.scheduler.drain_timeout
+        log.info("worker %s: draining (%d requests) to become a %s worker", old.name, old.busy, role)
+        try:
+            async with asyncio.timeout(timeout):
+                await old.wait_idle()
+        except TimeoutError:
+            old.draining = False
+            self.counts["abandoned"] += 1
+            self.metrics.role_change(role, "abandoned")
+            log.warning("worker %s: still busy after %.0f s; it stays %s", old.name, timeout, old.role)
+            return None
+        drained = time.monotonic()
+        if pool.closing:  # shutdown stops the old worker; a new one would outlive the gateway
+            return None
+        await pool.retire(old)
+        spec = worker_spec(self.config, self._fresh_name(role), role, "pd", old.spec.device)  # its GPU, now free
+        pool.known_names.add(spec.name)
+        new: WorkerHandle | None = None
+        while not pool.closing:  # the old worker is gone: keep trying, as the supervisor does for a dead one
+            try:
+                new = await pool.launch(spec)
+                break
+            except RuntimeError as e:
+                log.error("worker %s did not start in its new role (%s); trying again", spec.name, e)
+                await asyncio.sleep(RETRY_S)
+        if pool.closing or new is None:  # shutdown began while it started, after it stopped the workers it knew of
+            if new is not None:
+                await pool.retire(new)
+            return None
+        self.counts[f"to_{role}"] += 1
+        self.metrics.role_change(role, "done")
+        self.done.append(Conversion(old.name, new.name, role, drained - began, time.monotonic() - drained))
+        log.info("worker %s replaced %s: drained in %.1f s, serving %.1f s later",
+                 new.name, old.name, drained - began, time.monotonic() - drained)  # fmt: skip
+        return new
+
+    def _fresh_name(self, role: str) -> str:
+        prefix = NAME_PREFIX["pd", role]
+        taken = {
+            int(n[len(prefix) :]) for n in self.pool.known_names if n.startswith(prefix) and n[len(prefix) :].isdigit()
+        }
+        return f"{prefix}{next(i for i in itertools.count() if i not in taken)}"
+
+    async def cancel(self) -> None:
+        """Stop conversions in progress (at shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,110 @@
+"""The decode half of a request, as the client sees it: worker messages in, token events out.
+
+The first token comes from the prefill worker (often before the state's tail
+has reached the decode worker); the decode worker streams the rest, each
+within the request's deadline between tokens. A decode worker that goes away
+raises ``DecodeLost``: the gateway migrates the request (``serve.migration``)
+and streams on with the same ``OutputText``. Text is detokenized incrementally
+(never splitting a UTF-8 character) and checked for stop strings here, since
+only the gateway sees the text; both cost the same per token however long the
+output grows (``model.detokenizer``, ``serve.stop_strings``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from minifaas.gateway.deadline import RequestDeadline
+from minifaas.gateway.requests import DecodeLost, GenerateRequest, RequestFailed, RequestRecord, TokenEvent
+from minifaas.gateway.stop_strings import StopMatcher
+from minifaas.gateway.worker_handle import WorkerHandle
+from minifaas.model.detokenizer import IncrementalDecoder
+from minifaas.model.sampling import SamplingParams
+from minifaas.model.tokenizer import Tokenizer
+
+
+async def decode_tokens(
+    request: GenerateRequest,
+    record: RequestRecord,
+    tokenizer: Tokenizer,
+    decode: WorkerHandle,
+    inbox: asyncio.Queue[dict],
+    transfer: int,
+    first: int,
+    deadline: RequestDeadline,
+    text: OutputText,
+    shown: bool = False,
+) -> AsyncIterator[TokenEvent]:
+    """``request`` is the attempt's (after a migration: prompt plus output so far, and only the tokens still
+    owed); ``text`` and ``record.completion_tokens`` span every attempt. ``shown``: the first token's event
+    went out already (``token_event``, before the state's tail arrived)."""
+    token, finish = first, finish_reason(first, 1, request, tokenizer)
+    if finish is None:
+        try:
+            decode.send({"op": "start", "req": request.request_id, "next_token": first})
+        except RuntimeError as e:  # gone between the prefill and now
+            raise DecodeLost(str(e)) from None
+    while True:
+        if not shown:
+            event = token_event(token, finish, text, record)
+            yield event
+            if event.finish_reason is not None:
+                return
+        shown = False
+        asked = time.perf_counter()
+        async with deadline.next_token():
+            msg = await inbox.get()
+            while msg.get("transfer", transfer) != transfer or msg["op"] in ("received", "pinned"):
+                msg = await inbox.get()  # "received", or news of an abandoned transfer
+        if record.first_step_s is None:
+            record.first_step_s = time.perf_counter() - asked
+        if msg["op"] == "lost":
+            raise DecodeLost(f"decode worker {decode.name} went away")
+        if msg["op"] == "failed":
+            raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
+        if msg["op"] == "done":
+            return
+        if msg["op"] == "token":
+            token, finish = msg["token"], msg["finish"]
+
+
+class OutputText:
+    """A request's output as text: each token's piece, with stop strings cut and what may start one held back."""
+
+    def __init__(self, tokenizer: Tokenizer, sampling: SamplingParams) -> None:
+        self._detok = IncrementalDecoder(tokenizer)
+        self._stops = StopMatcher(sampling.stop) if sampling.stop else None
+        self._min_tokens = sampling.min_tokens
+
+    def push(self, token: int, count: int) -> tuple[str, bool]:
+        """The text to send after the ``count``-th token, and whether a stop string ended the output."""
+        piece = self._detok.push(token)
+        if self._stops is None:
+            return piece, False
+        return self._stops.feed(piece, stop_allowed=count >= self._min_tokens)
+
+    def flush(self) -> str:
+        """The rest, when the output ends without a stop string."""
+        tail = self._detok.flush()
+        if self._stops is None:
+            return tail
+        shown, stopped = self._stops.feed(tail)
+        return shown if stopped else shown + self._stops.flush()
+
+
+def token_event(token: int, finish: str | None, text: OutputText, record: RequestRecord) -> TokenEvent:
+    """The next token's event: its text, and the reason the output ends with it (a stop string, or ``finish``)."""
+    record.completion_tokens += 1
+    piece, stopped = text.push(token, record.completion_tokens)
+    if stopped or finish is not None:
+        return TokenEvent(token, piece if stopped else piece + text.flush(), "stop" if stopped else finish)
+    return TokenEvent(token, piece, None)
+
+
+def finish_reason(token: int, count: int, request: GenerateRequest, tokenizer: Tokenizer) -> str | None:
+    p = request.sampling
+    if (token == tokenizer.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+        return "stop"
+    return "length" if count >= p.max_tokens else None

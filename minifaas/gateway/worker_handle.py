@@ -1,0 +1,181 @@
+"""The gateway's handle on one worker: attach over the control channel, talk to it, notice when it is gone.
+
+``attach`` dials the worker's control port, proves the cluster secret both
+ways and says ``attach``; the worker answers what it is. ``pump`` then runs
+the session: a ping every ``heartbeat_s``, replies sorted into one inbox per
+request; a reply no request waits for any more (the notice of a prefill
+stopped by an abort) goes to ``on_unclaimed``. The session is lost when the
+connection ends, a frame fails its MAC, or nothing is heard for the deadline:
+the worker stops serving at once, and every open inbox receives
+``{"op": "lost"}``, so no request waits on a worker that is gone (it falls back
+instead). The pool then attaches again when the worker answers.
+
+A worker that is changing role (``serve.roles``) is ``draining``: the router
+sends it nothing new, and ``wait_idle`` returns once the requests it holds
+(open inboxes, and prefills routed to it that have not opened one yet:
+``claims``) are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import ssl as ssl_module
+from collections.abc import Callable
+
+from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
+from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
+from minifaas.control.worker_ops import CACHE_EVENTS
+from minifaas.launch.launcher import WorkerError, WorkerSpec
+from minifaas.net.address import Address
+from minifaas.net.link_health import TcpInfo
+
+log = logging.getLogger("minifaas.gateway")
+LOST = {"op": "lost"}
+GATEWAY_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Busy(ControlError):
+    """The worker serves another gateway."""
+
+
+async def attach(
+    address: Address, secret: bytes, timeout: float, ssl: ssl_module.SSLContext | None = None
+) -> tuple[Session, dict]:
+    """A session with the worker at ``address`` and what it said it is; raises ControlError."""
+    session = await connect(*address, secret, timeout, ssl)
+    try:
+        session.send({"op": "attach", "gateway": GATEWAY_ID})
+        await session.drain(timeout)
+        hello = await session.recv(timeout)
+    except BaseException:
+        session.close()
+        raise
+    if hello is None or hello.get("op") != "attached":
+        session.close()
+        why = hello.get("error", hello) if hello else "it hung up"
+        kind = Busy if hello and hello.get("op") == "refused" else Refused
+        raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
+    return session, hello
+
+
+class WorkerHandle:
+    def __init__(self, spec: WorkerSpec, name: str, role: str, cluster: str) -> None:
+        self.spec, self.name, self.role, self.cluster = spec, name, role, cluster
+        self.session: Session | None = None
+        self.address: Address | None = None  # its control port
+        self.kv: Address | None = None  # where KV for it goes (its advertised address)
+        self.pid = 0
+        self.alive = False
+        self.rejoins = 0  # times it came back after its session was lost
+        self.load_tokens = 0  # prompt tokens sent and not yet answered (prefill) / requests decoding
+        self.inboxes: dict[str, asyncio.Queue[dict]] = {CACHE_EVENTS: asyncio.Queue()}  # cache events from the start
+        self.draining = False  # changing role: routed nothing new
+        self.retired = False  # stopped for good (replaced by a worker in its new role)
+        self.claims = 0  # prefills routed here that have not opened their inbox yet
+        self.tcp: dict[str, TcpInfo] = {}  # its KV connections, as of its last pong
+        self.queued_bytes = 0  # KV it has not handed to a socket yet, as of its last pong
+        self.codecs: dict[str, list[float]] = {}  # what a prefill worker measured of its codecs when it started
+        self.kernels = "unknown"  # what its linear-attention layers run (fla, torch, none), as it says
+        self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
+        self.gone = asyncio.Event()  # this session's end: a new one per attach, so a waiter sees its own session go
+        self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
+
+    @property
+    def kv_port(self) -> int:
+        return self.kv[1] if self.kv else 0
+
+    @property
+    def serving(self) -> bool:
+        """Takes new requests: attached and not draining."""
+        return self.alive and not self.draining
+
+    @property
+    def requests(self) -> int:
+        """Requests waiting on replies from the worker (not the cache-events inbox, open for the worker's life)."""
+        return sum(req != CACHE_EVENTS for req in self.inboxes)
+
+    @property
+    def busy(self) -> int:
+        """Requests that still hold the worker."""
+        return self.claims + self.requests
+
+    def release(self) -> None:
+        """A claim is over (the prefill opened its inbox, or went elsewhere)."""
+        self.claims -= 1
+        self._quieter.set()
+
+    async def wait_idle(self) -> None:
+        while self.busy:
+            self._quieter.clear()
+            await self._quieter.wait()
+
+    def attached(self, session: Session, hello: dict, address: Address) -> None:
+        """The session is up: take the worker's own account of where it listens."""
+        self.session, self.address, self.pid = session, address, int(hello["pid"])
+        self.codecs = hello.get("codecs") or {}
+        self.kernels = str(hello.get("kernels", "unknown"))
+        kv = hello.get("kv")
+        self.kv = (kv[0] or address[0], int(kv[1])) if kv else None  # no host: the one we reached it at
+        self.gone = asyncio.Event()
+        self.alive = True
+
+    async def pump(self, heartbeat: HeartbeatConfig) -> SessionLost:
+        """Run the session until it is lost; then wake every waiting request. Returns why it ended."""
+        assert self.session is not None
+        try:
+            return await keep_alive(self.session, heartbeat, self._deliver, lambda: {"op": "ping"})
+        finally:
+            self.alive = False
+            self.gone.set()
+            for inbox in self.inboxes.values():
+                inbox.put_nowait(LOST)
+
+    def _deliver(self, msg: dict) -> None:
+        if msg.get("op") == "pong":
+            try:
+                self.tcp = {key: TcpInfo(**info) for key, info in msg.get("tcp", {}).items()}
+                self.queued_bytes = int(msg.get("queued_bytes", 0))
+            except (TypeError, ValueError, AttributeError) as e:  # a worker of another version: no link health
+                log.warning("worker %s: unreadable link report: %r", self.name, e)
+            return
+        inbox = self.inboxes.get(msg.get("req", ""))
+        if inbox is not None:
+            inbox.put_nowait(msg)
+        else:
+            self.unclaimed(msg)
+
+    def unclaimed(self, msg: dict) -> None:
+        """A message no waiting request wants (a stopped prefill's news, a reply that came too late)."""
+        if self.on_unclaimed is not None:
+            self.on_unclaimed(self, msg)
+
+    def open(self, req: str) -> asyncio.Queue[dict]:
+        self.inboxes[req] = asyncio.Queue()
+        return self.inboxes[req]
+
+    def close(self, req: str) -> None:
+        self.inboxes.pop(req, None)
+        self._quieter.set()
+
+    def send(self, message: dict) -> None:
+        if not self.alive or self.session is None:
+            raise WorkerError(f"worker {self.name} is not attached")
+        try:
+            self.session.send(message)
+        except ControlError as e:
+            raise WorkerError(f"worker {self.name}: {e}") from None
+
+    def detach(self) -> None:
+        """End the session; the worker stays as it is (a local one is stopped by its launcher)."""
+        self.alive = False
+        if self.session is not None:
+            self.session.close()
+
+    def kill(self) -> None:
+        """Kill the worker's process now (fault injection in tests and the demo; same host only)."""
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)

@@ -1,0 +1,220 @@
+"""Every worker the gateway uses: started by its launcher, attached over the control channel, supervised.
+
+    async with WorkerPool(specs, launcher, secret, ...) as pool:   # every worker attached, or an error
+        pool.workers["pd-d0"], pool.of("pd", "prefill")
+        await pool.launch(spec); await pool.retire(worker)          # role changes (serve.roles)
+
+A worker the gateway starts (local child or Ray actor) comes from the
+gateway's launcher; a hand-started one (its spec has an address) from
+``AttachedLauncher``, and says its own name and role when it attaches. Each
+attached worker has a supervisor task: it runs the session (heartbeats) and,
+when the session is lost, asks the launcher for the worker again and
+re-attaches as soon as it answers, backing off from ``RETRY_S`` to
+``MAX_RETRY_S``. Between the two the worker is out of routing, and the
+requests it held have fallen back. Each (re)attach also brings the link's
+route to it up to date and restarts the prefix directory's mirror of its pool
+from the inventory the worker sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl as ssl_module
+import time
+from collections.abc import Callable
+
+from minifaas.control.heartbeat import HeartbeatConfig
+from minifaas.control.session import ControlError, Refused, SessionLost
+from minifaas.control.worker_ops import CACHE_EVENTS
+from minifaas.gateway.inter_cluster_link import InterClusterLink
+from minifaas.gateway.prefix_directory import PrefixDirectory
+from minifaas.gateway.worker_handle import Busy, WorkerHandle, attach
+from minifaas.launch.launcher import AttachedLauncher, Launcher, WorkerError, WorkerSpec
+from minifaas.launch.startup import StartupListener, reported
+
+log = logging.getLogger("minifaas.gateway")
+RETRY_S, MAX_RETRY_S = 0.5, 5.0
+ATTACH_TIMEOUT_S = 10.0  # one attempt: connect, handshake, the worker's answer
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        launcher: Launcher,
+        secret: bytes,
+        model: str,
+        heartbeat: HeartbeatConfig,
+        link: InterClusterLink,
+        prefixes: PrefixDirectory,
+        start_timeout: float = 300.0,
+        ssl: ssl_module.SSLContext | None = None,
+    ) -> None:
+        self.planned, self.launcher, self.secret, self.model = list(specs), launcher, secret, model
+        self.heartbeat, self.link, self.prefixes = heartbeat, link, prefixes
+        self.start_timeout, self.ssl = start_timeout, ssl
+        self.attached = AttachedLauncher()
+        self.workers: dict[str, WorkerHandle] = {}
+        self.known_names: set[str] = set()  # a name is never reused, even after its worker is retired
+        self.closing = False
+        self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None  # given to every worker
+        self.on_attached: Callable[[WorkerHandle], None] = lambda w: None  # after each attach, first or again
+        self.on_startup: StartupListener | None = None  # told of each worker starting and ready; None: the log
+        self._tasks: asyncio.TaskGroup | None = None
+        self._joined = asyncio.Event()  # set (and replaced) whenever a worker attaches, first or again
+        self._stack = contextlib.AsyncExitStack()
+
+    def launcher_of(self, spec: WorkerSpec) -> Launcher:
+        return self.attached if spec.address is not None else self.launcher
+
+    def of(self, cluster: str, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.cluster == cluster and w.role == role]
+
+    async def serving(self, cluster: str, role: str) -> None:
+        """Return once a worker of ``cluster`` and ``role`` takes requests (the caller bounds the wait)."""
+        while not any(w.serving for w in self.of(cluster, role)):
+            await self._joined.wait()
+
+    def _join(self, w: WorkerHandle) -> None:
+        self.on_attached(w)
+        joined, self._joined = self._joined, asyncio.Event()
+        joined.set()
+
+    async def __aenter__(self) -> WorkerPool:
+        self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self._stack.push_async_callback(self._shutdown)
+        try:
+            async with asyncio.TaskGroup() as starting:  # one failing cancels the others
+                for spec in self.planned:
+                    starting.create_task(self.launch(spec))
+        except BaseException as e:
+            await self._stack.aclose()
+            if isinstance(e, BaseExceptionGroup):  # say why the first worker failed, not "a TaskGroup failed"
+                raise e.exceptions[0] from None
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def launch(self, spec: WorkerSpec) -> WorkerHandle:
+        """Start (or find) the worker, attach, and supervise it from now on."""
+        launcher = self.launcher_of(spec)
+        session, hello, address = None, {}, None
+        try:
+            what = f"{spec.cluster} {spec.role} worker" if spec.role else f"hand-started {spec.cluster} worker"
+            first = self._first_attach(spec, launcher)
+            session, hello, address = await reported(self.on_startup, spec.name or spec.label, what, first)
+            if hello["name"] in self.workers:
+                raise WorkerError(f"two workers call themselves {hello['name']}: give one another --name")
+            w = WorkerHandle(spec, hello["name"], hello["role"], hello["cluster"])
+            w.on_unclaimed = self.on_unclaimed
+            w.attached(session, hello, address)
+            await self.link.join(w)
+        except BaseException:
+            if session is not None:
+                session.close()
+            await launcher.stop(spec)
+            raise
+        self.prefixes.forget(w.name)  # its inventory follows on the session
+        self.known_names.add(w.name)
+        self.workers[w.name] = w
+        self._join(w)
+        assert self._tasks is not None
+        self._tasks.create_task(self._supervise(w))
+        self._tasks.create_task(self._follow_cache(w))
+        log.debug("worker %s (%s, %s) attached at %s:%d, pid %d", w.name, w.role, w.cluster, *address, w.pid)
+        return w
+
+    async def _first_attach(self, spec: WorkerSpec, launcher: Launcher) -> tuple:
+        address = await launcher.start(spec)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                session, hello = await attach(address, self.secret, ATTACH_TIMEOUT_S, self.ssl)
+                break
+            except (SessionLost, Busy) as e:  # not listening yet (still loading), or another gateway has it
+                if time.monotonic() > deadline:
+                    raise WorkerError(f"{spec.label} did not answer within {self.start_timeout:.0f} s: {e}") from None
+                log.info("waiting for %s: %s", spec.label, e)
+                await asyncio.sleep(2.0)
+            except Refused as e:
+                raise WorkerError(f"{spec.label} refused this gateway: {e}") from None
+        try:
+            self._check(spec, hello)
+        except WorkerError:
+            session.close()
+            raise
+        return session, hello, address
+
+    def _check(self, spec: WorkerSpec, hello: dict) -> None:
+        said = (hello.get("name"), hello.get("role"), hello.get("cluster"))
+        if not all(isinstance(v, str) and v for v in said):
+            raise WorkerError(f"{spec.label} did not say what it is: {hello}")
+        if hello.get("model") != self.model:
+            raise WorkerError(f"{spec.label} serves the model {hello.get('model')}; this gateway serves {self.model}")
+        wanted = (spec.name or said[0], spec.role or said[1], spec.cluster)
+        if said != wanted or said[1] not in ("prefill", "decode") or (said[2], said[1]) == ("prfaas", "decode"):
+            raise WorkerError(f"{spec.label} says it is the {said[2]} {said[1]} worker {said[0]}, expected {wanted}")
+
+    async def retire(self, w: WorkerHandle) -> None:
+        """Stop a worker for good (it changes role: ``serve.roles``); forget its pool and its link."""
+        w.retired = True
+        self.workers.pop(w.name, None)
+        w.detach()
+        await self.launcher_of(w.spec).stop(w.spec)
+        await self.link.leave(w)
+        self.prefixes.drop(w.name)
+
+    async def _supervise(self, w: WorkerHandle) -> None:
+        """Run the worker's session; when it is lost, get the worker back and attach again."""
+        while True:
+            lost = await w.pump(self.heartbeat)
+            if self.closing or w.retired:
+                return
+            log.error("worker %s left routing: %s", w.name, lost)
+            delay = RETRY_S
+            while not (self.closing or w.retired):
+                try:
+                    address = await self.launcher_of(w.spec).start(w.spec)
+                    session, hello = await attach(address, self.secret, ATTACH_TIMEOUT_S, self.ssl)
+                    self._check(w.spec, hello)
+                    if (hello["name"], hello["role"]) != (w.name, w.role):
+                        raise WorkerError(f"{hello['name']} ({hello['role']}) answers where {w.name} was")
+                    w.attached(session, hello, address)
+                    await self.link.join(w)
+                    break
+                except (ControlError, WorkerError, OSError) as e:
+                    log.warning("worker %s not back yet (%s); again in %.1f s", w.name, e, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, MAX_RETRY_S)
+            if self.closing or w.retired:  # shutdown began meanwhile, after it stopped the workers it knew of
+                w.detach()
+                return
+            w.rejoins += 1
+            self._join(w)
+            log.info("worker %s rejoined (pid %d)", w.name, w.pid)
+
+    async def _follow_cache(self, w: WorkerHandle) -> None:
+        """Keep the prefix directory current with the worker's pool, through restarts, until shutdown."""
+        inbox = w.inboxes[CACHE_EVENTS]
+        while not self.closing:
+            msg = await inbox.get()
+            if msg["op"] == "cache":
+                self.prefixes.apply(msg["events"])
+            elif msg["op"] == "lost" and w.retired:
+                self.prefixes.drop(w.name)
+                return
+            elif msg["op"] == "lost":
+                self.prefixes.forget(w.name)  # a re-attached worker sends its inventory again
+
+    async def _shutdown(self) -> None:
+        self.closing = True
+        for w in self.workers.values():
+            w.detach()
+        launched = {w.name: w.spec for w in self.workers.values()}
+        await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
+        for w in self.workers.values():  # ends _follow_cache even if no session was left to lose
+            w.inboxes[CACHE_EVENTS].put_nowait({"op": "lost"})

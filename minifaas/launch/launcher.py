@@ -1,0 +1,80 @@
+"""Three launchers behind one small interface: start a worker and say where it listens, stop it, is it alive.
+
+    address = await launcher.start(spec)   # the worker running (started if it was not): its control port
+    await launcher.stop(spec)              # stopped for good, if it is the launcher's to stop
+    launcher.alive(spec)                   # still there, as far as the launcher knows
+
+    LocalLauncher      child processes of the gateway on this host (the default, one command)
+    AttachedLauncher   workers started by hand on any host (``minifaas worker``): the address is
+                       given; nothing is started or stopped, only dialled
+    RayLauncher        Ray actors on nodes that hold each cluster's custom resource (``ray`` extra)
+
+The gateway attaches to the address over the authenticated control channel and
+supervises the session with heartbeats (``worker_pool``). When a session is
+lost it calls ``start`` again and re-attaches to what it returns: a local child
+that died is started again (one that is only slow answers at the same
+address), Ray has restarted its actor (``start`` waits for it), and a
+hand-started worker is dialled until whoever runs it brings it back.
+
+Restarts are the launcher's business, so the gateway never needs to know which
+one it has; a later launcher (workers forked from a pre-loaded parent, say)
+only has to keep these three calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from minifaas.net.address import Address
+
+# the worker's program, by module: ``python -m`` it, or run it in a pre-loaded child (``zygote``)
+WORKER_COMMAND = "minifaas.commands.worker"
+
+
+class WorkerError(RuntimeError):
+    """A worker could not be started or attached."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """One worker the gateway wants. A hand-started one has an ``address``, and says its own name and role."""
+
+    name: str  # "" for a hand-started worker: it names itself when it attaches
+    role: str  # "prefill" or "decode"; "" for a hand-started PD worker, whose own flags decide
+    cluster: str  # "prfaas" or "pd"
+    argv: tuple[str, ...] = ()  # the worker's flags (model, device, cache, ...) for one the gateway starts
+    address: Address | None = None  # a hand-started worker's control port
+    gpus: float = 0.0  # GPUs the worker uses (Ray reserves them)
+    device: str = "cpu"  # where it runs, as the gateway's host numbers its GPUs (a new role keeps it)
+    env: tuple[tuple[str, str], ...] = ()  # set in its environment by a local launcher (CUDA_VISIBLE_DEVICES)
+
+    @property
+    def label(self) -> str:
+        """How logs name the worker before it has said its name."""
+        if self.name or self.address is None:
+            return self.name or f"a {self.cluster} worker"
+        return f"the {self.cluster} worker at {self.address[0]}:{self.address[1]}"
+
+
+class Launcher(Protocol):
+    async def start(self, spec: WorkerSpec) -> Address: ...
+
+    async def stop(self, spec: WorkerSpec) -> None: ...
+
+    def alive(self, spec: WorkerSpec) -> bool: ...
+
+
+class AttachedLauncher:
+    """Workers someone else runs: the gateway only ever dials them."""
+
+    async def start(self, spec: WorkerSpec) -> Address:
+        if spec.address is None:
+            raise WorkerError(f"{spec.label}: a hand-started worker needs an address")
+        return spec.address
+
+    async def stop(self, spec: WorkerSpec) -> None:
+        """Nothing: the worker outlives the gateway and waits for the next one."""
+
+    def alive(self, spec: WorkerSpec) -> bool:
+        return True  # not the gateway's to know: it re-dials until the worker answers

@@ -1,0 +1,179 @@
+"""A pre-loaded parent that forks local CPU workers, so each one skips seconds of imports.
+
+Importing torch, transformers and a model's code takes a worker several seconds
+of CPU before it loads a single weight; with four workers per gateway on a
+small machine that is most of ``minifaas serve``'s start-up. This process pays
+it once: it imports everything a CPU worker needs (after ``select_kernels``
+has kept fla out, as the worker itself would), then forks one child per
+request. A child is a whole worker process, exactly ``python -m
+minifaas.commands.worker ARGV`` from its first line of ``main`` on: its own pid,
+its own model, its own sockets and threads.
+
+Each child's parent is this process, so each gets ``MINIFAAS_PARENT_PID`` of
+this one (``parent_watch``); this one dies with the gateway's process, and they
+with it. One serves every gateway of that process (``forked.acquire``).
+
+The gateway (``forked.ForkServer``) talks to it over two channels:
+
+    control socket (gateway -> here)   one JSON request per message, with two file
+                                       descriptors attached: the child's stdin and stdout
+                                       {"id": 3, "argv": [...], "env": {...}}
+    stdout (here -> gateway)           JSON lines: {"ready": pid} once the imports are done,
+                                       {"id": 3, "pid": 4242} per fork,
+                                       {"exit": 4242, "code": 0} when a child ends (its
+                                       returncode as subprocess writes it: -9 for SIGKILL)
+
+Nothing here runs a torch op, a thread or an event loop before it forks: a
+child starts as clean as a fresh interpreter with the modules already in
+memory. It exits when the control socket closes (its process is done), and any
+child still running dies with it; a child's launcher stops it before then, by
+closing its stdin, as with every local worker.
+Only CPU workers are forked: a CUDA worker is started fresh (CUDA state does
+not survive a fork, and fla must be importable there).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+from minifaas.launch.launcher import WORKER_COMMAND
+from minifaas.parent_watch import die_with_parent
+
+MAX_MESSAGE = 1 << 20
+
+
+def preload(model: str) -> None:
+    """Import what a CPU worker of ``model`` will import, without building anything."""
+    from minifaas.model.kernels import select_kernels
+
+    select_kernels("cpu")  # before any model code, as in the worker
+    import minifaas.worker.worker_process  # noqa: F401  # torch, transformers, the transport, the services
+
+    try:  # the model's own modeling module (transformers imports it lazily, on first use)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        from minifaas.model.loader import ModelSpec, load_config
+
+        spec = ModelSpec.resolve(model)
+        if spec.kind != "config":
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(load_config(spec))]
+    except Exception:  # remote code, an odd config: the child imports it itself
+        pass
+
+
+def receive(sock: socket.socket, descriptors: int = 2) -> tuple[dict, list[int]] | None:
+    """One request and the descriptors attached to it (two here: a child's stdin and stdout); None once
+    the other end has closed the socket."""
+    fds = array.array("i")
+    message, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_LEN(descriptors * fds.itemsize))
+    if not message:
+        return None
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+    return json.loads(message), list(fds)
+
+
+def child(argv: list[str], env: dict[str, str], stdin: int, stdout: int, control: socket.socket) -> None:
+    """In the forked child: become the worker. Never returns."""
+    code = 1
+    try:
+        control.close()
+        os.dup2(stdin, 0)
+        os.dup2(stdout, 1)
+        os.close(stdin)
+        os.close(stdout)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored only in the parent
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = ["minifaas worker", *argv]
+        runpy.run_module(WORKER_COMMAND, run_name="__main__", alter_sys=True)  # as ``python -m`` runs it
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # a worker that crashes says why, as a fresh one would
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def returncode(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def say(event: dict) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        say({"exit": pid, "code": returncode(status)})
+
+
+def serve(control: socket.socket) -> None:
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ)
+    while True:
+        ready = selector.select(timeout=0.2)  # a child's end is noticed within 0.2 s
+        reap()
+        if not ready:
+            continue
+        received = receive(control)
+        if received is None:
+            return
+        request, fds = received
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            say({"id": request.get("id"), "error": f"expected 2 descriptors, got {len(fds)}"})
+            continue
+        sys.stdout.flush()  # nothing buffered may be written twice
+        pid = os.fork()
+        if pid == 0:
+            child(request["argv"], request["env"], fds[0], fds[1], control)
+        for fd in fds:
+            os.close(fd)  # the child's alone now: its stdin closes when the gateway closes its end
+        say({"id": request["id"], "pid": pid})
+
+
+def main() -> None:
+    fd, model = int(sys.argv[1]), sys.argv[2]
+    tie_to_gateway()
+    preload(model)
+    run(socket.socket(fileno=fd))
+
+
+def tie_to_gateway() -> None:
+    """Ignore a terminal's ^C (the gateway's to handle) and die with the gateway, whose child this is; its
+    workers die with this one (theirs is this one)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
+def run(control: socket.socket) -> None:
+    """Serve fork requests once the imports are done (``preload`` here, or in the process this one was
+    forked from: ``forked.start_here``). Never returns."""
+    say({"ready": os.getpid()})
+    serve(control)
+    os._exit(0)  # at once: tearing down torch and transformers' modules takes a second and serves nothing
+
+
+if __name__ == "__main__":
+    main()

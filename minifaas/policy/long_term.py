@@ -1,0 +1,217 @@
+"""The long-term policy (minutes): re-profile the traffic, re-solve the planner, re-role PD workers.
+
+Every ``period_s``, and at once when the link's ceiling moves by more than
+``link_change``, it takes what the ticks since the last plan saw (the incremental
+prefill lengths, the arrival rate, the link ceiling) and what the prefill
+instances measured (their speed against their profiles), builds the planning
+case of the traffic as it is now, and solves it (planner.best_prfaas) for
+(t, N_p, N_d). The new t becomes the short-term policy's base at once. The
+split changes only when it pays: the planned throughput at the new split must
+beat the current split, evaluated on the same new traffic, by ``min_gain``;
+then at most ``max_conversions`` PD workers change role per period (drained
+first by whoever acts on the decision). PrfaaS instances are never re-roled:
+they are another cluster, on other hardware.
+
+Constants (why these values):
+  period_s 300: the planner needs a few hundred prompts for a stable length
+    mix (at the paper's ~3 req/s, 300 s holds about 900), and a conversion
+    costs a drain (a decode batch of 1024 tokens at 40 tokens/s: ~26 s) plus a
+    restart; re-roling more often than every few minutes would spend a
+    noticeable part of the capacity on draining.
+  min_requests 200: below that the tail of a log-normal mix (what decides t)
+    is not measured; the period is skipped, not guessed.
+  min_gain 0.05: the planned throughput of one mix moves by about +-4% from
+    one 900-prompt sample to another (paper mix: 3.17 to 3.45 req/s over six
+    draws). Both splits are priced on the same sample, so most of that cancels,
+    but a split that wins by less than the sampling noise is not worth a drain.
+  link_change 0.2: a new link ceiling is a new problem, not noise; waiting for
+    the period wasted most of a 15-minute dip in the simulator (paper case,
+    100 -> 6 Gbps at 700 s: the first conversion was decided at 900 s and
+    ready at 1071 s). 20% is well above the wobble of a shaped link's rate and
+    below the smallest change that moves the planner's split (100 -> 20 Gbps
+    does not, 10 Gbps does). A short sample is topped up with the previous
+    plan's lengths to min_requests.
+  max_conversions 1: one worker at a time keeps N_p + N_d - 1 workers serving
+    during the drain; the next period continues the move if it still pays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+import numpy as np
+
+from minifaas.planner.case import PlanCase
+from minifaas.planner.lengths import LengthDistribution
+from minifaas.planner.model import stages
+from minifaas.planner.profile import PrefillProfile, ProfilePoint
+from minifaas.planner.search import SearchGrid, best_prfaas
+from minifaas.policy.signals import Signals
+
+log = logging.getLogger("minifaas.policy")
+
+
+class Reason(StrEnum):
+    OFF = "off"  # rebalancing disabled
+    CONVERT = "convert"  # the split changes by ``to_prefill`` workers
+    RETUNE = "retune"  # same split, new t
+    KEEP = "keep"  # neither split nor t changed
+    SMALL_GAIN = "small_gain"  # a better split exists, but not by min_gain
+    FEW_REQUESTS = "few_requests"
+    CONVERTING = "converting"  # a conversion is still draining
+    LINK_DOWN = "link_down"
+
+
+@dataclass(frozen=True, slots=True)
+class LongTermConfig:
+    enabled: bool = True  # off: no re-planning, no role conversion
+    period_s: float = 300.0
+    min_requests: int = 200
+    min_gain: float = 0.05
+    max_conversions: int = 1
+    threshold_step: int = 100  # the planner's grid over t
+    link_change: float = 0.2  # re-plan at once when the link's ceiling moves by more than this; 0: never
+
+    def __post_init__(self) -> None:
+        if self.period_s <= 0 or self.min_requests < 1 or self.min_gain < 0:
+            raise ValueError("need period_s > 0, min_requests >= 1, min_gain >= 0")
+        if self.max_conversions < 1 or self.threshold_step < 1 or self.link_change < 0:
+            raise ValueError("max_conversions and threshold_step must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class RebalanceDecision:
+    at_s: float
+    reason: Reason
+    threshold: int  # the planner's t for the traffic of the period (the current base when not re-planned)
+    n_prefill: int  # PD-P workers once this decision is carried out
+    n_decode: int
+    to_prefill: int = 0  # workers to move decode -> prefill (negative: prefill -> decode)
+    planned_rps: float = 0.0  # Lambda_max at the planned (t, N_p, N_d)
+    current_rps: float = 0.0  # Lambda_max of the current split, same traffic
+    rate_rps: float = 0.0  # arrivals measured over the period
+    mean_length: float = 0.0
+
+
+@dataclass
+class LongTermPolicy:
+    """Sans-IO: ``step`` on every tick (it acts once a period); ``observe_prefill`` as prefills end."""
+
+    config: LongTermConfig
+    case: PlanCase  # hardware, link and output length; its lengths are replaced by what is measured
+    threshold: int
+    n_prefill: int
+    n_decode: int
+    reasons: Counter[Reason] = field(default_factory=Counter)
+    decisions: list[RebalanceDecision] = field(default_factory=list)
+    _lengths: list[int] = field(default_factory=list)
+    _period_start: float = 0.0
+    _link_bps: float = 0.0
+    _planned_link_bps: float | None = None  # the link ceiling the last plan was made for
+    _previous: list[int] = field(default_factory=list)  # the last plan's lengths
+    _measured: dict[str, list[float]] = field(default_factory=dict)  # cluster -> [measured s, profiled s]
+
+    def __post_init__(self) -> None:
+        if self.n_prefill + self.n_decode != self.case.n_pd:
+            raise ValueError("n_prefill + n_decode must equal the case's n_pd")
+
+    def observe_prefill(self, cluster: str, tokens: int, seconds: float) -> None:
+        """One prefill's measured time on ``cluster`` ("prfaas" or "pd"): instance speed vs the profile."""
+        profile = self.case.prfaas if cluster == "prfaas" else self.case.pd_prefill
+        sums = self._measured.setdefault(cluster, [0.0, 0.0])
+        sums[0] += seconds
+        sums[1] += float(profile.latency_s(max(tokens, 1)))
+
+    def step(self, s: Signals) -> RebalanceDecision | None:
+        self._lengths.extend(s.lengths)
+        self._link_bps = s.link_rate_bps
+        c = self.config
+        if self._planned_link_bps is None:
+            self._planned_link_bps = self.case.link_bytes_per_s * 8
+        moved = abs(s.link_rate_bps - self._planned_link_bps) > c.link_change * self._planned_link_bps
+        if s.now_s - self._period_start < c.period_s and not (c.link_change and moved):
+            return None
+        elapsed = max(s.now_s - self._period_start, 1e-9)
+        self._period_start, self._planned_link_bps = s.now_s, s.link_rate_bps
+        rate = len(self._lengths) / elapsed
+        lengths = self._lengths
+        if len(lengths) < c.min_requests:  # a short sample (an early re-plan): top it up with the last one
+            lengths = self._previous[len(lengths) - c.min_requests :] + lengths
+        self._previous, self._lengths = lengths, []
+        decision = self._decide(s, lengths, rate)
+        self.reasons[decision.reason] += 1
+        self.decisions.append(decision)
+        log.info("rebalance: %s, t %d, N_p %d, N_d %d (planned %.3f req/s vs %.3f now, %d prompts, %.2f req/s)",
+                 decision.reason, decision.threshold, decision.n_prefill, decision.n_decode, decision.planned_rps,
+                 decision.current_rps, len(lengths), decision.rate_rps)  # fmt: skip
+        return decision
+
+    def _decide(self, s: Signals, lengths: list[int], rate: float) -> RebalanceDecision:
+        def keep(reason: Reason) -> RebalanceDecision:
+            return RebalanceDecision(s.now_s, reason, self.threshold, self.n_prefill, self.n_decode, rate_rps=rate)
+
+        if not self.config.enabled:
+            return keep(Reason.OFF)
+        if len(lengths) < self.config.min_requests:
+            return keep(Reason.FEW_REQUESTS)
+        if s.link_rate_bps <= 0:
+            return keep(Reason.LINK_DOWN)
+        if s.pd_prefill.nodes + s.decode.nodes < self.case.n_pd:
+            return keep(Reason.CONVERTING)
+        case = self.current_case(lengths)
+        grid = SearchGrid(self.config.threshold_step)
+        best = best_prfaas(case, grid)
+        planned_rps = best.throughput_rps
+        current_t, current_rps = _best_threshold(case, grid, self.n_prefill, self.n_decode)
+        moves = best.n_prefill - self.n_prefill
+        step = 0
+        if moves and planned_rps >= current_rps * (1 + self.config.min_gain):
+            step = max(-self.config.max_conversions, min(self.config.max_conversions, moves))
+            self.n_prefill, self.n_decode = self.n_prefill + step, self.n_decode - step
+        # t for the split we will actually have (a partial move is not the planner's split)
+        if step == moves:
+            threshold = int(best.threshold_tokens or 0)
+        elif step == 0:
+            threshold = current_t
+        else:
+            threshold = _best_threshold(case, grid, self.n_prefill, self.n_decode)[0]
+        if step:
+            reason = Reason.CONVERT
+        else:
+            reason = Reason.SMALL_GAIN if moves else Reason.RETUNE if threshold != self.threshold else Reason.KEEP
+        self.threshold = threshold
+        mean_length = float(np.mean(lengths))
+        return RebalanceDecision(
+            s.now_s, reason, threshold, self.n_prefill, self.n_decode, step, planned_rps, current_rps, rate, mean_length
+        )
+
+    def current_case(self, lengths: list[int]) -> PlanCase:
+        """The planning case of the traffic and instances as measured now."""
+        return self.case.with_overrides(
+            lengths=LengthDistribution.empirical("recent traffic", lengths),
+            link_gbps=self._link_bps / 1e9 if self._link_bps > 0 else None,
+            prfaas=self._scaled(self.case.prfaas, "prfaas"),
+            pd_prefill=self._scaled(self.case.pd_prefill, "pd"),
+        )
+
+    def _scaled(self, profile: PrefillProfile, cluster: str) -> PrefillProfile:
+        measured, profiled = self._measured.get(cluster, (0.0, 0.0))
+        if measured <= 0 or profiled <= 0:
+            return profile
+        ratio = measured / profiled
+        points = tuple(ProfilePoint(p.tokens, p.latency_s * ratio, p.kv_bytes) for p in profile.points)
+        return replace(profile, points=points, latency_coeffs=tuple(c * ratio for c in profile.latency_coeffs))
+
+
+def _best_threshold(case: PlanCase, grid: SearchGrid, n_prefill: int, n_decode: int) -> tuple[int, float]:
+    """The best t for a fixed split and its Lambda_max; ties broken as the planner breaks them."""
+    thresholds = grid.thresholds(case)
+    s = stages(case, thresholds, case.n_prfaas, n_prefill, n_decode)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        imbalance = np.abs(s["bound_prfaas"] - s["bound_pdp"]) / s["lambda"]
+    imbalance = np.where(np.isfinite(imbalance), imbalance, np.inf)
+    i = int(np.lexsort((s["egress_gbps"], imbalance, -np.round(s["lambda"], 9)))[0])
+    return int(thresholds[i]), float(s["lambda"][i])

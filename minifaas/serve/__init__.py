@@ -1,1 +1,0 @@
-"""Serving: the gateway program, its worker processes, and the OpenAI-compatible HTTP API."""

@@ -1,0 +1,83 @@
+"""What a simulated deployment is made of: profiles, instance counts, routing, link, measurement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minifaas.planner.case import PlanCase
+from minifaas.planner.model import OperatingPoint
+from minifaas.planner.profile import DecodeProfile, PrefillProfile
+from minifaas.policy.codec_policy import MODES, CodecEstimate
+from minifaas.policy.long_term import LongTermConfig
+from minifaas.policy.router import RouterConfig, Rule
+from minifaas.policy.short_term import ShortTermConfig
+from minifaas.sim.fluid_link import LinkConfig
+
+NO_OFFLOAD = 10**12  # a threshold no prompt exceeds
+# lossless byte-plane coding of bf16 KV on a GPU: about 1.3x at hundreds of GB/s (SplitZip, arXiv 2605.01708)
+GPU_LOSSLESS = CodecEstimate(ratio=1.3, encode_bps=200e9, decode_bps=200e9)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prfaas: PrefillProfile
+    pd_prefill: PrefillProfile
+    decode: DecodeProfile
+    n_prfaas: int
+    n_prefill: int
+    n_decode: int
+    threshold: int  # tokens of incremental prefill above which a request is offloaded
+    rule: Rule = Rule.SCARCE
+    router: RouterConfig = field(default_factory=RouterConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    prefix_cache: bool = True  # off: ignore hash ids, every prompt is prefilled in full
+    cache_bytes: float = float("inf")  # per cluster pool
+    snapshot_interval_blocks: int = 8  # linear-state snapshots every this many blocks (plus prompt ends)
+    warmup_s: float = 0.0  # completions before this are not counted in throughput
+    drain: bool = True  # run until every request finishes, or stop at the last arrival
+    sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
+    short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
+    long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion
+    convert_s: float = 60.0  # a drained PD worker restarts in its new role this much later
+    kv_compression: str = "none"  # codec of PrfaaS transfers (policy.compression); none: state crosses as it is
+    codecs: tuple[tuple[str, CodecEstimate], ...] = (("lossless", GPU_LOSSLESS),)  # what the policy weighs
+
+    def __post_init__(self) -> None:
+        if min(self.n_prfaas, self.n_prefill, self.n_decode) < 0 or self.n_decode < 1:
+            raise ValueError("instance counts must be >= 0, with at least one decode instance")
+        if self.n_prfaas + self.n_prefill < 1:
+            raise ValueError("need at least one prefill instance")
+        if self.threshold < 0 or self.warmup_s < 0 or self.sample_s <= 0 or self.cache_bytes <= 0:
+            raise ValueError("threshold, warmup_s >= 0; sample_s, cache_bytes > 0")
+        if self.convert_s < 0:
+            raise ValueError("convert_s must be >= 0")
+        if self.snapshot_interval_blocks < 0:
+            raise ValueError("snapshot_interval_blocks must be >= 0")
+        if self.kv_compression not in MODES:
+            raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
+        if self.kv_compression not in ("none", "auto", *dict(self.codecs)):
+            raise ValueError(f"kv_compression {self.kv_compression}: no figures for that codec in codecs")
+
+    @property
+    def gpus(self) -> int:
+        prefill = self.n_prfaas * self.prfaas.gpus_per_instance + self.n_prefill * self.pd_prefill.gpus_per_instance
+        return prefill + self.n_decode * self.decode.gpus_per_instance
+
+
+def config_for(case: PlanCase, point: OperatingPoint, link: LinkConfig | None = None, **extra: object) -> SimConfig:
+    """The simulated twin of one planned configuration (prfaas, homogeneous or naive)."""
+    if point.threshold_tokens is not None:
+        threshold = int(point.threshold_tokens)
+    else:
+        threshold = 0 if point.n_prefill == 0 else NO_OFFLOAD
+    return SimConfig(
+        prfaas=case.prfaas,
+        pd_prefill=case.pd_prefill,
+        decode=case.decode,
+        n_prfaas=point.n_prfaas,
+        n_prefill=point.n_prefill,
+        n_decode=point.n_decode,
+        threshold=threshold,
+        link=link or LinkConfig(gbps=case.link_gbps),
+        **extra,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,129 @@
+"""A decode worker's job: take a request's state off the KV receiver and decode it with the others.
+
+The decoder (``BatchDecoder``, or ``InterleavedDecoder`` when ``max_batch`` is
+1) is stepped on the model thread, one step per round; the event loop hands the
+tokens out between rounds. Only the loop touches the decoder while no step is
+in flight: a request that arrives or is aborted during a step is applied the
+moment that step returns, so an aborted request's state is freed within one
+step and the others go on.
+
+A request refused by a full waiting queue is answered ``failed`` at once. The
+gateway's own bound (``max_queued_requests``, answered 503) comes first as long
+as it is at most a decode worker's ``max_batch + max_waiting``, as by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from minifaas.control.worker_ops import sampling_from_json
+from minifaas.model.batch_decoder import make_decoder
+from minifaas.model.decoder import DecoderConfig, QueueFull
+from minifaas.model.layer_state import ModelState
+from minifaas.model.runtime import ModelRuntime, finish_reason
+from minifaas.model.sampling import SamplingParams
+from minifaas.transport.receiver import KVReceiver
+
+Emit = Callable[[dict], None]
+Arrival = tuple[str, ModelState, int, SamplingParams]
+
+
+class DecodeService:
+    def __init__(
+        self, runtime: ModelRuntime, receiver: KVReceiver, state_timeout: float, config: DecoderConfig | None = None
+    ) -> None:
+        self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
+        self.decoder = make_decoder(runtime, config or DecoderConfig())
+        self.clients: dict[str, tuple[Emit, int]] = {}  # request -> (emit, transfer) while it decodes
+        self.first_tokens: dict[str, asyncio.Future[int]] = {}
+        self.stepping = False
+        self.arrivals: list[Arrival] = []  # came in during a step
+        self.aborts: set[str] = set()  # aborted during a step
+        self.wakeup = asyncio.Event()
+
+    @property
+    def load(self) -> int:
+        return self.decoder.load + len(self.arrivals)
+
+    def _first_token(self, req: str) -> asyncio.Future[int]:
+        if req not in self.first_tokens:
+            self.first_tokens[req] = asyncio.get_running_loop().create_future()
+        return self.first_tokens[req]
+
+    async def decode(self, msg: dict, emit: Emit) -> None:
+        """Wait for the state and the first token, then hand the request to the decoder."""
+        req, transfer = msg["req"], msg["transfer"]
+        sampling = sampling_from_json(msg["sampling"])
+        incoming = self.receiver.transfer(transfer)
+        first = self._first_token(req)
+        try:
+            async with asyncio.timeout(self.state_timeout):
+                state = await incoming.model_state()
+            emit({"op": "received", "req": req, "transfer": transfer, "bytes": state.nbytes})
+            async with asyncio.timeout(self.state_timeout):
+                next_token = await first
+        finally:
+            if self.first_tokens.get(req) is first:
+                del self.first_tokens[req]
+        finish = finish_reason(self.runtime, sampling, next_token, 1, state.seq_len)
+        if finish is not None:
+            emit({"op": "done", "req": req, "transfer": transfer, "finish": finish})
+            return
+        self.clients[req] = (emit, transfer)
+        if self.stepping:
+            self.arrivals.append((req, state, next_token, sampling))
+        else:
+            self._submit((req, state, next_token, sampling))
+        self.wakeup.set()
+
+    def start(self, req: str, next_token: int) -> None:
+        future = self._first_token(req)
+        if not future.done():
+            future.set_result(next_token)
+
+    def abort(self, req: str) -> None:
+        self.clients.pop(req, None)
+        future = self.first_tokens.pop(req, None)
+        if future is not None and not future.done():
+            future.cancel()
+        if self.stepping:
+            self.aborts.add(req)
+        else:
+            self.decoder.abort(req)
+
+    def _submit(self, arrival: Arrival) -> None:
+        req = arrival[0]
+        try:
+            self.decoder.submit(*arrival)
+        except QueueFull as e:
+            emit, transfer = self.clients.pop(req)
+            emit({"op": "failed", "req": req, "transfer": transfer, "error": f"overloaded: {e}"})
+
+    def _apply_pending(self) -> None:
+        for req in self.aborts:
+            self.decoder.abort(req)
+        self.aborts.clear()
+        arrivals, self.arrivals = self.arrivals, []
+        for arrival in arrivals:
+            if arrival[0] in self.clients:  # not aborted meanwhile
+                self._submit(arrival)
+
+    async def run(self) -> None:
+        while True:
+            await self.wakeup.wait()
+            if not self.decoder.load:
+                self.wakeup.clear()
+                continue
+            self.stepping = True
+            tokens = await self.runtime.on_forward_thread(self.decoder.step)
+            self.stepping = False
+            self._apply_pending()
+            for t in tokens:
+                client = self.clients.get(t.request)
+                if client is None:  # aborted while its token was being computed
+                    continue
+                emit, transfer = client
+                emit({"op": "token", "req": t.request, "transfer": transfer, "token": t.token, "finish": t.finish})
+                if t.finish is not None:
+                    del self.clients[t.request]
