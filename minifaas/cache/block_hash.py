@@ -1,20 +1,14 @@
 """Chained block keys: the names under which cached state is stored and matched.
 
-A prompt is cut into blocks of ``block_size`` tokens. Block j's key hashes the key
-of block j-1 together with block j's token bytes (blake2b, 16 bytes), so one key
-names the whole prefix up to the end of its block, and equal keys mean equal
-prefixes (collisions are 2^-64-birthday rare). The chain starts at a root derived
-from a namespace, e.g. the model name, so two models never share a cache.
+A prompt is cut into blocks of ``block_size`` tokens. Block j's key hashes block j-1's key with block j's token
+bytes (blake2b, 16 bytes), so one key names the whole prefix up to the end of its block and equal keys mean
+equal prefixes. The chain starts at a root derived from a namespace (the model name), so models never share.
+``key_at(n)`` names the prefix of length n for any n: the last full block's key chained with the token bytes of
+the partial block after it; state snapshots, valid at one length, are stored under these keys.
 
-``key_at(n)`` names the prefix of length n for ANY n: the key of the last full
-block inside it, chained with the token bytes of the partial block after it.
-State snapshots are stored under these keys, since they are valid at one length.
-
-Two ways to build a ``PromptKeys``:
-- ``from_tokens``: real token ids (live system); every ``key_at(n)`` is computable.
-- ``from_ids``: one precomputed id per block (a Mooncake trace's hash ids, in the
-  simulator); the last id may stand for a partial block. Only block-aligned
-  lengths and the full prompt length have keys; ``key_at`` is None elsewhere.
+``PromptKeys.from_tokens`` takes real token ids (the live system): every ``key_at(n)`` is computable.
+``PromptKeys.from_ids`` takes one precomputed id per block (a trace's hash ids, in the simulator), the last
+possibly for a partial block: only block-aligned lengths and the full prompt length have keys, else None.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """The hybrid prefix cache pool of one cluster: cached state, its bytes, and who may evict it.
 
-One pool per cluster, held in host memory by a process of that cluster. Sans-IO:
-no clocks (``now`` is an argument), no I/O; payloads are opaque to it. The live
-system stores LayerState lists (a block's full-attention KV sliced with
-``LayerState.slice_tokens``; a snapshot's linear/SWA states plus the KV of the
-partial block before it); the simulator stores no payload at all, only sizes.
+Sans-IO (``now`` is an argument); payloads are opaque (the live system stores LayerState lists, the simulator
+only sizes) and kept by reference, so a stored payload must never be mutated. A request on a prefill node:
 
-The life of a request on a prefill node:
     keys = PromptKeys.from_tokens(tokens, pool.config.block_size, model_name)
     lease = pool.acquire(keys, now, limit=len(tokens) - 1)   # pins what it returns
-    ...load lease.block_payloads + lease.snapshot_payload; prefill the rest,
-       taking state snapshots at pool.snapshot_points(lease.hit_tokens, len(tokens))...
-    pool.put_block(keys, j, now, nbytes, payload) for each new full block, in order
-    pool.put_snapshot(keys, n, now, nbytes, payload) for each snapshot taken
-    pool.release(lease); pool.touch(keys, len(tokens), now)
-    ship pool.drain_events() to the gateway's GlobalCacheManager
-The tail KV being shipped P->D lives in the transfer area: ``reserve_transfer``
-before sending, ``finish_transfer`` as soon as the transfer completes or fails.
+    ...load lease.block_payloads + lease.snapshot_payload; prefill the rest, taking snapshots
+       at pool.snapshot_points(lease.hit_tokens, len(tokens))...
+    pool.put_block(keys, j, now, nbytes, payload) / pool.put_snapshot(keys, n, now, nbytes, payload), in order
+    pool.release(lease); pool.touch(keys, len(tokens), now); ship pool.drain_events() to the gateway
 
-Entries are immutable once stored (the pool keeps a reference: never mutate a
-stored payload). Referenced entries (``refs`` > 0) and entries something still
-hangs from (a block with a child block or snapshot) are never evicted, so the
-cached set stays prefix-closed: every stored block's parent is stored. Eviction
-is least-recently-used by bytes; transfer reservations may evict prefix entries
-but are never evicted themselves. Every decision is counted in ``counts``.
+Referenced entries and entries something hangs from are never evicted, so the cached set stays prefix-closed;
+eviction is LRU by bytes. The tail KV being shipped is held by ``reserve_transfer`` until ``finish_transfer``:
+it may evict prefix entries but is never evicted itself. Every decision is counted in ``counts``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Which cached prefixes exist, and who holds them: the matching half of the cache.
 
-Metadata only, no payloads, so the per-cluster pool (which also owns the bytes)
-and the gateway's global manager (which only hears store/evict events) share one
-matching algorithm.
+Metadata only, so the per-cluster pool and the gateway's global manager share one matching algorithm. A BLOCK
+is the full-attention KV of one aligned block, under its chained key; blocks match by longest prefix. A SNAPSHOT
+is the state valid at exactly one length n (linear-attention and sliding-window layers, plus the full-attention
+KV of the partial block before n), under ``key_at(n)``, indexed by its parent block so a lookup only visits
+snapshots on the prompt's path.
 
-Two kinds of entry:
-- a BLOCK is the full-attention KV of one aligned block, under its chained key;
-  blocks match by longest prefix.
-- a SNAPSHOT is the state valid at exactly one length n (linear-attention and
-  sliding-window layers, plus the full-attention KV of the partial block before
-  n), under ``key_at(n)``, indexed by its parent block so a lookup only visits
-  snapshots that can lie on the prompt's path.
-
-The usable hit is the longest n such that every full block inside [0, n) is
-present and a snapshot exists at exactly n. Models without fixed-size state
-(dense) need no snapshot at block boundaries: the block prefix alone is usable.
-Each entry records the nodes that stored it, so a lookup can be asked for the
-usable hit of one node.
+The usable hit is the longest n such that every full block inside [0, n) is present and a snapshot exists at
+exactly n; a model without fixed-size state needs no snapshot at block boundaries. Each entry records the nodes
+that stored it, so a lookup can ask for one node's usable hit.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Lossy 8-bit coding of attention KV: one float32 scale per block of 128 elements, one byte per element.
 
-Each block of ``BLOCK`` consecutive elements (the last one may be shorter) is
-divided by its own scale, amax / 448 for float8 e4m3 or amax / 127 for int8
-(rounded to nearest), so every block uses the code's whole range. A block is
-two tokens of one head at head_dim 64, one token at 128: outliers stay local
-to a token, as per-token KV quantisation keeps them. Against bfloat16 that is
-2 bytes -> 1 + 4/128, a ratio of 1.94; against float32, 3.88.
+Each block of ``BLOCK`` consecutive elements (the last may be shorter) is divided by its own scale, amax / 448
+for float8 e4m3 or amax / 127 for int8 (rounded to nearest), so every block uses the code's whole range; a block
+is one or two tokens of one head, so outliers stay local to a token. Against bfloat16 that is 2 bytes -> 1 +
+4/128 (1.94x); against float32, 3.88x. Only full-attention and sliding-window KV is coded this way
+(``codec``): linear-attention state is a running sum every later token reads, so it stays lossless.
 
-Only full-attention and sliding-window KV is coded this way (``codec``
-chooses); linear-attention state is a running sum that every later token
-reads, so its error would not stay put, and it stays lossless.
-
-Payload of ``n`` elements: ceil(n / BLOCK) float32 scales, then n codes.
-Decoding multiplies in float32 and rounds once to the slot's dtype, the same
-arithmetic on both ends, so the sender checksums exactly what a receiver
-writes (``roundtrip``).
+Payload of ``n`` elements: ceil(n / BLOCK) float32 scales, then n codes. Decoding multiplies in float32 and
+rounds once to the slot's dtype, the same arithmetic on both ends, so the sender checksums exactly what a
+receiver writes (``roundtrip``).
 """
 
 from __future__ import annotations

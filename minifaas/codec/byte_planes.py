@@ -1,38 +1,14 @@
 """Lossless coding of float tensors: the sign and exponent byte apart from the mantissa bytes, entropy-coded.
 
-A float's top byte (little-endian, so the last of its bytes) holds the sign and
-the high exponent bits; the bytes below it are mostly mantissa:
-
-    float32   byte 3: sign, exponent bits 7..1   byte 2: exponent bit 0, mantissa 22..16   bytes 1, 0: mantissa
-    bfloat16  byte 1: sign, exponent bits 7..1   byte 0: exponent bit 0, mantissa 6..0
-    float16   byte 1: sign, exponent bits 4..0, mantissa 9..8   byte 0: mantissa 7..0
-
-Values of one tensor share a few exponents, so the top bytes carry 3-4 bits of
-information each (measured on the presets' states: 2.9 bits for full-attention
-KV, 3.9 for linear-attention state), while the mantissa bytes are close to
-8 bits of noise. So only the plane of top bytes is entropy-coded (zstd, whose
-literals are Huffman-coded); the rest goes as it is, which is both the better
-ratio and much less work than compressing everything. Rotating the last
-exponent bit into the top byte gains under 0.1 bit: not worth the pass.
-
-The plane's information is in its byte frequencies, not in repeats, so what
-pays is zstd's Huffman coding of literals, not its match finder. On bf16 KV
-the finder took three quarters of zstd's time for a tenth of its ratio. So
-the encoder asks zstd for its fast strategy with a large step between match
-attempts (``ZSTD_c_targetLength``, the strategy's acceleration) and keeps
-literal coding on (``ZSTD_c_literalCompressionMode``): 2.5x the speed of
-the finder's full search, for a plane ratio 6% lower (see docs/RESULTS.md,
-section 16). zstd turns literal coding off by itself at any acceleration,
-and only its experimental API sets it back on, which the zstandard package
-exposes through its cffi module. Where that module is missing (no ``cffi``),
-the encoder falls back to the finder's full search with a 64-entry hash
-table: the same format, slower. Either way a payload is one plain zstd frame,
-and the decoder is the same.
+A float's top byte (the last, little-endian: sign and high exponent bits) carries 3-4 bits of information, the
+bytes below are close to 8 bits of mantissa noise, so only the plane of top bytes is zstd-coded. Its gain is in
+byte frequencies, not repeats: the encoder accelerates zstd's match finder (fast strategy, ``ZSTD_c_targetLength``)
+and forces literal Huffman coding back on (``ZSTD_c_literalCompressionMode``, via the zstandard package's cffi
+module). Without cffi it falls back to the finder's full search with a 64-entry hash table: same format.
 
 Payload of a coded range of ``n`` elements of ``w`` bytes:
 
-    u8   form of the top plane: 0 raw, 1 zstd frame
-    3    zero
+    u8   form of the top plane: 0 raw, 1 zstd frame; then 3 zero bytes
     u32  bytes of the top plane as sent
          the top plane: n bytes, or a zstd frame that decodes to n bytes
          the other planes, raw: 16-bit floats byte 0 of each element (n bytes); float32 byte 2 of

@@ -6,20 +6,12 @@
     fp8/int8  8-bit codes with a float32 scale per 128 elements (``block_scaled``); only full-attention
               and sliding-window KV in float slots, the rest of a lossy transfer goes lossless
 
-A transfer asks for one codec; each frame then gets the codec that fits its
-slot (``frame_codec``), so int slots, ragged ranges and frames too small to
-gain go uncoded in any transfer. A frame whose coding would not shrink it goes
-uncoded too. The receiver says in the handshake which codecs it decodes
-(``auth``), and a sender never uses another.
-
-The checksum in a coded frame's header is that of the decoded bytes, the
-ones the receiver ends up holding: it covers the codec too. For the lossy
-codes the encoder decodes its own output to get it.
-
-Coding sits between the state's bytes in host memory and the socket: the
-sender's pumps code each chunk just before it goes (off the event loop when it
-is large), the receiver decodes each chunk into the slot's tensor as soon as
-the chunk is in, so layers still stream.
+A transfer asks for one codec; each frame gets the one that fits its slot (``frame_codec``): int slots, ragged
+ranges, frames too small to gain and frames that would not shrink go uncoded. A sender uses only codecs the
+receiver offered in the handshake (``auth``). A coded frame's header checksum is that of the decoded bytes, so
+it covers the codec too (for the lossy codes the encoder decodes its own output to get it). The sender codes each
+chunk just before it goes, the receiver decodes it into the slot's tensor as soon as it is in, so layers still
+stream.
 """
 
 from __future__ import annotations

@@ -1,37 +1,16 @@
 """A transformers Cache whose rows are independent requests of different lengths.
 
-One decode step feeds one token per row. Each model layer keeps its rows in a
-row layer (``row_layers``: padded KV, a ring for sliding windows, stacked
-linear state, both for a layer that has both), row r of every buffer
-belonging to the same request.
+One decode step feeds one token per row. Each model layer keeps its rows in a row layer (``row_layers``), row r
+of every buffer belonging to the same request. Rows are padded, not paged: with one query token per row,
+attention over a padded ``[n, width]`` block is one batched matmul that transformers' own attention functions
+run unchanged, and the decoder's token budget caps the padding's cost (n x width). Rows stay packed in
+``0..n-1``: a row that leaves is replaced by the last one.
 
-Why padding and not pages: with one query token per row, attention over a
-padded ``[n, width]`` block is a single batched matmul that transformers' own
-attention functions (eager and sdpa) run unchanged; a paged layout would need a
-gather into the same dense block every step or a kernel of our own. The cost
-of padding is compute on masked slots, bounded by n x width; the decoder's
-token budget caps exactly that product. Rows stay packed in ``0..n-1``: a row
-that leaves is replaced by the last row (one row copy), so no step computes on
-holes.
-
-The masks go to the model as a dict, the form transformers' own ``generate``
-uses for precomputed masks. Models look them up by the layer's type, under the
-name their config gives it (``layer_types`` or ``layers_block_type``) or a
-generic one ("full_attention", "sliding_attention", "linear_attention"), so
-the dict has an entry under each: the padded mask for full attention, the
-ring's for a sliding window, and None (no padding to hide) for layers whose
-only state is linear. A model whose layers all attend alike gets its one mask
-as a 4D tensor instead: older model code (Qwen3-MoE, MiniMax-M2) takes no
-dict, and transformers' mask builders pass a 4D mask through unchanged.
-
-Every preset and every family in models/README.md's coverage table batches
-exactly this way (tests compare each row with the same request decoded
-alone): KimiLinear's MLA caches its compressed latent and uses no rotary
-positions; the others take per-row ``position_ids`` for their rotary phase;
-MiMo's sliding layers add their attention sinks after our mask, which they
-treat like any other. A cache layer with no row form here raises
-NotImplementedError, and the decode service then runs that model unbatched,
-saying so in its log.
+The masks go to the model as a dict keyed by layer type, under the name the config gives it (``layer_types`` or
+``layers_block_type``) and a generic one ("full_attention", "sliding_attention", "linear_attention"): the padded
+mask, the ring's, or None for a layer with only linear state. A model whose layers all attend alike gets its one
+mask as a 4D tensor (older model code such as Qwen3-MoE takes no dict). A cache layer with no row form raises
+NotImplementedError; the decode service then runs that model unbatched.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Continuous batching: every running request is one row of a single forward pass per step.
 
-A request joins as soon as its state has arrived and a row is free, and leaves
-the moment it finishes or is aborted; no row waits for another. Rows differ in
-context length (see ``batch_cache`` for the layout and why), sampling
-parameters and seeds: each row samples with its own parameters at its own
-absolute position, so it draws the tokens it would draw decoded alone.
+A request joins as soon as its state has arrived and a row is free, and leaves the moment it finishes or is
+aborted. Rows differ in context length (``batch_cache``), sampling parameters and seeds: each row samples with
+its own parameters at its own absolute position, so it draws the tokens it would draw decoded alone.
 
-Admission is in arrival order and bounded twice: at most ``max_batch`` rows,
-and a step may attend to at most ``step_token_budget`` KV slots, padding
-included (rows x (longest row + 1), the real cost of a padded step). The head
-of the queue waits until it fits; nothing behind it jumps ahead. The budget
-gates admission only: running rows are never preempted. The waiting queue
-holds at most ``max_waiting`` requests; one more is refused with QueueFull.
-
-Batching prefills does not pay here, so prefill workers stay one prompt at a
-time. Measured with ``benchmarks/bench_decode_batch.py --prefill --threads 1``
-(kimi-linear-tiny, fp32, torch reference kernels, CPU seconds of the process
-because the 2 cores are shared; three runs), eight equal-length prompts one
-after another against one [8, L] forward: one by one took 0.96-1.06x the
-batch's CPU at L = 16 and 1.01-1.22x at 32 (batching saves a sixth at best),
-while at 128 and 512 the batch took 1.3-1.7x and 1.3-1.9x *more* (the chunked
-linear-attention scan and the MoE gain nothing from a batch dimension that
-they did not already get from a long sequence). Equal lengths are
-the best case: real prompts would also pay padding, and holding a prompt back
-to fill a batch adds to its TTFT. Decode is the opposite case: one token per
-row leaves the per-forward overhead dominant, which a batch shares.
+Admission is in arrival order and bounded twice: at most ``max_batch`` rows, and a step may attend to at most
+``step_token_budget`` KV slots, padding included (rows x (longest row + 1)); a lone row always runs. The head of
+the queue waits until it fits; nothing behind it jumps ahead. The budget gates admission only: running rows are
+never preempted. At most ``max_waiting`` requests wait; one more is refused with QueueFull. Prefills are not
+batched: prefill workers take one prompt at a time.
 """
 
 from __future__ import annotations

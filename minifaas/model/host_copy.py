@@ -1,24 +1,14 @@
 """Layer states out of the GPU without stalling anyone: pinned host buffers, a side stream, an event.
 
-A prefill's layer hook runs in the compute thread while the GPU is still
-working through the forward. ``HostCopier.stage`` queues each tensor's copy
-into pinned host memory on a side CUDA stream (ordered after the kernels that
-wrote it, ``wait_stream``) and records an event; it returns at once, so the
-thread goes on launching the next layer. Whoever reads the host bytes waits
-for the event first, off the event loop (``OutgoingTransfer``'s pumps call
-``synchronize`` in a thread): no ``.cpu()`` ever runs on the loop, and the
-copy of layer i overlaps the compute of layer i+1.
+``HostCopier.stage`` runs in the compute thread (a prefill's layer hook): it queues each tensor's copy into
+pinned host memory on a side CUDA stream, ordered after the kernels that wrote it (``wait_stream``), records an
+event and returns at once, so the copy of layer i overlaps the compute of layer i+1. Whoever reads the host
+bytes first waits for the event, in a thread (``OutgoingTransfer``'s pumps call ``synchronize``), so no
+``.cpu()`` ever runs on the event loop. The source tensor is recorded on the side stream (``record_stream``) so
+its GPU memory is not reused before the copy has read it; pinned memory comes from torch's caching host allocator.
 
-Pinned memory comes from torch's caching host allocator, so after the first
-requests a stage allocates nothing new. The source tensor is recorded on the
-side stream (``record_stream``), so its GPU memory is not reused before the
-copy has read it.
-
-On the CPU all of this is nothing: ``stage`` hands the state back as it is,
-with no event, and the sender reads the tensors directly (today's path).
-
-``to_device`` is the other direction, for a decode node: host states (pinned
-by the receiver on a CUDA node) copied to the GPU without blocking the host.
+On the CPU ``stage`` hands the state back as it is, with no event. ``to_device`` is the other direction, for a
+decode node: host states copied to the GPU without blocking the host.
 """
 
 from __future__ import annotations

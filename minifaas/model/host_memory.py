@@ -1,20 +1,11 @@
 """Host memory for a process that runs forwards: freed blocks are kept for the next forward.
 
-A forward on the CPU allocates its activations and frees them again, and the
-next forward asks for the same sizes. glibc serves every block above its mmap
-threshold (128 KiB at first; it rises as such blocks are freed, up to 32 MiB)
-with a fresh ``mmap`` and unmaps it on free, and it hands the top of its heap
-back to the kernel once more than its trim threshold is free there. Each
-forward then touches pages the kernel must map and zero again: a 128-token
-prefill of kimi-linear-tiny took 25,800 page faults and about a third of its
-time for them (docs/RESULTS.md, section 29).
-
-``keep_freed_memory`` sets both thresholds once per process, before the model
-loads (``ModelRuntime.load`` calls it): blocks up to ``MMAP_THRESHOLD`` come
-from the heap, and the heap keeps up to ``TRIM_THRESHOLD`` of free memory
-for the next forward. The price is resident memory that stays at its peak,
-as a serving process's does anyway. Only glibc has these knobs; elsewhere, and
-with ``MINIFAAS_HOST_MALLOC=system`` in the environment, nothing changes.
+A forward on the CPU frees its activations, and the next asks for the same sizes again. Under glibc's defaults
+every block above the mmap threshold is a fresh ``mmap``, unmapped on free, and the heap's free top goes back to
+the kernel past the trim threshold, so each forward faults its pages in anew. ``keep_freed_memory`` sets both
+thresholds once per process, before the model loads (``ModelRuntime.load`` calls it): blocks up to
+``MMAP_THRESHOLD`` come from the heap, which keeps up to ``TRIM_THRESHOLD`` free. Resident memory then stays at
+its peak. Only glibc has these knobs; elsewhere, and with ``MINIFAAS_HOST_MALLOC=system``, nothing changes.
 """
 
 from __future__ import annotations

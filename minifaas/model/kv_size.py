@@ -1,7 +1,4 @@
-"""How many bytes of state a request carries, from a config.json alone.
-
-Reads the raw config dict (no transformers, no weights), so it works for any
-real model's config.json as well as for the presets. Each layer is one of:
+"""How many bytes of state a request carries, from a config.json alone. Each layer is one of:
 
     full_attention   GQA K+V per token                 grows with length
     mla              compressed latent + rope key      grows with length
@@ -13,11 +10,9 @@ real model's config.json as well as for the presets. Each layer is one of:
     rglru            RG-LRU state + conv tail          fixed
     none             nothing (MLP or MoE layers)       -
 
-Conventions match what the runtime actually holds (transformers' caches): a
-conv tail keeps `kernel` columns, a sliding window keeps `window` tokens, and a
-recurrent state is float32 unless the config names its dtype. Tests compare
-these numbers with the bytes of real prefilled states of every preset and of
-every model family in models/README.md's coverage table.
+Reads the raw dict (no transformers, no weights), counting as transformers' caches hold state: a conv tail
+keeps `kernel` columns, a sliding window `window` tokens, and a recurrent state is float32 unless the config
+names its dtype.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
-"""Per-layer model state: the unit that prefill produces and decode consumes.
+"""Per-layer model state: the unit that prefill produces and decode consumes. Three kinds, each in named tensor slots:
 
-A hybrid model keeps three kinds of per-layer state, each in named tensor slots:
+- FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]``; grows with the prompt
+  and can be sliced to a token range (prefix reuse, incremental transfer). MLA keeps its compressed latent here.
+- SLIDING_WINDOW: ``keys``/``values`` of the last ``window - 1`` tokens plus the absolute length they end at.
+- LINEAR_ATTENTION: ``conv.<i>`` (short-convolution tail) and ``recurrent.<i>`` (linear-attention, Mamba or
+  RG-LRU state); a short-convolution layer (LFM2) has only ``conv``. Fixed size, valid at exactly one length.
 
-- FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]``.
-  Grows with the prompt; can be sliced to a token range (prefix reuse,
-  incremental transfer). MLA keeps its compressed latent here.
-- SLIDING_WINDOW: ``keys``/``values`` of the last ``window - 1`` tokens plus the
-  absolute length they end at. Bounded size.
-- LINEAR_ATTENTION: ``conv.<i>`` (short-convolution tail) and ``recurrent.<i>``
-  (the linear-attention, Mamba or RG-LRU state); a short-convolution layer
-  (LFM2) has only ``conv``. Fixed size, valid at exactly one length.
-
-A layer that keeps two kinds at once (attention beside a Mamba mixer) is two
-LayerStates, one of each kind; ``state_layout`` says which states a model
-has, reads them out of a transformers ``Cache`` and puts them back. The byte
-codec lives in ``state_codec``.
+A layer that keeps two kinds at once (attention beside a Mamba mixer) is two LayerStates, one of each kind.
+``state_layout`` reads them out of a transformers ``Cache`` and puts them back; ``state_codec`` makes bytes.
 """
 
 from __future__ import annotations

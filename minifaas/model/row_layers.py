@@ -1,25 +1,17 @@
 """The cache layers of a decode batch: each holds one model layer's state for every row (request).
 
-One decode step feeds one token per row; row r of every buffer belongs to the
-same request. A row layer takes a request's parts of its layer (see
-``state_layout``) with ``put``, moves a row with ``move``, and before each step
-``prepare`` points the model at rows 0..n-1:
+Row r of every buffer belongs to the same request. A row layer takes a request's parts of its layer with
+``put``, moves a row with ``move``, and before each step ``prepare`` points the model at rows 0..n-1:
 
-- full attention, ``PaddedKVLayer``: ``[rows, heads, capacity, dim]``, right
-  padded. Row r holds its tokens in slots ``0..len_r-1`` and writes the new one
-  at slot ``len_r`` (its absolute position). The forward sees the view
-  ``[:n, :, :width]`` with ``width`` = longest row + 1, and a mask that hides
-  each row's padding. Capacity grows geometrically (x2), so a step copies only
-  the n new tokens; a whole row is copied when it joins or moves.
-- sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: the
-  token at position p lives in slot ``p % window``. Attention is order-free
-  once keys carry their rotary phase, so the ring needs no shifting.
-- linear state, ``RowLinearLayer``: conv and recurrent states stacked by row,
-  handed to the model as ``[:n]`` views it updates in place.
-- attention and linear state in one layer (Falcon-H1, Zamba), ``RowHybridLayer``:
-  both of the above in one object, because the model reaches both through the
-  same ``cache.layers[i]``.
-- no state (Nemotron-H's MLP and MoE layers), ``StatelessRowLayer``.
+- full attention, ``PaddedKVLayer``: ``[rows, heads, capacity, dim]``, right padded. Row r holds its tokens in
+  slots ``0..len_r-1`` and writes the new one at slot ``len_r``. The forward sees ``[:n, :, :width]``, width =
+  longest row + 1, with a mask that hides each row's padding. Capacity doubles as it grows, so a step copies
+  only the n new tokens; a whole row is copied when it joins or moves.
+- sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: position p lives in slot
+  ``p % window`` (attention is order-free once keys carry their rotary phase, so the ring is never shifted).
+- linear state, ``RowLinearLayer``: conv and recurrent states stacked by row, ``[:n]`` views updated in place.
+- attention and linear state in one layer (Falcon-H1, Zamba), ``RowHybridLayer``: both, since the model
+  reaches both through the same ``cache.layers[i]``; no state (Nemotron-H's MLP/MoE layers), ``StatelessRowLayer``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """The model runtime: prefill with a per-layer callback, and decode from a state.
 
-``prefill`` registers a forward hook on every decoder layer. When layer i's
-forward returns, its cache entry holds the final state for the whole prompt, so
-the hook hands that LayerState to ``on_layer`` right away, while layer i+1 is
-yet to run (a layer with attention and a Mamba mixer side by side hands on its
-two parts, a layer without state nothing: see ``state_layout``). That ordering
-is what lets a sender put layer i on the wire during the rest of the forward
-(layer-pipelined transfer).
+``prefill`` hooks every decoder layer: when layer i's forward returns, its cache entry holds the final state for
+the whole prompt, so the hook hands its LayerStates (``state_layout``) to ``on_layer`` while layer i+1 is yet to
+run, and a sender can put layer i on the wire during the rest of the forward. With ``chunk_tokens`` the prompt
+runs as several forwards on one cache; a full-attention layer's KV for a chunk is final once the chunk has
+passed the layer, so ``on_tokens`` gets it then, while linear-attention and sliding-window state is final only
+after the last token and goes to ``on_layer`` at the end.
 
-With ``chunk_tokens`` the prompt runs as several forwards on one cache (the
-arithmetic of a prefix continuation). A full-attention layer's keys and values
-for a chunk are final once that chunk has passed the layer, so ``on_tokens``
-hands them over then, long before the last chunk; linear-attention and
-sliding-window state is final only after the last token and goes to
-``on_layer`` at the end. The transfer then waits after the prefill only for
-the last chunk's KV and the fixed-size state, not for whole layers.
-
-Everything here is synchronous and blocks on the model; async callers run it on
-the runtime's own thread (``on_forward_thread``) so their event loop keeps
-moving bytes.
+Everything here blocks on the model; async callers run it on the runtime's own thread (``on_forward_thread``)
+so their event loop keeps moving bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -71,9 +61,8 @@ class ModelRuntime:
         self._forward_thread: ThreadPoolExecutor | None = None
 
     async def on_forward_thread(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on this runtime's own thread, where a server runs all of its forwards. One
-        thread's allocator arena hands the same blocks back to every forward, still in the caches;
-        spread over a pool's threads, a 128-token prefill took about 3% longer."""
+        """``fn(*args)`` on this runtime's own thread, where a server runs all of its forwards: one
+        thread's allocator arena hands the same blocks back to every forward, still in the caches."""
         if self._forward_thread is None:
             self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix=f"forward-{self.spec.name}")
         return await asyncio.get_running_loop().run_in_executor(self._forward_thread, functools.partial(fn, *args))
@@ -129,40 +118,27 @@ class ModelRuntime:
         if total > self.max_context:
             raise ValueError(f"{total} tokens exceed the model's context of {self.max_context}")
         cache = build_cache(self.config, prefix_state.layers, self.device) if prefix_state else self.new_cache()
-        layers: list[LayerState] = []
-        step = chunk_tokens or len(token_ids)
-        bounds = [*range(prefix_len, total, step), total]
-        running = [prefix_len, prefix_len]  # tokens [start, end) of the forward under way
+        hook = _LayerHook(self.layout, cache, prefix_len, total, on_layer, on_tokens)
+        logits = self._forwards(token_ids, cache, hook, chunk_tokens or len(token_ids))
+        layers = hook.final_states(self.num_states)
+        token = sample(logits, sampling, total, eos_token_id=self.eos_token_id)  # the first token: no history
+        return PrefillResult(ModelState(layers, total), token, logits, len(token_ids), time.perf_counter() - start)
 
-        def hook(module: torch.nn.Module, args: object, output: object, index: int) -> None:
-            begin, end = running
-            for state in self.layout.extract(cache, index, end, clone_fixed=False):
-                if end == total:
-                    layers.append(state)
-                if on_tokens is not None and state.kind.grows:
-                    first = 0 if begin == prefix_len else begin
-                    on_tokens(state.slice_tokens(first, end), first, total)
-                elif end == total and on_layer is not None:
-                    on_layer(state)
-
+    def _forwards(self, token_ids: Sequence[int], cache: object, hook: _LayerHook, step: int) -> torch.Tensor:
+        """The prompt's forwards of at most ``step`` tokens, ``hook`` on every decoder layer; the last logits."""
         handles = [
-            layer.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i))
-            for i, layer in enumerate(self.decoder_layers)
+            layer.register_forward_hook(lambda m, a, o, i=i: hook(i)) for i, layer in enumerate(self.decoder_layers)
         ]
         try:
-            for begin, end in itertools.pairwise(bounds):
-                running[:] = begin, end
-                piece = token_ids[begin - prefix_len : end - prefix_len]
+            for begin, end in itertools.pairwise([*range(hook.prefix_len, hook.total, step), hook.total]):
+                hook.begin, hook.end = begin, end
+                piece = token_ids[begin - hook.prefix_len : end - hook.prefix_len]
                 ids = torch.tensor([list(piece)], dtype=torch.long, device=self.device)
                 out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         finally:
             for h in handles:
                 h.remove()
-        if [s.layer for s in layers] != list(range(self.num_states)):
-            raise RuntimeError(f"layer hooks gave states {[s.layer for s in layers]}, expected each part once in order")
-        logits = out.logits[0, -1].float().cpu()
-        token = sample(logits, sampling, total, eos_token_id=self.eos_token_id)  # the first token: no history
-        return PrefillResult(ModelState(layers, total), token, logits, len(token_ids), time.perf_counter() - start)
+        return out.logits[0, -1].float().cpu()
 
     def new_cache(self) -> object:
         return new_cache(self.config)
@@ -181,6 +157,39 @@ class ModelRuntime:
         result = self.prefill(token_ids, sampling=sampling)
         stream = self.start_decode(result.state, result.next_token, sampling)
         return stream.run()
+
+
+@dataclass(slots=True)
+class _LayerHook:
+    """One prefill's layer hook: hands each layer's states on as they become final, keeps the final ones."""
+
+    layout: StateLayout
+    cache: object
+    prefix_len: int
+    total: int
+    on_layer: OnLayer | None
+    on_tokens: OnTokens | None
+    begin: int = 0  # tokens [begin, end) of the forward under way
+    end: int = 0
+    layers: list[LayerState] = field(default_factory=list)
+
+    def __call__(self, index: int) -> None:
+        last = self.end == self.total
+        for state in self.layout.extract(self.cache, index, self.end, clone_fixed=False):
+            if last:
+                self.layers.append(state)
+            if self.on_tokens is not None and state.kind.grows:
+                first = 0 if self.begin == self.prefix_len else self.begin
+                self.on_tokens(state.slice_tokens(first, self.end), first, self.total)
+            elif last and self.on_layer is not None:
+                self.on_layer(state)
+
+    def final_states(self, num_states: int) -> list[LayerState]:
+        """The states of the last forward, checked to be each part once, in order."""
+        if [s.layer for s in self.layers] != list(range(num_states)):
+            got = [s.layer for s in self.layers]
+            raise RuntimeError(f"layer hooks gave states {got}, expected each part once in order")
+        return self.layers
 
 
 class DecodeStream:

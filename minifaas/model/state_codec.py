@@ -8,15 +8,10 @@ Layout (little-endian), one record per layer state:
     u32      checksum of everything above (header and slot headers)
     payloads the raw bytes of every slot, in slot order
 
-Checksums are the low 32 bits of xxh3-64: about four times faster than zlib's
-crc32 here, which matters because every KV byte is checksummed twice (sender
-and receiver) on the same cores that move it.
-
-``encode`` returns the header as ``bytes`` followed by one ``memoryview`` per
-slot that points straight at the (contiguous, CPU) tensor memory, ready for
-``socket.sendmsg`` or ``writelines``. ``decode`` validates everything (sizes,
-dtype, checksums) before it builds a tensor, so corrupt or truncated input
-raises ``StateCodecError`` and never yields a wrong tensor.
+Checksums are the low 32 bits of xxh3-64 (fast: every KV byte is checksummed on both ends). ``encode`` returns
+the header as ``bytes`` and one ``memoryview`` per slot on the (contiguous, CPU) tensor memory, ready for
+``socket.sendmsg`` or ``writelines``. ``decode`` validates sizes, dtypes and checksums before it builds a tensor,
+so corrupt or truncated input raises ``StateCodecError`` and never yields a wrong tensor.
 """
 
 from __future__ import annotations

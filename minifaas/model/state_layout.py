@@ -1,28 +1,15 @@
 """Which LayerStates a model's cache holds, and how they are read out of a transformers Cache and put back.
 
-A model's state is a list of LayerStates, one per *stateful part* of a decoder
-layer, in layer order. Most layers have one part: full-attention KV, a sliding
-window, or linear state (linear attention, a Mamba SSM, a short convolution).
-Two other shapes occur among hybrid families:
+A model's state is a list of LayerStates, one per stateful part of a decoder layer, in layer order. Most layers
+have one part: full-attention KV, a sliding window, or linear state (linear attention, a Mamba SSM, a short
+convolution). A layer that runs attention and a Mamba mixer side by side (Falcon-H1, Zamba's hybrid layers) has
+two, its attention KV then its linear state; a layer that keeps nothing (Nemotron-H's MLP and MoE layers) none.
+Two parts rather than one mixed state, because every consumer decides by kind what it may do with a state (slice
+it, keep it as prefix blocks or as a snapshot, send it by increments, stream it, batch it by rows).
 
-- a layer that runs attention and a Mamba mixer side by side (Falcon-H1, the
-  hybrid layers of Zamba and Zamba2) has two parts: its attention KV, then its
-  linear state;
-- a layer that keeps nothing (the MLP and MoE layers of Nemotron-H) has none.
-
-Why two parts rather than one LayerState that carries both kinds: every
-consumer of state decides by kind what it may do with it (slice it to a token
-range, keep it as prefix blocks or only as an exact-length snapshot, send it
-by increments, stream it chunk by chunk, give it padded or stacked rows). A
-part of one kind goes through all of them unchanged, so the attention half of
-a Falcon-H1 layer matches prefixes block by block and crosses the link by
-increments while its Mamba half is reused only at snapshot lengths, with no
-rule anywhere for a state that is half sliceable.
-
-``LayerState.layer`` is the part's index in this list: what the wire format,
-the transport and the prefix pool count as a layer. ``StateLayout.parts[i].layer``
-is the decoder layer the part belongs to; for a model with one state per layer
-the two are the same.
+``LayerState.layer`` is the part's index in this list: what the wire format, the transport and the prefix pool
+count as a layer. ``StateLayout.parts[i].layer`` is the decoder layer the part belongs to; for a model with one
+state per layer the two are the same.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """Challenge-response handshake: both ends prove they hold the cluster's shared secret, and agree on codecs.
 
-Runs once per connection, before any frame is read, so an unauthenticated peer
-never makes the receiver parse a header or set aside memory.
+Runs once per connection, before any frame is read, so an unauthenticated peer never makes the receiver parse
+a header or set aside memory. It authenticates; it does not encrypt (use TLS for that).
 
     receiver -> sender   b"MFK2" + 32-byte receiver nonce + u8 codec offer + 3 zero bytes
     sender -> receiver   32-byte sender nonce + HMAC-SHA256(secret, "send" | receiver hello | sender nonce)
     receiver -> sender   HMAC-SHA256(secret, "recv" | sender nonce | receiver hello)
 
-The codec offer has bit i set for each ``codec.Codec`` i the receiver decodes;
-the sender uses no other on that connection. Both MACs cover the whole hello,
-offer included, so nobody without the secret can change what was agreed.
-
-The receiver closes the connection on a wrong MAC; the sender checks the
-receiver's MAC too, so KV is never handed to a peer that lacks the secret.
-The MACs are bound to fresh nonces from both ends, so a recorded handshake
-cannot be replayed. This authenticates; it does not encrypt: use TLS for that.
-
-Wire version 1 began with b"MFKA" and a bare nonce: a sender of this version
-meeting such a receiver stops with an error that says so, and a version-1
-sender stops at this hello's magic.
-
-Control sessions (``minifaas.control``) run the same handshake with the magic
-b"MFC1" and no codec offer; since the MACs cover the hello and its magic, a
-handshake that one protocol's peer answered is worth nothing on the other's
-port. Both ends then derive a session key from the hello and the client's
-nonce, HMAC-SHA256(secret, "key" | hello | client nonce), and the control
-channel signs every message with it.
+The offer has bit i set for each ``codec.Codec`` i the receiver decodes; the sender uses no other. Both MACs
+cover the whole hello and are bound to fresh nonces from both ends: the offer cannot be changed, a recorded
+handshake cannot be replayed, and each end refuses a wrong MAC. A version-1 hello (b"MFKA") is refused by name.
+Control sessions (``minifaas.control``) use the magic b"MFC1" and no offer, so neither protocol's handshake
+passes on the other's port, and sign every message with the key HMAC-SHA256(secret, "key" | hello | client nonce).
 """
 
 from __future__ import annotations

@@ -1,38 +1,17 @@
 """One outgoing transfer: layers go in as they are produced, chunks go out over N connections.
 
-Layer-pipelined streaming. Prefill finishes layer i long before it finishes
-the model, so each layer is cut into chunks and queued the moment it is put;
-N pump tasks, one per connection, take the next chunk from the shared queue
-as soon as their connection has room (the kernel holds at most
-``unsent_limit_bytes`` unsent per connection: the sender's ``unsent_bytes``
-shared out). A connection that a per-flow limit or window slows down simply
-takes fewer chunks, so striping balances itself. The
-queue is FIFO, so layer i's chunks all leave before layer i+1's and the
-receiver can hand layers on in order while later ones are still being
-computed. ``put_tokens`` goes finer still: token ranges of full-attention
-layers, for prefill run in token chunks. When the
-producer is done, the first connection carries END and waits for the
-receiver's DONE (or ABORT with its reason). With ``pipelined=False`` the
-layers are held until the producer is done and only then queued: the naive
-reference the pipelined path is measured against.
+Each layer is cut into chunks and queued the moment it is put (``put_tokens``: token ranges of full-attention
+layers, for prefill in token chunks); N pumps, one per connection, take the next chunk from the shared FIFO as
+soon as their connection has room (at most ``unsent_limit_bytes`` unsent in its kernel), so striping balances
+itself and layer i's chunks all leave before layer i+1's. When the producer is done, the first connection
+carries END and waits for the receiver's DONE (or ABORT with its reason). ``pipelined=False`` holds the layers
+until the producer is done: the naive reference.
 
-Layers made on a GPU are staged by ``put_threadsafe`` in the producer's
-thread: a copy into pinned host memory on a side stream, with an event
-(``model.host_copy``). A pump that takes a chunk whose copy is still under way
-waits for the event in a thread, so the loop never blocks on the GPU and
-layer i's copy overlaps layer i+1's compute.
-
-A transfer may ask for a codec (``codec``): each pump codes its next chunk
-just before sending it, in a thread when the chunk is large (zstd and the
-numpy passes let go of the GIL, so the event loop keeps moving bytes), and the
-codec is the one the receiver offered in the handshake, or the best it has.
-The report says how many bytes went on the wire and how long coding took on
-each end.
-
-While the producer has no new layer (a long prefill chunk on a busy host), the
-first connection sends an ALIVE frame every third of ``stall_timeout``, so the
-receiver fails a transfer for a dead sender or link, never for a slow
-producer: bounding the producer is its caller's deadline.
+``put_threadsafe`` stages a GPU layer into pinned host memory (``model.host_copy``); a pump waits for its copy in
+a thread. With a ``codec`` (one the receiver offered, or the best it has) each pump codes its next chunk just
+before sending it, in a thread when it is large; the report gives the bytes on the wire and both coding times.
+While the producer has no new layer, the first connection sends ALIVE every third of ``stall_timeout``, so the
+receiver fails a transfer for a dead sender, not a slow producer (bounding that is the caller's deadline).
 """
 
 from __future__ import annotations

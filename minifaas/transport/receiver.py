@@ -5,25 +5,13 @@
         async for layer in incoming: ...            # or: state = await incoming.model_state()
         receiver.release(state)                     # optional: its memory takes the next transfer
 
-Each connection first passes the shared-secret handshake; then its frames are
-read one by one. A chunk's payload is received straight into the slot's final
-tensor memory (recycled memory once states are released) and checksummed
-block by block as it is read, while the bytes are still in cache. Anything wrong
-with a connection (bad header, checksum, sizes, a reset, a truncated stream)
-drops that connection and fails every unfinished transfer it carried, with the
-specific error. A coded chunk (``codec``) is read whole into the connection's
-scratch buffer and decoded into the slot's memory as soon as it is in, in a
-thread when it is large, then checksummed there: the checksum is that of the
-decoded bytes. The receiver offers in the handshake only the codecs in
-``codecs``. A transfer with no progress for
-``stall_timeout`` after its first frame fails with ``StallError``: no frame
-finished (ALIVE frames count: the sender's producer is slow, not gone) and no
-payload being read (a payload arriving slowly is watched by its connection,
-which fails only when no byte came for that long). A failed
-transfer's partial state is freed at once; later frames for it are skipped.
-A transfer no consumer claims is dropped ``unclaimed_grace`` seconds after it
-ends, or sooner when the table of ``max_open_transfers`` needs its place
-(``transfer_table``); a warning names the cause and its memory is reused.
+After the handshake (offering only ``codecs``), a chunk's payload is read straight into the slot's tensor memory
+and checksummed block by block as it lands; a coded chunk is read into the connection's scratch buffer, decoded
+into the slot (in a thread when large) and checksummed there. Anything wrong with a connection drops it and fails
+every unfinished transfer it carried, with the specific error. A transfer with no frame finished (ALIVE counts)
+and no payload being read for ``stall_timeout`` fails with ``StallError``. A failed transfer's memory is freed at
+once and its later frames skipped; one no consumer claims is dropped ``unclaimed_grace`` seconds after it ends,
+or sooner when ``max_open_transfers`` needs its place (``transfer_table``), with a warning naming the cause.
 """
 
 from __future__ import annotations

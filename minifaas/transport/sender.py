@@ -7,13 +7,10 @@
         # prefill in token chunks: tx.put_tokens(layer.slice_tokens(a, b), a, total) for full attention
         await sender.send(transfer_id, model_state, codec=Codec.LOSSLESS)  # coded on the wire (``codec``)
 
-Health: ``sender.tcp_infos()`` (kernel TCP_INFO per connection) and
-``sender.queued_bytes`` feed ``link_health.LinkMonitor``.
-
-Off switches, so each gain is one flag: ``connections=1`` sends one layer
-after another on one connection; ``pipelined=False`` holds every layer until
-the whole state is there. ``stall_timeout`` bounds the time without progress
-on any connection, ``done_timeout`` the wait for the receiver's DONE.
+``sender.tcp_infos()`` (kernel TCP_INFO per connection) and ``sender.queued_bytes`` feed
+``link_health.LinkMonitor``. ``connections=1`` sends one layer after another on one connection;
+``pipelined=False`` holds every layer until the whole state is there. ``stall_timeout`` bounds the time without
+progress on any connection, ``done_timeout`` the wait for the receiver's DONE.
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
 """The KV transport's wire format: fixed-size frame headers, then payload bytes.
 
-Every frame is one 156-byte header followed by ``length`` payload bytes. All
-integers are little-endian. The format knows tensors, not models: a chunk frame
-carries one byte range of one tensor slot of one layer's state. "Layer" is the
-state's index in the model's list of states (``state_layout``): a decoder layer
-with attention and a Mamba mixer side by side sends two, each of one kind.
-
-    offset size field
-       0    4  magic        b"MFKV"
-       4    1  version      3
-       5    1  frame type   FrameType
-       6    1  state kind   StateKind of the layer (chunk frames; else 0)
-       7    1  dtype code   state_codec.DTYPES key (chunk frames; else 0)
-       8    8  transfer id
-      16    4  layer index
-      20    2  slot index   position of the slot in the layer's slots
-      22    2  slot count   slots in the layer (so the receiver knows when it is whole)
-      24    1  ndim         <= 8
-      25    1  flags        bit 0: payload not checksummed (checksum field is 0)
-      26    1  codec        codec.Codec of the payload (0: the slot's bytes as they are)
-      27    1  (zero)
-      28    4  checksum of the decoded payload (xxh3-64, low 32 bits)
-      32    8  seq_len      tokens the layer state covers
-      40    8  byte offset  of this chunk within the slot's bytes
-      48    8  length       payload bytes that follow the header
-      56    8  decoded      slot bytes the payload decodes to (= length when the codec is 0)
-      64   64  shape        8 x u64, unused dims 0
-     128   24  slot name    utf-8, NUL padded
-     152    4  checksum of header bytes 0..151
-
-Frame types and their payloads:
+Every frame is one 156-byte header (laid out above ``_HEADER``) followed by ``length`` payload bytes; integers
+are little-endian. A chunk frame carries one byte range of one tensor slot of one layer's state, "layer" being
+the state's index in the model's list of states (``state_layout``). Frame types and their payloads:
 
     START  sender -> receiver   u32 layers, u64 total bytes (0: not known yet)
     CHUNK  sender -> receiver   the slot's bytes [offset, offset + decoded), coded by ``codec``
@@ -39,12 +12,7 @@ Frame types and their payloads:
     ABORT  either way           utf-8 reason; the transfer is over
     ALIVE  sender -> receiver   empty: the sender lives while its producer has no new layer yet
 
-Version 1 (148-byte headers, no codecs) is refused by both ends: its handshake
-already differs (``auth``), and a header of another version never passes.
-Version 3 added ALIVE to version 2; a version-2 peer's first header is refused
-by name.
-A header is validated completely (magic, version, its own checksum, sizes
-against the caller's limits) before any memory is set aside for its payload.
+A header is checked whole (magic, version, its own checksum, sizes against ``Limits``) before its payload gets memory.
 """
 
 from __future__ import annotations
@@ -66,6 +34,28 @@ NAME_BYTES = 24
 MAX_SLOTS = 256
 MAX_CONTROL_BYTES = 4096
 
+# The header. offset size field
+#    0    4  magic        b"MFKV"
+#    4    1  version      3
+#    5    1  frame type   FrameType
+#    6    1  state kind   StateKind of the layer (chunk frames; else 0)
+#    7    1  dtype code   state_codec.DTYPES key (chunk frames; else 0)
+#    8    8  transfer id
+#   16    4  layer index
+#   20    2  slot index   position of the slot in the layer's slots
+#   22    2  slot count   slots in the layer (so the receiver knows when it is whole)
+#   24    1  ndim         <= 8
+#   25    1  flags        bit 0 (UNCHECKED): payload not checksummed, checksum field 0
+#   26    1  codec        codec.Codec of the payload (0: the slot's bytes as they are)
+#   27    1  (zero)
+#   28    4  checksum of the decoded payload (xxh3-64, low 32 bits)
+#   32    8  seq_len      tokens the layer state covers
+#   40    8  byte offset  of this chunk within the slot's bytes
+#   48    8  length       payload bytes that follow the header
+#   56    8  decoded      slot bytes the payload decodes to (= length when the codec is 0)
+#   64   64  shape        8 x u64, unused dims 0
+#  128   24  slot name    utf-8, NUL padded
+#  152    4  checksum of header bytes 0..151 (_HEADER_CRC)
 _HEADER = struct.Struct("<4sBBBBQIHHBBBxIQQQQ8Q24s")
 UNCHECKED = 1  # flag: the sender skipped the payload checksum (only a receiver that allows it accepts this)
 _HEADER_CRC = struct.Struct("<I")
