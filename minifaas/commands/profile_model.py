@@ -3,18 +3,13 @@
     minifaas profile --model kimi-linear-tiny --device cpu --out cpu.json
     minifaas profile --model kimi-linear-tiny --device cuda:0 --lengths 1024,4096,16384 --batches 1,8,32
 
-Prefill: for each length, the median over ``--repeats`` of one prefill's wall
-time, and the bytes of the state it leaves (every layer's KV or recurrent
-state: what crosses the link). Decode: for each batch size B, the time of one
-decode step of B requests as a decode worker runs them (``make_decoder``:
-one batched forward of B rows; with ``--unbatched``, B forwards, as a worker
-with ``--max-batch 1``). BS_max is the largest measured B whose step still
-meets ``--slo`` tokens/s per request, and the step time written is the one
-measured at BS_max. When even the largest B measured meets the SLO, BS_max is
-only a lower bound, and the command says so: time larger batches
-(``--batches``) to find the limit. The file has the [prefill] and [decode]
-tables of ``planner.profile``: ``minifaas sim --prfaas-profile/--pd-profile``
-use them, and ``load_profiles`` reads them anywhere else.
+Prefill: for each length, the median over ``--repeats`` of one prefill's wall time, and the bytes of the
+state it leaves (every layer's KV or recurrent state: what crosses the link). Decode: for each batch size B,
+one decode step of B requests as a decode worker runs them (one batched forward; with ``--unbatched``, B
+forwards, as with ``--max-batch 1``). BS_max is the largest measured B whose step meets ``--slo`` tokens/s
+per request, with the step time measured there; when even the largest B meets it, BS_max is only a lower
+bound and the command says so (time larger ``--batches``). The file has the [prefill] and [decode] tables of
+``planner.profile`` that ``minifaas sim --prfaas-profile/--pd-profile`` and ``load_profiles`` read.
 """
 
 from __future__ import annotations

@@ -5,15 +5,12 @@
         await link.control.stall(2.0)
         print(await link.control.stats())
 
-``EmulatorProcess`` runs ``python -m minifaas.commands.link_emulator`` as a child
-process (stdin piped, killed with its parent: ``minifaas.parent_watch``) and
-always stops it on exit (SIGTERM, then SIGKILL); ``restart`` replaces a dead or
-hung one on the same port and routes it to the same targets again.
-``EmulatorControl`` holds one authenticated control session (the workers'
-protocol, ``control.session``) and sends one command at a time over it,
-dialling again after a failure; use it alone for an emulator started
-elsewhere. The secret is the cluster's, or a fresh one for an emulator only
-this process drives.
+``EmulatorProcess`` runs ``python -m minifaas.commands.link_emulator`` as a child (stdin piped, killed with
+its parent: ``minifaas.parent_watch``), always stops it on exit (SIGTERM, then SIGKILL), and ``restart``
+replaces a dead or hung one on the same port, routed to the same targets. ``EmulatorControl`` sends one
+command at a time over one authenticated control session (``control.session``), dialling again after a
+failure; use it alone for an emulator started elsewhere. The secret is the cluster's, or a fresh one for an
+emulator only this process drives.
 """
 
 from __future__ import annotations

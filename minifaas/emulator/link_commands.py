@@ -1,7 +1,7 @@
 """The link emulator's control commands: each one checked in full before it touches the link.
 
 A command is one JSON object, ``{"cmd": NAME, ...}`` (the list is in
-``transport.emulator``). Everything a command carries is bounded before the
+``emulator_server``). Everything a command carries is bounded before the
 link sees it: a rate is > 0 and at most ``MAX_RATE_BPS`` (or null:
 unlimited), a stall lasts at most ``MAX_STALL_S`` (``stall 0`` ends one), a
 delay at most ``MAX_DELAY_MS``, a schedule has at most ``MAX_STEPS`` steps

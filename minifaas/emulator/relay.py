@@ -1,23 +1,16 @@
 """The link emulator's relay: every flow through it crosses one emulated inter-datacenter link.
 
-Each direction of the link has ONE aggregate pacer shared by all flows, like a
-real link, plus an optional per-flow pacer (real inter-DC paths often cap one
-flow; that is why several connections help) and an optional per-flow window
-(bytes in flight per connection: a long fat pipe, where one flow moves at most
-window / RTT). A flow's bytes wait for room in its window, then for both
-pacers at once, then for the one-way delay (with jitter that never reorders a
-flow); they are acknowledged one more one-way delay after they arrive. The
-relay reads only as fast as the link drains, in steps of about 2 ms of the
-slowest rate on the path, and its sockets buffer only two such steps (one
-loopback segment at least), so TCP
-backpressure reaches the sender: bytes a flow cannot send yet wait in the
-sender's own socket, as they would before a real link, not in a relay buffer
-that no real path has (``_bound_buffers``).
-Bytes wait in pipes and move with splice(2), never copied through the relay
-(``splice=False``: recycled buffers, copied in and out; see ``relay_blocks``).
-Faults: ``cut`` resets every connection, ``stall`` forwards nothing (resets
-included) for a while, ``corrupt_pending`` flips a byte in the next chunk
-towards the target.
+Each direction of the link has ONE aggregate pacer shared by all flows, like a real link, plus an optional
+per-flow pacer (real inter-DC paths often cap one flow, which is why several connections help) and an
+optional per-flow window (bytes in flight per connection: one flow moves at most window / RTT). A flow's
+bytes wait for room in its window, then for both pacers at once, then for the one-way delay (with jitter
+that never reorders a flow); they are acknowledged one more one-way delay after they arrive. The relay reads
+only as fast as the link drains, in steps of about 2 ms of the slowest rate on the path, and its sockets
+buffer only two such steps (``_bound_buffers``), so TCP backpressure reaches the sender: bytes a flow cannot
+send yet wait in the sender's own socket, as before a real link. Bytes wait in pipes and move with splice(2)
+(``splice=False``: recycled buffers, copied in and out; ``relay_blocks``). Faults: ``cut`` resets every
+connection, ``stall`` forwards nothing (resets included) for a while, ``corrupt_pending`` flips a byte in
+the next chunk towards the target.
 """
 
 from __future__ import annotations

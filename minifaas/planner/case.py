@@ -1,23 +1,18 @@
 """A planning case: the hardware, the link and the workload the throughput model is solved for.
 
-Loadable from TOML (or JSON) so any deployment can be planned without code:
+A TOML (or JSON) file (``load_case``; ``name`` optional) plans any deployment without code:
 
-    name = "my-case"
-    n_prfaas = 4            # PrfaaS instances
-    n_pd = 8                # local PD instances, N_p + N_d
-    n_homogeneous = 12      # instances of the homogeneous-PD baseline
+    n_prfaas = 4              # PrfaaS instances
+    n_pd = 8                  # local PD instances, N_p + N_d
+    n_homogeneous = 12        # instances of the homogeneous-PD baseline
     link_gbps = 100.0
     output_tokens = 1024
-    [lengths]               # either a truncated log-normal ...
-    mu = 9.90
-    sigma = 1.00
+    [lengths]                 # a truncated log-normal, or trace = "azure-code": a shipped trace's name or a
+    mu = 9.90                 # Mooncake JSONL / Azure CSV file relative to the case file (its input lengths,
+    sigma = 1.00              # times length_scale if given)
     low = 128
     high = 128000
-    # ... or: trace = "azure-code" (a shipped trace's name, or a Mooncake
-    #     JSONL / Azure CSV file, relative to the case file: its input lengths)
-    [prfaas]                # a prefill profile (see profile.py)
-    [pd_prefill]            # a prefill profile
-    [decode]                # a decode profile
+    [prfaas]                  # a prefill profile (profile.py); [pd_prefill] too; [decode] a decode profile
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """Instance profiles: what one prefill or decode instance costs, as the planner and simulator need it.
 
-A profile describes ONE instance (``gpus_per_instance`` GPUs serving one model
-replica), not one GPU. It is plain data, loadable from TOML or JSON so that a
-measuring tool can write it and a planner run can read it back:
+A profile describes ONE instance (``gpus_per_instance`` GPUs serving one model replica), not one GPU. A file
+holds a [prefill] and a [decode] table, TOML or JSON (``load_profiles``; ``save_profiles`` writes JSON):
 
-    [prefill]                      # one table per profile
-    name = "H200x8"
-    gpus_per_instance = 8
-    # measured points; either form of each curve may be left out
+    [prefill]                     # also name and gpus_per_instance, as [decode]
     points = [[1024, 0.44, 200068300], [8192, 0.72, 323905126]]   # [tokens, seconds, kv bytes]
     latency_coeffs = [0.389, 4.107e-5, 9.48e-11]                    # seconds = sum c_i * l**i
     kv_fixed_bytes = 180355072                                      # kv bytes = fixed + per_token * l
     kv_bytes_per_token = 17137
-
     [decode]
     name = "H20x8"
     gpus_per_instance = 8
-    bs_max = 20                    # the largest batch meeting the decode SLO
-    step_time_s = 0.025            # one decode step at bs_max (the paper's: 1 / SLO tokens per second)
-
-Latency: the polynomial when ``latency_coeffs`` is given, else piecewise-linear
-interpolation of ``points`` (linear extrapolation past either end). KV bytes:
-the linear form when ``kv_bytes_per_token`` is given, else the same
-interpolation. ``fit_latency`` turns a measured table into the polynomial by
-least squares (prefill time grows near-quadratically with length).
-
-A measuring tool writes a file with ``save_profiles`` (JSON, the same tables);
-``load_profiles`` reads either form back.
+    bs_max = 20                   # the largest batch meeting the decode SLO
+    step_time_s = 0.025           # one decode step at bs_max
 """
 
 from __future__ import annotations
@@ -53,6 +39,10 @@ class ProfilePoint:
 
 @dataclass(frozen=True, slots=True)
 class PrefillProfile:
+    """Latency: the polynomial ``latency_coeffs`` when given, else ``points`` interpolated piecewise-linearly
+    (extrapolated linearly past either end); KV bytes: the linear form when ``kv_bytes_per_token`` is given,
+    else the same interpolation. ``fit_latency`` and ``fit_kv`` fit both forms to measured points."""
+
     name: str
     gpus_per_instance: int
     points: tuple[ProfilePoint, ...] = ()

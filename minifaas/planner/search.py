@@ -1,20 +1,14 @@
 """The planner's search: best threshold and PD split, plus the two baselines.
 
-The search is the paper's 2-D grid (eqs 7 and 8 are where its optimum sits):
-  - t runs over 0, step, 2*step, ... up to the largest length (default step
-    100 tokens), every t evaluated at once with prefix sums over the length
-    distribution;
-  - N_p runs over 0 .. n_pd - 1 with N_d = n_pd - N_p (at least one decoder).
-The winner maximises Lambda_max (eq 6); ``expected_latency`` (off by default, as
-in the paper) prices each side by its mean prefill time (see model.py). Where several points tie (a decode-bound
-plateau), the one closest to eq 7's balance Theta_prfaas/p = Theta_pdp/(1-p) wins,
-then the one with the least PrfaaS egress: it leaves the most link headroom.
+``best_prfaas`` searches the paper's 2-D grid (eqs 7 and 8 are where its optimum sits): t over 0, step,
+2*step, ... up to the largest length (``SearchGrid``, step 100 tokens by default), every t at once through
+prefix sums over the length distribution; N_p over 0 .. n_pd - 1 with N_d = n_pd - N_p. The winner maximises
+Lambda_max (eq 6); ``expected_latency`` (off by default, as in the paper) prices each side by its mean
+prefill time (model.py). Ties (a decode-bound plateau) go to the point closest to eq 7's balance
+Theta_prfaas/p = Theta_pdp/(1-p), then to the least PrfaaS egress, which leaves the most link headroom.
 
-Baselines, same model:
-  - homogeneous PD: n_homogeneous instances of the PD hardware, no PrfaaS,
-    best N_p by the same search over N_p;
-  - naive heterogeneous: every prefill on the PrfaaS cluster (p = 1), every
-    PD instance decodes, no threshold and no balancing.
+Baselines, same model: ``best_homogeneous`` (n_homogeneous instances of the PD hardware, no PrfaaS, the best
+N_p >= 1) and ``naive`` (every prefill on the PrfaaS cluster, p = 1; every PD instance decodes).
 """
 
 from __future__ import annotations

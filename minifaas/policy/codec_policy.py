@@ -1,39 +1,15 @@
 """Which codec a KV transfer gets: coding pays only when the link time it saves exceeds the time it costs.
 
-A transfer of B bytes that gets bw bytes/s of the link takes B / bw. Coded
-with ratio r it takes B / (r bw) on the link, plus B / enc to code it and
-B / dec to decode it. Alone, with nothing to hide behind, coding pays when
-
-    B / bw * (1 - 1/r)  >  B / enc + B / dec     <=>     bw  <  (1 - 1/r) / (1/enc + 1/dec)
-
-B cancels: the right side is the break-even bandwidth (``break_even_bps``).
-But a transfer streams while its prefill runs (layers and token chunks go as
-they are made), so what delays the first token is only the part of it left
-when the prefill ends: max(B / bw - T, tail / bw), with T the prefill's time
-and tail the bytes that are final only at its end (the fixed-size state and
-the last chunk's KV). Coding shortens that part r-fold, and what it costs
-on that path is coding the tail at both ends (the rest is coded as it
-streams, while the prefill runs); when a codec is slower than the coded
-stream, it is the stream's pace instead. ``exposed_s`` is this arithmetic;
-with T = 0 and tail = B it is the rule above, and ``auto`` codes only when
-the coded transfer's exposed time is the shorter. ``TransferShape`` says what
-is known of a transfer before it starts (B, T, tail); the rule leans towards
-not coding when T is unknown (0).
-
-bw is what a new transfer can expect of the link now: the unused part of
-its rate, rate * (1 - u) with u the measured utilisation, but never less
-than a fair share, rate / (n + 1) with n transfers already on it (TCP flows
-on one bottleneck split it about evenly). Both the live gateway and the
-simulator fill in ``LinkShare`` and ``TransferShape`` from what they measure
-and call ``choose``.
-
-r, enc and dec are measured: each coded transfer reports its bytes before and
-after and its coding time at both ends, and ``CodecMeter`` keeps a moving
-average per codec (a prefill worker also measures its codecs once on the
-state of its warm-up prefill, so the first requests have figures too). A
-codec never measured is never chosen by ``auto``. ``auto`` chooses among
-``none`` and ``lossless`` only; a lossy code changes the model's output and is
-used only when asked for by name.
+``CompressionPolicy.choose`` weighs what a transfer adds after its prefill ends (``TransferShape.exposed_s``):
+uncoded max(B / bw - T, tail / bw), with B its state bytes, T the prefill's time (0: unknown, which leans
+towards not coding) and tail the bytes final only at its end; coded with ratio r, the same at the coded
+stream's pace (r bw, or the slower codec) plus coding the tail at both ends. With T = 0 and tail = B, coding
+pays below the break-even bandwidth (1 - 1/r) / (1/enc + 1/dec) (``CodecEstimate.break_even_bps``).
+bw is ``LinkShare.expected_bytes_per_s``: the link's unused rate, rate * (1 - u), but never less than a fair
+share rate / (n + 1) with n transfers on it. r, enc and dec are moving averages per codec (``CodecMeter``)
+of what coded transfers and each prefill worker's warm-up calibration report. ``auto`` chooses between
+``none`` and ``lossless`` only, never a codec not yet measured; a lossy code changes the model's output and
+is used only when asked for by name. The live gateway and the simulator both call ``choose``.
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """The long-term policy (minutes): re-profile the traffic, re-solve the planner, re-role PD workers.
 
-Every ``period_s``, and at once when the link's ceiling moves by more than
-``link_change``, it takes what the ticks since the last plan saw (the incremental
-prefill lengths, the arrival rate, the link ceiling) and what the prefill
-instances measured (their speed against their profiles), builds the planning
-case of the traffic as it is now, and solves it (planner.best_prfaas) for
-(t, N_p, N_d). The new t becomes the short-term policy's base at once. The
-split changes only when it pays: the planned throughput at the new split must
-beat the current split, evaluated on the same new traffic, by ``min_gain``;
-then at most ``max_conversions`` PD workers change role per period (drained
-first by whoever acts on the decision). PrfaaS instances are never re-roled:
-they are another cluster, on other hardware.
-
-Constants (why these values):
-  period_s 300: the planner needs a few hundred prompts for a stable length
-    mix (at the paper's ~3 req/s, 300 s holds about 900), and a conversion
-    costs a drain (a decode batch of 1024 tokens at 40 tokens/s: ~26 s) plus a
-    restart; re-roling more often than every few minutes would spend a
-    noticeable part of the capacity on draining.
-  min_requests 200: below that the tail of a log-normal mix (what decides t)
-    is not measured; the period is skipped, not guessed.
-  min_gain 0.05: the planned throughput of one mix moves by about +-4% from
-    one 900-prompt sample to another (paper mix: 3.17 to 3.45 req/s over six
-    draws). Both splits are priced on the same sample, so most of that cancels,
-    but a split that wins by less than the sampling noise is not worth a drain.
-  link_change 0.2: a new link ceiling is a new problem, not noise; waiting for
-    the period wasted most of a 15-minute dip in the simulator (paper case,
-    100 -> 6 Gbps at 700 s: the first conversion was decided at 900 s and
-    ready at 1071 s). 20% is well above the wobble of a shaped link's rate and
-    below the smallest change that moves the planner's split (100 -> 20 Gbps
-    does not, 10 Gbps does). A short sample is topped up with the previous
-    plan's lengths to min_requests.
-  max_conversions 1: one worker at a time keeps N_p + N_d - 1 workers serving
-    during the drain; the next period continues the move if it still pays.
+Every ``period_s``, and at once when the link's ceiling moves by more than ``link_change``, ``step`` takes
+what the ticks since the last plan saw (the incremental prefill lengths, the arrival rate, the link ceiling)
+and the instance speeds ``observe_prefill`` measured against their profiles, builds the planning case of the
+traffic as it is now and solves it (``planner.best_prfaas``) for (t, N_p, N_d). A sample shorter than
+``min_requests`` is topped up with the previous sample's lengths; one still short skips the period.
+The new t becomes the short-term policy's base at once. The split changes only when the planned throughput
+beats the current split's, priced on the same traffic, by ``min_gain``; then at most ``max_conversions`` PD
+workers change role per period (drained first by whoever acts on the decision). PrfaaS instances are never
+re-roled: they are another cluster, on other hardware. The constants' reasons: docs/ARCHITECTURE.md 6.
 """
 
 from __future__ import annotations

@@ -1,47 +1,17 @@
 """The short-term policy (seconds): move the offload threshold t with the link, pick the routing rule.
 
-Each tick it reads one ``Signals`` and returns one ``ThresholdDecision``:
-  raise t   the link nears its ceiling, its health degrades (rtt inflation,
-            retransmissions), it is cut, or the PrfaaS queue surges while PD-P
-            waits less: fewer, longer prompts cross the link;
-  lower t   the link has had headroom for a while: back towards the base t
-            (the planner's, set by the long-term policy), never below it;
-  hold      anything else, and always when the policy is off (fixed t); and
-            under pressure when PD-P already waits longer than the PrfaaS path
-            (its queue plus the link's backlog): raising t would only move the
-            wait to a busier stage. So t settles where the two waits balance.
-
-Constants (why these values):
-  high_utilisation 0.85 / low_utilisation 0.60: the link is a processor-sharing
-    pipe; a transfer's slowdown is about 1/(1-u): 6.7x at 0.85, where TTFT
-    starts to blow up, 2.5x at 0.60. The 0.25 gap is wider than one raise step
-    moves egress in the paper's length mix (x1.25 on t cuts egress by about
-    20-25% near t = 19K), so a raise cannot by itself trigger a lower.
-  smoothing 0.5: an EWMA over one-second samples. A single KV burst is at most
-    a few seconds of link time; half-weight lets a real saturation through in
-    3 ticks (0.3 -> 0.65 -> 0.83 -> 0.91) while one idle second does not undo it.
-  raise_factor 1.25 at most every 5 ticks, lower_factor 0.9 after 5 ticks of
-    headroom: multiplicative increase, gentle decrease, as TCP does it the other
-    way round (here raising t is the back-off). A raise shows on the link and
-    the queues only once the prefills already placed have drained: a long
-    prefill on H200 is 2-4 s, plus its transfer tail. With a gap of 2 ticks the
-    simulator (paper case, mix shifted to mu = 10.2) kept raising on queues a
-    raise had already relieved: t overshot to 66K and TTFT p99 went from 15 s
-    (fixed t) to 47 s; with 5 it peaks at 45K and p99 is 14 s. The slower,
-    smaller lower step takes ~40 s to undo three raises, cheap next to the cost
-    of re-saturating. min_step_tokens 64 lets t leave 0 (naive offloading).
-  rtt_inflation 2.0, retrans_high 0.01: twice the lowest rtt seen means a
-    standing queue at the bottleneck; 1% retransmitted bytes is where TCP
-    throughput on a long path falls well below the line rate (Mathis et al.).
-  surge_per_node 3.0, surge_imbalance 2.0: one prefill running and two waiting
-    per PrfaaS node, and the PrfaaS path (its queue plus the link backlog)
-    waiting twice as long as PD-P: Poisson bursts alone reach the first at 70%
-    load, so the second keeps a burst that both sides share from moving t.
-  abundant_below 0.3 / scarce_above 0.6: cross-cluster cache moves (ABUNDANT)
-    add egress of their own, so they are allowed only with most of the link
-    free; and only while PD-P waits no longer than the PrfaaS path, because
-    ABUNDANT turns offloads into local prefills (on the Mooncake trace at twice
-    its rate, ABUNDANT with PD-P saturated doubled TTFT p90: docs/STUDIES.md 7).
+Each tick ``ShortTermPolicy.step`` reads one ``Signals`` and returns one ``ThresholdDecision``:
+  raise t   the smoothed utilisation reaches ``high_utilisation``, the link degrades (rtt over
+            ``rtt_inflation`` times the lowest seen, or retransmissions over ``retrans_high``) or is cut, or
+            the PrfaaS queue surges (``surge_per_node`` per node, its path waiting ``surge_imbalance`` times
+            PD-P's): x ``raise_factor``, at most once per ``raise_gap_ticks``;
+  lower t   after ``headroom_ticks`` below ``low_utilisation``: x ``lower_factor``, never below the base t
+            (the planner's, set by the long-term policy);
+  hold      anything else, always when the policy is off (fixed t), and under pressure when PD-P already
+            waits longer than the PrfaaS path (its queue plus the link's backlog): t settles where the two
+            waits balance. A step moves t by at least ``min_step_tokens``, so t can leave 0.
+The rule is SCARCE while the link is cut, degraded or above ``scarce_above``, or PD-P is the busier side;
+ABUNDANT (cache moves) only below ``abundant_below`` with t at its base. The constants' reasons: docs/ARCHITECTURE.md 6.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """Where a prefill keeps linear-state snapshots: the points a later prompt can actually load.
 
-A hybrid model's linear-attention and sliding-window state is valid at one
-length only, so a cached prefix is usable only up to a length where a snapshot
-was taken. Every snapshot inside a prompt ends a forward there: the prefill is
-split into more, smaller forwards and the state is copied out, on every request
-whether or not anything is ever reused. Measured live on a Mooncake replay with
-snapshots every 4 blocks, only 5% of prompt tokens hit and TTFT p90 was 1.3-1.6x
-that of no cache (``benchmarks/bench_prefix_cache.py``). A snapshot at the
-prompt's end costs no extra forward (the state is there anyway), only a copy.
+A hybrid model's linear-attention and sliding-window state is valid at one length only, so a cached prefix
+is usable only up to a length where a snapshot was taken. Every snapshot inside a prompt ends a forward there
+(more, smaller forwards, and a copy of the state) on every request, reused or not; a snapshot at the
+prompt's end costs only the copy.
 
-Two policies (``SnapshotPolicy``):
+``SnapshotPolicy.REUSE`` (the serving default): the prompt's end (the next turn of a chat continues from
+there) and its branch point, the end of the longest block prefix an earlier prompt already stored: a prefix
+seen twice is the evidence that a third prompt will want it. A prompt that shares nothing pays no split.
+``SnapshotPolicy.INTERVAL``: every ``interval_blocks`` blocks plus the end (0: the end only).
 
-- ``reuse`` (the serving default): a snapshot at the prompt's end (the next turn
-  of a chat continues from there) and one at the prompt's branch point, the end of
-  the longest block prefix some earlier prompt already stored: a prefix seen twice
-  is the evidence that a third prompt will want it (the branch points of
-  SGLang's Mamba radix cache). A prompt that shares nothing pays no split.
-- ``interval``: the earlier rule, a snapshot every ``interval_blocks`` blocks
-  plus the end (``interval_blocks = 0``: the end only), whatever the reuse.
-
-Sans-IO and pure: the caller passes what its pool (or the gateway's directory)
-knows about the prompt.
+Sans-IO and pure: the caller passes what its pool (or the gateway's directory) knows about the prompt.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """The inter-cluster link as one shared fluid pipe (processor sharing), with RTT and changing bandwidth.
 
-Every active flow gets an equal share B(t)/n of the bandwidth, as long-lived
-TCP flows on one bottleneck roughly do. The classic trick keeps this O(log n)
-per event: a "virtual clock" V counts the bytes any single active flow has
-received so far; it advances at B(t)/n. A flow of S bytes that starts when the
-clock reads V0 is done when V reaches V0 + S, so flows sit in a heap by V0 + S
-and only the head matters for the next completion, whatever B or n do later.
+Every active flow gets an equal share B(t)/n of the bandwidth, as long-lived TCP flows on one bottleneck
+roughly do. A "virtual clock" V counts the bytes any single active flow has received so far and advances at
+B(t)/n; a flow of S bytes that starts when V reads V0 is done when V reaches V0 + S. So flows sit in a heap
+by V0 + S and only the head matters for the next completion, whatever B or n do later: O(log n) per event.
 
-Layer-pipelined overlap (``pipeline_layers`` > 0): the flow enters the pipe
-when prefill STARTS, because layer i is sent while layer i+1 computes; it
-cannot finish before prefill ends plus one layer's bytes at its share. Off
-(``pipeline_layers`` = 0): it enters when prefill ends. Either way the last
-byte lands one-way delay (RTT / 2) later. While a flow is ahead of its
-producer it still counts as one share: a small error that only matters when
-the link is both busy and faster than prefill.
+Layer-pipelined overlap (``pipeline_layers`` > 0): a flow enters the pipe when its prefill STARTS (layer i is
+sent while layer i+1 computes) and cannot finish before the prefill ends plus one layer's bytes at its share;
+with 0 it enters when the prefill ends. Either way the last byte lands one-way delay (RTT / 2) later. A flow
+ahead of its producer still counts as one share: a small error, only when the link is busy and faster than
+prefill.
 """
 
 from __future__ import annotations

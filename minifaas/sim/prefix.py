@@ -1,21 +1,14 @@
 """The clusters' prefix caches in the simulator: the live pools and the live global manager, sizes only.
 
-Each cluster keeps one ``HybridPrefixPool`` (minifaas.cache) shared by its
-nodes. As in the gateway, the router's hits come from the ``GlobalCacheManager``.
-The gateway's manager mirrors each pool from its store/evict events, a little
-late; here they would be applied at once, which makes the mirror equal to the
-pool's own index, so the manager matches against that index (``attach``) and
-the pools make no events. Trace hash ids become block keys once per request
-(``keys``: numbered, not hashed); a prefill stores what it computed with
-``store_prompt`` (no payloads). When a PrfaaS prefill's KV lands on a PD
-decode node, the PD pool keeps what arrived (``store_received``): the
-full-attention blocks and the state at the prompt's end, but none of the
-intermediate snapshots, which never left the PrfaaS cluster. That KV lets the
-next turn of a conversation ship only its increment.
-
-Entries are stored under the cluster's name as their holder: the pool is
-cluster-wide, so no node has a private hit and the router's node choice stays
-load-driven, a shortcut that keeps a thousand-node cluster cheap to match.
+Each cluster keeps one ``HybridPrefixPool`` (minifaas.cache) shared by its nodes, and the router's hits come
+from the ``GlobalCacheManager``, as in the gateway. The gateway's manager mirrors each pool from its
+store/evict events; here those would apply at once, so the manager matches against the pool's own index
+(``attach``) and the pools make no events. Trace hash ids become block keys once per request (``keys``:
+numbered, not hashed); a prefill stores what it computed (``store``, no payloads). When a PrfaaS prefill's KV
+lands on a PD decode node, the PD pool keeps what arrived (``store_received``): the full-attention blocks and
+the state at the prompt's end, not the intermediate snapshots, which never left the PrfaaS cluster; so the
+next turn of a conversation ships only its increment. Entries are held under the cluster's name: no node has
+a private hit and the router's node choice stays load-driven, which keeps a thousand-node cluster cheap.
 """
 
 from __future__ import annotations
