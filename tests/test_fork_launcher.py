@@ -118,13 +118,13 @@ from minifaas.control.secret import new_secret
 from minifaas.launch.local import LocalLauncher
 from test_fork_launcher import SPEC, parent_of
 
-def cmdline(pid):
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
+def environ(pid):  # a forked parent keeps this one's; a fresh one is started with MINIFAAS_PARENT_PID added
+    with open(f"/proc/{pid}/environ", "rb") as f:
         return f.read()
 
 
 assert parent_of(zygote.pid) == os.getpid() and zygote.poll() is None
-assert cmdline(zygote.pid) == cmdline(os.getpid()), "the shared parent is a fresh interpreter, not this one forked"
+assert environ(zygote.pid) == environ(os.getpid()), "the shared parent is a fresh interpreter, not this one forked"
 forked.release(forked.acquire(MODEL))
 
 

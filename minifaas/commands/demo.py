@@ -28,6 +28,7 @@ from minifaas.commands.serve import running_server, start_forks
 from minifaas.config import LinkConfig, ServeConfig
 from minifaas.launch.startup import StartupView
 from minifaas.model.loader import checked_spec
+from minifaas.proctitle import set_title
 
 VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
 TEMPERATURE = 0.8
@@ -92,6 +93,7 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
     async with contextlib.AsyncExitStack() as stack:
         with StartupView(console, console.print) as view:
             gateway, port = await stack.enter_async_context(running_server(config, view))
+        set_title("demo", f":{port}")
         console.print(
             f"ready in {time.perf_counter() - t0:.1f} s on port {port}; sending {args.short} short "
             f"and {args.long} long prompts at once (threshold {args.threshold} tokens)"

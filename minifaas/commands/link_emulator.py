@@ -16,6 +16,7 @@ from minifaas.emulator.emulator_server import serve
 from minifaas.emulator.pacer import RateSchedule, parse_bytes, parse_rate
 from minifaas.emulator.relay import LinkConfig
 from minifaas.parent_watch import die_with_parent
+from minifaas.proctitle import set_title
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
             args.read_bytes, args.seed, args.splice == "on",
         )  # fmt: skip
     die_with_parent()
+    port = f":{listen[1]}" if listen[1] else ""  # port 0: the one it binds is known only inside ``serve``
+    set_title("link-emulator", port, f"-> {target_host}:{target_port}")
     route_hosts = frozenset(args.route_host or [target_host])
     return asyncio.run(serve(config, secret, args.control, route_hosts, args.control_idle, args.exit_with_stdin))
 

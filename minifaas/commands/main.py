@@ -25,6 +25,7 @@ from typing import NoReturn
 from rich.console import Console
 
 import minifaas
+from minifaas.proctitle import set_title
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -99,6 +100,8 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the process's own command: ``ps`` shows ``minifaas serve --port 8000``, not the interpreter
+        set_title(*sys.argv[1:])
     argv = sys.argv[1:] if argv is None else argv
     parser = CommandParser(
         prog="minifaas",

@@ -43,6 +43,7 @@ from minifaas.net.address import parse_address
 from minifaas.planner.profile import load_pd_profiles
 from minifaas.policy.codec_policy import MODES
 from minifaas.policy.short_term import ShortTermConfig
+from minifaas.proctitle import set_title
 
 log = logging.getLogger("minifaas.serve")
 API_KEY_ENV = "MINIFAAS_API_KEY"
@@ -404,7 +405,7 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
 
 def start_forks(config: ServeConfig) -> bool:
     """Before the event loop runs: the workers' pre-loaded parent, forked from this process once it has
-    imported their modules (two seconds of imports it then does not repeat). True if it was."""
+    imported their modules, so that they are not imported twice. True if it was."""
     return config.forks_on_cpu_only and forked.start_here(config.model)
 
 
@@ -440,6 +441,7 @@ async def _serve(config: ServeConfig, view: StartupView) -> None:
         with view:
             _, port = await stack.enter_async_context(running_server(config, view))
         on_signals()  # again: starting Ray installs handlers of its own
+        set_title("serve", f"{config.host}:{port}")
         log.info("serving %s on http://%s:%d/v1 (Ctrl-C to stop)", config.model, config.host, port)
         await stop.wait()
         log.info("stopping: the workers the gateway started and the link emulator are shut down")

@@ -22,6 +22,7 @@ from minifaas.net.address import parse_address
 from minifaas.net.connections import DEFAULT_CONNECTIONS
 from minifaas.parent_watch import die_with_parent
 from minifaas.policy.codec_policy import MODES
+from minifaas.proctitle import set_title
 from minifaas.worker.worker_process import serve
 
 
@@ -95,12 +96,22 @@ def _print_ready(ready: dict) -> None:
     print(json.dumps(ready), flush=True)
 
 
+def _role(args: argparse.Namespace) -> str:
+    """The first word of the worker's process title: ``prfaas-prefill``, ``pd-decode``."""
+    return f"{args.cluster}-{args.role}"
+
+
 async def _until_signalled(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await serve(args, _print_ready, stop)
+
+    def announce(ready: dict) -> None:
+        set_title(_role(args), ready["name"], f":{ready['control'][1]}")  # its name and control port, in ps
+        _print_ready(ready)
+
+    await serve(args, announce, stop)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
                 raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     die_with_parent()  # a child of the gateway: killed with it, however it dies
+    set_title(_role(args), args.name)  # until it is ready and knows its control port
     asyncio.run(_until_signalled(args))
     return 0
 

@@ -4,25 +4,13 @@
     process = await forks.spawn(flags, env)      # a worker: pid, stdin, stdout, returncode, wait(), kill()
     release(forks)                               # its workers are the caller's to stop; the parent stays
 
-A ``ForkedProcess`` has what ``LocalLauncher`` uses of an asyncio child process,
-so the launcher treats both alike. Its exit status comes from the parent, which
-reaps it; if the parent itself dies, each worker's end is found by polling its
-pid. Anything that goes wrong with the parent raises ``ForkError``, and the
-launcher starts the worker as a fresh interpreter instead.
-
-``minifaas serve`` and ``demo`` make theirs with ``start_here`` before their
-event loop runs: the parent is forked from the command's own process once it
-has imported the worker's modules, so the imports the command already did
-(torch, two of the four seconds) are not paid again in a fresh interpreter.
-
-One parent serves every gateway of a process, one after another or at once
-(a benchmark of several configurations, a test suite, a notebook): its imports
-are seconds of CPU, paid once. It is kept per model and per environment (a
-module may read a variable as it is imported), is shared only from the main
-thread (the kernel ends it with the thread that started it, PR_SET_PDEATHSIG),
-and ends with the process. Events from it are read on a thread of their own
-and handed to the event loop of the worker they concern, so the loops that use
-it may come and go.
+A ``ForkedProcess`` has what ``LocalLauncher`` uses of an asyncio child process. Its exit status comes from
+the parent, which reaps it, or from polling its pid once the parent is gone; any failure of the parent
+raises ``ForkError``, and the launcher starts a fresh interpreter instead. ``minifaas serve`` and ``demo``
+fork the parent from their own process before their event loop runs (``start_here``), keeping the imports
+they did. One parent per model and environment (an import may read a variable) serves every gateway of the
+process, is shared only from the main thread (PR_SET_PDEATHSIG ends it with the thread that started it)
+and ends with the process. Its events are read on a thread and handed to the loop of the worker concerned.
 """
 
 from __future__ import annotations

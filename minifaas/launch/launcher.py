@@ -4,21 +4,10 @@
     await launcher.stop(spec)              # stopped for good, if it is the launcher's to stop
     launcher.alive(spec)                   # still there, as far as the launcher knows
 
-    LocalLauncher      child processes of the gateway on this host (the default, one command)
-    AttachedLauncher   workers started by hand on any host (``minifaas worker``): the address is
-                       given; nothing is started or stopped, only dialled
-    RayLauncher        Ray actors on nodes that hold each cluster's custom resource (``ray`` extra)
-
-The gateway attaches to the address over the authenticated control channel and
-supervises the session with heartbeats (``worker_pool``). When a session is
-lost it calls ``start`` again and re-attaches to what it returns: a local child
-that died is started again (one that is only slow answers at the same
-address), Ray has restarted its actor (``start`` waits for it), and a
-hand-started worker is dialled until whoever runs it brings it back.
-
-Restarts are the launcher's business, so the gateway never needs to know which
-one it has; a later launcher (workers forked from a pre-loaded parent, say)
-only has to keep these three calls.
+``LocalLauncher`` (``local``) starts child processes on this host, ``AttachedLauncher`` only dials workers
+started by hand (``minifaas worker``), ``RayLauncher`` (``ray_actors``) starts Ray actors. When the gateway
+loses a worker's session it calls ``start`` again and re-attaches to what it returns: restarts are the
+launcher's business, and the gateway never needs to know which launcher it has.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The default launcher: every worker a child process of the gateway, on this host.
 
-A child runs ``python -m minifaas.commands.worker --exit-with-stdin`` with the
-cluster secret in its environment, listens on 127.0.0.1 (control on any free
-port; KV on any free port at its first start, which it reports, and on that
-same port after a restart, so a restarted worker is found where the link
-emulator's route points) and prints one JSON line when ready. It
-exits when its stdin closes and is killed by the kernel when the gateway
-dies (``minifaas.parent_watch``), so a gateway that dies, however it dies,
-leaves no worker behind.
-
-A CPU worker is forked from a pre-loaded parent (``zygote``) that has
-imported torch, transformers and the model's code once, so it skips seconds
-of imports; it is the same worker from ``main`` on. The parent is shared by
-every launcher of the process (``forked.acquire``). ``model=None``, a CUDA
-worker, or a parent that fails start it as a fresh interpreter instead.
-
-``start`` of a worker whose process still runs returns the address it has:
-one that is only slow (stopped, overloaded) is re-attached, not replaced.
+A child runs ``python -m minifaas.commands.worker --exit-with-stdin`` with the cluster secret in its
+environment, listens on 127.0.0.1 (control and, at its first start, KV on any free port; a restart keeps
+the KV port, where the link emulator's route points) and prints one JSON line when ready. It exits when
+its stdin closes and dies with the gateway, however that dies (``parent_watch``). CPU workers are forked
+from a pre-loaded parent the process's launchers share (``forked``, ``zygote``); with ``model=None``, on
+CUDA, or when that parent fails, a worker is a fresh interpreter. ``start`` of a worker whose process
+still runs returns its address: one that is only slow is re-attached, not replaced.
 """
 
 from __future__ import annotations

@@ -2,26 +2,15 @@
 
     ray start --head --resources '{"pd": 4}'                   # the PD site's nodes
     ray start --address HEAD:6379 --resources '{"prfaas": 2}'  # the PrfaaS site's nodes
-    minifaas serve --launcher ray --ray-address HEAD:6379
+    minifaas serve --launcher ray --ray-address HEAD:6379      # --ray-address local: a one-machine Ray
 
-Ray's conventions throughout. A custom resource says what a node offers; each
-worker asks for one unit of its cluster's (``prfaas`` or ``pd``), plus
-``cpus_per_worker`` CPUs and, on a cuda device, ``gpus_per_worker`` GPUs. The
-workers of a cluster are gang-placed: one placement group per cluster with a
-bundle per worker (strategy PACK: a cluster's workers share a site), reserved
-before any actor starts, so a cluster that does not fit is one clear error
-rather than actors pending for ever. A PD worker that changes role takes the
-bundle its old self freed.
-
-Each actor runs the ordinary worker (``serve.worker``) on an event loop of its
-own, in a thread of the actor's process, listening on the node's address;
-``address`` answers once the model is loaded. An actor that dies is restarted
-by Ray (``max_restarts=-1``); the gateway's ``start`` then waits on the
-restarted actor's ``address`` and attaches again. The actors belong to the
-gateway, Ray's driver: they end with it, however it ends, and ``stop`` kills
-them. ``--ray-address local`` starts a one-machine Ray instance with both
-resources, to try it out. The cluster secret reaches the actors in their
-runtime environment: whoever can reach a Ray cluster can run code on its nodes.
+Each worker takes one unit of its cluster's resource, ``cpus_per_worker`` CPUs and on cuda ``gpus_per_worker``
+GPUs, from its cluster's placement group (a bundle per worker, PACK), reserved before any actor starts: a
+cluster that does not fit is one clear error. A PD worker that changes role takes its old self's bundle.
+An actor runs the ordinary worker (``worker_process.serve``) on a loop in a thread of its own; ``address``
+answers once the model is loaded. Ray restarts an actor that dies and ``start`` waits for it; the actors
+end with the gateway, Ray's driver. The cluster secret reaches them in their runtime environment (whoever
+can reach the Ray cluster can run code on its nodes). Ray titles the actors' processes (``ray::WorkerActor``).
 """
 
 from __future__ import annotations
@@ -48,7 +37,7 @@ log = logging.getLogger("minifaas.gateway")
 
 
 class WorkerActor:
-    """One worker inside a Ray actor: ``serve.worker`` on its own loop, in a thread of the actor's process."""
+    """One worker inside a Ray actor: ``worker_process.serve`` on its own loop, in a thread of the actor's process."""
 
     def __init__(self, argv: list[str]) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

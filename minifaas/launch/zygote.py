@@ -1,35 +1,16 @@
 """A pre-loaded parent that forks local CPU workers, so each one skips seconds of imports.
 
-Importing torch, transformers and a model's code takes a worker several seconds
-of CPU before it loads a single weight; with four workers per gateway on a
-small machine that is most of ``minifaas serve``'s start-up. This process pays
-it once: it imports everything a CPU worker needs (after ``select_kernels``
-has kept fla out, as the worker itself would), then forks one child per
-request. A child is a whole worker process, exactly ``python -m
-minifaas.commands.worker ARGV`` from its first line of ``main`` on: its own pid,
-its own model, its own sockets and threads.
+It imports what a CPU worker imports (torch, transformers, the model's code; fla kept out, as in the
+worker), then forks a child per request: a whole worker process, ``python -m minifaas.commands.worker
+ARGV`` from ``main`` on. Nothing here runs a torch op, a thread or an event loop before a fork, and CUDA
+workers are never forked. It dies with the gateway's process and its children with it (``parent_watch``).
+The gateway's end, ``forked.ForkServer``, talks to it over:
 
-Each child's parent is this process, so each gets ``MINIFAAS_PARENT_PID`` of
-this one (``parent_watch``); this one dies with the gateway's process, and they
-with it. One serves every gateway of that process (``forked.acquire``).
-
-The gateway (``forked.ForkServer``) talks to it over two channels:
-
-    control socket (gateway -> here)   one JSON request per message, with two file
-                                       descriptors attached: the child's stdin and stdout
-                                       {"id": 3, "argv": [...], "env": {...}}
-    stdout (here -> gateway)           JSON lines: {"ready": pid} once the imports are done,
-                                       {"id": 3, "pid": 4242} per fork,
-                                       {"exit": 4242, "code": 0} when a child ends (its
-                                       returncode as subprocess writes it: -9 for SIGKILL)
-
-Nothing here runs a torch op, a thread or an event loop before it forks: a
-child starts as clean as a fresh interpreter with the modules already in
-memory. It exits when the control socket closes (its process is done), and any
-child still running dies with it; a child's launcher stops it before then, by
-closing its stdin, as with every local worker.
-Only CPU workers are forked: a CUDA worker is started fresh (CUDA state does
-not survive a fork, and fla must be importable there).
+    control socket, gateway -> here   {"id": 3, "argv": [...], "env": {...}}, the child's stdin and stdout
+                                      attached (SCM_RIGHTS); this process exits when the socket closes
+    stdout, here -> gateway           {"ready": pid} once imported; {"id": 3, "pid": 4242} (or "error")
+                                      per request; {"exit": 4242, "code": -9} as a child ends (subprocess's
+                                      returncode)
 """
 
 from __future__ import annotations
@@ -46,6 +27,7 @@ import traceback
 
 from minifaas.launch.launcher import WORKER_COMMAND
 from minifaas.parent_watch import die_with_parent
+from minifaas.proctitle import set_title
 
 MAX_MESSAGE = 1 << 20
 
@@ -95,6 +77,7 @@ def child(argv: list[str], env: dict[str, str], stdin: int, stdout: int, control
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["minifaas worker", *argv]
+        set_title("worker")  # not a second zygote in ps; the worker names its role as it starts
         runpy.run_module(WORKER_COMMAND, run_name="__main__", alter_sys=True)  # as ``python -m`` runs it
         code = 0
     except SystemExit as e:
@@ -170,6 +153,7 @@ def tie_to_gateway() -> None:
 def run(control: socket.socket) -> None:
     """Serve fork requests once the imports are done (``preload`` here, or in the process this one was
     forked from: ``forked.start_here``). Never returns."""
+    set_title("zygote")
     say({"ready": os.getpid()})
     serve(control)
     os._exit(0)  # at once: tearing down torch and transformers' modules takes a second and serves nothing
