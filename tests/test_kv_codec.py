@@ -130,6 +130,18 @@ def test_zero_blocks_decode_to_zero() -> None:
     assert not any(out)
 
 
+@pytest.mark.parametrize("code", [Codec.FP8, Codec.INT8])
+def test_a_block_of_subnormals_decodes_finite_and_near_zero(code: Codec) -> None:
+    values = torch.zeros(2 * block_scaled.BLOCK)
+    values[3], values[block_scaled.BLOCK + 5] = 1e-44, -3e-45  # amax / top rounds to a zero scale
+    coded = FrameEncoder().encode(code, torch.float32, tensor_bytes(values))
+    out = memoryview(bytearray(values.numel() * 4))
+    FrameDecoder().decode_into(code, DTYPE_CODES[torch.float32], joined(coded.parts), out)
+    decoded = torch.frombuffer(out, dtype=torch.float32)
+    assert torch.isfinite(decoded).all() and decoded.abs().max() <= 1e-44
+    assert coded.crc == checksum(bytes(out))  # the header checksum is that of what the receiver writes
+
+
 def test_frame_codec_rules() -> None:
     big = 1 << 20
     fa, swa, linear = StateKind.FULL_ATTENTION, StateKind.SLIDING_WINDOW, StateKind.LINEAR_ATTENTION

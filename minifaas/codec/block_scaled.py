@@ -40,7 +40,8 @@ def encode(raw: memoryview, dtype: torch.dtype, code: str) -> tuple[list[memoryv
     if not torch.isfinite(amax).all():
         return None
     code_dtype, top = _CODES[code]
-    scales = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    scales = amax / top
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a zero or subnormal block: no 0/0
     scaled = (blocks / scales[:, None]).clamp_(-top, top)
     codes = (scaled.round() if code == "int8" else scaled).to(code_dtype).view(-1)[:n]
     decoded = _dequantise(codes, scales, dtype)
