@@ -215,6 +215,7 @@ class PrefillDispatch:
         if counted is not None:
             counted()
         reply: dict | None = None
+        answered = False  # the prefill's own answer came (not only its early first token)
         # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first,
         # and only it is worth coding for (the cluster's own network is not the bottleneck)
         remote = worker.cluster == "prfaas"
@@ -262,6 +263,7 @@ class PrefillDispatch:
                         continue
                     worker.unclaimed(reply)  # an earlier attempt's (a migrated request keeps its id)
             replied = time.perf_counter()
+            answered = reply is not None
             if reply is None:
                 raise DecodeLost(f"decode worker {decode.name} went away during the prefill")
         except TimeoutError:
@@ -271,7 +273,7 @@ class PrefillDispatch:
         finally:
             worker.load_tokens -= n
             worker.close(rid)
-            if reply is None:  # timed out, or the client left: stop the prefill rather than let it run on
+            if not answered:  # timed out, or the client left: stop the prefill rather than let it run on
                 with contextlib.suppress(RuntimeError):
                     worker.send({"op": "abort", "req": rid})
         if reply["op"] == "lost":
