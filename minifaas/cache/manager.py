@@ -1,22 +1,16 @@
 """The global KV cache manager: the gateway's view of every cluster's prefix cache.
 
-It holds no state bytes, only a mirror of each cluster pool's index, kept current
-by the pools' store/evict events (``apply``; a pool's ``inventory`` brings a new
-manager up to date). On each arrival the gateway asks ``match`` for the prompt's
-usable hit per cluster and per node, and turns the answer into the router's
-input with ``ClusterMatch.view``:
+It holds no state bytes, only a mirror of each cluster pool's index, kept current by the pools' store/evict
+events (``apply``; a pool's ``inventory`` brings a new manager up to date). ``match`` gives a prompt's usable hit
+per cluster and per node, and ``ClusterMatch.view`` turns it into the router's input:
 
     manager.apply_all(events_from_pools)
     matches = manager.match(PromptKeys.from_tokens(tokens, block_size, model), limit=len(tokens) - 1)
-    prfaas = matches["prfaas"].view(prfaas_nodes)
     pd = matches["pd"].view(pd_prefill_nodes, pd_decode_nodes)
-    decision = router.route(RouteInput(len(tokens), threshold, rule, prfaas, pd))
 
-A node "holds" an entry when it stored it (it computed that prefix, so its own
-memory likely still has it); every node of a cluster can load anything in the
-cluster's pool, so a node hit only breaks ties between equally busy nodes.
-Events may arrive late: the answer is a forecast, and the prefill worker uses
-whatever its pool returns when it acquires the hit. Sans-IO, like the pool.
+A node "holds" an entry when it stored it (it computed that prefix, so its own memory likely still has it);
+every node of a cluster can load anything in the cluster's pool, so a node hit only breaks ties between equally
+busy nodes. Events may arrive late: the answer is a forecast. Sans-IO, like the pool.
 """
 
 from __future__ import annotations

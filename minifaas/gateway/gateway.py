@@ -1,31 +1,17 @@
 """The gateway: one asyncio program that attaches to both clusters and runs every request through them.
 
 What it composes (each part gets only the collaborators it needs):
-    WorkerPool         every worker: started by a launcher (local children by default, Ray actors, or
-                       hand-started ones it only dials), attached over the authenticated control
-                       channel, supervised with heartbeats, re-attached when it answers again
+    WorkerPool         every worker: started by a launcher (local children, Ray actors, or hand-started ones it
+                       only dials), attached over the control channel, supervised, re-attached when it answers
     InterClusterLink   the PrfaaS -> PD link: an emulator beside the gateway, or the real network
     PrefillDispatch    the prefill half of a request, with fallback to PD-P
     RoleChanger        PD workers changing role on the long-term scheduler's word
     LiveScheduler      the link and the queues sampled each second; the threshold and the rule
 
-A request: route (policy.router, with each prefill node's cached prefix from
-the prefix directory) -> ask the decode worker to expect the state
--> ask the prefill worker to prefill and stream it (through the link when it
-comes from PrfaaS) -> the first token goes to the client at once -> the
-decode worker streams the rest (a decode worker lost on the way: the request
-migrates to another, ``serve.migration``). A PrfaaS prefill that fails (worker gone, link
-cut or stalled, too slow) is redone on PD-P: the request still completes, and
-its record says why it fell back.
-
-Prefix caching: every prefill node keeps a pool of what it computed; the store
-and evict events on its replies keep the gateway's prefix directory current, so
-routing sees the incremental length and picks the node that holds the prefix.
-Decode nodes keep the KV they receive, so when a PrfaaS prefill's decode node
-already holds a prefix, the decode node pins it and only the rest crosses the
-link. Under the ABUNDANT rule the router may ask for the longer cache of the
-other cluster: its node sends that prefix's state across the link (through an
-emulated link in front of the receiving prefill node) before the prefill.
+A request (``_attempt``): its prompt's block keys hashed once; route (``policy.router``, on each prefill node's
+cached prefix and each decode node's KV from the prefix directory) -> the prefill dispatched -> the first token
+to the client at once -> the decode worker streams the rest. A decode worker lost on the way: the request
+migrates to another (``gateway.migration``).
 """
 
 from __future__ import annotations
@@ -38,6 +24,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from minifaas.cache.block_hash import PromptKeys
 from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
@@ -118,8 +105,11 @@ class Gateway:
         self.tokenizer: Tokenizer = load_tokenizer(spec, config.trust_remote_code)
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
         self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
-        # the gateway works out the incremental transfer itself, per decode node (see PrefillDispatch._once)
-        self.router = Router(RouterConfig(cross_cluster_cache_move=config.cache.moves, incremental_transfer=False))
+        self.router = Router(
+            RouterConfig(
+                cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer
+            )
+        )
         self.secret = cluster_secret(config)
         hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, ())
@@ -237,13 +227,17 @@ class Gateway:
             "role_changes": dict(self.roles.counts),
         }
 
-    def _route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision:
-        hits = self.prefixes.node_hits(prompt_ids)
+    def _route(self, prompt_ids: list[int], keys: PromptKeys | None = None) -> RouteDecision:
+        """The router's decision, on each prefill node's usable hit and each decode node's KV prefix (what a
+        transfer to it need not carry). ``keys``: the prompt's block keys, when the caller has hashed them."""
+        matches = self.prefixes.matches(prompt_ids if keys is None else keys)
+        hits = {node: m.hit_tokens for node, m in matches.items()}
+        kv = {node: m.kv_prefix_tokens for node, m in matches.items()}
 
         def nodes(cluster: str, role: str) -> tuple[NodeView, ...]:
+            held = hits if role == "prefill" else kv
             return tuple(
-                NodeView(w.name, hits.get(w.name, 0), w.load_tokens, w.serving and w.name not in exclude)
-                for w in self.pool.of(cluster, role)
+                NodeView(w.name, held.get(w.name, 0), w.load_tokens, w.serving) for w in self.pool.of(cluster, role)
             )
 
         decision = self.router.route(
@@ -344,14 +338,15 @@ class Gateway:
             async with deadline.first_token():  # after a migration: the re-prefill, the client's wait
                 if moving.moves:  # the lost one may be the only decode worker: wait for it back, not fail
                     await self.pool.serving("pd", "decode")
-                decision = self._route(request.prompt_ids)
+                keys = self.prefixes.keys(request.prompt_ids)  # hashed once: the route, the prefill, its retries
+                decision = self._route(request.prompt_ids, keys)
                 decode = self.workers[decision.decode_node]  # type: ignore[index]
                 record.decode_worker = decode.name
                 record.route_reason = decision.reason.value
                 inbox = decode.open(rid)
                 if record.ttft_s is None:  # the breakdown is the first token's; a migration's prefill adds to it
                     record.dispatch_s = time.perf_counter() - start  # routing; the prefill dispatch adds its part
-                prefill = self.dispatch.start(request, record, decision, decode, early)
+                prefill = self.dispatch.start(request, keys, record, decision, decode, early)
                 shown = await self._shown_early(prefill, early, request)
             if record.ttft_s is None:
                 record.ttft_s = time.perf_counter() - start

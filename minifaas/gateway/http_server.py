@@ -2,20 +2,15 @@
 
     async with serve_http(app, host, port, HttpConfig(), metrics) as bound_port: ...
 
-- Connections: at most ``max_connections`` open (``connection_limit``); the next
-  one is answered 503 at once. The soft RLIMIT_NOFILE is raised to the hard limit
-  first, and the cap kept to three quarters of it, so the rest stays for the
-  workers, the links and the 503 answers themselves.
-- Headers: a connection must send a request's line and headers within
-  ``header_timeout`` of connecting or of its last response, or it is closed
-  (aiohttp's keep-alive timer: it closes a connection still waiting for a whole
-  request head; the same limit ends an idle keep-alive connection).
-- Bodies: ``body_timeout`` bounds reading the body (``api.py``: 408), and
-  ``max_body_bytes`` its size (413). What a client still sends after its answer
-  is read for at most ``LINGER_S`` (aiohttp's lingering close), then it is cut.
-- Logs: the event loop's error handler is rate limited, so a flood of the same
-  failure (``accept()`` out of descriptors, repeated thousands of times a second)
-  is one line every ten seconds with a count, not a traceback per attempt.
+- Connections: at most ``max_connections`` open (``connection_limit``); the next one is answered 503 at once.
+  The soft RLIMIT_NOFILE is raised to the hard limit first, and the cap kept to three quarters of it, so the
+  rest stays for the workers, the links and the 503 answers themselves.
+- Headers: a request's line and headers must arrive within ``header_timeout`` of connecting or of the last
+  response, or the connection is closed (aiohttp's keep-alive timer, which also ends an idle keep-alive one).
+- Bodies: ``body_timeout`` bounds reading the body (``api.py``: 408), ``max_body_bytes`` its size (413). What a
+  client still sends after its answer is read for at most ``LINGER_S`` (aiohttp's lingering close), then cut.
+- Logs: the event loop's error handler is rate limited, so a flood of one failure (``accept()`` out of
+  descriptors, thousands of times a second) is one line every ten seconds with a count, not a traceback each.
 """
 
 from __future__ import annotations

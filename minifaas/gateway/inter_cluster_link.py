@@ -1,28 +1,18 @@
 """The PrfaaS -> PD link as the gateway uses it: emulated beside the gateway, or the real network.
 
-Emulated (the default when every worker is a local child): one link emulator
-process, a route (a listening port of its own) to each decode worker's KV
-port and one pacer for all of them, so the PrfaaS egress shares one ceiling
-however many decode workers there are; with cache moves, one more emulator in
-front of each prefill worker's move receiver. Its counters are the link's
-reading. Only state from the PrfaaS cluster goes through it.
+Emulated (the default when every worker is a local child): one link emulator process with a route (a listening
+port of its own) to each decode worker's KV port and one pacer for all, so the PrfaaS egress shares one ceiling
+however many decode workers there are; with cache moves, one more emulator in front of each prefill worker's
+move receiver. Only state from the PrfaaS cluster goes through it; its counters are the link's reading. Each
+emulator is supervised as the workers are: one that exited or missed its ping deadline is down at once (long
+prompts stay local: ``long_but_prfaas_down``), then killed and restarted on the same port with backoff, with a
+route to every decode worker it had. /health says which link is down and why.
 
-Every emulator is supervised as the workers are (``HeartbeatConfig``): pinged
-over its authenticated control session each ``interval_s``; one that exited,
-or did not answer within ``deadline_s`` (SIGSTOP, a stuck loop), is down at
-once: the router keeps long prompts local (``long_but_prfaas_down``, in the
-request's ``minifaas`` object and /metrics), and the emulator is killed and
-started again on the same port with backoff, with a route to every decode
-worker it had. /health says which link is down and why.
-
-Real (``[link] emulated = false``, and whenever workers run elsewhere): KV goes
-straight to each decode worker's advertised address, and the reading comes
-from the kernel. Every PrfaaS worker reports the TCP_INFO of its KV
-connections with each pong; one ``LinkMonitor`` turns the growth of their
-counters into egress, rtt and retransmissions for the scheduler, and
-``rate`` is taken as the link's known capacity ("none": unknown). Through the
-emulator the connections end at the relay on loopback, so their rtt says
-nothing about the link: that is why the emulated reading leaves it at zero.
+Real (``[link] emulated = false``, and whenever workers run elsewhere): KV goes straight to each decode worker's
+advertised address. Every PrfaaS worker reports the TCP_INFO of its KV connections with each pong; a
+``LinkMonitor`` turns their counters' growth into egress, rtt and retransmissions, and ``rate`` is taken as the
+link's capacity ("none": unknown). Through the emulator the connections end at the relay on loopback, so their
+rtt says nothing about the link: the emulated reading leaves it at zero.
 """
 
 from __future__ import annotations

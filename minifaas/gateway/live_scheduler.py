@@ -1,41 +1,18 @@
 """The scheduler in the live gateway: the link and the worker queues sampled once a second into ``Signals``.
 
-``run`` reads the inter-cluster link (``InterClusterLink.sample``) and the
-stage queues each second, writes them to /metrics and calls ``tick``, which
-steps the short-term policy and keeps its threshold and rule here, where the
-gateway's next route reads them. Every decision is logged by the policy and
-counted in /metrics.
+``run`` reads the inter-cluster link (``InterClusterLink.sample``) and the stage queues each second, writes them
+to /metrics and calls ``tick``, which steps the short-term policy and keeps its threshold and rule here for the
+gateway's next route. The signals: PrfaaS egress and the link ceiling (over a real link also rtt,
+retransmissions and the senders' backlog; 0 through the emulator, so the rules that use them stay quiet); queue
+depth per stage; the incremental lengths routed; each prefill stage's wait, the prompt tokens sent and not yet
+answered on its least loaded serving worker over the stage's measured speed; decode occupancy, requests over rows.
 
-The long-term policy runs on the same ticks when the serve configuration names
-a profile of the instances (``[scheduler] profile``, written by ``minifaas
-profile``): once a period it re-plans (t, N_p, N_d) from the prompts routed
-since, the measured prefill speeds (``prefilled``), the mean output length
-(``finished``) and the link's ceiling. Its t becomes the short-term policy's
-base. A new split is carried out by ``rebalance`` (the gateway's
-``RoleChanger``: drain, restart in the other role, rejoin), one worker at a
-time; the t planned for it applies once the new worker serves, and a
-conversion that could not happen (no worker may go, or the drain timed out) is
-taken back out of the policy's split.
-
-What the live signals hold: PrfaaS egress and the link ceiling (from the link
-emulator's counters, or over a real link from the KV connections' TCP_INFO,
-which also gives rtt, retransmissions and the senders' backlog); queue depth
-per stage from the requests open on each worker; the incremental lengths the
-router placed; the wait at each prefill stage, the prompt tokens on its least
-loaded serving worker (sent and not yet answered, so a transfer held up by the
-link counts) over the stage's measured prefill speed; decode occupancy, the
-requests on the decode workers over their batch rows. Through the emulator,
-rtt, retransmissions and backlog stay at 0, so the rules that use them stay
-quiet (the relay ends every connection on loopback).
-
-The codec of each transfer across the link comes from the compression policy
-(``policy.compression``) on the same readings: the link's rate and smoothed
-utilisation, and the PrfaaS prefills in flight (each streams its state while
-it runs); the transfer's shape comes from the model's state sizes
-(``kv_size``): its bytes, the bytes final only at the end (the fixed-size
-state and the last prefill chunk's KV), and its prefill time at the measured
-PrfaaS speed. The figures it weighs come from the PrfaaS prefill workers' start-up
-measurements (``calibrated``) and then from every coded transfer (``coded``).
+With a profile of the instances (``[scheduler] profile``) the long-term policy runs on the same ticks: once a
+period it re-plans (t, N_p, N_d) from the lengths routed, the measured prefill speeds (``prefilled``), the mean
+output length (``finished``) and the link's ceiling; ``rebalance`` (the ``RoleChanger``) carries out a new
+split, and a conversion that could not happen is taken back out of the policy's split. ``codec`` picks each link
+transfer's codec (``policy.codec_policy``) from the same readings and the model's state sizes (``kv_size``),
+weighing figures from the PrfaaS workers' start-up measurements (``calibrated``), then every transfer (``coded``).
 """
 
 from __future__ import annotations

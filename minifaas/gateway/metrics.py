@@ -33,7 +33,19 @@ class ServeMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        r = self.registry  # the families are created, and exposed, in this order
+        self._requests(r)
+        self._latencies(r)
+        self._tokens(r)
+        self._links(r)
+        self._scheduling(r)
+        self._coding(r)
+        self._processes(r)
+        for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
+            for histogram in (self.ttft, self.tpot, self.e2e, self.queue_time, self.transfer_time):
+                histogram.labels(route=route)
+
+    def _requests(self, r: CollectorRegistry) -> None:
         # Requests that ended, by route (prfaas, local, none) and outcome.
         self.requests = Counter("minifaas:requests", "Requests that ended", ["route", "outcome"], registry=r)
         # Error answers (HTTP status >= 400, or an error event in a stream), by cause.
@@ -42,6 +54,8 @@ class ServeMetrics:
         self.connections = Gauge("minifaas:http_connections", "Open HTTP client connections", registry=r)
         # Requests between arrival and their last byte.
         self.running = Gauge("minifaas:num_requests_running", "Requests in flight in the HTTP layer", registry=r)
+
+    def _latencies(self, r: CollectorRegistry) -> None:
         # Arrival to first token, as the client sees it.
         self.ttft = Histogram(
             "minifaas:time_to_first_token_seconds", "Time to first token", ["route"], buckets=TTFT_BUCKETS, registry=r
@@ -62,6 +76,8 @@ class ServeMetrics:
         self.transfer_time = Histogram(
             "minifaas:kv_transfer_seconds", "KV transfer tail time", ["route"], buckets=TTFT_BUCKETS, registry=r
         )
+
+    def _tokens(self, r: CollectorRegistry) -> None:
         # Prompt tokens of finished or aborted requests.
         self.prompt_tokens = Counter("minifaas:prompt_tokens", "Prompt tokens processed", registry=r)
         # Prompt tokens served from the prefix cache instead of prefilled.
@@ -74,6 +90,8 @@ class ServeMetrics:
         )
         # Requests re-prefilled locally because their PrfaaS path failed, by reason.
         self.fallbacks = Counter("minifaas:fallbacks", "PrfaaS requests that fell back", ["reason"], registry=r)
+
+    def _links(self, r: CollectorRegistry) -> None:
         # Layer-state bytes put on each link (counted by the gateway, partial transfers included).
         self.kv_bytes_sent = Counter("minifaas:kv_bytes_sent", "KV bytes sent", ["link"], registry=r)
         # Fraction of each link's bandwidth in use, 0..1.
@@ -85,6 +103,8 @@ class ServeMetrics:
         )
         # Requests waiting at each stage (e.g. prfaas_prefill, pd_prefill, decode).
         self.queue_depth = Gauge("minifaas:queue_depth", "Requests waiting per stage", ["stage"], registry=r)
+
+    def _scheduling(self, r: CollectorRegistry) -> None:
         # The scheduler's decisions, by policy, action (raise, lower, hold) and reason.
         self.scheduler_decisions = Counter(
             "minifaas:scheduler_decisions", "Scheduler decisions", ["policy", "action", "reason"], registry=r
@@ -97,7 +117,9 @@ class ServeMetrics:
         self.prefill_tokens_spared = Counter(
             "minifaas:prefill_tokens_spared", "Prompt tokens not prefilled after an abort", ["cluster"], registry=r
         )
-        # The codec chosen for each KV transfer across the link, and why (policy.compression).
+
+    def _coding(self, r: CollectorRegistry) -> None:
+        # The codec chosen for each KV transfer across the link, and why (policy.codec_policy).
         self.kv_codec_choices = Counter(
             "minifaas:kv_codec_choices", "Codec chosen per KV transfer", ["codec", "reason"], registry=r
         )
@@ -114,6 +136,8 @@ class ServeMetrics:
         self.kv_codec_break_even = Gauge(
             "minifaas:kv_codec_break_even_bits_per_second", "Break-even link rate of lossless coding", registry=r
         )
+
+    def _processes(self, r: CollectorRegistry) -> None:
         # Every process the gateway supervises (workers by name, link emulators by link): 1 in service, 0 down;
         # and how many times each came back after it was lost.
         self.process_up = Gauge("minifaas:process_up", "Supervised process in service", ["process"], registry=r)
@@ -127,9 +151,6 @@ class ServeMetrics:
         )
         # The offload threshold in force: incremental prompt tokens above which PrfaaS prefills.
         self.threshold = Gauge("minifaas:offload_threshold_tokens", "Offload threshold", registry=r)
-        for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
-            for histogram in (self.ttft, self.tpot, self.e2e, self.queue_time, self.transfer_time):
-                histogram.labels(route=route)
 
     # -- called by the HTTP layer -------------------------------------------------------------
 

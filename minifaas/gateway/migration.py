@@ -1,21 +1,15 @@
 """A request that outlives its decode worker: what it has sent so far, and what it asks of the next one.
 
-When the decode worker holding a request goes away (killed, or declared dead
-by its heartbeat deadline), the request migrates: the prompt plus every token
-already sent to the client is prefilled again, on whatever prefill node the
-router picks, and decoding continues on another decode worker (or the same one
-restarted). The continuation asks only for the tokens still owed, so the
-client sees no token twice and none missing; a greedy request's output is the
-one an undisturbed run gives, since greedy decoding is a function of the
-sequence so far. Dynamo's ``--migration-limit`` is the peer: past the limit the
-request fails with a retryable error rather than move again.
+When the decode worker holding a request goes away (killed, or declared dead by its heartbeat deadline), the
+request migrates: the prompt plus every token already sent to the client is prefilled again, wherever the
+router says, and decoding continues on another decode worker (or the same one restarted). The continuation asks
+only for the tokens still owed, so the client sees no token twice and none missing; a greedy request's output
+is the one an undisturbed run gives, since greedy decoding is a function of the sequence so far. Past
+``--migration-limit`` moves the request fails with a retryable error rather than move again.
 
-A sampled request continues from the same sequence, but its random draws are
-not those of an undisturbed run. The presence and frequency penalties count
-only generated tokens, which a re-prefill would take for prompt: such a
-request fails rather than migrate into a different distribution.
-
-This is sans-IO: the gateway does the waiting and the streaming.
+A sampled request continues from the same sequence, but its random draws are not those of an undisturbed run.
+The presence and frequency penalties count only generated tokens, which a re-prefill would take for prompt: such
+a request fails rather than migrate into a different distribution. Sans-IO: the gateway waits and streams.
 """
 
 from __future__ import annotations

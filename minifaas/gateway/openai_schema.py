@@ -95,6 +95,18 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 def parse_request(
     endpoint: Endpoint, body: dict[str, Any], *, model_name: str, tokenizer: Tokenizer, max_context: int
 ) -> ParsedRequest:
+    _check_fields(body, model_name)
+    prompt_ids, max_tokens = _prompt_and_budget(endpoint, body, tokenizer, max_context)
+    stream = _field(body, "stream", bool, False)
+    options = _field(body, "stream_options", dict, None)
+    if options is not None and not stream:
+        raise APIError(400, "'stream_options' may only be set when 'stream' is true.", param="stream_options")
+    include_usage = _field(options or {}, "include_usage", bool, False, param="stream_options.include_usage")
+    return ParsedRequest(endpoint, prompt_ids, _sampling(body, max_tokens), stream, include_usage)
+
+
+def _check_fields(body: dict[str, Any], model_name: str) -> None:
+    """The model is this server's, and no field asks for what it does not implement."""
     model = _field(body, "model", str, model_name)
     if model != model_name:
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
@@ -105,6 +117,11 @@ def parse_request(
     if _field(body, "n", int, 1) != 1:
         raise APIError(400, "Only n=1 is supported: send one request per choice.", param="n")
 
+
+def _prompt_and_budget(
+    endpoint: Endpoint, body: dict[str, Any], tokenizer: Tokenizer, max_context: int
+) -> tuple[list[int], int]:
+    """The prompt's token ids and the completion's max_tokens, checked against the model's context."""
     if endpoint is Endpoint.CHAT:
         prompt_ids, prompt_param = tokenizer.chat(_messages(body)), "messages"
         max_tokens = _field(body, "max_completion_tokens", int, None)
@@ -132,14 +149,12 @@ def parse_request(
             param=param,
             code="context_length_exceeded",
         )
+    return prompt_ids, max_tokens
 
-    stream = _field(body, "stream", bool, False)
-    options = _field(body, "stream_options", dict, None)
-    if options is not None and not stream:
-        raise APIError(400, "'stream_options' may only be set when 'stream' is true.", param="stream_options")
-    include_usage = _field(options or {}, "include_usage", bool, False, param="stream_options.include_usage")
+
+def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
     try:
-        sampling = SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens,
             temperature=float(_field(body, "temperature", (int, float), 1.0)),
             top_p=float(_field(body, "top_p", (int, float), 1.0)),
@@ -154,7 +169,6 @@ def parse_request(
     except ValueError as e:  # SamplingParams messages start with the field's name
         name = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=name if name in body else None) from None
-    return ParsedRequest(endpoint, prompt_ids, sampling, stream, include_usage)
 
 
 def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any, param: str = "") -> Any:

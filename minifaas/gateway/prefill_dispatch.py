@@ -1,25 +1,16 @@
 """The prefill half of a request: carry out the router's decision, and fall back when it fails.
 
-A prefill that fails (worker gone, link cut or stalled, too slow) is redone
-on a PD-P worker not tried yet, or, when none is left, on a PrfaaS worker
-while the link is up; the request's record says why. Before a PrfaaS
-prefill the decode node pins the prefix it already holds, so only the rest of
-the full-attention KV crosses the link; under the ABUNDANT rule the router may
-first move a cached prefix to the prefill node's cluster.
+``_once`` is the happy path: the decode node told to expect the state (and to pin the prefix it holds, so only
+the rest crosses the link), the prefill node asked to compute and send it, its reply awaited. Around it,
+``_tried`` counts the worker's load and turns a failure into its reason, ``_recorded`` writes the reply's
+figures to the record, the scheduler and /metrics, and ``run`` redoes a failed prefill on a PD-P worker not
+tried yet, else on a PrfaaS one while the link is up (``_retry_on``). Under the ABUNDANT rule ``_move`` first
+brings a cached prefix into the prefill node's cluster.
 
-The first token can reach the client before the state's tail has crossed:
-the prefill worker sends it (``first``) as soon as its forwards are done, and
-``EarlyFirst`` hands it to the gateway while the dispatch waits for the
-transfer. Once the gateway has shown it, a prefill that then fails is redone
-with that token as part of the prompt (as a migration does), and the retry's
-first token is the one after it.
-
-A decode worker that goes away meanwhile ends the attempt at once with
-``DecodeLost`` (the prefill is stopped): the gateway migrates the request
-(``serve.migration``) instead of retrying the prefill into a worker that is gone.
-
-Transfer ids start at a random point of a 62-bit space, so a gateway that
-restarted never reuses an id a worker may still remember from the one before.
+The first token can reach the client before the state's tail has crossed (``EarlyFirst``); once it was shown,
+a prefill that then fails is redone with that token in the prompt, as a migration does. A decode worker that
+goes away ends the attempt with ``DecodeLost``: the gateway migrates the request. Transfer ids start at a
+random point of a 62-bit space, so a restarted gateway never reuses one a worker may still remember.
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from minifaas.cache.block_hash import PromptKeys
 from minifaas.control.worker_ops import sampling_to_json
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.lifecycle import Phase, advance
@@ -48,6 +40,7 @@ from minifaas.policy.codec_policy import CodecChoice
 from minifaas.policy.router import CacheMove, RouteDecision
 
 log = logging.getLogger("minifaas.gateway")
+OnFirst = Callable[[int], None]  # told the first token as soon as the prefill worker has it
 
 
 class LinkScheduler(Protocol):
@@ -97,6 +90,29 @@ class Prefilled:
     request: GenerateRequest  # what was prefilled: the attempt's, or it with a shown early token appended
 
 
+@dataclass(slots=True)
+class Attempt:
+    """One try at a request's prefill: ``worker`` computes what its cache lacks and sends the state to ``decode``."""
+
+    request: GenerateRequest
+    keys: PromptKeys | None  # the prompt's block keys (``PrefixDirectory.keys``)
+    worker: WorkerHandle
+    decode: WorkerHandle
+    transfer: int
+    computed: int  # prompt tokens the worker computes: all but the hit it is expected to load
+    link_start: int  # the decode node holds the KV of tokens [0, link_start): only the rest is sent
+    moved: int | None = None  # the transfer a cache move brought the prefix in under
+    choice: CodecChoice | None = None  # the codec across the link (None within a cluster)
+    asked: float = 0.0  # perf_counter when the decode node was asked, the prefill sent, the reply in
+    sent: float = 0.0
+    replied: float = 0.0
+
+    @property
+    def remote(self) -> bool:
+        """Across the link: only it is worth a round trip to pin the decode node's prefix, and worth coding for."""
+        return self.worker.cluster == "prfaas"
+
+
 class PrefillDispatch:
     def __init__(
         self,
@@ -116,6 +132,7 @@ class PrefillDispatch:
     def start(
         self,
         request: GenerateRequest,
+        keys: PromptKeys | None,
         record: RequestRecord,
         decision: RouteDecision,
         decode: WorkerHandle,
@@ -130,184 +147,166 @@ class PrefillDispatch:
             worker.load_tokens -= pending[0]
             pending[0] = 0
 
-        task = asyncio.ensure_future(self.run(request, record, decision, decode, early, settle))
+        task = asyncio.ensure_future(self.run(request, keys, record, decision, decode, early, settle))
         task.add_done_callback(lambda _: settle())
         return task
 
     async def run(
         self,
         request: GenerateRequest,
+        keys: PromptKeys | None,
         record: RequestRecord,
         decision: RouteDecision,
         decode: WorkerHandle,
         early: EarlyFirst | None = None,
         counted: Callable[[], None] | None = None,
     ) -> Prefilled:
-        """Prefill on the routed worker; if that fails, on a PD-P worker. ``early`` gets the first token
-        before the transfer ends; if the gateway showed it and the prefill then fails, the retry prefills
+        """Prefill on the routed worker; if that fails, on another (``_retry_on``). ``early`` gets the first
+        token before the transfer ends; if the gateway showed it and the prefill then fails, the retry prefills
         it too (the returned request says so). ``counted`` is called once the first attempt has counted the
         prompt on its worker (``start``)."""
-        tried: set[str] = set()
         worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]
-        expected_hit = decision.cached_tokens
-        worker.claims += 1  # held until _once opens its inbox, so a drain cannot end in between
+        hit, tried = decision.cached_tokens, set[str]()
+        worker.claims += 1  # held until _tried opens its inbox, so a drain cannot end in between
         try:
-            moved = await self._move(request, record, decision.cache_move, worker) if decision.cache_move else None
+            move = decision.cache_move
+            moved = await self._move(request, keys, record, move, worker) if move is not None else None
         finally:
             worker.release()
         while True:
             record.route = "prfaas" if worker.cluster == "prfaas" else "local"
             record.prefill_worker = worker.name
             record.phase = advance(record.phase, Phase.PREFILLING)
-            transfer = next(self.transfer_ids)
-            outcome = await self._once(request, record, worker, decode, transfer, expected_hit, moved, early, counted)
+            link_start = decision.decode_kv_tokens if worker.cluster == "prfaas" else 0
+            n = len(request.prompt_ids) - hit
+            attempt = Attempt(request, keys, worker, decode, next(self.transfer_ids), n, link_start, moved)
+            outcome = await self._tried(attempt, None if early is None else early.offer, counted)
+            if isinstance(outcome, dict):
+                return Prefilled(attempt.transfer, self._recorded(attempt, record, outcome), request)
             moved, counted = None, None  # a retry elsewhere does not take the move
-            if isinstance(outcome, int):
-                return Prefilled(transfer, outcome, request)
-            if not decode.alive:
-                raise DecodeLost(f"decode worker {decode.name} went away during the prefill ({outcome})")
             tried.add(worker.name)
-            log.warning("request %s: prefill on %s failed (%s)", request.request_id, worker.name, outcome)
-            record.phase = advance(record.phase, Phase.FALLBACK)
-            reason = outcome.split(":")[0]
-            record.fallback = reason
-            self.fallbacks[reason] += 1
-            with contextlib.suppress(RuntimeError):
-                decode.send({"op": "abort", "req": request.request_id})
+            self._fell_back(attempt, record, outcome)
             if early is not None and early.withdraw():  # the client has the first token: go on after it
                 request, early = continued(request, [early.show()]), None
+                keys = self.prefixes.keys(request.prompt_ids)
                 record.events.append("prefill failed after its first token was sent: redone with it")
-            worker = self._retry_on(request, tried)
-            if worker is None:
-                raise RequestFailed(f"prefill failed on every worker tried: {outcome}")
-            hits = self.prefixes.node_hits(request.prompt_ids)
-            expected_hit = hits.get(worker.name, 0)
+            worker, hit = self._retry_on(keys, tried, outcome)
 
-    def _retry_on(self, request: GenerateRequest, tried: set[str]) -> WorkerHandle | None:
-        """Where a failed prefill goes next: a PD-P worker not tried yet, else a PrfaaS one while the link
-        is up (a PD-P that died must not fail a request PrfaaS can serve); the least loaded net of its hit."""
-        hits = self.prefixes.node_hits(request.prompt_ids)
-        for cluster in ("pd", "prfaas"):
-            if cluster == "prfaas" and not self.link.up:
-                break
-            left = [w for w in self.pool.of(cluster, "prefill") if w.serving and w.name not in tried]
-            if left:
-                return min(left, key=lambda w: w.load_tokens - hits.get(w.name, 0))
-        return None
+    async def _once(self, a: Attempt, on_first: OnFirst | None) -> dict:
+        """The happy path: the decode node told to expect the state (and to pin the prefix it holds), the prefill
+        node asked to compute and send it; returns the prefill worker's reply (``prefilled``, ``failed``, ``lost``)."""
+        rid, prompt, inbox = a.request.request_id, a.request.prompt_ids, a.worker.inboxes[a.request.request_id]
+        gone = a.decode.gone  # this session's: a decode worker that came back does not know the request
+        a.asked = time.perf_counter()
+        if not a.decode.alive:
+            raise DecodeLost(f"decode worker {a.decode.name} is not attached")
+        sampling = sampling_to_json(a.request.sampling)
+        a.decode.send({"op": "decode", "req": rid, "transfer": a.transfer, "sampling": sampling, "tokens": prompt,
+                       "link_start": a.link_start})  # fmt: skip
+        if a.link_start:
+            a.link_start = await self._pinned(a.decode, rid, a.transfer)
+        if a.remote:
+            a.choice = self.scheduler.codec(len(prompt), a.computed, a.link_start)
+        a.worker.send({"op": "prefill", "req": rid, "transfer": a.transfer, "tokens": prompt, "sampling": sampling,
+                       "kv": self.link.kv_address(a.worker, a.decode), "link_start": a.link_start,
+                       "codec": a.choice.codec if a.choice is not None else "none",
+                       "seen_tokens": self.prefixes.seen_prefix(a.keys),
+                       **({"import": a.moved} if a.moved is not None else {})})  # fmt: skip
+        a.sent = time.perf_counter()
+        async with asyncio.timeout(self.prefill_timeout):
+            reply = await _reply(inbox, gone, a, on_first)
+        a.replied = time.perf_counter()
+        if reply is None:
+            raise DecodeLost(f"decode worker {a.decode.name} went away during the prefill")
+        return reply
 
-    async def _once(
-        self,
-        request: GenerateRequest,
-        record: RequestRecord,
-        worker: WorkerHandle,
-        decode: WorkerHandle,
-        transfer: int,
-        expected_hit: int,
-        moved: int | None = None,
-        early: EarlyFirst | None = None,
-        counted: Callable[[], None] | None = None,
-    ) -> int | str:
-        """The first token, or why this attempt failed."""
-        rid, n = request.request_id, len(request.prompt_ids) - expected_hit  # the tokens it will compute
-        sampling = sampling_to_json(request.sampling)
-        inbox = worker.open(rid)
-        worker.load_tokens += n
+    async def _tried(self, a: Attempt, on_first: OnFirst | None, counted: Callable[[], None] | None) -> dict | str:
+        """``_once`` with the prompt counted on the worker and its inbox open: the ``prefilled`` reply, or why the
+        attempt failed. An attempt that ends with no reply (timed out, or the client left) stops its prefill."""
+        rid = a.request.request_id
+        a.worker.open(rid)
+        a.worker.load_tokens += a.computed
         if counted is not None:
             counted()
         reply: dict | None = None
-        answered = False  # the prefill's own answer came (not only its early first token)
-        # only the inter-cluster link is worth a round trip to the decode node to pin its prefix first,
-        # and only it is worth coding for (the cluster's own network is not the bottleneck)
-        remote = worker.cluster == "prfaas"
-        link_start = self.prefixes.kv_prefix(request.prompt_ids, decode.name) if remote else 0
-        choice: CodecChoice | None = None
-        asked = time.perf_counter()
-        gone = decode.gone  # this session's: a decode worker that came back does not know the request
         try:
-            if not decode.alive:
-                raise DecodeLost(f"decode worker {decode.name} is not attached")
-            decode.send(
-                {
-                    "op": "decode",
-                    "req": rid,
-                    "transfer": transfer,
-                    "sampling": sampling,
-                    "tokens": request.prompt_ids,
-                    "link_start": link_start,
-                }
-            )
-            if link_start:
-                link_start = await self._pinned(decode, rid, transfer)
-            if remote:
-                choice = self.scheduler.codec(len(request.prompt_ids), n, link_start)
-            worker.send(
-                {
-                    "op": "prefill",
-                    "req": rid,
-                    "transfer": transfer,
-                    "tokens": request.prompt_ids,
-                    "sampling": sampling,
-                    "kv": self.link.kv_address(worker, decode),
-                    "link_start": link_start,
-                    "codec": choice.codec if choice is not None else "none",
-                    "seen_tokens": self.prefixes.seen_prefix(request.prompt_ids),
-                    **({"import": moved} if moved is not None else {}),
-                }
-            )
-            sent = time.perf_counter()
-            async with asyncio.timeout(self.prefill_timeout):
-                while (reply := await _unless_gone(inbox, gone)) is not None and not _answers(reply, transfer):
-                    if reply["op"] == "first" and reply.get("transfer") == transfer:
-                        if early is not None:
-                            early.offer(int(reply["next_token"]))
-                        continue
-                    worker.unclaimed(reply)  # an earlier attempt's (a migrated request keeps its id)
-            replied = time.perf_counter()
-            answered = reply is not None
-            if reply is None:
-                raise DecodeLost(f"decode worker {decode.name} went away during the prefill")
+            reply = await self._once(a, on_first)
         except TimeoutError:
             return "timeout: prefill and transfer took too long"
         except RuntimeError as e:
             return f"worker_down: {e}"
         finally:
-            worker.load_tokens -= n
-            worker.close(rid)
-            if not answered:  # timed out, or the client left: stop the prefill rather than let it run on
+            a.worker.load_tokens -= a.computed
+            a.worker.close(rid)
+            if reply is None:  # stop the prefill rather than let it run on
                 with contextlib.suppress(RuntimeError):
-                    worker.send({"op": "abort", "req": rid})
+                    a.worker.send({"op": "abort", "req": rid})
         if reply["op"] == "lost":
-            return f"worker_lost: {worker.name} went away"
+            return f"worker_lost: {a.worker.name} went away"
         if reply["op"] == "failed":
             return f"transfer_failed: {reply['error']}"
-        record.kv_bytes = reply["kv_bytes"]
-        record.kv_codec, record.kv_codec_reason = reply["codec"], choice.reason if choice is not None else "local"
+        return reply
+
+    def _recorded(self, a: Attempt, record: RequestRecord, reply: dict) -> int:
+        """The prefill's figures into the record, the scheduler and /metrics; returns the first token."""
+        record.kv_bytes, record.cached_tokens = reply["kv_bytes"], reply["cached_tokens"]
+        record.kv_codec, record.kv_codec_reason = reply["codec"], a.choice.reason if a.choice is not None else "local"
         record.kv_wire_bytes, record.kv_encode_s, record.kv_decode_s = (
             reply["kv_wire_bytes"], reply["kv_encode_s"], reply["kv_decode_s"]
         )  # fmt: skip
-        if remote:
+        if a.remote:
             self.scheduler.coded(reply, reply["kv_bytes"])
-        record.cached_tokens = reply["cached_tokens"]
-        self.metrics.add_kv_bytes(f"{worker.cluster}->{decode.name}", reply["kv_bytes"])
+        self.metrics.add_kv_bytes(f"{a.worker.cluster}->{a.decode.name}", reply["kv_bytes"])
         record.queue_s, record.prefill_s, record.transfer_s = (
             reply["queue_s"],
             reply["prefill_s"],
             reply["transfer_tail_s"],
         )
-        record.dispatch_s = (record.dispatch_s or 0.0) + sent - asked
+        record.dispatch_s = (record.dispatch_s or 0.0) + a.sent - a.asked
         record.store_s = reply["worker_s"] - reply["prefill_s"] - reply["transfer_tail_s"]
-        record.control_s = max(0.0, replied - sent - reply["queue_s"] - reply["worker_s"])
-        self.scheduler.prefilled(worker.cluster, reply["computed_tokens"], reply["prefill_s"])
+        record.control_s = max(0.0, a.replied - a.sent - reply["queue_s"] - reply["worker_s"])
+        self.scheduler.prefilled(a.worker.cluster, reply["computed_tokens"], reply["prefill_s"])
         record.phase = advance(record.phase, Phase.TRANSFERRING)
         return int(reply["next_token"])
 
+    def _fell_back(self, a: Attempt, record: RequestRecord, why: str) -> None:
+        """The attempt failed: DecodeLost if its decode worker went away, else say why and release the decode side."""
+        if not a.decode.alive:
+            raise DecodeLost(f"decode worker {a.decode.name} went away during the prefill ({why})")
+        log.warning("request %s: prefill on %s failed (%s)", a.request.request_id, a.worker.name, why)
+        record.phase = advance(record.phase, Phase.FALLBACK)
+        reason = why.split(":")[0]
+        record.fallback = reason
+        self.fallbacks[reason] += 1
+        with contextlib.suppress(RuntimeError):
+            a.decode.send({"op": "abort", "req": a.request.request_id})
+
+    def _retry_on(self, keys: PromptKeys | None, tried: set[str], why: str) -> tuple[WorkerHandle, int]:
+        """Where a failed prefill goes next, and the hit it may load there: a PD-P worker not tried yet, else a
+        PrfaaS one while the link is up (a PD-P that died must not fail a request PrfaaS can serve); the least
+        loaded net of its hit. Raises RequestFailed when none is left."""
+        hits = self.prefixes.node_hits(keys)
+        for cluster in ("pd", "prfaas"):
+            if cluster == "prfaas" and not self.link.up:
+                break
+            left = [w for w in self.pool.of(cluster, "prefill") if w.serving and w.name not in tried]
+            if left:
+                worker = min(left, key=lambda w: w.load_tokens - hits.get(w.name, 0))
+                return worker, hits.get(worker.name, 0)
+        raise RequestFailed(f"prefill failed on every worker tried: {why}")
+
     async def _move(
-        self, request: GenerateRequest, record: RequestRecord, move: CacheMove, dst: WorkerHandle
+        self,
+        request: GenerateRequest,
+        keys: PromptKeys | None,
+        record: RequestRecord,
+        move: CacheMove,
+        dst: WorkerHandle,
     ) -> int | None:
         """Carry out the router's cache move: the source cluster's node with the longest hit sends that
         prefix's state to ``dst`` across the link. Returns the transfer ``dst`` takes it from, or None."""
         rid, transfer = request.request_id, next(self.transfer_ids)
-        hits = self.prefixes.node_hits(request.prompt_ids)
+        hits = self.prefixes.node_hits(keys)
         sources = [w for w in self.pool.workers.values() if w.cluster == move.src and w.serving and hits.get(w.name, 0)]
         link = self.link.move_address(dst)
         if not sources or link is None:
@@ -350,6 +349,19 @@ class PrefillDispatch:
                     raise RuntimeError(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
                 if msg["op"] == "pinned" and msg["transfer"] == transfer:
                     return int(msg["tokens"])
+
+
+async def _reply(inbox: asyncio.Queue[dict], gone: asyncio.Event, a: Attempt, on_first: OnFirst | None) -> dict | None:
+    """The prefill's outcome for ``a``'s transfer, or the worker's session lost; None once the decode worker is
+    ``gone``. On the way the early first token goes to ``on_first``, an earlier attempt's replies to ``unclaimed``
+    (a migrated request keeps its id)."""
+    while (msg := await _unless_gone(inbox, gone)) is not None and not _answers(msg, a.transfer):
+        if msg["op"] == "first" and msg.get("transfer") == a.transfer:
+            if on_first is not None:
+                on_first(int(msg["next_token"]))
+        else:
+            a.worker.unclaimed(msg)
+    return msg
 
 
 def _answers(reply: dict, transfer: int) -> bool:

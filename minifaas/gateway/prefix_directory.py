@@ -20,9 +20,11 @@ from collections.abc import Iterable, Sequence
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.events import CacheEvent
-from minifaas.cache.manager import GlobalCacheManager
+from minifaas.cache.manager import ClusterMatch, GlobalCacheManager
 from minifaas.cache.prefix_index import PrefixIndex
 from minifaas.config import CacheConfig
+
+Prompt = Sequence[int] | PromptKeys | None  # token ids, or their keys from ``PrefixDirectory.keys`` (None: no match)
 
 
 class PrefixDirectory:
@@ -43,26 +45,28 @@ class PrefixDirectory:
         self.manager.indexes.pop(node, None)
         self.manager.nodes.pop(node, None)
 
-    def kv_prefix(self, prompt_ids: Sequence[int], node: str) -> int:
-        """Full-attention KV of the prompt's prefix that ``node`` holds (a decode node needs no snapshot)."""
-        if not (self.config.enabled and self.config.incremental_transfer) or len(prompt_ids) < 2:
-            return 0
-        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
-        return self.manager.match(keys, limit=len(prompt_ids) - 1)[node].kv_prefix_tokens
+    def keys(self, prompt_ids: Sequence[int]) -> PromptKeys | None:
+        """The prompt's block keys, hashed once per request and passed to each lookup below; None when nothing
+        can match (the cache is off, or the prompt has one token)."""
+        if not self.config.enabled or len(prompt_ids) < 2:
+            return None
+        return PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
 
-    def seen_prefix(self, prompt_ids: Sequence[int]) -> int:
+    def matches(self, prompt: Prompt) -> dict[str, ClusterMatch]:
+        """Each node's match for the prompt, leaving at least one token to compute."""
+        keys = prompt if prompt is None or isinstance(prompt, PromptKeys) else self.keys(prompt)
+        return {} if keys is None else self.manager.match(keys, limit=keys.num_tokens - 1)
+
+    def node_hits(self, prompt: Prompt) -> dict[str, int]:
+        """Each node's usable hit for the prompt."""
+        return {node: m.hit_tokens for node, m in self.matches(prompt).items()}
+
+    def kv_prefix(self, prompt: Prompt, node: str) -> int:
+        """Full-attention KV of the prompt's prefix that ``node`` holds (a decode node needs no snapshot)."""
+        found = self.matches(prompt) if self.config.incremental_transfer else {}
+        return found[node].kv_prefix_tokens if found else 0
+
+    def seen_prefix(self, prompt: Prompt) -> int:
         """The longest prefix of the prompt whose KV blocks any node stored: a branch point another prompt
         shared, where a state snapshot is worth taking (``cache.snapshot_policy``)."""
-        if not self.config.enabled or len(prompt_ids) < 2:
-            return 0
-        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
-        return max(
-            (m.kv_prefix_tokens for m in self.manager.match(keys, limit=len(prompt_ids) - 1).values()), default=0
-        )
-
-    def node_hits(self, prompt_ids: Sequence[int]) -> dict[str, int]:
-        """Each node's usable hit for the prompt, leaving at least one token to compute."""
-        if not self.config.enabled or len(prompt_ids) < 2:
-            return {}
-        keys = PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
-        return {node: m.hit_tokens for node, m in self.manager.match(keys, limit=len(prompt_ids) - 1).items()}
+        return max((m.kv_prefix_tokens for m in self.matches(prompt).values()), default=0)

@@ -40,7 +40,7 @@ class RequestRecord:
     completion_tokens: int = 0
     kv_bytes: int = 0  # of state
     kv_codec: str | None = None  # how it crossed the wire: none, lossless, fp8 or int8
-    kv_codec_reason: str | None = None  # why (policy.compression; "local" within a cluster)
+    kv_codec_reason: str | None = None  # why (policy.codec_policy; "local" within a cluster)
     kv_wire_bytes: int = 0  # what crossed the wire after coding
     kv_encode_s: float = 0.0  # coding time at the prefill worker
     kv_decode_s: float = 0.0  # decoding time at the decode worker

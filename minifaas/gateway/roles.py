@@ -1,27 +1,17 @@
 """Changing a PD worker's role while the gateway serves: drain, restart in the other role, rejoin.
 
-The long-term scheduler (``scheduler.long_term``) decides how many PD workers
-prefill and how many decode; ``RoleChanger`` carries a decision out on live
-processes, one worker at a time:
+The long-term scheduler (``policy.long_term``) decides how many PD workers prefill and how many decode;
+``RoleChanger`` carries a decision out on live processes, one worker at a time:
 
-  1. pick the least busy worker of the role that shrinks. The last decode
-     worker is never taken, nor the last prefill worker when PrfaaS has none.
-  2. drain it: it is marked draining, so the router, the PD-P fallback and
-     cache moves pass it by; wait until every request it holds has finished.
-     Nothing is handed over or lost: its requests end where they are.
-  3. retire it: stop the process, drop its entries from the prefix directory
-     (its pool dies with it) and its route through the inter-cluster link.
-  4. start a worker in the new role under a fresh name (pd-p<k> or pd-d<k>)
-     with what that role needs (``worker_specs``): a decode worker gets its own
-     KV port and a route to it through the link, a prefill worker its prefix cache.
-     A start that fails is tried again every ``RETRY_S``, as the supervisor
-     does for a worker that died.
-  5. it joins the workers the router sees as soon as it is ready.
+  1. pick the least busy worker of the role that shrinks; never the last decode worker, nor the last prefill
+     worker when PrfaaS has none.
+  2. drain it: the router, the PD-P fallback and cache moves pass it by; wait until every request it holds has
+     ended where it is. A drain longer than ``drain_timeout`` is called off: the conversion is abandoned.
+  3. retire it: stop the process, drop its prefix-directory entries and its route through the link.
+  4. start a worker in the new role under a fresh name (pd-p<k> or pd-d<k>; ``worker_specs``), tried again
+     every ``RETRY_S`` if it fails; it joins the workers the router sees as soon as it is ready.
 
-A drain that does not end within ``drain_timeout`` is called off: the worker
-takes new requests again, and the conversion counts as abandoned. PrfaaS
-workers are never re-roled: they are another cluster, on other hardware; nor
-are hand-started workers, whose role is their own command line's.
+PrfaaS workers are never re-roled (another cluster, on other hardware), nor are hand-started ones.
 """
 
 from __future__ import annotations

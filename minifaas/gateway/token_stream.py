@@ -3,7 +3,7 @@
 The first token comes from the prefill worker (often before the state's tail
 has reached the decode worker); the decode worker streams the rest, each
 within the request's deadline between tokens. A decode worker that goes away
-raises ``DecodeLost``: the gateway migrates the request (``serve.migration``)
+raises ``DecodeLost``: the gateway migrates the request (``gateway.migration``)
 and streams on with the same ``OutputText``. Text is detokenized incrementally
 (never splitting a UTF-8 character) and checked for stop strings here, since
 only the gateway sees the text; both cost the same per token however long the

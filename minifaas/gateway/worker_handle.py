@@ -1,19 +1,14 @@
 """The gateway's handle on one worker: attach over the control channel, talk to it, notice when it is gone.
 
-``attach`` dials the worker's control port, proves the cluster secret both
-ways and says ``attach``; the worker answers what it is. ``pump`` then runs
-the session: a ping every ``heartbeat_s``, replies sorted into one inbox per
-request; a reply no request waits for any more (the notice of a prefill
-stopped by an abort) goes to ``on_unclaimed``. The session is lost when the
-connection ends, a frame fails its MAC, or nothing is heard for the deadline:
-the worker stops serving at once, and every open inbox receives
-``{"op": "lost"}``, so no request waits on a worker that is gone (it falls back
-instead). The pool then attaches again when the worker answers.
-
-A worker that is changing role (``serve.roles``) is ``draining``: the router
-sends it nothing new, and ``wait_idle`` returns once the requests it holds
-(open inboxes, and prefills routed to it that have not opened one yet:
-``claims``) are done.
+``attach`` dials the worker's control port, proves the cluster secret both ways and says ``attach``; the
+worker answers what it is. ``pump`` then runs the session: a ping every ``heartbeat_s``, each reply checked
+against ``WORKER_REPLIES`` (one it refuses is logged and dropped: what waits on it times out) and sorted into
+its request's inbox; a reply no request waits for any more (a stopped prefill's news) goes to
+``on_unclaimed``. The session is lost when the connection ends, a frame fails its MAC, or nothing is heard
+for the deadline: the worker stops serving at once and every open inbox receives ``{"op": "lost"}``, so no
+request waits on a worker that is gone (it falls back instead); the pool attaches again when it answers.
+A worker changing role (``serve.roles``) is ``draining``: routed nothing new, and ``wait_idle`` returns
+once the requests it holds (open inboxes, and ``claims``: prefills routed to it not yet in one) are done.
 """
 
 from __future__ import annotations
@@ -27,14 +22,15 @@ import ssl as ssl_module
 from collections.abc import Callable
 
 from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
+from minifaas.control.schema import BadMessage, validate
 from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
-from minifaas.control.worker_ops import CACHE_EVENTS
+from minifaas.control.worker_ops import CACHE_EVENTS, WORKER_REPLIES, Op, Reply
 from minifaas.launch.launcher import WorkerError, WorkerSpec
 from minifaas.net.address import Address
 from minifaas.net.link_health import TcpInfo
 
 log = logging.getLogger("minifaas.gateway")
-LOST = {"op": "lost"}
+LOST = {"op": Reply.LOST}
 GATEWAY_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -48,17 +44,22 @@ async def attach(
     """A session with the worker at ``address`` and what it said it is; raises ControlError."""
     session = await connect(*address, secret, timeout, ssl)
     try:
-        session.send({"op": "attach", "gateway": GATEWAY_ID})
+        session.send({"op": Op.ATTACH, "gateway": GATEWAY_ID})
         await session.drain(timeout)
         hello = await session.recv(timeout)
     except BaseException:
         session.close()
         raise
-    if hello is None or hello.get("op") != "attached":
+    if hello is None or hello.get("op") != Reply.ATTACHED:
         session.close()
         why = hello.get("error", hello) if hello else "it hung up"
-        kind = Busy if hello and hello.get("op") == "refused" else Refused
+        kind = Busy if hello and hello.get("op") == Reply.REFUSED else Refused
         raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
+    try:
+        validate(hello, WORKER_REPLIES)
+    except BadMessage as e:
+        session.close()
+        raise Refused(f"{address[0]}:{address[1]} said what it is unreadably: {e}") from None
     return session, hello
 
 
@@ -127,20 +128,22 @@ class WorkerHandle:
         """Run the session until it is lost; then wake every waiting request. Returns why it ended."""
         assert self.session is not None
         try:
-            return await keep_alive(self.session, heartbeat, self._deliver, lambda: {"op": "ping"})
+            return await keep_alive(self.session, heartbeat, self._deliver, lambda: {"op": Op.PING})
         finally:
             self.alive = False
             self.gone.set()
             for inbox in self.inboxes.values():
                 inbox.put_nowait(LOST)
 
-    def _deliver(self, msg: dict) -> None:
-        if msg.get("op") == "pong":
-            try:
-                self.tcp = {key: TcpInfo(**info) for key, info in msg.get("tcp", {}).items()}
-                self.queued_bytes = int(msg.get("queued_bytes", 0))
-            except (TypeError, ValueError, AttributeError) as e:  # a worker of another version: no link health
-                log.warning("worker %s: unreadable link report: %r", self.name, e)
+    def _deliver(self, raw: dict) -> None:
+        try:
+            op, msg = validate(raw, WORKER_REPLIES)
+        except BadMessage as e:  # a worker of another version, or a bug: what waits on it times out
+            log.warning("worker %s: unreadable reply: %s", self.name, e)
+            return
+        if op == Reply.PONG:
+            self.tcp = {key: TcpInfo(**info) for key, info in msg.get("tcp", {}).items()}
+            self.queued_bytes = msg.get("queued_bytes", 0)
             return
         inbox = self.inboxes.get(msg.get("req", ""))
         if inbox is not None:

@@ -2,18 +2,14 @@
 
     async with WorkerPool(specs, launcher, secret, ...) as pool:   # every worker attached, or an error
         pool.workers["pd-d0"], pool.of("pd", "prefill")
-        await pool.launch(spec); await pool.retire(worker)          # role changes (serve.roles)
+        await pool.launch(spec); await pool.retire(worker)          # role changes (gateway.roles)
 
-A worker the gateway starts (local child or Ray actor) comes from the
-gateway's launcher; a hand-started one (its spec has an address) from
-``AttachedLauncher``, and says its own name and role when it attaches. Each
-attached worker has a supervisor task: it runs the session (heartbeats) and,
-when the session is lost, asks the launcher for the worker again and
-re-attaches as soon as it answers, backing off from ``RETRY_S`` to
-``MAX_RETRY_S``. Between the two the worker is out of routing, and the
-requests it held have fallen back. Each (re)attach also brings the link's
-route to it up to date and restarts the prefix directory's mirror of its pool
-from the inventory the worker sends.
+A worker the gateway starts (local child or Ray actor) comes from its launcher; a hand-started one (its spec has
+an address) from ``AttachedLauncher``, and says its own name and role when it attaches. Each attached worker has
+a supervisor task: it runs the session (heartbeats) and, when the session is lost, asks the launcher for the
+worker again and re-attaches as soon as it answers, backing off from ``RETRY_S`` to ``MAX_RETRY_S``. Meanwhile
+the worker is out of routing and the requests it held have fallen back. Each (re)attach also brings the link's
+route to it up to date and restarts the prefix directory's mirror of its pool from the inventory it sends.
 """
 
 from __future__ import annotations
@@ -160,7 +156,7 @@ class WorkerPool:
             raise WorkerError(f"{spec.label} says it is the {said[2]} {said[1]} worker {said[0]}, expected {wanted}")
 
     async def retire(self, w: WorkerHandle) -> None:
-        """Stop a worker for good (it changes role: ``serve.roles``); forget its pool and its link."""
+        """Stop a worker for good (it changes role: ``gateway.roles``); forget its pool and its link."""
         w.retired = True
         self.workers.pop(w.name, None)
         w.detach()

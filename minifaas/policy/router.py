@@ -1,25 +1,18 @@
 """The PrfaaS router: where one request is prefilled, where it decodes, and why.
 
-Routing is on the INCREMENTAL prefill length l = prompt - usable cached prefix.
-With threshold t, l > t is offloaded to the PrfaaS cluster (its KV then crosses
-the inter-cluster link to a PD-D node); l <= t is prefilled locally on a PD-P
-node. Two rules pick which cached prefix counts (docs/ARCHITECTURE.md, "The router's rules"):
+Routing is on the INCREMENTAL prefill length l = prompt - usable cached prefix. With threshold t, l > t is
+offloaded to the PrfaaS cluster (its KV then crosses the inter-cluster link to a PD-D node, less the prefix the
+decode side holds); l <= t is prefilled locally on a PD-P node. Two rules pick which cached prefix counts
+(docs/ARCHITECTURE.md, "The router's rules"):
 
-- SCARCE (bandwidth is scarce): each cluster is judged by its own cache; the
-  request stays local iff prompt - hit(PD) <= t.
-- ABUNDANT (compute is scarce): the longer of the two caches counts; when it
-  sits in the other cluster, it is moved across the link first (a CacheMove).
+- SCARCE (bandwidth is scarce): each cluster is judged by its own cache; local iff prompt - hit(PD) <= t.
+- ABUNDANT (compute is scarce): the longer of the two caches counts; when it sits in the other cluster, it is
+  moved across the link first (a CacheMove).
 
-Inside the chosen cluster the node is cache-affine and load-aware: the node
-that would finish this prefill first, i.e. the least ``load + prompt - hit``
-(a cluster's nodes are homogeneous, so queued tokens compare directly). The
-rule judges a cluster by its best hit; the node choice may trade part of a
-node-local hit for a shorter queue. With no hits at all (``--prefix-cache
-none``) all of this reduces to the plain threshold rule on prompt length.
-
-Everything here is sans-IO and pure: ``decide`` is a function of its inputs
-(hits come from the global cache manager, loads and health from the workers,
-the threshold and rule from the scheduler). ``Router`` adds only the counters.
+Inside the chosen cluster the node is cache-affine and load-aware: the least ``load + prompt - hit`` (a
+cluster's nodes are homogeneous, so queued tokens compare directly). With no hits at all this is the plain
+threshold rule on prompt length. Sans-IO and pure: ``decide`` is a function of its inputs (hits from the cache
+manager, loads and health from the workers, threshold and rule from the scheduler); ``Router`` adds counters.
 """
 
 from __future__ import annotations
@@ -61,7 +54,8 @@ class RouterConfig:
 @dataclass(frozen=True, slots=True)
 class NodeView:
     """One node as the router sees it. ``load`` is queued work in tokens (prefill) or any
-    comparable figure (decode); ``hit_tokens`` is the usable prefix in the node's own memory."""
+    comparable figure (decode); ``hit_tokens`` is the usable prefix in the node's own memory (a decode
+    node's: the full-attention KV it holds, which a transfer to it need not carry)."""
 
     node_id: str
     hit_tokens: int = 0
@@ -137,11 +131,16 @@ class RouteDecision:
     decode_node: str | None = None
     cached_tokens: int = 0  # the prefix the prefill node loads instead of computing
     cache_move: CacheMove | None = None
-    link_kv_start: int = 0  # PRFAAS: full-attention KV of tokens [link_kv_start, prompt) crosses the link
+    decode_kv_tokens: int = 0  # the prompt's full-attention KV the decode side holds (0: incremental transfer off)
 
     @property
     def incremental_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def link_kv_start(self) -> int:
+        """PRFAAS: full-attention KV of tokens [link_kv_start, prompt) crosses the link; 0 on the PD path."""
+        return self.decode_kv_tokens if self.path is Path.PRFAAS else 0
 
 
 def pick_node(nodes: tuple[NodeView, ...], prompt_tokens: int, affinity: bool, floor_hit: int = 0) -> NodeView | None:
@@ -198,10 +197,9 @@ def _place(
     node = pick_node(cluster.prefill_nodes, req.prompt_tokens, config.cache_affinity, floor)
     assert node is not None  # decide() checked that the cluster can prefill
     cached = max(node.hit_tokens, floor)
-    link_start = 0
-    if path is Path.PRFAAS and config.incremental_transfer:
-        link_start = min(req.pd.kv_prefix_tokens, req.prompt_tokens)
-    return RouteDecision(path, reason, req.prompt_tokens, node.node_id, decode.node_id, cached, move, link_start)
+    # the decode node loads its cluster pool's KV prefix, or its own if longer: that much need not be sent
+    held = min(max(req.pd.kv_prefix_tokens, decode.hit_tokens), req.prompt_tokens) if config.incremental_transfer else 0
+    return RouteDecision(path, reason, req.prompt_tokens, node.node_id, decode.node_id, cached, move, held)
 
 
 class Router:
