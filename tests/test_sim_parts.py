@@ -7,10 +7,10 @@ import pytest
 
 from minifaas.planner.paper import H20_DECODE, H20_PREFILL
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec, arrival_times
-from minifaas.sim.decode import DecodePool
+from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.fluid_link import FluidLink, LinkConfig
-from minifaas.sim.prefill import PrefillPool
+from minifaas.sim.prefill import PrefillInstances
 from minifaas.sim.trace_workload import read_trace
 from minifaas.traces import trace_path
 
@@ -83,7 +83,7 @@ def test_link_config_validates() -> None:
 
 
 def test_prefill_pool_is_fcfs_and_picks_the_first_free_node() -> None:
-    pool = PrefillPool("pd", "pd-p", H20_PREFILL, 2)
+    pool = PrefillInstances("pd", "pd-p", H20_PREFILL, 2)
     t = H20_PREFILL.latency_s(10_000)
     assert pool.latency_s(10_000) == pytest.approx(float(t))
     assert pool.place(0, 0.0, 10_000) == pytest.approx((0.0, float(t)))
@@ -97,7 +97,7 @@ def test_prefill_pool_is_fcfs_and_picks_the_first_free_node() -> None:
 
 
 def test_decode_pool_holds_at_most_bs_max_and_hands_slots_over() -> None:
-    pool = DecodePool(H20_DECODE, 1)
+    pool = DecodeInstances(H20_DECODE, 1)
     for request in range(H20_DECODE.bs_max + 2):
         pool.reserve(0)
         joined = pool.arrive(0, request)

@@ -1,7 +1,7 @@
 """The gateway: one asyncio program that attaches to both clusters and runs every request through them.
 
 What it composes (each part gets only the collaborators it needs):
-    WorkerPool         every worker: started by a launcher (local children, Ray actors, or hand-started ones it
+    Workers         every worker: started by a launcher (local children, Ray actors, or hand-started ones it
                        only dials), attached over the control channel, supervised, re-attached when it answers
     InterClusterLink   the PrfaaS -> PD link: an emulator beside the gateway, or the real network
     PrefillDispatch    the prefill half of a request, with fallback to PD-P
@@ -47,7 +47,7 @@ from minifaas.gateway.requests import (
 from minifaas.gateway.roles import RoleChanger
 from minifaas.gateway.token_stream import OutputText, decode_tokens, finish_reason, token_event
 from minifaas.gateway.worker_handle import WorkerHandle
-from minifaas.gateway.worker_pool import WorkerPool
+from minifaas.gateway.workers import Workers
 from minifaas.launch.local import LocalLauncher
 from minifaas.launch.startup import StartupListener
 from minifaas.launch.worker_specs import planned_specs
@@ -117,7 +117,7 @@ class Gateway:
         self.link = InterClusterLink(config.link, config.link_emulated, config.cache.moves, heartbeat)
         self.link.secret = self.secret
         self.launcher = make_launcher(config, self.secret)
-        self.pool = WorkerPool(
+        self.pool = Workers(
             planned_specs(config), self.launcher, self.secret, spec.name, heartbeat, self.link,
             self.prefixes, start_timeout=config.ray.start_timeout if config.launcher == "ray" else 300.0,
         )  # fmt: skip

@@ -26,7 +26,7 @@ from minifaas.config import ServeConfig
 from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkReading
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.worker_pool import WorkerPool
+from minifaas.gateway.workers import Workers
 from minifaas.model.kv_size import KVProfile
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
@@ -46,7 +46,7 @@ Rebalance = Callable[[int, Callable[[bool], None]], None]
 class LiveScheduler:
     def __init__(
         self,
-        pool: WorkerPool,
+        pool: Workers,
         link: InterClusterLink,
         config: ServeConfig,
         metrics: ServeMetrics,

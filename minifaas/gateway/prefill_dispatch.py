@@ -35,7 +35,7 @@ from minifaas.gateway.migration import continued
 from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import DecodeLost, GenerateRequest, RequestFailed, RequestRecord
 from minifaas.gateway.worker_handle import WorkerHandle
-from minifaas.gateway.worker_pool import WorkerPool
+from minifaas.gateway.workers import Workers
 from minifaas.policy.codec_policy import CodecChoice
 from minifaas.policy.router import CacheMove, RouteDecision
 
@@ -116,7 +116,7 @@ class Attempt:
 class PrefillDispatch:
     def __init__(
         self,
-        pool: WorkerPool,
+        pool: Workers,
         link: InterClusterLink,
         prefixes: PrefixDirectory,
         metrics: ServeMetrics,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from minifaas.config import NAME_PREFIX, ServeConfig
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.worker_handle import WorkerHandle
-from minifaas.gateway.worker_pool import WorkerPool
+from minifaas.gateway.workers import Workers
 from minifaas.launch.worker_specs import worker_spec
 
 log = logging.getLogger("minifaas.gateway")
@@ -44,7 +44,7 @@ class Conversion:
 
 
 class RoleChanger:
-    def __init__(self, pool: WorkerPool, config: ServeConfig, metrics: ServeMetrics) -> None:
+    def __init__(self, pool: Workers, config: ServeConfig, metrics: ServeMetrics) -> None:
         self.pool, self.config, self.metrics = pool, config, metrics
         self.counts: Counter[str] = Counter()  # to_prefill, to_decode, abandoned, refused
         self.done: list[Conversion] = []

@@ -44,7 +44,7 @@ class Endpoint:
     unsent_limit: int | None = None
 
 
-class ConnectionPool:
+class Connections:
     def __init__(self, endpoint: Endpoint, max_idle: int, ssl: ssl_module.SSLContext | None = None):
         self.endpoint = endpoint
         self.max_idle = max_idle

@@ -20,7 +20,7 @@ from minifaas.planner.profile import DecodeProfile
 from minifaas.policy.router import NodeView
 
 
-class DecodePool:
+class DecodeInstances:
     def __init__(self, profile: DecodeProfile, n: int) -> None:
         self.profile = profile
         self.ids = [f"pd-d-{i}" for i in range(n)]

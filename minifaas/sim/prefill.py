@@ -18,7 +18,7 @@ from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.router import NodeView
 
 
-class PrefillPool:
+class PrefillInstances:
     def __init__(self, cluster: str, node_prefix: str, profile: PrefillProfile, n: int) -> None:
         self.cluster = cluster
         self.profile = profile

@@ -18,11 +18,11 @@ from minifaas.planner.lengths import LengthDistribution
 from minifaas.policy.long_term import LongTermPolicy
 from minifaas.policy.short_term import ShortTermPolicy
 from minifaas.policy.signals import Signals, StageLoad
-from minifaas.sim.decode import DecodePool
+from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.deployment import SimConfig
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.fluid_link import FluidLink
-from minifaas.sim.prefill import PrefillPool
+from minifaas.sim.prefill import PrefillInstances
 from minifaas.sim.workload import Workload
 
 
@@ -33,9 +33,9 @@ class SimScheduler:
         workload: Workload,
         loop: EventLoop,
         link: FluidLink,
-        prfaas: PrefillPool,
-        pd: PrefillPool,
-        decode: DecodePool,
+        prfaas: PrefillInstances,
+        pd: PrefillInstances,
+        decode: DecodeInstances,
     ) -> None:
         self.config, self.loop, self.link = config, loop, link
         self.prfaas, self.pd, self.decode = prfaas, pd, decode

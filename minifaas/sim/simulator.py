@@ -25,11 +25,11 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.policy.codec_policy import TransferShape
 from minifaas.policy.router import ClusterView, Path, RouteInput, Router
 from minifaas.sim.coding import SimCoding
-from minifaas.sim.decode import DecodePool
+from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.deployment import SimConfig
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.fluid_link import FluidLink
-from minifaas.sim.prefill import PrefillPool
+from minifaas.sim.prefill import PrefillInstances
 from minifaas.sim.prefix import ClusterPrefixCaches
 from minifaas.sim.report import SimResult, mean, percentile
 from minifaas.sim.scheduling import SimScheduler
@@ -44,9 +44,9 @@ class Simulation:
         self.workload = workload
         self.loop = EventLoop()
         self.router = Router(config.router)
-        self.prfaas = PrefillPool("prfaas", "prfaas", config.prfaas, config.n_prfaas)
-        self.pd = PrefillPool("pd", "pd-p", config.pd_prefill, config.n_prefill)
-        self.decode = DecodePool(config.decode, config.n_decode)
+        self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas)
+        self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill)
+        self.decode = DecodeInstances(config.decode, config.n_decode)
         self.link = FluidLink(config.link.gbps)
         use_cache = config.prefix_cache and workload.hash_ids is not None
         self.caches: ClusterPrefixCaches | None = None

@@ -20,7 +20,7 @@ import bisect
 import torch
 
 
-class BufferPool:
+class ReceiveBuffers:
     def __init__(self, max_bytes: int, pinned: bool = False):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0 (0: recycle nothing)")

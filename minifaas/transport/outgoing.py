@@ -25,7 +25,7 @@ from minifaas.codec.codec import OFF_LOOP_BYTES, Codec, Coded, FrameEncoder, fra
 from minifaas.model.host_copy import CopyDone, HostCopier, device_of
 from minifaas.model.layer_state import LayerState
 from minifaas.net.channel import Channel
-from minifaas.net.connections import ConnectionPool
+from minifaas.net.connections import Connections
 from minifaas.net.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
 from minifaas.transport.chunking import Chunk, Payload, split_chunks, split_token_range
 from minifaas.transport.sender_config import SenderConfig
@@ -83,7 +83,7 @@ class OutgoingTransfer:
         transfer: int,
         layers: int,
         total_bytes: int,
-        pool: ConnectionPool,
+        pool: Connections,
         settings: SenderConfig,
         codec: Codec = Codec.NONE,
     ) -> None:
@@ -234,7 +234,7 @@ class OutgoingTransfer:
         )  # fmt: skip
 
     async def _pump(self, channels: list[Channel], i: int) -> None:
-        """Send chunks on ``channels[i]``; its first send may replace it (``ConnectionPool.send_first``)."""
+        """Send chunks on ``channels[i]``; its first send may replace it (``Connections.send_first``)."""
         first = i > 0  # the first connection's first send was START
         encoder = FrameEncoder()
         alive_on = channels[0] if i == 0 else None

@@ -38,7 +38,7 @@ from minifaas.net.errors import (
     TransferError,
     TruncatedError,
 )
-from minifaas.transport.buffers import BufferPool
+from minifaas.transport.buffers import ReceiveBuffers
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.transfer_table import TransferTable, reason
 from minifaas.transport.wire import (
@@ -96,7 +96,7 @@ class KVReceiver:
     def __init__(self, config: ReceiverConfig, ssl: ssl_module.SSLContext | None = None):
         self.config = config
         self.stats = ReceiverStats()
-        self.buffers = BufferPool(config.recycle_bytes, config.pinned)
+        self.buffers = ReceiveBuffers(config.recycle_bytes, config.pinned)
         self._ssl = ssl
         self._table = TransferTable(
             config.max_open_transfers,

@@ -19,7 +19,7 @@ import ssl as ssl_module
 
 from minifaas.codec.codec import Codec
 from minifaas.model.layer_state import ModelState
-from minifaas.net.connections import ConnectionPool
+from minifaas.net.connections import Connections
 from minifaas.net.link_health import TcpInfo, read_tcp_info
 from minifaas.transport.outgoing import OutgoingTransfer, TransferReport
 from minifaas.transport.sender_config import SenderConfig
@@ -30,7 +30,7 @@ __all__ = ["KVSender", "SenderConfig"]
 class KVSender:
     def __init__(self, config: SenderConfig, ssl: ssl_module.SSLContext | None = None):
         self.config = config
-        self.pool = ConnectionPool(config.endpoint, max_idle=config.connections, ssl=ssl)
+        self.pool = Connections(config.endpoint, max_idle=config.connections, ssl=ssl)
         self._active: set[OutgoingTransfer] = set()
 
     async def __aenter__(self) -> KVSender:

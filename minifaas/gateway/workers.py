@@ -1,6 +1,6 @@
 """Every worker the gateway uses: started by its launcher, attached over the control channel, supervised.
 
-    async with WorkerPool(specs, launcher, secret, ...) as pool:   # every worker attached, or an error
+    async with Workers(specs, launcher, secret, ...) as pool:   # every worker attached, or an error
         pool.workers["pd-d0"], pool.of("pd", "prefill")
         await pool.launch(spec); await pool.retire(worker)          # role changes (gateway.roles)
 
@@ -35,7 +35,7 @@ RETRY_S, MAX_RETRY_S = 0.5, 5.0
 ATTACH_TIMEOUT_S = 10.0  # one attempt: connect, handshake, the worker's answer
 
 
-class WorkerPool:
+class Workers:
     def __init__(
         self,
         specs: list[WorkerSpec],
@@ -78,7 +78,7 @@ class WorkerPool:
         joined, self._joined = self._joined, asyncio.Event()
         joined.set()
 
-    async def __aenter__(self) -> WorkerPool:
+    async def __aenter__(self) -> Workers:
         self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._stack.push_async_callback(self._shutdown)
         try:
