@@ -129,6 +129,8 @@ def test_config_is_validated() -> None:
         ShortTermConfig(low_utilisation=0.9, high_utilisation=0.8)
     with pytest.raises(ValueError):
         LongTermConfig(period_s=0)
+    with pytest.raises(ValueError, match="link_change"):  # the message names the setting that is wrong
+        LongTermConfig(link_change=-0.1)
 
 
 def lengths_of(mu: float, n: int, seed: int = 0) -> list[int]:

@@ -55,7 +55,7 @@ class LongTermConfig:
         if self.period_s <= 0 or self.min_requests < 1 or self.min_gain < 0:
             raise ValueError("need period_s > 0, min_requests >= 1, min_gain >= 0")
         if self.max_conversions < 1 or self.threshold_step < 1 or self.link_change < 0:
-            raise ValueError("max_conversions and threshold_step must be >= 1")
+            raise ValueError("need max_conversions >= 1, threshold_step >= 1, link_change >= 0")
 
 
 @dataclass(frozen=True, slots=True)
