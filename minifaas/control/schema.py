@@ -89,6 +89,34 @@ class IntList(Kind):
 
 
 @dataclass(frozen=True)
+class ListOf(Kind):
+    """A list of values of one kind."""
+
+    item: Kind
+    max_len: int = 1 << 24
+
+    def check(self, value: object) -> str | None:
+        if not isinstance(value, list) or len(value) > self.max_len:
+            return f"a list of at most {self.max_len} items"
+        return next((f"item {i}: {why}"[:200] for i, v in enumerate(value) if (why := self.item.check(v))), None)
+
+
+@dataclass(frozen=True)
+class MapOf(Kind):
+    """An object whose keys are any short strings, each value of one kind."""
+
+    value: Kind
+    max_len: int = 1 << 16
+    key: Kind = Text(1024)
+
+    def check(self, value: object) -> str | None:
+        if not isinstance(value, dict) or len(value) > self.max_len:
+            return f"an object of at most {self.max_len} entries"
+        bad = ((k, why) for k, v in value.items() if (why := self.key.check(k) or self.value.check(v)))
+        return next((f"{k!r}: {why}"[:200] for k, why in bad), None)
+
+
+@dataclass(frozen=True)
 class Address(Kind):
     """[host, port]: where to send something."""
 
@@ -104,6 +132,16 @@ class Optional(Kind):
 
     def check(self, value: object) -> str | None:
         return self.kind.check(value)
+
+
+@dataclass(frozen=True)
+class Nullable(Kind):
+    """null, or a value of ``kind`` (the field itself is required unless also Optional)."""
+
+    kind: Kind
+
+    def check(self, value: object) -> str | None:
+        return None if value is None else self.kind.check(value)
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,81 @@
-"""The gateway <-> worker control protocol: what each message holds, over an authenticated session.
+"""The gateway <-> worker control protocol: the fields of every message each way, over an authenticated session.
 
-Messages are small dicts with an ``op`` and usually a ``req`` (request id),
-signed and framed by ``minifaas.control.session``; bulk state never goes here
-(it goes over the KV transport). ``WORKER_OPS`` is everything a worker accepts,
-field by field; a worker checks each message against it before it acts on it.
+Messages are small dicts with an ``op`` and usually a ``req`` (request id), signed and framed by
+``control.session``; bulk state goes over the KV transport instead. ``WORKER_OPS`` holds what a worker
+accepts (``Op``), ``WORKER_REPLIES`` what it answers (``Reply``); each side checks a message against its
+table (``schema.validate``) before it acts on it.
 
-    attach   the gateway takes over the session; the worker answers ``attached``
-             (name, role, cluster, model, KV address, pid) and its pool's inventory
-    ping     -> ``pong`` (the TCP_INFO of the worker's KV connections)
-    prefill  compute a prompt and stream its state to ``kv``; -> ``first`` (the first token, as soon as
-             the forwards are done), then ``prefilled`` once the state has gone
-    export   send a cached prefix to another cluster's node; -> ``exported``
-    decode   expect the state of ``transfer`` and decode it; -> ``token``..., ``done``
-    start    the first token of a request whose state has arrived
-    abort    stop a request, wherever it is
-    load     -> ``load``: prompt tokens queued (prefill) or requests decoding
+    attach -> attached (what the worker is), then its pool's inventory as ``cache`` messages
+    ping -> pong (TCP_INFO of its KV connections)    load -> load (its queue)    start, abort: no reply
+    prefill -> first (the first token, once the forwards are done), prefilled (once the state has gone)
+    export -> exported    decode -> pinned, received, token..., done
+    any request -> failed (it could not be done); a message its table refuses -> error
 
-A worker's prefix cache events, ``{"op": "cache", "events": [...]}``, belong to
-no request: they go under the ``req`` CACHE_EVENTS, which the gateway listens
-on for as long as the worker runs.
+Cache events (``cache``) belong to no request: they go under the ``req`` CACHE_EVENTS, which the gateway
+listens on for as long as the worker runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+from enum import StrEnum
+
 from minifaas.codec.codec import Codec
-from minifaas.control.schema import Address, Bool, Fields, Int, IntList, Kind, Number, OneOf, Optional, Text
+from minifaas.control.schema import (
+    Address,
+    Bool,
+    Fields,
+    Int,
+    IntList,
+    Kind,
+    ListOf,
+    MapOf,
+    Nullable,
+    Number,
+    OneOf,
+    Optional,
+    Text,
+)  # fmt: skip
+from minifaas.control.session import MAX_BYTES
 from minifaas.model.sampling import SamplingParams
+from minifaas.net.link_health import TcpInfo
 
 CACHE_EVENTS = "@cache"  # no request id starts with "@"
+
+
+class Op(StrEnum):
+    """What the gateway asks of a worker."""
+
+    ATTACH = "attach"
+    PING = "ping"
+    PREFILL = "prefill"
+    EXPORT = "export"
+    DECODE = "decode"
+    START = "start"
+    ABORT = "abort"
+    LOAD = "load"
+
+
+class Reply(StrEnum):
+    """What a worker answers; the last two never come from a worker's session (no table entry)."""
+
+    ATTACHED = "attached"
+    CACHE = "cache"
+    PONG = "pong"
+    FIRST = "first"
+    PREFILLED = "prefilled"
+    EXPORTED = "exported"
+    ABORTED = "aborted"
+    PINNED = "pinned"
+    RECEIVED = "received"
+    TOKEN = "token"
+    DONE = "done"
+    LOAD = "load"
+    FAILED = "failed"
+    ERROR = "error"
+    REFUSED = "refused"  # control.server's answer to a second gateway
+    LOST = "lost"  # the gateway's own word, put in every open inbox when the session is lost
+
 
 _REQ, _TRANSFER, _COUNT = Text(256), Int(0, 2**63 - 1), Int(0, 2**31 - 1)
 _TOKENS = IntList(0, 2**31 - 1)
@@ -47,9 +95,9 @@ _SAMPLING = Fields(
     }
 )
 WORKER_OPS: dict[str, dict[str, Kind]] = {
-    "attach": {"gateway": Text()},
-    "ping": {},
-    "prefill": {
+    Op.ATTACH: {"gateway": Text()},
+    Op.PING: {},
+    Op.PREFILL: {
         "req": _REQ,
         "transfer": _TRANSFER,
         "tokens": _TOKENS,
@@ -60,7 +108,7 @@ WORKER_OPS: dict[str, dict[str, Kind]] = {
         "import": Optional(_TRANSFER),
         "seen_tokens": Optional(_COUNT),  # the prompt's longest prefix some node stored: a snapshot point
     },
-    "export": {
+    Op.EXPORT: {
         "req": _REQ,
         "transfer": _TRANSFER,
         "tokens": _TOKENS,
@@ -68,10 +116,59 @@ WORKER_OPS: dict[str, dict[str, Kind]] = {
         "kv": Address(),
         "codec": Optional(_CODEC),
     },
-    "decode": {"req": _REQ, "transfer": _TRANSFER, "sampling": _SAMPLING, "tokens": _TOKENS, "link_start": _COUNT},
-    "start": {"req": _REQ, "next_token": _COUNT},
-    "abort": {"req": _REQ},
-    "load": {"req": _REQ},
+    Op.DECODE: {"req": _REQ, "transfer": _TRANSFER, "sampling": _SAMPLING, "tokens": _TOKENS, "link_start": _COUNT},
+    Op.START: {"req": _REQ, "next_token": _COUNT},
+    Op.ABORT: {"req": _REQ},
+    Op.LOAD: {"req": _REQ},
+}
+
+_BYTES, _SECONDS, _NAME = Int(0, 2**63 - 1), Number(0.0), Text(4096)
+_ERROR = Text(MAX_BYTES)  # an exception's text: as long as a frame allows
+_CODING = {"codec": _CODEC, "kv_wire_bytes": _BYTES, "kv_encode_s": _SECONDS, "kv_decode_s": _SECONDS}
+_CACHE_EVENT = Fields(  # CacheEvent.to_json
+    {
+        **dict.fromkeys(("kind", "entry", "cluster", "node", "key", "parent"), _NAME),
+        "length": _COUNT,
+        "nbytes": _BYTES,
+        "at": Number(-float("inf")),
+    }
+)
+_TCP_INFO = Fields({f.name: Int(0, 2**64 - 1) for f in fields(TcpInfo)})
+WORKER_REPLIES: dict[str, dict[str, Kind]] = {
+    Reply.ATTACHED: {
+        **dict.fromkeys(("name", "role", "cluster", "model", "kernels"), _NAME),
+        "kv": Nullable(Address()),  # where KV for it goes ("" host: the address the gateway dialled)
+        "pid": Int(1, 2**31 - 1),
+        "codecs": MapOf(ListOf(Number(), max_len=4)),  # codec -> [bytes, wire bytes, encode s, decode s]
+        "deadline_s": Number(),
+    },
+    Reply.CACHE: {"req": _REQ, "events": ListOf(_CACHE_EVENT)},
+    Reply.PONG: {"tcp": Optional(MapOf(_TCP_INFO)), "queued_bytes": Optional(_BYTES)},  # a prefill worker's
+    Reply.FIRST: {"req": _REQ, "transfer": _TRANSFER, "next_token": _COUNT},
+    Reply.PREFILLED: {
+        "req": _REQ,
+        "transfer": _TRANSFER,
+        "next_token": _COUNT,
+        "kv_bytes": _BYTES,
+        "cached_tokens": _COUNT,
+        "computed_tokens": _COUNT,
+        **dict.fromkeys(("queue_s", "prefill_s", "transfer_tail_s", "worker_s"), _SECONDS),
+        **_CODING,
+    },
+    Reply.EXPORTED: {
+        "req": _REQ,
+        "tokens": _COUNT,
+        "bytes": _BYTES,
+        **{name: Optional(kind) for name, kind in _CODING.items()},  # none when nothing was sent
+    },
+    Reply.ABORTED: {"req": _REQ, "tokens": _COUNT, "done_tokens": _COUNT},
+    Reply.PINNED: {"req": _REQ, "transfer": _TRANSFER, "tokens": _COUNT},
+    Reply.RECEIVED: {"req": _REQ, "transfer": _TRANSFER, "bytes": _BYTES},
+    Reply.TOKEN: {"req": _REQ, "transfer": _TRANSFER, "token": _COUNT, "finish": Nullable(_NAME)},
+    Reply.DONE: {"req": _REQ, "transfer": _TRANSFER, "finish": _NAME},
+    Reply.LOAD: {"req": _REQ, "load": Int(0, 2**63 - 1)},
+    Reply.FAILED: {"req": _REQ, "transfer": _TRANSFER, "error": _ERROR},
+    Reply.ERROR: {"req": _REQ, "error": _ERROR},
 }
 
 

@@ -7,7 +7,7 @@ its request's inbox; a reply no request waits for any more (a stopped prefill's 
 ``on_unclaimed``. The session is lost when the connection ends, a frame fails its MAC, or nothing is heard
 for the deadline: the worker stops serving at once and every open inbox receives ``{"op": "lost"}``, so no
 request waits on a worker that is gone (it falls back instead); the pool attaches again when it answers.
-A worker changing role (``serve.roles``) is ``draining``: routed nothing new, and ``wait_idle`` returns
+A worker changing role (``gateway.roles``) is ``draining``: routed nothing new, and ``wait_idle`` returns
 once the requests it holds (open inboxes, and ``claims``: prefills routed to it not yet in one) are done.
 """
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from minifaas.control.worker_ops import sampling_from_json
+from minifaas.control.worker_ops import Reply, sampling_from_json
 from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decoder import DecoderConfig, QueueFull
 from minifaas.model.layer_state import ModelState
@@ -60,7 +60,7 @@ class DecodeService:
         try:
             async with asyncio.timeout(self.state_timeout):
                 state = await incoming.model_state()
-            emit({"op": "received", "req": req, "transfer": transfer, "bytes": state.nbytes})
+            emit({"op": Reply.RECEIVED, "req": req, "transfer": transfer, "bytes": state.nbytes})
             async with asyncio.timeout(self.state_timeout):
                 next_token = await first
         finally:
@@ -68,7 +68,7 @@ class DecodeService:
                 del self.first_tokens[req]
         finish = finish_reason(self.runtime, sampling, next_token, 1, state.seq_len)
         if finish is not None:
-            emit({"op": "done", "req": req, "transfer": transfer, "finish": finish})
+            emit({"op": Reply.DONE, "req": req, "transfer": transfer, "finish": finish})
             return
         self.clients[req] = (emit, transfer)
         if self.stepping:
@@ -98,7 +98,7 @@ class DecodeService:
             self.decoder.submit(*arrival)
         except QueueFull as e:
             emit, transfer = self.clients.pop(req)
-            emit({"op": "failed", "req": req, "transfer": transfer, "error": f"overloaded: {e}"})
+            emit({"op": Reply.FAILED, "req": req, "transfer": transfer, "error": f"overloaded: {e}"})
 
     def _apply_pending(self) -> None:
         for req in self.aborts:
@@ -124,6 +124,6 @@ class DecodeService:
                 if client is None:  # aborted while its token was being computed
                     continue
                 emit, transfer = client
-                emit({"op": "token", "req": t.request, "transfer": transfer, "token": t.token, "finish": t.finish})
+                emit({"op": Reply.TOKEN, "req": t.request, "transfer": transfer, "token": t.token, "finish": t.finish})
                 if t.finish is not None:
                     del self.clients[t.request]

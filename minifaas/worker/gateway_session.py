@@ -1,16 +1,15 @@
 """One gateway's session with a worker: control messages in, the worker's replies out.
 
 A worker serves one gateway at a time (``control.server`` refuses a second).
-On ``attach`` it says what it is (name, role, cluster, model, KV address, pid)
-and sends its pool's inventory, so a gateway that restarted learns what the
-node already holds; nothing else about the worker changes.
+On ``attach`` it says what it is and sends its pool's inventory, so a gateway
+that restarted learns what the node already holds.
 
-Every message is checked against ``WORKER_OPS`` first; one it does not allow,
-or one whose handling raises, is answered ``{"op": "error"}`` and the session
-goes on. Each request runs as a task of the session. When the session ends
-(the gateway closed it, went silent past the deadline, or sent a frame that
-failed its MAC), every request it started is aborted: a prefill stops, a
-decode row is freed, and nothing is left waiting for a gateway that is gone.
+Every message is checked against ``WORKER_OPS`` first, then goes to its op's
+handler; one the table refuses, or whose handling raises, is answered ``error``
+and the session goes on. Each request runs as a task of the session. When the
+session ends (the gateway closed it, went silent past the deadline, or sent a
+frame that failed its MAC), every request it started is aborted: a prefill
+stops, a decode row is freed, and nothing waits for a gateway that is gone.
 """
 
 from __future__ import annotations
@@ -20,12 +19,13 @@ import dataclasses
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minifaas.cache.pool import HybridPrefixPool
 from minifaas.control.schema import BadMessage, validate
 from minifaas.control.session import ControlError, Garbled, Session
-from minifaas.control.worker_ops import CACHE_EVENTS, WORKER_OPS
+from minifaas.control.worker_ops import CACHE_EVENTS, WORKER_OPS, Op, Reply
 from minifaas.net.errors import TransferError
 from minifaas.worker.decode_prefix import DecodePrefixCache
 from minifaas.worker.decode_service import DecodeService
@@ -64,111 +64,157 @@ class WorkerNode:
 
 
 async def serve_gateway(node: WorkerNode, session: Session, deadline_s: float) -> None:
-    jobs: dict[str, asyncio.Task[None]] = {}
-    aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
-    decoding: set[str] = set()  # requests of this session handed to the decode service
-    service, prefixes = node.service, node.prefixes
+    """Serve one gateway's session until it ends; then abort every request it started."""
+    await GatewaySession(node, session, deadline_s).serve()
 
-    def send(message: dict) -> None:
-        if not session.closed:  # after the session ended its requests answer no one
-            session.send(message)
 
-    def send_cache_events() -> None:
-        if node.pool is not None and (events := node.pool.drain_events()):
-            send({"op": "cache", "req": CACHE_EVENTS, "events": [e.to_json() for e in events]})
+class GatewaySession:
+    """A session's requests, and one handler per op."""
 
-    def emit(message: dict) -> None:
-        send_cache_events()  # the pool's changes go out before the news that follows them
-        send(message)
+    def __init__(self, node: WorkerNode, session: Session, deadline_s: float) -> None:
+        self.node, self.session, self.deadline_s = node, session, deadline_s
+        self.service, self.prefixes = node.service, node.prefixes
+        self.jobs: dict[str, asyncio.Task[None]] = {}
+        self.aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
+        self.decoding: set[str] = set()  # requests of this session handed to the decode service
+        self.tasks: asyncio.TaskGroup | None = None
+        self.handlers: dict[str, Callable[[dict], None]] = {
+            Op.ATTACH: self.attach,
+            Op.PING: self.ping,
+            Op.PREFILL: self.run,
+            Op.EXPORT: self.run,
+            Op.DECODE: self.run,
+            Op.START: self.start,
+            Op.ABORT: self.abort,
+            Op.LOAD: self.load,
+        }
+        if isinstance(self.service, PrefillService):  # a prompt's blocks are stored after its reply: news follows
+            self.service.kept = self.send_cache_events
 
-    if isinstance(service, PrefillService):
-        service.kept = send_cache_events  # a prompt's blocks are stored after its reply: their news follows
+    def send(self, message: dict) -> None:
+        if not self.session.closed:  # after the session ended its requests answer no one
+            self.session.send(message)
 
-    def failed(msg: dict, e: BaseException) -> dict:
-        return {"op": "failed", "req": msg["req"], "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"}
+    def send_cache_events(self) -> None:
+        if self.node.pool is not None and (events := self.node.pool.drain_events()):
+            self.send({"op": Reply.CACHE, "req": CACHE_EVENTS, "events": [e.to_json() for e in events]})
 
-    async def job(msg: dict) -> None:
+    def emit(self, message: dict) -> None:
+        self.send_cache_events()  # the pool's changes go out before the news that follows them
+        self.send(message)
+
+    async def serve(self) -> None:
+        async with asyncio.TaskGroup() as self.tasks:
+            try:
+                while await self.next_message():
+                    await self.session.drain(self.deadline_s)
+            finally:
+                self.end()
+
+    async def next_message(self) -> bool:
+        """Take one message and handle it; False once the gateway has closed the session."""
+        raw: dict | None = None
+        try:
+            raw = await self.session.recv(self.deadline_s)
+            if raw is None:
+                return False
+            op, msg = validate(raw, WORKER_OPS)
+            self.handlers[op](msg)
+        except (Garbled, BadMessage) as e:
+            self.send({"op": Reply.ERROR, "req": _req_of(raw), "error": str(e)})
+        except ControlError:
+            raise
+        except Exception as e:  # a bug in handling one message: say so, keep serving
+            log.exception("control message %s failed", _req_of(raw))
+            self.send({"op": Reply.ERROR, "req": _req_of(raw), "error": f"{type(e).__name__}: {e}"})
+        return True
+
+    def end(self) -> None:
+        for task in self.jobs.values():
+            task.cancel()
+        if isinstance(self.service, DecodeService):
+            for req in self.decoding:
+                self.service.abort(req)
+
+    def attach(self, msg: dict) -> None:
+        self.send({"op": Reply.ATTACHED, **self.node.describe(), "deadline_s": self.deadline_s})
+        pool = self.node.pool
+        events = pool.inventory(time.perf_counter()) if pool is not None else []
+        for i in range(0, len(events), INVENTORY_BATCH):
+            batch = [e.to_json() for e in events[i : i + INVENTORY_BATCH]]
+            self.send({"op": Reply.CACHE, "req": CACHE_EVENTS, "events": batch})
+
+    def ping(self, msg: dict) -> None:
+        self.send({"op": Reply.PONG, **_link_report(self.service)})
+
+    def run(self, msg: dict) -> None:
+        """Start a prefill, export or decode as a task of the session."""
+        op, req = msg["op"], msg["req"]
+        if (op == Op.DECODE) != isinstance(self.service, DecodeService):
+            raise BadMessage(f"a {self.node.role} worker does not {op}")
+        if req in self.jobs:
+            raise BadMessage(f"request {req!r} is already running")
+        if op == Op.DECODE and self.prefixes is not None:
+            pinned = self.prefixes.pin(msg["transfer"], msg["tokens"], msg["link_start"], time.perf_counter())
+            if msg["link_start"]:
+                self.emit({"op": Reply.PINNED, "req": req, "transfer": msg["transfer"], "tokens": pinned})
+        if op == Op.DECODE:
+            self.decoding.add(req)
+        assert self.tasks is not None
+        self.jobs[req] = self.tasks.create_task(self.job(msg))
+
+    def start(self, msg: dict) -> None:
+        if isinstance(self.service, DecodeService):  # a prefill worker has no use for it
+            self.service.start(msg["req"], msg["next_token"])
+
+    def abort(self, msg: dict) -> None:
+        req = msg["req"]
+        if isinstance(self.service, DecodeService):
+            self.service.abort(req)
+            self.decoding.discard(req)
+        task = self.jobs.pop(req, None)
+        if task is not None:  # a prefill stops at its next layer (PrefillService.prefill)
+            self.aborted.add(req)
+            task.cancel()
+
+    def load(self, msg: dict) -> None:
+        service = self.service
+        queued = service.queued_tokens if isinstance(service, PrefillService) else service.load
+        self.emit({"op": Reply.LOAD, "req": msg["req"], "load": queued})
+
+    async def job(self, msg: dict) -> None:
+        """One request's work, and its answer however it ends."""
         req = msg["req"]
         try:
-            if isinstance(service, PrefillService):
-                emit(await (service.export(msg) if msg["op"] == "export" else service.prefill(msg, send)))
-            else:
-                await service.decode(msg, emit)
+            await self.work(msg)
         except asyncio.CancelledError:  # aborted by the gateway, or the session is over
-            if req in aborted and isinstance(service, PrefillService) and msg["op"] == "prefill":
-                done = service.stopped_at.pop(req, 0)
-                emit({"op": "aborted", "req": req, "tokens": len(msg["tokens"]), "done_tokens": done})
+            if req in self.aborted and isinstance(self.service, PrefillService) and msg["op"] == Op.PREFILL:
+                done = self.service.stopped_at.pop(req, 0)
+                self.emit({"op": Reply.ABORTED, "req": req, "tokens": len(msg["tokens"]), "done_tokens": done})
         except (TransferError, TimeoutError, OSError, ValueError, RuntimeError) as e:
-            emit(failed(msg, e))
+            self.emit(_failed(msg, e))
         except Exception as e:  # a bug: report it with its trace rather than leave the request hanging
-            emit(failed(msg, e))
+            self.emit(_failed(msg, e))
             traceback.print_exc()
         finally:
-            aborted.discard(req)
-            if prefixes is not None:
-                prefixes.cancel(msg["transfer"])  # unpins a prefix whose state never arrived
-            if jobs.get(req) is asyncio.current_task():
-                del jobs[req]
+            self.aborted.discard(req)
+            if self.prefixes is not None:
+                self.prefixes.cancel(msg["transfer"])  # unpins a prefix whose state never arrived
+            if self.jobs.get(req) is asyncio.current_task():
+                del self.jobs[req]
 
-    def handle(op: str, msg: dict, tg: asyncio.TaskGroup) -> None:
-        req = msg.get("req", "")
-        if op == "attach":
-            send({"op": "attached", **node.describe(), "deadline_s": deadline_s})
-            events = node.pool.inventory(time.perf_counter()) if node.pool is not None else []
-            for i in range(0, len(events), INVENTORY_BATCH):
-                batch = [e.to_json() for e in events[i : i + INVENTORY_BATCH]]
-                send({"op": "cache", "req": CACHE_EVENTS, "events": batch})
-        elif op == "ping":
-            send({"op": "pong", **_link_report(service)})
-        elif op in ("prefill", "decode", "export"):
-            if (op == "decode") != isinstance(service, DecodeService):
-                raise BadMessage(f"a {node.role} worker does not {op}")
-            if req in jobs:
-                raise BadMessage(f"request {req!r} is already running")
-            if op == "decode" and prefixes is not None:
-                pinned = prefixes.pin(msg["transfer"], msg["tokens"], msg["link_start"], time.perf_counter())
-                if msg["link_start"]:
-                    emit({"op": "pinned", "req": req, "transfer": msg["transfer"], "tokens": pinned})
-            if op == "decode":
-                decoding.add(req)
-            jobs[req] = tg.create_task(job(msg))
-        elif op == "start" and isinstance(service, DecodeService):
-            service.start(req, msg["next_token"])
-        elif op == "abort":
-            if isinstance(service, DecodeService):
-                service.abort(req)
-                decoding.discard(req)
-            task = jobs.pop(req, None)
-            if task is not None:  # a prefill stops at its next layer (PrefillService.prefill)
-                aborted.add(req)
-                task.cancel()
-        elif op == "load":
-            queued = service.queued_tokens if isinstance(service, PrefillService) else service.load
-            emit({"op": "load", "req": req, "load": queued})
+    async def work(self, msg: dict) -> None:
+        service = self.service
+        if isinstance(service, DecodeService):
+            await service.decode(msg, self.emit)
+        elif msg["op"] == Op.EXPORT:
+            self.emit(await service.export(msg))
+        else:  # ``first`` is sent as it is; the pool's news goes out with the reply
+            self.emit(await service.prefill(msg, self.send))
 
-    async with asyncio.TaskGroup() as tg:
-        try:
-            while True:
-                raw: dict | None = None
-                try:
-                    raw = await session.recv(deadline_s)
-                    if raw is None:
-                        break
-                    handle(*validate(raw, WORKER_OPS), tg)
-                except (Garbled, BadMessage) as e:
-                    send({"op": "error", "req": _req_of(raw), "error": str(e)})
-                except ControlError:
-                    raise
-                except Exception as e:  # a bug in handling one message: say so, keep serving
-                    log.exception("control message %s failed", _req_of(raw))
-                    send({"op": "error", "req": _req_of(raw), "error": f"{type(e).__name__}: {e}"})
-                await session.drain(deadline_s)
-        finally:
-            for task in jobs.values():
-                task.cancel()
-            if isinstance(service, DecodeService):
-                for req in decoding:
-                    service.abort(req)
+
+def _failed(msg: dict, e: BaseException) -> dict:
+    return {"op": Reply.FAILED, "req": msg["req"], "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"}
 
 
 def _req_of(raw: object) -> str:

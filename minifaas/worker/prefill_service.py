@@ -1,48 +1,17 @@
 """A prefill worker's job: run prompts through the model and stream each layer's state as it is made.
 
-One forward runs at a time (prefill is compute-bound; a second one would only
-halve both), and waiting prompts take their turn in arrival order. The lock is
-held for the compute and the pool's copies only: while the tail of one
-request's state is still on the wire, the next prompt is already running.
+The core (``_run``): load the prompt's cached prefix, run the rest on the forward thread, hand each layer's
+state to the sender as it is made, report. With ``chunk_tokens`` every forward runs in chunks and each chunk's
+full-attention KV goes out once it has passed the layer; with 0 the snapshot segments run before the transfer
+opens and the last segment streams by layer. ``export`` sends a cached prefix to another cluster's node, whose
+``prefill`` takes it in first (``import``; a move that fails is logged, counted and done without).
 
-With a prefix store, a prompt loads the usable hit from the node's pool when
-its turn comes (so it sees everything the prompts before it stored), computes
-only the rest, and stores its blocks and snapshots before the next prompt's
-turn. That store runs beside the transfer's tail and the reply (``_keep``), so
-no request's first token waits for it: a cache that nothing reuses costs a
-request only the lookup. The worker tells the gateway of the pool's
-store/evict events.
-
-An aborted request (its client left, or the gateway gave up on it) stops its
-prefill: a waiting prompt leaves the queue, and a running forward stops at
-the next layer that hands state on (``LayerForwarder`` raises ``Stopped``
-from the model's hook; with ``chunk_tokens=0`` only the last segment hands
-state on, so earlier snapshot segments run to their end). The compute lock
-is let go only once the forward's thread has really ended, and the open
-transfer is reset, so the decode node frees what arrived. Nothing of a
-stopped prompt goes into the pool.
-
-Chunked prefill (``chunk_tokens``): every forward of the prompt (the snapshot
-segments too, which are chunks already) runs in pieces of at most that many
-tokens, and each piece's full-attention keys and values go on the wire as soon
-as the piece has passed the layer; linear-attention and sliding-window state
-go when the last piece is done. The transfer then trails the prefill by about
-one piece's KV plus the fixed-size state instead of the last whole layer.
-``chunk_tokens=0`` is the reference: the snapshot segments run before the
-transfer opens, and the last segment streams whole layers.
-
-Cache moves across the link (the ABUNDANT rule): ``export`` sends a prefix
-state from this node's pool to a node of the other cluster, whose ``prefill``
-first takes it off its receiver (``import``) and keeps it in its pool, where the
-prompt's turn then finds it like any other hit. A move that fails is logged and
-counted, and the prompt is prefilled without it.
-
-KV compression: the gateway names a codec per transfer (``"codec"`` in the
-message; the scheduler chose it, ``policy.compression``). The worker uses it
-when its own ``--kv-compression`` allows it (``codecs``), else the nearest it
-allows, and reports the bytes before and after and the coding time at both
-ends. At start it measures its codecs once on a real state
-(``calibrate``), so the scheduler has figures before the first request.
+Around the core: one prompt computes at a time, in arrival order (``_turn``); the first token goes out once
+the forwards end; the pool keeps the prompt's blocks and snapshots beside the transfer's tail, the compute lock
+held until they are in so the next prompt sees them (``_keep``). An abort takes a waiting prompt out of the
+queue or stops a running forward at its next layer that hands state on (``_until_stopped``), lets the lock go
+only once that forward's thread has ended, resets the transfer and stores nothing. The codec the gateway
+names is used if this worker allows it, else the nearest it allows; ``calibrate`` measures each at start.
 """
 
 from __future__ import annotations
@@ -52,11 +21,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from minifaas.codec.codec import Codec, usable
-from minifaas.control.worker_ops import sampling_from_json
+from minifaas.control.worker_ops import Reply, sampling_from_json
 from minifaas.model.host_copy import HostCopier
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens
@@ -115,85 +85,79 @@ class PrefillService:
         return self.senders[key]
 
     async def prefill(self, msg: dict, first: Callable[[dict], None] | None = None) -> dict:
-        """Prefill ``msg["tokens"]`` and stream the state. ``first`` gets the first token (``{"op": "first"}``)
-        as soon as the forwards are done, ahead of the transfer's tail and the reply. Cancelling the task
-        aborts the request: the forward stops early and ``stopped_at[req]`` says how far it got."""
-        tokens: list[int] = msg["tokens"]
-        sampling = sampling_from_json(msg["sampling"])
-        sender = self.sender(*msg["kv"])
-        arrived = time.perf_counter()
+        """Prefill ``msg["tokens"]``, stream the state to ``msg["kv"]``; the ``prefilled`` reply. ``first`` gets
+        the first token (``{"op": "first"}``) as soon as the forwards are done, ahead of the transfer's tail.
+        Cancelling the task aborts the request: the forward stops early, ``stopped_at[req]`` says how far."""
+        job = _Job(msg, sampling_from_json(msg["sampling"]), self.sender(*msg["kv"]), time.perf_counter(), first)
         if "import" in msg:
-            await self._import(tokens, msg["import"])
-        stop = threading.Event()
-        forward: LayerForwarder | None = None
-        held, queued, keeping = False, True, False  # the compute lock; the prompt in queued_tokens; the pool's task
+            await self._import(job.tokens, msg["import"])
+        async with self._turn(job):
+            return await self._run(job)
 
-        def unqueue() -> None:  # once the forwards are done, or on the way out if they never ran or ended
-            nonlocal queued
-            if queued:
-                queued = False
-                self.queued_tokens -= len(tokens)
+    async def _run(self, job: _Job) -> dict:
+        """The core: load the cached prefix, run the forwards, hand each layer's state to the sender, report."""
+        msg, tokens, stop = job.msg, job.tokens, job.stop
+        job.plan = self.store.begin(tokens, job.started, msg.get("seen_tokens", 0))
+        if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
+            await self._until_stopped(stop, self.store.advance, self.runtime, job.plan)
+        async with job.sender.stream(msg["transfer"], layers=self.runtime.num_states, codec=self.codec(msg)) as tx:
+            link_start = msg.get("link_start", 0)
+            job.forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
+            computed = await self._forwards(job)
+            self._forwarded(job, computed)
+        assert tx.report is not None
+        return _prefilled(job, computed, tx.report, time.perf_counter())
 
-        def unlock() -> None:  # the next prompt's turn: after the pool has kept this one's part
-            nonlocal held
-            if held:
-                held = False
-                self.compute.release()
-
-        self.queued_tokens += len(tokens)
+    @contextlib.asynccontextmanager
+    async def _turn(self, job: _Job) -> AsyncIterator[None]:
+        """The prompt's turn at the compute lock, in arrival order. However the prompt ends, what it still holds
+        is given back (the pool's task gives back what it took over), and an aborted one's progress is kept."""
+        self.queued_tokens += len(job.tokens)
+        job.queued = True
         try:
             await self.compute.acquire()
-            held = True
-            started = time.perf_counter()
-            plan = self.store.begin(tokens, started, msg.get("seen_tokens", 0))
-            try:
-                if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
-                    await self._until_stopped(stop, self.store.advance, self.runtime, plan)
-                codec = self.codec(msg)
-                async with sender.stream(msg["transfer"], layers=self.runtime.num_states, codec=codec) as tx:
-                    link_start = msg.get("link_start", 0)
-                    forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
-                    try:
-                        computed = await self._until_stopped(
-                            stop, compute_streaming, self.store, self.runtime, plan, forward, self.chunk_tokens,
-                            sampling,
-                        )  # fmt: skip
-                    finally:
-                        unqueue()
-                    computed_at = time.perf_counter()
-                    if first is not None:  # the client may see it while the tail is still on the wire
-                        first({"op": "first", "req": msg["req"], "transfer": msg["transfer"],
-                               "next_token": computed.result.next_token})  # fmt: skip
-                    # the pool keeps its part while the transfer's tail drains and the reply goes out
-                    self._keep(plan, computed, unlock)
-                    keeping = True
-                finished = time.perf_counter()
-            finally:
-                if not keeping:
-                    self.store.release(plan)
+            job.held, job.started = True, time.perf_counter()
+            yield
         except asyncio.CancelledError:
-            self.stopped_at[msg["req"]] = forward.handed_tokens if forward is not None else 0
+            self.stopped_at[job.msg["req"]] = job.forward.handed_tokens if job.forward is not None else 0
             raise
         finally:
-            unqueue()
-            if not keeping:
-                unlock()
-        assert forward is not None and tx.report is not None
-        result = computed.result
-        return {
-            "op": "prefilled",
-            "req": msg["req"],
-            "transfer": msg["transfer"],
-            "next_token": result.next_token,
-            "kv_bytes": forward.nbytes,
-            "cached_tokens": plan.hit_tokens,
-            "computed_tokens": result.computed_tokens,
-            "queue_s": started - arrived,
-            "prefill_s": result.seconds,
-            "transfer_tail_s": finished - computed_at,
-            "worker_s": finished - started,
-            **coding(tx.report),
-        }
+            if not job.keeping and job.plan is not None:
+                self.store.release(job.plan)
+            self._unqueue(job)
+            if not job.keeping:
+                self._unlock(job)
+
+    async def _forwards(self, job: _Job) -> Computed:
+        """The forwards that stream; once they end, however they end, the prompt no longer counts as queued."""
+        try:
+            return await self._until_stopped(
+                job.stop, compute_streaming, self.store, self.runtime, job.plan, job.forward, self.chunk_tokens,
+                job.sampling,
+            )  # fmt: skip
+        finally:
+            self._unqueue(job)
+
+    def _forwarded(self, job: _Job, computed: Computed) -> None:
+        """The forwards are done: the first token goes out (the client may see it while the tail is still on the
+        wire), and the pool keeps its part while the transfer's tail drains and the reply goes out."""
+        job.computed_at = time.perf_counter()
+        if job.first is not None:
+            msg = job.msg
+            job.first({"op": Reply.FIRST, "req": msg["req"], "transfer": msg["transfer"],
+                       "next_token": computed.result.next_token})  # fmt: skip
+        self._keep(job, computed)
+
+    def _unqueue(self, job: _Job) -> None:
+        if job.queued:
+            job.queued = False
+            self.queued_tokens -= len(job.tokens)
+
+    def _unlock(self, job: _Job) -> None:
+        """The next prompt's turn."""
+        if job.held:
+            job.held = False
+            self.compute.release()
 
     async def _until_stopped(self, stop: threading.Event, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the runtime's forward thread. If the awaiting task is cancelled, set ``stop`` and
@@ -211,9 +175,12 @@ class PrefillService:
                 work.exception()  # retrieved (Stopped, or what the forward raised): the request is gone anyway
             raise
 
-    def _keep(self, plan: CachedPrefill, computed: Computed, unlock: Callable[[], None]) -> None:
+    def _keep(self, job: _Job, computed: Computed) -> None:
         """Copy out (on the forward thread) and store what the pool keeps of a computed prompt, then let the next
-        prompt compute: it sees this one's blocks. Nobody waits on it for a first token."""
+        prompt compute: it sees this one's blocks. Nobody waits on it for a first token. It takes the prompt's
+        plan and compute lock over from ``_turn``."""
+        plan = job.plan
+        assert plan is not None
 
         async def keep() -> None:
             try:
@@ -224,11 +191,12 @@ class PrefillService:
                 log.exception("storing a prompt's prefix in the pool failed")
             finally:
                 self.store.release(plan)
-                unlock()
+                self._unlock(job)
                 if self.kept is not None:
                     self.kept()
 
         task = asyncio.ensure_future(keep())
+        job.keeping = True
         self._keeping.add(task)
         task.add_done_callback(self._keeping.discard)
 
@@ -268,13 +236,56 @@ class PrefillService:
         finally:
             self.store.pool.release(lease)
         nbytes = state.nbytes if state is not None else 0
-        reply = {"op": "exported", "req": msg["req"], "tokens": lease.hit_tokens, "bytes": nbytes}
+        reply = {"op": Reply.EXPORTED, "req": msg["req"], "tokens": lease.hit_tokens, "bytes": nbytes}
         return reply | (coding(report) if report is not None else {})
 
     async def close(self) -> None:
         await asyncio.gather(*self._keeping, return_exceptions=True)
         for sender in self.senders.values():
             await sender.__aexit__(None, None, None)
+
+
+@dataclass(slots=True)
+class _Job:
+    """A prompt on its way through the service, and what it holds of it, so that it gives back just that."""
+
+    msg: dict
+    sampling: SamplingParams
+    sender: KVSender
+    arrived: float
+    first: Callable[[dict], None] | None  # gets the first token
+    stop: threading.Event = field(default_factory=threading.Event)  # set on abort: the forward stops
+    started: float = 0.0  # its turn at the compute came
+    computed_at: float = 0.0  # its forwards were done
+    queued: bool = False  # its tokens count in queued_tokens
+    held: bool = False  # it holds the compute lock
+    keeping: bool = False  # the pool's task has taken its plan and the lock over
+    plan: CachedPrefill | None = None  # its pinned hit
+    forward: LayerForwarder | None = None  # how far its forward got
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.msg["tokens"]
+
+
+def _prefilled(job: _Job, computed: Computed, report: TransferReport, finished: float) -> dict:
+    """The reply: the first token, what the cache saved, where the time went, what the codec did."""
+    assert job.plan is not None and job.forward is not None
+    result = computed.result
+    return {
+        "op": Reply.PREFILLED,
+        "req": job.msg["req"],
+        "transfer": job.msg["transfer"],
+        "next_token": result.next_token,
+        "kv_bytes": job.forward.nbytes,
+        "cached_tokens": job.plan.hit_tokens,
+        "computed_tokens": result.computed_tokens,
+        "queue_s": job.started - job.arrived,
+        "prefill_s": result.seconds,
+        "transfer_tail_s": finished - job.computed_at,
+        "worker_s": finished - job.started,
+        **coding(report),
+    }
 
 
 def coding(report: TransferReport) -> dict:

@@ -1,30 +1,17 @@
 """A prefill node's prefix cache: the live payloads of a ``HybridPrefixPool`` and the prefill that fills it.
 
-Where the pool lives: each prefill worker process holds one pool in its own host
-memory, and the cluster shares it by routing. The gateway's global manager hears
-every node's store/evict events under the node's own name, so it knows which node
-holds which prefix, and the router sends a request to the node that can load its
-hit. Why not one pool process per cluster: a node would then fetch every hit over
-a socket before it could start, and the pool process would copy every computed
-block in; in one host's memory the hit is a few tensor joins away. The price is
-that two nodes of a cluster do not see each other's entries (a hit on a busy
-node is either waited for or recomputed elsewhere, the router's choice), and a
-worker that restarts comes back with an empty pool.
-
-Payloads are tuples of LayerState, in host memory whatever the model's device:
+Each prefill worker holds one pool in its own host memory, and the cluster shares them by routing: the
+gateway hears every node's store/evict events under the node's name and sends a request to a node that can
+load its hit. A worker that restarts comes back with an empty pool. Payloads are tuples of LayerState in
+host memory, whatever the model's device:
 - a block: the full-attention KV of its ``block_size`` tokens, one state per full-attention layer;
 - a snapshot at length n: the full-attention KV of the partial block [n - n % block_size, n),
   and every other layer's state (linear attention, sliding window) at exactly n.
 
-A prefill with a hit of h tokens continues from the hit's state and runs the rest
-in segments that end at the pool's snapshot points, so the state at each point can
-be kept (``advance``); only the last segment streams its layers to the decode side
-(``compute``), so the transfer opens when there is something to send. Short
-segments cost extra forwards, so the default policy (``cache.snapshot_policy``)
-splits a prompt only at a prefix another prompt already stored. The blocks and
-the end snapshot are copied out (``cut``) and stored (``finish``) after the
-prefill's result has gone on: a prompt that nothing will reuse pays for them
-in no one's time to the first token.
+A prefill with a hit of h tokens continues from the hit's state and runs the rest in segments that end at
+the pool's snapshot points, keeping the state at each (``advance``); only the last segment streams its layers
+to the decode side (``compute``). The blocks and the end snapshot are copied out (``cut``) and stored
+(``finish``) after the prefill's result has gone on: no first token waits for them.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""A worker: ``minifaas worker --role prefill|decode --cluster prfaas|pd --listen HOST:PORT``.
+"""A worker process: ``minifaas worker --role prefill|decode --cluster prfaas|pd --listen HOST:PORT``.
 
-One per node, on any host. It loads the model, opens its KV port (decode: the
-receiver; prefill with ``--accept-moves``: the one cache moves arrive on) and
-its control port, and waits for a gateway: ``worker_session`` serves one at a
-time, and a gateway that restarts attaches again to the same process.
-
-    --listen        the control port the gateway dials
-    --kv-listen     where the KV receiver listens (default: the --listen host, any port)
-    --advertise     the KV address others are told to send to, for NAT and containers
-                    (default: the --kv-listen address; a wildcard host means "the
-                    address the gateway reached this worker at")
-
-It prints one JSON line when ready (``{"control": [host, port], "kv": ..., "pid": ...}``)
-and serves until SIGTERM or SIGINT; with ``--exit-with-stdin`` (how the gateway
-starts its local children) it exits as soon as its stdin closes, so a gateway
-that dies, however it dies, leaves none behind. The cluster secret comes from
-``--secret-file`` or $MINIFAAS_SECRET, never from the command line.
+One per node, on any host. It loads and warms up the model, opens its KV port (decode: the receiver; prefill
+with ``--accept-moves``: the one cache moves arrive on) and its control port, prints one JSON line when ready
+(``{"control": [host, port], "kv": ..., "pid": ...}``) and waits for a gateway: ``gateway_session`` serves one
+at a time, and a gateway that restarts attaches again to the same process. It serves until ``stop`` is set, or
+with ``--exit-with-stdin`` (how the gateway starts its local children) until its stdin closes, so a gateway
+that dies, however it dies, leaves none behind. The cluster secret comes from ``--secret-file`` or
+$MINIFAAS_SECRET, never from the command line; the flags are in ``commands/worker.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.codec.codec import codecs_for
+from minifaas.codec.codec import Codec, codecs_for
 from minifaas.config import NAME_PREFIX
 from minifaas.control.secret import load_secret
 from minifaas.control.server import ControlServer
@@ -62,6 +53,8 @@ def default_name(args: argparse.Namespace) -> str:
 
 
 def _advertised(args: argparse.Namespace, kv_host: str, kv_port: int) -> list:
+    """The KV address others are told to send to: ``--advertise`` (NAT, containers), else the one listened on,
+    where a wildcard host becomes "" (the address the gateway reached this worker at)."""
     if args.advertise is None:
         return ["" if kv_host in WILDCARDS else kv_host, kv_port]
     host, _, port = args.advertise.rpartition(":") if ":" in args.advertise else (args.advertise, "", "")
@@ -72,6 +65,30 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     """Run the worker until ``stop`` is set (or stdin closes, with --exit-with-stdin)."""
     secret = load_secret(args.secret_file)
     name = args.name or default_name(args)
+    runtime = await _load_runtime(args, name)
+    await _warm_up(args, runtime, name)
+    codecs = codecs_for(args.kv_compression)
+    async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
+        build = _decode_side if args.role == "decode" else _prefill_side
+        service, prefixes, kv, measured = await build(args, runtime, name, secret, codecs, stack)
+        decode_loop = tg.create_task(service.run()) if isinstance(service, DecodeService) else None
+        pid, kernels = os.getpid(), runtime.kernels.label
+        node = WorkerNode(
+            name, args.role, args.cluster, runtime.spec.name, service, prefixes, kv, pid, measured, kernels
+        )
+        server = ControlServer(
+            args.listen, secret, lambda session: serve_gateway(node, session, args.gateway_deadline),
+            deadline_s=args.gateway_deadline,
+        )  # fmt: skip
+        await stack.enter_async_context(server)
+        _announce(args, node, server.port, announce)
+        await (exit_when_stdin_closes() if args.exit_with_stdin else (stop or asyncio.Event()).wait())
+        if decode_loop is not None:
+            decode_loop.cancel()
+
+
+async def _load_runtime(args: argparse.Namespace, name: str) -> ModelRuntime:
+    """The model on its device, with the kernels its role needs (or --allow-slow-kernels)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.gpu_memory_fraction:  # before the weights: the caching allocator holds it from the first one
@@ -82,65 +99,78 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     )
     require_fast(runtime.kernels, args.device, args.allow_slow_kernels)
     log.info("worker %s on %s: kernels %s", name, args.device, runtime.kernels.to_json())
-    decoding = DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting)
+    return runtime
+
+
+async def _warm_up(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> None:
+    """Run the shapes the worker will serve before it says it is ready."""
+    decoding = _decoding(args)
     plan = WarmUpPlan.for_worker(args.prefill_chunk, decoding.max_batch if args.role == "decode" else None)
     plan = plan if args.device.startswith("cuda") else plan.cpu_plan()  # nothing to compile on the CPU
     decoder = make_decoder(runtime, decoding) if args.role == "decode" else None  # a throwaway: same shapes
     log.info("worker %s warmed up: %s", name, await runtime.on_forward_thread(warm_up, runtime, plan, decoder))
+
+
+# the service, a decode node's prefix cache, the advertised KV address, the codecs as measured
+Side = tuple[PrefillService | DecodeService, DecodePrefixCache | None, list | None, dict]
+
+
+async def _decode_side(
+    args: argparse.Namespace,
+    runtime: ModelRuntime,
+    name: str,
+    secret: bytes,
+    codecs: frozenset[Codec],
+    stack: contextlib.AsyncExitStack,
+) -> Side:
+    """The KV receiver, the node's prefix cache joined onto it, and the decode service."""
     kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
-    codecs = codecs_for(args.kv_compression)
-    measured: dict = {}  # a prefill worker's codecs, measured on a warm-up state
-    async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
-        kv, prefixes = None, None
-        if args.role == "decode":  # on a GPU, states land in page-locked memory and move to it asynchronously
-            pinned = args.device.startswith("cuda")
-            config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs, pinned=pinned)
-            receiver = await stack.enter_async_context(KVReceiver(config))
-            kv = _advertised(args, kv_host, receiver.port)
-            prefixes = DecodePrefixCache(
-                _pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name
-            )
-            joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
-            service: PrefillService | DecodeService = DecodeService(runtime, joining, args.state_timeout, decoding)  # type: ignore[arg-type]
-            decode_loop = tg.create_task(service.run())
-        else:
-            moves = None
-            if args.accept_moves:
-                config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs)
-                moves = await stack.enter_async_context(KVReceiver(config))
-                kv = _advertised(args, kv_host, moves.port)
-            store = PrefixStore(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
-            service = PrefillService(
-                runtime, secret, args.connections, not args.no_pipelining, store, moves,
-                chunk_tokens=args.prefill_chunk, codecs=codecs,
-            )  # fmt: skip
-            stack.push_async_callback(service.close)
-            measured = await runtime.on_forward_thread(service.calibrate)
-        node = WorkerNode(
-            name,
-            args.role,
-            args.cluster,
-            runtime.spec.name,
-            service,
-            prefixes,
-            kv,
-            os.getpid(),
-            measured,
-            runtime.kernels.label,
-        )
-        server = ControlServer(
-            args.listen, secret, lambda session: serve_gateway(node, session, args.gateway_deadline),
-            deadline_s=args.gateway_deadline,
-        )  # fmt: skip
-        await stack.enter_async_context(server)
-        host = args.listen[0]
-        announce({"control": [host, server.port], "kv": kv, "pid": node.pid, "name": name, "kernels": node.kernels})
-        log.info("worker %s (%s %s, %s, %s kernels) %s on %s:%d; KV %s", name, args.cluster, args.role,
-                 runtime.spec.name, node.kernels, READY, host, server.port,
-                 "none" if kv is None else f"{kv[0] or '*'}:{kv[1]}")  # fmt: skip
-        await (exit_when_stdin_closes() if args.exit_with_stdin else (stop or asyncio.Event()).wait())
-        if args.role == "decode":
-            decode_loop.cancel()
+    pinned = args.device.startswith("cuda")  # on a GPU, states land in page-locked memory and move to it asynchronously
+    config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs, pinned=pinned)
+    receiver = await stack.enter_async_context(KVReceiver(config))
+    kv = _advertised(args, kv_host, receiver.port)
+    prefixes = DecodePrefixCache(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
+    joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
+    service = DecodeService(runtime, joining, args.state_timeout, _decoding(args))  # type: ignore[arg-type]
+    return service, prefixes, kv, {}
+
+
+async def _prefill_side(
+    args: argparse.Namespace,
+    runtime: ModelRuntime,
+    name: str,
+    secret: bytes,
+    codecs: frozenset[Codec],
+    stack: contextlib.AsyncExitStack,
+) -> Side:
+    """The receiver cache moves arrive on (with --accept-moves), the prefix store, the prefill service and its
+    codecs, measured on a warm-up state."""
+    kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
+    kv, moves = None, None
+    if args.accept_moves:
+        config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs)
+        moves = await stack.enter_async_context(KVReceiver(config))
+        kv = _advertised(args, kv_host, moves.port)
+    store = PrefixStore(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
+    service = PrefillService(
+        runtime, secret, args.connections, not args.no_pipelining, store, moves,
+        chunk_tokens=args.prefill_chunk, codecs=codecs,
+    )  # fmt: skip
+    stack.push_async_callback(service.close)
+    return service, None, kv, await runtime.on_forward_thread(service.calibrate)
+
+
+def _announce(args: argparse.Namespace, node: WorkerNode, port: int, announce: Callable[[dict], None]) -> None:
+    """The JSON line that says the worker is ready, and the log line."""
+    host, kv = args.listen[0], node.kv
+    announce({"control": [host, port], "kv": kv, "pid": node.pid, "name": node.name, "kernels": node.kernels})
+    log.info("worker %s (%s %s, %s, %s kernels) %s on %s:%d; KV %s", node.name, args.cluster, args.role,
+             node.model, node.kernels, READY, host, port,
+             "none" if kv is None else f"{kv[0] or '*'}:{kv[1]}")  # fmt: skip
+
+
+def _decoding(args: argparse.Namespace) -> DecoderConfig:
+    return DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting)
 
 
 def _pool_config(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> PoolConfig:
