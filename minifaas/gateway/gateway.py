@@ -28,6 +28,7 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
+from minifaas.control.worker_ops import Op, Reply
 from minifaas.gateway.deadline import RequestDeadline
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.gateway.lifecycle import Phase, advance
@@ -171,7 +172,7 @@ class Gateway:
         self.metrics.worker_kernels(w.name, w.kernels)
 
     def _unclaimed(self, w: WorkerHandle, msg: dict) -> None:
-        if msg.get("op") == "aborted":  # a prefill the gateway aborted has stopped
+        if msg.get("op") == Reply.ABORTED:  # a prefill the gateway aborted has stopped
             req, tokens, done = msg["req"], msg["tokens"], msg["done_tokens"]
             log.info("%s stopped the prefill of %s after %d of %d tokens", w.name, req, done, tokens)
             self.metrics.prefill_stopped(w.cluster, tokens, done)
@@ -373,4 +374,4 @@ class Gateway:
             if decode is not None:
                 decode.close(rid)
                 with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
-                    decode.send({"op": "abort", "req": rid})
+                    decode.send({"op": Op.ABORT, "req": rid})

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.control.worker_ops import sampling_to_json
+from minifaas.control.worker_ops import Op, Reply, sampling_to_json
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.lifecycle import Phase, advance
 from minifaas.gateway.metrics import ServeMetrics
@@ -201,13 +201,13 @@ class PrefillDispatch:
         if not a.decode.alive:
             raise DecodeLost(f"decode worker {a.decode.name} is not attached")
         sampling = sampling_to_json(a.request.sampling)
-        a.decode.send({"op": "decode", "req": rid, "transfer": a.transfer, "sampling": sampling, "tokens": prompt,
+        a.decode.send({"op": Op.DECODE, "req": rid, "transfer": a.transfer, "sampling": sampling, "tokens": prompt,
                        "link_start": a.link_start})  # fmt: skip
         if a.link_start:
             a.link_start = await self._pinned(a.decode, rid, a.transfer)
         if a.remote:
             a.choice = self.scheduler.codec(len(prompt), a.computed, a.link_start)
-        a.worker.send({"op": "prefill", "req": rid, "transfer": a.transfer, "tokens": prompt, "sampling": sampling,
+        a.worker.send({"op": Op.PREFILL, "req": rid, "transfer": a.transfer, "tokens": prompt, "sampling": sampling,
                        "kv": self.link.kv_address(a.worker, a.decode), "link_start": a.link_start,
                        "codec": a.choice.codec if a.choice is not None else "none",
                        "seen_tokens": self.prefixes.seen_prefix(a.keys),
@@ -240,10 +240,10 @@ class PrefillDispatch:
             a.worker.close(rid)
             if reply is None:  # stop the prefill rather than let it run on
                 with contextlib.suppress(RuntimeError):
-                    a.worker.send({"op": "abort", "req": rid})
-        if reply["op"] == "lost":
+                    a.worker.send({"op": Op.ABORT, "req": rid})
+        if reply["op"] == Reply.LOST:
             return f"worker_lost: {a.worker.name} went away"
-        if reply["op"] == "failed":
+        if reply["op"] == Reply.FAILED:
             return f"transfer_failed: {reply['error']}"
         return reply
 
@@ -279,7 +279,7 @@ class PrefillDispatch:
         record.fallback = reason
         self.fallbacks[reason] += 1
         with contextlib.suppress(RuntimeError):
-            a.decode.send({"op": "abort", "req": a.request.request_id})
+            a.decode.send({"op": Op.ABORT, "req": a.request.request_id})
 
     def _retry_on(self, keys: PromptKeys | None, tried: set[str], why: str) -> tuple[WorkerHandle, int]:
         """Where a failed prefill goes next, and the hit it may load there: a PD-P worker not tried yet, else a
@@ -317,16 +317,16 @@ class PrefillDispatch:
         try:
             tokens, length, codec = request.prompt_ids, move.end_tokens, self.scheduler.codec().codec
             src.send(
-                {"op": "export", "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link,
+                {"op": Op.EXPORT, "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link,
                  "codec": codec}
             )  # fmt: skip
             async with asyncio.timeout(self.prefill_timeout):
                 reply = await inbox.get()
         except (TimeoutError, RuntimeError) as e:
-            reply = {"op": "failed", "error": repr(e)}
+            reply = {"op": Reply.FAILED, "error": repr(e)}
         finally:
             src.close(rid)
-        if reply["op"] != "exported" or not reply["tokens"]:
+        if reply["op"] != Reply.EXPORTED or not reply["tokens"]:
             log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, reply.get("error"))
             self.cache_moves["failed"] += 1
             return None
@@ -343,11 +343,11 @@ class PrefillDispatch:
         async with asyncio.timeout(self.prefill_timeout):
             while True:
                 msg = await inbox.get()
-                if msg["op"] == "lost":
+                if msg["op"] == Reply.LOST:
                     raise DecodeLost(f"decode worker {decode.name} went away before pinning its prefix")
-                if msg["op"] == "failed" and msg.get("transfer") == transfer:
+                if msg["op"] == Reply.FAILED and msg.get("transfer") == transfer:
                     raise RuntimeError(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
-                if msg["op"] == "pinned" and msg["transfer"] == transfer:
+                if msg["op"] == Reply.PINNED and msg["transfer"] == transfer:
                     return int(msg["tokens"])
 
 
@@ -356,7 +356,7 @@ async def _reply(inbox: asyncio.Queue[dict], gone: asyncio.Event, a: Attempt, on
     ``gone``. On the way the early first token goes to ``on_first``, an earlier attempt's replies to ``unclaimed``
     (a migrated request keeps its id)."""
     while (msg := await _unless_gone(inbox, gone)) is not None and not _answers(msg, a.transfer):
-        if msg["op"] == "first" and msg.get("transfer") == a.transfer:
+        if msg["op"] == Reply.FIRST and msg.get("transfer") == a.transfer:
             if on_first is not None:
                 on_first(int(msg["next_token"]))
         else:
@@ -366,7 +366,9 @@ async def _reply(inbox: asyncio.Queue[dict], gone: asyncio.Event, a: Attempt, on
 
 def _answers(reply: dict, transfer: int) -> bool:
     """The reply is this prefill's: its outcome for this transfer, or the worker's session lost."""
-    return reply["op"] == "lost" or (reply["op"] in ("prefilled", "failed") and reply.get("transfer") == transfer)
+    return reply["op"] == Reply.LOST or (
+        reply["op"] in (Reply.PREFILLED, Reply.FAILED) and reply.get("transfer") == transfer
+    )
 
 
 async def _unless_gone(inbox: asyncio.Queue[dict], gone: asyncio.Event) -> dict | None:

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from minifaas.control.worker_ops import Op, Reply
 from minifaas.gateway.deadline import RequestDeadline
 from minifaas.gateway.requests import DecodeLost, GenerateRequest, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import StopMatcher
@@ -43,7 +44,7 @@ async def decode_tokens(
     token, finish = first, finish_reason(first, 1, request, tokenizer)
     if finish is None:
         try:
-            decode.send({"op": "start", "req": request.request_id, "next_token": first})
+            decode.send({"op": Op.START, "req": request.request_id, "next_token": first})
         except RuntimeError as e:  # gone between the prefill and now
             raise DecodeLost(str(e)) from None
     while True:
@@ -56,17 +57,17 @@ async def decode_tokens(
         asked = time.perf_counter()
         async with deadline.next_token():
             msg = await inbox.get()
-            while msg.get("transfer", transfer) != transfer or msg["op"] in ("received", "pinned"):
+            while msg.get("transfer", transfer) != transfer or msg["op"] in (Reply.RECEIVED, Reply.PINNED):
                 msg = await inbox.get()  # "received", or news of an abandoned transfer
         if record.first_step_s is None:
             record.first_step_s = time.perf_counter() - asked
-        if msg["op"] == "lost":
+        if msg["op"] == Reply.LOST:
             raise DecodeLost(f"decode worker {decode.name} went away")
-        if msg["op"] == "failed":
+        if msg["op"] == Reply.FAILED:
             raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
-        if msg["op"] == "done":
+        if msg["op"] == Reply.DONE:
             return
-        if msg["op"] == "token":
+        if msg["op"] == Reply.TOKEN:
             token, finish = msg["token"], msg["finish"]
 
 

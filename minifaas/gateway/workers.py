@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.session import ControlError, Refused, SessionLost
-from minifaas.control.worker_ops import CACHE_EVENTS
+from minifaas.control.worker_ops import CACHE_EVENTS, Reply
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.worker_handle import Busy, WorkerHandle, attach
@@ -198,12 +198,12 @@ class Workers:
         inbox = w.inboxes[CACHE_EVENTS]
         while not self.closing:
             msg = await inbox.get()
-            if msg["op"] == "cache":
+            if msg["op"] == Reply.CACHE:
                 self.prefixes.apply(msg["events"])
-            elif msg["op"] == "lost" and w.retired:
+            elif msg["op"] == Reply.LOST and w.retired:
                 self.prefixes.drop(w.name)
                 return
-            elif msg["op"] == "lost":
+            elif msg["op"] == Reply.LOST:
                 self.prefixes.forget(w.name)  # a re-attached worker sends its inventory again
 
     async def _shutdown(self) -> None:
@@ -213,4 +213,4 @@ class Workers:
         launched = {w.name: w.spec for w in self.workers.values()}
         await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
         for w in self.workers.values():  # ends _follow_cache even if no session was left to lose
-            w.inboxes[CACHE_EVENTS].put_nowait({"op": "lost"})
+            w.inboxes[CACHE_EVENTS].put_nowait({"op": Reply.LOST})
