@@ -198,6 +198,7 @@ class GatewaySession:
             traceback.print_exc()
         finally:
             self.aborted.discard(req)
+            self.decoding.discard(req)  # ended, one way or another: nothing to abort when the session ends
             if self.prefixes is not None:
                 self.prefixes.cancel(msg["transfer"])  # unpins a prefix whose state never arrived
             if self.jobs.get(req) is asyncio.current_task():
