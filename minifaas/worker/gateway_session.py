@@ -188,8 +188,9 @@ class GatewaySession:
         try:
             await self.work(msg)
         except asyncio.CancelledError:  # aborted by the gateway, or the session is over
-            if req in self.aborted and isinstance(self.service, PrefillService) and msg["op"] == Op.PREFILL:
-                done = self.service.stopped_at.pop(req, 0)
+            stopped = isinstance(self.service, PrefillService) and msg["op"] == Op.PREFILL
+            done = self.service.stopped_at.pop(req, 0) if stopped else 0  # type: ignore[union-attr]
+            if stopped and req in self.aborted:
                 self.emit({"op": Reply.ABORTED, "req": req, "tokens": len(msg["tokens"]), "done_tokens": done})
         except (TransferError, TimeoutError, OSError, ValueError, RuntimeError) as e:
             self.emit(_failed(msg, e))
