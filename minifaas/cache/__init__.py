@@ -1,1 +1,1 @@
-"""The hybrid prefix cache: chained block keys, the per-cluster pool, and the gateway's global view."""
+"""The hybrid prefix cache: chained block keys, the prefix pool, and the gateway's global view."""

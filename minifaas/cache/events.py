@@ -1,4 +1,4 @@
-"""Store and evict events: how a cluster's pool keeps the global cache manager current.
+"""Store and evict events: how a pool keeps the global cache manager current.
 
 A pool appends one event per change to its contents (a new entry, a new holder
 of an entry, an eviction) and the process that owns the pool ships them to the
@@ -24,7 +24,7 @@ class EventKind(StrEnum):
 class CacheEvent:
     kind: EventKind
     entry: EntryKind
-    cluster: str
+    pool: str  # the pool's name ("cluster" on the wire)
     node: str
     key: BlockKey
     parent: BlockKey  # the block before it: the previous block, or a snapshot's last full block
@@ -36,7 +36,7 @@ class CacheEvent:
         return {
             "kind": self.kind.value,
             "entry": self.entry.value,
-            "cluster": self.cluster,
+            "cluster": self.pool,
             "node": self.node,
             "key": self.key.hex(),
             "parent": self.parent.hex(),

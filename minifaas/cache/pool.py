@@ -1,4 +1,4 @@
-"""The hybrid prefix cache pool of one cluster: cached state, its bytes, and who may evict it.
+"""A hybrid prefix cache pool (one node's; one cluster's in the simulator): cached state, its bytes, who may evict it.
 
 Sans-IO (``now`` is an argument); payloads are opaque (the live system stores LayerState lists, the simulator
 only sizes) and kept by reference, so a stored payload must never be mutated. A request on a prefill node:
@@ -55,7 +55,7 @@ _COUNT_NAMES = {  # names of the store counters per entry kind, made once: store
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    cluster: str
+    name: str
     capacity_bytes: int
     block_size: int = 512
     snapshot_interval_blocks: int = 8  # the interval policy's spacing; 0: snapshots only at prompt ends
@@ -369,7 +369,7 @@ class HybridPrefixPool(Generic[P]):
             self._entries.move_to_end(slot)
 
     def _event(self, kind: EventKind, e: Entry[P], node: str, now: float) -> CacheEvent:
-        return CacheEvent(kind, e.kind, self.config.cluster, node, e.key, e.parent, e.length, e.nbytes, now)
+        return CacheEvent(kind, e.kind, self.config.name, node, e.key, e.parent, e.length, e.nbytes, now)
 
     def _check_block_size(self, prompt: PromptKeys) -> None:
         if prompt.block_size != self.config.block_size:

@@ -1,6 +1,6 @@
 """Which cached prefixes exist, and who holds them: the matching half of the cache.
 
-Metadata only, so the per-cluster pool and the gateway's global manager share one matching algorithm. A BLOCK
+Metadata only, so the pool and the gateway's global manager share one matching algorithm. A BLOCK
 is the full-attention KV of one aligned block, under its chained key; blocks match by longest prefix. A SNAPSHOT
 is the state valid at exactly one length n (linear-attention and sliding-window layers, plus the full-attention
 KV of the partial block before n), under ``key_at(n)``, indexed by its parent block so a lookup only visits

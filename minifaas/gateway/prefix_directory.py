@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.events import CacheEvent
-from minifaas.cache.manager import ClusterMatch, GlobalCacheManager
+from minifaas.cache.manager import GlobalCacheManager, PoolMatch
 from minifaas.cache.prefix_index import PrefixIndex
 from minifaas.config import CacheConfig
 
@@ -52,7 +52,7 @@ class PrefixDirectory:
             return None
         return PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
 
-    def matches(self, prompt: Prompt) -> dict[str, ClusterMatch]:
+    def matches(self, prompt: Prompt) -> dict[str, PoolMatch]:
         """Each node's match for the prompt, leaving at least one token to compute."""
         keys = prompt if prompt is None or isinstance(prompt, PromptKeys) else self.keys(prompt)
         return {} if keys is None else self.manager.match(keys, limit=keys.num_tokens - 1)

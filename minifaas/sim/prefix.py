@@ -14,7 +14,7 @@ a private hit and the router's node choice stays load-driven, which keeps a thou
 from __future__ import annotations
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.manager import ClusterMatch, GlobalCacheManager
+from minifaas.cache.manager import GlobalCacheManager, PoolMatch
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.planner.profile import PrefillProfile
 
@@ -74,7 +74,7 @@ class ClusterPrefixCaches:
             key = children[step] = self._named.to_bytes(8, "little")
         return key
 
-    def match(self, keys: PromptKeys) -> dict[str, ClusterMatch]:
+    def match(self, keys: PromptKeys) -> dict[str, PoolMatch]:
         """Per cluster: the usable hit and the KV prefix present; at least one token is left to compute."""
         return self.manager.match(keys, limit=keys.num_tokens - 1)
 
