@@ -64,6 +64,8 @@ def _refuse(constant: str) -> float:
 # the device check is not a --quick benchmark: tests/test_gpu_check.py runs it whole with --dry-run (every
 # probe on the CPU), and its probes are the steps it runs
 RUN_ELSEWHERE = {"benchmarks/gpu_check.py", "benchmarks/gpu_probe.py"}
+# not benchmarks: the network-namespace test hosts that bench_wan, bench_transport and the two-host tests use
+RUN_ELSEWHERE |= {"benchmarks/netns.py", "benchmarks/netns_delay.py"}
 # run by their own tests as quoted, plus --quick --json, with checks of their figures: not run twice
 RUN_BY_OWN_TEST = {"benchmarks/bench_chaos.py": "tests/test_chaos.py"}
 # one quoted form run so by the device check's dry run, whose test checks its figures (tests/test_gpu_check.py)

@@ -252,7 +252,7 @@ class LinkEmulator:
             free.append(block)
 
     async def _while_stalled(self) -> None:
-        # bounded by the stall (at most emulator_commands.MAX_STALL_S), and a later, shorter one
+        # bounded by the stall (at most link_commands.MAX_STALL_S), and a later, shorter one
         # (``stall 0``) wakes it at once
         while (left := self._stalled_until - self._loop.time()) > 0:
             self._stall_changed.clear()
