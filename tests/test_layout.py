@@ -12,22 +12,13 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from test_structure import module_files as modules
+
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = "commands"  # the command layer: every argparse flag and every program's entry point
 MAX_FUNCTION_LINES = 60
 MAX_DOCSTRING_LINES = 15
 MAX_READING_FILES, MIN_READING_FILES, MAX_READING_LINES = 20, 8, 4000
-
-
-def modules(package: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every module under ``package``."""
-    found = {}
-    for path in sorted(package.rglob("*.py")):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        found[".".join(parts)] = path
-    return found
 
 
 def room(module: str, package: Path) -> str:
