@@ -111,6 +111,7 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             # the client leaves during a long prefill: the prefill stops early, nothing is left queued,
             # and the worker serves the next request as before
             await _leave_mid_prefill(gw)
+            await _leave_after_first_token(gw)
             tokens, rec = await _run(gw, "after-leave", FRESH)
             assert tokens == reference["fresh"] and rec.route == "prfaas", rec.to_json()
 
@@ -143,6 +144,24 @@ async def _leave_mid_prefill(gw: Gateway) -> None:
     worker.close("load?")
     assert reply["load"] == 0, "the stopped prompt still counts as queued"
     assert worker.busy == 0 and worker.load_tokens == 0
+
+
+async def _leave_after_first_token(gw: Gateway) -> None:
+    """The client leaves once its first token is shown, while the state's tail still crosses a slow link: the
+    prefill worker is told to stop, and says so."""
+    link, sample = gw.link.control, gw.metrics.registry.get_sample_value
+    stopped_before = sample("minifaas:prefills_stopped_total", {"cluster": "prfaas"}) or 0.0
+    await link.set_rate(1e6)  # the state's tail takes seconds at this rate
+    prompt = [(13 * i + 5) % 256 for i in range(1500)]  # shares no prefix with the prompts before it
+    record = RequestRecord("leaves-late", len(prompt))
+    events = gw.stream(GenerateRequest("leaves-late", prompt, PARAMS), record)
+    await anext(events)
+    assert record.route == "prfaas" and record.phase is Phase.PREFILLING, record.to_json()  # the tail crossing
+    await events.aclose()  # what the HTTP layer does when the client goes away
+    async with asyncio.timeout(60):
+        while (sample("minifaas:prefills_stopped_total", {"cluster": "prfaas"}) or 0.0) == stopped_before:
+            await asyncio.sleep(0.05)
+    await link.set_rate(20e6)
 
 
 async def _wait_alive(gw: Gateway, name: str) -> None:
