@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import threading
 import weakref
 
 import pytest
@@ -257,3 +258,40 @@ def test_decode_service_streams_tokens_and_an_abort_mid_step_stops_only_that_req
         got = [results[i].next_token] + [e["token"] for e in events[f"r{i}"] if e["op"] == "token"]
         assert got == alone[i]
     assert [e["token"] for e in events["r1"] if e["op"] == "token"] == alone[1][1:3]
+
+
+def test_a_request_aborted_and_sent_again_within_one_step_decodes_the_later_state_once() -> None:
+    """A retry keeps its request's id: an abort and the retry's arrival inside one step must leave only the retry."""
+    runtime = runtime_for("kimi-linear-tiny")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    busy, old, new = (runtime.prefill(prompt(n, salt=s), sampling=params) for n, s in ((30, 5), (11, 6), (17, 7)))
+    want = runtime.start_decode(new.state, new.next_token, params).run()
+    events: list[dict] = []
+
+    async def scenario() -> None:
+        receiver = _StatesInMemory({0: busy.state, 1: old.state, 2: new.state})
+        service = DecodeService(runtime, receiver, 30.0, DecoderConfig(max_batch=8))  # type: ignore[arg-type]
+        gate, step = threading.Event(), service.decoder.step
+        service.decoder.step = lambda: (gate.wait(30), step())[1]  # type: ignore[method-assign]  # hold one step
+        sampling = sampling_to_json(params)
+        async with asyncio.timeout(120), asyncio.TaskGroup() as tg:
+            steps = tg.create_task(service.run())
+            tg.create_task(service.decode({"req": "busy", "transfer": 0, "sampling": sampling}, lambda m: None))
+            service.start("busy", busy.next_token)
+            while not service.stepping:
+                await asyncio.sleep(0.001)
+            for transfer, first in ((1, old), (2, new)):
+                tg.create_task(service.decode({"req": "r", "transfer": transfer, "sampling": sampling}, events.append))
+                service.start("r", first.next_token)
+                while len(service.arrivals) < transfer:
+                    await asyncio.sleep(0.001)
+                if transfer == 1:
+                    service.abort("r")  # the gateway gave up on the first attempt
+            gate.set()
+            while not any(e.get("finish") for e in events):
+                await asyncio.sleep(0.001)
+            steps.cancel()
+
+    asyncio.run(scenario())
+    tokens = [e for e in events if e["op"] == "token"]
+    assert {e["transfer"] for e in tokens} == {2} and [e["token"] for e in tokens] == want[1:]

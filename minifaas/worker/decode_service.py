@@ -26,7 +26,7 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.transport.receiver import KVReceiver
 
 Emit = Callable[[dict], None]
-Arrival = tuple[str, ModelState, int, SamplingParams]
+Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, next token, sampling, transfer
 
 
 class DecodeService:
@@ -72,9 +72,9 @@ class DecodeService:
             return
         self.clients[req] = (emit, transfer)
         if self.stepping:
-            self.arrivals.append((req, state, next_token, sampling))
+            self.arrivals.append((req, state, next_token, sampling, transfer))
         else:
-            self._submit((req, state, next_token, sampling))
+            self._submit((req, state, next_token, sampling, transfer))
         self.wakeup.set()
 
     def start(self, req: str, next_token: int) -> None:
@@ -95,18 +95,19 @@ class DecodeService:
     def _submit(self, arrival: Arrival) -> None:
         req = arrival[0]
         try:
-            self.decoder.submit(*arrival)
-        except QueueFull as e:
+            self.decoder.submit(*arrival[:4])
+        except (QueueFull, ValueError) as e:  # full, or a bad state: this request fails, the others go on
             emit, transfer = self.clients.pop(req)
-            emit({"op": Reply.FAILED, "req": req, "transfer": transfer, "error": f"overloaded: {e}"})
+            why = f"overloaded: {e}" if isinstance(e, QueueFull) else f"{type(e).__name__}: {e}"
+            emit({"op": Reply.FAILED, "req": req, "transfer": transfer, "error": why})
 
     def _apply_pending(self) -> None:
         for req in self.aborts:
             self.decoder.abort(req)
         self.aborts.clear()
         arrivals, self.arrivals = self.arrivals, []
-        for arrival in arrivals:
-            if arrival[0] in self.clients:  # not aborted meanwhile
+        for arrival in arrivals:  # not aborted meanwhile (nor replaced by a later attempt with the request's id)
+            if arrival[0] in self.clients and self.clients[arrival[0]][1] == arrival[4]:
                 self._submit(arrival)
 
     async def run(self) -> None:

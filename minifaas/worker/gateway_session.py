@@ -198,12 +198,12 @@ class GatewaySession:
             self.emit(_failed(msg, e))
             traceback.print_exc()
         finally:
-            self.aborted.discard(req)
-            self.decoding.discard(req)  # ended, one way or another: nothing to abort when the session ends
             if self.prefixes is not None:
                 self.prefixes.cancel(msg["transfer"])  # unpins a prefix whose state never arrived
-            if self.jobs.get(req) is asyncio.current_task():
-                del self.jobs[req]
+            if self.jobs.get(req, asyncio.current_task()) is asyncio.current_task():  # not a retry's, same id
+                self.jobs.pop(req, None)
+                self.aborted.discard(req)
+                self.decoding.discard(req)  # ended, one way or another: nothing to abort when the session ends
 
     async def work(self, msg: dict) -> None:
         service = self.service
