@@ -8,6 +8,11 @@ while it is stopped (SIGSTOP) or stuck in a forward; a parent that died
 before the call is caught by comparing getppid with the pid it was given.
 ``exit_when_stdin_closes`` is the second, portable guard: the pipe closes when
 the parent goes, on any system.
+
+A worker forked by the pre-loaded parent (``launch.zygote``) has that parent
+as its own but must outlive it: ``MINIFAAS_GATEWAY_PID`` names the gateway,
+and the parent's death sends a catchable signal that ends the worker only if
+the gateway is gone too. From then on stdin alone ties it to the gateway.
 """
 
 from __future__ import annotations
@@ -20,14 +25,17 @@ import signal
 import sys
 
 PARENT_ENV = "MINIFAAS_PARENT_PID"
+GATEWAY_ENV = "MINIFAAS_GATEWAY_PID"  # set for a worker whose parent is the pre-loaded one, not the gateway
 PR_SET_PDEATHSIG = 1
+PARENT_GONE = signal.SIGUSR2  # what a forked worker gets when the pre-loaded parent dies
 
 log = logging.getLogger("minifaas")
 
 
 def child_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child that must not outlive this process."""
-    return {**(os.environ if environ is None else environ), PARENT_ENV: str(os.getpid())}
+    inherited = {k: v for k, v in (os.environ if environ is None else environ).items() if k != GATEWAY_ENV}
+    return {**inherited, PARENT_ENV: str(os.getpid())}
 
 
 def die_with_parent() -> bool:
@@ -35,13 +43,32 @@ def die_with_parent() -> bool:
     parent = os.environ.get(PARENT_ENV, "")
     if not parent.isdigit():
         return False
+    gateway = os.environ.get(GATEWAY_ENV, "")
+    if gateway.isdigit():  # the parent is the pre-loaded one: outlive it, not the gateway
+        signal.signal(PARENT_GONE, lambda signum, frame: None if running(int(gateway)) else os._exit(1))
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        deathsig = PARENT_GONE if gateway.isdigit() else signal.SIGKILL
+        if libc.prctl(PR_SET_PDEATHSIG, deathsig, 0, 0, 0) != 0:
             log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
-    if os.getppid() != int(parent):  # it died before the prctl took effect
-        os._exit(1)
+    if os.getppid() != int(parent) and not (gateway.isdigit() and running(int(gateway))):
+        os._exit(1)  # it died before the prctl took effect
     return True
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(") ")[2][:1] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 async def exit_when_stdin_closes() -> None:

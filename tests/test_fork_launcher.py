@@ -3,8 +3,9 @@
 Every served test starts its workers this way (``fork_workers`` is the
 default); this module checks what only the launcher can see: whose child each
 worker is, the exit status the parent reports, a restart, one parent shared by
-the launchers of a process, and a parent that dies so the launcher falls back
-to fresh interpreters.
+the launchers of a process, and a parent that dies: its workers live on (and
+still die with the gateway), the next worker starts as a fresh interpreter and
+the ones after it fork from a new parent.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from minifaas.launch.forked import ForkedProcess
 from minifaas.launch.launcher import WorkerSpec
 from minifaas.launch.local import LocalLauncher, on_cpu
 from minifaas.launch.worker_specs import worker_spec
+from minifaas.parent_watch import running
 
 MODEL = "kimi-linear-tiny"
 SPEC = worker_spec(ServeConfig(model=MODEL), "pd-d0", "decode", "pd")
@@ -31,6 +33,10 @@ SPEC = worker_spec(ServeConfig(model=MODEL), "pd-d0", "decode", "pd")
 def parent_of(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def gone_or_zombie(pid: int) -> bool:
+    return not running(pid)
 
 
 def gone(pid: int) -> bool:
@@ -81,25 +87,54 @@ def test_a_forked_worker_is_the_parents_child_reports_its_exit_and_restarts() ->
     assert gone(zygote)
 
 
-def test_when_the_parent_dies_workers_start_fresh_and_the_forked_ones_are_still_noticed() -> None:
+def test_when_the_parent_dies_its_workers_live_on_one_starts_fresh_and_a_new_parent_forks_the_next() -> None:
     async def scenario() -> None:
-        other = worker_spec(ServeConfig(model=MODEL), "pd-p0", "prefill", "pd")
+        config = ServeConfig(model=MODEL)
+        other, third = (worker_spec(config, f"pd-p{i}", "prefill", "pd") for i in (0, 1))
         async with LocalLauncher(new_secret(), model=MODEL) as launcher:
             await launcher.start(SPEC)
-            forked_one = launcher.processes[SPEC.name]
-            launcher.forks.parent.kill()  # type: ignore[union-attr]
+            forked_one, old = launcher.processes[SPEC.name], launcher.forks
+            old.parent.kill()  # type: ignore[union-attr]
             await launcher.start(other)
             fresh = launcher.processes[other.name]
-            assert not isinstance(fresh, ForkedProcess) and launcher.forks is None
-            assert parent_of(fresh.pid) == os.getpid()
-            await until(lambda: forked_one.returncode is not None)  # it died with its parent (PR_SET_PDEATHSIG)
-            assert not launcher.alive(SPEC)
-        assert gone(fresh.pid)
-        async with LocalLauncher(new_secret(), model=MODEL) as launcher:  # the next one gets a live parent
-            await launcher.start(SPEC)
-            assert isinstance(launcher.processes[SPEC.name], ForkedProcess) and launcher.forks is not None
+            assert not isinstance(fresh, ForkedProcess) and parent_of(fresh.pid) == os.getpid()
+            assert launcher.forks is not None and launcher.forks is not old and not old.running  # type: ignore[union-attr]
+            await launcher.start(third)  # from the new parent
+            assert parent_of(launcher.processes[third.name].pid) == launcher.forks.parent.pid  # type: ignore[union-attr]
+            assert launcher.alive(SPEC) and running(forked_one.pid), "a worker died with the pre-loaded parent"
+            _, writer = await asyncio.open_connection(*launcher.addresses[SPEC.name])  # and it still listens
+            writer.close()
+        await until(lambda: gone_or_zombie(forked_one.pid) and gone(fresh.pid))
 
     asyncio.run(scenario())
+
+
+# run as a fresh interpreter: its abrupt end is what is tested
+ORPHAN = """
+import asyncio, os
+from minifaas.control.secret import new_secret
+from minifaas.launch.local import LocalLauncher
+from test_fork_launcher import SPEC
+
+async def main() -> None:
+    launcher = LocalLauncher(new_secret(), model="kimi-linear-tiny")
+    await launcher.__aenter__()
+    await launcher.start(SPEC)
+    launcher.forks.parent.kill()
+    await asyncio.sleep(0.5)  # the worker has had its signal from the parent's death, and lives on
+    print(launcher.processes[SPEC.name].pid, flush=True)
+    os._exit(0)  # the gateway dies with nothing torn down
+
+asyncio.run(main())
+"""
+
+
+def test_a_worker_that_outlived_its_pre_loaded_parent_still_dies_with_the_gateway() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", ORPHAN], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    worker = int(done.stdout.split()[-1])
+    asyncio.run(until(lambda: gone_or_zombie(worker), timeout=20))
 
 
 # run as a fresh interpreter: start_here forks its caller, which must not be this test process

@@ -34,10 +34,11 @@ from collections.abc import Callable
 from typing import IO
 
 from minifaas.launch import zygote
-from minifaas.parent_watch import PARENT_ENV, child_env
+from minifaas.parent_watch import GATEWAY_ENV, PARENT_ENV, child_env, running
 
 log = logging.getLogger("minifaas.gateway")
 READY_TIMEOUT_S = 120.0  # the parent's imports: seconds on a quiet machine, more on a busy one
+FORK_TIMEOUT_S = 5.0  # one fork's answer takes milliseconds: a parent this slow is stopped or stuck, and is killed
 VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})  # changed per test by a test runner; no import reads it
 
 
@@ -91,10 +92,8 @@ class ForkedProcess:
     async def poll_until_gone(self, period: float = 0.2) -> None:
         """The parent is gone, so nobody reports this worker's end: watch its pid instead."""
         while self.returncode is None:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self.ended(1)  # its status went to whoever reaped it
+            if not running(self.pid):
+                self.ended(1)  # its status went to whoever reaps it
                 return
             await asyncio.sleep(period)
 
@@ -140,12 +139,14 @@ class ForkServer:
     def running(self) -> bool:
         return self.parent is not None and self._control is not None and not self._ended.is_set()
 
-    async def spawn(self, flags: list[str], env: dict[str, str], timeout: float = 30.0) -> ForkedProcess:
-        """Fork a worker with these ``minifaas worker`` flags and this environment."""
+    async def spawn(self, flags: list[str], env: dict[str, str], timeout: float = FORK_TIMEOUT_S) -> ForkedProcess:
+        """Fork a worker with these ``minifaas worker`` flags and this environment. A parent that does not
+        answer within ``timeout`` is killed (its workers live on), so the next caller starts a fresh one."""
         if not self.running:
             raise ForkError("the pre-loaded parent is not running")
         assert self.parent is not None and self._control is not None
-        env = {**env, PARENT_ENV: str(self.parent.pid)}  # its parent is the zygote, which dies with this process
+        # its parent is the zygote; it dies with the gateway (this process), and outlives the zygote
+        env = {**env, PARENT_ENV: str(self.parent.pid), GATEWAY_ENV: str(os.getpid())}
         try:  # shielded: a caller that gives up must not cancel the readiness every caller shares
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._ready)), READY_TIMEOUT_S)
         except TimeoutError:
@@ -164,6 +165,8 @@ class ForkServer:
             async with asyncio.timeout(timeout):
                 answer = await reply
         except (OSError, TimeoutError) as e:
+            if isinstance(e, TimeoutError):
+                self.parent.kill()
             os.close(stdin_w)
             os.close(stdout_r)
             raise ForkError(f"the pre-loaded parent did not fork: {e!r}") from None

@@ -5,8 +5,8 @@ environment, listens on 127.0.0.1 (control and, at its first start, KV on any fr
 the KV port, where the link emulator's route points) and prints one JSON line when ready. It exits when
 its stdin closes and dies with the gateway, however that dies (``parent_watch``). CPU workers are forked
 from a pre-loaded parent the process's launchers share (``forked``, ``zygote``); with ``model=None``, on
-CUDA, or when that parent fails, a worker is a fresh interpreter. ``start`` of a worker whose process
-still runs returns its address: one that is only slow is re-attached, not replaced.
+CUDA, or when that parent fails, a worker is a fresh interpreter (and the next ones fork from a new parent).
+``start`` of a worker whose process still runs returns its address: one that is only slow is re-attached.
 """
 
 from __future__ import annotations
@@ -97,11 +97,11 @@ class LocalLauncher:
         if forks is not None and on_cpu(spec):
             try:
                 return await forks.spawn(flags, env)
-            except ForkError as e:
-                log.warning("%s: %s; starting workers as fresh processes from now on", spec.name, e)
+            except ForkError as e:  # this one starts fresh; the next ones fork from a new parent
+                log.warning("%s: %s; starting it as a fresh process, and a new pre-loaded parent", spec.name, e)
                 if self.forks is forks:
-                    self.forks = None
                     forked.release(forks)
+                    self.forks = forked.acquire(forks.model)
         argv = [sys.executable, "-m", WORKER_COMMAND, *flags]
         pipe = asyncio.subprocess.PIPE
         return await asyncio.create_subprocess_exec(*argv, stdin=pipe, stdout=pipe, env=env)
