@@ -127,6 +127,11 @@ class EmulatorProcess:
     def alive(self) -> bool:
         return self._process is not None and self._process.returncode is None
 
+    async def exited(self) -> None:
+        """Return when the process has ended (at once if there is none)."""
+        if self._process is not None:
+            await self._process.wait()
+
     async def __aenter__(self) -> EmulatorProcess:
         await self._start(0)
         return self

@@ -35,7 +35,7 @@ from minifaas.gateway.lifecycle import Phase, advance
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import Migration
-from minifaas.gateway.prefill_dispatch import EarlyFirst, PrefillDispatch, Prefilled
+from minifaas.gateway.prefill_dispatch import WAIT_POLL_S, EarlyFirst, PrefillDispatch, Prefilled
 from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import (
     DecodeLost,
@@ -251,9 +251,15 @@ class Gateway:
                 link_up=self.link.up,
             )
         )
-        if decision.path is Path.REJECT:
-            raise RequestFailed(f"no healthy worker can serve the request ({decision.reason})")
-        self.scheduler.observe(decision)
+        if decision.path is not Path.REJECT:
+            self.scheduler.observe(decision)
+        return decision
+
+    async def _routed(self, prompt_ids: list[int], keys: PromptKeys | None) -> RouteDecision:
+        """The router's decision; while no healthy worker can serve the request (REJECT), wait for one to come
+        back: the caller's first-token deadline bounds the wait."""
+        while (decision := self._route(prompt_ids, keys)).path is Path.REJECT:
+            await self.pool.changed(WAIT_POLL_S)
         return decision
 
     async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
@@ -340,7 +346,7 @@ class Gateway:
                 if moving.moves:  # the lost one may be the only decode worker: wait for it back, not fail
                     await self.pool.serving("pd", "decode")
                 keys = self.prefixes.keys(request.prompt_ids)  # hashed once: the route, the prefill, its retries
-                decision = self._route(request.prompt_ids, keys)
+                decision = await self._routed(request.prompt_ids, keys)
                 decode = self.workers[decision.decode_node]  # type: ignore[index]
                 record.decode_worker = decode.name
                 record.route_reason = decision.reason.value

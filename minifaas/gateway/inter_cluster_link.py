@@ -53,6 +53,10 @@ class LinkNotReady(RuntimeError):
     """The emulated link has no route to a decode worker now (a RuntimeError: dispatch falls back on it)."""
 
 
+class LinkDown(RuntimeError):
+    """The link went out of service while a transfer was crossing it."""
+
+
 class InterClusterLink:
     def __init__(
         self, config: LinkConfig, emulated: bool, moves: bool, heartbeat: HeartbeatConfig | None = None
@@ -76,6 +80,7 @@ class InterClusterLink:
         self._watchers: dict[str, asyncio.Task] = {}  # emulator name -> its supervisor
         self._joining = asyncio.Lock()  # workers join at once as they start: one emulator, however many join
         self._closing = False
+        self.cut = asyncio.Event()  # set when the link leaves service; a fresh one each time it is back
 
     async def __aenter__(self) -> InterClusterLink:
         self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())  # out last: after the emulators
@@ -92,6 +97,11 @@ class InterClusterLink:
         """PrfaaS KV can cross now: always over the network; through the emulator unless it is down."""
         return NAME not in self.down
 
+    @property
+    def generation(self) -> int:
+        """Times the link came back into service: a transfer that failed on it may be tried again after one."""
+        return self.restarts[NAME]
+
     def emulators(self) -> dict[str, EmulatorProcess]:
         """Every emulator process by its name in /health and /metrics."""
         named = {NAME: self.emulator} if self.emulator is not None else {}
@@ -106,10 +116,12 @@ class InterClusterLink:
         return emulator
 
     async def _supervise(self, name: str, emulator: EmulatorProcess) -> None:
-        """Ping the emulator each interval; when it is gone or late, take it out of service and restart it."""
+        """Ping the emulator each interval; when it is gone (seen at once) or late, take it out of service and
+        restart it."""
         hb = self.heartbeat
         while True:
-            await asyncio.sleep(hb.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(emulator.exited(), hb.interval_s)
             if self._closing:
                 return
             if not emulator.alive:
@@ -121,6 +133,8 @@ class InterClusterLink:
                 except Exception as e:  # any failed probe: a supervisor that raised would cancel the gateway
                     why = f"no answer to a ping within {hb.deadline_s:g} s ({e!r})" if emulator.alive else repr(e)
             self.down[name] = why
+            if name == NAME:
+                self.cut.set()  # transfers crossing it now fail at once rather than at their timeout
             log.error("link emulator %s (pid %d) left service: %s", name, emulator.pid, why)
             delay = RETRY_S
             while not self._closing:
@@ -134,6 +148,8 @@ class InterClusterLink:
             if self._closing:
                 return
             del self.down[name]
+            if name == NAME:
+                self.cut = asyncio.Event()
             self.restarts[name] += 1
             log.info("link emulator %s back (pid %d), %d routes", name, emulator.pid, len(emulator.routes) + 1)
 

@@ -4,8 +4,9 @@
 the rest crosses the link), the prefill node asked to compute and send it, its reply awaited. Around it,
 ``_tried`` counts the worker's load and turns a failure into its reason, ``_recorded`` writes the reply's
 figures to the record, the scheduler and /metrics, and ``run`` redoes a failed prefill on a PD-P worker not
-tried yet, else on a PrfaaS one while the link is up (``_retry_on``). Under the ABUNDANT rule ``_move`` first
-brings a cached prefix into the prefill node's cluster.
+tried yet, else on a PrfaaS one while the link is up; with none left, it waits within the request's
+first-token deadline for one to come back (``_retry_on``). Under the ABUNDANT rule ``_move`` first brings a
+cached prefix into the prefill node's cluster. A transfer whose link goes out of service fails at once.
 
 The first token can reach the client before the state's tail has crossed (``EarlyFirst``); once it was shown,
 a prefill that then fails is redone with that token in the prompt, as a migration does. A decode worker that
@@ -28,12 +29,12 @@ from typing import Protocol
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.control.worker_ops import Op, Reply, sampling_to_json
-from minifaas.gateway.inter_cluster_link import InterClusterLink
+from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown
 from minifaas.gateway.lifecycle import Phase, advance
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import continued
 from minifaas.gateway.prefix_directory import PrefixDirectory
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, RequestFailed, RequestRecord
+from minifaas.gateway.requests import DecodeLost, GenerateRequest, RequestRecord
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.policy.codec_policy import CodecChoice
@@ -41,6 +42,8 @@ from minifaas.policy.router import CacheMove, RouteDecision
 
 log = logging.getLogger("minifaas.gateway")
 OnFirst = Callable[[int], None]  # told the first token as soon as the prefill worker has it
+WAIT_POLL_S = 0.25  # with every worker tried, how often to look again for one back (or the link back)
+WAITING = "prefill failed on every worker it could go to: waiting for one to come back"
 
 
 class LinkScheduler(Protocol):
@@ -166,7 +169,7 @@ class PrefillDispatch:
         it too (the returned request says so). ``counted`` is called once the first attempt has counted the
         prompt on its worker (``start``)."""
         worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]
-        hit, tried = decision.cached_tokens, set[str]()
+        hit, tried = decision.cached_tokens, dict[str, tuple[int, int]]()
         worker.claims += 1  # held until _tried opens its inbox, so a drain cannot end in between
         try:
             move = decision.cache_move
@@ -184,13 +187,13 @@ class PrefillDispatch:
             if isinstance(outcome, dict):
                 return Prefilled(attempt.transfer, self._recorded(attempt, record, outcome), request)
             moved, counted = None, None  # a retry elsewhere does not take the move
-            tried.add(worker.name)
+            tried[worker.name] = self._generation(worker)
             self._fell_back(attempt, record, outcome)
             if early is not None and early.withdraw():  # the client has the first token: go on after it
                 request, early = continued(request, [early.show()]), None
                 keys = self.prefixes.keys(request.prompt_ids)
                 record.events.append("prefill failed after its first token was sent: redone with it")
-            worker, hit = self._retry_on(keys, tried, outcome)
+            worker, hit = await self._retry_on(keys, tried, outcome, record)
 
     async def _once(self, a: Attempt, on_first: OnFirst | None) -> dict:
         """The happy path: the decode node told to expect the state (and to pin the prefix it holds), the prefill
@@ -213,9 +216,12 @@ class PrefillDispatch:
                        "seen_tokens": self.prefixes.seen_prefix(a.keys),
                        **({"import": a.moved} if a.moved is not None else {})})  # fmt: skip
         a.sent = time.perf_counter()
+        cut = self.link.cut if a.remote else None  # this outage's: a link back since does not end the attempt
         async with asyncio.timeout(self.prefill_timeout):
-            reply = await _reply(inbox, gone, a, on_first)
+            reply = await _reply(inbox, gone, a, on_first, cut)
         a.replied = time.perf_counter()
+        if reply is None and cut is not None and cut.is_set():
+            raise LinkDown(f"the link went out of service during the transfer: {self.link.down.get(NAME)}")
         if reply is None:
             raise DecodeLost(f"decode worker {a.decode.name} went away during the prefill")
         return reply
@@ -233,6 +239,8 @@ class PrefillDispatch:
             reply = await self._once(a, on_first)
         except TimeoutError:
             return "timeout: prefill and transfer took too long"
+        except LinkDown as e:
+            return f"link_down: {e}"
         except RuntimeError as e:
             return f"worker_down: {e}"
         finally:
@@ -281,19 +289,38 @@ class PrefillDispatch:
         with contextlib.suppress(RuntimeError):
             a.decode.send({"op": Op.ABORT, "req": a.request.request_id})
 
-    def _retry_on(self, keys: PromptKeys | None, tried: set[str], why: str) -> tuple[WorkerHandle, int]:
-        """Where a failed prefill goes next, and the hit it may load there: a PD-P worker not tried yet, else a
-        PrfaaS one while the link is up (a PD-P that died must not fail a request PrfaaS can serve); the least
-        loaded net of its hit. Raises RequestFailed when none is left."""
+    def _generation(self, w: WorkerHandle) -> tuple[int, int]:
+        """What must change before a worker that failed a prefill is worth another try: it came back (rejoins),
+        or, across the link, the link did."""
+        return w.rejoins, self.link.generation if w.cluster == "prfaas" else 0
+
+    async def _retry_on(
+        self, keys: PromptKeys | None, tried: dict[str, tuple[int, int]], why: str, record: RequestRecord
+    ) -> tuple[WorkerHandle, int]:
+        """Where a failed prefill goes next, and the hit it may load there (``_next_worker``). With none left it
+        waits for a worker, or the link, to come back: the caller's first-token deadline bounds the wait."""
+        while (found := self._next_worker(keys, tried)) is None:
+            if record.events[-1:] != [WAITING]:
+                log.warning("request %s: no prefill worker left to try (%s); waiting for one", record.request_id, why)
+                record.events.append(WAITING)
+            await self.pool.changed(WAIT_POLL_S)
+        return found
+
+    def _next_worker(
+        self, keys: PromptKeys | None, tried: dict[str, tuple[int, int]]
+    ) -> tuple[WorkerHandle, int] | None:
+        """A PD-P worker not tried yet (or back since it failed), else a PrfaaS one while the link is up (a PD-P
+        that died must not fail a request PrfaaS can serve); the least loaded net of its hit. None: none left."""
         hits = self.prefixes.node_hits(keys)
         for cluster in ("pd", "prfaas"):
             if cluster == "prfaas" and not self.link.up:
                 break
-            left = [w for w in self.pool.of(cluster, "prefill") if w.serving and w.name not in tried]
+            workers = self.pool.of(cluster, "prefill")
+            left = [w for w in workers if w.serving and tried.get(w.name) != self._generation(w)]
             if left:
                 worker = min(left, key=lambda w: w.load_tokens - hits.get(w.name, 0))
                 return worker, hits.get(worker.name, 0)
-        raise RequestFailed(f"prefill failed on every worker tried: {why}")
+        return None
 
     async def _move(
         self,
@@ -351,11 +378,14 @@ class PrefillDispatch:
                     return int(msg["tokens"])
 
 
-async def _reply(inbox: asyncio.Queue[dict], gone: asyncio.Event, a: Attempt, on_first: OnFirst | None) -> dict | None:
+async def _reply(
+    inbox: asyncio.Queue[dict], gone: asyncio.Event, a: Attempt, on_first: OnFirst | None, cut: asyncio.Event | None
+) -> dict | None:
     """The prefill's outcome for ``a``'s transfer, or the worker's session lost; None once the decode worker is
-    ``gone``. On the way the early first token goes to ``on_first``, an earlier attempt's replies to ``unclaimed``
-    (a migrated request keeps its id)."""
-    while (msg := await _unless_gone(inbox, gone)) is not None and not _answers(msg, a.transfer):
+    ``gone`` or the link is ``cut``. On the way the early first token goes to ``on_first``, an earlier attempt's
+    replies to ``unclaimed`` (a migrated request keeps its id)."""
+    ends = [gone] if cut is None else [gone, cut]
+    while (msg := await _unless(inbox, ends)) is not None and not _answers(msg, a.transfer):
         if msg["op"] == Reply.FIRST and msg.get("transfer") == a.transfer:
             if on_first is not None:
                 on_first(int(msg["next_token"]))
@@ -371,12 +401,16 @@ def _answers(reply: dict, transfer: int) -> bool:
     )
 
 
-async def _unless_gone(inbox: asyncio.Queue[dict], gone: asyncio.Event) -> dict | None:
-    """The next reply in ``inbox``, or None as soon as ``gone`` is set (the decode worker's session ended)."""
-    get, lost = asyncio.ensure_future(inbox.get()), asyncio.ensure_future(gone.wait())
+async def _unless(inbox: asyncio.Queue[dict], ends: list[asyncio.Event]) -> dict | None:
+    """The next reply in ``inbox``, or None as soon as one of ``ends`` is set (the first: the decode worker's
+    session ended; the second: the link was cut)."""
+    get = asyncio.ensure_future(inbox.get())
+    waits = [asyncio.ensure_future(e.wait()) for e in ends]
     try:
-        await asyncio.wait({get, lost}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({get, *waits}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        get.cancel()
-        lost.cancel()
-    return None if gone.is_set() or not get.done() or get.cancelled() else get.result()
+        for task in (get, *waits):
+            task.cancel()
+    if ends[0].is_set() or not get.done() or get.cancelled():  # a reply that came as the link went still counts
+        return None
+    return get.result()

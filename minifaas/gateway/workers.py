@@ -73,6 +73,12 @@ class Workers:
         while not any(w.serving for w in self.of(cluster, role)):
             await self._joined.wait()
 
+    async def changed(self, within: float) -> None:
+        """Return once a worker attaches, first or again, or after ``within`` seconds, whichever is first (what
+        joins no pool, such as the link coming back, a caller sees by asking again)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._joined.wait(), within)
+
     def _join(self, w: WorkerHandle) -> None:
         self.on_attached(w)
         joined, self._joined = self._joined, asyncio.Event()
