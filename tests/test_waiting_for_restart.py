@@ -3,6 +3,9 @@
 A real gateway (one PD-P, one PrfaaS and one PD-D worker process, the link emulator). Within the
 request's first-token deadline it does not fail when:
 - every prefill worker it could go to is dead: it waits for their restart, then completes;
+- its only decode worker hangs mid-stream past the heartbeat deadline: the request migrates back to
+  that same worker once it is continued and re-attached, with no stale row of the old session left
+  to refuse it, and its greedy output is transformers' own.
 Past the deadline it fails with a clean ``timeout``.
 """
 
@@ -72,6 +75,36 @@ def test_with_every_prefill_worker_dead_a_request_waits_for_a_restart_and_comple
 
     tokens, record = loop.run_until_complete(scenario())
     assert tokens == reference, record.to_json()
+
+
+def test_the_only_decode_worker_hung_mid_stream_takes_its_request_back_when_continued(
+    gateway: Gateway, loop: asyncio.AbstractEventLoop, reference: list[int]
+) -> None:
+    stopped: list[int] = []
+
+    async def cont_later(pid: int) -> None:
+        await asyncio.sleep(CONFIG.heartbeat_deadline_s + 1.5)  # past the deadline: its session is lost
+        os.kill(pid, signal.SIGCONT)
+
+    async def scenario() -> tuple[list[int], RequestRecord]:
+        await all_serving(gateway)
+        async with asyncio.TaskGroup() as tasks:
+
+            def stop(w: object) -> None:
+                stopped.append(w.pid)  # type: ignore[attr-defined]
+                os.kill(w.pid, signal.SIGSTOP)  # type: ignore[attr-defined]
+                tasks.create_task(cont_later(w.pid))  # type: ignore[attr-defined]
+
+            done = await stream(gateway, "decode-hung", stop)
+        return done
+
+    try:
+        tokens, record = loop.run_until_complete(scenario())
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    assert tokens == reference and record.migrations == 1, record.to_json()
+    assert gateway.workers["pd-d0"].pid == stopped[0]  # the same process, back in routing
 
 
 def test_past_the_first_token_deadline_a_request_with_no_worker_fails_as_a_timeout(

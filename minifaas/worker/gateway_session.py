@@ -76,7 +76,7 @@ class GatewaySession:
         self.service, self.prefixes = node.service, node.prefixes
         self.jobs: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
-        self.decoding: set[str] = set()  # requests of this session handed to the decode service
+        self.decoding: set[str] = set()  # this session's decode requests, until their last message or abort
         self.tasks: asyncio.TaskGroup | None = None
         self.handlers: dict[str, Callable[[dict], None]] = {
             Op.ATTACH: self.attach,
@@ -102,6 +102,8 @@ class GatewaySession:
     def emit(self, message: dict) -> None:
         self.send_cache_events()  # the pool's changes go out before the news that follows them
         self.send(message)
+        if message["op"] in (Reply.DONE, Reply.FAILED) or message.get("finish"):
+            self.decoding.discard(message["req"])  # its row is gone: nothing to abort when the session ends
 
     async def serve(self) -> None:
         async with asyncio.TaskGroup() as self.tasks:
@@ -203,7 +205,6 @@ class GatewaySession:
             if self.jobs.get(req, asyncio.current_task()) is asyncio.current_task():  # not a retry's, same id
                 self.jobs.pop(req, None)
                 self.aborted.discard(req)
-                self.decoding.discard(req)  # ended, one way or another: nothing to abort when the session ends
 
     async def work(self, msg: dict) -> None:
         service = self.service
