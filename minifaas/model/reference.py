@@ -1,0 +1,82 @@
+"""The independent reference for exact output: transformers' own ``generate`` on the same weights.
+
+The disaggregated paths and ``ModelRuntime.generate`` share the per-layer export (``state_layout``), the
+cache rebuild and the state layout, so a bug there shows on both sides of a comparison between them.
+``reference_run`` shares none of it: the prompt goes to the model's own ``generate``, which builds and grows
+its own cache, and the greedy tokens it returns are what every path must reproduce. Greedy only: seeded
+sampling and penalties are this project's own sampler, which transformers does not have.
+
+On the CPU in float32 a correct path gives these tokens exactly. Where kernels or bfloat16 round
+differently, ``divergence`` finds the first token that differs and the logit gap there, to hold against a
+stated tolerance: a near tie flipped by rounding, not a broken state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import GREEDY, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceRun:
+    tokens: list[int]
+    logits: torch.Tensor  # [len(tokens), vocab] float32 on the CPU: what each token was the argmax of
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    index: int  # the first token that differs from the reference
+    gap: float  # the reference's top logit minus its logit of the token the path chose, over the top |logit|
+
+
+def reference_tokens(runtime: ModelRuntime, prompt_ids: Sequence[int], params: SamplingParams = GREEDY) -> list[int]:
+    """The greedy tokens transformers' ``generate`` gives after ``prompt_ids``, stop rules as ``params`` say."""
+    return reference_run(runtime, prompt_ids, params).tokens
+
+
+@torch.no_grad()
+def reference_run(runtime: ModelRuntime, prompt_ids: Sequence[int], params: SamplingParams = GREEDY) -> ReferenceRun:
+    """``reference_tokens`` with the logits of every step."""
+    refuse_unless_greedy(params)
+    stops = [*params.stop_token_ids, *(() if params.ignore_eos else (runtime.eos_token_id,))]
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=runtime.device)
+    out = runtime.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=params.max_tokens,
+        min_new_tokens=params.min_tokens,
+        eos_token_id=stops or None,  # None: no stop token at all, as ignore_eos means
+        pad_token_id=runtime.eos_token_id,
+        temperature=None,  # a checkpoint's sampling defaults would only warn under greedy search
+        top_p=None,
+        top_k=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    logits = torch.stack([step[0].float().cpu() for step in out.logits])
+    return ReferenceRun(out.sequences[0, len(prompt_ids) :].tolist(), logits)
+
+
+def refuse_unless_greedy(params: SamplingParams) -> None:
+    if not params.greedy or params.penalised or params.stop:
+        raise ValueError(
+            "the transformers reference is greedy decoding with stop tokens only: no temperature, "
+            f"penalties or stop strings (got {params})"
+        )
+
+
+def divergence(tokens: Sequence[int], reference: ReferenceRun) -> Divergence | None:
+    """Where ``tokens`` first leave the reference (None: they are the reference's, the same length)."""
+    for i, (got, want) in enumerate(zip(tokens, reference.tokens)):
+        if got != want:
+            step = reference.logits[i]
+            return Divergence(i, float((step[want] - step[got]) / step.abs().max()))
+    if len(tokens) != len(reference.tokens):
+        return Divergence(min(len(tokens), len(reference.tokens)), float("inf"))
+    return None
