@@ -4,9 +4,10 @@ Each round starts the default serving configuration (three local CPU workers
 and the link emulator) once with ``fork_workers`` on and once off, in
 alternating order, and times it from ``Gateway.__aenter__`` to every worker
 ready, then one request through each route to show the workers serve (its
-tokens must equal generate()'s), then the shutdown. Every start is a cold one,
-as ``minifaas serve`` has: the process's shared pre-loaded parent is closed
-with the gateway, and its CPU counted. Reported: the median over
+tokens must equal transformers' own generate()'s, ``model.reference``), then
+the shutdown. Every start is a cold one, as ``minifaas serve`` has: the
+process's shared pre-loaded parent is closed with the gateway, and its CPU
+counted. Reported: the median over
 ``--rounds`` of each phase, the CPU seconds the whole process tree used, and
 the ratios. ``--quick``: one round.
 
@@ -28,6 +29,7 @@ from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.launch import forked
 from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -66,7 +68,7 @@ async def one_start(model: str, fork: bool, expected: dict[str, list[int]]) -> d
 
 async def run(model: str, rounds: int) -> dict:
     runtime = ModelRuntime.load(model)
-    expected = {route: runtime.generate(prompt(n), GREEDY) for route, n in PROMPTS.items()}
+    expected = {route: reference_tokens(runtime, prompt(n), GREEDY) for route, n in PROMPTS.items()}
     del runtime
     rows: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for i in range(rounds):

@@ -8,6 +8,8 @@ install (from wheels in .whl/ when there, else what the environment has; never t
 ``-m gpu`` tests, then the probes of ``gpu_probe.py``: fla against the torch reference per preset and
 for the trained checkpoint, greedy exactness, device-to-host pipelining, runtime tokens/s per model,
 decode batching, and ``minifaas serve`` on the device (TTFT per route, through ``bench_serve``).
+A step fails when it exits non-zero, overruns, or reports ``"ok": false`` (a kernel error or a token
+beyond the probe's tolerance); the run then exits 1 and names each failed step and why.
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ def step(name: str, argv: list[str], timeout: float, results: dict, env: dict | 
     results[name] = record
     print(f"{name:<32} {record['rc']!s:>8} {record['seconds']:>7.1f} s", flush=True)
     return record
+
+
+def passed(record: dict) -> bool:
+    result = record.get("result")
+    return record["rc"] == 0 and not (isinstance(result, dict) and result.get("ok") is False)
+
+
+def why(record: dict) -> str:
+    """A failed step's reason: what its probe said failed, else the last line it wrote."""
+    result = record.get("result")
+    if isinstance(result, dict) and result.get("failures"):
+        return "; ".join(result["failures"])
+    lines = [line for line in record.get("tail", "").splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit status {record['rc']}"
 
 
 def install(python: str, dry_run: bool) -> list[str]:
@@ -108,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     step("served TTFT per route", serve, left(120), results, env)
     results["seconds"] = round(BUDGET_S - (deadline - time.perf_counter()), 1)
     Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
-    failed = [k for k, v in results.items() if isinstance(v, dict) and v.get("rc") != 0]
+    failed = [k for k, v in results.items() if isinstance(v, dict) and not passed(v)]
     print(f"wrote {a.out} in {results['seconds']} s; {len(failed)} step(s) failed: {', '.join(failed) or 'none'}")
+    for name in failed:
+        print(f"  {name}: {why(results[name])}")
     if a.json:
         print(json.dumps({"failed": failed, "seconds": results["seconds"]}))
     return 1 if failed else 0

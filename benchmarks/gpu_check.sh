@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device check on a one-GPU machine without network: a venv from the wheels in .whl/ (if there),
-# then benchmarks/gpu_check.py, which writes gpu_check.json. Arguments go on to it (e.g. --out PATH).
+# then benchmarks/gpu_check.py, which writes gpu_check.json and exits 1 if a step failed (its exit status is
+# this script's). Arguments go on to it (e.g. --out PATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then

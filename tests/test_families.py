@@ -36,6 +36,7 @@ from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import MODELS_DIR, ModelSpec, load_config_dict, weights_digest
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
@@ -130,11 +131,6 @@ async def prefill_remotely(child: Child, rt: ModelRuntime) -> dict[str, tuple[di
     return out
 
 
-def generate(rt: ModelRuntime, ids: list[int]) -> list[int]:
-    reference = rt.model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
-    return reference[0, len(ids) :].tolist()
-
-
 def batched_equals_alone(rt: ModelRuntime, received: dict[str, tuple[dict, ModelState]]) -> None:
     """The received states as rows of one batch (one waits for a free row) decode as each does alone."""
     params = SamplingParams(max_tokens=7, ignore_eos=True)
@@ -182,7 +178,8 @@ def test_family_round_trip_prefix_and_batch(family: str, child: Child) -> None:
         )
         assert reply["kv_bytes"] == crossed, f"{family} {name}: only tokens from {reply['link_start']} cross"
         decoded = rt.start_decode(state, reply["next_token"], GREEDY).run()
-        assert decoded == generate(rt, ids), f"{family} {name}: decode after the transfer differs from generate()"
+        expected = reference_tokens(rt, ids, GREEDY)
+        assert decoded == expected, f"{family} {name}: decode after the transfer differs from transformers' generate()"
     assert received["continued"][0]["link_start"] == 32  # the first prompt's whole blocks were kept
     batched_equals_alone(rt, received)
 

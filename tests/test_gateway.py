@@ -14,6 +14,7 @@ from minifaas.gateway.lifecycle import Phase
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.worker_handle import WorkerError
 from minifaas.launch import forked
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -29,7 +30,8 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    out = {"short": rt.generate(SHORT, PARAMS), "long": rt.generate(LONG, PARAMS), "fresh": rt.generate(FRESH, PARAMS)}
+    prompts = {"short": SHORT, "long": LONG, "fresh": FRESH}
+    out = {name: reference_tokens(rt, ids, PARAMS) for name, ids in prompts.items()}
     out["long_bytes"] = [rt.prefill(LONG).state.nbytes]  # computed here: not on the gateway's event loop
     return out
 
@@ -67,7 +69,7 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
 
     async def scenario() -> None:
         async with Gateway(config) as gw:
-            # a short prompt stays local, a long one goes PrfaaS; both equal single-process generate()
+            # a short prompt stays local, a long one goes PrfaaS; both equal transformers' own generate()
             short, rec_s = await _run(gw, "short", SHORT)
             long, rec_l = await _run(gw, "long", LONG)
             assert (rec_s.route, rec_l.route) == ("local", "prfaas")

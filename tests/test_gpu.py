@@ -3,7 +3,8 @@
 Without CUDA every test here is collected and skipped with the reason. Tolerance of fla against the
 torch reference (fp32): logits within 1% of their largest magnitude, the same greedy token, states
 within 1% of each slot's largest magnitude. Exactness (bf16 and fp32): greedy prefill on the GPU,
-staged to host memory, decoded unbatched and batched, equals generate() on the same GPU.
+staged to host memory, decoded unbatched and batched, equals transformers' own generate() on the same
+GPU (``model.reference``) up to a first divergence at a near tie (within 1% of the top logit).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def test_fla_matches_the_torch_reference(model: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("model", ["shakespeare-qwen3.5", "kimi-linear-tiny"])
 def test_greedy_disaggregated_decode_equals_generate_on_the_gpu(model: str) -> None:
     got = probe("exactness", "--model", model, "--device", "cuda:0", "--tokens", "100")
+    assert got["ok"] and got["failures"] == [], got
     for dtype in ("float32", "bfloat16"):
-        assert got[dtype] == {"staged_on_host": True, "unbatched_equal": True, "batched_equal": True}, got
+        assert got[dtype]["staged_on_host"] and got[dtype]["tolerance"] == 0.01, got
+        assert all(got[dtype][path]["ok"] for path in ("unbatched", "batched r0", "batched r1", "batched r2")), got
 
 
 def test_device_to_host_copies_pipeline_with_the_prefill() -> None:

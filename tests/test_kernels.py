@@ -2,27 +2,45 @@
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import json
-import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
-FLA_INSTALLED = importlib.util.find_spec("fla") is not None or "fla" in sys.modules
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+GPU_EXTRA = [Requirement(r) for r in tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]["gpu"]]
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
-def test_ci_environment_has_fla_installed() -> None:
-    """CI installs the gpu extra on purpose, so the rest of the suite runs with fla importable."""
-    if not os.environ.get("CI"):
-        pytest.skip("only CI promises the gpu extra is installed")
-    out = _run("import importlib.util; print(importlib.util.find_spec('fla') is not None)")
-    assert out.stdout.strip() == "True", out.stderr
+@functools.cache
+def installed_gpu_extra() -> dict[str, str]:
+    """The gpu extra's packages and versions as a fresh interpreter finds them (fla found, never imported: a
+    process that loaded a CPU model has it blocked); empty where fla is not installed."""
+    out = _run(
+        "import importlib.util, importlib.metadata as m, json\n"
+        f"names = {[r.name for r in GPU_EXTRA]!r}\n"
+        "found = importlib.util.find_spec('fla') is not None\n"
+        "print(json.dumps({n: m.version(n) for n in names} if found else {}))\n"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_where_fla_is_installed_it_is_the_version_the_gpu_extra_pins() -> None:
+    """Wherever the gpu extra is installed the fla-specific tests below run, against the versions it pins."""
+    versions = installed_gpu_extra()
+    if not versions:
+        pytest.skip("flash-linear-attention is not installed here (pip install -e '.[gpu]')")
+    for requirement in GPU_EXTRA:
+        assert requirement.specifier.contains(versions[requirement.name]), (requirement, versions)
 
 
 @pytest.mark.slow  # a child process per case
@@ -39,9 +57,10 @@ def test_cpu_runtime_blocks_fla_and_still_runs() -> None:
 
 
 @pytest.mark.slow  # a child process per case
-@pytest.mark.skipif(not FLA_INSTALLED, reason="flash-linear-attention is not installed here")
 def test_without_the_block_an_installed_fla_breaks_cpu_forward() -> None:
     """The failure the block prevents: transformers picks fla's Triton kernels, which need a GPU."""
+    if not installed_gpu_extra():
+        pytest.skip("flash-linear-attention is not installed here")
     code = (
         "import torch, json\n"
         "from transformers import AutoConfig, AutoModelForCausalLM\n"

@@ -1,9 +1,10 @@
 """Decode migration: a request whose decode worker is killed or hung mid-stream moves to another one.
 
 A real gateway (PD-P, PrfaaS, two PD-D worker processes, the link emulator): the stream goes on past
-the loss with no token twice and none missing, and its greedy output equals generate()'s; a request
-that loses its decode worker more often than the migration limit fails with a retryable, counted
-error. The continuation itself (what the next attempt asks for) is checked without processes.
+the loss with no token twice and none missing, and its greedy output equals transformers' own
+generate()'s (``model.reference``); a request that loses its decode worker more often than the
+migration limit fails with a retryable, counted error. The continuation itself (what the next
+attempt asks for) is checked without processes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from minifaas.gateway.api import api_error
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.migration import Migration
 from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit, RequestRecord
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -59,7 +61,7 @@ def test_the_continuation_asks_for_the_prompt_plus_what_was_sent_and_only_the_to
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    return {"short": rt.generate(PROMPT, PARAMS), "long": rt.generate(LONG, PARAMS)}
+    return {"short": reference_tokens(rt, PROMPT, PARAMS), "long": reference_tokens(rt, LONG, PARAMS)}
 
 
 @pytest.fixture(scope="module")

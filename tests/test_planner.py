@@ -54,6 +54,9 @@ def test_split_matches_a_direct_count() -> None:
 
 
 def test_paper_case_finds_the_papers_operating_point() -> None:
+    """A fit, not a prediction, for the two gains: the H20 prefill curve (paper.py) is not published, and
+    its coefficients were chosen so the planner lands on the paper's results; the gains move with it
+    (the next test). The egress is held out of it, checked there."""
     result = plan(paper_case())
     best = result.prfaas
     assert (best.n_prefill, best.n_decode) == (3, 5)
@@ -64,6 +67,22 @@ def test_paper_case_finds_the_papers_operating_point() -> None:
     assert best.egress_gbps == pytest.approx(REPORTED["prfaas_egress_gbps"], rel=0.1)
     assert best.bottleneck == "prfaas-compute"  # compute-bound, with link headroom
     assert (result.homogeneous.n_prefill, result.homogeneous.n_decode) == (9, 3)
+
+
+@pytest.mark.parametrize("scale", [0.8, 1.2])
+def test_the_papers_egress_is_held_out_of_the_h20_fit_and_the_gains_are_not(scale: float) -> None:
+    """Held out: the PrfaaS egress the paper reports (about 13 Gbps). It is the H200s' KV rate at the
+    offloaded requests' mean length (eq 2, from the measured H200 table), which the H20 curve hardly moves:
+    with its linear term 20% either way the egress stays within 10% of the paper's figure, while both gains
+    leave the band the reproduction above allows; the naive baseline uses no H20 prefill at all."""
+    c0, c1, c2 = H20_PREFILL.latency_coeffs
+    moved = replace(paper_case(), pd_prefill=replace(H20_PREFILL, latency_coeffs=(c0, c1 * scale, c2)))
+    result, fitted = plan(moved), plan(paper_case())
+    assert result.prfaas.egress_gbps == pytest.approx(REPORTED["prfaas_egress_gbps"], rel=0.1)
+    assert abs(result.gain_vs_homogeneous - REPORTED["gain_vs_homogeneous"]) > 0.04
+    assert abs(result.gain_vs_naive - REPORTED["gain_vs_naive"]) > 0.04
+    assert result.naive.throughput_rps == fitted.naive.throughput_rps
+    assert result.naive.egress_gbps == fitted.naive.egress_gbps
 
 
 def test_optimum_balances_the_two_prefill_bounds() -> None:  # eq 7

@@ -117,3 +117,16 @@ def test_the_stand_in_passes_signals_on_and_its_command_dies_with_it(python: Pre
     # and the server lives on for the next command, though it had no one to tell of this one's end
     after = python.run(["-c", "print('next')"], cwd=tmp_path, env=dict(os.environ), timeout=60)
     assert (after.returncode, after.stdout) == (0, "next\n")
+
+
+def test_a_script_that_never_imports_what_it_uses_passes_forked_and_fails_plain(
+    tmp_path: Path, python: Preloaded
+) -> None:
+    """What a fork cannot show: an import the script never makes, which the pre-loaded interpreter made for it
+    (tests/test_plain_python.py runs every documented command in a fresh interpreter for this)."""
+    script = tmp_path / "script.py"
+    script.write_text("import minifaas\n\nprint(minifaas.gateway.gateway.Gateway.__name__)\n")
+    forked = python.run([str(script)], cwd=tmp_path, env=dict(os.environ), timeout=60)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert forked.returncode == 0 and forked.stdout == "Gateway\n", forked.stderr
+    assert plain.returncode == 1 and "has no attribute 'gateway'" in plain.stderr, plain.stderr

@@ -16,6 +16,7 @@ import pytest
 from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, RayConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -35,7 +36,7 @@ async def _run(gw: Gateway, rid: str, ids: list[int]) -> tuple[list[int], Reques
 
 def test_workers_land_on_their_clusters_nodes_and_a_killed_actor_comes_back() -> None:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    reference = {"short": rt.generate(SHORT, PARAMS), "long": rt.generate(LONG, PARAMS)}
+    reference = {"short": reference_tokens(rt, SHORT, PARAMS), "long": reference_tokens(rt, LONG, PARAMS)}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"pd": 2}})
     cluster.add_node(num_cpus=1, resources={"prfaas": 1})
     ray.init(address=cluster.address)  # the gateway shares this driver, so the test can look at its actors

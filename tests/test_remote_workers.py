@@ -29,6 +29,7 @@ from minifaas.control.worker_ops import sampling_to_json
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.worker_handle import Busy, attach
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer
@@ -67,7 +68,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> list[int]:
-    return ModelRuntime.load("kimi-linear-tiny").generate(PROMPT, PARAMS)
+    return reference_tokens(ModelRuntime.load("kimi-linear-tiny"), PROMPT, PARAMS)
 
 
 def _config(cluster: dict) -> ServeConfig:

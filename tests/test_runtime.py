@@ -1,4 +1,4 @@
-"""The runtime: disaggregated generation equals single-process generate(), for every preset."""
+"""The runtime: disaggregated generation equals transformers' own generate() (``model.reference``), for every preset."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from preloaded import Preloaded
 from minifaas.model import state_codec
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import preset_names, weights_digest
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -85,9 +86,7 @@ def test_prefill_in_one_process_decode_in_another_equals_generate(
     for n, (state, next_token) in zip(LENGTHS, received):
         assert state.seq_len == n and [s.layer for s in state.layers] == list(range(runtime.num_layers))
         ours = runtime.start_decode(state, next_token, params).run()
-        ids = torch.tensor([prompt(n)])
-        reference = runtime.model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
-        assert ours == reference[0, n:].tolist(), f"{runtime.spec.name}, {n} prompt tokens"
+        assert ours == reference_tokens(runtime, prompt(n), params), f"{runtime.spec.name}, {n} prompt tokens"
 
 
 @pytest.mark.parametrize("cut", [1, 100, 299])
@@ -99,7 +98,7 @@ def test_prefix_continuation_matches_one_prefill(runtime: ModelRuntime, cut: int
     rel = (rest.logits - whole.logits).abs().max() / whole.logits.abs().max()
     assert rel < 1e-4
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    assert runtime.start_decode(rest.state, rest.next_token, params).run() == runtime.generate(ids, params)
+    assert runtime.start_decode(rest.state, rest.next_token, params).run() == reference_tokens(runtime, ids, params)
     assert rest.computed_tokens == 300 - cut and rest.state.seq_len == 300
 
 
@@ -171,7 +170,8 @@ def test_prefill_in_token_chunks_matches_one_prefill(runtime: ModelRuntime, chun
         for (name, x), (_, y) in zip(a.slots, b.slots, strict=True):
             assert x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-5), f"layer {a.layer} {name}"
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    assert runtime.start_decode(chunked.state, chunked.next_token, params).run() == runtime.generate(ids, params)
+    decoded = runtime.start_decode(chunked.state, chunked.next_token, params).run()
+    assert decoded == reference_tokens(runtime, ids, params)
 
 
 def test_token_chunks_go_out_in_order_and_tile_the_final_state(runtime: ModelRuntime) -> None:

@@ -13,6 +13,7 @@ import openai
 import pytest
 from serve_child import serving
 
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer
@@ -65,7 +66,8 @@ def reference() -> dict[str, str]:
     rt = ModelRuntime.load("kimi-linear-tiny")
     tok = ByteTokenizer()
     p = SamplingParams(max_tokens=12)
-    return {name: tok.decode(rt.generate(tok.encode(text), p)) for name, text in (("short", SHORT), ("long", LONG))}
+    texts = {"short": SHORT, "long": LONG}
+    return {name: tok.decode(reference_tokens(rt, tok.encode(text), p)) for name, text in texts.items()}
 
 
 def test_openai_client_completions_and_chat(server: str, reference: dict[str, str]) -> None:

@@ -1,9 +1,10 @@
 """A checkpoint directory served by `minifaas serve`: the official openai client, completions and chat.
 
 The trained checkpoint is passed as a path, as a user passes their own; its
-tokenizer is the checkpoint's (AutoTokenizer, chat template included). Every
-answer, greedy or sampled with a seed, equals one-process generate() on the
-same prompt ids, on both routes. Each request's prompt is its own from the
+tokenizer is the checkpoint's (AutoTokenizer, chat template included). On both
+routes a greedy answer equals transformers' own generate() on the same prompt
+ids (``model.reference``), and one sampled with a seed equals the runtime's
+one-process generate() (the seeded sampler is this project's own). Each request's prompt is its own from the
 first byte: a prefix-cache hit continues from a cached state, whose arithmetic
 differs from one forward's in the last bits, and a sampled token may follow.
 """
@@ -17,6 +18,7 @@ import pytest
 from serve_child import serving
 
 from minifaas.model.loader import DEFAULT_MODEL, MODELS_DIR
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -44,7 +46,9 @@ def client(server: str) -> openai.OpenAI:
 
 
 def _expected(rt: ModelRuntime, ids: list[int], **sampling: object) -> str:
-    return rt.tokenizer.decode(rt.generate(ids, SamplingParams(max_tokens=12, **sampling)))  # type: ignore[arg-type]
+    """Greedy: transformers' own generate(); seeded: the runtime in one process (the sampler is ours alone)."""
+    params = SamplingParams(max_tokens=12, **sampling)  # type: ignore[arg-type]
+    return rt.tokenizer.decode(reference_tokens(rt, ids, params) if params.greedy else rt.generate(ids, params))
 
 
 def test_the_model_is_named_after_its_directory(client: openai.OpenAI) -> None:

@@ -25,6 +25,7 @@ from minifaas.config import CacheConfig, ClusterConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.inter_cluster_link import NAME
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.policy.router import Reason
@@ -48,7 +49,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # a gateway of five p
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    return {"short": rt.generate(SHORT, PARAMS), "long": rt.generate(LONG, PARAMS)}
+    return {"short": reference_tokens(rt, SHORT, PARAMS), "long": reference_tokens(rt, LONG, PARAMS)}
 
 
 @pytest.fixture(scope="module")

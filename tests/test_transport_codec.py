@@ -1,5 +1,6 @@
 """Coded transfers over real sockets: bit-exact lossless, lossy only on attention KV, codecs agreed in the
-handshake, version-1 peers refused with a clear error, greedy output unchanged through a real decode."""
+handshake, version-1 peers refused with a clear error, greedy output through a real decode equal to
+transformers' own generate() (``model.reference``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from minifaas.codec.codec import Codec, FrameEncoder
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import DEFAULT_MODEL
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_codec import tensor_bytes
@@ -198,4 +200,4 @@ def test_greedy_output_through_lossless_transfer_equals_the_uncompressed_path(ru
     assert same_state(received, result.state)
     local = runtime.start_decode(result.state, result.next_token, params).run()
     assert runtime.start_decode(received, result.next_token, params).run() == local
-    assert local == runtime.generate(ids, params)
+    assert local == reference_tokens(runtime, ids, params)

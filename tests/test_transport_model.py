@@ -1,4 +1,8 @@
-"""Real model states over the transport: every preset, 1/2/8 connections, direct and through the emulator."""
+"""Real model states over the transport: every preset, 1/2/8 connections, direct and through the emulator.
+
+A state broken on purpose before it is sent decodes away from transformers' own generate(), so the
+exactness checks against that reference (``model.reference``) can fail.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import pytest
 import torch
 
 from minifaas.emulator.emulator_process import EmulatorProcess
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
@@ -110,3 +116,42 @@ def test_prefill_in_token_chunks_streams_full_attention_ranges(runtime: ModelRun
 
     local, received = run(main())
     assert same_state(received, local)
+
+
+def negated(state: LayerState) -> LayerState:
+    """The sign bit of every element flipped: a state of the right size and layout that the model never made."""
+    return LayerState(state.layer, state.kind, state.seq_len, tuple((name, -t) for name, t in state.slots))
+
+
+@pytest.mark.parametrize("runtime", [DEFAULT_MODEL], indirect=True)
+def test_a_layer_broken_before_the_sender_decodes_away_from_the_reference(runtime: ModelRuntime) -> None:
+    """One linear-attention layer negated as the prefill hands it to a real sender crosses a real socket as
+    sent, and the tokens decoded from it leave transformers' own generate(); the same transfer unbroken
+    decodes to exactly those tokens."""
+    ids, params = prompt(32), SamplingParams(max_tokens=12, ignore_eos=True)
+    broken = max(i for i, kind in enumerate(runtime.layout.kinds) if kind is StateKind.LINEAR_ATTENTION)
+
+    def as_sent(state: LayerState, corrupt: bool) -> LayerState:
+        return negated(state) if corrupt and state.layer == broken else state
+
+    async def transfer(corrupt: bool) -> tuple[Any, ModelState]:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            config = SenderConfig("127.0.0.1", rx.port, SECRET, connections=2, chunk_bytes=8192)
+            incoming = rx.transfer(9)
+            async with KVSender(config) as tx, asyncio.TaskGroup() as tg:
+                receiving = tg.create_task(incoming.model_state())
+                async with tx.stream(9, runtime.num_states) as out:
+
+                    def on_layer(state: LayerState) -> None:
+                        out.put_threadsafe(as_sent(state, corrupt))
+
+                    result = await asyncio.to_thread(runtime.prefill, ids, on_layer=on_layer)
+            return result, receiving.result()
+
+    expected = reference_tokens(runtime, ids, params)
+    for corrupt in (False, True):
+        result, received = run(transfer(corrupt))
+        sent = ModelState([as_sent(s, corrupt) for s in result.state.layers], result.state.seq_len)
+        assert same_state(received, sent) and same_state(received, result.state) is not corrupt
+        tokens = runtime.start_decode(received, result.next_token, params).run()
+        assert (tokens == expected) is not corrupt, f"broken: {corrupt}, {tokens} against the reference {expected}"

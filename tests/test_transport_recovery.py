@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from test_transport import _self_signed
 
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.net.auth import prove_as_sender
@@ -46,14 +47,14 @@ def runtime() -> ModelRuntime:
 
 
 async def decodes_like_generate(rx: KVReceiver, runtime: ModelRuntime, transfer_id: int) -> None:
-    """A normal request: its prefilled state crosses the transport and decodes as one process would."""
+    """A normal request: its prefilled state crosses the transport and decodes as transformers' generate() does."""
     result = runtime.prefill(PROMPT, sampling=PARAMS)
     incoming = rx.transfer(transfer_id)
     async with KVSender(SenderConfig("127.0.0.1", rx.port, SECRET, connections=2)) as tx:
         await tx.send(transfer_id, result.state)
     state = await incoming.model_state()
     tokens = runtime.start_decode(state, result.next_token, PARAMS).run()
-    assert tokens == runtime.generate(PROMPT, PARAMS)
+    assert tokens == reference_tokens(runtime, PROMPT, PARAMS)
 
 
 def test_hundreds_of_unclaimed_transfers_do_not_wedge_the_receiver(

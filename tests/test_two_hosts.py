@@ -23,6 +23,7 @@ from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.lifecycle import Phase
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -69,7 +70,7 @@ def _workers(hosts: NetnsLink, secret: Path, logs: Path) -> dict[str, HandStarte
 
 def test_two_hosts_route_stream_over_the_bottleneck_and_survive_faults(tmp_path: Path) -> None:
     rt = ModelRuntime.load("kimi-linear-tiny")
-    reference = {"short": rt.generate(SHORT, PARAMS), "long": rt.generate(LONG, PARAMS)}
+    reference = {"short": reference_tokens(rt, SHORT, PARAMS), "long": reference_tokens(rt, LONG, PARAMS)}
     long_bytes = rt.prefill(LONG).state.nbytes
     secret = write_secret(tmp_path)
     hosts = NetnsLink(rate=RATE, from_root=True)
@@ -116,7 +117,7 @@ async def _scenario(
         assert not gw.link.emulated
         assert gw.workers["pd-d0"].kv == (hosts.addresses["b"], 7102)  # its advertised KV address, not the control one
 
-        # short prompts stay local, long ones go PrfaaS, and both equal single-process generate()
+        # short prompts stay local, long ones go PrfaaS, and both equal transformers' own generate()
         crossed = hosts.sent_bytes("a")
         short, rec_s = await _run(gw, "short", SHORT)
         long, rec_l = await _run(gw, "long", LONG)

@@ -153,7 +153,8 @@ class ModelRuntime:
         return DecodeStream(self, state, next_token, sampling)
 
     def generate(self, token_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> list[int]:
-        """Prefill then decode in this process: the reference every disaggregated path must match."""
+        """Prefill then decode in this process, through the same state export and cache rebuild as the
+        disaggregated paths: the in-process path, not a reference for them (``model.reference`` is)."""
         result = self.prefill(token_ids, sampling=sampling)
         stream = self.start_decode(result.state, result.next_token, sampling)
         return stream.run()
