@@ -281,9 +281,10 @@ async def one_config(per_role: int, args: argparse.Namespace, expected: Expected
         quiet = await calm(gw, args, expected, args.calm_s)
         for seed in range(args.seed, args.seed + args.seeds):
             result = await run_seed(gw, seed, args, expected, seen)
-            total.add(result.pop("chaos"))
+            chaos = result.pop("chaos")
+            total.add(chaos)
             seeds.append(result)
-            print(f"  r={per_role} seed {seed}: {len(result['faults'])} faults, back in {result['recovery_s']} s",
+            print(f"  r={per_role} seed {seed}: {json.dumps(chaos.summary() | {'faults': result['faults']})}",
                   flush=True)  # fmt: skip
         seen |= {pid for _, pid, _ in targets(gw).values()}
     await asyncio.sleep(0.5)  # the kernel reaps what the launcher killed last
@@ -339,9 +340,10 @@ def main() -> None:
     forked.start_here(MODEL)  # the workers' parent, forked from here before any torch op
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     expected = Expected(ModelRuntime.load(MODEL))
-    results = [asyncio.run(one_config(r, args, expected)) for r in args.per_role]
-    for result in results:
-        report(result)
+    results = []
+    for per_role in args.per_role:  # each table as soon as its run is over
+        results.append(asyncio.run(one_config(per_role, args, expected)))
+        report(results[-1])
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         print(json.dumps({"load_average": os.getloadavg(), "seed": args.seed, "runs": results}))

@@ -4,9 +4,10 @@ A prefill node's ``PrefixStore`` keeps the full-attention KV in blocks and,
 because linear-attention state is valid at one length only, snapshots of every
 layer's state at chosen points (here only at each prompt's end, so every
 prompt is one forward; ``snapshot_interval_blocks`` adds points inside it).
-Turn 1 of a chat runs cold and fills the store; turn 2 repeats turn 1 and adds
-a question, so it loads turn 1's end snapshot and prefills only the new tokens.
-The output must equal a cold run of turn 2.
+Turn 1 of a chat runs cold and fills the store; sent again, it loads whole (the
+end snapshot kept the logits of the next token, so no forward runs); turn 2
+repeats turn 1 and adds a question, so it loads turn 1's end snapshot and
+prefills only the new tokens. The outputs must equal cold runs.
 
     python examples/prefix_cache_hit.py
 """
@@ -45,8 +46,13 @@ def main() -> None:
     print(f"{runtime.spec.name}: {len(layout)} layers ({', '.join(kinds)}), blocks of {BLOCK} tokens")
 
     runtime.prefill(runtime.tokenizer.encode("warm up"))  # the first forward pays one-off costs
-    _, hit, computed, seconds = serve(store, runtime, TURN_1)
+    first, hit, computed, seconds = serve(store, runtime, TURN_1)
     print(f"turn 1: hit {hit:>3} tokens, computed {computed:>3}, prefill {seconds:.3f}s (fills the store)")
+    again, hit, computed, seconds = serve(store, runtime, TURN_1)
+    print(f"turn 1 again: hit {hit:>3} tokens, computed {computed:>3}, prefill {seconds:.3f}s (no forward)")
+    print(f"turn 1's output again: {again == first}")
+    if again != first or computed:
+        raise SystemExit(1)
     out, hit, computed, seconds = serve(store, runtime, TURN_2)
     print(f"turn 2: hit {hit:>3} tokens, computed {computed:>3}, prefill {seconds:.3f}s")
     cold_prefill = runtime.prefill(runtime.tokenizer.encode(TURN_2), sampling=PARAMS)

@@ -1,17 +1,18 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
 [serve]            host, port, model, dtype, trust_remote_code, threshold, api_key, deadlines, launcher,
-                   fork_workers, secret_file, heartbeats, migration_limit
+                   fork_workers, secret_file, heartbeats, migration_limit, max_queued_*, worker_log_level, router
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
-[prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, threads,
+[prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, prefill_batch, threads,
                    or the addresses of hand-started workers (workers = ["host:port", ...])
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
-                   prefill_chunk, threads, or workers = [...]
+                   prefill_chunk, prefill_batch, threads, or workers = [...]
 [link]             the inter-cluster link: rate, delay (emulated), per-flow cap and window, connections,
-                   kv_compression, emulated
+                   kv_compression (the codec policy), emulated
 [ray]              the Ray launcher: cluster address, namespace, CPUs and GPUs per worker
 [cache]            the hybrid prefix cache: mode, block size, snapshot policy and interval, bytes per node
-[scheduler]        re-planning and PD role conversion: a profile of this machine, period, drain timeout
+[scheduler]        the short_term and long_term policies; re-planning: a profile of this machine, period
+A policy (router, short_term, ...) is a built-in name or module:Class; ``<key>_args``: its arguments.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from minifaas.emulator.pacer import check_window, parse_bytes, parse_rate
 from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES, dtype_name
 from minifaas.net.address import parse_address
 from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS
-from minifaas.policy.codec_policy import MODES
-from minifaas.policy.snapshot_policy import SnapshotPolicy
+from minifaas.policy.plugin import CODEC, LONG_TERM, ROUTER, SHORT_TERM, SNAPSHOT, Args, check_policy, policy_args
 
-SNAPSHOT_POLICIES = tuple(p.value for p in SnapshotPolicy)
+SNAPSHOT_POLICIES = tuple(SNAPSHOT.builtins)
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # the start of a worker's name, by (cluster, role)
 NAME_PREFIX = {("prfaas", "prefill"): "prfaas-p", ("pd", "prefill"): "pd-p", ("pd", "decode"): "pd-d"}
@@ -40,8 +42,9 @@ class ClusterConfig:
     prefill_workers: int = 1
     decode_workers: int = 0
     device: str = "cpu"  # "cpu" or "cuda:N"; every worker of the cluster goes there (unless ``devices``)
-    max_batch: int = 32  # decode rows per forward on its decode workers (1: unbatched, one forward per request)
+    max_batch: int = 0  # decode rows per forward on its decode workers (1: unbatched; 0: what their memory holds)
     prefill_chunk: int = 512  # prompt tokens per forward on its prefill workers; each chunk's KV streams out (0: one)
+    prefill_batch: int = 512  # queued prompts of one length share a forward of at most this many tokens (0: not)
     workers: tuple[str, ...] = ()  # control addresses of hand-started workers; the counts then do not apply
     dtype: str | None = None  # the weights' dtype on its workers; None: [serve] dtype
     threads: int = 0  # torch threads per worker (0: auto, see ServeConfig.worker_threads)
@@ -66,10 +69,12 @@ class ClusterConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.prefill_workers < 0 or self.decode_workers < 0:
             raise ValueError("worker counts must be >= 0")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_batch < 0:
+            raise ValueError(f"max_batch must be >= 0 (0: sized by memory), got {self.max_batch}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        if self.prefill_batch < 0:
+            raise ValueError(f"prefill_batch must be >= 0, got {self.prefill_batch}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -97,8 +102,9 @@ class LinkConfig:
     jitter_ms: float = 0.0
     connections: int = DEFAULT_CONNECTIONS  # TCP connections per KV transfer
     pipelined: bool = True
-    kv_compression: str = "auto"  # codec of state crossing the link; auto: lossless only where it saves time
+    kv_compression: str = "auto"  # the codec policy; auto: lossless only where it saves time; or module:Class
     emulated: bool | None = None  # through the link emulator; None: when every worker is a local child
+    kv_compression_args: Args = ()  # the codec policy's keyword arguments
 
     def __post_init__(self) -> None:
         if not 1 <= self.connections <= MAX_CONNECTIONS or self.delay_ms < 0 or self.jitter_ms < 0:
@@ -106,8 +112,13 @@ class LinkConfig:
         for rate in (self.rate, self.flow_rate):  # a rate the emulator cannot read fails here, not in its process
             parse_rate(rate)
         check_window(parse_bytes(self.window))
-        if self.kv_compression not in MODES:
-            raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
+        object.__setattr__(self, "kv_compression_args", policy_args(self.kv_compression_args))
+        check_policy(self.kv_compression, CODEC, self.kv_compression_args)
+
+    @property
+    def worker_codecs(self) -> str:
+        """The codecs the workers offer (``--kv-compression``): a built-in's own, none and lossless for any other."""
+        return self.kv_compression if self.kv_compression in CODEC.builtins else "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +142,8 @@ class CacheConfig:
 
     mode: str = "hybrid"  # "none": no hits, nothing stored, routing on prompt length alone
     block_size: int = 32  # tokens per full-attention block
-    snapshot_policy: str = (
-        "reuse"  # where linear-state snapshots go (cache.snapshot_policy); "interval": every N blocks
-    )
+    snapshot_policy: str = "reuse"  # where linear-state snapshots go; "interval": every N blocks; or module:Class
+    snapshot_policy_args: Args = ()  # its keyword arguments (the interval policy's spacing is the next setting)
     snapshot_interval_blocks: int = 4  # the interval policy's spacing; 0: state snapshots only at prompt ends
     capacity_mib: float = 256.0  # per prefill node
     rule: str = "scarce"  # at start (the scheduler may switch it): "scarce" or "abundant" (the longer cache counts)
@@ -143,10 +153,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("hybrid", "none") or self.rule not in ("scarce", "abundant"):
             raise ValueError(f"cache mode must be hybrid|none and rule scarce|abundant, got {self.mode}, {self.rule}")
-        if self.snapshot_policy not in SNAPSHOT_POLICIES:
-            raise ValueError(
-                f"snapshot_policy must be one of {', '.join(SNAPSHOT_POLICIES)}, got {self.snapshot_policy}"
-            )
+        object.__setattr__(self, "snapshot_policy_args", policy_args(self.snapshot_policy_args))
+        check_policy(self.snapshot_policy, SNAPSHOT, self.snapshot_policy_args)
         if self.block_size < 1 or self.snapshot_interval_blocks < 0 or self.capacity_mib < 0:
             raise ValueError("need block_size >= 1, snapshot_interval_blocks >= 0, capacity_mib >= 0")
 
@@ -177,10 +185,20 @@ class SchedulerConfig:
     min_requests: int = 200  # a period with fewer routed prompts is not re-planned
     min_gain: float = 0.05  # a new split must plan this much more throughput
     drain_timeout: float = 120.0  # a worker changing role that still holds requests after this keeps its role
+    short_term: str = "default"  # the short-term policy (t and the rule, each second): built-in or module:Class
+    short_term_args: Args = ()
+    long_term: str = "default"  # the long-term policy (the P:D split, once a period; needs ``profile``)
+    long_term_args: Args = ()
 
     def __post_init__(self) -> None:
         if self.period_s <= 0 or self.min_requests < 1 or self.min_gain < 0 or self.drain_timeout <= 0:
             raise ValueError("need period_s > 0, min_requests >= 1, min_gain >= 0, drain_timeout > 0")
+        for name, kind in (("short_term", SHORT_TERM), ("long_term", LONG_TERM)):
+            object.__setattr__(self, f"{name}_args", policy_args(getattr(self, f"{name}_args")))
+            check_policy(getattr(self, name), kind, getattr(self, f"{name}_args"))
+        if self.long_term != "default" and self.profile is None:
+            raise ValueError(f"long-term policy {self.long_term!r}: it re-plans from a profile of the instances "
+                             "([scheduler] profile, --profile)")  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -221,12 +239,16 @@ class ServeConfig:
     request_timeout: float | None = None  # a limit on the whole request, however it streams (None: none)
     prefill_timeout: float = 120.0  # a prefill (and its transfer) that takes longer falls back to PD-P
     migration_limit: int = 2  # moves to another decode worker a request may make after losing its own
-    max_queued_requests: int = 256
+    max_queued_requests: int = 4096  # requests in flight; one more is answered 503 (0: no bound by count)
+    max_queued_tokens: int = 0  # prompt tokens in flight (0: what a quarter of this host's memory holds)
     launcher: str = "local"  # who starts the workers: "local" (child processes) or "ray" (actors)
     fork_workers: bool = True  # local CPU workers fork from a parent that imported torch and the model once
     secret_file: str | None = None  # the cluster secret (else $MINIFAAS_SECRET); needed with any remote worker
     heartbeat_s: float = 1.0  # the gateway pings every worker this often
     heartbeat_deadline_s: float = 5.0  # a worker silent for this long leaves routing until it answers again
+    router: str = "default"  # the routing policy: a built-in name or module:Class (docs/POLICIES.md)
+    router_args: Args = ()  # its constructor's keyword arguments
+    worker_log_level: str = "WARNING"  # the least severe lines the gateway's workers log (on its stderr)
     prfaas: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1))
     pd: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1, decode_workers=1))
     link: LinkConfig = field(default_factory=LinkConfig)
@@ -238,6 +260,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.threshold < 0 or not 0 <= self.port < 65536:
             raise ValueError("need threshold >= 0 and a valid port")
+        object.__setattr__(self, "router_args", policy_args(self.router_args))
+        check_policy(self.router, ROUTER, self.router_args)
         if self.pd.decode_workers < 1 and not self.pd.workers:
             raise ValueError("the PD cluster needs at least one decode worker")
         if self.pd.prefill_workers + self.prfaas.prefill_workers < 1 and not (self.pd.workers or self.prfaas.workers):
@@ -247,6 +271,10 @@ class ServeConfig:
             raise ValueError("timeouts must be positive")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError("need max_queued_requests >= 0 (0: no bound) and max_queued_tokens >= 0 (0: by memory)")
+        if self.worker_log_level not in LOG_LEVELS:
+            raise ValueError(f"worker_log_level must be one of {', '.join(LOG_LEVELS)}, got {self.worker_log_level!r}")
         if self.launcher not in ("local", "ray"):
             raise ValueError(f"launcher must be local or ray, got {self.launcher!r}")
         if not 0 < self.heartbeat_s < self.heartbeat_deadline_s:

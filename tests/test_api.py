@@ -484,6 +484,7 @@ async def test_metrics_series_after_requests() -> None:
         s.metrics.set_link_utilization("prfaas->pd", 0.25)
         s.metrics.add_kv_bytes("prfaas->pd", 1000)
         s.metrics.add_kv_bytes("prfaas->pd", 24)
+        s.metrics.add_kv_bytes("prfaas->pd", 4096, 3000, "lossless")
 
         resp = await s.client.get("/metrics")
         assert resp.status == 200 and resp.content_type == "text/plain"
@@ -505,7 +506,10 @@ async def test_metrics_series_after_requests() -> None:
         assert value("minifaas:fallbacks_total", reason="link_cut") == 1
         assert value("minifaas:queue_depth", stage="prfaas_prefill") == 3
         assert value("minifaas:link_utilization", link="prfaas->pd") == 0.25
-        assert value("minifaas:kv_bytes_sent_total", link="prfaas->pd") == 1024
+        # the state's size, and what crossed the wire by the codec that coded it
+        assert value("minifaas:kv_bytes_sent_total", link="prfaas->pd") == 1024 + 4096
+        assert value("minifaas:kv_wire_bytes_sent_total", link="prfaas->pd", codec="none") == 1024
+        assert value("minifaas:kv_wire_bytes_sent_total", link="prfaas->pd", codec="lossless") == 3000
         assert value("minifaas:num_requests_running") == 0
 
 

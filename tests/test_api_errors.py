@@ -153,10 +153,14 @@ async def test_every_503_carries_retry_after() -> None:
         for stream in (False, True):
             resp = await s.client.post(C, json=GOOD | {"stream": stream})
             assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        s.gateway.refuse = Overloaded("the queue ahead passes the first-token deadline", retry_after=7)
+        resp = await s.client.post(C, json=GOOD | {"stream": True})
+        assert resp.status == 503 and resp.headers["Retry-After"] == "7"
+        assert (await resp.json())["error"]["code"] == "overloaded"
         s.gateway.healthy = False
         resp = await s.client.get("/health")
         assert resp.status == 503 and resp.headers["Retry-After"] == "1"
-        assert (await errors_by_cause(s))["overloaded"] == 2
+        assert (await errors_by_cause(s))["overloaded"] == 3
 
 
 @run_async

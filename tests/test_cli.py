@@ -34,7 +34,7 @@ def test_every_flag_has_help_that_shows_its_default(name: str) -> None:
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
             continue
-        flag = action.option_strings[0]
+        flag = action.option_strings[0] if action.option_strings else action.dest  # a positional: its name
         assert action.help, f"minifaas {name} {flag} has no help"
         takes_value = action.nargs != 0
         if takes_value and not action.required:

@@ -20,7 +20,7 @@ LOSSLESS = CodecEstimate(ratio=1.25, encode_bps=500 * MB, decode_bps=1000 * MB) 
 
 
 def policy(mode: str = "auto", estimate: CodecEstimate | None = LOSSLESS) -> CompressionPolicy:
-    p = CompressionPolicy(CompressionConfig(mode))
+    p = CompressionPolicy(mode)
     if estimate is not None:
         p.meter.estimates["lossless"] = estimate
     return p

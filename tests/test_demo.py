@@ -1,27 +1,45 @@
-"""``minifaas demo`` into a pipe, as a script or CI sees it: start-up lines, whole table rows, tables apart."""
+"""``minifaas demo`` into a pipe, as a script or CI sees it: start-up lines, whole table rows, tables apart,
+and no log line among them (stdout and stderr in one file, as a terminal shows both)."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 from preloaded import Preloaded
 
 NAMES = ("prfaas-p0", "pd-p0", "pd-d0", "prfaas->pd")
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ (DEBUG|INFO|WARNING|ERROR) ")
+CODECS = {"none", "lossless", "fp8", "int8"}
+
+
+def _demo(python: Preloaded, tmp_path: Path, *flags: str) -> list[str]:
+    """The demo's lines, stdout and stderr interleaved as they were written."""
+    argv = ["-m", "minifaas.commands.main", "demo", "--short", "2", "--long", "1", "--long-tokens", "700", *flags]
+    env = {**os.environ, "COLUMNS": "80"}  # what rich would wrap at; the demo must not
+    out = tmp_path / "output"
+    with out.open("wb") as f:
+        child = python.start(argv, cwd=tmp_path, env=env, stdout=f.fileno(), stderr=f.fileno())
+        code = child.wait(600)
+    text = out.read_text()
+    assert code == 0, text[-3000:]
+    return text.splitlines()
 
 
 @pytest.mark.slow
 def test_demo_output_into_a_pipe_reads_line_by_line(python: Preloaded, tmp_path: Path) -> None:
-    argv = ["demo", "--short", "2", "--long", "1", "--long-tokens", "700", "--max-tokens", "4"]
-    env = {**os.environ, "COLUMNS": "80"}  # what rich would wrap at; the demo must not
-    done = python.run(["-m", "minifaas.commands.main", *argv], cwd=tmp_path, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    lines = done.stdout.splitlines()
+    lines = _demo(python, tmp_path, "--max-tokens", "4")
+    assert not [line for line in lines if LOG_LINE.match(line)], "log lines in the demo's output:\n" + "\n".join(lines)
     for name in NAMES:  # each process shown starting, then ready
         starting = next(i for i, line in enumerate(lines) if line.startswith(f"{name} (") and "starting" in line)
         ready = next(i for i, line in enumerate(lines) if line.startswith(f"{name} (") and "ready after" in line)
         assert starting < ready
+    assert any(line.startswith("ready in ") and "torch reference kernels;" in line for line in lines), lines
+    top = next(i for i, line in enumerate(lines) if line.startswith("┏"))
+    bottom = next(i for i, line in enumerate(lines) if line.startswith("└") and i > top)
+    assert all(line[:1] in "┏┃┡│└" for line in lines[top : bottom + 1]), lines[top : bottom + 1]  # nothing inside
     rows = {line.split()[1]: line for line in lines if line.startswith("│ short-") or line.startswith("│ long-")}
     assert set(rows) == {"short-0", "short-1", "long-0"}, lines
     assert all("done" in row for row in rows.values()), rows  # one row, one line: nothing wrapped
@@ -31,3 +49,16 @@ def test_demo_output_into_a_pipe_reads_line_by_line(python: Preloaded, tmp_path:
     assert all(snippets.values()), snippets  # the start of each answer, sampled
     summary = next(i for i, line in enumerate(lines) if line.strip() == "summary by route")
     assert lines[summary - 1] == "" and lines[summary - 2].startswith("└"), "the summary's title is glued to a table"
+    header = next(line for line in lines[summary:] if line.startswith("┃ route"))
+    assert [c.strip() for c in header.strip("┃ ").split("┃")][4:7] == ["KV state", "on the wire", "codec"]
+    prfaas = next(line for line in lines[summary:] if line.startswith("│ prfaas"))
+    state, wire, codec = [c.strip() for c in prfaas.strip("│ ").split("│")][4:7]
+    assert state.endswith(" MB") and wire.endswith(" MB") and float(state[:-3]) > 0 and float(wire[:-3]) > 0
+    assert codec in CODECS
+
+
+@pytest.mark.slow
+def test_demo_log_level_shows_the_workers_lines_and_one_short_kernels_line(python: Preloaded, tmp_path: Path) -> None:
+    lines = _demo(python, tmp_path, "--max-tokens", "2", "--log-level", "info")
+    kernels = [line for line in lines if "minifaas.worker INFO worker pd-d0 on cpu:" in line]
+    assert len(kernels) == 1 and kernels[0].endswith("on cpu: torch kernels"), kernels

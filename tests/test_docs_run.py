@@ -5,8 +5,9 @@ end and must exit 0. Commands that serve until stopped (serve, link-emulator)
 must come up, announce where they listen, and stop cleanly on SIGTERM. They run
 in an empty scratch folder, far from the repository, so the files they write
 (plots, profiles, checkpoints) never touch it and nothing beside a checkout is
-needed (the traces and the training text ship in data/ and go by name). A
-command that needs a GPU is skipped where there is none. The full training
+needed (the traces and the training text ship in data/ and go by name; the
+folder links to the checkout's examples/, whose policies the commands quoted to
+run from the project root name). A command that needs a GPU is skipped where there is none. The full training
 recipe of the shipped checkpoint (over an hour on two cores) runs its first
 step and stops there, saved (``--stop-at 1``); tests/test_train.py checks that
 a stopped run resumes to the same weights as one that never stopped. They run two at a
@@ -53,6 +54,8 @@ READY_WITHIN_S = 300.0  # a server that has not announced itself by then is kill
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("scratch")
     (work / "docs").mkdir()  # where the docs' plot commands write
+    # the commands quoted to run from the project root import a policy from its examples (docs/POLICIES.md)
+    (work / "examples").symlink_to(Path(__file__).resolve().parent.parent / "examples")
     key = work / "cluster.key"  # the cluster secret, made as docs/DEPLOY.md says
     key.write_text(secrets.token_hex(32))
     key.chmod(0o600)

@@ -19,11 +19,12 @@ from preloaded import Preloaded
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXPECTED = {
-    "disaggregated_by_hand": "same tokens as generate() in one process: True",
+    "disaggregated_by_hand": "same tokens as transformers' generate(): True",
     "kv_over_emulated_link": "received state equals the prefilled state: True",
     "prefix_cache_hit": "output with the hit equals the cold output: True",
     "plan_paper_case": "throughput vs homogeneous: +",
     "simulate_trace": "every request completed",
+    "custom_router": "least-loaded offloads",
     "openai_client": '"route": "prfaas"',
 }
 TIMEOUT_S = 170

@@ -3,7 +3,8 @@
 A deadline bounds silence, not length: a stream read slowly for longer than every
 deadline completes, a decode worker stopped mid-stream fails its request within the
 deadline between tokens. A worker killed by a signal is logged with that signal. A
-prompt the model cannot take is refused by the Python API before anything runs.
+prompt the model cannot take is refused by the Python API before anything runs, and one past
+the admission bound at once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from conftest import served
 
 from minifaas.config import CacheConfig, ClusterConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.requests import DeadlineExceeded, GenerateRequest, RequestRecord
+from minifaas.gateway.requests import DeadlineExceeded, GenerateRequest, Overloaded, RequestRecord
 from minifaas.model.sampling import SamplingParams
 
 TOKEN_TIMEOUT = 1.5
@@ -79,6 +80,34 @@ def test_the_python_api_refuses_a_prompt_it_cannot_serve_before_anything_runs(
         run(loop, ask())
     assert gateway.inflight == 0
     assert len(run(loop, generate(gateway, "after-bad", 3))) == 3  # type: ignore[arg-type]
+
+
+def test_a_request_past_the_admission_bound_is_refused_at_once_and_the_next_one_served_once_room_is_made(
+    gateway: Gateway, loop: asyncio.AbstractEventLoop
+) -> None:
+    admission = gateway.admission
+
+    async def full_then_free() -> tuple[Overloaded, list[int]]:
+        held = []
+        for i in range(2):  # two streams held open after their first token
+            request = GenerateRequest(f"held-{i}", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+            held.append(gateway.stream(request, RequestRecord(f"held-{i}", len(PROMPT))))
+            await anext(held[-1])
+        assert gateway.inflight == 2 and admission.waiting == 0
+        try:
+            with pytest.raises(Overloaded, match="2 requests in flight") as refused:
+                await generate(gateway, "refused", 3)
+        finally:
+            for events in held:
+                await events.aclose()  # aborts both on their workers
+        return refused.value, await generate(gateway, "admitted", 3)
+
+    bound, admission.max_requests = admission.max_requests, 2
+    try:
+        refusal, tokens = run(loop, full_then_free())  # type: ignore[misc]
+    finally:
+        admission.max_requests = bound
+    assert refusal.retry_after >= 1 and len(tokens) == 3 and gateway.inflight == 0
 
 
 def test_a_decode_worker_gone_silent_fails_its_request_within_the_deadline(

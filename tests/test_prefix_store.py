@@ -1,11 +1,14 @@
-"""The prefill node's prefix cache with real models: greedy output with any hit equals the cold output."""
+"""The prefill node's prefix cache with real models: greedy output with any hit equals the cold output, and the
+same prompt again, held whole, runs no forward."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.model.layer_state import StateKind
+from minifaas.model.layer_state import LayerState, StateKind
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
@@ -25,6 +28,7 @@ def _serve(store: PrefixStore, rt: ModelRuntime, tokens: list[int]) -> tuple[lis
     computed = store.compute(rt, plan, sampling=PARAMS)
     store.finish(plan, computed, now=0.0)
     assert computed.result.state.seq_len == len(tokens)
+    assert computed.result.computed_tokens == len(tokens) - plan.hit_tokens
     out = rt.start_decode(computed.result.state, computed.result.next_token, PARAMS).run()
     return out, plan.hit_tokens
 
@@ -37,16 +41,15 @@ def test_output_with_any_hit_equals_cold_output(preset: str) -> None:
     assert hybrid == (preset != "qwen3-tiny")
     store = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, hybrid), preset, layout, "n")
     first = _tokens(1, 5 * BLOCK + 3)  # 83 tokens: snapshots at 32, 64 and 83 when hybrid
-    again = first  # the whole prompt again: at least one token is always computed
+    again = first  # the whole prompt again: its end snapshot kept the logits, so nothing is computed
     branch = first[:40] + _tokens(2, 30)  # shares 40 tokens: usable up to the snapshot at 32 (hybrid) or block 32
     longer = first + _tokens(3, 50)  # continues the first prompt: its end snapshot is an exact hit
-    cold = {id(p): rt.generate(p, PARAMS) for p in (first, branch, longer)}
+    cold = {id(p): reference_tokens(rt, p, PARAMS) for p in (first, branch, longer)}
 
     out, hit = _serve(store, rt, first)
     assert (out, hit) == (cold[id(first)], 0)
     out, hit = _serve(store, rt, again)
-    assert out == cold[id(first)]
-    assert hit == (64 if hybrid else 80)  # the last snapshot point before the end, or every full block
+    assert (out, hit) == (cold[id(first)], len(first))
     out, hit = _serve(store, rt, branch)
     assert (out, hit) == (cold[id(branch)], 32)
     out, hit = _serve(store, rt, longer)
@@ -55,8 +58,9 @@ def test_output_with_any_hit_equals_cold_output(preset: str) -> None:
 
 
 def test_reuse_policy_splits_only_at_a_prefix_seen_before() -> None:
-    """Under ``reuse`` a cold prompt runs as one segment; a second prompt that shares blocks with it takes a
-    snapshot where they branch, and a third one loads it, with the cold output."""
+    """Under ``reuse`` a cold prompt runs as one segment, and the same prompt again loads it whole; a second
+    prompt that shares blocks with it takes a snapshot where they branch, and a third one loads it, with the
+    cold output."""
     rt = ModelRuntime.load("kimi-linear-tiny")
     layout = rt.layout.kinds
     store = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, snapshot_policy="reuse"), "m", layout, "n")
@@ -65,12 +69,39 @@ def test_reuse_policy_splits_only_at_a_prefix_seen_before() -> None:
     assert (plan.points, plan.snapshot_end) == ([], True)  # no split: only the end's state is kept
     store.release(plan)
     assert _serve(store, rt, a)[1] == 0
+    assert _serve(store, rt, a) == (reference_tokens(rt, a, PARAMS), len(a))  # the second send hits
     plan = store.begin(b, now=0.0)
     assert (plan.hit_tokens, plan.points, plan.snapshot_end) == (0, [3 * BLOCK], True)
     store.release(plan)
     assert _serve(store, rt, b)[1] == 0
-    assert _serve(store, rt, c) == (rt.generate(c, PARAMS), 3 * BLOCK)
+    assert _serve(store, rt, c) == (reference_tokens(rt, c, PARAMS), 3 * BLOCK)
     assert _serve(store, rt, [*a, 9])[1] == len(a)  # the next turn continues from the end snapshot
+
+
+def test_the_same_prompt_again_streams_the_same_state_and_samples_the_same_tokens() -> None:
+    """A whole-prompt hit runs no forward: every layer it hands on equals the miss's, and a seeded sampled
+    request gets the tokens the miss got, first token included."""
+    rt = ModelRuntime.load("qwen3.5-tiny")
+    store = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, snapshot_policy="reuse"), "m", rt.layout.kinds, "n")
+    tokens = _tokens(7, 4 * BLOCK + 9)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+
+    def send() -> tuple[int, int, list[LayerState], list[int]]:
+        layers: list[LayerState] = []
+        plan = store.begin(tokens, now=0.0)
+        computed = store.compute(rt, plan, layers.append, sampled)
+        store.finish(plan, computed, now=0.0)
+        out = rt.start_decode(computed.result.state, computed.result.next_token, sampled).run()
+        return plan.hit_tokens, computed.result.computed_tokens, layers, out
+
+    miss_hit, miss_computed, miss_layers, miss_out = send()
+    hit, computed, hit_layers, hit_out = send()
+    assert (miss_hit, miss_computed, hit, computed) == (0, len(tokens), len(tokens), 0)
+    assert hit_out == miss_out
+    assert [s.layer for s in hit_layers] == [s.layer for s in miss_layers] == list(range(rt.num_states))
+    for a, b in zip(miss_layers, hit_layers, strict=True):
+        assert a.seq_len == b.seq_len == len(tokens)
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.slots, b.slots, strict=True))
 
 
 def test_off_switches_store_nothing_and_take_no_snapshots_between_ends() -> None:
@@ -90,7 +121,8 @@ def test_off_switches_store_nothing_and_take_no_snapshots_between_ends() -> None
     events = ends_only.drain_events()
     assert sorted(e.length for e in events if e.entry == "snapshot") == [len(tokens)]
     assert sum(e.entry == "block" for e in events) == 4
-    assert _serve(ends_only, rt, tokens)[1] == 0  # no snapshot below the end: nothing usable
+    assert _serve(ends_only, rt, tokens)[1] == len(tokens)  # the end snapshot, with its logits
+    assert _serve(ends_only, rt, tokens[:-1])[1] == 0  # no snapshot below the end: nothing usable
     assert _serve(ends_only, rt, [*tokens, 1, 2, 3])[1] == len(tokens)
 
 
@@ -110,4 +142,5 @@ def test_a_pinned_hit_survives_a_full_pool_and_is_released() -> None:
     out = store.compute(rt, plan, sampling=PARAMS)
     store.finish(plan, out, 2.0)
     assert plan.lease.released
-    assert rt.start_decode(out.result.state, out.result.next_token, PARAMS).run() == rt.generate([*tokens, 9], PARAMS)
+    decoded = rt.start_decode(out.result.state, out.result.next_token, PARAMS).run()
+    assert decoded == reference_tokens(rt, [*tokens, 9], PARAMS)

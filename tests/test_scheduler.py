@@ -14,7 +14,7 @@ from minifaas.policy.long_term import Reason as LongReason
 from minifaas.policy.router import Rule
 from minifaas.policy.short_term import Action, ShortTermConfig, ShortTermPolicy
 from minifaas.policy.short_term import Reason as ShortReason
-from minifaas.policy.signals import Signals, StageLoad
+from minifaas.policy.signals import PrefillSample, Signals, StageLoad
 
 GBPS = 1e9
 
@@ -210,3 +210,16 @@ def test_few_requests_off_switch_and_draining_keep_the_split() -> None:
     busy = LongTermPolicy(LongTermConfig(period_s=1), paper_case(), 19_000, 3, 5)
     d = busy.step(Signals(2.0, GBPS, 0.0, StageLoad(4), StageLoad(2), StageLoad(5), lengths=(1_000,) * 300))
     assert d is not None and d.reason is LongReason.CONVERTING
+
+
+def test_the_long_term_policy_reads_prefills_and_outputs_from_the_signals_and_takes_back_a_failed_move() -> None:
+    """What the live gateway measures comes in the signals: the prefills (a PrfaaS cluster twice as slow as
+    profiled, as above) and the finished requests' output lengths, which price the plan's decode side."""
+    policy = LongTermPolicy(LongTermConfig(period_s=60), paper_case(), 19_000, 3, 5)
+    slow = tuple(PrefillSample("prfaas", n, 2.0 * float(policy.case.prfaas.latency_s(n))) for n in (8_000, 64_000))
+    policy.step(Signals(0.5, 100 * GBPS, 0.0, *_long_stages(policy), prefills=slow, output_tokens=(100, 300)))
+    (d,) = feed(policy, 0, lengths_of(9.9, 900))
+    assert d.reason is LongReason.CONVERT and d.to_prefill == 1 and d.threshold > 19_000
+    assert policy.case.output_tokens == 200
+    policy.converted(d, ok=False)  # the worker kept its role: the split is the one before
+    assert (policy.n_prefill, policy.n_decode) == (3, 5)

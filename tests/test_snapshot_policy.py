@@ -6,35 +6,44 @@ import pytest
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.policy.snapshot_policy import SnapshotPolicy, snapshot_points
+from minifaas.policy.interfaces import SnapshotPlacement
+from minifaas.policy.snapshot_policy import IntervalSnapshots, ReuseSnapshots, SnapshotInput
 
-REUSE, INTERVAL = SnapshotPolicy.REUSE, SnapshotPolicy.INTERVAL
+REUSE = ReuseSnapshots()
+
+
+def interval(blocks: int) -> IntervalSnapshots:
+    return IntervalSnapshots(interval_blocks=blocks)
+
+
+def points(policy: SnapshotPlacement, start: int, n: int, block: int, hybrid: bool = True, seen: int = 0) -> list[int]:
+    return policy.points(SnapshotInput(start, n, block, hybrid, seen))
 
 
 def test_reuse_without_reuse_keeps_only_the_end() -> None:
-    assert snapshot_points(REUSE, 0, 100, 8, 2, True) == [100]
-    assert snapshot_points(REUSE, 0, 100, 8, 2, True, seen_tokens=0) == [100]
+    assert points(REUSE, 0, 100, 8) == [100]
+    assert points(REUSE, 0, 100, 8, seen=0) == [100]
 
 
 def test_reuse_adds_the_branch_point_block_aligned_and_inside_the_rest() -> None:
-    assert snapshot_points(REUSE, 0, 100, 8, 2, True, seen_tokens=45) == [40, 100]
-    assert snapshot_points(REUSE, 40, 100, 8, 2, True, seen_tokens=40) == [100]  # already the hit: no split
-    assert snapshot_points(REUSE, 0, 40, 8, 2, True, seen_tokens=40) == [40]  # the end itself
-    assert snapshot_points(REUSE, 0, 100, 8, 2, True, seen_tokens=7) == [100]  # less than a block
+    assert points(REUSE, 0, 100, 8, seen=45) == [40, 100]
+    assert points(REUSE, 40, 100, 8, seen=40) == [100]  # already the hit: no split
+    assert points(REUSE, 0, 40, 8, seen=40) == [40]  # the end itself
+    assert points(REUSE, 0, 100, 8, seen=7) == [100]  # less than a block
 
 
 def test_interval_is_the_earlier_rule() -> None:
-    assert snapshot_points(INTERVAL, 0, 37, 8, 2, True) == [16, 32, 37]
-    assert snapshot_points(INTERVAL, 16, 37, 8, 2, True) == [32, 37]
-    assert snapshot_points(INTERVAL, 0, 37, 8, 0, True) == [37]
-    assert snapshot_points(INTERVAL, 0, 37, 8, 2, True, seen_tokens=24) == [16, 32, 37]
+    assert points(interval(2), 0, 37, 8) == [16, 32, 37]
+    assert points(interval(2), 16, 37, 8) == [32, 37]
+    assert points(interval(0), 0, 37, 8) == [37]
+    assert points(interval(2), 0, 37, 8, seen=24) == [16, 32, 37]
 
 
-@pytest.mark.parametrize("policy", list(SnapshotPolicy))
-def test_dense_models_need_only_unaligned_ends(policy: SnapshotPolicy) -> None:
-    assert snapshot_points(policy, 0, 37, 8, 2, False, seen_tokens=24) == [37]
-    assert snapshot_points(policy, 0, 32, 8, 2, False) == []
-    assert snapshot_points(policy, 5, 5, 8, 2, True) == []
+@pytest.mark.parametrize("policy", [REUSE, interval(2)], ids=["reuse", "interval"])
+def test_dense_models_need_only_unaligned_ends(policy: SnapshotPlacement) -> None:
+    assert points(policy, 0, 37, 8, hybrid=False, seen=24) == [37]
+    assert points(policy, 0, 32, 8, hybrid=False) == []
+    assert points(policy, 5, 5, 8) == []
 
 
 def test_a_third_prompt_hits_where_the_first_two_branched() -> None:
@@ -62,7 +71,12 @@ def test_a_third_prompt_hits_where_the_first_two_branched() -> None:
     assert prefill([*a, 1, 2, 3]) == len(a)  # the next turn of A continues from A's end
 
 
-def test_pool_config_takes_a_policy_by_name_and_refuses_others() -> None:
-    assert PoolConfig("pd", 1, snapshot_policy="reuse").snapshot_policy is REUSE
-    with pytest.raises(ValueError):
+def test_pool_config_takes_a_policy_by_name_or_module_and_refuses_others() -> None:
+    assert isinstance(HybridPrefixPool(PoolConfig("pd", 1, snapshot_policy="reuse")).snapshots, ReuseSnapshots)
+    spec = "minifaas.policy.snapshot_policy:IntervalSnapshots"  # a built-in by its module:Class, with an argument
+    pool: HybridPrefixPool[None] = HybridPrefixPool(PoolConfig("pd", 1, 4, 1, snapshot_policy=spec,
+                                                               snapshot_args={"interval_blocks": 2}))  # fmt: skip
+    assert pool.snapshot_points(0, 20) == [8, 16, 20]  # every 2 blocks, not the pool's own 1
+    assert HybridPrefixPool(PoolConfig("pd", 1, 4, 1)).snapshot_points(0, 9) == [4, 8, 9]  # interval: its spacing
+    with pytest.raises(ValueError, match="neither a built-in"):
         PoolConfig("pd", 1, snapshot_policy="sometimes")

@@ -48,6 +48,7 @@ LAZY_IMPORTS = {
     ("minifaas.launch.zygote", "minifaas.model.loader"): _PRELOAD,
     ("minifaas.launch.zygote", "minifaas.worker.worker_process"): _PRELOAD,
     ("minifaas.launch.zygote", "transformers"): _PRELOAD,
+    ("minifaas.sim.comparison", "matplotlib"): _PLOT,
     ("minifaas.sim.report", "matplotlib"): _PLOT,
     ("minifaas.train.checkpoint", "transformers"): _TRANSFORMERS,
     ("minifaas.train.tokenizer_files", "transformers"): _TRANSFORMERS,

@@ -19,6 +19,7 @@ from minifaas.cache.pool import PoolConfig
 from minifaas.control.worker_ops import sampling_to_json
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import preset_names
+from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
@@ -80,7 +81,7 @@ def test_chunked_prefill_through_the_service_decodes_like_generate(runtime: Mode
             for (name, x), (_, y) in zip(got.slots, ref.slots, strict=True):
                 assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), f"layer {got.layer} {name}"
         remote = runtime.start_decode(state, reply["next_token"], PARAMS).run()
-        assert remote == runtime.generate(tokens, PARAMS)
+        assert remote == reference_tokens(runtime, tokens, PARAMS)
 
 
 @pytest.mark.parametrize("link_start", [0, 130])
@@ -158,7 +159,7 @@ def test_an_aborted_prefill_stops_part_way_and_the_next_prompt_runs_alone() -> N
     plan = service.store.begin(long, 0.0)  # nothing of the stopped prompt went into the pool
     service.store.release(plan)
     assert plan.hit_tokens == 0
-    assert runtime.start_decode(state, reply["next_token"], PARAMS).run() == runtime.generate(short, PARAMS)
+    assert runtime.start_decode(state, reply["next_token"], PARAMS).run() == reference_tokens(runtime, short, PARAMS)
 
 
 def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_computes() -> None:
@@ -187,9 +188,10 @@ def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_
         return replies, stored, news
 
     (first, second), stored, news = run(main())
-    # the first prompt's blocks were in the pool when the second took its turn: a hit of every whole block
-    # but the last token's (at least one token is computed)
-    assert first["cached_tokens"] == 0 and second["cached_tokens"] == (len(tokens) - 1) // BLOCK * BLOCK
+    # the first prompt's blocks and end snapshot were in the pool when the second took its turn: a hit of the
+    # whole prompt, nothing computed
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == len(tokens)
+    assert (first["computed_tokens"], second["computed_tokens"]) == (len(tokens), 0)
     assert second["next_token"] == first["next_token"]
     assert len(stored) == 2 and stored[0] > 0  # each store told the session once, after it was done
     assert "store" in news

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from minifaas.commands.serve import add_arguments, config_from_args
 from minifaas.commands.worker import parse_args
 from minifaas.config import ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
 from minifaas.control.schema import validate
@@ -108,3 +110,23 @@ def test_a_toml_cluster_table_keeps_the_defaults_it_does_not_name(tmp_path: Path
     c = ServeConfig.from_toml(path)
     assert (c.pd.prefill_workers, c.pd.decode_workers, c.pd.threads) == (1, 1, 1)
     assert c.prfaas == ServeConfig().prfaas
+
+
+def test_workers_a_gateway_starts_log_at_warning_unless_serve_says_otherwise(tmp_path: Path) -> None:
+    def worker_level(config: ServeConfig) -> str:
+        spec = planned_specs(config)[0]
+        return parse_args(["--role", spec.role, "--cluster", spec.cluster, *spec.argv]).log_level
+
+    def serve(*argv: str) -> ServeConfig:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return config_from_args(parser.parse_args(argv))
+
+    assert worker_level(ServeConfig()) == worker_level(serve()) == "WARNING"
+    assert worker_level(serve("--log-level", "info")) == "INFO"
+    assert parse_args(["--role", "decode", "--cluster", "pd"]).log_level == "INFO"  # started by hand: INFO
+    toml = tmp_path / "serve.toml"
+    toml.write_text('[serve]\nworker_log_level = "DEBUG"\n')
+    assert worker_level(serve("--config", str(toml))) == "DEBUG"
+    with pytest.raises(ValueError, match="worker_log_level"):
+        ServeConfig(worker_log_level="LOUD")

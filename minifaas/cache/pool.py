@@ -26,7 +26,9 @@ from minifaas.cache.block_hash import BlockKey, PromptKeys
 from minifaas.cache.entry import Entry, Lease
 from minifaas.cache.events import CacheEvent, EventKind
 from minifaas.cache.prefix_index import EntryKind, Match, PrefixIndex
-from minifaas.policy.snapshot_policy import SnapshotPolicy, snapshot_points
+from minifaas.policy.interfaces import SnapshotPlacement
+from minifaas.policy.plugin import SNAPSHOT, Args, check_policy, load_policy, policy_args
+from minifaas.policy.snapshot_policy import SnapshotInput
 
 P = TypeVar("P")
 
@@ -62,12 +64,14 @@ class PoolConfig:
     needs_snapshot: bool = True  # False for dense models: any block prefix is usable
     enabled: bool = True  # False: --prefix-cache none (no hits, nothing stored)
     events: bool = True  # False: no store/evict events (the simulator's manager reads this pool's index)
-    snapshot_policy: SnapshotPolicy = SnapshotPolicy.INTERVAL  # where snapshots go (cache.snapshot_policy)
+    snapshot_policy: str = "interval"  # where snapshots go: a built-in name or module:Class (policy.plugin)
+    snapshot_args: Args = ()  # its constructor's keyword arguments
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0 or self.block_size < 1 or self.snapshot_interval_blocks < 0:
             raise ValueError(f"bad pool config {self}")
-        object.__setattr__(self, "snapshot_policy", SnapshotPolicy(self.snapshot_policy))  # a name is fine too
+        object.__setattr__(self, "snapshot_args", policy_args(self.snapshot_args))
+        check_policy(self.snapshot_policy, SNAPSHOT, self.snapshot_args)
 
 
 class HybridPrefixPool(Generic[P]):
@@ -75,6 +79,9 @@ class HybridPrefixPool(Generic[P]):
         self.config = config
         self.node = node  # default holder recorded in events
         self.index = PrefixIndex(config.needs_snapshot)
+        self.snapshots: SnapshotPlacement = load_policy(
+            config.snapshot_policy, SNAPSHOT, config.snapshot_args, interval_blocks=config.snapshot_interval_blocks
+        )
         self.counts: Counter[str] = Counter()
         self.prefix_bytes = 0
         self.transfer_bytes = 0
@@ -144,15 +151,7 @@ class HybridPrefixPool(Generic[P]):
         """Lengths in (start, num_tokens] at which a prefill of a prompt should snapshot its state;
         ``seen_tokens``: the prompt's longest block prefix already stored (its branch point)."""
         c = self.config
-        return snapshot_points(
-            c.snapshot_policy,
-            start,
-            num_tokens,
-            c.block_size,
-            c.snapshot_interval_blocks,
-            c.needs_snapshot,
-            seen_tokens,
-        )
+        return self.snapshots.points(SnapshotInput(start, num_tokens, c.block_size, c.needs_snapshot, seen_tokens))
 
     def put_block(
         self,

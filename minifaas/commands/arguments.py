@@ -10,6 +10,7 @@ so that parsing a command never depends on what a command before it wrote.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from minifaas.emulator.pacer import RateSchedule, check_window, parse_bytes, parse_rate
@@ -102,6 +103,37 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"need integers >= 1, got {text!r}")
     return values
+
+
+def policy(text: str) -> str:
+    """A policy: a built-in name or module:Class (whether it loads is checked when the command runs)."""
+    module, colon, name = text.partition(":")
+    if colon and not (module and name and name.isidentifier()):
+        raise argparse.ArgumentTypeError(f"not a policy: {text!r} (a built-in name, or module:Class)")
+    return text
+
+
+def policy_arg(text: str) -> tuple[str, object]:
+    """KEY=VALUE, a policy's keyword argument: VALUE as JSON (2, 0.5, true, "x", [1, 2]), else a string."""
+    key, equals, value = text.partition("=")
+    if not (equals and key.isidentifier()):
+        raise argparse.ArgumentTypeError(f"not KEY=VALUE: {text!r} (e.g. spread=2)")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def add_policy_arguments(parser: argparse._ActionsContainer, flag: str, what: str, default: str, builtins: str) -> None:
+    """``--FLAG SPEC`` and ``--FLAG-arg KEY=VALUE`` (repeated), as every command takes a policy."""
+    parser.add_argument(
+        f"--{flag}", type=policy, metavar="SPEC",
+        help=f"{what}: a built-in ({builtins}) or module:Class (docs/POLICIES.md) (default: {default})",
+    )  # fmt: skip
+    parser.add_argument(
+        f"--{flag}-arg", type=policy_arg, action="append", metavar="KEY=VALUE",
+        help=f"a keyword argument of the --{flag} policy's constructor; repeat for more (default: none)",
+    )  # fmt: skip
 
 
 def address(text: str) -> tuple[str, int]:

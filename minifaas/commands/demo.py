@@ -3,9 +3,11 @@
 Starts the gateway (PrfaaS prefill worker, PD-P, PD-D, link emulator) on a free
 port, sends the mix through the real OpenAI-compatible HTTP API with streaming,
 shows per-request progress, the start of each answer and the link's
-utilisation, prints a summary, and shuts everything down. Answers are sampled
-(temperature 0.8, a fixed seed per request), since greedy decoding of a small
-byte model falls into loops.
+utilisation, prints a summary (the KV state each route moved and the bytes it
+put on the wire after its codec), and shuts everything down. Log lines below
+``--log-level`` (WARNING) are not shown, the workers' included. Answers are
+sampled (temperature 0.8, a fixed seed per request), since greedy decoding of a
+small byte model falls into loops.
 """
 
 from __future__ import annotations
@@ -14,18 +16,21 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from dataclasses import dataclass, replace
 
 import aiohttp
+from rich.console import Console
 from rich.live import Live
+from rich.logging import RichHandler
 from rich.table import Table
 
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import exit_at_once, stdout_console, user_input
-from minifaas.commands.serve import running_server, start_forks
-from minifaas.config import LinkConfig, ServeConfig
+from minifaas.commands.serve import kernels_line, running_server, start_forks
+from minifaas.config import LOG_LEVELS, LinkConfig, ServeConfig
 from minifaas.launch.startup import StartupView
 from minifaas.model.loader import checked_spec
 from minifaas.proctitle import set_title
@@ -43,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
     parser.add_argument("--threshold", type=int, default=512, help="prompts longer than this go to PrfaaS")
     parser.add_argument("--link-rate", type=arguments.rate, default="50mbit", help="the inter-cluster link's rate")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        default="WARNING",
+        choices=LOG_LEVELS,
+        help="the least severe log lines shown, the gateway's and its workers'",
+    )
 
 
 @dataclass(slots=True)
@@ -55,7 +67,9 @@ class Row:
     tokens: int = 0
     started: float = 0.0
     ended: float | None = None
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # the state's size
+    kv_wire_bytes: int = 0  # what it put on the wire, after its codec
+    kv_codec: str = "-"
     fallback: str | None = None
     text: str = ""
 
@@ -63,6 +77,7 @@ class Row:
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
     forked_here = start_forks(config)
+    _log_to(stdout_console(), args.log_level)
     code = asyncio.run(_demo(args, config))
     if forked_here:  # this process holds the workers' modules too
         exit_at_once(code)
@@ -81,9 +96,19 @@ def _config(args: argparse.Namespace) -> ServeConfig:
                 trust_remote_code=args.trust_remote_code,
                 port=0,
                 threshold=args.threshold,
+                worker_log_level=args.log_level,
             ),
             link=LinkConfig(rate=args.link_rate, delay_ms=5.0),
         )
+
+
+def _log_to(console: Console, level: str) -> None:
+    """Log lines at ``level`` and above: on a terminal printed above the live tables, else on stderr."""
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, markup=False)
+        logging.basicConfig(level=level, format="%(name)s %(message)s", handlers=[handler])
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
@@ -95,8 +120,8 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
             gateway, port = await stack.enter_async_context(running_server(config, view))
         set_title("demo", f":{port}")
         console.print(
-            f"ready in {time.perf_counter() - t0:.1f} s on port {port}; sending {args.short} short "
-            f"and {args.long} long prompts at once (threshold {args.threshold} tokens)"
+            f"ready in {time.perf_counter() - t0:.1f} s on port {port}, {kernels_line(gateway)}; sending "
+            f"{args.short} short and {args.long} long prompts at once (threshold {args.threshold} tokens)"
         )
         rows = [Row(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
         rows += [Row(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
@@ -157,7 +182,8 @@ async def _one(http: aiohttp.ClientSession, url: str, model: str, row: Row, max_
                 row.tokens = chunk["usage"]["completion_tokens"]
             info = chunk.get("minifaas")
             if info:
-                row.route, row.kv_bytes, row.fallback = info["route"], info["kv_bytes"], info["fallback"]
+                row.route, row.fallback, row.kv_codec = info["route"], info["fallback"], info["kv_codec"] or "-"
+                row.kv_bytes, row.kv_wire_bytes = info["kv_bytes"], info["kv_wire_bytes"]
     row.ended = time.perf_counter()
     row.status = "done"
 
@@ -184,22 +210,25 @@ def _table(rows: list[Row], links: dict[str, dict]) -> Table:
 
 
 def _summary(rows: list[Row]) -> Table:
-    table = Table(title="summary by route")
-    for col in ("route", "requests", "mean TTFT s", "mean e2e s", "KV bytes sent", "fallbacks"):
-        table.add_column(col, justify="left" if col == "route" else "right")
+    table = Table(title="summary by route")  # KV state: its size; on the wire: what it took after its codec
+    columns = ("route", "requests", "mean TTFT s", "mean e2e s", "KV state", "on the wire", "codec", "fallbacks")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("route", "codec") else "right")
     for route in sorted({r.route for r in rows}):
         group = [r for r in rows if r.route == route and r.ended]
         if not group:
             continue
         ttft = sum(r.ttft or 0 for r in group) / len(group)
         e2e = sum((r.ended or 0) - r.started for r in group) / len(group)
-        kv = sum(r.kv_bytes for r in group)
+        state, wire = sum(r.kv_bytes for r in group), sum(r.kv_wire_bytes for r in group)
         table.add_row(
             route,
             str(len(group)),
             f"{ttft:.2f}",
             f"{e2e:.2f}",
-            f"{kv / 1e6:.2f} MB",
+            f"{state / 1e6:.2f} MB",
+            f"{wire / 1e6:.2f} MB",
+            ", ".join(sorted({r.kv_codec for r in group})),
             str(sum(1 for r in group if r.fallback)),
         )
     return table

@@ -30,7 +30,15 @@ from rich.logging import RichHandler
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import BadInput, exit_at_once, user_input
-from minifaas.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, HttpConfig, LinkConfig, ServeConfig
+from minifaas.config import (
+    LOG_LEVELS,
+    SNAPSHOT_POLICIES,
+    CacheConfig,
+    ClusterConfig,
+    HttpConfig,
+    LinkConfig,
+    ServeConfig,
+)
 from minifaas.gateway.api import build_app
 from minifaas.gateway.gateway import Gateway, cluster_secret
 from minifaas.gateway.http_server import serve_http
@@ -47,7 +55,7 @@ from minifaas.proctitle import set_title
 
 log = logging.getLogger("minifaas.serve")
 API_KEY_ENV = "MINIFAAS_API_KEY"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+KERNEL_WORDS = {"fla": "fla kernels", "torch": "torch reference kernels", "none": "no linear-attention kernels"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pd-prefill-workers", type=int, help=f"PD-P workers (default: {d.pd.prefill_workers})")
     parser.add_argument("--pd-decode-workers", type=int, help=f"PD-D workers (default: {d.pd.decode_workers})")
     parser.add_argument(
-        "--max-batch", type=int, help=f"decode rows per forward; 1: unbatched (default: {d.pd.max_batch})"
+        "--max-batch",
+        type=int,
+        help="decode rows per forward; 1: unbatched; 0: what each decode worker's memory holds "
+        f"(default: {d.pd.max_batch})",
     )
     parser.add_argument(
         "--prefill-chunk", type=int, help=f"prompt tokens per prefill forward; 0: one (default: {d.pd.prefill_chunk})"
@@ -194,21 +205,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--connections", type=int, help=f"TCP connections per KV transfer (default: {d.link.connections})"
     )
-    parser.add_argument(
-        "--kv-compression",
-        choices=MODES,
-        help="codec of KV crossing the link: auto codes lossless only when the time it saves on the link exceeds "
-        f"the coding time; fp8/int8 are lossy, for attention KV, only when named (default: {d.link.kv_compression})",
-    )
+    arguments.add_policy_arguments(
+        parser, "kv-compression", "the codec of KV crossing the link: auto codes lossless only when the time it "
+        "saves on the link exceeds the coding time; fp8/int8 are lossy, for attention KV, only when named",
+        d.link.kv_compression, ", ".join(MODES),
+    )  # fmt: skip
     parser.add_argument("--no-pipelining", action="store_true", help="send a state only when all layers are done")
     parser.add_argument("--prefix-cache", choices=("hybrid", "none"), help=f"prefix cache (default: {d.cache.mode})")
     parser.add_argument("--cache-block-size", type=int, help=f"tokens per cached block (default: {d.cache.block_size})")
-    parser.add_argument(
-        "--snapshot-policy",
-        choices=SNAPSHOT_POLICIES,
-        help="where linear-state snapshots go: reuse keeps them at prompt ends and at prefixes an earlier prompt "
-        f"shared; interval every --snapshot-interval blocks too (default: {d.cache.snapshot_policy})",
-    )
+    arguments.add_policy_arguments(
+        parser, "snapshot-policy", "where linear-state snapshots go: reuse keeps them at prompt ends and at "
+        "prefixes an earlier prompt shared; interval every --snapshot-interval blocks too",
+        d.cache.snapshot_policy, ", ".join(SNAPSHOT_POLICIES),
+    )  # fmt: skip
     parser.add_argument(
         "--snapshot-interval",
         type=int,
@@ -238,8 +247,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rebalance-period", type=float, help=f"seconds between re-plans (default: {d.scheduler.period_s:g})"
     )
     parser.add_argument("--no-rebalance", action="store_true", help="never re-plan or change a PD worker's role")
+    policies = parser.add_argument_group("policies (docs/POLICIES.md; each also a TOML key, its arguments a table)")
+    arguments.add_policy_arguments(
+        policies, "router", "where each request is prefilled and decoded", d.router, "default"
+    )
+    arguments.add_policy_arguments(
+        policies, "short-term", "the threshold t and the routing rule, each second", d.scheduler.short_term, "default"
+    )
+    arguments.add_policy_arguments(
+        policies, "long-term", "the P:D split, once a period (needs --profile)", d.scheduler.long_term, "default"
+    )
     parser.add_argument(
-        "--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="the least severe log lines shown"
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="the least severe log lines shown, the gateway's and its workers' (default: INFO for the gateway, "
+        f"{d.worker_log_level} for the workers)",
     )
 
 
@@ -258,6 +281,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         0,
         _pick(args.prfaas_device, "cpu" if args.prfaas_devices else base.prfaas.device),
         prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
+        prefill_batch=base.prfaas.prefill_batch,
         workers=_pick(args.prfaas_worker, base.prfaas.workers),
         dtype=None if args.dtype else base.prfaas.dtype,  # --dtype is for every cluster
         devices=_pick(args.prfaas_devices, base.prfaas.devices),
@@ -271,6 +295,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         _pick(args.pd_device, "cpu" if args.pd_devices else base.pd.device),
         _pick(args.max_batch, base.pd.max_batch),
         _pick(args.prefill_chunk, base.pd.prefill_chunk),
+        prefill_batch=base.pd.prefill_batch,
         workers=_pick(args.pd_worker, base.pd.workers),
         dtype=None if args.dtype else base.pd.dtype,
         devices=_pick(args.pd_devices, base.pd.devices),
@@ -290,12 +315,16 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         connections=_pick(args.connections, base.link.connections),
         pipelined=base.link.pipelined and not args.no_pipelining,
         kv_compression=_pick(args.kv_compression, base.link.kv_compression),
+        kv_compression_args=_policy_args(args.kv_compression, args.kv_compression_arg, base.link.kv_compression_args),
         emulated=_pick(args.link_emulator, base.link.emulated),
     )
     cache = CacheConfig(
         mode=_pick(args.prefix_cache, base.cache.mode),
         block_size=_pick(args.cache_block_size, base.cache.block_size),
         snapshot_policy=_pick(args.snapshot_policy, base.cache.snapshot_policy),
+        snapshot_policy_args=_policy_args(
+            args.snapshot_policy, args.snapshot_policy_arg, base.cache.snapshot_policy_args
+        ),
         snapshot_interval_blocks=_pick(args.snapshot_interval, base.cache.snapshot_interval_blocks),
         capacity_mib=_pick(args.cache_mib, base.cache.capacity_mib),
         rule=_pick(args.route_rule, base.cache.rule),
@@ -314,6 +343,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         profile=_pick(args.profile, base.scheduler.profile),
         period_s=_pick(args.rebalance_period, base.scheduler.period_s),
         rebalance=base.scheduler.rebalance and not args.no_rebalance,
+        short_term=_pick(args.short_term, base.scheduler.short_term),
+        short_term_args=_policy_args(args.short_term, args.short_term_arg, base.scheduler.short_term_args),
+        long_term=_pick(args.long_term, base.scheduler.long_term),
+        long_term_args=_policy_args(args.long_term, args.long_term_arg, base.scheduler.long_term_args),
     )
     return ServeConfig(
         host=_pick(args.host, base.host),
@@ -332,11 +365,15 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         migration_limit=_pick(args.migration_limit, base.migration_limit),
         prefill_timeout=base.prefill_timeout,
         max_queued_requests=base.max_queued_requests,
+        max_queued_tokens=base.max_queued_tokens,
         launcher=_pick(args.launcher, base.launcher),
         fork_workers=_pick(args.fork_workers, base.fork_workers),
         secret_file=_pick(args.secret_file, base.secret_file),
         heartbeat_s=base.heartbeat_s,
         heartbeat_deadline_s=base.heartbeat_deadline_s,
+        router=_pick(args.router, base.router),
+        router_args=_policy_args(args.router, args.router_arg, base.router_args),
+        worker_log_level=_pick(args.log_level, base.worker_log_level),
         prfaas=prfaas,
         pd=pd,
         link=link,
@@ -354,6 +391,11 @@ def _address(text: str) -> str:
 
 def _pick(flag: object, default: object) -> object:
     return default if flag is None else flag
+
+
+def _policy_args(spec: str | None, flags: list[tuple[str, object]] | None, configured: tuple) -> object:
+    """A policy's arguments: the --X-arg flags when --X or any of them is given, else the file's table."""
+    return flags or () if spec is not None or flags else configured
 
 
 def _api_key(args: argparse.Namespace, configured: str | None) -> str | None:
@@ -403,6 +445,17 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
     return config
 
 
+def kernels_line(gateway: Gateway) -> str:
+    """What the workers' linear-attention layers run, in a few words: ``fla kernels``, or per worker where
+    they differ (``fla kernels on prfaas-p0; torch reference kernels on pd-d0, pd-p0``)."""
+    by_kernels: dict[str, list[str]] = {}
+    for name, worker in sorted(gateway.workers.items()):
+        by_kernels.setdefault(KERNEL_WORDS.get(worker.kernels, f"{worker.kernels} kernels"), []).append(name)
+    if len(by_kernels) == 1:
+        return next(iter(by_kernels))
+    return "; ".join(f"{words} on {', '.join(names)}" for words, names in sorted(by_kernels.items()))
+
+
 def start_forks(config: ServeConfig) -> bool:
     """Before the event loop runs: the workers' pre-loaded parent, forked from this process once it has
     imported their modules, so that they are not imported twice. True if it was."""
@@ -419,9 +472,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)  # where the log goes
     if console.is_terminal:  # log lines print above the live start-up table instead of through it
         handler: logging.Handler = RichHandler(console=console, show_path=False, markup=False)
-        logging.basicConfig(level=args.log_level, format="%(name)s %(message)s", handlers=[handler])
+        logging.basicConfig(level=args.log_level or "INFO", format="%(name)s %(message)s", handlers=[handler])
     else:
-        logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(level=args.log_level or "INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(config, StartupView(console, log.info)))
     if forked_here:  # this process holds the workers' modules too
         exit_at_once(0)
@@ -439,9 +492,10 @@ async def _serve(config: ServeConfig, view: StartupView) -> None:
     on_signals()
     async with contextlib.AsyncExitStack() as stack:
         with view:
-            _, port = await stack.enter_async_context(running_server(config, view))
+            gateway, port = await stack.enter_async_context(running_server(config, view))
         on_signals()  # again: starting Ray installs handlers of its own
         set_title("serve", f"{config.host}:{port}")
-        log.info("serving %s on http://%s:%d/v1 (Ctrl-C to stop)", config.model, config.host, port)
+        log.info("serving %s on http://%s:%d/v1, %s (Ctrl-C to stop)", config.model, config.host, port,
+                 kernels_line(gateway))  # fmt: skip
         await stop.wait()
         log.info("stopping: the workers the gateway started and the link emulator are shut down")

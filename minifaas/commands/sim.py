@@ -10,9 +10,9 @@
     minifaas sim --case paper --pd-profile cpu.json --prfaas-profile gpu.json      # from ``minifaas profile``
     minifaas sim --case paper --link-gbps 5 --kv-compression auto                  # the live codec choice
 
-The instance counts and threshold come from the planner's solution for the
-chosen configuration (flags override them); ``--load`` is a fraction of that
-configuration's planned throughput.
+The instance counts and threshold come from the planner's solution for the chosen configuration (flags
+override them); ``--load`` is a fraction of its planned throughput. ``--router`` and the other policy flags
+name a policy as ``minifaas serve`` does (docs/POLICIES.md); ``sim compare`` runs several (sim_compare.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from minifaas import figures
-from minifaas.commands import arguments
+from minifaas.commands import arguments, sim_compare
 from minifaas.commands.main import user_input
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
@@ -47,6 +47,11 @@ from minifaas.traces import SHIPPED_TRACES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action", nargs="?", choices=("compare",),
+        help="compare: simulate each --policy on the same deployment and workload, print a table and write a plot "
+        "(default: simulate once)",
+    )  # fmt: skip
     deploy = parser.add_argument_group("deployment")
     deploy.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
     deploy.add_argument("--config", choices=("prfaas", "homogeneous", "naive"), default="prfaas", help="what to run")
@@ -76,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sched = parser.add_argument_group("scheduler (off by default: the plan's t and split stay fixed)")
     sched.add_argument("--scheduler", action="store_true", help="adapt t every tick and re-plan N_p/N_d")
+    policies = parser.add_argument_group("policies (docs/POLICIES.md)")
+    arguments.add_policy_arguments(policies, "router", "where each request is prefilled and decoded", "default",
+                                   "default")  # fmt: skip
+    arguments.add_policy_arguments(policies, "short-term", "t and the routing rule each tick; turns the short-term "
+                                   "scheduler on", "default", "default")  # fmt: skip
+    arguments.add_policy_arguments(policies, "long-term", "the P:D split once a period; turns re-planning on",
+                                   "default", "default")  # fmt: skip
+    arguments.add_policy_arguments(policies, "snapshot-policy", "where the prefix pools keep state snapshots",
+                                   "interval", "reuse, interval")  # fmt: skip
     sched.add_argument("--fixed-threshold", action="store_true", help="with --scheduler: t and the rule stay fixed")
     sched.add_argument("--no-rebalance", action="store_true", help="with --scheduler: no re-planning, no re-roling")
     sched.add_argument("--rebalance-period", type=float, default=300.0, help="seconds between re-plans")
@@ -90,12 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="changes as TIME_S:GBPS,..., e.g. 600:20,900:100 (default: none)",
     )
-    link.add_argument(
-        "--kv-compression",
-        choices=("none", "lossless", "auto"),
-        default="none",
-        help="codec of PrfaaS transfers, chosen by the live policy; auto: lossless where it saves time (default: none)",
-    )
+    arguments.add_policy_arguments(
+        link, "kv-compression", "the codec of PrfaaS transfers, chosen by the live policy; auto: lossless where it "
+        "saves time", "none", "none, lossless, auto",
+    )  # fmt: skip
     link.add_argument(
         "--lossless",
         type=codec_figures,
@@ -132,6 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--queues-png", metavar="PNG", help="plot the queue depths over time (needs matplotlib; default: none)"
     )
     out.add_argument("--no-progress", action="store_true", help="no progress bar on a long run")
+    sim_compare.add_arguments(parser)
 
 
 def bandwidth_schedule(text: str) -> tuple[tuple[float, float], ...]:
@@ -202,15 +215,16 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         warmup_s=args.warmup,
         drain=not args.no_drain,
         convert_s=args.convert_s,
-        kv_compression=args.kv_compression,
         codecs=(("lossless", args.lossless),),
+        **policies(args),
     )
-    if args.scheduler:
+    compared = sim_compare.kinds(args)
+    if args.scheduler or args.short_term or "short-term" in compared:
         ceiling = int(case.lengths.values[-1])
+        config = replace(config, short_term=ShortTermConfig(enabled=not args.fixed_threshold, ceiling=max(ceiling, 1)))
+    if args.scheduler or args.long_term or "long-term" in compared:
         config = replace(
-            config,
-            short_term=ShortTermConfig(enabled=not args.fixed_threshold, ceiling=max(ceiling, 1)),
-            long_term=LongTermConfig(enabled=not args.no_rebalance, period_s=args.rebalance_period),
+            config, long_term=LongTermConfig(enabled=not args.no_rebalance, period_s=args.rebalance_period)
         )
     overrides = {
         "n_prfaas": args.n_prfaas,
@@ -231,6 +245,17 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
     return config, workload, point
 
 
+def policies(args: argparse.Namespace) -> dict[str, object]:
+    """The SimConfig fields of the policies the flags name (each unnamed one stays the built-in)."""
+    fields: dict[str, object] = {}
+    for flag, (spec_field, args_field) in sim_compare.POLICY_FIELDS.items():
+        attr = flag.replace("-", "_")
+        if getattr(args, attr) is not None:
+            fields[spec_field] = getattr(args, attr)
+        fields[args_field] = getattr(args, f"{attr}_arg") or ()
+    return fields
+
+
 def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimResult:
     simulation = Simulation(config, workload)
     if not show_progress:
@@ -245,6 +270,10 @@ def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimR
 def run(args: argparse.Namespace) -> int:
     with user_input():
         config, workload, point = build(args)
+        if args.action == "compare":
+            configs = sim_compare.variants(config, args)
+    if args.action == "compare":
+        return sim_compare.run(configs, workload, args)
     show = not args.no_progress and sys.stderr.isatty() and len(workload) > 20_000
     result = simulate(config, workload, show)
     if args.queues_csv:

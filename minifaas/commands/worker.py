@@ -15,13 +15,15 @@ from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import BadInput, user_input
 from minifaas.commands.main import main as cli_main
-from minifaas.config import SNAPSHOT_POLICIES
+from minifaas.config import LOG_LEVELS, SNAPSHOT_POLICIES
 from minifaas.control.secret import SECRET_ENV, load_secret
+from minifaas.model.decode_memory import MAX_ROWS
 from minifaas.model.decoder import DecoderConfig
 from minifaas.net.address import parse_address
 from minifaas.net.connections import DEFAULT_CONNECTIONS
 from minifaas.parent_watch import die_with_parent
 from minifaas.policy.codec_policy import MODES
+from minifaas.policy.plugin import SNAPSHOT, check_policy
 from minifaas.proctitle import set_title
 from minifaas.worker.worker_process import serve
 
@@ -57,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
                    help="prefill: run a prompt in forwards of at most TOKENS, each one's full-attention KV "
                    "streamed as soon as it is made; 0: one forward (default: 512)")  # fmt: skip
+    p.add_argument("--prefill-batch", type=int, default=512, metavar="TOKENS",
+                   help="prefill: prompts of one length queued at once, none with a cached prefix, run as the rows "
+                   "of one forward of at most TOKENS; 0: one prompt per forward (default: 512)")  # fmt: skip
     p.add_argument("--kv-compression", choices=MODES, default="auto",
                    help="KV codecs this worker sends with (prefill) or offers its senders (decode); the gateway "
                    "picks one per transfer. auto: none and lossless; fp8 or int8 add that lossy code "
@@ -65,23 +70,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this node's prefix cache (default: hybrid)")  # fmt: skip
     p.add_argument("--cache-block-size", type=int, default=32,
                    help="tokens per cached full-attention block (default: 32)")  # fmt: skip
-    p.add_argument("--snapshot-policy", choices=SNAPSHOT_POLICIES, default="reuse",
+    p.add_argument("--snapshot-policy", type=arguments.policy, default="reuse", metavar="SPEC",
                    help="where state snapshots go: prompt ends and prefixes another prompt shared (reuse), or "
-                   "every --snapshot-interval blocks too (default: reuse)")  # fmt: skip
+                   f"every --snapshot-interval blocks too (interval); built-ins {', '.join(SNAPSHOT_POLICIES)}, "
+                   "or module:Class (docs/POLICIES.md) (default: reuse)")  # fmt: skip
+    p.add_argument("--snapshot-policy-arg", type=arguments.policy_arg, action="append",
+                   metavar="KEY=VALUE",
+                   help="a keyword argument of the snapshot policy; repeat for more (default: none)")  # fmt: skip
     p.add_argument("--snapshot-interval", type=int, default=4,
                    help="the interval policy's blocks between state snapshots; 0: at prompt ends only "
                    "(default: 4)")  # fmt: skip
     p.add_argument("--cache-mib", type=float, default=256.0,
                    help="host memory for this node's prefix cache in MiB (default: 256)")  # fmt: skip
-    p.add_argument("--state-timeout", type=float, default=60.0,
-                   help="seconds a decode waits for its state (default: 60)")  # fmt: skip
+    p.add_argument("--state-timeout", type=float, default=0.0,
+                   help="seconds a decode waits for its state, and then for its first token; 0: no limit of its "
+                   "own, since the gateway aborts a request past its first-token deadline (default: 0)")  # fmt: skip
+    p.add_argument("--decode-hold", type=float, default=-1.0, metavar="X",
+                   help="decode: while more requests are on their way than it decodes, hold each step back by X "
+                   "times the last one's length (at most 0.05 s), so more rows share it and the prefills they wait "
+                   "for get the cores; 0: step back to back; -1: 1 on a CPU, 0 on a GPU (default: -1)")  # fmt: skip
     d = DecoderConfig()
     p.add_argument("--max-batch", type=int, default=d.max_batch,
-                   help=f"decode rows per forward; 1: unbatched (default: {d.max_batch})")  # fmt: skip
+                   help="decode rows per forward; 1: unbatched; 0: what this worker's memory holds, at most "
+                   f"{MAX_ROWS} (default: {d.max_batch})")  # fmt: skip
     p.add_argument("--step-tokens", type=int, default=d.step_token_budget,
-                   help=f"KV slots a decode step may attend (default: {d.step_token_budget})")  # fmt: skip
+                   help="KV slots a decode step may attend, padding included; 0: what this worker's memory "
+                   f"holds (default: {d.step_token_budget})")  # fmt: skip
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help=f"requests queued for a decode row (default: {d.max_waiting})")  # fmt: skip
+    p.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS,
+                   help="the least severe log lines shown; a gateway starts its own workers at WARNING "
+                   "(serve --log-level) (default: INFO)")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     with user_input():  # one error line, before the model loads
         load_secret(args.secret_file)
         arguments.present_device(args.device)
+        check_policy(args.snapshot_policy, SNAPSHOT, args.snapshot_policy_arg or ())
         if not 0 <= args.gpu_memory_fraction <= 1 or (args.gpu_memory_fraction and args.device == "cpu"):
             raise ValueError(f"--gpu-memory-fraction {args.gpu_memory_fraction}: a share in [0, 1] of a GPU")
     for host, port in {args.listen, args.kv_listen or args.listen}:
@@ -126,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
             except OSError as e:
                 raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     die_with_parent()  # a child of the gateway: killed with it, however it dies
     set_title(_role(args), args.name)  # until it is ready and knows its control port
     asyncio.run(_until_signalled(args))

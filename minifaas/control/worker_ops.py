@@ -8,7 +8,7 @@ table (``schema.validate``) before it acts on it.
     attach -> attached (what the worker is), then its pool's inventory as ``cache`` messages
     ping -> pong (TCP_INFO of its KV connections)    load -> load (its queue)    start, abort: no reply
     prefill -> first (the first token, once the forwards are done), prefilled (once the state has gone)
-    export -> exported    decode -> pinned, received, token..., done
+    export -> exported    decode -> pinned, received, token... (a step's, of every request, as one ``tokens``), done
     any request -> failed (it could not be done); a message its table refuses -> error
 
 Cache events (``cache``) belong to no request: they go under the ``req`` CACHE_EVENTS, which the gateway
@@ -69,6 +69,7 @@ class Reply(StrEnum):
     PINNED = "pinned"
     RECEIVED = "received"
     TOKEN = "token"
+    TOKENS = "tokens"
     DONE = "done"
     LOAD = "load"
     FAILED = "failed"
@@ -133,6 +134,7 @@ _CACHE_EVENT = Fields(  # CacheEvent.to_json
         "at": Number(-float("inf")),
     }
 )
+_TOKEN = {"req": _REQ, "transfer": _TRANSFER, "token": _COUNT, "finish": Nullable(_NAME)}
 _TCP_INFO = Fields({f.name: Int(0, 2**64 - 1) for f in fields(TcpInfo)})
 WORKER_REPLIES: dict[str, dict[str, Kind]] = {
     Reply.ATTACHED: {
@@ -141,6 +143,7 @@ WORKER_REPLIES: dict[str, dict[str, Kind]] = {
         "pid": Int(1, 2**31 - 1),
         "codecs": MapOf(ListOf(Number(), max_len=4)),  # codec -> [bytes, wire bytes, encode s, decode s]
         "deadline_s": Number(),
+        "max_batch": Optional(_COUNT),  # a decode worker's rows per forward
     },
     Reply.CACHE: {"req": _REQ, "events": ListOf(_CACHE_EVENT)},
     Reply.PONG: {"tcp": Optional(MapOf(_TCP_INFO)), "queued_bytes": Optional(_BYTES)},  # a prefill worker's
@@ -164,7 +167,8 @@ WORKER_REPLIES: dict[str, dict[str, Kind]] = {
     Reply.ABORTED: {"req": _REQ, "tokens": _COUNT, "done_tokens": _COUNT},
     Reply.PINNED: {"req": _REQ, "transfer": _TRANSFER, "tokens": _COUNT},
     Reply.RECEIVED: {"req": _REQ, "transfer": _TRANSFER, "bytes": _BYTES},
-    Reply.TOKEN: {"req": _REQ, "transfer": _TRANSFER, "token": _COUNT, "finish": Nullable(_NAME)},
+    Reply.TOKEN: _TOKEN,
+    Reply.TOKENS: {"tokens": ListOf(Fields(_TOKEN))},
     Reply.DONE: {"req": _REQ, "transfer": _TRANSFER, "finish": _NAME},
     Reply.LOAD: {"req": _REQ, "load": Int(0, 2**63 - 1)},
     Reply.FAILED: {"req": _REQ, "transfer": _TRANSFER, "error": _ERROR},

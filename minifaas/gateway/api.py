@@ -88,6 +88,8 @@ def _openai_errors(metrics: ServeMetrics) -> Middleware:
 def _error_response(error: APIError, metrics: ServeMetrics) -> web.Response:
     metrics.request_error(cause_of(error))
     response = web.json_response(error.body(), status=error.status)
+    if error.retry_after is not None:
+        response.headers["Retry-After"] = str(error.retry_after)
     if error.status == 408:  # the body is still coming: close rather than read the rest
         response.force_close()
     return response
@@ -257,7 +259,8 @@ def api_error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, Overloaded):
-        return APIError(503, str(e) or "The server is overloaded; retry later.", code="overloaded")
+        message = str(e) or "The server is overloaded; retry later."
+        return APIError(503, message, code="overloaded", retry_after=e.retry_after)
     if isinstance(e, MigrationLimit):
         return APIError(503, str(e), code="migration_limit")
     if isinstance(e, DeadlineExceeded):

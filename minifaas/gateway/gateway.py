@@ -29,6 +29,7 @@ from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
 from minifaas.control.worker_ops import Op, Reply
+from minifaas.gateway.admission import Admission
 from minifaas.gateway.deadline import RequestDeadline
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.gateway.lifecycle import Phase, advance
@@ -40,7 +41,6 @@ from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import (
     DecodeLost,
     GenerateRequest,
-    Overloaded,
     RequestFailed,
     RequestRecord,
     TokenEvent,
@@ -56,14 +56,15 @@ from minifaas.model.kv_size import kv_profile
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load_tokenizer
 from minifaas.model.state_layout import StateLayout, needs_snapshot
 from minifaas.model.tokenizer import Tokenizer
+from minifaas.policy.interfaces import RoutingPolicy
 from minifaas.policy.long_term import LongTermConfig
+from minifaas.policy.plugin import ROUTER, load_policy
 from minifaas.policy.router import (
     ClusterView,
     NodeView,
     Path,
     RouteDecision,
     RouteInput,
-    Router,
     RouterConfig,
     Rule,
 )
@@ -106,11 +107,10 @@ class Gateway:
         self.tokenizer: Tokenizer = load_tokenizer(spec, config.trust_remote_code)
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
         self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
-        self.router = Router(
-            RouterConfig(
-                cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer
-            )
+        routing = RouterConfig(
+            cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer
         )
+        self.router: RoutingPolicy = load_policy(config.router, ROUTER, config.router_args, config=routing)
         self.secret = cluster_secret(config)
         hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, ())
@@ -136,7 +136,7 @@ class Gateway:
         self.dispatch = PrefillDispatch(
             self.pool, self.link, self.prefixes, self.metrics, config.prefill_timeout, self.scheduler
         )
-        self.inflight = 0
+        self.admission = Admission.of(config)  # the queue's bounds: count, memory, the first-token deadline
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Gateway:
@@ -206,6 +206,10 @@ class Gateway:
     def link_stats(self) -> dict[str, dict]:
         return {NAME: self.link.stats} if self.link.stats else {}
 
+    @property
+    def inflight(self) -> int:
+        return self.admission.requests
+
     def _decode_workers(self) -> list[WorkerHandle]:
         return self.pool.of("pd", "decode")
 
@@ -271,9 +275,7 @@ class Gateway:
         if min(ids) < 0 or max(ids) >= vocab:
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})")
-        if self.inflight >= self.config.max_queued_requests:
-            raise Overloaded(f"{self.inflight} requests in flight; try again later")
-        self.inflight += 1
+        ticket = self.admission.admit(len(ids), time.monotonic())  # or Overloaded: a 503 with Retry-After
         start = time.perf_counter()
         c = self.config
         deadline = RequestDeadline(
@@ -287,6 +289,7 @@ class Gateway:
                     async with contextlib.aclosing(self._attempt(moving, record, text, deadline, start)) as events:
                         async for event in events:
                             moving.sending(event.token_id)
+                            self.admission.first_token(ticket, time.monotonic())
                             yield event
                     break
                 except DecodeLost as lost:
@@ -296,7 +299,7 @@ class Gateway:
             record.phase = Phase.FAILED
             raise
         finally:
-            self.inflight -= 1
+            self.admission.release(ticket)
             record.e2e_s = time.perf_counter() - start
             self.scheduler.finished(record.completion_tokens)
             if record.decode_worker is not None and not record.phase.done:

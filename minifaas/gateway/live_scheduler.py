@@ -7,12 +7,12 @@ retransmissions and the senders' backlog; 0 through the emulator, so the rules t
 depth per stage; the incremental lengths routed; each prefill stage's wait, the prompt tokens sent and not yet
 answered on its least loaded serving worker over the stage's measured speed; decode occupancy, requests over rows.
 
-With a profile of the instances (``[scheduler] profile``) the long-term policy runs on the same ticks: once a
-period it re-plans (t, N_p, N_d) from the lengths routed, the measured prefill speeds (``prefilled``), the mean
-output length (``finished``) and the link's ceiling; ``rebalance`` (the ``RoleChanger``) carries out a new
-split, and a conversion that could not happen is taken back out of the policy's split. ``codec`` picks each link
-transfer's codec (``policy.codec_policy``) from the same readings and the model's state sizes (``kv_size``),
-weighing figures from the PrfaaS workers' start-up measurements (``calibrated``), then every transfer (``coded``).
+With a profile (``[scheduler] profile``) the long-term policy runs on the same ticks: once a period it re-plans
+(t, N_p, N_d) from the lengths routed, the measured prefill speeds (``prefilled``), the mean output length
+(``finished``) and the link's ceiling; ``rebalance`` (the ``RoleChanger``) carries out a new split, reporting
+back one that could not happen (``converted``). ``codec`` asks the codec policy for each link transfer's codec,
+told the PrfaaS workers' start-up measurements (``calibrated``) and each transfer's (``coded``). Each policy is
+the configured one (``policy.plugin``), used through its interface (``policy.interfaces``) alone.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ from minifaas.model.kv_size import KVProfile
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_profiles
-from minifaas.policy.codec_policy import CodecChoice, CompressionConfig, CompressionPolicy, LinkShare, TransferShape
-from minifaas.policy.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
+from minifaas.policy.codec_policy import CodecChoice, CodecSample, LinkShare, TransferShape
+from minifaas.policy.interfaces import CodecPolicy, LongTermControl, ShortTermControl
+from minifaas.policy.long_term import LongTermConfig, RebalanceDecision
+from minifaas.policy.plugin import CODEC, LONG_TERM, SHORT_TERM, load_policy
 from minifaas.policy.router import RouteDecision, Rule
-from minifaas.policy.short_term import Action, ShortTermConfig, ShortTermPolicy
-from minifaas.policy.signals import Signals, StageLoad
+from minifaas.policy.short_term import ShortTermConfig
+from minifaas.policy.signals import PrefillSample, Signals, StageLoad
 
 log = logging.getLogger("minifaas.policy")
 UNLIMITED_LINK_GBPS = 1000.0  # what the planner is told when the link has no rate limit
@@ -58,16 +60,21 @@ class LiveScheduler:
         self.pool, self.link, self.config, self.metrics, self.rebalance = pool, link, config, metrics, rebalance
         self.kv = kv  # the model's state sizes: each transfer's shape
         self.threshold, self.rule = config.threshold, Rule(config.cache.rule)
-        self.short = ShortTermPolicy(short_term, self.threshold, self.rule)
+        sc = config.scheduler
+        self.short: ShortTermControl = load_policy(
+            sc.short_term, SHORT_TERM, sc.short_term_args, config=short_term, threshold=self.threshold, rule=self.rule
+        )
+        self.utilisation = 0.0  # the short-term policy's smoothed reading of the link, as of its last step
         self.long_term = long_term
         self.profiles = self._profiles() if long_term is not None else None  # read now: a bad file fails at once
-        self.long: LongTermPolicy | None = None  # built by ``prepare`` once the workers are known
+        self.long: LongTermControl | None = None  # built by ``prepare`` once the workers are known
         self.lengths: list[int] = []
         self.reading: LinkReading | None = None  # the link as last sampled
         self.last: Signals | None = None  # what the policies saw at the last tick
-        self._outputs = [0, 0]  # completion tokens, finished requests: the mean output length
+        self._prefills: list[PrefillSample] = []  # since the last tick
+        self._outputs: list[int] = []  # completion tokens of the requests finished since the last tick
         self.speed: dict[str, float] = {}  # cluster -> prefill tokens/s, a moving average over recent prefills
-        self.compression = CompressionPolicy(CompressionConfig(config.link.kv_compression))
+        self.compression: CodecPolicy = load_policy(config.link.kv_compression, CODEC, config.link.kv_compression_args)
         self.link_rate_bps = parse_rate(config.link.rate) or math.inf  # until the link is read
         metrics.set_threshold(self.threshold)
 
@@ -85,7 +92,7 @@ class LiveScheduler:
             raise ValueError(f"{sc.prfaas_profile}: no [prefill] table")
         return prefill, prfaas, decode
 
-    def _long_term(self, config: LongTermConfig) -> LongTermPolicy | None:
+    def _long_term(self, config: LongTermConfig) -> LongTermControl | None:
         assert self.profiles is not None
         prefill, prfaas, decode = self.profiles
         n_prfaas, n_p, n_d = (len(self.pool.of(c, r)) for c, r in _STAGES)
@@ -105,7 +112,11 @@ class LiveScheduler:
             n_homogeneous=max(2, n_prfaas + n_p + n_d),
             link_gbps=rate / 1e9 if rate else UNLIMITED_LINK_GBPS,
         )
-        return LongTermPolicy(config, case, self.threshold, n_p, n_d)
+        sc = self.config.scheduler
+        return load_policy(
+            sc.long_term, LONG_TERM, sc.long_term_args, config=config, case=case, threshold=self.threshold,
+            n_prefill=n_p, n_decode=n_d,
+        )  # fmt: skip
 
     async def run(self, period: float = 1.0) -> None:
         """Sample the link and the stage queues into /metrics, and tick the policies, until shutdown."""
@@ -129,8 +140,7 @@ class LiveScheduler:
         """A prefill ended on ``cluster`` after ``seconds`` for ``tokens`` computed: its measured speed."""
         if tokens <= 0 or seconds <= 0:
             return
-        if self.long is not None:
-            self.long.observe_prefill(cluster, tokens, seconds)
+        self._prefills.append(PrefillSample(cluster, tokens, seconds))
         old = self.speed.get(cluster)
         self.speed[cluster] = (
             tokens / seconds if old is None else SPEED_WEIGHT * tokens / seconds + (1 - SPEED_WEIGHT) * old
@@ -138,15 +148,14 @@ class LiveScheduler:
 
     def finished(self, completion_tokens: int) -> None:
         if completion_tokens > 0:
-            self._outputs[0] += completion_tokens
-            self._outputs[1] += 1
+            self._outputs.append(completion_tokens)
 
     def codec(self, tokens: int = 0, computed: int = 0, link_start: int = 0) -> CodecChoice:
         """The codec for a transfer about to cross the link: the state of a ``tokens`` prompt from
         ``link_start`` on, ``computed`` of its tokens prefilled on PrfaaS (its own request already holds
         a PrfaaS worker). Without tokens, the rule for a transfer with nothing to hide behind."""
         busy = sum(w.busy for w in self.pool.of("prfaas", "prefill"))
-        link = LinkShare(self.link_rate_bps, self.short.utilisation, max(0, busy - 1))
+        link = LinkShare(self.link_rate_bps, self.utilisation, max(0, busy - 1))
         shape = self._shape(tokens, computed, link_start) if tokens else TransferShape(1.0)
         choice = self.compression.choose(link, shape)
         self.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
@@ -164,13 +173,13 @@ class LiveScheduler:
         """A transfer across the link ended: what its codec did (a worker's ``coding`` fields)."""
         codec = reply.get("codec", "none")
         wire, encode_s, decode_s = reply["kv_wire_bytes"], reply["kv_encode_s"], reply["kv_decode_s"]
-        self.compression.meter.observe(codec, nbytes, wire, encode_s, decode_s)
+        self.compression.observe(CodecSample(codec, nbytes, wire, encode_s, decode_s))
         self.metrics.kv_coded(codec, nbytes, wire, encode_s, decode_s)
 
     def calibrated(self, samples: dict[str, list[float]]) -> None:
         """A PrfaaS prefill worker's start-up measurement of its codecs (nbytes, wire, encode s, decode s)."""
         for codec, (nbytes, wire, encode_s, decode_s) in samples.items():
-            self.compression.meter.observe(codec, int(nbytes), int(wire), encode_s, decode_s)
+            self.compression.observe(CodecSample(codec, int(nbytes), int(wire), encode_s, decode_s))
 
     def observe(self, decision: RouteDecision) -> None:
         """A request was routed: remember how much of it had to be prefilled."""
@@ -179,10 +188,12 @@ class LiveScheduler:
     def signals(self, now: float) -> Signals:
         reading, self.reading = self.reading, None if self.reading is None else _spent(self.reading)
         lengths, self.lengths = tuple(self.lengths), []
+        prefills, self._prefills = tuple(self._prefills), []
+        outputs, self._outputs = tuple(self._outputs), []
         if reading is not None:
             self.link_rate_bps = reading.rate_bps
         decode = self._stage("pd", "decode")
-        slots = decode.nodes * self.config.pd.max_batch
+        slots = sum(w.max_batch or self.config.pd.max_batch for w in self.pool.of("pd", "decode") if w.serving)
         backlog_s = 0.0
         if reading is not None and not self.link.emulated and 0 < reading.rate_bps < math.inf:
             backlog_s = 8 * sum(w.queued_bytes for w in self.pool.of("prfaas", "prefill")) / reading.rate_bps
@@ -198,42 +209,39 @@ class LiveScheduler:
             link_backlog_s=backlog_s,
             decode_occupancy=min(1.0, decode.depth / slots) if slots else 0.0,
             lengths=lengths,
+            prefills=prefills,
+            output_tokens=outputs,
         )
 
     def tick(self, now: float) -> None:
         signals = self.last = self.signals(now)
         decision = self.short.step(signals)
-        self.threshold, self.rule = decision.threshold, decision.rule
+        self.rule, self.utilisation = decision.rule, decision.utilisation
         self.metrics.scheduler_decision("short_term", decision.action, decision.reason)
-        if self.long is not None:
-            self._replan(signals)
-        if decision.action is not Action.HOLD or self.threshold != self.short.threshold:
-            self.threshold = self.short.threshold
-            self.metrics.set_threshold(self.threshold)
+        threshold = decision.threshold if self.long is None else self._replan(signals, decision.threshold)
+        if threshold != self.threshold:
+            self.metrics.set_threshold(threshold)
+        self.threshold = threshold
 
-    def _replan(self, signals: Signals) -> None:
+    def _replan(self, signals: Signals, threshold: int) -> int:
+        """The long-term policy's tick; returns t from now on (a plan that keeps the split sets its base)."""
         assert self.long is not None
-        if self._outputs[1]:
-            self.long.case = self.long.case.with_overrides(output_tokens=self._outputs[0] / self._outputs[1])
         plan: RebalanceDecision | None = self.long.step(signals)
         if plan is None:
-            return
-        self._outputs = [0, 0]  # the next plan sees the output lengths of its own period
+            return threshold
         self.metrics.scheduler_decision("long_term", "convert" if plan.to_prefill else "plan", plan.reason)
         if not plan.to_prefill:
-            self.short.set_base(plan.threshold)
-            return
+            return self.short.set_base(plan.threshold)
         # the plan's t is for the new split: it applies once the worker serves in its new role
         self.rebalance(plan.to_prefill, lambda ok: self._converted(plan, ok))
+        return threshold
 
     def _converted(self, plan: RebalanceDecision, ok: bool) -> None:
-        """A conversion the long-term policy asked for ended: take up its t, or undo its split."""
+        """A conversion the long-term policy asked for ended: take up its t (at the next tick), or undo its split."""
         assert self.long is not None
+        self.long.converted(plan, ok)
         if ok:
             self.short.set_base(plan.threshold)
-            return
-        step = 1 if plan.to_prefill > 0 else -1  # one worker per conversion
-        self.long.n_prefill, self.long.n_decode = self.long.n_prefill - step, self.long.n_decode + step
 
     def _stage(self, cluster: str, role: str) -> StageLoad:
         """Draining workers do not serve the stage; their requests still count in its depth."""

@@ -92,8 +92,14 @@ class ServeMetrics:
         self.fallbacks = Counter("minifaas:fallbacks", "PrfaaS requests that fell back", ["reason"], registry=r)
 
     def _links(self, r: CollectorRegistry) -> None:
-        # Layer-state bytes put on each link (counted by the gateway, partial transfers included).
-        self.kv_bytes_sent = Counter("minifaas:kv_bytes_sent", "KV bytes sent", ["link"], registry=r)
+        # Layer-state bytes sent over each link, as the state's size before any codec (counted by the gateway,
+        # partial transfers included), and the bytes those transfers put on the wire, by the codec that coded them.
+        self.kv_bytes_sent = Counter(
+            "minifaas:kv_bytes_sent", "KV state bytes sent, before coding", ["link"], registry=r
+        )
+        self.kv_wire_bytes_sent = Counter(
+            "minifaas:kv_wire_bytes_sent", "KV bytes put on the wire, after coding", ["link", "codec"], registry=r
+        )
         # Fraction of each link's bandwidth in use, 0..1.
         self.link_utilization = Gauge("minifaas:link_utilization", "Link utilisation", ["link"], registry=r)
         # Over a real link, the KV connections' smoothed rtt and the share of bytes retransmitted (0 when emulated).
@@ -229,8 +235,10 @@ class ServeMetrics:
     def set_threshold(self, tokens: int) -> None:
         self.threshold.set(tokens)
 
-    def add_kv_bytes(self, link: str, nbytes: int) -> None:
+    def add_kv_bytes(self, link: str, nbytes: int, wire_bytes: int | None = None, codec: str = "none") -> None:
+        """A transfer of ``nbytes`` of state over ``link``, ``wire_bytes`` on the wire (None: as many, uncoded)."""
         self.kv_bytes_sent.labels(link=link).inc(nbytes)
+        self.kv_wire_bytes_sent.labels(link=link, codec=codec).inc(nbytes if wire_bytes is None else wire_bytes)
 
     def codec_chosen(self, codec: str, reason: str, break_even_bytes_per_s: float) -> None:
         self.kv_codec_choices.labels(codec=codec, reason=reason).inc()

@@ -29,7 +29,14 @@ class APIError(Exception):
     """An error the client caused or must see, with the HTTP status and OpenAI error body it maps to."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str = ""
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "",
+        retry_after: int | None = None,  # seconds, for the Retry-After header of a 503
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,6 +44,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

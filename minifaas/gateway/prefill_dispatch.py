@@ -264,7 +264,8 @@ class PrefillDispatch:
         )  # fmt: skip
         if a.remote:
             self.scheduler.coded(reply, reply["kv_bytes"])
-        self.metrics.add_kv_bytes(f"{a.worker.cluster}->{a.decode.name}", reply["kv_bytes"])
+        link = f"{a.worker.cluster}->{a.decode.name}"
+        self.metrics.add_kv_bytes(link, reply["kv_bytes"], reply["kv_wire_bytes"], reply["codec"])
         record.queue_s, record.prefill_s, record.transfer_s = (
             reply["queue_s"],
             reply["prefill_s"],
@@ -360,7 +361,7 @@ class PrefillDispatch:
         self.cache_moves["done"] += 1
         self.cache_moves["bytes"] += reply["bytes"]
         self.scheduler.coded(reply, reply["bytes"])
-        self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"])
+        self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"], reply["kv_wire_bytes"], reply["codec"])
         record.events.append(f"cache_move {src.name}->{dst.name} {reply['tokens']} tokens")
         return transfer
 

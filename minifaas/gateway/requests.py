@@ -70,7 +70,11 @@ class RequestRecord:
 
 
 class Overloaded(Exception):
-    """No capacity to queue the request now (HTTP 503)."""
+    """No capacity to queue the request now (HTTP 503); ``retry_after``: seconds to wait before trying again."""
+
+    def __init__(self, message: str = "", retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestFailed(Exception):

@@ -81,6 +81,7 @@ class WorkerHandle:
         self.queued_bytes = 0  # KV it has not handed to a socket yet, as of its last pong
         self.codecs: dict[str, list[float]] = {}  # what a prefill worker measured of its codecs when it started
         self.kernels = "unknown"  # what its linear-attention layers run (fla, torch, none), as it says
+        self.max_batch = 0  # a decode worker's rows per forward (0: not said)
         self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
         self.gone = asyncio.Event()  # this session's end: a new one per attach, so a waiter sees its own session go
         self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
@@ -119,6 +120,7 @@ class WorkerHandle:
         self.session, self.address, self.pid = session, address, int(hello["pid"])
         self.codecs = hello.get("codecs") or {}
         self.kernels = str(hello.get("kernels", "unknown"))
+        self.max_batch = int(hello.get("max_batch") or 0)  # a decode worker's rows per forward, as it sized them
         kv = hello.get("kv")
         self.kv = (kv[0] or address[0], int(kv[1])) if kv else None  # no host: the one we reached it at
         self.gone = asyncio.Event()
@@ -145,6 +147,13 @@ class WorkerHandle:
             self.tcp = {key: TcpInfo(**info) for key, info in msg.get("tcp", {}).items()}
             self.queued_bytes = msg.get("queued_bytes", 0)
             return
+        if op == Reply.TOKENS:  # one decode step's tokens, each to its request's inbox
+            for entry in msg["tokens"]:
+                self._route({"op": Reply.TOKEN, **entry})
+            return
+        self._route(msg)
+
+    def _route(self, msg: dict) -> None:
         inbox = self.inboxes.get(msg.get("req", ""))
         if inbox is not None:
             inbox.put_nowait(msg)

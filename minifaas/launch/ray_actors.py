@@ -46,6 +46,7 @@ class WorkerActor:
         self._error = ""
         flags = importlib.import_module(WORKER_COMMAND)  # the worker's own flags, as its command reads them
         args = flags.parse_args([*argv, "--listen", f"{ray.util.get_node_ip_address()}:0"])
+        logging.getLogger().setLevel(args.log_level)
         threading.Thread(target=self._run, args=(args,), name="minifaas-worker", daemon=True).start()
 
     def _run(self, args: object) -> None:

@@ -16,6 +16,7 @@ Ray. A converted worker keeps the device of the one it replaces.
 
 from __future__ import annotations
 
+import json
 import os
 
 from minifaas.config import NAME_PREFIX, ServeConfig
@@ -32,18 +33,20 @@ def worker_argv(c: ServeConfig, role: str, cluster: str, device: str | None = No
     argv = ["--model", c.model, "--seed", str(c.seed), "--connections", str(c.link.connections), "--device", device]
     if fraction:
         argv += ["--gpu-memory-fraction", f"{fraction:.4g}"]
-    argv += ["--kv-compression", c.link.kv_compression]
+    argv += ["--kv-compression", c.link.worker_codecs]
     argv += ["--dtype", c.worker_dtype(cluster)] + (["--trust-remote-code"] if c.trust_remote_code else [])
-    argv += ["--threads", str(c.worker_threads(cluster))]
+    argv += ["--threads", str(c.worker_threads(cluster)), "--log-level", c.worker_log_level]
     if c.allow_slow_kernels:
         argv.append("--allow-slow-kernels")
     if not c.link.pipelined:
         argv.append("--no-pipelining")
     argv += ["--cache-block-size", str(c.cache.block_size), "--cache-mib", str(c.cache.capacity_mib)]
     argv += ["--snapshot-policy", c.cache.snapshot_policy, "--snapshot-interval", str(c.cache.snapshot_interval_blocks)]
+    for key, value in c.cache.snapshot_policy_args:  # KEY=VALUE, the value as JSON (arguments.policy_arg)
+        argv += ["--snapshot-policy-arg", f"{key}={json.dumps(value)}"]
     if role == "prefill":
-        chunk = c.cluster(cluster).prefill_chunk
-        argv += ["--prefix-cache", c.cache.mode, "--prefill-chunk", str(chunk)]
+        chunk, batch = c.cluster(cluster).prefill_chunk, c.cluster(cluster).prefill_batch
+        argv += ["--prefix-cache", c.cache.mode, "--prefill-chunk", str(chunk), "--prefill-batch", str(batch)]
         if c.cache.moves:
             argv.append("--accept-moves")
     else:  # a decode node keeps the KV it receives only to take increments later

@@ -96,7 +96,9 @@ class BatchCache:
         """Copy one request's state into the next free row; returns the row index."""
         self.check(states)
         row, at = self.rows, 0
+        width = max([seq_len, *self.lengths]) + 1
         for layer in self.layers:
+            layer.fit(row + 1, width)
             layer.put(row, states[at : at + len(layer.parts)])
             at += len(layer.parts)
         self.lengths.append(seq_len)

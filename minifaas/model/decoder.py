@@ -14,20 +14,25 @@ from typing import Protocol
 from minifaas.model.layer_state import ModelState
 from minifaas.model.sampling import SamplingParams
 
+MAX_HOLD_S = 0.05  # the longest a step waits for more rows (``hold``)
+
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
-    max_batch: int = 32  # rows in one forward; 1 selects the unbatched InterleavedDecoder
-    step_token_budget: int = 1 << 20  # KV slots one step may attend to, padding included: rows x (longest + 1)
-    max_waiting: int = 256  # requests whose state has arrived, queued for a row
+    """0 for ``max_batch`` or ``step_token_budget``: what the worker's memory holds (``decode_memory.sized``)."""
+
+    max_batch: int = 0  # rows in one forward; 1 selects the unbatched InterleavedDecoder
+    step_token_budget: int = 0  # KV slots one step may attend to, padding included: rows x (longest + 1)
+    max_waiting: int = 4096  # requests whose state has arrived, queued for a row
+    hold: float = 0.0  # a decode worker's step waits this many times the last one's length while more come
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.step_token_budget < 1 or self.max_waiting < 0:
-            raise ValueError("need max_batch >= 1, step_token_budget >= 1 and max_waiting >= 0")
+        if self.max_batch < 0 or self.step_token_budget < 0 or self.max_waiting < 0 or self.hold < 0:
+            raise ValueError("need max_batch, step_token_budget (0: sized by memory), max_waiting and hold >= 0")
 
     @property
     def batched(self) -> bool:
-        return self.max_batch > 1
+        return self.max_batch != 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ the kernel past the trim threshold, so each forward faults its pages in anew. ``
 thresholds once per process, before the model loads (``ModelRuntime.load`` calls it): blocks up to
 ``MMAP_THRESHOLD`` come from the heap, which keeps up to ``TRIM_THRESHOLD`` free. Resident memory then stays at
 its peak. Only glibc has these knobs; elsewhere, and with ``MINIFAAS_HOST_MALLOC=system``, nothing changes.
+``available_bytes`` is what the host can still give, for the bounds sized by memory (admission, decode rows).
 """
 
 from __future__ import annotations
@@ -39,3 +40,15 @@ def _set() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def available_bytes() -> int:
+    """Host memory a new allocation can still get: MemAvailable on Linux, else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,12 +1,12 @@
 """The cache layers of a decode batch: each holds one model layer's state for every row (request).
 
-Row r of every buffer belongs to the same request. A row layer takes a request's parts of its layer with
-``put``, moves a row with ``move``, and before each step ``prepare`` points the model at rows 0..n-1:
+Row r of every buffer belongs to the same request. A row layer is sized with ``fit``, takes a request's parts
+of its layer with ``put``, moves a row with ``move``, and before each step ``prepare`` points at rows 0..n-1:
 
 - full attention, ``PaddedKVLayer``: ``[rows, heads, capacity, dim]``, right padded. Row r holds its tokens in
   slots ``0..len_r-1`` and writes the new one at slot ``len_r``. The forward sees ``[:n, :, :width]``, width =
-  longest row + 1, with a mask that hides each row's padding. Capacity doubles as it grows, so a step copies
-  only the n new tokens; a whole row is copied when it joins or moves.
+  longest row + 1, with a mask that hides each row's padding. Capacity grows geometrically (a step copies only
+  the n new tokens; a row, when it joins or moves) and shrinks once four times what rows need (``fitted``).
 - sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: position p lives in slot
   ``p % window`` (attention is order-free once keys carry their rotary phase, so the ring is never shifted).
 - linear state, ``RowLinearLayer``: conv and recurrent states stacked by row, ``[:n]`` views updated in place.
@@ -23,15 +23,27 @@ from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentio
 
 from minifaas.model.layer_state import LayerState, StateKind
 
+SLACK = 16  # rows or tokens a buffer may hold past four times what it needs: no churn at small sizes
+GROWTH = 1024  # up to this many a buffer doubles when it grows; past it, it grows by a quarter
 
-def grown(buffer: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
-    """``buffer`` if dimension ``dim`` holds ``needed``; else a copy at least twice as large (zeros after)."""
-    if buffer.shape[dim] >= needed:
+
+def roomy(needed: int) -> int:
+    """What a buffer is sized to when it must change: twice ``needed`` while small, so growing one at a time
+    reallocates rarely; a quarter more once large, so a long row's slots are not doubled."""
+    return needed + min(needed, max(needed // 4, GROWTH)) + 1
+
+
+def fitted(buffer: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
+    """``buffer`` if dimension ``dim`` holds ``needed`` and not four times that (plus ``SLACK``); else a copy of
+    ``roomy(needed)``, its first ``needed`` entries kept (zeros after)."""
+    size = buffer.shape[dim]
+    if needed <= size <= 4 * needed + SLACK:
         return buffer
     shape = list(buffer.shape)
-    shape[dim] = max(needed, 2 * buffer.shape[dim])
+    shape[dim] = roomy(needed)
     out = buffer.new_zeros(shape)
-    out.narrow(dim, 0, buffer.shape[dim]).copy_(buffer)
+    kept = min(size, needed)
+    out.narrow(dim, 0, kept).copy_(buffer.narrow(dim, 0, kept))
     return out
 
 
@@ -47,25 +59,26 @@ class PaddedKVLayer(CacheLayerMixin):
         self.rows, self.width = 0, 0
         self.write_at = torch.zeros(0, dtype=torch.long)
 
+    def fit(self, rows: int, width: int) -> None:
+        """Room for ``rows`` rows of ``width`` slots, and not four times more (``fitted``)."""
+        for name, buf in self.buffers.items():
+            self.buffers[name] = fitted(fitted(buf, 0, rows), 2, width)
+
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         state = states[0]
         for name, t in state.slots:
             if name not in self.buffers:
-                self.buffers[name] = torch.zeros((row + 1, *t.shape[1:]), dtype=t.dtype, device=self.device)
-            buf = self.buffers[name]
-            buf = grown(buf, 0, row + 1)
-            buf = grown(buf, 2, state.seq_len)
-            buf[row, :, : state.seq_len].copy_(t[0])
-            self.buffers[name] = buf
+                shape = (roomy(row + 1), t.shape[1], roomy(state.seq_len), t.shape[3])
+                self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
+            self.buffers[name][row, :, : state.seq_len].copy_(t[0])
 
     def move(self, src: int, dst: int, tokens: int) -> None:
         for buf in self.buffers.values():
             buf[dst, :, :tokens].copy_(buf[src, :, :tokens])
 
     def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        self.fit(rows, width)
         self.rows, self.write_at, self.width = rows, write_at, width
-        for name, buf in self.buffers.items():
-            self.buffers[name] = grown(buf, 2, width)
         self.keys, self.values = self.buffers.get("keys"), self.buffers.get("values")
 
     def update(
@@ -100,6 +113,10 @@ class RingKVLayer(PaddedKVLayer):
         super().__init__(device)
         self.window = window
 
+    def fit(self, rows: int, width: int) -> None:
+        for name, buf in self.buffers.items():
+            self.buffers[name] = fitted(buf, 0, rows)
+
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         # the last `held` tokens, ending at position seq_len - 1; the next step needs window - 1 of them
         state = states[0]
@@ -107,11 +124,9 @@ class RingKVLayer(PaddedKVLayer):
         slots = torch.arange(state.seq_len - held, state.seq_len, device=self.device) % self.window
         for name, t in state.slots:
             if name not in self.buffers:
-                shape = (row + 1, t.shape[1], self.window, t.shape[3])
+                shape = (roomy(row + 1), t.shape[1], self.window, t.shape[3])
                 self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
-            buf = grown(self.buffers[name], 0, row + 1)
-            buf[row, :, slots] = t[0, :, t.shape[-2] - held :].to(self.device)
-            self.buffers[name] = buf
+            self.buffers[name][row, :, slots] = t[0, :, t.shape[-2] - held :].to(self.device)
 
     def move(self, src: int, dst: int, tokens: int) -> None:
         super().move(src, dst, self.window)
@@ -130,19 +145,23 @@ class RowLinearLayer(LinearAttentionLayer):
         self.device = torch.device(device)
         self.linear_buffers: dict[str, torch.Tensor] = {}  # "conv.<i>" / "recurrent.<i>": [rows, ...]
 
+    def fit(self, rows: int, width: int) -> None:
+        for name, buf in self.linear_buffers.items():
+            self.linear_buffers[name] = fitted(buf, 0, rows)
+
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         for name, t in states[-1].slots:
             if name not in self.linear_buffers:
-                self.linear_buffers[name] = torch.zeros((row + 1, *t.shape[1:]), dtype=t.dtype, device=self.device)
-            buf = grown(self.linear_buffers[name], 0, row + 1)
-            buf[row].copy_(t[0])
-            self.linear_buffers[name] = buf
+                shape = (roomy(row + 1), *t.shape[1:])
+                self.linear_buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
+            self.linear_buffers[name][row].copy_(t[0])
 
     def move(self, src: int, dst: int, tokens: int) -> None:
         for buf in self.linear_buffers.values():
             buf[dst].copy_(buf[src])
 
     def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        self.fit(rows, width)
         for name, buf in self.linear_buffers.items():
             which, idx = name.split(".")
             i = int(idx)
@@ -166,6 +185,10 @@ class RowHybridLayer(PaddedKVLayer, RowLinearLayer):
         PaddedKVLayer.__init__(self, device)
         RowLinearLayer.__init__(self, number_of_states, device)
 
+    def fit(self, rows: int, width: int) -> None:
+        PaddedKVLayer.fit(self, rows, width)
+        RowLinearLayer.fit(self, rows, width)
+
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         PaddedKVLayer.put(self, row, states)
         RowLinearLayer.put(self, row, states)
@@ -181,6 +204,9 @@ class RowHybridLayer(PaddedKVLayer, RowLinearLayer):
 
 class StatelessRowLayer(DummyLayer):
     parts: tuple[StateKind, ...] = ()
+
+    def fit(self, rows: int, width: int) -> None:
+        pass
 
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         pass

@@ -9,7 +9,8 @@ bw is ``LinkShare.expected_bytes_per_s``: the link's unused rate, rate * (1 - u)
 share rate / (n + 1) with n transfers on it. r, enc and dec are moving averages per codec (``CodecMeter``)
 of what coded transfers and each prefill worker's warm-up calibration report. ``auto`` chooses between
 ``none`` and ``lossless`` only, never a codec not yet measured; a lossy code changes the model's output and
-is used only when asked for by name. The live gateway and the simulator both call ``choose``.
+is used only when asked for by name. The live gateway and the simulator both call ``choose``, and ``observe``
+with what each coded transfer did.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class CodecMeter:
     estimates: dict[str, CodecEstimate] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
 
-    def observe(self, codec: str, nbytes: int, wire_bytes: int, encode_s: float, decode_s: float) -> None:
+    def observe(self, codec: str, nbytes: float, wire_bytes: float, encode_s: float, decode_s: float) -> None:
         """One transfer (or calibration) coded with ``codec``: ``nbytes`` of state became ``wire_bytes``."""
         if codec == Compression.NONE or nbytes <= 0 or wire_bytes <= 0 or encode_s <= 0 or decode_s <= 0:
             return
@@ -124,11 +125,28 @@ class CodecMeter:
         self.samples[codec] = self.samples.get(codec, 0) + 1
 
 
+@dataclass(frozen=True, slots=True)
+class CodecSample:
+    """What one coded transfer (or a worker's start-up calibration) did: ``nbytes`` of state became
+    ``wire_bytes`` on the wire, coded in ``encode_s`` and decoded in ``decode_s``."""
+
+    codec: str
+    nbytes: float
+    wire_bytes: float
+    encode_s: float
+    decode_s: float
+
+
 class CompressionPolicy:
-    def __init__(self, config: CompressionConfig) -> None:
-        self.config = config
-        self.meter = CodecMeter(config.smoothing)
+    def __init__(self, mode: str = Compression.AUTO.value, smoothing: float = 0.3) -> None:
+        self.config = CompressionConfig(mode, smoothing)
+        self.meter = CodecMeter(smoothing)
         self.history: dict[tuple[str, str], int] = {}  # (codec, reason) -> transfers
+
+    def observe(self, sample: CodecSample) -> None:
+        """A codec's figures, measured: folded into its moving averages."""
+        s = sample
+        self.meter.observe(s.codec, s.nbytes, s.wire_bytes, s.encode_s, s.decode_s)
 
     def choose(self, link: LinkShare, transfer: TransferShape = TransferShape(1.0)) -> CodecChoice:
         """The codec for ``transfer`` on ``link``; without a shape, the rule for a transfer with nothing to

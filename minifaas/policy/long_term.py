@@ -1,14 +1,15 @@
 """The long-term policy (minutes): re-profile the traffic, re-solve the planner, re-role PD workers.
 
 Every ``period_s``, and at once when the link's ceiling moves by more than ``link_change``, ``step`` takes
-what the ticks since the last plan saw (the incremental prefill lengths, the arrival rate, the link ceiling)
-and the instance speeds ``observe_prefill`` measured against their profiles, builds the planning case of the
-traffic as it is now and solves it (``planner.best_prfaas``) for (t, N_p, N_d). A sample shorter than
+what the ticks since the last plan saw (the incremental prefill lengths, the arrival rate, the link ceiling,
+the mean output length, the measured prefills' speeds against their profiles), builds the planning case of
+the traffic as it is now and solves it (``planner.best_prfaas``) for (t, N_p, N_d). A sample shorter than
 ``min_requests`` is topped up with the previous sample's lengths; one still short skips the period.
 The new t becomes the short-term policy's base at once. The split changes only when the planned throughput
 beats the current split's, priced on the same traffic, by ``min_gain``; then at most ``max_conversions`` PD
-workers change role per period (drained first by whoever acts on the decision). PrfaaS instances are never
-re-roled: they are another cluster, on other hardware. The constants' reasons: docs/ARCHITECTURE.md 6.
+workers change role per period (drained first by whoever acts on the decision, who reports each worker
+that could not change back through ``converted``). PrfaaS instances are never re-roled: they are another
+cluster, on other hardware. The constants' reasons: docs/ARCHITECTURE.md 6.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class LongTermPolicy:
     _planned_link_bps: float | None = None  # the link ceiling the last plan was made for
     _previous: list[int] = field(default_factory=list)  # the last plan's lengths
     _measured: dict[str, list[float]] = field(default_factory=dict)  # cluster -> [measured s, profiled s]
+    _outputs: list[int] = field(default_factory=list)  # completion tokens of the period's finished requests
 
     def __post_init__(self) -> None:
         if self.n_prefill + self.n_decode != self.case.n_pd:
@@ -101,8 +103,18 @@ class LongTermPolicy:
         sums[0] += seconds
         sums[1] += float(profile.latency_s(max(tokens, 1)))
 
+    def converted(self, decision: RebalanceDecision, ok: bool) -> None:
+        """One worker ``decision`` moved has changed role (``ok``), or kept its own: its move is taken back."""
+        if ok or not decision.to_prefill:
+            return
+        step = 1 if decision.to_prefill > 0 else -1
+        self.n_prefill, self.n_decode = self.n_prefill - step, self.n_decode + step
+
     def step(self, s: Signals) -> RebalanceDecision | None:
         self._lengths.extend(s.lengths)
+        for p in s.prefills:
+            self.observe_prefill(p.cluster, p.tokens, p.seconds)
+        self._outputs.extend(s.output_tokens)
         self._link_bps = s.link_rate_bps
         c = self.config
         if self._planned_link_bps is None:
@@ -117,6 +129,9 @@ class LongTermPolicy:
         if len(lengths) < c.min_requests:  # a short sample (an early re-plan): top it up with the last one
             lengths = self._previous[len(lengths) - c.min_requests :] + lengths
         self._previous, self._lengths = lengths, []
+        if self._outputs:  # the output length of the period's requests, as measured
+            self.case = self.case.with_overrides(output_tokens=sum(self._outputs) / len(self._outputs))
+        self._outputs = []
         decision = self._decide(s, lengths, rate)
         self.reasons[decision.reason] += 1
         self.decisions.append(decision)

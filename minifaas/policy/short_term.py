@@ -116,11 +116,12 @@ class ShortTermPolicy:
     def utilisation(self) -> float:
         return self._smoothed or 0.0
 
-    def set_base(self, base: int) -> None:
-        """A new base t (the long-term policy re-planned); t jumps up to it at once if below."""
+    def set_base(self, base: int) -> int:
+        """A new base t (the long-term policy re-planned); t jumps up to it at once if below. Returns t now."""
         self.base = max(0, base)
         if self.config.enabled and self.threshold < self.base:
             self.threshold = self.base
+        return self.threshold
 
     def step(self, s: Signals) -> ThresholdDecision:
         c = self.config

@@ -29,6 +29,15 @@ class StageLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """One prefill that ended: ``tokens`` computed on ``cluster`` ("prfaas" or "pd") in ``seconds``."""
+
+    cluster: str
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Signals:
     now_s: float
     link_rate_bps: float  # the PrfaaS egress ceiling now (0: the link is cut)
@@ -41,6 +50,8 @@ class Signals:
     link_backlog_s: float = 0.0  # KV bytes waiting for the link / its rate: the wait a new transfer sees
     decode_occupancy: float = 0.0  # running decode slots / all decode slots
     lengths: tuple[int, ...] = ()  # incremental prefill lengths routed since the previous sample
+    prefills: tuple[PrefillSample, ...] = ()  # prefills measured since the previous sample (the live gateway's)
+    output_tokens: tuple[int, ...] = ()  # completion tokens of the requests finished since the previous sample
 
     def __post_init__(self) -> None:
         if self.link_rate_bps < 0 or self.egress_bps < 0 or self.rtt_ms < 0 or not 0 <= self.retrans_rate <= 1:

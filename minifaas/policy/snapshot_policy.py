@@ -5,46 +5,59 @@ is usable only up to a length where a snapshot was taken. Every snapshot inside 
 (more, smaller forwards, and a copy of the state) on every request, reused or not; a snapshot at the
 prompt's end costs only the copy.
 
-``SnapshotPolicy.REUSE`` (the serving default): the prompt's end (the next turn of a chat continues from
+``ReuseSnapshots`` (``reuse``, the serving default): the prompt's end (the next turn of a chat continues from
 there) and its branch point, the end of the longest block prefix an earlier prompt already stored: a prefix
 seen twice is the evidence that a third prompt will want it. A prompt that shares nothing pays no split.
-``SnapshotPolicy.INTERVAL``: every ``interval_blocks`` blocks plus the end (0: the end only).
+``IntervalSnapshots`` (``interval``): every ``interval_blocks`` blocks plus the end (0: the end only).
 
 Sans-IO and pure: the caller passes what its pool (or the gateway's directory) knows about the prompt.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
+from dataclasses import dataclass
 
 
-class SnapshotPolicy(StrEnum):
-    REUSE = "reuse"
-    INTERVAL = "interval"
+@dataclass(frozen=True, slots=True)
+class SnapshotInput:
+    """A prefill of tokens [start, num_tokens) about to run, as the snapshot policy sees it."""
+
+    start: int  # tokens already loaded from the cache
+    num_tokens: int  # the prompt's length
+    block_size: int  # tokens per full-attention block
+    needs_snapshot: bool = True  # False for a dense model: any block prefix is usable without a snapshot
+    seen_tokens: int = 0  # the longest block-aligned prefix of this prompt already stored (the branch point)
 
 
-def snapshot_points(
-    policy: SnapshotPolicy,
-    start: int,
-    num_tokens: int,
-    block_size: int,
-    interval_blocks: int,
-    needs_snapshot: bool,
-    seen_tokens: int = 0,
-) -> list[int]:
-    """Lengths in (start, num_tokens], ascending, at which a prefill of tokens [start, num_tokens) keeps its
-    state. ``seen_tokens``: the longest block-aligned prefix of this prompt already stored (the branch point).
+def prompt_end(p: SnapshotInput) -> list[int]:
+    """The end, where every policy keeps the state; a dense model only when the end is not block-aligned
+    (the partial block's KV)."""
+    return [p.num_tokens] if p.needs_snapshot or p.num_tokens % p.block_size else []
 
-    A dense model (``needs_snapshot`` False) reuses any block prefix without a snapshot: it keeps one only at
-    an end that is not block-aligned (the partial block's KV)."""
-    if num_tokens <= start:
-        return []
-    end = [num_tokens] if needs_snapshot or num_tokens % block_size else []
-    if not needs_snapshot:
-        return end
-    if policy is SnapshotPolicy.INTERVAL:
-        step = interval_blocks * block_size
-        inner = list(range((start // step + 1) * step, num_tokens, step)) if step else []
-        return inner + end
-    branch = seen_tokens - seen_tokens % block_size
-    return ([branch] if start < branch < num_tokens else []) + end
+
+class ReuseSnapshots:
+    def points(self, p: SnapshotInput) -> list[int]:
+        """Lengths in (start, num_tokens], ascending, at which the prefill keeps its state."""
+        if p.num_tokens <= p.start:
+            return []
+        if not p.needs_snapshot:
+            return prompt_end(p)
+        branch = p.seen_tokens - p.seen_tokens % p.block_size
+        return ([branch] if p.start < branch < p.num_tokens else []) + prompt_end(p)
+
+
+class IntervalSnapshots:
+    def __init__(self, interval_blocks: int = 8) -> None:
+        if interval_blocks < 0:
+            raise ValueError(f"interval_blocks must be >= 0, got {interval_blocks}")
+        self.interval_blocks = interval_blocks
+
+    def points(self, p: SnapshotInput) -> list[int]:
+        """Lengths in (start, num_tokens], ascending, at which the prefill keeps its state."""
+        if p.num_tokens <= p.start:
+            return []
+        if not p.needs_snapshot:
+            return prompt_end(p)
+        step = self.interval_blocks * p.block_size
+        inner = list(range((p.start // step + 1) * step, p.num_tokens, step)) if step else []
+        return inner + prompt_end(p)

@@ -1,4 +1,8 @@
-"""What a simulated deployment is made of: profiles, instance counts, routing, link, measurement."""
+"""What a simulated deployment is made of: profiles, instance counts, routing, link, measurement, policies.
+
+Each policy is a spec, a built-in name or module:Class, with its keyword arguments (``policy.plugin``): the
+simulator loads them as the gateway does.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ from dataclasses import dataclass, field
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.profile import DecodeProfile, PrefillProfile
-from minifaas.policy.codec_policy import MODES, CodecEstimate
+from minifaas.policy.codec_policy import CodecEstimate
 from minifaas.policy.long_term import LongTermConfig
+from minifaas.policy.plugin import CODEC, LONG_TERM, ROUTER, SHORT_TERM, SNAPSHOT, Args, check_policy, policy_args
 from minifaas.policy.router import RouterConfig, Rule
 from minifaas.policy.short_term import ShortTermConfig
 from minifaas.sim.fluid_link import LinkConfig
@@ -41,6 +46,15 @@ class SimConfig:
     convert_s: float = 60.0  # a drained PD worker restarts in its new role this much later
     kv_compression: str = "none"  # codec of PrfaaS transfers (policy.compression); none: state crosses as it is
     codecs: tuple[tuple[str, CodecEstimate], ...] = (("lossless", GPU_LOSSLESS),)  # what the policy weighs
+    kv_compression_args: Args = ()
+    router_policy: str = "default"  # the routing policy
+    router_args: Args = ()
+    short_term_policy: str = "default"  # run when ``short_term`` is set
+    short_term_args: Args = ()
+    long_term_policy: str = "default"  # run when ``long_term`` is set
+    long_term_args: Args = ()
+    snapshot_policy: str = "interval"  # where the pools keep state snapshots (every ``snapshot_interval_blocks``)
+    snapshot_args: Args = ()
 
     def __post_init__(self) -> None:
         if min(self.n_prfaas, self.n_prefill, self.n_decode) < 0 or self.n_decode < 1:
@@ -53,15 +67,30 @@ class SimConfig:
             raise ValueError("convert_s must be >= 0")
         if self.snapshot_interval_blocks < 0:
             raise ValueError("snapshot_interval_blocks must be >= 0")
-        if self.kv_compression not in MODES:
-            raise ValueError(f"kv_compression must be one of {', '.join(MODES)}, got {self.kv_compression!r}")
-        if self.kv_compression not in ("none", "auto", *dict(self.codecs)):
+        named = self.kv_compression in CODEC.builtins
+        if named and self.kv_compression not in ("none", "auto", *dict(self.codecs)):
             raise ValueError(f"kv_compression {self.kv_compression}: no figures for that codec in codecs")
+        self._check_policies()
+
+    def _check_policies(self) -> None:
+        for spec, field_name, kind in _POLICIES:
+            args = policy_args(getattr(self, field_name))
+            object.__setattr__(self, field_name, args)
+            check_policy(getattr(self, spec), kind, args)
 
     @property
     def gpus(self) -> int:
         prefill = self.n_prfaas * self.prfaas.gpus_per_instance + self.n_prefill * self.pd_prefill.gpus_per_instance
         return prefill + self.n_decode * self.decode.gpus_per_instance
+
+
+_POLICIES = (  # (spec field, args field, kind)
+    ("router_policy", "router_args", ROUTER),
+    ("short_term_policy", "short_term_args", SHORT_TERM),
+    ("long_term_policy", "long_term_args", LONG_TERM),
+    ("snapshot_policy", "snapshot_args", SNAPSHOT),
+    ("kv_compression", "kv_compression_args", CODEC),
+)
 
 
 def config_for(case: PlanCase, point: OperatingPoint, link: LinkConfig | None = None, **extra: object) -> SimConfig:

@@ -17,6 +17,7 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.manager import GlobalCacheManager, PoolMatch
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.planner.profile import PrefillProfile
+from minifaas.policy.plugin import Args
 
 UNLIMITED_BYTES = 2**62
 
@@ -29,15 +30,17 @@ class ClusterPrefixCaches:
         capacity_bytes: float,
         kv_profile: PrefillProfile,
         snapshot_interval_blocks: int = 8,
+        snapshot_policy: str = "interval",
+        snapshot_args: Args = (),
     ) -> None:
         capacity = UNLIMITED_BYTES if capacity_bytes == float("inf") else int(capacity_bytes)
         self.block_tokens = block_tokens
-        self.pools: dict[str, HybridPrefixPool[None]] = {
-            name: HybridPrefixPool(
-                PoolConfig(name, capacity, block_tokens, snapshot_interval_blocks, events=False), name
-            )
+        configs = {
+            name: PoolConfig(name, capacity, block_tokens, snapshot_interval_blocks, events=False,
+                             snapshot_policy=snapshot_policy, snapshot_args=snapshot_args)
             for name in clusters
-        }
+        }  # fmt: skip
+        self.pools: dict[str, HybridPrefixPool[None]] = {name: HybridPrefixPool(c, name) for name, c in configs.items()}
         self.manager = GlobalCacheManager(clusters)
         for name, pool in self.pools.items():
             self.manager.attach(name, pool.index, name)

@@ -2,7 +2,9 @@
 
 On every sampling tick the pools and the fluid link become one ``Signals``;
 the short-term policy sets the router's threshold and rule, the long-term one
-(once a period) may ask for PD workers to change role. A conversion retires
+(once a period) may ask for PD workers to change role. Both are loaded from
+their specs (``policy.plugin``) and driven through their interfaces only
+(``policy.interfaces``), on the simulator's clock. A conversion retires
 the least-loaded worker of the role that shrinks (no new work goes to it),
 waits until it holds nothing, then, ``convert_s`` later (the restart in its
 new role), adds a worker to the other pool. Nothing is lost or moved: the
@@ -15,8 +17,8 @@ import numpy as np
 
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
-from minifaas.policy.long_term import LongTermPolicy
-from minifaas.policy.short_term import ShortTermPolicy
+from minifaas.policy.interfaces import LongTermControl, ShortTermControl
+from minifaas.policy.plugin import LONG_TERM, SHORT_TERM, load_policy
 from minifaas.policy.signals import Signals, StageLoad
 from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.deployment import SimConfig
@@ -40,11 +42,20 @@ class SimScheduler:
         self.config, self.loop, self.link = config, loop, link
         self.prfaas, self.pd, self.decode = prfaas, pd, decode
         self.threshold, self.rule = config.threshold, config.rule
-        self.short = ShortTermPolicy(config.short_term, config.threshold, config.rule) if config.short_term else None
-        self.long = None
+        self.utilisation = 0.0  # the short-term policy's smoothed reading of the link, as of its last step
+        self.short: ShortTermControl | None = None
+        if config.short_term is not None:
+            self.short = load_policy(
+                config.short_term_policy, SHORT_TERM, config.short_term_args,
+                config=config.short_term, threshold=config.threshold, rule=config.rule,
+            )  # fmt: skip
+        self.long: LongTermControl | None = None
         if config.long_term is not None:
-            case = _case_of(config, workload)
-            self.long = LongTermPolicy(config.long_term, case, config.threshold, config.n_prefill, config.n_decode)
+            self.long = load_policy(
+                config.long_term_policy, LONG_TERM, config.long_term_args, config=config.long_term,
+                case=_case_of(config, workload), threshold=config.threshold, n_prefill=config.n_prefill,
+                n_decode=config.n_decode,
+            )  # fmt: skip
         self.conversions = 0  # workers that finished changing role
         self.lengths: list[int] = []  # incremental prefill lengths routed since the last tick
         self.trace: list[tuple[float, int, int, int]] = []  # (time, t, PD-P serving, PD-D serving)
@@ -80,13 +91,12 @@ class SimScheduler:
         self.lengths.clear()
         if self.short is not None:
             decision = self.short.step(signals)
-            self.threshold, self.rule = decision.threshold, decision.rule
+            self.threshold, self.rule, self.utilisation = decision.threshold, decision.rule, decision.utilisation
         if self.long is not None:
             plan = self.long.step(signals)
             if plan is not None:
                 if self.short is not None:
-                    self.short.set_base(plan.threshold)
-                    self.threshold = self.short.threshold
+                    self.threshold = self.short.set_base(plan.threshold)
                 for _ in range(abs(plan.to_prefill)):
                     self._convert(to_prefill=plan.to_prefill > 0)
         self.trace.append((now, self.threshold, self.pd.serving, self.decode.serving))

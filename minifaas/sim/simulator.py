@@ -23,7 +23,9 @@ import numpy as np
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.policy.codec_policy import TransferShape
-from minifaas.policy.router import ClusterView, Path, RouteInput, Router
+from minifaas.policy.interfaces import RoutingPolicy
+from minifaas.policy.plugin import ROUTER, load_policy
+from minifaas.policy.router import ClusterView, Path, RouteInput
 from minifaas.sim.coding import SimCoding
 from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.deployment import SimConfig
@@ -43,7 +45,8 @@ class Simulation:
         self.config = config
         self.workload = workload
         self.loop = EventLoop()
-        self.router = Router(config.router)
+        self.router: RoutingPolicy = load_policy(config.router_policy, ROUTER, config.router_args, config=config.router)
+        self.prompt_tokens = self.cached_tokens = 0  # of the requests routed: the prefix hit ratio
         self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas)
         self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill)
         self.decode = DecodeInstances(config.decode, config.n_decode)
@@ -53,8 +56,9 @@ class Simulation:
         if use_cache:
             clusters = (self.prfaas.cluster, self.pd.cluster)
             self.caches = ClusterPrefixCaches(
-                clusters, workload.block_tokens, config.cache_bytes, config.prfaas, config.snapshot_interval_blocks
-            )
+                clusters, workload.block_tokens, config.cache_bytes, config.prfaas, config.snapshot_interval_blocks,
+                config.snapshot_policy, config.snapshot_args,
+            )  # fmt: skip
         n = len(workload)
         self._arrival = workload.arrival_s.tolist()
         self._prompt = workload.input_tokens.tolist()
@@ -66,7 +70,7 @@ class Simulation:
         self._prefill_end = [0.0] * n
         self._kv_bytes = [0.0] * n  # on the wire
         self._coding_s = [0.0] * n
-        self.coding = SimCoding(config.kv_compression, config.codecs)
+        self.coding = SimCoding(config.kv_compression, config.codecs, config.kv_compression_args)
         self._keys: dict[int, list] = {}  # rid -> [block keys, uses left]: dropped after the last use
         self.first_token = [math.nan] * n
         self.finished = [math.nan] * n
@@ -111,6 +115,8 @@ class Simulation:
         decision = self.router.route(RouteInput(prompt, sched.threshold, sched.rule, prfaas, pd))
         if decision.path is Path.REJECT:
             return
+        self.prompt_tokens += prompt
+        self.cached_tokens += decision.cached_tokens
         if self.caches is not None:  # stored after prefill, and a PrfaaS prompt's KV again where it lands
             self._keys[rid] = [keys, 2 if decision.path is Path.PRFAAS else 1]
         sched.lengths.append(decision.incremental_tokens)
@@ -130,7 +136,7 @@ class Simulation:
         if decision.path is Path.PRFAAS:
             self.path[rid] = PRFAAS
             shipped = prompt - decision.link_kv_start
-            utilisation = sched.short.utilisation if sched.short is not None else 0.0
+            utilisation = sched.utilisation
             nbytes, layers = pool.kv_bytes(shipped), self.config.link.pipeline_layers
             shape = TransferShape(nbytes, end - start if layers else 0.0, nbytes / layers if layers else nbytes)
             self._kv_bytes[rid], self._coding_s[rid] = self.coding.transfer(
@@ -257,7 +263,7 @@ class Simulation:
             ttft_pd_mean_s=mean(first[counted & (path == PD)] - arrival[counted & (path == PD)]),
             tpot_s=self._step,
             offload_fraction=float(np.count_nonzero(path == PRFAAS) / max(1, np.count_nonzero(routed))),
-            prefix_hit_token_ratio=self.router.cached_tokens / max(1, self.router.prompt_tokens),
+            prefix_hit_token_ratio=self.cached_tokens / max(1, self.prompt_tokens),
             egress_gbps_mean=mean(bins),
             egress_gbps_p99=percentile(bins, 99),
             link_utilisation=float(self.link.delivered.sum() / max(self.link.capacity_bytes, 1e-9)),

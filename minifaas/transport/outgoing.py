@@ -86,8 +86,9 @@ class OutgoingTransfer:
         pool: Connections,
         settings: SenderConfig,
         codec: Codec = Codec.NONE,
+        connections: int = 0,  # at most this many of the pool's (0: the settings'), for a state of a few chunks
     ) -> None:
-        self.id = transfer
+        self.id, self.connections = transfer, connections or settings.connections
         self.layers = layers
         self.total_bytes = total_bytes
         self.codec = codec  # asked for; once connected, what the receiver can decode
@@ -134,9 +135,9 @@ class OutgoingTransfer:
                 raise self._producer_error
             return
         waiting = [*self._drain_queue(), *self._held]
-        for chunk in cut_tail(waiting, self._settings.connections, self._settings.unsent_limit_bytes):
+        for chunk in cut_tail(waiting, self.connections, self._settings.unsent_limit_bytes):
             self._queue.put_nowait(chunk)
-        for _ in range(self._settings.connections):
+        for _ in range(self.connections):
             self._queue.put_nowait(None)
         self.report = await self._runner
 
@@ -204,7 +205,7 @@ class OutgoingTransfer:
 
     async def _run(self) -> TransferReport:
         s = self._settings
-        channels = await self._pool.acquire(s.connections)
+        channels = await self._pool.acquire(self.connections)
         self.codec = usable(self.codec, offered(self._pool.offer(channels)))
         clean = False
         try:

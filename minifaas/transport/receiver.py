@@ -54,6 +54,7 @@ from minifaas.transport.wire import (
 )
 
 log = logging.getLogger(__name__)
+MAX_OPEN_TRANSFERS = 256  # the default; a decode worker holds one per request it may take (max_batch + max_waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,7 @@ class ReceiverConfig:
     handshake_timeout: float = 5.0
     stall_timeout: float = 10.0
     max_transfer_bytes: int = 64 << 30
-    max_open_transfers: int = 256
+    max_open_transfers: int = MAX_OPEN_TRANSFERS
     unclaimed_grace: float = 10.0  # an ended transfer no consumer claimed is dropped after this long
     recycle_bytes: int = 4 << 30  # received memory kept for reuse once released (0: none)
     accept_unchecked: bool = False  # take chunks whose sender skipped the payload checksum (TLS, trusted links)

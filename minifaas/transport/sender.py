@@ -26,11 +26,13 @@ from minifaas.transport.sender_config import SenderConfig
 
 __all__ = ["KVSender", "SenderConfig"]
 
+IDLE_TRANSFERS = 8  # transfers' worth of connections kept open for the next ones: a prefill batch sends that many
+
 
 class KVSender:
     def __init__(self, config: SenderConfig, ssl: ssl_module.SSLContext | None = None):
         self.config = config
-        self.pool = Connections(config.endpoint, max_idle=config.connections, ssl=ssl)
+        self.pool = Connections(config.endpoint, max_idle=config.connections * IDLE_TRANSFERS, ssl=ssl)
         self._active: set[OutgoingTransfer] = set()
 
     async def __aenter__(self) -> KVSender:
@@ -40,10 +42,11 @@ class KVSender:
         self.pool.close()
 
     def stream(
-        self, transfer_id: int, layers: int, total_bytes: int = 0, codec: Codec = Codec.NONE
+        self, transfer_id: int, layers: int, total_bytes: int = 0, codec: Codec = Codec.NONE, connections: int = 0
     ) -> OutgoingTransfer:
-        """A transfer to fill with ``put``; entering it starts sending, leaving it waits for DONE."""
-        tx = OutgoingTransfer(transfer_id, layers, total_bytes, self.pool, self.config, codec)
+        """A transfer to fill with ``put``; entering it starts sending, leaving it waits for DONE. ``connections``:
+        at most that many (0: the config's), for a state of a few chunks."""
+        tx = OutgoingTransfer(transfer_id, layers, total_bytes, self.pool, self.config, codec, connections)
         self._active = {t for t in self._active if not t.finished}
         self._active.add(tx)
         return tx

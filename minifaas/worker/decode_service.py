@@ -7,19 +7,21 @@ in flight: a request that arrives or is aborted during a step is applied the
 moment that step returns, so an aborted request's state is freed within one
 step and the others go on.
 
-A request refused by a full waiting queue is answered ``failed`` at once. The
-gateway's own bound (``max_queued_requests``, answered 503) comes first as long
-as it is at most a decode worker's ``max_batch + max_waiting``, as by default.
+A request refused by a full waiting queue is answered ``failed`` at once (the gateway's
+``max_queued_requests`` comes first while at most ``max_batch + max_waiting``, as by default).
+With ``hold`` (``DecoderConfig``), a step waits that many times the last one's length while more
+requests are on their way than it holds: more rows share its fixed cost, their prefills get the cores.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from minifaas.control.worker_ops import Reply, sampling_from_json
 from minifaas.model.batch_decoder import make_decoder
-from minifaas.model.decoder import DecoderConfig, QueueFull
+from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, finish_reason
 from minifaas.model.sampling import SamplingParams
@@ -34,7 +36,8 @@ class DecodeService:
         self, runtime: ModelRuntime, receiver: KVReceiver, state_timeout: float, config: DecoderConfig | None = None
     ) -> None:
         self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
-        self.decoder = make_decoder(runtime, config or DecoderConfig())
+        self.config = config or DecoderConfig()
+        self.decoder = make_decoder(runtime, self.config)
         self.clients: dict[str, tuple[Emit, int]] = {}  # request -> (emit, transfer) while it decodes
         self.first_tokens: dict[str, asyncio.Future[int]] = {}
         self.stepping = False
@@ -58,10 +61,10 @@ class DecodeService:
         incoming = self.receiver.transfer(transfer)
         first = self._first_token(req)
         try:
-            async with asyncio.timeout(self.state_timeout):
+            async with asyncio.timeout(self.state_timeout or None):  # 0: the gateway's first-token deadline
                 state = await incoming.model_state()
             emit({"op": Reply.RECEIVED, "req": req, "transfer": transfer, "bytes": state.nbytes})
-            async with asyncio.timeout(self.state_timeout):
+            async with asyncio.timeout(self.state_timeout or None):
                 next_token = await first
         finally:
             if self.first_tokens.get(req) is first:
@@ -116,9 +119,9 @@ class DecodeService:
             if not self.decoder.load:
                 self.wakeup.clear()
                 continue
-            self.stepping = True
+            self.stepping, started = True, time.perf_counter()
             tokens = await self.runtime.on_forward_thread(self.decoder.step)
-            self.stepping = False
+            self.stepping, took = False, time.perf_counter() - started
             self._apply_pending()
             for t in tokens:
                 client = self.clients.get(t.request)
@@ -128,3 +131,5 @@ class DecodeService:
                 emit({"op": Reply.TOKEN, "req": t.request, "transfer": transfer, "token": t.token, "finish": t.finish})
                 if t.finish is not None:
                     del self.clients[t.request]
+            if self.config.hold and len(self.first_tokens) > self.decoder.load:  # more on their way than here
+                await asyncio.sleep(min(self.config.hold * took, MAX_HOLD_S))

@@ -10,6 +10,8 @@ and the session goes on. Each request runs as a task of the session. When the
 session ends (the gateway closed it, went silent past the deadline, or sent a
 frame that failed its MAC), every request it started is aborted: a prefill
 stops, a decode row is freed, and nothing waits for a gateway that is gone.
+A decode step's tokens leave as one ``tokens`` frame at the loop's next turn;
+any other message sends them first, so each request's messages keep their order.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from minifaas.cache.pool import HybridPrefixPool
 from minifaas.control.schema import BadMessage, validate
 from minifaas.control.session import ControlError, Garbled, Session
 from minifaas.control.worker_ops import CACHE_EVENTS, WORKER_OPS, Op, Reply
+from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.net.errors import TransferError
 from minifaas.worker.decode_prefix import DecodePrefixCache
 from minifaas.worker.decode_service import DecodeService
@@ -60,6 +63,9 @@ class WorkerNode:
 
     def describe(self) -> dict:
         fields = {"name": self.name, "role": self.role, "cluster": self.cluster, "model": self.model}
+        if isinstance(self.service, DecodeService):  # its rows per forward, as it sized them
+            decoder = self.service.decoder
+            fields["max_batch"] = decoder.config.max_batch if isinstance(decoder, BatchDecoder) else 1
         return {**fields, "kv": self.kv, "pid": self.pid, "codecs": self.codecs, "kernels": self.kernels}
 
 
@@ -78,6 +84,7 @@ class GatewaySession:
         self.aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
         self.decoding: set[str] = set()  # this session's decode requests, until their last message or abort
         self.tasks: asyncio.TaskGroup | None = None
+        self.tokens: list[dict] = []  # token messages of this turn of the loop, not sent yet (``emit``)
         self.handlers: dict[str, Callable[[dict], None]] = {
             Op.ATTACH: self.attach,
             Op.PING: self.ping,
@@ -92,8 +99,16 @@ class GatewaySession:
             self.service.kept = self.send_cache_events
 
     def send(self, message: dict) -> None:
+        self.send_tokens()
         if not self.session.closed:  # after the session ended its requests answer no one
             self.session.send(message)
+
+    def send_tokens(self) -> None:
+        """The token messages held back so far, as one ``tokens`` message."""
+        if self.tokens:
+            tokens, self.tokens = self.tokens, []
+            if not self.session.closed:
+                self.session.send({"op": Reply.TOKENS, "tokens": tokens})
 
     def send_cache_events(self) -> None:
         if self.node.pool is not None and (events := self.node.pool.drain_events()):
@@ -101,6 +116,11 @@ class GatewaySession:
 
     def emit(self, message: dict) -> None:
         self.send_cache_events()  # the pool's changes go out before the news that follows them
+        if message["op"] == Reply.TOKEN:  # held until this turn of the loop is over: a step's tokens in one frame
+            if not self.tokens:
+                asyncio.get_running_loop().call_soon(self.send_tokens)
+            self.tokens.append({k: v for k, v in message.items() if k != "op"})
+            return
         self.send(message)
         if message["op"] in (Reply.DONE, Reply.FAILED) or message.get("finish"):
             self.decoding.discard(message["req"])  # its row is gone: nothing to abort when the session ends

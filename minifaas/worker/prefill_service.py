@@ -10,8 +10,9 @@ Around the core: one prompt computes at a time, in arrival order (``_turn``); th
 the forwards end; the pool keeps the prompt's blocks and snapshots beside the transfer's tail, the compute lock
 held until they are in so the next prompt sees them (``_keep``). An abort takes a waiting prompt out of the
 queue or stops a running forward at its next layer that hands state on (``_until_stopped``), lets the lock go
-only once that forward's thread has ended, resets the transfer and stores nothing. The codec the gateway
-names is used if this worker allows it, else the nearest it allows; ``calibrate`` measures each at start.
+only once that forward's thread has ended, resets the transfer and stores nothing. Codecs: the gateway's, if
+allowed, else the nearest (``calibrate`` measures each). Short prompts queued at once may ride in the forward of
+the one whose turn came (``prefill_batch``, with ``batch_tokens``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from minifaas.transport.outgoing import TransferReport
 from minifaas.transport.receiver import KVReceiver
 from minifaas.transport.sender import KVSender
 from minifaas.transport.sender_config import SenderConfig
+from minifaas.worker.prefill_batch import Batcher, PrefillBatch, until_done
 from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
 
 log = logging.getLogger("minifaas.prefill")
@@ -60,9 +62,10 @@ class PrefillService:
         import_timeout: float = 30.0,
         chunk_tokens: int = 0,  # prefill in forwards of at most this many tokens, streaming each (0: one forward)
         codecs: frozenset[Codec] = frozenset(),  # the codecs this worker may send with (none always)
+        batch_tokens: int = 0,  # queued prompts of one length share a forward of at most this many tokens (0: not)
     ) -> None:
-        if chunk_tokens < 0:
-            raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+        if chunk_tokens < 0 or batch_tokens < 0:
+            raise ValueError(f"chunk_tokens and batch_tokens must be >= 0, got {chunk_tokens}, {batch_tokens}")
         # without full attention nothing can stream before the last token: chunks would only cost, and the
         # transfer would sit open with nothing on it
         self.chunk_tokens = chunk_tokens if any(kind.grows for kind in store.layout) else 0
@@ -72,6 +75,7 @@ class PrefillService:
         self.codecs = codecs | {Codec.NONE}
         self.senders: dict[tuple[str, int], KVSender] = {}
         self.compute = asyncio.Lock()  # one prompt computes at a time; held until the pool has kept its part
+        self.batcher = Batcher(self.compute, runtime, store, batch_tokens)  # the queue for it, and its batches
         self.queued_tokens = 0
         self._keeping: set[asyncio.Task[None]] = set()  # stores into the pool still under way
         self.kept: Callable[[], None] | None = None  # called after each store (the session sends the pool's news)
@@ -97,13 +101,16 @@ class PrefillService:
     async def _run(self, job: _Job) -> dict:
         """The core: load the cached prefix, run the forwards, hand each layer's state to the sender, report."""
         msg, tokens, stop = job.msg, job.tokens, job.stop
-        job.plan = self.store.begin(tokens, job.started, msg.get("seen_tokens", 0))
-        if not self.chunk_tokens:  # the snapshot segments, before the transfer: nothing of them streams
+        if job.batch is None:  # else a batch ahead took it along, planned
+            job.plan = self.store.begin(tokens, job.started, msg.get("seen_tokens", 0))
+            self.batcher.gather(job)
+        if not self.chunk_tokens and job.batch is None:  # the snapshot segments, before the transfer
             await self._until_stopped(stop, self.store.advance, self.runtime, job.plan)
-        async with job.sender.stream(msg["transfer"], layers=self.runtime.num_states, codec=self.codec(msg)) as tx:
+        connections = self.batcher.connections(job, self.connections)  # a batch's states are a few chunks each
+        async with job.sender.stream(msg["transfer"], self.runtime.num_states, 0, self.codec(msg), connections) as tx:
             link_start = msg.get("link_start", 0)
             job.forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
-            computed = await self._forwards(job)
+            computed = await (self._forwards(job) if job.batch is None else self.batcher.row(job, job.forward, stop))
             self._forwarded(job, computed)
         assert tx.report is not None
         return _prefilled(job, computed, tx.report, time.perf_counter())
@@ -115,13 +122,15 @@ class PrefillService:
         self.queued_tokens += len(job.tokens)
         job.queued = True
         try:
-            await self.compute.acquire()
-            job.held, job.started = True, time.perf_counter()
+            job.held = await self.batcher.turn(job)
+            job.started = time.perf_counter()
             yield
         except asyncio.CancelledError:
             self.stopped_at[job.msg["req"]] = job.forward.handed_tokens if job.forward is not None else 0
             raise
         finally:
+            if job.batch is not None:
+                job.batch.leave(job)
             if not job.keeping and job.plan is not None:
                 self.store.release(job.plan)
             self._unqueue(job)
@@ -163,17 +172,7 @@ class PrefillService:
         """``fn(*args)`` on the runtime's forward thread. If the awaiting task is cancelled, set ``stop`` and
         wait for the thread to end (a forward checks ``stop`` at its next layer) before the cancellation goes
         on: the compute lock must not be let go while a forward still runs."""
-        work = asyncio.ensure_future(self.runtime.on_forward_thread(fn, *args))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            stop.set()
-            while not work.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([work])
-            if not work.cancelled():
-                work.exception()  # retrieved (Stopped, or what the forward raised): the request is gone anyway
-            raise
+        return await until_done(stop, asyncio.ensure_future(self.runtime.on_forward_thread(fn, *args)))
 
     def _keep(self, job: _Job, computed: Computed) -> None:
         """Copy out (on the forward thread) and store what the pool keeps of a computed prompt, then let the next
@@ -262,6 +261,8 @@ class _Job:
     keeping: bool = False  # the pool's task has taken its plan and the lock over
     plan: CachedPrefill | None = None  # its pinned hit
     forward: LayerForwarder | None = None  # how far its forward got
+    adopted: asyncio.Future[None] | None = None  # set when a batch ahead of it takes it along
+    batch: PrefillBatch | None = None  # the batch whose forward computes it (it may lead it)
 
     @property
     def tokens(self) -> list[int]:

@@ -2,20 +2,22 @@
 
 Each prefill worker holds one pool in its own host memory, and the cluster shares them by routing: the
 gateway hears every node's store/evict events under the node's name and sends a request to a node that can
-load its hit. A worker that restarts comes back with an empty pool. Payloads are tuples of LayerState in
-host memory, whatever the model's device:
+load its hit. A worker that restarts comes back with an empty pool. Payloads are in host memory:
 - a block: the full-attention KV of its ``block_size`` tokens, one state per full-attention layer;
 - a snapshot at length n: the full-attention KV of the partial block [n - n % block_size, n),
-  and every other layer's state (linear attention, sliding window) at exactly n.
+  every other layer's state (linear attention, sliding window) at exactly n, and the logits of the token
+  after n (``Snapshot``).
 
 A prefill with a hit of h tokens continues from the hit's state and runs the rest in segments that end at
 the pool's snapshot points, keeping the state at each (``advance``); only the last segment streams its layers
-to the decode side (``compute``). The blocks and the end snapshot are copied out (``cut``) and stored
-(``finish``) after the prefill's result has gone on: no first token waits for them.
+to the decode side (``compute``). A prompt whose end snapshot is held runs no forward: its state streams from
+the pool and its first token is sampled from the kept logits. The blocks and the end snapshot are copied out
+(``cut``) and stored (``finish``) after the prefill's result has gone on: no first token waits for them.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,11 +27,25 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.entry import Lease
 from minifaas.cache.events import CacheEvent
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.prefix_index import EntryKind
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens, PrefillResult
-from minifaas.model.sampling import GREEDY, SamplingParams
+from minifaas.model.sampling import GREEDY, SamplingParams, sample
 
 Payload = tuple[LayerState, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A snapshot's payload: the states valid at exactly its length, and the logits [vocab] of the token after
+    it, so that the same prompt again needs no forward (None: a state moved in from another node)."""
+
+    states: Payload
+    logits: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.states) + (self.logits.nbytes if self.logits is not None else 0)
 
 
 @dataclass(slots=True)
@@ -42,7 +58,8 @@ class CachedPrefill:
     points: list[int]  # snapshot points inside the prompt: each ends a forward, its state is kept
     snapshot_end: bool  # keep the state at the prompt's end too
     done: int = 0
-    snapshots: list[tuple[int, Payload]] = field(default_factory=list)  # (length, payload)
+    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload)
+    logits: torch.Tensor | None = None  # the whole prompt is the hit: the logits of the token after it
     seconds: float = 0.0  # spent in forwards so far
 
     @property
@@ -57,13 +74,13 @@ class Computed:
 
     result: PrefillResult
     blocks: list[tuple[int, Payload]] = field(default_factory=list)  # (block index, payload)
-    snapshots: list[tuple[int, Payload]] = field(default_factory=list)  # (length, payload)
+    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload)
     cut: bool = False  # the blocks and the end snapshot are in
 
 
 class PrefixStore:
     def __init__(self, config: PoolConfig, namespace: str, layout: Sequence[StateKind], node: str) -> None:
-        self.pool: HybridPrefixPool[Payload] = HybridPrefixPool(config, node)
+        self.pool: HybridPrefixPool[Payload | Snapshot] = HybridPrefixPool(config, node)
         self.namespace, self.layout = namespace, tuple(layout)
 
     @property
@@ -71,20 +88,32 @@ class PrefixStore:
         return self.pool.config.enabled
 
     def begin(self, tokens: Sequence[int], now: float, seen_tokens: int = 0) -> CachedPrefill:
-        """Pin the usable hit (at least one token is left to compute) and load its state. ``seen_tokens``:
-        the longest prefix of the prompt that some node stored (the gateway's directory), a branch point
-        worth a snapshot; this node's own pool adds what it holds."""
-        size = self.pool.config.block_size
+        """Pin the usable hit and load its state: the whole prompt where its end snapshot kept the logits, else
+        a prefix that leaves at least one token to compute. ``seen_tokens``: the longest prefix of the prompt
+        that some node stored (the gateway's directory), a branch point worth a snapshot; this node's own pool
+        adds what it holds."""
+        size, n = self.pool.config.block_size, len(tokens)
         keys = PromptKeys.from_tokens(tokens, size, self.namespace)
-        lease = self.pool.acquire(keys, now, limit=len(tokens) - 1)
+        logits = self._logits_at_end(keys)
+        lease = self.pool.acquire(keys, now, limit=n if logits is not None else n - 1)
         h = lease.hit_tokens
-        prefix = assemble(self.layout, lease.block_payloads, lease.snapshot_payload, h) if h else None
+        snapshot = lease.snapshot_payload
+        states = snapshot.states if isinstance(snapshot, Snapshot) else None
+        prefix = assemble(self.layout, lease.block_payloads, states, h) if h else None
         points = []
         if self.enabled:
-            seen = max(seen_tokens, self.pool.match(keys, limit=len(tokens) - 1).kv_blocks * size)
-            points = self.pool.snapshot_points(h, len(tokens), seen)
-        snapshot_end = bool(points) and points[-1] == len(tokens)
-        return CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end, h)
+            seen = max(seen_tokens, self.pool.match(keys, limit=n - 1).kv_blocks * size)
+            points = self.pool.snapshot_points(h, n, seen)
+        snapshot_end = bool(points) and points[-1] == n
+        plan = CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end, h)
+        plan.logits = logits if h == n else None
+        return plan
+
+    def _logits_at_end(self, keys: PromptKeys) -> torch.Tensor | None:
+        """The logits kept with a snapshot at the prompt's very end, if this pool holds one."""
+        entry = self.pool.entry(EntryKind.SNAPSHOT, keys.end_key) if self.enabled else None
+        payload = entry.payload if entry is not None else None
+        return payload.logits if isinstance(payload, Snapshot) else None
 
     def advance(
         self, runtime: ModelRuntime, plan: CachedPrefill, chunk_tokens: int = 0, on_tokens: OnTokens | None = None
@@ -98,7 +127,8 @@ class PrefixStore:
                 continue
             step = runtime.prefill(tokens[plan.done : end], plan.state, chunk_tokens=chunk_tokens, on_tokens=on_tokens)
             plan.state, plan.done, plan.seconds = step.state, end, plan.seconds + step.seconds
-            plan.snapshots.append((end, snapshot_payload(step.state, self.layout, self.pool.config.block_size)))
+            states = snapshot_payload(step.state, self.layout, self.pool.config.block_size)
+            plan.snapshots.append((end, Snapshot(states, step.logits)))
 
     def compute(
         self,
@@ -111,6 +141,8 @@ class PrefixStore:
     ) -> Computed:
         """Prefill the rest of the prompt (``on_layer`` sees only this last forward's layers). Blocking: run it
         in a thread. What the pool keeps of it is cut later (``cut``, ``finish``)."""
+        if plan.logits is not None:
+            return Computed(replayed(runtime, plan, on_layer, sampling), cut=True)
         self.advance(runtime, plan, chunk_tokens, on_tokens)
         tokens = plan.keys.tokens
         assert tokens is not None
@@ -126,7 +158,8 @@ class PrefixStore:
             return
         size, final = self.pool.config.block_size, computed.result.state
         if plan.snapshot_end:
-            computed.snapshots.append((plan.keys.num_tokens, snapshot_payload(final, self.layout, size)))
+            end = Snapshot(snapshot_payload(final, self.layout, size), computed.result.logits)
+            computed.snapshots.append((plan.keys.num_tokens, end))
         first = plan.hit_tokens // size
         computed.blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
         computed.cut = True
@@ -139,8 +172,8 @@ class PrefixStore:
             for j, payload in computed.blocks:
                 if not self.pool.put_block(plan.keys, j, now, _nbytes(payload), payload):
                     break  # a later block would be an orphan
-            for n, payload in computed.snapshots:
-                self.pool.put_snapshot(plan.keys, n, now, _nbytes(payload), payload)
+            for n, snapshot in computed.snapshots:
+                self.pool.put_snapshot(plan.keys, n, now, snapshot.nbytes, snapshot)
             self.pool.touch(plan.keys, plan.keys.num_tokens, now)
         finally:
             self.release(plan)
@@ -150,8 +183,9 @@ class PrefixStore:
         Release the lease once the state is sent."""
         keys = PromptKeys.from_tokens(tokens, self.pool.config.block_size, self.namespace)
         lease = self.pool.acquire(keys, now, limit=length)
-        h = lease.hit_tokens
-        return lease, assemble(self.layout, lease.block_payloads, lease.snapshot_payload, h) if h else None
+        h, snapshot = lease.hit_tokens, lease.snapshot_payload
+        states = snapshot.states if isinstance(snapshot, Snapshot) else None
+        return lease, assemble(self.layout, lease.block_payloads, states, h) if h else None
 
     def import_state(self, tokens: Sequence[int], state: ModelState, now: float) -> None:
         """Keep a prefix state moved in from another cluster: its blocks, and its snapshot at exactly its length."""
@@ -161,8 +195,8 @@ class PrefixStore:
             payload = block_payload(state, j, size)
             if not self.pool.put_block(keys, j, now, _nbytes(payload), payload):
                 return
-        payload = snapshot_payload(state, self.layout, size)
-        self.pool.put_snapshot(keys, n, now, _nbytes(payload), payload)
+        snapshot = Snapshot(snapshot_payload(state, self.layout, size))
+        self.pool.put_snapshot(keys, n, now, snapshot.nbytes, snapshot)
 
     def release(self, plan: CachedPrefill) -> None:
         if not plan.lease.released:
@@ -170,6 +204,21 @@ class PrefixStore:
 
     def drain_events(self) -> list[CacheEvent]:
         return self.pool.drain_events()
+
+
+def replayed(
+    runtime: ModelRuntime, plan: CachedPrefill, on_layer: OnLayer | None, sampling: SamplingParams
+) -> PrefillResult:
+    """A prompt held whole: its cached state handed on layer by layer, its first token sampled from the kept
+    logits, as the forward that computed them sampled it. No forward runs."""
+    start = time.perf_counter()
+    assert plan.state is not None and plan.logits is not None
+    if on_layer is not None:
+        for layer in plan.state.layers:
+            on_layer(layer)
+    n = plan.keys.num_tokens
+    token = sample(plan.logits, sampling, n, eos_token_id=runtime.eos_token_id)
+    return PrefillResult(plan.state, token, plan.logits, 0, time.perf_counter() - start)
 
 
 def block_payload(state: ModelState, index: int, block_size: int) -> Payload:

@@ -28,6 +28,7 @@ from minifaas.config import NAME_PREFIX
 from minifaas.control.secret import load_secret
 from minifaas.control.server import ControlServer
 from minifaas.model.batch_decoder import make_decoder
+from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.kernels import require_fast
 from minifaas.model.loader import resolve_dtype
@@ -35,7 +36,7 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import exit_when_stdin_closes
-from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.receiver import MAX_OPEN_TRANSFERS, KVReceiver, ReceiverConfig
 from minifaas.worker.decode_prefix import DecodePrefixCache, JoiningReceiver
 from minifaas.worker.decode_service import DecodeService
 from minifaas.worker.gateway_session import WorkerNode, serve_gateway
@@ -98,13 +99,14 @@ async def _load_runtime(args: argparse.Namespace, name: str) -> ModelRuntime:
         ModelRuntime.load, args.model, args.device, args.seed, dtype, args.trust_remote_code
     )
     require_fast(runtime.kernels, args.device, args.allow_slow_kernels)
-    log.info("worker %s on %s: kernels %s", name, args.device, runtime.kernels.to_json())
+    log.info("worker %s on %s: %s kernels", name, args.device, runtime.kernels.label)
+    log.debug("worker %s: kernel bindings %s", name, runtime.kernels.to_json()["bindings"])
     return runtime
 
 
 async def _warm_up(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> None:
     """Run the shapes the worker will serve before it says it is ready."""
-    decoding = _decoding(args)
+    decoding = _decoding(args, runtime)
     plan = WarmUpPlan.for_worker(args.prefill_chunk, decoding.max_batch if args.role == "decode" else None)
     plan = plan if args.device.startswith("cuda") else plan.cpu_plan()  # nothing to compile on the CPU
     decoder = make_decoder(runtime, decoding) if args.role == "decode" else None  # a throwaway: same shapes
@@ -126,12 +128,16 @@ async def _decode_side(
     """The KV receiver, the node's prefix cache joined onto it, and the decode service."""
     kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
     pinned = args.device.startswith("cuda")  # on a GPU, states land in page-locked memory and move to it asynchronously
-    config = ReceiverConfig(secret, host=kv_host, port=kv_port, codecs=codecs, pinned=pinned)
+    decoding = _decoding(args, runtime)  # every request it may hold claims its transfer when the gateway sends it
+    transfers = max(MAX_OPEN_TRANSFERS, decoding.max_batch + decoding.max_waiting)
+    config = ReceiverConfig(
+        secret, host=kv_host, port=kv_port, codecs=codecs, pinned=pinned, max_open_transfers=transfers
+    )
     receiver = await stack.enter_async_context(KVReceiver(config))
     kv = _advertised(args, kv_host, receiver.port)
     prefixes = DecodePrefixCache(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
     joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
-    service = DecodeService(runtime, joining, args.state_timeout, _decoding(args))  # type: ignore[arg-type]
+    service = DecodeService(runtime, joining, args.state_timeout, decoding)  # type: ignore[arg-type]
     return service, prefixes, kv, {}
 
 
@@ -154,7 +160,7 @@ async def _prefill_side(
     store = PrefixStore(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
     service = PrefillService(
         runtime, secret, args.connections, not args.no_pipelining, store, moves,
-        chunk_tokens=args.prefill_chunk, codecs=codecs,
+        chunk_tokens=args.prefill_chunk, codecs=codecs, batch_tokens=args.prefill_batch,
     )  # fmt: skip
     stack.push_async_callback(service.close)
     return service, None, kv, await runtime.on_forward_thread(service.calibrate)
@@ -169,8 +175,11 @@ def _announce(args: argparse.Namespace, node: WorkerNode, port: int, announce: C
              "none" if kv is None else f"{kv[0] or '*'}:{kv[1]}")  # fmt: skip
 
 
-def _decoding(args: argparse.Namespace) -> DecoderConfig:
-    return DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting)
+def _decoding(args: argparse.Namespace, runtime: ModelRuntime) -> DecoderConfig:
+    """The decoder's bounds, those left at 0 sized for the memory this worker has (``decode_memory``), and its
+    hold (-1: 1 on a CPU, where the prefills share the cores, 0 on a GPU)."""
+    hold = args.decode_hold if args.decode_hold >= 0 else (0.0 if args.device.startswith("cuda") else 1.0)
+    return sized_for(DecoderConfig(args.max_batch, args.step_tokens, args.max_waiting, hold), runtime)
 
 
 def _pool_config(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> PoolConfig:
@@ -183,4 +192,5 @@ def _pool_config(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> 
         needs_snapshot(runtime.layout.kinds),
         enabled=args.prefix_cache != "none",
         snapshot_policy=args.snapshot_policy,
+        snapshot_args=args.snapshot_policy_arg or (),
     )

@@ -1,0 +1,506 @@
+"""Scale on one box: served throughput beside transformers' batched generate(), long prompts, interference, memory.
+
+    python benchmarks/bench_scale.py [--sizes 1,32,128,256] [--crowd 1000] [--lengths 2048,8192,32000]
+                                     [--soak 10000] [--repeats 2] [--out scale.json] [--plot scale.png] [--json]
+
+One run, on one machine, with ``minifaas serve`` started as a user starts it (its defaults, a child process):
+
+1. throughput: for each size N, ``AutoModelForCausalLM.generate()`` of the same checkpoint on N prompts at once
+   (64 tokens in, 16 out, greedy, one torch thread, in this process) and then N concurrent streamed completions of
+   the same lengths with ``ignore_eos``; tokens/s of each and their ratio, the best of ``--repeats`` of each, the
+   two alternating. Then ``--crowd`` concurrent requests: how many are served and how many refused.
+2. long prompts: TTFT of one prompt of each of ``--lengths`` tokens, prefill tokens/s, the FLOPs the model spends
+   on it (``flop_model``: matmuls, causal attention, the linear layers' chunked scan) and the FLOP/s achieved; and
+   the peak RSS of the prefill worker that ran it, above what it held before the first.
+3. interference: a burst of short streams, one prompt of the longest length, the same burst again (after over
+   before); and the inter-token gaps of streams decoding while that prompt prefills, p99 over the same streams' p99
+   just before it.
+4. memory over time: ``--soak`` requests of mixed lengths (8 to 128 tokens in, 1 to 16 out; one in a hundred
+   2,048 in and 32 out), 32 at a time; every process's RSS after the first tenth and at the end.
+
+Every process's peak RSS closes the table; ``--out`` writes every figure as JSON and ``--plot`` a PNG (with the plot
+extra). ``--quick`` is the smoke run the tests make: sizes 1 and 4, 16 at once, prompts of 128 and 512 tokens, a
+burst of 4, 40 soak requests; the same code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import torch
+
+from minifaas import figures
+from minifaas.model.kernels import select_kernels
+from minifaas.model.loader import MODELS_DIR
+
+MODEL = "shakespeare-qwen3.5"
+PROMPT_TOKENS, OUTPUT_TOKENS = 64, 16
+LETTERS = range(97, 123)  # prompts of random lowercase letters: no two share a prefix block
+
+
+def prompts(count: int, length: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.choice(LETTERS) for _ in range(length)] for _ in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+# --- the reference: transformers' own batched generate() --------------------------------------------------------
+
+
+def load_reference() -> torch.nn.Module:
+    """The checkpoint through transformers alone, on the CPU kernels the workers run (no fla on a CPU)."""
+    select_kernels("cpu")
+    from transformers import AutoModelForCausalLM
+
+    path = MODELS_DIR / "checkpoints" / MODEL
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+
+
+def generate_rate(model: torch.nn.Module, batch: list[list[int]]) -> float:
+    """Output tokens per second of one batched greedy ``generate()``, prefill included."""
+    ids = torch.tensor(batch)
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_TOKENS,
+            min_new_tokens=OUTPUT_TOKENS, do_sample=False, pad_token_id=model.config.pad_token_id,
+        )  # fmt: skip
+    wall = time.perf_counter() - started
+    assert out.shape == (len(batch), PROMPT_TOKENS + OUTPUT_TOKENS)
+    return len(batch) * OUTPUT_TOKENS / wall
+
+
+# --- the server, as a user runs it ------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+
+    def processes(self) -> dict[str, int]:
+        """Every process of the server's group, by title (``serve``, ``pd-decode pd-d0``, ...) -> pid."""
+        out = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                if int(stat[stat.rindex(")") + 2 :].split()[2]) != self.proc.pid:
+                    continue
+                words = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().split()
+                title = " ".join(w for w in words[1:3] if not w.startswith(":")) if words[0] == "minifaas" else ""
+                out[title or f"pid {entry.name}"] = int(entry.name)
+        return out
+
+
+@contextlib.contextmanager
+def serving(flags: list[str], start_timeout: float = 300.0) -> Iterator[Server]:
+    """``minifaas serve --port 0 FLAGS`` in a process group of its own; its log goes to a file, not a pipe."""
+    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", *flags]
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        log = Path(tmp) / "serve.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + start_timeout
+            while (url := _served_url(log)) is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"minifaas serve did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+            yield Server(proc, url)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _served_url(log: Path) -> str | None:
+    for line in log.read_text().splitlines():
+        if "serving" in line and "http://" in line:
+            return "http://" + line.split("http://")[1].split()[0].removesuffix(",").removesuffix("/v1")
+    return None
+
+
+def rss_kib(pid: int, field_name: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak(pid: int) -> bool:
+    """Start ``pid``'s VmHWM afresh from its RSS now (Linux: clear_refs 5); False where not allowed."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakSampler:
+    """VmRSS of one process sampled every 20 ms, for where its peak cannot be reset."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                self.peak = max(self.peak, rss_kib(self.pid))
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# --- the client -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    status: int = 0
+    sent: float = 0.0
+    arrivals: list[float] = field(default_factory=list)  # when each content chunk came
+    info: dict = field(default_factory=dict)  # the response's ``minifaas`` object
+    retry_after: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.sent
+
+
+async def stream(
+    http: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int,
+    stop: asyncio.Event | None = None, out: Stream | None = None,
+) -> Stream:  # fmt: skip
+    """One streamed completion of token ids, into ``out`` as it comes; ``stop`` set: leave (the server aborts)."""
+    body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+    out = out or Stream()
+    out.sent = time.perf_counter()
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        out.status, out.retry_after = resp.status, resp.headers.get("Retry-After")
+        if resp.status != 200:
+            await resp.read()
+            return out
+        async for line in resp.content:
+            if line.startswith(b'data: {"id"'):
+                if b'"choices":[{' in line and b'"finish_reason":null' in line:
+                    out.arrivals.append(time.perf_counter())
+                if b'"minifaas"' in line:
+                    out.info = json.loads(line[6:])["minifaas"]
+            if stop is not None and stop.is_set():
+                break
+    return out
+
+
+def client() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, sock_read=600)
+    )
+
+
+async def concurrent(url: str, batch: list[list[int]], max_tokens: int = OUTPUT_TOKENS) -> tuple[list[Stream], float]:
+    """``batch`` as concurrent streamed requests; each one's stream and the wall time of all."""
+    async with client() as http:
+        started = time.perf_counter()
+        done = await asyncio.gather(*(stream(http, url, ids, max_tokens) for ids in batch))
+        return list(done), time.perf_counter() - started
+
+
+def served_rate(url: str, batch: list[list[int]]) -> tuple[float, int]:
+    """Output tokens per second of ``batch`` served at once, and how many were refused."""
+    done, wall = asyncio.run(concurrent(url, batch))
+    return sum(len(s.arrivals) for s in done) / wall, sum(s.status != 200 for s in done)
+
+
+# --- the FLOP model -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """FLOPs of a prefill of L tokens: 2 x matmul parameters x L, causal attention 2 x layers x heads x head_dim x
+    L^2, and each linear-attention layer's chunked scan, linear in L."""
+
+    matmul_params: int  # the decoder's linear layers; the LM head runs on the last token only
+    attention: int  # sum over full-attention layers of heads x head_dim
+    scan_per_token: int  # FLOPs per token of every linear-attention layer's chunked gated delta rule
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, chunk: int = 64) -> FlopModel:
+        c = model.config
+        params = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+        kinds = list(c.layer_types)
+        nv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        scan = kinds.count("linear_attention") * (2 * chunk * nv * (dk + dv) + 4 * nv * dk * dv)
+        return cls(params, kinds.count("full_attention") * c.num_attention_heads * c.head_dim, scan)
+
+    def flops(self, length: int) -> float:
+        return 2.0 * self.matmul_params * length + 2.0 * self.attention * length**2 + self.scan_per_token * length
+
+
+# --- the phases ---------------------------------------------------------------------------------------------------
+
+
+def throughput(server: Server, model: torch.nn.Module, sizes: list[int], repeats: int, rng: random.Random) -> list:
+    """generate() and the server at each size, alternating, the best of ``repeats`` each."""
+    rows = []
+    for n in sizes:
+        gen, srv, refused = 0.0, 0.0, 0
+        for r in range(repeats):
+            for side in ("generate", "served") if r % 2 == 0 else ("served", "generate"):
+                batch = prompts(n, PROMPT_TOKENS, rng)
+                if side == "generate":
+                    gen = max(gen, generate_rate(model, batch))
+                else:
+                    rate, no = served_rate(server.url, batch)
+                    srv, refused = max(srv, rate), refused + no
+        rows.append({"n": n, "generate_tok_s": gen, "served_tok_s": srv, "ratio": srv / gen, "refused": refused})
+        print(f"{n:>6} {gen:>14.1f} {srv:>12.1f} {srv / gen:>7.2f}x {refused:>8}", flush=True)
+    return rows
+
+
+def crowd(server: Server, n: int, rng: random.Random) -> dict:
+    done, wall = asyncio.run(concurrent(server.url, prompts(n, PROMPT_TOKENS, rng)))
+    served = [s for s in done if s.status == 200 and len(s.arrivals) == OUTPUT_TOKENS]
+    refused = [s for s in done if s.status != 200]
+    ttfts = [s.ttft for s in served]
+    row = {"n": n, "served": len(served), "refused": len(refused), "tok_s": sum(len(s.arrivals) for s in done) / wall,
+           "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99), "wall_s": wall}  # fmt: skip
+    print(f"{n} at once: {len(served)} served, {len(refused)} refused, {row['tok_s']:.1f} tok/s, "
+          f"TTFT p50 {row['ttft_p50_s']:.2f} s, p99 {row['ttft_p99_s']:.2f} s", flush=True)  # fmt: skip
+    return row
+
+
+def long_prompts(server: Server, flop: FlopModel, lengths: list[int], rng: random.Random) -> list[dict]:
+    """One prompt of each length, alone, shortest first: TTFT, prefill tokens/s, FLOP/s, and the peak RSS of the
+    prefill worker that ran it above its RSS before the first (the C allocator keeps what a prompt freed for the
+    next, so a peak over that baseline is what the longest prompt so far needed; each prompt's blocks stay cached)."""
+    rows = []
+    workers = {t: pid for t, pid in server.processes().items() if "-prefill " in t}
+    idle = {t: rss_kib(pid) for t, pid in workers.items()}
+    for length in lengths:
+        reset = all(reset_peak(pid) for pid in workers.values())
+        with contextlib.ExitStack() as samplers:
+            sampled = {t: samplers.enter_context(PeakSampler(pid)) for t, pid in workers.items()}
+            (done,), _ = asyncio.run(concurrent(server.url, prompts(1, length, rng), max_tokens=1))
+        title = next(t for t in workers if t.endswith(" " + str(done.info.get("prefill_worker"))))
+        peak = rss_kib(workers[title], "VmHWM") if reset else sampled[title].peak
+        ttft, work = done.ttft, flop.flops(length)
+        rows.append({"tokens": length, "ttft_s": ttft, "prefill_tok_s": length / ttft, "gflop": work / 1e9,
+                     "gflop_s": work / ttft / 1e9, "worker": title, "rss_idle_mib": idle[title] / 1024,
+                     "peak_rss_above_idle_mib": (peak - idle[title]) / 1024})  # fmt: skip
+        r = rows[-1]
+        print(f"{length:>7} {ttft:>8.2f} {r['prefill_tok_s']:>10.0f} {r['gflop']:>9.1f} {r['gflop_s']:>8.2f} "
+              f"{r['peak_rss_above_idle_mib']:>12.1f}  {title}", flush=True)  # fmt: skip
+    return rows
+
+
+def interference(server: Server, length: int, burst: int, streams: int, baseline_s: float, rng: random.Random) -> dict:
+    """A burst of short streams before and after one long prompt, and the inter-token gaps of streams decoding
+    while that prompt prefills against the same streams' gaps just before it."""
+    _, before = asyncio.run(concurrent(server.url, prompts(burst, PROMPT_TOKENS, rng)))
+    gaps = asyncio.run(_gaps_around(server.url, prompts(streams, PROMPT_TOKENS, rng), length, baseline_s, rng))
+    _, after = asyncio.run(concurrent(server.url, prompts(burst, PROMPT_TOKENS, rng)))
+    quiet, during = percentile(gaps["before"], 0.99), percentile(gaps["during"], 0.99)
+    row = {"burst": burst, "burst_before_s": before, "burst_after_s": after, "after_over_before": after / before,
+           "streams": streams, "itl_p99_before_s": quiet, "itl_p99_during_s": during, "itl_ratio": during / quiet,
+           "gaps_before": len(gaps["before"]), "gaps_during": len(gaps["during"]),
+           "long_ttft_s": gaps["ttft"]}  # fmt: skip
+    print(f"a burst of {burst}: {before:.2f} s before a {length}-token prompt, {after:.2f} s after "
+          f"({after / before:.2f}x)", flush=True)  # fmt: skip
+    print(f"inter-token p99 of {streams} streams: {1e3 * quiet:.0f} ms before, {1e3 * during:.0f} ms while it "
+          f"prefilled ({during / quiet:.2f}x; {len(gaps['during'])} gaps in {gaps['ttft']:.1f} s)",
+          flush=True)  # fmt: skip
+    return row
+
+
+async def _gaps_around(url: str, batch: list[list[int]], length: int, baseline_s: float, rng: random.Random) -> dict:
+    stop, live = asyncio.Event(), [Stream() for _ in batch]
+    async with client() as http:
+        running = [asyncio.create_task(stream(http, url, ids, 30_000, stop, s)) for ids, s in zip(batch, live)]
+        async with asyncio.timeout(600):
+            while min(len(s.arrivals) for s in live) < 8:  # every stream past its first steps
+                await asyncio.sleep(0.05)
+        quiet_from = time.perf_counter()
+        await asyncio.sleep(baseline_s)
+        long = await stream(http, url, prompts(1, length, rng)[0], OUTPUT_TOKENS)
+        stop.set()
+        await asyncio.gather(*running)
+    sent, first = long.sent, long.arrivals[0]
+    gaps: dict = {"before": [], "during": [], "ttft": first - sent}
+    for s in live:
+        times = s.arrivals
+        for a, b in itertools.pairwise(times):
+            if quiet_from <= b < sent:
+                gaps["before"].append(b - a)
+            elif sent <= b <= first:
+                gaps["during"].append(b - a)
+    return gaps
+
+
+def soak(server: Server, requests: int, concurrency: int, rng: random.Random) -> dict:
+    """``requests`` of mixed lengths, ``concurrency`` at a time; every process's RSS after each tenth of them (the
+    first tenth the baseline), and its growth from there to the end."""
+    pids = server.processes()
+    mixed = [(int(8 * 2 ** (4 * rng.random())), rng.choice((1, 4, 16))) for _ in range(requests)]  # 8-128 in
+    for i in range(0, requests, 100):  # one in a hundred is long, past the threshold, with a longer output
+        mixed[i] = (2048, 32)
+    batches = [prompts(1, n, rng)[0] for n, _ in mixed]
+    curve: list[dict[str, int]] = []  # RSS (KiB) by process after each tenth
+    started = time.perf_counter()
+
+    async def run() -> int:
+        done, queue = 0, iter(range(requests))
+        async with client() as http:
+
+            async def worker() -> None:
+                nonlocal done
+                for i in queue:
+                    s = await stream(http, server.url, batches[i], mixed[i][1])
+                    done += s.status == 200
+                    if done % max(1, requests // 10) == 0 and len(curve) < done * 10 // requests:
+                        curve.append({t: rss_kib(pid) for t, pid in pids.items()})
+                        print(f"  {done:>6} served, {time.perf_counter() - started:>5.0f} s: "
+                              + " ".join(f"{v / 1024:.0f}" for v in curve[-1].values()), flush=True)  # fmt: skip
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done
+
+    print(f"{requests} mixed requests, {concurrency} at a time; RSS MiB of " + ", ".join(pids))
+    ok = asyncio.run(run())
+    curve.append({t: rss_kib(pid) for t, pid in pids.items()})
+    first, end = curve[0], curve[-1]
+    growth = {t: end[t] / first[t] - 1 for t in pids if first.get(t)}
+    row = {"requests": requests, "served": ok, "wall_s": time.perf_counter() - started, "growth": growth,
+           "rss_mib": [{t: v / 1024 for t, v in point.items()} for point in curve]}  # fmt: skip
+    print(f"{ok} of {requests} served in {row['wall_s']:.0f} s; RSS from the first tenth to the end: "
+          + ", ".join(f"{t} {100 * g:+.1f}%" for t, g in growth.items()), flush=True)  # fmt: skip
+    return row
+
+
+def peaks(server: Server) -> dict[str, float]:
+    return {t: rss_kib(pid, "VmHWM") / 1024 for t, pid in server.processes().items()}
+
+
+def plot(summary: dict, path: Path) -> bool:
+    """Throughput by size, prefill FLOP/s and peak RSS by length; False (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    n = [r["n"] for r in summary["throughput"]]
+    a.plot(n, [r["generate_tok_s"] for r in summary["throughput"]], marker="o", label="transformers generate()")
+    a.plot(n, [r["served_tok_s"] for r in summary["throughput"]], marker="o", label="served (minifaas serve)")
+    a.set(xscale="log", xlabel="concurrent requests (batch)", ylabel="output tokens/s", title="throughput")
+    a.legend()
+    lengths = [r["tokens"] for r in summary["long_prompts"]]
+    b.plot(lengths, [r["peak_rss_above_idle_mib"] for r in summary["long_prompts"]], marker="o", label="peak RSS MiB")
+    b.plot(lengths, [r["gflop_s"] for r in summary["long_prompts"]], marker="s", label="prefill GFLOP/s")
+    b.set(xscale="log", yscale="log", xlabel="prompt tokens", title="long prompts: prefill worker")
+    b.legend()
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1,32,128,256", help="concurrent requests / generate() batch sizes")
+    p.add_argument("--crowd", type=int, default=1000, help="requests sent at once, all to be served")
+    p.add_argument("--lengths", default="2048,8192,32000", help="long prompts' tokens, shortest first")
+    p.add_argument("--burst", type=int, default=100, help="short streams before and after the longest prompt")
+    p.add_argument("--streams", type=int, default=8, help="streams decoding while the longest prompt prefills")
+    p.add_argument("--baseline", type=float, default=5.0, help="seconds of their gaps measured before it")
+    p.add_argument("--soak", type=int, default=10_000, help="mixed requests for memory over time (0: none)")
+    p.add_argument("--repeats", type=int, default=2, help="best of this many runs of each throughput figure")
+    p.add_argument("--serve-flags", default="", help="more flags for minifaas serve (default: none, its defaults)")
+    p.add_argument("--out", type=Path, help="write every figure as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG of throughput and long prompts here")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
+    p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
+    a = p.parse_args()
+    if a.quick:  # flags given on the command line still win
+        p.set_defaults(sizes="1,4", crowd=16, lengths="128,512", burst=4, streams=2, baseline=0.5, soak=40,
+                       repeats=1)  # fmt: skip
+        a = p.parse_args()
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server's group is stopped on the way out
+    rng = random.Random(0)
+    model = load_reference()
+    generate_rate(model, prompts(2, PROMPT_TOKENS, rng))  # first forwards are slow
+    flop = FlopModel.of(model)
+    summary: dict = {"model": MODEL, "load_average_start": os.getloadavg()[0], "flop_model": vars(flop)}
+    with serving(a.serve_flags.split()) as server:
+        asyncio.run(concurrent(server.url, prompts(4, PROMPT_TOKENS, rng)))  # the served path warm
+        print(f"output tokens/s, {PROMPT_TOKENS} tokens in and {OUTPUT_TOKENS} out, {MODEL}, best of {a.repeats}")
+        print(f"{'N':>6} {'generate() B=N':>14} {'served':>12} {'ratio':>8} {'refused':>8}")
+        summary["throughput"] = throughput(server, model, [int(n) for n in a.sizes.split(",")], a.repeats, rng)
+        summary["crowd"] = crowd(server, a.crowd, rng)
+        print(f"\nlong prompts, one at a time; FLOPs = 2 x {flop.matmul_params:,} x L + 2 x {flop.attention} x L^2 "
+              f"+ {flop.scan_per_token:,} x L")  # fmt: skip
+        print(f"{'tokens':>7} {'TTFT s':>8} {'prefill/s':>10} {'GFLOP':>9} {'GFLOP/s':>8} {'peak RSS MiB':>12}")
+        lengths = [int(n) for n in a.lengths.split(",")]
+        summary["long_prompts"] = rows = long_prompts(server, flop, lengths, rng)
+        summary["flop_s_longest_over_shortest"] = rows[-1]["gflop_s"] / rows[0]["gflop_s"]
+        summary["rss_longest_over_previous"] = rows[-1]["peak_rss_above_idle_mib"] / max(
+            rows[-2]["peak_rss_above_idle_mib"] if len(rows) > 1 else 1.0, 1e-9
+        )
+        print(f"achieved FLOP/s at {lengths[-1]} over {lengths[0]}: {summary['flop_s_longest_over_shortest']:.2f}; "
+              f"peak RSS at {lengths[-1]} over {lengths[-2] if len(lengths) > 1 else lengths[0]}: "
+              f"{summary['rss_longest_over_previous']:.2f}\n", flush=True)  # fmt: skip
+        summary["interference"] = interference(server, lengths[-1], a.burst, a.streams, a.baseline, rng)
+        if a.soak:
+            print()
+            summary["soak"] = soak(server, a.soak, 32, rng)
+        summary["peak_rss_mib"] = peaks(server)
+    print("\npeak RSS per process (MiB): " + ", ".join(f"{t} {v:.0f}" for t, v in summary["peak_rss_mib"].items()))
+    summary["load_average_end"] = os.getloadavg()[0]
+    start, end = summary["load_average_start"], summary["load_average_end"]
+    print(f"load average: {start:.1f} at the start, {end:.1f} at the end")
+    if a.out:
+        a.out.write_text(figures.dumps(summary, indent=1) + "\n")
+    if a.plot and plot(summary, a.plot):
+        print(f"plot: {a.plot}")
+    if a.json:
+        print(figures.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

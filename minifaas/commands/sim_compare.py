@@ -1,0 +1,112 @@
+"""``minifaas sim compare``: the same deployment and workload simulated once per ``--policy``, side by side.
+
+    minifaas sim compare --policy default --policy mymodule:MyRouter --trace mooncake-synthetic
+    minifaas sim compare --policy short-term=default --policy short-term=mymodule:MyControl,step=2 --scheduler
+
+A ``--policy`` is ``[KIND=]SPEC[,KEY=VALUE...]``: KIND is router (the default), short-term, long-term,
+snapshot-policy or kv-compression; SPEC a built-in name or module:Class; each KEY=VALUE an argument of its
+constructor. Every other flag is ``minifaas sim``'s and holds for every policy alike; naming a short-term or
+long-term policy turns that scheduler on for all of them. Prints a table (``sim.comparison.COLUMNS``), writes
+the plot (``--plot``) and, with ``--json``, ends with one JSON object of every policy's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from minifaas import figures
+from minifaas.commands import arguments
+from minifaas.commands.main import stdout_console
+from minifaas.sim.comparison import COLUMNS, cells, compare, plot_comparison
+from minifaas.sim.deployment import SimConfig
+from minifaas.sim.report import SimResult
+from minifaas.sim.workload import Workload
+
+# a policy's flag (and --policy KIND) -> the SimConfig fields of its spec and of its arguments
+POLICY_FIELDS = {
+    "router": ("router_policy", "router_args"),
+    "short-term": ("short_term_policy", "short_term_args"),
+    "long-term": ("long_term_policy", "long_term_args"),
+    "snapshot-policy": ("snapshot_policy", "snapshot_args"),
+    "kv-compression": ("kv_compression", "kv_compression_args"),
+}
+DEFAULT_PLOT = "sim-compare.png"
+
+
+def policy_variant(text: str) -> tuple[str, str, tuple[tuple[str, object], ...]]:
+    """'[KIND=]SPEC[,KEY=VALUE...]' -> (kind, spec, arguments)."""
+    head, *rest = text.split(",")
+    kind, _, spec = head.partition("=") if "=" in head else ("router", "", head)
+    if kind not in POLICY_FIELDS:
+        raise argparse.ArgumentTypeError(f"not a policy kind: {kind!r} (one of {', '.join(POLICY_FIELDS)})")
+    return kind, arguments.policy(spec), tuple(arguments.policy_arg(item) for item in rest)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("compare (minifaas sim compare)")
+    group.add_argument(
+        "--policy", type=policy_variant, action="append", metavar="[KIND=]SPEC[,KEY=VALUE...]",
+        help="a policy to compare (repeat): KIND router (the default), short-term, long-term, snapshot-policy or "
+        "kv-compression; SPEC a built-in or module:Class (default: none)",
+    )  # fmt: skip
+    group.add_argument("--plot", metavar="PNG", default=DEFAULT_PLOT, help="where compare draws its figures")
+
+
+def kinds(args: argparse.Namespace) -> set[str]:
+    """The kinds of policy compared (a short-term or long-term one turns its scheduler on for every policy)."""
+    if args.policy and args.action != "compare":
+        raise ValueError("--policy is for minifaas sim compare; to simulate one policy, name it (--router SPEC)")
+    return {kind for kind, _, _ in args.policy or ()}
+
+
+def variants(config: SimConfig, args: argparse.Namespace) -> dict[str, SimConfig]:
+    """One SimConfig per --policy, named as it was given; ValueError for none, or a spec that does not load."""
+    if not args.policy:
+        raise ValueError("compare needs at least one --policy (e.g. --policy default --policy mymodule:MyRouter)")
+    named = {}
+    for kind, spec, policy_args in args.policy:
+        spec_field, args_field = POLICY_FIELDS[kind]
+        named[_label(kind, spec, policy_args)] = replace(config, **{spec_field: spec, args_field: policy_args})
+    return named
+
+
+def _label(kind: str, spec: str, policy_args: tuple[tuple[str, object], ...]) -> str:
+    head = spec if kind == "router" else f"{kind}={spec}"
+    return ",".join([head, *(f"{k}={v}" for k, v in policy_args)])
+
+
+def run(configs: dict[str, SimConfig], workload: Workload, args: argparse.Namespace) -> int:
+    show = not args.no_progress and sys.stderr.isatty()
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"))
+    with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), disable=not show) as progress:
+        total = max(workload.duration_s, 1.0)
+        tasks = {name: progress.add_task(name, total=total) for name in configs}
+
+        def advanced(name: str, now: float) -> None:
+            progress.update(tasks[name], completed=min(now, total))
+
+        results = compare(configs, workload, advanced)
+        for task in tasks.values():
+            progress.update(task, completed=total)
+    print_table(results, f"{workload.name}: {len(workload):,} requests over {workload.duration_s:,.0f} s")
+    plot_comparison(results, args.plot)
+    print(f"plot: {args.plot}")
+    if args.json:
+        print(figures.dumps({name: r.to_dict() for name, r in results.items()}))
+    return 0
+
+
+def print_table(results: dict[str, SimResult], title: str) -> None:
+    table = Table(title=title)
+    table.add_column("policy")
+    for header, _, _ in COLUMNS:
+        table.add_column(header, justify="right")
+    for name, result in results.items():
+        table.add_row(name, *cells(result))
+    stdout_console().print(table)

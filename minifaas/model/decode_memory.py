@@ -1,0 +1,79 @@
+"""What a decode worker's memory holds: ``max_batch`` and the step's KV budget when they are left at 0 (auto).
+
+A decode row holds its request's fixed state (recurrent and conv state, sliding windows) and the full-attention
+KV of every token of its context, padded to the longest row's (``batch_cache``). A worker gives its batch
+``MEMORY_SHARE`` of the memory it has when it starts (host memory on the CPU, free memory on a GPU):
+
+    step_token_budget = share / bytes of one KV slot (every full-attention layer's K and V of one token)
+    max_batch         = min(MAX_ROWS, share / (fixed bytes + bytes of a slot x ROW_CONTEXT))
+
+``MAX_ROWS`` is the most vLLM's ``max_num_seqs`` defaults to; on a host of a few GB and a small model both
+bounds are far above it, and a model whose rows are large gets fewer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from minifaas.model.decoder import DecoderConfig
+from minifaas.model.host_memory import available_bytes
+from minifaas.model.kv_size import KVProfile, kv_profile
+from minifaas.model.loader import load_config_dict
+from minifaas.model.runtime import ModelRuntime
+
+MEMORY_SHARE = 0.5
+MAX_ROWS = 1024
+ROW_CONTEXT = 2048  # tokens of context a row is sized for
+GROWING = ("full_attention", "mla", "attention+mamba")  # kinds whose state grows with every token
+
+
+@dataclass(frozen=True, slots=True)
+class RowBytes:
+    """The bytes of one decode row: fixed, and per token of its padded context."""
+
+    fixed: int
+    per_token: int
+
+    @classmethod
+    def of(cls, profile: KVProfile) -> RowBytes:
+        per_token = sum(c.bytes_per_token for c in profile.layers if c.kind in GROWING)
+        windows = sum(c.bytes_per_token * (c.window or 0) for c in profile.layers if c.kind not in GROWING)
+        return cls(sum(c.fixed_bytes for c in profile.layers) + windows, per_token)
+
+    def rows(self, memory: int, context: int = ROW_CONTEXT) -> int:
+        return max(1, memory // max(1, self.fixed + self.per_token * context))
+
+    def slots(self, memory: int) -> int:
+        return max(1, memory // self.per_token) if self.per_token else 1 << 40
+
+
+def sized(config: DecoderConfig, row: RowBytes, memory: int) -> DecoderConfig:
+    """``config`` with its auto (0) ``max_batch`` and ``step_token_budget`` sized for ``memory`` bytes."""
+    share = int(memory * MEMORY_SHARE)
+    max_batch = config.max_batch or min(MAX_ROWS, row.rows(share))
+    budget = config.step_token_budget or row.slots(share)
+    return replace(config, max_batch=max_batch, step_token_budget=budget)
+
+
+def sized_for(config: DecoderConfig, runtime: ModelRuntime) -> DecoderConfig:
+    """``config`` sized for ``runtime``'s model with the memory its device has now, if it leaves anything to size."""
+    if config.max_batch and config.step_token_budget:
+        return config
+    return sized(config, row_bytes(runtime), device_memory(runtime.device))
+
+
+def row_bytes(runtime: ModelRuntime) -> RowBytes:
+    """A loaded model's row size, in the dtype it runs in."""
+    cfg = load_config_dict(runtime.spec)
+    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+    dtype = str(runtime.model.dtype).removeprefix("torch.")
+    return RowBytes.of(kv_profile({**cfg, "dtype": dtype, "torch_dtype": dtype}))
+
+
+def device_memory(device: str) -> int:
+    """Bytes a new allocation can still get on ``device``: host memory, or the GPU's free memory."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    return available_bytes()

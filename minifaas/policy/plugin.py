@@ -1,0 +1,132 @@
+"""Policies by name: a built-in name or any importable ``module:Class``, every one loaded by ``load_policy``.
+
+A built-in name stands for a shipped ``module:Class`` and the arguments it implies (``auto`` is
+``minifaas.policy.codec_policy:CompressionPolicy`` with mode "auto"); both forms take the same path. The
+module is imported as ``python -m`` would find it: installed, or under the current directory. The class must
+have the methods of its kind's Protocol (``policy.interfaces``), and its constructor must take the arguments
+the configuration gives it (``--router-arg k=v``, ``[serve.router_args]``) and those of the keywords its
+driver offers (``Kind.context``) that it names, or all of them with ``**kwargs``; a configured argument wins
+over an offered keyword of its name. ``check_policy`` does all but build it, so a configuration is checked
+before anything starts. Every failure is one ``PolicyError`` line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from minifaas.policy.codec_policy import MODES
+from minifaas.policy.interfaces import CodecPolicy, LongTermControl, RoutingPolicy, ShortTermControl, SnapshotPlacement
+
+Args = tuple[tuple[str, Any], ...]  # keyword arguments as a frozen config holds them: sorted (name, value) pairs
+
+
+class PolicyError(ValueError):
+    """A policy spec that cannot be loaded or built; the message is one line that names the spec."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # router, short_term, long_term, snapshot, codec
+    protocol: type
+    builtins: Mapping[str, tuple[str, Args]]  # built-in name -> (module:Class, the arguments it implies)
+    context: tuple[str, ...]  # the keywords the driver offers its constructor
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(n for n, v in vars(self.protocol).items() if callable(v) and not n.startswith("_"))
+
+
+def policy_args(args: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> Args:
+    """Keyword arguments (a TOML table, or pairs) as a frozen config keeps them."""
+    return tuple(sorted(dict(args).items()))
+
+
+def _shipped(target: str, **args: Any) -> tuple[str, Args]:
+    return f"minifaas.policy.{target}", policy_args(args)
+
+
+ROUTER = Kind("router", RoutingPolicy, {"default": _shipped("router:Router")}, ("config",))
+SHORT_TERM = Kind(
+    "short_term", ShortTermControl, {"default": _shipped("short_term:ShortTermPolicy")}, ("config", "threshold", "rule")
+)
+LONG_TERM = Kind(
+    "long_term", LongTermControl, {"default": _shipped("long_term:LongTermPolicy")},
+    ("config", "case", "threshold", "n_prefill", "n_decode"),
+)  # fmt: skip
+SNAPSHOT = Kind(
+    "snapshot", SnapshotPlacement,
+    {"reuse": _shipped("snapshot_policy:ReuseSnapshots"), "interval": _shipped("snapshot_policy:IntervalSnapshots")},
+    ("interval_blocks",),
+)  # fmt: skip
+CODEC = Kind("codec", CodecPolicy, {m: _shipped("codec_policy:CompressionPolicy", mode=m) for m in MODES}, ())
+KINDS = {k.name: k for k in (ROUTER, SHORT_TERM, LONG_TERM, SNAPSHOT, CODEC)}
+
+
+def load_policy(spec: str, kind: Kind, args: Mapping[str, Any] | Args = (), **context: Any) -> Any:
+    """The policy ``spec`` names, built with ``args`` and the ``context`` keywords its constructor names."""
+    if set(context) != set(kind.context):
+        raise TypeError(f"a {kind.name} policy is offered {sorted(kind.context)}, got {sorted(context)}")
+    cls, keywords = _checked(spec, kind, args, context)
+    try:
+        return cls(**keywords)
+    except (TypeError, ValueError) as e:
+        raise PolicyError(f"{kind.name} {spec!r}: {type(e).__name__}: {_line(e)}") from e
+
+
+def check_policy(spec: str, kind: Kind, args: Mapping[str, Any] | Args = ()) -> type:
+    """The class ``spec`` names, checked as ``load_policy`` checks it, without building it."""
+    return _checked(spec, kind, args, dict.fromkeys(kind.context))[0]
+
+
+def _checked(
+    spec: str, kind: Kind, args: Mapping[str, Any] | Args, context: Mapping[str, Any]
+) -> tuple[type, dict[str, Any]]:
+    target, implied = kind.builtins.get(spec) or (spec, ())
+    module_name, colon, class_name = target.partition(":")
+    if not (colon and module_name and class_name):
+        raise PolicyError(f"{kind.name} {spec!r}: neither a built-in ({', '.join(kind.builtins)}) nor module:Class")
+    cls = getattr(_module(module_name, spec, kind), class_name, None)
+    if not isinstance(cls, type):
+        raise PolicyError(f"{kind.name} {spec!r}: {module_name} has no class {class_name}")
+    missing = [f"{m}()" for m in kind.methods if not callable(getattr(cls, m, None))]
+    if missing:
+        raise PolicyError(f"{kind.name} {spec!r}: not a {kind.name} policy: {class_name} has no {', '.join(missing)}")
+    given = {**dict(implied), **dict(args)}  # the configured arguments win over the offered keywords
+    params = inspect.signature(cls).parameters
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    keywords = {k: v for k, v in context.items() if open_ended or k in params} | given
+    try:
+        inspect.signature(cls).bind(**keywords)
+    except TypeError as e:
+        raise PolicyError(f"{kind.name} {spec!r}: its constructor refuses {sorted(keywords)}: {e}") from None
+    return cls, keywords
+
+
+def _module(name: str, spec: str, kind: Kind) -> Any:
+    """Import ``name``; a module not installed is looked for under the current directory, as ``python -m``
+    and ``python -c`` look (the ``minifaas`` script's own directory is not the project's)."""
+    try:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            here = os.getcwd()
+            if e.name != name.partition(".")[0] or here in sys.path or "" in sys.path:
+                raise
+            sys.path.insert(0, here)
+            return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        raise PolicyError(
+            f"{kind.name} {spec!r}: no module named {e.name!r} (installed, or under {os.getcwd()})"
+        ) from None
+    except Exception as e:  # the module itself fails: a syntax error, an import of its own
+        raise PolicyError(f"{kind.name} {spec!r}: importing {name} failed: {type(e).__name__}: {_line(e)}") from None
+
+
+def _line(e: BaseException) -> str:
+    return " ".join(str(e).split())
