@@ -398,8 +398,8 @@ def soak(server: Server, requests: int, concurrency: int, rng: random.Random) ->
 
     print(f"{requests} mixed requests, {concurrency} at a time; RSS MiB of " + ", ".join(pids))
     ok = asyncio.run(run())
-    curve.append({t: rss_kib(pid) for t, pid in pids.items()})
-    first, end = curve[0], curve[-1]
+    end = {t: rss_kib(pid) for t, pid in pids.items()}
+    first = curve[0] if curve else end
     growth = {t: end[t] / first[t] - 1 for t in pids if first.get(t)}
     row = {"requests": requests, "served": ok, "wall_s": time.perf_counter() - started, "growth": growth,
            "rss_mib": [{t: v / 1024 for t, v in point.items()} for point in curve]}  # fmt: skip
@@ -413,7 +413,7 @@ def peaks(server: Server) -> dict[str, float]:
 
 
 def plot(summary: dict, path: Path) -> bool:
-    """Throughput by size, prefill FLOP/s and peak RSS by length; False (nothing written) without matplotlib."""
+    """Throughput by size; prefill FLOP/s and peak RSS by length; RSS over the soak. False without matplotlib."""
     try:
         import matplotlib
 
@@ -421,7 +421,7 @@ def plot(summary: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4), dpi=100)
     n = [r["n"] for r in summary["throughput"]]
     a.plot(n, [r["generate_tok_s"] for r in summary["throughput"]], marker="o", label="transformers generate()")
     a.plot(n, [r["served_tok_s"] for r in summary["throughput"]], marker="o", label="served (minifaas serve)")
@@ -432,7 +432,12 @@ def plot(summary: dict, path: Path) -> bool:
     b.plot(lengths, [r["gflop_s"] for r in summary["long_prompts"]], marker="s", label="prefill GFLOP/s")
     b.set(xscale="log", yscale="log", xlabel="prompt tokens", title="long prompts: prefill worker")
     b.legend()
-    for ax in (a, b):
+    curve = summary.get("soak", {}).get("rss_mib", [])
+    for title in curve[0] if curve else ():
+        c.plot([(i + 1) / 10 for i in range(len(curve))], [point[title] for point in curve], marker=".", label=title)
+    c.set(xlabel="share of the soak's requests served", ylabel="RSS MiB", title="memory over the soak")
+    c.legend(fontsize=7)
+    for ax in (a, b, c):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
