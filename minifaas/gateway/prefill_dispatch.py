@@ -37,6 +37,7 @@ from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import DecodeLost, GenerateRequest, RequestRecord
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import Workers
+from minifaas.launch.launcher import WorkerError
 from minifaas.policy.codec_policy import CodecChoice
 from minifaas.policy.router import CacheMove, RouteDecision
 
@@ -193,7 +194,7 @@ class PrefillDispatch:
                 request, early = continued(request, [early.show()]), None
                 keys = self.prefixes.keys(request.prompt_ids)
                 record.events.append("prefill failed after its first token was sent: redone with it")
-            worker, hit = await self._retry_on(keys, tried, outcome, record)
+            worker, hit = await self._retry_on(keys, tried, outcome, record, decode)
 
     async def _once(self, a: Attempt, on_first: OnFirst | None) -> dict:
         """The happy path: the decode node told to expect the state (and to pin the prefix it holds), the prefill
@@ -204,8 +205,11 @@ class PrefillDispatch:
         if not a.decode.alive:
             raise DecodeLost(f"decode worker {a.decode.name} is not attached")
         sampling = sampling_to_json(a.request.sampling)
-        a.decode.send({"op": Op.DECODE, "req": rid, "transfer": a.transfer, "sampling": sampling, "tokens": prompt,
-                       "link_start": a.link_start})  # fmt: skip
+        try:  # its session may have ended before the pool noticed: the decode side is gone, not this prefill
+            a.decode.send({"op": Op.DECODE, "req": rid, "transfer": a.transfer, "sampling": sampling,
+                           "tokens": prompt, "link_start": a.link_start})  # fmt: skip
+        except WorkerError as e:
+            raise DecodeLost(str(e)) from None
         if a.link_start:
             a.link_start = await self._pinned(a.decode, rid, a.transfer)
         if a.remote:
@@ -296,11 +300,19 @@ class PrefillDispatch:
         return w.rejoins, self.link.generation if w.cluster == "prfaas" else 0
 
     async def _retry_on(
-        self, keys: PromptKeys | None, tried: dict[str, tuple[int, int]], why: str, record: RequestRecord
+        self,
+        keys: PromptKeys | None,
+        tried: dict[str, tuple[int, int]],
+        why: str,
+        record: RequestRecord,
+        decode: WorkerHandle,
     ) -> tuple[WorkerHandle, int]:
         """Where a failed prefill goes next, and the hit it may load there (``_next_worker``). With none left it
-        waits for a worker, or the link, to come back: the caller's first-token deadline bounds the wait."""
+        waits for a worker, or the link, to come back: the caller's first-token deadline bounds the wait, and
+        the decode worker going away ends it (the request migrates)."""
         while (found := self._next_worker(keys, tried)) is None:
+            if not decode.alive:
+                raise DecodeLost(f"decode worker {decode.name} went away while the prefill waited ({why})")
             if record.events[-1:] != [WAITING]:
                 log.warning("request %s: no prefill worker left to try (%s); waiting for one", record.request_id, why)
                 record.events.append(WAITING)
