@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from minifaas.launch.ray_actors import RayLauncher
 
 log = logging.getLogger("minifaas.gateway")
+NO_ROUTE = "no worker to route to: waiting for one"
 
 
 def cluster_secret(config: ServeConfig) -> bytes:
@@ -259,10 +260,12 @@ class Gateway:
             self.scheduler.observe(decision)
         return decision
 
-    async def _routed(self, prompt_ids: list[int], keys: PromptKeys | None) -> RouteDecision:
+    async def _routed(self, prompt_ids: list[int], keys: PromptKeys | None, record: RequestRecord) -> RouteDecision:
         """The router's decision; while no healthy worker can serve the request (REJECT), wait for one to come
         back: the caller's first-token deadline bounds the wait."""
         while (decision := self._route(prompt_ids, keys)).path is Path.REJECT:
+            if record.events[-1:] != [NO_ROUTE]:
+                record.events.append(NO_ROUTE)
             await self.pool.changed(WAIT_POLL_S)
         return decision
 
@@ -349,7 +352,7 @@ class Gateway:
                 if moving.moves:  # the lost one may be the only decode worker: wait for it back, not fail
                     await self.pool.serving("pd", "decode")
                 keys = self.prefixes.keys(request.prompt_ids)  # hashed once: the route, the prefill, its retries
-                decision = await self._routed(request.prompt_ids, keys)
+                decision = await self._routed(request.prompt_ids, keys, record)
                 decode = self.workers[decision.decode_node]  # type: ignore[index]
                 record.decode_worker = decode.name
                 record.route_reason = decision.reason.value

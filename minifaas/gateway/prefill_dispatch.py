@@ -287,6 +287,7 @@ class PrefillDispatch:
         if not a.decode.alive:
             raise DecodeLost(f"decode worker {a.decode.name} went away during the prefill ({why})")
         log.warning("request %s: prefill on %s failed (%s)", a.request.request_id, a.worker.name, why)
+        record.events.append(f"prefill on {a.worker.name} failed: {why}")
         record.phase = advance(record.phase, Phase.FALLBACK)
         reason = why.split(":")[0]
         record.fallback = reason
