@@ -111,16 +111,17 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 class Expected:
-    """Each seed's prompts and what transformers' generate() gives for them, computed once."""
+    """Each seed's prompts and what transformers' generate() gives for them, all computed before any gateway
+    starts: a reference computed on the gateway's event loop would silence its heartbeats."""
 
-    def __init__(self, runtime: ModelRuntime) -> None:
-        self.runtime, self.params = runtime, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    def __init__(self, runtime: ModelRuntime, seeds: range) -> None:
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         self.seeds: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
+        for seed in seeds:
+            batch = prompts(seed)
+            self.seeds[seed] = batch, [reference_tokens(runtime, ids, params) for ids in batch]
 
     def of(self, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-        if seed not in self.seeds:
-            batch = prompts(seed)
-            self.seeds[seed] = batch, [reference_tokens(self.runtime, ids, self.params) for ids in batch]
         return self.seeds[seed]
 
 
@@ -142,7 +143,8 @@ async def one(gw: Gateway, rid: str, ids: list[int], want: list[int], out: Outco
     except Exception as e:  # every failure the client would see, as its error body's cause
         cause = api_error(e).code or type(e).__name__
         out.failed[cause] += 1
-        out.why[cause] = f"{type(e).__name__}: {e}; {record.events}"  # one example of each, with its history
+        where = f"prefill {record.prefill_worker} decode {record.decode_worker} fallback {record.fallback}"
+        out.why[cause] = f"{type(e).__name__}: {e}; {record.events}; {where}"  # one example, with its history
         if cause == "internal_error":
             log.exception("request %s failed unexpectedly", rid)
         return
@@ -339,7 +341,7 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     forked.start_here(MODEL)  # the workers' parent, forked from here before any torch op
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    expected = Expected(ModelRuntime.load(MODEL))
+    expected = Expected(ModelRuntime.load(MODEL), range(args.seed, args.seed + args.seeds))
     results = []
     for per_role in args.per_role:  # each table as soon as its run is over
         results.append(asyncio.run(one_config(per_role, args, expected)))

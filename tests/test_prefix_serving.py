@@ -114,14 +114,15 @@ def test_the_same_prompt_hits_on_its_second_send_with_the_output_of_a_miss() -> 
     rt = ModelRuntime.load("kimi-linear-tiny")
     config = ServeConfig(model="kimi-linear-tiny", port=0, threshold=THRESHOLD, fixed_threshold=True)
     assert config.cache.snapshot_policy == "reuse"
+    expected = {route: reference_tokens(rt, prompt, PARAMS) for prompt, route in ((LONG, "prfaas"), (SHORT_A, "local"))}
 
-    async def scenario() -> None:
+    async def scenario() -> None:  # the references are computed first: not on the gateway's event loop
         async with running_server(config) as (gw, port):
             records: dict[str, list[RequestRecord]] = {}
             for prompt, route in ((LONG, "prfaas"), (SHORT_A, "local")):
                 (miss, miss_record, _), (hit, hit_record, _) = [await _run(gw, f"{route}-{i}", prompt) for i in (0, 1)]
                 assert (miss_record.cached_tokens, hit_record.cached_tokens) == (0, len(prompt))
-                assert miss == hit == reference_tokens(rt, prompt, PARAMS)
+                assert miss == hit == expected[route]
                 assert miss_record.route == hit_record.route == route
                 records[route] = [miss_record, hit_record]
             async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as resp:
