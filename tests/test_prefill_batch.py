@@ -2,7 +2,8 @@
 
 A real prefill service, real sockets to a real receiver: five prompts of one length arrive together, the first
 takes the compute and the other four ride in its forward; a prompt of another length, or one with a cached
-prefix, runs on its own; one that is aborted mid-batch leaves the others whole and the compute free.
+prefix, runs on its own; one that is aborted mid-batch leaves the others whole and the compute free, and so
+does one aborted in the very turn of the loop its wait for the compute ends in.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.worker.prefill_batch import turn_or_ride
 from minifaas.worker.prefill_service import PrefillService
 from minifaas.worker.prefix_store import PrefixStore
 
@@ -105,3 +107,25 @@ def test_a_prompt_aborted_mid_batch_leaves_the_others_whole(runtime: ModelRuntim
         result = done[i]
         assert result is not None
         decodes_as_alone(runtime, prompts[i], *result)
+
+
+def test_a_prompt_aborted_as_its_turn_comes_leaves_the_compute_free() -> None:
+    class Queued:  # what the queue reads of a prompt (a job of the prefill service)
+        adopted: asyncio.Future[None] | None = None
+        batch = None
+
+    async def scenario() -> bool:
+        lock, waiting = asyncio.Lock(), []
+        await lock.acquire()  # another prompt computes
+        queued = asyncio.create_task(turn_or_ride(lock, waiting, Queued()))  # type: ignore[arg-type]
+        while not waiting:
+            await asyncio.sleep(0)
+        lock.release()  # its turn: the lock goes to its waiter ...
+        await asyncio.sleep(0)
+        assert lock.locked()  # ... which has it, and the prompt has not yet seen so
+        queued.cancel()  # the abort lands in that gap (a session ending as a prefill finishes)
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        return lock.locked()
+
+    assert asyncio.run(scenario()) is False  # given back: the next prompt is not stuck behind it

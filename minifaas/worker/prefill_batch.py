@@ -52,14 +52,24 @@ async def turn_or_ride(lock: asyncio.Lock, waiting: list[Member], member: Member
     turn = asyncio.ensure_future(lock.acquire())
     try:
         await asyncio.wait({turn, member.adopted}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled, perhaps just as the lock came: the next prompt's turn
+        _give_up(lock, turn)
+        raise
     finally:
         if member in waiting:
             waiting.remove(member)
-        if not turn.done():
-            turn.cancel()
-        elif not turn.cancelled() and member.adopted.done():
-            lock.release()  # taken along just as the lock came: the next prompt's turn
-    return member.batch is None
+    if member.adopted.done():  # taken along, perhaps just as the lock came: the next prompt's turn
+        _give_up(lock, turn)
+        return False
+    return True
+
+
+def _give_up(lock: asyncio.Lock, turn: asyncio.Future[bool]) -> None:
+    """Leave the queue for ``lock``: stop waiting, or release the lock if ``turn`` already took it."""
+    if not turn.done():
+        turn.cancel()
+    elif not turn.cancelled() and turn.exception() is None:
+        lock.release()
 
 
 def gather(leader: Member, waiting: list[Member], store: PrefixStore, budget: int) -> list[Member]:
