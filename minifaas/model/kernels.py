@@ -3,11 +3,13 @@
 transformers decides once, when a modeling module is first imported, whether to
 use fla's Triton kernels: it tries ``import fla`` and keeps what it finds. On a
 machine without a GPU those kernels fail at the first forward ("0 active
-drivers"), so a CPU process must make ``import fla`` fail *before* transformers
-loads any model code. A CUDA process leaves it alone and gets the fast kernels,
-if fla imports: transformers swallows an import error and binds the torch
-reference instead, so ``kernels_in_use`` reads back what each function is bound
-to, and a CUDA worker refuses the reference unless told otherwise (``require_fast``).
+drivers"), or, where transformers' wrapper routes by the inputs' device, are
+skipped for the torch reference while fla still reads as bound. So a CPU process
+makes ``import fla`` fail *before* transformers loads any model code. A CUDA
+process leaves it alone and gets the fast kernels, if fla imports: transformers
+swallows an import error and binds the torch reference instead, so
+``kernels_in_use`` reads back what each function is bound to, and a CUDA worker
+refuses the reference unless told otherwise (``require_fast``).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def kernels_in_use(model: torch.nn.Module) -> KernelReport:
     module = sys.modules[type(model).__module__]
     bindings = []
     for value in vars(module).values():
-        cells = _closure(value)
+        cells = _closure(_hub_function(value))
         implementation, package = cells.get("implementation"), cells.get("package")
         if callable(implementation) and isinstance(package, str) and "is_new_implementation" in cells:
             name = str(cells.get("func_name", getattr(value, "__name__", "?")))
@@ -102,6 +104,14 @@ def require_fast(report: KernelReport, device: str, allow_slow: bool) -> None:
             f"flash-linear-attention is not in use on {device}: {names} fell back to torch; install the gpu "
             "extra (pip install -e '.[gpu]') or pass --allow-slow-kernels"
         )
+
+
+def _hub_function(value: object) -> object:
+    """The function behind a module-level name: ``value`` itself, or, where the ``kernels`` package is
+    installed, the one its hub layer calls (``use_kernel_forward_from_hub`` turns a decorated function
+    into an ``nn.Module`` instance whose ``forward`` closes over it as ``func``)."""
+    inner = _closure(getattr(type(value), "forward", None)).get("func")
+    return inner if callable(inner) else value
 
 
 def _closure(fn: object) -> dict[str, object]:
