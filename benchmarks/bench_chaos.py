@@ -29,6 +29,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -117,9 +118,10 @@ class Expected:
     def __init__(self, runtime: ModelRuntime, seeds: range) -> None:
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         self.seeds: dict[int, tuple[list[list[int]], list[list[int]]]] = {}
-        for seed in seeds:
+        for i, seed in enumerate(seeds):
             batch = prompts(seed)
             self.seeds[seed] = batch, [reference_tokens(runtime, ids, params) for ids in batch]
+            print(f"references: {i + 1} of {len(seeds)} seeds", file=sys.stderr, flush=True)
 
     def of(self, seed: int) -> tuple[list[list[int]], list[list[int]]]:
         return self.seeds[seed]
