@@ -264,8 +264,7 @@ class Gateway:
         """The router's decision; while no healthy worker can serve the request (REJECT), wait for one to come
         back: the caller's first-token deadline bounds the wait."""
         while (decision := self._route(prompt_ids, keys)).path is Path.REJECT:
-            if record.events[-1:] != [NO_ROUTE]:
-                record.events.append(NO_ROUTE)
+            record.note(NO_ROUTE)
             await self.pool.changed(WAIT_POLL_S)
         return decision
 

@@ -314,9 +314,8 @@ class PrefillDispatch:
         while (found := self._next_worker(keys, tried)) is None:
             if not decode.alive:
                 raise DecodeLost(f"decode worker {decode.name} went away while the prefill waited ({why})")
-            if record.events[-1:] != [WAITING]:
+            if record.note(WAITING):
                 log.warning("request %s: no prefill worker left to try (%s); waiting for one", record.request_id, why)
-                record.events.append(WAITING)
             await self.pool.changed(WAIT_POLL_S)
         return found
 

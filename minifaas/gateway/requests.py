@@ -62,6 +62,14 @@ class RequestRecord:
     migrations: int = 0  # times it moved to another decode worker after losing its own
     events: list[str] = field(default_factory=list)
 
+    def note(self, event: str) -> bool:
+        """Add ``event`` to the history unless it is the last one there (a wait noted once, not per look);
+        True if it was added."""
+        if self.events[-1:] == [event]:
+            return False
+        self.events.append(event)
+        return True
+
     def to_json(self) -> dict:
         out = asdict(self)
         out["phase"] = self.phase.value

@@ -98,11 +98,12 @@ def _checked(
     if missing:
         raise PolicyError(f"{kind.name} {spec!r}: not a {kind.name} policy: {class_name} has no {', '.join(missing)}")
     given = {**dict(implied), **dict(args)}  # the configured arguments win over the offered keywords
-    params = inspect.signature(cls).parameters
+    signature = inspect.signature(cls)
+    params = signature.parameters
     open_ended = any(p.kind is p.VAR_KEYWORD for p in params.values())
     keywords = {k: v for k, v in context.items() if open_ended or k in params} | given
     try:
-        inspect.signature(cls).bind(**keywords)
+        signature.bind(**keywords)
     except TypeError as e:
         raise PolicyError(f"{kind.name} {spec!r}: its constructor refuses {sorted(keywords)}: {e}") from None
     return cls, keywords
