@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import decodes_as_alone
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.control.worker_ops import sampling_to_json
 from minifaas.model.layer_state import ModelState
-from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
@@ -68,15 +68,6 @@ async def prefilled(
     return [None if isinstance(d, BaseException) else d for d in done]
 
 
-def decodes_as_alone(runtime: ModelRuntime, tokens: list[int], reply: dict, state: ModelState) -> None:
-    alone = runtime.prefill(tokens).state
-    for got, ref in zip(state.layers, alone.layers, strict=True):
-        for (name, x), (_, y) in zip(got.slots, ref.slots, strict=True):
-            assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), f"layer {got.layer} {name}"
-    decoded = runtime.start_decode(state, reply["next_token"], PARAMS).run()
-    assert decoded == reference_tokens(runtime, tokens, PARAMS)
-
-
 def test_prompts_of_one_length_queued_together_share_a_forward(runtime: ModelRuntime) -> None:
     prompts = [prompt(64, seed) for seed in range(5)] + [prompt(40, 9)]  # the last: another length, alone
     layout = runtime.layout.kinds
@@ -90,7 +81,7 @@ def test_prompts_of_one_length_queued_together_share_a_forward(runtime: ModelRun
         assert result is not None
         reply, state = result
         assert reply["kv_bytes"] == state.nbytes and reply["cached_tokens"] == 0 and state.seq_len == len(tokens)
-        decodes_as_alone(runtime, tokens, reply, state)
+        decodes_as_alone(runtime, tokens, reply, state, PARAMS)
     again = run(prefilled(service, prompts[:2]))  # now cached: each runs alone from its hit
     assert service.batcher.riders == 4 and all(r is not None and r[0]["cached_tokens"] > 0 for r in again)
 
@@ -106,7 +97,7 @@ def test_a_prompt_aborted_mid_batch_leaves_the_others_whole(runtime: ModelRuntim
     for i in (0, 1, 3):
         result = done[i]
         assert result is not None
-        decodes_as_alone(runtime, prompts[i], *result)
+        decodes_as_alone(runtime, prompts[i], *result, PARAMS)
 
 
 def test_a_prompt_aborted_as_its_turn_comes_leaves_the_compute_free() -> None:

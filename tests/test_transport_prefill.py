@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import decodes_as_alone
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.control.worker_ops import sampling_to_json
@@ -76,12 +77,7 @@ def test_chunked_prefill_through_the_service_decodes_like_generate(runtime: Mode
     assert (cold["cached_tokens"], warm["cached_tokens"]) == (0, 96)
     for tokens, reply, state in [(FIRST, cold, cold_state), (SECOND, warm, warm_state)]:
         assert reply["kv_bytes"] == state.nbytes and state.seq_len == len(tokens)
-        one_forward = runtime.prefill(tokens).state
-        for got, ref in zip(state.layers, one_forward.layers, strict=True):
-            for (name, x), (_, y) in zip(got.slots, ref.slots, strict=True):
-                assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), f"layer {got.layer} {name}"
-        remote = runtime.start_decode(state, reply["next_token"], PARAMS).run()
-        assert remote == reference_tokens(runtime, tokens, PARAMS)
+        decodes_as_alone(runtime, tokens, reply, state, PARAMS)
 
 
 @pytest.mark.parametrize("link_start", [0, 130])
