@@ -427,16 +427,20 @@ def plot(summary: dict, path: Path) -> bool:
     a.plot(n, [r["served_tok_s"] for r in summary["throughput"]], marker="o", label="served (minifaas serve)")
     a.set(xscale="log", xlabel="concurrent requests (batch)", ylabel="output tokens/s", title="throughput")
     a.legend()
-    lengths = [r["tokens"] for r in summary["long_prompts"]]
-    b.plot(lengths, [r["peak_rss_above_idle_mib"] for r in summary["long_prompts"]], marker="o", label="peak RSS MiB")
-    b.plot(lengths, [r["gflop_s"] for r in summary["long_prompts"]], marker="s", label="prefill GFLOP/s")
-    b.set(xscale="log", yscale="log", xlabel="prompt tokens", title="long prompts: prefill worker")
-    b.legend()
+    long = summary.get("long_prompts", [])
+    lengths = [r["tokens"] for r in long]
+    b.plot(lengths, [r["peak_rss_above_idle_mib"] for r in long], marker="o", label="peak RSS MiB")
+    b.plot(lengths, [r["gflop_s"] for r in long], marker="s", label="prefill GFLOP/s")
+    b.set(xlabel="prompt tokens", title="long prompts: prefill worker")
+    if long:
+        b.set(xscale="log", yscale="log")
+        b.legend()
     curve = summary.get("soak", {}).get("rss_mib", [])
     for title in curve[0] if curve else ():
         c.plot([(i + 1) / 10 for i in range(len(curve))], [point[title] for point in curve], marker=".", label=title)
     c.set(xlabel="share of the soak's requests served", ylabel="RSS MiB", title="memory over the soak")
-    c.legend(fontsize=7)
+    if curve:
+        c.legend(fontsize=7)
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -445,12 +449,17 @@ def plot(summary: dict, path: Path) -> bool:
     return True
 
 
+def numbers(text: str) -> list[int]:
+    """Comma-separated integers: "1,32,128" -> [1, 32, 128]; "" -> [] (that phase is skipped)."""
+    return [int(n) for n in text.split(",") if n.strip()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1,32,128,256", help="concurrent requests / generate() batch sizes")
-    p.add_argument("--crowd", type=int, default=1000, help="requests sent at once, all to be served")
-    p.add_argument("--lengths", default="2048,8192,32000", help="long prompts' tokens, shortest first")
-    p.add_argument("--burst", type=int, default=100, help="short streams before and after the longest prompt")
+    p.add_argument("--crowd", type=int, default=1000, help="requests sent at once, all to be served (0: none)")
+    p.add_argument("--lengths", default="2048,8192,32000", help="long prompts' tokens, shortest first ('': none)")
+    p.add_argument("--burst", type=int, default=100, help="short streams before and after the longest prompt (0: none)")
     p.add_argument("--streams", type=int, default=8, help="streams decoding while the longest prompt prefills")
     p.add_argument("--baseline", type=float, default=5.0, help="seconds of their gaps measured before it")
     p.add_argument("--soak", type=int, default=10_000, help="mixed requests for memory over time (0: none)")
@@ -465,6 +474,7 @@ def main() -> None:
         p.set_defaults(sizes="1,4", crowd=16, lengths="128,512", burst=4, streams=2, baseline=0.5, soak=40,
                        repeats=1)  # fmt: skip
         a = p.parse_args()
+    lengths = numbers(a.lengths)
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server's group is stopped on the way out
     rng = random.Random(0)
@@ -476,21 +486,23 @@ def main() -> None:
         asyncio.run(concurrent(server.url, prompts(4, PROMPT_TOKENS, rng)))  # the served path warm
         print(f"output tokens/s, {PROMPT_TOKENS} tokens in and {OUTPUT_TOKENS} out, {MODEL}, best of {a.repeats}")
         print(f"{'N':>6} {'generate() B=N':>14} {'served':>12} {'ratio':>8} {'refused':>8}")
-        summary["throughput"] = throughput(server, model, [int(n) for n in a.sizes.split(",")], a.repeats, rng)
-        summary["crowd"] = crowd(server, a.crowd, rng)
-        print(f"\nlong prompts, one at a time; FLOPs = 2 x {flop.matmul_params:,} x L + 2 x {flop.attention} x L^2 "
-              f"+ {flop.scan_per_token:,} x L")  # fmt: skip
-        print(f"{'tokens':>7} {'TTFT s':>8} {'prefill/s':>10} {'GFLOP':>9} {'GFLOP/s':>8} {'peak RSS MiB':>12}")
-        lengths = [int(n) for n in a.lengths.split(",")]
-        summary["long_prompts"] = rows = long_prompts(server, flop, lengths, rng)
-        summary["flop_s_longest_over_shortest"] = rows[-1]["gflop_s"] / rows[0]["gflop_s"]
-        summary["rss_longest_over_previous"] = rows[-1]["peak_rss_above_idle_mib"] / max(
-            rows[-2]["peak_rss_above_idle_mib"] if len(rows) > 1 else 1.0, 1e-9
-        )
-        print(f"achieved FLOP/s at {lengths[-1]} over {lengths[0]}: {summary['flop_s_longest_over_shortest']:.2f}; "
-              f"peak RSS at {lengths[-1]} over {lengths[-2] if len(lengths) > 1 else lengths[0]}: "
-              f"{summary['rss_longest_over_previous']:.2f}\n", flush=True)  # fmt: skip
-        summary["interference"] = interference(server, lengths[-1], a.burst, a.streams, a.baseline, rng)
+        summary["throughput"] = throughput(server, model, numbers(a.sizes), a.repeats, rng)
+        if a.crowd:
+            summary["crowd"] = crowd(server, a.crowd, rng)
+        if lengths:
+            print(f"\nlong prompts, one at a time; FLOPs = 2 x {flop.matmul_params:,} x L + 2 x {flop.attention} x L^2 "
+                  f"+ {flop.scan_per_token:,} x L")  # fmt: skip
+            print(f"{'tokens':>7} {'TTFT s':>8} {'prefill/s':>10} {'GFLOP':>9} {'GFLOP/s':>8} {'peak RSS MiB':>12}")
+            summary["long_prompts"] = rows = long_prompts(server, flop, lengths, rng)
+            summary["flop_s_longest_over_shortest"] = rows[-1]["gflop_s"] / rows[0]["gflop_s"]
+            summary["rss_longest_over_previous"] = rows[-1]["peak_rss_above_idle_mib"] / max(
+                rows[-2]["peak_rss_above_idle_mib"] if len(rows) > 1 else 1.0, 1e-9
+            )
+            print(f"achieved FLOP/s at {lengths[-1]} over {lengths[0]}: {summary['flop_s_longest_over_shortest']:.2f}; "
+                  f"peak RSS at {lengths[-1]} over {lengths[-2] if len(lengths) > 1 else lengths[0]}: "
+                  f"{summary['rss_longest_over_previous']:.2f}\n", flush=True)  # fmt: skip
+            if a.burst:
+                summary["interference"] = interference(server, lengths[-1], a.burst, a.streams, a.baseline, rng)
         if a.soak:
             print()
             summary["soak"] = soak(server, a.soak, 32, rng)
