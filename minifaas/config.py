@@ -1,6 +1,6 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
-[serve]            host, port, model, dtype, trust_remote_code, threshold, api_key, deadlines, launcher,
+[serve]            host, port, model, dtype, trust_remote_code, threshold, spill_tokens, api_key, deadlines, launcher,
                    fork_workers, secret_file, heartbeats, migration_limit, max_queued_*, worker_log_level, router
 [http]             the HTTP server's bounds: connections, header and body timeouts, body size
 [prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, prefill_batch, threads,
@@ -233,6 +233,7 @@ class ServeConfig:
     seed: int = 0
     threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
     fixed_threshold: bool = False  # off switch of the scheduler: t and the routing rule never move
+    spill_tokens: int = 512  # a short prompt goes to PrfaaS while PD-P's queue is this much longer (0: never)
     api_key: str | None = None
     first_token_timeout: float = 300.0  # a request with no first token by then fails (504)
     token_timeout: float = 60.0  # nor may the gateway be silent longer than this between two tokens
@@ -258,8 +259,8 @@ class ServeConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
-        if self.threshold < 0 or not 0 <= self.port < 65536:
-            raise ValueError("need threshold >= 0 and a valid port")
+        if min(self.threshold, self.spill_tokens) < 0 or not 0 <= self.port < 65536:
+            raise ValueError("need threshold >= 0, spill_tokens >= 0 (0: no spill) and a valid port")
         object.__setattr__(self, "router_args", policy_args(self.router_args))
         check_policy(self.router, ROUTER, self.router_args)
         if self.pd.decode_workers < 1 and not self.pd.workers:

@@ -69,6 +69,15 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
 
     async def scenario() -> None:
         async with Gateway(config) as gw:
+            # a burst of short prompts, the link idle: once PD-P is over spill_tokens (512) behind, the rest
+            # spill to PrfaaS; every output is the reference
+            burst = await asyncio.gather(*(_run(gw, f"burst{i}", SHORT) for i in range(24)))
+            reasons = [rec.route_reason for _, rec in burst]
+            assert 0 < reasons.count("short_but_pd_busy") < 24 and "short" in reasons, reasons
+            assert all(rec.route == ("prfaas" if rec.route_reason == "short_but_pd_busy" else "local")
+                       for _, rec in burst)  # fmt: skip
+            assert all(tokens == reference["short"] for tokens, _ in burst)
+
             # a short prompt stays local, a long one goes PrfaaS; both equal transformers' own generate()
             short, rec_s = await _run(gw, "short", SHORT)
             long, rec_l = await _run(gw, "long", LONG)

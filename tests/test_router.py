@@ -183,6 +183,8 @@ node_lists = st.lists(st.tuples(hits, st.integers(0, 5000), st.booleans()), max_
     pool_hit=st.integers(0, 20_000),
     link_up=st.booleans(),
     move=st.booleans(),
+    spill=st.sampled_from((0, 512)),
+    utilisation=st.floats(0, 1),
 )
 def test_decisions_respect_the_threshold_rule(
     prompt: int,
@@ -194,14 +196,17 @@ def test_decisions_respect_the_threshold_rule(
     pool_hit: int,
     link_up: bool,
     move: bool,
+    spill: int,
+    utilisation: float,
 ) -> None:
     def view(name: str, nodes: list[tuple[int, int, bool]]) -> tuple[NodeView, ...]:
         return tuple(NodeView(f"{name}{i}", min(h, prompt), load, ok) for i, (h, load, ok) in enumerate(nodes))
 
     pd = ClusterView("pd", view("p", pd_nodes), (NodeView("d"),), min(kv, prompt), min(pool_hit, kv, prompt))
     prfaas = ClusterView("prfaas", view("x", prfaas_nodes))
-    req = RouteInput(prompt, threshold, rule, prfaas, pd, link_up)
-    d = decide(req, RouterConfig(cross_cluster_cache_move=move))
+    req = RouteInput(prompt, threshold, rule, prfaas, pd, link_up, utilisation)
+    config = RouterConfig(cross_cluster_cache_move=move, spill_tokens=spill)
+    d = decide(req, config)
     if d.path is Path.REJECT:
         assert not pd.can_prefill and not (prfaas.can_prefill and link_up)
         return
@@ -211,7 +216,14 @@ def test_decisions_respect_the_threshold_rule(
     if d.path is Path.PRFAAS:
         assert link_up
         counted = max(pd.hit_tokens, prfaas.hit_tokens) if rule is Rule.ABUNDANT and move else pd.hit_tokens
-        assert d.reason is Reason.SHORT_BUT_PD_PREFILL_DOWN or prompt - counted > threshold
+        assert d.reason in (Reason.SHORT_BUT_PD_PREFILL_DOWN, Reason.SHORT_BUT_PD_BUSY) or prompt - counted > threshold
+        if d.reason is Reason.SHORT_BUT_PD_BUSY:  # PD-P could have taken it, but is over ``spill`` tokens behind
+            assert spill and utilisation < config.spill_below and d.cache_move is None
+
+            def wait(n: NodeView, c: ClusterView) -> int:
+                return n.load + prompt - max(n.hit_tokens, c.pool_hit_tokens)
+
+            assert all(wait(n, pd) > wait(chosen, prfaas) + spill for n in pd.prefill_nodes if n.healthy)
     elif d.reason is not Reason.LONG_BUT_PRFAAS_DOWN:
         assert prompt - pd.hit_tokens <= threshold or (d.cache_move is not None and d.incremental_tokens <= threshold)
     if d.cache_move is not None:
@@ -219,4 +231,44 @@ def test_decisions_respect_the_threshold_rule(
         assert d.cache_move.dst == cluster.name and d.cache_move.start_tokens <= d.cache_move.end_tokens
     # without a cache move, ABUNDANT is SCARCE
     if not move:
-        assert decide(dataclasses.replace(req, rule=Rule.SCARCE)).path is d.path
+        assert decide(dataclasses.replace(req, rule=Rule.SCARCE), config).path is d.path
+    if not spill:  # without the spill, the link's utilisation does not matter
+        assert decide(dataclasses.replace(req, link_utilisation=1.0), config) == d
+
+
+def test_a_burst_of_short_prompts_spills_to_prfaas_while_pd_prefill_is_a_batch_behind() -> None:
+    """Loads as the gateway counts them: each routed prompt adds its tokens to its prefill node at once."""
+
+    def burst(config: RouterConfig, utilisation: float = 0.0) -> dict[str, int]:
+        load = {"x0": 0, "p0": 0}
+        for _ in range(32):
+            prfaas = ClusterView("prfaas", (NodeView("x0", load=load["x0"]),))
+            pd = ClusterView("pd", (NodeView("p0", load=load["p0"]),), (NodeView("d0"),))
+            d = decide(RouteInput(64, T, Rule.SCARCE, prfaas, pd, link_utilisation=utilisation), config)
+            assert d.reason in (Reason.SHORT, Reason.SHORT_BUT_PD_BUSY)
+            load[d.prefill_node] += 64
+        return load
+
+    assert burst(RouterConfig()) == {"x0": 0, "p0": 2048}  # the threshold rule alone: every prompt on PD-P
+    spilled = burst(RouterConfig(spill_tokens=512))
+    assert spilled["x0"] > 0 and spilled["p0"] - spilled["x0"] <= 512 + 64  # PD-P stays at most a batch ahead
+    assert burst(RouterConfig(spill_tokens=512), utilisation=0.6) == {"x0": 0, "p0": 2048}  # the link has no room
+
+
+def test_no_spill_when_pd_prefill_holds_the_prefix_or_prfaas_is_as_busy() -> None:
+    busy_pd = (NodeView("p0", hit_tokens=0, load=4000),)
+    spill = RouterConfig(spill_tokens=512)
+
+    def one(pd_nodes: tuple[NodeView, ...], prfaas_load: int, link_up: bool = True) -> RouteDecision:
+        prfaas = ClusterView("prfaas", (NodeView("x0", load=prfaas_load),))
+        pd = ClusterView("pd", pd_nodes, (NodeView("d0"),))
+        return decide(RouteInput(900, T, Rule.SCARCE, prfaas, pd, link_up), spill)
+
+    assert one(busy_pd, 0).reason is Reason.SHORT_BUT_PD_BUSY
+    assert one(busy_pd, 0).path is Path.PRFAAS and one(busy_pd, 0).prefill_node == "x0"
+    assert one(busy_pd, 3500).reason is Reason.SHORT  # PrfaaS would reach it less than 512 tokens sooner
+    assert one(busy_pd, 0, link_up=False).reason is Reason.SHORT
+    # PD-P's node holds 800 of the 900 tokens: it computes 100 after its queue, PrfaaS all 900 after none
+    assert one((NodeView("p0", hit_tokens=800, load=400),), 0).reason is Reason.SHORT
+    with pytest.raises(ValueError, match="spill"):
+        RouterConfig(spill_tokens=-1)

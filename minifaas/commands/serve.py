@@ -77,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fixed-threshold", action="store_true", help="the short-term scheduler never moves t or the routing rule"
     )
     parser.add_argument(
+        "--spill-tokens", type=int, metavar="N",
+        help="a short prompt is prefilled on PrfaaS while PD-P's queue is N tokens longer than PrfaaS's and the link "
+        f"has room; 0: never (default: {d.spill_tokens})",
+    )  # fmt: skip
+    parser.add_argument(
         "--api-key",
         help=f"require 'Authorization: Bearer KEY' on /v1/*; shows in ps: prefer ${API_KEY_ENV} (default: none, open)",
     )
@@ -358,6 +363,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         seed=base.seed,
         threshold=_pick(args.threshold, base.threshold),
         fixed_threshold=args.fixed_threshold or base.fixed_threshold,
+        spill_tokens=_pick(args.spill_tokens, base.spill_tokens),
         api_key=_api_key(args, base.api_key),
         first_token_timeout=_pick(args.first_token_timeout, base.first_token_timeout),
         token_timeout=_pick(args.token_timeout, base.token_timeout),

@@ -109,8 +109,9 @@ class Gateway:
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
         self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
         routing = RouterConfig(
-            cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer
-        )
+            cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer,
+            spill_tokens=config.spill_tokens,
+        )  # fmt: skip
         self.router: RoutingPolicy = load_policy(config.router, ROUTER, config.router_args, config=routing)
         self.secret = cluster_secret(config)
         hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
@@ -184,10 +185,6 @@ class Gateway:
         return self.pool.workers
 
     @property
-    def closing(self) -> bool:
-        return self.pool.closing
-
-    @property
     def threshold(self) -> int:
         return self.scheduler.threshold
 
@@ -211,12 +208,9 @@ class Gateway:
     def inflight(self) -> int:
         return self.admission.requests
 
-    def _decode_workers(self) -> list[WorkerHandle]:
-        return self.pool.of("pd", "decode")
-
     def health(self) -> dict:
         status = {n: ("down" if not w.alive else "draining" if w.draining else "up") for n, w in self.workers.items()}
-        healthy = any(w.alive for w in self._decode_workers()) and any(
+        healthy = any(w.alive for w in self.pool.of("pd", "decode")) and any(
             w.alive for w in self.workers.values() if w.role == "prefill"
         )
         links = {name: f"down: {self.link.down[name]}" if name in self.link.down else "up"
@@ -246,16 +240,10 @@ class Gateway:
                 NodeView(w.name, held.get(w.name, 0), w.load_tokens, w.serving) for w in self.pool.of(cluster, role)
             )
 
-        decision = self.router.route(
-            RouteInput(
-                len(prompt_ids),
-                self.threshold,
-                self.rule,
-                ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill")),
-                ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode")),
-                link_up=self.link.up,
-            )
-        )
+        prfaas = ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill"))
+        pd = ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode"))
+        link = self.link.up, self.scheduler.utilisation  # the spill needs room on the link
+        decision = self.router.route(RouteInput(len(prompt_ids), self.threshold, self.rule, prfaas, pd, *link))
         if decision.path is not Path.REJECT:
             self.scheduler.observe(decision)
         return decision

@@ -10,9 +10,9 @@ decode side holds); l <= t is prefilled locally on a PD-P node. Two rules pick w
   moved across the link first (a CacheMove).
 
 Inside the chosen cluster the node is cache-affine and load-aware: the least ``load + prompt - hit`` (a
-cluster's nodes are homogeneous, so queued tokens compare directly). With no hits at all this is the plain
-threshold rule on prompt length. Sans-IO and pure: ``decide`` is a function of its inputs (hits from the cache
-manager, loads and health from the workers, threshold and rule from the scheduler); ``Router`` adds counters.
+cluster's nodes are homogeneous, so queued tokens compare directly). With ``spill_tokens``, a short prompt goes to
+PrfaaS while PD-P is that far behind and the link has room (``_spills``). Sans-IO and pure: ``decide`` is a
+function of its inputs (hits, loads, health, threshold, rule, the link's state); ``Router`` adds counters.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Reason(StrEnum):
     LONG = "long"  # l > t: offload
     LONG_BUT_PRFAAS_DOWN = "long_but_prfaas_down"  # no healthy PrfaaS node or link down: stay local
     SHORT_BUT_PD_PREFILL_DOWN = "short_but_pd_prefill_down"  # no healthy PD-P node: offload
+    SHORT_BUT_PD_BUSY = "short_but_pd_busy"  # l <= t, but PD-P's queue is far longer than PrfaaS's: spill over
     NO_DECODE_NODE = "no_decode_node"
     NO_PREFILL_NODE = "no_prefill_node"
 
@@ -49,6 +50,12 @@ class RouterConfig:
     cross_cluster_cache_move: bool = True  # off: the ABUNDANT rule judges PD by its own cache, like SCARCE
     incremental_transfer: bool = True  # off: PrfaaS ships the whole prompt's KV even if PD holds a prefix
     cache_affinity: bool = True  # off: pick the least-loaded node, ignoring where the prefix sits
+    spill_tokens: int = 0  # a short prompt spills to PrfaaS when its queue there is this much shorter (0: never)
+    spill_below: float = 0.6  # ... and only while the link's utilisation is under this
+
+    def __post_init__(self) -> None:
+        if self.spill_tokens < 0 or not 0 <= self.spill_below <= 1:
+            raise ValueError("need spill_tokens >= 0 (0: no spill) and 0 <= spill_below <= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +109,12 @@ class RouteInput:
     prfaas: ClusterView
     pd: ClusterView
     link_up: bool = True
+    link_utilisation: float = 0.0  # the link's smoothed utilisation (the short-term policy's reading)
 
     def __post_init__(self) -> None:
-        if self.prompt_tokens < 1 or self.threshold < 0:
-            raise ValueError(f"need prompt_tokens >= 1 and threshold >= 0, got {self.prompt_tokens}, {self.threshold}")
+        if self.prompt_tokens < 1 or self.threshold < 0 or self.link_utilisation < 0:
+            raise ValueError("need prompt_tokens >= 1, threshold >= 0 and link_utilisation >= 0, got "
+                             f"{self.prompt_tokens}, {self.threshold}, {self.link_utilisation}")  # fmt: skip
         for cluster in (self.prfaas, self.pd):
             if cluster.hit_tokens > self.prompt_tokens or cluster.kv_prefix_tokens > self.prompt_tokens:
                 raise ValueError(f"cluster {cluster.name}: a cached prefix is longer than the prompt")
@@ -179,6 +188,8 @@ def decide(req: RouteInput, config: RouterConfig = RouterConfig()) -> RouteDecis
         if local_prefix > l_pd:  # only the PrfaaS cache makes it short: bring it over
             move = CacheMove(req.prfaas.name, req.pd.name, min(req.pd.kv_prefix_tokens, l_prfaas), l_prfaas)
             reason = Reason.SHORT_AFTER_CACHE_MOVE
+        if move is None and prfaas_ok and _spills(req, config):
+            return _place(req, config, Path.PRFAAS, decode, Reason.SHORT_BUT_PD_BUSY, None)
         return _place(req, config, Path.PD, decode, reason, move)
     if not short and not prfaas_ok:
         return _place(req, config, Path.PD, decode, Reason.LONG_BUT_PRFAAS_DOWN, None)
@@ -187,6 +198,20 @@ def decide(req: RouteInput, config: RouterConfig = RouterConfig()) -> RouteDecis
     if move_allowed and l_pd > l_prfaas:  # the longer cache is local: send it to PrfaaS first
         move = CacheMove(req.pd.name, req.prfaas.name, min(req.prfaas.kv_prefix_tokens, l_pd), l_pd)
     return _place(req, config, Path.PRFAAS, decode, reason, move)
+
+
+def _spills(req: RouteInput, config: RouterConfig) -> bool:
+    """A short prompt would reach a PrfaaS prefill node more than ``spill_tokens`` queued tokens sooner than a
+    PD-P one (each counting what it must compute), and the link has room: PD-P is backlogged, PrfaaS is not."""
+    if not config.spill_tokens or req.link_utilisation >= config.spill_below:
+        return False
+
+    def wait(cluster: ClusterView) -> float:
+        node = pick_node(cluster.prefill_nodes, req.prompt_tokens, config.cache_affinity, cluster.pool_hit_tokens)
+        assert node is not None  # decide() checked that both clusters can prefill
+        return node.load + req.prompt_tokens - max(node.hit_tokens, cluster.pool_hit_tokens)
+
+    return wait(req.prfaas) + config.spill_tokens < wait(req.pd)
 
 
 def _place(
