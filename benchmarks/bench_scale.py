@@ -13,8 +13,9 @@ One run, on one machine, with ``minifaas serve`` started as a user starts it (it
    on it (``flop_model``: matmuls, causal attention, the linear layers' chunked scan) and the FLOP/s achieved; and
    the peak RSS of the prefill worker that ran it, above what it held before the first.
 3. interference: a burst of short streams, one prompt of the longest length, the same burst again (after over
-   before); and the inter-token gaps of streams decoding while that prompt prefills, p99 over the same streams' p99
-   just before it.
+   before); and the inter-token gaps of streams decoding while that prompt prefills, p99 over the p99 of a control
+   run (new streams, the same spans, no long prompt: their contexts as long as the first ones' were), and over the
+   same streams' p99 just before it.
 4. memory over time: ``--soak`` requests of mixed lengths (8 to 128 tokens in, 1 to 16 out; one in a hundred
    2,048 in and 32 out), 32 at a time; every process's RSS after the first tenth and at the end.
 
@@ -326,25 +327,34 @@ def long_prompts(server: Server, flop: FlopModel, lengths: list[int], rng: rando
 
 
 def interference(server: Server, length: int, burst: int, streams: int, baseline_s: float, rng: random.Random) -> dict:
-    """A burst of short streams before and after one long prompt, and the inter-token gaps of streams decoding
-    while that prompt prefills against the same streams' gaps just before it."""
+    """A burst of short streams before and after one long prompt; the inter-token gaps of streams decoding while
+    that prompt prefills, against the same streams' gaps just before it and against a control run of new streams
+    over the same spans with no long prompt (the streams' contexts grow as they decode: only the control has the
+    lengths the streams had during the prefill)."""
     _, before = asyncio.run(concurrent(server.url, prompts(burst, PROMPT_TOKENS, rng)))
     gaps = asyncio.run(_gaps_around(server.url, prompts(streams, PROMPT_TOKENS, rng), length, baseline_s, rng))
     _, after = asyncio.run(concurrent(server.url, prompts(burst, PROMPT_TOKENS, rng)))
-    quiet, during = percentile(gaps["before"], 0.99), percentile(gaps["during"], 0.99)
+    control = asyncio.run(_gaps_around(server.url, prompts(streams, PROMPT_TOKENS, rng), 0, baseline_s, rng,
+                                       gaps["ttft"]))  # fmt: skip
+    quiet, during, alone = (percentile(g, 0.99) for g in (gaps["before"], gaps["during"], control["during"]))
     row = {"burst": burst, "burst_before_s": before, "burst_after_s": after, "after_over_before": after / before,
-           "streams": streams, "itl_p99_before_s": quiet, "itl_p99_during_s": during, "itl_ratio": during / quiet,
-           "gaps_before": len(gaps["before"]), "gaps_during": len(gaps["during"]),
+           "streams": streams, "itl_p99_before_s": quiet, "itl_p99_during_s": during, "itl_p99_control_s": alone,
+           "itl_ratio": during / alone, "itl_ratio_over_before": during / quiet, "gaps_before": len(gaps["before"]),
+           "gaps_during": len(gaps["during"]), "gaps_control": len(control["during"]),
            "long_ttft_s": gaps["ttft"]}  # fmt: skip
     print(f"a burst of {burst}: {before:.2f} s before a {length}-token prompt, {after:.2f} s after "
           f"({after / before:.2f}x)", flush=True)  # fmt: skip
-    print(f"inter-token p99 of {streams} streams: {1e3 * quiet:.0f} ms before, {1e3 * during:.0f} ms while it "
-          f"prefilled ({during / quiet:.2f}x; {len(gaps['during'])} gaps in {gaps['ttft']:.1f} s)",
-          flush=True)  # fmt: skip
+    print(f"inter-token p99 of {streams} streams: {1e3 * during:.0f} ms while it prefilled ({len(gaps['during'])} "
+          f"gaps in {gaps['ttft']:.1f} s), {1e3 * alone:.0f} ms over the same span without it ({during / alone:.2f}x), "
+          f"{1e3 * quiet:.0f} ms just before it ({during / quiet:.2f}x)", flush=True)  # fmt: skip
     return row
 
 
-async def _gaps_around(url: str, batch: list[list[int]], length: int, baseline_s: float, rng: random.Random) -> dict:
+async def _gaps_around(
+    url: str, batch: list[list[int]], length: int, baseline_s: float, rng: random.Random, span_s: float = 0.0
+) -> dict:
+    """The gaps of ``batch``'s streams over ``baseline_s`` and then while one prompt of ``length`` tokens prefills;
+    with ``length`` 0, over ``baseline_s`` and then ``span_s`` of nothing else (the control)."""
     stop, live = asyncio.Event(), [Stream() for _ in batch]
     async with client() as http:
         running = [asyncio.create_task(stream(http, url, ids, 30_000, stop, s)) for ids, s in zip(batch, live)]
@@ -353,10 +363,15 @@ async def _gaps_around(url: str, batch: list[list[int]], length: int, baseline_s
                 await asyncio.sleep(0.05)
         quiet_from = time.perf_counter()
         await asyncio.sleep(baseline_s)
-        long = await stream(http, url, prompts(1, length, rng)[0], OUTPUT_TOKENS)
+        if length:
+            long = await stream(http, url, prompts(1, length, rng)[0], OUTPUT_TOKENS)
+            sent, first = long.sent, long.arrivals[0]
+        else:
+            sent = time.perf_counter()
+            await asyncio.sleep(span_s)
+            first = time.perf_counter()
         stop.set()
         await asyncio.gather(*running)
-    sent, first = long.sent, long.arrivals[0]
     gaps: dict = {"before": [], "during": [], "ttft": first - sent}
     for s in live:
         times = s.arrivals
