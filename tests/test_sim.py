@@ -183,3 +183,15 @@ def test_a_plan_that_leaves_pd_prefill_unused_says_why(tmp_path, capsys: pytest.
 def test_sim_does_not_import_torch() -> None:
     code = "import sys, minifaas.commands.sim; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_spill_sends_short_prompts_to_prfaas_while_pd_prefill_is_behind(capsys: pytest.CaptureFixture[str]) -> None:
+    """Over its planned load, PD-P falls behind: ``--spill-tokens`` offloads some short prompts too, as serve does."""
+    offloaded = []
+    for spill in ("0", "512"):
+        assert (
+            main(["sim", "--case", "paper", "--duration", "300", "--load", "1.2", "--spill-tokens", spill, "--json"])
+            == 0
+        )
+        offloaded.append(json.loads(capsys.readouterr().out)["offload_fraction"])
+    assert offloaded[1] > offloaded[0]

@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--n-prefill", type=int, help="PD-P instances (default: the plan's)")
     deploy.add_argument("--n-decode", type=int, help="PD-D instances (default: the plan's)")
     deploy.add_argument("--threshold", type=int, help="offload threshold in tokens (default: the plan's)")
+    deploy.add_argument(
+        "--spill-tokens", type=int, default=0, metavar="N",
+        help="a short prompt goes to PrfaaS while PD-P's queue is N tokens longer and the link has room, as "
+        "minifaas serve does by default; the link's use is read only with --scheduler (default: 0, the threshold rule "
+        "alone)",
+    )  # fmt: skip
     deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value, help="routing rule")
     deploy.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache in either cluster")
     deploy.add_argument("--cache-gb", type=float, help="prefix pool size per cluster (default: unlimited)")
@@ -233,6 +239,8 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         "threshold": args.threshold,
     }
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if args.spill_tokens:
+        config = replace(config, router=replace(config.router, spill_tokens=args.spill_tokens))
     if args.trace:
         workload = read_trace(args.trace, args.length_scale, args.rate_scale)
         if args.duration is not None:
