@@ -17,7 +17,8 @@ One run, on one machine, with ``minifaas serve`` started as a user starts it (it
    run (new streams, the same spans, no long prompt: their contexts as long as the first ones' were), and over the
    same streams' p99 just before it.
 4. memory over time: ``--soak`` requests of mixed lengths (8 to 128 tokens in, 1 to 16 out; one in a hundred
-   2,048 in and 32 out), 32 at a time; every process's RSS after the first tenth and at the end.
+   2,048 in and 32 out), 32 at a time; every process's RSS after each tenth and its peak within each tenth, and
+   their growth from the first tenth to the last.
 
 Every process's peak RSS closes the table; ``--out`` writes every figure as JSON and ``--plot`` a PNG (with the plot
 extra). ``--quick`` is the smoke run the tests make: sizes 1 and 4, 16 at once, prompts of 128 and 512 tokens, a
@@ -384,14 +385,17 @@ async def _gaps_around(
 
 
 def soak(server: Server, requests: int, concurrency: int, rng: random.Random) -> dict:
-    """``requests`` of mixed lengths, ``concurrency`` at a time; every process's RSS after each tenth of them (the
-    first tenth the baseline), and its growth from there to the end."""
+    """``requests`` of mixed lengths, ``concurrency`` at a time; every process's RSS after each tenth of them and its
+    peak within that tenth (where the peak can be reset), and their growth from the first tenth to the last: what
+    a process holds at one instant moves with the batch it holds then, its peak over a tenth with the worst batch."""
     pids = server.processes()
+    resettable = all(reset_peak(pid) for pid in pids.values())
     mixed = [(int(8 * 2 ** (4 * rng.random())), rng.choice((1, 4, 16))) for _ in range(requests)]  # 8-128 in
     for i in range(0, requests, 100):  # one in a hundred is long, past the threshold, with a longer output
         mixed[i] = (2048, 32)
     batches = [prompts(1, n, rng)[0] for n, _ in mixed]
     curve: list[dict[str, int]] = []  # RSS (KiB) by process after each tenth
+    tops: list[dict[str, int]] = []  # peak RSS (KiB) by process within each tenth
     started = time.perf_counter()
 
     async def run() -> int:
@@ -405,8 +409,13 @@ def soak(server: Server, requests: int, concurrency: int, rng: random.Random) ->
                     done += s.status == 200
                     if done % max(1, requests // 10) == 0 and len(curve) < done * 10 // requests:
                         curve.append({t: rss_kib(pid) for t, pid in pids.items()})
-                        print(f"  {done:>6} served, {time.perf_counter() - started:>5.0f} s: "
-                              + " ".join(f"{v / 1024:.0f}" for v in curve[-1].values()), flush=True)  # fmt: skip
+                        line = " ".join(f"{v / 1024:.0f}" for v in curve[-1].values())
+                        if resettable:
+                            tops.append({t: rss_kib(pid, "VmHWM") for t, pid in pids.items()})
+                            line += " (peak " + " ".join(f"{v / 1024:.0f}" for v in tops[-1].values()) + ")"
+                            for pid in pids.values():
+                                reset_peak(pid)
+                        print(f"  {done:>6} served, {time.perf_counter() - started:>5.0f} s: {line}", flush=True)
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         return done
@@ -416,10 +425,15 @@ def soak(server: Server, requests: int, concurrency: int, rng: random.Random) ->
     end = {t: rss_kib(pid) for t, pid in pids.items()}
     first = curve[0] if curve else end
     growth = {t: end[t] / first[t] - 1 for t in pids if first.get(t)}
+    peak_growth = {t: tops[-1][t] / tops[0][t] - 1 for t in pids if tops and tops[0].get(t)}
     row = {"requests": requests, "served": ok, "wall_s": time.perf_counter() - started, "growth": growth,
-           "rss_mib": [{t: v / 1024 for t, v in point.items()} for point in curve]}  # fmt: skip
+           "peak_growth": peak_growth, "rss_mib": [{t: v / 1024 for t, v in point.items()} for point in curve],
+           "peak_mib": [{t: v / 1024 for t, v in point.items()} for point in tops]}  # fmt: skip
     print(f"{ok} of {requests} served in {row['wall_s']:.0f} s; RSS from the first tenth to the end: "
           + ", ".join(f"{t} {100 * g:+.1f}%" for t, g in growth.items()), flush=True)  # fmt: skip
+    if peak_growth:
+        print("peak RSS within the last tenth over the first: "
+              + ", ".join(f"{t} {100 * g:+.1f}%" for t, g in peak_growth.items()), flush=True)  # fmt: skip
     return row
 
 
@@ -518,10 +532,12 @@ def main() -> None:
                   f"{summary['rss_longest_over_previous']:.2f}\n", flush=True)  # fmt: skip
             if a.burst:
                 summary["interference"] = interference(server, lengths[-1], a.burst, a.streams, a.baseline, rng)
+        lifetime = [peaks(server)]  # the soak starts each process's peak afresh each tenth
         if a.soak:
             print()
             summary["soak"] = soak(server, a.soak, 32, rng)
-        summary["peak_rss_mib"] = peaks(server)
+            lifetime += summary["soak"]["peak_mib"]
+        summary["peak_rss_mib"] = {t: max(v, *(p.get(t, 0.0) for p in lifetime)) for t, v in peaks(server).items()}
     print("\npeak RSS per process (MiB): " + ", ".join(f"{t} {v:.0f}" for t, v in summary["peak_rss_mib"].items()))
     summary["load_average_end"] = os.getloadavg()[0]
     start, end = summary["load_average_start"], summary["load_average_end"]
