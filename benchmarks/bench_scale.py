@@ -11,7 +11,9 @@ One run, on one machine, with ``minifaas serve`` started as a user starts it (it
    two alternating. Then ``--crowd`` concurrent requests: how many are served and how many refused.
 2. long prompts: TTFT of one prompt of each of ``--lengths`` tokens, prefill tokens/s, the FLOPs the model spends
    on it (``flop_model``: matmuls, causal attention, the linear layers' chunked scan) and the FLOP/s achieved; and
-   the peak RSS of the prefill worker that ran it, above what it held before the first.
+   the peak RSS of the prefill worker that ran it, above what it held before the first. They run before the rest,
+   while only the warm-up has touched the workers' memory: an allocator keeps what earlier batches freed, and a
+   peak above that baseline would leave out what a prompt took of it.
 3. interference: a burst of short streams, one prompt of the longest length, the same burst again (after over
    before); and the inter-token gaps of streams decoding while that prompt prefills, p99 over the p99 of a control
    run (new streams, the same spans, no long prompt: their contexts as long as the first ones' were), and over the
@@ -478,6 +480,24 @@ def plot(summary: dict, path: Path) -> bool:
     return True
 
 
+def long_prompt_table(server: Server, flop: FlopModel, lengths: list[int], rng: random.Random) -> dict:
+    """``long_prompts`` printed as a table, with FLOP/s and peak RSS of the longest over the shortest and previous."""
+    print(f"long prompts, one at a time; FLOPs = 2 x {flop.matmul_params:,} x L + 2 x {flop.attention} x L^2 "
+          f"+ {flop.scan_per_token:,} x L")  # fmt: skip
+    print(f"{'tokens':>7} {'TTFT s':>8} {'prefill/s':>10} {'GFLOP':>9} {'GFLOP/s':>8} {'peak RSS MiB':>12}")
+    rows = long_prompts(server, flop, lengths, rng)
+    out = {"long_prompts": rows, "flop_s_longest_over_shortest": rows[-1]["gflop_s"] / rows[0]["gflop_s"],
+           "rss_longest_over_previous": rows[-1]["peak_rss_above_idle_mib"]
+           / max(rows[-2]["peak_rss_above_idle_mib"] if len(rows) > 1 else 1.0, 1e-9)}  # fmt: skip
+    previous = lengths[-2] if len(lengths) > 1 else lengths[0]
+    print(
+        f"achieved FLOP/s at {lengths[-1]} over {lengths[0]}: {out['flop_s_longest_over_shortest']:.2f}; "
+        f"peak RSS at {lengths[-1]} over {previous}: {out['rss_longest_over_previous']:.2f}\n",
+        flush=True,
+    )
+    return out
+
+
 def numbers(text: str) -> list[int]:
     """Comma-separated integers: "1,32,128" -> [1, 32, 128]; "" -> [] (that phase is skipped)."""
     return [int(n) for n in text.split(",") if n.strip()]
@@ -513,25 +533,16 @@ def main() -> None:
     summary: dict = {"model": MODEL, "load_average_start": os.getloadavg()[0], "flop_model": vars(flop)}
     with serving(a.serve_flags.split()) as server:
         asyncio.run(concurrent(server.url, prompts(4, PROMPT_TOKENS, rng)))  # the served path warm
+        if lengths:  # first: the prefill workers' memory as only the warm-up left it
+            summary.update(long_prompt_table(server, flop, lengths, rng))
         print(f"output tokens/s, {PROMPT_TOKENS} tokens in and {OUTPUT_TOKENS} out, {MODEL}, best of {a.repeats}")
         print(f"{'N':>6} {'generate() B=N':>14} {'served':>12} {'ratio':>8} {'refused':>8}")
         summary["throughput"] = throughput(server, model, numbers(a.sizes), a.repeats, rng)
         if a.crowd:
             summary["crowd"] = crowd(server, a.crowd, rng)
-        if lengths:
-            print(f"\nlong prompts, one at a time; FLOPs = 2 x {flop.matmul_params:,} x L + 2 x {flop.attention} x L^2 "
-                  f"+ {flop.scan_per_token:,} x L")  # fmt: skip
-            print(f"{'tokens':>7} {'TTFT s':>8} {'prefill/s':>10} {'GFLOP':>9} {'GFLOP/s':>8} {'peak RSS MiB':>12}")
-            summary["long_prompts"] = rows = long_prompts(server, flop, lengths, rng)
-            summary["flop_s_longest_over_shortest"] = rows[-1]["gflop_s"] / rows[0]["gflop_s"]
-            summary["rss_longest_over_previous"] = rows[-1]["peak_rss_above_idle_mib"] / max(
-                rows[-2]["peak_rss_above_idle_mib"] if len(rows) > 1 else 1.0, 1e-9
-            )
-            print(f"achieved FLOP/s at {lengths[-1]} over {lengths[0]}: {summary['flop_s_longest_over_shortest']:.2f}; "
-                  f"peak RSS at {lengths[-1]} over {lengths[-2] if len(lengths) > 1 else lengths[0]}: "
-                  f"{summary['rss_longest_over_previous']:.2f}\n", flush=True)  # fmt: skip
-            if a.burst:
-                summary["interference"] = interference(server, lengths[-1], a.burst, a.streams, a.baseline, rng)
+        if lengths and a.burst:
+            print()
+            summary["interference"] = interference(server, lengths[-1], a.burst, a.streams, a.baseline, rng)
         lifetime = [peaks(server)]  # the soak starts each process's peak afresh each tenth
         if a.soak:
             print()
