@@ -242,8 +242,8 @@ class Gateway:
 
         prfaas = ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill"))
         pd = ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode"))
-        link = self.link.up, self.scheduler.utilisation  # the spill needs room on the link
-        decision = self.router.route(RouteInput(len(prompt_ids), self.threshold, self.rule, prfaas, pd, *link))
+        link = dict(link_up=self.link.up, link_utilisation=self.scheduler.utilisation)  # a spill needs room on it
+        decision = self.router.route(RouteInput(len(prompt_ids), self.threshold, self.rule, prfaas, pd, **link))
         if decision.path is not Path.REJECT:
             self.scheduler.observe(decision)
         return decision

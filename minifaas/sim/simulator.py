@@ -112,8 +112,8 @@ class Simulation:
             prfaas = matches[self.prfaas.cluster].view(prfaas_nodes)
             pd = matches[self.pd.cluster].view(pd_nodes, decode_nodes)
         sched = self.scheduler
-        link = True, sched.utilisation  # as the gateway sees it: a spill needs room on the link
-        decision = self.router.route(RouteInput(prompt, sched.threshold, sched.rule, prfaas, pd, *link))
+        req = RouteInput(prompt, sched.threshold, sched.rule, prfaas, pd, link_utilisation=sched.utilisation)
+        decision = self.router.route(req)
         if decision.path is Path.REJECT:
             return
         self.prompt_tokens += prompt
