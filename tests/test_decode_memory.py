@@ -6,7 +6,16 @@ import pytest
 
 from minifaas.config import ClusterConfig
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
-from minifaas.model.decode_memory import MAX_ROWS, MEMORY_SHARE, ROW_CONTEXT, RowBytes, row_bytes, sized, sized_for
+from minifaas.model.decode_memory import (
+    MAX_ROWS,
+    MEMORY_SHARE,
+    ROW_CONTEXT,
+    RowBytes,
+    row_bytes,
+    sized,
+    sized_for,
+    within_share,
+)
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.kv_size import kv_profile
@@ -44,3 +53,12 @@ def test_a_decoder_left_at_auto_gets_the_rows_this_hosts_memory_holds(runtime: M
     assert isinstance(decoder, BatchDecoder) and decoder.config == sized_for(DecoderConfig(), runtime)
     assert decoder.config.max_batch >= 256  # any host that runs the suite has the memory for it
     assert isinstance(make_decoder(runtime, DecoderConfig(max_batch=1)), InterleavedDecoder)
+
+
+def test_a_gpu_worker_sizes_within_its_memory_fraction_not_the_cards_free_memory() -> None:
+    gib = 1 << 30
+    # a third of a 141 GiB card, 2 GiB of it held already, while the card has 120 GiB free: 45 GiB
+    assert within_share(120 * gib, 141 * gib, 1 / 3, 2 * gib) == 141 * gib // 3 - 2 * gib
+    # other processes took most of the card: what is free bounds it
+    assert within_share(10 * gib, 141 * gib, 1 / 3, 2 * gib) == 10 * gib
+    assert within_share(10 * gib, 141 * gib, 0.01, 2 * gib) == 0  # over its share already

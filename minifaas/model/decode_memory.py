@@ -73,7 +73,17 @@ def row_bytes(runtime: ModelRuntime) -> RowBytes:
 
 
 def device_memory(device: str) -> int:
-    """Bytes a new allocation can still get on ``device``: host memory, or the GPU's free memory."""
-    if device.startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    return available_bytes()
+    """Bytes a new allocation can still get on ``device``: host memory, or on a GPU the free memory within this
+    process's share (``torch.cuda.set_per_process_memory_fraction``, which the worker sets) less what it holds."""
+    if not device.startswith("cuda"):
+        return available_bytes()
+    dev = torch.device(device)
+    free, total = torch.cuda.mem_get_info(dev)
+    share = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(dev)  # absent before torch 2.8
+    return within_share(free, total, share, torch.cuda.memory_reserved(dev))
+
+
+def within_share(free: int, total: int, fraction: float, reserved: int) -> int:
+    """What a process capped at ``fraction`` of a card of ``total`` bytes, holding ``reserved``, may still take:
+    never more than the card has free (other processes take from it too)."""
+    return max(0, min(int(free), int(fraction * total) - int(reserved)))
