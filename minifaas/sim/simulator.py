@@ -64,9 +64,9 @@ class Simulation:
         self._prompt = workload.input_tokens.tolist()
         self._output = workload.output_tokens.tolist()
         self.path = [REJECTED] * n
-        self._node = [0] * n  # prefill node index in its pool
+        self.prefill_node = [0] * n  # index in the pool its path names
         self._tokens = [0] * n  # incremental (computed) prefill tokens
-        self._decode_node = [0] * n
+        self.decode_node = [0] * n  # index in the decode instances
         self._prefill_end = [0.0] * n
         self._kv_bytes = [0.0] * n  # on the wire
         self._coding_s = [0.0] * n
@@ -127,7 +127,8 @@ class Simulation:
         start, end = pool.place(node, now, tokens)
         dnode = self.decode.index[decision.decode_node]  # type: ignore[index]
         self.decode.reserve(dnode)
-        self._node[rid], self._tokens[rid], self._decode_node[rid], self._prefill_end[rid] = node, tokens, dnode, end
+        self.prefill_node[rid], self.decode_node[rid] = node, dnode
+        self._tokens[rid], self._prefill_end[rid] = tokens, end
         move = decision.cache_move
         if move is not None and move.src == self.prfaas.cluster:
             # A PrfaaS prefix moved to PD shares the egress pipe. The prefill is not held back
@@ -157,7 +158,7 @@ class Simulation:
         now = self.loop.now
         path = self.path[rid]
         pool = self.prfaas if path == PRFAAS else self.pd
-        if pool.done(self._node[rid], self._tokens[rid]):
+        if pool.done(self.prefill_node[rid], self._tokens[rid]):
             self.scheduler.drained(into_prefill=False)
         if self.caches is not None:
             self.caches.store(pool.cluster, self._used_keys(rid), now)
@@ -203,7 +204,7 @@ class Simulation:
         self._reschedule_link()
 
     def _kv_ready(self, rid: int) -> None:
-        if self.decode.arrive(self._decode_node[rid], rid):
+        if self.decode.arrive(self.decode_node[rid], rid):
             self._start_decode(rid)
 
     def _start_decode(self, rid: int) -> None:
@@ -213,10 +214,10 @@ class Simulation:
 
     def _decode_end(self, rid: int) -> None:
         self.finished[rid] = self.loop.now
-        successor = self.decode.finish(self._decode_node[rid])
+        successor = self.decode.finish(self.decode_node[rid])
         if successor is not None:
             self._start_decode(successor)
-        self.scheduler.decode_finished(self._decode_node[rid])
+        self.scheduler.decode_finished(self.decode_node[rid])
 
     def _sample(self, _: object) -> None:
         self.scheduler.tick()
