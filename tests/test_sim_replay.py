@@ -1,19 +1,26 @@
 """The simulator's results on the Mooncake trace, pinned: a faster simulator must simulate the same thing.
 
 Each case replays the whole trace (3,993 requests with prefix hashes) through
-``minifaas sim``'s own ``build`` and ``Simulation``. The digest covers every
-request's path, first-token and finish time (the raw float64 bytes), the queue
-samples and the scheduler's trace, so any change to what is simulated, down to
-the last bit of one time, changes it; the headline figures beside it make a
-failure readable. The figures were recorded from the simulator before its hot
-paths (prefix matching, the pools' bookkeeping, the event loop) were optimised.
+``minifaas sim``'s own ``build`` and ``Simulation``, and is compared with the
+reference in ``tests/data/sim_replay.json.gz``. What the simulator decides must
+match exactly: each request's path, its prefill and decode node, the order in
+which requests got their first token and finished, the number of events, the
+queue counts and the scheduler's thresholds and role counts. Times and the
+headline figures must match to ``RTOL``: float rounding differs in the last bits
+between CPUs and library builds, and the test must pass on any of them.
+
+``python tests/test_sim_replay.py`` writes the reference from the simulator as
+it is, for a change that means to simulate something else.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import gzip
+import json
+import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +28,14 @@ import pytest
 from minifaas.commands import sim as sim_cli
 from minifaas.sim.simulator import Simulation
 
-TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+REFERENCE = ROOT / "tests" / "data" / "sim_replay.json.gz"
+
+# Far above the last-bit differences between machines (a few ulps, 1e-16 relative), far below a
+# change a simulation could make, and below the smallest relative gap between two requests' times
+# in these runs (6e-9), so times within it cannot reorder the requests.
+RTOL = 1e-9
 
 CASES = {  # name -> extra ``minifaas sim`` flags
     "homogeneous": ["--config", "homogeneous"],
@@ -32,39 +46,64 @@ CASES = {  # name -> extra ``minifaas sim`` flags
     "prfaas-small-cache": ["--config", "prfaas", "--cache-gb", "20"],
     "prfaas-no-pipelining": ["--config", "prfaas", "--pipeline-layers", "0", "--no-prefix-cache"],
 }
-
-PINNED = {  # name -> (TTFT p90 s, prefix hit ratio, offload fraction, egress Gbps mean, digest)
-    "homogeneous": (3.325984, 0.594842, 0.0, 0.0, "9bc82389bd4c7b45"),
-    "prfaas": (4.14287, 0.596516, 0.305785, 3.586461, "4e7c8d639531f7f3"),
-    "naive": (1.545429, 0.596449, 1.0, 8.505135, "e7d5267eb367f52c"),
-    "prfaas-abundant": (2.099937, 0.596449, 0.239669, 4.537332, "fc6a847fac776799"),
-    "prfaas-scheduler": (267.662295, 0.570813, 0.338342, 7.824094, "8e45c95410c5990c"),
-    "prfaas-small-cache": (47.742144, 0.060308, 0.306787, 7.144719, "0ad94eba82f1d967"),
-    "prfaas-no-pipelining": (58.962326, 0.0, 0.306787, 7.626585, "af74fd42c530d284"),
-}
+FIGURES = ("ttft_p90_s", "prefix_hit_token_ratio", "offload_fraction", "egress_gbps_mean")
 
 
-def replay(extra: list[str]) -> tuple[tuple[float, float, float, float], str]:
+def replay(extra: list[str]) -> dict[str, Any]:
+    """One case's run: decisions as ints, times as floats (None where a request never got there)."""
     parser = argparse.ArgumentParser()
     sim_cli.add_arguments(parser)
     config, workload, _ = sim_cli.build(parser.parse_args(["--case", "paper", "--trace", str(TRACE), *extra]))
     simulation = Simulation(config, workload)
     result = simulation.run()
-    digest = hashlib.sha256()
-    for column in (
-        np.array(simulation.path, dtype=np.int64),
-        np.array(simulation.first_token),
-        np.array(simulation.finished),
-        result.queues,
-        result.schedule,
-    ):
-        digest.update(np.ascontiguousarray(column).tobytes())
-    r = result
-    figures = (r.ttft_p90_s, r.prefix_hit_token_ratio, r.offload_fraction, r.egress_gbps_mean)
-    return tuple(round(f, 6) for f in figures), digest.hexdigest()[:16]  # type: ignore[return-value]
+    return {
+        "figures": {name: getattr(result, name) for name in FIGURES},
+        "events": result.events,
+        "path": simulation.path,
+        "prefill_node": simulation.prefill_node,
+        "decode_node": simulation.decode_node,
+        "first_token": [None if math.isnan(t) else t for t in simulation.first_token],
+        "finished": [None if math.isnan(t) else t for t in simulation.finished],
+        "queue_times": result.queues[:, 0].tolist(),
+        "queue_counts": result.queues[:, 1:].astype(int).tolist(),  # PrfaaS, PD-P, link flows, decode waiting, running
+        "schedule_times": result.schedule[:, 0].tolist(),
+        "schedule": result.schedule[:, 1:].astype(int).tolist(),  # threshold, PD-P serving, PD-D serving
+    }
+
+
+def times(values: list[float | None]) -> np.ndarray:
+    return np.array([math.nan if v is None else v for v in values])
+
+
+def order(values: list[float | None]) -> list[int]:
+    """Requests in the order they reached a time (ties in request order); those that never did are left out."""
+    t = times(values)
+    return [int(i) for i in np.argsort(t, kind="stable") if not math.isnan(t[i])]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict[str, Any]]:
+    with gzip.open(REFERENCE, "rt") as f:
+        return json.load(f)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_the_trace_replays_to_the_pinned_results(name: str) -> None:
-    figures, digest = replay(CASES[name])
-    assert (*figures, digest) == PINNED[name]
+def test_the_trace_replays_to_the_reference(name: str, reference: dict[str, dict[str, Any]]) -> None:
+    got, want = replay(CASES[name]), reference[name]
+    for figure in FIGURES:
+        assert got["figures"][figure] == pytest.approx(want["figures"][figure], rel=RTOL, nan_ok=True), figure
+    for decided in ("path", "prefill_node", "decode_node", "queue_counts", "schedule"):
+        assert got[decided] == want[decided], f"{decided} differs"
+    for reached in ("first_token", "finished"):
+        assert order(got[reached]) == order(want[reached]), f"the order of {reached} differs"
+    assert got["events"] == want["events"]
+    for timed in ("first_token", "finished", "queue_times", "schedule_times"):
+        np.testing.assert_allclose(times(got[timed]), times(want[timed]), rtol=RTOL, atol=0, err_msg=timed)
+
+
+if __name__ == "__main__":
+    REFERENCE.parent.mkdir(exist_ok=True)
+    text = json.dumps({name: replay(extra) for name, extra in CASES.items()}, separators=(",", ":"))
+    with gzip.GzipFile(REFERENCE, "wb", compresslevel=9, mtime=0) as out:  # the same bytes for the same results
+        out.write(text.encode())
+    print(f"wrote {REFERENCE}")
