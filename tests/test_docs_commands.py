@@ -2,14 +2,16 @@
 
 The commands are not run (some take hours); each is parsed by its subcommand's
 own parser, as ``minifaas`` would parse it, so a renamed or removed flag, a
-wrong choice or a usage sketch that is not a command fails here. The README's
-annotated file tree is checked against the files it describes, too.
+wrong choice or a usage sketch that is not a command fails here. The annotated
+file tree (docs/FILES.md) is checked against the files it describes, and the
+guide's TOML example is loaded as ``minifaas serve --config`` loads it.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -60,9 +62,12 @@ CASES = _cases()
 
 def test_the_docs_quote_commands() -> None:
     files = {name for name, _ in CASES}
-    assert {"README.md", "RESULTS.md", "STUDIES.md"} <= files
-    quoted = {argv[0] for name, argv in CASES if name == "README.md"}
-    assert set(COMMANDS) <= quoted, f"README has no example of {sorted(set(COMMANDS) - quoted)}"
+    assert {"README.md", "GUIDE.md", "RESULTS.md", "STUDIES.md"} <= files
+    quoted = {argv[0] for _, argv in CASES}
+    assert set(COMMANDS) <= quoted, f"no doc has an example of {sorted(set(COMMANDS) - quoted)}"
+    guide_tour = (ROOT / "docs" / "GUIDE.md").read_text().split("\n## Tour\n", 1)[1].split("\n## ", 1)[0]
+    tour = {argv[0] for argv in commands_in(guide_tour)}
+    assert set(COMMANDS) <= tour, f"the guide's tour has no example of {sorted(set(COMMANDS) - tour)}"
 
 
 @pytest.mark.parametrize(("doc", "argv"), CASES, ids=[f"{name}: {' '.join(argv)}"[:90] for name, argv in CASES])
@@ -91,9 +96,8 @@ def test_extraction() -> None:
     ]
 
 
-def test_readme_file_tree_lists_every_file() -> None:
-    readme = (ROOT / "README.md").read_text()
-    tree = readme[readme.index("## Files") :]
+def test_file_tree_lists_every_file() -> None:
+    tree = (ROOT / "docs" / "FILES.md").read_text()
     listed = {line.split()[0] for line in tree.splitlines() if line.startswith("    ")}
     present = {
         str(path.relative_to(ROOT))
@@ -101,8 +105,22 @@ def test_readme_file_tree_lists_every_file() -> None:
         for path in (ROOT / folder).rglob("*")
         if path.is_file() and "__pycache__" not in path.parts
     }
-    assert sorted(present - listed) == [], "files missing from the README's tree"
-    assert sorted(p for p in listed - present if not p.endswith("/")) == [], "the README lists files that do not exist"
+    assert sorted(present - listed) == [], "files missing from docs/FILES.md"
+    assert sorted(p for p in listed - present if not p.endswith("/")) == [], "docs/FILES.md lists files not there"
+
+
+def test_the_guide_config_example_loads(tmp_path: Path) -> None:
+    from minifaas.commands.serve import config_from_args  # the gateway's imports, for this test alone
+
+    [example] = marked_blocks((ROOT / "docs" / "GUIDE.md").read_text(), "config-example")
+    path = tmp_path / "serve.toml"
+    path.write_text(example)
+    config = config_from_args(command_parser("serve").parse_args(["--config", str(path)]))
+    for table, settings in tomllib.loads(example).items():
+        part = config if table == "serve" else getattr(config, table)
+        assert {k: getattr(part, k) for k in settings} == settings, f"[{table}] did not take effect"
+    flagged = config_from_args(command_parser("serve").parse_args(["--config", str(path), "--threshold", "7"]))
+    assert (flagged.threshold, flagged.pd) == (7, config.pd), "a flag overrides the file, and only what it names"
 
 
 def test_marked_blocks() -> None:
