@@ -57,6 +57,33 @@ class Progress:
             self.reporter.write_line(f"  [{minutes:5.1f} min] {spent:5.1f} s  {report.nodeid}")  # type: ignore[attr-defined]
 
 
+# under CI a skip must be one of these (no GPU there); any other (no root, no openssl, no namespaces, a missing
+# extra) fails the run, so a machine that lacks something cannot pass by skipping what needs it
+ALLOWED_SKIPS_IN_CI = ("needs a CUDA device", "a CUDA device is here", "needs a GPU")
+
+
+class SkipGuard:
+    """Under ``CI``, a run whose skips include one outside ``ALLOWED_SKIPS_IN_CI`` fails, naming each."""
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped and isinstance(report.longrepr, tuple):
+            reason = str(report.longrepr[2])
+            if not any(allowed in reason for allowed in ALLOWED_SKIPS_IN_CI):
+                self.refused.append(f"{report.nodeid}: {reason}")
+
+    def pytest_terminal_summary(self, terminalreporter: object) -> None:
+        for line in self.refused:
+            terminalreporter.write_line(f"SKIP NOT ALLOWED IN CI {line}")  # type: ignore[attr-defined]
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.refused and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered, in its own pytest_configure
 def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
@@ -65,6 +92,8 @@ def pytest_configure(config: pytest.Config) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         config.pluginmanager.register(Progress(reporter), "minifaas-progress")
+    if os.environ.get("CI") and not hasattr(config, "workerinput"):  # the xdist controller sees every report
+        config.pluginmanager.register(SkipGuard(), "minifaas-skip-guard")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
