@@ -43,6 +43,18 @@ def test_where_fla_is_installed_it_is_the_version_the_gpu_extra_pins() -> None:
         assert requirement.specifier.contains(versions[requirement.name]), (requirement, versions)
 
 
+def test_importing_the_model_and_worker_code_imports_neither_fla_nor_triton() -> None:
+    """Only the model's own code may pull fla in, after ``select_kernels`` has decided (and on a CPU, kept it
+    out); triton then comes only with torch's compiler, never with TRITON_INTERPRET from here."""
+    out = _run(
+        "import os, sys\n"
+        "import minifaas.model.runtime, minifaas.worker.worker_process, minifaas.commands.main\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'fla', 'triton'}), 'TRITON_INTERPRET' in os.environ)\n"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "False"], out.stdout
+
+
 @pytest.mark.slow  # a child process per case
 def test_cpu_runtime_blocks_fla_and_still_runs() -> None:
     code = (
@@ -102,7 +114,7 @@ def test_the_kernel_report_reads_what_a_cpu_model_is_bound_to() -> None:
     out = _run(code)
     assert out.returncode == 0, out.stderr[-2000:]
     reports = json.loads(out.stdout.strip().splitlines()[-1])
-    assert reports["qwen3-tiny"] == {"kernels": "none", "bindings": {}}  # dense: nothing to bind
+    assert reports["qwen3-tiny"] == {"kernels": "none", "bindings": {}, "ran": {}}  # dense: nothing to bind
     kimi, qwen = reports["kimi-linear-tiny"], reports["shakespeare-qwen3.5"]
     assert kimi["kernels"] == qwen["kernels"] == "torch"
     assert {"chunk_kda", "fused_recurrent_kda"} <= set(kimi["bindings"])

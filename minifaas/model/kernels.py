@@ -10,6 +10,11 @@ process leaves it alone and gets the fast kernels, if fla imports: transformers
 swallows an import error and binds the torch reference instead, so
 ``kernels_in_use`` reads back what each function is bound to, and a CUDA worker
 refuses the reference unless told otherwise (``require_fast``).
+
+A binding is not yet a call: transformers' wrapper sends inputs on a device the
+package does not list to the torch reference, per call. So ``KernelRecorder``
+notes, during a worker's warm-up, which function each layer kind really called,
+the short convolution's torch fallback included, and the report then says that.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import CellType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -49,6 +56,7 @@ class KernelBinding:
     function: str  # the name transformers looks up, e.g. "chunk_gated_delta_rule"
     package: str  # the package it prefers, e.g. "fla"
     module: str  # where the function in use lives: the package's module, or transformers' own (the fallback)
+    layer_kind: str = ""  # a recorded call: the kind of layer that made it, e.g. "linear_attention"
 
     @property
     def fast(self) -> bool:
@@ -58,21 +66,27 @@ class KernelBinding:
 @dataclass(frozen=True, slots=True)
 class KernelReport:
     bindings: tuple[KernelBinding, ...]
+    ran: tuple[KernelBinding, ...] = ()  # what recorded forwards called (``KernelRecorder``); empty: none recorded
 
     @property
     def slow(self) -> tuple[KernelBinding, ...]:
-        """Bindings to a fast-path package (fla) that fell back to the torch reference."""
-        return tuple(b for b in self.bindings if b.package in FAST_PACKAGES and not b.fast)
+        """Functions of a fast-path package (fla) that fell back to the torch reference: those that ran, once
+        something was recorded, else those bound."""
+        return tuple(b for b in self.ran or self.bindings if b.package in FAST_PACKAGES and not b.fast)
 
     @property
     def label(self) -> str:
-        """ "fla": every fla function bound to fla; "torch": some fell back; "none": the model needs none."""
-        if not any(b.package in FAST_PACKAGES for b in self.bindings):
+        """ "fla": every fla function ran (before any ran: is bound to) fla; "torch": some fell back; "none": the
+        model needs none."""
+        if not any(b.package in FAST_PACKAGES for b in self.ran or self.bindings):
             return "none"
         return "torch" if self.slow else "fla"
 
     def to_json(self) -> dict:
-        return {"kernels": self.label, "bindings": {b.function: b.module for b in self.bindings}}
+        ran: dict[str, dict[str, str]] = {}
+        for call in self.ran:
+            ran.setdefault(call.layer_kind, {})[call.function] = call.module
+        return {"kernels": self.label, "bindings": {b.function: b.module for b in self.bindings}, "ran": ran}
 
 
 FAST_PACKAGES = ("fla",)  # causal_conv1d is optional: its torch path is one short convolution per layer
@@ -85,15 +99,59 @@ def kernels_in_use(model: torch.nn.Module) -> KernelReport:
     choice in the wrapper's closure (``implementation``, with ``package`` beside it): that is the
     binding every forward uses, so reading it is checking the kernels, not guessing from imports.
     """
-    module = sys.modules[type(model).__module__]
     bindings = []
-    for value in vars(module).values():
-        cells = _closure(_hub_function(value))
-        implementation, package = cells.get("implementation"), cells.get("package")
-        if callable(implementation) and isinstance(package, str) and "is_new_implementation" in cells:
-            name = str(cells.get("func_name", getattr(value, "__name__", "?")))
-            bindings.append(KernelBinding(name, package, str(getattr(implementation, "__module__", "?"))))
+    for name, cells in kernel_wrappers(model):
+        implementation, package = _contents(cells["implementation"]), _contents(cells["package"])
+        bindings.append(KernelBinding(name, package, _module_of(implementation)))
     return KernelReport(tuple(sorted(bindings, key=lambda b: b.function)))
+
+
+class KernelRecorder:
+    """While open, every kernel wrapper of ``model``'s modeling module notes what it calls, and from which kind
+    of decoder layer (``layer_kinds[i]`` for layer i); ``report`` then holds the calls beside the bindings.
+
+    The wrapper picks, per call, ``implementation`` (the package's function) or ``torch_function`` (the
+    fallback); both are closure cells it reads at each call, so each is swapped for a recording stand-in
+    while the recorder is open, and put back when it closes. Open it where no other thread runs the model.
+    """
+
+    def __init__(self, model: torch.nn.Module, layer_kinds: Sequence[str]) -> None:
+        self.model, self.layer_kinds = model, layer_kinds
+        self.layer = -1  # the decoder layer running now
+        self.calls: set[KernelBinding] = set()
+        self._restore: list[tuple[CellType, object]] = []
+        self._hooks: list = []
+
+    def __enter__(self) -> KernelRecorder:
+        for name, cells in kernel_wrappers(self.model):
+            package = _contents(cells["package"])
+            for cell in (cells["implementation"], cells["torch_function"]):
+                original = _contents(cell)
+                self._restore.append((cell, original))
+                cell.cell_contents = self._recording(name, package, original)
+        for i, layer in enumerate(self.model.model.layers):
+            self._hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(self, "layer", i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cell, original in reversed(self._restore):
+            cell.cell_contents = original
+        for hook in self._hooks:
+            hook.remove()
+        self._restore, self._hooks = [], []
+
+    def _recording(self, name: str, package: str, fn: Callable) -> Callable:
+        def call(*args: object, **kwargs: object) -> object:
+            kind = self.layer_kinds[self.layer] if self.layer >= 0 else "model"
+            self.calls.add(KernelBinding(name, package, _module_of(fn), kind))
+            return fn(*args, **kwargs)
+
+        return call
+
+    def report(self, bound: KernelReport) -> KernelReport:
+        """``bound``'s bindings, with what ran while the recorder was open."""
+        ran = sorted(self.calls, key=lambda c: (c.layer_kind, c.function, c.module))
+        return KernelReport(bound.bindings, tuple(ran))
 
 
 def require_fast(report: KernelReport, device: str, allow_slow: bool) -> None:
@@ -106,20 +164,45 @@ def require_fast(report: KernelReport, device: str, allow_slow: bool) -> None:
         )
 
 
+def kernel_wrappers(model: torch.nn.Module) -> list[tuple[str, dict[str, CellType]]]:
+    """(function name, closure cells) of every ``use_kernel_func_from_hub_with_fallback`` wrapper in the model's
+    modeling module: the wrapper closes over ``implementation``, ``torch_function`` and ``package``."""
+    module = sys.modules[type(model).__module__]
+    found, seen = [], set()
+    for value in vars(module).values():
+        cells = _cells(_hub_function(value))
+        if {"implementation", "torch_function", "package", "is_new_implementation"} <= cells.keys():
+            if id(cells["implementation"]) in seen:  # one wrapper under two names
+                continue
+            seen.add(id(cells["implementation"]))
+            implementation, package = _contents(cells["implementation"]), _contents(cells["package"])
+            if callable(implementation) and isinstance(package, str):
+                name = _contents(cells["func_name"]) if "func_name" in cells else getattr(value, "__name__", "?")
+                found.append((str(name), cells))
+    return found
+
+
+def _module_of(fn: object) -> str:
+    return str(getattr(fn, "__module__", "?"))
+
+
+def _contents(cell: CellType) -> object:
+    with contextlib.suppress(ValueError):  # an empty cell
+        return cell.cell_contents
+    return None
+
+
 def _hub_function(value: object) -> object:
     """The function behind a module-level name: ``value`` itself, or, where the ``kernels`` package is
     installed, the one its hub layer calls (``use_kernel_forward_from_hub`` turns a decorated function
     into an ``nn.Module`` instance whose ``forward`` closes over it as ``func``)."""
-    inner = _closure(getattr(type(value), "forward", None)).get("func")
+    cell = _cells(getattr(type(value), "forward", None)).get("func")
+    inner = _contents(cell) if cell is not None else None
     return inner if callable(inner) else value
 
 
-def _closure(fn: object) -> dict[str, object]:
+def _cells(fn: object) -> dict[str, CellType]:
     code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
     if code is None or not closure:
         return {}
-    cells = {}
-    for name, cell in zip(code.co_freevars, closure):
-        with contextlib.suppress(ValueError):  # an empty cell
-            cells[name] = cell.cell_contents
-    return cells
+    return dict(zip(code.co_freevars, closure))

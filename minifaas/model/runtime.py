@@ -14,10 +14,11 @@ so their event loop keeps moving bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -25,7 +26,7 @@ from typing import TypeVar
 import torch
 
 from minifaas.model.host_memory import keep_freed_memory
-from minifaas.model.kernels import KernelReport, kernels_in_use
+from minifaas.model.kernels import KernelRecorder, KernelReport, kernels_in_use
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
 from minifaas.model.sampling import GREEDY, History, SamplingParams, sample
@@ -57,7 +58,7 @@ class ModelRuntime:
         if self.layout.num_layers != self.num_layers:
             raise ValueError(f"{spec.name}: {self.num_layers} decoder layers but {self.layout.num_layers} cache layers")
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
-        self.kernels: KernelReport = kernels_in_use(model)  # what the linear-attention layers really call
+        self.kernels: KernelReport = kernels_in_use(model)  # what they are bound to; what ran, once recorded
         self._forward_thread: ThreadPoolExecutor | None = None
 
     async def on_forward_thread(self, fn: Callable[..., T], *args: object) -> T:
@@ -66,6 +67,17 @@ class ModelRuntime:
         if self._forward_thread is None:
             self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix=f"forward-{self.spec.name}")
         return await asyncio.get_running_loop().run_in_executor(self._forward_thread, functools.partial(fn, *args))
+
+    @contextlib.contextmanager
+    def recording_kernels(self) -> Iterator[None]:
+        """While open, note what each layer kind's kernel functions really call; ``kernels`` then says that."""
+        kinds = [
+            "+".join(self.layout.parts[i].kind.name.lower() for i in self.layout.parts_of(layer)) or "stateless"
+            for layer in range(self.num_layers)
+        ]
+        with KernelRecorder(self.model, kinds) as recorder:
+            yield
+        self.kernels = recorder.report(self.kernels)
 
     @classmethod
     def load(

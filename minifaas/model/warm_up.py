@@ -13,6 +13,9 @@ worker runs, before it reports ready:
 
 On the CPU there is nothing to compile, so the worker asks for tiny sizes
 (``cpu_plan``): the same code path, a fraction of a second.
+
+The warm-up is also where the worker learns which kernels its layers really
+run (``ModelRuntime.recording_kernels``): the report it gives the gateway.
 """
 
 from __future__ import annotations
@@ -57,17 +60,18 @@ def warm_up(runtime: ModelRuntime, plan: WarmUpPlan, decoder: Decoder | None = N
     """Run ``plan`` (blocking: call it in a thread); what ran and how long it took, for the log."""
     started = time.perf_counter()
     states = []
-    for n in plan.prompt_lengths():
-        tokens = [(13 * i + 5) % 256 for i in range(min(n, runtime.max_context - 2))]
-        states.append(runtime.prefill(tokens, chunk_tokens=plan.prefill_chunk))
-    for size in plan.batch_sizes:
-        if decoder is None:
-            break
-        params = SamplingParams(max_tokens=2, ignore_eos=True)
-        for row in range(size):
-            first = states[row % len(states)]
-            decoder.submit(f"warm-up-{size}-{row}", first.state, first.next_token, params)
-        while decoder.load:  # two steps: the batch of ``size`` forms, then finishes
-            decoder.step()
+    with runtime.recording_kernels():
+        for n in plan.prompt_lengths():
+            tokens = [(13 * i + 5) % 256 for i in range(min(n, runtime.max_context - 2))]
+            states.append(runtime.prefill(tokens, chunk_tokens=plan.prefill_chunk))
+        for size in plan.batch_sizes:
+            if decoder is None:
+                break
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            for row in range(size):
+                first = states[row % len(states)]
+                decoder.submit(f"warm-up-{size}-{row}", first.state, first.next_token, params)
+            while decoder.load:  # two steps: the batch of ``size`` forms, then finishes
+                decoder.step()
     return {"prompts": list(plan.prompt_lengths()), "batches": list(plan.batch_sizes),
             "seconds": round(time.perf_counter() - started, 3)}  # fmt: skip

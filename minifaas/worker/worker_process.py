@@ -105,12 +105,15 @@ async def _load_runtime(args: argparse.Namespace, name: str) -> ModelRuntime:
 
 
 async def _warm_up(args: argparse.Namespace, runtime: ModelRuntime, name: str) -> None:
-    """Run the shapes the worker will serve before it says it is ready."""
+    """Run the shapes the worker will serve before it says it is ready; refuse, as at load, kernels that
+    were bound to fla but ran the torch reference."""
     decoding = _decoding(args, runtime)
     plan = WarmUpPlan.for_worker(args.prefill_chunk, decoding.max_batch if args.role == "decode" else None)
     plan = plan if args.device.startswith("cuda") else plan.cpu_plan()  # nothing to compile on the CPU
     decoder = make_decoder(runtime, decoding) if args.role == "decode" else None  # a throwaway: same shapes
     log.info("worker %s warmed up: %s", name, await runtime.on_forward_thread(warm_up, runtime, plan, decoder))
+    log.debug("worker %s: kernels that ran %s", name, runtime.kernels.to_json()["ran"])
+    require_fast(runtime.kernels, args.device, args.allow_slow_kernels)
 
 
 # the service, a decode node's prefix cache, the advertised KV address, the codecs as measured
