@@ -94,7 +94,7 @@ def reference_steps(runtime: ModelRuntime, prompt: list[int], more: list[int]) -
     logits, states, tokens = [], [], []
     for piece in (prompt, more, *([None] * DECODE_STEPS)):
         ids = torch.tensor([piece if piece is not None else tokens[-1:]])
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, cache=cache, use_cache=True)
         cache = out.past_key_values
         logits.append(out.logits[0, -1].float())
         states.append(cache_states(cache))
