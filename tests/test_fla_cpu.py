@@ -12,7 +12,6 @@ the real transport, prefilled on one path and decoded on the other, must give tr
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -30,9 +29,12 @@ TOLERANCE = 1e-5  # float32: the interpreted kernels round apart from torch's by
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@functools.cache
+@pytest.fixture(scope="module")
 def children() -> dict[str, subprocess.CompletedProcess[str]]:
     """Every family's child, started together, as it finished."""
+    for package in ("triton", "fla"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed: the fla path needs the gpu extra (pip install -e '.[gpu]')")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     running = {
         family: subprocess.Popen(
@@ -45,18 +47,21 @@ def children() -> dict[str, subprocess.CompletedProcess[str]]:
         for family in FAMILIES
     }
     done = {}
-    for family, child in running.items():
-        out, err = child.communicate(timeout=540)
-        done[family] = subprocess.CompletedProcess(child.args, child.returncode, out, err)
+    try:
+        for family, child in running.items():
+            out, err = child.communicate(timeout=540)
+            done[family] = subprocess.CompletedProcess(child.args, child.returncode, out, err)
+    finally:
+        for child in running.values():
+            if child.poll() is None:  # left running by a child that timed out
+                child.kill()
+                child.wait()
     return done
 
 
 @pytest.fixture(params=list(FAMILIES))
-def figures(request: pytest.FixtureRequest) -> dict:
-    for package in ("triton", "fla"):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"{package} is not installed: the fla path needs the gpu extra (pip install -e '.[gpu]')")
-    child = children()[request.param]
+def figures(request: pytest.FixtureRequest, children: dict[str, subprocess.CompletedProcess[str]]) -> dict:
+    child = children[request.param]
     assert child.returncode == 0, f"{request.param}: the child failed:\n{child.stderr[-3000:]}"
     return json.loads(child.stdout.strip().splitlines()[-1])
 
