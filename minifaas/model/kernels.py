@@ -1,20 +1,12 @@
-"""Keep flash-linear-attention out of CPU processes.
+"""Keep flash-linear-attention out of CPU processes, and report which kernels each layer kind really runs.
 
-transformers decides once, when a modeling module is first imported, whether to
-use fla's Triton kernels: it tries ``import fla`` and keeps what it finds. On a
-machine without a GPU those kernels fail at the first forward ("0 active
-drivers"), or, where transformers' wrapper routes by the inputs' device, are
-skipped for the torch reference while fla still reads as bound. So a CPU process
-makes ``import fla`` fail *before* transformers loads any model code. A CUDA
-process leaves it alone and gets the fast kernels, if fla imports: transformers
-swallows an import error and binds the torch reference instead, so
-``kernels_in_use`` reads back what each function is bound to, and a CUDA worker
-refuses the reference unless told otherwise (``require_fast``).
-
-A binding is not yet a call: transformers' wrapper sends inputs on a device the
-package does not list to the torch reference, per call. So ``KernelRecorder``
-notes, during a worker's warm-up, which function each layer kind really called,
-the short convolution's torch fallback included, and the report then says that.
+transformers binds fla's Triton kernels when a modeling module is first imported, if ``import fla`` works.
+On a machine without a GPU those kernels fail at the first forward, so a CPU process makes ``import fla``
+fail before any model code loads; a CUDA process keeps them. A binding is not yet a call: transformers sends
+inputs on a device fla does not list to its torch reference, per call. So ``kernels_in_use`` reads what each
+function is bound to, ``KernelRecorder`` notes during a worker's warm-up what each layer kind really called
+(the short convolution's torch fallback included), and a CUDA worker refuses the torch reference unless told
+otherwise (``require_fast``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Warm-up: run the shapes real requests will use before a worker says it is ready.
 
-On a GPU the first forward of each new shape compiles and autotunes Triton
-kernels (fla's chunked linear attention), seconds each. Without a warm-up
-that happens on the first real requests, inside their prefill deadline. So a
-worker runs, before it reports ready:
-
-- prefill: a prompt of two full chunks and a short tail, which runs the
-  chunk shape with and without a prefix in the cache, and a last chunk
-  shorter than the rest; a second prompt ends in a one-token chunk;
-- decode: one step at each batch size a power of two up to ``max_batch``
-  (and ``max_batch`` itself), through the decoder the worker will run.
-
-On the CPU there is nothing to compile, so the worker asks for tiny sizes
-(``cpu_plan``): the same code path, a fraction of a second.
-
-The warm-up is also where the worker learns which kernels its layers really
-run (``ModelRuntime.recording_kernels``): the report it gives the gateway.
+On a GPU the first forward of each new shape compiles and autotunes Triton kernels (fla's chunked linear
+attention); without a warm-up that happens inside the first real requests' deadlines. So a worker runs,
+before it reports ready, a prefill of two full chunks and a short tail (the chunk shape with and without a
+prefix, and a last chunk shorter than the rest), a second prompt ending in a one-token chunk, and one decode
+step at each power-of-two batch up to ``max_batch``. On the CPU nothing compiles, so the worker asks for tiny
+sizes (``cpu_plan``): the same code path in a fraction of a second. The warm-up is also where the worker
+learns which kernels its layers really run (``ModelRuntime.recording_kernels``), the report it gives the
+gateway.
 """
 
 from __future__ import annotations
