@@ -6,9 +6,7 @@ path) and ``--json``, less any ``--repeats N`` of the full run (``smoke_form``):
 it must exit 0, print its table and end with one JSON line of finite figures.
 Two run at a time, each a process forked from the pre-loaded interpreter
 (``python`` in conftest.py). A benchmark whose own test runs it so and checks
-its figures (``RUN_BY_OWN_TEST``: the chaos run) is not run twice, nor is the
-served-TTFT smoke run that the device check's dry run makes
-(``RUN_BY_THE_DRY_RUN``). The figures in the docs come from full runs; these
+its figures (``RUN_BY_OWN_TEST``: the chaos run) is not run twice. The figures in the docs come from full runs; these
 runs only prove that the commands a reader copies still work. Every benchmark
 in benchmarks/ must be quoted somewhere, so none goes untested.
 """
@@ -68,16 +66,15 @@ RUN_ELSEWHERE = {"benchmarks/gpu_check.py", "benchmarks/gpu_probe.py"}
 RUN_ELSEWHERE |= {"benchmarks/netns.py", "benchmarks/netns_delay.py"}
 # run by their own tests as quoted, plus --quick --json, with checks of their figures: not run twice
 RUN_BY_OWN_TEST = {"benchmarks/bench_chaos.py": "tests/test_chaos.py"}
-# one quoted form run so by the device check's dry run, whose test checks its figures (tests/test_gpu_check.py)
-RUN_BY_THE_DRY_RUN = {("benchmarks/bench_serve.py",): "benchmarks/gpu_check.py"}
-SMOKE_RUNS = [argv for argv in UNIQUE if argv[0] not in RUN_BY_OWN_TEST and argv not in RUN_BY_THE_DRY_RUN]
+# a measurement tool, not a --quick benchmark: tests/test_reading_list.py runs it and holds docs/READING.md to it
+RUN_ELSEWHERE |= {"benchmarks/request_path.py"}
+SMOKE_RUNS = [argv for argv in UNIQUE if argv[0] not in RUN_BY_OWN_TEST]
 
 
 def test_the_benchmarks_left_out_here_are_run_by_their_own_tests() -> None:
-    elsewhere = {**RUN_BY_OWN_TEST, **{argv[0]: where for argv, where in RUN_BY_THE_DRY_RUN.items()}}
-    for script, test in elsewhere.items():
+    for script, test in RUN_BY_OWN_TEST.items():
         assert f'"{script}", "--quick", "--json"' in (ROOT / test).read_text(), f"{test} does not run {script}"
-    assert set(RUN_BY_THE_DRY_RUN) <= set(UNIQUE), "a form left to the dry run is not quoted"
+    assert "request_path.measure(" in (ROOT / "tests" / "test_reading_list.py").read_text()
 
 
 def test_every_benchmark_is_quoted() -> None:
