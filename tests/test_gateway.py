@@ -10,8 +10,7 @@ import pytest
 
 from minifaas.config import CacheConfig, LinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.lifecycle import Phase
-from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.gateway.worker_handle import WorkerError
 from minifaas.launch import forked
 from minifaas.model.reference import reference_tokens

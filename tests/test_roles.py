@@ -16,8 +16,7 @@ from minifaas.commands.main import command_parser
 from minifaas.commands.serve import config_from_args
 from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.lifecycle import Phase
-from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.gateway.roles import RoleChanger
 from minifaas.launch.worker_specs import worker_argv
 from minifaas.model.sampling import SamplingParams

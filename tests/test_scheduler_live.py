@@ -9,8 +9,7 @@ import pytest
 
 from minifaas.config import CacheConfig, LinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.lifecycle import Phase
-from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.model.sampling import SamplingParams
 from minifaas.policy.short_term import Action, Reason
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from minifaas.gateway.deadline import RequestDeadline
-from minifaas.gateway.requests import DeadlineExceeded
+from minifaas.gateway.requests import DeadlineExceeded, RequestDeadline
 from minifaas.gateway.stop_strings import StopMatcher
 from minifaas.gateway.token_stream import OutputText
 from minifaas.model.detokenizer import IncrementalDecoder

@@ -21,8 +21,7 @@ from netns import NetnsLink, unavailable
 
 from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.lifecycle import Phase
-from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams

@@ -8,10 +8,10 @@ What it composes (each part gets only the collaborators it needs):
     RoleChanger        PD workers changing role on the long-term scheduler's word
     LiveScheduler      the link and the queues sampled each second; the threshold and the rule
 
-A request (``_attempt``): its prompt's block keys hashed once; route (``policy.router``, on each prefill node's
-cached prefix and each decode node's KV from the prefix directory) -> the prefill dispatched -> the first token
-to the client at once -> the decode worker streams the rest. A decode worker lost on the way: the request
-migrates to another (``gateway.migration``).
+A request's life (``stream``, then ``_attempt``): admitted; its prompt's block keys hashed once; routed
+(``policy.router``, on each prefill node's cached prefix and each decode node's KV); prefilled
+(``prefill_dispatch``); its first token to the client at once (``early_first``); the decode worker streams the
+rest (``token_stream``). A decode worker lost on the way: the request migrates to another (``migration``).
 """
 
 from __future__ import annotations
@@ -30,25 +30,27 @@ from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
 from minifaas.control.worker_ops import Op, Reply
 from minifaas.gateway.admission import Admission
-from minifaas.gateway.deadline import RequestDeadline
+from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
-from minifaas.gateway.lifecycle import Phase, advance
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.migration import Migration
-from minifaas.gateway.prefill_dispatch import WAIT_POLL_S, EarlyFirst, PrefillDispatch, Prefilled
+from minifaas.gateway.migration import Migration, migrate
+from minifaas.gateway.prefill_dispatch import PrefillDispatch
 from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import (
     DecodeLost,
     GenerateRequest,
+    Phase,
+    RequestDeadline,
     RequestFailed,
     RequestRecord,
     TokenEvent,
+    advance,
 )
 from minifaas.gateway.roles import RoleChanger
-from minifaas.gateway.token_stream import OutputText, decode_tokens, finish_reason, token_event
+from minifaas.gateway.token_stream import OutputText, decode_tokens, first_token_finish, token_event
 from minifaas.gateway.worker_handle import WorkerHandle
-from minifaas.gateway.workers import Workers
+from minifaas.gateway.workers import WAIT_POLL_S, Workers
 from minifaas.launch.local import LocalLauncher
 from minifaas.launch.startup import StartupListener
 from minifaas.launch.worker_specs import planned_specs
@@ -198,7 +200,7 @@ class Gateway:
 
     @property
     def cache_moves(self) -> Counter[str]:
-        return self.dispatch.cache_moves
+        return self.dispatch.moves.counts
 
     @property
     def link_stats(self) -> dict[str, dict]:
@@ -227,38 +229,10 @@ class Gateway:
             "role_changes": dict(self.roles.counts),
         }
 
-    def _route(self, prompt_ids: list[int], keys: PromptKeys | None = None) -> RouteDecision:
-        """The router's decision, on each prefill node's usable hit and each decode node's KV prefix (what a
-        transfer to it need not carry). ``keys``: the prompt's block keys, when the caller has hashed them."""
-        matches = self.prefixes.matches(prompt_ids if keys is None else keys)
-        hits = {node: m.hit_tokens for node, m in matches.items()}
-        kv = {node: m.kv_prefix_tokens for node, m in matches.items()}
-
-        def nodes(cluster: str, role: str) -> tuple[NodeView, ...]:
-            held = hits if role == "prefill" else kv
-            return tuple(
-                NodeView(w.name, held.get(w.name, 0), w.load_tokens, w.serving) for w in self.pool.of(cluster, role)
-            )
-
-        prfaas = ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill"))
-        pd = ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode"))
-        link = dict(link_up=self.link.up, link_utilisation=self.scheduler.utilisation)  # a spill needs room on it
-        decision = self.router.route(RouteInput(len(prompt_ids), self.threshold, self.rule, prfaas, pd, **link))
-        if decision.path is not Path.REJECT:
-            self.scheduler.observe(decision)
-        return decision
-
-    async def _routed(self, prompt_ids: list[int], keys: PromptKeys | None, record: RequestRecord) -> RouteDecision:
-        """The router's decision; while no healthy worker can serve the request (REJECT), wait for one to come
-        back: the caller's first-token deadline bounds the wait."""
-        while (decision := self._route(prompt_ids, keys)).path is Path.REJECT:
-            record.note(NO_ROUTE)
-            await self.pool.changed(WAIT_POLL_S)
-        return decision
-
     async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
-        """Token events until one carries a finish_reason. A prompt that cannot be served (empty, or a token id
-        outside the vocabulary) raises ValueError before anything runs; the HTTP layer answers those with a 400."""
+        """A request's life: admitted, routed, prefilled, streamed; token events until one carries a finish_reason.
+        A prompt that cannot be served (empty, or a token id outside the vocabulary) raises ValueError before
+        anything runs; the HTTP layer answers those with a 400."""
         ids, vocab = request.prompt_ids, self.tokenizer.vocab_size
         if not ids:
             raise ValueError(f"request {request.request_id}: the prompt is empty")
@@ -271,19 +245,22 @@ class Gateway:
         deadline = RequestDeadline(
             c.first_token_timeout, c.token_timeout, c.request_timeout, asyncio.get_running_loop().time()
         )
-        moving = Migration(request, c.migration_limit)
         text = OutputText(self.tokenizer, request.sampling)  # one text across decode workers: no token twice
+        sent: list[int] = []  # every token the client was sent: what a migration continues after
+        moving: Migration | None = None
+        attempt = request
         try:
             while True:
                 try:
-                    async with contextlib.aclosing(self._attempt(moving, record, text, deadline, start)) as events:
+                    async with contextlib.aclosing(self._attempt(attempt, record, text, deadline, start)) as events:
                         async for event in events:
-                            moving.sending(event.token_id)
+                            sent.append(event.token_id)
                             self.admission.first_token(ticket, time.monotonic())
                             yield event
                     break
-                except DecodeLost as lost:
-                    self._migrate(moving, record, lost)
+                except DecodeLost as lost:  # the migration seam: the same request on another decode worker
+                    moving = moving or Migration(request, c.migration_limit, sent)
+                    attempt = migrate(moving, record, lost, self.metrics)
             record.phase = advance(record.phase, Phase.FINISHED)
         except RequestFailed:
             record.phase = Phase.FAILED
@@ -295,62 +272,36 @@ class Gateway:
             if record.decode_worker is not None and not record.phase.done:
                 record.phase = Phase.ABORTED
 
-    async def _shown_early(
-        self, prefill: asyncio.Future[Prefilled], early: EarlyFirst | None, request: GenerateRequest
-    ) -> int | None:
-        """The first token to send before the prefill's state has all arrived, or None when the prefill
-        ended first (or its first token ends the output, which then waits for the prefill's end)."""
-        while early is not None and not prefill.done():
-            arrived = asyncio.ensure_future(early.arrived.wait())
-            try:
-                await asyncio.wait({prefill, arrived}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                arrived.cancel()
-            if early.token is not None and not prefill.done():  # not withdrawn meanwhile
-                if finish_reason(early.token, 1, request, self.tokenizer) is None:
-                    return early.show()
-                early = None
-        await asyncio.wait({prefill})
-        return None
-
-    def _migrate(self, moving: Migration, record: RequestRecord, lost: DecodeLost) -> None:
-        """Move the request to another decode worker, or raise when it may not move again."""
-        try:
-            moving.move(lost)
-        except RequestFailed:
-            self.metrics.migration("refused")
-            raise
-        record.migrations = moving.moves
-        record.phase = advance(record.phase, Phase.MIGRATING)
-        record.events.append(f"migrated from {record.decode_worker} after {len(moving.sent)} tokens")
-        self.metrics.migration("moved")
-        log.warning("request %s: %s; migrating with %d tokens sent", record.request_id, lost, len(moving.sent))
-
     async def _attempt(
-        self, moving: Migration, record: RequestRecord, text: OutputText, deadline: RequestDeadline, start: float
-    ) -> AsyncIterator[TokenEvent]:
+        self, request: GenerateRequest, record: RequestRecord, text: OutputText, deadline: RequestDeadline,
+        start: float,
+    ) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """One decode worker's share of the request: route, prefill, stream until done or the worker is lost."""
-        request = moving.request()
         rid, decode, prefill = request.request_id, None, None
         # penalties count generated tokens only, so a prefill redone after a shown token would change them
         early = None if request.sampling.penalised else EarlyFirst()
         try:
             async with deadline.first_token():  # after a migration: the re-prefill, the client's wait
-                if moving.moves:  # the lost one may be the only decode worker: wait for it back, not fail
+                if record.migrations:  # the lost one may be the only decode worker: wait for it back, not fail
                     await self.pool.serving("pd", "decode")
                 keys = self.prefixes.keys(request.prompt_ids)  # hashed once: the route, the prefill, its retries
-                decision = await self._routed(request.prompt_ids, keys, record)
-                decode = self.workers[decision.decode_node]  # type: ignore[index]
-                record.decode_worker = decode.name
-                record.route_reason = decision.reason.value
+                while (decision := self.route(request.prompt_ids, keys)).path is Path.REJECT:
+                    record.note(NO_ROUTE)  # no healthy worker can serve it: wait for one, within the deadline
+                    await self.pool.changed(WAIT_POLL_S)
+                decode = self.pool.workers[decision.decode_node]  # type: ignore[index]
+                record.decode_worker, record.route_reason = decode.name, decision.reason.value
                 inbox = decode.open(rid)
                 if record.ttft_s is None:  # the breakdown is the first token's; a migration's prefill adds to it
                     record.dispatch_s = time.perf_counter() - start  # routing; the prefill dispatch adds its part
                 prefill = self.dispatch.start(request, keys, record, decision, decode, early)
-                shown = await self._shown_early(prefill, early, request)
+                if early is None:
+                    await asyncio.wait({prefill})
+                    shown = None
+                else:  # the early-first-token seam: the first token while the state's tail is on its way
+                    shown = await early.shown_before(prefill, lambda t: self._ends(t, request))
             if record.ttft_s is None:
                 record.ttft_s = time.perf_counter() - start
-            if shown is not None:  # the state's tail is still on its way
+            if shown is not None:
                 event = token_event(shown, None, text, record)
                 yield event
                 if event.finish_reason is not None:  # a stop string in the first token's text
@@ -374,3 +325,27 @@ class Gateway:
                 decode.close(rid)
                 with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
                     decode.send({"op": Op.ABORT, "req": rid})
+
+    def _ends(self, token: int, request: GenerateRequest) -> bool:
+        return first_token_finish(token, request, self.tokenizer) is not None
+
+    def route(self, prompt_ids: list[int], keys: PromptKeys | None = None) -> RouteDecision:
+        """The router's decision, on each prefill node's usable hit and each decode node's KV prefix (what a
+        transfer to it need not carry). ``keys``: the prompt's block keys, when the caller has hashed them."""
+        matches = self.prefixes.matches(prompt_ids if keys is None else keys)
+        hits = {node: m.hit_tokens for node, m in matches.items()}
+        kv = {node: m.kv_prefix_tokens for node, m in matches.items()}
+
+        def nodes(cluster: str, role: str) -> tuple[NodeView, ...]:
+            held = hits if role == "prefill" else kv
+            return tuple(
+                NodeView(w.name, held.get(w.name, 0), w.load_tokens, w.serving) for w in self.pool.of(cluster, role)
+            )
+
+        prfaas = ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill"))
+        pd = ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode"))
+        link = dict(link_up=self.link.up, link_utilisation=self.scheduler.utilisation)  # a spill needs room on it
+        decision = self.router.route(RouteInput(len(prompt_ids), self.threshold, self.rule, prfaas, pd, **link))
+        if decision.path is not Path.REJECT:
+            self.scheduler.observe(decision)
+        return decision

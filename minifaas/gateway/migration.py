@@ -9,22 +9,34 @@ is the one an undisturbed run gives, since greedy decoding is a function of the 
 
 A sampled request continues from the same sequence, but its random draws are not those of an undisturbed run.
 The presence and frequency penalties count only generated tokens, which a re-prefill would take for prompt: such
-a request fails rather than migrate into a different distribution. Sans-IO: the gateway waits and streams.
+a request fails rather than migrate into a different distribution. The gateway waits and streams.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.requests import (
+    DecodeLost,
+    GenerateRequest,
+    MigrationLimit,
+    Phase,
+    RequestFailed,
+    RequestRecord,
+    advance,
+)
+
+log = logging.getLogger("minifaas.gateway")
 
 
 class Migration:
-    def __init__(self, request: GenerateRequest, limit: int) -> None:
+    def __init__(self, request: GenerateRequest, limit: int, sent: list[int] | None = None) -> None:
         if limit < 0:
             raise ValueError(f"the migration limit must be >= 0, got {limit}")
         self.original, self.limit = request, limit
-        self.sent: list[int] = []  # tokens the client has been sent, across every decode worker
+        self.sent = [] if sent is None else sent  # tokens the client has been sent, across every decode worker
         self.moves = 0
 
     def sending(self, token: int) -> None:
@@ -43,6 +55,21 @@ class Migration:
                 f"{lost}; the request already moved {self.moves} time(s), the migration limit ({self.limit})"
             ) from lost
         self.moves += 1
+
+
+def migrate(moving: Migration, record: RequestRecord, lost: DecodeLost, metrics: ServeMetrics) -> GenerateRequest:
+    """Move the request to another decode worker: what the next attempt asks for. Raises when it may not move."""
+    try:
+        moving.move(lost)
+    except RequestFailed:
+        metrics.migration("refused")
+        raise
+    record.migrations = moving.moves
+    record.phase = advance(record.phase, Phase.MIGRATING)
+    record.events.append(f"migrated from {record.decode_worker} after {len(moving.sent)} tokens")
+    metrics.migration("moved")
+    log.warning("request %s: %s; migrating with %d tokens sent", record.request_id, lost, len(moving.sent))
+    return moving.request()
 
 
 def continued(request: GenerateRequest, sent: list[int]) -> GenerateRequest:

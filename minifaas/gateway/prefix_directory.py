@@ -30,6 +30,7 @@ Prompt = Sequence[int] | PromptKeys | None  # token ids, or their keys from ``Pr
 class PrefixDirectory:
     def __init__(self, config: CacheConfig, namespace: str, needs_snapshot: bool, nodes: Iterable[str]) -> None:
         self.config, self.namespace, self.needs_snapshot = config, namespace, needs_snapshot
+        self.enabled, self.block_size = config.enabled, config.block_size
         self.manager = GlobalCacheManager(nodes, needs_snapshot)
 
     def apply(self, events: Iterable[dict]) -> None:
@@ -48,9 +49,9 @@ class PrefixDirectory:
     def keys(self, prompt_ids: Sequence[int]) -> PromptKeys | None:
         """The prompt's block keys, hashed once per request and passed to each lookup below; None when nothing
         can match (the cache is off, or the prompt has one token)."""
-        if not self.config.enabled or len(prompt_ids) < 2:
+        if not self.enabled or len(prompt_ids) < 2:
             return None
-        return PromptKeys.from_tokens(prompt_ids, self.config.block_size, self.namespace)
+        return PromptKeys.from_tokens(prompt_ids, self.block_size, self.namespace)
 
     def matches(self, prompt: Prompt) -> dict[str, PoolMatch]:
         """Each node's match for the prompt, leaving at least one token to compute."""

@@ -1,14 +1,69 @@
-"""What the HTTP layer and the gateway exchange: a request in, token events out, a record of what happened."""
+"""A request as the gateway holds it: what comes in, the token events that go out, the record of what happened,
+its phases, its deadlines, and the ways it can fail.
+
+The lifecycle is one enum and the table of its legal transitions:
+
+    QUEUED -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED
+    PREFILLING / TRANSFERRING -> FALLBACK -> PREFILLING   (prefill node or link lost: re-prefill locally)
+    any live state -> MIGRATING -> PREFILLING             (decode node lost: prompt + output so far re-prefilled)
+    any live state -> ABORTED (client gone) | FAILED (no way left to answer)
+
+Prefill streams layers while it computes, so PREFILLING and TRANSFERRING overlap in time; TRANSFERRING is entered
+when the prefill itself is done and only the tail of the state is still crossing the link.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Protocol
 
-from minifaas.gateway.lifecycle import Phase
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
+
+
+class Phase(Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    FALLBACK = "fallback"
+    MIGRATING = "migrating"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def done(self) -> bool:
+        return self in (Phase.FINISHED, Phase.ABORTED, Phase.FAILED)
+
+
+_END = {Phase.ABORTED, Phase.FAILED}
+_LOST = {Phase.MIGRATING} | _END  # a decode node can go at any live step
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.QUEUED: frozenset({Phase.PREFILLING} | _END),
+    Phase.PREFILLING: frozenset({Phase.TRANSFERRING, Phase.FALLBACK} | _LOST),
+    Phase.TRANSFERRING: frozenset({Phase.DECODING, Phase.FALLBACK} | _LOST),
+    Phase.FALLBACK: frozenset({Phase.PREFILLING} | _LOST),
+    Phase.MIGRATING: frozenset({Phase.PREFILLING} | _END),
+    Phase.DECODING: frozenset({Phase.FINISHED} | _LOST),
+    Phase.FINISHED: frozenset(),
+    Phase.ABORTED: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def advance(current: Phase, new: Phase) -> Phase:
+    if new not in TRANSITIONS[current]:
+        raise IllegalTransition(f"{current.name} -> {new.name} is not a legal transition")
+    return new
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +154,38 @@ class MigrationLimit(RequestFailed):
 
 class DeadlineExceeded(RequestFailed):
     """The gateway was silent longer than a deadline allows, or the request outlived its total limit (HTTP 504)."""
+
+
+class RequestDeadline:
+    """The first token within one limit, each next one within another, all in an optional total from arrival.
+
+    They bound the server's silence, not the length of what it says: a long answer that keeps streaming is never
+    cut, a request whose worker has gone quiet is. Each limit covers one wait for the gateway's next token (the
+    prefill, then each decode step), never the time the client takes to read what it was sent."""
+
+    def __init__(self, first_token: float, between_tokens: float, total: float | None, now: float) -> None:
+        self.first_token_s, self.between_tokens_s, self.total_s = first_token, between_tokens, total
+        self._end = None if total is None else now + total
+
+    def first_token(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._within(self.first_token_s, f"no first token within {self.first_token_s:g} s")
+
+    def next_token(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._within(self.between_tokens_s, f"no token for {self.between_tokens_s:g} s")
+
+    @contextlib.asynccontextmanager
+    async def _within(self, seconds: float, silence: str) -> AsyncIterator[None]:
+        until = asyncio.get_running_loop().time() + seconds
+        why = silence
+        if self._end is not None and self._end < until:
+            until, why = self._end, f"the request took longer than its limit of {self.total_s:g} s"
+        try:
+            async with asyncio.timeout_at(until) as timeout:
+                yield
+        except TimeoutError:
+            if not timeout.expired():
+                raise  # a TimeoutError of something inside, not this deadline
+            raise DeadlineExceeded(why) from None
 
 
 class GatewayAPI(Protocol):

@@ -17,8 +17,14 @@ import time
 from collections.abc import AsyncIterator
 
 from minifaas.control.worker_ops import Op, Reply
-from minifaas.gateway.deadline import RequestDeadline
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, RequestFailed, RequestRecord, TokenEvent
+from minifaas.gateway.requests import (
+    DecodeLost,
+    GenerateRequest,
+    RequestDeadline,
+    RequestFailed,
+    RequestRecord,
+    TokenEvent,
+)
 from minifaas.gateway.stop_strings import StopMatcher
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.model.detokenizer import IncrementalDecoder
@@ -41,7 +47,7 @@ async def decode_tokens(
     """``request`` is the attempt's (after a migration: prompt plus output so far, and only the tokens still
     owed); ``text`` and ``record.completion_tokens`` span every attempt. ``shown``: the first token's event
     went out already (``token_event``, before the state's tail arrived)."""
-    token, finish = first, finish_reason(first, 1, request, tokenizer)
+    token, finish = first, first_token_finish(first, request, tokenizer)
     if finish is None:
         try:
             decode.send({"op": Op.START, "req": request.request_id, "next_token": first})
@@ -104,8 +110,9 @@ def token_event(token: int, finish: str | None, text: OutputText, record: Reques
     return TokenEvent(token, piece, None)
 
 
-def finish_reason(token: int, count: int, request: GenerateRequest, tokenizer: Tokenizer) -> str | None:
+def first_token_finish(token: int, request: GenerateRequest, tokenizer: Tokenizer) -> str | None:
+    """Why the output ends with its first token (the prefill's), if it does."""
     p = request.sampling
     if (token == tokenizer.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
         return "stop"
-    return "length" if count >= p.max_tokens else None
+    return "length" if p.max_tokens <= 1 else None

@@ -33,6 +33,7 @@ from minifaas.launch.startup import StartupListener, reported
 log = logging.getLogger("minifaas.gateway")
 RETRY_S, MAX_RETRY_S = 0.5, 5.0
 ATTACH_TIMEOUT_S = 10.0  # one attempt: connect, handshake, the worker's answer
+WAIT_POLL_S = 0.25  # a request waiting for a worker (or the link) to come back looks again this often
 
 
 class Workers:

@@ -1,0 +1,81 @@
+"""Cache moves: under the ABUNDANT rule, a cached prefix brought into the prefill node's cluster before it prefills.
+
+The router asks for a move when the other cluster holds a longer prefix of the prompt than the chosen node. The
+source cluster's node with the longest hit sends that prefix's state across the link to the prefill node's move
+receiver; the prefill then loads it as its hit. A move that cannot be made (no source, no route, a failure) is
+counted and the prefill computes the prefix itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+from minifaas.cache.block_hash import PromptKeys
+from minifaas.control.worker_ops import Op, Reply
+from minifaas.gateway.inter_cluster_link import InterClusterLink
+from minifaas.gateway.live_scheduler import LiveScheduler
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.prefix_directory import PrefixDirectory
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
+from minifaas.gateway.worker_handle import WorkerHandle
+from minifaas.gateway.workers import Workers
+from minifaas.policy.router import CacheMove
+
+log = logging.getLogger("minifaas.gateway")
+
+
+class CacheMoves:
+    def __init__(
+        self,
+        pool: Workers,
+        link: InterClusterLink,
+        prefixes: PrefixDirectory,
+        metrics: ServeMetrics,
+        scheduler: LiveScheduler,
+        timeout: float,
+        transfer_ids: Iterator[int],
+    ) -> None:
+        self.pool, self.link, self.prefixes, self.metrics = pool, link, prefixes, metrics
+        self.scheduler, self.timeout, self.transfer_ids = scheduler, timeout, transfer_ids
+        self.counts: Counter[str] = Counter()  # done, failed, no_source, bytes
+
+    async def carry_out(
+        self, request: GenerateRequest, keys: PromptKeys | None, record: RequestRecord, move: CacheMove,
+        dst: WorkerHandle,
+    ) -> int | None:  # fmt: skip
+        """Carry out the router's cache move: the source cluster's node with the longest hit sends that
+        prefix's state to ``dst`` across the link. Returns the transfer ``dst`` takes it from, or None."""
+        rid, transfer = request.request_id, next(self.transfer_ids)
+        hits = self.prefixes.node_hits(keys)
+        sources = [w for w in self.pool.workers.values() if w.cluster == move.src and w.serving and hits.get(w.name, 0)]
+        link = self.link.move_address(dst)
+        if not sources or link is None:
+            self.counts["no_source"] += 1
+            return None
+        src = max(sources, key=lambda w: (hits[w.name], w.name))
+        inbox = src.open(rid)
+        try:
+            tokens, length, codec = request.prompt_ids, move.end_tokens, self.scheduler.codec().codec
+            src.send(
+                {"op": Op.EXPORT, "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link,
+                 "codec": codec}
+            )  # fmt: skip
+            async with asyncio.timeout(self.timeout):
+                reply = await inbox.get()
+        except (TimeoutError, RuntimeError) as e:
+            reply = {"op": Reply.FAILED, "error": repr(e)}
+        finally:
+            src.close(rid)
+        if reply["op"] != Reply.EXPORTED or not reply["tokens"]:
+            log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, reply.get("error"))
+            self.counts["failed"] += 1
+            return None
+        self.counts["done"] += 1
+        self.counts["bytes"] += reply["bytes"]
+        self.scheduler.coded(reply, reply["bytes"])
+        self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"], reply["kv_wire_bytes"], reply["codec"])
+        record.events.append(f"cache_move {src.name}->{dst.name} {reply['tokens']} tokens")
+        return transfer
