@@ -31,11 +31,12 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
 @pytest.mark.parametrize("kind", list(KINDS.values()), ids=list(KINDS))
-def test_every_built_in_loads_through_the_plug_in_path_and_has_its_interface(kind: plugin.Kind) -> None:
-    for name, (target, _) in kind.builtins.items():
+def test_every_built_in_is_its_class_loads_as_a_plug_in_too_and_has_its_interface(kind: plugin.Kind) -> None:
+    for name, (built_in, _) in kind.builtins.items():
         cls = check_policy(name, kind)
-        assert f"{cls.__module__}:{cls.__name__}" == target  # the name is its module:Class
-        assert check_policy(target, kind) is cls  # and that spec works too
+        assert cls is built_in  # the name stands for its class, in code
+        target = f"{cls.__module__}:{cls.__name__}"
+        assert check_policy(target, kind) is cls  # and its module:Class spec loads it through the plug-in path
         for method in kind.methods:  # callers pass the interface's arguments by position
             ours = list(inspect.signature(getattr(cls, method)).parameters.values())
             theirs = inspect.signature(getattr(kind.protocol, method)).parameters

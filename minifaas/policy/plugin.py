@@ -1,13 +1,12 @@
-"""Policies by name: a built-in name or any importable ``module:Class``, every one loaded by ``load_policy``.
+"""Policies by name: a built-in name (its class, in the table below) or a plugin's ``module:Class``.
 
-A built-in name stands for a shipped ``module:Class`` and the arguments it implies (``auto`` is
-``minifaas.policy.codec_policy:CompressionPolicy`` with mode "auto"); both forms take the same path. The
-module is imported as ``python -m`` would find it: installed, or under the current directory. The class must
-have the methods of its kind's Protocol (``policy.interfaces``), and its constructor must take the arguments
-the configuration gives it (``--router-arg k=v``, ``[serve.router_args]``) and those of the keywords its
-driver offers (``Kind.context``) that it names, or all of them with ``**kwargs``; a configured argument wins
-over an offered keyword of its name. ``check_policy`` does all but build it, so a configuration is checked
-before anything starts. Every failure is one ``PolicyError`` line.
+A built-in name stands for a shipped class and the arguments it implies (``auto`` is ``CompressionPolicy`` with
+mode "auto"). Only a ``module:Class`` spec is imported, as ``python -m`` would find it: installed, or under the
+current directory. Either class must have the methods of its kind's Protocol (``policy.interfaces``), and its
+constructor must take the arguments the configuration gives it (``--router-arg k=v``, ``[serve.router_args]``)
+and those of the keywords its driver offers (``Kind.context``) that it names, or all of them with ``**kwargs``;
+a configured argument wins over an offered keyword of its name. ``check_policy`` does all but build it, so a
+configuration is checked before anything starts. Every failure is one ``PolicyError`` line.
 """
 
 from __future__ import annotations
@@ -20,8 +19,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from minifaas.policy.codec_policy import MODES
+from minifaas.policy.codec_policy import MODES, CompressionPolicy
 from minifaas.policy.interfaces import CodecPolicy, LongTermControl, RoutingPolicy, ShortTermControl, SnapshotPlacement
+from minifaas.policy.long_term import LongTermPolicy
+from minifaas.policy.router import Router
+from minifaas.policy.short_term import ShortTermPolicy
+from minifaas.policy.snapshot_policy import IntervalSnapshots, ReuseSnapshots
 
 Args = tuple[tuple[str, Any], ...]  # keyword arguments as a frozen config holds them: sorted (name, value) pairs
 
@@ -34,7 +37,7 @@ class PolicyError(ValueError):
 class Kind:
     name: str  # router, short_term, long_term, snapshot, codec
     protocol: type
-    builtins: Mapping[str, tuple[str, Args]]  # built-in name -> (module:Class, the arguments it implies)
+    builtins: Mapping[str, tuple[type, Args]]  # built-in name -> (its class, the arguments it implies)
     context: tuple[str, ...]  # the keywords the driver offers its constructor
 
     @property
@@ -47,24 +50,17 @@ def policy_args(args: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> Arg
     return tuple(sorted(dict(args).items()))
 
 
-def _shipped(target: str, **args: Any) -> tuple[str, Args]:
-    return f"minifaas.policy.{target}", policy_args(args)
-
-
-ROUTER = Kind("router", RoutingPolicy, {"default": _shipped("router:Router")}, ("config",))
-SHORT_TERM = Kind(
-    "short_term", ShortTermControl, {"default": _shipped("short_term:ShortTermPolicy")}, ("config", "threshold", "rule")
-)
+ROUTER = Kind("router", RoutingPolicy, {"default": (Router, ())}, ("config",))
+SHORT_TERM = Kind("short_term", ShortTermControl, {"default": (ShortTermPolicy, ())}, ("config", "threshold", "rule"))
 LONG_TERM = Kind(
-    "long_term", LongTermControl, {"default": _shipped("long_term:LongTermPolicy")},
+    "long_term", LongTermControl, {"default": (LongTermPolicy, ())},
     ("config", "case", "threshold", "n_prefill", "n_decode"),
 )  # fmt: skip
 SNAPSHOT = Kind(
-    "snapshot", SnapshotPlacement,
-    {"reuse": _shipped("snapshot_policy:ReuseSnapshots"), "interval": _shipped("snapshot_policy:IntervalSnapshots")},
+    "snapshot", SnapshotPlacement, {"reuse": (ReuseSnapshots, ()), "interval": (IntervalSnapshots, ())},
     ("interval_blocks",),
 )  # fmt: skip
-CODEC = Kind("codec", CodecPolicy, {m: _shipped("codec_policy:CompressionPolicy", mode=m) for m in MODES}, ())
+CODEC = Kind("codec", CodecPolicy, {m: (CompressionPolicy, policy_args({"mode": m})) for m in MODES}, ())
 KINDS = {k.name: k for k in (ROUTER, SHORT_TERM, LONG_TERM, SNAPSHOT, CODEC)}
 
 
@@ -87,13 +83,8 @@ def check_policy(spec: str, kind: Kind, args: Mapping[str, Any] | Args = ()) -> 
 def _checked(
     spec: str, kind: Kind, args: Mapping[str, Any] | Args, context: Mapping[str, Any]
 ) -> tuple[type, dict[str, Any]]:
-    target, implied = kind.builtins.get(spec) or (spec, ())
-    module_name, colon, class_name = target.partition(":")
-    if not (colon and module_name and class_name):
-        raise PolicyError(f"{kind.name} {spec!r}: neither a built-in ({', '.join(kind.builtins)}) nor module:Class")
-    cls = getattr(_module(module_name, spec, kind), class_name, None)
-    if not isinstance(cls, type):
-        raise PolicyError(f"{kind.name} {spec!r}: {module_name} has no class {class_name}")
+    cls, implied = kind.builtins.get(spec) or (_plugin_class(spec, kind), ())
+    class_name = cls.__name__
     missing = [f"{m}()" for m in kind.methods if not callable(getattr(cls, m, None))]
     if missing:
         raise PolicyError(f"{kind.name} {spec!r}: not a {kind.name} policy: {class_name} has no {', '.join(missing)}")
@@ -107,6 +98,17 @@ def _checked(
     except TypeError as e:
         raise PolicyError(f"{kind.name} {spec!r}: its constructor refuses {sorted(keywords)}: {e}") from None
     return cls, keywords
+
+
+def _plugin_class(spec: str, kind: Kind) -> type:
+    """The class a ``module:Class`` spec names, its module imported."""
+    module_name, colon, class_name = spec.partition(":")
+    if not (colon and module_name and class_name):
+        raise PolicyError(f"{kind.name} {spec!r}: neither a built-in ({', '.join(kind.builtins)}) nor module:Class")
+    cls = getattr(_module(module_name, spec, kind), class_name, None)
+    if not isinstance(cls, type):
+        raise PolicyError(f"{kind.name} {spec!r}: {module_name} has no class {class_name}")
+    return cls
 
 
 def _module(name: str, spec: str, kind: Kind) -> Any:
