@@ -39,7 +39,7 @@ import zstandard
 
 from minifaas.codec.codec import Codec
 from minifaas.commands.serve import running_server
-from minifaas.config import CacheConfig, LinkConfig, ServeConfig
+from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
 from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import MODELS_DIR, preset_names
@@ -179,7 +179,7 @@ async def ttft_sweep(
 ) -> tuple[list[dict], float]:
     config = ServeConfig(
         model=model, port=0, threshold=0, fixed_threshold=True, cache=CacheConfig(mode="none"),
-        link=LinkConfig(delay_ms=5.0),
+        link=InterClusterLinkConfig(delay_ms=5.0),
     )  # fmt: skip
     runtime = ModelRuntime.load(model)
     modes = ("none", "lossless", "auto")

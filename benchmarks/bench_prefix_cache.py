@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from minifaas import figures
-from minifaas.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.launch import forked
@@ -151,7 +151,7 @@ def main() -> None:
         fixed_threshold=True,  # the scheduler holds t and the rule: this measures the cache, not the scheduler
         prfaas=ClusterConfig(prefill_workers=1),
         pd=ClusterConfig(prefill_workers=1, decode_workers=1),
-        link=LinkConfig(rate="100mbit", delay_ms=5.0),
+        link=InterClusterLinkConfig(rate="100mbit", delay_ms=5.0),
         cache=CacheConfig(
             block_size=block,
             snapshot_policy=args.snapshot_policy,

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from minifaas import figures
-from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.config import CacheConfig, ClusterConfig, InterClusterLinkConfig, SchedulerConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestFailed, RequestRecord
 from minifaas.launch import forked
@@ -159,7 +159,7 @@ def drop_scenario(args: argparse.Namespace, out: dict) -> None:
     base = ServeConfig(
         model="kimi-linear-tiny",
         threshold=200,
-        link=LinkConfig(rate="20mbit", delay_ms=2.0),
+        link=InterClusterLinkConfig(rate="20mbit", delay_ms=2.0),
         cache=CacheConfig(mode="none"),
     )
     configs = {
@@ -185,7 +185,7 @@ def shift_scenario(args: argparse.Namespace, out: dict) -> None:
             model="kimi-linear-tiny",
             threshold=600,
             pd=ClusterConfig(prefill_workers=1, decode_workers=2),
-            link=LinkConfig(rate="20mbit", delay_ms=2.0),
+            link=InterClusterLinkConfig(rate="20mbit", delay_ms=2.0),
             cache=CacheConfig(mode="none"),
         )
         replan = SchedulerConfig(profile=str(profile), period_s=args.period, min_requests=8, drain_timeout=60.0)

@@ -33,7 +33,7 @@ import torch
 
 from minifaas import figures
 from minifaas.commands.serve import running_server
-from minifaas.config import ClusterConfig, LinkConfig, ServeConfig
+from minifaas.config import ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -157,7 +157,7 @@ def main() -> None:
     d = ServeConfig()
     base = replace(
         ServeConfig(model=a.model, port=0),
-        link=LinkConfig(rate=a.link_rate, delay_ms=5.0),
+        link=InterClusterLinkConfig(rate=a.link_rate, delay_ms=5.0),
         prfaas=replace(d.prfaas, threads=a.threads, prefill_chunk=a.prefill_chunk, device=a.device),
         pd=replace(d.pd, threads=a.threads, prefill_chunk=a.prefill_chunk, device=a.device),
     )

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, replace
 
 from minifaas import figures
-from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.config import CacheConfig, ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.launch import forked
@@ -169,7 +169,7 @@ def main() -> None:
         fixed_threshold=True,  # the scheduler holds t and the rule: the runs differ in the cache alone
         prfaas=ClusterConfig(prefill_workers=1),
         pd=ClusterConfig(prefill_workers=1, decode_workers=1),
-        link=LinkConfig(rate="100mbit", delay_ms=5.0),
+        link=InterClusterLinkConfig(rate="100mbit", delay_ms=5.0),
         cache=CacheConfig(block_size=block, snapshot_interval_blocks=args.snapshot_interval),
     )
     configs = {

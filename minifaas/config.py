@@ -94,7 +94,7 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class LinkConfig:
+class InterClusterLinkConfig:
     rate: str = "100mbit"  # inter-cluster bandwidth: the emulator's, or a real link's capacity ("none": unlimited)
     flow_rate: str = "none"  # per-connection cap
     window: str = "none"  # bytes in flight per connection, e.g. "4MiB": one moves at most window / RTT
@@ -252,7 +252,7 @@ class ServeConfig:
     worker_log_level: str = "WARNING"  # the least severe lines the gateway's workers log (on its stderr)
     prfaas: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1))
     pd: ClusterConfig = field(default_factory=lambda: ClusterConfig(prefill_workers=1, decode_workers=1))
-    link: LinkConfig = field(default_factory=LinkConfig)
+    link: InterClusterLinkConfig = field(default_factory=InterClusterLinkConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     http: HttpConfig = field(default_factory=HttpConfig)

@@ -3,7 +3,7 @@ it was shown, so a test can compare what the gateway and the simulator gave it."
 
 from __future__ import annotations
 
-from minifaas.policy.router import Path, Reason, RouteDecision, RouteInput
+from minifaas.policy.router import Path, RouteDecision, RouteInput, RouteReason
 
 
 class OneCluster:
@@ -20,6 +20,6 @@ class OneCluster:
         view = request.prfaas if self.cluster == "prfaas" else request.pd
         node = min((n for n in view.prefill_nodes if n.healthy), key=lambda n: (n.load, n.node_id))
         decode = min((n for n in request.pd.decode_nodes if n.healthy), key=lambda n: (n.load, n.node_id))
-        path, reason = (Path.PRFAAS, Reason.LONG) if self.cluster == "prfaas" else (Path.PD, Reason.SHORT)
+        path, reason = (Path.PRFAAS, RouteReason.LONG) if self.cluster == "prfaas" else (Path.PD, RouteReason.SHORT)
         cached = max(node.hit_tokens, view.pool_hit_tokens)
         return RouteDecision(path, reason, request.prompt_tokens, node.node_id, decode.node_id, cached)

@@ -9,7 +9,7 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.events import CacheEvent, EventKind
 from minifaas.cache.manager import GlobalCacheManager
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.policy.router import CacheMove, NodeView, Path, Reason, RouteInput, Router, Rule
+from minifaas.policy.router import CacheMove, NodeView, Path, RouteInput, Router, RouteReason, Rule
 
 B = 8
 
@@ -89,7 +89,7 @@ def test_pool_events_drive_the_router_end_to_end() -> None:
     assert (scarce.path, scarce.prefill_node, scarce.cached_tokens) == (Path.PRFAAS, "x0", 143)
     assert scarce.link_kv_start == 103  # the PD side already holds the system prompt's KV and more
     abundant = router.route(RouteInput(len(prompt), 30, Rule.ABUNDANT, prfaas, pd))
-    assert (abundant.path, abundant.reason) == (Path.PD, Reason.SHORT_AFTER_CACHE_MOVE)
+    assert (abundant.path, abundant.reason) == (Path.PD, RouteReason.SHORT_AFTER_CACHE_MOVE)
     assert abundant.cache_move == CacheMove("prfaas", "pd", 103, 143)
     assert (abundant.prefill_node, abundant.cached_tokens) == ("p1", 143)  # p1 holds part of it itself
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from minifaas.config import CacheConfig, LinkConfig, ServeConfig
+from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.gateway.worker_handle import WorkerError
@@ -61,7 +61,7 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
     config = ServeConfig(
         model="kimi-linear-tiny",
         threshold=THRESHOLD,
-        link=LinkConfig(rate="20mbit", delay_ms=2.0),
+        link=InterClusterLinkConfig(rate="20mbit", delay_ms=2.0),
         cache=CacheConfig(mode="none"),
     )
     before = _children()

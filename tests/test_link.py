@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from minifaas.config import LinkConfig
+from minifaas.config import InterClusterLinkConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.gateway.worker_handle import WorkerHandle
@@ -50,7 +50,7 @@ async def _reaches(port: int, listener: socket.socket) -> bool:
 
 
 def _link() -> InterClusterLink:
-    return InterClusterLink(LinkConfig(rate="100mbit"), True, False, HeartbeatConfig(0.2, 1.0))
+    return InterClusterLink(InterClusterLinkConfig(rate="100mbit"), True, False, HeartbeatConfig(0.2, 1.0))
 
 
 def test_decode_workers_joining_at_once_share_one_emulator_and_each_has_its_route() -> None:

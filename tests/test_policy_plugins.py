@@ -14,7 +14,7 @@ from policy_probes import OneCluster
 
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.commands.main import main
-from minifaas.config import CacheConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.config import CacheConfig, InterClusterLinkConfig, SchedulerConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.sampling import SamplingParams
@@ -31,7 +31,7 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
 @pytest.mark.parametrize("kind", list(KINDS.values()), ids=list(KINDS))
-def test_every_built_in_is_its_class_loads_as_a_plug_in_too_and_has_its_interface(kind: plugin.Kind) -> None:
+def test_every_built_in_is_its_class_loads_as_a_plug_in_too_and_has_its_interface(kind: plugin.PolicyKind) -> None:
     for name, (built_in, _) in kind.builtins.items():
         cls = check_policy(name, kind)
         assert cls is built_in  # the name stands for its class, in code
@@ -84,7 +84,7 @@ def test_every_policy_key_is_checked_when_the_config_is_made() -> None:
     with pytest.raises(PolicyError, match="snapshot 'sometimes'"):
         CacheConfig(snapshot_policy="sometimes")
     with pytest.raises(PolicyError, match="codec"):
-        LinkConfig(kv_compression="policy_probes:OneCluster")
+        InterClusterLinkConfig(kv_compression="policy_probes:OneCluster")
     with pytest.raises(PolicyError, match="short_term"):
         SchedulerConfig(short_term="nosuch:Policy")
     with pytest.raises(ValueError, match="profile"):
@@ -152,7 +152,7 @@ def test_one_router_runs_unchanged_live_and_in_the_simulator() -> None:
     # every prompt is far below t, so the built-in router would keep each on PD-P; the probe offloads them all
     config = ServeConfig(
         model="kimi-linear-tiny", port=0, threshold=10_000, fixed_threshold=True, router=PROBE,
-        router_args={"cluster": "prfaas"}, link=LinkConfig(rate="100mbit", delay_ms=1.0),
+        router_args={"cluster": "prfaas"}, link=InterClusterLinkConfig(rate="100mbit", delay_ms=1.0),
         cache=CacheConfig(block_size=32, snapshot_policy="minifaas.policy.snapshot_policy:IntervalSnapshots",
                           snapshot_policy_args={"interval_blocks": 2}),
     )  # fmt: skip

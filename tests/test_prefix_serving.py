@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minifaas.commands.serve import running_server
-from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.config import CacheConfig, ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.layer_state import StateKind
@@ -53,7 +53,7 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
         threshold=THRESHOLD,
         fixed_threshold=True,  # the scheduler leaves t and the rule where the test puts them
         pd=ClusterConfig(prefill_workers=2, decode_workers=1),
-        link=LinkConfig(rate="50mbit", delay_ms=2.0),
+        link=InterClusterLinkConfig(rate="50mbit", delay_ms=2.0),
         cache=CacheConfig(block_size=32, snapshot_policy="interval", snapshot_interval_blocks=4),
     )
 

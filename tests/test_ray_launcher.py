@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, RayConfig, ServeConfig
+from minifaas.config import CacheConfig, ClusterConfig, InterClusterLinkConfig, RayConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.reference import reference_tokens
@@ -48,7 +48,7 @@ def test_workers_land_on_their_clusters_nodes_and_a_killed_actor_comes_back() ->
         ray=RayConfig(address=cluster.address, start_timeout=240),
         prfaas=ClusterConfig(prefill_workers=1),
         pd=ClusterConfig(prefill_workers=1, decode_workers=1),
-        link=LinkConfig(rate="none"),
+        link=InterClusterLinkConfig(rate="none"),
         cache=CacheConfig(mode="none"),
         heartbeat_s=0.5,
         heartbeat_deadline_s=3.0,

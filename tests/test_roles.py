@@ -14,7 +14,7 @@ import pytest
 
 from minifaas.commands.main import command_parser
 from minifaas.commands.serve import config_from_args
-from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.config import CacheConfig, ClusterConfig, InterClusterLinkConfig, SchedulerConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.gateway.roles import RoleChanger
@@ -34,7 +34,7 @@ def _config(**changes: object) -> ServeConfig:
         fixed_threshold=True,
         prfaas=ClusterConfig(prefill_workers=1),
         pd=ClusterConfig(prefill_workers=1, decode_workers=2),
-        link=LinkConfig(rate="200mbit", delay_ms=1.0),
+        link=InterClusterLinkConfig(rate="200mbit", delay_ms=1.0),
         cache=CacheConfig(mode="none"),
     )
     return replace(base, **changes)
@@ -162,7 +162,8 @@ def test_the_long_term_policy_re_roles_a_worker_when_its_plan_says_so(tmp_path: 
     profile = tmp_path / "profile.json"
     save_profiles(profile, PrefillProfile("slow prefill", 1, points), DecodeProfile("fast decode", 1, 256, 0.005))
     scheduler = SchedulerConfig(profile=str(profile), period_s=2.0, min_requests=6)
-    config = _config(fixed_threshold=False, link=LinkConfig(rate="20mbit", delay_ms=1.0), scheduler=scheduler)
+    link = InterClusterLinkConfig(rate="20mbit", delay_ms=1.0)
+    config = _config(fixed_threshold=False, link=link, scheduler=scheduler)
 
     async def scenario() -> None:
         async with Gateway(config) as gw:

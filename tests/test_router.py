@@ -11,11 +11,11 @@ from minifaas.policy.router import (
     ClusterView,
     NodeView,
     Path,
-    Reason,
     RouteDecision,
     RouteInput,
     Router,
     RouterConfig,
+    RouteReason,
     Rule,
     decide,
 )
@@ -52,9 +52,9 @@ def route(
 
 def test_threshold_boundary_without_cache() -> None:
     at = route(T)
-    assert (at.path, at.reason, at.cached_tokens) == (Path.PD, Reason.SHORT, 0)
+    assert (at.path, at.reason, at.cached_tokens) == (Path.PD, RouteReason.SHORT, 0)
     above = route(T + 1)
-    assert (above.path, above.reason, above.incremental_tokens) == (Path.PRFAAS, Reason.LONG, T + 1)
+    assert (above.path, above.reason, above.incremental_tokens) == (Path.PRFAAS, RouteReason.LONG, T + 1)
     assert above.decode_node == "d1"  # least-loaded decode node
 
 
@@ -62,7 +62,7 @@ def test_scarce_rule_judges_pd_by_its_own_cache() -> None:
     local = route(3000, pd_hits=(2000, 0))
     assert (local.path, local.reason, local.prefill_node, local.cached_tokens) == (
         Path.PD,
-        Reason.SHORT_AFTER_CACHE,
+        RouteReason.SHORT_AFTER_CACHE,
         "p0",
         2000,
     )
@@ -78,14 +78,14 @@ def test_scarce_rule_judges_pd_by_its_own_cache() -> None:
 
 def test_abundant_rule_moves_the_longer_prfaas_cache_to_pd() -> None:
     d = route(3000, Rule.ABUNDANT, prfaas_hits=(2500, 0), pd_hits=(512, 0), pd_kv=1024)
-    assert (d.path, d.reason) == (Path.PD, Reason.SHORT_AFTER_CACHE_MOVE)
+    assert (d.path, d.reason) == (Path.PD, RouteReason.SHORT_AFTER_CACHE_MOVE)
     assert d.cache_move == CacheMove("prfaas", "pd", 1024, 2500)  # PD already holds KV up to 1024
     assert d.cached_tokens == 2500 and d.incremental_tokens == 500
 
 
 def test_abundant_rule_moves_the_longer_pd_cache_to_prfaas_for_a_long_request() -> None:
     d = route(8000, Rule.ABUNDANT, pd_hits=(4000, 0), prfaas_hits=(1000, 0), prfaas_kv=1536, pd_kv=4096)
-    assert (d.path, d.reason) == (Path.PRFAAS, Reason.LONG)
+    assert (d.path, d.reason) == (Path.PRFAAS, RouteReason.LONG)
     assert d.cache_move == CacheMove("pd", "prfaas", 1536, 4000)
     assert d.cached_tokens == 4000
     assert d.link_kv_start == 4096  # decode side loads its own prefix KV; only the rest crosses
@@ -96,7 +96,7 @@ def test_abundant_without_cache_move_judges_like_scarce() -> None:
     d = route(3000, Rule.ABUNDANT, off, prfaas_hits=(2500, 0))
     assert (d.path, d.cache_move, d.cached_tokens) == (Path.PRFAAS, None, 2500)
     down = route(3000, Rule.ABUNDANT, prfaas_hits=(2500, 0), link_up=False)
-    assert (down.path, down.reason, down.cache_move) == (Path.PD, Reason.LONG_BUT_PRFAAS_DOWN, None)
+    assert (down.path, down.reason, down.cache_move) == (Path.PD, RouteReason.LONG_BUT_PRFAAS_DOWN, None)
 
 
 def test_incremental_transfer_off_ships_the_whole_prompt() -> None:
@@ -125,7 +125,7 @@ def test_a_shared_pool_hit_is_loadable_by_every_node_and_holders_win_ties() -> N
     nodes = (NodeView("a", hit_tokens=0), NodeView("b", hit_tokens=1024), NodeView("c", hit_tokens=0, load=10))
     pd = ClusterView("pd", nodes, (NodeView("d"),), kv_prefix_tokens=1536, pool_hit_tokens=1536)
     d = decide(RouteInput(2000, T, Rule.SCARCE, ClusterView("prfaas"), pd))
-    assert (d.path, d.reason, d.cached_tokens) == (Path.PD, Reason.SHORT_AFTER_CACHE, 1536)
+    assert (d.path, d.reason, d.cached_tokens) == (Path.PD, RouteReason.SHORT_AFTER_CACHE, 1536)
     assert d.prefill_node == "b"  # same work everywhere; b holds part of the prefix itself
     busy_b = dataclasses.replace(pd, prefill_nodes=(nodes[0], NodeView("b", 1024, load=1), nodes[2]))
     assert decide(RouteInput(2000, T, Rule.SCARCE, ClusterView("prfaas"), busy_b)).prefill_node == "a"
@@ -137,14 +137,14 @@ def test_unhealthy_nodes_and_fallbacks() -> None:
         prfaas, prefill_nodes=tuple(NodeView(n.node_id, healthy=False) for n in prfaas.prefill_nodes)
     )
     d = decide(RouteInput(5000, T, Rule.SCARCE, sick_prfaas, pd))
-    assert (d.path, d.reason) == (Path.PD, Reason.LONG_BUT_PRFAAS_DOWN)
+    assert (d.path, d.reason) == (Path.PD, RouteReason.LONG_BUT_PRFAAS_DOWN)
     sick_pd = dataclasses.replace(pd, prefill_nodes=(NodeView("p0", healthy=False),))
     d = decide(RouteInput(100, T, Rule.SCARCE, prfaas, sick_pd))
-    assert (d.path, d.reason) == (Path.PRFAAS, Reason.SHORT_BUT_PD_PREFILL_DOWN)
+    assert (d.path, d.reason) == (Path.PRFAAS, RouteReason.SHORT_BUT_PD_PREFILL_DOWN)
     d = decide(RouteInput(100, T, Rule.SCARCE, prfaas, sick_pd, link_up=False))
-    assert (d.path, d.reason, d.prefill_node) == (Path.REJECT, Reason.NO_PREFILL_NODE, None)
+    assert (d.path, d.reason, d.prefill_node) == (Path.REJECT, RouteReason.NO_PREFILL_NODE, None)
     no_decode = dataclasses.replace(pd, decode_nodes=(NodeView("d0", healthy=False),))
-    assert decide(RouteInput(100, T, Rule.SCARCE, prfaas, no_decode)).reason is Reason.NO_DECODE_NODE
+    assert decide(RouteInput(100, T, Rule.SCARCE, prfaas, no_decode)).reason is RouteReason.NO_DECODE_NODE
 
 
 def test_inputs_are_validated() -> None:
@@ -163,7 +163,7 @@ def test_router_counts_every_decision() -> None:
         prfaas, pd = clusters(pd_hits=(min(prompt, 1500), 0))
         router.route(RouteInput(prompt, T, Rule.SCARCE, prfaas, pd))
     assert router.paths == {Path.PD: 2, Path.PRFAAS: 1}
-    assert router.reasons == {Reason.SHORT: 1, Reason.SHORT_AFTER_CACHE: 1, Reason.LONG: 1}
+    assert router.reasons == {RouteReason.SHORT: 1, RouteReason.SHORT_AFTER_CACHE: 1, RouteReason.LONG: 1}
     # the long one runs on PrfaaS, whose cache is cold
     assert router.prompt_tokens == 7100 and router.cached_tokens == 100 + 1500 + 0
 
@@ -216,15 +216,16 @@ def test_decisions_respect_the_threshold_rule(
     if d.path is Path.PRFAAS:
         assert link_up
         counted = max(pd.hit_tokens, prfaas.hit_tokens) if rule is Rule.ABUNDANT and move else pd.hit_tokens
-        assert d.reason in (Reason.SHORT_BUT_PD_PREFILL_DOWN, Reason.SHORT_BUT_PD_BUSY) or prompt - counted > threshold
-        if d.reason is Reason.SHORT_BUT_PD_BUSY:  # PD-P could have taken it, but is over ``spill`` tokens behind
+        spilled = (RouteReason.SHORT_BUT_PD_PREFILL_DOWN, RouteReason.SHORT_BUT_PD_BUSY)
+        assert d.reason in spilled or prompt - counted > threshold
+        if d.reason is RouteReason.SHORT_BUT_PD_BUSY:  # PD-P could have taken it, but is over ``spill`` tokens behind
             assert spill and utilisation < config.spill_below and d.cache_move is None
 
             def wait(n: NodeView, c: ClusterView) -> int:
                 return n.load + prompt - max(n.hit_tokens, c.pool_hit_tokens)
 
             assert all(wait(n, pd) > wait(chosen, prfaas) + spill for n in pd.prefill_nodes if n.healthy)
-    elif d.reason is not Reason.LONG_BUT_PRFAAS_DOWN:
+    elif d.reason is not RouteReason.LONG_BUT_PRFAAS_DOWN:
         assert prompt - pd.hit_tokens <= threshold or (d.cache_move is not None and d.incremental_tokens <= threshold)
     if d.cache_move is not None:
         assert rule is Rule.ABUNDANT and move and link_up
@@ -245,7 +246,7 @@ def test_a_burst_of_short_prompts_spills_to_prfaas_while_pd_prefill_is_a_batch_b
             prfaas = ClusterView("prfaas", (NodeView("x0", load=load["x0"]),))
             pd = ClusterView("pd", (NodeView("p0", load=load["p0"]),), (NodeView("d0"),))
             d = decide(RouteInput(64, T, Rule.SCARCE, prfaas, pd, link_utilisation=utilisation), config)
-            assert d.reason in (Reason.SHORT, Reason.SHORT_BUT_PD_BUSY)
+            assert d.reason in (RouteReason.SHORT, RouteReason.SHORT_BUT_PD_BUSY)
             load[d.prefill_node] += 64
         return load
 
@@ -264,11 +265,11 @@ def test_no_spill_when_pd_prefill_holds_the_prefix_or_prfaas_is_as_busy() -> Non
         pd = ClusterView("pd", pd_nodes, (NodeView("d0"),))
         return decide(RouteInput(900, T, Rule.SCARCE, prfaas, pd, link_up), spill)
 
-    assert one(busy_pd, 0).reason is Reason.SHORT_BUT_PD_BUSY
+    assert one(busy_pd, 0).reason is RouteReason.SHORT_BUT_PD_BUSY
     assert one(busy_pd, 0).path is Path.PRFAAS and one(busy_pd, 0).prefill_node == "x0"
-    assert one(busy_pd, 3500).reason is Reason.SHORT  # PrfaaS would reach it less than 512 tokens sooner
-    assert one(busy_pd, 0, link_up=False).reason is Reason.SHORT
+    assert one(busy_pd, 3500).reason is RouteReason.SHORT  # PrfaaS would reach it less than 512 tokens sooner
+    assert one(busy_pd, 0, link_up=False).reason is RouteReason.SHORT
     # PD-P's node holds 800 of the 900 tokens: it computes 100 after its queue, PrfaaS all 900 after none
-    assert one((NodeView("p0", hit_tokens=800, load=400),), 0).reason is Reason.SHORT
+    assert one((NodeView("p0", hit_tokens=800, load=400),), 0).reason is RouteReason.SHORT
     with pytest.raises(ValueError, match="spill"):
         RouterConfig(spill_tokens=-1)

@@ -10,10 +10,10 @@ import pytest
 from minifaas.planner import LengthDistribution
 from minifaas.planner.paper import paper_case
 from minifaas.policy.long_term import LongTermConfig, LongTermPolicy
-from minifaas.policy.long_term import Reason as LongReason
+from minifaas.policy.long_term import RebalanceReason as LongReason
 from minifaas.policy.router import Rule
 from minifaas.policy.short_term import Action, ShortTermConfig, ShortTermPolicy
-from minifaas.policy.short_term import Reason as ShortReason
+from minifaas.policy.short_term import ThresholdReason as ShortReason
 from minifaas.policy.signals import PrefillSample, Signals, StageLoad
 
 GBPS = 1e9

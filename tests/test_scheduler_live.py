@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from minifaas.config import CacheConfig, LinkConfig, ServeConfig
+from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.model.sampling import SamplingParams
-from minifaas.policy.short_term import Action, Reason
+from minifaas.policy.short_term import Action, ThresholdReason
 
 pytestmark = pytest.mark.slow  # the live scheduler through link drops on a running gateway
 
@@ -38,7 +38,7 @@ async def _client(gw: Gateway, name: str, stop: asyncio.Event, out: list) -> Non
 
 def test_a_bandwidth_drop_raises_the_threshold_loses_nothing_and_egress_fits_the_new_ceiling() -> None:
     config = ServeConfig(
-        threshold=THRESHOLD, link=LinkConfig(rate="20mbit", delay_ms=2.0), cache=CacheConfig(mode="none")
+        threshold=THRESHOLD, link=InterClusterLinkConfig(rate="20mbit", delay_ms=2.0), cache=CacheConfig(mode="none")
     )
 
     async def scenario() -> None:
@@ -64,7 +64,7 @@ def test_a_bandwidth_drop_raises_the_threshold_loses_nothing_and_egress_fits_the
                 stop.set()
             ended = time.monotonic()
 
-            assert gw.scheduler.short.reasons[Reason.LINK_SATURATED] >= 1
+            assert gw.scheduler.short.reasons[ThresholdReason.LINK_SATURATED] >= 1
             # nothing lost: every request finished with all its tokens, whatever route it took
             for _, record, n in done:
                 assert record.phase is Phase.FINISHED and n == PARAMS.max_tokens, record.to_json()
@@ -92,7 +92,7 @@ def test_the_fixed_threshold_switch_keeps_t_through_a_drop() -> None:
     config = ServeConfig(
         threshold=THRESHOLD,
         fixed_threshold=True,
-        link=LinkConfig(rate="20mbit", delay_ms=2.0),
+        link=InterClusterLinkConfig(rate="20mbit", delay_ms=2.0),
         cache=CacheConfig(mode="none"),
     )
 
@@ -100,9 +100,9 @@ def test_the_fixed_threshold_switch_keeps_t_through_a_drop() -> None:
         async with Gateway(config) as gw:
             await gw.link.control.set_rate(DROPPED_BPS)
             results = await asyncio.gather(*(_run(gw, f"f{i}", i) for i in range(2)))
-            ticks = gw.scheduler.short.reasons[Reason.FIXED]
+            ticks = gw.scheduler.short.reasons[ThresholdReason.FIXED]
             assert ticks >= 1, "the scheduler never ticked"
-            assert gw.threshold == THRESHOLD and set(gw.scheduler.short.reasons) == {Reason.FIXED}
+            assert gw.threshold == THRESHOLD and set(gw.scheduler.short.reasons) == {ThresholdReason.FIXED}
             assert all(r.route == "prfaas" and r.phase is Phase.FINISHED for _, r, _ in results)
 
     asyncio.run(scenario())

@@ -11,7 +11,7 @@ import pytest
 from minifaas.commands.main import main
 from minifaas.commands.serve import add_arguments, config_from_args
 from minifaas.commands.worker import parse_args
-from minifaas.config import LinkConfig, ServeConfig
+from minifaas.config import InterClusterLinkConfig, ServeConfig
 from minifaas.launch.worker_specs import worker_argv
 from minifaas.net.connections import DEFAULT_CONNECTIONS
 from minifaas.transport.sender_config import SenderConfig
@@ -34,7 +34,7 @@ def test_kv_compression_from_toml_flag_and_default(tmp_path: Path) -> None:
 
 def test_a_bad_mode_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"codec 'zip': neither a built-in \(none, lossless, fp8, int8, auto\)"):
-        LinkConfig(kv_compression="zip")
+        InterClusterLinkConfig(kv_compression="zip")
     with pytest.raises(ValueError, match="codec 'zip'"):
         config_from_args(serve_args("--kv-compression", "zip"))
     with pytest.raises(SystemExit):
@@ -43,7 +43,7 @@ def test_a_bad_mode_is_one_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("role", "cluster"), [("prefill", "prfaas"), ("prefill", "pd"), ("decode", "pd")])
 def test_every_worker_gets_the_mode(role: str, cluster: str) -> None:
-    config = ServeConfig(link=LinkConfig(kv_compression="int8"))
+    config = ServeConfig(link=InterClusterLinkConfig(kv_compression="int8"))
     argv = worker_argv(config, role, cluster)
     assert parse_args(["--role", role, "--cluster", cluster, "--name", "w", *argv]).kv_compression == "int8"
 
@@ -56,7 +56,8 @@ def test_the_link_takes_a_window_from_toml(tmp_path: Path) -> None:
 
 
 def test_one_default_number_of_connections_everywhere() -> None:
-    assert LinkConfig().connections == SenderConfig("h", 1, b"s" * 32).connections == DEFAULT_CONNECTIONS == 16
+    sender = SenderConfig("h", 1, b"s" * 32)
+    assert InterClusterLinkConfig().connections == sender.connections == DEFAULT_CONNECTIONS == 16
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_one_default_number_of_connections_everywhere() -> None:
 )
 def test_bad_link_settings_are_refused_in_one_line(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LinkConfig(**changes)  # type: ignore[arg-type]
+        InterClusterLinkConfig(**changes)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("command", ["serve --link-window 100", "link-emulator --target :9000 --window 100"])

@@ -19,7 +19,7 @@ import pytest
 from hand_started import HandStarted, alive, start_all, write_secret
 from netns import NetnsLink, unavailable
 
-from minifaas.config import CacheConfig, ClusterConfig, LinkConfig, ServeConfig
+from minifaas.config import CacheConfig, ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.model.reference import reference_tokens
@@ -88,7 +88,7 @@ def test_two_hosts_route_stream_over_the_bottleneck_and_survive_faults(tmp_path:
             heartbeat_deadline_s=2.0,
             prfaas=ClusterConfig(workers=(f"{hosts.root_addresses['a']}:7000",)),
             pd=ClusterConfig(workers=(f"{hosts.root_addresses['b']}:7001", f"{hosts.root_addresses['b']}:7002")),
-            link=LinkConfig(rate=RATE),
+            link=InterClusterLinkConfig(rate=RATE),
             cache=CacheConfig(mode="none"),
         )
         asyncio.run(_scenario(config, hosts, workers, reference, long_bytes, figures))

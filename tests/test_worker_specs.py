@@ -9,7 +9,7 @@ import pytest
 
 from minifaas.commands.serve import add_arguments, config_from_args
 from minifaas.commands.worker import parse_args
-from minifaas.config import ClusterConfig, LinkConfig, SchedulerConfig, ServeConfig
+from minifaas.config import ClusterConfig, InterClusterLinkConfig, SchedulerConfig, ServeConfig
 from minifaas.control.schema import validate
 from minifaas.control.worker_ops import WORKER_OPS, sampling_from_json, sampling_to_json
 from minifaas.launch.worker_specs import planned_specs
@@ -35,13 +35,13 @@ def test_local_workers_by_default_and_hand_started_ones_by_address() -> None:
     assert [s.name for s in specs[2:]] == ["pd-p0", "pd-d0"]  # the PD cluster still starts its own
     assert not mixed.all_local and not mixed.link_emulated  # a remote worker: the link is the network
     assert not ServeConfig(launcher="ray").link_emulated
-    assert ServeConfig(link=LinkConfig(emulated=False)).link_emulated is False
+    assert ServeConfig(link=InterClusterLinkConfig(emulated=False)).link_emulated is False
 
 
 def test_settings_that_cannot_hold_are_refused() -> None:
     remote = ClusterConfig(workers=("10.0.0.7:7000",))
     with pytest.raises(ValueError, match="the link is the network"):
-        ServeConfig(prfaas=remote, link=LinkConfig(emulated=True))
+        ServeConfig(prfaas=remote, link=InterClusterLinkConfig(emulated=True))
     with pytest.raises(ValueError, match="hand-started ones keep their role"):
         ServeConfig(pd=ClusterConfig(workers=("h:1", "h:2")), scheduler=SchedulerConfig(profile="p.json"))
     with pytest.raises(ValueError, match="not HOST:PORT"):

@@ -30,7 +30,7 @@ from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import exit_at_once, stdout_console, user_input
 from minifaas.commands.serve import kernels_line, running_server, start_forks
-from minifaas.config import LOG_LEVELS, LinkConfig, ServeConfig
+from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
 from minifaas.launch.startup import StartupView
 from minifaas.model.loader import checked_spec
 from minifaas.proctitle import set_title
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(slots=True)
-class Row:
+class DemoRequest:
     name: str
     prompt_chars: int
     status: str = "queued"
@@ -98,7 +98,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
                 threshold=args.threshold,
                 worker_log_level=args.log_level,
             ),
-            link=LinkConfig(rate=args.link_rate, delay_ms=5.0),
+            link=InterClusterLinkConfig(rate=args.link_rate, delay_ms=5.0),
         )
 
 
@@ -123,8 +123,8 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
             f"ready in {time.perf_counter() - t0:.1f} s on port {port}, {kernels_line(gateway)}; sending "
             f"{args.short} short and {args.long} long prompts at once (threshold {args.threshold} tokens)"
         )
-        rows = [Row(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
-        rows += [Row(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
+        rows = [DemoRequest(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
+        rows += [DemoRequest(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
         base = f"http://127.0.0.1:{port}/v1/completions"
         # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
         live = Live(_table(rows, gateway.link_stats), console=console) if console.is_terminal else None
@@ -150,7 +150,7 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
     return 0 if all(r.status == "done" for r in rows) else 1
 
 
-async def _one(http: aiohttp.ClientSession, url: str, model: str, row: Row, max_tokens: int, seed: int) -> None:
+async def _one(http: aiohttp.ClientSession, url: str, model: str, row: DemoRequest, max_tokens: int, seed: int) -> None:
     prompt = (VERSE * (row.prompt_chars // len(VERSE) + 1))[: row.prompt_chars].rsplit(" ", 1)[0] + " "
     row.prompt_chars = len(prompt)  # cut after a whole word, so the answer starts with one
     body = {
@@ -188,7 +188,7 @@ async def _one(http: aiohttp.ClientSession, url: str, model: str, row: Row, max_
     row.status = "done"
 
 
-def _table(rows: list[Row], links: dict[str, dict]) -> Table:
+def _table(rows: list[DemoRequest], links: dict[str, dict]) -> Table:
     util = ", ".join(f"{name}: {100 * (s.get('utilisation') or 0):.0f}%" for name, s in links.items()) or "-"
     table = Table(title=f"requests (link utilisation {util})")
     for col in ("request", "prompt chars", "status", "route", "TTFT s", "tokens", "tokens/s"):
@@ -209,7 +209,7 @@ def _table(rows: list[Row], links: dict[str, dict]) -> Table:
     return table
 
 
-def _summary(rows: list[Row]) -> Table:
+def _summary(rows: list[DemoRequest]) -> Table:
     table = Table(title="summary by route")  # KV state: its size; on the wire: what it took after its codec
     columns = ("route", "requests", "mean TTFT s", "mean e2e s", "KV state", "on the wire", "codec", "fallbacks")
     for col in columns:

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(figures.dumps(to_json(case, result, args.price_ratio), indent=2))
     else:
-        print_table(case, result, args.price_ratio)
+        print_plan(case, result, args.price_ratio)
     if args.plot:
         plot_plan(case, result, grid, args.plot)
     return 0
@@ -89,7 +89,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(case: PlanCase, result: Plan, price_ratio: float | None = None) -> None:
+def print_plan(case: PlanCase, result: Plan, price_ratio: float | None = None) -> None:
     print(
         f"case {case.name}: {case.gpus} GPUs in PrfaaS + PD, lengths {case.lengths.name}, mean {case.lengths.mean:.0f}"
     )

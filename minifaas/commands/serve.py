@@ -36,7 +36,7 @@ from minifaas.config import (
     CacheConfig,
     ClusterConfig,
     HttpConfig,
-    LinkConfig,
+    InterClusterLinkConfig,
     ServeConfig,
 )
 from minifaas.gateway.api import build_app
@@ -311,7 +311,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raise ValueError("--gpu-memory-fraction: no cluster runs on a GPU")
         prfaas, pd = (c if c.device == "cpu" else replace(c, memory_fraction=args.gpu_memory_fraction)
                       for c in (prfaas, pd))  # fmt: skip
-    link = LinkConfig(
+    link = InterClusterLinkConfig(
         rate=_pick(args.link_rate, base.link.rate),
         flow_rate=base.link.flow_rate,
         window=_pick(args.link_window, base.link.window),

@@ -94,7 +94,7 @@ def run(configs: dict[str, SimConfig], workload: Workload, args: argparse.Namesp
         results = compare(configs, workload, advanced)
         for task in tasks.values():
             progress.update(task, completed=total)
-    print_table(results, f"{workload.name}: {len(workload):,} requests over {workload.duration_s:,.0f} s")
+    print_comparison(results, f"{workload.name}: {len(workload):,} requests over {workload.duration_s:,.0f} s")
     plot_comparison(results, args.plot)
     print(f"plot: {args.plot}")
     if args.json:
@@ -102,7 +102,7 @@ def run(configs: dict[str, SimConfig], workload: Workload, args: argparse.Namesp
     return 0
 
 
-def print_table(results: dict[str, SimResult], title: str) -> None:
+def print_comparison(results: dict[str, SimResult], title: str) -> None:
     table = Table(title=title)
     table.add_column("policy")
     for header, _, _ in COLUMNS:

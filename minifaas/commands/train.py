@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if not result.plotted:
         console.print("no loss_curve.png: matplotlib is not installed (pip install -e '.[plot]')")
     if args.sample_tokens:
-        console.print(f"sample (temperature 0.8, seed 0): {sample(config.out, args.sample_tokens)!r}")
+        console.print(f"sample (temperature 0.8, seed 0): {sample_text(config.out, args.sample_tokens)!r}")
     return 0
 
 
@@ -100,7 +100,7 @@ def _stop(trainer: Trainer, signum: int) -> None:
     signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once (the last save stays)
 
 
-def sample(checkpoint: str, tokens: int, prompt: str = SAMPLE_PROMPT, seed: int = 0) -> str:
+def sample_text(checkpoint: str, tokens: int, prompt: str = SAMPLE_PROMPT, seed: int = 0) -> str:
     """Text from the written checkpoint, loaded back as any user would load it."""
     rt = ModelRuntime.load(checkpoint)
     params = SamplingParams(max_tokens=tokens, temperature=0.8, seed=seed, ignore_eos=True)

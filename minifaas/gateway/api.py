@@ -26,8 +26,8 @@ from aiohttp import web
 
 from minifaas.config import HttpConfig
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.openai_responses import Reply
-from minifaas.gateway.openai_schema import APIError, Endpoint, parse_json, parse_request
+from minifaas.gateway.openai_responses import CompletionReply
+from minifaas.gateway.openai_schema import APIEndpoint, APIError, parse_json, parse_request
 from minifaas.gateway.requests import (
     DeadlineExceeded,
     GatewayAPI,
@@ -130,10 +130,10 @@ class OpenAIServer:
         self.http = http
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, Endpoint.COMPLETIONS)
+        return await self._generate(request, APIEndpoint.COMPLETIONS)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, Endpoint.CHAT)
+        return await self._generate(request, APIEndpoint.CHAT)
 
     async def models(self, request: web.Request) -> web.Response:
         model = {
@@ -167,7 +167,7 @@ class OpenAIServer:
             raise APIError(408, f"The request body did not arrive within {seconds:g} s.", code="body_timeout") from None
         return parse_json(raw)
 
-    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, endpoint: APIEndpoint) -> web.StreamResponse:
         started = time.perf_counter()
         try:
             parsed = parse_request(
@@ -180,7 +180,7 @@ class OpenAIServer:
         except APIError:
             self.metrics.request_finished(None, "invalid")
             raise
-        reply = Reply.start(endpoint, self.gateway.model_name, len(parsed.prompt_ids), started)
+        reply = CompletionReply.start(endpoint, self.gateway.model_name, len(parsed.prompt_ids), started)
         outcome = "error"
         try:
             with self.metrics.in_flight():
@@ -203,7 +203,7 @@ class OpenAIServer:
             reply.seal(time.perf_counter())
             self.metrics.request_finished(reply.record, outcome)
 
-    async def _complete(self, reply: Reply, events: AsyncIterator[TokenEvent]) -> tuple[web.Response, str]:
+    async def _complete(self, reply: CompletionReply, events: AsyncIterator[TokenEvent]) -> tuple[web.Response, str]:
         async for event in events:
             reply.add(event, time.perf_counter())
         _check_finished(reply)
@@ -211,7 +211,7 @@ class OpenAIServer:
         return web.json_response(reply.body()), str(reply.finish_reason)
 
     async def _stream(
-        self, request: web.Request, reply: Reply, events: AsyncIterator[TokenEvent], include_usage: bool
+        self, request: web.Request, reply: CompletionReply, events: AsyncIterator[TokenEvent], include_usage: bool
     ) -> tuple[web.StreamResponse, str]:
         first = await anext(events, None)  # Overloaded / RequestFailed here still become an HTTP status
         if first is None:
@@ -245,7 +245,7 @@ class OpenAIServer:
         return response, outcome
 
     async def _send_token(
-        self, response: web.StreamResponse, reply: Reply, event: TokenEvent, include_usage: bool
+        self, response: web.StreamResponse, reply: CompletionReply, event: TokenEvent, include_usage: bool
     ) -> None:
         text = reply.add(event, time.perf_counter())
         # A token inside a multi-byte character has no text of its own yet, and waits for the rest; but the
@@ -270,7 +270,7 @@ def api_error(e: Exception) -> APIError:
     return APIError(500, f"Internal error ({type(e).__name__}); the request was not completed.", code="internal_error")
 
 
-def _check_finished(reply: Reply) -> None:
+def _check_finished(reply: CompletionReply) -> None:
     if reply.finish_reason is None:
         raise RequestFailed("the gateway ended the stream without a finish reason")
 

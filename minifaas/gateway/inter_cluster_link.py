@@ -24,7 +24,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from minifaas.config import LinkConfig
+from minifaas.config import InterClusterLinkConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.emulator.emulator_process import EmulatorControl, EmulatorError, EmulatorProcess
 from minifaas.emulator.pacer import parse_rate
@@ -59,7 +59,7 @@ class LinkDown(RuntimeError):
 
 class InterClusterLink:
     def __init__(
-        self, config: LinkConfig, emulated: bool, moves: bool, heartbeat: HeartbeatConfig | None = None
+        self, config: InterClusterLinkConfig, emulated: bool, moves: bool, heartbeat: HeartbeatConfig | None = None
     ) -> None:
         self.config, self.emulated, self.moves = config, emulated, moves
         self.heartbeat = heartbeat or HeartbeatConfig()

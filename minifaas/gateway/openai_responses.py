@@ -14,17 +14,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from minifaas.gateway.openai_schema import Endpoint
+from minifaas.gateway.openai_schema import APIEndpoint
 from minifaas.gateway.requests import RequestRecord, TokenEvent
 
-_OBJECT = {Endpoint.COMPLETIONS: "text_completion", Endpoint.CHAT: "chat.completion"}
-_CHUNK_OBJECT = {Endpoint.COMPLETIONS: "text_completion", Endpoint.CHAT: "chat.completion.chunk"}
-_ID_PREFIX = {Endpoint.COMPLETIONS: "cmpl-", Endpoint.CHAT: "chatcmpl-"}
+_OBJECT = {APIEndpoint.COMPLETIONS: "text_completion", APIEndpoint.CHAT: "chat.completion"}
+_CHUNK_OBJECT = {APIEndpoint.COMPLETIONS: "text_completion", APIEndpoint.CHAT: "chat.completion.chunk"}
+_ID_PREFIX = {APIEndpoint.COMPLETIONS: "cmpl-", APIEndpoint.CHAT: "chatcmpl-"}
 
 
 @dataclass(slots=True)
-class Reply:
-    endpoint: Endpoint
+class CompletionReply:
+    endpoint: APIEndpoint
     model: str
     record: RequestRecord
     started: float  # time.perf_counter() when the request arrived
@@ -35,7 +35,7 @@ class Reply:
     finish_reason: str | None = None
 
     @classmethod
-    def start(cls, endpoint: Endpoint, model: str, prompt_tokens: int, started: float) -> Reply:
+    def start(cls, endpoint: APIEndpoint, model: str, prompt_tokens: int, started: float) -> CompletionReply:
         request_id = _ID_PREFIX[endpoint] + uuid.uuid4().hex
         return cls(endpoint, model, RequestRecord(request_id, prompt_tokens), started)
 
@@ -73,7 +73,7 @@ class Reply:
 
     def body(self) -> dict[str, Any]:
         text = "".join(self.pieces)
-        if self.endpoint is Endpoint.CHAT:
+        if self.endpoint is APIEndpoint.CHAT:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
@@ -86,16 +86,16 @@ class Reply:
     # -- stream chunks --------------------------------------------------------------------------
 
     def opening_chunks(self, include_usage: bool) -> list[dict[str, Any]]:
-        if self.endpoint is Endpoint.CHAT:
+        if self.endpoint is APIEndpoint.CHAT:
             return [self._chunk({"role": "assistant", "content": ""}, None, include_usage)]
         return []
 
     def content_chunk(self, text: str, include_usage: bool) -> dict[str, Any]:
-        delta = {"content": text} if self.endpoint is Endpoint.CHAT else text
+        delta = {"content": text} if self.endpoint is APIEndpoint.CHAT else text
         return self._chunk(delta, None, include_usage)
 
     def closing_chunks(self, include_usage: bool) -> list[dict[str, Any]]:
-        done = self._chunk({} if self.endpoint is Endpoint.CHAT else "", self.finish_reason, include_usage)
+        done = self._chunk({} if self.endpoint is APIEndpoint.CHAT else "", self.finish_reason, include_usage)
         chunks = [done]
         if include_usage:
             chunks.append(self._envelope(_CHUNK_OBJECT[self.endpoint], []) | {"usage": self.usage()})

@@ -20,7 +20,7 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
 
 
-class Endpoint(Enum):
+class APIEndpoint(Enum):
     COMPLETIONS = "completions"
     CHAT = "chat.completions"
 
@@ -52,7 +52,7 @@ class APIError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    endpoint: Endpoint
+    endpoint: APIEndpoint
     prompt_ids: list[int]
     sampling: SamplingParams
     stream: bool
@@ -101,7 +101,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 def parse_request(
-    endpoint: Endpoint, body: dict[str, Any], *, model_name: str, tokenizer: Tokenizer, max_context: int
+    endpoint: APIEndpoint, body: dict[str, Any], *, model_name: str, tokenizer: Tokenizer, max_context: int
 ) -> ParsedRequest:
     _check_fields(body, model_name)
     prompt_ids, max_tokens = _prompt_and_budget(endpoint, body, tokenizer, max_context)
@@ -127,10 +127,10 @@ def _check_fields(body: dict[str, Any], model_name: str) -> None:
 
 
 def _prompt_and_budget(
-    endpoint: Endpoint, body: dict[str, Any], tokenizer: Tokenizer, max_context: int
+    endpoint: APIEndpoint, body: dict[str, Any], tokenizer: Tokenizer, max_context: int
 ) -> tuple[list[int], int]:
     """The prompt's token ids and the completion's max_tokens, checked against the model's context."""
-    if endpoint is Endpoint.CHAT:
+    if endpoint is APIEndpoint.CHAT:
         prompt_ids, prompt_param = tokenizer.chat(_messages(body)), "messages"
         max_tokens = _field(body, "max_completion_tokens", int, None)
         param = "max_completion_tokens" if max_tokens is not None else "max_tokens"

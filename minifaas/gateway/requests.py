@@ -88,7 +88,7 @@ class RequestRecord:
     prompt_tokens: int
     phase: Phase = Phase.QUEUED
     route: str | None = None  # "prfaas" | "local"
-    route_reason: str | None = None  # the router's reason (policy.router.Reason), e.g. long_but_prfaas_down
+    route_reason: str | None = None  # the router's reason (policy.router.RouteReason), e.g. long_but_prfaas_down
     prefill_worker: str | None = None
     decode_worker: str | None = None
     cached_tokens: int = 0

@@ -110,7 +110,7 @@ def reap() -> None:
         say({"exit": pid, "code": returncode(status)})
 
 
-def serve(control: socket.socket) -> None:
+def serve_forks(control: socket.socket) -> None:
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ)
     while True:
@@ -155,7 +155,7 @@ def run(control: socket.socket) -> None:
     forked from: ``forked.start_here``). Never returns."""
     set_title("zygote")
     say({"ready": os.getpid()})
-    serve(control)
+    serve_forks(control)
     os._exit(0)  # at once: tearing down torch and transformers' modules takes a second and serves nothing
 
 

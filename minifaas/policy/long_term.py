@@ -31,7 +31,7 @@ from minifaas.policy.signals import Signals
 log = logging.getLogger("minifaas.policy")
 
 
-class Reason(StrEnum):
+class RebalanceReason(StrEnum):
     OFF = "off"  # rebalancing disabled
     CONVERT = "convert"  # the split changes by ``to_prefill`` workers
     RETUNE = "retune"  # same split, new t
@@ -62,7 +62,7 @@ class LongTermConfig:
 @dataclass(frozen=True, slots=True)
 class RebalanceDecision:
     at_s: float
-    reason: Reason
+    reason: RebalanceReason
     threshold: int  # the planner's t for the traffic of the period (the current base when not re-planned)
     n_prefill: int  # PD-P workers once this decision is carried out
     n_decode: int
@@ -82,7 +82,7 @@ class LongTermPolicy:
     threshold: int
     n_prefill: int
     n_decode: int
-    reasons: Counter[Reason] = field(default_factory=Counter)
+    reasons: Counter[RebalanceReason] = field(default_factory=Counter)
     decisions: list[RebalanceDecision] = field(default_factory=list)
     _lengths: list[int] = field(default_factory=list)
     _period_start: float = 0.0
@@ -141,17 +141,17 @@ class LongTermPolicy:
         return decision
 
     def _decide(self, s: Signals, lengths: list[int], rate: float) -> RebalanceDecision:
-        def keep(reason: Reason) -> RebalanceDecision:
+        def keep(reason: RebalanceReason) -> RebalanceDecision:
             return RebalanceDecision(s.now_s, reason, self.threshold, self.n_prefill, self.n_decode, rate_rps=rate)
 
         if not self.config.enabled:
-            return keep(Reason.OFF)
+            return keep(RebalanceReason.OFF)
         if len(lengths) < self.config.min_requests:
-            return keep(Reason.FEW_REQUESTS)
+            return keep(RebalanceReason.FEW_REQUESTS)
         if s.link_rate_bps <= 0:
-            return keep(Reason.LINK_DOWN)
+            return keep(RebalanceReason.LINK_DOWN)
         if s.pd_prefill.nodes + s.decode.nodes < self.case.n_pd:
-            return keep(Reason.CONVERTING)
+            return keep(RebalanceReason.CONVERTING)
         case = self.current_case(lengths)
         grid = SearchGrid(self.config.threshold_step)
         best = best_prfaas(case, grid)
@@ -170,9 +170,10 @@ class LongTermPolicy:
         else:
             threshold = _best_threshold(case, grid, self.n_prefill, self.n_decode)[0]
         if step:
-            reason = Reason.CONVERT
+            reason = RebalanceReason.CONVERT
         else:
-            reason = Reason.SMALL_GAIN if moves else Reason.RETUNE if threshold != self.threshold else Reason.KEEP
+            retune = RebalanceReason.RETUNE if threshold != self.threshold else RebalanceReason.KEEP
+            reason = RebalanceReason.SMALL_GAIN if moves else retune
         self.threshold = threshold
         mean_length = float(np.mean(lengths))
         return RebalanceDecision(

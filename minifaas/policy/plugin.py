@@ -4,7 +4,7 @@ A built-in name stands for a shipped class and the arguments it implies (``auto`
 mode "auto"). Only a ``module:Class`` spec is imported, as ``python -m`` would find it: installed, or under the
 current directory. Either class must have the methods of its kind's Protocol (``policy.interfaces``), and its
 constructor must take the arguments the configuration gives it (``--router-arg k=v``, ``[serve.router_args]``)
-and those of the keywords its driver offers (``Kind.context``) that it names, or all of them with ``**kwargs``;
+and those of the keywords its driver offers (``PolicyKind.context``) that it names, or all of them with ``**kwargs``;
 a configured argument wins over an offered keyword of its name. ``check_policy`` does all but build it, so a
 configuration is checked before anything starts. Every failure is one ``PolicyError`` line.
 """
@@ -34,7 +34,7 @@ class PolicyError(ValueError):
 
 
 @dataclass(frozen=True)
-class Kind:
+class PolicyKind:
     name: str  # router, short_term, long_term, snapshot, codec
     protocol: type
     builtins: Mapping[str, tuple[type, Args]]  # built-in name -> (its class, the arguments it implies)
@@ -50,21 +50,23 @@ def policy_args(args: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> Arg
     return tuple(sorted(dict(args).items()))
 
 
-ROUTER = Kind("router", RoutingPolicy, {"default": (Router, ())}, ("config",))
-SHORT_TERM = Kind("short_term", ShortTermControl, {"default": (ShortTermPolicy, ())}, ("config", "threshold", "rule"))
-LONG_TERM = Kind(
+ROUTER = PolicyKind("router", RoutingPolicy, {"default": (Router, ())}, ("config",))
+SHORT_TERM = PolicyKind(
+    "short_term", ShortTermControl, {"default": (ShortTermPolicy, ())}, ("config", "threshold", "rule")
+)
+LONG_TERM = PolicyKind(
     "long_term", LongTermControl, {"default": (LongTermPolicy, ())},
     ("config", "case", "threshold", "n_prefill", "n_decode"),
 )  # fmt: skip
-SNAPSHOT = Kind(
+SNAPSHOT = PolicyKind(
     "snapshot", SnapshotPlacement, {"reuse": (ReuseSnapshots, ()), "interval": (IntervalSnapshots, ())},
     ("interval_blocks",),
 )  # fmt: skip
-CODEC = Kind("codec", CodecPolicy, {m: (CompressionPolicy, policy_args({"mode": m})) for m in MODES}, ())
+CODEC = PolicyKind("codec", CodecPolicy, {m: (CompressionPolicy, policy_args({"mode": m})) for m in MODES}, ())
 KINDS = {k.name: k for k in (ROUTER, SHORT_TERM, LONG_TERM, SNAPSHOT, CODEC)}
 
 
-def load_policy(spec: str, kind: Kind, args: Mapping[str, Any] | Args = (), **context: Any) -> Any:
+def load_policy(spec: str, kind: PolicyKind, args: Mapping[str, Any] | Args = (), **context: Any) -> Any:
     """The policy ``spec`` names, built with ``args`` and the ``context`` keywords its constructor names."""
     if set(context) != set(kind.context):
         raise TypeError(f"a {kind.name} policy is offered {sorted(kind.context)}, got {sorted(context)}")
@@ -75,13 +77,13 @@ def load_policy(spec: str, kind: Kind, args: Mapping[str, Any] | Args = (), **co
         raise PolicyError(f"{kind.name} {spec!r}: {type(e).__name__}: {_line(e)}") from e
 
 
-def check_policy(spec: str, kind: Kind, args: Mapping[str, Any] | Args = ()) -> type:
+def check_policy(spec: str, kind: PolicyKind, args: Mapping[str, Any] | Args = ()) -> type:
     """The class ``spec`` names, checked as ``load_policy`` checks it, without building it."""
     return _checked(spec, kind, args, dict.fromkeys(kind.context))[0]
 
 
 def _checked(
-    spec: str, kind: Kind, args: Mapping[str, Any] | Args, context: Mapping[str, Any]
+    spec: str, kind: PolicyKind, args: Mapping[str, Any] | Args, context: Mapping[str, Any]
 ) -> tuple[type, dict[str, Any]]:
     cls, implied = kind.builtins.get(spec) or (_plugin_class(spec, kind), ())
     class_name = cls.__name__
@@ -100,7 +102,7 @@ def _checked(
     return cls, keywords
 
 
-def _plugin_class(spec: str, kind: Kind) -> type:
+def _plugin_class(spec: str, kind: PolicyKind) -> type:
     """The class a ``module:Class`` spec names, its module imported."""
     module_name, colon, class_name = spec.partition(":")
     if not (colon and module_name and class_name):
@@ -111,7 +113,7 @@ def _plugin_class(spec: str, kind: Kind) -> type:
     return cls
 
 
-def _module(name: str, spec: str, kind: Kind) -> Any:
+def _module(name: str, spec: str, kind: PolicyKind) -> Any:
     """Import ``name``; a module not installed is looked for under the current directory, as ``python -m``
     and ``python -c`` look (the ``minifaas`` script's own directory is not the project's)."""
     try:

@@ -33,7 +33,7 @@ class Path(StrEnum):
     REJECT = "reject"  # no healthy node can serve it now
 
 
-class Reason(StrEnum):
+class RouteReason(StrEnum):
     SHORT = "short"  # prompt <= t without any cache
     SHORT_AFTER_CACHE = "short_after_cache"  # prompt > t, but the local hit brings l <= t
     SHORT_AFTER_CACHE_MOVE = "short_after_cache_move"  # the PrfaaS cache, moved to PD, brings l <= t
@@ -134,7 +134,7 @@ class CacheMove:
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     path: Path
-    reason: Reason
+    reason: RouteReason
     prompt_tokens: int
     prefill_node: str | None = None
     decode_node: str | None = None
@@ -171,11 +171,11 @@ def pick_node(nodes: tuple[NodeView, ...], prompt_tokens: int, affinity: bool, f
 def decide(req: RouteInput, config: RouterConfig = RouterConfig()) -> RouteDecision:
     decode = pick_node(req.pd.decode_nodes, 0, affinity=False)
     if decode is None:
-        return RouteDecision(Path.REJECT, Reason.NO_DECODE_NODE, req.prompt_tokens)
+        return RouteDecision(Path.REJECT, RouteReason.NO_DECODE_NODE, req.prompt_tokens)
     prfaas_ok = req.link_up and req.prfaas.can_prefill
     pd_ok = req.pd.can_prefill
     if not (prfaas_ok or pd_ok):
-        return RouteDecision(Path.REJECT, Reason.NO_PREFILL_NODE, req.prompt_tokens)
+        return RouteDecision(Path.REJECT, RouteReason.NO_PREFILL_NODE, req.prompt_tokens)
 
     l_pd, l_prfaas = req.pd.hit_tokens, req.prfaas.hit_tokens
     move_allowed = req.rule is Rule.ABUNDANT and config.cross_cluster_cache_move and req.link_up
@@ -183,17 +183,17 @@ def decide(req: RouteInput, config: RouterConfig = RouterConfig()) -> RouteDecis
     short = req.prompt_tokens - local_prefix <= req.threshold
 
     if short and pd_ok:
-        reason = Reason.SHORT if req.prompt_tokens <= req.threshold else Reason.SHORT_AFTER_CACHE
+        reason = RouteReason.SHORT if req.prompt_tokens <= req.threshold else RouteReason.SHORT_AFTER_CACHE
         move = None
         if local_prefix > l_pd:  # only the PrfaaS cache makes it short: bring it over
             move = CacheMove(req.prfaas.name, req.pd.name, min(req.pd.kv_prefix_tokens, l_prfaas), l_prfaas)
-            reason = Reason.SHORT_AFTER_CACHE_MOVE
+            reason = RouteReason.SHORT_AFTER_CACHE_MOVE
         if move is None and prfaas_ok and _spills(req, config):
-            return _place(req, config, Path.PRFAAS, decode, Reason.SHORT_BUT_PD_BUSY, None)
+            return _place(req, config, Path.PRFAAS, decode, RouteReason.SHORT_BUT_PD_BUSY, None)
         return _place(req, config, Path.PD, decode, reason, move)
     if not short and not prfaas_ok:
-        return _place(req, config, Path.PD, decode, Reason.LONG_BUT_PRFAAS_DOWN, None)
-    reason = Reason.LONG if not short else Reason.SHORT_BUT_PD_PREFILL_DOWN
+        return _place(req, config, Path.PD, decode, RouteReason.LONG_BUT_PRFAAS_DOWN, None)
+    reason = RouteReason.LONG if not short else RouteReason.SHORT_BUT_PD_PREFILL_DOWN
     move = None
     if move_allowed and l_pd > l_prfaas:  # the longer cache is local: send it to PrfaaS first
         move = CacheMove(req.pd.name, req.prfaas.name, min(req.prfaas.kv_prefix_tokens, l_pd), l_pd)
@@ -215,7 +215,7 @@ def _spills(req: RouteInput, config: RouterConfig) -> bool:
 
 
 def _place(
-    req: RouteInput, config: RouterConfig, path: Path, decode: NodeView, reason: Reason, move: CacheMove | None
+    req: RouteInput, config: RouterConfig, path: Path, decode: NodeView, reason: RouteReason, move: CacheMove | None
 ) -> RouteDecision:
     cluster = req.prfaas if path is Path.PRFAAS else req.pd
     floor = max(cluster.pool_hit_tokens, move.end_tokens if move else 0)
@@ -233,7 +233,7 @@ class Router:
     def __init__(self, config: RouterConfig = RouterConfig()) -> None:
         self.config = config
         self.paths: Counter[Path] = Counter()
-        self.reasons: Counter[Reason] = Counter()
+        self.reasons: Counter[RouteReason] = Counter()
         self.cache_moves = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0

@@ -33,7 +33,7 @@ class Action(StrEnum):
     HOLD = "hold"
 
 
-class Reason(StrEnum):
+class ThresholdReason(StrEnum):
     FIXED = "fixed"  # the policy is off
     LINK_DOWN = "link_down"
     LINK_SATURATED = "link_saturated"
@@ -83,7 +83,7 @@ class ShortTermConfig:
 class ThresholdDecision:
     at_s: float
     action: Action
-    reason: Reason
+    reason: ThresholdReason
     threshold: int  # t from now on
     previous: int
     rule: Rule
@@ -98,7 +98,7 @@ class ShortTermPolicy:
     threshold: int  # t now
     rule: Rule = Rule.SCARCE
     base: int = -1  # the lowest t it returns to; defaults to the starting t
-    reasons: Counter[Reason] = field(default_factory=Counter)
+    reasons: Counter[ThresholdReason] = field(default_factory=Counter)
     rule_changes: int = 0
     history: deque[ThresholdDecision] = field(default_factory=lambda: deque(maxlen=4096))
     _smoothed: float | None = None
@@ -132,7 +132,7 @@ class ShortTermPolicy:
         self._since_raise += 1
         previous, previous_rule = self.threshold, self.rule
         if not c.enabled:
-            action, reason = Action.HOLD, Reason.FIXED
+            action, reason = Action.HOLD, ThresholdReason.FIXED
         else:
             action, reason = self._move(s)
             self.rule = self._pick_rule(s)
@@ -147,45 +147,45 @@ class ShortTermPolicy:
                 reason, rule, self.utilisation)  # fmt: skip
         return decision
 
-    def _move(self, s: Signals) -> tuple[Action, Reason]:
+    def _move(self, s: Signals) -> tuple[Action, ThresholdReason]:
         c = self.config
         pressure = self._pressure(s)
         if pressure is not None:
             self._headroom_run = 0
             if self.threshold >= c.ceiling:
-                return Action.HOLD, Reason.AT_CEILING
-            if pressure is not Reason.LINK_DOWN and s.pd_prefill.wait_s > s.prfaas.wait_s + s.link_backlog_s:
-                return Action.HOLD, Reason.PD_BUSIER
+                return Action.HOLD, ThresholdReason.AT_CEILING
+            if pressure is not ThresholdReason.LINK_DOWN and s.pd_prefill.wait_s > s.prfaas.wait_s + s.link_backlog_s:
+                return Action.HOLD, ThresholdReason.PD_BUSIER
             if self._since_raise < c.raise_gap_ticks:
-                return Action.HOLD, Reason.COOLDOWN
+                return Action.HOLD, ThresholdReason.COOLDOWN
             raised = max(round(self.threshold * c.raise_factor), self.threshold + c.min_step_tokens)
             self.threshold = min(c.ceiling, raised)
             self._since_raise = 0
             return Action.RAISE, pressure
         if self.utilisation >= c.low_utilisation:
             self._headroom_run = 0
-            return Action.HOLD, Reason.STEADY
+            return Action.HOLD, ThresholdReason.STEADY
         self._headroom_run += 1
         if self.threshold <= self.base:
-            return Action.HOLD, Reason.AT_BASE
+            return Action.HOLD, ThresholdReason.AT_BASE
         if self._headroom_run < c.headroom_ticks:
-            return Action.HOLD, Reason.STEADY
+            return Action.HOLD, ThresholdReason.STEADY
         self._headroom_run = 0
         lowered = min(round(self.threshold * c.lower_factor), self.threshold - c.min_step_tokens)
         self.threshold = max(self.base, lowered)
-        return Action.LOWER, Reason.HEADROOM
+        return Action.LOWER, ThresholdReason.HEADROOM
 
-    def _pressure(self, s: Signals) -> Reason | None:
+    def _pressure(self, s: Signals) -> ThresholdReason | None:
         c = self.config
         if s.link_rate_bps <= 0:
-            return Reason.LINK_DOWN
+            return ThresholdReason.LINK_DOWN
         if self.utilisation >= c.high_utilisation:
-            return Reason.LINK_SATURATED
+            return ThresholdReason.LINK_SATURATED
         if self._degraded(s):
-            return Reason.LINK_DEGRADED
+            return ThresholdReason.LINK_DEGRADED
         surge = s.prfaas.per_node >= c.surge_per_node and s.prfaas.per_node > s.pd_prefill.per_node
         if surge and s.prfaas.wait_s + s.link_backlog_s >= c.surge_imbalance * s.pd_prefill.wait_s:
-            return Reason.PRFAAS_QUEUE_SURGE
+            return ThresholdReason.PRFAAS_QUEUE_SURGE
         return None
 
     def _degraded(self, s: Signals) -> bool:
