@@ -1,5 +1,8 @@
-"""The package's layout, read from the source: folders import downward only, short functions and docstrings,
+"""The package's layout, read from the source: folders import downward only, no monster functions or docstrings,
 argparse in the command layer alone, one file per module name, and a reading list that exists and fits.
+
+The length caps are guards against monsters, not targets: a function is as long as its idea, and a docstring
+says a purpose in a few lines (a module's may sketch its design in a few more).
 
 A folder of minifaas (``minifaas.gateway``) or a top-level module (``minifaas.config``) is one *room*; an
 import from one room into another is an arrow, whether it runs at load time or inside a function.
@@ -16,8 +19,9 @@ from test_structure import module_files as modules
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = "commands"  # the command layer: every argparse flag and every program's entry point
-MAX_FUNCTION_LINES = 60
-MAX_DOCSTRING_LINES = 15
+MAX_FUNCTION_LINES = 80
+MAX_DOCSTRING_LINES = 10  # a class's or a function's
+MAX_MODULE_DOCSTRING_LINES = 15
 MAX_READING_FILES, MIN_READING_FILES, MAX_READING_LINES = 20, 8, 4000
 
 
@@ -95,7 +99,8 @@ def long_docstrings(package: Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node, clean=False)
-                if doc and len(doc.splitlines()) > MAX_DOCSTRING_LINES:
+                cap = MAX_MODULE_DOCSTRING_LINES if isinstance(node, ast.Module) else MAX_DOCSTRING_LINES
+                if doc and len(doc.splitlines()) > cap:
                     found.append(f"{path.relative_to(package.parent)}:{getattr(node, 'lineno', 1)}")
     return found
 
@@ -169,13 +174,15 @@ def test_each_check_catches_what_it_looks_for(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "a" / "one.py").write_text("from pkg.b.two import X\n")
     body = "\n".join(f"    x = {i}" for i in range(MAX_FUNCTION_LINES))
-    doc = "\n".join(["'''Too long."] + ["more"] * MAX_DOCSTRING_LINES + ["'''"])
+    doc = "\n".join(["'''Too long."] + ["more"] * MAX_MODULE_DOCSTRING_LINES + ["'''"])
     (pkg / "b" / "two.py").write_text(f"{doc}\nX = 1\n\n\ndef f():\n    import pkg.a.one\n{body}\n")
+    fine = "\n".join(["'''Long for a class, not for a module."] + ["more"] * MAX_DOCSTRING_LINES + ["'''"])
+    (pkg / "b" / "three.py").write_text(f"{fine}\nclass C:\n" + "\n".join(f"    {line}" for line in fine.split("\n")))
     (pkg / "b" / "flags.py").write_text("import argparse\nargparse.ArgumentParser().add_argument('--x')\n")
     (pkg / COMMANDS / "flags.py").write_text("def g():\n" + body + "\n")  # long, but in the command layer
     assert loops(arrows(pkg)) == [["pkg.a", "pkg.b", "pkg.a"]]
     assert [entry.split()[1] for entry in long_functions(pkg)] == ["f"]
-    assert long_docstrings(pkg) == ["pkg/b/two.py:1"]
+    assert long_docstrings(pkg) == [f"pkg/b/three.py:{MAX_DOCSTRING_LINES + 3}", "pkg/b/two.py:1"]
     assert argparse_outside_commands(pkg) == ["pkg/b/flags.py"]
     assert duplicate_names(pkg) == ["flags.py"]
     (tmp_path / "docs").mkdir()
