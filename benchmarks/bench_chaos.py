@@ -178,7 +178,7 @@ async def load(gw: Gateway, batch: list[list[int]], refs: list[list[int]], strea
 
 def targets(gw: Gateway) -> dict[str, tuple[str, int, bool]]:
     """Each child process of the gateway: its kind, its pid and whether it is in routing (or running) now."""
-    procs = {name: (f"{w.cluster}-{w.role}", w.pid, w.serving) for name, w in gw.workers.items()}
+    procs = {name: (f"{w.cluster}-{w.role}", w.pid, w.serving) for name, w in gw.pool.workers.items()}
     if gw.link.emulator is not None:
         procs[NAME] = ("link", gw.link.emulator.pid, gw.link.up)
     forks = getattr(gw.launcher, "forks", None)

@@ -97,7 +97,7 @@ async def replay(config: ServeConfig, turns: list[Turn]) -> tuple[list[RequestRe
             async for _ in gw.stream(request, record):
                 pass
             records.append(record)
-        return records, gw.cache_moves["bytes"]
+        return records, gw.dispatch.moves.counts["bytes"]
 
 
 def summarise(records: list[RequestRecord], moved_bytes: int, repeats: list[bool], seconds: float) -> dict:

@@ -91,7 +91,7 @@ async def one_run(config: ServeConfig, n: int, drop_after: int, drop_bps: float)
             "ttft_p90": float(np.percentile(ttft, 90)) if ttft.size else float("nan"),
             "offloaded": sum(r.route == "prfaas" for r in records) / max(1, len(records)),
             "link_util": stats["up_bytes"] / capacity_bytes,
-            "t_end": gw.threshold,
+            "t_end": gw.scheduler.threshold,
             "wall": ended - started,
         }
 
@@ -128,7 +128,7 @@ async def shift_run(config: ServeConfig, n_short: int, n_long: int) -> dict[str,
         await asyncio.gather(client(), client(), client())
         ended = time.monotonic()
         heavy = np.array([r.ttft_s for r in records if r.request_id.startswith("long") and r.ttft_s is not None])
-        split = [w.role for w in gw.workers.values() if w.cluster == "pd"]
+        split = [w.role for w in gw.pool.workers.values() if w.cluster == "pd"]
         return {
             "done": len(records),
             "failed": failed,
@@ -136,13 +136,13 @@ async def shift_run(config: ServeConfig, n_short: int, n_long: int) -> dict[str,
             "ttft_p90": float(np.percentile(heavy, 90)) if heavy.size else 0.0,
             "offloaded": sum(r.route == "prfaas" for r in records) / max(1, len(records)),
             "link_util": sum(r.kv_bytes for r in records if r.route == "prfaas") / (FULL_BPS * (ended - started) / 8),
-            "t_end": gw.threshold,
+            "t_end": gw.scheduler.threshold,
             "role_changes": len(gw.roles.done),
             "changes": ", ".join(
                 f"{c.old}->{c.role} (drain {c.drain_s:.1f} s, start {c.start_s:.1f} s)" for c in gw.roles.done
             ),
             "split": f"{split.count('prefill')}P/{split.count('decode')}D"
-            + (f"+{gw.roles.in_progress}" if gw.roles.in_progress else ""),  # +n: n workers changing role
+            + (f"+{len(gw.roles.tasks)}" if gw.roles.tasks else ""),  # +n: n workers changing role
             "wall": ended - started,
         }
 

@@ -119,7 +119,8 @@ def test_a_node_that_leaves_holds_nothing_but_the_pool_keeps_its_prefixes() -> N
     prefill(ps["pd"], tokens, node="p0", now=0.0)
     manager.apply_all(ps["pd"].drain_events())
     assert manager.match(keys(tokens))["pd"].node_hits == {"p0": 30}
-    manager.forget_node("pd", "p0")
+    manager.nodes["pd"].discard("p0")  # p0 left: it holds nothing locally any more (the pool still may)
+    manager.indexes["pd"].forget("p0")
     after = manager.match(keys(tokens))["pd"]
     assert after.hit_tokens == 30 and after.node_hits == {}
 

@@ -22,8 +22,41 @@ def keys(tokens: list[int]) -> PromptKeys:
     return PromptKeys.from_tokens(tokens, B, "test-model")
 
 
-def pool(capacity: int = 10**9, **kw: object) -> HybridPrefixPool[str]:
-    return HybridPrefixPool(PoolConfig("pd", capacity, B, **kw), node="p0")  # type: ignore[arg-type]
+class ReservingPool(HybridPrefixPool[str]):
+    """A pool that also holds transfers' tail states beside its prefix entries: each reservation makes room by
+    evicting, as a store does, and is never evicted itself."""
+
+    def __init__(self, config: PoolConfig, node: str = "") -> None:
+        super().__init__(config, node)
+        self.transfer_bytes = 0
+        self._transfers: dict[str, tuple[int, str | None]] = {}
+
+    @property
+    def used_bytes(self) -> int:
+        return self.prefix_bytes + self.transfer_bytes
+
+    def reserve_transfer(self, transfer_id: str, nbytes: int, now: float, payload: str | None = None) -> bool:
+        if transfer_id in self._transfers:
+            raise ValueError(f"transfer {transfer_id} already reserved")
+        if not self._make_room(nbytes, now):
+            self.counts["transfers_rejected_no_room"] += 1
+            return False
+        self._transfers[transfer_id] = (nbytes, payload)
+        self.transfer_bytes += nbytes
+        self.counts["transfers_reserved"] += 1
+        return True
+
+    def transfer_payload(self, transfer_id: str) -> str | None:
+        return self._transfers[transfer_id][1]
+
+    def finish_transfer(self, transfer_id: str) -> None:
+        nbytes, _ = self._transfers.pop(transfer_id)
+        self.transfer_bytes -= nbytes
+        self.counts["transfers_finished"] += 1
+
+
+def pool(capacity: int = 10**9, **kw: object) -> ReservingPool:
+    return ReservingPool(PoolConfig("pd", capacity, B, **kw), node="p0")  # type: ignore[arg-type]
 
 
 def store(p: HybridPrefixPool[str], tokens: list[int], now: float = 0.0, start: int = 0) -> PromptKeys:

@@ -94,7 +94,7 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             # the PrfaaS worker dies during a long prefill: the request completes through PD-P
             task = asyncio.create_task(_run(gw, "killed", LONG))
             await asyncio.sleep(0.5)
-            gw.workers["prfaas-p0"].kill()
+            gw.pool.workers["prfaas-p0"].kill()
             tokens, rec = await task
             assert tokens == reference["long"] and rec.route == "local" and rec.fallback
             await _wait_alive(gw, "prfaas-p0")
@@ -130,7 +130,7 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
 
 
 async def _leave_mid_prefill(gw: Gateway) -> None:
-    worker, link = gw.workers["prfaas-p0"], gw.link.control
+    worker, link = gw.pool.workers["prfaas-p0"], gw.link.control
     prompt = [(11 * i + 1) % 256 for i in range(3000)]  # 6 chunks of 512 tokens: seconds of prefill here
     sample = gw.metrics.registry.get_sample_value
     stopped_before = sample("minifaas:prefills_stopped_total", {"cluster": "prfaas"}) or 0.0
@@ -176,7 +176,7 @@ async def _leave_after_first_token(gw: Gateway) -> None:
 
 async def _wait_alive(gw: Gateway, name: str) -> None:
     async with asyncio.timeout(120):
-        while not gw.workers[name].alive:
+        while not gw.pool.workers[name].alive:
             await asyncio.sleep(0.2)
 
 

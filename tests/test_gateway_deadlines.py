@@ -78,7 +78,7 @@ def test_the_python_api_refuses_a_prompt_it_cannot_serve_before_anything_runs(
 
     with pytest.raises(ValueError, match=says):
         run(loop, ask())
-    assert gateway.inflight == 0
+    assert gateway.admission.requests == 0
     assert len(run(loop, generate(gateway, "after-bad", 3))) == 3  # type: ignore[arg-type]
 
 
@@ -93,7 +93,7 @@ def test_a_request_past_the_admission_bound_is_refused_at_once_and_the_next_one_
             request = GenerateRequest(f"held-{i}", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
             held.append(gateway.stream(request, RequestRecord(f"held-{i}", len(PROMPT))))
             await anext(held[-1])
-        assert gateway.inflight == 2 and admission.waiting == 0
+        assert gateway.admission.requests == 2 and admission.waiting == 0
         try:
             with pytest.raises(Overloaded, match="2 requests in flight") as refused:
                 await generate(gateway, "refused", 3)
@@ -107,13 +107,13 @@ def test_a_request_past_the_admission_bound_is_refused_at_once_and_the_next_one_
         refusal, tokens = run(loop, full_then_free())  # type: ignore[misc]
     finally:
         admission.max_requests = bound
-    assert refusal.retry_after >= 1 and len(tokens) == 3 and gateway.inflight == 0
+    assert refusal.retry_after >= 1 and len(tokens) == 3 and gateway.admission.requests == 0
 
 
 def test_a_decode_worker_gone_silent_fails_its_request_within_the_deadline(
     gateway: Gateway, loop: asyncio.AbstractEventLoop
 ) -> None:
-    decode = gateway.workers["pd-d0"]
+    decode = gateway.pool.workers["pd-d0"]
     assert decode.pid
 
     async def stopped_mid_stream() -> float:
@@ -139,7 +139,7 @@ def test_a_decode_worker_gone_silent_fails_its_request_within_the_deadline(
 def test_a_killed_worker_is_logged_with_its_signal(
     gateway: Gateway, loop: asyncio.AbstractEventLoop, caplog: pytest.LogCaptureFixture
 ) -> None:
-    worker = gateway.workers["pd-p0"]
+    worker = gateway.pool.workers["pd-p0"]
 
     async def kill_and_wait() -> None:
         worker.kill()

@@ -71,7 +71,7 @@ def gateway(loop: asyncio.AbstractEventLoop, reference: dict) -> Iterator[Gatewa
 
 async def every_worker_up(gw: Gateway) -> None:
     async with asyncio.timeout(120):
-        while not all(w.alive for w in gw.workers.values()):
+        while not all(w.alive for w in gw.pool.workers.values()):
             await asyncio.sleep(0.05)
 
 
@@ -87,7 +87,7 @@ async def stream_and_fault(
         tokens.append(event.token_id)
         times.append(time.monotonic())
         if len(tokens) == after:
-            fault(gw.workers[record.decode_worker])  # type: ignore[index,operator]
+            fault(gw.pool.workers[record.decode_worker])  # type: ignore[index,operator]
     return tokens, record, times
 
 
@@ -149,7 +149,7 @@ def test_a_request_that_loses_its_decode_worker_past_the_limit_fails_clearly_and
         async for _ in gateway.stream(GenerateRequest("twice", PROMPT, PARAMS), record):
             count += 1
             if count in (3, 6):  # its first decode worker, then the one it moved to
-                kill_each(gateway.workers[record.decode_worker])  # type: ignore[index]
+                kill_each(gateway.pool.workers[record.decode_worker])  # type: ignore[index]
 
     with pytest.raises(MigrationLimit, match=r"migration limit \(1\)"):
         loop.run_until_complete(asyncio.wait_for(scenario(), 120))

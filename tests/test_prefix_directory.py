@@ -22,6 +22,13 @@ def _events(node: str, tokens: list[int], snapshots: bool = True) -> list[dict]:
     return [e.to_json() for e in pool.drain_events()]
 
 
+def kv_prefix(directory: PrefixDirectory, prompt: list[int], node: str) -> int:
+    """Full-attention KV of the prompt's prefix that ``node`` holds (a decode node needs no snapshot), as an
+    incremental transfer to it would skip."""
+    found = directory.matches(prompt) if directory.config.incremental_transfer else {}
+    return found[node].kv_prefix_tokens if found else 0
+
+
 def test_hits_per_node_kv_prefix_of_a_decode_node_and_forgetting_a_node() -> None:
     directory = PrefixDirectory(CacheConfig(block_size=BLOCK), "m", True, ["p0", "p1", "d0"])
     directory.apply(_events("p0", TOKENS))
@@ -29,7 +36,7 @@ def test_hits_per_node_kv_prefix_of_a_decode_node_and_forgetting_a_node() -> Non
     longer = [*TOKENS, 99, 98, 97]
     assert directory.node_hits(longer) == {"p0": 50, "p1": 0, "d0": 0}  # the end snapshot at 50
     assert directory.node_hits(TOKENS)["p0"] == 48  # at least one token is computed: snapshot at 3 * 16
-    assert directory.kv_prefix(longer, "d0") == 48 and directory.kv_prefix(longer, "p1") == 0
+    assert kv_prefix(directory, longer, "d0") == 48 and kv_prefix(directory, longer, "p1") == 0
     directory.forget("p0")
     assert directory.node_hits(longer)["p0"] == 0
     directory.apply(_events("p0", TOKENS))  # a restarted node's new stores count again
@@ -42,5 +49,5 @@ def test_off_switches_answer_nothing() -> None:
     for directory in (none, full):
         directory.apply(_events("p0", TOKENS))
         directory.apply(_events("d0", TOKENS, snapshots=False))
-        assert directory.kv_prefix([*TOKENS, 1], "d0") == 0
+        assert kv_prefix(directory, [*TOKENS, 1], "d0") == 0
     assert none.node_hits([*TOKENS, 1]) == {} and full.node_hits([*TOKENS, 1])["p0"] == 50

@@ -91,15 +91,15 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
 
             # bandwidth abundant: the longer cache counts wherever it is. 50 new tokens after the long prompt
             # cached on PrfaaS: its state crosses the link to a PD-P node, which prefills only the 50 tokens
-            gw.rule = Rule.ABUNDANT
+            gw.scheduler.rule = Rule.ABUNDANT
             out, rec, _ = await _run(gw, "long+", LONG + MORE[:50])
             assert out == reference["long+"] and gw.router.reasons["short_after_cache_move"] == 1
             assert (rec.route, rec.cached_tokens) == ("local", len(LONG))
-            assert gw.cache_moves["done"] == 1 and gw.cache_moves["bytes"] == long_state.nbytes
-            gw.rule = Rule.SCARCE
+            assert gw.dispatch.moves.counts["done"] == 1 and gw.dispatch.moves.counts["bytes"] == long_state.nbytes
+            gw.scheduler.rule = Rule.SCARCE
 
             # a prefill node that restarts comes back empty, and the gateway forgets its entries
-            gw.workers[rec_b.prefill_worker].kill()
+            gw.pool.workers[rec_b.prefill_worker].kill()
             async with asyncio.timeout(120):
                 while gw.prefixes.node_hits(SHORT_B + MORE).get(rec_b.prefill_worker, 0):
                     await asyncio.sleep(0.1)

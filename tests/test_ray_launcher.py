@@ -70,7 +70,7 @@ async def _scenario(config: ServeConfig, reference: dict[str, list[int]]) -> Non
     async with Gateway(config) as gw:
         print(f"ray: gateway ready in {time.monotonic() - began:.1f} s")
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-        for w in gw.workers.values():  # each actor on a node that holds its cluster's resource
+        for w in gw.pool.workers.values():  # each actor on a node that holds its cluster's resource
             assert w.cluster in resources[await gw.launcher.node_of(w.spec)], (w.name, resources)
         assert not gw.link.emulated
         short, rec_s = await _run(gw, "short", SHORT)
@@ -79,18 +79,18 @@ async def _scenario(config: ServeConfig, reference: dict[str, list[int]]) -> Non
         assert long == reference["long"]
 
         # Ray restarts a killed actor; the gateway attaches to the new one, and requests go on meanwhile
-        old_pid = gw.workers["prfaas-p0"].pid
+        old_pid = gw.pool.workers["prfaas-p0"].pid
         ray.kill(gw.launcher.actors["prfaas-p0"], no_restart=False)
         async with asyncio.timeout(30):
-            while gw.workers["prfaas-p0"].alive:
+            while gw.pool.workers["prfaas-p0"].alive:
                 await asyncio.sleep(0.05)
         tokens, rec = await _run(gw, "meanwhile", LONG)
         assert tokens == reference["long"] and rec.route == "local"
         began = time.monotonic()
         async with asyncio.timeout(240):
-            while not gw.workers["prfaas-p0"].serving:
+            while not gw.pool.workers["prfaas-p0"].serving:
                 await asyncio.sleep(0.2)
         print(f"ray: restarted actor re-attached {time.monotonic() - began:.1f} s after the request")
-        assert gw.workers["prfaas-p0"].pid != old_pid and gw.workers["prfaas-p0"].rejoins == 1
+        assert gw.pool.workers["prfaas-p0"].pid != old_pid and gw.pool.workers["prfaas-p0"].rejoins == 1
         tokens, rec = await _run(gw, "after", LONG)
         assert tokens == reference["long"] and rec.route == "prfaas", rec.to_json()

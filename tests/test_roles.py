@@ -56,7 +56,7 @@ async def _client(gw: Gateway, name: str, stop: asyncio.Event, done: list) -> No
 
 
 def _roles(gw: Gateway) -> dict[str, str]:
-    return {name: w.role for name, w in gw.workers.items() if w.cluster == "pd"}
+    return {name: w.role for name, w in gw.pool.workers.items() if w.cluster == "pd"}
 
 
 def test_workers_change_role_under_load_and_no_request_fails() -> None:
@@ -72,9 +72,9 @@ def test_workers_change_role_under_load_and_no_request_fails() -> None:
                 for old, role, new in (("pd-d1", "prefill", "pd-p1"), ("pd-p0", "decode", "pd-d2"),
                                        ("pd-d0", "prefill", "pd-p2")):  # fmt: skip
                     async with asyncio.timeout(240):
-                        replaced = await gw.roles.start(gw.workers[old], role)
-                    assert replaced is not None and replaced.name == new and old not in gw.workers
-                    assert gw.workers[new].role == role and gw.workers[new].serving
+                        replaced = await gw.roles.start(gw.pool.workers[old], role)
+                    assert replaced is not None and replaced.name == new and old not in gw.pool.workers
+                    assert gw.pool.workers[new].role == role and gw.pool.workers[new].serving
                     assert gw.health()["workers"][new] == "up"
                 settled = len(done)
                 async with asyncio.timeout(240):
@@ -86,9 +86,9 @@ def test_workers_change_role_under_load_and_no_request_fails() -> None:
             assert gw.roles.counts == {"to_prefill": 2, "to_decode": 1}
             assert set(gw.link.routes) == {"pd-d2"}  # each retired decode worker's route is gone
             assert list((await gw.link.control.stats())["routes"].values()) == [
-                f"127.0.0.1:{gw.workers['pd-d2'].kv_port}"
+                f"127.0.0.1:{gw.pool.workers['pd-d2'].kv[1]}"
             ]
-            assert set(gw.prefixes.manager.indexes) == set(gw.workers)
+            assert set(gw.prefixes.manager.indexes) == set(gw.pool.workers)
             # zero failures: every request finished with every token, and the same tokens as before
             for record, tokens in done:
                 assert record.phase is Phase.FINISHED and not record.fallback, record.to_json()
@@ -114,7 +114,7 @@ def test_a_drain_that_times_out_keeps_the_worker_in_its_role() -> None:
             prompt = [(7 * i) % 256 for i in range(60)]
             stream = gw.stream(GenerateRequest("long", prompt, long), record)
             tokens = [(await anext(stream)).token_id]
-            holder = gw.workers[record.decode_worker]  # type: ignore[index]
+            holder = gw.pool.workers[record.decode_worker]  # type: ignore[index]
             conversion = gw.roles.start(holder, "prefill")
             assert not holder.serving  # draining: routed nothing new
             assert await conversion is None
@@ -135,15 +135,15 @@ def test_conversions_that_would_empty_a_stage_are_refused_and_pd_prefill_waits_a
             assert changer.pick(to_prefill=True).name in ("pd-d0", "pd-d1")  # type: ignore[union-attr]
             assert changer.pick(to_prefill=False) is None  # the only prefill worker, and no PrfaaS
             with pytest.raises(ValueError, match="cannot become"):
-                changer.start(gw.workers["pd-d0"], "decode")
+                changer.start(gw.pool.workers["pd-d0"], "decode")
             gw.roles.rebalance(-1)
-            assert changer.counts["refused"] == 1 and changer.in_progress == 0
+            assert changer.counts["refused"] == 1 and not changer.tasks
             # the scheduler's wait signal at PD-P: queued prompt tokens over the measured prefill speed
             await _run(gw, "warm", 200)
             assert gw.scheduler.speed["pd"] > 0 and gw.scheduler.signals(0.0).pd_prefill.wait_s == 0
             long = asyncio.create_task(_run(gw, "long", 1500))
             async with asyncio.timeout(60):
-                while not gw.workers["pd-p0"].load_tokens:
+                while not gw.pool.workers["pd-p0"].load_tokens:
                     await asyncio.sleep(0.01)
             signals = gw.scheduler.signals(0.0)
             assert signals.pd_prefill.wait_s == pytest.approx(1500 / gw.scheduler.speed["pd"])

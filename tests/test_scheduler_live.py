@@ -45,7 +45,7 @@ def test_a_bandwidth_drop_raises_the_threshold_loses_nothing_and_egress_fits_the
         async with Gateway(config) as gw:
             done: list[tuple[float, RequestRecord, int]] = []
             first = await _run(gw, "warm", 1)  # at full rate: offloaded, and t stays put
-            assert first[1].route == "prfaas" and gw.threshold == THRESHOLD
+            assert first[1].route == "prfaas" and gw.scheduler.threshold == THRESHOLD
             done.append(first)
 
             stop = asyncio.Event()
@@ -54,7 +54,7 @@ def test_a_bandwidth_drop_raises_the_threshold_loses_nothing_and_egress_fits_the
                     clients.create_task(_client(gw, name, stop, done))
                 await gw.link.control.set_rate(DROPPED_BPS)
                 async with asyncio.timeout(150):  # a deadline for the scenario, not an assertion on timing
-                    while gw.threshold == THRESHOLD:
+                    while gw.scheduler.threshold == THRESHOLD:
                         await asyncio.sleep(0.25)
                 raised_at = time.monotonic()
                 count = len(done)
@@ -83,7 +83,7 @@ def test_a_bandwidth_drop_raises_the_threshold_loses_nothing_and_egress_fits_the
             assert 'minifaas:scheduler_decisions_total{action="raise",policy="short_term",reason="link_saturated"}' in (
                 scraped
             )
-            assert f"minifaas:offload_threshold_tokens {float(gw.threshold)}" in scraped
+            assert f"minifaas:offload_threshold_tokens {float(gw.scheduler.threshold)}" in scraped
 
     asyncio.run(scenario())
 
@@ -102,7 +102,7 @@ def test_the_fixed_threshold_switch_keeps_t_through_a_drop() -> None:
             results = await asyncio.gather(*(_run(gw, f"f{i}", i) for i in range(2)))
             ticks = gw.scheduler.short.reasons[ThresholdReason.FIXED]
             assert ticks >= 1, "the scheduler never ticked"
-            assert gw.threshold == THRESHOLD and set(gw.scheduler.short.reasons) == {ThresholdReason.FIXED}
+            assert gw.scheduler.threshold == THRESHOLD and set(gw.scheduler.short.reasons) == {ThresholdReason.FIXED}
             assert all(r.route == "prfaas" and r.phase is Phase.FINISHED for _, r, _ in results)
 
     asyncio.run(scenario())

@@ -137,7 +137,7 @@ def test_a_request_routed_while_the_link_is_down_stays_local_and_says_why(
 def test_a_pd_prefill_killed_mid_prefill_is_retried_on_prfaas(
     gateway: Gateway, loop: asyncio.AbstractEventLoop, reference: dict
 ) -> None:
-    pdp = gateway.workers["pd-p0"]
+    pdp = gateway.pool.workers["pd-p0"]
 
     async def scenario() -> tuple[list[int], RequestRecord]:
         request = asyncio.create_task(generate(gateway, "pdp-killed", SHORT))

@@ -114,7 +114,8 @@ async def _scenario(
 ) -> None:
     async with Gateway(config) as gw:
         assert not gw.link.emulated
-        assert gw.workers["pd-d0"].kv == (hosts.addresses["b"], 7102)  # its advertised KV address, not the control one
+        kv = gw.pool.workers["pd-d0"].kv
+        assert kv == (hosts.addresses["b"], 7102)  # its advertised KV address, not the control one
 
         # short prompts stay local, long ones go PrfaaS, and both equal transformers' own generate()
         crossed = hosts.sent_bytes("a")
@@ -151,7 +152,7 @@ async def _scenario(
         # the PrfaaS worker is killed mid-request: the request falls back to PD-P, and the worker leaves routing
         pid = workers["prfaas-p0"].pid
         task = asyncio.create_task(_run(gw, "killed", LONG))
-        await _until(lambda: gw.workers["prfaas-p0"].load_tokens > 0, 30, "the prefill to start")
+        await _until(lambda: gw.pool.workers["prfaas-p0"].load_tokens > 0, 30, "the prefill to start")
         workers["prfaas-p0"].process.kill()  # type: ignore[union-attr]
         tokens, rec = await task
         assert tokens == reference["long"] and rec.route == "local" and rec.fallback, rec.to_json()
@@ -161,19 +162,21 @@ async def _scenario(
         # restarted by whoever runs it (here, the test): the gateway re-attaches as soon as it answers
         workers["prfaas-p0"].start().wait_ready()
         assert workers["prfaas-p0"].pid != pid
-        rejoined = await _until(lambda: gw.workers["prfaas-p0"].serving, 60, "rejoin")
+        rejoined = await _until(lambda: gw.pool.workers["prfaas-p0"].serving, 60, "rejoin")
         figures["rejoin_after_restart_s"] = round(rejoined, 2)
         tokens, rec = await _run(gw, "after-restart", LONG)
         assert tokens == reference["long"] and rec.route == "prfaas", rec.to_json()
 
         # a hung worker (SIGSTOP) misses its heartbeats: out of routing within the deadline, back when it answers
         workers["prfaas-p0"].process.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
-        figures["hung_detected_s"] = round(await _until(lambda: not gw.workers["prfaas-p0"].alive, 10, "down"), 2)
+        figures["hung_detected_s"] = round(await _until(lambda: not gw.pool.workers["prfaas-p0"].alive, 10, "down"), 2)
         tokens, rec = await _run(gw, "while-hung", LONG)
         assert tokens == reference["long"] and rec.route == "local"
         workers["prfaas-p0"].process.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
-        figures["rejoin_after_hang_s"] = round(await _until(lambda: gw.workers["prfaas-p0"].serving, 30, "rejoin"), 2)
-        assert gw.workers["prfaas-p0"].pid == workers["prfaas-p0"].pid  # the same process: re-attached, not replaced
+        rejoined = await _until(lambda: gw.pool.workers["prfaas-p0"].serving, 30, "rejoin")
+        figures["rejoin_after_hang_s"] = round(rejoined, 2)
+        pid = gw.pool.workers["prfaas-p0"].pid
+        assert pid == workers["prfaas-p0"].pid  # the same process: re-attached, not replaced
         tokens, rec = await _run(gw, "after-hang", LONG)
         assert tokens == reference["long"] and rec.route == "prfaas"
-        assert gw.workers["prfaas-p0"].rejoins == 2
+        assert gw.pool.workers["prfaas-p0"].rejoins == 2

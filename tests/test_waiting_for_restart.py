@@ -47,7 +47,7 @@ def gateway(loop: asyncio.AbstractEventLoop, reference: list[int]) -> Iterator[G
 
 async def all_serving(gw: Gateway) -> None:
     async with asyncio.timeout(120):
-        while not all(w.serving for w in gw.workers.values()):
+        while not all(w.serving for w in gw.pool.workers.values()):
             await asyncio.sleep(0.05)
 
 
@@ -57,7 +57,7 @@ async def stream(gw: Gateway, rid: str, fault: object = None) -> tuple[list[int]
     async for event in gw.stream(GenerateRequest(rid, PROMPT, PARAMS), record):
         tokens.append(event.token_id)
         if len(tokens) == 3 and fault is not None:
-            fault(gw.workers[record.decode_worker])  # type: ignore[index,operator]
+            fault(gw.pool.workers[record.decode_worker])  # type: ignore[index,operator]
     return tokens, record
 
 
@@ -67,9 +67,9 @@ def test_with_every_prefill_worker_dead_a_request_waits_for_a_restart_and_comple
     async def scenario() -> tuple[list[int], RequestRecord]:
         await all_serving(gateway)
         for name in ("pd-p0", "prfaas-p0"):
-            gateway.workers[name].kill()
+            gateway.pool.workers[name].kill()
         async with asyncio.timeout(30):
-            while any(gateway.workers[n].serving for n in ("pd-p0", "prfaas-p0")):
+            while any(gateway.pool.workers[n].serving for n in ("pd-p0", "prfaas-p0")):
                 await asyncio.sleep(0.01)
         return await stream(gateway, "no-prefill-worker")  # sent while none serves
 
@@ -104,7 +104,7 @@ def test_the_only_decode_worker_hung_mid_stream_takes_its_request_back_when_cont
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
     assert tokens == reference and record.migrations == 1, record.to_json()
-    assert gateway.workers["pd-d0"].pid == stopped[0]  # the same process, back in routing
+    assert gateway.pool.workers["pd-d0"].pid == stopped[0]  # the same process, back in routing
 
 
 def test_past_the_first_token_deadline_a_request_with_no_worker_fails_as_a_timeout(
@@ -113,7 +113,7 @@ def test_past_the_first_token_deadline_a_request_with_no_worker_fails_as_a_timeo
     async def scenario() -> Exception:
         await all_serving(gateway)
         gateway.config = replace(CONFIG, first_token_timeout=1.0)  # read per request
-        decode = gateway.workers["pd-d0"]
+        decode = gateway.pool.workers["pd-d0"]
         os.kill(decode.pid, signal.SIGSTOP)
         try:
             async with asyncio.timeout(30):

@@ -68,11 +68,6 @@ class GlobalCacheManager:
         for event in events:
             self.apply(event)
 
-    def forget_node(self, pool: str, node: str) -> None:
-        """A node left: it no longer holds anything locally (the pool may still)."""
-        self.nodes[pool].discard(node)
-        self.indexes[pool].forget(node)
-
     def match(self, prompt: PromptKeys, limit: int | None = None) -> dict[str, PoolMatch]:
         out = {}
         for name, index in self.indexes.items():

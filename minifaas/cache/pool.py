@@ -11,8 +11,7 @@ only sizes) and kept by reference, so a stored payload must never be mutated. A 
     pool.release(lease); pool.touch(keys, len(tokens), now); ship pool.drain_events() to the gateway
 
 Referenced entries and entries something hangs from are never evicted, so the cached set stays prefix-closed;
-eviction is LRU by bytes. The tail KV being shipped is held by ``reserve_transfer`` until ``finish_transfer``:
-it may evict prefix entries but is never evicted itself. Every decision is counted in ``counts``.
+eviction is LRU by bytes. Every decision is counted in ``counts``.
 """
 
 from __future__ import annotations
@@ -84,14 +83,12 @@ class HybridPrefixPool(Generic[P]):
         )
         self.counts: Counter[str] = Counter()
         self.prefix_bytes = 0
-        self.transfer_bytes = 0
         self._entries: OrderedDict[bytes, Entry[P]] = OrderedDict()  # by _slot, LRU first
-        self._transfers: dict[str, tuple[int, P | None]] = {}
         self._events: list[CacheEvent] = []
 
     @property
     def used_bytes(self) -> int:
-        return self.prefix_bytes + self.transfer_bytes
+        return self.prefix_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -235,26 +232,6 @@ class HybridPrefixPool(Generic[P]):
                 self.put_snapshot(prompt, n, now, snapshot_nbytes(n), node=node)
         self.touch(prompt, prompt.num_tokens, now)
 
-    def reserve_transfer(self, transfer_id: str, nbytes: int, now: float, payload: P | None = None) -> bool:
-        """Hold the tail state being shipped P->D; evicts prefix entries if needed."""
-        if transfer_id in self._transfers:
-            raise ValueError(f"transfer {transfer_id} already reserved")
-        if not self._make_room(nbytes, now):
-            self.counts["transfers_rejected_no_room"] += 1
-            return False
-        self._transfers[transfer_id] = (nbytes, payload)
-        self.transfer_bytes += nbytes
-        self.counts["transfers_reserved"] += 1
-        return True
-
-    def transfer_payload(self, transfer_id: str) -> P | None:
-        return self._transfers[transfer_id][1]
-
-    def finish_transfer(self, transfer_id: str) -> None:
-        nbytes, _ = self._transfers.pop(transfer_id)
-        self.transfer_bytes -= nbytes
-        self.counts["transfers_finished"] += 1
-
     def drain_events(self) -> list[CacheEvent]:
         events, self._events = self._events, []
         return events
@@ -295,7 +272,7 @@ class HybridPrefixPool(Generic[P]):
         if parent_entry is None and needs_parent:
             self.counts[counts.orphans] += 1  # its prefix is gone: unreachable
             return False
-        if self.config.capacity_bytes - self.prefix_bytes - self.transfer_bytes < nbytes:  # free_bytes, inline
+        if self.free_bytes < nbytes:
             if parent_entry is not None:
                 parent_entry.refs += 1  # keep the parent while making room for its child
             room = self._make_room(nbytes, now)

@@ -31,6 +31,7 @@ from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import exit_at_once, stdout_console, user_input
 from minifaas.commands.serve import kernels_line, running_server, start_forks
 from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
+from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.launch.startup import StartupView
 from minifaas.model.loader import checked_spec
 from minifaas.proctitle import set_title
@@ -127,7 +128,7 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
         rows += [DemoRequest(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
         base = f"http://127.0.0.1:{port}/v1/completions"
         # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
-        live = Live(_table(rows, gateway.link_stats), console=console) if console.is_terminal else None
+        live = Live(_table(rows, gateway.link), console=console) if console.is_terminal else None
         async with aiohttp.ClientSession() as http:
             with live or contextlib.nullcontext():
                 jobs = [
@@ -136,14 +137,14 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
                 ]
                 while not all(j.done() for j in jobs):
                     if live is not None:
-                        live.update(_table(rows, gateway.link_stats))
+                        live.update(_table(rows, gateway.link))
                     await asyncio.sleep(0.25)
                 if live is not None:
-                    live.update(_table(rows, gateway.link_stats))
+                    live.update(_table(rows, gateway.link))
                 for j in jobs:
                     j.result()
         if live is None:
-            console.print(_table(rows, gateway.link_stats))
+            console.print(_table(rows, gateway.link))
         console.print()  # the summary's title apart from the table above
         console.print(_summary(rows))
     console.print(f"[bold]stopped[/]: all processes shut down; total {time.perf_counter() - t0:.1f} s")
@@ -188,8 +189,8 @@ async def _one(http: aiohttp.ClientSession, url: str, model: str, row: DemoReque
     row.status = "done"
 
 
-def _table(rows: list[DemoRequest], links: dict[str, dict]) -> Table:
-    util = ", ".join(f"{name}: {100 * (s.get('utilisation') or 0):.0f}%" for name, s in links.items()) or "-"
+def _table(rows: list[DemoRequest], link: InterClusterLink) -> Table:
+    util = f"{NAME}: {100 * (link.stats.get('utilisation') or 0):.0f}%" if link.stats else "-"
     table = Table(title=f"requests (link utilisation {util})")
     for col in ("request", "prompt chars", "status", "route", "TTFT s", "tokens", "tokens/s"):
         table.add_column(col, justify="left" if col in ("request", "status", "route") else "right")

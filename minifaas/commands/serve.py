@@ -455,7 +455,7 @@ def kernels_line(gateway: Gateway) -> str:
     """What the workers' linear-attention layers run, in a few words: ``fla kernels``, or per worker where
     they differ (``fla kernels on prfaas-p0; torch reference kernels on pd-d0, pd-p0``)."""
     by_kernels: dict[str, list[str]] = {}
-    for name, worker in sorted(gateway.workers.items()):
+    for name, worker in sorted(gateway.pool.workers.items()):
         by_kernels.setdefault(KERNEL_WORDS.get(worker.kernels, f"{worker.kernels} kernels"), []).append(name)
     if len(by_kernels) == 1:
         return next(iter(by_kernels))

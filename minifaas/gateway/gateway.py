@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,7 @@ from minifaas.control.secret import load_secret, new_secret
 from minifaas.control.worker_ops import Op, Reply
 from minifaas.gateway.admission import Admission
 from minifaas.gateway.early_first import EarlyFirst
-from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
+from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import Migration, migrate
@@ -68,7 +67,6 @@ from minifaas.policy.router import (
     RouteDecision,
     RouteInput,
     RouterConfig,
-    Rule,
 )
 from minifaas.policy.short_term import ShortTermConfig
 
@@ -159,8 +157,9 @@ class Gateway:
         self.pool.on_startup = self.link.on_startup = None  # from now on restarts and role changes are logged
         moving = "fixed (--fixed-threshold)" if self.config.fixed_threshold else "moved by the link's use from now on"
         where = "emulated" if self.link.emulated else "the network"
+        t, rule = self.scheduler.threshold, self.scheduler.rule
         log.info("gateway ready: %s; t %d, rule %s: %s; the PrfaaS link is %s",
-                 ", ".join(self.pool.workers), self.threshold, self.rule, moving, where)  # fmt: skip
+                 ", ".join(self.pool.workers), t, rule, moving, where)  # fmt: skip
         return self
 
     def _stop_sampling(self) -> None:
@@ -181,39 +180,11 @@ class Gateway:
             log.info("%s stopped the prefill of %s after %d of %d tokens", w.name, req, done, tokens)
             self.metrics.prefill_stopped(w.cluster, tokens, done)
 
-    # what the tests, benchmarks and the demo read: each part's own state
-    @property
-    def workers(self) -> dict[str, WorkerHandle]:
-        return self.pool.workers
-
-    @property
-    def threshold(self) -> int:
-        return self.scheduler.threshold
-
-    @property
-    def rule(self) -> Rule:
-        return self.scheduler.rule
-
-    @rule.setter
-    def rule(self, rule: Rule) -> None:
-        self.scheduler.rule = rule
-
-    @property
-    def cache_moves(self) -> Counter[str]:
-        return self.dispatch.moves.counts
-
-    @property
-    def link_stats(self) -> dict[str, dict]:
-        return {NAME: self.link.stats} if self.link.stats else {}
-
-    @property
-    def inflight(self) -> int:
-        return self.admission.requests
-
     def health(self) -> dict:
-        status = {n: ("down" if not w.alive else "draining" if w.draining else "up") for n, w in self.workers.items()}
+        workers = self.pool.workers
+        status = {n: ("down" if not w.alive else "draining" if w.draining else "up") for n, w in workers.items()}
         healthy = any(w.alive for w in self.pool.of("pd", "decode")) and any(
-            w.alive for w in self.workers.values() if w.role == "prefill"
+            w.alive for w in workers.values() if w.role == "prefill"
         )
         links = {name: f"down: {self.link.down[name]}" if name in self.link.down else "up"
                  for name in self.link.emulators()}  # fmt: skip
@@ -222,10 +193,10 @@ class Gateway:
             "healthy": healthy,
             "workers": status,
             "links": links,
-            "kernels": {n: w.kernels for n, w in self.pool.workers.items()},
-            "threshold": self.threshold,
-            "inflight": self.inflight,
-            "cache_moves": dict(self.cache_moves),
+            "kernels": {n: w.kernels for n, w in workers.items()},
+            "threshold": self.scheduler.threshold,
+            "inflight": self.admission.requests,
+            "cache_moves": dict(self.dispatch.moves.counts),
             "role_changes": dict(self.roles.counts),
         }
 
@@ -298,7 +269,9 @@ class Gateway:
                     await asyncio.wait({prefill})
                     shown = None
                 else:  # the early-first-token seam: the first token while the state's tail is on its way
-                    shown = await early.shown_before(prefill, lambda t: self._ends(t, request))
+                    shown = await early.shown_before(
+                        prefill, lambda t: first_token_finish(t, request, self.tokenizer) is not None
+                    )
             if record.ttft_s is None:
                 record.ttft_s = time.perf_counter() - start
             if shown is not None:
@@ -326,9 +299,6 @@ class Gateway:
                 with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
                     decode.send({"op": Op.ABORT, "req": rid})
 
-    def _ends(self, token: int, request: GenerateRequest) -> bool:
-        return first_token_finish(token, request, self.tokenizer) is not None
-
     def route(self, prompt_ids: list[int], keys: PromptKeys | None = None) -> RouteDecision:
         """The router's decision, on each prefill node's usable hit and each decode node's KV prefix (what a
         transfer to it need not carry). ``keys``: the prompt's block keys, when the caller has hashed them."""
@@ -345,7 +315,8 @@ class Gateway:
         prfaas = ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill"))
         pd = ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode"))
         link = dict(link_up=self.link.up, link_utilisation=self.scheduler.utilisation)  # a spill needs room on it
-        decision = self.router.route(RouteInput(len(prompt_ids), self.threshold, self.rule, prfaas, pd, **link))
+        t, rule = self.scheduler.threshold, self.scheduler.rule
+        decision = self.router.route(RouteInput(len(prompt_ids), t, rule, prfaas, pd, **link))
         if decision.path is not Path.REJECT:
             self.scheduler.observe(decision)
         return decision

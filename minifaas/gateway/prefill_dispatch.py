@@ -150,7 +150,6 @@ class PrefillDispatch:
         inbox = a.worker.open(rid)
         a.hold()
         gone = decode.gone  # this session's: a decode worker that came back does not know the request
-        cut = self.link.cut if a.remote else None  # this outage's: a link back since does not end the attempt
         reply: dict | None = None
         try:
             asked = time.perf_counter()
@@ -170,6 +169,7 @@ class PrefillDispatch:
                            "seen_tokens": self.prefixes.seen_prefix(a.keys),
                            **({"import": a.moved} if a.moved is not None else {})})  # fmt: skip
             sent = time.perf_counter()
+            cut = self.link.cut if a.remote else None  # this outage's: a link back since does not end the attempt
             async with asyncio.timeout(self.prefill_timeout):
                 reply = await _outcome(inbox, a, on_first, gone, cut)
             replied = time.perf_counter()

@@ -62,11 +62,6 @@ class PrefixDirectory:
         """Each node's usable hit for the prompt."""
         return {node: m.hit_tokens for node, m in self.matches(prompt).items()}
 
-    def kv_prefix(self, prompt: Prompt, node: str) -> int:
-        """Full-attention KV of the prompt's prefix that ``node`` holds (a decode node needs no snapshot)."""
-        found = self.matches(prompt) if self.config.incremental_transfer else {}
-        return found[node].kv_prefix_tokens if found else 0
-
     def seen_prefix(self, prompt: Prompt) -> int:
         """The longest prefix of the prompt whose KV blocks any node stored: a branch point another prompt
         shared, where a state snapshot is worth taking (``cache.snapshot_policy``)."""

@@ -48,11 +48,7 @@ class RoleChanger:
         self.pool, self.config, self.metrics = pool, config, metrics
         self.counts: Counter[str] = Counter()  # to_prefill, to_decode, abandoned, refused
         self.done: list[Conversion] = []
-        self._tasks: set[asyncio.Task] = set()
-
-    @property
-    def in_progress(self) -> int:
-        return len(self._tasks)
+        self.tasks: set[asyncio.Task] = set()
 
     def rebalance(self, to_prefill: int, done: Callable[[bool], None] = lambda ok: None) -> None:
         """Start |to_prefill| conversions, decode -> prefill when positive; each drains on its own and
@@ -90,8 +86,8 @@ class RoleChanger:
             raise ValueError(f"{worker.name} is already changing role")
         worker.draining = True  # at once: from now on the router passes it by
         task = asyncio.get_running_loop().create_task(self._convert(worker, role))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
         return task
 
     async def _convert(self, old: WorkerHandle, role: str) -> WorkerHandle | None:
@@ -141,6 +137,6 @@ class RoleChanger:
 
     async def cancel(self) -> None:
         """Stop conversions in progress (at shutdown)."""
-        for task in list(self._tasks):
+        for task in list(self.tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -87,10 +87,6 @@ class WorkerHandle:
         self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
 
     @property
-    def kv_port(self) -> int:
-        return self.kv[1] if self.kv else 0
-
-    @property
     def serving(self) -> bool:
         """Takes new requests: attached and not draining."""
         return self.alive and not self.draining
