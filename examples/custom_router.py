@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from minifaas.planner import LengthDistribution, plan
 from minifaas.planner.paper import paper_case
-from minifaas.policy.router import ClusterView, NodeView, Path, Reason, RouteDecision, RouteInput
+from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, RouteReason
 from minifaas.sim import config_for, read_trace
 from minifaas.sim.comparison import compare, plot_comparison, text_table
 
@@ -35,15 +35,16 @@ class LeastLoadedRouter:
         options = [(c, n) for c in clusters for n in c.prefill_nodes if n.healthy]
         decoders = [n for n in request.pd.decode_nodes if n.healthy]
         if not options or not decoders:
-            reason = Reason.NO_PREFILL_NODE if decoders else Reason.NO_DECODE_NODE
+            reason = RouteReason.NO_PREFILL_NODE if decoders else RouteReason.NO_DECODE_NODE
             return RouteDecision(Path.REJECT, reason, request.prompt_tokens)
         cluster, node = min(options, key=lambda o: (self._finish(request, *o), o[1].node_id))
         decode = min(decoders, key=lambda n: (n.load, n.node_id))
         offload = cluster is request.prfaas
         held = min(max(request.pd.kv_prefix_tokens, decode.hit_tokens), request.prompt_tokens)  # need not cross
+        path, reason = (Path.PRFAAS, RouteReason.LONG) if offload else (Path.PD, RouteReason.SHORT)
         return RouteDecision(
-            Path.PRFAAS if offload else Path.PD, Reason.LONG if offload else Reason.SHORT, request.prompt_tokens,
-            node.node_id, decode.node_id, _hit(cluster, node), decode_kv_tokens=held,
+            path, reason, request.prompt_tokens, node.node_id, decode.node_id, _hit(cluster, node),
+            decode_kv_tokens=held,
         )  # fmt: skip
 
     def _finish(self, request: RouteInput, cluster: ClusterView, node: NodeView) -> float:
