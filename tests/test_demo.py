@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from preloaded import Preloaded
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NAMES = ("prfaas-p0", "pd-p0", "pd-d0", "prfaas->pd")
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \S+ (DEBUG|INFO|WARNING|ERROR) ")
@@ -62,3 +67,14 @@ def test_demo_log_level_shows_the_workers_lines_and_one_short_kernels_line(pytho
     lines = _demo(python, tmp_path, "--max-tokens", "2", "--log-level", "info")
     kernels = [line for line in lines if "minifaas.worker INFO worker pd-d0 on cpu:" in line]
     assert len(kernels) == 1 and kernels[0].endswith("on cpu: torch kernels"), kernels
+
+
+def test_the_demo_checks_its_devices_as_serve_does() -> None:
+    """Asked for a GPU this machine lacks, the demo stops in one line before starting anything."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    done = subprocess.run(
+        [sys.executable, "-m", "minifaas.commands.main", "demo", "--prfaas-device", "cuda:0", "--pd-device", "cuda:0"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "no device cuda:0" in done.stderr, done.stderr[-2000:]

@@ -156,3 +156,23 @@ def test_the_launcher_puts_a_workers_environment_into_its_process() -> None:
                 return f.read()
 
     assert b"MINIFAAS_PLACEMENT_PROBE=cuda:7\0" in asyncio.run(scenario())
+
+
+def test_the_demo_places_its_clusters_as_serve_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minifaas.commands import demo
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    flags = ["--prfaas-devices", "cuda:0", "--pd-devices", "cuda:1,cuda:2", "--gpu-memory-fraction", "0.9"]
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    from_demo = config_from_args(demo.served_args(parser.parse_args(["--model", MODEL, *flags])))
+    from_serve = config_from_args(serve_args("--model", MODEL, "--port", "0", *flags))
+    assert (
+        placed(from_demo)
+        == placed(from_serve)
+        == {
+            "prfaas-p0": ("cuda:0", "0", "cuda:0", "0.9"),
+            "pd-p0": ("cuda:1", "1", "cuda:0", "0.9"),
+            "pd-d0": ("cuda:2", "2", "cuda:0", "0.9"),
+        }
+    )

@@ -44,6 +44,53 @@ def gpus(text: str) -> tuple[str, ...]:
     return listed
 
 
+DEVICE_FLAGS = (
+    "prfaas_device",
+    "pd_device",
+    "prfaas_devices",
+    "pd_devices",
+    "gpu_memory_fraction",
+    "allow_slow_kernels",
+)
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the clusters run: the same flags for ``serve`` and ``demo`` (their dests are ``DEVICE_FLAGS``)."""
+    parser.add_argument(
+        "--prfaas-device",
+        type=device,
+        help="cpu or cuda:N for the PrfaaS cluster (default: cpu)",
+    )
+    parser.add_argument("--pd-device", type=device, help="cpu or cuda:N for the PD cluster (default: cpu)")
+    parser.add_argument(
+        "--prfaas-devices",
+        type=gpus,
+        metavar="GPUS",
+        help="GPUs for the PrfaaS cluster, one worker each unless --prfaas-workers says otherwise, e.g. "
+        "cuda:0,cuda:1 (default: none, --prfaas-device)",
+    )
+    parser.add_argument(
+        "--pd-devices",
+        type=gpus,
+        metavar="GPUS",
+        help="GPUs for the PD cluster, dealt to its workers in turn, prefill first; one worker each unless "
+        "--pd-decode-workers says otherwise (default: none, --pd-device)",
+    )
+    parser.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        metavar="F",
+        help="the share of its GPU each worker may take (default: workers that share a GPU split it equally, "
+        "one alone has all of it)",
+    )
+    parser.add_argument(
+        "--allow-slow-kernels",
+        action="store_true",
+        help="let CUDA workers run without flash-linear-attention (the torch reference kernels; by default they "
+        "refuse to start)",
+    )
+
+
 def present_device(name: str) -> None:
     """ValueError unless this machine has the device: before a model loads there and fails deep in torch."""
     if name.startswith("cuda"):

@@ -29,11 +29,11 @@ from rich.table import Table
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import exit_at_once, stdout_console, user_input
-from minifaas.commands.serve import kernels_line, running_server, start_forks
+from minifaas.commands.serve import add_arguments as add_serve_arguments
+from minifaas.commands.serve import checked_config, kernels_line, running_server, start_forks
 from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.launch.startup import StartupView
-from minifaas.model.loader import checked_spec
 from minifaas.proctitle import set_title
 
 VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         help="the least severe log lines shown, the gateway's and its workers'",
     )
+    arguments.add_device_arguments(parser)
 
 
 @dataclass(slots=True)
@@ -86,21 +87,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
-    with user_input():
-        if min(args.short, args.long) < 0 or min(args.long_tokens, args.max_tokens) < 1:
+    """``serve``'s configuration for the demo, checked as ``serve`` checks it (model, devices), with the demo's
+    link and log level."""
+    if min(args.short, args.long) < 0 or min(args.long_tokens, args.max_tokens) < 1:
+        with user_input():
             raise ValueError("need --short, --long >= 0 and --long-tokens, --max-tokens >= 1")
-        checked_spec(args.model, args.trust_remote_code)
-        return replace(
-            ServeConfig(
-                model=args.model,
-                dtype=args.dtype,
-                trust_remote_code=args.trust_remote_code,
-                port=0,
-                threshold=args.threshold,
-                worker_log_level=args.log_level,
-            ),
-            link=InterClusterLinkConfig(rate=args.link_rate, delay_ms=5.0),
-        )
+    config = checked_config(served_args(args))
+    return replace(
+        config, worker_log_level=args.log_level, link=InterClusterLinkConfig(rate=args.link_rate, delay_ms=5.0)
+    )
+
+
+def served_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``serve``'s flags for the demo's: its model, threshold and devices, any free port, every other flag unset
+    (``ServeConfig``'s defaults), so the clusters are placed on the devices as ``serve`` places them."""
+    flags = argparse.ArgumentParser()
+    add_serve_arguments(flags)
+    served = flags.parse_args(["--port", "0"])
+    for name in ("model", "dtype", "trust_remote_code", "threshold", *arguments.DEVICE_FLAGS):
+        setattr(served, name, getattr(args, name))
+    return served
 
 
 def _log_to(console: Console, level: str) -> None:

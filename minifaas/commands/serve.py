@@ -157,41 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-emulator", action=argparse.BooleanOptionalAction,
         help="put the link emulator between the clusters (default: when every worker is a local child)",
     )  # fmt: skip
-    parser.add_argument(
-        "--prfaas-device",
-        type=arguments.device,
-        help=f"cpu or cuda:N for the PrfaaS cluster (default: {d.prfaas.device})",
-    )
-    parser.add_argument(
-        "--pd-device", type=arguments.device, help=f"cpu or cuda:N for the PD cluster (default: {d.pd.device})"
-    )
-    parser.add_argument(
-        "--prfaas-devices",
-        type=arguments.gpus,
-        metavar="GPUS",
-        help="GPUs for the PrfaaS cluster, one worker each unless --prfaas-workers says otherwise, e.g. "
-        "cuda:0,cuda:1 (default: none, --prfaas-device)",
-    )
-    parser.add_argument(
-        "--pd-devices",
-        type=arguments.gpus,
-        metavar="GPUS",
-        help="GPUs for the PD cluster, dealt to its workers in turn, prefill first; one worker each unless "
-        "--pd-decode-workers says otherwise (default: none, --pd-device)",
-    )
-    parser.add_argument(
-        "--gpu-memory-fraction",
-        type=float,
-        metavar="F",
-        help="the share of its GPU each worker may take (default: workers that share a GPU split it equally, "
-        "one alone has all of it)",
-    )
-    parser.add_argument(
-        "--allow-slow-kernels",
-        action="store_true",
-        help="let CUDA workers run without flash-linear-attention (the torch reference kernels; by default they "
-        "refuse to start)",
-    )
+    arguments.add_device_arguments(parser)
     parser.add_argument(
         "--link-rate",
         type=arguments.rate,
