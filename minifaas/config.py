@@ -364,13 +364,43 @@ class ServeConfig:
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
         data = tomllib.loads(Path(path).read_text())
+        tables = ("serve", "prfaas", "pd", "link", "cache", "scheduler", "http", "ray")
+        if unknown_tables := sorted(set(data) - set(tables)):
+            raise ValueError(f"{path}: unknown tables {unknown_tables} (known: {', '.join(tables)})")
         top = dict(data.get("serve", {}))
         defaults = cls()
-        for name in ("prfaas", "pd", "link", "cache", "scheduler", "http", "ray"):
+        for name in tables[1:]:
             if name in data:  # a table sets what it names; the rest keeps its default (worker counts included)
-                top[name] = replace(getattr(defaults, name), **data[name])
-        known = {f.name for f in fields(cls)}
-        unknown = set(top) - known
-        if unknown:
-            raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
-        return replace(cls(**top), **{k: v for k, v in overrides.items() if v is not None})
+                table = getattr(defaults, name)
+                top[name] = replace(table, **toml_values(path, name, type(table), data[name]))
+        plain = toml_values(path, "serve", cls, {k: v for k, v in top.items() if k not in tables})
+        return replace(cls(**top | plain), **{k: v for k, v in overrides.items() if v is not None})
+
+
+TOML_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
+
+
+def toml_values(path: str | Path, table: str, config: type, values: dict) -> dict:
+    """``values`` of a TOML table checked against ``config``'s fields: each known, and of the field's type (an
+    int where a float goes; a list where a tuple goes), so a wrong one is an error line, not a traceback later."""
+    known = {f.name: str(f.type) for f in fields(config)}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"{path}: [{table}] has no setting {key!r} (known: {', '.join(sorted(known))})")
+        kinds = [k.strip() for k in known[key].split("|")]
+        if value is None and "None" in kinds:
+            continue
+        wanted = tuple(t for k in kinds for t in _toml_type(k))
+        if wanted and (not isinstance(value, wanted) or (isinstance(value, bool) and bool not in wanted)):
+            raise ValueError(f"{path}: [{table}] {key} must be {' or '.join(kinds)}, got {value!r}")
+    return values
+
+
+def _toml_type(annotation: str) -> tuple[type, ...]:
+    """The Python types a TOML value may have for a field annotated so (none known: not checked here)."""
+    if annotation.startswith(("tuple", "list")):
+        return (list, tuple)
+    if annotation.startswith("dict"):
+        return (dict,)
+    found = TOML_TYPES.get(annotation, ())
+    return found if isinstance(found, tuple) else (found,)

@@ -80,3 +80,34 @@ def test_a_bad_window_flag_is_one_error_line(command: str, capsys: pytest.Captur
         main(command.split())
     assert stopped.value.code == 2
     assert "a flow window must be a whole number of bytes >= 1500, got 100" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("toml", "error"),
+    [
+        ("[link]\nrate = 12\n", "[link] rate must be str, got 12"),
+        ("[prfaas]\nprefill_workers = 1.5\n", "[prfaas] prefill_workers must be int, got 1.5"),
+        ("[http]\nmax_connections = true\n", "[http] max_connections must be int, got True"),
+        ("[serve]\nthreshold = '512'\n", "[serve] threshold must be int, got '512'"),
+        ("[link]\nratez = '1mbit'\n", "[link] has no setting 'ratez'"),
+        ("[serve]\nthresold = 5\n", "[serve] has no setting 'thresold'"),
+        ("[foo]\nx = 1\n", "unknown tables ['foo']"),
+    ],
+)  # fmt: skip
+def test_a_toml_value_of_the_wrong_type_or_name_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], toml: str, error: str
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--config", str(path)])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert error in err and "Traceback" not in err, err
+
+
+def test_a_toml_float_setting_takes_an_int(tmp_path: Path) -> None:
+    path = tmp_path / "ok.toml"
+    path.write_text("[serve]\ndtype = 'float32'\n[link]\ndelay_ms = 20\n[prfaas]\ndevices = ['cuda:0']\n")
+    config = ServeConfig.from_toml(path)
+    assert config.link.delay_ms == 20 and config.prfaas.devices == ("cuda:0",)
