@@ -239,7 +239,7 @@ class ServeConfig:
     token_timeout: float = 60.0  # nor may the gateway be silent longer than this between two tokens
     request_timeout: float | None = None  # a limit on the whole request, however it streams (None: none)
     prefill_timeout: float = 120.0  # a prefill (and its transfer) that takes longer falls back to PD-P
-    migration_limit: int = 2  # moves to another decode worker a request may make after losing its own
+    migration_limit: int | None = None  # moves to another decode worker after losing its own; None: deadlines decide
     max_queued_requests: int = 4096  # requests in flight; one more is answered 503 (0: no bound by count)
     max_queued_tokens: int = 0  # prompt tokens in flight (0: what a quarter of this host's memory holds)
     launcher: str = "local"  # who starts the workers: "local" (child processes) or "ray" (actors)
@@ -270,7 +270,7 @@ class ServeConfig:
         total = () if self.request_timeout is None else (self.request_timeout,)
         if min(self.first_token_timeout, self.token_timeout, self.prefill_timeout, *total) <= 0:
             raise ValueError("timeouts must be positive")
-        if self.migration_limit < 0:
+        if self.migration_limit is not None and self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
             raise ValueError("need max_queued_requests >= 0 (0: no bound) and max_queued_tokens >= 0 (0: by memory)")

@@ -24,7 +24,7 @@ from test_supervision import CONFIG as SUPERVISED
 from minifaas.gateway.api import api_error
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.migration import Migration
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit, RequestRecord
+from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit, PoisonRequest, RequestRecord
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -56,6 +56,23 @@ def test_the_continuation_asks_for_the_prompt_plus_what_was_sent_and_only_the_to
         Migration(request, limit=-1)
     error = api_error(MigrationLimit("moved too often"))
     assert (error.status, error.code) == (503, "migration_limit")
+
+
+def test_without_a_limit_the_deadlines_decide_and_two_deaths_at_the_join_stop_a_poison_request() -> None:
+    request = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=10))
+    random_faults = Migration(request, limit=None)
+    for i in range(50):  # workers lost mid-stream, however often: no count ends it
+        random_faults.move(DecodeLost(f"decode worker pd-d{i % 2} went away", f"pd-d{i % 2}"))
+    random_faults.move(DecodeLost("decode worker pd-d0 went away", "pd-d0", before_a_step=True))  # once: a fault
+    assert random_faults.moves == 51
+    poison = Migration(request, limit=None)
+    poison.move(DecodeLost("decode worker pd-d0 went away", "pd-d0", before_a_step=True))
+    with pytest.raises(PoisonRequest, match="decode workers pd-d0, pd-d1 each died just as they took this request"):
+        poison.move(DecodeLost("decode worker pd-d1 went away", "pd-d1", before_a_step=True))
+    error = api_error(PoisonRequest("stopped"))
+    assert (error.status, error.code) == (500, "poison_request")
+    with pytest.raises(MigrationLimit, match=r"migration limit \(0\)"):  # 0: never migrate
+        Migration(request, limit=0).move(DecodeLost("decode worker pd-d0 went away", "pd-d0"))
 
 
 @pytest.fixture(scope="module")

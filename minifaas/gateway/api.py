@@ -34,6 +34,7 @@ from minifaas.gateway.requests import (
     GenerateRequest,
     MigrationLimit,
     Overloaded,
+    PoisonRequest,
     RequestFailed,
     TokenEvent,
 )
@@ -263,6 +264,8 @@ def api_error(e: Exception) -> APIError:
         return APIError(503, message, code="overloaded", retry_after=e.retry_after)
     if isinstance(e, MigrationLimit):
         return APIError(503, str(e), code="migration_limit")
+    if isinstance(e, PoisonRequest):
+        return APIError(500, str(e), code="poison_request")
     if isinstance(e, DeadlineExceeded):
         return APIError(504, str(e), code="timeout")
     if isinstance(e, RequestFailed):

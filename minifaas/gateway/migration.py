@@ -5,7 +5,10 @@ request migrates: the prompt plus every token already sent to the client is pref
 router says, and decoding continues on another decode worker (or the same one restarted). The continuation asks
 only for the tokens still owed, so the client sees no token twice and none missing; a greedy request's output
 is the one an undisturbed run gives, since greedy decoding is a function of the sequence so far. Past
-``--migration-limit`` moves the request fails with a retryable error rather than move again.
+``--migration-limit`` moves (none by default: the request's deadlines decide) it fails with a retryable error
+rather than move again. A request that decode workers die on just as they take it into their batch, twice
+(``POISON_LOSSES``), is stopped as their likely cause: random faults rarely land in that one step twice for one
+request, a request that crashes every worker it reaches does so each time.
 
 A sampled request continues from the same sequence, but its random draws are not those of an undisturbed run.
 The presence and frequency penalties count only generated tokens, which a re-prefill would take for prompt: such
@@ -23,6 +26,7 @@ from minifaas.gateway.requests import (
     GenerateRequest,
     MigrationLimit,
     Phase,
+    PoisonRequest,
     RequestFailed,
     RequestRecord,
     advance,
@@ -31,13 +35,17 @@ from minifaas.gateway.requests import (
 log = logging.getLogger("minifaas.gateway")
 
 
+POISON_LOSSES = 2  # decode workers lost right after taking a request into their batch: then it is the likely cause
+
+
 class Migration:
-    def __init__(self, request: GenerateRequest, limit: int, sent: list[int] | None = None) -> None:
-        if limit < 0:
+    def __init__(self, request: GenerateRequest, limit: int | None, sent: list[int] | None = None) -> None:
+        if limit is not None and limit < 0:
             raise ValueError(f"the migration limit must be >= 0, got {limit}")
         self.original, self.limit = request, limit
         self.sent = [] if sent is None else sent  # tokens the client has been sent, across every decode worker
         self.moves = 0
+        self.suspect_losses: list[str] = []  # decode workers that died before one step of it
 
     def sending(self, token: int) -> None:
         self.sent.append(token)
@@ -47,10 +55,18 @@ class Migration:
         return continued(self.original, self.sent)
 
     def move(self, lost: DecodeLost) -> None:
-        """The decode worker is gone: count a move, or raise MigrationLimit (or DecodeLost) when none is allowed."""
+        """The decode worker is gone: count a move, or raise PoisonRequest, MigrationLimit (or DecodeLost) when
+        none is allowed."""
         if self.original.sampling.penalised and self.sent:
             raise DecodeLost(f"{lost}; a request with presence or frequency penalties cannot migrate") from lost
-        if self.moves >= self.limit:
+        if lost.before_a_step:
+            self.suspect_losses.append(lost.worker or "?")
+            if len(self.suspect_losses) >= POISON_LOSSES:
+                raise PoisonRequest(
+                    f"{lost}; decode workers {', '.join(self.suspect_losses)} each died just as they took this "
+                    "request into their batch: it is stopped as the likely cause"
+                ) from lost
+        if self.limit is not None and self.moves >= self.limit:
             raise MigrationLimit(
                 f"{lost}; the request already moved {self.moves} time(s), the migration limit ({self.limit})"
             ) from lost

@@ -145,11 +145,22 @@ class RequestFailed(Exception):
 
 
 class DecodeLost(RequestFailed):
-    """The decode worker holding the request went away (its session was lost): the request may migrate."""
+    """The decode worker holding the request went away (its session was lost): the request may migrate.
+    ``before_a_step``: it went after taking the request into its batch and before one step of it, the sign a
+    request that crashes its worker leaves (``migration.POISON_LOSSES``)."""
+
+    def __init__(self, message: str, worker: str | None = None, before_a_step: bool = False) -> None:
+        super().__init__(message)
+        self.worker, self.before_a_step = worker, before_a_step
 
 
 class MigrationLimit(RequestFailed):
     """The request lost its decode worker more often than ``--migration-limit`` allows (HTTP 503, retryable)."""
+
+
+class PoisonRequest(RequestFailed):
+    """Decode workers died one after another just as they took this request into their batch: it is stopped as
+    their likely cause, before it takes down another (HTTP 500, not retryable)."""
 
 
 class DeadlineExceeded(RequestFailed):

@@ -48,6 +48,7 @@ async def decode_tokens(
     owed); ``text`` and ``record.completion_tokens`` span every attempt. ``shown``: the first token's event
     went out already (``token_event``, before the state's tail arrived)."""
     token, finish = first, first_token_finish(first, request, tokenizer)
+    stepped = False  # the decode worker has made a step of this request: its death since is no sign against it
     if finish is None:
         try:
             decode.send({"op": Op.START, "req": request.request_id, "next_token": first})
@@ -68,7 +69,8 @@ async def decode_tokens(
         if record.first_step_s is None:
             record.first_step_s = time.perf_counter() - asked
         if msg["op"] == Reply.LOST:
-            raise DecodeLost(f"decode worker {decode.name} went away")
+            raise DecodeLost(f"decode worker {decode.name} went away", decode.name, before_a_step=not stepped)
+        stepped = True
         if msg["op"] == Reply.FAILED:
             raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
         if msg["op"] == Reply.DONE:
