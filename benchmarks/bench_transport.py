@@ -35,7 +35,7 @@ from netns import NETNS, SECRET_ENV
 
 from minifaas import figures
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.state_codec import tensor_bytes
+from minifaas.model.layer_state import tensor_bytes
 from minifaas.transport.sender import KVSender
 from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import bulk_state

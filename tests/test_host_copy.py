@@ -12,11 +12,10 @@ import torch
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.model.host_copy import HostCopier, to_device
-from minifaas.model.layer_state import LayerState, ModelState, StateKind
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, tensor_bytes
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_codec import tensor_bytes
 from minifaas.transport.chunking import split_chunks
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.transport.sender import KVSender

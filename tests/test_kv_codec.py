@@ -22,8 +22,7 @@ from minifaas.codec.codec import (
     offered,
     usable,
 )
-from minifaas.model.layer_state import StateKind
-from minifaas.model.state_codec import DTYPE_CODES, checksum, tensor_bytes
+from minifaas.model.layer_state import DTYPE_CODES, StateKind, checksum, tensor_bytes
 from minifaas.net.errors import CorruptFrameError
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.model import state_codec
-from minifaas.model.layer_state import LayerState, StateKind, concat_tokens
+from minifaas.model.layer_state import DTYPES, LayerState, StateKind, concat_tokens
 from minifaas.model.runtime import ModelRuntime
-from minifaas.model.state_codec import DTYPES, StateCodecError
+from minifaas.model.state_codec import StateCodecError
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

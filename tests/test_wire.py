@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifaas.model.layer_state import ModelState
-from minifaas.model.state_codec import Checksum, checksum
+from minifaas.model.layer_state import Checksum, ModelState, checksum
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.chunking import split_chunks, split_token_range
 from minifaas.transport.reassembly import Reassembly

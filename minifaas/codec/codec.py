@@ -26,8 +26,7 @@ import torch
 from minifaas.codec import block_scaled
 from minifaas.codec.block_scaled import BlockError
 from minifaas.codec.byte_planes import PlaneDecoder, PlaneEncoder, PlaneError
-from minifaas.model.layer_state import StateKind
-from minifaas.model.state_codec import DTYPES, checksum
+from minifaas.model.layer_state import DTYPES, StateKind, checksum
 from minifaas.net.errors import CorruptFrameError
 
 MIN_CODED_BYTES = 4096  # smaller frames go as they are: the prefix and the call cost more than coding saves

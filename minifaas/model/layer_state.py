@@ -7,7 +7,9 @@
   RG-LRU state); a short-convolution layer (LFM2) has only ``conv``. Fixed size, valid at exactly one length.
 
 A layer that keeps two kinds at once (attention beside a Mamba mixer) is two LayerStates, one of each kind.
-``state_layout`` reads them out of a transformers ``Cache`` and puts them back; ``state_codec`` makes bytes.
+``state_layout`` reads them out of a transformers ``Cache`` and puts them back. The bytes of a slot go on the
+wire as they are (``tensor_bytes``), each tensor's dtype as a one-byte code (``DTYPES``), checksummed with the
+low 32 bits of xxh3-64 (fast: every KV byte is checksummed on both ends).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
+import xxhash
 
 
 class StateKind(IntEnum):
@@ -96,3 +99,55 @@ class ModelState:
         for s in self.layers:
             out[s.kind] = out.get(s.kind, 0) + s.nbytes
         return out
+
+
+DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32,
+    2: torch.float16,
+    3: torch.bfloat16,
+    4: torch.float64,
+    5: torch.int8,
+    6: torch.uint8,
+    7: torch.int32,
+    8: torch.int64,
+    9: torch.float8_e4m3fn,
+    10: torch.float8_e5m2,
+    11: torch.bool,
+    12: torch.int16,
+}
+DTYPE_CODES: dict[torch.dtype, int] = {v: k for k, v in DTYPES.items()}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A byte view of a host tensor's memory (copied only if it is not contiguous).
+
+    A device tensor is refused rather than copied here: this runs on event loops, where a ``.cpu()``
+    would block the loop until the GPU caught up (``host_copy`` stages states off the loop)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"a {t.device} tensor reached the byte codec: stage it to host memory first (host_copy)")
+    t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+_GIL_FREE_BYTES = 64 << 10  # from here on hash with the GIL released (the one-shot function holds it)
+
+
+def checksum(buf: memoryview | bytes) -> int:
+    if len(buf) < _GIL_FREE_BYTES:
+        return xxhash.xxh3_64_intdigest(buf) & 0xFFFFFFFF
+    # the streaming hasher gives the same digest and lets other threads (an event loop) run meanwhile
+    return xxhash.xxh3_64(buf).intdigest() & 0xFFFFFFFF
+
+
+class Checksum:
+    """``checksum`` of bytes fed in pieces, e.g. each block a socket read, while it is still in cache."""
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_64()
+
+    def update(self, buf: memoryview | bytes) -> None:
+        self._hasher.update(buf)
+
+    @property
+    def value(self) -> int:
+        return self._hasher.intdigest() & 0xFFFFFFFF

@@ -8,7 +8,7 @@ Layout (little-endian), one record per layer state:
     u32      checksum of everything above (header and slot headers)
     payloads the raw bytes of every slot, in slot order
 
-Checksums are the low 32 bits of xxh3-64 (fast: every KV byte is checksummed on both ends). ``encode`` returns
+Checksums are ``layer_state.checksum``. ``encode`` returns
 the header as ``bytes`` and one ``memoryview`` per slot on the (contiguous, CPU) tensor memory, ready for
 ``socket.sendmsg`` or ``writelines``. ``decode`` validates sizes, dtypes and checksums before it builds a tensor,
 so corrupt or truncated input raises ``StateCodecError`` and never yields a wrong tensor.
@@ -20,9 +20,8 @@ import struct
 from collections.abc import Sequence
 
 import torch
-import xxhash
 
-from minifaas.model.layer_state import LayerState, StateKind
+from minifaas.model.layer_state import DTYPE_CODES, DTYPES, LayerState, StateKind, checksum, tensor_bytes
 
 MAGIC = b"MFLS"
 VERSION = 1
@@ -33,60 +32,9 @@ _HEAD = struct.Struct("<4sBBHIQ")
 _SLOT = struct.Struct("<BBHQI")
 _CRC = struct.Struct("<I")
 
-DTYPES: dict[int, torch.dtype] = {
-    1: torch.float32,
-    2: torch.float16,
-    3: torch.bfloat16,
-    4: torch.float64,
-    5: torch.int8,
-    6: torch.uint8,
-    7: torch.int32,
-    8: torch.int64,
-    9: torch.float8_e4m3fn,
-    10: torch.float8_e5m2,
-    11: torch.bool,
-    12: torch.int16,
-}
-DTYPE_CODES: dict[torch.dtype, int] = {v: k for k, v in DTYPES.items()}
-
 
 class StateCodecError(ValueError):
     """The bytes do not hold a valid layer state."""
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A byte view of a host tensor's memory (copied only if it is not contiguous).
-
-    A device tensor is refused rather than copied here: this runs on event loops, where a ``.cpu()``
-    would block the loop until the GPU caught up (``host_copy`` stages states off the loop)."""
-    if t.device.type != "cpu":
-        raise ValueError(f"a {t.device} tensor reached the byte codec: stage it to host memory first (host_copy)")
-    t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-_GIL_FREE_BYTES = 64 << 10  # from here on hash with the GIL released (the one-shot function holds it)
-
-
-def checksum(buf: memoryview | bytes) -> int:
-    if len(buf) < _GIL_FREE_BYTES:
-        return xxhash.xxh3_64_intdigest(buf) & 0xFFFFFFFF
-    # the streaming hasher gives the same digest and lets other threads (an event loop) run meanwhile
-    return xxhash.xxh3_64(buf).intdigest() & 0xFFFFFFFF
-
-
-class Checksum:
-    """``checksum`` of bytes fed in pieces, e.g. each block a socket read, while it is still in cache."""
-
-    def __init__(self) -> None:
-        self._hasher = xxhash.xxh3_64()
-
-    def update(self, buf: memoryview | bytes) -> None:
-        self._hasher.update(buf)
-
-    @property
-    def value(self) -> int:
-        return self._hasher.intdigest() & 0xFFFFFFFF
 
 
 def encode(state: LayerState) -> list[bytes | memoryview]:

@@ -17,8 +17,7 @@ import torch
 
 from minifaas.codec.codec import Codec, Coded
 from minifaas.model.host_copy import CopyDone
-from minifaas.model.layer_state import LayerState, StateKind
-from minifaas.model.state_codec import DTYPE_CODES, checksum, tensor_bytes
+from minifaas.model.layer_state import DTYPE_CODES, LayerState, StateKind, checksum, tensor_bytes
 from minifaas.transport.wire import MAX_NDIM, NAME_BYTES, UNCHECKED, FrameHeader, FrameType
 
 Payload = bytes | memoryview

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minifaas.codec.codec import Codec, Coded, FrameDecoder, FrameEncoder, frame_codec
-from minifaas.model.layer_state import LayerState, ModelState, StateKind
-from minifaas.model.state_codec import DTYPE_CODES
+from minifaas.model.layer_state import DTYPE_CODES, LayerState, ModelState, StateKind
 from minifaas.transport.chunking import split_chunks
 
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minifaas.model.layer_state import LayerState, StateKind
-from minifaas.model.state_codec import DTYPES, checksum
+from minifaas.model.layer_state import DTYPES, LayerState, StateKind, checksum
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.wire import FrameHeader
 

@@ -24,8 +24,7 @@ import ssl as ssl_module
 from dataclasses import dataclass, field
 
 from minifaas.codec.codec import ALL_CODECS, OFF_LOOP_BYTES, Codec, FrameDecoder, offer_mask
-from minifaas.model.layer_state import LayerState, ModelState
-from minifaas.model.state_codec import Checksum, checksum
+from minifaas.model.layer_state import Checksum, LayerState, ModelState, checksum
 from minifaas.net.auth import check_secret, verify_sender
 from minifaas.net.channel import Channel, Digest, accept_channel
 from minifaas.net.errors import (

@@ -23,8 +23,7 @@ from enum import IntEnum
 
 import torch
 
-from minifaas.model.layer_state import StateKind
-from minifaas.model.state_codec import DTYPES, checksum
+from minifaas.model.layer_state import DTYPES, StateKind, checksum
 from minifaas.net.errors import CorruptFrameError, ProtocolError
 
 MAGIC = b"MFKV"
@@ -39,7 +38,7 @@ MAX_CONTROL_BYTES = 4096
 #    4    1  version      3
 #    5    1  frame type   FrameType
 #    6    1  state kind   StateKind of the layer (chunk frames; else 0)
-#    7    1  dtype code   state_codec.DTYPES key (chunk frames; else 0)
+#    7    1  dtype code   layer_state.DTYPES key (chunk frames; else 0)
 #    8    8  transfer id
 #   16    4  layer index
 #   20    2  slot index   position of the slot in the layer's slots
