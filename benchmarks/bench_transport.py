@@ -36,8 +36,7 @@ from netns import NETNS, SECRET_ENV
 from minifaas import figures
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.model.layer_state import tensor_bytes
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
+from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.synthetic import bulk_state
 
 SECRET = b"benchmark-secret-0123456789abcdef"

@@ -70,8 +70,7 @@ from netns import NETNS, SECRET_ENV, NetnsLink, run_pair, unavailable
 
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.net.connections import DEFAULT_CONNECTIONS
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import MIN_UNSENT_BYTES, SenderConfig
+from minifaas.transport.outgoing import MIN_UNSENT_BYTES, KVSender, SenderConfig
 from minifaas.transport.synthetic import bulk_state
 
 FRAME_BYTES, SEGMENT_PAYLOAD_BYTES = 1514, 1448  # a full TCP segment on the veth (MTU 1500), and its payload

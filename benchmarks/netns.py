@@ -252,7 +252,7 @@ async def _sink(host: str, port: int, transfers: int, accept_unchecked: bool) ->
 
 
 async def _probe(host: str, port: int, args: argparse.Namespace) -> None:
-    from minifaas.transport.sender import KVSender, SenderConfig
+    from minifaas.transport.outgoing import KVSender, SenderConfig
     from minifaas.transport.synthetic import bulk_state
 
     state = bulk_state(args.bytes)

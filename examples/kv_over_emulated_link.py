@@ -19,9 +19,8 @@ from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.emulator.pacer import parse_rate
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.runtime import ModelRuntime
+from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state
 
 SECRET = b"example-link-secret-0123456789ab"

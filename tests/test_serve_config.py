@@ -14,7 +14,7 @@ from minifaas.commands.worker import parse_args
 from minifaas.config import InterClusterLinkConfig, ServeConfig
 from minifaas.launch.worker_specs import worker_argv
 from minifaas.net.connections import DEFAULT_CONNECTIONS
-from minifaas.transport.sender_config import SenderConfig
+from minifaas.transport.outgoing import SenderConfig
 
 
 def serve_args(*argv: str) -> argparse.Namespace:

@@ -18,10 +18,8 @@ import pytest
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.net.errors import AuthError, ProtocolError, TransferError
 from minifaas.transport.chunking import split_chunks
-from minifaas.transport.outgoing import cut_tail
+from minifaas.transport.outgoing import MIN_UNSENT_BYTES, KVSender, SenderConfig, cut_tail
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import MIN_UNSENT_BYTES, SenderConfig
 from minifaas.transport.synthetic import bulk_state, same_state, synthetic_state
 
 SECRET = b"cluster-secret-0123456789abcdef"

@@ -25,9 +25,8 @@ from minifaas.net.auth import OLD_MAGIC, prove_as_sender
 from minifaas.net.channel import Channel, open_channel
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TransferError
 from minifaas.transport.chunking import split_chunks
+from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import FrameType, control, pack_counts
 

@@ -23,9 +23,8 @@ from minifaas.net.errors import (
 )
 from minifaas.transport.chunking import split_chunks
 from minifaas.transport.incoming import IncomingTransfer
+from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import bulk_state, same_state, synthetic_state
 from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts
 

@@ -20,9 +20,8 @@ from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state
 
 SECRET = b"cluster-secret-0123456789abcdef"

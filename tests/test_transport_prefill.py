@@ -24,9 +24,8 @@ from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
+from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state
 from minifaas.worker.prefill_service import LayerForwarder, PrefillService, compute_streaming
 from minifaas.worker.prefix_store import PrefixStore

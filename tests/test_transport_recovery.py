@@ -25,9 +25,8 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.net.auth import prove_as_sender
 from minifaas.net.channel import open_channel
 from minifaas.net.errors import DroppedError
+from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
 from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import FrameType, control, pack_counts
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from minifaas.model.layer_state import Checksum, ModelState, checksum
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.chunking import split_chunks, split_token_range
-from minifaas.transport.reassembly import Reassembly
+from minifaas.transport.incoming import Reassembly
 from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import (
     HEADER_SIZE,

@@ -124,3 +124,23 @@ def split_token_range(
                 length = min(chunk_bytes, piece.seq_len * row - at)
                 chunks.append(Chunk(piece, index, data, source + at, offset + at, length, shape, total, ready))
     return chunks
+
+
+def cut_tail(chunks: list[Chunk], connections: int, piece_bytes: int | None) -> list[Chunk]:
+    """The chunks with the last ``connections`` chunks' worth of bytes cut into pieces of ``piece_bytes``.
+
+    Once the producer is done, what is still queued is all that is left. A chunk a pump takes stays
+    on its connection, so the connections end when their last chunks do; with small pieces at the
+    end they end together, instead of a few of them carrying a whole chunk each while the rest idle
+    (on a link that only many windows fill, that idling is lost rate)."""
+    if piece_bytes is None or connections == 1 or not chunks:
+        return chunks
+    budget, cut = connections * max(c.length for c in chunks), []
+    for chunk in reversed(chunks):
+        if budget <= 0 or chunk.length <= piece_bytes:
+            cut.append(chunk)
+        else:
+            cut.extend(reversed(chunk.pieces(piece_bytes)))
+        budget -= chunk.length
+    cut.reverse()
+    return cut

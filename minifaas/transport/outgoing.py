@@ -1,34 +1,46 @@
-"""One outgoing transfer: layers go in as they are produced, chunks go out over N connections.
+"""The KV sender: layer states to one receiver over a pool of N TCP connections, as the prefill makes them.
 
-Each layer is cut into chunks and queued the moment it is put (``put_tokens``: token ranges of full-attention
-layers, for prefill in token chunks); N pumps, one per connection, take the next chunk from the shared FIFO as
-soon as their connection has room (at most ``unsent_limit_bytes`` unsent in its kernel), so striping balances
-itself and layer i's chunks all leave before layer i+1's. When the producer is done, the first connection
-carries END and waits for the receiver's DONE (or ABORT with its reason). ``pipelined=False`` holds the layers
-until the producer is done: the naive reference.
+    async with KVSender(SenderConfig(host, port, secret, connections=16)) as sender:
+        report = await sender.send(transfer_id, model_state)        # a finished state
+        async with sender.stream(transfer_id, layers=n) as tx:       # layers as prefill makes them
+            await asyncio.to_thread(runtime.prefill, tokens, on_layer=tx.put_threadsafe)
+        # prefill in token chunks: tx.put_tokens(layer.slice_tokens(a, b), a, total) for full attention
+        await sender.send(transfer_id, model_state, codec=Codec.LOSSLESS)  # coded on the wire (``codec``)
+
+One ``OutgoingTransfer`` per state. Each layer is cut into chunks and queued the moment it is put
+(``put_tokens``: token ranges of full-attention layers, for prefill in token chunks); N pumps, one per
+connection, take the next chunk from the shared FIFO as soon as their connection has room (at most
+``unsent_limit_bytes`` unsent in its kernel), so striping balances itself and layer i's chunks all leave before
+layer i+1's. When the producer is done, the first connection carries END and waits for the receiver's DONE (or
+ABORT with its reason). ``pipelined=False`` holds the layers until the producer is done: the naive reference;
+``connections=1`` sends one layer after another on one connection.
 
 ``put_threadsafe`` stages a GPU layer into pinned host memory (``model.host_copy``); a pump waits for its copy in
 a thread. With a ``codec`` (one the receiver offered, or the best it has) each pump codes its next chunk just
 before sending it, in a thread when it is large; the report gives the bytes on the wire and both coding times.
 While the producer has no new layer, the first connection sends ALIVE every third of ``stall_timeout``, so the
-receiver fails a transfer for a dead sender, not a slow producer (bounding that is the caller's deadline).
+receiver fails a transfer for a dead sender, not a slow producer (bounding that is the caller's deadline);
+``done_timeout`` bounds the wait for DONE. ``sender.tcp_infos()`` (kernel TCP_INFO per connection) and
+``sender.queued_bytes`` feed ``link_health.LinkMonitor``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl as ssl_module
 import time
 from dataclasses import dataclass
 
 from minifaas.codec.codec import OFF_LOOP_BYTES, Codec, Coded, FrameEncoder, frame_codec, offered, usable
 from minifaas.model.host_copy import CopyDone, HostCopier, device_of
-from minifaas.model.layer_state import LayerState
+from minifaas.model.layer_state import LayerState, ModelState
+from minifaas.net.auth import check_secret
 from minifaas.net.channel import Channel
-from minifaas.net.connections import Connections
+from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, Connections, Endpoint
 from minifaas.net.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
-from minifaas.transport.chunking import Chunk, Payload, split_chunks, split_token_range
-from minifaas.transport.sender_config import SenderConfig
+from minifaas.net.link_health import TcpInfo, read_tcp_info
+from minifaas.transport.chunking import Chunk, Payload, cut_tail, split_chunks, split_token_range
 from minifaas.transport.wire import (
     HEADER_SIZE,
     FrameType,
@@ -38,6 +50,50 @@ from minifaas.transport.wire import (
     pack_counts,
     unpack_header,
 )
+
+MIN_UNSENT_BYTES = 16 << 10  # a dozen segments: a connection's kernel always has something to send
+IDLE_TRANSFERS = 8  # transfers' worth of connections kept open for the next ones: a prefill batch sends that many
+
+
+@dataclass(frozen=True, slots=True)
+class SenderConfig:
+    """How a KV sender sends: connections, chunk size, pipelining, checksums, deadlines."""
+
+    host: str
+    port: int
+    secret: bytes
+    connections: int = DEFAULT_CONNECTIONS
+    chunk_bytes: int = 1 << 20
+    pipelined: bool = True
+    checksums: bool = True  # xxh3 checksum of every payload; off only towards a receiver with accept_unchecked (TLS)
+    unsent_bytes: int | None = 4 << 20  # kernel-queued unsent bytes, all connections together (None: kernel default)
+    connect_timeout: float = 5.0
+    stall_timeout: float = 10.0
+    done_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_secret(self.secret)
+        if not 1 <= self.connections <= MAX_CONNECTIONS:
+            raise ValueError(f"connections must be 1..{MAX_CONNECTIONS}, got {self.connections}")
+        if not 1 <= self.chunk_bytes <= 64 << 20:
+            raise ValueError(f"chunk_bytes must be 1 B..64 MiB, got {self.chunk_bytes}")
+        if self.unsent_bytes is not None and self.unsent_bytes < MIN_UNSENT_BYTES:
+            raise ValueError(f"unsent_bytes must be >= {MIN_UNSENT_BYTES} (None: the kernel's default)")
+        if min(self.connect_timeout, self.stall_timeout, self.done_timeout) <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @property
+    def unsent_limit_bytes(self) -> int | None:
+        """Unsent bytes one connection's kernel may queue. What a connection has queued stays on it, and
+        at a transfer's end the fullest finishes last, so the budget is shared out: the tail it can
+        leave is about ``unsent_bytes`` over the link's rate, however many connections there are."""
+        if self.unsent_bytes is None:
+            return None
+        return max(MIN_UNSENT_BYTES, self.unsent_bytes // self.connections)
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.host, self.port, self.secret, self.connect_timeout, self.unsent_limit_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,26 +111,6 @@ class TransferReport:
     @property
     def ratio(self) -> float:
         return self.nbytes / self.wire_bytes if self.wire_bytes else 1.0
-
-
-def cut_tail(chunks: list[Chunk], connections: int, piece_bytes: int | None) -> list[Chunk]:
-    """The chunks with the last ``connections`` chunks' worth of bytes cut into pieces of ``piece_bytes``.
-
-    Once the producer is done, what is still queued is all that is left. A chunk a pump takes stays
-    on its connection, so the connections end when their last chunks do; with small pieces at the
-    end they end together, instead of a few of them carrying a whole chunk each while the rest idle
-    (on a link that only many windows fill, that idling is lost rate)."""
-    if piece_bytes is None or connections == 1 or not chunks:
-        return chunks
-    budget, cut = connections * max(c.length for c in chunks), []
-    for chunk in reversed(chunks):
-        if budget <= 0 or chunk.length <= piece_bytes:
-            cut.append(chunk)
-        else:
-            cut.extend(reversed(chunk.pieces(piece_bytes)))
-        budget -= chunk.length
-    cut.reverse()
-    return cut
 
 
 class OutgoingTransfer:
@@ -306,6 +342,45 @@ class OutgoingTransfer:
         if (receipt.layers, receipt.nbytes, receipt.wire_bytes) != (self.layers, self.sent_bytes, self.wire_bytes):
             raise ProtocolError(f"transfer {self.id}: receiver counted {receipt}")
         return receipt
+
+
+class KVSender:
+    def __init__(self, config: SenderConfig, ssl: ssl_module.SSLContext | None = None):
+        self.config = config
+        self.pool = Connections(config.endpoint, max_idle=config.connections * IDLE_TRANSFERS, ssl=ssl)
+        self._active: set[OutgoingTransfer] = set()
+
+    async def __aenter__(self) -> KVSender:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.pool.close()
+
+    def stream(
+        self, transfer_id: int, layers: int, total_bytes: int = 0, codec: Codec = Codec.NONE, connections: int = 0
+    ) -> OutgoingTransfer:
+        """A transfer to fill with ``put``; entering it starts sending, leaving it waits for DONE. ``connections``:
+        at most that many (0: the config's), for a state of a few chunks."""
+        tx = OutgoingTransfer(transfer_id, layers, total_bytes, self.pool, self.config, codec, connections)
+        self._active = {t for t in self._active if not t.finished}
+        self._active.add(tx)
+        return tx
+
+    async def send(self, transfer_id: int, state: ModelState, codec: Codec = Codec.NONE) -> TransferReport:
+        async with self.stream(transfer_id, len(state.layers), state.nbytes, codec) as tx:
+            for layer in state.layers:
+                tx.put(layer)
+        assert tx.report is not None
+        return tx.report
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes put into transfers but not yet handed to a socket."""
+        return sum(tx.queued_bytes for tx in self._active if not tx.finished)
+
+    def tcp_infos(self) -> dict[int, TcpInfo]:
+        """Kernel TCP_INFO of every live connection, by connection id."""
+        return {key: read_tcp_info(ch.sock) for key, ch in self.pool.live.items() if not ch.closed}
 
 
 def _timed_encode(encoder: FrameEncoder, codec: Codec, chunk: Chunk) -> tuple[Coded, float]:

@@ -17,11 +17,14 @@ or sooner when ``max_open_transfers`` needs its place (``transfer_table``), with
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import socket
 import ssl as ssl_module
 from dataclasses import dataclass, field
+
+import torch
 
 from minifaas.codec.codec import ALL_CODECS, OFF_LOOP_BYTES, Codec, FrameDecoder, offer_mask
 from minifaas.model.layer_state import Checksum, LayerState, ModelState, checksum
@@ -37,7 +40,6 @@ from minifaas.net.errors import (
     TransferError,
     TruncatedError,
 )
-from minifaas.transport.buffers import ReceiveBuffers
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.transfer_table import TransferTable, reason
 from minifaas.transport.wire import (
@@ -90,6 +92,48 @@ class ReceiverStats:
     bytes_received: int = 0  # payload bytes off the network
     decoded_bytes: int = 0  # slot bytes that coded payloads decoded to
     decode_s: float = 0.0
+
+
+class ReceiveBuffers:
+    """Receive memory used again instead of freshly mapped for every transfer: new memory makes the kernel fault
+    in and zero every page first, which on a busy host costs about as much as the copy. A consumer done with a
+    received state gives it back (``KVReceiver.release``); forgetting only costs speed, while releasing a state
+    still in use is a bug (its bytes will be overwritten). ``pinned``: page-locked memory, for a decode node on a
+    GPU, whose copies to the device then run asynchronously; such a state goes back only once they are done."""
+
+    def __init__(self, max_bytes: int, pinned: bool = False):
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0 (0: recycle nothing)")
+        self.max_bytes, self.pinned = max_bytes, pinned
+        self.held_bytes = 0
+        self._sizes: list[int] = []  # sorted, parallel to _buffers
+        self._buffers: list[torch.Tensor] = []
+        self._held: set[int] = set()  # data pointers, so a double release cannot hand one buffer out twice
+        self.reused = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of exactly ``nbytes``: a view of a pooled buffer at most twice as large, or new memory."""
+        i = bisect.bisect_left(self._sizes, nbytes)
+        if nbytes and i < len(self._sizes) and self._sizes[i] <= 2 * nbytes:
+            size, buf = self._sizes.pop(i), self._buffers.pop(i)
+            self.held_bytes -= size
+            self._held.discard(buf.data_ptr())
+            self.reused += 1
+            return buf[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Return the memory behind ``tensor`` (a slot of a received state) to the pool."""
+        storage = tensor.untyped_storage()
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        size, ptr = whole.numel(), whole.data_ptr()
+        if size == 0 or ptr in self._held or self.held_bytes + size > self.max_bytes:
+            return
+        i = bisect.bisect_left(self._sizes, size)
+        self._sizes.insert(i, size)
+        self._buffers.insert(i, whole)
+        self._held.add(ptr)
+        self.held_bytes += size
 
 
 class KVReceiver:

@@ -21,7 +21,7 @@ from minifaas.model.batch_prefill import prefill_batch
 from minifaas.model.decode_memory import RowBytes, row_bytes
 from minifaas.model.runtime import ModelRuntime, OnLayer
 from minifaas.model.sampling import SamplingParams
-from minifaas.transport.sender import KVSender
+from minifaas.transport.outgoing import KVSender
 from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
 
 T = TypeVar("T")

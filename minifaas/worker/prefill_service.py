@@ -34,10 +34,8 @@ from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens
 from minifaas.model.sampling import GREEDY, SamplingParams
 from minifaas.net.errors import TransferError
 from minifaas.transport.codec_probe import probe
-from minifaas.transport.outgoing import TransferReport
+from minifaas.transport.outgoing import KVSender, SenderConfig, TransferReport
 from minifaas.transport.receiver import KVReceiver
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
 from minifaas.worker.prefill_batch import Batcher, PrefillBatch, until_done
 from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
 
