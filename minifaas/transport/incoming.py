@@ -1,12 +1,9 @@
 """An incoming transfer: chunks that arrive in any order rebuilt into layer states, handed on in layer order.
 
-``Reassembly`` is the sans-IO part. The receiver asks ``buffer_for(header)`` where a chunk's payload goes (a view
-into the slot's final tensor memory, so payloads are received without a copy, or decoded straight into it), reads
-the payload into it, then calls ``commit``, which checks the checksum and returns the layers that are now
-deliverable: complete, and every layer before them already delivered. Chunks may come over several connections
-in any order; layers still leave strictly in layer order.
-
-``IncomingTransfer`` is the transfer as its consumer sees it:
+``Reassembly`` is the sans-IO part: the receiver asks ``buffer_for(header)`` where a chunk's payload goes (a view
+into the slot's final tensor memory, so a payload is received or decoded without a copy), reads it there, then
+calls ``commit``, which checks the checksum and returns the layers now deliverable: complete, every layer before
+them delivered. ``IncomingTransfer`` is the transfer as its consumer sees it:
 
     incoming = receiver.transfer(transfer_id)
     async for layer in incoming:      # LayerState 0, 1, 2, ... as soon as each is whole

@@ -4,24 +4,14 @@
         report = await sender.send(transfer_id, model_state)        # a finished state
         async with sender.stream(transfer_id, layers=n) as tx:       # layers as prefill makes them
             await asyncio.to_thread(runtime.prefill, tokens, on_layer=tx.put_threadsafe)
-        # prefill in token chunks: tx.put_tokens(layer.slice_tokens(a, b), a, total) for full attention
-        await sender.send(transfer_id, model_state, codec=Codec.LOSSLESS)  # coded on the wire (``codec``)
 
-One ``OutgoingTransfer`` per state. Each layer is cut into chunks and queued the moment it is put
-(``put_tokens``: token ranges of full-attention layers, for prefill in token chunks); N pumps, one per
-connection, take the next chunk from the shared FIFO as soon as their connection has room (at most
-``unsent_limit_bytes`` unsent in its kernel), so striping balances itself and layer i's chunks all leave before
-layer i+1's. When the producer is done, the first connection carries END and waits for the receiver's DONE (or
-ABORT with its reason). ``pipelined=False`` holds the layers until the producer is done: the naive reference;
-``connections=1`` sends one layer after another on one connection.
-
-``put_threadsafe`` stages a GPU layer into pinned host memory (``model.host_copy``); a pump waits for its copy in
-a thread. With a ``codec`` (one the receiver offered, or the best it has) each pump codes its next chunk just
-before sending it, in a thread when it is large; the report gives the bytes on the wire and both coding times.
-While the producer has no new layer, the first connection sends ALIVE every third of ``stall_timeout``, so the
-receiver fails a transfer for a dead sender, not a slow producer (bounding that is the caller's deadline);
-``done_timeout`` bounds the wait for DONE. ``sender.tcp_infos()`` (kernel TCP_INFO per connection) and
-``sender.queued_bytes`` feed ``link_health.LinkMonitor``.
+One ``OutgoingTransfer`` per state: each layer (``put_tokens``: a token range of a full-attention layer) is cut
+into chunks and queued when it is put; N pumps, one per connection, take the next chunk as soon as their
+connection has room (``unsent_limit_bytes``), so layer i's chunks all leave before layer i+1's. Then the first
+connection carries END and waits for DONE or ABORT. ``pipelined=False`` holds every layer until the producer is
+done (the naive reference). ``put_threadsafe`` stages a GPU layer to pinned host memory (``model.host_copy``);
+a ``codec`` codes each chunk just before it is sent. While no layer comes, ALIVE goes out every third of
+``stall_timeout``. ``tcp_infos()`` and ``queued_bytes`` feed ``link_health.LinkMonitor``.
 """
 
 from __future__ import annotations
