@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifaas.model.batch_decoder import BatchDecoder
-from minifaas.model.decode_lane import LANE_TOKENS, Lane, lane_of
+from minifaas.model.batch_cache import SLACK, PaddedKVLayer, fitted
+from minifaas.model.batch_decoder import LANE_TOKENS, BatchDecoder, Lane, lane_of
 from minifaas.model.decoder import DecoderConfig
-from minifaas.model.row_layers import SLACK, PaddedKVLayer, fitted
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 

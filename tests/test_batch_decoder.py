@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from minifaas.control.worker_ops import sampling_to_json
-from minifaas.model.batch_cache import BatchCache
+from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.loader import ModelSpec, load_config, preset_names
-from minifaas.model.row_layers import PaddedKVLayer
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import build_cache

@@ -1,10 +1,10 @@
 """A transformers Cache whose rows are independent requests of different lengths.
 
-One decode step feeds one token per row. Each model layer keeps its rows in a row layer (``row_layers``), row r
-of every buffer belonging to the same request. Rows are padded, not paged: with one query token per row,
-attention over a padded ``[n, width]`` block is one batched matmul that transformers' own attention functions
-run unchanged, and the decoder's token budget caps the padding's cost (n x width). Rows stay packed in
-``0..n-1``: a row that leaves is replaced by the last one.
+One decode step feeds one token per row. Each model layer keeps its rows in a row layer, row r of every buffer
+belonging to the same request. Rows are padded, not paged: with one query token per row, attention over a padded
+``[n, width]`` block is one batched matmul that transformers' own attention functions run unchanged, and the
+decoder's token budget caps the padding's cost (n x width). Rows stay packed in ``0..n-1``: a row that leaves is
+replaced by the last one.
 
 The masks go to the model as a dict keyed by layer type, under the name the config gives it (``layer_types`` or
 ``layers_block_type``) and a generic one ("full_attention", "sliding_attention", "linear_attention"): the padded
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import (
+    CacheLayerMixin,
     DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
@@ -27,16 +28,217 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from minifaas.model.layer_state import LayerState
-from minifaas.model.row_layers import (
-    PaddedKVLayer,
-    RingKVLayer,
-    RowHybridLayer,
-    RowLayer,
-    RowLinearLayer,
-    StatelessRowLayer,
-)
+from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.state_layout import new_cache
+
+# The row layers. A row layer is sized with ``fit``, takes a request's parts of its layer with ``put``, moves a row
+# with ``move``, and before each step ``prepare`` points at rows 0..n-1:
+# - full attention, ``PaddedKVLayer``: ``[rows, heads, capacity, dim]``, right padded. Row r holds its tokens in
+#   slots ``0..len_r-1`` and writes the new one at slot ``len_r``. The forward sees ``[:n, :, :width]``, width =
+#   longest row + 1, with a mask that hides each row's padding. Capacity grows geometrically (a step copies only
+#   the n new tokens; a row, when it joins or moves) and shrinks once four times what rows need (``fitted``).
+# - sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: position p lives in slot
+#   ``p % window`` (attention is order-free once keys carry their rotary phase, so the ring is never shifted).
+# - linear state, ``RowLinearLayer``: conv and recurrent states stacked by row, ``[:n]`` views updated in place.
+# - attention and linear state in one layer (Falcon-H1, Zamba), ``RowHybridLayer``: both, since the model
+#   reaches both through the same ``cache.layers[i]``; no state (Nemotron-H's MLP/MoE layers), ``StatelessRowLayer``.
+
+SLACK = 16  # rows or tokens a buffer may hold past four times what it needs: no churn at small sizes
+GROWTH = 1024  # up to this many a buffer doubles when it grows; past it, it grows by a quarter
+
+
+def roomy(needed: int) -> int:
+    """What a buffer is sized to when it must change: twice ``needed`` while small, so growing one at a time
+    reallocates rarely; a quarter more once large, so a long row's slots are not doubled."""
+    return needed + min(needed, max(needed // 4, GROWTH)) + 1
+
+
+def fitted(buffer: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
+    """``buffer`` if dimension ``dim`` holds ``needed`` and not four times that (plus ``SLACK``); else a copy of
+    ``roomy(needed)``, its first ``needed`` entries kept (zeros after)."""
+    size = buffer.shape[dim]
+    if needed <= size <= 4 * needed + SLACK:
+        return buffer
+    shape = list(buffer.shape)
+    shape[dim] = roomy(needed)
+    out = buffer.new_zeros(shape)
+    kept = min(size, needed)
+    out.narrow(dim, 0, kept).copy_(buffer.narrow(dim, 0, kept))
+    return out
+
+
+class PaddedKVLayer(CacheLayerMixin):
+    """Full-attention KV of every row, right padded to a shared capacity."""
+
+    parts = (StateKind.FULL_ATTENTION,)
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.buffers: dict[str, torch.Tensor] = {}  # "keys"/"values": [rows, heads, capacity, dim]
+        self.rows, self.width = 0, 0
+        self.write_at = torch.zeros(0, dtype=torch.long)
+
+    def fit(self, rows: int, width: int) -> None:
+        """Room for ``rows`` rows of ``width`` slots, and not four times more (``fitted``)."""
+        for name, buf in self.buffers.items():
+            self.buffers[name] = fitted(fitted(buf, 0, rows), 2, width)
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        state = states[0]
+        for name, t in state.slots:
+            if name not in self.buffers:
+                shape = (roomy(row + 1), t.shape[1], roomy(state.seq_len), t.shape[3])
+                self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
+            self.buffers[name][row, :, : state.seq_len].copy_(t[0])
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        for buf in self.buffers.values():
+            buf[dst, :, :tokens].copy_(buf[src, :, :tokens])
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        self.fit(rows, width)
+        self.rows, self.write_at, self.width = rows, write_at, width
+        self.keys, self.values = self.buffers.get("keys"), self.buffers.get("values")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [rows, heads, 1, dim], one new token per row, written at each row's own position
+        index = torch.arange(self.rows, device=self.device)
+        for name, new in (("keys", key_states), ("values", value_states)):
+            self.buffers[name][index, :, self.write_at] = new[:, :, 0]
+        n, w = self.rows, self.width
+        return self.buffers["keys"][:n, :, :w], self.buffers["values"][:n, :, :w]
+
+    def lazy_initialization(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("rows are added with put(), not by a forward")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.width - 1
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RingKVLayer(PaddedKVLayer):
+    """Sliding-window KV of every row in a ring of ``window`` slots."""
+
+    parts = (StateKind.SLIDING_WINDOW,)
+
+    def __init__(self, window: int, device: torch.device | str) -> None:
+        super().__init__(device)
+        self.window = window
+
+    def fit(self, rows: int, width: int) -> None:
+        for name, buf in self.buffers.items():
+            self.buffers[name] = fitted(buf, 0, rows)
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        # the last `held` tokens, ending at position seq_len - 1; the next step needs window - 1 of them
+        state = states[0]
+        held = min(state.tensor("keys").shape[-2], self.window - 1)
+        slots = torch.arange(state.seq_len - held, state.seq_len, device=self.device) % self.window
+        for name, t in state.slots:
+            if name not in self.buffers:
+                shape = (roomy(row + 1), t.shape[1], self.window, t.shape[3])
+                self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
+            self.buffers[name][row, :, slots] = t[0, :, t.shape[-2] - held :].to(self.device)
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        super().move(src, dst, self.window)
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        super().prepare(rows, write_at % self.window, self.window)
+
+
+class RowLinearLayer(LinearAttentionLayer):
+    """Conv and recurrent states of every row, stacked; the model updates the [:n] views in place."""
+
+    parts = (StateKind.LINEAR_ATTENTION,)
+
+    def __init__(self, number_of_states: int, device: torch.device | str) -> None:
+        super().__init__(number_of_states=number_of_states)
+        self.device = torch.device(device)
+        self.linear_buffers: dict[str, torch.Tensor] = {}  # "conv.<i>" / "recurrent.<i>": [rows, ...]
+
+    def fit(self, rows: int, width: int) -> None:
+        for name, buf in self.linear_buffers.items():
+            self.linear_buffers[name] = fitted(buf, 0, rows)
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        for name, t in states[-1].slots:
+            if name not in self.linear_buffers:
+                shape = (roomy(row + 1), *t.shape[1:])
+                self.linear_buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
+            self.linear_buffers[name][row].copy_(t[0])
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        for buf in self.linear_buffers.values():
+            buf[dst].copy_(buf[src])
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        self.fit(rows, width)
+        for name, buf in self.linear_buffers.items():
+            which, idx = name.split(".")
+            i = int(idx)
+            if which == "conv":
+                self.conv_states[i] = buf[:rows]
+                self.conv_kernel_size[i] = buf.shape[-1]
+                self.is_conv_states_initialized[i] = True
+            else:
+                self.recurrent_states[i] = buf[:rows]
+                self.is_recurrent_states_initialized[i] = True
+            self.has_previous_state[i] = True
+            self.dtype = buf.dtype
+
+
+class RowHybridLayer(PaddedKVLayer, RowLinearLayer):
+    """A layer's attention KV (padded rows) and its linear state (stacked rows), its two parts in that order."""
+
+    parts = (StateKind.FULL_ATTENTION, StateKind.LINEAR_ATTENTION)
+
+    def __init__(self, number_of_states: int, device: torch.device | str) -> None:
+        PaddedKVLayer.__init__(self, device)
+        RowLinearLayer.__init__(self, number_of_states, device)
+
+    def fit(self, rows: int, width: int) -> None:
+        PaddedKVLayer.fit(self, rows, width)
+        RowLinearLayer.fit(self, rows, width)
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        PaddedKVLayer.put(self, row, states)
+        RowLinearLayer.put(self, row, states)
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        PaddedKVLayer.move(self, src, dst, tokens)
+        RowLinearLayer.move(self, src, dst, tokens)
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        PaddedKVLayer.prepare(self, rows, write_at, width)
+        RowLinearLayer.prepare(self, rows, write_at, width)
+
+
+class StatelessRowLayer(DummyLayer):
+    parts: tuple[StateKind, ...] = ()
+
+    def fit(self, rows: int, width: int) -> None:
+        pass
+
+    def put(self, row: int, states: Sequence[LayerState]) -> None:
+        pass
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        pass
+
+    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
+        pass
+
+
+RowLayer = PaddedKVLayer | RowLinearLayer | StatelessRowLayer
 
 
 def row_layer(template: object, device: torch.device) -> RowLayer:

@@ -1,39 +1,125 @@
 """Continuous batching: every running request is a row of one forward per step, one per lane of like lengths.
 
 A request joins as soon as its state has arrived and a row is free, and leaves the moment it finishes or is
-aborted. Rows differ in context length (``batch_cache``), sampling parameters and seeds: each row samples with
-its own parameters at its own absolute position, so it draws the tokens it would draw decoded alone.
+aborted. Rows differ in context length, sampling parameters and seeds: each row samples with its own parameters
+at its own absolute position, so it draws the tokens it would draw decoded alone. Rows are padded to their
+cache's longest (``batch_cache``), so each length class (``lane_of``) is a ``Lane`` with a cache and a forward of
+its own: a 32K-token request pads only its own lane, and a row stays in the lane it joined.
 
 Admission is in arrival order and bounded twice: at most ``max_batch`` rows, and a step may attend to at most
-``step_token_budget`` KV slots, padding included (per lane, rows x (longest + 1)); a lone row always runs. The head of
-the queue waits until it fits; nothing behind it jumps ahead. The budget gates admission only: running rows are
-never preempted. At most ``max_waiting`` requests wait; one more is refused with QueueFull. Both bounds default
-to what the worker's memory holds (``decode_memory``).
+``step_token_budget`` KV slots, padding included (per lane, rows x (longest + 1)); a lone row always runs. The
+head of the queue waits until it fits; nothing behind it jumps ahead, and running rows are never preempted. At
+most ``max_waiting`` requests wait; one more is refused with QueueFull. Both bounds default to what the worker's
+memory holds (``decode_memory``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from minifaas.model.batch_cache import BatchCache
-from minifaas.model.decode_lane import Lane, Row, lane_of
 from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import Decoder, DecoderConfig, QueueFull, StepToken
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import ModelState
-from minifaas.model.runtime import ModelRuntime
-from minifaas.model.sampling import History, SamplingParams
+from minifaas.model.runtime import ModelRuntime, finish_reason
+from minifaas.model.sampling import History, SamplingParams, sample_batch
 
 log = logging.getLogger("minifaas.decode")
+LANE_TOKENS = 4096
+LANE_FACTOR = 8
+
+
+def lane_of(tokens: int) -> int:
+    """The length class of a row of ``tokens``: 0 under ``LANE_TOKENS``, then one more per ``LANE_FACTOR``."""
+    lane, limit = 0, LANE_TOKENS
+    while tokens >= limit:
+        lane, limit = lane + 1, limit * LANE_FACTOR
+    return lane
+
+
+@dataclass(slots=True)
+class Row:
+    request: str
+    sampling: SamplingParams
+    position: int  # absolute position of the newest token, the one the next step feeds
+    history: History  # what the sampler needs of the tokens so far
+    tokens: list[int] = field(default_factory=list)
+    state: ModelState | None = None  # held while waiting, dropped once copied into the batch
+
+
+class Lane:
+    def __init__(self, runtime: ModelRuntime) -> None:
+        self.runtime = runtime
+        self.cache = BatchCache(runtime.config, runtime.device)
+        self.running: list[Row] = []  # running[i] is row i of the cache
+
+    def slots(self, joining: int | None = None) -> int:
+        """KV slots a step attends to, padding included; with a row at position ``joining`` added."""
+        lengths = [*self.cache.lengths, *([] if joining is None else [joining])]
+        return len(lengths) * (max(lengths) + 1) if lengths else 0
+
+    def add(self, row: Row) -> None:
+        assert row.state is not None
+        self.cache.add_row(row.state.layers, row.state.seq_len)
+        row.state = None
+        self.running.append(row)
+
+    def abort(self, request: str) -> bool:
+        for index, row in enumerate(self.running):
+            if row.request == request:
+                self.release(index)
+                return True
+        return False
+
+    def step(self) -> tuple[list[StepToken], torch.Tensor]:
+        """One token for every row, and the logits [rows, vocab] it was drawn from; finished rows leave."""
+        logits = self._forward()
+        self.cache.advance()
+        for row in self.running:
+            row.position += 1
+        eos = self.runtime.eos_token_id
+        params, positions = [r.sampling for r in self.running], [r.position for r in self.running]
+        tokens = sample_batch(logits, params, positions, [r.history for r in self.running], eos)
+        out, finished = [], []
+        for index, (row, token) in enumerate(zip(self.running, tokens)):
+            row.tokens.append(token)
+            row.history.add(token)
+            finish = finish_reason(self.runtime, row.sampling, token, len(row.tokens), row.position)
+            out.append(StepToken(row.request, token, finish))
+            if finish is not None:
+                finished.append(index)
+        for index in reversed(finished):  # highest first, so the row moved into a hole is never one still to go
+            self.release(index)
+        return out, logits
+
+    @torch.no_grad()
+    def _forward(self) -> torch.Tensor:
+        """Logits [rows, vocab] of the token after each row's newest one."""
+        device = self.runtime.device
+        masks = self.cache.prepare_step(self.runtime.model.dtype)
+        ids = torch.tensor([[r.tokens[-1]] for r in self.running], dtype=torch.long, device=device)
+        positions = torch.tensor([[r.position] for r in self.running], dtype=torch.long, device=device)
+        out = self.runtime.model(
+            input_ids=ids, attention_mask=masks, position_ids=positions, cache=self.cache.cache, use_cache=True
+        )
+        return out.logits[:, -1].float().cpu()
+
+    def release(self, index: int) -> None:
+        moved = self.cache.remove_row(index)
+        if moved is not None:
+            self.running[index] = self.running[moved]
+        self.running.pop()
 
 
 class BatchDecoder:
     def __init__(self, runtime: ModelRuntime, config: DecoderConfig | None = None) -> None:
         self.runtime, self.config = runtime, sized_for(config or DecoderConfig(), runtime)
-        self.lanes: dict[int, Lane] = {0: Lane(runtime)}  # by length class (``decode_lane``); the first kept
+        self.lanes: dict[int, Lane] = {0: Lane(runtime)}  # by length class (``lane_of``); the first kept
         self.waiting: deque[Row] = deque()
         self.last_logits: torch.Tensor | None = None  # [rows, vocab] of the last step, rows in its output's order
 
