@@ -263,11 +263,12 @@ async def replay(recording: Recording, seconds: float, out: Any) -> float:
 
 
 def serving_prefill(runtime: Any, ids: list[int], chunk_tokens: int, snapshots: bool, out: Recording) -> float:
-    """One prompt through the prefill worker's own streaming code (``compute_streaming`` and its
-    ``LayerForwarder``), with a cold prefix cache (segments at its snapshot points) or none."""
+    """One prompt through the prefill worker's own streaming code (``PrefixStore.compute`` into a
+    ``TransferSink``), with a cold prefix cache (segments at its snapshot points) or none."""
     from minifaas.cache.pool import PoolConfig
+    from minifaas.model.sampling import GREEDY
     from minifaas.model.state_layout import needs_snapshot
-    from minifaas.worker.prefill_service import LayerForwarder, compute_streaming
+    from minifaas.worker.prefill_service import TransferSink
     from minifaas.worker.prefix_store import PrefixStore
 
     layout = runtime.layout.kinds
@@ -276,8 +277,7 @@ def serving_prefill(runtime: Any, ids: list[int], chunk_tokens: int, snapshots: 
     plan = store.begin(ids, 0.0)
     if not chunk_tokens:  # as the service does: these segments run before the transfer opens
         store.advance(runtime, plan)
-    forward = LayerForwarder(out.put_threadsafe, out.put_tokens_threadsafe, 0, len(ids))
-    compute_streaming(store, runtime, plan, forward, chunk_tokens)
+    store.compute(runtime, plan, TransferSink(out, 0, len(ids)), GREEDY, chunk_tokens)  # type: ignore[arg-type]
     return time.perf_counter()
 
 

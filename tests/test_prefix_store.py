@@ -86,10 +86,17 @@ def test_the_same_prompt_again_streams_the_same_state_and_samples_the_same_token
     tokens = _tokens(7, 4 * BLOCK + 9)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
 
+    class Layers(list):  # a sink that keeps what it is given
+        def put_layer(self, layer: LayerState) -> None:
+            self.append(layer)
+
+        def put_tokens(self, piece: LayerState, start: int, total: int) -> None:
+            raise AssertionError("a prefill in one forward puts whole layers")
+
     def send() -> tuple[int, int, list[LayerState], list[int]]:
-        layers: list[LayerState] = []
+        layers = Layers()
         plan = store.begin(tokens, now=0.0)
-        computed = store.compute(rt, plan, layers.append, sampled)
+        computed = store.compute(rt, plan, layers, sampled)
         store.finish(plan, computed, now=0.0)
         out = rt.start_decode(computed.result.state, computed.result.next_token, sampled).run()
         return plan.hit_tokens, computed.result.computed_tokens, layers, out

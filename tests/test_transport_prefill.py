@@ -22,12 +22,12 @@ from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
-from minifaas.model.sampling import SamplingParams
+from minifaas.model.sampling import GREEDY, SamplingParams
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.transport.synthetic import same_state
-from minifaas.worker.prefill_service import LayerForwarder, PrefillService, compute_streaming
+from minifaas.worker.prefill_service import PrefillService, TransferSink
 from minifaas.worker.prefix_store import PrefixStore
 
 SECRET = b"cluster-secret-0123456789abcdef"
@@ -95,14 +95,17 @@ def test_streamed_pieces_rebuild_the_computed_state_bit_exact(runtime: ModelRunt
             config = SenderConfig("127.0.0.1", rx.port, SECRET, connections=2, chunk_bytes=4096)
             async with KVSender(config) as sender, sender.stream(5, runtime.num_states) as tx:
 
-                def put_tokens(piece: LayerState, start: int, total: int) -> None:
-                    pieces.append((piece.layer, start, start + piece.seq_len, total))
-                    tx.put_tokens_threadsafe(piece, start, total)
+                class Recorded:  # the transfer, with every token range put in it noted
+                    put_threadsafe = tx.put_threadsafe
 
-                forward = LayerForwarder(tx.put_threadsafe, put_tokens, link_start, len(SECOND))
-                computed = await asyncio.to_thread(compute_streaming, store, runtime, plan, forward, 24)
+                    def put_tokens_threadsafe(self, piece: LayerState, start: int, total: int) -> None:
+                        pieces.append((piece.layer, start, start + piece.seq_len, total))
+                        tx.put_tokens_threadsafe(piece, start, total)
+
+                sink = TransferSink(Recorded(), link_start, len(SECOND))  # type: ignore[arg-type]
+                computed = await asyncio.to_thread(store.compute, runtime, plan, sink, GREEDY, 24)
             store.finish(plan, computed, 1.0)
-            assert forward.nbytes > 0
+            assert sink.nbytes > 0
             return computed, await rx.transfer(5).model_state(), segments
 
     computed, received, segments = run(main())

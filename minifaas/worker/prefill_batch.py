@@ -5,7 +5,7 @@ A prefill service's ``Batcher`` keeps its queue for the compute lock. The prompt
 snapshot point inside (``cold``), ride along, taken off the queue; a queued prompt waits for the lock or a ride,
 whichever comes first (``turn_or_ride``). Each member opens its own transfer and ``join``s; the forward
 (``model.batch_prefill``) starts once every member has joined or left, each row's layer states streaming to its
-own transfer as it is made (``row``). A member aborted meanwhile loses only its row; the others go on. Why a
+own transfer's sink as it is made (``row``). A member aborted meanwhile loses only its row; the others go on. Why a
 batch pays: docs/RESULTS.md, section 35.
 """
 
@@ -19,10 +19,10 @@ from typing import Protocol, TypeVar
 
 from minifaas.model.batch_prefill import prefill_batch
 from minifaas.model.decode_memory import RowBytes, row_bytes
-from minifaas.model.runtime import ModelRuntime, OnLayer
+from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.outgoing import KVSender
-from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
+from minifaas.worker.prefix_store import CachedPrefill, Computed, LayerSink, PrefixStore
 
 T = TypeVar("T")
 
@@ -34,6 +34,7 @@ class Member(Protocol):
     adopted: asyncio.Future[None] | None
     batch: PrefillBatch | None
     sender: KVSender
+    sink: LayerSink | None  # where its row's layers go, once its transfer is open
 
     @property
     def tokens(self) -> list[int]: ...
@@ -95,7 +96,7 @@ def gather(leader: Member, waiting: list[Member], store: PrefixStore, budget: in
 class PrefillBatch:
     def __init__(self, leader: Member, riders: list[Member], waiting: list[Member]) -> None:
         self.members = [leader, *riders]
-        self.rows: list[tuple[Member, OnLayer]] = []  # those that joined, each with where its layers go
+        self.rows: list[Member] = []  # those that joined, each with its sink
         self._pending = set(range(len(self.members)))
         self._in = asyncio.Event()
         self._results: asyncio.Future[list[Computed | Exception]] = asyncio.get_running_loop().create_future()
@@ -110,9 +111,9 @@ class PrefillBatch:
     def leader(self) -> Member:
         return self.members[0]
 
-    def join(self, member: Member, on_layer: OnLayer) -> None:
-        """``member``'s transfer is open: its row's layers go to ``on_layer``."""
-        self.rows.append((member, on_layer))
+    def join(self, member: Member) -> None:
+        """``member``'s transfer is open: its row's layers go to its sink."""
+        self.rows.append(member)
         self._gone(member)
 
     def leave(self, member: Member) -> None:
@@ -139,17 +140,17 @@ class PrefillBatch:
     async def outcome(self, member: Member) -> Computed:
         """``member``'s row of the forward, or the exception that ended it."""
         results = await asyncio.shield(self._results)
-        result = results[next(i for i, (m, _) in enumerate(self.rows) if m is member)]
+        result = results[next(i for i, m in enumerate(self.rows) if m is member)]
         if isinstance(result, Exception):
             raise result
         return result
 
 
-def compute_batch(
-    runtime: ModelRuntime, store: PrefixStore, rows: list[tuple[Member, OnLayer]]
-) -> list[Computed | Exception]:
-    """The rows' prompts as one forward. Blocking: run it in a thread."""
-    results = prefill_batch(runtime, [m.tokens for m, _ in rows], [f for _, f in rows], [m.sampling for m, _ in rows])
+def compute_batch(runtime: ModelRuntime, store: PrefixStore, rows: list[Member]) -> list[Computed | Exception]:
+    """The rows' prompts as one forward, each row's layers put in its sink. Blocking: run it in a thread."""
+    sinks = [m.sink.put_layer for m in rows if m.sink is not None]
+    assert len(sinks) == len(rows), "a row joined before its transfer was open"
+    results = prefill_batch(runtime, [m.tokens for m in rows], sinks, [m.sampling for m in rows])
     return [r if isinstance(r, Exception) else Computed(r, cut=not store.enabled) for r in results]
 
 
@@ -185,12 +186,12 @@ class Batcher:
             PrefillBatch(leader, riders, self.waiting)
             self.riders += len(riders)
 
-    async def row(self, member: Member, on_layer: OnLayer, stop: threading.Event) -> Computed:
+    async def row(self, member: Member, stop: threading.Event) -> Computed:
         """``member``'s row of its batch's forward. Cancelled, the row stops at its next layer (``stop``) and the
         forward goes on for the others; the leader runs it, and returns only once it has ended."""
         batch = member.batch
         assert batch is not None
-        batch.join(member, on_layer)
+        batch.join(member)
         if batch.leader is member:
             await until_done(stop, asyncio.ensure_future(batch.run(self.runtime, self.store)))
         try:

@@ -1,28 +1,27 @@
 """A prefill worker's job: run prompts through the model and stream each layer's state as it is made.
 
-The core (``_run``): load the prompt's cached prefix, run the rest on the forward thread, hand each layer's
-state to the sender as it is made, report. With ``chunk_tokens`` every forward runs in chunks and each chunk's
-full-attention KV goes out once it has passed the layer; with 0 the snapshot segments run before the transfer
-opens and the last segment streams by layer. ``export`` sends a cached prefix to another cluster's node, whose
-``prefill`` takes it in first (``import``; a move that fails is logged, counted and done without).
+``prefill`` waits for the prompt's turn at the compute lock (arrival order), then chooses once how it runs: alone
+with its cached prefix pinned and loaded (``PrefixStore.begin``), or leading the short prompts queued behind it
+in one forward (``prefill_batch``, with ``batch_tokens``). The core (``_run``): open the transfer, run the
+forwards with the transfer's ``TransferSink`` (``put_layer``, ``put_tokens``), send the first token, reply. With
+``chunk_tokens`` every forward runs in chunks and each chunk's full-attention KV goes out once it has passed the
+layer; with 0 the snapshot segments run before the transfer opens and the last segment streams by layer.
 
-Around the core: one prompt computes at a time, in arrival order (``_turn``); the first token goes out once
-the forwards end; the pool keeps the prompt's blocks and snapshots beside the transfer's tail, the compute lock
+Around the core: the pool keeps the prompt's blocks and snapshots beside the transfer's tail, the compute lock
 held until they are in so the next prompt sees them (``_keep``). An abort takes a waiting prompt out of the
-queue or stops a running forward at its next layer that hands state on (``_until_stopped``), lets the lock go
-only once that forward's thread has ended, resets the transfer and stores nothing. Codecs: the gateway's, if
-allowed, else the nearest (``calibrate`` measures each). Short prompts queued at once may ride in the forward of
-the one whose turn came (``prefill_batch``, with ``batch_tokens``).
+queue or stops a running forward at its sink's next put, lets the lock go only once that forward's thread has
+ended, resets the transfer and stores nothing. ``export`` sends a cached prefix to another cluster's node, whose
+``prefill`` takes it in first (``import``; a move that fails is logged, counted and done without). Codecs: the
+gateway's, if allowed, else the nearest (``calibrate`` measures each).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -30,11 +29,11 @@ from minifaas.codec.codec import Codec, usable
 from minifaas.control.worker_ops import Reply, sampling_from_json
 from minifaas.model.host_copy import HostCopier
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
-from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens
-from minifaas.model.sampling import GREEDY, SamplingParams
+from minifaas.model.runtime import ModelRuntime
+from minifaas.model.sampling import SamplingParams
 from minifaas.net.errors import TransferError
 from minifaas.transport.codec_probe import probe
-from minifaas.transport.outgoing import KVSender, SenderConfig, TransferReport
+from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig, TransferReport
 from minifaas.transport.receiver import KVReceiver
 from minifaas.worker.prefill_batch import Batcher, PrefillBatch, until_done
 from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
@@ -74,10 +73,14 @@ class PrefillService:
         self.senders: dict[tuple[str, int], KVSender] = {}
         self.compute = asyncio.Lock()  # one prompt computes at a time; held until the pool has kept its part
         self.batcher = Batcher(self.compute, runtime, store, batch_tokens)  # the queue for it, and its batches
-        self.queued_tokens = 0
+        self.queued: set[PrefillJob] = set()  # prompts waiting for their turn or in their forwards
         self._keeping: set[asyncio.Task[None]] = set()  # stores into the pool still under way
         self.kept: Callable[[], None] | None = None  # called after each store (the session sends the pool's news)
         self.stopped_at: dict[str, int] = {}  # aborted request -> prompt tokens its forward had handed on
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(len(job.tokens) for job in self.queued)
 
     def sender(self, host: str, port: int) -> KVSender:
         key = (host, port)
@@ -90,94 +93,66 @@ class PrefillService:
         """Prefill ``msg["tokens"]``, stream the state to ``msg["kv"]``; the ``prefilled`` reply. ``first`` gets
         the first token (``{"op": "first"}``) as soon as the forwards are done, ahead of the transfer's tail.
         Cancelling the task aborts the request: the forward stops early, ``stopped_at[req]`` says how far."""
-        job = _Job(msg, sampling_from_json(msg["sampling"]), self.sender(*msg["kv"]), time.perf_counter(), first)
+        job = PrefillJob(msg, sampling_from_json(msg["sampling"]), self.sender(*msg["kv"]), time.perf_counter())
         if "import" in msg:
             await self._import(job.tokens, msg["import"])
-        async with self._turn(job):
-            return await self._run(job)
-
-    async def _run(self, job: _Job) -> dict:
-        """The core: load the cached prefix, run the forwards, hand each layer's state to the sender, report."""
-        msg, tokens, stop = job.msg, job.tokens, job.stop
-        if job.batch is None:  # else a batch ahead took it along, planned
-            job.plan = self.store.begin(tokens, job.started, msg.get("seen_tokens", 0))
-            self.batcher.gather(job)
-        if not self.chunk_tokens and job.batch is None:  # the snapshot segments, before the transfer
-            await self._until_stopped(stop, self.store.advance, self.runtime, job.plan)
-        connections = self.batcher.connections(job, self.connections)  # a batch's states are a few chunks each
-        async with job.sender.stream(msg["transfer"], self.runtime.num_states, 0, self.codec(msg), connections) as tx:
-            link_start = msg.get("link_start", 0)
-            job.forward = LayerForwarder(tx.put_threadsafe, tx.put_tokens_threadsafe, link_start, len(tokens), stop)
-            computed = await (self._forwards(job) if job.batch is None else self.batcher.row(job, job.forward, stop))
-            self._forwarded(job, computed)
-        assert tx.report is not None
-        return _prefilled(job, computed, tx.report, time.perf_counter())
-
-    @contextlib.asynccontextmanager
-    async def _turn(self, job: _Job) -> AsyncIterator[None]:
-        """The prompt's turn at the compute lock, in arrival order. However the prompt ends, what it still holds
-        is given back (the pool's task gives back what it took over), and an aborted one's progress is kept."""
-        self.queued_tokens += len(job.tokens)
-        job.queued = True
+        self.queued.add(job)
         try:
-            job.held = await self.batcher.turn(job)
+            job.holds_lock = await self.batcher.turn(job)  # False: a batch ahead took it along, planned
             job.started = time.perf_counter()
-            yield
+            if job.batch is None:  # batching is chosen once, here: alone, or leading the prompts queued behind
+                job.plan = self.store.begin(job.tokens, job.started, msg.get("seen_tokens", 0))
+                self.batcher.gather(job)
+            return await self._run(job, first)
         except asyncio.CancelledError:
-            self.stopped_at[job.msg["req"]] = job.forward.handed_tokens if job.forward is not None else 0
+            self.stopped_at[msg["req"]] = job.sink.handed_tokens if job.sink is not None else 0
             raise
-        finally:
+        finally:  # whatever the pool's task did not take over is given back
             if job.batch is not None:
                 job.batch.leave(job)
-            if not job.keeping and job.plan is not None:
+            self.queued.discard(job)
+            if job.plan is not None:
                 self.store.release(job.plan)
-            self._unqueue(job)
-            if not job.keeping:
-                self._unlock(job)
+            if job.holds_lock:
+                self.compute.release()
 
-    async def _forwards(self, job: _Job) -> Computed:
-        """The forwards that stream; once they end, however they end, the prompt no longer counts as queued."""
-        try:
-            return await self._until_stopped(
-                job.stop, compute_streaming, self.store, self.runtime, job.plan, job.forward, self.chunk_tokens,
-                job.sampling,
-            )  # fmt: skip
-        finally:
-            self._unqueue(job)
-
-    def _forwarded(self, job: _Job, computed: Computed) -> None:
-        """The forwards are done: the first token goes out (the client may see it while the tail is still on the
-        wire), and the pool keeps its part while the transfer's tail drains and the reply goes out."""
-        job.computed_at = time.perf_counter()
-        if job.first is not None:
-            msg = job.msg
-            job.first({"op": Reply.FIRST, "req": msg["req"], "transfer": msg["transfer"],
+    async def _run(self, job: PrefillJob, first: Callable[[dict], None] | None) -> dict:
+        """The core: the forwards, each layer put in the transfer's sink as it is made; the first token; the reply."""
+        msg, plan = job.msg, job.plan
+        assert plan is not None
+        if job.batch is None and not self.chunk_tokens:  # the snapshot segments, before the transfer opens
+            await self._on_forward_thread(job, self.store.advance, self.runtime, plan)
+        connections = self.batcher.connections(job, self.connections)  # a batch's states are a few chunks each
+        async with job.sender.stream(msg["transfer"], self.runtime.num_states, 0, self.codec(msg), connections) as tx:
+            job.sink = TransferSink(tx, msg.get("link_start", 0), len(job.tokens), job.stop)
+            if job.batch is None:
+                computed = await self._on_forward_thread(
+                    job, self.store.compute, self.runtime, plan, job.sink, job.sampling, self.chunk_tokens
+                )
+                self.queued.discard(job)  # its forwards are done (a batch's rows count as queued until their reply)
+            else:
+                computed = await self.batcher.row(job, job.stop)
+            computed_at = time.perf_counter()
+            if first is not None:  # the client may see it while the transfer's tail is still on the wire
+                first({"op": Reply.FIRST, "req": msg["req"], "transfer": msg["transfer"],
                        "next_token": computed.result.next_token})  # fmt: skip
-        self._keep(job, computed)
+            self._keep(job, computed)
+        assert tx.report is not None
+        return _prefilled(job, plan, computed, tx.report, computed_at, time.perf_counter())
 
-    def _unqueue(self, job: _Job) -> None:
-        if job.queued:
-            job.queued = False
-            self.queued_tokens -= len(job.tokens)
+    async def _on_forward_thread(self, job: PrefillJob, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the runtime's forward thread. If the awaiting task is cancelled, set ``job.stop`` and
+        wait for the thread to end (a forward checks it at its next layer) before the cancellation goes on: the
+        compute lock must not be let go while a forward still runs."""
+        return await until_done(job.stop, asyncio.ensure_future(self.runtime.on_forward_thread(fn, *args)))
 
-    def _unlock(self, job: _Job) -> None:
-        """The next prompt's turn."""
-        if job.held:
-            job.held = False
-            self.compute.release()
-
-    async def _until_stopped(self, stop: threading.Event, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on the runtime's forward thread. If the awaiting task is cancelled, set ``stop`` and
-        wait for the thread to end (a forward checks ``stop`` at its next layer) before the cancellation goes
-        on: the compute lock must not be let go while a forward still runs."""
-        return await until_done(stop, asyncio.ensure_future(self.runtime.on_forward_thread(fn, *args)))
-
-    def _keep(self, job: _Job, computed: Computed) -> None:
+    def _keep(self, job: PrefillJob, computed: Computed) -> None:
         """Copy out (on the forward thread) and store what the pool keeps of a computed prompt, then let the next
         prompt compute: it sees this one's blocks. Nobody waits on it for a first token. It takes the prompt's
-        plan and compute lock over from ``_turn``."""
-        plan = job.plan
+        plan and compute lock over."""
+        plan, holds_lock = job.plan, job.holds_lock
         assert plan is not None
+        job.plan, job.holds_lock = None, False
 
         async def keep() -> None:
             try:
@@ -188,12 +163,12 @@ class PrefillService:
                 log.exception("storing a prompt's prefix in the pool failed")
             finally:
                 self.store.release(plan)
-                self._unlock(job)
+                if holds_lock:  # the next prompt's turn
+                    self.compute.release()
                 if self.kept is not None:
                     self.kept()
 
         task = asyncio.ensure_future(keep())
-        job.keeping = True
         self._keeping.add(task)
         task.add_done_callback(self._keeping.discard)
 
@@ -242,47 +217,46 @@ class PrefillService:
             await sender.__aexit__(None, None, None)
 
 
-@dataclass(slots=True)
-class _Job:
-    """A prompt on its way through the service, and what it holds of it, so that it gives back just that."""
+@dataclass(eq=False, slots=True)
+class PrefillJob:
+    """A prompt on its way through the service, and what it holds: its plan and the compute lock, until the
+    pool's task takes them over."""
 
     msg: dict
     sampling: SamplingParams
     sender: KVSender
     arrived: float
-    first: Callable[[dict], None] | None  # gets the first token
+    started: float = 0.0  # its turn came
     stop: threading.Event = field(default_factory=threading.Event)  # set on abort: the forward stops
-    started: float = 0.0  # its turn at the compute came
-    computed_at: float = 0.0  # its forwards were done
-    queued: bool = False  # its tokens count in queued_tokens
-    held: bool = False  # it holds the compute lock
-    keeping: bool = False  # the pool's task has taken its plan and the lock over
+    holds_lock: bool = False
     plan: CachedPrefill | None = None  # its pinned hit
-    forward: LayerForwarder | None = None  # how far its forward got
-    adopted: asyncio.Future[None] | None = None  # set when a batch ahead of it takes it along
+    sink: TransferSink | None = None  # where its forward puts its layers, and how far it got
     batch: PrefillBatch | None = None  # the batch whose forward computes it (it may lead it)
+    adopted: asyncio.Future[None] | None = None  # set when a batch ahead of it takes it along
 
     @property
     def tokens(self) -> list[int]:
         return self.msg["tokens"]
 
 
-def _prefilled(job: _Job, computed: Computed, report: TransferReport, finished: float) -> dict:
+def _prefilled(
+    job: PrefillJob, plan: CachedPrefill, computed: Computed, report: TransferReport, computed_at: float, now: float
+) -> dict:
     """The reply: the first token, what the cache saved, where the time went, what the codec did."""
-    assert job.plan is not None and job.forward is not None
+    assert job.sink is not None
     result = computed.result
     return {
         "op": Reply.PREFILLED,
         "req": job.msg["req"],
         "transfer": job.msg["transfer"],
         "next_token": result.next_token,
-        "kv_bytes": job.forward.nbytes,
-        "cached_tokens": job.plan.hit_tokens,
+        "kv_bytes": job.sink.nbytes,
+        "cached_tokens": plan.hit_tokens,
         "computed_tokens": result.computed_tokens,
         "queue_s": job.started - job.arrived,
         "prefill_s": result.seconds,
-        "transfer_tail_s": finished - job.computed_at,
-        "worker_s": finished - job.started,
+        "transfer_tail_s": now - computed_at,
+        "worker_s": now - job.started,
         **coding(report),
     }
 
@@ -297,34 +271,18 @@ def coding(report: TransferReport) -> dict:
     }
 
 
-def compute_streaming(
-    store: PrefixStore,
-    runtime: ModelRuntime,
-    plan: CachedPrefill,
-    forward: LayerForwarder,
-    chunk_tokens: int,
-    sampling: SamplingParams = GREEDY,
-) -> Computed:
-    """The rest of ``plan``'s prompt, streamed to ``forward``: with ``chunk_tokens``, every forward in
-    token chunks; without, the last segment by layer. Blocking: run it in a thread."""
-    on_tokens = forward.tokens if chunk_tokens else None
-    return store.compute(runtime, plan, forward, sampling, chunk_tokens, on_tokens)
+class TransferSink:
+    """A ``LayerSink`` onto a prompt's transfer: where its forward puts its layers, from the forward's thread.
 
-
-class LayerForwarder:
-    """Puts each finished layer, or new token range of a full-attention layer, on the wire.
-
-    Full-attention KV goes only from ``link_start`` on, since the decode node
-    already holds the tokens before it (incremental transfer). Token ranges may
-    come from several forwards (segments of a prompt of ``total`` tokens), each
-    of which hands over its prefix again: only the tokens not yet sent go out.
+    ``put_layer`` takes a finished layer, ``put_tokens`` a token range of a full-attention layer (prefill in
+    token chunks; the ranges of one layer come in order, from one or several forwards, each of which hands over
+    its prefix again: only tokens not yet sent go out). Full-attention KV goes only from ``link_start`` on,
+    since the decode node already holds the tokens before it (incremental transfer). Once ``stop`` is set, the
+    next put raises ``Stopped`` in the forward.
     """
 
-    def __init__(
-        self, put: OnLayer, put_tokens: OnTokens, link_start: int, total: int, stop: threading.Event | None = None
-    ) -> None:
-        self.put, self.put_tokens, self.link_start, self.total = put, put_tokens, link_start, total
-        self.stop = stop
+    def __init__(self, tx: OutgoingTransfer, link_start: int, total: int, stop: threading.Event | None = None) -> None:
+        self.tx, self.link_start, self.total, self.stop = tx, link_start, total, stop
         self.nbytes = 0
         self.handed_tokens = 0  # the furthest token any layer has handed on
         self._sent: dict[int, int] = {}  # full-attention layer -> tokens [0, n) handed over (or skipped)
@@ -334,14 +292,14 @@ class LayerForwarder:
             raise Stopped(f"aborted after {self.handed_tokens} of {self.total} tokens")
         self.handed_tokens = max(self.handed_tokens, end)
 
-    def __call__(self, layer: LayerState) -> None:
+    def put_layer(self, layer: LayerState) -> None:
         self._check(self.total)
         if self.link_start and layer.kind is StateKind.FULL_ATTENTION:
             layer = layer.slice_tokens(self.link_start, layer.seq_len)
         self.nbytes += layer.nbytes
-        self.put(layer)
+        self.tx.put_threadsafe(layer)
 
-    def tokens(self, piece: LayerState, start: int, _forward_total: int) -> None:
+    def put_tokens(self, piece: LayerState, start: int, _forward_total: int) -> None:
         """Tokens [start, start + piece.seq_len) of a full-attention layer of the prompt."""
         end, skip = start + piece.seq_len, self.link_start
         self._check(end)
@@ -352,6 +310,6 @@ class LayerForwarder:
         self._sent[piece.layer] = end
         self.nbytes += piece.nbytes
         if first == skip and end == self.total:  # the whole part of the layer that crosses the link
-            self.put(piece)
+            self.tx.put_threadsafe(piece)
         else:
-            self.put_tokens(piece, first - skip, self.total - skip)
+            self.tx.put_tokens_threadsafe(piece, first - skip, self.total - skip)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,10 +30,18 @@ from minifaas.cache.events import CacheEvent
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.cache.prefix_index import EntryKind
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
-from minifaas.model.runtime import ModelRuntime, OnLayer, OnTokens, PrefillResult
+from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
 
 Payload = tuple[LayerState, ...]
+
+
+class LayerSink(Protocol):
+    """Where a prefill puts its layers as they become final (``prefill_service.TransferSink``: on the wire)."""
+
+    def put_layer(self, layer: LayerState) -> None: ...
+
+    def put_tokens(self, piece: LayerState, start: int, total: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +125,13 @@ class PrefixStore:
         return payload.logits if isinstance(payload, Snapshot) else None
 
     def advance(
-        self, runtime: ModelRuntime, plan: CachedPrefill, chunk_tokens: int = 0, on_tokens: OnTokens | None = None
+        self, runtime: ModelRuntime, plan: CachedPrefill, sink: LayerSink | None = None, chunk_tokens: int = 0
     ) -> None:
-        """Prefill up to the last snapshot point inside the prompt, keeping the state at each. Blocking.
-        ``chunk_tokens`` and ``on_tokens`` go to every forward (``ModelRuntime.prefill``)."""
+        """Prefill up to the last snapshot point inside the prompt, keeping the state at each. Blocking. With
+        ``chunk_tokens`` every forward runs in chunks, its full-attention tokens streaming to ``sink``."""
         tokens = plan.keys.tokens
         assert tokens is not None
+        on_tokens = sink.put_tokens if sink is not None and chunk_tokens else None
         for end in plan.points:
             if end <= plan.done:
                 continue
@@ -134,18 +144,20 @@ class PrefixStore:
         self,
         runtime: ModelRuntime,
         plan: CachedPrefill,
-        on_layer: OnLayer | None = None,
+        sink: LayerSink | None = None,
         sampling: SamplingParams = GREEDY,
         chunk_tokens: int = 0,
-        on_tokens: OnTokens | None = None,
     ) -> Computed:
-        """Prefill the rest of the prompt (``on_layer`` sees only this last forward's layers). Blocking: run it
-        in a thread. What the pool keeps of it is cut later (``cut``, ``finish``)."""
+        """Prefill the rest of the prompt, streaming it to ``sink``: with ``chunk_tokens``, every forward in token
+        chunks; without, the last forward by layer. Blocking: run it in a thread. What the pool keeps of it is
+        cut later (``cut``, ``finish``)."""
         if plan.logits is not None:
-            return Computed(replayed(runtime, plan, on_layer, sampling), cut=True)
-        self.advance(runtime, plan, chunk_tokens, on_tokens)
+            return Computed(replayed(runtime, plan, sink, sampling), cut=True)
+        self.advance(runtime, plan, sink, chunk_tokens)
         tokens = plan.keys.tokens
         assert tokens is not None
+        on_layer = sink.put_layer if sink is not None else None
+        on_tokens = sink.put_tokens if sink is not None and chunk_tokens else None
         result = runtime.prefill(tokens[plan.done :], plan.state, on_layer, sampling, chunk_tokens, on_tokens)
         result.seconds += plan.seconds
         result.computed_tokens = len(tokens) - plan.hit_tokens
@@ -207,15 +219,15 @@ class PrefixStore:
 
 
 def replayed(
-    runtime: ModelRuntime, plan: CachedPrefill, on_layer: OnLayer | None, sampling: SamplingParams
+    runtime: ModelRuntime, plan: CachedPrefill, sink: LayerSink | None, sampling: SamplingParams
 ) -> PrefillResult:
     """A prompt held whole: its cached state handed on layer by layer, its first token sampled from the kept
     logits, as the forward that computed them sampled it. No forward runs."""
     start = time.perf_counter()
     assert plan.state is not None and plan.logits is not None
-    if on_layer is not None:
+    if sink is not None:
         for layer in plan.state.layers:
-            on_layer(layer)
+            sink.put_layer(layer)
     n = plan.keys.num_tokens
     token = sample(plan.logits, sampling, n, eos_token_id=runtime.eos_token_id)
     return PrefillResult(plan.state, token, plan.logits, 0, time.perf_counter() - start)
