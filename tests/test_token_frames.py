@@ -17,7 +17,7 @@ from minifaas.launch.launcher import WorkerSpec
 from minifaas.model.runtime import ModelRuntime
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.worker.decode_service import DecodeService
-from minifaas.worker.gateway_session import GatewaySession, WorkerNode
+from minifaas.worker.gateway_session import DecodeSession, WorkerNode
 
 SECRET = b"token-frames-secret-0123456789"
 
@@ -32,11 +32,11 @@ def test_a_steps_tokens_leave_as_one_frame_and_arrive_in_each_requests_inbox() -
     async def scenario() -> tuple[list[dict], dict[str, list[dict]]]:
         read = asyncio.Event()  # the gateway side has every frame: the worker side may end
         async with KVReceiver(ReceiverConfig(SECRET)) as receiver:
-            service = DecodeService(runtime, receiver, 30.0)  # type: ignore[arg-type]
-            node = WorkerNode("pd-d0", "decode", "pd", "kimi-linear-tiny", service, None, None, 1, {})
+            service = DecodeService(runtime, receiver, 30.0)
+            node = WorkerNode("pd-d0", "decode", "pd", "kimi-linear-tiny", None, 1, {})
 
             async def worker_side(session: Session) -> None:
-                worker = GatewaySession(node, session, 30.0)
+                worker = DecodeSession(node, session, 30.0, service, None)
                 for step in range(2):  # two steps, each one turn of the loop
                     for req in ("a", "b", "c"):
                         worker.emit(token(req, 10 * step + ord(req), "length" if step and req == "b" else None))

@@ -18,22 +18,35 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from minifaas.control.worker_ops import Reply, sampling_from_json
-from minifaas.model.batch_decoder import make_decoder
+from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, finish_reason
 from minifaas.model.sampling import SamplingParams
-from minifaas.transport.receiver import KVReceiver
 
 Emit = Callable[[dict], None]
+
+
+class ArrivingState(Protocol):
+    async def model_state(self) -> ModelState: ...
+
+
+class StateSource(Protocol):
+    """Where a decode worker's request states arrive: a ``KVReceiver``, or the node's prefix cache joined onto
+    one (``decode_prefix.JoiningReceiver``), which hands out whole states however much of them crossed the link."""
+
+    def transfer(self, transfer_id: int) -> ArrivingState: ...
+
+
 Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, next token, sampling, transfer
 
 
 class DecodeService:
     def __init__(
-        self, runtime: ModelRuntime, receiver: KVReceiver, state_timeout: float, config: DecoderConfig | None = None
+        self, runtime: ModelRuntime, receiver: StateSource, state_timeout: float, config: DecoderConfig | None = None
     ) -> None:
         self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
         self.config = config or DecoderConfig()
@@ -44,6 +57,11 @@ class DecodeService:
         self.arrivals: list[Arrival] = []  # came in during a step
         self.aborts: set[str] = set()  # aborted during a step
         self.wakeup = asyncio.Event()
+
+    @property
+    def max_batch(self) -> int:
+        """Rows per forward, as the decoder was sized."""
+        return self.decoder.config.max_batch if isinstance(self.decoder, BatchDecoder) else 1
 
     @property
     def load(self) -> int:

@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +30,7 @@ from minifaas.codec.codec import Codec, codecs_for
 from minifaas.config import NAME_PREFIX
 from minifaas.control.secret import load_secret
 from minifaas.control.server import ControlServer
+from minifaas.control.session import Session
 from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import DecoderConfig
@@ -39,7 +43,7 @@ from minifaas.parent_watch import exit_when_stdin_closes
 from minifaas.transport.receiver import MAX_OPEN_TRANSFERS, KVReceiver, ReceiverConfig
 from minifaas.worker.decode_prefix import DecodePrefixCache, JoiningReceiver
 from minifaas.worker.decode_service import DecodeService
-from minifaas.worker.gateway_session import WorkerNode, serve_gateway
+from minifaas.worker.gateway_session import DecodeSession, PrefillSession, WorkerNode, WorkerSession
 from minifaas.worker.prefill_service import PrefillService
 from minifaas.worker.prefix_store import PrefixStore
 
@@ -71,14 +75,13 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     codecs = codecs_for(args.kv_compression)
     async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
         build = _decode_side if args.role == "decode" else _prefill_side
-        service, prefixes, kv, measured = await build(args, runtime, name, secret, codecs, stack)
-        decode_loop = tg.create_task(service.run()) if isinstance(service, DecodeService) else None
-        pid, kernels = os.getpid(), runtime.kernels.label
+        side = await build(args, runtime, name, secret, codecs, stack)
+        decode_loop = tg.create_task(side.loop()) if side.loop is not None else None
         node = WorkerNode(
-            name, args.role, args.cluster, runtime.spec.name, service, prefixes, kv, pid, measured, kernels
+            name, args.role, args.cluster, runtime.spec.name, side.kv, os.getpid(), side.codecs, runtime.kernels.label
         )
         server = ControlServer(
-            args.listen, secret, lambda session: serve_gateway(node, session, args.gateway_deadline),
+            args.listen, secret, lambda session: side.session(node, session, args.gateway_deadline).serve(),
             deadline_s=args.gateway_deadline,
         )  # fmt: skip
         await stack.enter_async_context(server)
@@ -116,8 +119,15 @@ async def _warm_up(args: argparse.Namespace, runtime: ModelRuntime, name: str) -
     require_fast(runtime.kernels, args.device, args.allow_slow_kernels)
 
 
-# the service, a decode node's prefix cache, the advertised KV address, the codecs as measured
-Side = tuple[PrefillService | DecodeService, DecodePrefixCache | None, list | None, dict]
+@dataclass(frozen=True, slots=True)
+class Side:
+    """A role's side of the worker: how it serves a gateway's session, the KV address it advertises, its codecs as
+    measured, and the loop that steps its decoder (None: a prefill worker)."""
+
+    session: Callable[[WorkerNode, Session, float], WorkerSession]
+    kv: list | None
+    codecs: dict
+    loop: Callable[[], Coroutine[Any, Any, None]] | None = None
 
 
 async def _decode_side(
@@ -140,8 +150,8 @@ async def _decode_side(
     kv = _advertised(args, kv_host, receiver.port)
     prefixes = DecodePrefixCache(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
     joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
-    service = DecodeService(runtime, joining, args.state_timeout, decoding)  # type: ignore[arg-type]
-    return service, prefixes, kv, {}
+    service = DecodeService(runtime, joining, args.state_timeout, decoding)
+    return Side(functools.partial(DecodeSession, service=service, prefixes=prefixes), kv, {}, service.run)
 
 
 async def _prefill_side(
@@ -166,7 +176,8 @@ async def _prefill_side(
         chunk_tokens=args.prefill_chunk, codecs=codecs, batch_tokens=args.prefill_batch,
     )  # fmt: skip
     stack.push_async_callback(service.close)
-    return service, None, kv, await runtime.on_forward_thread(service.calibrate)
+    measured = await runtime.on_forward_thread(service.calibrate)
+    return Side(functools.partial(PrefillSession, service=service), kv, measured)
 
 
 def _announce(args: argparse.Namespace, node: WorkerNode, port: int, announce: Callable[[dict], None]) -> None:
