@@ -12,7 +12,8 @@ import time
 import pytest
 from netns import NETNS, SECRET_ENV, NetnsLink, run_pair, unavailable
 
-from minifaas.net.link_health import LinkMonitor, TcpInfo, read_tcp_info
+from minifaas.net.connections import TcpInfo, read_tcp_info
+from minifaas.net.link_health import LinkMonitor
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -38,7 +38,7 @@ from minifaas.control.schema import (
 )  # fmt: skip
 from minifaas.control.session import MAX_BYTES
 from minifaas.model.sampling import SamplingParams
-from minifaas.net.link_health import TcpInfo
+from minifaas.net.connections import TcpInfo
 
 CACHE_EVENTS = "@cache"  # no request id starts with "@"
 

@@ -30,7 +30,8 @@ from minifaas.emulator.emulator_process import EmulatorControl, EmulatorError, E
 from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.launch.startup import StartupListener, reported
-from minifaas.net.link_health import LinkMonitor, TcpInfo
+from minifaas.net.connections import TcpInfo
+from minifaas.net.link_health import LinkMonitor
 
 NAME = "prfaas->pd"  # the inter-cluster link's name in /metrics
 log = logging.getLogger("minifaas.gateway")

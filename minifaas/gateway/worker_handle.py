@@ -27,7 +27,7 @@ from minifaas.control.session import ControlError, Refused, Session, SessionLost
 from minifaas.control.worker_ops import CACHE_EVENTS, WORKER_REPLIES, Op, Reply
 from minifaas.launch.launcher import WorkerError, WorkerSpec
 from minifaas.net.address import Address
-from minifaas.net.link_health import TcpInfo
+from minifaas.net.connections import TcpInfo
 
 log = logging.getLogger("minifaas.gateway")
 LOST = {"op": Reply.LOST}

@@ -61,10 +61,6 @@ class HostCopier:
         return host
 
 
-def device_of(state: LayerState) -> torch.device:
-    return state.slots[0][1].device
-
-
 def to_device(state: LayerState, device: torch.device | str) -> LayerState:
     """``state`` on ``device``; from pinned host memory the copies are asynchronous on the current stream,
     so the forward that reads them is queued behind them and the host never waits."""

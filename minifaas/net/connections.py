@@ -7,15 +7,18 @@ whose receiver went away meanwhile (it restarted, so it closed them all) is
 dropped and a new one dialled. A transfer's first send on a reused connection
 that fails anyway (the peer left just after the check) is redone, once, on a
 fresh connection (``send_first``). Every live connection, idle or busy, is
-listed so link health can sample its TCP_INFO, with the codecs its receiver
-offered in the handshake.
+listed so link health can sample its TCP_INFO (``read_tcp_info``: the fields of
+Linux's ``struct tcp_info`` that say how a path is doing), with the codecs its
+receiver offered in the handshake.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl as ssl_module
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -25,6 +28,54 @@ from minifaas.net.channel import Buffer, Channel, open_channel
 from minifaas.net.errors import ConnectionLostError
 
 log = logging.getLogger(__name__)
+
+# Offsets into Linux's struct tcp_info (include/uapi/linux/tcp.h); all fields since Linux 4.19.
+_FIELDS = {
+    "retransmits": (2, "B"),
+    "rto_us": (8, "I"),
+    "unacked": (24, "I"),
+    "lost": (32, "I"),
+    "rtt_us": (68, "I"),
+    "rttvar_us": (72, "I"),
+    "cwnd": (80, "I"),
+    "total_retrans": (100, "I"),
+    "bytes_acked": (120, "Q"),
+    "notsent_bytes": (144, "I"),
+    "min_rtt_us": (148, "I"),
+    "delivery_rate": (160, "Q"),  # bytes per second
+    "bytes_sent": (200, "Q"),
+    "bytes_retrans": (208, "Q"),
+}
+TCP_INFO_BYTES = 232
+
+
+@dataclass(frozen=True, slots=True)
+class TcpInfo:
+    retransmits: int  # retransmissions of the segment at the head of the queue right now
+    rto_us: int
+    unacked: int
+    lost: int
+    rtt_us: int
+    rttvar_us: int
+    cwnd: int  # segments
+    total_retrans: int
+    bytes_acked: int
+    notsent_bytes: int
+    min_rtt_us: int
+    delivery_rate: int  # bytes/s, the kernel's estimate
+    bytes_sent: int  # including retransmissions
+    bytes_retrans: int
+
+    @classmethod
+    def parse(cls, raw: bytes) -> TcpInfo:
+        if len(raw) < TCP_INFO_BYTES:
+            raise ValueError(f"tcp_info of {len(raw)} bytes: this kernel is older than the fields we read")
+        return cls(**{name: struct.unpack_from("<" + fmt, raw, off)[0] for name, (off, fmt) in _FIELDS.items()})
+
+
+def read_tcp_info(sock: socket.socket) -> TcpInfo:
+    return TcpInfo.parse(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES))
+
 
 # One TCP connection keeps at most its window in flight, and gets it acknowledged one round trip
 # later, so it moves at most window / RTT. Untuned Linux hosts cap a connection's send buffer, and

@@ -1,7 +1,7 @@
 """Congestion signals: the kernel's TCP_INFO per sender connection, folded into one link reading.
 
-``read_tcp_info`` asks Linux for ``struct tcp_info`` (getsockopt TCP_INFO) and
-keeps the fields that say how a path is doing. ``LinkMonitor`` is sans-IO: it
+The samples are ``connections.TcpInfo``, read from each sender connection's
+socket (``read_tcp_info``). ``LinkMonitor`` is sans-IO: it
 is given samples and the time, and turns the growth of the kernel's counters
 between two samples into a ``LinkHealth`` (goodput, utilisation of the
 configured link rate, rtt, retransmission rate, queued bytes) for the scheduler.
@@ -14,56 +14,9 @@ namespace mode (netns.py) puts a real kernel bottleneck under the connection.
 
 from __future__ import annotations
 
-import socket
-import struct
 from dataclasses import dataclass
 
-# Offsets into Linux's struct tcp_info (include/uapi/linux/tcp.h); all fields since Linux 4.19.
-_FIELDS = {
-    "retransmits": (2, "B"),
-    "rto_us": (8, "I"),
-    "unacked": (24, "I"),
-    "lost": (32, "I"),
-    "rtt_us": (68, "I"),
-    "rttvar_us": (72, "I"),
-    "cwnd": (80, "I"),
-    "total_retrans": (100, "I"),
-    "bytes_acked": (120, "Q"),
-    "notsent_bytes": (144, "I"),
-    "min_rtt_us": (148, "I"),
-    "delivery_rate": (160, "Q"),  # bytes per second
-    "bytes_sent": (200, "Q"),
-    "bytes_retrans": (208, "Q"),
-}
-TCP_INFO_BYTES = 232
-
-
-@dataclass(frozen=True, slots=True)
-class TcpInfo:
-    retransmits: int  # retransmissions of the segment at the head of the queue right now
-    rto_us: int
-    unacked: int
-    lost: int
-    rtt_us: int
-    rttvar_us: int
-    cwnd: int  # segments
-    total_retrans: int
-    bytes_acked: int
-    notsent_bytes: int
-    min_rtt_us: int
-    delivery_rate: int  # bytes/s, the kernel's estimate
-    bytes_sent: int  # including retransmissions
-    bytes_retrans: int
-
-    @classmethod
-    def parse(cls, raw: bytes) -> TcpInfo:
-        if len(raw) < TCP_INFO_BYTES:
-            raise ValueError(f"tcp_info of {len(raw)} bytes: this kernel is older than the fields we read")
-        return cls(**{name: struct.unpack_from("<" + fmt, raw, off)[0] for name, (off, fmt) in _FIELDS.items()})
-
-
-def read_tcp_info(sock: socket.socket) -> TcpInfo:
-    return TcpInfo.parse(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES))
+from minifaas.net.connections import TcpInfo
 
 
 @dataclass(frozen=True, slots=True)

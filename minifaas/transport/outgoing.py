@@ -23,13 +23,12 @@ import time
 from dataclasses import dataclass
 
 from minifaas.codec.codec import OFF_LOOP_BYTES, Codec, Coded, FrameEncoder, frame_codec, offered, usable
-from minifaas.model.host_copy import CopyDone, HostCopier, device_of
+from minifaas.model.host_copy import CopyDone, HostCopier
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.net.auth import check_secret
 from minifaas.net.channel import Channel
-from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, Connections, Endpoint
+from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, Connections, Endpoint, TcpInfo, read_tcp_info
 from minifaas.net.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
-from minifaas.net.link_health import TcpInfo, read_tcp_info
 from minifaas.transport.chunking import Chunk, Payload, cut_tail, split_chunks, split_token_range
 from minifaas.transport.wire import (
     HEADER_SIZE,
@@ -203,7 +202,7 @@ class OutgoingTransfer:
         self._loop.call_soon_threadsafe(self.put_tokens, host, start, total, ready)
 
     def _stage(self, state: LayerState) -> tuple[LayerState, CopyDone | None]:
-        device = device_of(state)
+        device = state.slots[0][1].device
         if device.type == "cpu":
             return state, None
         if self._copier is None:
