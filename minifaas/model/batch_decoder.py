@@ -26,7 +26,7 @@ from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import Decoder, DecoderConfig, QueueFull, StepToken
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import ModelState
-from minifaas.model.runtime import ModelRuntime, finish_reason
+from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import History, SamplingParams, sample_batch
 
 log = logging.getLogger("minifaas.decode")
@@ -89,7 +89,7 @@ class Lane:
         for index, (row, token) in enumerate(zip(self.running, tokens)):
             row.tokens.append(token)
             row.history.add(token)
-            finish = finish_reason(self.runtime, row.sampling, token, len(row.tokens), row.position)
+            finish = decode_finish(self.runtime, row.sampling, token, len(row.tokens), row.position)
             out.append(StepToken(row.request, token, finish))
             if finish is not None:
                 finished.append(index)

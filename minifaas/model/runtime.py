@@ -239,10 +239,10 @@ class DecodeStream:
         return self.tokens
 
     def _check_stop(self, token: int) -> None:
-        self.finish_reason = finish_reason(self.runtime, self.sampling, token, len(self.tokens), self.position)
+        self.finish_reason = decode_finish(self.runtime, self.sampling, token, len(self.tokens), self.position)
 
 
-def finish_reason(runtime: ModelRuntime, p: SamplingParams, token: int, count: int, position: int) -> str | None:
+def decode_finish(runtime: ModelRuntime, p: SamplingParams, token: int, count: int, position: int) -> str | None:
     """Why a stream ends after ``token``, its ``count``-th, at absolute ``position``; None if it goes on."""
     if (token == runtime.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
         return "stop"

@@ -24,7 +24,7 @@ from minifaas.control.worker_ops import Reply, sampling_from_json
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
 from minifaas.model.layer_state import ModelState
-from minifaas.model.runtime import ModelRuntime, finish_reason
+from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import SamplingParams
 
 Emit = Callable[[dict], None]
@@ -87,7 +87,7 @@ class DecodeService:
         finally:
             if self.first_tokens.get(req) is first:
                 del self.first_tokens[req]
-        finish = finish_reason(self.runtime, sampling, next_token, 1, state.seq_len)
+        finish = decode_finish(self.runtime, sampling, next_token, 1, state.seq_len)
         if finish is not None:
             emit({"op": Reply.DONE, "req": req, "transfer": transfer, "finish": finish})
             return
