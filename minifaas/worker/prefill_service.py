@@ -129,9 +129,9 @@ class PrefillService:
                 computed = await self._on_forward_thread(
                     job, self.store.compute, self.runtime, plan, job.sink, job.sampling, self.chunk_tokens
                 )
-                self.queued.discard(job)  # its forwards are done (a batch's rows count as queued until their reply)
             else:
                 computed = await self.batcher.row(job, job.stop)
+            self.queued.discard(job)  # its forwards are done: it no longer counts as queued
             computed_at = time.perf_counter()
             if first is not None:  # the client may see it while the transfer's tail is still on the wire
                 first({"op": Reply.FIRST, "req": msg["req"], "transfer": msg["transfer"],
