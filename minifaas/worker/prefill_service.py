@@ -299,8 +299,9 @@ class TransferSink:
         self.nbytes += layer.nbytes
         self.tx.put_threadsafe(layer)
 
-    def put_tokens(self, piece: LayerState, start: int, _forward_total: int) -> None:
-        """Tokens [start, start + piece.seq_len) of a full-attention layer of the prompt."""
+    def put_tokens(self, piece: LayerState, start: int, forward_total: int) -> None:
+        """Tokens [start, start + piece.seq_len) of a full-attention layer of the prompt (``forward_total``: the
+        tokens of the forward that made them, which may be a segment of the prompt)."""
         end, skip = start + piece.seq_len, self.link_start
         self._check(end)
         first = max(start, self._sent.get(piece.layer, skip))
