@@ -32,12 +32,12 @@ from typing import Any, NamedTuple
 
 import torch
 from netns import NETNS, SECRET_ENV
+from synthetic import bulk_state
 
 from minifaas import figures
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.model.layer_state import tensor_bytes
 from minifaas.transport.outgoing import KVSender, SenderConfig
-from minifaas.transport.synthetic import bulk_state
 
 SECRET = b"benchmark-secret-0123456789abcdef"
 ROWS: list[tuple[str, str, str, str]] = []  # section, case, figure, note

@@ -67,11 +67,11 @@ from typing import Any
 import torch
 from bench_transport import SECRET, Recording, Transfers, goodput, replay, serving_prefill, sink, timed_send
 from netns import NETNS, SECRET_ENV, NetnsLink, run_pair, unavailable
+from synthetic import bulk_state
 
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.net.connections import DEFAULT_CONNECTIONS
 from minifaas.transport.outgoing import MIN_UNSENT_BYTES, KVSender, SenderConfig
-from minifaas.transport.synthetic import bulk_state
 
 FRAME_BYTES, SEGMENT_PAYLOAD_BYTES = 1514, 1448  # a full TCP segment on the veth (MTU 1500), and its payload
 REAL_RATE, REAL_WINDOW = 14.7e9, 4 << 20  # the link and the per-connection window being stood in for

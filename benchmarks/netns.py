@@ -252,8 +252,9 @@ async def _sink(host: str, port: int, transfers: int, accept_unchecked: bool) ->
 
 
 async def _probe(host: str, port: int, args: argparse.Namespace) -> None:
+    from synthetic import bulk_state
+
     from minifaas.transport.outgoing import KVSender, SenderConfig
-    from minifaas.transport.synthetic import bulk_state
 
     state = bulk_state(args.bytes)
     monitor = LinkMonitor(parse_rate(args.rate) or 1.0)

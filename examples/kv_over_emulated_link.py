@@ -17,11 +17,10 @@ import time
 
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.emulator.pacer import parse_rate
-from minifaas.model.layer_state import LayerState, ModelState
+from minifaas.model.layer_state import LayerState, ModelState, same_state
 from minifaas.model.runtime import ModelRuntime
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.synthetic import same_state
 
 SECRET = b"example-link-secret-0123456789ab"
 PROMPT = "Layer i travels over the link while layer i+1 is still being computed. "

@@ -64,6 +64,8 @@ def _refuse(constant: str) -> float:
 RUN_ELSEWHERE = {"benchmarks/gpu_check.py", "benchmarks/gpu_probe.py"}
 # not benchmarks: the network-namespace test hosts that bench_wan, bench_transport and the two-host tests use
 RUN_ELSEWHERE |= {"benchmarks/netns.py", "benchmarks/netns_delay.py"}
+# not a benchmark: the synthetic states that the transport's tests and benchmarks share
+RUN_ELSEWHERE |= {"benchmarks/synthetic.py"}
 # run by their own tests as quoted, plus --quick --json, with checks of their figures: not run twice
 RUN_BY_OWN_TEST = {"benchmarks/bench_chaos.py": "tests/test_chaos.py"}
 # a measurement tool, not a --quick benchmark: tests/test_reading_list.py runs it and holds docs/READING.md to it

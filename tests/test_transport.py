@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from synthetic import bulk_state, synthetic_state
 
 from minifaas.emulator.emulator_process import EmulatorProcess
+from minifaas.model.layer_state import same_state
 from minifaas.net.errors import AuthError, ProtocolError, TransferError
 from minifaas.transport.chunking import split_chunks
 from minifaas.transport.outgoing import MIN_UNSENT_BYTES, KVSender, SenderConfig, cut_tail
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.synthetic import bulk_state, same_state, synthetic_state
 
 SECRET = b"cluster-secret-0123456789abcdef"
 pytestmark = pytest.mark.timeout(60)

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from synthetic import synthetic_state
 
 from minifaas.codec.codec import Codec, FrameEncoder
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.layer_state import ModelState, StateKind, tensor_bytes
+from minifaas.model.layer_state import ModelState, StateKind, same_state, tensor_bytes
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
@@ -27,7 +28,6 @@ from minifaas.net.errors import CorruptFrameError, ProtocolError, TransferError
 from minifaas.transport.chunking import split_chunks
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import FrameType, control, pack_counts
 
 SECRET = b"cluster-secret-0123456789abcdef"

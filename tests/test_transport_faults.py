@@ -7,8 +7,10 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+from synthetic import bulk_state, synthetic_state
 
 from minifaas.emulator.emulator_process import EmulatorProcess
+from minifaas.model.layer_state import same_state
 from minifaas.net.auth import prove_as_sender
 from minifaas.net.channel import Channel, open_channel
 from minifaas.net.errors import (
@@ -25,7 +27,6 @@ from minifaas.transport.chunking import split_chunks
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.synthetic import bulk_state, same_state, synthetic_state
 from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts
 
 SECRET = b"cluster-secret-0123456789abcdef"

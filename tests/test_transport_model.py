@@ -15,14 +15,13 @@ import pytest
 import torch
 
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.layer_state import LayerState, ModelState, StateKind
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, same_state
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.synthetic import same_state
 
 SECRET = b"cluster-secret-0123456789abcdef"
 pytestmark = pytest.mark.timeout(120)

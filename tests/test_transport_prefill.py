@@ -18,7 +18,7 @@ from conftest import decodes_as_alone
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.control.worker_ops import sampling_to_json
-from minifaas.model.layer_state import LayerState, ModelState
+from minifaas.model.layer_state import LayerState, ModelState, same_state
 from minifaas.model.loader import preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
@@ -26,7 +26,6 @@ from minifaas.model.sampling import GREEDY, SamplingParams
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.synthetic import same_state
 from minifaas.worker.prefill_service import PrefillService, TransferSink
 from minifaas.worker.prefix_store import PrefixStore
 

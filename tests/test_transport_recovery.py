@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from synthetic import synthetic_state
 from test_transport import _self_signed
 
+from minifaas.model.layer_state import same_state
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -27,7 +29,6 @@ from minifaas.net.channel import open_channel
 from minifaas.net.errors import DroppedError
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import FrameType, control, pack_counts
 
 SECRET = b"cluster-secret-0123456789abcdef"

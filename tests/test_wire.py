@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from synthetic import synthetic_state
 
-from minifaas.model.layer_state import Checksum, ModelState, checksum
+from minifaas.model.layer_state import Checksum, ModelState, checksum, same_state
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.chunking import split_chunks, split_token_range
 from minifaas.transport.incoming import Reassembly
-from minifaas.transport.synthetic import same_state, synthetic_state
 from minifaas.transport.wire import (
     HEADER_SIZE,
     UNCHECKED,

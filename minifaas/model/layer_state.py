@@ -101,6 +101,21 @@ class ModelState:
         return out
 
 
+def same_state(a: ModelState, b: ModelState) -> bool:
+    """Bit-exact equality: same layers, kinds, lengths, slot names, dtypes, shapes and bytes."""
+    if len(a.layers) != len(b.layers):
+        return False
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        if (la.layer, la.kind, la.seq_len, len(la.slots)) != (lb.layer, lb.kind, lb.seq_len, len(lb.slots)):
+            return False
+        for (na, ta), (nb, tb) in zip(la.slots, lb.slots, strict=True):
+            if na != nb or ta.dtype != tb.dtype or ta.shape != tb.shape:
+                return False
+            if not torch.equal(ta.contiguous().view(torch.uint8), tb.contiguous().view(torch.uint8)):
+                return False
+    return True
+
+
 DTYPES: dict[int, torch.dtype] = {
     1: torch.float32,
     2: torch.float16,

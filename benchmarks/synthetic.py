@@ -1,4 +1,4 @@
-"""Synthetic model states with the shape of a hybrid model, for transport tests and benchmarks.
+"""Synthetic model states with the shape of a hybrid model, for the transport's tests and benchmarks.
 
 Three linear-attention layers then one full-attention layer, repeated, like a
 3:1 KDA:MLA stack, with several dtypes, so nothing in the transport can
@@ -41,18 +41,3 @@ def bulk_state(total_bytes: int, layers: int = 8, seed: int = 0) -> ModelState:
     kv = block[: tokens * 4].view(torch.float32).reshape(1, 1, tokens, 1)
     out = [LayerState(i, StateKind.FULL_ATTENTION, tokens, (("keys", kv), ("values", kv))) for i in range(layers)]
     return ModelState(out, tokens)
-
-
-def same_state(a: ModelState, b: ModelState) -> bool:
-    """Bit-exact equality: same layers, kinds, lengths, slot names, dtypes, shapes and bytes."""
-    if len(a.layers) != len(b.layers):
-        return False
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        if (la.layer, la.kind, la.seq_len, len(la.slots)) != (lb.layer, lb.kind, lb.seq_len, len(lb.slots)):
-            return False
-        for (na, ta), (nb, tb) in zip(la.slots, lb.slots, strict=True):
-            if na != nb or ta.dtype != tb.dtype or ta.shape != tb.shape:
-                return False
-            if not torch.equal(ta.contiguous().view(torch.uint8), tb.contiguous().view(torch.uint8)):
-                return False
-    return True
