@@ -54,10 +54,9 @@ from minifaas.model.runtime import ModelRuntime  # noqa: E402
 from minifaas.model.sampling import SamplingParams  # noqa: E402
 from minifaas.model.state_layout import build_cache  # noqa: E402
 from minifaas.model.tokenizer import ByteTokenizer  # noqa: E402
+from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig  # noqa: E402
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig  # noqa: E402
-from minifaas.transport.sender import KVSender  # noqa: E402
-from minifaas.transport.sender_config import SenderConfig  # noqa: E402
-from minifaas.worker.prefill_service import LayerForwarder  # noqa: E402
+from minifaas.worker.prefill_service import TransferSink  # noqa: E402
 
 SECRET = b"gpu-probe-secret-0123456789abcdef"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -388,26 +387,30 @@ def kernels(model: str, device: str, dtype_name: str, against: str) -> dict:
 # -- movement -------------------------------------------------------------------------------------------------
 
 
+class HostFirst:
+    """An outgoing transfer's two puts, each layer copied to host memory in the forward's thread first (no
+    staging): what the transfer costs without the side-stream copies."""
+
+    def __init__(self, wire: OutgoingTransfer) -> None:
+        self.wire = wire
+
+    def put_threadsafe(self, layer: LayerState) -> None:
+        self.wire.put_threadsafe(host(ModelState([layer], layer.seq_len)).layers[0])
+
+    def put_tokens_threadsafe(self, piece: LayerState, start: int, total: int) -> None:
+        self.wire.put_tokens_threadsafe(host(ModelState([piece], piece.seq_len)).layers[0], start, total)
+
+
 async def transfer(rt: ModelRuntime, ids: list[int], chunk: int, staged: bool, connections: int = 4) -> dict:
     """One prefill streamed through a real KVSender to a KVReceiver on loopback: each layer staged to pinned host
     memory on a side stream (``staged``), or copied synchronously in the forward's thread first."""
     async with KVReceiver(ReceiverConfig(SECRET)) as rx:  # noqa: SIM117 (the sender needs the receiver's port)
         async with KVSender(SenderConfig("127.0.0.1", rx.port, SECRET, connections=connections)) as tx:
             async with tx.stream(1, rt.num_states) as wire:
-                if staged:
-                    put, put_tokens = wire.put_threadsafe, wire.put_tokens_threadsafe
-                else:
-
-                    def put(s: LayerState) -> None:
-                        wire.put_threadsafe(host(ModelState([s], s.seq_len)).layers[0])
-
-                    def put_tokens(s: LayerState, start: int, total: int) -> None:
-                        wire.put_tokens_threadsafe(host(ModelState([s], s.seq_len)).layers[0], start, total)
-
-                forward = LayerForwarder(put, put_tokens, 0, len(ids))
+                sink = TransferSink(wire if staged else HostFirst(wire), 0, len(ids))  # type: ignore[arg-type]
                 start = time.perf_counter()
                 result = await asyncio.to_thread(
-                    rt.prefill, ids, on_layer=forward, chunk_tokens=chunk, on_tokens=forward.tokens
+                    rt.prefill, ids, on_layer=sink.put_layer, chunk_tokens=chunk, on_tokens=sink.put_tokens
                 )
                 sync(rt.device)
                 computed = time.perf_counter()
