@@ -1,5 +1,5 @@
 """The package's layout, read from the source: folders import downward only, no monster functions or docstrings,
-argparse in the command layer alone, one file per module name, and a reading list that exists and fits.
+argparse in the command layer alone, one file per module name, and a reading list whose files exist.
 
 The length caps are guards against monsters, not targets: a function is as long as its idea, and a docstring
 says a purpose in a few lines (a module's may sketch its design in a few more).
@@ -22,7 +22,6 @@ COMMANDS = "commands"  # the command layer: every argparse flag and every progra
 MAX_FUNCTION_LINES = 80
 MAX_DOCSTRING_LINES = 10  # a class's or a function's
 MAX_MODULE_DOCSTRING_LINES = 15
-MAX_READING_FILES, MIN_READING_FILES, MAX_READING_LINES = 20, 8, 4000
 
 
 def room(module: str, package: Path) -> str:
@@ -158,11 +157,10 @@ def test_no_two_modules_share_a_file_name() -> None:
     assert duplicate_names(PACKAGE) == []
 
 
-def test_the_reading_list_exists_and_fits_an_afternoon() -> None:
-    listed, lines, missing = reading_list(ROOT)
-    assert missing == []
-    assert MIN_READING_FILES <= len(listed) <= MAX_READING_FILES
-    assert lines <= MAX_READING_LINES
+def test_every_file_the_reading_list_names_exists() -> None:
+    # which files it names is measured, not capped: tests/test_reading_list.py holds it to the files a request runs
+    listed, _, missing = reading_list(ROOT)
+    assert listed and missing == []
 
 
 def test_each_check_catches_what_it_looks_for(tmp_path: Path) -> None:
