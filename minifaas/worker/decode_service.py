@@ -16,6 +16,7 @@ requests are on their way than it holds: more rows share its fixed cost, their p
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -42,6 +43,13 @@ class StateSource(Protocol):
 
 
 Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, next token, sampling, transfer
+# a test's poison: a request whose context is in [lo, hi) ends the worker as it joins the batch ("lo:hi")
+CRASH_AT_CONTEXT = "MINIFAAS_TEST_CRASH_AT_CONTEXT"
+
+
+def crash_window() -> range:
+    lo, _, hi = os.environ.get(CRASH_AT_CONTEXT, "0:0").partition(":")
+    return range(int(lo), int(hi or lo))
 
 
 class DecodeService:
@@ -57,6 +65,7 @@ class DecodeService:
         self.arrivals: list[Arrival] = []  # came in during a step
         self.aborts: set[str] = set()  # aborted during a step
         self.wakeup = asyncio.Event()
+        self.crash_at = crash_window()  # empty but in the poison request's test
 
     @property
     def max_batch(self) -> int:
@@ -115,6 +124,8 @@ class DecodeService:
 
     def _submit(self, arrival: Arrival) -> None:
         req = arrival[0]
+        if arrival[1].seq_len in self.crash_at:
+            os._exit(70)  # the poison request's test: the worker dies as this request joins its batch
         try:
             self.decoder.submit(*arrival[:4])
         except (QueueFull, ValueError) as e:  # full, or a bad state: this request fails, the others go on
