@@ -36,9 +36,8 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import build_cache
 from minifaas.model.tokenizer import ByteTokenizer
+from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.sender import KVSender
-from minifaas.transport.sender_config import SenderConfig
 
 SECRET = b"fla-cpu-secret-0123456789abcdef0"
 DECODE_STEPS = 3

@@ -70,7 +70,7 @@ RUN_ELSEWHERE |= {"benchmarks/synthetic.py"}
 RUN_BY_OWN_TEST = {"benchmarks/bench_chaos.py": "tests/test_chaos.py"}
 # a measurement tool, not a --quick benchmark: tests/test_reading_list.py runs it and holds docs/READING.md to it
 RUN_ELSEWHERE |= {"benchmarks/request_path.py"}
-SMOKE_RUNS = [argv for argv in UNIQUE if argv[0] not in RUN_BY_OWN_TEST]
+SMOKE_RUNS = [argv for argv in UNIQUE if argv[0] not in RUN_BY_OWN_TEST and argv[0] not in RUN_ELSEWHERE]
 
 
 def test_the_benchmarks_left_out_here_are_run_by_their_own_tests() -> None:
@@ -83,7 +83,7 @@ def test_every_benchmark_is_quoted() -> None:
     quoted = {argv[0] for argv in UNIQUE}
     present = {str(path.relative_to(ROOT)) for path in (ROOT / "benchmarks").glob("*.py")} - RUN_ELSEWHERE
     assert sorted(present - quoted) == [], "benchmarks no doc quotes (so no test runs them)"
-    assert sorted(quoted - present) == [], "the docs quote benchmarks that do not exist"
+    assert sorted(quoted - present - RUN_ELSEWHERE) == [], "the docs quote benchmarks that do not exist"
 
 
 def test_extraction() -> None:

@@ -35,6 +35,7 @@ REAL_RUNS = {
     "sim": ["--case", "paper", "--duration", "60", "--json"],
     "kv-size": ["--model", "kimi-linear-tiny", "--json"],
 }
+BENCHMARK_LIBRARIES = ("synthetic.py",)  # imported by benchmarks and tests, no command of its own
 WHOLE_EXAMPLES = ("plan_paper_case", "simulate_trace")  # no model to load: a second or less each
 # ``python examples/x.py`` without its main: the script's folder first on sys.path, as python puts it there
 IMPORT_ONLY = "import os, runpy, sys; sys.path[0] = os.path.dirname(sys.argv[1]); runpy.run_path(sys.argv[1])"
@@ -43,7 +44,8 @@ IMPORT_ONLY = "import os, runpy, sys; sys.path[0] = os.path.dirname(sys.argv[1])
 def _commands() -> dict[str, list[str]]:
     out = {f"minifaas {name}": [str(MINIFAAS), name, *REAL_RUNS.get(name, ["--help"])] for name in COMMANDS}
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
-        out[f"benchmarks/{path.name}"] = [sys.executable, str(path), "--help"]
+        if path.name not in BENCHMARK_LIBRARIES:
+            out[f"benchmarks/{path.name}"] = [sys.executable, str(path), "--help"]
     for path in sorted((ROOT / "examples").glob("*.py")):
         whole = path.stem in WHOLE_EXAMPLES
         out[f"examples/{path.name}"] = [sys.executable, *([] if whole else ["-c", IMPORT_ONLY]), str(path)]
