@@ -40,6 +40,7 @@ from minifaas.config import (
     ServeConfig,
 )
 from minifaas.gateway.api import build_app
+from minifaas.gateway.dashboard import Dashboard
 from minifaas.gateway.gateway import Gateway, cluster_secret
 from minifaas.gateway.http_server import serve_http
 from minifaas.gateway.metrics import ServeMetrics
@@ -394,6 +395,7 @@ async def running_server(
     metrics = ServeMetrics()
     async with Gateway(config, metrics, on_startup) as gateway:
         app = build_app(gateway, metrics, config.api_key, config.http)
+        Dashboard.install(app, gateway, metrics)
         async with serve_http(app, config.host, config.port, config.http, metrics) as site:
             yield gateway, site.port
 

@@ -1,0 +1,233 @@
+"""The live page of a running gateway: ``/dashboard`` (one HTML file) and the JSON it polls, ``/dashboard/state``.
+
+    dashboard = Dashboard.install(app, gateway, metrics)   # routes, the sampler, the request ring
+
+A sampler task owned by the app (started and awaited by its ``cleanup_ctx``) reads, once a second, what the
+short-term scheduler saw at its last tick (``LiveScheduler.last``: egress, ceiling, stage queues and waits),
+t and the rule, and the KV wire bytes by codec from the same counters /metrics exposes; it keeps
+``HISTORY_S`` seconds of those samples. Each request that ends adds its ``RequestRecord`` to a ring of the
+last ``RECENT_REQUESTS`` (one deque append on the request path; they are turned into JSON only when the page
+asks). Nothing here labels a Prometheus series per request. The state's fields: docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from minifaas.gateway.inter_cluster_link import NAME
+from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.requests import RequestRecord
+
+if TYPE_CHECKING:
+    from minifaas.gateway.gateway import Gateway
+    from minifaas.gateway.worker_handle import WorkerHandle
+
+HISTORY_S = 300  # seconds of link, threshold and queue samples kept
+RECENT_REQUESTS = 50
+PERIOD_S = 1.0
+# /metrics' stage names, the workers that make each stage, and the scheduler's ``Signals`` field for it
+STAGES = (
+    ("prfaas_prefill", "prfaas", "prefill", "prfaas"),
+    ("pd_prefill", "pd", "prefill", "pd_prefill"),
+    ("decode", "pd", "decode", "decode"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One second of the gateway as the page draws it."""
+
+    at: float  # wall-clock seconds
+    egress_bps: float
+    ceiling_bps: float | None  # None: unlimited or not measured; 0: cut
+    utilisation: float  # the short-term policy's smoothed reading
+    threshold: int
+    rule: str
+    depth: dict[str, int]  # requests per stage (STAGES)
+    wait_s: dict[str, float]  # how long a request arriving then would wait, per stage
+    wire_bytes: dict[str, float]  # cumulative KV bytes on the wire, by codec
+    prompt_tokens: float  # cumulative, for the prefix cache's hit rate
+    cached_tokens: float
+
+    def to_json(self, previous: Sample | None) -> dict:
+        span = self.at - previous.at if previous is not None else 0.0
+        old = previous.wire_bytes if previous is not None else {}
+        by_codec = {c: 8 * (b - old.get(c, 0.0)) / span if span > 0 else 0.0 for c, b in self.wire_bytes.items()}
+        return {
+            "at": round(self.at, 3),
+            "egress_bps": self.egress_bps,
+            "ceiling_bps": self.ceiling_bps,
+            "utilisation": round(self.utilisation, 4),
+            "threshold": self.threshold,
+            "rule": self.rule,
+            "depth": self.depth,
+            "wait_s": {k: round(v, 4) for k, v in self.wait_s.items()},
+            "wire_bps_by_codec": by_codec,
+        }
+
+
+class Dashboard:
+    def __init__(self, gateway: Gateway, metrics: ServeMetrics) -> None:
+        self.gateway, self.metrics = gateway, metrics
+        self.samples: deque[Sample] = deque(maxlen=int(HISTORY_S / PERIOD_S))
+        self.requests: deque[tuple[float, str, RequestRecord]] = deque(maxlen=RECENT_REQUESTS)
+        self.changes: deque[dict] = deque(maxlen=200)  # the short-term scheduler's moves of t or the rule
+        self._seen_at = -math.inf  # the newest scheduler decision already looked at
+        self._rule: str | None = None
+        self.page = resources.files("minifaas.gateway").joinpath("dashboard.html").read_bytes()
+
+    @classmethod
+    def install(cls, app: web.Application, gateway: Gateway, metrics: ServeMetrics) -> Dashboard:
+        dashboard = cls(gateway, metrics)
+        metrics.on_request = dashboard.request_finished
+        app.router.add_get("/dashboard", dashboard.page_handler)
+        app.router.add_get("/dashboard/state", dashboard.state_handler)
+        app.cleanup_ctx.append(dashboard._sampling)
+        return dashboard
+
+    async def _sampling(self, app: web.Application) -> AsyncIterator[None]:
+        """The sampler lives as long as the app serves: started here, cancelled and awaited at cleanup."""
+        task = asyncio.create_task(self.run())
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(PERIOD_S)
+
+    def request_finished(self, record: RequestRecord, outcome: str) -> None:
+        self.requests.append((time.time(), outcome, record))
+
+    def sample(self) -> None:
+        scheduler, now = self.gateway.scheduler, time.time()
+        signals = scheduler.last
+        self._note_changes(now, asyncio.get_running_loop().time())
+        depth, wait = {}, {}
+        for stage, cluster, role, field in STAGES:
+            depth[stage] = sum(w.requests for w in self.gateway.pool.of(cluster, role))
+            wait[stage] = getattr(signals, field).wait_s if signals is not None else 0.0
+        ceiling = signals.link_rate_bps if signals is not None else scheduler.link_rate_bps
+        self.samples.append(
+            Sample(
+                at=now,
+                egress_bps=signals.egress_bps if signals is not None else 0.0,
+                ceiling_bps=ceiling if ceiling < math.inf else None,
+                utilisation=scheduler.utilisation,
+                threshold=scheduler.threshold,
+                rule=str(scheduler.rule),
+                depth=depth,
+                wait_s=wait,
+                wire_bytes={labels["codec"]: v for labels, v in _series(self.metrics.kv_wire_bytes_sent)},
+                prompt_tokens=_total(self.metrics.prompt_tokens),
+                cached_tokens=_total(self.metrics.cached_tokens),
+            )
+        )
+
+    def _note_changes(self, wall: float, loop_now: float) -> None:
+        """The short-term decisions since the last sample that moved t or changed the rule, with their reason."""
+        history = getattr(self.gateway.scheduler.short, "history", ())  # a plugin policy may keep none
+        fresh = []
+        for decision in reversed(history):
+            if decision.at_s <= self._seen_at:
+                break
+            fresh.append(decision)
+        for d in reversed(fresh):
+            rule = str(d.rule)
+            if d.threshold != d.previous or (self._rule is not None and rule != self._rule):
+                self.changes.append({
+                    "at": round(wall - (loop_now - d.at_s), 3), "action": str(d.action), "reason": str(d.reason),
+                    "from": d.previous, "to": d.threshold, "rule": rule, "utilisation": round(d.utilisation, 4),
+                })  # fmt: skip
+            self._rule, self._seen_at = rule, d.at_s
+
+    def state(self) -> dict:
+        gw, samples = self.gateway, list(self.samples)
+        link = gw.link
+        pairs = zip([None, *samples[:-1]], samples, strict=True)
+        last = samples[-1] if samples else None
+        window = samples[-60:]
+        prompt = window[-1].prompt_tokens - window[0].prompt_tokens if window else 0.0
+        cached = window[-1].cached_tokens - window[0].cached_tokens if window else 0.0
+        total_prompt, total_cached = _total(self.metrics.prompt_tokens), _total(self.metrics.cached_tokens)
+        return {
+            "now": time.time(),
+            "period_s": PERIOD_S,
+            "model": gw.model_name,
+            "link": {
+                "name": NAME,
+                "emulated": link.emulated,
+                "up": link.up,
+                "down": dict(link.down),
+                "configured_rate": gw.config.link.rate,
+                "wire_bytes_by_codec": last.wire_bytes if last is not None else {},
+                "samples": [s.to_json(p) for p, s in pairs],
+            },
+            "scheduler": {
+                "threshold": gw.threshold,
+                "rule": str(gw.rule),
+                "fixed": gw.config.fixed_threshold,
+                "changes": list(self.changes),
+            },
+            "clusters": {cluster: self._cluster(cluster) for cluster in ("prfaas", "pd")},
+            "requests": [
+                {"finished_at": round(at, 3), "outcome": outcome, **record.to_json()}
+                for at, outcome, record in reversed(self.requests)
+            ],
+            "prefix_cache": {
+                "prompt_tokens": total_prompt,
+                "cached_tokens": total_cached,
+                "hit_rate": total_cached / total_prompt if total_prompt else 0.0,
+                "recent_hit_rate": cached / prompt if prompt else None,  # over the last minute of samples
+            },
+            "inflight": gw.inflight,
+        }
+
+    def _cluster(self, cluster: str) -> dict:
+        gw = self.gateway
+        workers = [w for w in gw.workers.values() if w.cluster == cluster]
+        out: dict = {"workers": [_worker(w) for w in sorted(workers, key=lambda w: (w.role, w.name))]}
+        if cluster == "pd":
+            out["split"] = {"prefill": len(gw.pool.of("pd", "prefill")), "decode": len(gw.pool.of("pd", "decode"))}
+            out["role_changes_in_progress"] = gw.roles.in_progress
+            out["role_changes"] = dict(gw.roles.counts)
+        return out
+
+    async def page_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.page, content_type="text/html", charset="utf-8")
+
+    async def state_handler(self, request: web.Request) -> web.Response:
+        return web.json_response(self.state(), headers={"Cache-Control": "no-store"})
+
+
+def _worker(w: WorkerHandle) -> dict:
+    state = "restarting" if not w.alive else "changing role" if w.draining else "up"
+    return {
+        "name": w.name,
+        "role": w.role,
+        "state": state,
+        "requests": w.requests,
+        "load_tokens": w.load_tokens,
+        "restarts": w.rejoins,
+        "kernels": w.kernels,
+    }
+
+
+def _series(counter: Counter) -> list[tuple[dict[str, str], float]]:
+    """A labelled counter's ``_total`` samples, as /metrics shows them."""
+    return [(s.labels, s.value) for m in counter.collect() for s in m.samples if s.name.endswith("_total")]
+
+
+def _total(counter: Counter) -> float:
+    return sum(v for _, v in _series(counter))
