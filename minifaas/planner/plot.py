@@ -15,13 +15,10 @@ from minifaas.planner.search import Plan, SearchGrid
 
 
 def plot_plan(case: PlanCase, result: Plan, grid: SearchGrid, path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # an optional extra: say how to get it
-        raise SystemExit("--plot needs matplotlib: pip install 'minifaas[plot]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     best = result.prfaas
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
