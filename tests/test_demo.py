@@ -13,6 +13,8 @@ import pytest
 import torch
 from preloaded import Preloaded
 
+from minifaas.commands.demo_traffic import CLIENTS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 NAMES = ("prfaas-p0", "pd-p0", "pd-d0", "prfaas->pd")
@@ -42,6 +44,7 @@ def test_demo_output_into_a_pipe_reads_line_by_line(python: Preloaded, tmp_path:
         ready = next(i for i, line in enumerate(lines) if line.startswith(f"{name} (") and "ready after" in line)
         assert starting < ready
     assert any(line.startswith("ready in ") and "torch reference kernels;" in line for line in lines), lines
+    assert any(re.search(r"; the dashboard: http://127\.0\.0\.1:\d+/dashboard$", line) for line in lines), lines
     top = next(i for i, line in enumerate(lines) if line.startswith("┏"))
     bottom = next(i for i, line in enumerate(lines) if line.startswith("└") and i > top)
     assert all(line[:1] in "┏┃┡│└" for line in lines[top : bottom + 1]), lines[top : bottom + 1]  # nothing inside
@@ -78,3 +81,16 @@ def test_the_demo_checks_its_devices_as_serve_does() -> None:
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2 and "no device cuda:0" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_demo_dashboard_sends_a_steady_mix_until_its_duration(python: Preloaded, tmp_path: Path) -> None:
+    flags = ("--dashboard", "--duration", "12", "--dip-every", "5", "--dip-seconds", "2")
+    lines = _demo(python, tmp_path, "--max-tokens", "4", *flags)
+    ready = next(line for line in lines if line.startswith("ready in "))
+    assert re.search(r"; the dashboard: http://127\.0\.0\.1:\d+/dashboard$", ready), ready
+    assert any("the link dips to a 20th of 50mbit for 2 s every 5 s; stopping after 12 s" in line for line in lines)
+    summary = next(i for i, line in enumerate(lines) if line.strip() == "summary by route")
+    served = {line.split()[1]: int(line.split()[3]) for line in lines[summary:] if line.startswith("│ ")}
+    assert set(served) == {"local", "prfaas"} and min(served.values()) > CLIENTS, served  # clients went on sending
+    assert lines[-1].startswith("stopped: all processes shut down")

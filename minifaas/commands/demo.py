@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -28,10 +29,12 @@ from rich.table import Table
 
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
+from minifaas.commands.demo_traffic import DIP_FACTOR, steady_mix
 from minifaas.commands.main import exit_at_once, stdout_console, user_input
 from minifaas.commands.serve import add_arguments as add_serve_arguments
 from minifaas.commands.serve import checked_config, kernels_line, running_server, start_forks
 from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
+from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.launch.startup import StartupView
 from minifaas.proctitle import set_title
@@ -49,6 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
     parser.add_argument("--threshold", type=int, default=512, help="prompts longer than this go to PrfaaS")
     parser.add_argument("--link-rate", type=arguments.rate, default="50mbit", help="the inter-cluster link's rate")
+    parser.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="instead of one mix, send a steady one and dip the link now and then until Ctrl-C, "
+        "to watch on the dashboard",
+    )
+    parser.add_argument(
+        "--duration", type=float, help="with --dashboard: stop after this many seconds (default: at Ctrl-C)"
+    )
+    parser.add_argument(
+        "--dip-every", type=float, default=30.0, help="with --dashboard: seconds between the link's dips"
+    )
+    parser.add_argument(
+        "--dip-seconds", type=float, default=10.0, help="with --dashboard: how long each dip lasts, in seconds"
+    )
     parser.add_argument(
         "--log-level",
         type=str.upper,
@@ -92,6 +110,9 @@ def _config(args: argparse.Namespace) -> ServeConfig:
     if min(args.short, args.long) < 0 or min(args.long_tokens, args.max_tokens) < 1:
         with user_input():
             raise ValueError("need --short, --long >= 0 and --long-tokens, --max-tokens >= 1")
+    if not 0 < args.dip_seconds < args.dip_every or (args.duration is not None and args.duration <= 0):
+        with user_input():
+            raise ValueError("need 0 < --dip-seconds < --dip-every, and --duration > 0")
     config = checked_config(served_args(args))
     return replace(
         config, worker_log_level=args.log_level, link=InterClusterLinkConfig(rate=args.link_rate, delay_ms=5.0)
@@ -126,35 +147,56 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
         with StartupView(console, console.print) as view:
             gateway, port = await stack.enter_async_context(running_server(config, view))
         set_title("demo", f":{port}")
-        console.print(
-            f"ready in {time.perf_counter() - t0:.1f} s on port {port}, {kernels_line(gateway)}; sending "
-            f"{args.short} short and {args.long} long prompts at once (threshold {args.threshold} tokens)"
-        )
-        rows = [DemoRequest(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
-        rows += [DemoRequest(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
-        base = f"http://127.0.0.1:{port}/v1/completions"
-        # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
-        live = Live(_table(rows, gateway.link), console=console) if console.is_terminal else None
-        async with aiohttp.ClientSession() as http:
-            with live or contextlib.nullcontext():
-                jobs = [
-                    asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens, seed))
-                    for seed, row in enumerate(rows)
-                ]
-                while not all(j.done() for j in jobs):
-                    if live is not None:
-                        live.update(_table(rows, gateway.link))
-                    await asyncio.sleep(0.25)
-                if live is not None:
-                    live.update(_table(rows, gateway.link))
-                for j in jobs:
-                    j.result()
-        if live is None:
-            console.print(_table(rows, gateway.link))
+        address = f"http://127.0.0.1:{port}"
+        ready = f"ready in {time.perf_counter() - t0:.1f} s on port {port}, {kernels_line(gateway)}"
+        if args.dashboard:
+            console.print(f"{ready}; the dashboard: {address}/dashboard")
+            console.print(
+                f"sending a steady mix of short and long prompts (threshold {args.threshold} tokens); the link dips "
+                f"to a {DIP_FACTOR}th of {args.link_rate} for {args.dip_seconds:g} s every {args.dip_every:g} s; "
+                + ("Ctrl-C stops" if args.duration is None else f"stopping after {args.duration:g} s or at Ctrl-C")
+            )
+            async with aiohttp.ClientSession() as http:
+                send = functools.partial(_one, http, f"{address}/v1/completions", gateway.model_name)
+                rows = await steady_mix(gateway, args, DemoRequest, lambda row, seed: send(row, args.max_tokens, seed))
+        else:
+            console.print(
+                f"{ready}; sending {args.short} short and {args.long} long prompts at once (threshold "
+                f"{args.threshold} tokens); the dashboard: {address}/dashboard"
+            )
+            rows = await _one_mix(args, gateway, address, console)
         console.print()  # the summary's title apart from the table above
         console.print(_summary(rows))
     console.print(f"[bold]stopped[/]: all processes shut down; total {time.perf_counter() - t0:.1f} s")
+    if args.dashboard:  # requests still running at the end were cut short by it
+        return 1 if any(r.status.startswith("HTTP") for r in rows) else 0
     return 0 if all(r.status == "done" for r in rows) else 1
+
+
+async def _one_mix(args: argparse.Namespace, gateway: Gateway, address: str, console: Console) -> list[DemoRequest]:
+    """The short and long prompts at once, with a live table of their progress."""
+    rows = [DemoRequest(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
+    rows += [DemoRequest(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
+    base = f"{address}/v1/completions"
+    # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
+    live = Live(_table(rows, gateway.link), console=console) if console.is_terminal else None
+    async with aiohttp.ClientSession() as http:
+        with live or contextlib.nullcontext():
+            jobs = [
+                asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens, seed))
+                for seed, row in enumerate(rows)
+            ]
+            while not all(j.done() for j in jobs):
+                if live is not None:
+                    live.update(_table(rows, gateway.link))
+                await asyncio.sleep(0.25)
+            if live is not None:
+                live.update(_table(rows, gateway.link))
+            for j in jobs:
+                j.result()
+    if live is None:
+        console.print(_table(rows, gateway.link))
+    return rows
 
 
 async def _one(http: aiohttp.ClientSession, url: str, model: str, row: DemoRequest, max_tokens: int, seed: int) -> None:

@@ -175,8 +175,8 @@ class Dashboard:
                 "samples": [s.to_json(p) for p, s in pairs],
             },
             "scheduler": {
-                "threshold": gw.threshold,
-                "rule": str(gw.rule),
+                "threshold": gw.scheduler.threshold,
+                "rule": str(gw.scheduler.rule),
                 "fixed": gw.config.fixed_threshold,
                 "changes": list(self.changes),
             },
@@ -191,16 +191,16 @@ class Dashboard:
                 "hit_rate": total_cached / total_prompt if total_prompt else 0.0,
                 "recent_hit_rate": cached / prompt if prompt else None,  # over the last minute of samples
             },
-            "inflight": gw.inflight,
+            "inflight": gw.admission.requests,
         }
 
     def _cluster(self, cluster: str) -> dict:
         gw = self.gateway
-        workers = [w for w in gw.workers.values() if w.cluster == cluster]
+        workers = [w for w in gw.pool.workers.values() if w.cluster == cluster]
         out: dict = {"workers": [_worker(w) for w in sorted(workers, key=lambda w: (w.role, w.name))]}
         if cluster == "pd":
             out["split"] = {"prefill": len(gw.pool.of("pd", "prefill")), "decode": len(gw.pool.of("pd", "decode"))}
-            out["role_changes_in_progress"] = gw.roles.in_progress
+            out["role_changes_in_progress"] = len(gw.roles.tasks)
             out["role_changes"] = dict(gw.roles.counts)
         return out
 

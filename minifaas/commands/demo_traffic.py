@@ -1,0 +1,79 @@
+"""``minifaas demo --dashboard``: a steady mix of prompts and a link that dips now and then, until stopped.
+
+``CLIENTS`` clients each send one prompt after another, short and long in turn (long ones drawn from the
+threshold up to three times ``--long-tokens``); every ``--dip-every`` seconds the link emulator's rate
+drops to a ``DIP_FACTOR``th for ``--dip-seconds``, so the short-term scheduler raises t while the link is
+full and lowers it again once it has room. Clients and dips run in one TaskGroup; Ctrl-C (SIGINT) or
+``--duration`` ends them, and the demo then shuts down as it does after its one mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from minifaas.emulator.pacer import parse_rate
+
+if TYPE_CHECKING:
+    from minifaas.commands.demo import DemoRequest as Row
+    from minifaas.gateway.gateway import Gateway
+
+CLIENTS = 4
+DIP_FACTOR = 20  # the link's rate during a dip: a twentieth
+
+
+async def steady_mix(
+    gateway: Gateway,
+    args: argparse.Namespace,
+    new_row: Callable[[str, int], Row],
+    send: Callable[[Row, int], Awaitable[None]],
+) -> list[Row]:
+    """Send prompts and dip the link until SIGINT or ``args.duration``; returns every request's row."""
+    rows: list[Row] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            clients = [tasks.create_task(_client(i, args, new_row, send, rows)) for i in range(CLIENTS)]
+            dips = tasks.create_task(_dips(gateway, args))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(args.duration):
+                    await stop.wait()
+            for task in [*clients, dips]:
+                task.cancel()
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    return rows
+
+
+async def _client(
+    i: int,
+    args: argparse.Namespace,
+    new_row: Callable[[str, int], Row],
+    send: Callable[[Row, int], Awaitable[None]],
+    rows: list[Row],
+) -> None:
+    draw = random.Random(i)
+    for n in range(1 << 62):
+        long = (n + i) % 2 == 1
+        chars = draw.randint(args.threshold, 3 * args.long_tokens) if long else draw.randint(40, args.threshold // 2)
+        row = new_row(f"{'long' if long else 'short'}-{i}.{n}", chars)
+        rows.append(row)
+        await send(row, CLIENTS * n + i)
+
+
+async def _dips(gateway: Gateway, args: argparse.Namespace) -> None:
+    """The link at a ``DIP_FACTOR``th of its rate for ``dip_seconds`` in every ``dip_every``; back at the end."""
+    rate = parse_rate(args.link_rate)
+    low = (rate or 1e9) / DIP_FACTOR
+    while True:
+        await asyncio.sleep(args.dip_every - args.dip_seconds)
+        await gateway.link.control.set_rate(low)
+        await asyncio.sleep(args.dip_seconds)
+        await gateway.link.control.set_rate(rate)
