@@ -129,11 +129,20 @@ class Dashboard:
                 rule=str(scheduler.rule),
                 depth=depth,
                 wait_s=wait,
-                wire_bytes={labels["codec"]: v for labels, v in _series(self.metrics.kv_wire_bytes_sent)},
+                wire_bytes=self._link_wire_bytes(),
                 prompt_tokens=_total(self.metrics.prompt_tokens),
                 cached_tokens=_total(self.metrics.cached_tokens),
             )
         )
+
+    def _link_wire_bytes(self) -> dict[str, float]:
+        """KV bytes the PrfaaS cluster's transfers put on the link so far, by codec (their series are named
+        ``prfaas->DECODE WORKER``; PD's own transfers, ``pd->...``, stay within the cluster)."""
+        out: dict[str, float] = {}
+        for labels, value in _series(self.metrics.kv_wire_bytes_sent):
+            if labels["link"].startswith("prfaas->"):
+                out[labels["codec"]] = out.get(labels["codec"], 0.0) + value
+        return out
 
     def _note_changes(self, wall: float, loop_now: float) -> None:
         """The short-term decisions since the last sample that moved t or changed the rule, with their reason."""
@@ -156,11 +165,10 @@ class Dashboard:
         gw, samples = self.gateway, list(self.samples)
         link = gw.link
         pairs = zip([None, *samples[:-1]], samples, strict=True)
-        last = samples[-1] if samples else None
-        window = samples[-60:]
-        prompt = window[-1].prompt_tokens - window[0].prompt_tokens if window else 0.0
-        cached = window[-1].cached_tokens - window[0].cached_tokens if window else 0.0
         total_prompt, total_cached = _total(self.metrics.prompt_tokens), _total(self.metrics.cached_tokens)
+        minute_ago = samples[-60] if len(samples) >= 60 else samples[0] if samples else None
+        prompt = total_prompt - minute_ago.prompt_tokens if minute_ago is not None else 0.0
+        cached = total_cached - minute_ago.cached_tokens if minute_ago is not None else 0.0
         return {
             "now": time.time(),
             "period_s": PERIOD_S,
@@ -171,7 +179,7 @@ class Dashboard:
                 "up": link.up,
                 "down": dict(link.down),
                 "configured_rate": gw.config.link.rate,
-                "wire_bytes_by_codec": last.wire_bytes if last is not None else {},
+                "wire_bytes_by_codec": self._link_wire_bytes(),
                 "samples": [s.to_json(p) for p, s in pairs],
             },
             "scheduler": {
