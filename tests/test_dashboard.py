@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from serve_child import serving
@@ -89,3 +91,21 @@ def test_the_page_is_served_whole(server: str) -> None:
     text = page.decode()
     assert "/dashboard/state" in text and "<script" in text
     assert "http://" not in text and "https://" not in text  # nothing fetched from elsewhere
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_in_metrics(server: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    complete(server, LONG)  # every labelled family has a series
+    series = set()
+    for family in text_string_to_metric_families(get(f"{server}/metrics")[2].decode()):
+        series |= {sample.name for sample in family.samples}
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        series |= {family.name + suffix for suffix in suffixes}  # a family without a labelled series yet
+    board = json.loads((Path(__file__).parent.parent / "docs" / "grafana_dashboard.json").read_text())
+    graphs = [p for p in board["panels"] if p["type"] != "row"]
+    queried = {name for p in graphs for t in p["targets"] for name in re.findall(r"minifaas:\w+", t["expr"])}
+    assert len(queried) >= 25 and sorted(queried - series) == []
+    titles = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert [t.split(".")[0] for t in titles] == ["1", "2", "3", "4", "5", "6"]  # in request-flow order
+    assert any("link" in t.lower() for t in titles) and all(p["targets"] for p in graphs)
