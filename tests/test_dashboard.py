@@ -75,7 +75,12 @@ def test_state_shows_the_requests_the_link_and_the_clusters(server: str) -> None
     cache = after["prefix_cache"]
     assert 0 < cache["cached_tokens"] < cache["prompt_tokens"]
     assert cache["hit_rate"] == pytest.approx(cache["cached_tokens"] / cache["prompt_tokens"])
-    assert after["scheduler"]["threshold"] == 300 and not after["scheduler"]["fixed"]
+    scheduler = after["scheduler"]
+    assert scheduler["threshold"] == 300 and not scheduler["fixed"]
+    # the idle link at the start: the scheduler holds t at its base and moves cache for long prompts
+    first = scheduler["changes"][0]
+    assert (first["rule_from"], first["rule"], first["from"], first["to"]) == ("scarce", "abundant", 300, 300)
+    assert (first["action"], first["reason"]) == ("hold", "at_base") and first["at"] <= after["now"]
 
 
 def test_no_per_request_series_in_metrics(server: str) -> None:

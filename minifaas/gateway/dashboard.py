@@ -13,6 +13,7 @@ asks). Nothing here labels a Prometheus series per request. The state's fields: 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from minifaas.gateway.gateway import Gateway
     from minifaas.gateway.worker_handle import WorkerHandle
 
+log = logging.getLogger("minifaas.gateway")
 HISTORY_S = 300  # seconds of link, threshold and queue samples kept
 RECENT_REQUESTS = 50
 PERIOD_S = 1.0
@@ -83,7 +85,7 @@ class Dashboard:
         self.requests: deque[tuple[float, str, RequestRecord]] = deque(maxlen=RECENT_REQUESTS)
         self.changes: deque[dict] = deque(maxlen=200)  # the short-term scheduler's moves of t or the rule
         self._seen_at = -math.inf  # the newest scheduler decision already looked at
-        self._rule: str | None = None
+        self._rule = str(gateway.rule)  # as configured, until the first decision
         self.page = resources.files("minifaas.gateway").joinpath("dashboard.html").read_bytes()
 
     @classmethod
@@ -104,7 +106,10 @@ class Dashboard:
 
     async def run(self) -> None:
         while True:
-            self.sample()
+            try:
+                self.sample()
+            except Exception:  # a sample that failed leaves a gap in the page, never the gateway down
+                log.exception("the dashboard's sample failed")
             await asyncio.sleep(PERIOD_S)
 
     def request_finished(self, record: RequestRecord, outcome: str) -> None:
@@ -154,10 +159,11 @@ class Dashboard:
             fresh.append(decision)
         for d in reversed(fresh):
             rule = str(d.rule)
-            if d.threshold != d.previous or (self._rule is not None and rule != self._rule):
+            if d.threshold != d.previous or rule != self._rule:
                 self.changes.append({
                     "at": round(wall - (loop_now - d.at_s), 3), "action": str(d.action), "reason": str(d.reason),
-                    "from": d.previous, "to": d.threshold, "rule": rule, "utilisation": round(d.utilisation, 4),
+                    "from": d.previous, "to": d.threshold, "rule_from": self._rule, "rule": rule,
+                    "utilisation": round(d.utilisation, 4),
                 })  # fmt: skip
             self._rule, self._seen_at = rule, d.at_s
 
