@@ -93,6 +93,20 @@ def test_a_bad_command_is_refused_and_the_emulator_survives_it() -> None:
     run(main())
 
 
+def test_a_gateways_emulator_leaves_a_terminals_ctrl_c_to_the_gateway() -> None:
+    """^C reaches every process of the terminal's group: the gateway's emulators must outlive it, since the
+    gateway still needs its link while it stops its workers (then it closes their stdin)."""
+
+    async def main() -> None:
+        server = await echo_server()
+        async with server, EmulatorProcess(server.sockets[0].getsockname()) as link:
+            os.kill(link.pid, signal.SIGINT)
+            await asyncio.sleep(0.5)
+            assert link.alive and await round_trip(link.port) == b"ping"
+
+    run(main())
+
+
 def test_a_stall_is_bounded_and_stall_zero_ends_it() -> None:
     async def main() -> None:
         server = await echo_server()

@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--control-idle", type=float, default=30.0, help="drop a control client silent this long, seconds"
     )
-    parser.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (the gateway's)")
+    parser.add_argument(
+        "--exit-with-stdin", action="store_true", help="exit when stdin closes; ^C is the parent's (the gateway's)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

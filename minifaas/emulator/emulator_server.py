@@ -5,7 +5,7 @@
 
 The link (aggregate pacer, per-flow cap and window, delay, jitter, faults; round trip twice ``--delay-ms``) is
 ``relay.LinkEmulator``; this is the process around it. It prints ``{"port": ..., "control_port": ...}`` as one
-JSON line, then serves until SIGINT/SIGTERM, or until stdin closes with ``--exit-with-stdin`` (the gateway's).
+JSON line, then serves until SIGINT/SIGTERM; with ``--exit-with-stdin`` (the gateway's) until SIGTERM or stdin closes.
 The control port is a control session (``control.session``: the cluster secret from $MINIFAAS_SECRET or
 ``--secret-file``, one client at a time, one silent for ``--control-idle`` s dropped). Each message is one
 command ``{"cmd": NAME, ...}``, checked first (``link_commands``) and answered ``{"ok": true, ...}`` or
@@ -46,10 +46,13 @@ async def serve(
     config: LinkConfig, secret: bytes, control: tuple[str, int], route_hosts: frozenset[str], idle_s: float,
     exit_with_stdin: bool,
 ) -> int:  # fmt: skip
-    """Relay and answer the control port until SIGINT or SIGTERM (or stdin closes, with ``exit_with_stdin``)."""
+    """Relay and answer the control port until SIGINT or SIGTERM; with ``exit_with_stdin`` (a gateway's child)
+    until SIGTERM or stdin closes: a terminal's ^C is the gateway's to handle, which stops its emulators last."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    if exit_with_stdin:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM,) if exit_with_stdin else (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with LinkEmulator(config) as link, asyncio.TaskGroup() as tg:
         handler = lambda session: _control_session(link, route_hosts, session, idle_s)  # noqa: E731
