@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,6 +82,16 @@ def test_state_shows_the_requests_the_link_and_the_clusters(server: str) -> None
     first = scheduler["changes"][0]
     assert (first["rule_from"], first["rule"], first["from"], first["to"]) == ("scarce", "abundant", 300, 300)
     assert (first["action"], first["reason"]) == ("hold", "at_base") and first["at"] <= after["now"]
+
+
+def test_since_brings_only_the_newer_samples(server: str) -> None:
+    whole = state(server)["link"]["samples"]
+    time.sleep(2.2)
+    newer = json.loads(get(f"{server}/dashboard/state?since={whole[-1]['at']}")[2])["link"]["samples"]
+    assert 1 <= len(newer) <= 3 and all(s["at"] > whole[-1]["at"] for s in newer)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        get(f"{server}/dashboard/state?since=yesterday")
+    assert refused.value.code == 400
 
 
 def test_no_per_request_series_in_metrics(server: str) -> None:

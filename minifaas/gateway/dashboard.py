@@ -82,6 +82,7 @@ class Dashboard:
     def __init__(self, gateway: Gateway, metrics: ServeMetrics) -> None:
         self.gateway, self.metrics = gateway, metrics
         self.samples: deque[Sample] = deque(maxlen=int(HISTORY_S / PERIOD_S))
+        self.sample_json: deque[dict] = deque(maxlen=int(HISTORY_S / PERIOD_S))  # each turned to JSON once
         self.requests: deque[tuple[float, str, RequestRecord]] = deque(maxlen=RECENT_REQUESTS)
         self.changes: deque[dict] = deque(maxlen=200)  # the short-term scheduler's moves of t or the rule
         self._seen_at = -math.inf  # the newest scheduler decision already looked at
@@ -124,6 +125,7 @@ class Dashboard:
             depth[stage] = sum(w.requests for w in self.gateway.pool.of(cluster, role))
             wait[stage] = getattr(signals, field).wait_s if signals is not None else 0.0
         ceiling = signals.link_rate_bps if signals is not None else scheduler.link_rate_bps
+        previous = self.samples[-1] if self.samples else None
         self.samples.append(
             Sample(
                 at=now,
@@ -139,6 +141,7 @@ class Dashboard:
                 cached_tokens=_total(self.metrics.cached_tokens),
             )
         )
+        self.sample_json.append(self.samples[-1].to_json(previous))
 
     def _link_wire_bytes(self) -> dict[str, float]:
         """KV bytes the PrfaaS cluster's transfers put on the link so far, by codec (their series are named
@@ -167,10 +170,10 @@ class Dashboard:
                 })  # fmt: skip
             self._rule, self._seen_at = rule, d.at_s
 
-    def state(self) -> dict:
+    def state(self, since: float | None = None) -> dict:
+        """The page's figures; ``since``: only the samples taken after that time (the page holds the rest)."""
         gw, samples = self.gateway, list(self.samples)
         link = gw.link
-        pairs = zip([None, *samples[:-1]], samples, strict=True)
         total_prompt, total_cached = _total(self.metrics.prompt_tokens), _total(self.metrics.cached_tokens)
         minute_ago = samples[-60] if len(samples) >= 60 else samples[0] if samples else None
         prompt = total_prompt - minute_ago.prompt_tokens if minute_ago is not None else 0.0
@@ -178,6 +181,7 @@ class Dashboard:
         return {
             "now": time.time(),
             "period_s": PERIOD_S,
+            "history_s": HISTORY_S,
             "model": gw.model_name,
             "link": {
                 "name": NAME,
@@ -186,7 +190,7 @@ class Dashboard:
                 "down": dict(link.down),
                 "configured_rate": gw.config.link.rate,
                 "wire_bytes_by_codec": self._link_wire_bytes(),
-                "samples": [s.to_json(p) for p, s in pairs],
+                "samples": [j for j in self.sample_json if since is None or j["at"] > since],
             },
             "scheduler": {
                 "threshold": gw.scheduler.threshold,
@@ -222,7 +226,12 @@ class Dashboard:
         return web.Response(body=self.page, content_type="text/html", charset="utf-8")
 
     async def state_handler(self, request: web.Request) -> web.Response:
-        return web.json_response(self.state(), headers={"Cache-Control": "no-store"})
+        since = request.query.get("since")
+        try:
+            after = float(since) if since is not None else None
+        except ValueError:
+            raise web.HTTPBadRequest(reason=f"since must be a time in seconds, got {since!r}") from None
+        return web.json_response(self.state(after), headers={"Cache-Control": "no-store"})
 
 
 def _worker(w: WorkerHandle) -> dict:
