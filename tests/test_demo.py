@@ -92,5 +92,5 @@ def test_demo_dashboard_sends_a_steady_mix_until_its_duration(python: Preloaded,
     assert any("the link dips to a 20th of 50mbit for 2 s every 5 s; stopping after 12 s" in line for line in lines)
     summary = next(i for i, line in enumerate(lines) if line.strip() == "summary by route")
     served = {line.split()[1]: int(line.split()[3]) for line in lines[summary:] if line.startswith("│ ")}
-    assert set(served) == {"local", "prfaas"} and min(served.values()) > CLIENTS, served  # clients went on sending
+    assert set(served) == {"local", "prfaas"} and sum(served.values()) > 2 * CLIENTS, served  # they went on sending
     assert lines[-1].startswith("stopped: all processes shut down")
