@@ -15,13 +15,14 @@ import contextlib
 import random
 import signal
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from minifaas.emulator.pacer import parse_rate
 
 if TYPE_CHECKING:
-    from minifaas.commands.demo import DemoRequest as Row
     from minifaas.gateway.gateway import Gateway
+
+Row = TypeVar("Row")  # the demo's row of one request: this module makes and sends them, the demo draws them
 
 CLIENTS = 4
 DIP_FACTOR = 20  # the link's rate during a dip: a twentieth

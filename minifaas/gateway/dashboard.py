@@ -86,7 +86,7 @@ class Dashboard:
         self.requests: deque[tuple[float, str, RequestRecord]] = deque(maxlen=RECENT_REQUESTS)
         self.changes: deque[dict] = deque(maxlen=200)  # the short-term scheduler's moves of t or the rule
         self._seen_at = -math.inf  # the newest scheduler decision already looked at
-        self._rule = str(gateway.rule)  # as configured, until the first decision
+        self._rule = str(gateway.scheduler.rule)  # as configured, until the first decision
         self.page = resources.files("minifaas.gateway").joinpath("dashboard.html").read_bytes()
 
     @classmethod
