@@ -37,11 +37,13 @@ import os  # noqa: E402
 import platform  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 from collections import Counter  # noqa: E402
 
 import torch  # noqa: E402
+from request_path import wait_healthy  # noqa: E402  (benchmarks/, this script's folder)
 
 from minifaas.model.batch_decoder import make_decoder  # noqa: E402
 from minifaas.model.decode_memory import device_memory, row_bytes, sized_for  # noqa: E402
@@ -678,26 +680,17 @@ def serve(model: str, device: str, dtype_name: str, long_tokens: int, short_toke
         "warning",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    # the server's output, read only if it fails (a pipe left unread would block it); closed once it stops
+    log = tempfile.TemporaryFile()  # noqa: SIM115
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out: dict = {"model": model, "device": device, "dtype": dtype_name, "failures": []}
     try:
-        deadline = start + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    health = json.loads(r.read())
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"serve not healthy within {timeout} s")
-            time.sleep(0.25)
+        try:
+            health = wait_healthy(f"http://127.0.0.1:{port}", proc, timeout)
+        except (RuntimeError, TimeoutError) as e:
+            log.seek(0)
+            raise RuntimeError(f"{e}: {log.read().decode(errors='replace')[-2000:]}") from None
         out["cold_start_s"] = round(time.perf_counter() - start, 2)
         note(f"serving after {out['cold_start_s']} s")
         out["health"] = health
@@ -724,6 +717,7 @@ def serve(model: str, device: str, dtype_name: str, long_tokens: int, short_toke
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
+        log.close()
     rt = ModelRuntime.load(model, device, dtype=DTYPES[dtype_name])
     for name, row in served.items():
         tokens = rt.generate(row.pop("ids"), SamplingParams(max_tokens=16, ignore_eos=True))

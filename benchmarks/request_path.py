@@ -150,7 +150,8 @@ def measure(idle_s: float = 10.0, max_tokens: int = 8) -> dict[str, dict[str, se
     return out
 
 
-def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 180) -> None:
+def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 180) -> dict:
+    """``server``'s /health body once it answers 200; an error if it exits or is not healthy in ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -158,7 +159,7 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 180) -> No
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    return
+                    return json.load(r)
         except OSError:
             pass
         time.sleep(0.5)
