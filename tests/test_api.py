@@ -342,6 +342,29 @@ async def test_the_first_token_is_streamed_at_once_even_inside_a_character() -> 
             assert [c["choices"][0]["text"] for c in chunks[:-1]] == texts
 
 
+@pytest.mark.parametrize("path", [C, CHAT])
+@run_async
+async def test_return_token_ids_gives_every_id_once_streamed_or_not(path: str) -> None:
+    """vLLM's ``return_token_ids``: the ids ride with the text; a token whose text is held back (inside a
+    character) has its id in the next chunk, so the stream's ids join to the whole output."""
+    reply = [(0x78, "x"), (0xC3, ""), (0xBC, "ü"), (0x79, "y")]
+    request = (GOOD if path == C else CHAT_GOOD) | {"max_tokens": 4, "return_token_ids": True}
+    async with serving() as s:
+        s.gateway.reply = reply
+        body = await (await s.client.post(path, json=request)).json()
+        prompt = s.gateway.requests[-1].prompt_ids
+        assert body["choices"][0]["token_ids"] == [0x78, 0xC3, 0xBC, 0x79]
+        assert body["choices"][0]["prompt_token_ids"] == prompt
+        resp = await s.client.post(path, json=request | {"stream": True})
+        *chunks, done = sse_events(await resp.text())
+        assert done == "[DONE]"
+        choices = [c["choices"][0] for c in chunks]
+        assert [t for c in choices for t in c["token_ids"]] == [0x78, 0xC3, 0xBC, 0x79]
+        assert [c.get("prompt_token_ids") for c in choices] == [prompt] + [None] * (len(choices) - 1)
+        plain = await (await s.client.post(path, json=request | {"return_token_ids": False})).json()
+        assert "token_ids" not in plain["choices"][0]
+
+
 @run_async
 async def test_official_openai_client() -> None:
     async with serving() as s:

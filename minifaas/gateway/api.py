@@ -181,7 +181,9 @@ class OpenAIServer:
         except APIError:
             self.metrics.request_finished(None, "invalid")
             raise
-        reply = CompletionReply.start(endpoint, self.gateway.model_name, len(parsed.prompt_ids), started)
+        reply = CompletionReply.start(
+            endpoint, self.gateway.model_name, parsed.prompt_ids, started, parsed.return_token_ids
+        )
         outcome = "error"
         try:
             with self.metrics.in_flight():

@@ -4,7 +4,8 @@ Sans-IO like openai_schema: the handler feeds events in and writes out what come
 Streams follow OpenAI's order: content chunks (chat opens with a role-only delta), then a chunk
 with an empty delta and the finish_reason, then, with include_usage, a chunk whose choices are
 empty and which carries usage. The last chunk before ``data: [DONE]`` carries the ``minifaas``
-object, as every non-streamed body does.
+object, as every non-streamed body does. With ``return_token_ids`` (vLLM's field) each choice also carries
+the ids of its tokens (``token_ids``; in a stream, those since the last chunk) and, once, ``prompt_token_ids``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ class CompletionReply:
     tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
+    prompt_ids: list[int] | None = None  # set: the client asked for token ids
+    token_ids: list[int] = field(default_factory=list)
+    ids_sent: int = 0  # token ids already in a stream chunk
+    prompt_sent: bool = False
 
     @classmethod
-    def start(cls, endpoint: APIEndpoint, model: str, prompt_tokens: int, started: float) -> CompletionReply:
+    def start(
+        cls, endpoint: APIEndpoint, model: str, prompt_ids: list[int], started: float, return_token_ids: bool = False
+    ) -> CompletionReply:
         request_id = _ID_PREFIX[endpoint] + uuid.uuid4().hex
-        return cls(endpoint, model, RequestRecord(request_id, prompt_tokens), started)
+        record = RequestRecord(request_id, len(prompt_ids))
+        return cls(endpoint, model, record, started, prompt_ids=prompt_ids if return_token_ids else None)
 
     @property
     def id(self) -> str:
@@ -49,6 +57,7 @@ class CompletionReply:
             self.first_token_at = now
         self.tokens += 1
         self.pieces.append(event.text)
+        self.token_ids.append(event.token_id)
         self.finish_reason = event.finish_reason
         return event.text
 
@@ -78,6 +87,8 @@ class CompletionReply:
         else:
             choice = {"index": 0, "text": text}
         choice |= {"logprobs": None, "finish_reason": self.finish_reason}
+        if self.prompt_ids is not None:
+            choice |= {"prompt_token_ids": self.prompt_ids, "token_ids": self.token_ids}
         return self._envelope(_OBJECT[self.endpoint], [choice]) | {
             "usage": self.usage(),
             "minifaas": self.record.to_json(),
@@ -108,6 +119,11 @@ class CompletionReply:
         else:
             choice = {"index": 0, "delta": delta, "logprobs": None}
         choice["finish_reason"] = finish_reason
+        if self.prompt_ids is not None:
+            if not self.prompt_sent:
+                choice["prompt_token_ids"], self.prompt_sent = self.prompt_ids, True
+            choice["token_ids"] = self.token_ids[self.ids_sent :]
+            self.ids_sent = len(self.token_ids)
         out = self._envelope(_CHUNK_OBJECT[self.endpoint], [choice])
         if include_usage:
             out["usage"] = None  # OpenAI sends null on every chunk but the usage one

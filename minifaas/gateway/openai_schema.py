@@ -5,7 +5,8 @@ OpenAI API (or vLLM's) defines but minifaas does not implement (logprobs, echo, 
 response_format, min_p, n > 1, ...) are refused by name with a 400 unless they ask for nothing,
 rather than silently ignored; top_k, min_tokens and the presence and frequency penalties are
 honoured (``model.sampling``). Text that is not valid Unicode (a lone surrogate such as
-``"\ud800"``, which JSON can carry) is a 400 too. Unknown extra fields are ignored.
+``"\ud800"``, which JSON can carry) is a 400 too. vLLM's ``return_token_ids`` is honoured (the reply
+carries the ids). Unknown extra fields are ignored.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ParsedRequest:
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
@@ -110,7 +112,8 @@ def parse_request(
     if options is not None and not stream:
         raise APIError(400, "'stream_options' may only be set when 'stream' is true.", param="stream_options")
     include_usage = _field(options or {}, "include_usage", bool, False, param="stream_options.include_usage")
-    return ParsedRequest(endpoint, prompt_ids, _sampling(body, max_tokens), stream, include_usage)
+    return_ids = _field(body, "return_token_ids", bool, False)
+    return ParsedRequest(endpoint, prompt_ids, _sampling(body, max_tokens), stream, include_usage, return_ids)
 
 
 def _check_fields(body: dict[str, Any], model_name: str) -> None:
