@@ -15,18 +15,20 @@ from minifaas.control.heartbeat import Heartbeat, HeartbeatConfig, keep_alive
 from minifaas.control.schema import Address, BadMessage, Fields, Int, IntList, Number, Optional, Text, validate
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
-from minifaas.control.session import Garbled, Refused, Session, SessionLost, _wire, connect
+from minifaas.control.session import Garbled, PeerSilent, Refused, Session, SessionLost, _wire, connect
 from minifaas.net.auth import CONTROL, prove_as_sender, prove_control_client
 
 SECRET = b"control-test-secret-0123456789"
-SCHEMAS = {"echo": {"n": Int(0, 100)}, "hang": {}}
+SCHEMAS = {"echo": {"n": Int(0, 100)}, "hang": {}, "bye": {}}
 
 
 async def _echo(server: ControlServer, session: Session) -> None:
-    """Echo each valid message; answer a bad one and go on; ``hang`` stops answering."""
+    """Echo each valid message; answer a bad one and go on; ``hang`` stops answering; ``bye`` hangs up."""
     while (msg := await _recv_or_error(session, server.deadline_s)) is not None:
         if msg.get("op") == "hang":
             await asyncio.sleep(3600)
+        if msg.get("op") == "bye":
+            return
         session.send(msg)
         await session.drain(5)
 
@@ -157,7 +159,8 @@ def test_a_silent_client_is_dropped_and_handshakes_are_bounded() -> None:
     asyncio.run(main())
 
 
-def test_keep_alive_notices_a_peer_that_stops_answering() -> None:
+@pytest.mark.parametrize("last", ["hang", "bye"])
+def test_keep_alive_tells_a_peer_that_stops_answering_from_one_that_hangs_up(last: str) -> None:
     async def main() -> None:
         async with _server() as server:
             session = await connect("127.0.0.1", server.port, SECRET, 5.0)
@@ -166,13 +169,17 @@ def test_keep_alive_notices_a_peer_that_stops_answering() -> None:
 
             def ping() -> dict:
                 n = next(pings)
-                return {"op": "hang"} if n == 3 else {"op": "echo", "n": n}
+                return {"op": last} if n == 3 else {"op": "echo", "n": n}
 
             loop = asyncio.get_running_loop()
             began = loop.time()
             lost = await keep_alive(session, HeartbeatConfig(0.05, 0.4), seen.append, ping)
-            assert isinstance(lost, SessionLost) and "did not answer a ping" in str(lost)
-            assert [m["n"] for m in seen] == [0, 1, 2] and 0.4 < loop.time() - began < 3
+            assert [m["n"] for m in seen] == [0, 1, 2]
+            if last == "hang":  # silent: hung or stopped, not known to be gone
+                assert isinstance(lost, PeerSilent) and "did not answer a ping" in str(lost)
+                assert 0.4 < loop.time() - began < 3
+            else:
+                assert isinstance(lost, SessionLost) and not isinstance(lost, PeerSilent), lost
 
     asyncio.run(main())
 

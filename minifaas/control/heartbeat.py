@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from minifaas.control.session import ControlError, Session, SessionLost
+from minifaas.control.session import ControlError, PeerSilent, Session, SessionLost
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ async def keep_alive(
             for _ in range(2):  # after a stall of this loop, let the listener take what already arrived
                 await asyncio.sleep(0)
             if beat.late(loop.time()):
-                raise SessionLost(f"{session.peer} did not answer a ping within {config.deadline_s} s")
+                raise PeerSilent(f"{session.peer} did not answer a ping within {config.deadline_s} s")
 
     try:
         async with asyncio.TaskGroup() as tg:

@@ -39,6 +39,10 @@ class SessionLost(ControlError):
     """The connection closed, broke, or went silent past its deadline."""
 
 
+class PeerSilent(SessionLost):
+    """The peer stopped answering within its deadline: hung, stopped or cut off, not known to have crashed."""
+
+
 class Refused(ControlError):
     """The handshake failed, or the server refused this client (it serves another)."""
 
@@ -87,7 +91,7 @@ class Session:
             async with asyncio.timeout(timeout):
                 await self._writer.drain()
         except TimeoutError:
-            raise SessionLost(f"{self.peer} took nothing for {timeout} s") from None
+            raise PeerSilent(f"{self.peer} took nothing for {timeout} s") from None
         except OSError as e:
             raise SessionLost(f"{self.peer}: {e}") from None
 
@@ -101,7 +105,7 @@ class Session:
                     raise Oversized(f"a frame of {length} bytes from {self.peer} (at most {self.max_bytes})")
                 body = await self._reader.readexactly(length)
         except TimeoutError:
-            raise SessionLost(f"nothing heard from {self.peer} for {timeout} s") from None
+            raise PeerSilent(f"nothing heard from {self.peer} for {timeout} s") from None
         except asyncio.IncompleteReadError as e:
             if not e.partial:
                 return None

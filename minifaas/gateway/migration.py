@@ -8,7 +8,9 @@ is the one an undisturbed run gives, since greedy decoding is a function of the 
 ``--migration-limit`` moves (none by default: the request's deadlines decide) it fails with a retryable error
 rather than move again. A request that decode workers die on just as they take it into their batch, twice
 (``POISON_LOSSES``), is stopped as their likely cause: random faults rarely land in that one step twice for one
-request, a request that crashes every worker it reaches does so each time.
+request, a request that crashes every worker it reaches does so each time. A worker that went silent (stopped
+or hung: its heartbeat deadline passed) is no evidence, since it may never have read the request; a request
+that hangs its workers meets its deadlines instead.
 
 A sampled request continues from the same sequence, but its random draws are not those of an undisturbed run.
 The presence and frequency penalties count only generated tokens, which a re-prefill would take for prompt: such

@@ -146,8 +146,8 @@ class RequestFailed(Exception):
 
 class DecodeLost(RequestFailed):
     """The decode worker holding the request went away (its session was lost): the request may migrate.
-    ``before_a_step``: it went after taking the request into its batch and before one step of it, the sign a
-    request that crashes its worker leaves (``migration.POISON_LOSSES``)."""
+    ``before_a_step``: it ended (not merely went silent) after taking the request into its batch and before one
+    step of it, the sign a request that crashes its worker leaves (``migration.POISON_LOSSES``)."""
 
     def __init__(self, message: str, worker: str | None = None, before_a_step: bool = False) -> None:
         super().__init__(message)

@@ -68,8 +68,9 @@ async def decode_tokens(
                 msg = await inbox.get()  # "received", or news of an abandoned transfer
         if record.first_step_s is None:
             record.first_step_s = time.perf_counter() - asked
-        if msg["op"] == Reply.LOST:
-            raise DecodeLost(f"decode worker {decode.name} went away", decode.name, before_a_step=not stepped)
+        if msg["op"] == Reply.LOST:  # a worker that went silent may have been stopped before it read the request
+            suspect = not stepped and not msg.get("silent", False)
+            raise DecodeLost(f"decode worker {decode.name} went away", decode.name, before_a_step=suspect)
         stepped = True
         if msg["op"] == Reply.FAILED:
             raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")

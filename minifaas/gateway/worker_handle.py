@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
 from minifaas.control.schema import BadMessage, validate
-from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
+from minifaas.control.session import ControlError, PeerSilent, Refused, Session, SessionLost, connect
 from minifaas.control.worker_ops import CACHE_EVENTS, WORKER_REPLIES, Op, Reply
 from minifaas.launch.launcher import WorkerError, WorkerSpec
 from minifaas.net.address import Address
@@ -123,15 +123,19 @@ class WorkerHandle:
         self.alive = True
 
     async def pump(self, heartbeat: HeartbeatConfig) -> SessionLost:
-        """Run the session until it is lost; then wake every waiting request. Returns why it ended."""
+        """Run the session until it is lost; then wake every waiting request, telling it whether the worker
+        went silent (hung or stopped) rather than away. Returns why it ended."""
         assert self.session is not None
+        lost: SessionLost | None = None
         try:
-            return await keep_alive(self.session, heartbeat, self._deliver, lambda: {"op": Op.PING})
+            lost = await keep_alive(self.session, heartbeat, self._deliver, lambda: {"op": Op.PING})
+            return lost
         finally:
             self.alive = False
             self.gone.set()
+            news = LOST | {"silent": isinstance(lost, PeerSilent)}
             for inbox in self.inboxes.values():
-                inbox.put_nowait(LOST)
+                inbox.put_nowait(news)
 
     def _deliver(self, raw: dict) -> None:
         try:
