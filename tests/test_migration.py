@@ -25,6 +25,7 @@ from minifaas.gateway.api import api_error
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.migration import Migration
 from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit, PoisonRequest, RequestRecord
+from minifaas.gateway.token_stream import suspect
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -63,16 +64,25 @@ def test_without_a_limit_the_deadlines_decide_and_two_deaths_at_the_join_stop_a_
     random_faults = Migration(request, limit=None)
     for i in range(50):  # workers lost mid-stream, however often: no count ends it
         random_faults.move(DecodeLost(f"decode worker pd-d{i % 2} went away", f"pd-d{i % 2}"))
-    random_faults.move(DecodeLost("decode worker pd-d0 went away", "pd-d0", before_a_step=True))  # once: a fault
+    random_faults.move(DecodeLost("decode worker pd-d0 went away", "pd-d0", suspect=True))  # once: a fault
     assert random_faults.moves == 51
     poison = Migration(request, limit=None)
-    poison.move(DecodeLost("decode worker pd-d0 went away", "pd-d0", before_a_step=True))
+    poison.move(DecodeLost("decode worker pd-d0 went away", "pd-d0", suspect=True))
     with pytest.raises(PoisonRequest, match="decode workers pd-d0, pd-d1 each died just as they took this request"):
-        poison.move(DecodeLost("decode worker pd-d1 went away", "pd-d1", before_a_step=True))
+        poison.move(DecodeLost("decode worker pd-d1 went away", "pd-d1", suspect=True))
     error = api_error(PoisonRequest("stopped"))
     assert (error.status, error.code) == (500, "poison_request")
     with pytest.raises(MigrationLimit, match=r"migration limit \(0\)"):  # 0: never migrate
         Migration(request, limit=0).move(DecodeLost("decode worker pd-d0 went away", "pd-d0"))
+
+
+def test_only_a_worker_that_ended_with_this_request_alone_unstepped_points_at_it() -> None:
+    """The evidence a lost decode worker's news gives against one request (``token_stream.suspect``)."""
+    assert suspect({"op": "lost", "silent": False, "unstepped": ["r"]}, "r")  # it joined alone; the worker ended
+    assert not suspect({"op": "lost", "silent": True, "unstepped": ["r"]}, "r")  # stopped or hung: maybe unread
+    assert not suspect({"op": "lost", "silent": False, "unstepped": ["q", "r"]}, "r")  # a restarted worker's flood
+    assert not suspect({"op": "lost", "silent": False, "unstepped": []}, "r")  # it had been stepped
+    assert not suspect({"op": "lost"}, "r")  # a loss the gateway made up (shutdown): no evidence
 
 
 @pytest.fixture(scope="module")

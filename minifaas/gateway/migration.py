@@ -6,11 +6,12 @@ router says, and decoding continues on another decode worker (or the same one re
 only for the tokens still owed, so the client sees no token twice and none missing; a greedy request's output
 is the one an undisturbed run gives, since greedy decoding is a function of the sequence so far. Past
 ``--migration-limit`` moves (none by default: the request's deadlines decide) it fails with a retryable error
-rather than move again. A request that decode workers die on just as they take it into their batch, twice
-(``POISON_LOSSES``), is stopped as their likely cause: random faults rarely land in that one step twice for one
-request, a request that crashes every worker it reaches does so each time. A worker that went silent (stopped
-or hung: its heartbeat deadline passed) is no evidence, since it may never have read the request; a request
-that hangs its workers meets its deadlines instead.
+rather than move again. A request that decode workers die on just as they take it, alone, into their batch,
+twice (``POISON_LOSSES``), is stopped as their likely cause: random faults rarely land in that one step twice
+for one request, a request that crashes every worker it reaches does so each time. No evidence: a worker that
+went silent (stopped or hung: its heartbeat deadline passed), which may never have read the request, or one
+that died while several requests waited for their first step there (a freshly restarted worker taking every
+migrating request at once); a request that hangs its workers meets its deadlines instead.
 
 A sampled request continues from the same sequence, but its random draws are not those of an undisturbed run.
 The presence and frequency penalties count only generated tokens, which a re-prefill would take for prompt: such
@@ -37,7 +38,7 @@ from minifaas.gateway.requests import (
 log = logging.getLogger("minifaas.gateway")
 
 
-POISON_LOSSES = 2  # decode workers lost right after taking a request into their batch: then it is the likely cause
+POISON_LOSSES = 2  # decode workers lost right after taking a request alone into their batch: then it is the cause
 
 
 class Migration:
@@ -61,12 +62,12 @@ class Migration:
         none is allowed."""
         if self.original.sampling.penalised and self.sent:
             raise DecodeLost(f"{lost}; a request with presence or frequency penalties cannot migrate") from lost
-        if lost.before_a_step:
+        if lost.suspect:
             self.suspect_losses.append(lost.worker or "?")
             if len(self.suspect_losses) >= POISON_LOSSES:
                 raise PoisonRequest(
                     f"{lost}; decode workers {', '.join(self.suspect_losses)} each died just as they took this "
-                    "request into their batch: it is stopped as the likely cause"
+                    "request, and no other, into their batch: it is stopped as the likely cause"
                 ) from lost
         if self.limit is not None and self.moves >= self.limit:
             raise MigrationLimit(

@@ -146,12 +146,12 @@ class RequestFailed(Exception):
 
 class DecodeLost(RequestFailed):
     """The decode worker holding the request went away (its session was lost): the request may migrate.
-    ``before_a_step``: it ended (not merely went silent) after taking the request into its batch and before one
-    step of it, the sign a request that crashes its worker leaves (``migration.POISON_LOSSES``)."""
+    ``suspect``: it ended (not merely went silent) while this request, and no other, waited for its first
+    step there: the sign a request that crashes its worker leaves (``migration.POISON_LOSSES``)."""
 
-    def __init__(self, message: str, worker: str | None = None, before_a_step: bool = False) -> None:
+    def __init__(self, message: str, worker: str | None = None, suspect: bool = False) -> None:
         super().__init__(message)
-        self.worker, self.before_a_step = worker, before_a_step
+        self.worker, self.suspect = worker, suspect
 
 
 class MigrationLimit(RequestFailed):

@@ -48,36 +48,45 @@ async def decode_tokens(
     owed); ``text`` and ``record.completion_tokens`` span every attempt. ``shown``: the first token's event
     went out already (``token_event``, before the state's tail arrived)."""
     token, finish = first, first_token_finish(first, request, tokenizer)
-    stepped = False  # the decode worker has made a step of this request: its death since is no sign against it
+    rid = request.request_id
     if finish is None:
         try:
-            decode.send({"op": Op.START, "req": request.request_id, "next_token": first})
+            decode.send({"op": Op.START, "req": rid, "next_token": first})
         except RuntimeError as e:  # gone between the prefill and now
             raise DecodeLost(str(e)) from None
-    while True:
-        if not shown:
-            event = token_event(token, finish, text, record)
-            yield event
-            if event.finish_reason is not None:
+        decode.unstepped.add(rid)
+    try:
+        while True:
+            if not shown:
+                event = token_event(token, finish, text, record)
+                yield event
+                if event.finish_reason is not None:
+                    return
+            shown = False
+            asked = time.perf_counter()
+            async with deadline.next_token():
+                msg = await inbox.get()
+                while msg.get("transfer", transfer) != transfer or msg["op"] in (Reply.RECEIVED, Reply.PINNED):
+                    msg = await inbox.get()  # "received", or news of an abandoned transfer
+            if record.first_step_s is None:
+                record.first_step_s = time.perf_counter() - asked
+            if msg["op"] == Reply.LOST:
+                raise DecodeLost(f"decode worker {decode.name} went away", decode.name, suspect(msg, rid))
+            decode.unstepped.discard(rid)
+            if msg["op"] == Reply.FAILED:
+                raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
+            if msg["op"] == Reply.DONE:
                 return
-        shown = False
-        asked = time.perf_counter()
-        async with deadline.next_token():
-            msg = await inbox.get()
-            while msg.get("transfer", transfer) != transfer or msg["op"] in (Reply.RECEIVED, Reply.PINNED):
-                msg = await inbox.get()  # "received", or news of an abandoned transfer
-        if record.first_step_s is None:
-            record.first_step_s = time.perf_counter() - asked
-        if msg["op"] == Reply.LOST:  # a worker that went silent may have been stopped before it read the request
-            suspect = not stepped and not msg.get("silent", False)
-            raise DecodeLost(f"decode worker {decode.name} went away", decode.name, before_a_step=suspect)
-        stepped = True
-        if msg["op"] == Reply.FAILED:
-            raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
-        if msg["op"] == Reply.DONE:
-            return
-        if msg["op"] == Reply.TOKEN:
-            token, finish = msg["token"], msg["finish"]
+            if msg["op"] == Reply.TOKEN:
+                token, finish = msg["token"], msg["finish"]
+    finally:
+        decode.unstepped.discard(rid)
+
+
+def suspect(lost: dict, rid: str) -> bool:
+    """Whether the decode worker's loss points at this request: the worker ended (a silent one may have been
+    stopped before it read anything) while this request, and no other, waited for its first step there."""
+    return not lost.get("silent", False) and lost.get("unstepped") == [rid]
 
 
 class OutputText:

@@ -82,6 +82,7 @@ class WorkerHandle:
         self.codecs: dict[str, list[float]] = {}  # what a prefill worker measured of its codecs when it started
         self.kernels = "unknown"  # what its linear-attention layers run (fla, torch, none), as it says
         self.max_batch = 0  # a decode worker's rows per forward (0: not said)
+        self.unstepped: set[str] = set()  # requests sent to its batch that no step has answered yet
         self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
         self.gone = asyncio.Event()  # this session's end: a new one per attach, so a waiter sees its own session go
         self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
@@ -124,7 +125,8 @@ class WorkerHandle:
 
     async def pump(self, heartbeat: HeartbeatConfig) -> SessionLost:
         """Run the session until it is lost; then wake every waiting request, telling it whether the worker
-        went silent (hung or stopped) rather than away. Returns why it ended."""
+        went silent (hung or stopped) rather than away, and which requests it had taken without a step of
+        them. Returns why it ended."""
         assert self.session is not None
         lost: SessionLost | None = None
         try:
@@ -133,7 +135,8 @@ class WorkerHandle:
         finally:
             self.alive = False
             self.gone.set()
-            news = LOST | {"silent": isinstance(lost, PeerSilent)}
+            news = LOST | {"silent": isinstance(lost, PeerSilent), "unstepped": sorted(self.unstepped)}
+            self.unstepped = set()
             for inbox in self.inboxes.values():
                 inbox.put_nowait(news)
 
