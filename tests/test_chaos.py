@@ -1,9 +1,11 @@
-"""Chaos: real gateways under concurrent greedy load while every kind of child process is killed and stopped.
+"""Chaos: real servers under concurrent streamed greedy load over HTTP while their child processes are killed
+and stopped.
 
 The benchmark's own runs (benchmarks/bench_chaos.py --quick --json, a fixed seed), each in its own
-process (forked from the pre-loaded interpreter, ``python`` in conftest.py), faults one at a time over the
-five kinds (PD-P, PrfaaS and PD-D workers, the link emulator, the pre-loaded parent): with two workers
-per role ten, a SIGKILL and a SIGSTOP of each kind; with one, five, one of each kind. Outputs are
+process (forked from the pre-loaded interpreter, ``python`` in conftest.py) driving ``minifaas serve``
+through its OpenAI API. With two workers per role, ten faults in clusters (every process of one kind within
+a few seconds: both decode workers together among them); with one, five faults one at a time, one of each
+kind (PD-P, PrfaaS and PD-D workers, a link emulator, the pre-loaded parent). Every stream's token ids are
 compared with transformers' own generate().
 
 - Two workers per role: every request is served, token for token; none fails, hangs or is cut.
@@ -24,15 +26,15 @@ import pytest
 from preloaded import Preloaded
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = {"pd-prefill", "prfaas-prefill", "pd-decode", "link", "zygote"}
+KINDS = {"pd-prefill", "prfaas-prefill", "pd-decode", "link-emulator", "zygote"}
 MAX_FAILED_SHARE_ONE_PER_ROLE = 0.25  # a killed only worker of a role is back in about 5 s of a 30 s deadline
 
 
 @pytest.fixture(scope="module")
 def runs(python: Preloaded) -> dict[int, dict]:
     found = {}
-    for per_role, faults in ((2, "10"), (1, "5")):  # ten faults meet every (kind, signal) pair, five every kind
-        cmd = ["benchmarks/bench_chaos.py", "--quick", "--json", "--per-role", str(per_role), "--faults", faults]
+    for per_role, faults in ((2, ["--faults", "10", "--clustered"]), (1, ["--faults", "5"])):  # five: every kind
+        cmd = ["benchmarks/bench_chaos.py", "--quick", "--json", "--per-role", str(per_role), *faults]
         done = python.run(cmd, cwd=ROOT, env=dict(os.environ), timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         *table, last = done.stdout.splitlines()
@@ -45,7 +47,7 @@ def check_common(run: dict) -> None:
     calm, chaos, faults = run["calm"], run["chaos"], run["faults"]
     assert calm["sent"] > 0 and calm["ok"] == calm["sent"], calm  # the calm phase: everything served
     assert chaos["sent"] >= 20 and chaos["wrong"] == chaos["hung"] == chaos["cut"] == 0, chaos
-    assert {f["kind"] for f in faults} == KINDS and {f["signal"] for f in faults} == {"SIGKILL", "SIGSTOP"}, faults
+    assert {f["signal"] for f in faults} == {"SIGKILL", "SIGSTOP"}, faults
     killed = [f for f in faults if f["signal"] == "SIGKILL" and f["kind"] != "zygote"]
     assert all(f["recover_s"] is not None for f in killed), faults  # each left routing and came back
     assert run["after_ok"] and max(run["recovery_s"]) <= 30, run
@@ -57,7 +59,10 @@ def check_common(run: dict) -> None:
 def test_two_workers_per_role_lose_nothing(runs: dict[int, dict]) -> None:
     run = runs[2]
     check_common(run)
-    assert len(run["faults"]) == 10 and len(run["faults_by_kind"]) == 10, run["faults_by_kind"]  # every pair
+    assert len(run["faults"]) >= 10, run["faults"]
+    decode_hits = [f for f in run["faults"] if f["kind"] == "pd-decode"]
+    together = [(a, b) for a in decode_hits for b in decode_hits if a["target"] < b["target"]]
+    assert any(abs(a["at_s"] - b["at_s"]) < 3 for a, b in together), decode_hits  # both decode workers, at once
     chaos = run["chaos"]
     assert chaos["ok"] == chaos["sent"] and chaos["failed"] == 0, chaos
     assert chaos["migrated"] + chaos["fell_back"] > 0, chaos  # the faults did hit requests
@@ -68,6 +73,7 @@ def test_two_workers_per_role_lose_nothing(runs: dict[int, dict]) -> None:
 def test_one_worker_per_role_fails_only_past_a_deadline(runs: dict[int, dict]) -> None:
     run = runs[1]
     check_common(run)
+    assert {f["kind"] for f in run["faults"]} == KINDS, run["faults"]
     chaos = run["chaos"]
     assert set(chaos["failed_by_cause"]) <= {"timeout"}, chaos  # nothing to serve it before its deadline
     assert chaos["ok"] + chaos["failed"] == chaos["sent"], chaos
