@@ -1,4 +1,4 @@
-"""TTFT and end-to-end latency of a short and a long prompt on each route, against one-process generate().
+"""TTFT and end-to-end latency of a short and a long prompt on each route, against transformers' own generate().
 
     python benchmarks/bench_serve.py [--short 128] [--long 2048] [--max-tokens 16] [--repeats 3] [--rounds 1]
                                      [--threads N] [--json] [--quick]
@@ -6,15 +6,20 @@
 One run measures, on the same machine: a server whose threshold sends
 everything local (PD-P -> PD-D), then one whose threshold sends everything to
 PrfaaS (PrfaaS prefill -> emulated link -> PD-D); each served request is
-followed by the single-process reference (prefill + decode in this process) on
-a prompt of the same length, so the two see the same machine load. Requests go one
-at a time through the HTTP API with streaming, each with a fresh prompt (no
-prefix-cache hits); medians of --repeats, and the median of each request's
-own ratio to the reference right after it (``pairs``: slower drift cancels).
-``--rounds R`` starts R fresh servers per route, the routes' order turning
-each round, and pools their requests: one server's processes can be 10-20%
-faster or slower than the next one's on this kind of host, for all of their
-requests, and the reference moves between servers as much.
+followed by the reference on the same prompt, so the two see the same machine
+load. The reference is what a user gets from transformers alone: the model
+from ``AutoModelForCausalLM`` (``from_pretrained`` for a checkpoint, the
+seeded config for a preset), greedy ``generate()`` of the same number of
+tokens with no stop token, in this process. One call gives both figures: a
+streamer notes when ``generate()`` hands over its first new token (TTFT: the
+prefill and the first token's pick) and the call's return is the end-to-end
+time. Requests go one at a time through the HTTP API with streaming, each with
+a fresh prompt (no prefix-cache hits); medians of --repeats, and the median of
+each request's own ratio to the reference right after it (``pairs``: slower
+drift cancels). ``--rounds R`` starts R fresh servers per route, the routes'
+order turning each round, and pools their requests: one server's processes
+can be 10-20% faster or slower than the next one's on this kind of host, for
+all of their requests, and the reference moves between servers as much.
 ``--quick`` is the smoke run the tests make: 32- and 128-token prompts, 4
 output tokens, one repeat unless given; the same code path.
 """
@@ -30,13 +35,13 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from minifaas import figures
 from minifaas.commands.serve import running_server
 from minifaas.config import ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
-from minifaas.model.runtime import ModelRuntime
-from minifaas.model.sampling import SamplingParams
+from minifaas.model.loader import ModelSpec, load_model, resolve_dtype
 
 # where a served prefill's time goes (the response's ``minifaas`` object); http_s is the client's TTFT less
 # the gateway's: the HTTP request, the SSE event and the client's parsing
@@ -48,13 +53,34 @@ def prompt(n: int, salt: int) -> list[int]:
     return [(37 * i + 11 * salt + 5) % 256 for i in range(n)]
 
 
-def reference(rt: ModelRuntime, ids: list[int], max_tokens: int) -> tuple[float, float]:
-    """TTFT and end-to-end time of prefill + decode in this process."""
+class FirstToken(BaseStreamer):
+    """When ``generate()`` handed over its first new token: its first ``put`` is the prompt, the second that token."""
+
+    def __init__(self) -> None:
+        self.puts, self.at = 0, 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def reference(model: torch.nn.Module, ids: list[int], max_tokens: int) -> tuple[float, float]:
+    """TTFT and end-to-end time of transformers' greedy ``generate()`` on ``ids``, no stop token."""
+    prompt_ids = torch.tensor([ids], device=model.device)
+    first = FirstToken()
     start = time.perf_counter()
-    result = rt.prefill(ids)
-    ttft = time.perf_counter() - start
-    rt.start_decode(result.state, result.next_token, SamplingParams(max_tokens=max_tokens, ignore_eos=True)).run()
-    return ttft, time.perf_counter() - start
+    out = model.generate(
+        prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=max_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None, streamer=first,
+    )  # fmt: skip  # no row stops early, so no padding is written
+    end = time.perf_counter()
+    assert out.shape[1] == len(ids) + max_tokens and first.at
+    return first.at - start, end - start
 
 
 @dataclass
@@ -63,7 +89,7 @@ class Samples:
 
     ttfts: list[float] = field(default_factory=list)
     e2es: list[float] = field(default_factory=list)
-    refs: list[tuple[float, float]] = field(default_factory=list)  # the reference right after each: TTFT, e2e
+    refs: list[tuple[float, float]] = field(default_factory=list)  # generate() right after each: TTFT, e2e
     parts: list[dict[str, float]] = field(default_factory=list)
     routes: set[str] = field(default_factory=set)
     kv_bytes: int = 0
@@ -82,18 +108,20 @@ class Samples:
 
 
 async def served(
-    config: ServeConfig, rt: ModelRuntime, lengths: list[int], max_tokens: int, repeats: int,
+    config: ServeConfig, model: torch.nn.Module, lengths: list[int], max_tokens: int, repeats: int,
     out: dict[int, Samples], salt: int,
 ) -> None:  # fmt: skip
-    """Each served request is followed by the same prompt through ``rt`` here, so both see the same load."""
+    """Each served request is followed by the same prompt through ``model``'s generate() here, so both see the
+    same load."""
     async with running_server(config) as (gateway, port), aiohttp.ClientSession() as http:
         url = f"http://127.0.0.1:{port}/v1/completions"
         for n in lengths:
             got = out.setdefault(n, Samples())
             for i in range(repeats + 1):  # the first is a warm-up
+                ids = prompt(n, 7919 * i + n + salt)
                 body = {
                     "model": gateway.model_name,
-                    "prompt": prompt(n, 7919 * i + n + salt),
+                    "prompt": ids,
                     "max_tokens": max_tokens,
                     "temperature": 0,
                     "stream": True,
@@ -116,8 +144,7 @@ async def served(
                     )
                     got.ttfts.append(first or 0.0)
                     got.e2es.append(time.perf_counter() - start)
-                    ids = prompt(n, 7919 * i + n + salt + 1)
-                    got.refs.append(await asyncio.to_thread(reference, rt, ids, max_tokens))
+                    got.refs.append(await asyncio.to_thread(reference, model, ids, max_tokens))
 
 
 def main() -> None:
@@ -150,8 +177,8 @@ def main() -> None:
     if a.device == "cpu":
         forked.start_here(a.model)  # the workers' parent, forked from here before any torch op
     lengths = [a.short, a.long]
-    rt = ModelRuntime.load(a.model, a.device)
-    rt.generate([1, 2, 3], SamplingParams(max_tokens=2))
+    model = load_model(ModelSpec.resolve(a.model), a.device, resolve_dtype("auto", a.device))
+    reference(model, [1, 2, 3], 2)  # first forwards are slow
     if a.threads:
         torch.set_num_threads(a.threads)
     d = ServeConfig()
@@ -166,7 +193,7 @@ def main() -> None:
     for r in range(a.rounds):  # a fresh server per route and round, the order turning with the round
         for name in ["local", "prfaas"] if r % 2 == 0 else ["prfaas", "local"]:
             config = replace(base, threshold=thresholds[name])
-            asyncio.run(served(config, rt, lengths, a.max_tokens, a.repeats, samples[name], 1_000_003 * r))
+            asyncio.run(served(config, model, lengths, a.max_tokens, a.repeats, samples[name], 1_000_003 * r))
     local = {n: got.summary() for n, got in samples["local"].items()}
     prfaas = {n: got.summary() for n, got in samples["prfaas"].items()}
     rows = []
