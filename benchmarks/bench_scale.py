@@ -1,14 +1,21 @@
 """Scale on one box: served throughput beside transformers' batched generate(), long prompts, interference, memory.
 
     python benchmarks/bench_scale.py [--sizes 1,32,128,256] [--crowd 1000] [--lengths 2048,8192,32000]
-                                     [--soak 10000] [--repeats 2] [--out scale.json] [--plot scale.png] [--json]
+                                     [--soak 10000] [--repeats 2] [--check] [--out scale.json] [--plot scale.png]
+                                     [--json]
 
 One run, on one machine, with ``minifaas serve`` started as a user starts it (its defaults, a child process):
 
-1. throughput: for each size N, ``AutoModelForCausalLM.generate()`` of the same checkpoint on N prompts at once
-   (64 tokens in, 16 out, greedy, one torch thread, in this process) and then N concurrent streamed completions of
-   the same lengths with ``ignore_eos``; tokens/s of each and their ratio, the best of ``--repeats`` of each, the
-   two alternating. Then ``--crowd`` concurrent requests: how many are served and how many refused.
+1. throughput: for each size N, N prompts (64 tokens in, 16 out, greedy, no stop token) through
+   ``AutoModelForCausalLM.generate()`` of the same checkpoint at once, in this process, on one torch thread, then
+   two, up to the cores it may use; and the same N prompts as concurrent streamed completions with ``ignore_eos``
+   and ``return_token_ids``. Every served stream's tokens must equal generate()'s row for its prompt. Tokens per
+   second of each side, and tokens per CPU-second: generate()'s from this process's CPU time, the server's summed
+   over every process of its group (``/proc/<pid>/stat``, the children it reaped included). generate() counts at
+   its best thread count for each figure; each figure is the best of ``--repeats``, the sides taking turns on
+   fresh prompts each repeat. ``--check`` exits 1 unless served tokens/s is at least generate()'s at N = 32, 128
+   and 256, served tokens per CPU-second at least 0.8 of generate()'s at 128 and 256, and every token equal.
+   Then ``--crowd`` concurrent requests: how many are served and how many refused.
 2. long prompts: TTFT of one prompt of each of ``--lengths`` tokens, prefill tokens/s, the FLOPs the model spends
    on it (``flop_model``: matmuls, causal attention, the linear layers' chunked scan) and the FLOP/s achieved; and
    the peak RSS of the prefill worker that ran it, above what it held before the first. They run before the rest,
@@ -79,18 +86,42 @@ def load_reference() -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
 
 
-def generate_rate(model: torch.nn.Module, batch: list[list[int]]) -> float:
-    """Output tokens per second of one batched greedy ``generate()``, prefill included."""
+@dataclass
+class Run:
+    """One side's run of one batch: each prompt's output token ids, its wall time and the CPU time it spent."""
+
+    rows: list[list[int]]  # [] for a request refused
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def tok_s(self) -> float:
+        return sum(map(len, self.rows)) / self.wall_s
+
+    @property
+    def tok_cpu_s(self) -> float:
+        return sum(map(len, self.rows)) / max(self.cpu_s, 1e-9)
+
+
+def thread_counts() -> range:
+    """generate()'s thread counts to try: one to the cores this process may run on."""
+    return range(1, len(os.sched_getaffinity(0)) + 1)
+
+
+def generate_run(model: torch.nn.Module, batch: list[list[int]], threads: int) -> Run:
+    """One batched greedy ``generate()`` on ``threads`` torch threads, prefill included; CPU time of this process
+    (every thread of it). No stop token, as ``ignore_eos`` asks of the server."""
+    torch.set_num_threads(threads)
     ids = torch.tensor(batch)
-    started = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_TOKENS,
-            min_new_tokens=OUTPUT_TOKENS, do_sample=False, pad_token_id=model.config.pad_token_id,
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_TOKENS, do_sample=False,
+            eos_token_id=None, pad_token_id=model.config.pad_token_id, temperature=None, top_p=None, top_k=None,
         )  # fmt: skip
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert out.shape == (len(batch), PROMPT_TOKENS + OUTPUT_TOKENS)
-    return len(batch) * OUTPUT_TOKENS / wall
+    return Run(out[:, PROMPT_TOKENS:].tolist(), wall, cpu)
 
 
 # --- the server, as a user runs it ------------------------------------------------------------------------------
@@ -104,17 +135,29 @@ class Server:
     def processes(self) -> dict[str, int]:
         """Every process of the server's group, by title (``serve``, ``pd-decode pd-d0``, ...) -> pid."""
         out = {}
+        for pid, _ in self._group():
+            with contextlib.suppress(OSError):
+                words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().split()
+                title = " ".join(w for w in words[1:3] if not w.startswith(":")) if words[0] == "minifaas" else ""
+                out[title or f"pid {pid}"] = pid
+        return out
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server's group has spent so far: each process's own (utime, stime) and that of the
+        children it has reaped (cutime, cstime), so a worker that ends between two readings still counts."""
+        ticks = sum(sum(map(int, fields[11:15])) for _, fields in self._group())
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def _group(self) -> Iterator[tuple[int, list[str]]]:
+        """Each process in the server's group and the fields of its /proc stat after the command name."""
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             with contextlib.suppress(OSError, IndexError, ValueError):
                 stat = (entry / "stat").read_text()
-                if int(stat[stat.rindex(")") + 2 :].split()[2]) != self.proc.pid:
-                    continue
-                words = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().split()
-                title = " ".join(w for w in words[1:3] if not w.startswith(":")) if words[0] == "minifaas" else ""
-                out[title or f"pid {entry.name}"] = int(entry.name)
-        return out
+                fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
+                if int(fields[2]) == self.proc.pid:
+                    yield int(entry.name), fields
 
 
 @contextlib.contextmanager
@@ -194,6 +237,7 @@ class Stream:
     status: int = 0
     sent: float = 0.0
     arrivals: list[float] = field(default_factory=list)  # when each content chunk came
+    tokens: list[int] = field(default_factory=list)  # the output token ids, joined from the chunks' token_ids
     info: dict = field(default_factory=dict)  # the response's ``minifaas`` object
     retry_after: str | None = None
 
@@ -208,7 +252,7 @@ async def stream(
 ) -> Stream:  # fmt: skip
     """One streamed completion of token ids, into ``out`` as it comes; ``stop`` set: leave (the server aborts)."""
     body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0}  # fmt: skip
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
     out = out or Stream()
     out.sent = time.perf_counter()
     async with http.post(f"{url}/v1/completions", json=body) as resp:
@@ -218,10 +262,13 @@ async def stream(
             return out
         async for line in resp.content:
             if line.startswith(b'data: {"id"'):
-                if b'"choices":[{' in line and b'"finish_reason":null' in line:
-                    out.arrivals.append(time.perf_counter())
-                if b'"minifaas"' in line:
-                    out.info = json.loads(line[6:])["minifaas"]
+                chunk = json.loads(line[6:])
+                for choice in chunk["choices"]:
+                    if choice["finish_reason"] is None:
+                        out.arrivals.append(time.perf_counter())
+                    out.tokens += choice["token_ids"]
+                if "minifaas" in chunk:
+                    out.info = chunk["minifaas"]
             if stop is not None and stop.is_set():
                 break
     return out
@@ -241,10 +288,11 @@ async def concurrent(url: str, batch: list[list[int]], max_tokens: int = OUTPUT_
         return list(done), time.perf_counter() - started
 
 
-def served_rate(url: str, batch: list[list[int]]) -> tuple[float, int]:
-    """Output tokens per second of ``batch`` served at once, and how many were refused."""
-    done, wall = asyncio.run(concurrent(url, batch))
-    return sum(len(s.arrivals) for s in done) / wall, sum(s.status != 200 for s in done)
+def served_run(server: Server, batch: list[list[int]]) -> Run:
+    """``batch`` served at once; the CPU time is the whole deployment's, every process of the server's group."""
+    cpu = server.cpu_s()
+    done, wall = asyncio.run(concurrent(server.url, batch))
+    return Run([s.tokens if s.status == 200 else [] for s in done], wall, server.cpu_s() - cpu)
 
 
 # --- the FLOP model -----------------------------------------------------------------------------------------------
@@ -276,32 +324,83 @@ class FlopModel:
 
 
 def throughput(server: Server, model: torch.nn.Module, sizes: list[int], repeats: int, rng: random.Random) -> list:
-    """generate() and the server at each size, alternating, the best of ``repeats`` each."""
+    """At each size N: ``generate()`` at each thread count from one to this process's cores and the server, in
+    turn, on the same N prompts (fresh ones each repeat: the same prompt again would hit the server's prefix
+    cache); the best of ``repeats`` of each figure. Every served stream's tokens are checked against
+    ``generate()``'s row for its prompt, and every run of ``generate()`` against its first."""
+    threads = thread_counts()
     rows = []
     for n in sizes:
-        gen, srv, refused = 0.0, 0.0, 0
+        gen: dict[int, list[Run]] = {t: [] for t in threads}
+        srv: list[Run] = []
+        unequal = generate_unequal = 0
+        first_unequal: dict = {}  # the first prompt whose served tokens differ, both sides' tokens
         for r in range(repeats):
-            for side in ("generate", "served") if r % 2 == 0 else ("served", "generate"):
-                batch = prompts(n, PROMPT_TOKENS, rng)
-                if side == "generate":
-                    gen = max(gen, generate_rate(model, batch))
+            batch = prompts(n, PROMPT_TOKENS, rng)
+            sides = ["served", *threads]
+            for side in sides if r % 2 == 0 else reversed(sides):
+                if side == "served":
+                    srv.append(served_run(server, batch))
                 else:
-                    rate, no = served_rate(server.url, batch)
-                    srv, refused = max(srv, rate), refused + no
-        rows.append({"n": n, "generate_tok_s": gen, "served_tok_s": srv, "ratio": srv / gen, "refused": refused})
-        print(f"{n:>6} {gen:>14.1f} {srv:>12.1f} {srv / gen:>7.2f}x {refused:>8}", flush=True)
+                    gen[side].append(generate_run(model, batch, side))
+            want = gen[1][-1].rows
+            differ = [(got, row) for got, row in zip(srv[-1].rows, want, strict=True) if got != row]
+            first_unequal = first_unequal or ({"served": differ[0][0], "generate": differ[0][1]} if differ else {})
+            unequal += len(differ)
+            generate_unequal += sum(gen[t][-1].rows != want for t in threads)
+        by_threads = {t: {"tok_s": max(x.tok_s for x in runs), "tok_cpu_s": max(x.tok_cpu_s for x in runs),
+                          "cpu_s": min(x.cpu_s for x in runs)} for t, runs in gen.items()}  # fmt: skip
+        fastest = max(threads, key=lambda t: by_threads[t]["tok_s"])
+        leanest = max(threads, key=lambda t: by_threads[t]["tok_cpu_s"])
+        row = {
+            "n": n, "generate_threads": by_threads, "generate_best_threads": fastest,
+            "generate_tok_s": by_threads[fastest]["tok_s"], "generate_cpu_best_threads": leanest,
+            "generate_tok_cpu_s": by_threads[leanest]["tok_cpu_s"],
+            "served_tok_s": max(x.tok_s for x in srv), "served_tok_cpu_s": max(x.tok_cpu_s for x in srv),
+            "served_cpu_s": min(x.cpu_s for x in srv), "refused": sum(not got for x in srv for got in x.rows),
+            "unequal": unequal, "generate_unequal": generate_unequal, "first_unequal": first_unequal,
+        }  # fmt: skip
+        row["ratio"] = row["served_tok_s"] / row["generate_tok_s"]
+        row["cpu_ratio"] = row["served_tok_cpu_s"] / row["generate_tok_cpu_s"]
+        row["tokens_equal"] = unequal == 0 and generate_unequal == 0
+        rows.append(row)
+        print(f"{n:>6} {row['generate_tok_s']:>9.1f} ({fastest}) {row['generate_tok_cpu_s']:>9.1f} ({leanest}) "
+              f"{row['served_tok_s']:>9.1f} {row['served_tok_cpu_s']:>9.1f} {row['ratio']:>6.2f}x "
+              f"{row['cpu_ratio']:>6.2f}x {row['refused']:>7} {unequal:>7}", flush=True)  # fmt: skip
     return rows
 
 
+# what --check holds the throughput to: (figure, the sizes it applies at, at least)
+THRESHOLDS = (("ratio", (32, 128, 256), 1.0), ("cpu_ratio", (128, 256), 0.8))
+
+
+def checks(rows: list[dict]) -> list[dict]:
+    """Each threshold at each size measured, and every size's tokens equal to generate()'s."""
+    out = []
+    for figure, sizes, least in THRESHOLDS:
+        for row in (r for r in rows if r["n"] in sizes):
+            out.append({"check": f"{figure} >= {least}", "n": row["n"], "value": row[figure],
+                        "ok": row[figure] >= least})  # fmt: skip
+    for row in rows:
+        out.append({"check": "tokens equal", "n": row["n"], "value": row["unequal"] + row["generate_unequal"],
+                    "ok": row["tokens_equal"]})  # fmt: skip
+    return out
+
+
 def crowd(server: Server, n: int, rng: random.Random) -> dict:
+    cpu = server.cpu_s()
     done, wall = asyncio.run(concurrent(server.url, prompts(n, PROMPT_TOKENS, rng)))
-    served = [s for s in done if s.status == 200 and len(s.arrivals) == OUTPUT_TOKENS]
+    cpu = server.cpu_s() - cpu
+    served = [s for s in done if s.status == 200 and len(s.tokens) == OUTPUT_TOKENS]
     refused = [s for s in done if s.status != 200]
     ttfts = [s.ttft for s in served]
-    row = {"n": n, "served": len(served), "refused": len(refused), "tok_s": sum(len(s.arrivals) for s in done) / wall,
-           "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99), "wall_s": wall}  # fmt: skip
+    tokens = sum(len(s.tokens) for s in done)
+    row = {"n": n, "served": len(served), "refused": len(refused), "tok_s": tokens / wall,
+           "tok_cpu_s": tokens / max(cpu, 1e-9), "cpu_s": cpu, "ttft_p50_s": percentile(ttfts, 0.5),
+           "ttft_p99_s": percentile(ttfts, 0.99), "wall_s": wall}  # fmt: skip
     print(f"{n} at once: {len(served)} served, {len(refused)} refused, {row['tok_s']:.1f} tok/s, "
-          f"TTFT p50 {row['ttft_p50_s']:.2f} s, p99 {row['ttft_p99_s']:.2f} s", flush=True)  # fmt: skip
+          f"{row['tok_cpu_s']:.1f} tok per CPU-s, TTFT p50 {row['ttft_p50_s']:.2f} s, "
+          f"p99 {row['ttft_p99_s']:.2f} s", flush=True)  # fmt: skip
     return row
 
 
@@ -518,26 +617,37 @@ def main() -> None:
     p.add_argument("--plot", type=Path, help="write a PNG of throughput and long prompts here")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 unless served tok/s is at least generate()'s at N = 32, 128, 256, served tok per CPU-s at least "
+        "0.8x at 128 and 256, and every token equal",
+    )
     a = p.parse_args()
     if a.quick:  # flags given on the command line still win
         p.set_defaults(sizes="1,4", crowd=16, lengths="128,512", burst=4, streams=2, baseline=0.5, soak=40,
                        repeats=1)  # fmt: skip
         a = p.parse_args()
     lengths = numbers(a.lengths)
-    torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server's group is stopped on the way out
     rng = random.Random(0)
     model = load_reference()
-    generate_rate(model, prompts(2, PROMPT_TOKENS, rng))  # first forwards are slow
+    for threads in thread_counts():  # first forwards are slow
+        generate_run(model, prompts(2, PROMPT_TOKENS, rng), threads)
     flop = FlopModel.of(model)
     summary: dict = {"model": MODEL, "load_average_start": os.getloadavg()[0], "flop_model": vars(flop)}
     with serving(a.serve_flags.split()) as server:
         asyncio.run(concurrent(server.url, prompts(4, PROMPT_TOKENS, rng)))  # the served path warm
         if lengths:  # first: the prefill workers' memory as only the warm-up left it
             summary.update(long_prompt_table(server, flop, lengths, rng))
-        print(f"output tokens/s, {PROMPT_TOKENS} tokens in and {OUTPUT_TOKENS} out, {MODEL}, best of {a.repeats}")
-        print(f"{'N':>6} {'generate() B=N':>14} {'served':>12} {'ratio':>8} {'refused':>8}")
+        print(f"output tokens per second and per CPU-second, {PROMPT_TOKENS} tokens in and {OUTPUT_TOKENS} out, "
+              f"{MODEL}, best of {a.repeats}; generate() B=N at its best thread count for each (threads)")  # fmt: skip
+        print("ratio: served over generate(), per second and per CPU-second; unequal: served streams whose tokens "
+              "are not generate()'s")  # fmt: skip
+        print(f"{'N':>6} {'gen tok/s':>13} {'gen /CPU-s':>13} {'served/s':>9} {'/CPU-s':>9} {'ratio':>7} "
+              f"{'per CPU':>7} {'refused':>7} {'unequal':>7}")  # fmt: skip
         summary["throughput"] = throughput(server, model, numbers(a.sizes), a.repeats, rng)
+        summary["checks"] = checks(summary["throughput"])
         if a.crowd:
             summary["crowd"] = crowd(server, a.crowd, rng)
         if lengths and a.burst:
@@ -557,8 +667,13 @@ def main() -> None:
         a.out.write_text(figures.dumps(summary, indent=1) + "\n")
     if a.plot and plot(summary, a.plot):
         print(f"plot: {a.plot}")
+    failed = [c for c in summary["checks"] if not c["ok"]]
+    print("checks: " + ("all hold" if not failed else "; ".join(f"{c['check']} at N={c['n']}: {c['value']:.3g}"
+                                                                  for c in failed)))  # fmt: skip
     if a.json:
         print(figures.dumps(summary))
+    if a.check and failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -137,3 +138,68 @@ def test_benchmark_runs_quick(
     figures = json.loads(lines[-1], parse_constant=_refuse)  # a NaN figure means a run that measured nothing
     assert isinstance(figures, dict) and figures, f"{shown}: the last line is not a JSON object of figures"
     assert not any(line.lstrip().startswith("{") for line in lines[:-1]), "the table comes before the one JSON line"
+
+
+SCALE = next(argv for argv in SMOKE_RUNS if argv[0] == "benchmarks/bench_scale.py")
+
+
+def test_bench_scale_holds_every_served_token_to_generate_and_counts_cpu_time(
+    python: Preloaded, runs: dict[tuple[str, ...], Future[subprocess.CompletedProcess[str]]]
+) -> None:
+    """The quoted run has ``--check``, so a served token that differs from generate()'s row fails it."""
+    assert "--check" in SCALE, "the docs quote bench_scale.py without --check"
+    done = runs[SCALE].result() if SCALE in runs else _run(python, SCALE)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    summary = json.loads(done.stdout.splitlines()[-1])
+    for row in summary["throughput"]:
+        assert row["tokens_equal"] and row["unequal"] == 0 and row["refused"] == 0
+        assert str(row["generate_best_threads"]) in row["generate_threads"]  # each thread count's figures
+        for name in ("generate_tok_s", "generate_tok_cpu_s", "served_tok_s", "served_tok_cpu_s", "ratio", "cpu_ratio"):
+            assert row[name] > 0, name
+        assert row["ratio"] == pytest.approx(row["served_tok_s"] / row["generate_tok_s"], rel=1e-3)
+    assert summary["crowd"]["tok_cpu_s"] > 0
+    checked = {(c["check"], c["n"]) for c in summary["checks"]}
+    assert checked >= {("tokens equal", r["n"]) for r in summary["throughput"]}
+
+
+def test_bench_scales_checks_fail_on_one_unequal_token_and_below_a_threshold() -> None:
+    import bench_scale
+
+    def row(n: int, ratio: float = 1.1, cpu_ratio: float = 0.9, unequal: int = 0) -> dict:
+        return {"n": n, "ratio": ratio, "cpu_ratio": cpu_ratio, "unequal": unequal, "generate_unequal": 0,
+                "tokens_equal": unequal == 0}  # fmt: skip
+
+    def failed(rows: list[dict]) -> list[tuple[str, int]]:
+        return [(c["check"], c["n"]) for c in bench_scale.checks(rows) if not c["ok"]]
+
+    assert failed([row(1), row(32), row(128), row(256)]) == []
+    assert failed([row(4, unequal=1)]) == [("tokens equal", 4)]
+    assert failed([row(4, ratio=0.5, cpu_ratio=0.1)]) == []  # no bar below N = 32
+    assert failed([row(32, ratio=0.99, cpu_ratio=0.1), row(128, cpu_ratio=0.79)]) == [
+        ("ratio >= 1.0", 32),
+        ("cpu_ratio >= 0.8", 128),
+    ]
+
+
+def test_a_servers_cpu_time_keeps_what_its_ended_children_spent() -> None:
+    """A child that spins and ends before the second reading still counts: its parent reaped it (cutime)."""
+    import bench_scale
+
+    parent = (
+        "import subprocess, sys; "
+        "subprocess.run([sys.executable, '-c', 'import time\\nend = time.process_time() + 0.5\\n"
+        "while time.process_time() < end: pass']); "
+        "print('ended', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", parent], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        server = bench_scale.Server(proc, "")
+        before = server.cpu_s()
+        assert proc.stdout is not None and proc.stdout.readline() == "ended\n"
+        assert server.cpu_s() - before >= 0.4
+    finally:
+        proc.kill()
+        proc.wait()
