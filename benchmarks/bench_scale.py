@@ -326,8 +326,8 @@ class FlopModel:
 def throughput(server: Server, model: torch.nn.Module, sizes: list[int], repeats: int, rng: random.Random) -> list:
     """At each size N: ``generate()`` at each thread count from one to this process's cores and the server, in
     turn, on the same N prompts (fresh ones each repeat: the same prompt again would hit the server's prefix
-    cache); the best of ``repeats`` of each figure. Every served stream's tokens are checked against
-    ``generate()``'s row for its prompt, and every run of ``generate()`` against its first."""
+    cache); the best of ``repeats`` of each figure. Every served stream's tokens are checked against the row of
+    one-thread ``generate()`` for its prompt, and every other thread count's rows against that run's."""
     threads = thread_counts()
     rows = []
     for n in sizes:
