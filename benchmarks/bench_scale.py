@@ -543,7 +543,8 @@ def peaks(server: Server) -> dict[str, float]:
 
 
 def plot(summary: dict, path: Path) -> bool:
-    """Throughput by size; prefill FLOP/s and peak RSS by length; RSS over the soak. False without matplotlib."""
+    """Throughput (per second and per CPU-second) by size; prefill FLOP/s and peak RSS by length; RSS over the soak.
+    False without matplotlib."""
     try:
         import matplotlib
 
@@ -552,10 +553,14 @@ def plot(summary: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4), dpi=100)
-    n = [r["n"] for r in summary["throughput"]]
-    a.plot(n, [r["generate_tok_s"] for r in summary["throughput"]], marker="o", label="transformers generate()")
-    a.plot(n, [r["served_tok_s"] for r in summary["throughput"]], marker="o", label="served (minifaas serve)")
-    a.set(xscale="log", xlabel="concurrent requests (batch)", ylabel="output tokens/s", title="throughput")
+    rows = summary["throughput"]
+    n = [r["n"] for r in rows]
+    a.plot(n, [r["generate_tok_s"] for r in rows], marker="o", label="transformers generate()")
+    a.plot(n, [r["served_tok_s"] for r in rows], marker="o", label="served (minifaas serve)")
+    a.plot(n, [r["generate_tok_cpu_s"] for r in rows], "C0--", marker="x", label="generate(), per CPU-s")
+    a.plot(n, [r["served_tok_cpu_s"] for r in rows], "C1--", marker="x", label="served, per CPU-s")
+    a.set(xscale="log", xlabel="concurrent requests (batch)", ylabel="output tokens per s and per CPU-s",
+          title="throughput")  # fmt: skip
     a.legend()
     long = summary.get("long_prompts", [])
     lengths = [r["tokens"] for r in long]
