@@ -133,7 +133,7 @@ class Expected:
 
 
 @dataclass
-class Reply:
+class Answer:
     """What one streamed completion gave the client."""
 
     status: int = 0
@@ -144,11 +144,11 @@ class Reply:
     ttft_s: float | None = None
 
 
-async def complete(http: aiohttp.ClientSession, url: str, ids: list[int]) -> Reply:
+async def complete(http: aiohttp.ClientSession, url: str, ids: list[int]) -> Answer:
     """One streamed greedy completion of ``ids``, every token id read from its chunks."""
     body = {"model": MODEL, "prompt": ids, "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True,
             "temperature": 0, "return_token_ids": True}  # fmt: skip
-    out, sent = Reply(), time.perf_counter()
+    out, sent = Answer(), time.perf_counter()
     async with http.post(f"{url}/v1/completions", json=body) as resp:
         out.status = resp.status
         if resp.status != 200:
