@@ -22,7 +22,10 @@ from minifaas.transport.chunking import split_chunks
 
 
 @dataclass(frozen=True, slots=True)
-class CodecSample:
+class ProbeResult:
+    """What coding one state with one codec did, measured at a worker's start; the gateway hands it to the codec
+    policy as a ``CodecSample``."""
+
     codec: str
     nbytes: int  # of state
     wire_bytes: int  # payload bytes the frames would carry
@@ -37,14 +40,14 @@ class CodecSample:
         return [self.nbytes, self.wire_bytes, self.encode_s, self.decode_s]
 
 
-def probe(state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20) -> CodecSample:
+def probe(state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20) -> ProbeResult:
     """Code and decode every chunk of ``state`` with ``codec``; raises ValueError if a frame comes back wrong."""
     return roundtrip(state, codec, chunk_bytes)[1]
 
 
 def roundtrip(
     state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20, every_kind: bool = False, accelerated: bool = True
-) -> tuple[ModelState, CodecSample]:
+) -> tuple[ModelState, ProbeResult]:
     """``state`` as a receiver would hold it after a transfer coded with ``codec``, and the measurement.
     ``every_kind`` codes linear-attention state with a lossy code too, which no transfer does: it is
     how the benchmark measures what that would cost. ``accelerated`` False codes lossless frames with
@@ -76,7 +79,7 @@ def roundtrip(
             (name, data.view(t.dtype).reshape(t.shape)) for (name, t), data in zip(layer.slots, received, strict=True)
         )
         layers.append(LayerState(layer.layer, layer.kind, layer.seq_len, slots))
-    return ModelState(layers, state.seq_len), CodecSample(codec.label, nbytes, wire, encode_s, decode_s)
+    return ModelState(layers, state.seq_len), ProbeResult(codec.label, nbytes, wire, encode_s, decode_s)
 
 
 def _joined(decoder: FrameDecoder, coded: Coded) -> memoryview:
