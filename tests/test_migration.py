@@ -125,9 +125,18 @@ def test_a_decode_worker_killed_mid_stream_migrates_and_the_greedy_output_is_unc
     gateway: Gateway, loop: asyncio.AbstractEventLoop, reference: dict, prompt: str
 ) -> None:
     ids = PROMPT if prompt == "short" else LONG
-    coro = stream_and_fault(gateway, f"killed-{prompt}", ids, lambda w: w.kill())
+    killed: list[tuple[str, int]] = []
+
+    def kill(w: object) -> None:
+        killed.append((w.name, w.pid))  # type: ignore[attr-defined]
+        w.kill()  # type: ignore[attr-defined]
+
+    coro = stream_and_fault(gateway, f"killed-{prompt}", ids, kill)
     tokens, record, times = loop.run_until_complete(asyncio.wait_for(coro, 120))
     assert tokens == reference[prompt], record.to_json()
+    (name, pid), pool = killed[0], gateway.pool  # SIGKILL came from outside: no evidence against a request
+    assert loop.run_until_complete(pool.ended_by_itself(name, pid)) is False
+    assert loop.run_until_complete(pool.ended_by_itself(name, pid + 10**6, wait=0.1)) is True  # not seen end
     assert record.migrations == 1 and record.phase.value == "finished", record.to_json()
     assert record.route == ("local" if prompt == "short" else "prfaas")  # the re-prefill is routed afresh
     stall = max(b - a for a, b in itertools.pairwise(times))

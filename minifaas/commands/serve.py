@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="times a request may move to another decode worker after losing its own; 0: never (default: as "
         "often as its first-token and inter-token deadlines allow; a request that decode workers crash on twice "
-        "just as they take it is stopped as their likely cause)",
+        "just as they take it alone is stopped as their likely cause)",
     )
     parser.add_argument(
         "--max-connections", type=int, help=f"open HTTP connections; more get 503 (default: {d.http.max_connections})"

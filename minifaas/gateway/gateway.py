@@ -231,6 +231,8 @@ class Gateway:
                     break
                 except DecodeLost as lost:  # the migration seam: the same request on another decode worker
                     moving = moving or Migration(request, c.migration_limit, sent)
+                    if lost.suspect and lost.worker:  # a worker killed from outside is no evidence against it
+                        lost.suspect = await self.pool.ended_by_itself(lost.worker, lost.pid)
                     attempt = migrate(moving, record, lost, self.metrics)
             record.phase = advance(record.phase, Phase.FINISHED)
         except RequestFailed:

@@ -9,9 +9,10 @@ is the one an undisturbed run gives, since greedy decoding is a function of the 
 rather than move again. A request that decode workers die on just as they take it, alone, into their batch,
 twice (``POISON_LOSSES``), is stopped as their likely cause: random faults rarely land in that one step twice
 for one request, a request that crashes every worker it reaches does so each time. No evidence: a worker that
-went silent (stopped or hung: its heartbeat deadline passed), which may never have read the request, or one
-that died while several requests waited for their first step there (a freshly restarted worker taking every
-migrating request at once); a request that hangs its workers meets its deadlines instead.
+went silent (stopped or hung: its heartbeat deadline passed), which may never have read the request; one that
+died while several requests waited for their first step there (a freshly restarted worker taking every
+migrating request at once); one killed by a signal from outside (SIGKILL, SIGTERM: an operator, a supervisor,
+the OOM killer), as its launcher saw it end. A request that hangs its workers meets its deadlines instead.
 
 A sampled request continues from the same sequence, but its random draws are not those of an undisturbed run.
 The presence and frequency penalties count only generated tokens, which a re-prefill would take for prompt: such

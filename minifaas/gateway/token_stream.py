@@ -71,7 +71,8 @@ async def decode_tokens(
             if record.first_step_s is None:
                 record.first_step_s = time.perf_counter() - asked
             if msg["op"] == Reply.LOST:
-                raise DecodeLost(f"decode worker {decode.name} went away", decode.name, suspect(msg, rid))
+                pid = msg.get("pid", 0)
+                raise DecodeLost(f"decode worker {decode.name} went away", decode.name, suspect(msg, rid), pid)
             decode.unstepped.discard(rid)
             if msg["op"] == Reply.FAILED:
                 raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")

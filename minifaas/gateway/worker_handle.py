@@ -135,7 +135,7 @@ class WorkerHandle:
         finally:
             self.alive = False
             self.gone.set()
-            news = LOST | {"silent": isinstance(lost, PeerSilent), "unstepped": sorted(self.unstepped)}
+            news = LOST | {"silent": isinstance(lost, PeerSilent), "unstepped": sorted(self.unstepped), "pid": self.pid}
             self.unstepped = set()
             for inbox in self.inboxes.values():
                 inbox.put_nowait(news)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import ssl as ssl_module
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from minifaas.gateway.worker_handle import Busy, WorkerHandle, attach
 from minifaas.launch.launcher import AttachedLauncher, Launcher, WorkerError, WorkerSpec
 from minifaas.launch.startup import StartupListener, reported
 
+OUTSIDE_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # sent to a process, not raised
+EXIT_WAIT_S = 2.0  # how long a lost worker's exit status is waited for
 log = logging.getLogger("minifaas.gateway")
 RETRY_S, MAX_RETRY_S = 0.5, 5.0
 ATTACH_TIMEOUT_S = 10.0  # one attempt: connect, handshake, the worker's answer
@@ -68,6 +71,18 @@ class Workers:
 
     def of(self, cluster: str, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.cluster == cluster and w.role == role]
+
+    async def ended_by_itself(self, name: str, pid: int, wait: float = EXIT_WAIT_S) -> bool:
+        """Whether worker ``name``'s process ``pid`` ended by itself (an exit code, a crash signal) rather than
+        by a signal from outside (an operator, a supervisor, the kernel's OOM killer). Not known within
+        ``wait`` seconds (another host's process, or its parent lost): True, so the other evidence decides."""
+        w = self.workers.get(name)
+        if w is None or isinstance(launcher := self.launcher_of(w.spec), AttachedLauncher):
+            return True
+        until = time.monotonic() + wait
+        while (code := launcher.exit_of(w.spec, pid)) is None and time.monotonic() < until:
+            await asyncio.sleep(0.02)  # the launcher hears of the end moments after the session does
+        return code is None or -code not in OUTSIDE_SIGNALS
 
     async def serving(self, cluster: str, role: str) -> None:
         """Return once a worker of ``cluster`` and ``role`` takes requests (the caller bounds the wait)."""

@@ -64,6 +64,7 @@ class ForkedProcess:
         self.stdin = _Stdin(stdin)
         self.stdout = stdout
         self.returncode: int | None = None
+        self.reaped_here = True  # False: its parent was lost, and its status with it
         self._transport = transport
         self._ended = asyncio.Event()
 
@@ -93,6 +94,7 @@ class ForkedProcess:
         """The parent is gone, so nobody reports this worker's end: watch its pid instead."""
         while self.returncode is None:
             if not running(self.pid):
+                self.reaped_here = False
                 self.ended(1)  # its status went to whoever reaps it
                 return
             await asyncio.sleep(period)

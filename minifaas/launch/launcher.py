@@ -53,6 +53,11 @@ class Launcher(Protocol):
 
     def alive(self, spec: WorkerSpec) -> bool: ...
 
+    def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
+        """How the worker's process ``pid`` ended, if this launcher saw it end: its returncode (negative: the
+        signal that ended it); None while it runs, or when its end was not seen here."""
+        ...
+
 
 class AttachedLauncher:
     """Workers someone else runs: the gateway only ever dials them."""
@@ -67,3 +72,6 @@ class AttachedLauncher:
 
     def alive(self, spec: WorkerSpec) -> bool:
         return True  # not the gateway's to know: it re-dials until the worker answers
+
+    def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
+        return None  # another host's process

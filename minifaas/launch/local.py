@@ -44,6 +44,7 @@ class LocalLauncher:
         self.kv_ports: dict[str, int] = {}  # chosen at the first start, kept across restarts
         self.starts: dict[str, int] = {}
         self.restarts: dict[str, int] = {}  # started again after the process died
+        self.exits: dict[int, int] = {}  # pid -> returncode of each worker process seen to end
 
     async def __aenter__(self) -> LocalLauncher:
         if self.model is not None:
@@ -60,6 +61,10 @@ class LocalLauncher:
     def alive(self, spec: WorkerSpec) -> bool:
         p = self.processes.get(spec.name)
         return p is not None and p.returncode is None
+
+    def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
+        p = self.processes.get(spec.name)
+        return exit_seen(p) if p is not None and p.pid == pid else self.exits.get(pid)
 
     async def start(self, spec: WorkerSpec) -> Address:
         if self.alive(spec):
@@ -108,8 +113,15 @@ class LocalLauncher:
 
     async def stop(self, spec: WorkerSpec) -> None:
         p = self.processes.pop(spec.name, None)
+        if p is not None and (code := exit_seen(p)) is not None:
+            self.exits[p.pid] = code  # for a request that asks how it ended after its successor started
         if p is None or p.returncode is not None:
             return
         if p.stdin is not None:
             p.stdin.close()  # the worker exits when its stdin closes
         await wait_or_kill(p, grace=5)
+
+
+def exit_seen(p: asyncio.subprocess.Process | ForkedProcess) -> int | None:
+    """The process's returncode, if its end was seen (a forked worker whose parent was lost ends unseen)."""
+    return p.returncode if not isinstance(p, ForkedProcess) or p.reaped_here else None

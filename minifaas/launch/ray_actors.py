@@ -167,6 +167,9 @@ class RayLauncher:
     def alive(self, spec: WorkerSpec) -> bool:
         return spec.name in self.actors  # Ray restarts it for as long as the gateway has not stopped it
 
+    def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
+        return None  # Ray restarts the actor's process where this process cannot see it end
+
     async def node_of(self, spec: WorkerSpec) -> str:
         """The Ray node the worker's actor runs on."""
         return await self.actors[spec.name].node.remote()
