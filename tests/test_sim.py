@@ -103,6 +103,24 @@ def test_ttft_at_light_load_is_prefill_plus_one_step() -> None:
     assert result.offload_fraction == 0.0 and result.egress_gbps_mean == 0.0
 
 
+def test_an_early_first_token_comes_at_the_prefill_end_and_decode_makes_the_rest() -> None:
+    case = paper_case()
+    link = LinkConfig(gbps=2.0, rtt_s=0.2)  # a slow link: the KV lands seconds after an offloaded prefill ends
+    config = replace(config_for(case, plan(case).prfaas, link), early_first_token=True)
+    workload = synthetic(case.lengths, 64, ArrivalSpec(ArrivalKind.UNIFORM, 0.05), 2_000.0, seed=4)
+    early = Simulation(config, workload).run()
+    late = Simulation(replace(config, early_first_token=False), workload).run()
+    long = workload.input_tokens > config.threshold
+    prefill = np.where(
+        long, case.prfaas.latency_s(workload.input_tokens), case.pd_prefill.latency_s(workload.input_tokens)
+    )
+    assert 0 < early.offload_fraction < 1
+    assert early.ttft_mean_s == pytest.approx(float(prefill.mean()), rel=1e-9)  # nothing queues at this load
+    assert late.ttft_prfaas_mean_s > early.ttft_prfaas_mean_s + 1.0  # the transfer, RTT/2 and one step
+    assert late.ttft_pd_mean_s == pytest.approx(early.ttft_pd_mean_s + case.decode.step_time_s, rel=1e-9)
+    assert early.completed == late.completed == len(workload)
+
+
 def offloaded_ttft(link: LinkConfig) -> float:
     case = paper_case()
     config = replace(config_for(case, plan(case).prfaas, link), threshold=0, n_prefill=1)

@@ -40,6 +40,9 @@ class SimConfig:
     snapshot_interval_blocks: int = 8  # linear-state snapshots every this many blocks (plus prompt ends)
     warmup_s: float = 0.0  # completions before this are not counted in throughput
     drain: bool = True  # run until every request finishes, or stop at the last arrival
+    # the first token at the prefill's end, as the gateway sends it before the KV lands (gateway/early_first.py);
+    # off: once the KV is at the decode node and one decode step has run
+    early_first_token: bool = False
     sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
     short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
     long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion

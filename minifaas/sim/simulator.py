@@ -6,10 +6,11 @@ One request's life, as events:
               decode node; the prefill's start and end follow from the node's queue
   flow_start  (PrfaaS path, pipelining on) the KV stream enters the link as prefill starts, at the
               size its codec leaves (``coding``: the live compression policy picks it at arrival)
-  prefill_end the node's queue shrinks; PD path: KV is at the decode node (same
-              fabric); PrfaaS path, pipelining off: the stream enters the link now
+  prefill_end the node's queue shrinks; the first token, when it goes out early (as the gateway
+              sends it); PD path: KV is at the decode node (same fabric); PrfaaS path,
+              pipelining off: the stream enters the link now
   link        the pipe's head flow finished; its KV lands after the tail layer, its coding time and RTT/2
-  kv_ready    join the decode batch, or wait for a slot
+  kv_ready    join the decode batch, or wait for a slot; the first token one step later unless it went early
   decode_end  free the slot for the next waiting request
 """
 
@@ -76,6 +77,7 @@ class Simulation:
         self.finished = [math.nan] * n
         self._link_gen = 0
         self._step = config.decode.step_time_s
+        self._early = config.early_first_token
         self._samples: list[tuple[float, int, int, int, int, int]] = []
         self.scheduler = SimScheduler(config, workload, self.loop, self.link, self.prfaas, self.pd, self.decode)
 
@@ -160,6 +162,8 @@ class Simulation:
         pool = self.prfaas if path == PRFAAS else self.pd
         if pool.done(self.prefill_node[rid], self._tokens[rid]):
             self.scheduler.drained(into_prefill=False)
+        if self._early:
+            self.first_token[rid] = now
         if self.caches is not None:
             self.caches.store(pool.cluster, self._used_keys(rid), now)
         if path == PD:
@@ -209,8 +213,12 @@ class Simulation:
 
     def _start_decode(self, rid: int) -> None:
         now = self.loop.now
-        self.first_token[rid] = now + self._step
-        self.loop.at(now + self._output[rid] * self._step, self._decode_end, rid)
+        steps = self._output[rid]
+        if self._early:  # the prefill made the first token
+            steps -= 1
+        else:
+            self.first_token[rid] = now + self._step
+        self.loop.at(now + steps * self._step, self._decode_end, rid)
 
     def _decode_end(self, rid: int) -> None:
         self.finished[rid] = self.loop.now
