@@ -6,8 +6,8 @@ path) and ``--json``, less any ``--repeats N`` of the full run (``smoke_form``):
 it must exit 0, print its table and end with one JSON line of finite figures.
 Two run at a time, each a process forked from the pre-loaded interpreter
 (``python`` in conftest.py). A benchmark whose own test runs it so and checks
-its figures (``RUN_BY_OWN_TEST``: the chaos run) is not run twice. The figures in the docs come from full runs; these
-runs only prove that the commands a reader copies still work. Every benchmark
+its figures (``RUN_BY_OWN_TEST``: the chaos run, the simulator's fidelity run) is not run twice. The figures
+in the docs come from full runs; these runs only prove that the commands a reader copies still work. Every benchmark
 in benchmarks/ must be quoted somewhere, so none goes untested.
 """
 
@@ -68,7 +68,10 @@ RUN_ELSEWHERE |= {"benchmarks/netns.py", "benchmarks/netns_delay.py"}
 # not a benchmark: the synthetic states that the transport's tests and benchmarks share
 RUN_ELSEWHERE |= {"benchmarks/synthetic.py"}
 # run by their own tests as quoted, plus --quick --json, with checks of their figures: not run twice
-RUN_BY_OWN_TEST = {"benchmarks/bench_chaos.py": "tests/test_chaos.py"}
+RUN_BY_OWN_TEST = {
+    "benchmarks/bench_chaos.py": "tests/test_chaos.py",
+    "benchmarks/bench_sim_fidelity.py": "tests/test_sim_fidelity.py",
+}
 # a measurement tool, not a --quick benchmark: tests/test_reading_list.py runs it and holds docs/READING.md to it
 RUN_ELSEWHERE |= {"benchmarks/request_path.py"}
 SMOKE_RUNS = [argv for argv in UNIQUE if argv[0] not in RUN_BY_OWN_TEST and argv[0] not in RUN_ELSEWHERE]

@@ -1,0 +1,442 @@
+"""How well the simulator predicts the live system: one trace slice served by ``minifaas serve`` and simulated.
+
+    python benchmarks/bench_sim_fidelity.py [--trace mooncake|azure] [--load light|near-capacity]
+        [--requests N] [--json] [--quick]
+
+1. Profile: ``minifaas profile`` of the served model on this machine (prefill latency and state bytes per
+   prompt length, decode step time per batch size), written to the file the simulator's ``--pd-profile``
+   reads, and the lossless codec measured on a prefill's state as a PrfaaS worker measures it at start.
+2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
+   through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
+   with the same worker counts per cluster, threshold and scheduler settings, routing rule and spill, link
+   rate and RTT, layer pipelining, prefix cache and snapshot policy, and codec policy, loaded by name as the
+   gateway loads them.
+3. Slice: the trace's first ``--requests`` requests. Prompt lengths are divided by ``LENGTH_DIVISOR`` (a
+   Mooncake hash id becomes a fixed block of token ids, so prefixes are shared as in the trace, and the
+   cache's block is the scaled 512-token block), outputs by ``OUTPUT_DIVISOR`` (at most ``MAX_OUTPUT``), and
+   time is scaled so the slice arrives at ``--load`` of the capacity the profile predicts for it
+   (``capacity_rps``: the busiest of the prefill pools, the link, the decode rows and this machine's cores).
+4. Live: ``minifaas serve --port 0`` in a child process; each request a streamed completion sent at its
+   scaled arrival time. Simulated: the same slice through ``Simulation`` with the twin.
+
+Printed, live beside simulated with the signed relative error (sim - live) / live: TTFT mean, p50, p90 and
+p99; end-to-end latency mean and p90; output tokens/s; requests per route; prefix-cache hit tokens; KV bytes
+on the link. Two simulated columns: the twin on the profile, and the twin at live speed (``at_live_speed``:
+each cluster's prefill slowed by what its live workers took over what the profile charges, the decode step
+the live gap between tokens), which leaves the simulator's own model (queues, routing, the link) as the
+error. Then the requests the twin at live speed misses most, with their routes, and where live TTFT goes by
+route (the gateway's per-request breakdown, the client's HTTP round trip) beside the profile's prefill time.
+``--json`` ends with one JSON object: ``ttft_mean_err``, ``ttft_p90_err``, ``throughput_err`` and the other
+errors of the twin on the profile, ``at_live_speed`` with the same of the other, the trace, the load and the
+scaling. ``--quick`` is the short slice the tests run (40 requests); the same code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from bench_scale import Stream, client, serving, stream
+from bench_trace_replay import arrivals
+
+from minifaas import figures
+from minifaas.commands import serve as serve_command
+from minifaas.config import ServeConfig
+from minifaas.emulator.pacer import parse_rate
+from minifaas.model.loader import ModelSpec, load_config_dict
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles
+from minifaas.policy.codec_policy import CodecEstimate
+from minifaas.policy.router import RouterConfig, Rule
+from minifaas.policy.short_term import ShortTermConfig
+from minifaas.sim.deployment import SimConfig
+from minifaas.sim.fluid_link import LinkConfig
+from minifaas.sim.simulator import PRFAAS, Simulation
+from minifaas.sim.workload import Workload
+from minifaas.traces import MOONCAKE_BLOCK_TOKENS, read_trace
+
+MODEL = "shakespeare-qwen3.5"  # bench_scale's stream() names it in every request
+TRACES = {"mooncake": "mooncake-synthetic", "azure": "azure-conv"}
+LENGTH_DIVISOR = {"mooncake": 32, "azure": 4}  # a 2-core box prefills a few hundred tokens in tens of ms
+OUTPUT_DIVISOR, MAX_OUTPUT = 8, 64
+THRESHOLD = {"mooncake": 512, "azure": 384}  # near each scaled trace's median prompt: both routes carry load
+LOADS = {"light": 0.3, "near-capacity": 0.85}
+LIVE_FLAGS = [
+    "--model", MODEL, "--prfaas-workers", "1", "--pd-prefill-workers", "1", "--pd-decode-workers", "1",
+    "--fixed-threshold", "--link-rate", "100mbit", "--link-delay-ms", "5",
+]  # fmt: skip
+PROFILE_BATCHES = "1,4,16,64"
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The first requests of a trace, lengths scaled down; times in the trace's seconds from the first."""
+
+    name: str
+    tokens: list[list[int]]  # each prompt's token ids
+    at_s: np.ndarray
+    output_tokens: np.ndarray
+    hash_ids: tuple[tuple[int, ...], ...] | None
+    block_tokens: int  # the tokens one hash id stands for: the live cache's block
+
+    @property
+    def prompts(self) -> np.ndarray:
+        return np.array([len(t) for t in self.tokens], dtype=np.int64)
+
+    def workload(self, time_scale: float) -> Workload:
+        """The requests as the simulator takes them (and the client sends them), time multiplied by this."""
+        at = self.at_s * time_scale
+        return Workload(self.name, at, self.prompts, self.output_tokens, self.hash_ids, self.block_tokens)
+
+
+# --- the profile and the twin -------------------------------------------------------------------------------
+
+
+def profile(lengths: list[int], threads: int, out: Path) -> tuple[PrefillProfile, DecodeProfile]:
+    """``minifaas profile`` of the model on this machine with a worker's torch threads, read back as the
+    simulator reads a ``--pd-profile``."""
+    argv = [sys.executable, "-m", "minifaas.commands.main", "profile", "--model", MODEL, "--out", str(out),
+            "--lengths", ",".join(map(str, lengths)), "--batches", PROFILE_BATCHES, "--repeats", "5"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env)
+    return load_pd_profiles(out)
+
+
+def lossless_codec() -> CodecEstimate:
+    """The lossless codec on a real prefill's state, measured as a PrfaaS worker calibrates at start."""
+    from minifaas.codec.codec import Codec
+    from minifaas.model.runtime import ModelRuntime
+    from minifaas.transport.codec_probe import probe
+    from minifaas.worker.prefill_service import CALIBRATION_PROMPT
+
+    sample = probe(ModelRuntime.load(MODEL, "cpu").prefill(CALIBRATION_PROMPT).state, Codec.LOSSLESS)
+    return CodecEstimate(sample.ratio, sample.nbytes / sample.encode_s, sample.nbytes / sample.decode_s)
+
+
+def serve_config(flags: list[str]) -> ServeConfig:
+    """What ``minifaas serve FLAGS`` runs, through its own parser."""
+    parser = argparse.ArgumentParser()
+    serve_command.add_arguments(parser)
+    return serve_command.config_from_args(parser.parse_args(flags))
+
+
+def twin(serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, lossless: CodecEstimate) -> SimConfig:
+    """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles."""
+    model = load_config_dict(ModelSpec.resolve(serve.model, serve.seed))
+    rate = parse_rate(serve.link.rate)
+    cache = serve.cache
+    return SimConfig(
+        prfaas=prefill,
+        pd_prefill=prefill,
+        decode=decode,
+        n_prfaas=serve.prfaas.prefill_workers,
+        n_prefill=serve.pd.prefill_workers,
+        n_decode=serve.pd.decode_workers,
+        threshold=serve.threshold,
+        rule=Rule(cache.rule),
+        router=RouterConfig(cache.moves, cache.incremental_transfer, spill_tokens=serve.spill_tokens),
+        link=LinkConfig(
+            gbps=rate / 1e9 if rate else 1e6,
+            rtt_s=2 * serve.link.delay_ms / 1000,
+            pipeline_layers=int(model["num_hidden_layers"]) if serve.link.pipelined else 0,
+        ),
+        prefix_cache=cache.mode != "none",
+        cache_bytes=cache.capacity_mib * 2**20 * serve.pd.prefill_workers,  # a pool per cluster, not per node
+        snapshot_interval_blocks=cache.snapshot_interval_blocks,
+        snapshot_policy=cache.snapshot_policy,
+        snapshot_args=cache.snapshot_policy_args,
+        short_term=ShortTermConfig(enabled=not serve.fixed_threshold, ceiling=int(model["max_position_embeddings"])),
+        early_first_token=True,  # the gateway sends the first token as the prefill worker has it
+        kv_compression=serve.link.kv_compression,
+        kv_compression_args=serve.link.kv_compression_args,
+        codecs=(("lossless", lossless),),
+        router_policy=serve.router,
+        router_args=serve.router_args,
+        short_term_policy=serve.scheduler.short_term,
+        short_term_args=serve.scheduler.short_term_args,
+    )
+
+
+# --- the slice ----------------------------------------------------------------------------------------------
+
+
+def capacity_rps(config: SimConfig, prompts: np.ndarray, outputs: np.ndarray, cores: int) -> float:
+    """Requests/s the profile says the deployment holds for these lengths: the inverse of the busiest stage's
+    seconds per request (prefix hits ignored). Prefill of both clusters also shares this machine's cores,
+    less one the decode worker keeps busy."""
+    long = prompts > config.threshold
+    prefill_s = config.pd_prefill.latency_s(prompts)
+    per_request = {
+        "prfaas": prefill_s[long].sum() / len(prompts) / max(config.n_prfaas, 1),
+        "pd-prefill": prefill_s[~long].sum() / len(prompts) / max(config.n_prefill, 1),
+        "link": config.prfaas.kv_bytes(prompts[long]).sum() * 8 / len(prompts) / (config.link.gbps * 1e9),
+        "decode": outputs.mean() * config.decode.step_time_s / config.decode.bs_max / config.n_decode,
+        "cores": prefill_s.mean() / max(1, cores - 1),
+    }
+    return 1.0 / max(per_request.values())
+
+
+def trace_slice(trace: str, requests: int) -> Slice:
+    """The first ``requests`` of the trace: prompts / ``LENGTH_DIVISOR`` as token ids (bench_trace_replay's),
+    outputs / ``OUTPUT_DIVISOR`` (bench_trace_replay caps them at 4: it measures TTFT alone)."""
+    divisor = LENGTH_DIVISOR[trace]
+    sent = arrivals(TRACES[trace], divisor, requests)
+    full = read_trace(TRACES[trace], length_scale=1.0 / divisor)
+    at = np.array([a.at_s for a in sent])
+    outputs = np.clip(np.rint(full.output_tokens[:requests] / OUTPUT_DIVISOR), 1, MAX_OUTPUT).astype(np.int64)
+    ids = full.hash_ids[:requests] if full.hash_ids is not None else None
+    block = max(1, MOONCAKE_BLOCK_TOKENS // divisor)
+    return Slice(f"{TRACES[trace]}[:{requests}]", [a.tokens for a in sent], at - at[0], outputs, ids, block)
+
+
+def profile_lengths(longest: int) -> list[int]:
+    """Prompt lengths to profile: 8, 32, 128 and so on (fourfold) below the slice's longest, and the longest."""
+    return [n for n in (8, 32, 128, 512, 2048, 8192) if n < longest] + [max(longest, 16)]
+
+
+# --- the two timelines --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One side's requests, in slice order; times from each request's arrival."""
+
+    ttft_s: np.ndarray
+    e2e_s: np.ndarray
+    output_tokens: np.ndarray
+    prfaas: np.ndarray  # bool: prefilled on PrfaaS
+    hit_tokens: int
+    link_bytes: float  # KV of PrfaaS transfers on the link, after coding
+    makespan_s: float  # first arrival to last token
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "ttft_mean": float(self.ttft_s.mean()),
+            "ttft_p50": float(np.percentile(self.ttft_s, 50)),
+            "ttft_p90": float(np.percentile(self.ttft_s, 90)),
+            "ttft_p99": float(np.percentile(self.ttft_s, 99)),
+            "e2e_mean": float(self.e2e_s.mean()),
+            "e2e_p90": float(np.percentile(self.e2e_s, 90)),
+            "throughput": float(self.output_tokens.sum() / self.makespan_s),
+            "prfaas_requests": int(self.prfaas.sum()),
+            "local_requests": int((~self.prfaas).sum()),
+            "prefix_hit_tokens": self.hit_tokens,
+            "link_bytes": self.link_bytes,
+        }
+
+
+async def replay(url: str, sl: Slice, workload: Workload) -> tuple[list[Stream], list[float]]:
+    """Each prompt streamed at its arrival time; the streams and how late each was sent."""
+    at, outputs = workload.arrival_s, workload.output_tokens
+    async with client() as http:
+        for ids in ([7] * 64, [9] * (2 * THRESHOLD["mooncake"])):  # first-call costs of each route, not timed
+            await stream(http, url, ids, 2)
+        start = time.perf_counter()
+
+        async def one(k: int) -> Stream:
+            await asyncio.sleep(max(0.0, start + at[k] - time.perf_counter()))
+            return await stream(http, url, sl.tokens[k], int(outputs[k]))
+
+        streams = await asyncio.gather(*(one(k) for k in range(len(at))))
+    return streams, [s.sent - start - at[k] for k, s in enumerate(streams)]
+
+
+def live_timeline(streams: list[Stream]) -> Timeline:
+    bad = [k for k, s in enumerate(streams) if s.status != 200 or not s.arrivals]
+    if bad:
+        raise RuntimeError(f"requests {bad[:5]} failed (status {streams[bad[0]].status})")
+    start = min(s.sent for s in streams)
+    prfaas = np.array([s.info.get("route") == "prfaas" for s in streams])
+    return Timeline(
+        ttft_s=np.array([s.ttft for s in streams]),
+        e2e_s=np.array([s.arrivals[-1] - s.sent for s in streams]),
+        output_tokens=np.array([len(s.arrivals) for s in streams]),
+        prfaas=prfaas,
+        hit_tokens=sum(int(s.info.get("cached_tokens", 0)) for s in streams),
+        link_bytes=float(sum(s.info.get("kv_wire_bytes", 0) for s, p in zip(streams, prfaas) if p)),
+        makespan_s=max(s.arrivals[-1] for s in streams) - start,
+    )
+
+
+def simulated_timeline(config: SimConfig, workload: Workload) -> Timeline:
+    sim = Simulation(config, workload)
+    sim.run()
+    arrival = workload.arrival_s
+    finished = np.array(sim.finished)
+    return Timeline(
+        ttft_s=np.array(sim.first_token) - arrival,
+        e2e_s=finished - arrival,
+        output_tokens=workload.output_tokens,
+        prfaas=np.array(sim.path) == PRFAAS,
+        hit_tokens=int(sim.cached_tokens),
+        link_bytes=float(sim.coding.wire_bytes),
+        makespan_s=float(finished.max() - arrival[0]),
+    )
+
+
+def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> SimConfig:
+    """The twin with each cluster's prefill as slow, over the profile, as its live workers were in this run, and
+    a decode step as long as the live streams' mean gap between tokens: what is left of the error is the
+    simulator's model (queues, routing, the link), not the machine's speed under this run's load."""
+    changes: dict[str, object] = {}
+    for field, on_prfaas in (("prfaas", True), ("pd_prefill", False)):
+        taken = [s.info for s, p in zip(streams, live.prfaas) if p == on_prfaas]
+        profile: PrefillProfile = getattr(config, field)
+        if not taken:
+            continue
+        charged = profile.latency_s(np.array([max(1, i["prompt_tokens"] - i["cached_tokens"]) for i in taken]))
+        slower = sum(i["prefill_s"] for i in taken) / float(charged.sum())
+        changes[field] = replace(
+            profile,
+            points=tuple(replace(q, latency_s=q.latency_s * slower) for q in profile.points),
+            latency_coeffs=tuple(c * slower for c in profile.latency_coeffs),
+        )
+    gaps = [(s.arrivals[-1] - s.arrivals[0]) / (len(s.arrivals) - 1) for s in streams if len(s.arrivals) > 1]
+    if gaps:
+        changes["decode"] = replace(config.decode, step_time_s=statistics.fmean(gaps))
+    return replace(config, **changes)  # type: ignore[arg-type]
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+ROWS = (  # (label, figure, format)
+    ("TTFT mean (s)", "ttft_mean", ".3f"),
+    ("TTFT p50 (s)", "ttft_p50", ".3f"),
+    ("TTFT p90 (s)", "ttft_p90", ".3f"),
+    ("TTFT p99 (s)", "ttft_p99", ".3f"),
+    ("end-to-end mean (s)", "e2e_mean", ".3f"),
+    ("end-to-end p90 (s)", "e2e_p90", ".3f"),
+    ("output tokens/s", "throughput", ".1f"),
+    ("requests via PrfaaS", "prfaas_requests", "d"),
+    ("requests via PD-P", "local_requests", "d"),
+    ("prefix hit tokens", "prefix_hit_tokens", ",d"),
+    ("link bytes (KV)", "link_bytes", ",.0f"),
+)
+PARTS = ("dispatch_s", "queue_s", "prefill_s", "store_s", "control_s")  # the gateway's TTFT breakdown
+
+
+def relative_error(sim: float, live: float) -> float | None:
+    return None if live == 0 else (sim - live) / live
+
+
+def print_comparison(live: dict, simulated: dict[str, tuple[dict, dict]]) -> None:
+    """Live beside each simulated column (name -> (figures, errors)) and its signed error."""
+    print(f"{'':22}{'live':>14}" + "".join(f"{name:>14}{'error':>8}" for name in simulated))
+    for label, key, fmt in ROWS:
+        row = f"{label:22}{format(live[key], fmt):>14}"
+        for figures_, errors in simulated.values():
+            err = errors[f"{key}_err"]
+            row += f"{format(figures_[key], fmt):>14}{'-' if err is None else f'{err:+.0%}':>8}"
+        print(row)
+
+
+def print_deviations(live: Timeline, sim: Timeline, fitted: Timeline, streams: list[Stream], count: int = 6) -> None:
+    """The requests whose TTFT the twin at live speed misses most (the simulator's model, not the profile)."""
+    route = {True: "prfaas", False: "pd"}
+    print(f"\nlargest TTFT deviations at live speed (of {len(live.ttft_s)} requests):")
+    print(f"  {'req':>4} {'prompt':>7} {'hit':>6} {'route live/sim':>15} {'live s':>8} {'sim s':>8} {'at speed':>9}")
+    for k in np.argsort(-np.abs(fitted.ttft_s - live.ttft_s))[:count]:
+        prompt, hit = streams[k].info["prompt_tokens"], int(streams[k].info.get("cached_tokens", 0))
+        routes = f"{route[bool(live.prfaas[k])]}/{route[bool(fitted.prfaas[k])]}"
+        print(f"  {k:>4} {prompt:>7} {hit:>6} {routes:>15} {live.ttft_s[k]:>8.3f} {sim.ttft_s[k]:>8.3f} "
+              f"{fitted.ttft_s[k]:>9.3f}")  # fmt: skip
+
+
+def breakdown(streams: list[Stream], live: Timeline, config: SimConfig) -> dict[str, dict[str, float]]:
+    """Per live route, mean seconds of TTFT by part (the gateway's record, and the client's HTTP round trip
+    on top of the gateway's TTFT), beside the profile's time for the same uncached tokens (what the simulator
+    charges) and the live prefill's time over it."""
+    out = {}
+    for route, on_prfaas in (("prfaas", True), ("pd", False)):
+        taken = [(s, t) for s, t, p in zip(streams, live.ttft_s, live.prfaas) if p == on_prfaas]
+        if not taken:
+            continue
+        row = {part: statistics.fmean(s.info.get(part) or 0.0 for s, _ in taken) for part in PARTS}
+        row["http_s"] = statistics.fmean(t - (s.info.get("ttft_s") or 0.0) for s, t in taken)
+        uncached = [max(1, s.info["prompt_tokens"] - s.info.get("cached_tokens", 0)) for s, _ in taken]
+        row["profile_prefill_s"] = float(config.pd_prefill.latency_s(np.array(uncached)).mean())
+        row["prefill_over_profile"] = row["prefill_s"] / row["profile_prefill_s"]
+        out[route] = row | {"requests": len(taken)}
+    return out
+
+
+def print_breakdown(parts: dict[str, dict[str, float]]) -> None:
+    heads = (*PARTS, "http_s", "profile_prefill_s")
+    print("\nwhere live TTFT goes, mean s" + "".join(f"{h.removesuffix('_s'):>10}" for h in heads) + "  live/profile")
+    for route, row in parts.items():
+        label = f"  {route} ({row['requests']:.0f})"
+        cells = "".join(f"{row[h]:>10.4f}" for h in heads)
+        print(f"{label:28}{cells}{row['prefill_over_profile']:>13.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", choices=TRACES, default="mooncake", help="Mooncake synthetic or Azure conversation")
+    p.add_argument("--load", choices=LOADS, default="near-capacity", help="offered load, of the profiled capacity")
+    p.add_argument("--requests", type=int, default=400, help="the first this many requests of the trace")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
+    p.add_argument("--quick", action="store_true", help="a short slice, the same code path")
+    args = p.parse_args()
+    if args.quick:  # flags given on the command line still win
+        p.set_defaults(requests=40)
+        args = p.parse_args()
+    started = time.perf_counter()
+    sl = trace_slice(args.trace, args.requests)
+    flags = [*LIVE_FLAGS, "--threshold", str(THRESHOLD[args.trace]), "--cache-block-size", str(sl.block_tokens)]
+    serve = serve_config(flags)
+    with tempfile.TemporaryDirectory(prefix="bench-sim-fidelity-") as tmp:
+        lengths = profile_lengths(int(sl.prompts.max()))
+        measured = profile(lengths, serve.worker_threads("prfaas"), Path(tmp) / "profile.json")
+    config = twin(serve, *measured, lossless_codec())
+    capacity = capacity_rps(config, sl.prompts, sl.output_tokens, os.cpu_count() or 1)
+    trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
+    time_scale = trace_rate / (LOADS[args.load] * capacity)
+    workload = sl.workload(time_scale)
+    print(f"{args.trace} ({sl.name}), {args.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
+          f"prompts / {LENGTH_DIVISOR[args.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
+          f"time x{time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[args.load]:.0%} of the {capacity:.2f} "
+          "req/s the profile predicts")  # fmt: skip
+    print(
+        f"profile: prefill {measured[0].latency_s(256):.4f} s at 256 tokens, decode step "
+        f"{measured[1].step_time_s * 1e3:.2f} ms at batch {measured[1].bs_max}; serve {' '.join(flags)}"
+    )
+    with serving(flags) as server:
+        streams, late = asyncio.run(replay(server.url, sl, workload))
+    live = live_timeline(streams)
+    sim_started = time.perf_counter()
+    sim = simulated_timeline(config, workload)
+    sim_s = time.perf_counter() - sim_started
+    fitted = simulated_timeline(at_live_speed(config, streams, live), workload)
+    live_f, sim_f, fitted_f = live.figures(), sim.figures(), fitted.figures()
+    errors = {f"{key}_err": relative_error(sim_f[key], live_f[key]) for key in live_f}
+    fitted_errors = {f"{key}_err": relative_error(fitted_f[key], live_f[key]) for key in live_f}
+    print(
+        f"sent late: median {statistics.median(late) * 1e3:.1f} ms, max {max(late) * 1e3:.1f} ms; "
+        f"simulated in {sim_s * 1e3:.0f} ms\n"
+    )
+    print_comparison(live_f, {"simulated": (sim_f, errors), "at live speed": (fitted_f, fitted_errors)})
+    print_deviations(live, sim, fitted, streams)
+    parts = breakdown(streams, live, config)
+    print_breakdown(parts)
+    if args.json:
+        out = {
+            "bench": "sim_fidelity", "trace": TRACES[args.trace], "load": args.load, "load_fraction": LOADS[args.load],
+            "requests": len(workload), "length_divisor": LENGTH_DIVISOR[args.trace],
+            "output_divisor": OUTPUT_DIVISOR, "time_scale": time_scale, "offered_rps": workload.rate,
+            "capacity_rps": capacity, "late_max_s": max(late), "simulate_s": sim_s,
+            "wall_s": time.perf_counter() - started, "live": live_f, "sim": sim_f, "ttft_parts": parts, **errors,
+            "sim_at_live_speed": fitted_f, "at_live_speed": fitted_errors,
+        }  # fmt: skip
+        print(figures.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
