@@ -155,6 +155,7 @@ def twin(serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, los
         snapshot_args=cache.snapshot_policy_args,
         short_term=ShortTermConfig(enabled=not serve.fixed_threshold, ceiling=int(model["max_position_embeddings"])),
         early_first_token=True,  # the gateway sends the first token as the prefill worker has it
+        whole_prompt_hits=True,  # a prefill worker serves a repeated prompt from its end snapshot
         kv_compression=serve.link.kv_compression,
         kv_compression_args=serve.link.kv_compression_args,
         codecs=(("lossless", lossless),),

@@ -93,6 +93,26 @@ def test_infinite_cache_replay_matches_a_direct_count_of_hash_ids() -> None:
     assert sparse < expected  # linear state is reusable only where a snapshot exists
 
 
+def prompts_of(*hash_ids: tuple[int, ...]) -> Workload:
+    """Prompts of whole 512-token blocks, one every 100 s: each finds every earlier one cached."""
+    n = len(hash_ids)
+    inputs = np.array([512 * len(ids) for ids in hash_ids])
+    return Workload("prompts", np.arange(n) * 100.0, inputs, np.full(n, 4), tuple(hash_ids), 512)
+
+
+def test_a_repeated_prompt_is_served_whole_from_its_end_snapshot() -> None:
+    case = paper_case()
+    config = config_for(case, plan(case).homogeneous, snapshot_policy="reuse", early_first_token=True)
+    workload = prompts_of((1, 2, 3, 4), (1, 2, 3, 4))
+    whole = Simulation(replace(config, whole_prompt_hits=True), workload)
+    result = whole.run()
+    assert result.prefix_hit_token_ratio == 0.5  # the second prompt, all of it
+    second_ttft = whole.first_token[1] - 100.0
+    assert second_ttft == pytest.approx(float(case.pd_prefill.latency_s(1)), rel=1e-9)  # nothing to compute
+    capped = Simulation(config, workload).run()
+    assert capped.prefix_hit_token_ratio == 0.0  # a hit must leave a token, and no snapshot lies below the end
+
+
 def test_ttft_at_light_load_is_prefill_plus_one_step() -> None:
     case = paper_case()
     config = config_for(case, plan(case).homogeneous)

@@ -43,6 +43,9 @@ class SimConfig:
     # the first token at the prefill's end, as the gateway sends it before the KV lands (gateway/early_first.py);
     # off: once the KV is at the decode node and one decode step has run
     early_first_token: bool = False
+    # a prompt whose end snapshot the chosen cluster holds is served whole, as a prefill worker serves it
+    # (worker/prefix_store.py: its first token from the logits kept there); off: a hit leaves a token to compute
+    whole_prompt_hits: bool = False
     sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
     short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
     long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion

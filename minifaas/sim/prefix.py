@@ -16,6 +16,7 @@ from __future__ import annotations
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.manager import GlobalCacheManager, PoolMatch
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.prefix_index import EntryKind
 from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.plugin import Args
 
@@ -80,6 +81,10 @@ class ClusterPrefixCaches:
     def match(self, keys: PromptKeys) -> dict[str, PoolMatch]:
         """Per cluster: the usable hit and the KV prefix present; at least one token is left to compute."""
         return self.manager.match(keys, limit=keys.num_tokens - 1)
+
+    def holds_whole(self, cluster: str, keys: PromptKeys) -> bool:
+        """The cluster's pool holds the state at the prompt's very end: the whole prompt is a hit there."""
+        return self.pools[cluster].entry(EntryKind.SNAPSHOT, keys.end_key) is not None
 
     def store(self, cluster: str, keys: PromptKeys, now: float) -> None:
         self.pools[cluster].store_prompt(keys, now, self._block_bytes, lambda _: self._snapshot_bytes)

@@ -4,6 +4,7 @@ One request's life, as events:
   arrive      the global cache manager's prefix hits per cluster -> the router
               (the same ``decide`` the gateway runs) -> a prefill node and a
               decode node; the prefill's start and end follow from the node's queue
+              (none to compute for a prompt held whole, with ``whole_prompt_hits``)
   flow_start  (PrfaaS path, pipelining on) the KV stream enters the link as prefill starts, at the
               size its codec leaves (``coding``: the live compression policy picks it at arrival)
   prefill_end the node's queue shrinks; the first token, when it goes out early (as the gateway
@@ -78,6 +79,7 @@ class Simulation:
         self._link_gen = 0
         self._step = config.decode.step_time_s
         self._early = config.early_first_token
+        self._whole_hits = config.whole_prompt_hits
         self._samples: list[tuple[float, int, int, int, int, int]] = []
         self.scheduler = SimScheduler(config, workload, self.loop, self.link, self.prfaas, self.pd, self.decode)
 
@@ -118,14 +120,16 @@ class Simulation:
         decision = self.router.route(req)
         if decision.path is Path.REJECT:
             return
+        pool = self.prfaas if decision.path is Path.PRFAAS else self.pd
+        tokens, cached = decision.incremental_tokens, decision.cached_tokens
+        if self._whole_hits and self.caches is not None and self.caches.holds_whole(pool.cluster, keys):
+            tokens, cached = 0, prompt  # the first token from the logits kept with the prompt's end snapshot
         self.prompt_tokens += prompt
-        self.cached_tokens += decision.cached_tokens
+        self.cached_tokens += cached
         if self.caches is not None:  # stored after prefill, and a PrfaaS prompt's KV again where it lands
             self._keys[rid] = [keys, 2 if decision.path is Path.PRFAAS else 1]
-        sched.lengths.append(decision.incremental_tokens)
-        pool = self.prfaas if decision.path is Path.PRFAAS else self.pd
+        sched.lengths.append(tokens)
         node = pool.index[decision.prefill_node]  # type: ignore[index]
-        tokens = decision.incremental_tokens
         start, end = pool.place(node, now, tokens)
         dnode = self.decode.index[decision.decode_node]  # type: ignore[index]
         self.decode.reserve(dnode)
