@@ -113,6 +113,16 @@ def test_a_repeated_prompt_is_served_whole_from_its_end_snapshot() -> None:
     assert capped.prefix_hit_token_ratio == 0.0  # a hit must leave a token, and no snapshot lies below the end
 
 
+def test_the_reuse_snapshot_policy_keeps_the_branch_point_a_third_prompt_loads() -> None:
+    case = paper_case()
+    config = config_for(case, plan(case).homogeneous, snapshot_policy="reuse")
+    sim = Simulation(config, prompts_of((1, 2, 3, 4), (1, 2, 5, 6), (1, 2, 7, 8)))
+    result = sim.run()
+    # the second prompt finds two blocks stored and keeps its state there; the third loads them
+    assert sim.cached_tokens == 1024
+    assert result.prefix_hit_token_ratio == pytest.approx(1024 / (3 * 2048))
+
+
 def test_ttft_at_light_load_is_prefill_plus_one_step() -> None:
     case = paper_case()
     config = config_for(case, plan(case).homogeneous)

@@ -224,10 +224,12 @@ class HybridPrefixPool(Generic[P]):
         snapshot_nbytes: Callable[[int], int],
         start: int = 0,
         node: str | None = None,
+        seen_tokens: int = 0,
     ) -> None:
-        """Store everything a prefill of tokens [start, end) leaves behind, without payloads (simulator)."""
+        """Store everything a prefill of tokens [start, end) leaves behind, without payloads (simulator);
+        ``seen_tokens``: the prompt's branch point when its prefill began (``snapshot_points``)."""
         self.put_blocks(prompt, start // prompt.block_size, prompt.num_full_blocks, now, block_nbytes, node)
-        for n in self.snapshot_points(start, prompt.num_tokens):
+        for n in self.snapshot_points(start, prompt.num_tokens, seen_tokens):
             if prompt.key_at(n) is not None:
                 self.put_snapshot(prompt, n, now, snapshot_nbytes(n), node=node)
         self.touch(prompt, prompt.num_tokens, now)

@@ -86,8 +86,12 @@ class ClusterPrefixCaches:
         """The cluster's pool holds the state at the prompt's very end: the whole prompt is a hit there."""
         return self.pools[cluster].entry(EntryKind.SNAPSHOT, keys.end_key) is not None
 
-    def store(self, cluster: str, keys: PromptKeys, now: float) -> None:
-        self.pools[cluster].store_prompt(keys, now, self._block_bytes, lambda _: self._snapshot_bytes)
+    def store(self, cluster: str, keys: PromptKeys, now: float, seen_tokens: int = 0) -> None:
+        """What a prefill leaves; ``seen_tokens``: the longest prefix any pool held as it was routed (the
+        gateway's ``seen_prefix``), where the ``reuse`` snapshot policy keeps a branch point."""
+        self.pools[cluster].store_prompt(
+            keys, now, self._block_bytes, lambda _: self._snapshot_bytes, seen_tokens=seen_tokens
+        )
 
     def store_received(self, cluster: str, keys: PromptKeys, now: float) -> None:
         pool = self.pools[cluster]

@@ -73,7 +73,7 @@ class Simulation:
         self._kv_bytes = [0.0] * n  # on the wire
         self._coding_s = [0.0] * n
         self.coding = SimCoding(config.kv_compression, config.codecs, config.kv_compression_args)
-        self._keys: dict[int, list] = {}  # rid -> [block keys, uses left]: dropped after the last use
+        self._keys: dict[int, list] = {}  # rid -> [block keys, uses left, branch point]: dropped after the last use
         self.first_token = [math.nan] * n
         self.finished = [math.nan] * n
         self._link_gen = 0
@@ -127,7 +127,8 @@ class Simulation:
         self.prompt_tokens += prompt
         self.cached_tokens += cached
         if self.caches is not None:  # stored after prefill, and a PrfaaS prompt's KV again where it lands
-            self._keys[rid] = [keys, 2 if decision.path is Path.PRFAAS else 1]
+            seen = max(m.kv_prefix_tokens for m in matches.values())  # the branch point, as the gateway sends it
+            self._keys[rid] = [keys, 2 if decision.path is Path.PRFAAS else 1, seen]
         sched.lengths.append(tokens)
         node = pool.index[decision.prefill_node]  # type: ignore[index]
         start, end = pool.place(node, now, tokens)
@@ -169,7 +170,8 @@ class Simulation:
         if self._early:
             self.first_token[rid] = now
         if self.caches is not None:
-            self.caches.store(pool.cluster, self._used_keys(rid), now)
+            seen = self._keys[rid][2]
+            self.caches.store(pool.cluster, self._used_keys(rid), now, seen)
         if path == PD:
             self._kv_ready(rid)
         elif not self.config.link.pipeline_layers:
