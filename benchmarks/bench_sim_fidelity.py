@@ -8,9 +8,10 @@
    reads, and the lossless codec measured on a prefill's state as a PrfaaS worker measures it at start.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
-   with the same worker counts per cluster, threshold and scheduler settings, routing rule and spill, link
-   rate and RTT, layer pipelining, prefix cache and snapshot policy, and codec policy, loaded by name as the
-   gateway loads them.
+   with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
+   and spill, link rate and RTT, layer pipelining, prefix cache and snapshot policy, and codec policy, loaded
+   by name as the gateway loads them; the first token at the prefill's end and repeated prompts served whole,
+   as the workers do.
 3. Slice: the trace's first ``--requests`` requests. Prompt lengths are divided by ``LENGTH_DIVISOR`` (a
    Mooncake hash id becomes a fixed block of token ids, so prefixes are shared as in the trace, and the
    cache's block is the scaled 512-token block), outputs by ``OUTPUT_DIVISOR`` (at most ``MAX_OUTPUT``), and
@@ -136,7 +137,9 @@ def twin(serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, los
     return SimConfig(
         prfaas=prefill,
         pd_prefill=prefill,
-        decode=decode,
+        # a decode worker batches what its memory holds (or --max-batch), not the SLO's BS_max: the admission
+        # bound on requests in flight is the live cap
+        decode=replace(decode, bs_max=serve.pd.max_batch or serve.max_queued_requests or 10**6),
         n_prfaas=serve.prfaas.prefill_workers,
         n_prefill=serve.pd.prefill_workers,
         n_decode=serve.pd.decode_workers,
@@ -285,8 +288,8 @@ def simulated_timeline(config: SimConfig, workload: Workload) -> Timeline:
 
 def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> SimConfig:
     """The twin with each cluster's prefill as slow, over the profile, as its live workers were in this run, and
-    a decode step as long as the live streams' mean gap between tokens: what is left of the error is the
-    simulator's model (queues, routing, the link), not the machine's speed under this run's load."""
+    a decode step as long as the live streams' mean gap between tokens after the second: what is left of the
+    error is the simulator's model (queues, routing, the link), not the machine's speed under this run's load."""
     changes: dict[str, object] = {}
     for field, on_prfaas in (("prfaas", True), ("pd_prefill", False)):
         taken = [s.info for s, p in zip(streams, live.prfaas) if p == on_prfaas]
@@ -300,9 +303,11 @@ def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> S
             points=tuple(replace(q, latency_s=q.latency_s * slower) for q in profile.points),
             latency_coeffs=tuple(c * slower for c in profile.latency_coeffs),
         )
-    gaps = [(s.arrivals[-1] - s.arrivals[0]) / (len(s.arrivals) - 1) for s in streams if len(s.arrivals) > 1]
-    if gaps:
-        changes["decode"] = replace(config.decode, step_time_s=statistics.fmean(gaps))
+    # from the second token on: the first leaves before the state's tail, the second waits for it
+    decoding = [s.arrivals for s in streams if len(s.arrivals) > 2]
+    if decoding:
+        step = sum(a[-1] - a[1] for a in decoding) / sum(len(a) - 2 for a in decoding)
+        changes["decode"] = replace(config.decode, step_time_s=step)
     return replace(config, **changes)  # type: ignore[arg-type]
 
 
