@@ -17,6 +17,7 @@ from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
 from minifaas.sim.deployment import NO_OFFLOAD, config_for
 from minifaas.sim.fluid_link import LinkConfig
+from minifaas.sim.prefix import ClusterPrefixCaches
 from minifaas.sim.simulator import Simulation
 from minifaas.sim.trace_workload import read_trace
 from minifaas.sim.workload import Workload, synthetic
@@ -111,6 +112,15 @@ def test_a_repeated_prompt_is_served_whole_from_its_end_snapshot() -> None:
     assert second_ttft == pytest.approx(float(case.pd_prefill.latency_s(1)), rel=1e-9)  # nothing to compute
     capped = Simulation(config, workload).run()
     assert capped.prefix_hit_token_ratio == 0.0  # a hit must leave a token, and no snapshot lies below the end
+
+
+def test_a_prompt_whose_state_moved_in_is_not_served_whole() -> None:
+    caches = ClusterPrefixCaches(("prfaas", "pd"), 512, float("inf"), paper_case().prfaas)
+    keys = caches.keys((1, 2, 3, 4), 2048)
+    caches.store("prfaas", keys, 0.0)
+    caches.store_received("pd", keys, 1.0)  # the end state crossed the link without the logits
+    assert caches.holds_whole("prfaas", keys) and not caches.holds_whole("pd", keys)
+    assert caches.match(keys)["pd"].kv_prefix_tokens == 2047  # its KV is there all the same (a match leaves a token)
 
 
 def test_the_reuse_snapshot_policy_keeps_the_branch_point_a_third_prompt_loads() -> None:

@@ -13,7 +13,7 @@ a private hit and the router's node choice stays load-driven, which keeps a thou
 
 from __future__ import annotations
 
-from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.block_hash import BlockKey, PromptKeys
 from minifaas.cache.manager import GlobalCacheManager, PoolMatch
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.cache.prefix_index import EntryKind
@@ -51,6 +51,7 @@ class ClusterPrefixCaches:
         self._root = bytes(8)  # key 0; every other key is the number of a distinct prefix
         self._children: dict[bytes, dict[int | tuple[int, int], bytes]] = {}  # parent key -> step -> key
         self._named = 0
+        self._prefilled_ends: dict[str, set[BlockKey]] = {name: set() for name in clusters}  # ends with their logits
 
     def keys(self, hash_ids: tuple[int, ...], prompt_tokens: int) -> PromptKeys:
         """The prompt's block keys, as ``PromptKeys.from_ids`` would chain them, but numbered instead
@@ -83,8 +84,10 @@ class ClusterPrefixCaches:
         return self.manager.match(keys, limit=keys.num_tokens - 1)
 
     def holds_whole(self, cluster: str, keys: PromptKeys) -> bool:
-        """The cluster's pool holds the state at the prompt's very end: the whole prompt is a hit there."""
-        return self.pools[cluster].entry(EntryKind.SNAPSHOT, keys.end_key) is not None
+        """The cluster's pool holds the state at the prompt's very end, kept by a prefill there (with the
+        logits of the token after it; a state moved in has none): the whole prompt is a hit there."""
+        end = keys.end_key
+        return end in self._prefilled_ends[cluster] and self.pools[cluster].entry(EntryKind.SNAPSHOT, end) is not None
 
     def store(self, cluster: str, keys: PromptKeys, now: float, seen_tokens: int = 0) -> None:
         """What a prefill leaves; ``seen_tokens``: the longest prefix any pool held as it was routed (the
@@ -92,6 +95,7 @@ class ClusterPrefixCaches:
         self.pools[cluster].store_prompt(
             keys, now, self._block_bytes, lambda _: self._snapshot_bytes, seen_tokens=seen_tokens
         )
+        self._prefilled_ends[cluster].add(keys.end_key)
 
     def store_received(self, cluster: str, keys: PromptKeys, now: float) -> None:
         pool = self.pools[cluster]
