@@ -5,7 +5,7 @@
 For each configuration the planner picks for the paper's case (PrfaaS,
 homogeneous PD, naive offloading), the whole trace (3,993 requests with one
 prefix hash per 512-token block) goes from the file to the simulated results:
-``read_trace``, then ``Simulation(...).run()`` with the prefix cache on.
+``read_workload``, then ``Simulation(...).run()`` with the prefix cache on.
 Beside it, run in turn in the same process, Dynamo's offline replay
 (``dynamo.replay.run_trace_replay``) of the same file with the same numbers of
 prefill and decode workers (its disaggregated deployment; it has no second
@@ -34,7 +34,7 @@ from minifaas.planner.search import plan
 from minifaas.sim.deployment import config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.trace_workload import read_trace
+from minifaas.sim.trace_workload import read_workload
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 CONFIGS = ("homogeneous", "prfaas", "naive")
@@ -49,7 +49,7 @@ def minifaas_replay(name: str) -> tuple[Callable[[], int], tuple[int, int]]:
     config = config_for(case, point, link)
 
     def run() -> int:
-        workload = read_trace(TRACE)
+        workload = read_workload(TRACE)
         result = Simulation(config, workload).run()
         assert result.completed == len(workload), f"{name}: {result.completed} of {len(workload)} completed"
         return len(workload)
@@ -112,7 +112,7 @@ def main() -> None:
     median = {key: statistics.median(values) for key, values in rates.items()}
 
     print(f"  {'configuration':<14} {'P/D':>6} {'sim req/s':>15} {'dynamo rr':>10} {'dynamo kv':>10}  ratio")
-    figures: dict[str, Any] = {"requests": len(read_trace(TRACE)), "repeats": repeats}
+    figures: dict[str, Any] = {"requests": len(read_workload(TRACE)), "repeats": repeats}
     for name in CONFIGS:
         prefill, decode = counts[name]
         ours = median[name]

@@ -20,7 +20,7 @@ from dataclasses import replace
 from minifaas.planner import LengthDistribution, plan
 from minifaas.planner.paper import paper_case
 from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, RouteReason
-from minifaas.sim import config_for, read_trace
+from minifaas.sim import config_for, read_workload
 from minifaas.sim.comparison import compare, plot_comparison, text_table
 
 REQUESTS, PLOT = 1500, "custom_router.png"
@@ -57,7 +57,7 @@ def _hit(cluster: ClusterView, node: NodeView) -> int:
 
 
 def main() -> None:
-    trace = read_trace(sys.argv[1] if len(sys.argv) > 1 else "mooncake-synthetic")
+    trace = read_workload(sys.argv[1] if len(sys.argv) > 1 else "mooncake-synthetic")
     workload = trace.head(REQUESTS)
     case = paper_case().with_overrides(lengths=LengthDistribution.empirical("mooncake", trace.input_tokens))
     planned = config_for(case, plan(case).prfaas)

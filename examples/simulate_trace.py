@@ -17,13 +17,13 @@ import sys
 
 from minifaas.planner import LengthDistribution, plan
 from minifaas.planner.paper import paper_case
-from minifaas.sim import Simulation, config_for, read_trace
+from minifaas.sim import Simulation, config_for, read_workload
 
 REQUESTS, RATE_SCALE = 1500, 1.2
 
 
 def main() -> None:
-    trace = read_trace(sys.argv[1] if len(sys.argv) > 1 else "mooncake-synthetic", rate_scale=RATE_SCALE)
+    trace = read_workload(sys.argv[1] if len(sys.argv) > 1 else "mooncake-synthetic", rate_scale=RATE_SCALE)
     workload = trace.head(REQUESTS)
     mean_in = workload.input_tokens.mean()
     print(

@@ -234,12 +234,12 @@ async def only_flow(link: Any) -> Any:
 def test_the_relay_buffers_two_reads_per_flow_so_backpressure_reaches_the_sender() -> None:
     """Left to the kernel, a loopback receive buffer grows to megabytes, and a window-bound flow's backlog
     sits in the relay, out of the sender's sight: the end of a 16-connection transfer at 30 ms waited on it."""
-    from minifaas.emulator.relay import LinkConfig, LinkEmulator
+    from minifaas.emulator.relay import LinkEmulator, RelayConfig
 
     async def main() -> None:
         server = await counting_server([0])
         target = server.sockets[0].getsockname()
-        async with server, LinkEmulator(LinkConfig(*target, rate_bps=1e9, window_bytes=285_000)) as link:
+        async with server, LinkEmulator(RelayConfig(*target, rate_bps=1e9, window_bytes=285_000)) as link:
             _, writer = await asyncio.open_connection("127.0.0.1", link.port)
             flow = await only_flow(link)
 
@@ -255,7 +255,7 @@ def test_the_relay_buffers_two_reads_per_flow_so_backpressure_reaches_the_sender
             link.set_rate(400e6)  # 2 ms: 100 KB
             assert buffers() == (200_000, 200_000)
             writer.close()
-        async with LinkEmulator(LinkConfig(*target)) as bare:  # no rate and no window: the kernel's sizing
+        async with LinkEmulator(RelayConfig(*target)) as bare:  # no rate and no window: the kernel's sizing
             _, writer = await asyncio.open_connection("127.0.0.1", bare.port)
             assert not getattr(await only_flow(bare), "bounded", None)
             writer.close()

@@ -23,7 +23,7 @@ from minifaas.planner.paper import paper_case
 from minifaas.policy import plugin
 from minifaas.policy.plugin import KINDS, ROUTER, PolicyError, check_policy, load_policy
 from minifaas.policy.router import ClusterView, NodeView, RouteInput, Router, RouterConfig
-from minifaas.sim import Simulation, config_for, read_trace
+from minifaas.sim import Simulation, config_for, read_workload
 from minifaas.sim.comparison import compare
 
 PROBE = "policy_probes:OneCluster"
@@ -128,7 +128,7 @@ def test_serve_refuses_a_bad_spec_in_one_line_before_anything_starts(
 
 
 def test_sim_takes_the_same_spec_and_compare_runs_two() -> None:
-    workload = read_trace("mooncake-synthetic").head(200)
+    workload = read_workload("mooncake-synthetic").head(200)
     case = paper_case().with_overrides(lengths=LengthDistribution.empirical("trace", workload.input_tokens))
     base = config_for(case, plan(case).prfaas)
     results = compare({"built-in": base, "pd only": replace(base, router_policy=PROBE, router_args={"cluster": "pd"})},
@@ -176,7 +176,7 @@ def test_one_router_runs_unchanged_live_and_in_the_simulator() -> None:
     # prompt loads the first's state at 128 (the built-in reuse policy would have kept only its end: none)
     assert [r.cached_tokens for r in records[:2]] == [0, 128]
 
-    workload = read_trace("mooncake-synthetic").head(300)
+    workload = read_workload("mooncake-synthetic").head(300)
     case = paper_case().with_overrides(lengths=LengthDistribution.empirical("trace", workload.input_tokens))
     sim_config = config_for(case, plan(case).prfaas)
     simulation = Simulation(replace(sim_config, router_policy=PROBE, router_args={"cluster": "prfaas"}), workload)

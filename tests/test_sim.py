@@ -19,7 +19,7 @@ from minifaas.sim.deployment import NO_OFFLOAD, config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.prefix import ClusterPrefixCaches
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.trace_workload import read_trace
+from minifaas.sim.trace_workload import read_workload
 from minifaas.sim.workload import Workload, synthetic
 
 
@@ -82,7 +82,7 @@ def direct_prefix_hits(workload: Workload) -> float:
 
 
 def test_infinite_cache_replay_matches_a_direct_count_of_hash_ids() -> None:
-    trace = read_trace("mooncake-synthetic").head(1_500)
+    trace = read_workload("mooncake-synthetic").head(1_500)
     spaced = replace(trace, arrival_s=np.arange(len(trace)) * 100.0)  # one at a time: all earlier prompts cached
     case = paper_case()
     config = config_for(case, plan(case).homogeneous, snapshot_interval_blocks=1)

@@ -11,7 +11,7 @@ from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.fluid_link import FluidLink, LinkConfig
 from minifaas.sim.prefill import PrefillInstances
-from minifaas.sim.trace_workload import read_trace
+from minifaas.sim.trace_workload import read_workload
 from minifaas.traces import trace_path
 
 GB = 1e9 / 8  # bytes in one gigabit
@@ -108,26 +108,26 @@ def test_decode_pool_holds_at_most_bs_max_and_hands_slots_over() -> None:
 
 
 def test_mooncake_trace_reads_as_documented() -> None:
-    trace = read_trace("mooncake-synthetic")
+    trace = read_workload("mooncake-synthetic")
     assert len(trace) == 3_993 and trace.hash_ids is not None
     assert trace.input_tokens.mean() == pytest.approx(15_326, rel=0.01)
     assert trace.rate == pytest.approx(3.9, rel=0.05)
-    faster = read_trace("mooncake-synthetic", length_scale=0.25, rate_scale=2.0)
+    faster = read_workload("mooncake-synthetic", length_scale=0.25, rate_scale=2.0)
     assert faster.duration_s == pytest.approx(trace.duration_s / 2)
     assert faster.block_tokens == 128
     assert all(-(-p // 128) == len(h) for p, h in zip(faster.input_tokens.tolist(), faster.hash_ids, strict=True))
 
 
 def test_azure_trace_reads_as_documented() -> None:
-    trace = read_trace("azure-conv")
+    trace = read_workload("azure-conv")
     assert len(trace) == 19_366 and trace.hash_ids is None
     assert trace.input_tokens.mean() == pytest.approx(1_155, rel=0.01)
     assert 3_000 < trace.duration_s < 3_700  # one hour
 
 
 def test_a_shipped_trace_is_found_by_name_or_path_and_a_wrong_name_lists_the_names() -> None:
-    by_path = read_trace(trace_path("azure-code"))
+    by_path = read_workload(trace_path("azure-code"))
     assert trace_path("azure-code").parent.parent.name == "data"  # in the repository, nothing beside it
-    assert len(by_path) == len(read_trace("azure-code")) == 8_819
+    assert len(by_path) == len(read_workload("azure-code")) == 8_819
     with pytest.raises(FileNotFoundError, match="mooncake-synthetic, azure-conv, azure-code"):
-        read_trace("mooncake")
+        read_workload("mooncake")

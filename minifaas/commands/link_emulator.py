@@ -1,4 +1,4 @@
-"""``minifaas link-emulator``: the link emulator's flags, read into a ``LinkConfig`` and served.
+"""``minifaas link-emulator``: the link emulator's flags, read into a ``RelayConfig`` and served.
 
 The process itself (relay, control port, commands) is ``emulator/emulator_server.py``.
 """
@@ -14,7 +14,7 @@ from minifaas.commands.main import user_input
 from minifaas.control.secret import load_secret
 from minifaas.emulator.emulator_server import serve
 from minifaas.emulator.pacer import RateSchedule, parse_bytes, parse_rate
-from minifaas.emulator.relay import LinkConfig
+from minifaas.emulator.relay import RelayConfig
 from minifaas.parent_watch import die_with_parent
 from minifaas.proctitle import set_title
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         secret = load_secret(args.secret_file)
         if not args.control_idle > 0:
             raise ValueError(f"--control-idle must be > 0, got {args.control_idle}")
-        config = LinkConfig(
+        config = RelayConfig(
             target_host, target_port, listen[0], listen[1], parse_rate(args.rate), parse_rate(args.flow_rate),
             parse_bytes(args.window), args.delay_ms, args.jitter_ms, RateSchedule.parse(args.schedule),
             args.read_bytes, args.seed, args.splice == "on",

@@ -42,7 +42,7 @@ from minifaas.sim.deployment import SimConfig, config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.report import SimResult
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.trace_workload import read_trace
+from minifaas.sim.trace_workload import read_workload
 from minifaas.sim.workload import Workload, synthetic
 from minifaas.traces import SHIPPED_TRACES
 
@@ -243,7 +243,7 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
     if args.spill_tokens:
         config = replace(config, router=replace(config.router, spill_tokens=args.spill_tokens))
     if args.trace:
-        workload = read_trace(args.trace, args.length_scale, args.rate_scale)
+        workload = read_workload(args.trace, args.length_scale, args.rate_scale)
         if args.duration is not None:
             workload = workload.head(int((workload.arrival_s < args.duration).sum()))
     else:

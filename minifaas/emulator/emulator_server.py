@@ -24,7 +24,7 @@ import signal
 from minifaas.control.server import ControlServer
 from minifaas.control.session import Session
 from minifaas.emulator.link_commands import CommandError, apply_command
-from minifaas.emulator.relay import LinkConfig, LinkEmulator
+from minifaas.emulator.relay import LinkEmulator, RelayConfig
 from minifaas.parent_watch import exit_when_stdin_closes
 from minifaas.proctitle import set_title
 
@@ -43,7 +43,7 @@ async def _control_session(link: LinkEmulator, route_hosts: frozenset[str], sess
 
 
 async def serve(
-    config: LinkConfig, secret: bytes, control: tuple[str, int], route_hosts: frozenset[str], idle_s: float,
+    config: RelayConfig, secret: bytes, control: tuple[str, int], route_hosts: frozenset[str], idle_s: float,
     exit_with_stdin: bool,
 ) -> int:  # fmt: skip
     """Relay and answer the control port until SIGINT or SIGTERM; with ``exit_with_stdin`` (a gateway's child)

@@ -32,7 +32,7 @@ _MIN_SOCKET_BUFFER = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
-class LinkConfig:
+class RelayConfig:
     target_host: str
     target_port: int
     listen_host: str = "127.0.0.1"
@@ -63,7 +63,7 @@ class LinkConfig:
 
 
 class LinkEmulator:
-    def __init__(self, config: LinkConfig):
+    def __init__(self, config: RelayConfig):
         self.config = config
         c = config
         self.link = {UP: Pacer(c.rate_bps), DOWN: Pacer(c.rate_bps)}

@@ -5,7 +5,7 @@ from minifaas.sim.deployment import SimConfig, config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.report import SimResult
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.trace_workload import read_trace
+from minifaas.sim.trace_workload import read_workload
 from minifaas.sim.workload import Workload, synthetic
 
 __all__ = [
@@ -17,6 +17,6 @@ __all__ = [
     "Simulation",
     "Workload",
     "config_for",
-    "read_trace",
+    "read_workload",
     "synthetic",
 ]
