@@ -1,22 +1,17 @@
 """A request that outlives its decode worker: what it has sent so far, and what it asks of the next one.
 
-When the decode worker holding a request goes away (killed, or declared dead by its heartbeat deadline), the
-request migrates: the prompt plus every token already sent to the client is prefilled again, wherever the
-router says, and decoding continues on another decode worker (or the same one restarted). The continuation asks
-only for the tokens still owed, so the client sees no token twice and none missing; a greedy request's output
-is the one an undisturbed run gives, since greedy decoding is a function of the sequence so far. Past
-``--migration-limit`` moves (none by default: the request's deadlines decide) it fails with a retryable error
-rather than move again. A request that decode workers die on just as they take it, alone, into their batch,
-twice (``POISON_LOSSES``), is stopped as their likely cause: random faults rarely land in that one step twice
-for one request, a request that crashes every worker it reaches does so each time. No evidence: a worker that
-went silent (stopped or hung: its heartbeat deadline passed), which may never have read the request; one that
-died while several requests waited for their first step there (a freshly restarted worker taking every
-migrating request at once); one killed by a signal from outside (SIGKILL, SIGTERM: an operator, a supervisor,
-the OOM killer), as its launcher saw it end. A request that hangs its workers meets its deadlines instead.
+When the decode worker holding a request goes away (killed, or silent past its heartbeat deadline), the prompt
+plus every token already sent is prefilled again where the router says, and decoding continues on another
+decode worker (or the same one restarted), asking only for the tokens still owed: no token twice, none missing,
+and a greedy output equal to an undisturbed run's. Past ``--migration-limit`` moves (none by default: the
+deadlines decide) it fails with a retryable error. Two decode workers that each ended by themselves just as
+they took this request, and no other, into their batch (``POISON_LOSSES``) stop it as their likely cause. No
+evidence: a worker gone silent (it may never have read the request), one that died while several requests
+waited for their first step there, one killed by a signal from outside (an operator, the OOM killer).
 
 A sampled request continues from the same sequence, but its random draws are not those of an undisturbed run.
 The presence and frequency penalties count only generated tokens, which a re-prefill would take for prompt: such
-a request fails rather than migrate into a different distribution. The gateway waits and streams.
+a request fails rather than migrate into a different distribution.
 """
 
 from __future__ import annotations
