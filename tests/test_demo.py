@@ -63,6 +63,10 @@ def test_demo_output_into_a_pipe_reads_line_by_line(python: Preloaded, tmp_path:
     state, wire, codec = [c.strip() for c in prfaas.strip("│ ").split("│")][4:7]
     assert state.endswith(" MB") and wire.endswith(" MB") and float(state[:-3]) > 0 and float(wire[:-3]) > 0
     assert codec in CODECS
+    throughput = next(line for line in lines if line.startswith("throughput: "))
+    tokens, wall, rate, per_cpu, cpu = map(float, re.findall(r"\d+(?:\.\d+)?", throughput)[:5])
+    assert tokens > 0 and cpu > 0 and abs(rate - tokens / wall) <= 0.1 * rate + 0.1, throughput
+    assert abs(per_cpu - tokens / cpu) <= 0.1 * per_cpu + 0.1, throughput
 
 
 @pytest.mark.slow

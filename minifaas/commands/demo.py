@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -37,6 +38,7 @@ from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.launch.startup import StartupView
+from minifaas.process_cpu import tree_cpu_s
 from minifaas.proctitle import set_title
 
 VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
@@ -148,6 +150,7 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
         set_title("demo", f":{port}")
         address = f"http://127.0.0.1:{port}"
         ready = f"ready in {time.perf_counter() - t0:.1f} s on port {port}, {kernels_line(gateway)}"
+        cpu, wall = tree_cpu_s(os.getpid()), time.perf_counter()
         if args.dashboard:
             console.print(f"{ready}; the dashboard: {address}/dashboard")
             console.print(
@@ -164,8 +167,14 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
                 f"{args.threshold} tokens); the dashboard: {address}/dashboard"
             )
             rows = await _one_mix(args, gateway, address, console)
+        cpu, wall = tree_cpu_s(os.getpid()) - cpu, time.perf_counter() - wall
         console.print()  # the summary's title apart from the table above
         console.print(_summary(rows))
+        tokens = sum(r.tokens for r in rows)
+        console.print(
+            f"throughput: {tokens} tokens in {wall:.1f} s, {tokens / wall:.1f} tokens/s; "
+            f"{tokens / max(cpu, 1e-9):.1f} per CPU-second ({cpu:.1f} CPU-s: the gateway, every worker and emulator)"
+        )
     console.print(f"[bold]stopped[/]: all processes shut down; total {time.perf_counter() - t0:.1f} s")
     if args.dashboard:  # requests still running at the end were cut short by it
         return 1 if any(r.status.startswith("HTTP") for r in rows) else 0
