@@ -148,7 +148,7 @@ class DecodeLost(RequestFailed):
     """The decode worker holding the request went away (its session was lost): the request may migrate.
     ``suspect``: it ended (not merely went silent) while this request, and no other, waited for its first
     step there: the sign a request that crashes its worker leaves (``migration.POISON_LOSSES``), unless its
-    launcher saw a signal from outside end it (``WorkerPool.ended_by_itself``, at the migration seam)."""
+    launcher saw a signal from outside end it (``Workers.ended_by_itself``, at the migration seam)."""
 
     def __init__(self, message: str, worker: str | None = None, suspect: bool = False, pid: int = 0) -> None:
         super().__init__(message)
