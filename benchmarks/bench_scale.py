@@ -11,7 +11,7 @@ One run, on one machine, with ``minifaas serve`` started as a user starts it (it
    two, up to the cores it may use; and the same N prompts as concurrent streamed completions with ``ignore_eos``
    and ``return_token_ids``. Every served stream's tokens must equal generate()'s row for its prompt. Tokens per
    second of each side, and tokens per CPU-second: generate()'s from this process's CPU time, the server's summed
-   over every process of its group (``/proc/<pid>/stat``, the children it reaped included). generate() counts at
+   over it and every process below it (``/proc/<pid>/stat``, the children it reaped included). generate() counts at
    its best thread count for each figure; each figure is the best of ``--repeats``, the sides taking turns on
    fresh prompts each repeat. ``--check`` exits 1 unless served tokens/s is at least generate()'s at N = 32, 128
    and 256, served tokens per CPU-second at least 0.8 of generate()'s at 128 and 256, and every token equal.
@@ -59,6 +59,7 @@ import torch
 from minifaas import figures
 from minifaas.model.kernels import select_kernels
 from minifaas.model.loader import MODELS_DIR
+from minifaas.process_cpu import tree_cpu_s
 
 MODEL = "shakespeare-qwen3.5"
 PROMPT_TOKENS, OUTPUT_TOKENS = 64, 16
@@ -143,10 +144,9 @@ class Server:
         return out
 
     def cpu_s(self) -> float:
-        """CPU seconds the server's group has spent so far: each process's own (utime, stime) and that of the
-        children it has reaped (cutime, cstime), so a worker that ends between two readings still counts."""
-        ticks = sum(sum(map(int, fields[11:15])) for _, fields in self._group())
-        return ticks / os.sysconf("SC_CLK_TCK")
+        """CPU seconds the server and every process below it have spent so far, as the demo counts them
+        (``process_cpu``): reaped children included, so a worker that ends between two readings still counts."""
+        return tree_cpu_s(self.proc.pid)
 
     def _group(self) -> Iterator[tuple[int, list[str]]]:
         """Each process in the server's group and the fields of its /proc stat after the command name."""
@@ -289,7 +289,7 @@ async def concurrent(url: str, batch: list[list[int]], max_tokens: int = OUTPUT_
 
 
 def served_run(server: Server, batch: list[list[int]]) -> Run:
-    """``batch`` served at once; the CPU time is the whole deployment's, every process of the server's group."""
+    """``batch`` served at once; the CPU time is the whole deployment's, the server and every process below it."""
     cpu = server.cpu_s()
     done, wall = asyncio.run(concurrent(server.url, batch))
     return Run([s.tokens if s.status == 200 else [] for s in done], wall, server.cpu_s() - cpu)
