@@ -215,20 +215,17 @@ async def load(url: str, batch: list[list[int]], refs: list[list[int]], streams:
     return out
 
 
-def processes(group: int) -> dict[int, tuple[str, str]]:
+def processes(server: Server) -> dict[int, tuple[str, str]]:
     """pid -> (kind, name) of every live process of the server's process group: a kind of KINDS, or "other"
     (the server itself, anything untitled)."""
     found = {}
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = (entry / "stat").read_text()
-            state, _, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
-            if int(pgrp) != group or state in ("Z", "X"):
-                continue
-            words = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().split()
+    for pid, fields in server.group():
+        if fields[0] in ("Z", "X"):  # dead, not yet reaped
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().split()
             kind = words[1] if words[:1] == ["minifaas"] and words[1] in KINDS else "other"
-            name = words[2] if kind in KINDS[:3] else f"{kind}-{entry.name}"
-            found[int(entry.name)] = (kind, name)
+            found[pid] = (kind, words[2] if kind in KINDS[:3] else f"{kind}-{pid}")
     return found
 
 
@@ -240,7 +237,7 @@ class Deployment:
         self.links = 0  # link emulators the server runs when all is well
 
     def processes(self) -> dict[int, tuple[str, str]]:
-        return processes(self.server.proc.pid)
+        return processes(self.server)
 
     async def health(self) -> dict:
         async with self.http.get(f"{self.server.url}/health") as resp:
@@ -411,7 +408,7 @@ def one_config(per_role: int, args: argparse.Namespace, expected: Expected) -> d
             with contextlib.suppress(subprocess.TimeoutExpired):  # still running: its processes are counted left
                 server.proc.wait(timeout=60)
             time.sleep(0.5)  # the kernel reaps what the server killed last
-            left = sorted(processes(server.proc.pid))
+            left = sorted(processes(server))
     return result | {"processes_left": left}
 
 

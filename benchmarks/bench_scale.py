@@ -136,7 +136,7 @@ class Server:
     def processes(self) -> dict[str, int]:
         """Every process of the server's group, by title (``serve``, ``pd-decode pd-d0``, ...) -> pid."""
         out = {}
-        for pid, _ in self._group():
+        for pid, _ in self.group():
             with contextlib.suppress(OSError):
                 words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().split()
                 title = " ".join(w for w in words[1:3] if not w.startswith(":")) if words[0] == "minifaas" else ""
@@ -148,7 +148,7 @@ class Server:
         (``process_cpu``): reaped children included, so a worker that ends between two readings still counts."""
         return tree_cpu_s(self.proc.pid)
 
-    def _group(self) -> Iterator[tuple[int, list[str]]]:
+    def group(self) -> Iterator[tuple[int, list[str]]]:
         """Each process in the server's group and the fields of its /proc stat after the command name."""
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
