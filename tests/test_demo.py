@@ -65,8 +65,12 @@ def test_demo_output_into_a_pipe_reads_line_by_line(python: Preloaded, tmp_path:
     assert codec in CODECS
     throughput = next(line for line in lines if line.startswith("throughput: "))
     tokens, wall, rate, per_cpu, cpu = map(float, re.findall(r"\d+(?:\.\d+)?", throughput)[:5])
-    assert tokens > 0 and cpu > 0 and abs(rate - tokens / wall) <= 0.1 * rate + 0.1, throughput
-    assert abs(per_cpu - tokens / cpu) <= 0.1 * per_cpu + 0.1, throughput
+    assert tokens > 0 and wall > 0.005 and cpu > 0.005, throughput
+
+    def near(printed: float, total: float) -> bool:  # the rate from a total printed to 0.01, the rate to 0.1
+        return tokens / (total + 0.005) - 0.05 <= printed <= tokens / (total - 0.005) + 0.05
+
+    assert near(rate, wall) and near(per_cpu, cpu), throughput
 
 
 @pytest.mark.slow

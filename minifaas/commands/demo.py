@@ -172,8 +172,8 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
         console.print(_summary(rows))
         tokens = sum(r.tokens for r in rows)
         console.print(
-            f"throughput: {tokens} tokens in {wall:.1f} s, {tokens / wall:.1f} tokens/s; "
-            f"{tokens / max(cpu, 1e-9):.1f} per CPU-second ({cpu:.1f} CPU-s: the gateway, every worker and emulator)"
+            f"throughput: {tokens} tokens in {wall:.2f} s, {tokens / wall:.1f} tokens/s; "
+            f"{tokens / max(cpu, 1e-9):.1f} per CPU-second ({cpu:.2f} CPU-s: the gateway, every worker and emulator)"
         )
     console.print(f"[bold]stopped[/]: all processes shut down; total {time.perf_counter() - t0:.1f} s")
     if args.dashboard:  # requests still running at the end were cut short by it
