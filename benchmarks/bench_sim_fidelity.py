@@ -11,7 +11,7 @@
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
    and spill, link rate and RTT, layer pipelining, prefix cache and snapshot policy, and codec policy, loaded
    by name as the gateway loads them; the first token at the prefill's end and repeated prompts served whole,
-   as the workers do.
+   as the workers do; and every worker on this machine's cores (``shared_cores``), as they run here.
 3. Slice: the trace's first ``--requests`` requests. Prompt lengths are divided by ``LENGTH_DIVISOR`` (a
    Mooncake hash id becomes a fixed block of token ids, so prefixes are shared as in the trace, and the
    cache's block is the scaled 512-token block), outputs by ``OUTPUT_DIVISOR`` (at most ``MAX_OUTPUT``), and
@@ -22,14 +22,15 @@
 
 Printed, live beside simulated with the signed relative error (sim - live) / live: TTFT mean, p50, p90 and
 p99; end-to-end latency mean and p90; output tokens/s; requests per route; prefix-cache hit tokens; KV bytes
-on the link. Two simulated columns: the twin on the profile, and the twin at live speed (``at_live_speed``:
+on the link. Three simulated columns: the twin on the profile; the same with each worker on cores of its own
+(``own cores``: what sharing this machine's cores adds); and the twin at live speed (``at_live_speed``:
 each cluster's prefill slowed by what its live workers took over what the profile charges, the decode step
 the live gap between tokens), which leaves the simulator's own model (queues, routing, the link) as the
 error. Then the requests the twin at live speed misses most, with their routes, and where live TTFT goes by
 route (the gateway's per-request breakdown, the client's HTTP round trip) beside the profile's prefill time.
 ``--json`` ends with one JSON object: ``ttft_mean_err``, ``ttft_p90_err``, ``throughput_err`` and the other
-errors of the twin on the profile, ``at_live_speed`` with the same of the other, the trace, the load and the
-scaling. ``--quick`` is the short slice the tests run (40 requests); the same code path.
+errors of the twin on the profile, ``own_cores`` and ``at_live_speed`` with the same of the others, the trace,
+the load and the scaling. ``--quick`` is the short slice the tests run (40 requests); the same code path.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def twin(serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, los
         short_term=ShortTermConfig(enabled=not serve.fixed_threshold, ceiling=int(model["max_position_embeddings"])),
         early_first_token=True,  # the gateway sends the first token as the prefill worker has it
         whole_prompt_hits=True,  # a prefill worker serves a repeated prompt from its end snapshot
+        shared_cores=len(os.sched_getaffinity(0)),  # every worker of the live deployment on this machine
         kv_compression=serve.link.kv_compression,
         kv_compression_args=serve.link.kv_compression_args,
         codecs=(("lossless", lossless),),
@@ -308,7 +310,7 @@ def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> S
     if decoding:
         step = sum(a[-1] - a[1] for a in decoding) / sum(len(a) - 2 for a in decoding)
         changes["decode"] = replace(config.decode, step_time_s=step)
-    return replace(config, **changes)  # type: ignore[arg-type]
+    return replace(config, shared_cores=0, **changes)  # type: ignore[arg-type]  # the live speed has the sharing
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -421,14 +423,19 @@ def main() -> None:
     sim = simulated_timeline(config, workload)
     sim_s = time.perf_counter() - sim_started
     fitted = simulated_timeline(at_live_speed(config, streams, live), workload)
-    live_f, sim_f, fitted_f = live.figures(), sim.figures(), fitted.figures()
+    own = simulated_timeline(replace(config, shared_cores=0), workload)
+    live_f, sim_f, fitted_f, own_f = live.figures(), sim.figures(), fitted.figures(), own.figures()
     errors = {f"{key}_err": relative_error(sim_f[key], live_f[key]) for key in live_f}
     fitted_errors = {f"{key}_err": relative_error(fitted_f[key], live_f[key]) for key in live_f}
+    own_errors = {f"{key}_err": relative_error(own_f[key], live_f[key]) for key in live_f}
     print(
         f"sent late: median {statistics.median(late) * 1e3:.1f} ms, max {max(late) * 1e3:.1f} ms; "
         f"simulated in {sim_s * 1e3:.0f} ms\n"
     )
-    print_comparison(live_f, {"simulated": (sim_f, errors), "at live speed": (fitted_f, fitted_errors)})
+    print_comparison(
+        live_f,
+        {"simulated": (sim_f, errors), "own cores": (own_f, own_errors), "at live speed": (fitted_f, fitted_errors)},
+    )
     print_deviations(live, sim, fitted, streams)
     parts = breakdown(streams, live, config)
     print_breakdown(parts)
@@ -439,7 +446,8 @@ def main() -> None:
             "output_divisor": OUTPUT_DIVISOR, "time_scale": time_scale, "offered_rps": workload.rate,
             "capacity_rps": capacity, "late_max_s": max(late), "simulate_s": sim_s,
             "wall_s": time.perf_counter() - started, "live": live_f, "sim": sim_f, "ttft_parts": parts, **errors,
-            "sim_at_live_speed": fitted_f, "at_live_speed": fitted_errors,
+            "sim_at_live_speed": fitted_f, "at_live_speed": fitted_errors, "sim_own_cores": own_f,
+            "own_cores": own_errors,
         }  # fmt: skip
         print(figures.dumps(out))
 

@@ -253,3 +253,17 @@ def test_the_spill_sends_short_prompts_to_prfaas_while_pd_prefill_is_behind(caps
         )
         offloaded.append(json.loads(capsys.readouterr().out)["offload_fraction"])
     assert offloaded[1] > offloaded[0]
+
+
+def test_on_shared_cores_a_prefill_slows_by_the_workers_computing_beside_it() -> None:
+    case = paper_case()
+    config = config_for(case, plan(case).homogeneous, early_first_token=True)
+    both = Workload("pair", np.array([0.0, 0.0]), np.array([1024, 1024]), np.full(2, 4), ((1, 2), (3, 4)), 512)
+    alone = float(case.pd_prefill.latency_s(1024))
+    own = Simulation(config, both)
+    own.run()
+    assert own.first_token == pytest.approx([alone, alone], rel=1e-9)  # each worker on cores of its own
+    shared = Simulation(replace(config, shared_cores=1), both)
+    shared.run()
+    # the first starts alone; the second starts beside it: two computing on one core, each at half speed
+    assert shared.first_token == pytest.approx([alone, 2 * alone], rel=1e-9)

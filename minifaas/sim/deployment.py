@@ -46,6 +46,9 @@ class SimConfig:
     # a prompt whose end snapshot the chosen cluster holds is served whole, as a prefill worker serves it
     # (worker/prefix_store.py: its first token from the logits kept there); off: a hit leaves a token to compute
     whole_prompt_hits: bool = False
+    # every worker on one host of this many cores (a demo box): a prefill runs slower while more workers than
+    # cores compute (``Simulation._shared_slowdown``); 0: each worker on hardware of its own
+    shared_cores: int = 0
     sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
     short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
     long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion

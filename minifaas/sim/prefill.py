@@ -94,10 +94,18 @@ class PrefillInstances:
         nodes = set(hits) | ({free} if free is not None else set())
         return tuple(NodeView(self.ids[i], hits.get(i, 0), float(self.queued_tokens[i])) for i in sorted(nodes))
 
-    def place(self, node: int, now: float, tokens: int) -> tuple[float, float]:
-        """Queue a prefill of ``tokens`` uncached tokens; returns its (start, end)."""
-        start = max(now, self.busy_until[node])
-        duration = self.latency_s(max(tokens, 1))
+    def start_s(self, node: int, now: float) -> float:
+        """When a prefill placed on ``node`` now would start: its queue is FCFS and has no gaps."""
+        return max(now, self.busy_until[node])
+
+    def busy_at(self, at: float) -> int:
+        """Nodes computing at ``at`` (from now on: a node's placed work runs without a gap)."""
+        return sum(1 for end in self.busy_until if end > at)
+
+    def place(self, node: int, now: float, tokens: int, slowdown: float = 1.0) -> tuple[float, float]:
+        """Queue a prefill of ``tokens`` uncached tokens, ``slowdown`` times the profile's time; its (start, end)."""
+        start = self.start_s(node, now)
+        duration = self.latency_s(max(tokens, 1)) * slowdown
         end = start + duration
         self.busy_until[node] = end
         self.queued_tokens[node] += tokens

@@ -131,7 +131,7 @@ class Simulation:
             self._keys[rid] = [keys, 2 if decision.path is Path.PRFAAS else 1, seen]
         sched.lengths.append(tokens)
         node = pool.index[decision.prefill_node]  # type: ignore[index]
-        start, end = pool.place(node, now, tokens)
+        start, end = pool.place(node, now, tokens, self._shared_slowdown(pool.start_s(node, now)))
         dnode = self.decode.index[decision.decode_node]  # type: ignore[index]
         self.decode.reserve(dnode)
         self.prefill_node[rid], self.decode_node[rid] = node, dnode
@@ -156,6 +156,15 @@ class Simulation:
         else:
             self.path[rid] = PD
         self.loop.at(end, self._prefill_end_event, rid)
+
+    def _shared_slowdown(self, start: float) -> float:
+        """A prefill's time over the profile's when every worker shares ``shared_cores``: the workers computing as
+        it starts (prefill nodes busy then, decode nodes with rows now, itself) over the cores, at least 1."""
+        cores = self.config.shared_cores
+        if not cores:
+            return 1.0
+        decoding = sum(1 for rows in self.decode.running if rows)
+        return max(1.0, (self.prfaas.busy_at(start) + self.pd.busy_at(start) + decoding + 1) / cores)
 
     def _flow_start(self, rid: int) -> None:
         self.link.add(self.loop.now, rid, self._kv_bytes[rid])
