@@ -13,8 +13,11 @@ One run, on one machine, with ``minifaas serve`` started as a user starts it (it
    second of each side, and tokens per CPU-second: generate()'s from this process's CPU time, the server's summed
    over it and every process below it (``/proc/<pid>/stat``, the children it reaped included). generate() counts at
    its best thread count for each figure; each figure is the best of ``--repeats``, the sides taking turns on
-   fresh prompts each repeat. ``--check`` exits 1 unless served tokens/s is at least generate()'s at N = 32, 128
-   and 256, served tokens per CPU-second at least 0.8 of generate()'s at 128 and 256, and every token equal.
+   fresh prompts each repeat. Beside them, the workers' own model code on the same prompts in this process on
+   one thread (prefill batches of a worker's budget, one batch decoder; ``one_process_run``): what the model costs
+   without the deployment's processes, sockets and messages. ``--check`` exits 1 unless served tokens/s is at
+   least generate()'s at N = 32, 128 and 256, served tokens per CPU-second at least 0.8 of generate()'s at 128 and
+   256, and every token equal.
    Then ``--crowd`` concurrent requests: how many are served and how many refused.
 2. long prompts: TTFT of one prompt of each of ``--lengths`` tokens, prefill tokens/s, the FLOPs the model spends
    on it (``flop_model``: matmuls, causal attention, the linear layers' chunked scan) and the FLOP/s achieved; and
@@ -52,6 +55,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import torch
@@ -61,8 +65,12 @@ from minifaas.model.kernels import select_kernels
 from minifaas.model.loader import MODELS_DIR
 from minifaas.process_cpu import tree_cpu_s
 
+if TYPE_CHECKING:
+    from minifaas.model.runtime import ModelRuntime
+
 MODEL = "shakespeare-qwen3.5"
 PROMPT_TOKENS, OUTPUT_TOKENS = 64, 16
+PREFILL_BATCH_TOKENS = 512  # a prefill worker's default budget of tokens in one forward (``prefill_batch``)
 LETTERS = range(97, 123)  # prompts of random lowercase letters: no two share a prefix block
 
 
@@ -123,6 +131,34 @@ def generate_run(model: torch.nn.Module, batch: list[list[int]], threads: int) -
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert out.shape == (len(batch), PROMPT_TOKENS + OUTPUT_TOKENS)
     return Run(out[:, PROMPT_TOKENS:].tolist(), wall, cpu)
+
+
+def one_process_run(runtime: ModelRuntime, batch: list[list[int]], prefill_tokens: int) -> Run:
+    """The workers' own model code on ``batch`` in this process, on one thread, with no process, socket or message
+    between the steps: ``prefill_batch`` on rows of at most ``prefill_tokens`` tokens together (a prefill worker's
+    budget), then one ``BatchDecoder`` until every row is done. Served over this is what the deployment costs."""
+    from minifaas.model.batch_decoder import BatchDecoder  # model code: after the kernel choice (load_reference)
+    from minifaas.model.batch_prefill import prefill_batch
+    from minifaas.model.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    rows = max(1, prefill_tokens // PROMPT_TOKENS)
+    wall, cpu = time.perf_counter(), time.process_time()
+    decoder = BatchDecoder(runtime)
+    for start in range(0, len(batch), rows):
+        group = batch[start : start + rows]
+        for k, done in enumerate(prefill_batch(runtime, group, [lambda _: None] * len(group), [params] * len(group))):
+            assert not isinstance(done, Exception), done
+            decoder.submit(str(start + k), done.state, done.next_token, params)
+    out: dict[str, list[int]] = {str(k): [] for k in range(len(batch))}
+    for row in decoder.waiting:
+        out[row.request].append(row.tokens[0])  # the prefill's token: the first of the output
+    while decoder.load:
+        for token in decoder.step():
+            out[token.request].append(token.token)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return Run([out[str(k)] for k in range(len(batch))], wall, cpu)
 
 
 # --- the server, as a user runs it ------------------------------------------------------------------------------
@@ -323,31 +359,37 @@ class FlopModel:
 # --- the phases ---------------------------------------------------------------------------------------------------
 
 
-def throughput(server: Server, model: torch.nn.Module, sizes: list[int], repeats: int, rng: random.Random) -> list:
-    """At each size N: ``generate()`` at each thread count from one to this process's cores and the server, in
-    turn, on the same N prompts (fresh ones each repeat: the same prompt again would hit the server's prefix
-    cache); the best of ``repeats`` of each figure. Every served stream's tokens are checked against the row of
-    one-thread ``generate()`` for its prompt, and every other thread count's rows against that run's."""
+def throughput(
+    server: Server, model: torch.nn.Module, runtime: ModelRuntime, sizes: list[int], repeats: int, rng: random.Random
+) -> list:
+    """At each size N: ``generate()`` at each thread count from one to this process's cores, the server, and the
+    workers' code in one process (``one_process_run``), in turn, on the same N prompts (fresh ones each repeat:
+    the same prompt again would hit the server's prefix cache); the best of ``repeats`` of each figure. Every
+    served stream's tokens are checked against the row of one-thread ``generate()`` for its prompt, and every
+    other thread count's rows and the one-process rows against that run's."""
     threads = thread_counts()
     rows = []
     for n in sizes:
         gen: dict[int, list[Run]] = {t: [] for t in threads}
         srv: list[Run] = []
+        one: list[Run] = []
         unequal = generate_unequal = 0
         first_unequal: dict = {}  # the first prompt whose served tokens differ, both sides' tokens
         for r in range(repeats):
             batch = prompts(n, PROMPT_TOKENS, rng)
-            sides = ["served", *threads]
+            sides = ["served", "one process", *threads]
             for side in sides if r % 2 == 0 else reversed(sides):
                 if side == "served":
                     srv.append(served_run(server, batch))
+                elif side == "one process":
+                    one.append(one_process_run(runtime, batch, PREFILL_BATCH_TOKENS))
                 else:
                     gen[side].append(generate_run(model, batch, side))
             want = gen[1][-1].rows
             differ = [(got, row) for got, row in zip(srv[-1].rows, want, strict=True) if got != row]
             first_unequal = first_unequal or ({"served": differ[0][0], "generate": differ[0][1]} if differ else {})
             unequal += len(differ)
-            generate_unequal += sum(gen[t][-1].rows != want for t in threads)
+            generate_unequal += sum(gen[t][-1].rows != want for t in threads) + (one[-1].rows != want)
         by_threads = {t: {"tok_s": max(x.tok_s for x in runs), "tok_cpu_s": max(x.tok_cpu_s for x in runs),
                           "cpu_s": min(x.cpu_s for x in runs)} for t, runs in gen.items()}  # fmt: skip
         fastest = max(threads, key=lambda t: by_threads[t]["tok_s"])
@@ -359,6 +401,7 @@ def throughput(server: Server, model: torch.nn.Module, sizes: list[int], repeats
             "served_tok_s": max(x.tok_s for x in srv), "served_tok_cpu_s": max(x.tok_cpu_s for x in srv),
             "served_cpu_s": min(x.cpu_s for x in srv), "refused": sum(not got for x in srv for got in x.rows),
             "unequal": unequal, "generate_unequal": generate_unequal, "first_unequal": first_unequal,
+            "one_process_tok_s": max(x.tok_s for x in one), "one_process_tok_cpu_s": max(x.tok_cpu_s for x in one),
         }  # fmt: skip
         row["ratio"] = row["served_tok_s"] / row["generate_tok_s"]
         row["cpu_ratio"] = row["served_tok_cpu_s"] / row["generate_tok_cpu_s"]
@@ -366,7 +409,8 @@ def throughput(server: Server, model: torch.nn.Module, sizes: list[int], repeats
         rows.append(row)
         print(f"{n:>6} {row['generate_tok_s']:>9.1f} ({fastest}) {row['generate_tok_cpu_s']:>9.1f} ({leanest}) "
               f"{row['served_tok_s']:>9.1f} {row['served_tok_cpu_s']:>9.1f} {row['ratio']:>6.2f}x "
-              f"{row['cpu_ratio']:>6.2f}x {row['refused']:>7} {unequal:>7}", flush=True)  # fmt: skip
+              f"{row['cpu_ratio']:>6.2f}x {row['refused']:>7} {unequal:>7} {row['one_process_tok_s']:>9.1f}",
+              flush=True)  # fmt: skip
     return rows
 
 
@@ -647,11 +691,16 @@ def main() -> None:
             summary.update(long_prompt_table(server, flop, lengths, rng))
         print(f"output tokens per second and per CPU-second, {PROMPT_TOKENS} tokens in and {OUTPUT_TOKENS} out, "
               f"{MODEL}, best of {a.repeats}; generate() B=N at its best thread count for each (threads)")  # fmt: skip
-        print("ratio: served over generate(), per second and per CPU-second; unequal: served streams whose tokens "
-              "are not generate()'s")  # fmt: skip
+        print(
+            "ratio: served over generate(), per second and per CPU-second; unequal: served streams whose tokens "
+            "are not generate()'s; 1 proc/s: the workers' model code in this process on one thread, no sockets"
+        )
         print(f"{'N':>6} {'gen tok/s':>13} {'gen /CPU-s':>13} {'served/s':>9} {'/CPU-s':>9} {'ratio':>7} "
-              f"{'per CPU':>7} {'refused':>7} {'unequal':>7}")  # fmt: skip
-        summary["throughput"] = throughput(server, model, numbers(a.sizes), a.repeats, rng)
+              f"{'per CPU':>7} {'refused':>7} {'unequal':>7} {'1 proc/s':>9}")  # fmt: skip
+        from minifaas.model.runtime import ModelRuntime  # model code: after the kernel choice (load_reference)
+
+        runtime = ModelRuntime.load(str(MODELS_DIR / "checkpoints" / MODEL))
+        summary["throughput"] = throughput(server, model, runtime, numbers(a.sizes), a.repeats, rng)
         summary["checks"] = checks(summary["throughput"])
         if a.crowd:
             summary["crowd"] = crowd(server, a.crowd, rng)
