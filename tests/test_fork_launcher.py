@@ -19,7 +19,7 @@ from pathlib import Path
 
 from minifaas.config import ServeConfig
 from minifaas.control.secret import new_secret
-from minifaas.launch import forked
+from minifaas.launch import forked, local
 from minifaas.launch.forked import ForkedProcess
 from minifaas.launch.launcher import WorkerSpec
 from minifaas.launch.local import LocalLauncher, on_cpu
@@ -87,6 +87,25 @@ def test_a_forked_worker_is_the_parents_child_reports_its_exit_and_restarts() ->
     assert gone(zygote)
 
 
+def test_the_launcher_keeps_the_exit_status_of_its_last_ended_workers_and_forgets_the_oldest(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(local, "KEPT_EXITS", 2)
+
+    async def scenario() -> None:
+        async with LocalLauncher(new_secret(), model=MODEL) as launcher:
+            ended = []
+            for _ in range(3):  # killed, then started again: the restart notes how the killed one ended
+                await launcher.start(SPEC)
+                process = launcher.processes[SPEC.name]
+                process.kill()
+                await asyncio.wait_for(process.wait(), 10)
+                ended.append(process.pid)
+            await launcher.start(SPEC)
+            assert [launcher.exit_of(SPEC, pid) for pid in ended] == [None, -signal.SIGKILL, -signal.SIGKILL]
+            assert len(launcher.exits) == 2
+
+    asyncio.run(scenario())
+
+
 def test_when_the_parent_dies_its_workers_live_on_one_starts_fresh_and_a_new_parent_forks_the_next() -> None:
     async def scenario() -> None:
         config = ServeConfig(model=MODEL)
@@ -141,7 +160,7 @@ def test_a_worker_that_outlived_its_pre_loaded_parent_still_dies_with_the_gatewa
 HERE = """
 import asyncio, os
 import minifaas.commands.serve  # what `minifaas serve` has imported when it forks the parent
-from minifaas.launch import forked
+from minifaas.launch import forked, local
 
 MODEL = "kimi-linear-tiny"
 inside_a_loop = asyncio.run(asyncio.to_thread(forked.start_here, MODEL))  # a thread runs: never a fork

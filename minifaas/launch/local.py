@@ -27,6 +27,7 @@ from minifaas.parent_watch import child_env
 
 log = logging.getLogger("minifaas.gateway")
 HOST = "127.0.0.1"
+KEPT_EXITS = 1024  # exit statuses of ended worker processes kept for the migration seam to ask
 
 
 def on_cpu(spec: WorkerSpec) -> bool:
@@ -115,6 +116,8 @@ class LocalLauncher:
         p = self.processes.pop(spec.name, None)
         if p is not None and (code := exit_seen(p)) is not None:
             self.exits[p.pid] = code  # for a request that asks how it ended after its successor started
+            if len(self.exits) > KEPT_EXITS:  # the oldest first: a server that runs for months restarts many
+                del self.exits[next(iter(self.exits))]
         if p is None or p.returncode is not None:
             return
         if p.stdin is not None:
