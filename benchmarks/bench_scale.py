@@ -204,6 +204,7 @@ def serving(flags: list[str], start_timeout: float = 300.0) -> Iterator[Server]:
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        before = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # this process stopped: the server with it
         try:
             deadline = time.monotonic() + start_timeout
             while (url := _served_url(log)) is None:
@@ -218,6 +219,11 @@ def serving(flags: list[str], start_timeout: float = 300.0) -> Iterator[Server]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            signal.signal(signal.SIGTERM, before)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through ``serving``, which stops the server in its own session
 
 
 def _served_url(log: Path) -> str | None:

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -157,7 +158,8 @@ def test_bench_scale_holds_every_served_token_to_generate_and_counts_cpu_time(
     for row in summary["throughput"]:
         assert row["tokens_equal"] and row["unequal"] == 0 and row["refused"] == 0
         assert str(row["generate_best_threads"]) in row["generate_threads"]  # each thread count's figures
-        for name in ("generate_tok_s", "generate_tok_cpu_s", "served_tok_s", "served_tok_cpu_s", "ratio", "cpu_ratio"):
+        names = ("generate_tok_s", "generate_tok_cpu_s", "served_tok_s", "served_tok_cpu_s", "ratio", "cpu_ratio")
+        for name in (*names, "one_process_tok_s", "one_process_tok_cpu_s"):  # the one-process rows: generate_unequal
             assert row[name] > 0, name
         assert row["ratio"] == pytest.approx(row["served_tok_s"] / row["generate_tok_s"], rel=1e-3)
     assert summary["crowd"]["tok_cpu_s"] > 0
@@ -206,3 +208,24 @@ def test_a_servers_cpu_time_keeps_what_its_ended_children_spent() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_benchmark_stopped_with_sigterm_stops_its_server() -> None:
+    """``serving`` turns this process's SIGTERM into an exit that stops the server in its own session."""
+    script = (
+        "import sys, time; sys.path.insert(0, 'benchmarks'); import bench_scale\n"
+        "with bench_scale.serving(['--model', 'kimi-linear-tiny']) as server:\n"
+        "    print(server.proc.pid, flush=True); time.sleep(600)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout is not None
+        server = int(bench.stdout.readline())
+        os.kill(server, 0)  # serving
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=90) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):  # stopped and reaped: gone
+            os.kill(server, 0)
+    finally:
+        bench.kill()
+        bench.wait()
