@@ -84,6 +84,8 @@ async def _scenario(config: ServeConfig, reference: dict[str, list[int]]) -> Non
         async with asyncio.timeout(30):
             while gw.pool.workers["prfaas-p0"].alive:
                 await asyncio.sleep(0.05)
+        asked = time.monotonic()  # how its process ended is not this process's to see: not waited for
+        assert await gw.pool.ended_by_itself("prfaas-p0", old_pid) and time.monotonic() - asked < 0.5
         tokens, rec = await _run(gw, "meanwhile", LONG)
         assert tokens == reference["long"] and rec.route == "local"
         began = time.monotonic()

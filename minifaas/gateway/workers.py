@@ -75,9 +75,10 @@ class Workers:
     async def ended_by_itself(self, name: str, pid: int, wait: float = EXIT_WAIT_S) -> bool:
         """Whether worker ``name``'s process ``pid`` ended by itself (an exit code, a crash signal) rather than
         by a signal from outside (an operator, a supervisor, the kernel's OOM killer). Not known within
-        ``wait`` seconds (another host's process, or its parent lost): True, so the other evidence decides."""
+        ``wait`` seconds (a forked worker's parent lost), or never to be known (a hand-started worker, a Ray
+        actor): True at once, so the other evidence decides."""
         w = self.workers.get(name)
-        if w is None or isinstance(launcher := self.launcher_of(w.spec), AttachedLauncher):
+        if w is None or not (launcher := self.launcher_of(w.spec)).sees_exits:
             return True
         until = time.monotonic() + wait
         while (code := launcher.exit_of(w.spec, pid)) is None and time.monotonic() < until:

@@ -47,6 +47,8 @@ class WorkerSpec:
 
 
 class Launcher(Protocol):
+    sees_exits: bool  # whether ``exit_of`` can ever know how a worker's process ended
+
     async def start(self, spec: WorkerSpec) -> Address: ...
 
     async def stop(self, spec: WorkerSpec) -> None: ...
@@ -61,6 +63,8 @@ class Launcher(Protocol):
 
 class AttachedLauncher:
     """Workers someone else runs: the gateway only ever dials them."""
+
+    sees_exits = False
 
     async def start(self, spec: WorkerSpec) -> Address:
         if spec.address is None:

@@ -36,6 +36,8 @@ def on_cpu(spec: WorkerSpec) -> bool:
 
 
 class LocalLauncher:
+    sees_exits = True  # its own children's (a forked worker whose parent was lost ends unseen: ``exit_seen``)
+
     def __init__(self, secret: bytes, start_timeout: float = 300.0, model: str | None = None) -> None:
         """``model``: fork CPU workers from a parent that has imported its code (None: every worker fresh)."""
         self.secret, self.start_timeout, self.model = secret, start_timeout, model

@@ -74,6 +74,8 @@ class WorkerActor:
 
 
 class RayLauncher:
+    sees_exits = False  # Ray restarts an actor's process where this process cannot see it end
+
     def __init__(self, config: RayConfig, secret: bytes, specs: list[WorkerSpec]) -> None:
         self.config, self.secret = config, secret
         self.sizes = Counter(s.cluster for s in specs if s.address is None)  # bundles per cluster
@@ -168,7 +170,7 @@ class RayLauncher:
         return spec.name in self.actors  # Ray restarts it for as long as the gateway has not stopped it
 
     def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
-        return None  # Ray restarts the actor's process where this process cannot see it end
+        return None
 
     async def node_of(self, spec: WorkerSpec) -> str:
         """The Ray node the worker's actor runs on."""
