@@ -11,7 +11,8 @@
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
    and spill, link rate and RTT, layer pipelining, prefix cache and snapshot policy, and codec policy, loaded
    by name as the gateway loads them; the first token at the prefill's end and repeated prompts served whole,
-   as the workers do; and every worker on this machine's cores (``shared_cores``), as they run here.
+   as the workers do; prompts of one length batched into one forward as the workers batch them; and every
+   worker on this machine's cores (``shared_cores``), as they run here.
 3. Slice: the trace's first ``--requests`` requests. Prompt lengths are divided by ``LENGTH_DIVISOR`` (a
    Mooncake hash id becomes a fixed block of token ids, so prefixes are shared as in the trace, and the
    cache's block is the scaled 512-token block), outputs by ``OUTPUT_DIVISOR`` (at most ``MAX_OUTPUT``), and
@@ -130,6 +131,13 @@ def serve_config(flags: list[str]) -> ServeConfig:
     return serve_command.config_from_args(parser.parse_args(flags))
 
 
+def batch_tokens(serve: ServeConfig) -> int:
+    """The prefill workers' batch budget, which the simulator holds to one value for both clusters."""
+    if serve.pd.prefill_batch != serve.prfaas.prefill_batch:
+        raise ValueError("the twin needs one prefill_batch for both clusters")
+    return serve.pd.prefill_batch
+
+
 def twin(serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, lossless: CodecEstimate) -> SimConfig:
     """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles."""
     model = load_config_dict(ModelSpec.resolve(serve.model, serve.seed))
@@ -161,6 +169,7 @@ def twin(serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, los
         early_first_token=True,  # the gateway sends the first token as the prefill worker has it
         whole_prompt_hits=True,  # a prefill worker serves a repeated prompt from its end snapshot
         shared_cores=len(os.sched_getaffinity(0)),  # every worker of the live deployment on this machine
+        prefill_batch_tokens=batch_tokens(serve),
         kv_compression=serve.link.kv_compression,
         kv_compression_args=serve.link.kv_compression_args,
         codecs=(("lossless", lossless),),

@@ -267,3 +267,20 @@ def test_on_shared_cores_a_prefill_slows_by_the_workers_computing_beside_it() ->
     shared.run()
     # the first starts alone; the second starts beside it: two computing on one core, each at half speed
     assert shared.first_token == pytest.approx([alone, 2 * alone], rel=1e-9)
+
+
+def test_prompts_of_one_length_queued_behind_a_prefill_ride_in_one_forward() -> None:
+    case = paper_case()
+    config = replace(config_for(case, plan(case).homogeneous, early_first_token=True), n_prefill=1)
+    three = Workload("three", np.zeros(3), np.full(3, 1024), np.full(3, 4), ((1, 2), (3, 4), (5, 6)), 512)
+    one, two = (float(case.pd_prefill.latency_s(n)) for n in (1024, 2048))
+    alone = Simulation(config, three)
+    alone.run()
+    assert alone.first_token == pytest.approx([one, 2 * one, 3 * one], rel=1e-9)  # one forward each, in turn
+    batched = Simulation(replace(config, prefill_batch_tokens=2048), three)
+    batched.run()
+    # the first starts at once, alone; the two queued behind it share the next forward, and end together
+    assert batched.first_token == pytest.approx([one, one + two, one + two], rel=1e-9)
+    small = Simulation(replace(config, prefill_batch_tokens=1024), three)
+    small.run()
+    assert small.first_token == pytest.approx([one, 2 * one, 3 * one], rel=1e-9)  # the budget holds one

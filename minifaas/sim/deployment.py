@@ -49,6 +49,9 @@ class SimConfig:
     # every worker on one host of this many cores (a demo box): a prefill runs slower while more workers than
     # cores compute (``Simulation._shared_slowdown``); 0: each worker on hardware of its own
     shared_cores: int = 0
+    # prompts of one length with no cached prefix share a prefill forward of at most this many tokens, as a
+    # prefill worker batches them (``prefill_batch``); its time the profile's for their tokens together. 0: never
+    prefill_batch_tokens: int = 0
     sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
     short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
     long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion

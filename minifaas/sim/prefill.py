@@ -8,19 +8,41 @@ a node's ``busy_until`` moves and are dropped when they reach the top.
 
 Role conversion: a ``retire``d node takes no new work (its heap entries are
 dropped like stale ones) and finishes what it holds; ``add_node`` appends one.
+With ``batch_tokens``, a cold prompt placed behind a node's last prefill that has
+not started, of its length and within the budget, rides in its forward, as a
+prefill worker batches them: one forward of their tokens together, one end.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.router import NodeView
 
 
+@dataclass(slots=True)
+class Forward:
+    """A node's last placed prefill: when it starts, its prompts' length and tokens together, its slowdown."""
+
+    start: float
+    end: float
+    length: int  # each prompt's (0: one that takes no riders)
+    tokens: int
+    slowdown: float
+
+    def takes(self, now: float, tokens: int, budget: int) -> bool:
+        """Whether a cold prompt of ``tokens`` may ride: the forward has not begun, its prompts are that long,
+        and the budget holds them all."""
+        return self.start > now and self.length == tokens and self.tokens + tokens <= budget
+
+
 class PrefillInstances:
-    def __init__(self, cluster: str, node_prefix: str, profile: PrefillProfile, n: int) -> None:
+    def __init__(self, cluster: str, node_prefix: str, profile: PrefillProfile, n: int, batch_tokens: int = 0) -> None:
         self.cluster = cluster
+        self.batch_tokens = batch_tokens  # a forward's budget for prompts of one length (0: one prompt each)
+        self.last: list[Forward | None] = [None] * n
         self.profile = profile
         self.ids = [f"{node_prefix}-{i}" for i in range(n)]
         self.index = {node_id: i for i, node_id in enumerate(self.ids)}
@@ -63,6 +85,7 @@ class PrefillInstances:
         self.ids.append(node_id)
         self.index[node_id] = node
         self.busy_until.append(now)
+        self.last.append(None)
         self.queued_tokens.append(0)
         self.in_node.append(0)
         heapq.heappush(self._heap, (now, node))
@@ -102,15 +125,29 @@ class PrefillInstances:
         """Nodes computing at ``at`` (from now on: a node's placed work runs without a gap)."""
         return sum(1 for end in self.busy_until if end > at)
 
-    def place(self, node: int, now: float, tokens: int, slowdown: float = 1.0) -> tuple[float, float]:
-        """Queue a prefill of ``tokens`` uncached tokens, ``slowdown`` times the profile's time; its (start, end)."""
-        start = self.start_s(node, now)
-        duration = self.latency_s(max(tokens, 1)) * slowdown
-        end = start + duration
-        self.busy_until[node] = end
+    def place(
+        self, node: int, now: float, tokens: int, slowdown: float = 1.0, cold: bool = False
+    ) -> tuple[float, float]:
+        """Queue a prefill of ``tokens`` uncached tokens, ``slowdown`` times the profile's time; its (start, end).
+        ``cold`` (no cached prefix): it may ride in the node's last forward (``batch_tokens``); that forward's
+        other prompts then end when it does."""
+        last = self.last[node]
         self.queued_tokens[node] += tokens
         self.in_system += 1
         self.in_node[node] += 1
+        if cold and last is not None and last.takes(now, tokens, self.batch_tokens):
+            last.tokens += tokens
+            last.end = last.start + self.latency_s(last.tokens) * last.slowdown
+            self.busy_s += last.end - self.busy_until[node]
+            self.busy_until[node] = last.end
+            heapq.heappush(self._heap, (last.end, node))
+            return last.start, last.end
+        start = self.start_s(node, now)
+        duration = self.latency_s(max(tokens, 1)) * slowdown
+        end = start + duration
+        if self.batch_tokens:
+            self.last[node] = Forward(start, end, tokens if cold else 0, tokens, slowdown)
+        self.busy_until[node] = end
         self.busy_s += duration
         heapq.heappush(self._heap, (end, node))
         return start, end

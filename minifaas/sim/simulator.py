@@ -33,7 +33,7 @@ from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.deployment import SimConfig
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.fluid_link import FluidLink
-from minifaas.sim.prefill import PrefillInstances
+from minifaas.sim.prefill import Forward, PrefillInstances
 from minifaas.sim.prefix import ClusterPrefixCaches
 from minifaas.sim.report import SimResult, mean, percentile
 from minifaas.sim.scheduling import SimScheduler
@@ -49,8 +49,9 @@ class Simulation:
         self.loop = EventLoop()
         self.router: RoutingPolicy = load_policy(config.router_policy, ROUTER, config.router_args, config=config.router)
         self.prompt_tokens = self.cached_tokens = 0  # of the requests routed: the prefix hit ratio
-        self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas)
-        self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill)
+        batch = config.prefill_batch_tokens
+        self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas, batch)
+        self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill, batch)
         self.decode = DecodeInstances(config.decode, config.n_decode)
         self.link = FluidLink(config.link.gbps)
         use_cache = config.prefix_cache and workload.hash_ids is not None
@@ -70,6 +71,7 @@ class Simulation:
         self._tokens = [0] * n  # incremental (computed) prefill tokens
         self.decode_node = [0] * n  # index in the decode instances
         self._prefill_end = [0.0] * n
+        self._forward: list[Forward | None] = [None] * n  # the forward it rides in, where prompts batch
         self._kv_bytes = [0.0] * n  # on the wire
         self._coding_s = [0.0] * n
         self.coding = SimCoding(config.kv_compression, config.codecs, config.kv_compression_args)
@@ -131,11 +133,14 @@ class Simulation:
             self._keys[rid] = [keys, 2 if decision.path is Path.PRFAAS else 1, seen]
         sched.lengths.append(tokens)
         node = pool.index[decision.prefill_node]  # type: ignore[index]
-        start, end = pool.place(node, now, tokens, self._shared_slowdown(pool.start_s(node, now)))
+        cold = not cached and tokens == prompt
+        start, end = pool.place(node, now, tokens, self._shared_slowdown(pool.start_s(node, now)), cold)
         dnode = self.decode.index[decision.decode_node]  # type: ignore[index]
         self.decode.reserve(dnode)
         self.prefill_node[rid], self.decode_node[rid] = node, dnode
         self._tokens[rid], self._prefill_end[rid] = tokens, end
+        if pool.batch_tokens:
+            self._forward[rid] = pool.last[node]
         move = decision.cache_move
         if move is not None and move.src == self.prfaas.cluster:
             # A PrfaaS prefix moved to PD shares the egress pipe. The prefill is not held back
@@ -172,6 +177,11 @@ class Simulation:
 
     def _prefill_end_event(self, rid: int) -> None:
         now = self.loop.now
+        forward = self._forward[rid]
+        if forward is not None and forward.end > now:  # a prompt that rode in later made the forward longer
+            self._prefill_end[rid] = forward.end
+            self.loop.at(forward.end, self._prefill_end_event, rid)
+            return
         path = self.path[rid]
         pool = self.prfaas if path == PRFAAS else self.pd
         if pool.done(self.prefill_node[rid], self._tokens[rid]):
