@@ -28,7 +28,8 @@ on the link. Three simulated columns: the twin on the profile; the same with eac
 each cluster's prefill slowed by what its live workers took over what the profile charges, the decode step
 the live gap between tokens), which leaves the simulator's own model (queues, routing, the link) as the
 error. Then the requests the twin at live speed misses most, with their routes, and where live TTFT goes by
-route (the gateway's per-request breakdown, the client's HTTP round trip) beside the profile's prefill time.
+route (the gateway's per-request breakdown, the client's HTTP round trip) beside the profile's prefill time,
+and the live prefill beside the profile's by band of uncached tokens (``prefill_by_length``).
 ``--json`` ends with one JSON object: ``ttft_mean_err``, ``ttft_p90_err``, ``throughput_err`` and the other
 errors of the twin on the profile, ``own_cores`` and ``at_live_speed`` with the same of the others, the trace,
 the load and the scaling. ``--quick`` is the short slice the tests run (40 requests); the same code path.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import subprocess
@@ -385,6 +387,24 @@ def breakdown(streams: list[Stream], live: Timeline, config: SimConfig) -> dict[
     return out
 
 
+LENGTH_BANDS = (1, 16, 64, 256, 1024, 2**31)  # uncached tokens
+
+
+def prefill_by_length(streams: list[Stream], config: SimConfig) -> list[dict[str, float]]:
+    """Live prefill time beside the profile's, by band of uncached tokens: a slowdown that is a multiple of the
+    profile's is the same in every band; one that adds a fixed time per forward shows most in the short ones."""
+    tokens = np.array([max(1, s.info["prompt_tokens"] - s.info.get("cached_tokens", 0)) for s in streams])
+    live = np.array([s.info["prefill_s"] for s in streams])
+    charged = config.pd_prefill.latency_s(tokens)
+    rows = []
+    for low, high in itertools.pairwise(LENGTH_BANDS):
+        band = (tokens >= low) & (tokens < high)
+        if band.any():
+            rows.append({"tokens_from": low, "tokens_to": high, "requests": int(band.sum()),
+                         "live_s": float(live[band].mean()), "profile_s": float(charged[band].mean())})  # fmt: skip
+    return rows
+
+
 def print_breakdown(parts: dict[str, dict[str, float]]) -> None:
     heads = (*PARTS, "http_s", "profile_prefill_s")
     print("\nwhere live TTFT goes, mean s" + "".join(f"{h.removesuffix('_s'):>10}" for h in heads) + "  live/profile")
@@ -448,13 +468,20 @@ def main() -> None:
     print_deviations(live, sim, fitted, streams)
     parts = breakdown(streams, live, config)
     print_breakdown(parts)
+    bands = prefill_by_length(streams, config)
+    print("\nlive prefill over the profile's, by uncached tokens (both routes):")
+    for band in bands:
+        live_ms, profile_ms = band["live_s"] * 1e3, band["profile_s"] * 1e3
+        print(f"  [{band['tokens_from']}, {band['tokens_to']}) {band['requests']:>4} requests: live {live_ms:7.1f} ms, "
+              f"profile {profile_ms:7.1f} ms, {live_ms / profile_ms:.2f}x, {live_ms - profile_ms:+.1f} ms")  # fmt: skip
     if args.json:
         out = {
             "bench": "sim_fidelity", "trace": TRACES[args.trace], "load": args.load, "load_fraction": LOADS[args.load],
             "requests": len(workload), "length_divisor": LENGTH_DIVISOR[args.trace],
             "output_divisor": OUTPUT_DIVISOR, "time_scale": time_scale, "offered_rps": workload.rate,
             "capacity_rps": capacity, "late_max_s": max(late), "simulate_s": sim_s,
-            "wall_s": time.perf_counter() - started, "live": live_f, "sim": sim_f, "ttft_parts": parts, **errors,
+            "wall_s": time.perf_counter() - started, "live": live_f, "sim": sim_f, "ttft_parts": parts,
+            "prefill_by_length": bands, **errors,
             "sim_at_live_speed": fitted_f, "at_live_speed": fitted_errors, "sim_own_cores": own_f,
             "own_cores": own_errors,
         }  # fmt: skip

@@ -46,3 +46,7 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded) 
     fitted = run["at_live_speed"]
     assert abs(fitted["ttft_mean_err"]) < BOUND and abs(fitted["throughput_err"]) < BOUND, fitted
     assert abs(run["ttft_mean_err"]) < PROFILE_TTFT_BOUND, run
+    # the machine's cores shared by its workers slow the twin's prefills toward live (routes may differ a little)
+    assert run["sim"]["ttft_mean"] >= 0.95 * run["sim_own_cores"]["ttft_mean"], run
+    bands = run["prefill_by_length"]
+    assert sum(b["requests"] for b in bands) == 40 and all(b["live_s"] > 0 < b["profile_s"] for b in bands), bands
