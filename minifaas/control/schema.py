@@ -13,7 +13,7 @@ make a handler raise.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -160,10 +160,21 @@ class Fields(Kind):
         return None
 
 
+@dataclass(frozen=True)
+class Converted(Kind):
+    """A value of ``kind`` on the wire that is another type in Python: ``load`` makes it, ``dump`` undoes it."""
+
+    kind: Kind
+    load: Callable[[object], object]
+    dump: Callable[[object], object]
+
+    def check(self, value: object) -> str | None:
+        return self.kind.check(value)
+
+
 def check_fields(message: dict, schema: Mapping[str, Kind]) -> None:
-    unknown = sorted(set(message) - set(schema))
-    if unknown:
-        raise BadMessage(f"unknown fields {unknown}"[:200])
+    if not message.keys() <= schema.keys():
+        raise BadMessage(f"unknown fields {sorted(message.keys() - schema.keys())}"[:200])
     for name, kind in schema.items():
         if name not in message:
             if isinstance(kind, Optional):
