@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from minifaas.cache.pool import PoolConfig
+from minifaas.control.worker_ops import OPS, from_wire, to_wire
 from minifaas.model.loader import MODELS_DIR, ModelSpec, load_model, weights_digest
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.state_layout import needs_snapshot
@@ -56,7 +57,7 @@ async def main(secret: bytes) -> None:
             reply = {"op": "loaded", "digest": weights_digest(runtime.model)}
         else:
             assert service is not None, "load a family first"
-            reply = await service.prefill(msg)
+            reply = to_wire(await service.prefill(from_wire(msg, OPS)))
         print(json.dumps(reply), flush=True)
     if service is not None:
         await service.close()

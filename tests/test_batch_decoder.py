@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from minifaas.control.worker_ops import sampling_to_json
+from minifaas.control.worker_ops import Decode, Token
 from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
@@ -228,7 +228,7 @@ def test_decode_service_streams_tokens_and_an_abort_mid_step_stops_only_that_req
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     results = [runtime.prefill(prompt(n, salt=4), sampling=params) for n in (8, 21, 13)]
     alone = [runtime.start_decode(r.state, r.next_token, params).run() for r in results]
-    events: dict[str, list[dict]] = {f"r{i}": [] for i in range(3)}
+    events: dict[str, list] = {f"r{i}": [] for i in range(3)}
 
     async def scenario() -> int:
         receiver = _StatesInMemory({i: r.state for i, r in enumerate(results)})
@@ -236,8 +236,8 @@ def test_decode_service_streams_tokens_and_an_abort_mid_step_stops_only_that_req
         async with asyncio.timeout(120), asyncio.TaskGroup() as tg:
             steps = tg.create_task(service.run())
             for i, r in enumerate(results):
-                msg = {"req": f"r{i}", "transfer": i, "sampling": sampling_to_json(params)}
-                tg.create_task(service.decode(msg, lambda m: events[m["req"]].append(m)))
+                msg = Decode(req=f"r{i}", transfer=i, sampling=params, tokens=[], link_start=0)
+                tg.create_task(service.decode(msg, lambda m: events[m.req].append(m)))
                 service.start(f"r{i}", r.next_token)
             while len(events["r1"]) < 3 or not service.stepping:  # "received" and two tokens, then mid-step
                 await asyncio.sleep(0.001)
@@ -246,7 +246,7 @@ def test_decode_service_streams_tokens_and_an_abort_mid_step_stops_only_that_req
             while len(events["r0"]) == others_at_abort:  # the step in flight has returned
                 await asyncio.sleep(0.001)
             load_after_abort = service.decoder.load
-            while any(not e or e[-1].get("finish") is None for k, e in events.items() if k != "r1"):
+            while any(not e or getattr(e[-1], "finish", None) is None for k, e in events.items() if k != "r1"):
                 await asyncio.sleep(0.001)
             steps.cancel()
         assert len(events["r1"]) == tokens_at_abort  # nothing more reached the aborted request
@@ -254,9 +254,9 @@ def test_decode_service_streams_tokens_and_an_abort_mid_step_stops_only_that_req
 
     assert asyncio.run(scenario()) == 2
     for i in (0, 2):
-        got = [results[i].next_token] + [e["token"] for e in events[f"r{i}"] if e["op"] == "token"]
+        got = [results[i].next_token] + [e.token for e in events[f"r{i}"] if isinstance(e, Token)]
         assert got == alone[i]
-    assert [e["token"] for e in events["r1"] if e["op"] == "token"] == alone[1][1:3]
+    assert [e.token for e in events["r1"] if isinstance(e, Token)] == alone[1][1:3]
 
 
 def test_a_request_aborted_and_sent_again_within_one_step_decodes_the_later_state_once() -> None:
@@ -265,32 +265,33 @@ def test_a_request_aborted_and_sent_again_within_one_step_decodes_the_later_stat
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     busy, old, new = (runtime.prefill(prompt(n, salt=s), sampling=params) for n, s in ((30, 5), (11, 6), (17, 7)))
     want = runtime.start_decode(new.state, new.next_token, params).run()
-    events: list[dict] = []
+    events: list = []
 
     async def scenario() -> None:
         receiver = _StatesInMemory({0: busy.state, 1: old.state, 2: new.state})
         service = DecodeService(runtime, receiver, 30.0, DecoderConfig(max_batch=8))  # type: ignore[arg-type]
         gate, step = threading.Event(), service.decoder.step
         service.decoder.step = lambda: (gate.wait(30), step())[1]  # type: ignore[method-assign]  # hold one step
-        sampling = sampling_to_json(params)
         async with asyncio.timeout(120), asyncio.TaskGroup() as tg:
             steps = tg.create_task(service.run())
-            tg.create_task(service.decode({"req": "busy", "transfer": 0, "sampling": sampling}, lambda m: None))
+            busy_msg = Decode(req="busy", transfer=0, sampling=params, tokens=[], link_start=0)
+            tg.create_task(service.decode(busy_msg, lambda m: None))
             service.start("busy", busy.next_token)
             while not service.stepping:
                 await asyncio.sleep(0.001)
             for transfer, first in ((1, old), (2, new)):
-                tg.create_task(service.decode({"req": "r", "transfer": transfer, "sampling": sampling}, events.append))
+                msg = Decode(req="r", transfer=transfer, sampling=params, tokens=[], link_start=0)
+                tg.create_task(service.decode(msg, events.append))
                 service.start("r", first.next_token)
                 while len(service.arrivals) < transfer:
                     await asyncio.sleep(0.001)
                 if transfer == 1:
                     service.abort("r")  # the gateway gave up on the first attempt
             gate.set()
-            while not any(e.get("finish") for e in events):
+            while not any(getattr(e, "finish", None) for e in events):
                 await asyncio.sleep(0.001)
             steps.cancel()
 
     asyncio.run(scenario())
-    tokens = [e for e in events if e["op"] == "token"]
-    assert {e["transfer"] for e in tokens} == {2} and [e["token"] for e in tokens] == want[1:]
+    tokens = [e for e in events if isinstance(e, Token)]
+    assert {e.transfer for e in tokens} == {2} and [e.token for e in tokens] == want[1:]

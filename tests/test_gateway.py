@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
+from minifaas.control.worker_ops import Load
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.gateway.worker_handle import WorkerError
@@ -148,11 +149,11 @@ async def _leave_mid_prefill(gw: Gateway) -> None:
     spared = sample("minifaas:prefill_tokens_spared_total", {"cluster": "prfaas"})
     assert spared is not None and 0 < spared < len(prompt)
     inbox = worker.open("load?")
-    worker.send({"op": "load", "req": "load?"})
+    worker.send(Load(req="load?"))
     async with asyncio.timeout(30):
         reply = await inbox.get()
     worker.close("load?")
-    assert reply["load"] == 0, "the stopped prompt still counts as queued"
+    assert reply.load == 0, "the stopped prompt still counts as queued"
     assert worker.busy == 0 and worker.load_tokens == 0
 
 

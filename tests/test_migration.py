@@ -26,6 +26,7 @@ from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.migration import Migration
 from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit, PoisonRequest, RequestRecord
 from minifaas.gateway.token_stream import suspect
+from minifaas.gateway.worker_handle import Lost
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -78,11 +79,11 @@ def test_without_a_limit_the_deadlines_decide_and_two_deaths_at_the_join_stop_a_
 
 def test_only_a_worker_that_ended_with_this_request_alone_unstepped_points_at_it() -> None:
     """The evidence a lost decode worker's news gives against one request (``token_stream.suspect``)."""
-    assert suspect({"op": "lost", "silent": False, "unstepped": ["r"]}, "r")  # it joined alone; the worker ended
-    assert not suspect({"op": "lost", "silent": True, "unstepped": ["r"]}, "r")  # stopped or hung: maybe unread
-    assert not suspect({"op": "lost", "silent": False, "unstepped": ["q", "r"]}, "r")  # a restarted worker's flood
-    assert not suspect({"op": "lost", "silent": False, "unstepped": []}, "r")  # it had been stepped
-    assert not suspect({"op": "lost"}, "r")  # a loss the gateway made up (shutdown): no evidence
+    assert suspect(Lost(silent=False, unstepped=("r",)), "r")  # it joined alone; the worker ended
+    assert not suspect(Lost(silent=True, unstepped=("r",)), "r")  # stopped or hung: maybe unread
+    assert not suspect(Lost(silent=False, unstepped=("q", "r")), "r")  # a restarted worker's flood
+    assert not suspect(Lost(silent=False, unstepped=()), "r")  # it had been stepped
+    assert not suspect(Lost(), "r")  # a loss the gateway made up (shutdown): no evidence
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 from conftest import decodes_as_alone
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.control.worker_ops import sampling_to_json
+from minifaas.control.worker_ops import Prefill, Prefilled
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -47,13 +47,13 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
 
 async def prefilled(
     service: PrefillService, prompts: list[list[int]], cancel: int | None = None
-) -> list[tuple[dict, ModelState] | None]:
+) -> list[tuple[Prefilled, ModelState] | None]:
     """Every prompt sent at once; ``cancel``: that one is aborted once the batch's forward is under way."""
     async with KVReceiver(ReceiverConfig(SECRET)) as rx:
 
-        async def one(i: int, tokens: list[int]) -> tuple[dict, ModelState]:
-            msg = {"req": f"r{i}", "tokens": tokens, "sampling": sampling_to_json(PARAMS), "transfer": i,
-                   "kv": ["127.0.0.1", rx.port]}  # fmt: skip
+        async def one(i: int, tokens: list[int]) -> tuple[Prefilled, ModelState]:
+            msg = Prefill(req=f"r{i}", tokens=tokens, sampling=PARAMS, transfer=i, kv=["127.0.0.1", rx.port],
+                          link_start=0)  # fmt: skip
             reply, state = await asyncio.gather(service.prefill(msg), rx.transfer(i).model_state())
             return reply, state
 
@@ -80,10 +80,10 @@ def test_prompts_of_one_length_queued_together_share_a_forward(runtime: ModelRun
     for tokens, result in zip(prompts, done, strict=True):
         assert result is not None
         reply, state = result
-        assert reply["kv_bytes"] == state.nbytes and reply["cached_tokens"] == 0 and state.seq_len == len(tokens)
+        assert reply.kv_bytes == state.nbytes and reply.cached_tokens == 0 and state.seq_len == len(tokens)
         decodes_as_alone(runtime, tokens, reply, state, PARAMS)
     again = run(prefilled(service, prompts[:2]))  # now cached: each runs alone from its hit
-    assert service.batcher.riders == 4 and all(r is not None and r[0]["cached_tokens"] > 0 for r in again)
+    assert service.batcher.riders == 4 and all(r is not None and r[0].cached_tokens > 0 for r in again)
 
 
 def test_a_prompt_aborted_mid_batch_leaves_the_others_whole(runtime: ModelRuntime) -> None:

@@ -25,7 +25,7 @@ from hand_started import HandStarted, alive, start_all, write_secret
 from minifaas.config import ClusterConfig, ServeConfig
 from minifaas.control.secret import load_secret
 from minifaas.control.session import Refused, Session, connect
-from minifaas.control.worker_ops import sampling_to_json
+from minifaas.control.worker_ops import Prefill, to_wire
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.worker_handle import Busy, attach
@@ -103,7 +103,7 @@ def test_control_port_refuses_strangers_a_second_gateway_and_bad_messages(cluste
 
         # with the secret: every malformed message is answered and the session goes on
         session, hello = await attach((host, int(port)), secret, 10.0)
-        assert hello["name"] == "pd-p0" and hello["role"] == "prefill" and hello["pid"] == worker.pid
+        assert hello.name == "pd-p0" and hello.role == "prefill" and hello.pid == worker.pid
         bad = [
             {"op": "format_disk"},
             {"op": "prefill", "req": "x"},
@@ -114,8 +114,8 @@ def test_control_port_refuses_strangers_a_second_gateway_and_bad_messages(cluste
             {"op": "decode", "req": "x", "transfer": 1, "tokens": [1], "link_start": 0,
              "sampling": {"max_tokens": 1, "temperature": 0, "top_p": 1, "seed": 0, "stop_token_ids": [],
                           "ignore_eos": False}},  # a prefill worker does not decode
-            {"op": "prefill", "req": "x", "transfer": 1, "tokens": [1], "sampling": sampling_to_json(PARAMS),
-             "kv": ["h", 1], "link_start": 0, "codec": "zip"},  # a codec the worker does not know
+            {**to_wire(Prefill(req="x", transfer=1, tokens=[1], sampling=PARAMS, kv=["h", 1], link_start=0)),
+             "codec": "zip"},  # a codec the worker does not know
             {"op": "start", "req": "x", "next_token": 1e308},
             {"op": "abort", "req": ["not", "a", "string"]},
             {"op": "load", "req": "x" * 100_000},

@@ -11,7 +11,7 @@ import asyncio
 
 from minifaas.control.server import ControlServer
 from minifaas.control.session import Session, connect
-from minifaas.control.worker_ops import Reply
+from minifaas.control.worker_ops import Done, Token
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.launch.launcher import WorkerSpec
 from minifaas.model.runtime import ModelRuntime
@@ -22,14 +22,14 @@ from minifaas.worker.gateway_session import DecodeSession, WorkerNode
 SECRET = b"token-frames-secret-0123456789"
 
 
-def token(req: str, n: int, finish: str | None = None) -> dict:
-    return {"op": Reply.TOKEN, "req": req, "transfer": 7, "token": n, "finish": finish}
+def token(req: str, n: int, finish: str | None = None) -> Token:
+    return Token(req, 7, n, finish)
 
 
 def test_a_steps_tokens_leave_as_one_frame_and_arrive_in_each_requests_inbox() -> None:
     runtime = ModelRuntime.load("kimi-linear-tiny")
 
-    async def scenario() -> tuple[list[dict], dict[str, list[dict]]]:
+    async def scenario() -> tuple[list[dict], dict[str, list]]:
         read = asyncio.Event()  # the gateway side has every frame: the worker side may end
         async with KVReceiver(ReceiverConfig(SECRET)) as receiver:
             service = DecodeService(runtime, receiver, 30.0)
@@ -42,7 +42,7 @@ def test_a_steps_tokens_leave_as_one_frame_and_arrive_in_each_requests_inbox() -
                         worker.emit(token(req, 10 * step + ord(req), "length" if step and req == "b" else None))
                     await asyncio.sleep(0)  # the loop turns: this step's tokens go
                 worker.emit(token("a", 99))
-                worker.emit({"op": Reply.DONE, "req": "c", "transfer": 7, "finish": "stop"})  # sends the token first
+                worker.emit(Done(req="c", transfer=7, finish="stop"))  # sends the token first
                 await session.drain(5)
                 await read.wait()
 
@@ -58,11 +58,8 @@ def test_a_steps_tokens_leave_as_one_frame_and_arrive_in_each_requests_inbox() -
         return frames, {req: [inbox.get_nowait() for _ in range(inbox.qsize())] for req, inbox in inboxes.items()}
 
     frames, inboxes = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert [f["op"] for f in frames] == [Reply.TOKENS, Reply.TOKENS, Reply.TOKENS, Reply.DONE]
+    assert [f["op"] for f in frames] == ["tokens", "tokens", "tokens", "done"]
     assert [len(f["tokens"]) for f in frames[:3]] == [3, 3, 1]
-    assert [m["token"] for m in inboxes["a"]] == [ord("a"), 10 + ord("a"), 99]
-    assert [(m["op"], m["token"], m["finish"]) for m in inboxes["b"]] == [
-        (Reply.TOKEN, ord("b"), None),
-        (Reply.TOKEN, 10 + ord("b"), "length"),
-    ]
-    assert [m["op"] for m in inboxes["c"]] == [Reply.TOKEN, Reply.TOKEN, Reply.DONE]
+    assert [m.token for m in inboxes["a"]] == [ord("a"), 10 + ord("a"), 99]
+    assert inboxes["b"] == [token("b", ord("b")), token("b", 10 + ord("b"), "length")]
+    assert [m.op for m in inboxes["c"]] == ["token", "token", "done"]

@@ -17,7 +17,7 @@ import torch
 from conftest import decodes_as_alone
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.control.worker_ops import sampling_to_json
+from minifaas.control.worker_ops import Prefill, Prefilled
 from minifaas.model.layer_state import LayerState, ModelState, same_state
 from minifaas.model.loader import preset_names
 from minifaas.model.reference import reference_tokens
@@ -59,22 +59,22 @@ SECOND = FIRST[:100] + prompt(80, 2)  # shares 100 tokens: a hit of 96 (a snapsh
 
 
 def test_chunked_prefill_through_the_service_decodes_like_generate(runtime: ModelRuntime) -> None:
-    async def main() -> list[tuple[dict, ModelState]]:
+    async def main() -> list[tuple[Prefilled, ModelState]]:
         store = store_for(runtime)
         service = PrefillService(runtime, SECRET, 2, True, store, chunk_tokens=24)
         out = []
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
             for i, tokens in enumerate([FIRST, SECOND]):
-                msg = {"req": f"r{i}", "tokens": tokens, "sampling": sampling_to_json(PARAMS), "transfer": i,
-                       "kv": ["127.0.0.1", rx.port]}  # fmt: skip
+                msg = Prefill(req=f"r{i}", tokens=tokens, sampling=PARAMS, transfer=i, kv=["127.0.0.1", rx.port],
+                              link_start=0)  # fmt: skip
                 out.append(await asyncio.gather(service.prefill(msg), rx.transfer(i).model_state()))
         await service.close()
         return out
 
     (cold, cold_state), (warm, warm_state) = run(main())
-    assert (cold["cached_tokens"], warm["cached_tokens"]) == (0, 96)
+    assert (cold.cached_tokens, warm.cached_tokens) == (0, 96)
     for tokens, reply, state in [(FIRST, cold, cold_state), (SECOND, warm, warm_state)]:
-        assert reply["kv_bytes"] == state.nbytes and state.seq_len == len(tokens)
+        assert reply.kv_bytes == state.nbytes and state.seq_len == len(tokens)
         decodes_as_alone(runtime, tokens, reply, state, PARAMS)
 
 
@@ -126,14 +126,14 @@ def test_an_aborted_prefill_stops_part_way_and_the_next_prompt_runs_alone() -> N
     runtime = ModelRuntime.load("kimi-linear-tiny")
     long, short = prompt(2000, 3), prompt(40, 4)
 
-    async def main() -> tuple[PrefillService, ModelState, dict]:
+    async def main() -> tuple[PrefillService, ModelState, Prefilled]:
         store = store_for(runtime)
         service = PrefillService(runtime, SECRET, 2, True, store, chunk_tokens=64)
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
 
-            def msg(req: str, tokens: list[int], transfer: int) -> dict:
-                return {"req": req, "tokens": tokens, "sampling": sampling_to_json(PARAMS), "transfer": transfer,
-                        "kv": ["127.0.0.1", rx.port]}  # fmt: skip
+            def msg(req: str, tokens: list[int], transfer: int) -> Prefill:
+                return Prefill(req=req, tokens=tokens, sampling=PARAMS, transfer=transfer, kv=["127.0.0.1", rx.port],
+                               link_start=0)  # fmt: skip
 
             running = asyncio.create_task(service.prefill(msg("long", long, 0)))
             queued = asyncio.create_task(service.prefill(msg("queued", long, 1)))
@@ -156,14 +156,14 @@ def test_an_aborted_prefill_stops_part_way_and_the_next_prompt_runs_alone() -> N
     plan = service.store.begin(long, 0.0)  # nothing of the stopped prompt went into the pool
     service.store.release(plan)
     assert plan.hit_tokens == 0
-    assert runtime.start_decode(state, reply["next_token"], PARAMS).run() == reference_tokens(runtime, short, PARAMS)
+    assert runtime.start_decode(state, reply.next_token, PARAMS).run() == reference_tokens(runtime, short, PARAMS)
 
 
 def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_computes() -> None:
     runtime = ModelRuntime.load("kimi-linear-tiny")
     tokens = prompt(200, 5)
 
-    async def main() -> tuple[list[dict], list[int], list[str]]:
+    async def main() -> tuple[list[Prefilled], list[int], list[str]]:
         service = PrefillService(runtime, SECRET, 2, True, store_for(runtime), chunk_tokens=64)
         stored: list[int] = []
         news: list[str] = []
@@ -176,8 +176,8 @@ def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
             replies = []
             for transfer in (0, 1):  # the same prompt twice, the second sent the moment the first is answered
-                msg = {"req": f"r{transfer}", "tokens": tokens, "sampling": sampling_to_json(PARAMS),
-                       "transfer": transfer, "kv": ["127.0.0.1", rx.port]}  # fmt: skip
+                msg = Prefill(req=f"r{transfer}", tokens=tokens, sampling=PARAMS, transfer=transfer,
+                              kv=["127.0.0.1", rx.port], link_start=0)  # fmt: skip
                 reply, _ = await asyncio.gather(service.prefill(msg), rx.transfer(transfer).model_state())
                 replies.append(reply)
             await service.close()  # waits for the last store
@@ -187,8 +187,8 @@ def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_
     (first, second), stored, news = run(main())
     # the first prompt's blocks and end snapshot were in the pool when the second took its turn: a hit of the
     # whole prompt, nothing computed
-    assert first["cached_tokens"] == 0 and second["cached_tokens"] == len(tokens)
-    assert (first["computed_tokens"], second["computed_tokens"]) == (len(tokens), 0)
-    assert second["next_token"] == first["next_token"]
+    assert first.cached_tokens == 0 and second.cached_tokens == len(tokens)
+    assert (first.computed_tokens, second.computed_tokens) == (len(tokens), 0)
+    assert second.next_token == first.next_token
     assert len(stored) == 2 and stored[0] > 0  # each store told the session once, after it was done
     assert "store" in news

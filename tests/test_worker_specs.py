@@ -10,8 +10,7 @@ import pytest
 from minifaas.commands.serve import add_arguments, config_from_args
 from minifaas.commands.worker import parse_args
 from minifaas.config import ClusterConfig, InterClusterLinkConfig, SchedulerConfig, ServeConfig
-from minifaas.control.schema import validate
-from minifaas.control.worker_ops import WORKER_OPS, sampling_from_json, sampling_to_json
+from minifaas.control.worker_ops import OPS, Decode, from_wire, to_wire
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.sampling import SamplingParams
 from minifaas.net.address import parse_address
@@ -83,9 +82,8 @@ def test_the_worker_protocol_takes_every_sampling_field_the_gateway_sends() -> N
         max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_tokens=2, presence_penalty=-1.5,
         frequency_penalty=2.0, seed=3, stop_token_ids=(1, 2), ignore_eos=True,
     )  # fmt: skip
-    decode = {"req": "r", "transfer": 7, "tokens": [1, 2, 3], "link_start": 0, "sampling": sampling_to_json(params)}
-    assert validate({"op": "decode", **decode}, WORKER_OPS)[0] == "decode"
-    assert sampling_from_json(sampling_to_json(params)) == params
+    decode = Decode(req="r", transfer=7, tokens=[1, 2, 3], link_start=0, sampling=params)
+    assert from_wire(to_wire(decode), OPS) == decode and decode.sampling == params
 
 
 def _threads(c: ServeConfig) -> dict[str, int]:

@@ -1,15 +1,15 @@
-"""The gateway <-> worker control protocol: the fields of every message each way, over an authenticated session.
+"""The gateway <-> worker control protocol: one frozen dataclass per message each way, over an authenticated session.
 
-Messages are small dicts with an ``op`` and usually a ``req`` (request id), signed and framed by
-``control.session``; bulk state goes over the KV transport instead. ``WORKER_OPS`` holds what a worker
-accepts (``Op``), ``WORKER_REPLIES`` what it answers (``Reply``); each side checks a message against its
-table (``schema.validate``) before it acts on it.
+Each message class holds its ``op``; each field declares its bounds (a ``schema`` kind) in its type. ``to_wire``
+gives the JSON object ``control.session`` signs and frames (an ``Optional`` field that is None is left out; a
+trailing ``_`` is not part of a wire name); ``from_wire`` checks one that came in against its class, as
+``schema.check_fields`` does, and builds it. ``OPS`` is what a worker accepts, ``REPLIES`` what it answers.
 
     attach -> attached (what the worker is), then its pool's inventory as ``cache`` messages
     ping -> pong (TCP_INFO of its KV connections)    load -> load (its queue)    start, abort: no reply
     prefill -> first (the first token, once the forwards are done), prefilled (once the state has gone)
     export -> exported    decode -> pinned, received, token... (a step's, of every request, as one ``tokens``), done
-    any request -> failed (it could not be done); a message its table refuses -> error
+    any request -> failed (it could not be done); a message its class refuses -> error
 
 Cache events (``cache``) belong to no request: they go under the ``req`` CACHE_EVENTS, which the gateway
 listens on for as long as the worker runs.
@@ -17,13 +17,16 @@ listens on for as long as the worker runs.
 
 from __future__ import annotations
 
-from dataclasses import fields
-from enum import StrEnum
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Annotated, Any, ClassVar, NamedTuple, TypeVar, get_type_hints
 
 from minifaas.codec.codec import Codec
 from minifaas.control.schema import (
     Address,
+    BadMessage,
     Bool,
+    Converted,
     Fields,
     Int,
     IntList,
@@ -35,52 +38,20 @@ from minifaas.control.schema import (
     OneOf,
     Optional,
     Text,
+    check_fields,
 )  # fmt: skip
 from minifaas.control.session import MAX_BYTES
 from minifaas.model.sampling import SamplingParams
 from minifaas.net.connections import TcpInfo
 
 CACHE_EVENTS = "@cache"  # no request id starts with "@"
+message = dataclass(frozen=True, slots=True, kw_only=True)
 
-
-class Op(StrEnum):
-    """What the gateway asks of a worker."""
-
-    ATTACH = "attach"
-    PING = "ping"
-    PREFILL = "prefill"
-    EXPORT = "export"
-    DECODE = "decode"
-    START = "start"
-    ABORT = "abort"
-    LOAD = "load"
-
-
-class Reply(StrEnum):
-    """What a worker answers; the last two never come from a worker's session (no table entry)."""
-
-    ATTACHED = "attached"
-    CACHE = "cache"
-    PONG = "pong"
-    FIRST = "first"
-    PREFILLED = "prefilled"
-    EXPORTED = "exported"
-    ABORTED = "aborted"
-    PINNED = "pinned"
-    RECEIVED = "received"
-    TOKEN = "token"
-    TOKENS = "tokens"
-    DONE = "done"
-    LOAD = "load"
-    FAILED = "failed"
-    ERROR = "error"
-    REFUSED = "refused"  # control.server's answer to a second gateway
-    LOST = "lost"  # the gateway's own word, put in every open inbox when the session is lost
-
-
-_REQ, _TRANSFER, _COUNT = Text(256), Int(0, 2**63 - 1), Int(0, 2**31 - 1)
-_TOKENS = IntList(0, 2**31 - 1)
-_CODEC = OneOf(tuple(c.label for c in Codec))
+REQ, TRANSFER, COUNT = Text(256), Int(0, 2**63 - 1), Int(0, 2**31 - 1)
+TOKENS = IntList(0, 2**31 - 1)
+CODEC = OneOf(tuple(c.label for c in Codec))
+BYTES, SECONDS, NAME = Int(0, 2**63 - 1), Number(0.0), Text(4096)
+ERROR = Text(MAX_BYTES)  # an exception's text: as long as a frame allows
 _SAMPLING = Fields(
     {
         "max_tokens": Int(1, 2**31 - 1),
@@ -95,112 +66,297 @@ _SAMPLING = Fields(
         "ignore_eos": Bool(),
     }
 )
-WORKER_OPS: dict[str, dict[str, Kind]] = {
-    Op.ATTACH: {"gateway": Text()},
-    Op.PING: {},
-    Op.PREFILL: {
-        "req": _REQ,
-        "transfer": _TRANSFER,
-        "tokens": _TOKENS,
-        "sampling": _SAMPLING,
-        "kv": Address(),
-        "link_start": _COUNT,
-        "codec": Optional(_CODEC),
-        "import": Optional(_TRANSFER),
-        "seen_tokens": Optional(_COUNT),  # the prompt's longest prefix some node stored: a snapshot point
-    },
-    Op.EXPORT: {
-        "req": _REQ,
-        "transfer": _TRANSFER,
-        "tokens": _TOKENS,
-        "length": _COUNT,
-        "kv": Address(),
-        "codec": Optional(_CODEC),
-    },
-    Op.DECODE: {"req": _REQ, "transfer": _TRANSFER, "sampling": _SAMPLING, "tokens": _TOKENS, "link_start": _COUNT},
-    Op.START: {"req": _REQ, "next_token": _COUNT},
-    Op.ABORT: {"req": _REQ},
-    Op.LOAD: {"req": _REQ},
-}
-
-_BYTES, _SECONDS, _NAME = Int(0, 2**63 - 1), Number(0.0), Text(4096)
-_ERROR = Text(MAX_BYTES)  # an exception's text: as long as a frame allows
-_CODING = {"codec": _CODEC, "kv_wire_bytes": _BYTES, "kv_encode_s": _SECONDS, "kv_decode_s": _SECONDS}
-_CACHE_EVENT = Fields(  # CacheEvent.to_json
+SAMPLING = Converted(  # the seed on the wire is the one the gateway resolved: both ends sample alike
+    _SAMPLING,
+    load=lambda d: SamplingParams(**d | {"stop_token_ids": tuple(d["stop_token_ids"])}),
+    dump=lambda p: {name: getattr(p, name) for name in _SAMPLING.schema}
+    | {"seed": p.resolved_seed, "stop_token_ids": list(p.stop_token_ids)},
+)
+CACHE_EVENT = Fields(  # CacheEvent.to_json
     {
-        **dict.fromkeys(("kind", "entry", "cluster", "node", "key", "parent"), _NAME),
-        "length": _COUNT,
-        "nbytes": _BYTES,
+        **dict.fromkeys(("kind", "entry", "cluster", "node", "key", "parent"), NAME),
+        "length": COUNT,
+        "nbytes": BYTES,
         "at": Number(-float("inf")),
     }
 )
-_TOKEN = {"req": _REQ, "transfer": _TRANSFER, "token": _COUNT, "finish": Nullable(_NAME)}
-_TCP_INFO = Fields({f.name: Int(0, 2**64 - 1) for f in fields(TcpInfo)})
-WORKER_REPLIES: dict[str, dict[str, Kind]] = {
-    Reply.ATTACHED: {
-        **dict.fromkeys(("name", "role", "cluster", "model", "kernels"), _NAME),
-        "kv": Nullable(Address()),  # where KV for it goes ("" host: the address the gateway dialled)
-        "pid": Int(1, 2**31 - 1),
-        "codecs": MapOf(ListOf(Number(), max_len=4)),  # codec -> [bytes, wire bytes, encode s, decode s]
-        "deadline_s": Number(),
-        "max_batch": Optional(_COUNT),  # a decode worker's rows per forward
-    },
-    Reply.CACHE: {"req": _REQ, "events": ListOf(_CACHE_EVENT)},
-    Reply.PONG: {"tcp": Optional(MapOf(_TCP_INFO)), "queued_bytes": Optional(_BYTES)},  # a prefill worker's
-    Reply.FIRST: {"req": _REQ, "transfer": _TRANSFER, "next_token": _COUNT},
-    Reply.PREFILLED: {
-        "req": _REQ,
-        "transfer": _TRANSFER,
-        "next_token": _COUNT,
-        "kv_bytes": _BYTES,
-        "cached_tokens": _COUNT,
-        "computed_tokens": _COUNT,
-        **dict.fromkeys(("queue_s", "prefill_s", "transfer_tail_s", "worker_s"), _SECONDS),
-        **_CODING,
-    },
-    Reply.EXPORTED: {
-        "req": _REQ,
-        "tokens": _COUNT,
-        "bytes": _BYTES,
-        **{name: Optional(kind) for name, kind in _CODING.items()},  # none when nothing was sent
-    },
-    Reply.ABORTED: {"req": _REQ, "tokens": _COUNT, "done_tokens": _COUNT},
-    Reply.PINNED: {"req": _REQ, "transfer": _TRANSFER, "tokens": _COUNT},
-    Reply.RECEIVED: {"req": _REQ, "transfer": _TRANSFER, "bytes": _BYTES},
-    Reply.TOKEN: _TOKEN,
-    Reply.TOKENS: {"tokens": ListOf(Fields(_TOKEN))},
-    Reply.DONE: {"req": _REQ, "transfer": _TRANSFER, "finish": _NAME},
-    Reply.LOAD: {"req": _REQ, "load": Int(0, 2**63 - 1)},
-    Reply.FAILED: {"req": _REQ, "transfer": _TRANSFER, "error": _ERROR},
-    Reply.ERROR: {"req": _REQ, "error": _ERROR},
-}
+TCP_INFO = Fields({f.name: Int(0, 2**64 - 1) for f in fields(TcpInfo)})
 
 
-def sampling_to_json(p: SamplingParams) -> dict:
-    return {
-        "max_tokens": p.max_tokens,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "top_k": p.top_k,
-        "min_tokens": p.min_tokens,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "seed": p.resolved_seed,
-        "stop_token_ids": list(p.stop_token_ids),
-        "ignore_eos": p.ignore_eos,
-    }
+def kinds(cls: type) -> dict[str, Kind]:
+    """A message class's fields, by wire name, and the kind each must be."""
+    hints = get_type_hints(cls, include_extras=True)
+    return {name.rstrip("_"): hint.__metadata__[0] for name, hint in hints.items() if hasattr(hint, "__metadata__")}
 
 
-def sampling_from_json(d: dict) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=d["max_tokens"],
-        temperature=d["temperature"],
-        top_p=d["top_p"],
-        top_k=d["top_k"],
-        min_tokens=d["min_tokens"],
-        presence_penalty=d["presence_penalty"],
-        frequency_penalty=d["frequency_penalty"],
-        seed=d["seed"],
-        stop_token_ids=tuple(d["stop_token_ids"]),
-        ignore_eos=d["ignore_eos"],
-    )
+# What the gateway asks of a worker.
+
+
+@message
+class Attach:
+    op: ClassVar[str] = "attach"
+    gateway: Annotated[str, Text()]
+
+
+@message
+class Ping:
+    op: ClassVar[str] = "ping"
+
+
+@message
+class Prefill:
+    op: ClassVar[str] = "prefill"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    tokens: Annotated[list[int], TOKENS]
+    sampling: Annotated[SamplingParams, SAMPLING]
+    kv: Annotated[list, Address()]  # [host, port] to stream the state to
+    link_start: Annotated[int, COUNT]  # the decode node holds the KV of tokens before it
+    codec: Annotated[str | None, Optional(CODEC)] = None
+    seen_tokens: Annotated[int | None, Optional(COUNT)] = None  # the prompt's longest prefix some node stored
+    import_: Annotated[int | None, Optional(TRANSFER)] = None  # the transfer a cache move brings its prefix in
+
+
+@message
+class Export:
+    op: ClassVar[str] = "export"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    tokens: Annotated[list[int], TOKENS]
+    length: Annotated[int, COUNT]
+    kv: Annotated[list, Address()]
+    codec: Annotated[str | None, Optional(CODEC)] = None
+
+
+@message
+class Decode:
+    op: ClassVar[str] = "decode"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    sampling: Annotated[SamplingParams, SAMPLING]
+    tokens: Annotated[list[int], TOKENS]
+    link_start: Annotated[int, COUNT]
+
+
+@message
+class Start:
+    op: ClassVar[str] = "start"
+    req: Annotated[str, REQ]
+    next_token: Annotated[int, COUNT]
+
+
+@message
+class Abort:
+    op: ClassVar[str] = "abort"
+    req: Annotated[str, REQ]
+
+
+@message
+class Load:
+    op: ClassVar[str] = "load"
+    req: Annotated[str, REQ]
+
+
+# What a worker answers.
+
+
+@message
+class Attached:
+    op: ClassVar[str] = "attached"
+    name: Annotated[str, NAME]
+    role: Annotated[str, NAME]
+    cluster: Annotated[str, NAME]
+    model: Annotated[str, NAME]
+    max_batch: Annotated[int | None, Optional(COUNT)] = None  # a decode worker's rows per forward
+    kv: Annotated[list | None, Nullable(Address())]  # where KV for it goes ("" host: the address the gateway dialled)
+    pid: Annotated[int, Int(1, 2**31 - 1)]
+    codecs: Annotated[dict, MapOf(ListOf(Number(), max_len=4))]  # codec -> [bytes, wire bytes, encode s, decode s]
+    kernels: Annotated[str, NAME]
+    deadline_s: Annotated[float, Number()]
+
+
+@message
+class CacheEvents:
+    op: ClassVar[str] = "cache"
+    req: Annotated[str, REQ]
+    events: Annotated[list[dict], ListOf(CACHE_EVENT)]
+
+
+@message
+class Pong:
+    op: ClassVar[str] = "pong"
+    tcp: Annotated[dict | None, Optional(MapOf(TCP_INFO))] = None  # a prefill worker's
+    queued_bytes: Annotated[int | None, Optional(BYTES)] = None
+
+
+@message
+class First:
+    op: ClassVar[str] = "first"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    next_token: Annotated[int, COUNT]
+
+
+@message
+class Prefilled:
+    op: ClassVar[str] = "prefilled"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    next_token: Annotated[int, COUNT]
+    kv_bytes: Annotated[int, BYTES]
+    cached_tokens: Annotated[int, COUNT]
+    computed_tokens: Annotated[int, COUNT]
+    queue_s: Annotated[float, SECONDS]
+    prefill_s: Annotated[float, SECONDS]
+    transfer_tail_s: Annotated[float, SECONDS]
+    worker_s: Annotated[float, SECONDS]
+    codec: Annotated[str, CODEC]
+    kv_wire_bytes: Annotated[int, BYTES]
+    kv_encode_s: Annotated[float, SECONDS]
+    kv_decode_s: Annotated[float, SECONDS]
+
+
+@message
+class Exported:
+    op: ClassVar[str] = "exported"
+    req: Annotated[str, REQ]
+    tokens: Annotated[int, COUNT]
+    bytes: Annotated[int, BYTES]
+    codec: Annotated[str | None, Optional(CODEC)] = None  # these four: none when nothing was sent
+    kv_wire_bytes: Annotated[int | None, Optional(BYTES)] = None
+    kv_encode_s: Annotated[float | None, Optional(SECONDS)] = None
+    kv_decode_s: Annotated[float | None, Optional(SECONDS)] = None
+
+
+@message
+class Aborted:
+    op: ClassVar[str] = "aborted"
+    req: Annotated[str, REQ]
+    tokens: Annotated[int, COUNT]
+    done_tokens: Annotated[int, COUNT]
+
+
+@message
+class Pinned:
+    op: ClassVar[str] = "pinned"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    tokens: Annotated[int, COUNT]
+
+
+@message
+class Received:
+    op: ClassVar[str] = "received"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    bytes: Annotated[int, BYTES]
+
+
+class Token(NamedTuple):
+    """A request's token of one decode step: an entry of ``Tokens``, a tuple since one goes per row per step."""
+
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    token: Annotated[int, COUNT]
+    finish: Annotated[str | None, Nullable(NAME)]
+    op = "token"
+
+
+TOKEN_ENTRIES = Converted(
+    ListOf(Fields(kinds(Token))),
+    load=lambda entries: [Token(**entry) for entry in entries],
+    dump=lambda tokens: [t._asdict() for t in tokens],
+)
+
+
+@message
+class Tokens:
+    op: ClassVar[str] = "tokens"
+    tokens: Annotated[list[Token], TOKEN_ENTRIES]
+
+
+@message
+class Done:
+    op: ClassVar[str] = "done"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    finish: Annotated[str, NAME]
+
+
+@message
+class LoadReply:
+    op: ClassVar[str] = "load"
+    req: Annotated[str, REQ]
+    load: Annotated[int, Int(0, 2**63 - 1)]
+
+
+@message
+class Failed:
+    op: ClassVar[str] = "failed"
+    req: Annotated[str, REQ]
+    transfer: Annotated[int, TRANSFER]
+    error: Annotated[str, ERROR]
+
+
+@message
+class Error:
+    op: ClassVar[str] = "error"
+    req: Annotated[str, REQ]
+    error: Annotated[str, ERROR]
+
+
+OpMessage = Attach | Ping | Prefill | Export | Decode | Start | Abort | Load
+ReplyMessage = (
+    Attached | CacheEvents | Pong | First | Prefilled | Exported | Aborted | Pinned | Received | Token | Tokens | Done
+    | LoadReply | Failed | Error
+)  # fmt: skip
+OPS: dict[str, type[OpMessage]] = {cls.op: cls for cls in OpMessage.__args__}
+REPLIES: dict[str, type[ReplyMessage]] = {cls.op: cls for cls in ReplyMessage.__args__ if cls is not Token}
+
+
+class _Wire(NamedTuple):
+    schema: dict[str, Kind]  # by wire name, "op" first
+    fields: list[tuple[str, str, Kind]]  # (attribute, wire name, kind)
+
+
+def _wire(cls: type) -> _Wire:
+    by_key = kinds(cls)
+    keys = [f.name.rstrip("_") for f in fields(cls)]
+    return _Wire({"op": Text(), **by_key}, [(f.name, key, by_key[key]) for f, key in zip(fields(cls), keys)])
+
+
+_WIRE = {cls: _wire(cls) for cls in (*OPS.values(), *REPLIES.values())}
+M = TypeVar("M")
+
+
+def to_wire(msg: Any) -> dict:
+    """The JSON object ``msg`` is on the wire."""
+    wire = {"op": msg.op}
+    for name, key, kind in _WIRE[type(msg)].fields:
+        value = getattr(msg, name)
+        if value is None and isinstance(kind, Optional):
+            continue
+        wire[key] = kind.dump(value) if isinstance(kind, Converted) else value
+    return wire
+
+
+def from_wire(raw: dict, messages: Mapping[str, type[M]]) -> M:
+    """The message ``raw`` is, if its op is one of ``messages`` and its class allows every field; else BadMessage."""
+    op = raw.get("op")
+    if not isinstance(op, str) or op not in messages:
+        raise BadMessage(f"unknown op {op!r}"[:100])
+    cls = messages[op]
+    wire = _WIRE[cls]
+    check_fields(raw, wire.schema)
+    values = {}
+    for name, key, kind in wire.fields:
+        if key in raw:
+            values[name] = raw[key] if not isinstance(kind, Converted) else _load(kind, key, raw[key])
+    return cls(**values)
+
+
+def _load(kind: Converted, key: str, value: object) -> object:
+    try:
+        return kind.load(value)
+    except ValueError as e:  # in bounds field by field, not together (min_tokens over max_tokens, say)
+        raise BadMessage(f"{key!r}: {e}"[:200]) from None

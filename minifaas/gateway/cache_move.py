@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.control.worker_ops import Op, Reply
+from minifaas.control.worker_ops import Export, Exported
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
@@ -59,23 +59,21 @@ class CacheMoves:
         inbox = src.open(rid)
         try:
             tokens, length, codec = request.prompt_ids, move.end_tokens, self.scheduler.codec().codec
-            src.send(
-                {"op": Op.EXPORT, "req": rid, "transfer": transfer, "tokens": tokens, "length": length, "kv": link,
-                 "codec": codec}
-            )  # fmt: skip
+            src.send(Export(req=rid, transfer=transfer, tokens=tokens, length=length, kv=link, codec=codec))
             async with asyncio.timeout(self.timeout):
                 reply = await inbox.get()
         except (TimeoutError, RuntimeError) as e:
-            reply = {"op": Reply.FAILED, "error": repr(e)}
+            reply = e
         finally:
             src.close(rid)
-        if reply["op"] != Reply.EXPORTED or not reply["tokens"]:
-            log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, reply.get("error"))
+        if not isinstance(reply, Exported) or not reply.tokens:
+            why = repr(reply) if isinstance(reply, Exception) else getattr(reply, "error", None)
+            log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, why)
             self.counts["failed"] += 1
             return None
         self.counts["done"] += 1
-        self.counts["bytes"] += reply["bytes"]
-        self.scheduler.coded(reply, reply["bytes"])
-        self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply["bytes"], reply["kv_wire_bytes"], reply["codec"])
-        record.events.append(f"cache_move {src.name}->{dst.name} {reply['tokens']} tokens")
+        self.counts["bytes"] += reply.bytes
+        self.scheduler.coded(reply, reply.bytes)
+        self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply.bytes, reply.kv_wire_bytes, reply.codec)
+        record.events.append(f"cache_move {src.name}->{dst.name} {reply.tokens} tokens")
         return transfer

@@ -14,7 +14,7 @@ import contextlib
 import logging
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.control.worker_ops import Op
+from minifaas.control.worker_ops import Abort
 from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.migration import continued
@@ -59,7 +59,7 @@ class Fallback:
         record.phase = advance(record.phase, Phase.FALLBACK)
         record.fallback = why.split(":")[0]
         with contextlib.suppress(RuntimeError):
-            decode.send({"op": Op.ABORT, "req": rid})
+            decode.send(Abort(req=rid))
         if early is not None and early.withdraw():  # the client has the first token: go on after it
             request, early = continued(request, [early.show()]), None
             keys = self.prefixes.keys(request.prompt_ids)

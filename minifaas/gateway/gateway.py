@@ -27,7 +27,7 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
-from minifaas.control.worker_ops import Op, Reply
+from minifaas.control.worker_ops import Abort, Aborted, ReplyMessage
 from minifaas.gateway.admission import Admission
 from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.inter_cluster_link import InterClusterLink
@@ -174,9 +174,9 @@ class Gateway:
             self.scheduler.calibrated(w.codecs)
         self.metrics.worker_kernels(w.name, w.kernels)
 
-    def _unclaimed(self, w: WorkerHandle, msg: dict) -> None:
-        if msg.get("op") == Reply.ABORTED:  # a prefill the gateway aborted has stopped
-            req, tokens, done = msg["req"], msg["tokens"], msg["done_tokens"]
+    def _unclaimed(self, w: WorkerHandle, msg: ReplyMessage) -> None:
+        if isinstance(msg, Aborted):  # a prefill the gateway aborted has stopped
+            req, tokens, done = msg.req, msg.tokens, msg.done_tokens
             log.info("%s stopped the prefill of %s after %d of %d tokens", w.name, req, done, tokens)
             self.metrics.prefill_stopped(w.cluster, tokens, done)
 
@@ -299,7 +299,7 @@ class Gateway:
             if decode is not None:
                 decode.close(rid)
                 with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
-                    decode.send({"op": Op.ABORT, "req": rid})
+                    decode.send(Abort(req=rid))
 
     def route(self, prompt_ids: list[int], keys: PromptKeys | None = None) -> RouteDecision:
         """The router's decision, on each prefill node's usable hit and each decode node's KV prefix (what a

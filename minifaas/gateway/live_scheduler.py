@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable
 
 from minifaas.config import ServeConfig
+from minifaas.control.worker_ops import Exported, Prefilled
 from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkReading
 from minifaas.gateway.metrics import ServeMetrics
@@ -169,10 +170,10 @@ class LiveScheduler:
         speed = self.speed.get("prfaas")
         return TransferShape(nbytes, computed / speed if speed else 0.0, tail)
 
-    def coded(self, reply: dict, nbytes: int) -> None:
+    def coded(self, reply: Prefilled | Exported, nbytes: int) -> None:
         """A transfer across the link ended: what its codec did (a worker's ``coding`` fields)."""
-        codec = reply.get("codec", "none")
-        wire, encode_s, decode_s = reply["kv_wire_bytes"], reply["kv_encode_s"], reply["kv_decode_s"]
+        codec = reply.codec or "none"
+        wire, encode_s, decode_s = reply.kv_wire_bytes, reply.kv_encode_s, reply.kv_decode_s
         self.compression.observe(CodecSample(codec, nbytes, wire, encode_s, decode_s))
         self.metrics.kv_coded(codec, nbytes, wire, encode_s, decode_s)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.control.worker_ops import Op, Reply, sampling_to_json
+from minifaas.control.worker_ops import Abort, Decode, Failed, First, Pinned, Prefill, Prefilled
 from minifaas.gateway.cache_move import CacheMoves
 from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.fallback import Fallback, PrefillFailed
@@ -28,7 +28,7 @@ from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import DecodeLost, GenerateRequest, Phase, RequestRecord, advance
-from minifaas.gateway.worker_handle import WorkerHandle
+from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.launch.launcher import WorkerError
 from minifaas.policy.codec_policy import CodecChoice
@@ -38,7 +38,9 @@ OnFirst = Callable[[int], None]  # told the first token as soon as the prefill w
 
 
 @dataclass(frozen=True, slots=True)
-class Prefilled:
+class Handoff:
+    """A done prefill, as the decode side goes on from it."""
+
     transfer: int
     first: int  # the first token after ``request``'s prompt
     request: GenerateRequest  # what was prefilled: the attempt's, or it with a shown early token appended
@@ -107,7 +109,7 @@ class PrefillDispatch:
         decision: RouteDecision,
         decode: WorkerHandle,
         early: EarlyFirst | None = None,
-    ) -> asyncio.Task[Prefilled]:
+    ) -> asyncio.Task[Handoff]:
         """``run`` as a task, with the prompt counted on its prefill worker at once: the task starts a turn
         of the loop later, and a request routed meanwhile must see this one's load."""
         worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]
@@ -119,7 +121,7 @@ class PrefillDispatch:
 
     async def run(
         self, a: Attempt, record: RequestRecord, decision: RouteDecision, early: EarlyFirst | None = None
-    ) -> Prefilled:
+    ) -> Handoff:
         """Prefill on the routed worker; if that fails, on the next the fallback finds. ``early`` gets the first
         token before the transfer ends; if the gateway showed it and the prefill then fails, the retry prefills
         it too (the returned request says so)."""
@@ -140,7 +142,7 @@ class PrefillDispatch:
             )
             a = self.attempt(request, keys, worker, a.decode, hit, decision)  # a retry does not take the move
 
-    async def prefill(self, a: Attempt, record: RequestRecord, on_first: OnFirst | None) -> Prefilled:
+    async def prefill(self, a: Attempt, record: RequestRecord, on_first: OnFirst | None) -> Handoff:
         """One attempt: the decode node told to expect the state, the prefill node asked to compute and send it,
         the reply awaited and recorded. Raises PrefillFailed saying why, DecodeLost when the decode worker went
         away. An attempt that ends with no reply (timed out, or the client left) stops its prefill."""
@@ -150,24 +152,23 @@ class PrefillDispatch:
         inbox = a.worker.open(rid)
         a.hold()
         gone = decode.gone  # this session's: a decode worker that came back does not know the request
-        reply: dict | None = None
+        reply: Prefilled | Failed | Lost | None = None
         try:
             asked = time.perf_counter()
             if not decode.alive:
                 raise DecodeLost(f"decode worker {decode.name} is not attached")
-            sampling = sampling_to_json(a.request.sampling)
+            sampling = a.request.sampling
             try:  # its session may have ended before the pool noticed: the decode side is gone, not this prefill
-                decode.send({"op": Op.DECODE, "req": rid, "transfer": a.transfer, "sampling": sampling,
-                             "tokens": prompt, "link_start": a.link_start})  # fmt: skip
+                decode.send(Decode(req=rid, transfer=a.transfer, sampling=sampling, tokens=prompt,
+                                   link_start=a.link_start))  # fmt: skip
             except WorkerError as e:
                 raise DecodeLost(str(e)) from None
             link_start = await self._pinned(decode, rid, a.transfer) if a.link_start else 0
             choice = self.scheduler.codec(len(prompt), a.computed, link_start) if a.remote else None
-            a.worker.send({"op": Op.PREFILL, "req": rid, "transfer": a.transfer, "tokens": prompt,
-                           "sampling": sampling, "kv": self.link.kv_address(a.worker, decode),
-                           "link_start": link_start, "codec": choice.codec if choice is not None else "none",
-                           "seen_tokens": self.prefixes.seen_prefix(a.keys),
-                           **({"import": a.moved} if a.moved is not None else {})})  # fmt: skip
+            a.worker.send(Prefill(req=rid, transfer=a.transfer, tokens=prompt, sampling=sampling,
+                                  kv=self.link.kv_address(a.worker, decode), link_start=link_start,
+                                  codec=choice.codec if choice is not None else "none",
+                                  seen_tokens=self.prefixes.seen_prefix(a.keys), import_=a.moved))  # fmt: skip
             sent = time.perf_counter()
             cut = self.link.cut if a.remote else None  # this outage's: a link back since does not end the attempt
             async with asyncio.timeout(self.prefill_timeout):
@@ -188,33 +189,33 @@ class PrefillDispatch:
             a.worker.close(rid)
             if reply is None:  # stop the prefill rather than let it run on
                 with contextlib.suppress(RuntimeError):
-                    a.worker.send({"op": Op.ABORT, "req": rid})
-        if reply["op"] == Reply.LOST:
+                    a.worker.send(Abort(req=rid))
+        if isinstance(reply, Lost):
             raise PrefillFailed(f"worker_lost: {a.worker.name} went away")
-        if reply["op"] == Reply.FAILED:
-            raise PrefillFailed(f"transfer_failed: {reply['error']}")
+        if isinstance(reply, Failed):
+            raise PrefillFailed(f"transfer_failed: {reply.error}")
         self._recorded(a, record, reply, choice, replied - sent)
         record.dispatch_s = (record.dispatch_s or 0.0) + sent - asked
-        return Prefilled(a.transfer, int(reply["next_token"]), a.request)
+        return Handoff(a.transfer, reply.next_token, a.request)
 
     def _recorded(
-        self, a: Attempt, record: RequestRecord, reply: dict, choice: CodecChoice | None, round_trip: float
+        self, a: Attempt, record: RequestRecord, reply: Prefilled, choice: CodecChoice | None, round_trip: float
     ) -> None:
         """The prefill's figures into the record, the scheduler and /metrics."""
-        record.kv_bytes, record.cached_tokens = reply["kv_bytes"], reply["cached_tokens"]
-        record.kv_codec, record.kv_codec_reason = reply["codec"], choice.reason if choice is not None else "local"
+        record.kv_bytes, record.cached_tokens = reply.kv_bytes, reply.cached_tokens
+        record.kv_codec, record.kv_codec_reason = reply.codec, choice.reason if choice is not None else "local"
         record.kv_wire_bytes, record.kv_encode_s, record.kv_decode_s = (
-            reply["kv_wire_bytes"], reply["kv_encode_s"], reply["kv_decode_s"]
+            reply.kv_wire_bytes, reply.kv_encode_s, reply.kv_decode_s
         )  # fmt: skip
         if a.remote:
-            self.scheduler.coded(reply, reply["kv_bytes"])
+            self.scheduler.coded(reply, reply.kv_bytes)
         link = f"{a.worker.cluster}->{a.decode.name}"
-        self.metrics.add_kv_bytes(link, reply["kv_bytes"], reply["kv_wire_bytes"], reply["codec"])
-        record.queue_s, record.prefill_s = reply["queue_s"], reply["prefill_s"]
-        record.transfer_s = reply["transfer_tail_s"]
-        record.store_s = reply["worker_s"] - reply["prefill_s"] - reply["transfer_tail_s"]
-        record.control_s = max(0.0, round_trip - reply["queue_s"] - reply["worker_s"])
-        self.scheduler.prefilled(a.worker.cluster, reply["computed_tokens"], reply["prefill_s"])
+        self.metrics.add_kv_bytes(link, reply.kv_bytes, reply.kv_wire_bytes, reply.codec)
+        record.queue_s, record.prefill_s = reply.queue_s, reply.prefill_s
+        record.transfer_s = reply.transfer_tail_s
+        record.store_s = reply.worker_s - reply.prefill_s - reply.transfer_tail_s
+        record.control_s = max(0.0, round_trip - reply.queue_s - reply.worker_s)
+        self.scheduler.prefilled(a.worker.cluster, reply.computed_tokens, reply.prefill_s)
         record.phase = advance(record.phase, Phase.TRANSFERRING)
 
     async def _pinned(self, decode: WorkerHandle, rid: str, transfer: int) -> int:
@@ -223,17 +224,17 @@ class PrefillDispatch:
         async with asyncio.timeout(self.prefill_timeout):
             while True:
                 msg = await inbox.get()
-                if msg["op"] == Reply.LOST:
+                if isinstance(msg, Lost):
                     raise DecodeLost(f"decode worker {decode.name} went away before pinning its prefix")
-                if msg["op"] == Reply.FAILED and msg.get("transfer") == transfer:
-                    raise RuntimeError(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
-                if msg["op"] == Reply.PINNED and msg["transfer"] == transfer:
-                    return int(msg["tokens"])
+                if isinstance(msg, Failed) and msg.transfer == transfer:
+                    raise RuntimeError(f"decode worker {decode.name}: {msg.error}")
+                if isinstance(msg, Pinned) and msg.transfer == transfer:
+                    return msg.tokens
 
 
 async def _outcome(
-    inbox: asyncio.Queue[dict], a: Attempt, on_first: OnFirst | None, gone: asyncio.Event, cut: asyncio.Event | None
-) -> dict | None:
+    inbox: asyncio.Queue[Inbound], a: Attempt, on_first: OnFirst | None, gone: asyncio.Event, cut: asyncio.Event | None
+) -> Prefilled | Failed | Lost | None:
     """The prefill's reply for ``a``'s transfer (``prefilled`` or ``failed``), or the worker's session lost; None
     once the decode worker is ``gone`` or the link is ``cut``. On the way the early first token goes to
     ``on_first``, an earlier attempt's replies to ``unclaimed`` (a migrated request keeps its id)."""
@@ -248,11 +249,11 @@ async def _outcome(
         if gone.is_set() or not get.done() or get.cancelled():  # a reply that came as the link went still counts
             return None
         msg = get.result()
-        ours = msg.get("transfer") == a.transfer
-        if msg["op"] == Reply.LOST or (msg["op"] in (Reply.PREFILLED, Reply.FAILED) and ours):
+        ours = getattr(msg, "transfer", None) == a.transfer
+        if isinstance(msg, Lost) or (isinstance(msg, (Prefilled, Failed)) and ours):
             return msg
-        if msg["op"] == Reply.FIRST and ours:
+        if isinstance(msg, First) and ours:
             if on_first is not None:
-                on_first(int(msg["next_token"]))
+                on_first(msg.next_token)
         else:
             a.worker.unclaimed(msg)

@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from minifaas.control.worker_ops import Op, Reply
+from minifaas.control.worker_ops import Done, Failed, Pinned, Received, Start, Token
 from minifaas.gateway.requests import (
     DecodeLost,
     GenerateRequest,
@@ -26,7 +26,7 @@ from minifaas.gateway.requests import (
     TokenEvent,
 )
 from minifaas.gateway.stop_strings import StopMatcher
-from minifaas.gateway.worker_handle import WorkerHandle
+from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.model.detokenizer import IncrementalDecoder
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
@@ -37,7 +37,7 @@ async def decode_tokens(
     record: RequestRecord,
     tokenizer: Tokenizer,
     decode: WorkerHandle,
-    inbox: asyncio.Queue[dict],
+    inbox: asyncio.Queue[Inbound],
     transfer: int,
     first: int,
     deadline: RequestDeadline,
@@ -51,7 +51,7 @@ async def decode_tokens(
     rid = request.request_id
     if finish is None:
         try:
-            decode.send({"op": Op.START, "req": rid, "next_token": first})
+            decode.send(Start(req=rid, next_token=first))
         except RuntimeError as e:  # gone between the prefill and now
             raise DecodeLost(str(e)) from None
         decode.unstepped.add(rid)
@@ -66,28 +66,27 @@ async def decode_tokens(
             asked = time.perf_counter()
             async with deadline.next_token():
                 msg = await inbox.get()
-                while msg.get("transfer", transfer) != transfer or msg["op"] in (Reply.RECEIVED, Reply.PINNED):
+                while getattr(msg, "transfer", transfer) != transfer or isinstance(msg, (Received, Pinned)):
                     msg = await inbox.get()  # "received", or news of an abandoned transfer
             if record.first_step_s is None:
                 record.first_step_s = time.perf_counter() - asked
-            if msg["op"] == Reply.LOST:
-                pid = msg.get("pid", 0)
-                raise DecodeLost(f"decode worker {decode.name} went away", decode.name, suspect(msg, rid), pid)
+            if isinstance(msg, Lost):
+                raise DecodeLost(f"decode worker {decode.name} went away", decode.name, suspect(msg, rid), msg.pid)
             decode.unstepped.discard(rid)
-            if msg["op"] == Reply.FAILED:
-                raise RequestFailed(f"decode worker {decode.name}: {msg.get('error', 'went away')}")
-            if msg["op"] == Reply.DONE:
+            if isinstance(msg, Failed):
+                raise RequestFailed(f"decode worker {decode.name}: {msg.error}")
+            if isinstance(msg, Done):
                 return
-            if msg["op"] == Reply.TOKEN:
-                token, finish = msg["token"], msg["finish"]
+            if isinstance(msg, Token):
+                token, finish = msg.token, msg.finish
     finally:
         decode.unstepped.discard(rid)
 
 
-def suspect(lost: dict, rid: str) -> bool:
+def suspect(lost: Lost, rid: str) -> bool:
     """Whether the decode worker's loss points at this request: the worker ended (a silent one may have been
     stopped before it read anything) while this request, and no other, waited for its first step there."""
-    return not lost.get("silent", False) and lost.get("unstepped") == [rid]
+    return not lost.silent and lost.unstepped == (rid,)
 
 
 class OutputText:

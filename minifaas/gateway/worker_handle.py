@@ -2,10 +2,10 @@
 
 ``attach`` dials the worker's control port, proves the cluster secret both ways and says ``attach``; the
 worker answers what it is. ``pump`` then runs the session: a ping every ``heartbeat_s``, each reply checked
-against ``WORKER_REPLIES`` (one it refuses is logged and dropped: what waits on it times out) and sorted into
+and built by its class (``from_wire``; one it refuses is logged and dropped: what waits on it times out) and sorted into
 its request's inbox; a reply no request waits for any more (a stopped prefill's news) goes to
 ``on_unclaimed``. The session is lost when the connection ends, a frame fails its MAC, or nothing is heard
-for the deadline: the worker stops serving at once and every open inbox receives ``{"op": "lost"}``, so no
+for the deadline: the worker stops serving at once and every open inbox receives ``Lost``, so no
 request waits on a worker that is gone (it falls back instead); the pool attaches again when it answers.
 A worker changing role (``gateway.roles``) is ``draining``: routed nothing new, and ``wait_idle`` returns
 once the requests it holds (open inboxes, and ``claims``: prefills routed to it not yet in one) are done.
@@ -20,18 +20,43 @@ import signal
 import socket
 import ssl as ssl_module
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
-from minifaas.control.schema import BadMessage, validate
+from minifaas.control.schema import BadMessage
 from minifaas.control.session import ControlError, PeerSilent, Refused, Session, SessionLost, connect
-from minifaas.control.worker_ops import CACHE_EVENTS, WORKER_REPLIES, Op, Reply
+from minifaas.control.worker_ops import (
+    CACHE_EVENTS,
+    REPLIES,
+    Attach,
+    Attached,
+    OpMessage,
+    Ping,
+    Pong,
+    ReplyMessage,
+    Tokens,
+    from_wire,
+    to_wire,
+)  # fmt: skip
 from minifaas.launch.launcher import WorkerError, WorkerSpec
 from minifaas.net.address import Address
 from minifaas.net.connections import TcpInfo
 
 log = logging.getLogger("minifaas.gateway")
-LOST = {"op": Reply.LOST}
 GATEWAY_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """The gateway's own word, put in every open inbox when the worker's session is lost: whether the worker
+    went silent, and which requests it had taken without a step of them."""
+
+    silent: bool = False
+    unstepped: tuple[str, ...] = ()
+    pid: int = 0
+
+
+Inbound = ReplyMessage | Lost  # what a request's inbox holds
 
 
 class Busy(ControlError):
@@ -40,27 +65,26 @@ class Busy(ControlError):
 
 async def attach(
     address: Address, secret: bytes, timeout: float, ssl: ssl_module.SSLContext | None = None
-) -> tuple[Session, dict]:
+) -> tuple[Session, Attached]:
     """A session with the worker at ``address`` and what it said it is; raises ControlError."""
     session = await connect(*address, secret, timeout, ssl)
     try:
-        session.send({"op": Op.ATTACH, "gateway": GATEWAY_ID})
+        session.send(to_wire(Attach(gateway=GATEWAY_ID)))
         await session.drain(timeout)
         hello = await session.recv(timeout)
     except BaseException:
         session.close()
         raise
-    if hello is None or hello.get("op") != Reply.ATTACHED:
+    if hello is None or hello.get("op") != Attached.op:
         session.close()
         why = hello.get("error", hello) if hello else "it hung up"
-        kind = Busy if hello and hello.get("op") == Reply.REFUSED else Refused
+        kind = Busy if hello and hello.get("op") == "refused" else Refused  # control.server's, to a second gateway
         raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
     try:
-        validate(hello, WORKER_REPLIES)
+        return session, from_wire(hello, {Attached.op: Attached})
     except BadMessage as e:
         session.close()
         raise Refused(f"{address[0]}:{address[1]} said what it is unreadably: {e}") from None
-    return session, hello
 
 
 class WorkerHandle:
@@ -73,7 +97,7 @@ class WorkerHandle:
         self.alive = False
         self.rejoins = 0  # times it came back after its session was lost
         self.load_tokens = 0  # prompt tokens sent and not yet answered (prefill) / requests decoding
-        self.inboxes: dict[str, asyncio.Queue[dict]] = {CACHE_EVENTS: asyncio.Queue()}  # cache events from the start
+        self.inboxes: dict[str, asyncio.Queue[Inbound]] = {CACHE_EVENTS: asyncio.Queue()}  # cache events from the start
         self.draining = False  # changing role: routed nothing new
         self.retired = False  # stopped for good (replaced by a worker in its new role)
         self.claims = 0  # prefills routed here that have not opened their inbox yet
@@ -85,7 +109,7 @@ class WorkerHandle:
         self.unstepped: set[str] = set()  # requests sent to its batch that no step has answered yet
         self._quieter = asyncio.Event()  # set whenever a request lets go of the worker
         self.gone = asyncio.Event()  # this session's end: a new one per attach, so a waiter sees its own session go
-        self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None
+        self.on_unclaimed: Callable[[WorkerHandle, ReplyMessage], None] | None = None
 
     @property
     def serving(self) -> bool:
@@ -112,14 +136,13 @@ class WorkerHandle:
             self._quieter.clear()
             await self._quieter.wait()
 
-    def attached(self, session: Session, hello: dict, address: Address) -> None:
+    def attached(self, session: Session, hello: Attached, address: Address) -> None:
         """The session is up: take the worker's own account of where it listens."""
-        self.session, self.address, self.pid = session, address, int(hello["pid"])
-        self.codecs = hello.get("codecs") or {}
-        self.kernels = str(hello.get("kernels", "unknown"))
-        self.max_batch = int(hello.get("max_batch") or 0)  # a decode worker's rows per forward, as it sized them
-        kv = hello.get("kv")
-        self.kv = (kv[0] or address[0], int(kv[1])) if kv else None  # no host: the one we reached it at
+        self.session, self.address, self.pid = session, address, hello.pid
+        self.codecs, self.kernels = hello.codecs, hello.kernels
+        self.max_batch = hello.max_batch or 0  # a decode worker's rows per forward, as it sized them
+        kv = hello.kv
+        self.kv = (kv[0] or address[0], kv[1]) if kv else None  # no host: the one we reached it at
         self.gone = asyncio.Event()
         self.alive = True
 
@@ -130,45 +153,45 @@ class WorkerHandle:
         assert self.session is not None
         lost: SessionLost | None = None
         try:
-            lost = await keep_alive(self.session, heartbeat, self._deliver, lambda: {"op": Op.PING})
+            lost = await keep_alive(self.session, heartbeat, self._deliver, lambda: to_wire(Ping()))
             return lost
         finally:
             self.alive = False
             self.gone.set()
-            news = LOST | {"silent": isinstance(lost, PeerSilent), "unstepped": sorted(self.unstepped), "pid": self.pid}
+            news = Lost(isinstance(lost, PeerSilent), tuple(sorted(self.unstepped)), self.pid)
             self.unstepped = set()
             for inbox in self.inboxes.values():
                 inbox.put_nowait(news)
 
     def _deliver(self, raw: dict) -> None:
         try:
-            op, msg = validate(raw, WORKER_REPLIES)
+            msg = from_wire(raw, REPLIES)
         except BadMessage as e:  # a worker of another version, or a bug: what waits on it times out
             log.warning("worker %s: unreadable reply: %s", self.name, e)
             return
-        if op == Reply.PONG:
-            self.tcp = {key: TcpInfo(**info) for key, info in msg.get("tcp", {}).items()}
-            self.queued_bytes = msg.get("queued_bytes", 0)
+        if isinstance(msg, Pong):
+            self.tcp = {key: TcpInfo(**info) for key, info in (msg.tcp or {}).items()}
+            self.queued_bytes = msg.queued_bytes or 0
             return
-        if op == Reply.TOKENS:  # one decode step's tokens, each to its request's inbox
-            for entry in msg["tokens"]:
-                self._route({"op": Reply.TOKEN, **entry})
+        if isinstance(msg, Tokens):  # one decode step's tokens, each to its request's inbox
+            for token in msg.tokens:
+                self._route(token)
             return
         self._route(msg)
 
-    def _route(self, msg: dict) -> None:
-        inbox = self.inboxes.get(msg.get("req", ""))
+    def _route(self, msg: ReplyMessage) -> None:
+        inbox = self.inboxes.get(getattr(msg, "req", ""))
         if inbox is not None:
             inbox.put_nowait(msg)
         else:
             self.unclaimed(msg)
 
-    def unclaimed(self, msg: dict) -> None:
+    def unclaimed(self, msg: ReplyMessage) -> None:
         """A message no waiting request wants (a stopped prefill's news, a reply that came too late)."""
         if self.on_unclaimed is not None:
             self.on_unclaimed(self, msg)
 
-    def open(self, req: str) -> asyncio.Queue[dict]:
+    def open(self, req: str) -> asyncio.Queue[Inbound]:
         self.inboxes[req] = asyncio.Queue()
         return self.inboxes[req]
 
@@ -176,11 +199,11 @@ class WorkerHandle:
         self.inboxes.pop(req, None)
         self._quieter.set()
 
-    def send(self, message: dict) -> None:
+    def send(self, message: OpMessage) -> None:
         if not self.alive or self.session is None:
             raise WorkerError(f"worker {self.name} is not attached")
         try:
-            self.session.send(message)
+            self.session.send(to_wire(message))
         except ControlError as e:
             raise WorkerError(f"worker {self.name}: {e}") from None
 

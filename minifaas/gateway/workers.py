@@ -24,10 +24,10 @@ from collections.abc import Callable
 
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.session import ControlError, Refused, SessionLost
-from minifaas.control.worker_ops import CACHE_EVENTS, Reply
+from minifaas.control.worker_ops import CACHE_EVENTS, Attached, CacheEvents, ReplyMessage
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.prefix_directory import PrefixDirectory
-from minifaas.gateway.worker_handle import Busy, WorkerHandle, attach
+from minifaas.gateway.worker_handle import Busy, Lost, WorkerHandle, attach
 from minifaas.launch.launcher import AttachedLauncher, Launcher, WorkerError, WorkerSpec
 from minifaas.launch.startup import StartupListener, reported
 
@@ -59,7 +59,7 @@ class Workers:
         self.workers: dict[str, WorkerHandle] = {}
         self.known_names: set[str] = set()  # a name is never reused, even after its worker is retired
         self.closing = False
-        self.on_unclaimed: Callable[[WorkerHandle, dict], None] | None = None  # given to every worker
+        self.on_unclaimed: Callable[[WorkerHandle, ReplyMessage], None] | None = None  # given to every worker
         self.on_attached: Callable[[WorkerHandle], None] = lambda w: None  # after each attach, first or again
         self.on_startup: StartupListener | None = None  # told of each worker starting and ready; None: the log
         self._tasks: asyncio.TaskGroup | None = None
@@ -121,14 +121,14 @@ class Workers:
     async def launch(self, spec: WorkerSpec) -> WorkerHandle:
         """Start (or find) the worker, attach, and supervise it from now on."""
         launcher = self.launcher_of(spec)
-        session, hello, address = None, {}, None
+        session, address = None, None
         try:
             what = f"{spec.cluster} {spec.role} worker" if spec.role else f"hand-started {spec.cluster} worker"
             first = self._first_attach(spec, launcher)
             session, hello, address = await reported(self.on_startup, spec.name or spec.label, what, first)
-            if hello["name"] in self.workers:
-                raise WorkerError(f"two workers call themselves {hello['name']}: give one another --name")
-            w = WorkerHandle(spec, hello["name"], hello["role"], hello["cluster"])
+            if hello.name in self.workers:
+                raise WorkerError(f"two workers call themselves {hello.name}: give one another --name")
+            w = WorkerHandle(spec, hello.name, hello.role, hello.cluster)
             w.on_unclaimed = self.on_unclaimed
             w.attached(session, hello, address)
             await self.link.join(w)
@@ -168,12 +168,12 @@ class Workers:
             raise
         return session, hello, address
 
-    def _check(self, spec: WorkerSpec, hello: dict) -> None:
-        said = (hello.get("name"), hello.get("role"), hello.get("cluster"))
-        if not all(isinstance(v, str) and v for v in said):
+    def _check(self, spec: WorkerSpec, hello: Attached) -> None:
+        said = (hello.name, hello.role, hello.cluster)
+        if not all(said):
             raise WorkerError(f"{spec.label} did not say what it is: {hello}")
-        if hello.get("model") != self.model:
-            raise WorkerError(f"{spec.label} serves the model {hello.get('model')}; this gateway serves {self.model}")
+        if hello.model != self.model:
+            raise WorkerError(f"{spec.label} serves the model {hello.model}; this gateway serves {self.model}")
         wanted = (spec.name or said[0], spec.role or said[1], spec.cluster)
         if said != wanted or said[1] not in ("prefill", "decode") or (said[2], said[1]) == ("prfaas", "decode"):
             raise WorkerError(f"{spec.label} says it is the {said[2]} {said[1]} worker {said[0]}, expected {wanted}")
@@ -200,8 +200,8 @@ class Workers:
                     address = await self.launcher_of(w.spec).start(w.spec)
                     session, hello = await attach(address, self.secret, ATTACH_TIMEOUT_S, self.ssl)
                     self._check(w.spec, hello)
-                    if (hello["name"], hello["role"]) != (w.name, w.role):
-                        raise WorkerError(f"{hello['name']} ({hello['role']}) answers where {w.name} was")
+                    if (hello.name, hello.role) != (w.name, w.role):
+                        raise WorkerError(f"{hello.name} ({hello.role}) answers where {w.name} was")
                     w.attached(session, hello, address)
                     await self.link.join(w)
                     break
@@ -221,12 +221,12 @@ class Workers:
         inbox = w.inboxes[CACHE_EVENTS]
         while not self.closing:
             msg = await inbox.get()
-            if msg["op"] == Reply.CACHE:
-                self.prefixes.apply(msg["events"])
-            elif msg["op"] == Reply.LOST and w.retired:
+            if isinstance(msg, CacheEvents):
+                self.prefixes.apply(msg.events)
+            elif isinstance(msg, Lost) and w.retired:
                 self.prefixes.drop(w.name)
                 return
-            elif msg["op"] == Reply.LOST:
+            elif isinstance(msg, Lost):
                 self.prefixes.forget(w.name)  # a re-attached worker sends its inventory again
 
     async def _shutdown(self) -> None:
@@ -236,4 +236,4 @@ class Workers:
         launched = {w.name: w.spec for w in self.workers.values()}
         await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
         for w in self.workers.values():  # ends _follow_cache even if no session was left to lose
-            w.inboxes[CACHE_EVENTS].put_nowait({"op": Reply.LOST})
+            w.inboxes[CACHE_EVENTS].put_nowait(Lost())

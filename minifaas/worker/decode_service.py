@@ -21,14 +21,14 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from minifaas.control.worker_ops import Reply, sampling_from_json
+from minifaas.control.worker_ops import Decode, Done, Failed, Received, ReplyMessage, Token
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import SamplingParams
 
-Emit = Callable[[dict], None]
+Emit = Callable[[ReplyMessage], None]
 
 
 class ArrivingState(Protocol):
@@ -81,16 +81,15 @@ class DecodeService:
             self.first_tokens[req] = asyncio.get_running_loop().create_future()
         return self.first_tokens[req]
 
-    async def decode(self, msg: dict, emit: Emit) -> None:
+    async def decode(self, msg: Decode, emit: Emit) -> None:
         """Wait for the state and the first token, then hand the request to the decoder."""
-        req, transfer = msg["req"], msg["transfer"]
-        sampling = sampling_from_json(msg["sampling"])
+        req, transfer, sampling = msg.req, msg.transfer, msg.sampling
         incoming = self.receiver.transfer(transfer)
         first = self._first_token(req)
         try:
             async with asyncio.timeout(self.state_timeout or None):  # 0: the gateway's first-token deadline
                 state = await incoming.model_state()
-            emit({"op": Reply.RECEIVED, "req": req, "transfer": transfer, "bytes": state.nbytes})
+            emit(Received(req=req, transfer=transfer, bytes=state.nbytes))
             async with asyncio.timeout(self.state_timeout or None):
                 next_token = await first
         finally:
@@ -98,7 +97,7 @@ class DecodeService:
                 del self.first_tokens[req]
         finish = decode_finish(self.runtime, sampling, next_token, 1, state.seq_len)
         if finish is not None:
-            emit({"op": Reply.DONE, "req": req, "transfer": transfer, "finish": finish})
+            emit(Done(req=req, transfer=transfer, finish=finish))
             return
         self.clients[req] = (emit, transfer)
         if self.stepping:
@@ -131,7 +130,7 @@ class DecodeService:
         except (QueueFull, ValueError) as e:  # full, or a bad state: this request fails, the others go on
             emit, transfer = self.clients.pop(req)
             why = f"overloaded: {e}" if isinstance(e, QueueFull) else f"{type(e).__name__}: {e}"
-            emit({"op": Reply.FAILED, "req": req, "transfer": transfer, "error": why})
+            emit(Failed(req=req, transfer=transfer, error=why))
 
     def _apply_pending(self) -> None:
         for req in self.aborts:
@@ -157,7 +156,7 @@ class DecodeService:
                 if client is None:  # aborted while its token was being computed
                     continue
                 emit, transfer = client
-                emit({"op": Reply.TOKEN, "req": t.request, "transfer": transfer, "token": t.token, "finish": t.finish})
+                emit(Token(t.request, transfer, t.token, t.finish))
                 if t.finish is not None:
                     del self.clients[t.request]
             if self.config.hold and len(self.first_tokens) > self.decoder.load:  # more on their way than here

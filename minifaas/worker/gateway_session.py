@@ -4,8 +4,8 @@ A worker serves one gateway at a time (``control.server`` refuses a second).
 On ``attach`` it says what it is and sends its pool's inventory, so a gateway
 that restarted learns what the node already holds.
 
-Every message is checked against ``WORKER_OPS`` first, then goes to its op's
-handler (an op the role does not serve is refused); one the table refuses, or
+Every message is checked and built by its class (``worker_ops.from_wire``) first, then goes to its op's
+handler (an op the role does not serve is refused); one its class refuses, or
 whose handling raises, is answered ``error`` and the session goes on. Each
 request runs as a task of the session. When the session ends (the gateway
 closed it, went silent past the deadline, or sent a frame that failed its MAC),
@@ -24,11 +24,38 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from minifaas.cache.pool import HybridPrefixPool
-from minifaas.control.schema import BadMessage, validate
+from minifaas.control.schema import BadMessage
 from minifaas.control.session import ControlError, Garbled, Session
-from minifaas.control.worker_ops import CACHE_EVENTS, WORKER_OPS, Op, Reply
+from minifaas.control.worker_ops import (
+    CACHE_EVENTS,
+    OPS,
+    Abort,
+    Aborted,
+    Attach,
+    Attached,
+    CacheEvents,
+    Decode,
+    Done,
+    Error,
+    Export,
+    Failed,
+    Load,
+    LoadReply,
+    OpMessage,
+    Ping,
+    Pinned,
+    Pong,
+    Prefill,
+    ReplyMessage,
+    Start,
+    Token,
+    Tokens,
+    from_wire,
+    to_wire,
+)  # fmt: skip
 from minifaas.net.errors import TransferError
 from minifaas.worker.decode_prefix import DecodePrefixCache
 from minifaas.worker.decode_service import DecodeService
@@ -36,6 +63,7 @@ from minifaas.worker.prefill_service import PrefillService
 
 log = logging.getLogger("minifaas.worker")
 INVENTORY_BATCH = 1000  # cache events per message when a gateway attaches
+Job = Prefill | Export | Decode  # a request's work, run as a task of the session
 
 
 @dataclass(slots=True)
@@ -60,36 +88,36 @@ class WorkerSession:
         self.jobs: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
         self.tasks: asyncio.TaskGroup | None = None
-        self.tokens: list[dict] = []  # token messages of this turn of the loop, not sent yet (``emit``)
-        self.handlers: dict[str, Callable[[dict], None]] = {
-            Op.ATTACH: self.attach,
-            Op.PING: self.ping,
-            Op.ABORT: self.abort,
-            Op.LOAD: self.load,
+        self.tokens: list[Token] = []  # token messages of this turn of the loop, not sent yet (``emit``)
+        self.handlers: dict[type[OpMessage], Callable[[Any], None]] = {
+            Attach: self.attach,
+            Ping: self.ping,
+            Abort: self.abort,
+            Load: self.load,
         }
 
-    def send(self, message: dict) -> None:
+    def send(self, message: ReplyMessage) -> None:
         self.send_tokens()
         if not self.session.closed:  # after the session ended its requests answer no one
-            self.session.send(message)
+            self.session.send(to_wire(message))
 
     def send_tokens(self) -> None:
         """The token messages held back so far, as one ``tokens`` message."""
         if self.tokens:
             tokens, self.tokens = self.tokens, []
             if not self.session.closed:
-                self.session.send({"op": Reply.TOKENS, "tokens": tokens})
+                self.session.send(to_wire(Tokens(tokens=tokens)))
 
     def send_cache_events(self) -> None:
         if self.pool is not None and (events := self.pool.drain_events()):
-            self.send({"op": Reply.CACHE, "req": CACHE_EVENTS, "events": [e.to_json() for e in events]})
+            self.send(CacheEvents(req=CACHE_EVENTS, events=[e.to_json() for e in events]))
 
-    def emit(self, message: dict) -> None:
+    def emit(self, message: ReplyMessage) -> None:
         self.send_cache_events()  # the pool's changes go out before the news that follows them
-        if message["op"] == Reply.TOKEN:  # held until this turn of the loop is over: a step's tokens in one frame
+        if isinstance(message, Token):  # held until this turn of the loop is over: a step's tokens in one frame
             if not self.tokens:
                 asyncio.get_running_loop().call_soon(self.send_tokens)
-            self.tokens.append({k: v for k, v in message.items() if k != "op"})
+            self.tokens.append(message)
             return
         self.send(message)
 
@@ -109,63 +137,64 @@ class WorkerSession:
             raw = await self.session.recv(self.deadline_s)
             if raw is None:
                 return False
-            op, msg = validate(raw, WORKER_OPS)
-            if op not in self.handlers:
-                raise BadMessage(f"a {self.node.role} worker does not {op}")
-            self.handlers[op](msg)
+            msg = from_wire(raw, OPS)
+            if type(msg) not in self.handlers:
+                raise BadMessage(f"a {self.node.role} worker does not {msg.op}")
+            self.handlers[type(msg)](msg)
         except (Garbled, BadMessage) as e:
-            self.send({"op": Reply.ERROR, "req": _req_of(raw), "error": str(e)})
+            self.send(Error(req=_req_of(raw), error=str(e)))
         except ControlError:
             raise
         except Exception as e:  # a bug in handling one message: say so, keep serving
             log.exception("control message %s failed", _req_of(raw))
-            self.send({"op": Reply.ERROR, "req": _req_of(raw), "error": f"{type(e).__name__}: {e}"})
+            self.send(Error(req=_req_of(raw), error=f"{type(e).__name__}: {e}"))
         return True
 
     def end(self) -> None:
         for task in self.jobs.values():
             task.cancel()
 
-    def describe(self) -> dict:
+    def attach(self, msg: Attach) -> None:
         node = self.node
-        return {"name": node.name, "role": node.role, "cluster": node.cluster, "model": node.model}
-
-    def attach(self, msg: dict) -> None:
-        node = self.node
-        described = {**self.describe(), "kv": node.kv, "pid": node.pid, "codecs": node.codecs, "kernels": node.kernels}
-        self.send({"op": Reply.ATTACHED, **described, "deadline_s": self.deadline_s})
+        self.send(Attached(name=node.name, role=node.role, cluster=node.cluster, model=node.model,
+                           max_batch=self.max_batch(), kv=node.kv, pid=node.pid, codecs=node.codecs,
+                           kernels=node.kernels, deadline_s=self.deadline_s))  # fmt: skip
         events = self.pool.inventory(time.perf_counter()) if self.pool is not None else []
         for i in range(0, len(events), INVENTORY_BATCH):
             batch = [e.to_json() for e in events[i : i + INVENTORY_BATCH]]
-            self.send({"op": Reply.CACHE, "req": CACHE_EVENTS, "events": batch})
+            self.send(CacheEvents(req=CACHE_EVENTS, events=batch))
 
-    def ping(self, msg: dict) -> None:
-        self.send({"op": Reply.PONG})
+    def max_batch(self) -> int | None:
+        """Rows per forward, said on ``attach`` by a decode worker only."""
+        return None
 
-    def load(self, msg: dict) -> None:
-        self.emit({"op": Reply.LOAD, "req": msg["req"], "load": self.queued()})
+    def ping(self, msg: Ping) -> None:
+        self.send(Pong())
+
+    def load(self, msg: Load) -> None:
+        self.emit(LoadReply(req=msg.req, load=self.queued()))
 
     def queued(self) -> int:
         raise NotImplementedError
 
-    def run(self, msg: dict) -> None:
+    def run(self, msg: Job) -> None:
         """Start a request's work as a task of the session."""
-        req = msg["req"]
+        req = msg.req
         if req in self.jobs:
             raise BadMessage(f"request {req!r} is already running")
         assert self.tasks is not None
         self.jobs[req] = self.tasks.create_task(self.job(msg))
 
-    def abort(self, msg: dict) -> None:
-        req = msg["req"]
+    def abort(self, msg: Abort) -> None:
+        req = msg.req
         task = self.jobs.pop(req, None)
         if task is not None:  # a prefill stops at its next layer (PrefillService.prefill)
             self.aborted.add(req)
             task.cancel()
 
-    async def job(self, msg: dict) -> None:
+    async def job(self, msg: Job) -> None:
         """One request's work, and its answer however it ends."""
-        req = msg["req"]
+        req = msg.req
         try:
             await self.work(msg)
         except asyncio.CancelledError:  # aborted by the gateway, or the session is over
@@ -181,13 +210,13 @@ class WorkerSession:
                 self.jobs.pop(req, None)
                 self.aborted.discard(req)
 
-    async def work(self, msg: dict) -> None:
+    async def work(self, msg: Job) -> None:
         raise NotImplementedError
 
-    def cancelled(self, msg: dict) -> None:
+    def cancelled(self, msg: Job) -> None:
         """A request's work was cancelled (the gateway aborted it, or the session is over)."""
 
-    def ended(self, msg: dict) -> None:
+    def ended(self, msg: Job) -> None:
         """A request's work is over, however it ended."""
 
 
@@ -197,37 +226,37 @@ class PrefillSession(WorkerSession):
     def __init__(self, node: WorkerNode, session: Session, deadline_s: float, service: PrefillService) -> None:
         super().__init__(node, session, deadline_s, service.store.pool)
         self.service = service
-        self.handlers |= {Op.PREFILL: self.run, Op.EXPORT: self.run, Op.START: self.start}
+        self.handlers |= {Prefill: self.run, Export: self.run, Start: self.start}
         service.kept = self.send_cache_events  # a prompt's blocks are stored after its reply: news follows
 
-    def start(self, msg: dict) -> None:
+    def start(self, msg: Start) -> None:
         """A prefill worker has no use for a first token."""
 
     def queued(self) -> int:
         return self.service.queued_tokens
 
-    def ping(self, msg: dict) -> None:
+    def ping(self, msg: Ping) -> None:
         """With TCP_INFO of every KV connection this worker sends on, for the gateway's link health."""
         tcp, queued = {}, 0
         for (host, port), sender in self.service.senders.items():
             queued += sender.queued_bytes
             for key, info in sender.tcp_infos().items():
                 tcp[f"{host}:{port}/{key}"] = dataclasses.asdict(info)
-        self.send({"op": Reply.PONG, "tcp": tcp, "queued_bytes": queued})
+        self.send(Pong(tcp=tcp, queued_bytes=queued))
 
-    async def work(self, msg: dict) -> None:
-        if msg["op"] == Op.EXPORT:
+    async def work(self, msg: Job) -> None:
+        if isinstance(msg, Export):
             self.emit(await self.service.export(msg))
         else:  # ``first`` is sent as it is; the pool's news goes out with the reply
             self.emit(await self.service.prefill(msg, self.send))
 
-    def cancelled(self, msg: dict) -> None:
-        if msg["op"] != Op.PREFILL:
+    def cancelled(self, msg: Job) -> None:
+        if not isinstance(msg, Prefill):
             return
-        req = msg["req"]
+        req = msg.req
         done = self.service.stopped_at.pop(req, 0)
         if req in self.aborted:
-            self.emit({"op": Reply.ABORTED, "req": req, "tokens": len(msg["tokens"]), "done_tokens": done})
+            self.emit(Aborted(req=req, tokens=len(msg.tokens), done_tokens=done))
 
 
 class DecodeSession(WorkerSession):
@@ -244,36 +273,36 @@ class DecodeSession(WorkerSession):
         super().__init__(node, session, deadline_s, prefixes.pool if prefixes is not None else None)
         self.service, self.prefixes = service, prefixes
         self.decoding: set[str] = set()  # this session's decode requests, until their last message or abort
-        self.handlers |= {Op.DECODE: self.run, Op.START: self.start}
+        self.handlers |= {Decode: self.run, Start: self.start}
 
-    def describe(self) -> dict:
-        return {**super().describe(), "max_batch": self.service.max_batch}  # its rows per forward, as sized
+    def max_batch(self) -> int | None:
+        return self.service.max_batch  # as sized
 
     def queued(self) -> int:
         return self.service.load
 
-    def emit(self, message: dict) -> None:
+    def emit(self, message: ReplyMessage) -> None:
         super().emit(message)
-        if message["op"] in (Reply.DONE, Reply.FAILED) or message.get("finish"):
-            self.decoding.discard(message["req"])  # its row is gone: nothing to abort when the session ends
+        if isinstance(message, (Done, Failed)) or (isinstance(message, Token) and message.finish):
+            self.decoding.discard(message.req)  # its row is gone: nothing to abort when the session ends
 
-    def run(self, msg: dict) -> None:
-        req = msg["req"]
+    def run(self, msg: Job) -> None:
+        req = msg.req
         if req in self.jobs:
             raise BadMessage(f"request {req!r} is already running")
         if self.prefixes is not None:
-            pinned = self.prefixes.pin(msg["transfer"], msg["tokens"], msg["link_start"], time.perf_counter())
-            if msg["link_start"]:
-                self.emit({"op": Reply.PINNED, "req": req, "transfer": msg["transfer"], "tokens": pinned})
+            pinned = self.prefixes.pin(msg.transfer, msg.tokens, msg.link_start, time.perf_counter())
+            if msg.link_start:
+                self.emit(Pinned(req=req, transfer=msg.transfer, tokens=pinned))
         self.decoding.add(req)
         super().run(msg)
 
-    def start(self, msg: dict) -> None:
-        self.service.start(msg["req"], msg["next_token"])
+    def start(self, msg: Start) -> None:
+        self.service.start(msg.req, msg.next_token)
 
-    def abort(self, msg: dict) -> None:
-        self.service.abort(msg["req"])
-        self.decoding.discard(msg["req"])
+    def abort(self, msg: Abort) -> None:
+        self.service.abort(msg.req)
+        self.decoding.discard(msg.req)
         super().abort(msg)
 
     def end(self) -> None:
@@ -281,16 +310,16 @@ class DecodeSession(WorkerSession):
         for req in self.decoding:
             self.service.abort(req)
 
-    async def work(self, msg: dict) -> None:
+    async def work(self, msg: Job) -> None:
         await self.service.decode(msg, self.emit)
 
-    def ended(self, msg: dict) -> None:
+    def ended(self, msg: Job) -> None:
         if self.prefixes is not None:
-            self.prefixes.cancel(msg["transfer"])  # unpins a prefix whose state never arrived
+            self.prefixes.cancel(msg.transfer)  # unpins a prefix whose state never arrived
 
 
-def _failed(msg: dict, e: BaseException) -> dict:
-    return {"op": Reply.FAILED, "req": msg["req"], "transfer": msg["transfer"], "error": f"{type(e).__name__}: {e}"}
+def _failed(msg: Job, e: BaseException) -> Failed:
+    return Failed(req=msg.req, transfer=msg.transfer, error=f"{type(e).__name__}: {e}")
 
 
 def _req_of(raw: object) -> str:

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Protocol, TypeVar
 
+from minifaas.control.worker_ops import Prefill
 from minifaas.model.batch_prefill import prefill_batch
 from minifaas.model.decode_memory import RowBytes, row_bytes
 from minifaas.model.runtime import ModelRuntime
@@ -28,9 +29,8 @@ T = TypeVar("T")
 
 
 class Member(Protocol):
-    msg: dict
+    msg: Prefill
     plan: CachedPrefill | None
-    sampling: SamplingParams
     adopted: asyncio.Future[None] | None
     batch: PrefillBatch | None
     sender: KVSender
@@ -38,6 +38,9 @@ class Member(Protocol):
 
     @property
     def tokens(self) -> list[int]: ...
+
+    @property
+    def sampling(self) -> SamplingParams: ...
 
 
 def cold(plan: CachedPrefill) -> bool:
@@ -77,14 +80,14 @@ def gather(leader: Member, waiting: list[Member], store: PrefixStore, budget: in
     """The prompts queued behind ``leader`` that can share its forward, each with its plan (a prompt whose plan is
     not cold stays queued, planless); none when ``leader`` cannot lead a batch."""
     n, plan = len(leader.tokens), leader.plan
-    if 2 * n > budget or "import" in leader.msg or plan is None or not cold(plan):
+    if 2 * n > budget or leader.msg.import_ is not None or plan is None or not cold(plan):
         return []
     riders: list[Member] = []
     for other in list(waiting):
         if (len(riders) + 2) * n > budget:
             break
-        if len(other.tokens) == n and "import" not in other.msg:
-            other.plan = store.begin(other.tokens, time.perf_counter(), other.msg.get("seen_tokens", 0))
+        if len(other.tokens) == n and other.msg.import_ is None:
+            other.plan = store.begin(other.tokens, time.perf_counter(), other.msg.seen_tokens or 0)
             if cold(other.plan):
                 riders.append(other)
             else:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from minifaas.codec.codec import Codec, usable
-from minifaas.control.worker_ops import Reply, sampling_from_json
+from minifaas.control.worker_ops import Export, Exported, First, Prefill, Prefilled
 from minifaas.model.host_copy import HostCopier
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime
@@ -89,23 +89,23 @@ class PrefillService:
             self.senders[key] = KVSender(config)
         return self.senders[key]
 
-    async def prefill(self, msg: dict, first: Callable[[dict], None] | None = None) -> dict:
-        """Prefill ``msg["tokens"]``, stream the state to ``msg["kv"]``; the ``prefilled`` reply. ``first`` gets
-        the first token (``{"op": "first"}``) as soon as the forwards are done, ahead of the transfer's tail.
+    async def prefill(self, msg: Prefill, first: Callable[[First], None] | None = None) -> Prefilled:
+        """Prefill ``msg.tokens``, stream the state to ``msg.kv``; the ``prefilled`` reply. ``first`` gets
+        the first token (``First``) as soon as the forwards are done, ahead of the transfer's tail.
         Cancelling the task aborts the request: the forward stops early, ``stopped_at[req]`` says how far."""
-        job = PrefillJob(msg, sampling_from_json(msg["sampling"]), self.sender(*msg["kv"]), time.perf_counter())
-        if "import" in msg:
-            await self._import(job.tokens, msg["import"])
+        job = PrefillJob(msg, self.sender(*msg.kv), time.perf_counter())
+        if msg.import_ is not None:
+            await self._import(job.tokens, msg.import_)
         self.queued.add(job)
         try:
             job.holds_lock = await self.batcher.turn(job)  # False: a batch ahead took it along, planned
             job.started = time.perf_counter()
             if job.batch is None:  # batching is chosen once, here: alone, or leading the prompts queued behind
-                job.plan = self.store.begin(job.tokens, job.started, msg.get("seen_tokens", 0))
+                job.plan = self.store.begin(job.tokens, job.started, msg.seen_tokens or 0)
                 self.batcher.gather(job)
             return await self._run(job, first)
         except asyncio.CancelledError:
-            self.stopped_at[msg["req"]] = job.sink.handed_tokens if job.sink is not None else 0
+            self.stopped_at[msg.req] = job.sink.handed_tokens if job.sink is not None else 0
             raise
         finally:  # whatever the pool's task did not take over is given back
             if job.batch is not None:
@@ -116,15 +116,15 @@ class PrefillService:
             if job.holds_lock:
                 self.compute.release()
 
-    async def _run(self, job: PrefillJob, first: Callable[[dict], None] | None) -> dict:
+    async def _run(self, job: PrefillJob, first: Callable[[First], None] | None) -> Prefilled:
         """The core: the forwards, each layer put in the transfer's sink as it is made; the first token; the reply."""
         msg, plan = job.msg, job.plan
         assert plan is not None
         if job.batch is None and not self.chunk_tokens:  # the snapshot segments, before the transfer opens
             await self._on_forward_thread(job, self.store.advance, self.runtime, plan)
         connections = self.batcher.connections(job, self.connections)  # a batch's states are a few chunks each
-        async with job.sender.stream(msg["transfer"], self.runtime.num_states, 0, self.codec(msg), connections) as tx:
-            job.sink = TransferSink(tx, msg.get("link_start", 0), len(job.tokens), job.stop)
+        async with job.sender.stream(msg.transfer, self.runtime.num_states, 0, self.codec(msg), connections) as tx:
+            job.sink = TransferSink(tx, msg.link_start, len(job.tokens), job.stop)
             if job.batch is None:
                 computed = await self._on_forward_thread(
                     job, self.store.compute, self.runtime, plan, job.sink, job.sampling, self.chunk_tokens
@@ -134,8 +134,7 @@ class PrefillService:
             self.queued.discard(job)  # its forwards are done: it no longer counts as queued
             computed_at = time.perf_counter()
             if first is not None:  # the client may see it while the transfer's tail is still on the wire
-                first({"op": Reply.FIRST, "req": msg["req"], "transfer": msg["transfer"],
-                       "next_token": computed.result.next_token})  # fmt: skip
+                first(First(req=msg.req, transfer=msg.transfer, next_token=computed.result.next_token))
             self._keep(job, computed)
         assert tx.report is not None
         return _prefilled(job, plan, computed, tx.report, computed_at, time.perf_counter())
@@ -172,9 +171,9 @@ class PrefillService:
         self._keeping.add(task)
         task.add_done_callback(self._keeping.discard)
 
-    def codec(self, msg: dict) -> Codec:
+    def codec(self, msg: Prefill | Export) -> Codec:
         """The codec the gateway asked for, or the nearest this worker allows."""
-        return usable(Codec.named(msg.get("codec", "none")), frozenset(self.codecs))
+        return usable(Codec.named(msg.codec or "none"), frozenset(self.codecs))
 
     def calibrate(self) -> dict[str, list[float]]:
         """Each codec this worker may use, measured once on the state of a real prefill: what the
@@ -198,18 +197,18 @@ class PrefillService:
         self.store.import_state(tokens, state, time.perf_counter())
         self.store.pool.counts["moves_imported"] += 1
 
-    async def export(self, msg: dict) -> dict:
+    async def export(self, msg: Export) -> Exported:
         """Send the usable prefix of ``tokens`` up to ``length`` to another cluster's node."""
-        lease, state = self.store.export_state(msg["tokens"], msg["length"], time.perf_counter())
+        lease, state = self.store.export_state(msg.tokens, msg.length, time.perf_counter())
         try:
             report = None
             if state is not None:
-                report = await self.sender(*msg["kv"]).send(msg["transfer"], state, self.codec(msg))
+                report = await self.sender(*msg.kv).send(msg.transfer, state, self.codec(msg))
         finally:
             self.store.pool.release(lease)
         nbytes = state.nbytes if state is not None else 0
-        reply = {"op": Reply.EXPORTED, "req": msg["req"], "tokens": lease.hit_tokens, "bytes": nbytes}
-        return reply | (coding(report) if report is not None else {})
+        coded = coding(report) if report is not None else {}  # none when nothing was sent
+        return Exported(req=msg.req, tokens=lease.hit_tokens, bytes=nbytes, **coded)
 
     async def close(self) -> None:
         await asyncio.gather(*self._keeping, return_exceptions=True)
@@ -222,8 +221,7 @@ class PrefillJob:
     """A prompt on its way through the service, and what it holds: its plan and the compute lock, until the
     pool's task takes them over."""
 
-    msg: dict
-    sampling: SamplingParams
+    msg: Prefill
     sender: KVSender
     arrived: float
     started: float = 0.0  # its turn came
@@ -236,29 +234,32 @@ class PrefillJob:
 
     @property
     def tokens(self) -> list[int]:
-        return self.msg["tokens"]
+        return self.msg.tokens
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.msg.sampling
 
 
 def _prefilled(
     job: PrefillJob, plan: CachedPrefill, computed: Computed, report: TransferReport, computed_at: float, now: float
-) -> dict:
+) -> Prefilled:
     """The reply: the first token, what the cache saved, where the time went, what the codec did."""
     assert job.sink is not None
     result = computed.result
-    return {
-        "op": Reply.PREFILLED,
-        "req": job.msg["req"],
-        "transfer": job.msg["transfer"],
-        "next_token": result.next_token,
-        "kv_bytes": job.sink.nbytes,
-        "cached_tokens": plan.hit_tokens,
-        "computed_tokens": result.computed_tokens,
-        "queue_s": job.started - job.arrived,
-        "prefill_s": result.seconds,
-        "transfer_tail_s": now - computed_at,
-        "worker_s": now - job.started,
+    return Prefilled(
+        req=job.msg.req,
+        transfer=job.msg.transfer,
+        next_token=result.next_token,
+        kv_bytes=job.sink.nbytes,
+        cached_tokens=plan.hit_tokens,
+        computed_tokens=result.computed_tokens,
+        queue_s=job.started - job.arrived,
+        prefill_s=result.seconds,
+        transfer_tail_s=now - computed_at,
+        worker_s=now - job.started,
         **coding(report),
-    }
+    )
 
 
 def coding(report: TransferReport) -> dict:

@@ -1,0 +1,158 @@
+"""The worker protocol's dataclasses: the bytes each sends are those of the dict a sender wrote by hand, and a message
+that breaks a bound is refused with the words the per-op field tables used.
+
+Each dict below is a message as a call site built it before the dataclasses (same keys, same order); the
+session signs ``json.dumps(message, separators=(",", ":"))``, so equal bodies are equal frames.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+
+import pytest
+
+from minifaas.control.schema import BadMessage
+from minifaas.control.worker_ops import (
+    OPS,
+    REPLIES,
+    SAMPLING,
+    Abort,
+    Aborted,
+    Attach,
+    Attached,
+    CacheEvents,
+    Decode,
+    Done,
+    Error,
+    Export,
+    Exported,
+    Failed,
+    First,
+    Load,
+    LoadReply,
+    Ping,
+    Pinned,
+    Pong,
+    Prefill,
+    Prefilled,
+    Received,
+    Start,
+    Token,
+    Tokens,
+    from_wire,
+    to_wire,
+)  # fmt: skip
+from minifaas.model.sampling import SamplingParams
+from minifaas.net.connections import TcpInfo
+
+P = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_tokens=2, seed=3, stop_token_ids=(1, 2))
+S = {"max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_tokens": 2, "presence_penalty": 0.0,
+     "frequency_penalty": 0.0, "seed": 3, "stop_token_ids": [1, 2], "ignore_eos": False}  # fmt: skip
+EVENT = {"kind": "stored", "entry": "e", "cluster": "pd", "node": "n", "key": "k", "parent": "", "length": 16,
+         "nbytes": 4096, "at": 1.5}  # fmt: skip
+CODING = {"codec": "fp8", "kv_wire_bytes": 50, "kv_encode_s": 0.01, "kv_decode_s": 0.02}
+TCP = {f.name: 1 for f in fields(TcpInfo)}
+
+PAIRS = [  # (the dict a sender wrote, the message it is now)
+    ({"op": "attach", "gateway": "host:1"}, Attach(gateway="host:1")),
+    ({"op": "ping"}, Ping()),
+    ({"op": "prefill", "req": "r", "transfer": 5, "tokens": [1, 2], "sampling": S, "kv": ["h", 9], "link_start": 0,
+      "codec": "none", "seen_tokens": 16, "import": 4},
+     Prefill(req="r", transfer=5, tokens=[1, 2], sampling=P, kv=["h", 9], link_start=0, codec="none",
+             seen_tokens=16, import_=4)),
+    ({"op": "prefill", "req": "r", "transfer": 5, "tokens": [1], "sampling": S, "kv": ["h", 9], "link_start": 0,
+      "codec": "fp8", "seen_tokens": 0},
+     Prefill(req="r", transfer=5, tokens=[1], sampling=P, kv=["h", 9], link_start=0, codec="fp8", seen_tokens=0)),
+    ({"op": "export", "req": "r", "transfer": 6, "tokens": [1, 2, 3], "length": 2, "kv": ["h", 9], "codec": "none"},
+     Export(req="r", transfer=6, tokens=[1, 2, 3], length=2, kv=["h", 9], codec="none")),
+    ({"op": "decode", "req": "r", "transfer": 5, "sampling": S, "tokens": [1, 2], "link_start": 32},
+     Decode(req="r", transfer=5, sampling=P, tokens=[1, 2], link_start=32)),
+    ({"op": "start", "req": "r", "next_token": 7}, Start(req="r", next_token=7)),
+    ({"op": "abort", "req": "r"}, Abort(req="r")),
+    ({"op": "load", "req": "r"}, Load(req="r")),
+    ({"op": "attached", "name": "d0", "role": "decode", "cluster": "pd", "model": "m", "max_batch": 8, "kv": ["", 7],
+      "pid": 42, "codecs": {}, "kernels": "torch", "deadline_s": 5.0},
+     Attached(name="d0", role="decode", cluster="pd", model="m", max_batch=8, kv=["", 7], pid=42, codecs={},
+              kernels="torch", deadline_s=5.0)),
+    ({"op": "attached", "name": "p0", "role": "prefill", "cluster": "prfaas", "model": "m", "kv": None, "pid": 43,
+      "codecs": {"fp8": [100.0, 50.0, 0.01, 0.02]}, "kernels": "fla", "deadline_s": 5},
+     Attached(name="p0", role="prefill", cluster="prfaas", model="m", kv=None, pid=43,
+              codecs={"fp8": [100.0, 50.0, 0.01, 0.02]}, kernels="fla", deadline_s=5)),
+    ({"op": "cache", "req": "@cache", "events": [EVENT]}, CacheEvents(req="@cache", events=[EVENT])),
+    ({"op": "pong"}, Pong()),
+    ({"op": "pong", "tcp": {"h:1/0": TCP}, "queued_bytes": 0}, Pong(tcp={"h:1/0": TCP}, queued_bytes=0)),
+    ({"op": "first", "req": "r", "transfer": 5, "next_token": 11}, First(req="r", transfer=5, next_token=11)),
+    ({"op": "prefilled", "req": "r", "transfer": 5, "next_token": 11, "kv_bytes": 100, "cached_tokens": 16,
+      "computed_tokens": 2, "queue_s": 0.0, "prefill_s": 0.5, "transfer_tail_s": 0.25, "worker_s": 1.0, **CODING},
+     Prefilled(req="r", transfer=5, next_token=11, kv_bytes=100, cached_tokens=16, computed_tokens=2, queue_s=0.0,
+               prefill_s=0.5, transfer_tail_s=0.25, worker_s=1.0, **CODING)),
+    ({"op": "exported", "req": "r", "tokens": 0, "bytes": 0}, Exported(req="r", tokens=0, bytes=0)),
+    ({"op": "exported", "req": "r", "tokens": 16, "bytes": 100} | CODING,
+     Exported(req="r", tokens=16, bytes=100, **CODING)),
+    ({"op": "aborted", "req": "r", "tokens": 90, "done_tokens": 64}, Aborted(req="r", tokens=90, done_tokens=64)),
+    ({"op": "pinned", "req": "r", "transfer": 5, "tokens": 32}, Pinned(req="r", transfer=5, tokens=32)),
+    ({"op": "received", "req": "r", "transfer": 5, "bytes": 100}, Received(req="r", transfer=5, bytes=100)),
+    ({"op": "tokens", "tokens": [{"req": "a", "transfer": 5, "token": 3, "finish": None},
+                                 {"req": "b", "transfer": 6, "token": 4, "finish": "length"}]},
+     Tokens(tokens=[Token("a", 5, 3, None), Token("b", 6, 4, "length")])),
+    ({"op": "done", "req": "r", "transfer": 5, "finish": "stop"}, Done(req="r", transfer=5, finish="stop")),
+    ({"op": "load", "req": "r", "load": 3}, LoadReply(req="r", load=3)),
+    ({"op": "failed", "req": "r", "transfer": 5, "error": "OSError: gone"},
+     Failed(req="r", transfer=5, error="OSError: gone")),
+    ({"op": "error", "req": "", "error": "unknown op 'x'"}, Error(req="", error="unknown op 'x'")),
+]  # fmt: skip
+
+
+def body(message: dict) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()  # what control.session signs
+
+
+@pytest.mark.parametrize(("written", "message"), PAIRS, ids=[type(m).__name__ for _, m in PAIRS])
+def test_a_message_is_the_bytes_of_the_dict_it_replaced_and_reads_as_itself(written: dict, message: object) -> None:
+    assert body(to_wire(message)) == body(written)
+    table = OPS if type(message) in OPS.values() else REPLIES
+    assert from_wire(written, table) == message
+    assert from_wire(json.loads(body(to_wire(message))), table) == message
+
+
+def test_every_op_and_reply_is_covered_and_the_sampling_crosses_whole() -> None:
+    assert {type(m) for _, m in PAIRS} == {*OPS.values(), *REPLIES.values()}
+    assert SAMPLING.load(SAMPLING.dump(P)) == P and SAMPLING.dump(P) == S
+
+
+PRE = {"op": "prefill", "req": "r", "transfer": 5, "tokens": [1, 2], "sampling": S, "kv": ["h", 9], "link_start": 0}
+
+
+@pytest.mark.parametrize(
+    ("raw", "table", "why"),
+    [
+        ({**PRE, "transfer": -1}, OPS, "'transfer' must be -1 is outside [0, 9223372036854775807]"),
+        ({**PRE, "colour": "red"}, OPS, "unknown fields ['colour']"),
+        ({k: v for k, v in PRE.items() if k != "kv"}, OPS, "'kv' is missing"),
+        ({**PRE, "import": 2**63}, OPS, "'import' must be 9223372036854775808 is outside [0, 9223372036854775807]"),
+        ({**PRE, "import_": 3}, OPS, "unknown fields ['import_']"),
+        ({**PRE, "codec": "zip"}, OPS, "'codec' must be one of none, lossless, fp8, int8, not 'zip'"),
+        ({**PRE, "sampling": {**S, "top_p": 1.5}}, OPS, "'sampling' must be 'top_p' must be 1.5 is outside [0.0, 1.0]"),
+        ({**PRE, "sampling": {**S, "extra": 1}}, OPS, "'sampling' must be unknown fields ['extra']"),
+        ({"op": "nope"}, OPS, "unknown op 'nope'"),
+        ({"op": "attached"}, OPS, "unknown op 'attached'"),
+        ({"op": "prefill", "req": "r"}, REPLIES, "unknown op 'prefill'"),
+        ({"op": "start", "req": "r", "next_token": 1e308}, OPS, "'next_token' must be an integer, not float"),
+        ({"op": "tokens", "tokens": [{"req": "r", "transfer": 1, "token": -3, "finish": None}]}, REPLIES,
+         "'tokens' must be item 0: 'token' must be -3 is outside [0, 2147483647]"),
+        ({"op": "tokens", "tokens": [{"req": "r", "transfer": 1, "token": 3}]}, REPLIES,
+         "'tokens' must be item 0: 'finish' is missing"),
+        ({"op": "done", "req": "r", "transfer": 1, "finish": None}, REPLIES, "'finish' must be a string, not NoneType"),
+        ({"op": "pong", "queued_bytes": None}, REPLIES, "'queued_bytes' must be an integer, not NoneType"),
+    ],
+)  # fmt: skip
+def test_a_message_out_of_bounds_is_refused_as_the_field_tables_refused_it(raw: dict, table: dict, why: str) -> None:
+    with pytest.raises(BadMessage) as refused:
+        from_wire(raw, table)
+    assert str(refused.value) == why
+
+
+def test_sampling_the_bounds_allow_but_sampling_params_refuses_is_a_bad_message() -> None:
+    with pytest.raises(BadMessage, match="'sampling': top_p must be in"):
+        from_wire({**PRE, "sampling": {**S, "top_p": 0.0}}, OPS)
