@@ -11,8 +11,7 @@ trailing ``_`` is not part of a wire name); ``from_wire`` checks one that came i
     export -> exported    decode -> pinned, received, token... (a step's, of every request, as one ``tokens``), done
     any request -> failed (it could not be done); a message its class refuses -> error
 
-Cache events (``cache``) belong to no request: they go under the ``req`` CACHE_EVENTS, which the gateway
-listens on for as long as the worker runs.
+Cache events belong to no request: they go under the ``req`` CACHE_EVENTS, which the gateway always listens on.
 """
 
 from __future__ import annotations
@@ -47,11 +46,15 @@ from minifaas.net.connections import TcpInfo
 CACHE_EVENTS = "@cache"  # no request id starts with "@"
 message = dataclass(frozen=True, slots=True, kw_only=True)
 
-REQ, TRANSFER, COUNT = Text(256), Int(0, 2**63 - 1), Int(0, 2**31 - 1)
-TOKENS = IntList(0, 2**31 - 1)
+Req = Annotated[str, Text(256)]  # a request id
+TransferId = Annotated[int, Int(0, 2**63 - 1)]
+Count = Annotated[int, Int(0, 2**31 - 1)]  # of tokens
+TokenIds = Annotated[list[int], IntList(0, 2**31 - 1)]
+Bytes = Annotated[int, Int(0, 2**63 - 1)]
+Seconds = Annotated[float, Number(0.0)]
+Name = Annotated[str, Text(4096)]
+Why = Annotated[str, Text(MAX_BYTES)]  # an exception's text: as long as a frame allows
 CODEC = OneOf(tuple(c.label for c in Codec))
-BYTES, SECONDS, NAME = Int(0, 2**63 - 1), Number(0.0), Text(4096)
-ERROR = Text(MAX_BYTES)  # an exception's text: as long as a frame allows
 _SAMPLING = Fields(
     {
         "max_tokens": Int(1, 2**31 - 1),
@@ -69,14 +72,16 @@ _SAMPLING = Fields(
 SAMPLING = Converted(  # the seed on the wire is the one the gateway resolved: both ends sample alike
     _SAMPLING,
     load=lambda d: SamplingParams(**d | {"stop_token_ids": tuple(d["stop_token_ids"])}),
-    dump=lambda p: {name: getattr(p, name) for name in _SAMPLING.schema}
-    | {"seed": p.resolved_seed, "stop_token_ids": list(p.stop_token_ids)},
+    dump=lambda p: (
+        {name: getattr(p, name) for name in _SAMPLING.schema}
+        | {"seed": p.resolved_seed, "stop_token_ids": list(p.stop_token_ids)}
+    ),
 )
 CACHE_EVENT = Fields(  # CacheEvent.to_json
     {
-        **dict.fromkeys(("kind", "entry", "cluster", "node", "key", "parent"), NAME),
-        "length": COUNT,
-        "nbytes": BYTES,
+        **dict.fromkeys(("kind", "entry", "cluster", "node", "key", "parent"), Text(4096)),
+        "length": Int(0, 2**31 - 1),
+        "nbytes": Int(0, 2**63 - 1),
         "at": Number(-float("inf")),
     }
 )
@@ -84,12 +89,9 @@ TCP_INFO = Fields({f.name: Int(0, 2**64 - 1) for f in fields(TcpInfo)})
 
 
 def kinds(cls: type) -> dict[str, Kind]:
-    """A message class's fields, by wire name, and the kind each must be."""
+    """A message class's fields by wire name (a trailing ``_`` dropped), each with the kind it must be."""
     hints = get_type_hints(cls, include_extras=True)
     return {name.rstrip("_"): hint.__metadata__[0] for name, hint in hints.items() if hasattr(hint, "__metadata__")}
-
-
-# What the gateway asks of a worker.
 
 
 @message
@@ -106,24 +108,24 @@ class Ping:
 @message
 class Prefill:
     op: ClassVar[str] = "prefill"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    tokens: Annotated[list[int], TOKENS]
+    req: Req
+    transfer: TransferId
+    tokens: TokenIds
     sampling: Annotated[SamplingParams, SAMPLING]
     kv: Annotated[list, Address()]  # [host, port] to stream the state to
-    link_start: Annotated[int, COUNT]  # the decode node holds the KV of tokens before it
+    link_start: Count  # the decode node holds the KV of the tokens before it
     codec: Annotated[str | None, Optional(CODEC)] = None
-    seen_tokens: Annotated[int | None, Optional(COUNT)] = None  # the prompt's longest prefix some node stored
-    import_: Annotated[int | None, Optional(TRANSFER)] = None  # the transfer a cache move brings its prefix in
+    seen_tokens: Annotated[int | None, Optional(Int(0, 2**31 - 1))] = None  # the longest prefix some node stored
+    import_: Annotated[int | None, Optional(Int(0, 2**63 - 1))] = None  # the transfer a cache move brings in
 
 
 @message
 class Export:
     op: ClassVar[str] = "export"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    tokens: Annotated[list[int], TOKENS]
-    length: Annotated[int, COUNT]
+    req: Req
+    transfer: TransferId
+    tokens: TokenIds
+    length: Count
     kv: Annotated[list, Address()]
     codec: Annotated[str | None, Optional(CODEC)] = None
 
@@ -131,54 +133,51 @@ class Export:
 @message
 class Decode:
     op: ClassVar[str] = "decode"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
+    req: Req
+    transfer: TransferId
     sampling: Annotated[SamplingParams, SAMPLING]
-    tokens: Annotated[list[int], TOKENS]
-    link_start: Annotated[int, COUNT]
+    tokens: TokenIds
+    link_start: Count
 
 
 @message
 class Start:
     op: ClassVar[str] = "start"
-    req: Annotated[str, REQ]
-    next_token: Annotated[int, COUNT]
+    req: Req
+    next_token: Count
 
 
 @message
 class Abort:
     op: ClassVar[str] = "abort"
-    req: Annotated[str, REQ]
+    req: Req
 
 
 @message
 class Load:
     op: ClassVar[str] = "load"
-    req: Annotated[str, REQ]
-
-
-# What a worker answers.
+    req: Req
 
 
 @message
 class Attached:
     op: ClassVar[str] = "attached"
-    name: Annotated[str, NAME]
-    role: Annotated[str, NAME]
-    cluster: Annotated[str, NAME]
-    model: Annotated[str, NAME]
-    max_batch: Annotated[int | None, Optional(COUNT)] = None  # a decode worker's rows per forward
+    name: Name
+    role: Name
+    cluster: Name
+    model: Name
+    max_batch: Annotated[int | None, Optional(Int(0, 2**31 - 1))] = None  # a decode worker's rows per forward
     kv: Annotated[list | None, Nullable(Address())]  # where KV for it goes ("" host: the address the gateway dialled)
     pid: Annotated[int, Int(1, 2**31 - 1)]
     codecs: Annotated[dict, MapOf(ListOf(Number(), max_len=4))]  # codec -> [bytes, wire bytes, encode s, decode s]
-    kernels: Annotated[str, NAME]
+    kernels: Name
     deadline_s: Annotated[float, Number()]
 
 
 @message
 class CacheEvents:
     op: ClassVar[str] = "cache"
-    req: Annotated[str, REQ]
+    req: Req
     events: Annotated[list[dict], ListOf(CACHE_EVENT)]
 
 
@@ -186,79 +185,79 @@ class CacheEvents:
 class Pong:
     op: ClassVar[str] = "pong"
     tcp: Annotated[dict | None, Optional(MapOf(TCP_INFO))] = None  # a prefill worker's
-    queued_bytes: Annotated[int | None, Optional(BYTES)] = None
+    queued_bytes: Annotated[int | None, Optional(Int(0, 2**63 - 1))] = None
 
 
 @message
 class First:
     op: ClassVar[str] = "first"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    next_token: Annotated[int, COUNT]
+    req: Req
+    transfer: TransferId
+    next_token: Count
 
 
 @message
 class Prefilled:
     op: ClassVar[str] = "prefilled"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    next_token: Annotated[int, COUNT]
-    kv_bytes: Annotated[int, BYTES]
-    cached_tokens: Annotated[int, COUNT]
-    computed_tokens: Annotated[int, COUNT]
-    queue_s: Annotated[float, SECONDS]
-    prefill_s: Annotated[float, SECONDS]
-    transfer_tail_s: Annotated[float, SECONDS]
-    worker_s: Annotated[float, SECONDS]
+    req: Req
+    transfer: TransferId
+    next_token: Count
+    kv_bytes: Bytes
+    cached_tokens: Count
+    computed_tokens: Count
+    queue_s: Seconds
+    prefill_s: Seconds
+    transfer_tail_s: Seconds
+    worker_s: Seconds
     codec: Annotated[str, CODEC]
-    kv_wire_bytes: Annotated[int, BYTES]
-    kv_encode_s: Annotated[float, SECONDS]
-    kv_decode_s: Annotated[float, SECONDS]
+    kv_wire_bytes: Bytes
+    kv_encode_s: Seconds
+    kv_decode_s: Seconds
 
 
 @message
 class Exported:
     op: ClassVar[str] = "exported"
-    req: Annotated[str, REQ]
-    tokens: Annotated[int, COUNT]
-    bytes: Annotated[int, BYTES]
+    req: Req
+    tokens: Count
+    bytes: Bytes
     codec: Annotated[str | None, Optional(CODEC)] = None  # these four: none when nothing was sent
-    kv_wire_bytes: Annotated[int | None, Optional(BYTES)] = None
-    kv_encode_s: Annotated[float | None, Optional(SECONDS)] = None
-    kv_decode_s: Annotated[float | None, Optional(SECONDS)] = None
+    kv_wire_bytes: Annotated[int | None, Optional(Int(0, 2**63 - 1))] = None
+    kv_encode_s: Annotated[float | None, Optional(Number(0.0))] = None
+    kv_decode_s: Annotated[float | None, Optional(Number(0.0))] = None
 
 
 @message
 class Aborted:
     op: ClassVar[str] = "aborted"
-    req: Annotated[str, REQ]
-    tokens: Annotated[int, COUNT]
-    done_tokens: Annotated[int, COUNT]
+    req: Req
+    tokens: Count
+    done_tokens: Count
 
 
 @message
 class Pinned:
     op: ClassVar[str] = "pinned"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    tokens: Annotated[int, COUNT]
+    req: Req
+    transfer: TransferId
+    tokens: Count
 
 
 @message
 class Received:
     op: ClassVar[str] = "received"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    bytes: Annotated[int, BYTES]
+    req: Req
+    transfer: TransferId
+    bytes: Bytes
 
 
 class Token(NamedTuple):
     """A request's token of one decode step: an entry of ``Tokens``, a tuple since one goes per row per step."""
 
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    token: Annotated[int, COUNT]
-    finish: Annotated[str | None, Nullable(NAME)]
+    req: Req
+    transfer: TransferId
+    token: Count
+    finish: Annotated[str | None, Nullable(Text(4096))]
     op = "token"
 
 
@@ -278,31 +277,31 @@ class Tokens:
 @message
 class Done:
     op: ClassVar[str] = "done"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    finish: Annotated[str, NAME]
+    req: Req
+    transfer: TransferId
+    finish: Name
 
 
 @message
 class LoadReply:
     op: ClassVar[str] = "load"
-    req: Annotated[str, REQ]
+    req: Req
     load: Annotated[int, Int(0, 2**63 - 1)]
 
 
 @message
 class Failed:
     op: ClassVar[str] = "failed"
-    req: Annotated[str, REQ]
-    transfer: Annotated[int, TRANSFER]
-    error: Annotated[str, ERROR]
+    req: Req
+    transfer: TransferId
+    error: Why
 
 
 @message
 class Error:
     op: ClassVar[str] = "error"
-    req: Annotated[str, REQ]
-    error: Annotated[str, ERROR]
+    req: Req
+    error: Why
 
 
 OpMessage = Attach | Ping | Prefill | Export | Decode | Start | Abort | Load
@@ -312,31 +311,18 @@ ReplyMessage = (
 )  # fmt: skip
 OPS: dict[str, type[OpMessage]] = {cls.op: cls for cls in OpMessage.__args__}
 REPLIES: dict[str, type[ReplyMessage]] = {cls.op: cls for cls in ReplyMessage.__args__ if cls is not Token}
-
-
-class _Wire(NamedTuple):
-    schema: dict[str, Kind]  # by wire name, "op" first
-    fields: list[tuple[str, str, Kind]]  # (attribute, wire name, kind)
-
-
-def _wire(cls: type) -> _Wire:
-    by_key = kinds(cls)
-    keys = [f.name.rstrip("_") for f in fields(cls)]
-    return _Wire({"op": Text(), **by_key}, [(f.name, key, by_key[key]) for f, key in zip(fields(cls), keys)])
-
-
-_WIRE = {cls: _wire(cls) for cls in (*OPS.values(), *REPLIES.values())}
+_SCHEMAS = {cls: {"op": Text(), **kinds(cls)} for cls in (*OPS.values(), *REPLIES.values())}  # by wire name
+_NAMES = {cls: [(f.name, f.name.rstrip("_")) for f in fields(cls)] for cls in _SCHEMAS}  # attribute, wire name
 M = TypeVar("M")
 
 
 def to_wire(msg: Any) -> dict:
     """The JSON object ``msg`` is on the wire."""
-    wire = {"op": msg.op}
-    for name, key, kind in _WIRE[type(msg)].fields:
-        value = getattr(msg, name)
-        if value is None and isinstance(kind, Optional):
-            continue
-        wire[key] = kind.dump(value) if isinstance(kind, Converted) else value
+    wire, schema = {"op": msg.op}, _SCHEMAS[type(msg)]
+    for name, key in _NAMES[type(msg)]:
+        value, kind = getattr(msg, name), schema[key]
+        if value is not None or not isinstance(kind, Optional):
+            wire[key] = kind.dump(value) if isinstance(kind, Converted) else value
     return wire
 
 
@@ -346,17 +332,10 @@ def from_wire(raw: dict, messages: Mapping[str, type[M]]) -> M:
     if not isinstance(op, str) or op not in messages:
         raise BadMessage(f"unknown op {op!r}"[:100])
     cls = messages[op]
-    wire = _WIRE[cls]
-    check_fields(raw, wire.schema)
-    values = {}
-    for name, key, kind in wire.fields:
-        if key in raw:
-            values[name] = raw[key] if not isinstance(kind, Converted) else _load(kind, key, raw[key])
-    return cls(**values)
-
-
-def _load(kind: Converted, key: str, value: object) -> object:
+    schema = _SCHEMAS[cls]
+    check_fields(raw, schema)
     try:
-        return kind.load(value)
-    except ValueError as e:  # in bounds field by field, not together (min_tokens over max_tokens, say)
-        raise BadMessage(f"{key!r}: {e}"[:200]) from None
+        given = ((name, raw[key], schema[key]) for name, key in _NAMES[cls] if key in raw)
+        return cls(**{name: kind.load(v) if isinstance(kind, Converted) else v for name, v, kind in given})
+    except ValueError as e:  # each field in bounds, not all together (min_tokens over max_tokens, say)
+        raise BadMessage(str(e)[:200]) from None

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.control.worker_ops import Export, Exported
+from minifaas.control.worker_ops import Export, Exported, Failed
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
@@ -63,11 +63,11 @@ class CacheMoves:
             async with asyncio.timeout(self.timeout):
                 reply = await inbox.get()
         except (TimeoutError, RuntimeError) as e:
-            reply = e
+            reply = Failed(req=rid, transfer=transfer, error=repr(e))
         finally:
             src.close(rid)
         if not isinstance(reply, Exported) or not reply.tokens:
-            why = repr(reply) if isinstance(reply, Exception) else getattr(reply, "error", None)
+            why = getattr(reply, "error", None)
             log.warning("request %s: cache move %s -> %s failed: %s", rid, src.name, dst.name, why)
             self.counts["failed"] += 1
             return None

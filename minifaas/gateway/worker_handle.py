@@ -1,8 +1,8 @@
 """The gateway's handle on one worker: attach over the control channel, talk to it, notice when it is gone.
 
 ``attach`` dials the worker's control port, proves the cluster secret both ways and says ``attach``; the
-worker answers what it is. ``pump`` then runs the session: a ping every ``heartbeat_s``, each reply checked
-and built by its class (``from_wire``; one it refuses is logged and dropped: what waits on it times out) and sorted into
+worker answers what it is. ``pump`` then runs the session: a ping every ``heartbeat_s``, each reply read as
+its dataclass (``from_wire``: one it refuses is logged and dropped, what waits on it times out) and sorted into
 its request's inbox; a reply no request waits for any more (a stopped prefill's news) goes to
 ``on_unclaimed``. The session is lost when the connection ends, a frame fails its MAC, or nothing is heard
 for the deadline: the worker stops serving at once and every open inbox receives ``Lost``, so no
@@ -81,7 +81,7 @@ async def attach(
         kind = Busy if hello and hello.get("op") == "refused" else Refused  # control.server's, to a second gateway
         raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
     try:
-        return session, from_wire(hello, {Attached.op: Attached})
+        return session, from_wire(hello, REPLIES)
     except BadMessage as e:
         session.close()
         raise Refused(f"{address[0]}:{address[1]} said what it is unreadably: {e}") from None

@@ -89,6 +89,7 @@ class WorkerSession:
         self.aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
         self.tasks: asyncio.TaskGroup | None = None
         self.tokens: list[Token] = []  # token messages of this turn of the loop, not sent yet (``emit``)
+        self.max_batch: int | None = None  # rows per forward, said on ``attach`` by a decode worker only
         self.handlers: dict[type[OpMessage], Callable[[Any], None]] = {
             Attach: self.attach,
             Ping: self.ping,
@@ -157,16 +158,12 @@ class WorkerSession:
     def attach(self, msg: Attach) -> None:
         node = self.node
         self.send(Attached(name=node.name, role=node.role, cluster=node.cluster, model=node.model,
-                           max_batch=self.max_batch(), kv=node.kv, pid=node.pid, codecs=node.codecs,
+                           max_batch=self.max_batch, kv=node.kv, pid=node.pid, codecs=node.codecs,
                            kernels=node.kernels, deadline_s=self.deadline_s))  # fmt: skip
         events = self.pool.inventory(time.perf_counter()) if self.pool is not None else []
         for i in range(0, len(events), INVENTORY_BATCH):
             batch = [e.to_json() for e in events[i : i + INVENTORY_BATCH]]
             self.send(CacheEvents(req=CACHE_EVENTS, events=batch))
-
-    def max_batch(self) -> int | None:
-        """Rows per forward, said on ``attach`` by a decode worker only."""
-        return None
 
     def ping(self, msg: Ping) -> None:
         self.send(Pong())
@@ -273,10 +270,8 @@ class DecodeSession(WorkerSession):
         super().__init__(node, session, deadline_s, prefixes.pool if prefixes is not None else None)
         self.service, self.prefixes = service, prefixes
         self.decoding: set[str] = set()  # this session's decode requests, until their last message or abort
+        self.max_batch = service.max_batch  # as sized
         self.handlers |= {Decode: self.run, Start: self.start}
-
-    def max_batch(self) -> int | None:
-        return self.service.max_batch  # as sized
 
     def queued(self) -> int:
         return self.service.load
