@@ -88,7 +88,7 @@ CACHE_EVENT = Fields(  # CacheEvent.to_json
 TCP_INFO = Fields({f.name: Int(0, 2**64 - 1) for f in fields(TcpInfo)})
 
 
-def kinds(cls: type) -> dict[str, Kind]:
+def field_kinds(cls: type) -> dict[str, Kind]:
     """A message class's fields by wire name (a trailing ``_`` dropped), each with the kind it must be."""
     hints = get_type_hints(cls, include_extras=True)
     return {name.rstrip("_"): hint.__metadata__[0] for name, hint in hints.items() if hasattr(hint, "__metadata__")}
@@ -262,7 +262,7 @@ class Token(NamedTuple):
 
 
 TOKEN_ENTRIES = Converted(
-    ListOf(Fields(kinds(Token))),
+    ListOf(Fields(field_kinds(Token))),
     load=lambda entries: [Token(**entry) for entry in entries],
     dump=lambda tokens: [t._asdict() for t in tokens],
 )
@@ -311,7 +311,7 @@ ReplyMessage = (
 )  # fmt: skip
 OPS: dict[str, type[OpMessage]] = {cls.op: cls for cls in OpMessage.__args__}
 REPLIES: dict[str, type[ReplyMessage]] = {cls.op: cls for cls in ReplyMessage.__args__ if cls is not Token}
-_SCHEMAS = {cls: {"op": Text(), **kinds(cls)} for cls in (*OPS.values(), *REPLIES.values())}  # by wire name
+_SCHEMAS = {cls: {"op": Text(), **field_kinds(cls)} for cls in (*OPS.values(), *REPLIES.values())}  # by wire name
 _NAMES = {cls: [(f.name, f.name.rstrip("_")) for f in fields(cls)] for cls in _SCHEMAS}  # attribute, wire name
 M = TypeVar("M")
 
