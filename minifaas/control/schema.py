@@ -98,7 +98,11 @@ class ListOf(Kind):
     def check(self, value: object) -> str | None:
         if not isinstance(value, list) or len(value) > self.max_len:
             return f"a list of at most {self.max_len} items"
-        return next((f"item {i}: {why}"[:200] for i, v in enumerate(value) if (why := self.item.check(v))), None)
+        check = self.item.check  # a plain loop: a decode step's tokens pass here, one item per request
+        for i, v in enumerate(value):
+            if why := check(v):
+                return f"item {i}: {why}"[:200]
+        return None
 
 
 @dataclass(frozen=True)
