@@ -312,15 +312,18 @@ ReplyMessage = (
 OPS: dict[str, type[OpMessage]] = {cls.op: cls for cls in OpMessage.__args__}
 REPLIES: dict[str, type[ReplyMessage]] = {cls.op: cls for cls in ReplyMessage.__args__ if cls is not Token}
 _SCHEMAS = {cls: {"op": Text(), **field_kinds(cls)} for cls in (*OPS.values(), *REPLIES.values())}  # by wire name
-_NAMES = {cls: [(f.name, f.name.rstrip("_")) for f in fields(cls)] for cls in _SCHEMAS}  # attribute, wire name
+_FIELDS = {  # (attribute, wire name, kind), in the order they go on the wire
+    cls: [(f.name, f.name.rstrip("_"), schema[f.name.rstrip("_")]) for f in fields(cls)]
+    for cls, schema in _SCHEMAS.items()
+}
 M = TypeVar("M")
 
 
 def to_wire(msg: Any) -> dict:
     """The JSON object ``msg`` is on the wire."""
-    wire, schema = {"op": msg.op}, _SCHEMAS[type(msg)]
-    for name, key in _NAMES[type(msg)]:
-        value, kind = getattr(msg, name), schema[key]
+    wire = {"op": msg.op}
+    for name, key, kind in _FIELDS[type(msg)]:
+        value = getattr(msg, name)
         if value is not None or not isinstance(kind, Optional):
             wire[key] = kind.dump(value) if isinstance(kind, Converted) else value
     return wire
@@ -332,10 +335,12 @@ def from_wire(raw: dict, messages: Mapping[str, type[M]]) -> M:
     if not isinstance(op, str) or op not in messages:
         raise BadMessage(f"unknown op {op!r}"[:100])
     cls = messages[op]
-    schema = _SCHEMAS[cls]
-    check_fields(raw, schema)
+    check_fields(raw, _SCHEMAS[cls])
+    values = {}
     try:
-        given = ((name, raw[key], schema[key]) for name, key in _NAMES[cls] if key in raw)
-        return cls(**{name: kind.load(v) if isinstance(kind, Converted) else v for name, v, kind in given})
+        for name, key, kind in _FIELDS[cls]:
+            if key in raw:  # else an Optional field left out: None
+                values[name] = kind.load(raw[key]) if isinstance(kind, Converted) else raw[key]
     except ValueError as e:  # each field in bounds, not all together (min_tokens over max_tokens, say)
         raise BadMessage(str(e)[:200]) from None
+    return cls(**values)
