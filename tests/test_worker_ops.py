@@ -1,8 +1,8 @@
-"""The worker protocol's dataclasses: the bytes each sends are those of the dict a sender wrote by hand, and a message
-that breaks a bound is refused with the words the per-op field tables used.
+"""The worker protocol's dataclasses: each is, byte for byte, the JSON object written out by hand below (same keys,
+same order, same types), reads back as itself, and a message that breaks a bound is refused in ``check_fields``'s
+words (the texts below are what a schema of plain per-op field tables answers).
 
-Each dict below is a message as a call site built it before the dataclasses (same keys, same order); the
-session signs ``json.dumps(message, separators=(",", ":"))``, so equal bodies are equal frames.
+``control.session`` signs ``json.dumps(message, separators=(",", ":"))``, so equal bodies are equal frames.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ EVENT = {"kind": "stored", "entry": "e", "cluster": "pd", "node": "n", "key": "k
 CODING = {"codec": "fp8", "kv_wire_bytes": 50, "kv_encode_s": 0.01, "kv_decode_s": 0.02}
 TCP = {f.name: 1 for f in fields(TcpInfo)}
 
-PAIRS = [  # (the dict a sender wrote, the message it is now)
+PAIRS = [  # (the message written out by hand, as a dataclass)
     ({"op": "attach", "gateway": "host:1"}, Attach(gateway="host:1")),
     ({"op": "ping"}, Ping()),
     ({"op": "prefill", "req": "r", "transfer": 5, "tokens": [1, 2], "sampling": S, "kv": ["h", 9], "link_start": 0,
@@ -109,7 +109,7 @@ def body(message: dict) -> bytes:
 
 
 @pytest.mark.parametrize(("written", "message"), PAIRS, ids=[type(m).__name__ for _, m in PAIRS])
-def test_a_message_is_the_bytes_of_the_dict_it_replaced_and_reads_as_itself(written: dict, message: object) -> None:
+def test_a_message_is_the_bytes_of_its_dict_written_out_and_reads_as_itself(written: dict, message: object) -> None:
     assert body(to_wire(message)) == body(written)
     table = OPS if type(message) in OPS.values() else REPLIES
     assert from_wire(written, table) == message
@@ -147,7 +147,7 @@ PRE = {"op": "prefill", "req": "r", "transfer": 5, "tokens": [1, 2], "sampling":
         ({"op": "pong", "queued_bytes": None}, REPLIES, "'queued_bytes' must be an integer, not NoneType"),
     ],
 )  # fmt: skip
-def test_a_message_out_of_bounds_is_refused_as_the_field_tables_refused_it(raw: dict, table: dict, why: str) -> None:
+def test_a_message_out_of_bounds_is_refused_in_the_schemas_words(raw: dict, table: dict, why: str) -> None:
     with pytest.raises(BadMessage) as refused:
         from_wire(raw, table)
     assert str(refused.value) == why
