@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.events import CacheEvent
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.config import CacheConfig
 from minifaas.gateway.prefix_directory import PrefixDirectory
@@ -11,7 +12,7 @@ BLOCK = 8
 TOKENS = list(range(50))
 
 
-def _events(node: str, tokens: list[int], snapshots: bool = True) -> list[dict]:
+def _events(node: str, tokens: list[int], snapshots: bool = True) -> list[CacheEvent]:
     pool: HybridPrefixPool[None] = HybridPrefixPool(PoolConfig(node, 1 << 20, BLOCK, 2), node)
     keys = PromptKeys.from_tokens(tokens, BLOCK, "m")
     if snapshots:
@@ -19,7 +20,7 @@ def _events(node: str, tokens: list[int], snapshots: bool = True) -> list[dict]:
     else:  # a decode node keeps blocks only
         for j in range(keys.num_full_blocks):
             pool.put_block(keys, j, 0.0, 100)
-    return [e.to_json() for e in pool.drain_events()]
+    return [CacheEvent.from_json(e.to_json()) for e in pool.drain_events()]  # as they arrive at the gateway
 
 
 def kv_prefix(directory: PrefixDirectory, prompt: list[int], node: str) -> int:

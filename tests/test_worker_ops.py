@@ -12,6 +12,7 @@ from dataclasses import fields
 
 import pytest
 
+from minifaas.cache.events import CacheEvent
 from minifaas.control.schema import BadMessage
 from minifaas.control.worker_ops import (
     OPS,
@@ -49,7 +50,7 @@ from minifaas.net.connections import TcpInfo
 P = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_tokens=2, seed=3, stop_token_ids=(1, 2))
 S = {"max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_tokens": 2, "presence_penalty": 0.0,
      "frequency_penalty": 0.0, "seed": 3, "stop_token_ids": [1, 2], "ignore_eos": False}  # fmt: skip
-EVENT = {"kind": "stored", "entry": "e", "cluster": "pd", "node": "n", "key": "k", "parent": "", "length": 16,
+EVENT = {"kind": "store", "entry": "block", "cluster": "pd", "node": "n", "key": "ab12", "parent": "", "length": 16,
          "nbytes": 4096, "at": 1.5}  # fmt: skip
 CODING = {"codec": "fp8", "kv_wire_bytes": 50, "kv_encode_s": 0.01, "kv_decode_s": 0.02}
 TCP = {f.name: 1 for f in fields(TcpInfo)}
@@ -79,7 +80,8 @@ PAIRS = [  # (the message written out by hand, as a dataclass)
       "codecs": {"fp8": [100.0, 50.0, 0.01, 0.02]}, "kernels": "fla", "deadline_s": 5},
      Attached(name="p0", role="prefill", cluster="prfaas", model="m", kv=None, pid=43,
               codecs={"fp8": [100.0, 50.0, 0.01, 0.02]}, kernels="fla", deadline_s=5)),
-    ({"op": "cache", "req": "@cache", "events": [EVENT]}, CacheEvents(req="@cache", events=[EVENT])),
+    ({"op": "cache", "req": "@cache", "events": [EVENT]},
+     CacheEvents(req="@cache", events=[CacheEvent.from_json(EVENT)])),
     ({"op": "pong"}, Pong()),
     ({"op": "pong", "tcp": {"h:1/0": TCP}, "queued_bytes": 0}, Pong(tcp={"h:1/0": TCP}, queued_bytes=0)),
     ({"op": "first", "req": "r", "transfer": 5, "next_token": 11}, First(req="r", transfer=5, next_token=11)),
@@ -156,3 +158,9 @@ def test_a_message_out_of_bounds_is_refused_in_the_schemas_words(raw: dict, tabl
 def test_sampling_the_bounds_allow_but_sampling_params_refuses_is_a_bad_message() -> None:
     with pytest.raises(BadMessage, match=r"top_p must be in \(0, 1\], got 0.0"):
         from_wire({**PRE, "sampling": {**S, "top_p": 0.0}}, OPS)
+
+
+@pytest.mark.parametrize(("field", "value"), [("kind", "stored"), ("key", "not hex")])
+def test_a_cache_event_the_fields_allow_but_cache_event_refuses_is_a_bad_message(field: str, value: str) -> None:
+    with pytest.raises(BadMessage):
+        from_wire({"op": "cache", "req": "@cache", "events": [{**EVENT, field: value}]}, REPLIES)

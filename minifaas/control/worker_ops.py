@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, ClassVar, NamedTuple, TypeVar, get_type_hints
 
+from minifaas.cache.events import CacheEvent
 from minifaas.codec.codec import Codec
 from minifaas.control.schema import (
     Address,
@@ -77,13 +78,18 @@ SAMPLING = Converted(  # the seed on the wire is the one the gateway resolved: b
         | {"seed": p.resolved_seed, "stop_token_ids": list(p.stop_token_ids)}
     ),
 )
-CACHE_EVENT = Fields(  # CacheEvent.to_json
+_CACHE_EVENT = Fields(  # CacheEvent.to_json
     {
         **dict.fromkeys(("kind", "entry", "cluster", "node", "key", "parent"), Text(4096)),
         "length": Int(0, 2**31 - 1),
         "nbytes": Int(0, 2**63 - 1),
         "at": Number(-float("inf")),
     }
+)
+EVENT_LIST = Converted(
+    ListOf(_CACHE_EVENT),
+    load=lambda events: [CacheEvent.from_json(e) for e in events],
+    dump=lambda events: [e.to_json() for e in events],
 )
 TCP_INFO = Fields({f.name: Int(0, 2**64 - 1) for f in fields(TcpInfo)})
 
@@ -178,7 +184,7 @@ class Attached:
 class CacheEvents:
     op: ClassVar[str] = "cache"
     req: Req
-    events: Annotated[list[dict], ListOf(CACHE_EVENT)]
+    events: Annotated[list[CacheEvent], EVENT_LIST]
 
 
 @message

@@ -33,8 +33,8 @@ class PrefixDirectory:
         self.enabled, self.block_size = config.enabled, config.block_size
         self.manager = GlobalCacheManager(nodes, needs_snapshot)
 
-    def apply(self, events: Iterable[dict]) -> None:
-        self.manager.apply_all(CacheEvent.from_json(e) for e in events)
+    def apply(self, events: Iterable[CacheEvent]) -> None:
+        self.manager.apply_all(events)
 
     def forget(self, node: str) -> None:
         """The node's process is gone, and its pool with it."""

@@ -111,7 +111,7 @@ class WorkerSession:
 
     def send_cache_events(self) -> None:
         if self.pool is not None and (events := self.pool.drain_events()):
-            self.send(CacheEvents(req=CACHE_EVENTS, events=[e.to_json() for e in events]))
+            self.send(CacheEvents(req=CACHE_EVENTS, events=events))
 
     def emit(self, message: ReplyMessage) -> None:
         self.send_cache_events()  # the pool's changes go out before the news that follows them
@@ -162,8 +162,7 @@ class WorkerSession:
                            kernels=node.kernels, deadline_s=self.deadline_s))  # fmt: skip
         events = self.pool.inventory(time.perf_counter()) if self.pool is not None else []
         for i in range(0, len(events), INVENTORY_BATCH):
-            batch = [e.to_json() for e in events[i : i + INVENTORY_BATCH]]
-            self.send(CacheEvents(req=CACHE_EVENTS, events=batch))
+            self.send(CacheEvents(req=CACHE_EVENTS, events=events[i : i + INVENTORY_BATCH]))
 
     def ping(self, msg: Ping) -> None:
         self.send(Pong())
