@@ -146,14 +146,13 @@ def one_process_run(runtime: ModelRuntime, batch: list[list[int]], prefill_token
     rows = max(1, prefill_tokens // PROMPT_TOKENS)
     wall, cpu = time.perf_counter(), time.process_time()
     decoder = BatchDecoder(runtime)
+    out: dict[str, list[int]] = {}
     for start in range(0, len(batch), rows):
         group = batch[start : start + rows]
         for k, done in enumerate(prefill_batch(runtime, group, [lambda _: None] * len(group), [params] * len(group))):
             assert not isinstance(done, Exception), done
             decoder.submit(str(start + k), done.state, done.next_token, params)
-    out: dict[str, list[int]] = {str(k): [] for k in range(len(batch))}
-    for row in decoder.waiting:
-        out[row.request].append(row.tokens[0])  # the prefill's token: the first of the output
+            out[str(start + k)] = [done.next_token]  # the prefill's token: the first of the output
     while decoder.load:
         for token in decoder.step():
             out[token.request].append(token.token)
