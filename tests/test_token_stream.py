@@ -19,9 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from minifaas.gateway.requests import DeadlineExceeded, RequestDeadline
 from minifaas.gateway.stop_strings import StopMatcher
 from minifaas.gateway.token_stream import OutputText
-from minifaas.model.detokenizer import IncrementalDecoder
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer
+from minifaas.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder
 
 
 class CountingTokenizer(ByteTokenizer):

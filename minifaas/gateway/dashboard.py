@@ -84,6 +84,7 @@ class Dashboard:
         self.samples: deque[Sample] = deque(maxlen=int(HISTORY_S / PERIOD_S))
         self.sample_json: deque[dict] = deque(maxlen=int(HISTORY_S / PERIOD_S))  # each turned to JSON once
         self.requests: deque[tuple[float, str, RequestRecord]] = deque(maxlen=RECENT_REQUESTS)
+        metrics.ended = self.requests  # the metrics append each routed request that ends
         self.changes: deque[dict] = deque(maxlen=200)  # the short-term scheduler's moves of t or the rule
         self._seen_at = -math.inf  # the newest scheduler decision already looked at
         self._rule = str(gateway.scheduler.rule)  # as configured, until the first decision
@@ -92,7 +93,6 @@ class Dashboard:
     @classmethod
     def install(cls, app: web.Application, gateway: Gateway, metrics: ServeMetrics) -> Dashboard:
         dashboard = cls(gateway, metrics)
-        metrics.on_request = dashboard.request_finished
         app.router.add_get("/dashboard", dashboard.page_handler)
         app.router.add_get("/dashboard/state", dashboard.state_handler)
         app.cleanup_ctx.append(dashboard._sampling)
@@ -112,9 +112,6 @@ class Dashboard:
             except Exception:  # a sample that failed leaves a gap in the page, never the gateway down
                 log.exception("the dashboard's sample failed")
             await asyncio.sleep(PERIOD_S)
-
-    def request_finished(self, record: RequestRecord, outcome: str) -> None:
-        self.requests.append((time.time(), outcome, record))
 
     def sample(self) -> None:
         scheduler, now = self.gateway.scheduler, time.time()

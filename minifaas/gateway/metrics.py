@@ -7,7 +7,9 @@ request with its RequestRecord; the gateway calls the setters as its queues and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -41,7 +43,7 @@ class ServeMetrics:
         self._scheduling(r)
         self._coding(r)
         self._processes(r)
-        self.on_request: Callable[[RequestRecord, str], None] | None = None  # told of each routed request that ended
+        self.ended: deque[tuple[float, str, RequestRecord]] | None = None  # the last routed requests, if kept
         for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
             for histogram in (self.ttft, self.tpot, self.e2e, self.queue_time, self.transfer_time):
                 histogram.labels(route=route)
@@ -172,8 +174,8 @@ class ServeMetrics:
         self.requests.labels(route=route, outcome=outcome).inc()
         if record is None:
             return
-        if self.on_request is not None:
-            self.on_request(record, outcome)
+        if self.ended is not None:
+            self.ended.append((time.time(), outcome, record))
         self.prompt_tokens.inc(record.prompt_tokens)
         self.cached_tokens.inc(record.cached_tokens)
         self.generation_tokens.inc(record.completion_tokens)

@@ -7,7 +7,7 @@ raises ``DecodeLost``: the gateway migrates the request (``gateway.migration``)
 and streams on with the same ``OutputText``. Text is detokenized incrementally
 (never splitting a UTF-8 character) and checked for stop strings here, since
 only the gateway sees the text; both cost the same per token however long the
-output grows (``model.detokenizer``, ``serve.stop_strings``).
+output grows (``model.tokenizer``, ``serve.stop_strings``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from minifaas.gateway.requests import (
 )
 from minifaas.gateway.stop_strings import StopMatcher
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
-from minifaas.model.detokenizer import IncrementalDecoder
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.tokenizer import Tokenizer
+from minifaas.model.tokenizer import IncrementalDecoder, Tokenizer
 
 
 async def decode_tokens(

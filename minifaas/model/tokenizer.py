@@ -1,6 +1,12 @@
 """Tokenizers: a byte-level one for the presets (nothing to download), or a checkpoint's own.
 
-Both follow one small protocol so the rest of minifaas never asks which it has.
+Both follow one small protocol so the rest of minifaas never asks which it has. ``IncrementalDecoder`` turns a
+stream of token ids into text pieces: never a split character, and a cost per token that does not grow with the
+output. It decodes only a window: the tokens not shown yet, after those of the last piece shown as context (a
+tokenizer may render a token differently at the start of a text: SentencePiece drops the leading space of its
+first word). A window whose text ends in U+FFFD waits for the rest of its character; after ``MAX_PENDING``
+tokens without a whole one it is shown as it decodes. For the byte tokenizer the pieces, then ``flush``, join to
+exactly ``tokenizer.decode(all ids)``.
 """
 
 from __future__ import annotations
@@ -8,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
+
+MAX_PENDING = 16  # tokens a window may wait for a whole character (UTF-8 needs at most 4 bytes)
+REPLACEMENT = "\ufffd"
 
 
 class Tokenizer(Protocol):
@@ -64,3 +73,29 @@ class HFTokenizer:
         out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         # transformers 5 returns a BatchEncoding (a Mapping) by default; transformers 4 returned the ids
         return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+class IncrementalDecoder:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._window: list[int] = []  # context tokens, then the ones not shown yet
+        self._context = 0  # how many of the window's tokens are context
+
+    def push(self, token_id: int) -> str:
+        """The text that ``token_id`` completes ("" while a character or a token's text is unfinished)."""
+        self._window.append(token_id)
+        shown = self._tok.decode(self._window[: self._context])
+        text = self._tok.decode(self._window)
+        pending = len(self._window) - self._context
+        if (len(text) <= len(shown) or text.endswith(REPLACEMENT)) and pending < MAX_PENDING:
+            return ""
+        del self._window[: self._context]  # the new piece's tokens are the next one's context
+        self._context = len(self._window)
+        return text[len(shown) :]
+
+    def flush(self) -> str:
+        """What is still held back (an unfinished character, shown as U+FFFD); the decoder starts over."""
+        shown = self._tok.decode(self._window[: self._context])
+        text = self._tok.decode(self._window)
+        self._window, self._context = [], 0
+        return text[len(shown) :]

@@ -11,7 +11,7 @@ into the slot (in a thread when large) and checksummed there. Anything wrong wit
 every unfinished transfer it carried, with the specific error. A transfer with no frame finished (ALIVE counts)
 and no payload being read for ``stall_timeout`` fails with ``StallError``. A failed transfer's memory is freed at
 once and its later frames skipped; one no consumer claims is dropped ``unclaimed_grace`` seconds after it ends,
-or sooner when ``max_open_transfers`` needs its place (``transfer_table``), with a warning naming the cause.
+or sooner when ``max_open_transfers`` needs its place (``incoming.TransferTable``), with a warning naming the cause.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ from minifaas.net.errors import (
     TransferError,
     TruncatedError,
 )
-from minifaas.transport.incoming import IncomingTransfer
-from minifaas.transport.transfer_table import TransferTable, reason
+from minifaas.transport.incoming import IncomingTransfer, TransferTable, reason
 from minifaas.transport.wire import (
     HEADER_SIZE,
     UNCHECKED,
