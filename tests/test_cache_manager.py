@@ -6,9 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.events import CacheEvent, EventKind
-from minifaas.cache.manager import GlobalCacheManager
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.prefix_index import CacheEvent, EventKind, GlobalCacheManager
 from minifaas.policy.router import CacheMove, NodeView, Path, RouteInput, Router, RouteReason, Rule
 
 B = 8

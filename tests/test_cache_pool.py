@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.entry import Lease
-from minifaas.cache.events import EventKind
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.cache.prefix_index import EntryKind
+from minifaas.cache.prefix_index import EntryKind, EventKind
 from minifaas.traces import trace_path
 
 B = 8  # tokens per block in these tests

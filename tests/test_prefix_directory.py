@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.events import CacheEvent
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.prefix_index import CacheEvent
 from minifaas.config import CacheConfig
 from minifaas.gateway.prefix_directory import PrefixDirectory
 

@@ -12,7 +12,7 @@ from dataclasses import fields
 
 import pytest
 
-from minifaas.cache.events import CacheEvent
+from minifaas.cache.prefix_index import CacheEvent
 from minifaas.control.schema import BadMessage
 from minifaas.control.worker_ops import (
     OPS,

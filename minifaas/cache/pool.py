@@ -23,8 +23,7 @@ from typing import Generic, TypeVar
 
 from minifaas.cache.block_hash import BlockKey, PromptKeys
 from minifaas.cache.entry import Entry, Lease
-from minifaas.cache.events import CacheEvent, EventKind
-from minifaas.cache.prefix_index import EntryKind, Match, PrefixIndex
+from minifaas.cache.prefix_index import CacheEvent, EntryKind, EventKind, Match, PrefixIndex
 from minifaas.policy.interfaces import SnapshotPlacement
 from minifaas.policy.plugin import SNAPSHOT, Args, check_policy, load_policy, policy_args
 from minifaas.policy.snapshot_policy import SnapshotInput

@@ -1,22 +1,25 @@
-"""Which cached prefixes exist, and who holds them: the matching half of the cache.
+"""Which cached prefixes exist, and who holds them: the metadata half of the cache, shared by pools and gateway.
 
-Metadata only, so the pool and the gateway's global manager share one matching algorithm. A BLOCK
-is the full-attention KV of one aligned block, under its chained key; blocks match by longest prefix. A SNAPSHOT
-is the state valid at exactly one length n (linear-attention and sliding-window layers, plus the full-attention
-KV of the partial block before n), under ``key_at(n)``, indexed by its parent block so a lookup only visits
-snapshots on the prompt's path.
+A BLOCK is the full-attention KV of one aligned block, under its chained key; blocks match by longest prefix. A
+SNAPSHOT is the state valid at exactly one length n (linear-attention and sliding-window layers, plus the
+full-attention KV of the partial block before n), under ``key_at(n)``, indexed by its parent block. The usable
+hit is the longest n such that every full block inside [0, n) is present and a snapshot exists at exactly n; a
+model without fixed-size state needs no snapshot at block boundaries. Each entry records the nodes that stored it.
 
-The usable hit is the longest n such that every full block inside [0, n) is present and a snapshot exists at
-exactly n; a model without fixed-size state needs no snapshot at block boundaries. Each entry records the nodes
-that stored it, so a lookup can ask for one node's usable hit.
+A pool emits one ``CacheEvent`` per change (store, evict), metadata only, and its owner ships them to the gateway
+in order. ``GlobalCacheManager`` mirrors every pool's index from those events; its ``match`` gives a prompt's
+usable hit per pool and per node (a forecast: events may arrive late).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from minifaas.cache.block_hash import BlockKey, PromptKeys
+from minifaas.policy.router import ClusterView, NodeView
 
 
 class EntryKind(StrEnum):
@@ -142,3 +145,108 @@ class PrefixIndex:
     def _held(table: dict[BlockKey, set[str]], key: BlockKey, node: str | None) -> bool:
         holders = table.get(key)
         return holders is not None and (node is None or node in holders)
+
+
+class EventKind(StrEnum):
+    STORE = "store"  # ``node`` now holds the entry (it may have been present already)
+    EVICT = "evict"  # the entry left the pool, for every holder
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    kind: EventKind
+    entry: EntryKind
+    pool: str  # the pool's name ("cluster" on the wire)
+    node: str
+    key: BlockKey
+    parent: BlockKey  # the block before it: the previous block, or a snapshot's last full block
+    length: int  # tokens covered: a block's end, or a snapshot's exact length
+    nbytes: int
+    at: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value,
+            "entry": self.entry.value,
+            "cluster": self.pool,
+            "node": self.node,
+            "key": self.key.hex(),
+            "parent": self.parent.hex(),
+            "length": self.length,
+            "nbytes": self.nbytes,
+            "at": self.at,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, object]) -> CacheEvent:
+        return cls(
+            EventKind(str(obj["kind"])),
+            EntryKind(str(obj["entry"])),
+            str(obj["cluster"]),
+            str(obj["node"]),
+            bytes.fromhex(str(obj["key"])),
+            bytes.fromhex(str(obj["parent"])),
+            int(obj["length"]),  # type: ignore[call-overload]
+            int(obj["nbytes"]),  # type: ignore[call-overload]
+            float(obj["at"]),  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolMatch:
+    pool: str
+    hit_tokens: int  # usable from the pool, by any node that can load from it
+    kv_prefix_tokens: int  # full-attention KV present (snapshot or not): what need not be resent
+    node_hits: dict[str, int] = field(default_factory=dict)  # usable over each node's own entries
+
+    def view(self, prefill_nodes: Sequence[NodeView] = (), decode_nodes: Sequence[NodeView] = ()) -> ClusterView:
+        """The router's view of the cluster this pool serves: nodes keep their load and health, hits come from here."""
+        hits = self.node_hits
+        nodes = tuple(NodeView(n.node_id, hits.get(n.node_id, 0), n.load, n.healthy) for n in prefill_nodes)
+        return ClusterView(self.pool, nodes, tuple(decode_nodes), self.kv_prefix_tokens, self.hit_tokens)
+
+
+class GlobalCacheManager:
+    def __init__(self, pools: Iterable[str], needs_snapshot: bool = True) -> None:
+        self.indexes = {name: PrefixIndex(needs_snapshot) for name in pools}
+        self.nodes: dict[str, set[str]] = {name: set() for name in self.indexes}
+        self.counts: Counter[str] = Counter()
+
+    def attach(self, pool: str, index: PrefixIndex, node: str) -> None:
+        """Match ``pool`` against its own index, held by ``node`` alone: what replaying the pool's
+        events at once would build, without the events (a pool in this process: the simulator)."""
+        self.indexes[pool] = index
+        self.nodes[pool] = {node}
+
+    def apply(self, event: CacheEvent) -> None:
+        index = self.indexes.get(event.pool)
+        if index is None:
+            self.counts["events_unknown_cluster"] += 1
+            return
+        if event.kind is EventKind.STORE:
+            self.nodes[event.pool].add(event.node)
+            changed = index.add(event.entry, event.key, event.node, event.parent, event.length)
+        else:
+            changed = index.remove(event.entry, event.key, event.parent, event.length)
+        self.counts[f"events_{event.kind}" if changed else f"events_{event.kind}_stale"] += 1
+
+    def apply_all(self, events: Iterable[CacheEvent]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def match(self, prompt: PromptKeys, limit: int | None = None) -> dict[str, PoolMatch]:
+        out = {}
+        for name, index in self.indexes.items():
+            m = index.match(prompt, limit)
+            node_hits = {}
+            if m.hit_tokens:  # a node that holds every entry has the pool's hit: no second walk
+                node_hits = {
+                    node: m.hit_tokens if index.holds_all(node) else index.match(prompt, limit, node).hit_tokens
+                    for node in sorted(self.nodes[name])
+                }
+            kv = min(m.kv_tokens(prompt.block_size), prompt.num_tokens if limit is None else max(limit, 0))
+            out[name] = PoolMatch(name, m.hit_tokens, kv, node_hits)
+            self.counts[f"{name}_lookups"] += 1
+            self.counts[f"{name}_hit_tokens"] += m.hit_tokens
+        self.counts["lookup_tokens"] += prompt.num_tokens
+        return out

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, ClassVar, NamedTuple, TypeVar, get_type_hints
 
-from minifaas.cache.events import CacheEvent
+from minifaas.cache.prefix_index import CacheEvent
 from minifaas.codec.codec import Codec
 from minifaas.control.schema import (
     Address,

@@ -16,13 +16,13 @@ and the request records that real figure as its cached tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.events import CacheEvent
-from minifaas.cache.manager import GlobalCacheManager, PoolMatch
-from minifaas.cache.prefix_index import PrefixIndex
+from minifaas.cache.prefix_index import CacheEvent, GlobalCacheManager, PoolMatch, PrefixIndex
 from minifaas.config import CacheConfig
+from minifaas.control.worker_ops import CACHE_EVENTS, CacheEvents
+from minifaas.gateway.worker_handle import Lost, WorkerHandle
 
 Prompt = Sequence[int] | PromptKeys | None  # token ids, or their keys from ``PrefixDirectory.keys`` (None: no match)
 
@@ -35,6 +35,19 @@ class PrefixDirectory:
 
     def apply(self, events: Iterable[CacheEvent]) -> None:
         self.manager.apply_all(events)
+
+    async def follow(self, w: WorkerHandle, closing: Callable[[], bool]) -> None:
+        """Keep the worker's mirror current with its pool, through restarts, until it is retired or shutdown."""
+        inbox = w.inboxes[CACHE_EVENTS]
+        while not closing():
+            msg = await inbox.get()
+            if isinstance(msg, CacheEvents):
+                self.apply(msg.events)
+            elif isinstance(msg, Lost) and w.retired:
+                self.drop(w.name)
+                return
+            elif isinstance(msg, Lost):
+                self.forget(w.name)  # a re-attached worker sends its inventory again
 
     def forget(self, node: str) -> None:
         """The node's process is gone, and its pool with it."""

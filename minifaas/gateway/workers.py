@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.session import ControlError, Refused, SessionLost
-from minifaas.control.worker_ops import CACHE_EVENTS, Attached, CacheEvents, ReplyMessage
+from minifaas.control.worker_ops import CACHE_EVENTS, Attached, ReplyMessage
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.worker_handle import Busy, Lost, WorkerHandle, attach
@@ -143,7 +143,7 @@ class Workers:
         self._join(w)
         assert self._tasks is not None
         self._tasks.create_task(self._supervise(w))
-        self._tasks.create_task(self._follow_cache(w))
+        self._tasks.create_task(self.prefixes.follow(w, lambda: self.closing))
         log.debug("worker %s (%s, %s) attached at %s:%d, pid %d", w.name, w.role, w.cluster, *address, w.pid)
         return w
 
@@ -216,24 +216,11 @@ class Workers:
             self._join(w)
             log.info("worker %s rejoined (pid %d)", w.name, w.pid)
 
-    async def _follow_cache(self, w: WorkerHandle) -> None:
-        """Keep the prefix directory current with the worker's pool, through restarts, until shutdown."""
-        inbox = w.inboxes[CACHE_EVENTS]
-        while not self.closing:
-            msg = await inbox.get()
-            if isinstance(msg, CacheEvents):
-                self.prefixes.apply(msg.events)
-            elif isinstance(msg, Lost) and w.retired:
-                self.prefixes.drop(w.name)
-                return
-            elif isinstance(msg, Lost):
-                self.prefixes.forget(w.name)  # a re-attached worker sends its inventory again
-
     async def _shutdown(self) -> None:
         self.closing = True
         for w in self.workers.values():
             w.detach()
         launched = {w.name: w.spec for w in self.workers.values()}
         await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
-        for w in self.workers.values():  # ends _follow_cache even if no session was left to lose
+        for w in self.workers.values():  # ends PrefixDirectory.follow even if no session was left to lose
             w.inboxes[CACHE_EVENTS].put_nowait(Lost())

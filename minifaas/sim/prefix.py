@@ -14,9 +14,8 @@ a private hit and the router's node choice stays load-driven, which keeps a thou
 from __future__ import annotations
 
 from minifaas.cache.block_hash import BlockKey, PromptKeys
-from minifaas.cache.manager import GlobalCacheManager, PoolMatch
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.cache.prefix_index import EntryKind
+from minifaas.cache.prefix_index import EntryKind, GlobalCacheManager, PoolMatch
 from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.plugin import Args
 

@@ -18,9 +18,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.entry import Lease
-from minifaas.cache.events import CacheEvent
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.cache.prefix_index import EntryKind
+from minifaas.cache.prefix_index import CacheEvent, EntryKind
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.receiver import KVReceiver
