@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API: completions and chat completions (streamed or not), models, health, metrics.
 
-Handlers only move bytes: rules live in openai_schema, response shapes in openai_responses, and
+Handlers only move bytes: rules and response shapes live in openai_schema, and
 generation in the gateway. A streamed request waits for its first token before sending headers,
 so a request the gateway refuses (503) or cannot serve (500, or 504 past a deadline) still gets a
 real status; a failure after that arrives as an SSE ``data: {"error": ...}`` event, as vLLM sends
@@ -26,8 +26,7 @@ from aiohttp import web
 
 from minifaas.config import HttpConfig
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.openai_responses import CompletionReply
-from minifaas.gateway.openai_schema import APIEndpoint, APIError, parse_json, parse_request
+from minifaas.gateway.openai_schema import APIEndpoint, APIError, CompletionReply, parse_json, parse_request
 from minifaas.gateway.requests import (
     DeadlineExceeded,
     GatewayAPI,

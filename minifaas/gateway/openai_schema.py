@@ -1,4 +1,4 @@
-"""OpenAI request bodies in, validated token ids and SamplingParams out; errors as OpenAI error bodies.
+"""OpenAI request bodies in, validated token ids and SamplingParams out; response bodies and stream chunks back.
 
 Sans-IO: nothing here reads a socket, so every rule can be tested without a server. Fields the
 OpenAI API (or vLLM's) defines but minifaas does not implement (logprobs, echo, tools, logit_bias,
@@ -6,16 +6,21 @@ response_format, min_p, n > 1, ...) are refused by name with a 400 unless they a
 rather than silently ignored; top_k, min_tokens and the presence and frequency penalties are
 honoured (``model.sampling``). Text that is not valid Unicode (a lone surrogate such as
 ``"\ud800"``, which JSON can carry) is a 400 too. vLLM's ``return_token_ids`` is honoured (the reply
-carries the ids). Unknown extra fields are ignored.
+carries the ids). Unknown extra fields are ignored. ``CompletionReply`` assembles one request's response body, or
+its stream's chunks in OpenAI's order (content, then an empty delta with the finish_reason, then usage), the last
+one carrying the ``minifaas`` object as every non-streamed body does.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import time
+import uuid
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from minifaas.gateway.requests import RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
@@ -276,3 +281,118 @@ def _unicode(text: str, param: str) -> str:
         message = f"'{param}' is not valid Unicode: a lone surrogate ({code}) at character {e.start}."
         raise APIError(400, message, param=param) from None
     return text
+
+
+_OBJECT = {APIEndpoint.COMPLETIONS: "text_completion", APIEndpoint.CHAT: "chat.completion"}
+_CHUNK_OBJECT = {APIEndpoint.COMPLETIONS: "text_completion", APIEndpoint.CHAT: "chat.completion.chunk"}
+_ID_PREFIX = {APIEndpoint.COMPLETIONS: "cmpl-", APIEndpoint.CHAT: "chatcmpl-"}
+
+
+@dataclass(slots=True)
+class CompletionReply:
+    endpoint: APIEndpoint
+    model: str
+    record: RequestRecord
+    started: float  # time.perf_counter() when the request arrived
+    created: int = field(default_factory=lambda: int(time.time()))
+    pieces: list[str] = field(default_factory=list)
+    tokens: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    prompt_ids: list[int] | None = None  # set: the client asked for token ids
+    token_ids: list[int] = field(default_factory=list)
+    ids_sent: int = 0  # token ids already in a stream chunk
+    prompt_sent: bool = False
+
+    @classmethod
+    def start(
+        cls, endpoint: APIEndpoint, model: str, prompt_ids: list[int], started: float, return_token_ids: bool = False
+    ) -> CompletionReply:
+        request_id = _ID_PREFIX[endpoint] + uuid.uuid4().hex
+        record = RequestRecord(request_id, len(prompt_ids))
+        return cls(endpoint, model, record, started, prompt_ids=prompt_ids if return_token_ids else None)
+
+    @property
+    def id(self) -> str:
+        return self.record.request_id
+
+    def add(self, event: TokenEvent, now: float) -> str:
+        """Take one token event; returns its text."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.tokens += 1
+        self.pieces.append(event.text)
+        self.token_ids.append(event.token_id)
+        self.finish_reason = event.finish_reason
+        return event.text
+
+    def seal(self, now: float) -> None:
+        """Write what the HTTP layer measured into the record; the gateway's own timings win where it set them."""
+        self.record.completion_tokens = self.tokens
+        if self.record.ttft_s is None and self.first_token_at is not None:
+            self.record.ttft_s = self.first_token_at - self.started
+        if self.record.e2e_s is None:
+            self.record.e2e_s = now - self.started
+
+    def usage(self) -> dict[str, Any]:
+        prompt = self.record.prompt_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.tokens,
+            "total_tokens": prompt + self.tokens,
+            "prompt_tokens_details": {"cached_tokens": self.record.cached_tokens},
+        }
+
+    # -- a whole body ---------------------------------------------------------------------------
+
+    def body(self) -> dict[str, Any]:
+        text = "".join(self.pieces)
+        if self.endpoint is APIEndpoint.CHAT:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": self.finish_reason}
+        if self.prompt_ids is not None:
+            choice |= {"prompt_token_ids": self.prompt_ids, "token_ids": self.token_ids}
+        return self._envelope(_OBJECT[self.endpoint], [choice]) | {
+            "usage": self.usage(),
+            "minifaas": self.record.to_json(),
+        }
+
+    # -- stream chunks --------------------------------------------------------------------------
+
+    def opening_chunks(self, include_usage: bool) -> list[dict[str, Any]]:
+        if self.endpoint is APIEndpoint.CHAT:
+            return [self._chunk({"role": "assistant", "content": ""}, None, include_usage)]
+        return []
+
+    def content_chunk(self, text: str, include_usage: bool) -> dict[str, Any]:
+        delta = {"content": text} if self.endpoint is APIEndpoint.CHAT else text
+        return self._chunk(delta, None, include_usage)
+
+    def closing_chunks(self, include_usage: bool) -> list[dict[str, Any]]:
+        done = self._chunk({} if self.endpoint is APIEndpoint.CHAT else "", self.finish_reason, include_usage)
+        chunks = [done]
+        if include_usage:
+            chunks.append(self._envelope(_CHUNK_OBJECT[self.endpoint], []) | {"usage": self.usage()})
+        chunks[-1]["minifaas"] = self.record.to_json()
+        return chunks
+
+    def _chunk(self, delta: dict[str, str] | str, finish_reason: str | None, include_usage: bool) -> dict[str, Any]:
+        if isinstance(delta, str):
+            choice: dict[str, Any] = {"index": 0, "text": delta, "logprobs": None}
+        else:
+            choice = {"index": 0, "delta": delta, "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        if self.prompt_ids is not None:
+            if not self.prompt_sent:
+                choice["prompt_token_ids"], self.prompt_sent = self.prompt_ids, True
+            choice["token_ids"] = self.token_ids[self.ids_sent :]
+            self.ids_sent = len(self.token_ids)
+        out = self._envelope(_CHUNK_OBJECT[self.endpoint], [choice])
+        if include_usage:
+            out["usage"] = None  # OpenAI sends null on every chunk but the usage one
+        return out
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
