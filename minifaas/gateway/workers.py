@@ -143,7 +143,7 @@ class Workers:
         self._join(w)
         assert self._tasks is not None
         self._tasks.create_task(self._supervise(w))
-        self._tasks.create_task(self.prefixes.follow(w, lambda: self.closing))
+        self._tasks.create_task(self.prefixes.follow(w, self))
         log.debug("worker %s (%s, %s) attached at %s:%d, pid %d", w.name, w.role, w.cluster, *address, w.pid)
         return w
 
