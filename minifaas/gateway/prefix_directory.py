@@ -17,7 +17,7 @@ and the request records that real figure as its cached tokens.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.prefix_index import CacheEvent, GlobalCacheManager, PoolMatch, PrefixIndex
@@ -25,8 +25,10 @@ from minifaas.config import CacheConfig
 from minifaas.control.worker_ops import CACHE_EVENTS, CacheEvents
 from minifaas.gateway.worker_handle import Lost, WorkerHandle
 
-if TYPE_CHECKING:
-    from minifaas.gateway.workers import Workers
+
+class Closing(Protocol):
+    closing: bool  # shutdown has begun (``Workers``)
+
 
 Prompt = Sequence[int] | PromptKeys | None  # token ids, or their keys from ``PrefixDirectory.keys`` (None: no match)
 
@@ -40,7 +42,7 @@ class PrefixDirectory:
     def apply(self, events: Iterable[CacheEvent]) -> None:
         self.manager.apply_all(events)
 
-    async def follow(self, w: WorkerHandle, pool: Workers) -> None:
+    async def follow(self, w: WorkerHandle, pool: Closing) -> None:
         """Keep the worker's mirror current with its pool, through restarts, until it is retired or shutdown."""
         inbox = w.inboxes[CACHE_EVENTS]
         while not pool.closing:
