@@ -133,21 +133,12 @@ class Dashboard:
                 rule=str(scheduler.rule),
                 depth=depth,
                 wait_s=wait,
-                wire_bytes=self._link_wire_bytes(),
+                wire_bytes=dict(self.metrics.link_wire_bytes),
                 prompt_tokens=_total(self.metrics.prompt_tokens),
                 cached_tokens=_total(self.metrics.cached_tokens),
             )
         )
         self.sample_json.append(self.samples[-1].to_json(previous))
-
-    def _link_wire_bytes(self) -> dict[str, float]:
-        """KV bytes the PrfaaS cluster's transfers put on the link so far, by codec (their series are named
-        ``prfaas->DECODE WORKER``; PD's own transfers, ``pd->...``, stay within the cluster)."""
-        out: dict[str, float] = {}
-        for labels, value in _series(self.metrics.kv_wire_bytes_sent):
-            if labels["link"].startswith("prfaas->"):
-                out[labels["codec"]] = out.get(labels["codec"], 0.0) + value
-        return out
 
     def _note_changes(self, wall: float, loop_now: float) -> None:
         """The short-term decisions since the last sample that moved t or changed the rule, with their reason."""
@@ -186,7 +177,7 @@ class Dashboard:
                 "up": link.up,
                 "down": dict(link.down),
                 "configured_rate": gw.config.link.rate,
-                "wire_bytes_by_codec": self._link_wire_bytes(),
+                "wire_bytes_by_codec": dict(self.metrics.link_wire_bytes),
                 "samples": [j for j in self.sample_json if since is None or j["at"] > since],
             },
             "scheduler": {

@@ -43,6 +43,7 @@ class ServeMetrics:
         self._scheduling(r)
         self._coding(r)
         self._processes(r)
+        self.link_wire_bytes: dict[str, float] = {}  # by codec, the bytes PrfaaS's transfers put on the link
         self.ended: deque[tuple[float, str, RequestRecord]] | None = None  # the last routed requests, if kept
         for route in ROUTES:  # known label values are exported from the start, so dashboards see zeros, not gaps
             for histogram in (self.ttft, self.tpot, self.e2e, self.queue_time, self.transfer_time):
@@ -243,7 +244,10 @@ class ServeMetrics:
     def add_kv_bytes(self, link: str, nbytes: int, wire_bytes: int | None = None, codec: str = "none") -> None:
         """A transfer of ``nbytes`` of state over ``link``, ``wire_bytes`` on the wire (None: as many, uncoded)."""
         self.kv_bytes_sent.labels(link=link).inc(nbytes)
-        self.kv_wire_bytes_sent.labels(link=link, codec=codec).inc(nbytes if wire_bytes is None else wire_bytes)
+        wire = nbytes if wire_bytes is None else wire_bytes
+        self.kv_wire_bytes_sent.labels(link=link, codec=codec).inc(wire)
+        if link.startswith("prfaas->"):  # PrfaaS's transfers cross the link; PD's (``pd->...``) stay in the cluster
+            self.link_wire_bytes[codec] = self.link_wire_bytes.get(codec, 0.0) + wire
 
     def codec_chosen(self, codec: str, reason: str, break_even_bytes_per_s: float) -> None:
         self.kv_codec_choices.labels(codec=codec, reason=reason).inc()
