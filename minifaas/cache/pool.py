@@ -25,8 +25,8 @@ from minifaas.cache.block_hash import BlockKey, PromptKeys
 from minifaas.cache.entry import Entry, Lease
 from minifaas.cache.prefix_index import CacheEvent, EntryKind, EventKind, Match, PrefixIndex
 from minifaas.policy.interfaces import SnapshotPlacement
-from minifaas.policy.plugin import SNAPSHOT, Args, check_policy, load_policy, policy_args
-from minifaas.policy.snapshot_policy import SnapshotInput
+from minifaas.policy.plugin import SNAPSHOT, Args, building, check_policy, load_policy, policy_args
+from minifaas.policy.snapshot_policy import IntervalSnapshots, ReuseSnapshots, SnapshotInput
 
 P = TypeVar("P")
 
@@ -77,9 +77,13 @@ class HybridPrefixPool(Generic[P]):
         self.config = config
         self.node = node  # default holder recorded in events
         self.index = PrefixIndex(config.needs_snapshot)
-        self.snapshots: SnapshotPlacement = load_policy(
-            config.snapshot_policy, SNAPSHOT, config.snapshot_args, interval_blocks=config.snapshot_interval_blocks
-        )
+        spec, offered = config.snapshot_policy, {"interval_blocks": config.snapshot_interval_blocks}
+        with building(SNAPSHOT, spec):
+            self.snapshots: SnapshotPlacement = (
+                ReuseSnapshots() if spec == "reuse"
+                else IntervalSnapshots(**(offered | dict(config.snapshot_args))) if spec == "interval"
+                else load_policy(spec, SNAPSHOT, config.snapshot_args, **offered)
+            )  # fmt: skip
         self.counts: Counter[str] = Counter()
         self.prefix_bytes = 0
         self._entries: OrderedDict[bytes, Entry[P]] = OrderedDict()  # by _slot, LRU first

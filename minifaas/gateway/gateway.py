@@ -66,6 +66,7 @@ from minifaas.policy.router import (
     Path,
     RouteDecision,
     RouteInput,
+    Router,
     RouterConfig,
 )
 from minifaas.policy.short_term import ShortTermConfig
@@ -112,7 +113,10 @@ class Gateway:
             cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer,
             spill_tokens=config.spill_tokens,
         )  # fmt: skip
-        self.router: RoutingPolicy = load_policy(config.router, ROUTER, config.router_args, config=routing)
+        self.router: RoutingPolicy = (
+            Router(**{"config": routing, **dict(config.router_args)}) if config.router == "default"
+            else load_policy(config.router, ROUTER, config.router_args, config=routing)
+        )  # fmt: skip
         self.secret = cluster_secret(config)
         hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
         self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, ())

@@ -32,12 +32,12 @@ from minifaas.model.kv_size import KVProfile
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_profiles
-from minifaas.policy.codec_policy import CodecChoice, CodecSample, LinkShare, TransferShape
+from minifaas.policy.codec_policy import MODES, CodecChoice, CodecSample, CompressionPolicy, LinkShare, TransferShape
 from minifaas.policy.interfaces import CodecPolicy, LongTermControl, ShortTermControl
-from minifaas.policy.long_term import LongTermConfig, RebalanceDecision
-from minifaas.policy.plugin import CODEC, LONG_TERM, SHORT_TERM, load_policy
+from minifaas.policy.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
+from minifaas.policy.plugin import CODEC, LONG_TERM, SHORT_TERM, building, load_policy
 from minifaas.policy.router import RouteDecision, Rule
-from minifaas.policy.short_term import ShortTermConfig
+from minifaas.policy.short_term import ShortTermConfig, ShortTermPolicy
 from minifaas.policy.signals import PrefillSample, Signals, StageLoad
 
 log = logging.getLogger("minifaas.policy")
@@ -62,9 +62,12 @@ class LiveScheduler:
         self.kv = kv  # the model's state sizes: each transfer's shape
         self.threshold, self.rule = config.threshold, Rule(config.cache.rule)
         sc = config.scheduler
-        self.short: ShortTermControl = load_policy(
-            sc.short_term, SHORT_TERM, sc.short_term_args, config=short_term, threshold=self.threshold, rule=self.rule
-        )
+        offered = dict(config=short_term, threshold=self.threshold, rule=self.rule)
+        with building(SHORT_TERM, sc.short_term):
+            self.short: ShortTermControl = (
+                ShortTermPolicy(**(offered | dict(sc.short_term_args))) if sc.short_term == "default"
+                else load_policy(sc.short_term, SHORT_TERM, sc.short_term_args, **offered)
+            )  # fmt: skip
         self.utilisation = 0.0  # the short-term policy's smoothed reading of the link, as of its last step
         self.long_term = long_term
         self.profiles = self._profiles() if long_term is not None else None  # read now: a bad file fails at once
@@ -75,7 +78,12 @@ class LiveScheduler:
         self._prefills: list[PrefillSample] = []  # since the last tick
         self._outputs: list[int] = []  # completion tokens of the requests finished since the last tick
         self.speed: dict[str, float] = {}  # cluster -> prefill tokens/s, a moving average over recent prefills
-        self.compression: CodecPolicy = load_policy(config.link.kv_compression, CODEC, config.link.kv_compression_args)
+        codec, codec_args = config.link.kv_compression, config.link.kv_compression_args
+        with building(CODEC, codec):
+            self.compression: CodecPolicy = (
+                CompressionPolicy(**{"mode": codec, **dict(codec_args)}) if codec in MODES
+                else load_policy(codec, CODEC, codec_args)
+            )  # fmt: skip
         self.link_rate_bps = parse_rate(config.link.rate) or math.inf  # until the link is read
         metrics.set_threshold(self.threshold)
 
@@ -114,10 +122,11 @@ class LiveScheduler:
             link_gbps=rate / 1e9 if rate else UNLIMITED_LINK_GBPS,
         )
         sc = self.config.scheduler
-        return load_policy(
-            sc.long_term, LONG_TERM, sc.long_term_args, config=config, case=case, threshold=self.threshold,
-            n_prefill=n_p, n_decode=n_d,
-        )  # fmt: skip
+        offered = dict(config=config, case=case, threshold=self.threshold, n_prefill=n_p, n_decode=n_d)
+        with building(LONG_TERM, sc.long_term):
+            if sc.long_term == "default":
+                return LongTermPolicy(**(offered | dict(sc.long_term_args)))
+            return load_policy(sc.long_term, LONG_TERM, sc.long_term_args, **offered)
 
     async def run(self, period: float = 1.0) -> None:
         """Sample the link and the stage queues into /metrics, and tick the policies, until shutdown."""

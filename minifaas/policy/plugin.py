@@ -1,12 +1,13 @@
-"""Policies by name: a built-in name (its class, in the table below) or a plugin's ``module:Class``.
+"""Policies by ``module:Class``, and every policy spec checked before anything starts.
 
-A built-in name stands for a shipped class and the arguments it implies (``auto`` is ``CompressionPolicy`` with
-mode "auto"). Only a ``module:Class`` spec is imported, as ``python -m`` would find it: installed, or under the
-current directory. Either class must have the methods of its kind's Protocol (``policy.interfaces``), and its
-constructor must take the arguments the configuration gives it (``--router-arg k=v``, ``[serve.router_args]``)
-and those of the keywords its driver offers (``PolicyKind.context``) that it names, or all of them with ``**kwargs``;
-a configured argument wins over an offered keyword of its name. ``check_policy`` does all but build it, so a
-configuration is checked before anything starts. Every failure is one ``PolicyError`` line.
+Each driver builds its kind's built-ins by name in its own code (``Router`` for the router's ``default``; the
+table below lists the names, for checking). Any other spec is a ``module:Class``, imported as ``python -m`` would
+find it: installed, or under the current directory. Either class must have the methods of its kind's Protocol
+(``policy.interfaces``), and its constructor must take the arguments the configuration gives it (``--router-arg
+k=v``, ``[serve.router_args]``) and those of the keywords its driver offers (``PolicyKind.context``) that it names,
+or all of them with ``**kwargs``; a configured argument wins over an offered keyword of its name. ``check_policy``
+does all but build, so a configuration is checked before anything starts; ``load_policy`` builds a spec. Every
+failure is one ``PolicyError`` line, a value a constructor refuses too (``building``, around a built-in's build).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +73,17 @@ def load_policy(spec: str, kind: PolicyKind, args: Mapping[str, Any] | Args = ()
     if set(context) != set(kind.context):
         raise TypeError(f"a {kind.name} policy is offered {sorted(kind.context)}, got {sorted(context)}")
     cls, keywords = _checked(spec, kind, args, context)
-    try:
+    with building(kind, spec):
         return cls(**keywords)
+
+
+@contextmanager
+def building(kind: PolicyKind, spec: str) -> Iterator[None]:
+    """Building the ``spec`` policy: a TypeError or ValueError its constructor raises is the line that names it."""
+    try:
+        yield
+    except PolicyError:
+        raise
     except (TypeError, ValueError) as e:
         raise PolicyError(f"{kind.name} {spec!r}: {type(e).__name__}: {_line(e)}") from e
 

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minifaas.policy.codec_policy import CodecEstimate, CodecSample, LinkShare, TransferShape
+from minifaas.policy.codec_policy import MODES, CodecEstimate, CodecSample, CompressionPolicy, LinkShare, TransferShape
 from minifaas.policy.interfaces import CodecPolicy
-from minifaas.policy.plugin import CODEC, Args, load_policy
+from minifaas.policy.plugin import CODEC, Args, building, load_policy
 
 MEASURED_BYTES = 1e9  # the size of the one measurement each codec's figures are told as
 
 
 class SimCoding:
     def __init__(self, mode: str, codecs: tuple[tuple[str, CodecEstimate], ...], args: Args = ()) -> None:
-        self.policy: CodecPolicy = load_policy(mode, CODEC, args)
+        with building(CODEC, mode):
+            self.policy: CodecPolicy = (
+                CompressionPolicy(**{"mode": mode, **dict(args)}) if mode in MODES else load_policy(mode, CODEC, args)
+            )
         self.codecs = dict(codecs)
         for codec, e in codecs:
             n = MEASURED_BYTES

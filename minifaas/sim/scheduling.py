@@ -18,7 +18,9 @@ import numpy as np
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.policy.interfaces import LongTermControl, ShortTermControl
-from minifaas.policy.plugin import LONG_TERM, SHORT_TERM, load_policy
+from minifaas.policy.long_term import LongTermPolicy
+from minifaas.policy.plugin import LONG_TERM, SHORT_TERM, building, load_policy
+from minifaas.policy.short_term import ShortTermPolicy
 from minifaas.policy.signals import Signals, StageLoad
 from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.deployment import SimConfig
@@ -45,17 +47,21 @@ class SimScheduler:
         self.utilisation = 0.0  # the short-term policy's smoothed reading of the link, as of its last step
         self.short: ShortTermControl | None = None
         if config.short_term is not None:
-            self.short = load_policy(
-                config.short_term_policy, SHORT_TERM, config.short_term_args,
-                config=config.short_term, threshold=config.threshold, rule=config.rule,
-            )  # fmt: skip
+            offered = dict(config=config.short_term, threshold=config.threshold, rule=config.rule)
+            with building(SHORT_TERM, config.short_term_policy):
+                self.short = (
+                    ShortTermPolicy(**(offered | dict(config.short_term_args))) if config.short_term_policy == "default"
+                    else load_policy(config.short_term_policy, SHORT_TERM, config.short_term_args, **offered)
+                )  # fmt: skip
         self.long: LongTermControl | None = None
         if config.long_term is not None:
-            self.long = load_policy(
-                config.long_term_policy, LONG_TERM, config.long_term_args, config=config.long_term,
-                case=_case_of(config, workload), threshold=config.threshold, n_prefill=config.n_prefill,
-                n_decode=config.n_decode,
-            )  # fmt: skip
+            offered = dict(config=config.long_term, case=_case_of(config, workload), threshold=config.threshold,
+                           n_prefill=config.n_prefill, n_decode=config.n_decode)  # fmt: skip
+            with building(LONG_TERM, config.long_term_policy):
+                self.long = (
+                    LongTermPolicy(**(offered | dict(config.long_term_args))) if config.long_term_policy == "default"
+                    else load_policy(config.long_term_policy, LONG_TERM, config.long_term_args, **offered)
+                )  # fmt: skip
         self.conversions = 0  # workers that finished changing role
         self.lengths: list[int] = []  # incremental prefill lengths routed since the last tick
         self.trace: list[tuple[float, int, int, int]] = []  # (time, t, PD-P serving, PD-D serving)

@@ -27,7 +27,7 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.policy.codec_policy import TransferShape
 from minifaas.policy.interfaces import RoutingPolicy
 from minifaas.policy.plugin import ROUTER, load_policy
-from minifaas.policy.router import ClusterView, Path, RouteInput
+from minifaas.policy.router import ClusterView, Path, RouteInput, Router
 from minifaas.sim.coding import SimCoding
 from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.deployment import SimConfig
@@ -47,7 +47,10 @@ class Simulation:
         self.config = config
         self.workload = workload
         self.loop = EventLoop()
-        self.router: RoutingPolicy = load_policy(config.router_policy, ROUTER, config.router_args, config=config.router)
+        self.router: RoutingPolicy = (
+            Router(**{"config": config.router, **dict(config.router_args)}) if config.router_policy == "default"
+            else load_policy(config.router_policy, ROUTER, config.router_args, config=config.router)
+        )  # fmt: skip
         self.prompt_tokens = self.cached_tokens = 0  # of the requests routed: the prefix hit ratio
         batch = config.prefill_batch_tokens
         self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas, batch)
