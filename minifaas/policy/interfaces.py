@@ -2,8 +2,9 @@
 
 Each method takes frozen values (what the policy may see) and returns a frozen decision; a policy does no
 I/O, keeps no clock (time comes in the signals) and reaches into nothing of the caller's. The shipped
-policies implement these, and callers use nothing else of them. A policy is named by a built-in name or by
-``module:Class`` and built by ``policy.plugin.load_policy``, with the keywords docs/POLICIES.md lists.
+policies implement these, and callers use nothing else of them. A policy is named by a built-in name, whose
+class its driver builds, or by ``module:Class``, built by ``policy.plugin.load_policy``; docs/POLICIES.md lists
+the keywords each is offered.
 
     RoutingPolicy      per request: which cluster prefills it, which node, which decode node   (router.py)
     ShortTermControl   per tick (seconds): the threshold t and the routing rule               (short_term.py)

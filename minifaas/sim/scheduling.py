@@ -2,7 +2,7 @@
 
 On every sampling tick the pools and the fluid link become one ``Signals``;
 the short-term policy sets the router's threshold and rule, the long-term one
-(once a period) may ask for PD workers to change role. Both are loaded from
+(once a period) may ask for PD workers to change role. Both are built from
 their specs (``policy.plugin``) and driven through their interfaces only
 (``policy.interfaces``), on the simulator's clock. A conversion retires
 the least-loaded worker of the role that shrinks (no new work goes to it),
