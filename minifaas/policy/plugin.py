@@ -39,7 +39,7 @@ class PolicyError(ValueError):
 class PolicyKind:
     name: str  # router, short_term, long_term, snapshot, codec
     protocol: type
-    builtins: Mapping[str, tuple[type, Args]]  # built-in name -> (its class, the arguments it implies)
+    builtins: Mapping[str, tuple[type, Args]]  # name -> (the class its driver builds, the arguments it implies)
     context: tuple[str, ...]  # the keywords the driver offers its constructor
 
     @property
