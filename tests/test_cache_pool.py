@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.entry import Lease
-from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
 from minifaas.cache.prefix_index import EntryKind, EventKind
 from minifaas.traces import trace_path
 

@@ -11,24 +11,55 @@ only sizes) and kept by reference, so a stored payload must never be mutated. A 
     pool.release(lease); pool.touch(keys, len(tokens), now); ship pool.drain_events() to the gateway
 
 Referenced entries and entries something hangs from are never evicted, so the cached set stays prefix-closed;
-eviction is LRU by bytes. Every decision is counted in ``counts``.
+eviction is LRU by bytes. Every decision is counted in ``counts``. An ``Entry`` is one block or snapshot with its
+bytes and payload; a ``Lease``, the entries of one hit, pinned until released.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from minifaas.cache.block_hash import BlockKey, PromptKeys
-from minifaas.cache.entry import Entry, Lease
 from minifaas.cache.prefix_index import CacheEvent, EntryKind, EventKind, Match, PrefixIndex
 from minifaas.policy.interfaces import SnapshotPlacement
 from minifaas.policy.plugin import SNAPSHOT, Args, building, check_policy, load_policy, policy_args
 from minifaas.policy.snapshot_policy import IntervalSnapshots, ReuseSnapshots, SnapshotInput
 
 P = TypeVar("P")
+
+
+@dataclass(slots=True, eq=False)
+class Entry(Generic[P]):
+    kind: EntryKind
+    key: BlockKey
+    parent: BlockKey
+    length: int
+    nbytes: int
+    payload: P | None
+    last_used: float
+    refs: int = 0  # leases holding it: it is not evicted while any does
+    dependents: int = 0  # stored children (blocks and snapshots) that need this block: nor while any does
+
+
+@dataclass(slots=True, eq=False)
+class Lease(Generic[P]):
+    """A pinned hit: the blocks inside [0, hit_tokens) in order, and the snapshot at hit_tokens."""
+
+    hit_tokens: int
+    blocks: tuple[Entry[P], ...]
+    snapshot: Entry[P] | None
+    released: bool = field(default=False)
+
+    @property
+    def block_payloads(self) -> list[P | None]:
+        return [e.payload for e in self.blocks]
+
+    @property
+    def snapshot_payload(self) -> P | None:
+        return self.snapshot.payload if self.snapshot else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.entry import Lease
-from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
 from minifaas.cache.prefix_index import CacheEvent, EntryKind
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.transport.incoming import IncomingTransfer

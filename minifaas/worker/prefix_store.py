@@ -25,8 +25,7 @@ from typing import Protocol
 import torch
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.entry import Lease
-from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
 from minifaas.cache.prefix_index import CacheEvent, EntryKind
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, PrefillResult
