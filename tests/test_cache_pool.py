@@ -276,7 +276,9 @@ def test_layer_state_payloads_reassemble_the_prefill_state() -> None:
     """The live system's payloads: full-attention KV sliced per block, the linear state and the
     partial block's KV in the snapshot; joining a hit's pieces gives back the state at that length."""
     torch = pytest.importorskip("torch")
-    from minifaas.model.layer_state import LayerState, StateKind, concat_tokens
+    from test_state_codec import concat_tokens
+
+    from minifaas.model.layer_state import LayerState, StateKind
 
     gen = torch.Generator().manual_seed(0)
     tokens = list(range(500, 530))

@@ -46,7 +46,7 @@ def test_repeated_and_extended_prompts_hit_the_cache_on_the_node_that_holds_it()
     reference = {name: reference_tokens(rt, ids, PARAMS) for name, ids in prompts.items()}
     long_state = rt.prefill(LONG).state
     long_text = rt.tokenizer.decode(reference_tokens(rt, LONG, HTTP_PARAMS))
-    kv_per_token = long_state.bytes_by_kind()[StateKind.FULL_ATTENTION] // len(LONG)
+    kv_per_token = sum(s.nbytes for s in long_state.layers if s.kind is StateKind.FULL_ATTENTION) // len(LONG)
     config = ServeConfig(
         model="kimi-linear-tiny",
         port=0,

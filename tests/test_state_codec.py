@@ -8,9 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.model import state_codec
-from minifaas.model.layer_state import DTYPES, LayerState, StateKind, concat_tokens
+from minifaas.model.layer_state import DTYPES, LayerState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.state_codec import StateCodecError
+
+
+def concat_tokens(head: LayerState, tail: LayerState) -> LayerState:
+    """Join a full-attention prefix with the KV of the tokens that follow it."""
+    if head.kind is not StateKind.FULL_ATTENTION or tail.kind is not StateKind.FULL_ATTENTION:
+        raise ValueError("only full-attention states concatenate along tokens")
+    if head.layer != tail.layer or [n for n, _ in head.slots] != [n for n, _ in tail.slots]:
+        raise ValueError(f"cannot join layer {head.layer} with layer {tail.layer}")
+    slots = tuple((n, torch.cat([a, b], dim=-2)) for (n, a), (_, b) in zip(head.slots, tail.slots))
+    return LayerState(head.layer, head.kind, head.seq_len + tail.seq_len, slots)
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -72,16 +72,6 @@ class LayerState:
         return LayerState(self.layer, self.kind, self.seq_len, slots)
 
 
-def concat_tokens(head: LayerState, tail: LayerState) -> LayerState:
-    """Join a full-attention prefix with the KV of the tokens that follow it."""
-    if head.kind is not StateKind.FULL_ATTENTION or tail.kind is not StateKind.FULL_ATTENTION:
-        raise ValueError("only full-attention states concatenate along tokens")
-    if head.layer != tail.layer or [n for n, _ in head.slots] != [n for n, _ in tail.slots]:
-        raise ValueError(f"cannot join layer {head.layer} with layer {tail.layer}")
-    slots = tuple((n, torch.cat([a, b], dim=-2)) for (n, a), (_, b) in zip(head.slots, tail.slots))
-    return LayerState(head.layer, head.kind, head.seq_len + tail.seq_len, slots)
-
-
 @dataclass(slots=True)
 class ModelState:
     """All layers of one request's state, at ``seq_len`` tokens."""
@@ -93,12 +83,6 @@ class ModelState:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.layers)
-
-    def bytes_by_kind(self) -> dict[StateKind, int]:
-        out: dict[StateKind, int] = {}
-        for s in self.layers:
-            out[s.kind] = out.get(s.kind, 0) + s.nbytes
-        return out
 
 
 def same_state(a: ModelState, b: ModelState) -> bool:
