@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
-from minifaas.model.reference import ReferenceRun, divergence, reference_run, reference_tokens
+from minifaas.model.reference import ReferenceRun, reference_run, reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import build_cache
 
 PROMPT = [(13 * i + 5) % 256 for i in range(120)]
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    index: int  # the first token that differs from the reference
+    gap: float  # the reference's top logit minus its logit of the token the path chose, over the top |logit|
+
+
+def divergence(tokens: Sequence[int], reference: ReferenceRun) -> Divergence | None:
+    """Where ``tokens`` first leave the reference (None: they are the reference's, the same length)."""
+    for i, (got, want) in enumerate(zip(tokens, reference.tokens)):
+        if got != want:
+            step = reference.logits[i]
+            return Divergence(i, float((step[want] - step[got]) / step.abs().max()))
+    if len(tokens) != len(reference.tokens):
+        return Divergence(min(len(tokens), len(reference.tokens)), float("inf"))
+    return None
 
 
 @pytest.fixture(scope="module", params=[*preset_names(), DEFAULT_MODEL])

@@ -6,9 +6,8 @@ cache rebuild and the state layout, so a bug there shows on both sides of a comp
 its own cache, and the greedy tokens it returns are what every path must reproduce. Greedy only: seeded
 sampling and penalties are this project's own sampler, which transformers does not have.
 
-On the CPU in float32 a correct path gives these tokens exactly. Where kernels or bfloat16 round
-differently, ``divergence`` finds the first token that differs and the logit gap there, to hold against a
-stated tolerance: a near tie flipped by rounding, not a broken state.
+On the CPU in float32 a correct path gives these tokens exactly; ``reference_run`` also returns the logits
+of every step, to compare a path's own logits against.
 """
 
 from __future__ import annotations
@@ -26,12 +25,6 @@ from minifaas.model.sampling import GREEDY, SamplingParams
 class ReferenceRun:
     tokens: list[int]
     logits: torch.Tensor  # [len(tokens), vocab] float32 on the CPU: what each token was the argmax of
-
-
-@dataclass(frozen=True, slots=True)
-class Divergence:
-    index: int  # the first token that differs from the reference
-    gap: float  # the reference's top logit minus its logit of the token the path chose, over the top |logit|
 
 
 def reference_tokens(runtime: ModelRuntime, prompt_ids: Sequence[int], params: SamplingParams = GREEDY) -> list[int]:
@@ -69,14 +62,3 @@ def refuse_unless_greedy(params: SamplingParams) -> None:
             "the transformers reference is greedy decoding with stop tokens only: no temperature, "
             f"penalties or stop strings (got {params})"
         )
-
-
-def divergence(tokens: Sequence[int], reference: ReferenceRun) -> Divergence | None:
-    """Where ``tokens`` first leave the reference (None: they are the reference's, the same length)."""
-    for i, (got, want) in enumerate(zip(tokens, reference.tokens)):
-        if got != want:
-            step = reference.logits[i]
-            return Divergence(i, float((step[want] - step[got]) / step.abs().max()))
-    if len(tokens) != len(reference.tokens):
-        return Divergence(min(len(tokens), len(reference.tokens)), float("inf"))
-    return None
