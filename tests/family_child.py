@@ -19,9 +19,11 @@ import json
 import sys
 from pathlib import Path
 
+from weights import weights_digest
+
 from minifaas.cache.pool import PoolConfig
 from minifaas.control.worker_ops import OPS, from_wire, to_wire
-from minifaas.model.loader import MODELS_DIR, ModelSpec, load_model, weights_digest
+from minifaas.model.loader import MODELS_DIR, ModelSpec, load_model
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.tokenizer import ByteTokenizer

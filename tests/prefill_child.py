@@ -12,9 +12,9 @@ import struct
 import sys
 
 import torch
+from weights import weights_digest
 
 from minifaas.model import state_codec
-from minifaas.model.loader import weights_digest
 from minifaas.model.runtime import ModelRuntime
 
 

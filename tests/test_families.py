@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from family_child import BLOCK, FAMILIES, family_runtime
+from weights import weights_digest
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.commands.main import main
@@ -35,7 +36,7 @@ from minifaas.model.decoder import DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.layer_state import ModelState, StateKind
-from minifaas.model.loader import MODELS_DIR, ModelSpec, load_config_dict, weights_digest
+from minifaas.model.loader import MODELS_DIR, ModelSpec, load_config_dict
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from preloaded import Preloaded
+from weights import weights_digest
 
 from minifaas.model import state_codec
 from minifaas.model.layer_state import LayerState, ModelState
-from minifaas.model.loader import preset_names, weights_digest
+from minifaas.model.loader import preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams

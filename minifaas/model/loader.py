@@ -3,8 +3,8 @@
 A *preset* is a transformers config (models/presets/<name>.json) of a real
 architecture, initialised from a seed: ``torch.manual_seed(seed)`` on the CPU,
 then the model class's own init, in float32. The same name and seed give
-bit-identical weights in every process on the same torch build (tests check it
-across processes with ``weights_digest``). A *checkpoint* is a directory with
+bit-identical weights in every process on the same torch build (tests compare
+digests of them across processes). A *checkpoint* is a directory with
 config.json, weights and a tokenizer, loaded with ``from_pretrained``: one
 shipped in models/checkpoints/ (by its name), any local directory, or a hub id
 ``org/name`` found in (or downloaded into) the Hugging Face cache. A bare
@@ -13,7 +13,6 @@ config.json (no weights) is enough for ``kv-size`` and the planner.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -178,12 +177,3 @@ def load_tokenizer(spec: ModelSpec, trust_remote_code: bool = False) -> Tokenize
         return ByteTokenizer()
     needs_remote_code(spec, trust_remote_code)  # before AutoTokenizer, which would only warn
     return HFTokenizer(spec.directory, trust_remote_code)
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every parameter and buffer, in name order: equal digests mean equal weights."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
