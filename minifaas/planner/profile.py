@@ -80,10 +80,6 @@ class PrefillProfile:
             return self.kv_fixed_bytes + self.kv_bytes_per_token * x
         return _interpolate(x, [p.tokens for p in self.points], [p.kv_bytes for p in self.points])
 
-    def kv_throughput_gbps(self, tokens: np.ndarray | float) -> np.ndarray:
-        """Phi_kv(l) = S_kv(l) / T_prefill(l) (eq 1), in Gbit/s."""
-        return self.kv_bytes(tokens) * 8 / self.latency_s(tokens) / 1e9
-
 
 @dataclass(frozen=True, slots=True)
 class DecodeProfile:
