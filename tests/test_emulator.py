@@ -74,8 +74,7 @@ def test_unlimited_pacer_never_waits() -> None:
 
 def test_rate_schedule() -> None:
     schedule = RateSchedule.parse("0:1gbit, 5:100mbit, 8:none")
-    assert schedule.rate_at(0, 7.0) == 1e9 and schedule.rate_at(6, 7.0) == 100e6 and schedule.rate_at(9, 7.0) is None
-    assert schedule.next_change(5) == 8 and schedule.next_change(8) is None
+    assert schedule.steps == ((0.0, 1e9), (5.0, 100e6), (8.0, None))
     with pytest.raises(ValueError):
         RateSchedule(((5, 1.0), (1, 2.0)))
 

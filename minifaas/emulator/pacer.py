@@ -135,16 +135,6 @@ class RateSchedule:
             steps.append((float(at), parse_rate(rate)))
         return cls(tuple(steps))
 
-    def rate_at(self, elapsed: float, default: float | None) -> float | None:
-        rate = default
-        for at, step_rate in self.steps:
-            if at <= elapsed:
-                rate = step_rate
-        return rate
-
-    def next_change(self, elapsed: float) -> float | None:
-        return next((at for at, _ in self.steps if at > elapsed), None)
-
 
 class DelayLine:
     """One-way delay with jitter that never reorders a flow's bytes (TCP would not see reordering)."""
