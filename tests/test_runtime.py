@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from preloaded import Preloaded
+from test_state_codec import encode_bytes
 from weights import weights_digest
 
 from minifaas.model import state_codec
@@ -137,7 +138,7 @@ def test_seeded_sampling_is_the_same_across_prefill_and_decode_processes(runtime
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
     whole = runtime.generate(prompt(40), params)
     first = runtime.prefill(prompt(40), sampling=params)
-    restored = ModelState([state_codec.decode(state_codec.encode_bytes(s)) for s in first.state.layers], 40)
+    restored = ModelState([state_codec.decode(encode_bytes(s)) for s in first.state.layers], 40)
     assert runtime.start_decode(restored, first.next_token, params).run() == whole
     other = runtime.generate(prompt(40), SamplingParams(max_tokens=12, temperature=0.9, seed=99, ignore_eos=True))
     assert other != whole

@@ -51,10 +51,6 @@ def encode(state: LayerState) -> list[bytes | memoryview]:
     return [header + _CRC.pack(checksum(header)), *payloads]
 
 
-def encode_bytes(state: LayerState) -> bytes:
-    return b"".join(bytes(p) for p in encode(state))
-
-
 def decode(data: bytes | bytearray | memoryview) -> LayerState:
     view = memoryview(data).cast("B")
     state, used = decode_prefix(view)
