@@ -447,8 +447,8 @@ def movement(model: str, device: str, tokens: int) -> dict:
     note("staged; now a real transfer")
     sent = asyncio.run(asyncio.wait_for(transfer(rt, ids, 64, staged=True), 120))
     failures = []
-    pinned = all(t.is_pinned() for s in staged.layers for _, t in s.slots) if copier.copies else None
-    if copier.copies and not pinned:
+    pinned = all(t.is_pinned() for s in staged.layers for _, t in s.slots) if copier.stream is not None else None
+    if copier.stream is not None and not pinned:
         failures.append("the staged state is not in pinned host memory")
     if not same_bits(staged, synchronous):
         failures.append("the staged state differs from a synchronous copy")

@@ -30,7 +30,7 @@ def test_on_the_cpu_staging_hands_the_state_back_as_it_is() -> None:
     state = synthetic_state(layers=2, tokens=8, width=4).layers[0]
     copier = HostCopier("cpu")
     host, ready = copier.stage(state)
-    assert host is state and ready is None and not copier.copies
+    assert host is state and ready is None and copier.stream is None
     moved = to_device(state, "cpu")  # a copy, as the cache needs its own tensors
     assert torch.equal(moved.slots[0][1], state.slots[0][1])
     assert moved.slots[0][1].data_ptr() != state.slots[0][1].data_ptr()

@@ -33,10 +33,6 @@ class HostCopier:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    @property
-    def copies(self) -> bool:
-        return self.stream is not None
-
     def stage(self, state: LayerState) -> tuple[LayerState, CopyDone | None]:
         """The state in host memory, and the event its bytes are ready at (None: ready now)."""
         if self.stream is None or all(t.device.type == "cpu" for _, t in state.slots):
