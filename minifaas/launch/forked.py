@@ -382,12 +382,6 @@ def release(forks: ForkServer) -> None:
         forks.close()
 
 
-def shared_pids() -> set[int]:
-    """The pids of the shared parents now running."""
-    with _shared_lock:
-        return {forks.parent.pid for forks in _shared.values() if forks.parent is not None and forks.running}
-
-
 @atexit.register
 def close_shared() -> None:
     """Stop every shared parent: at exit, and between starts of a benchmark that times cold ones."""
