@@ -6,13 +6,25 @@ import asyncio
 import os
 import shutil
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 from test_transport import tls_contexts
 
 from minifaas.control.heartbeat import Heartbeat, HeartbeatConfig, keep_alive
-from minifaas.control.schema import Address, BadMessage, Fields, Int, IntList, Number, Optional, Text, validate
+from minifaas.control.schema import (
+    Address,
+    BadMessage,
+    Fields,
+    Int,
+    IntList,
+    Kind,
+    Number,
+    Optional,
+    Text,
+    check_fields,
+)
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
 from minifaas.control.session import Garbled, PeerSilent, Refused, Session, SessionLost, _wire, connect
@@ -20,6 +32,15 @@ from minifaas.net.auth import CONTROL, prove_as_sender, prove_control_client
 
 SECRET = b"control-test-secret-0123456789"
 SCHEMAS = {"echo": {"n": Int(0, 100)}, "hang": {}, "bye": {}}
+
+
+def validate(message: dict, schemas: Mapping[str, Mapping[str, Kind]]) -> tuple[str, dict]:
+    """The message's op and the message, if its op's schema allows it."""
+    op = message.get("op")
+    if not isinstance(op, str) or op not in schemas:
+        raise BadMessage(f"unknown op {op!r}"[:100])
+    check_fields(message, {"op": Text(), **schemas[op]})
+    return op, message
 
 
 async def _echo(server: ControlServer, session: Session) -> None:

@@ -1,7 +1,9 @@
 """What a control message may hold: one table of fields per op, checked before anything uses the message.
 
-    SCHEMAS = {"abort": {"req": Text()}, "prefill": {"req": Text(), "tokens": IntList(0, 2**31), ...}}
-    op, msg = validate(raw, SCHEMAS)      # or BadMessage, naming the first thing wrong
+    PREFILL = {"req": Text(), "tokens": IntList(0, 2**31), "rate": Optional(Number(0.0, 1.0))}
+    check_fields(raw, PREFILL)      # or BadMessage, naming the first thing wrong
+
+(``worker_ops.from_wire`` picks a message's table by its op, then checks it here.)
 
 Every field is required unless wrapped in ``Optional``; a field the table does
 not name is refused too, so a misspelt one is an error rather than a silent
@@ -187,12 +189,3 @@ def check_fields(message: dict, schema: Mapping[str, Kind]) -> None:
         why = kind.check(message[name])
         if why is not None:
             raise BadMessage(f"{name!r} must be {why}")
-
-
-def validate(message: dict, schemas: Mapping[str, Mapping[str, Kind]]) -> tuple[str, dict]:
-    """The message's op and the message, if its op's schema allows it."""
-    op = message.get("op")
-    if not isinstance(op, str) or op not in schemas:
-        raise BadMessage(f"unknown op {op!r}"[:100])
-    check_fields(message, {"op": Text(), **schemas[op]})
-    return op, message
