@@ -71,7 +71,8 @@ async def _scenario(config: ServeConfig, reference: dict[str, list[int]]) -> Non
         print(f"ray: gateway ready in {time.monotonic() - began:.1f} s")
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
         for w in gw.pool.workers.values():  # each actor on a node that holds its cluster's resource
-            assert w.cluster in resources[await gw.launcher.node_of(w.spec)], (w.name, resources)
+            node = await gw.launcher.actors[w.spec.name].node.remote()  # type: ignore[attr-defined]
+            assert w.cluster in resources[node], (w.name, resources)
         assert not gw.link.emulated
         short, rec_s = await _run(gw, "short", SHORT)
         long, rec_l = await _run(gw, "long", LONG)

@@ -171,7 +171,3 @@ class RayLauncher:
 
     def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
         return None
-
-    async def node_of(self, spec: WorkerSpec) -> str:
-        """The Ray node the worker's actor runs on."""
-        return await self.actors[spec.name].node.remote()
