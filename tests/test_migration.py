@@ -43,7 +43,7 @@ def test_the_continuation_asks_for_the_prompt_plus_what_was_sent_and_only_the_to
     moving = Migration(request, limit=1)
     assert moving.request() is request
     for t in (7, 8, 9):
-        moving.sending(t)
+        moving.sent.append(t)
     again = moving.request()
     assert again.prompt_ids == [1, 2, 3, 7, 8, 9] and request.prompt_ids == [1, 2, 3]
     assert (again.sampling.max_tokens, again.sampling.min_tokens) == (7, 1)
@@ -51,7 +51,7 @@ def test_the_continuation_asks_for_the_prompt_plus_what_was_sent_and_only_the_to
     with pytest.raises(MigrationLimit, match=r"pd-d1 went away; the request already moved 1 time\(s\)"):
         moving.move(DecodeLost("decode worker pd-d1 went away"))
     penalised = Migration(GenerateRequest("p", [1], SamplingParams(presence_penalty=0.5)), limit=2)
-    penalised.sending(5)
+    penalised.sent.append(5)
     with pytest.raises(DecodeLost, match="penalties cannot migrate"):
         penalised.move(DecodeLost("gone"))
     with pytest.raises(ValueError, match="migration limit"):

@@ -46,9 +46,6 @@ class Migration:
         self.moves = 0
         self.suspect_losses: list[str] = []  # decode workers that died before one step of it
 
-    def sending(self, token: int) -> None:
-        self.sent.append(token)
-
     def request(self) -> GenerateRequest:
         """What the current attempt asks for: the prompt plus what was sent, and only the tokens still owed."""
         return continued(self.original, self.sent)
