@@ -76,9 +76,6 @@ class EmulatorControl:
     async def stall(self, seconds: float) -> None:
         await self.command("stall", seconds=seconds)
 
-    async def corrupt(self) -> None:
-        await self.command("corrupt")
-
     async def set_rate(self, bps: float | None) -> None:
         await self.command("rate", bps=bps)
 
