@@ -5,7 +5,10 @@
 
 1. Profile: ``minifaas profile`` of the served model on this machine (prefill latency and state bytes per
    prompt length, decode step time per batch size), written to the file the simulator's ``--pd-profile``
-   reads, and the lossless codec measured on a prefill's state as a PrfaaS worker measures it at start.
+   reads, and the lossless codec measured on a prefill's state as a PrfaaS worker measures it at start. Then
+   the prefill as the live workers run it (``worker_prefill``): once the server is up, each profiled length
+   sent alone a few times as fresh tokens, the median of the forward time each worker reports; the twin runs
+   on that, since a worker's forward also feeds its layer sink while its event loop sends.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
@@ -23,15 +26,16 @@
 
 Printed, live beside simulated with the signed relative error (sim - live) / live: TTFT mean, p50, p90 and
 p99; end-to-end latency mean and p90; output tokens/s; requests per route; prefix-cache hit tokens; KV bytes
-on the link. Three simulated columns: the twin on the profile; the same with each worker on cores of its own
-(``own cores``: what sharing this machine's cores adds); and the twin at live speed (``at_live_speed``:
+on the link. Four simulated columns: the twin on the workers' prefill; the same on the model's alone
+(``model alone``: ``minifaas profile``'s prefill); with each worker on cores of its own (``own cores``: what
+sharing this machine's cores adds); and the twin at live speed (``at_live_speed``:
 each cluster's prefill slowed by what its live workers took over what the profile charges, the decode step
 the live gap between tokens), which leaves the simulator's own model (queues, routing, the link) as the
 error. Then the requests the twin at live speed misses most, with their routes, and where live TTFT goes by
 route (the gateway's per-request breakdown, the client's HTTP round trip) beside the profile's prefill time,
 and the live prefill beside the profile's by band of uncached tokens (``prefill_by_length``).
 ``--json`` ends with one JSON object: ``ttft_mean_err``, ``ttft_p90_err``, ``throughput_err`` and the other
-errors of the twin on the profile, ``own_cores`` and ``at_live_speed`` with the same of the others, the trace,
+errors of the twin, ``model_alone``, ``own_cores`` and ``at_live_speed`` with the same of the others, the trace,
 the load and the scaling. ``--quick`` is the short slice the tests run (40 requests); the same code path.
 """
 
@@ -124,6 +128,27 @@ def lossless_codec() -> CodecEstimate:
 
     sample = probe(ModelRuntime.load(MODEL, "cpu").prefill(CALIBRATION_PROMPT).state, Codec.LOSSLESS)
     return CodecEstimate(sample.ratio, sample.nbytes / sample.encode_s, sample.nbytes / sample.decode_s)
+
+
+async def worker_prefill(url: str, model: PrefillProfile, repeats: int = 5) -> PrefillProfile:
+    """The prefill as the served workers run it: each of the model profile's lengths sent alone ``repeats``
+    times as fresh token ids (no cached prefix), each routed as the router routes it, and the median of the
+    ``prefill_s`` its worker reports; the state bytes stay the profile's. A longer prompt never counts faster."""
+    rng = np.random.default_rng(11)
+    points, slowest = [], 0.0
+    async with client() as http:
+        for ids in ([5] * 8, [6] * (2 * THRESHOLD["mooncake"])):  # first-call costs of each route, not timed
+            await stream(http, url, ids, 1)
+        for q in model.points:
+            taken = []
+            for _ in range(repeats):
+                done = await stream(http, url, rng.integers(0, 256, q.tokens).tolist(), 1)
+                if done.status != 200:
+                    raise RuntimeError(f"a {q.tokens}-token calibration prompt failed with {done.status}")
+                taken.append(float(done.info["prefill_s"]))
+            slowest = max(slowest, statistics.median(taken))
+            points.append(replace(q, latency_s=slowest))
+    return replace(model, points=tuple(points), latency_coeffs=())
 
 
 def serve_config(flags: list[str]) -> ServeConfig:
@@ -432,20 +457,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-sim-fidelity-") as tmp:
         lengths = profile_lengths(int(sl.prompts.max()))
         measured = profile(lengths, serve.worker_threads("prfaas"), Path(tmp) / "profile.json")
-    config = twin(serve, *measured, lossless_codec())
-    capacity = capacity_rps(config, sl.prompts, sl.output_tokens, os.cpu_count() or 1)
-    trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
-    time_scale = trace_rate / (LOADS[args.load] * capacity)
-    workload = sl.workload(time_scale)
-    print(f"{args.trace} ({sl.name}), {args.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
-          f"prompts / {LENGTH_DIVISOR[args.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
-          f"time x{time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[args.load]:.0%} of the {capacity:.2f} "
-          "req/s the profile predicts")  # fmt: skip
-    print(
-        f"profile: prefill {measured[0].latency_s(256):.4f} s at 256 tokens, decode step "
-        f"{measured[1].step_time_s * 1e3:.2f} ms at batch {measured[1].bs_max}; serve {' '.join(flags)}"
-    )
+    lossless = lossless_codec()
     with serving(flags) as server:
+        workers = asyncio.run(worker_prefill(server.url, measured[0]))
+        config = twin(serve, workers, measured[1], lossless)
+        capacity = capacity_rps(config, sl.prompts, sl.output_tokens, os.cpu_count() or 1)
+        trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
+        time_scale = trace_rate / (LOADS[args.load] * capacity)
+        workload = sl.workload(time_scale)
+        print(f"{args.trace} ({sl.name}), {args.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
+              f"prompts / {LENGTH_DIVISOR[args.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
+              f"time x{time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[args.load]:.0%} of the {capacity:.2f} "
+              "req/s the profile predicts")  # fmt: skip
+        print(
+            f"profile: prefill {workers.latency_s(256):.4f} s at 256 tokens in the workers "
+            f"({measured[0].latency_s(256):.4f} s the model alone), decode step "
+            f"{measured[1].step_time_s * 1e3:.2f} ms at batch {measured[1].bs_max}; serve {' '.join(flags)}"
+        )
         streams, late = asyncio.run(replay(server.url, sl, workload))
     live = live_timeline(streams)
     sim_started = time.perf_counter()
@@ -453,18 +481,19 @@ def main() -> None:
     sim_s = time.perf_counter() - sim_started
     fitted = simulated_timeline(at_live_speed(config, streams, live), workload)
     own = simulated_timeline(replace(config, shared_cores=0), workload)
+    alone = simulated_timeline(replace(config, prfaas=measured[0], pd_prefill=measured[0]), workload)
     live_f, sim_f, fitted_f, own_f = live.figures(), sim.figures(), fitted.figures(), own.figures()
+    alone_f = alone.figures()
     errors = {f"{key}_err": relative_error(sim_f[key], live_f[key]) for key in live_f}
     fitted_errors = {f"{key}_err": relative_error(fitted_f[key], live_f[key]) for key in live_f}
     own_errors = {f"{key}_err": relative_error(own_f[key], live_f[key]) for key in live_f}
+    alone_errors = {f"{key}_err": relative_error(alone_f[key], live_f[key]) for key in live_f}
     print(
         f"sent late: median {statistics.median(late) * 1e3:.1f} ms, max {max(late) * 1e3:.1f} ms; "
         f"simulated in {sim_s * 1e3:.0f} ms\n"
     )
-    print_comparison(
-        live_f,
-        {"simulated": (sim_f, errors), "own cores": (own_f, own_errors), "at live speed": (fitted_f, fitted_errors)},
-    )
+    columns = {"simulated": (sim_f, errors), "model alone": (alone_f, alone_errors), "own cores": (own_f, own_errors)}
+    print_comparison(live_f, {**columns, "at live speed": (fitted_f, fitted_errors)})
     print_deviations(live, sim, fitted, streams)
     parts = breakdown(streams, live, config)
     print_breakdown(parts)
@@ -483,7 +512,9 @@ def main() -> None:
             "wall_s": time.perf_counter() - started, "live": live_f, "sim": sim_f, "ttft_parts": parts,
             "prefill_by_length": bands, **errors,
             "sim_at_live_speed": fitted_f, "at_live_speed": fitted_errors, "sim_own_cores": own_f,
-            "own_cores": own_errors,
+            "own_cores": own_errors, "sim_model_alone": alone_f, "model_alone": alone_errors,
+            "model_prefill_256_s": float(measured[0].latency_s(256)),
+            "worker_prefill_256_s": float(workers.latency_s(256)),
         }  # fmt: skip
         print(figures.dumps(out))
 
