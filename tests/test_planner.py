@@ -240,6 +240,14 @@ def test_decode_profile_from_measured_steps_meets_the_slo() -> None:
     assert (profile.bs_max, profile.step_time_s) == (20, 0.024)  # the step measured at BS_max, not 1/SLO
     assert profile.requests_per_s(1024) == pytest.approx(20 / (0.024 * 1024))
     assert H20_DECODE.requests_per_s(1024) == pytest.approx(0.78, rel=0.01)  # PRFAAS.md's figure, paced at the SLO
+    # every measured step is kept: a batch's step interpolated, the smallest's below, the last slope above
+    assert profile.steps == tuple(steps)
+    assert profile.step_s(1) == profile.step_s(0) == 0.008
+    assert profile.step_s(12) == pytest.approx(0.0155)
+    assert profile.step_s(40) == pytest.approx(0.04 + 8 * 0.011 / 8)
+    assert H20_DECODE.step_s(1) == H20_DECODE.step_s(100) == H20_DECODE.step_time_s  # none kept: one step time
+    with pytest.raises(ValueError, match="increasing batch"):
+        DecodeProfile("bad", 1, 4, 0.01, steps=((4, 0.01), (1, 0.005)))
     with pytest.raises(ValueError):
         DecodeProfile.from_steps("slow", 8, [(1, 0.05)], slo_tokens_per_s=40)
 

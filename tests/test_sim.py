@@ -284,3 +284,23 @@ def test_prompts_of_one_length_queued_behind_a_prefill_ride_in_one_forward() -> 
     small = Simulation(replace(config, prefill_batch_tokens=1024), three)
     small.run()
     assert small.first_token == pytest.approx([one, 2 * one, 3 * one], rel=1e-9)  # the budget holds one
+
+
+def test_a_decode_step_takes_the_profiles_time_at_the_rows_running_then() -> None:
+    case = paper_case()
+    decode = replace(case.decode, bs_max=8, steps=((1, 0.01), (2, 0.015)))
+    config = replace(config_for(case, plan(case).homogeneous, early_first_token=True), decode=decode, n_decode=1)
+    pair = Workload("pair", np.zeros(2), np.full(2, 1024), np.array([4, 8]), ((1, 2), (3, 4)), 512)
+    joined = float(case.pd_prefill.latency_s(1024))  # both prefilled side by side, both join then
+    fixed = Simulation(config, pair)
+    fixed.run()
+    assert fixed.finished == pytest.approx([joined + 3 * decode.step_time_s, joined + 7 * decode.step_time_s])
+    by_batch = Simulation(replace(config, decode_step_by_batch=True), pair)
+    by_batch.run()
+    # three steps of two rows; then the second request's last four alone, at the one-row step
+    assert by_batch.finished == pytest.approx([joined + 3 * 0.015, joined + 3 * 0.015 + 4 * 0.01], rel=1e-9)
+    assert by_batch.first_token == fixed.first_token  # the prefill made the first token: the step has no part
+    late = Simulation(replace(config, decode_step_by_batch=True, early_first_token=False), pair)
+    late.run()
+    # one step after each joins, at the rows running as it joins: the first joined alone, the second beside it
+    assert late.first_token == pytest.approx([joined + 0.01, joined + 0.015], rel=1e-9)

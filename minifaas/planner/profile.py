@@ -13,6 +13,7 @@ holds a [prefill] and a [decode] table, TOML or JSON (``load_profiles``; ``save_
     gpus_per_instance = 8
     bs_max = 20                   # the largest batch meeting the decode SLO
     step_time_s = 0.025           # one decode step at bs_max
+    steps = [[1, 0.012], [8, 0.016], [32, 0.03]]   # optional: [batch, seconds] of every batch measured
 """
 
 from __future__ import annotations
@@ -87,10 +88,24 @@ class DecodeProfile:
     gpus_per_instance: int
     bs_max: int
     step_time_s: float  # one decode step at bs_max: measured, or at most the SLO's time per output token
+    steps: tuple[tuple[int, float], ...] = ()  # (batch, step seconds) of every batch measured, if kept
 
     def __post_init__(self) -> None:
         if self.gpus_per_instance < 1 or self.bs_max < 1 or self.step_time_s <= 0:
             raise ValueError(f"{self.name}: need gpus_per_instance >= 1, bs_max >= 1, step_time_s > 0")
+        batches = [b for b, _ in self.steps]
+        if batches != sorted(set(batches)) or any(b < 1 or s <= 0 for b, s in self.steps):
+            raise ValueError(f"{self.name}: steps must be (batch >= 1, seconds > 0) by increasing batch")
+
+    def step_s(self, batch: int) -> float:
+        """One step's seconds with ``batch`` rows: the measured steps interpolated, the smallest batch's below
+        them, extended linearly above; ``step_time_s`` for every batch when no steps were kept."""
+        if not self.steps:
+            return self.step_time_s
+        xs, ys = [b for b, _ in self.steps], [s for _, s in self.steps]
+        if len(xs) == 1 or batch <= xs[-1]:
+            return float(np.interp(batch, xs, ys))
+        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (batch - xs[-1])
 
     def requests_per_s(self, output_tokens: float) -> float:
         """One instance's decode throughput, eq 5 per instance: BS_max / (T_decode * L_out)."""
@@ -106,7 +121,7 @@ class DecodeProfile:
         fitting = [(batch, seconds) for batch, seconds in steps if seconds <= slo_step]
         if not fitting:
             raise ValueError(f"{name}: no measured batch meets {slo_tokens_per_s:g} tokens/s")
-        return cls(name, gpus_per_instance, *max(fitting))
+        return cls(name, gpus_per_instance, *max(fitting), steps=tuple(sorted(steps)))
 
 
 def fit_latency(points: tuple[ProfilePoint, ...], degree: int = 2) -> tuple[float, ...]:
@@ -154,6 +169,7 @@ def decode_from_dict(data: dict[str, Any]) -> DecodeProfile:
         gpus_per_instance=int(data["gpus_per_instance"]),
         bs_max=int(data["bs_max"]),
         step_time_s=float(data["step_time_s"]),
+        steps=tuple((int(b), float(s)) for b, s in data.get("steps", ())),
     )
 
 

@@ -1,9 +1,11 @@
 """The PD-D instances: continuous batching with at most BS_max running requests each.
 
-Decode runs at the SLO's step time whatever the batch (the profile's
-``step_time_s`` is the time per step at BS_max), so a request holds one batch
-slot for output_tokens steps and its first token comes one step after it
-joins. A request whose KV arrives at a full instance waits for a slot there.
+A request holds one batch slot for output_tokens steps and its first token
+comes one step after it joins; a request whose KV arrives at a full instance
+waits for a slot there. A step takes the profile's ``step_time_s`` whatever
+the batch, or, with ``by_batch``, the profile's step at the rows running now:
+each instance then keeps a clock of steps taken (``BatchClock``), and a
+request ends when that clock has moved its output_tokens past where it joined.
 The router picks the instance when the request arrives (least assigned work,
 counting requests still in prefill or on the link), as the live router does.
 Loads move by one at a time, so instances sit in buckets by load and the least
@@ -14,14 +16,35 @@ finishes its batch; ``add_node`` appends one.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 from minifaas.planner.profile import DecodeProfile
 from minifaas.policy.router import NodeView
 
 
+class BatchClock:
+    """One instance's steps taken, at a rate that changes with its rows, and the step count each running request
+    leaves at; ``due`` says when the next of them leaves, at the rate of now."""
+
+    def __init__(self) -> None:
+        self.steps = 0.0
+        self.at = 0.0
+        self.step_s = 0.0  # seconds per step since ``at`` (0: no rows)
+        self.leaving: list[tuple[float, int]] = []  # (steps at which it leaves, request)
+        self.generation = 0  # the ``due`` event that is current
+
+    def advance(self, now: float) -> None:
+        if self.step_s:
+            self.steps += (now - self.at) / self.step_s
+        self.at = now
+
+    def due(self) -> float:
+        return self.at + (self.leaving[0][0] - self.steps) * self.step_s
+
+
 class DecodeInstances:
-    def __init__(self, profile: DecodeProfile, n: int) -> None:
+    def __init__(self, profile: DecodeProfile, n: int, by_batch: bool = False) -> None:
         self.profile = profile
         self.ids = [f"pd-d-{i}" for i in range(n)]
         self.index = {node_id: i for i, node_id in enumerate(self.ids)}
@@ -33,6 +56,7 @@ class DecodeInstances:
         self._buckets: list[dict[int, None]] = [dict.fromkeys(range(n))]  # load -> instances (insertion-ordered)
         self._min_load = 0
         self.retired: set[int] = set()
+        self.clocks = [BatchClock() for _ in range(n)] if by_batch else []
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -60,6 +84,8 @@ class DecodeInstances:
         self.assigned.append(0)
         self.running.append(0)
         self.waiting.append(deque())
+        if self.clocks:
+            self.clocks.append(BatchClock())
         self._buckets[0][node] = None
         self._min_load = 0
         return node
@@ -112,3 +138,23 @@ class DecodeInstances:
         self.running[node] -= 1
         self.total_running -= 1
         return None
+
+    def join(self, node: int, request: int, steps: int, now: float) -> None:
+        """(``by_batch``) The request, counted in ``running`` already, decodes ``steps`` steps from now."""
+        clock = self.clocks[node]
+        clock.advance(now)
+        heapq.heappush(clock.leaving, (clock.steps + steps, request))
+
+    def leave(self, node: int, now: float) -> int:
+        """(``by_batch``) The clock's first request has taken its last step: it leaves the clock (its slot is
+        freed by ``finish``); returns it."""
+        clock = self.clocks[node]
+        clock.advance(now)
+        clock.steps, request = heapq.heappop(clock.leaving)
+        return request
+
+    def restep(self, node: int) -> BatchClock:
+        """(``by_batch``) The clock, stepping at the rows running now (after a ``join`` or a ``finish``)."""
+        clock = self.clocks[node]
+        clock.step_s = self.profile.step_s(self.running[node]) if self.running[node] else 0.0
+        return clock

@@ -52,6 +52,9 @@ class SimConfig:
     # prompts of one length with no cached prefix share a prefill forward of at most this many tokens, as a
     # prefill worker batches them (``prefill_batch``); its time the profile's for their tokens together. 0: never
     prefill_batch_tokens: int = 0
+    # a decode step takes the profile's time at the rows the instance runs now (``DecodeProfile.step_s``), as a
+    # decode worker steps whatever batch it has; off: every step takes the profile's ``step_time_s``
+    decode_step_by_batch: bool = False
     sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
     short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
     long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion

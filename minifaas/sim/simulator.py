@@ -12,7 +12,8 @@ One request's life, as events:
               pipelining off: the stream enters the link now
   link        the pipe's head flow finished; its KV lands after the tail layer, its coding time and RTT/2
   kv_ready    join the decode batch, or wait for a slot; the first token one step later unless it went early
-  decode_end  free the slot for the next waiting request
+  decode_end  free the slot for the next waiting request (with ``decode_step_by_batch``, ``batch_leave``:
+              the instance's clock of steps says who leaves next, and when, at the step of its rows now)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from minifaas.policy.interfaces import RoutingPolicy
 from minifaas.policy.plugin import ROUTER, load_policy
 from minifaas.policy.router import ClusterView, Path, RouteInput, Router
 from minifaas.sim.coding import SimCoding
-from minifaas.sim.decode import DecodeInstances
+from minifaas.sim.decode import BatchClock, DecodeInstances
 from minifaas.sim.deployment import SimConfig
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.fluid_link import FluidLink
@@ -55,7 +56,7 @@ class Simulation:
         batch = config.prefill_batch_tokens
         self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas, batch)
         self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill, batch)
-        self.decode = DecodeInstances(config.decode, config.n_decode)
+        self.decode = DecodeInstances(config.decode, config.n_decode, config.decode_step_by_batch)
         self.link = FluidLink(config.link.gbps)
         use_cache = config.prefix_cache and workload.hash_ids is not None
         self.caches: ClusterPrefixCaches | None = None
@@ -83,6 +84,7 @@ class Simulation:
         self.finished = [math.nan] * n
         self._link_gen = 0
         self._step = config.decode.step_time_s
+        self._by_batch = config.decode_step_by_batch
         self._early = config.early_first_token
         self._whole_hits = config.whole_prompt_hits
         self._samples: list[tuple[float, int, int, int, int, int]] = []
@@ -244,9 +246,31 @@ class Simulation:
         steps = self._output[rid]
         if self._early:  # the prefill made the first token
             steps -= 1
-        else:
+        if self._by_batch:
+            node = self.decode_node[rid]
+            self.decode.join(node, rid, steps, now)
+            clock = self._schedule_leave(node)
+            if not self._early:
+                self.first_token[rid] = now + clock.step_s
+            return
+        if not self._early:
             self.first_token[rid] = now + self._step
         self.loop.at(now + steps * self._step, self._decode_end, rid)
+
+    def _schedule_leave(self, node: int) -> BatchClock:
+        """The event of the next request to leave the instance, at its clock's step now; earlier ones go stale."""
+        clock = self.decode.restep(node)
+        if clock.leaving:
+            clock.generation += 1
+            self.loop.at(max(clock.due(), self.loop.now), self._batch_leave, (node, clock.generation))
+        return clock
+
+    def _batch_leave(self, event: tuple[int, int]) -> None:
+        node, generation = event
+        if generation != self.decode.clocks[node].generation:
+            return  # the rows changed since: a later event says when
+        self._decode_end(self.decode.leave(node, self.loop.now))
+        self._schedule_leave(node)
 
     def _decode_end(self, rid: int) -> None:
         self.finished[rid] = self.loop.now
