@@ -1,7 +1,8 @@
 """How well the simulator predicts the live system: one trace slice served by ``minifaas serve`` and simulated.
 
     python benchmarks/bench_sim_fidelity.py [--trace mooncake|azure] [--load light|near-capacity]
-        [--requests N] [--json] [--quick]
+        [--requests N] [--json] [--quick] [--save FILE]
+    python benchmarks/bench_sim_fidelity.py --from FILE [--json]
 
 1. Profile: ``minifaas profile`` of the served model on this machine (prefill latency and state bytes per
    prompt length, decode step time per batch size), written to the file the simulator's ``--pd-profile``
@@ -37,6 +38,8 @@ and the live prefill beside the profile's by band of uncached tokens (``prefill_
 ``--json`` ends with one JSON object: ``ttft_mean_err``, ``ttft_p90_err``, ``throughput_err`` and the other
 errors of the twin, ``model_alone``, ``own_cores`` and ``at_live_speed`` with the same of the others, the trace,
 the load and the scaling. ``--quick`` is the short slice the tests run (40 requests); the same code path.
+``--save FILE`` keeps the live run (the profiles, the scaling and every stream) and ``--from FILE`` simulates it
+again with the simulator of the day, so a model change is measured on the same live runs.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +66,14 @@ from minifaas.commands import serve as serve_command
 from minifaas.config import ServeConfig
 from minifaas.emulator.pacer import parse_rate
 from minifaas.model.loader import ModelSpec, load_config_dict
-from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles
+from minifaas.planner.profile import (
+    DecodeProfile,
+    PrefillProfile,
+    decode_from_dict,
+    load_pd_profiles,
+    prefill_from_dict,
+    profile_tables,
+)
 from minifaas.policy.codec_policy import CodecEstimate
 from minifaas.policy.router import RouterConfig, Rule
 from minifaas.policy.short_term import ShortTermConfig
@@ -439,49 +450,88 @@ def print_breakdown(parts: dict[str, dict[str, float]]) -> None:
         print(f"{label:28}{cells}{row['prefill_over_profile']:>13.2f}x")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trace", choices=TRACES, default="mooncake", help="Mooncake synthetic or Azure conversation")
-    p.add_argument("--load", choices=LOADS, default="near-capacity", help="offered load, of the profiled capacity")
-    p.add_argument("--requests", type=int, default=400, help="the first this many requests of the trace")
-    p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
-    p.add_argument("--quick", action="store_true", help="a short slice, the same code path")
-    args = p.parse_args()
-    if args.quick:  # flags given on the command line still win
-        p.set_defaults(requests=40)
-        args = p.parse_args()
+@dataclass(frozen=True)
+class LiveRun:
+    """One live replay of a slice and what its twin is built from; ``--save`` writes it as JSON and ``--from``
+    simulates it again, with the simulator as it is then, without serving anything."""
+
+    trace: str
+    load: str
+    requests: int
+    flags: list[str]  # minifaas serve's
+    workers: PrefillProfile  # the prefill as the served workers ran it
+    model: PrefillProfile  # minifaas profile's prefill, the model alone
+    decode: DecodeProfile
+    lossless: CodecEstimate
+    time_scale: float
+    capacity_rps: float
+    streams: list[Stream]
+    late_s: list[float]  # how late each request was sent
+    wall_s: float
+
+    def write(self, path: Path) -> None:
+        tables = {"workers": profile_tables(self.workers)["prefill"], "model": profile_tables(self.model)["prefill"],
+                  "decode": profile_tables(decode=self.decode)["decode"], "lossless": asdict(self.lossless),
+                  "streams": [asdict(s) for s in self.streams]}  # fmt: skip
+        plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in tables}
+        path.write_text(json.dumps(plain | tables) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> LiveRun:
+        data = json.loads(path.read_text())
+        return cls(**data | {
+            "workers": prefill_from_dict(data["workers"]), "model": prefill_from_dict(data["model"]),
+            "decode": decode_from_dict(data["decode"]), "lossless": CodecEstimate(**data["lossless"]),
+            "streams": [Stream(**s) for s in data["streams"]],
+        })  # fmt: skip
+
+
+def live_run(trace: str, load: str, requests: int) -> LiveRun:
+    """Profile the model, serve it, time the workers' prefill, scale the slice to the load, replay it live."""
     started = time.perf_counter()
-    sl = trace_slice(args.trace, args.requests)
-    flags = [*LIVE_FLAGS, "--threshold", str(THRESHOLD[args.trace]), "--cache-block-size", str(sl.block_tokens)]
+    sl = trace_slice(trace, requests)
+    flags = [*LIVE_FLAGS, "--threshold", str(THRESHOLD[trace]), "--cache-block-size", str(sl.block_tokens)]
     serve = serve_config(flags)
     with tempfile.TemporaryDirectory(prefix="bench-sim-fidelity-") as tmp:
         lengths = profile_lengths(int(sl.prompts.max()))
-        measured = profile(lengths, serve.worker_threads("prfaas"), Path(tmp) / "profile.json")
+        model, decode = profile(lengths, serve.worker_threads("prfaas"), Path(tmp) / "profile.json")
     lossless = lossless_codec()
     with serving(flags) as server:
-        workers = asyncio.run(worker_prefill(server.url, measured[0]))
-        config = twin(serve, workers, measured[1], lossless)
+        workers = asyncio.run(worker_prefill(server.url, model))
+        config = twin(serve, workers, decode, lossless)
         capacity = capacity_rps(config, sl.prompts, sl.output_tokens, os.cpu_count() or 1)
         trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
-        time_scale = trace_rate / (LOADS[args.load] * capacity)
+        time_scale = trace_rate / (LOADS[load] * capacity)
         workload = sl.workload(time_scale)
-        print(f"{args.trace} ({sl.name}), {args.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
-              f"prompts / {LENGTH_DIVISOR[args.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
-              f"time x{time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[args.load]:.0%} of the {capacity:.2f} "
-              "req/s the profile predicts")  # fmt: skip
-        print(
-            f"profile: prefill {workers.latency_s(256):.4f} s at 256 tokens in the workers "
-            f"({measured[0].latency_s(256):.4f} s the model alone), decode step "
-            f"{measured[1].step_time_s * 1e3:.2f} ms at batch {measured[1].bs_max}; serve {' '.join(flags)}"
-        )
+        print(f"replaying {len(workload)} requests over {workload.duration_s:.1f} s", file=sys.stderr, flush=True)
         streams, late = asyncio.run(replay(server.url, sl, workload))
+    wall_s = time.perf_counter() - started
+    return LiveRun(trace, load, requests, flags, workers, model, decode, lossless, time_scale, capacity, streams,
+                   late, wall_s)  # fmt: skip
+
+
+def report(run: LiveRun, as_json: bool) -> None:
+    """The run beside its twin and the twin's variants: the table, the deviations, the breakdowns, the JSON."""
+    sl = trace_slice(run.trace, run.requests)
+    workload = sl.workload(run.time_scale)
+    config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless)
+    print(f"{run.trace} ({sl.name}), {run.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
+          f"prompts / {LENGTH_DIVISOR[run.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
+          f"time x{run.time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[run.load]:.0%} of the "
+          f"{run.capacity_rps:.2f} req/s the profile predicts")  # fmt: skip
+    print(
+        f"profile: prefill {run.workers.latency_s(256):.4f} s at 256 tokens in the workers "
+        f"({run.model.latency_s(256):.4f} s the model alone), decode step "
+        f"{run.decode.step_time_s * 1e3:.2f} ms at batch {run.decode.bs_max}; serve {' '.join(run.flags)}"
+    )
+    streams = run.streams
     live = live_timeline(streams)
     sim_started = time.perf_counter()
     sim = simulated_timeline(config, workload)
     sim_s = time.perf_counter() - sim_started
     fitted = simulated_timeline(at_live_speed(config, streams, live), workload)
     own = simulated_timeline(replace(config, shared_cores=0), workload)
-    alone = simulated_timeline(replace(config, prfaas=measured[0], pd_prefill=measured[0]), workload)
+    alone = simulated_timeline(replace(config, prfaas=run.model, pd_prefill=run.model), workload)
     live_f, sim_f, fitted_f, own_f = live.figures(), sim.figures(), fitted.figures(), own.figures()
     alone_f = alone.figures()
     errors = {f"{key}_err": relative_error(sim_f[key], live_f[key]) for key in live_f}
@@ -489,7 +539,7 @@ def main() -> None:
     own_errors = {f"{key}_err": relative_error(own_f[key], live_f[key]) for key in live_f}
     alone_errors = {f"{key}_err": relative_error(alone_f[key], live_f[key]) for key in live_f}
     print(
-        f"sent late: median {statistics.median(late) * 1e3:.1f} ms, max {max(late) * 1e3:.1f} ms; "
+        f"sent late: median {statistics.median(run.late_s) * 1e3:.1f} ms, max {max(run.late_s) * 1e3:.1f} ms; "
         f"simulated in {sim_s * 1e3:.0f} ms\n"
     )
     columns = {"simulated": (sim_f, errors), "model alone": (alone_f, alone_errors), "own cores": (own_f, own_errors)}
@@ -503,20 +553,45 @@ def main() -> None:
         live_ms, profile_ms = band["live_s"] * 1e3, band["profile_s"] * 1e3
         print(f"  [{band['tokens_from']}, {band['tokens_to']}) {band['requests']:>4} requests: live {live_ms:7.1f} ms, "
               f"profile {profile_ms:7.1f} ms, {live_ms / profile_ms:.2f}x, {live_ms - profile_ms:+.1f} ms")  # fmt: skip
-    if args.json:
+    if as_json:
         out = {
-            "bench": "sim_fidelity", "trace": TRACES[args.trace], "load": args.load, "load_fraction": LOADS[args.load],
-            "requests": len(workload), "length_divisor": LENGTH_DIVISOR[args.trace],
-            "output_divisor": OUTPUT_DIVISOR, "time_scale": time_scale, "offered_rps": workload.rate,
-            "capacity_rps": capacity, "late_max_s": max(late), "simulate_s": sim_s,
-            "wall_s": time.perf_counter() - started, "live": live_f, "sim": sim_f, "ttft_parts": parts,
+            "bench": "sim_fidelity", "trace": TRACES[run.trace], "load": run.load, "load_fraction": LOADS[run.load],
+            "requests": len(workload), "length_divisor": LENGTH_DIVISOR[run.trace],
+            "output_divisor": OUTPUT_DIVISOR, "time_scale": run.time_scale, "offered_rps": workload.rate,
+            "capacity_rps": run.capacity_rps, "late_max_s": max(run.late_s), "simulate_s": sim_s,
+            "wall_s": run.wall_s, "live": live_f, "sim": sim_f, "ttft_parts": parts,
             "prefill_by_length": bands, **errors,
             "sim_at_live_speed": fitted_f, "at_live_speed": fitted_errors, "sim_own_cores": own_f,
             "own_cores": own_errors, "sim_model_alone": alone_f, "model_alone": alone_errors,
-            "model_prefill_256_s": float(measured[0].latency_s(256)),
-            "worker_prefill_256_s": float(workers.latency_s(256)),
+            "model_prefill_256_s": float(run.model.latency_s(256)),
+            "worker_prefill_256_s": float(run.workers.latency_s(256)),
         }  # fmt: skip
         print(figures.dumps(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", choices=TRACES, default="mooncake", help="Mooncake synthetic or Azure conversation")
+    p.add_argument("--load", choices=LOADS, default="near-capacity", help="offered load, of the profiled capacity")
+    p.add_argument("--requests", type=int, default=400, help="the first this many requests of the trace")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
+    p.add_argument("--quick", action="store_true", help="a short slice, the same code path")
+    p.add_argument("--save", type=Path, metavar="FILE", help="also write the live run here (JSON), for --from")
+    p.add_argument(
+        "--from", dest="recorded", type=Path, metavar="FILE",
+        help="simulate a run --save wrote, beside its live figures, without serving (its trace, load and size)",
+    )  # fmt: skip
+    args = p.parse_args()
+    if args.quick:  # flags given on the command line still win
+        p.set_defaults(requests=40)
+        args = p.parse_args()
+    if args.recorded:
+        run = LiveRun.read(args.recorded)
+    else:
+        run = live_run(args.trace, args.load, args.requests)
+        if args.save:
+            run.write(args.save)
+    report(run, args.json)
 
 
 if __name__ == "__main__":

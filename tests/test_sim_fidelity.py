@@ -28,10 +28,12 @@ PROFILE_TTFT_BOUND = 0.9  # the same for the TTFT mean on the profile alone
 
 
 @pytest.mark.timeout(240)
-def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded) -> None:
+def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, tmp_path: Path) -> None:
+    saved = tmp_path / "run.json"
     done = python.run(
-        ["benchmarks/bench_sim_fidelity.py", "--quick", "--json"], cwd=ROOT, env=dict(os.environ), timeout=200
-    )
+        ["benchmarks/bench_sim_fidelity.py", "--quick", "--json", "--save", str(saved)],
+        cwd=ROOT, env=dict(os.environ), timeout=200,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     *table, last = done.stdout.splitlines()
     print("\n".join(table))
@@ -53,3 +55,11 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded) 
     assert run["sim"]["ttft_mean"] >= 0.95 * run["sim_model_alone"]["ttft_mean"], run
     bands = run["prefill_by_length"]
     assert sum(b["requests"] for b in bands) == 40 and all(b["live_s"] > 0 < b["profile_s"] for b in bands), bands
+    # the saved run simulated again without serving: the same live figures, the same twin
+    again = python.run(
+        ["benchmarks/bench_sim_fidelity.py", "--from", str(saved), "--json"], cwd=ROOT, env=dict(os.environ), timeout=60
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads(again.stdout.splitlines()[-1])
+    for key in ("live", "sim", "sim_at_live_speed", "sim_own_cores", "sim_model_alone", "ttft_parts"):
+        assert rerun[key] == run[key], key

@@ -197,8 +197,8 @@ def load_pd_profiles(path: str | Path) -> tuple[PrefillProfile, DecodeProfile]:
     return prefill, decode
 
 
-def save_profiles(path: str | Path, prefill: PrefillProfile | None = None, decode: DecodeProfile | None = None) -> None:
-    """Write one profile file (JSON) that ``load_profiles`` reads back unchanged."""
+def profile_tables(prefill: PrefillProfile | None = None, decode: DecodeProfile | None = None) -> dict[str, Any]:
+    """The ``[prefill]`` and ``[decode]`` tables of the profiles given, as ``load_profiles`` reads them."""
     data: dict[str, Any] = {}
     if prefill is not None:
         table = asdict(prefill)
@@ -206,4 +206,9 @@ def save_profiles(path: str | Path, prefill: PrefillProfile | None = None, decod
         data["prefill"] = table
     if decode is not None:
         data["decode"] = asdict(decode)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    return data
+
+
+def save_profiles(path: str | Path, prefill: PrefillProfile | None = None, decode: DecodeProfile | None = None) -> None:
+    """Write one profile file (JSON) that ``load_profiles`` reads back unchanged."""
+    Path(path).write_text(json.dumps(profile_tables(prefill, decode), indent=2) + "\n")
