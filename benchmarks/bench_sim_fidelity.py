@@ -7,16 +7,18 @@
 1. Profile: ``minifaas profile`` of the served model on this machine (prefill latency and state bytes per
    prompt length, decode step time per batch size), written to the file the simulator's ``--pd-profile``
    reads, and the lossless codec measured on a prefill's state as a PrfaaS worker measures it at start. Then
-   the prefill as the live workers run it (``worker_prefill``): once the server is up, each profiled length
+   the prefill as the live workers run it (``calibrate``): once the server is up, each profiled length
    sent alone a few times as fresh tokens, the median of the forward time each worker reports; the twin runs
-   on that, since a worker's forward also feeds its layer sink while its event loop sends.
+   on that, since a worker's forward also feeds its layer sink while its event loop sends. Then short PD
+   prompts timed while a long PrfaaS prompt prefills, and again with a batch decoding too, give the prefill's
+   slowdown beside one and two other workers computing (``contended``): the twin's ``contention``.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
    and spill, link rate and RTT, layer pipelining, prefix cache and snapshot policy, and codec policy, loaded
    by name as the gateway loads them; the first token at the prefill's end and repeated prompts served whole,
    as the workers do; prompts of one length batched into one forward as the workers batch them; and every
-   worker on this machine's cores (``shared_cores``), as they run here.
+   worker on this machine's cores (``shared_cores``), as they run here; a decode step timed by its rows.
 3. Slice: the trace's first ``--requests`` requests. Prompt lengths are divided by ``LENGTH_DIVISOR`` (a
    Mooncake hash id becomes a fixed block of token ids, so prefixes are shared as in the trace, and the
    cache's block is the scaled 512-token block), outputs by ``OUTPUT_DIVISOR`` (at most ``MAX_OUTPUT``), and
@@ -57,6 +59,7 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 from bench_scale import Stream, client, serving, stream
 from bench_trace_replay import arrivals
@@ -94,6 +97,8 @@ LIVE_FLAGS = [
     "--fixed-threshold", "--link-rate", "100mbit", "--link-delay-ms", "5",
 ]  # fmt: skip
 PROFILE_BATCHES = "1,4,16,64"
+DECODE_STREAMS = 8  # decoding while a contended prefill is timed
+CONTENDED_TOKENS, CONTENDED_LONG = 128, 2048  # a PD prompt timed beside a PrfaaS one
 
 
 @dataclass(frozen=True)
@@ -141,10 +146,19 @@ def lossless_codec() -> CodecEstimate:
     return CodecEstimate(sample.ratio, sample.nbytes / sample.encode_s, sample.nbytes / sample.decode_s)
 
 
-async def worker_prefill(url: str, model: PrefillProfile, repeats: int = 5) -> PrefillProfile:
-    """The prefill as the served workers run it: each of the model profile's lengths sent alone ``repeats``
-    times as fresh token ids (no cached prefix), each routed as the router routes it, and the median of the
-    ``prefill_s`` its worker reports; the state bytes stay the profile's. A longer prompt never counts faster."""
+@dataclass(frozen=True)
+class Calibration:
+    """The served workers before the replay: their prefill alone, and how much slower it runs beside others."""
+
+    prefill: PrefillProfile
+    contention: tuple[float, ...]  # a prefill's time over its time alone, with 1, 2, 3 workers computing
+
+
+async def calibrate(url: str, model: PrefillProfile, repeats: int = 5) -> Calibration:
+    """Each of the model profile's lengths sent alone ``repeats`` times as fresh token ids (no cached prefix),
+    routed as the router routes it: the median of the ``prefill_s`` its worker reports is the prefill (the state
+    bytes stay the profile's; a longer prompt never counts faster). Then ``contended``: the same on PD beside a
+    PrfaaS prefill, and beside that and a decoding batch."""
     rng = np.random.default_rng(11)
     points, slowest = [], 0.0
     async with client() as http:
@@ -159,7 +173,31 @@ async def worker_prefill(url: str, model: PrefillProfile, repeats: int = 5) -> P
                 taken.append(float(done.info["prefill_s"]))
             slowest = max(slowest, statistics.median(taken))
             points.append(replace(q, latency_s=slowest))
-    return replace(model, points=tuple(points), latency_coeffs=())
+        prefill = replace(model, points=tuple(points), latency_coeffs=())
+        alone = float(prefill.latency_s(CONTENDED_TOKENS))
+        beside = [statistics.median(await contended(http, url, rng, decoding)) / alone for decoding in (False, True)]
+    return Calibration(prefill, tuple(np.maximum.accumulate([1.0, *beside]).tolist()))
+
+
+async def contended(http: aiohttp.ClientSession, url: str, rng: np.random.Generator, decoding: bool) -> list[float]:
+    """The ``prefill_s`` of fresh ``CONTENDED_TOKENS``-token prompts, one after another on PD, while a fresh long
+    prompt prefills on PrfaaS and, with ``decoding``, ``DECODE_STREAMS`` streams decode."""
+    batch = [Stream() for _ in range(DECODE_STREAMS if decoding else 0)]
+    tasks = [asyncio.create_task(stream(http, url, rng.integers(0, 256, 8).tolist(), 4 * MAX_OUTPUT, out=s))
+             for s in batch]  # fmt: skip
+    while not all(s.arrivals for s in batch) and not any(t.done() for t in tasks):  # all decoding, then begin
+        await asyncio.sleep(0.005)
+    long = Stream()
+    prefilling = asyncio.create_task(stream(http, url, rng.integers(0, 256, CONTENDED_LONG).tolist(), 1, out=long))
+    taken = []
+    while not long.arrivals and not prefilling.done():
+        done = await stream(http, url, rng.integers(0, 256, CONTENDED_TOKENS).tolist(), 1)
+        if not long.arrivals and done.status == 200:
+            taken.append(float(done.info["prefill_s"]))
+    await asyncio.gather(prefilling, *tasks)
+    if not taken or long.status != 200 or any(len(s.arrivals) < 4 * MAX_OUTPUT for s in batch):
+        raise RuntimeError("the contended calibration did not run beside its long prompt and streams")
+    return taken
 
 
 def serve_config(flags: list[str]) -> ServeConfig:
@@ -176,8 +214,12 @@ def batch_tokens(serve: ServeConfig) -> int:
     return serve.pd.prefill_batch
 
 
-def twin(serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, lossless: CodecEstimate) -> SimConfig:
-    """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles."""
+def twin(
+    serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, lossless: CodecEstimate,
+    contention: tuple[float, ...] = (),
+) -> SimConfig:  # fmt: skip
+    """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles, with the
+    prefill's slowdown measured beside other workers on this machine."""
     model = load_config_dict(ModelSpec.resolve(serve.model, serve.seed))
     rate = parse_rate(serve.link.rate)
     cache = serve.cache
@@ -207,6 +249,8 @@ def twin(serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, los
         early_first_token=True,  # the gateway sends the first token as the prefill worker has it
         whole_prompt_hits=True,  # a prefill worker serves a repeated prompt from its end snapshot
         shared_cores=len(os.sched_getaffinity(0)),  # every worker of the live deployment on this machine
+        contention=contention,
+        decode_step_by_batch=True,  # a decode worker steps the rows it has
         prefill_batch_tokens=batch_tokens(serve),
         kv_compression=serve.link.kv_compression,
         kv_compression_args=serve.link.kv_compression_args,
@@ -356,7 +400,7 @@ def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> S
     decoding = [s.arrivals for s in streams if len(s.arrivals) > 2]
     if decoding:
         step = sum(a[-1] - a[1] for a in decoding) / sum(len(a) - 2 for a in decoding)
-        changes["decode"] = replace(config.decode, step_time_s=step)
+        changes["decode"] = replace(config.decode, step_time_s=step, steps=())  # one step time for every batch
     return replace(config, shared_cores=0, **changes)  # type: ignore[arg-type]  # the live speed has the sharing
 
 
@@ -460,6 +504,7 @@ class LiveRun:
     requests: int
     flags: list[str]  # minifaas serve's
     workers: PrefillProfile  # the prefill as the served workers ran it
+    contention: tuple[float, ...]  # the prefill's slowdown beside 0, 1, 2 other workers computing (``calibrate``)
     model: PrefillProfile  # minifaas profile's prefill, the model alone
     decode: DecodeProfile
     lossless: CodecEstimate
@@ -482,6 +527,7 @@ class LiveRun:
         return cls(**data | {
             "workers": prefill_from_dict(data["workers"]), "model": prefill_from_dict(data["model"]),
             "decode": decode_from_dict(data["decode"]), "lossless": CodecEstimate(**data["lossless"]),
+            "contention": tuple(data["contention"]),
             "streams": [Stream(**s) for s in data["streams"]],
         })  # fmt: skip
 
@@ -497,8 +543,8 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
         model, decode = profile(lengths, serve.worker_threads("prfaas"), Path(tmp) / "profile.json")
     lossless = lossless_codec()
     with serving(flags) as server:
-        workers = asyncio.run(worker_prefill(server.url, model))
-        config = twin(serve, workers, decode, lossless)
+        cal = asyncio.run(calibrate(server.url, model))
+        config = twin(serve, cal.prefill, decode, lossless, cal.contention)
         capacity = capacity_rps(config, sl.prompts, sl.output_tokens, os.cpu_count() or 1)
         trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
         time_scale = trace_rate / (LOADS[load] * capacity)
@@ -506,15 +552,15 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
         print(f"replaying {len(workload)} requests over {workload.duration_s:.1f} s", file=sys.stderr, flush=True)
         streams, late = asyncio.run(replay(server.url, sl, workload))
     wall_s = time.perf_counter() - started
-    return LiveRun(trace, load, requests, flags, workers, model, decode, lossless, time_scale, capacity, streams,
-                   late, wall_s)  # fmt: skip
+    return LiveRun(trace, load, requests, flags, cal.prefill, cal.contention, model, decode, lossless, time_scale,
+                   capacity, streams, late, wall_s)  # fmt: skip
 
 
 def report(run: LiveRun, as_json: bool) -> None:
     """The run beside its twin and the twin's variants: the table, the deviations, the breakdowns, the JSON."""
     sl = trace_slice(run.trace, run.requests)
     workload = sl.workload(run.time_scale)
-    config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless)
+    config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless, run.contention)
     print(f"{run.trace} ({sl.name}), {run.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
           f"prompts / {LENGTH_DIVISOR[run.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
           f"time x{run.time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[run.load]:.0%} of the "
@@ -522,7 +568,9 @@ def report(run: LiveRun, as_json: bool) -> None:
     print(
         f"profile: prefill {run.workers.latency_s(256):.4f} s at 256 tokens in the workers "
         f"({run.model.latency_s(256):.4f} s the model alone), decode step "
-        f"{run.decode.step_time_s * 1e3:.2f} ms at batch {run.decode.bs_max}; serve {' '.join(run.flags)}"
+        f"{run.decode.step_s(1) * 1e3:.2f}-{run.decode.step_time_s * 1e3:.2f} ms at batch 1-{run.decode.bs_max}; "
+        f"prefill beside 0/1/2 others computing: {' / '.join(f'{x:.2f}x' for x in run.contention)}; "
+        f"serve {' '.join(run.flags)}"
     )
     streams = run.streams
     live = live_timeline(streams)
@@ -565,6 +613,7 @@ def report(run: LiveRun, as_json: bool) -> None:
             "own_cores": own_errors, "sim_model_alone": alone_f, "model_alone": alone_errors,
             "model_prefill_256_s": float(run.model.latency_s(256)),
             "worker_prefill_256_s": float(run.workers.latency_s(256)),
+            "contention": list(run.contention),
         }  # fmt: skip
         print(figures.dumps(out))
 

@@ -267,6 +267,14 @@ def test_on_shared_cores_a_prefill_slows_by_the_workers_computing_beside_it() ->
     shared.run()
     # the first starts alone; the second starts beside it: two computing on one core, each at half speed
     assert shared.first_token == pytest.approx([alone, 2 * alone], rel=1e-9)
+    # a measured contention: two computing take 1.3x each; three, 1.3 x 3/2
+    measured = Simulation(replace(config, shared_cores=2, contention=(1.0, 1.3)), both)
+    measured.run()
+    assert measured.first_token == pytest.approx([alone, 1.3 * alone], rel=1e-9)
+    three = Workload("three", np.zeros(3), np.full(3, 1024), np.full(3, 4), ((1, 2), (3, 4), (5, 6)), 512)
+    crowded = Simulation(replace(config, shared_cores=2, contention=(1.0, 1.3)), three)
+    crowded.run()
+    assert crowded.first_token == pytest.approx([alone, 1.3 * alone, 1.95 * alone], rel=1e-9)
 
 
 def test_prompts_of_one_length_queued_behind_a_prefill_ride_in_one_forward() -> None:
@@ -304,3 +312,11 @@ def test_a_decode_step_takes_the_profiles_time_at_the_rows_running_then() -> Non
     late.run()
     # one step after each joins, at the rows running as it joins: the first joined alone, the second beside it
     assert late.first_token == pytest.approx([joined + 0.01, joined + 0.015], rel=1e-9)
+    # on a shared host a step is slowed as a prefill is: here a long prefill beside the decoding request
+    blocks = ((1, 2), tuple(range(3, 19)))
+    beside = Workload("beside", np.array([0.0, 0.001]), np.array([1024, 8192]), np.array([11, 2]), blocks, 512)
+    contended = replace(config, decode_step_by_batch=True, shared_cores=2, contention=(1.0, 2.0))
+    run = Simulation(contended, beside)
+    run.run()
+    assert run.first_token[1] - 0.001 > run.finished[0]  # the long prefill outlasts the first request's decode
+    assert run.finished[0] == pytest.approx(run.first_token[0] + 10 * 0.01 * 2.0, rel=1e-9)

@@ -3,14 +3,12 @@
 A profile describes ONE instance (``gpus_per_instance`` GPUs serving one model replica), not one GPU. A file
 holds a [prefill] and a [decode] table, TOML or JSON (``load_profiles``; ``save_profiles`` writes JSON):
 
-    [prefill]                     # also name and gpus_per_instance, as [decode]
+    [prefill]                     # also name = "H20x8" and gpus_per_instance = 8, as in [decode]
     points = [[1024, 0.44, 200068300], [8192, 0.72, 323905126]]   # [tokens, seconds, kv bytes]
     latency_coeffs = [0.389, 4.107e-5, 9.48e-11]                    # seconds = sum c_i * l**i
     kv_fixed_bytes = 180355072                                      # kv bytes = fixed + per_token * l
     kv_bytes_per_token = 17137
     [decode]
-    name = "H20x8"
-    gpus_per_instance = 8
     bs_max = 20                   # the largest batch meeting the decode SLO
     step_time_s = 0.025           # one decode step at bs_max
     steps = [[1, 0.012], [8, 0.016], [32, 0.03]]   # optional: [batch, seconds] of every batch measured

@@ -153,8 +153,9 @@ class DecodeInstances:
         clock.steps, request = heapq.heappop(clock.leaving)
         return request
 
-    def restep(self, node: int) -> BatchClock:
-        """(``by_batch``) The clock, stepping at the rows running now (after a ``join`` or a ``finish``)."""
+    def restep(self, node: int, slowdown: float = 1.0) -> BatchClock:
+        """(``by_batch``) The clock, stepping at the rows running now (after a ``join`` or a ``finish``), each step
+        ``slowdown`` times the profile's."""
         clock = self.clocks[node]
-        clock.step_s = self.profile.step_s(self.running[node]) if self.running[node] else 0.0
+        clock.step_s = self.profile.step_s(self.running[node]) * slowdown if self.running[node] else 0.0
         return clock

@@ -46,9 +46,12 @@ class SimConfig:
     # a prompt whose end snapshot the chosen cluster holds is served whole, as a prefill worker serves it
     # (worker/prefix_store.py: its first token from the logits kept there); off: a hit leaves a token to compute
     whole_prompt_hits: bool = False
-    # every worker on one host of this many cores (a demo box): a prefill runs slower while more workers than
-    # cores compute (``Simulation._shared_slowdown``); 0: each worker on hardware of its own
+    # every worker on one host of this many cores (a demo box): a prefill runs slower while the workers computing
+    # need more than the cores (``Simulation._shared_slowdown``); 0: each worker on hardware of its own
     shared_cores: int = 0
+    # on that host, a prefill's time over the profile's with n workers computing (itself counted), as measured
+    # for n = 1, 2, ...; past the last, that one's times n over its n. Empty: n over the cores, at least 1
+    contention: tuple[float, ...] = ()
     # prompts of one length with no cached prefix share a prefill forward of at most this many tokens, as a
     # prefill worker batches them (``prefill_batch``); its time the profile's for their tokens together. 0: never
     prefill_batch_tokens: int = 0
@@ -82,6 +85,8 @@ class SimConfig:
             raise ValueError("convert_s must be >= 0")
         if self.snapshot_interval_blocks < 0:
             raise ValueError("snapshot_interval_blocks must be >= 0")
+        if self.shared_cores < 0 or any(s <= 0 for s in self.contention):
+            raise ValueError("shared_cores must be >= 0 and every contention figure > 0")
         named = self.kv_compression in CODEC.builtins
         if named and self.kv_compression not in ("none", "auto", *dict(self.codecs)):
             raise ValueError(f"kv_compression {self.kv_compression}: no figures for that codec in codecs")

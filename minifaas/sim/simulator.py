@@ -1,10 +1,9 @@
 """The cluster simulator: a workload replayed through the live router, prefix caches and cost profiles.
 
 One request's life, as events:
-  arrive      the global cache manager's prefix hits per cluster -> the router
-              (the same ``decide`` the gateway runs) -> a prefill node and a
-              decode node; the prefill's start and end follow from the node's queue
-              (none to compute for a prompt held whole, with ``whole_prompt_hits``)
+  arrive      the global cache manager's prefix hits per cluster -> the router (the same ``decide`` the
+              gateway runs) -> a prefill node and a decode node; the prefill's start and end follow
+              from the node's queue (none to compute for a prompt held whole, with ``whole_prompt_hits``)
   flow_start  (PrfaaS path, pipelining on) the KV stream enters the link as prefill starts, at the
               size its codec leaves (``coding``: the live compression policy picks it at arrival)
   prefill_end the node's queue shrinks; the first token, when it goes out early (as the gateway
@@ -167,14 +166,19 @@ class Simulation:
             self.path[rid] = PD
         self.loop.at(end, self._prefill_end_event, rid)
 
-    def _shared_slowdown(self, start: float) -> float:
-        """A prefill's time over the profile's when every worker shares ``shared_cores``: the workers computing as
-        it starts (prefill nodes busy then, decode nodes with rows now, itself) over the cores, at least 1."""
-        cores = self.config.shared_cores
-        if not cores:
+    def _shared_slowdown(self, start: float, decoder: bool = False) -> float:
+        """A prefill's (or, with ``decoder``, a decode step's) time over the profile's when every worker shares
+        ``shared_cores``, by the workers computing at ``start`` (prefill nodes busy then, decode nodes with rows
+        now, itself): the ``contention`` measured for that many, or that many over the cores, at least 1."""
+        c = self.config
+        if not c.shared_cores:
             return 1.0
         decoding = sum(1 for rows in self.decode.running if rows)
-        return max(1.0, (self.prfaas.busy_at(start) + self.pd.busy_at(start) + decoding + 1) / cores)
+        computing = self.prfaas.busy_at(start) + self.pd.busy_at(start) + decoding + (0 if decoder else 1)
+        table = c.contention
+        if not table:
+            return max(1.0, computing / c.shared_cores)
+        return table[computing - 1] if computing <= len(table) else table[-1] * computing / len(table)
 
     def _flow_start(self, rid: int) -> None:
         self.link.add(self.loop.now, rid, self._kv_bytes[rid])
@@ -259,7 +263,7 @@ class Simulation:
 
     def _schedule_leave(self, node: int) -> BatchClock:
         """The event of the next request to leave the instance, at its clock's step now; earlier ones go stale."""
-        clock = self.decode.restep(node)
+        clock = self.decode.restep(node, self._shared_slowdown(self.loop.now, decoder=True))
         if clock.leaving:
             clock.generation += 1
             self.loop.at(max(clock.due(), self.loop.now), self._batch_leave, (node, clock.generation))
