@@ -68,6 +68,7 @@ from minifaas import figures
 from minifaas.commands import serve as serve_command
 from minifaas.config import ServeConfig
 from minifaas.emulator.pacer import parse_rate
+from minifaas.model.decoder import MAX_HOLD_S
 from minifaas.model.loader import ModelSpec, load_config_dict
 from minifaas.planner.profile import (
     DecodeProfile,
@@ -251,6 +252,8 @@ def twin(
         shared_cores=len(os.sched_getaffinity(0)),  # every worker of the live deployment on this machine
         contention=contention,
         decode_step_by_batch=True,  # a decode worker steps the rows it has
+        decode_hold=1.0 if serve.pd.device == "cpu" else 0.0,  # as worker_process gives a CPU decode worker
+        decode_hold_max_s=MAX_HOLD_S,
         prefill_batch_tokens=batch_tokens(serve),
         kv_compression=serve.link.kv_compression,
         kv_compression_args=serve.link.kv_compression_args,

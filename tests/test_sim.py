@@ -320,3 +320,12 @@ def test_a_decode_step_takes_the_profiles_time_at_the_rows_running_then() -> Non
     run.run()
     assert run.first_token[1] - 0.001 > run.finished[0]  # the long prefill outlasts the first request's decode
     assert run.finished[0] == pytest.approx(run.first_token[0] + 10 * 0.01 * 2.0, rel=1e-9)
+    # with a hold, a step also waits its own length (at most the cap) while more are on their way than it holds
+    blocks = ((1, 2), tuple(range(3, 19)), tuple(range(19, 35)))
+    ahead = Workload(
+        "ahead", np.array([0.0, 0.001, 0.002]), np.array([1024, 8192, 8192]), np.array([11, 2, 2]), blocks, 512
+    )
+    held = Simulation(replace(config, decode_step_by_batch=True, decode_hold=1.0, decode_hold_max_s=0.004), ahead)
+    held.run()
+    assert held.first_token[1] > held.finished[0]  # both long prompts still on their way as the first decodes
+    assert held.finished[0] == pytest.approx(held.first_token[0] + 10 * (0.01 + 0.004), rel=1e-9)

@@ -5,7 +5,9 @@ comes one step after it joins; a request whose KV arrives at a full instance
 waits for a slot there. A step takes the profile's ``step_time_s`` whatever
 the batch, or, with ``by_batch``, the profile's step at the rows running now:
 each instance then keeps a clock of steps taken (``BatchClock``), and a
-request ends when that clock has moved its output_tokens past where it joined.
+request ends when that clock has moved its output_tokens past where it joined;
+with ``hold``, each step also waits that many times its length (at most
+``hold_max_s``) while more requests are on their way than it holds.
 The router picks the instance when the request arrives (least assigned work,
 counting requests still in prefill or on the link), as the live router does.
 Loads move by one at a time, so instances sit in buckets by load and the least
@@ -44,8 +46,11 @@ class BatchClock:
 
 
 class DecodeInstances:
-    def __init__(self, profile: DecodeProfile, n: int, by_batch: bool = False) -> None:
+    def __init__(
+        self, profile: DecodeProfile, n: int, by_batch: bool = False, hold: float = 0.0, hold_max_s: float = 0.0
+    ) -> None:
         self.profile = profile
+        self.hold, self.hold_max_s = hold, hold_max_s
         self.ids = [f"pd-d-{i}" for i in range(n)]
         self.index = {node_id: i for i, node_id in enumerate(self.ids)}
         self.assigned = [0] * n  # routed here and not finished
@@ -154,8 +159,13 @@ class DecodeInstances:
         return request
 
     def restep(self, node: int, slowdown: float = 1.0) -> BatchClock:
-        """(``by_batch``) The clock, stepping at the rows running now (after a ``join`` or a ``finish``), each step
-        ``slowdown`` times the profile's."""
+        """(``by_batch``) The clock, stepping at the rows running now (after a ``join``, a ``finish`` or a
+        ``reserve``), each step ``slowdown`` times the profile's, and its hold while more are on their way."""
         clock = self.clocks[node]
-        clock.step_s = self.profile.step_s(self.running[node]) * slowdown if self.running[node] else 0.0
+        rows = self.running[node]
+        step = self.profile.step_s(rows) * slowdown if rows else 0.0
+        held = rows + len(self.waiting[node])
+        if self.hold and self.assigned[node] - held > held:
+            step += min(self.hold * step, self.hold_max_s)
+        clock.step_s = step
         return clock

@@ -58,6 +58,10 @@ class SimConfig:
     # a decode step takes the profile's time at the rows the instance runs now (``DecodeProfile.step_s``), as a
     # decode worker steps whatever batch it has; off: every step takes the profile's ``step_time_s``
     decode_step_by_batch: bool = False
+    # with it, a step then waits this many times its length, at most ``decode_hold_max_s``, while more requests are
+    # on their way to its instance than it holds, as a decode worker on a CPU waits for rows (``DecoderConfig.hold``)
+    decode_hold: float = 0.0
+    decode_hold_max_s: float = 0.05
     sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
     short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
     long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion

@@ -55,7 +55,9 @@ class Simulation:
         batch = config.prefill_batch_tokens
         self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas, batch)
         self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill, batch)
-        self.decode = DecodeInstances(config.decode, config.n_decode, config.decode_step_by_batch)
+        self.decode = DecodeInstances(
+            config.decode, config.n_decode, config.decode_step_by_batch, config.decode_hold, config.decode_hold_max_s
+        )
         self.link = FluidLink(config.link.gbps)
         use_cache = config.prefix_cache and workload.hash_ids is not None
         self.caches: ClusterPrefixCaches | None = None
@@ -141,6 +143,8 @@ class Simulation:
         start, end = pool.place(node, now, tokens, self._shared_slowdown(pool.start_s(node, now)), cold)
         dnode = self.decode.index[decision.decode_node]  # type: ignore[index]
         self.decode.reserve(dnode)
+        if self._by_batch and self.config.decode_hold:  # one more on its way: the instance may hold its steps now
+            self._schedule_leave(dnode)
         self.prefill_node[rid], self.decode_node[rid] = node, dnode
         self._tokens[rid], self._prefill_end[rid] = tokens, end
         if pool.batch_tokens:
