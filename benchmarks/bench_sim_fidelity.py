@@ -404,7 +404,8 @@ def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> S
     if decoding:
         step = sum(a[-1] - a[1] for a in decoding) / sum(len(a) - 2 for a in decoding)
         changes["decode"] = replace(config.decode, step_time_s=step, steps=())  # one step time for every batch
-    return replace(config, shared_cores=0, **changes)  # type: ignore[arg-type]  # the live speed has the sharing
+    # the live speed has the sharing, and the live gap between tokens the hold
+    return replace(config, shared_cores=0, decode_hold=0.0, **changes)  # type: ignore[arg-type]
 
 
 # --- the report ---------------------------------------------------------------------------------------------
