@@ -6,7 +6,7 @@
 [prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, prefill_batch, threads,
                    or the addresses of hand-started workers (workers = ["host:port", ...])
 [pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
-                   prefill_chunk, prefill_batch, threads, or workers = [...]
+                   prefill_chunk, prefill_batch, threads, decode_threads, or workers = [...]
 [link]             the inter-cluster link: rate, delay (emulated), per-flow cap and window, connections,
                    kv_compression (the codec policy), emulated
 [ray]              the Ray launcher: cluster address, namespace, CPUs and GPUs per worker
@@ -48,6 +48,7 @@ class ClusterConfig:
     workers: tuple[str, ...] = ()  # control addresses of hand-started workers; the counts then do not apply
     dtype: str | None = None  # the weights' dtype on its workers; None: [serve] dtype
     threads: int = 0  # torch threads per worker (0: auto, see ServeConfig.worker_threads)
+    decode_threads: int = 0  # torch threads per decode worker (0: as ``threads``)
     devices: tuple[str, ...] = ()  # GPUs its workers are dealt to in turn, prefill workers first ("cuda:N")
     memory_fraction: float = 0.0  # of its GPU per worker; 0: an equal share where workers share one, else all
 
@@ -75,8 +76,8 @@ class ClusterConfig:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.prefill_batch < 0:
             raise ValueError(f"prefill_batch must be >= 0, got {self.prefill_batch}")
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.threads < 0 or self.decode_threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads} and decode_threads {self.decode_threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
         if self.memory_fraction and self.device == "cpu":
@@ -343,21 +344,25 @@ class ServeConfig:
         c = self.cluster(cluster)
         return dtype_name(c.dtype or self.dtype, c.device)
 
-    def worker_threads(self, cluster: str) -> int:
-        """Torch threads of a worker of ``cluster`` that the gateway starts; 0 leaves torch's default.
+    def worker_threads(self, cluster: str, role: str = "prefill") -> int:
+        """Torch threads of a ``role`` worker of ``cluster`` that the gateway starts; 0 leaves torch's default.
 
-        A cluster's ``threads`` when set. Otherwise (0, auto) a CPU worker of the local launcher
-        gets an equal share of this host's cores, less those the clusters with ``threads`` set
-        take, and at least one: every local CPU worker runs on them, and torch's default of a
-        thread per core in each would put several spinning OpenMP threads on every core. A GPU
-        worker, or one on a Ray node, keeps torch's default (its own device or host).
+        A decode worker's are its cluster's ``decode_threads`` when set; else, for every worker, its cluster's
+        ``threads`` when set. Otherwise (0, auto) a CPU worker of the local launcher gets an equal share of this
+        host's cores, less those the workers with threads set take, and at least one: every local CPU worker runs
+        on them, and torch's default of a thread per core in each would put several spinning OpenMP threads on
+        every core. A GPU worker, or one on a Ray node, keeps torch's default (its own device or host).
         """
         c = self.cluster(cluster)
+        if role == "decode" and c.decode_threads:
+            return c.decode_threads
         if c.threads or self.launcher != "local" or c.device != "cpu":
             return c.threads
-        cpu = [(cc.prefill_workers + cc.decode_workers, cc.threads) for cc in (self.prfaas, self.pd)
-               if cc.device == "cpu" and not cc.workers]  # fmt: skip
-        told = sum(n * threads for n, threads in cpu)  # the cores of the clusters whose threads are set
+        cpu = []  # (workers, their threads, 0: auto) of each local CPU cluster, by role
+        for cc in (self.prfaas, self.pd):
+            if cc.device == "cpu" and not cc.workers:
+                cpu += [(cc.prefill_workers, cc.threads), (cc.decode_workers, cc.decode_threads or cc.threads)]
+        told = sum(n * threads for n, threads in cpu)  # the cores of the workers whose threads are set
         auto = sum(n for n, threads in cpu if not threads)
         return max(1, (len(os.sched_getaffinity(0)) - told) // max(1, auto))
 

@@ -102,6 +102,19 @@ def test_local_cpu_workers_share_the_hosts_cores_unless_told_otherwise(monkeypat
     assert set(_threads(ServeConfig(launcher="ray")).values()) == {0}  # a Ray node's own cores
 
 
+def test_a_clusters_decode_workers_may_have_threads_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    decode = ServeConfig(pd=ClusterConfig(prefill_workers=1, decode_workers=1, decode_threads=2))
+    assert _threads(decode) == {"prfaas-p0": 7, "pd-p0": 7, "pd-d0": 2}  # the other two share what it leaves
+    both = ServeConfig(pd=ClusterConfig(prefill_workers=1, decode_workers=2, threads=3, decode_threads=4))
+    assert _threads(both) == {"prfaas-p0": 5, "pd-p0": 3, "pd-d0": 4, "pd-d1": 4}
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert _threads(ServeConfig(pd=ClusterConfig(1, 1, decode_threads=2))) == {"prfaas-p0": 1, "pd-p0": 1, "pd-d0": 2}
+    assert _threads(ServeConfig()) == {"prfaas-p0": 1, "pd-p0": 1, "pd-d0": 1}
+    with pytest.raises(ValueError, match="decode_threads"):
+        ClusterConfig(decode_threads=-1)
+
+
 def test_a_toml_cluster_table_keeps_the_defaults_it_does_not_name(tmp_path: Path) -> None:
     path = tmp_path / "serve.toml"
     path.write_text("[pd]\nthreads = 1\n")

@@ -35,7 +35,7 @@ def worker_argv(c: ServeConfig, role: str, cluster: str, device: str | None = No
         argv += ["--gpu-memory-fraction", f"{fraction:.4g}"]
     argv += ["--kv-compression", c.link.worker_codecs]
     argv += ["--dtype", c.worker_dtype(cluster)] + (["--trust-remote-code"] if c.trust_remote_code else [])
-    argv += ["--threads", str(c.worker_threads(cluster)), "--log-level", c.worker_log_level]
+    argv += ["--threads", str(c.worker_threads(cluster, role)), "--log-level", c.worker_log_level]
     if c.allow_slow_kernels:
         argv.append("--allow-slow-kernels")
     if not c.link.pipelined:
