@@ -2,7 +2,7 @@
 
     python benchmarks/bench_scale.py [--sizes 1,32,128,256] [--crowd 1000] [--lengths 2048,8192,32000]
                                      [--soak 10000] [--repeats 2] [--check] [--out scale.json] [--plot scale.png]
-                                     [--json]
+                                     [--against-flags FLAGS] [--against-tree PATH] [--json]
 
 One run, on one machine, with ``minifaas serve`` started as a user starts it (its defaults, a child process):
 
@@ -15,9 +15,11 @@ One run, on one machine, with ``minifaas serve`` started as a user starts it (it
    its best thread count for each figure; each figure is the best of ``--repeats``, the sides taking turns on
    fresh prompts each repeat. Beside them, the workers' own model code on the same prompts in this process on
    one thread (prefill batches of a worker's budget, one batch decoder; ``one_process_run``): what the model costs
-   without the deployment's processes, sockets and messages. ``--check`` exits 1 unless served tokens/s is at
-   least generate()'s at N = 32, 128 and 256, served tokens per CPU-second at least 0.8 of generate()'s at 128 and
-   256, and every token equal.
+   without the deployment's processes, sockets and messages. With ``--against-flags`` or ``--against-tree``, a
+   second ``minifaas serve`` (those flags; the checkout at that path) is one more side taking turns on the same
+   prompts, its tokens checked like the first's: two deployments measured side by side in one run. ``--check``
+   exits 1 unless served tokens/s is at least generate()'s at N = 32, 128 and 256, served tokens per CPU-second at
+   least 0.8 of generate()'s at 128 and 256, and every token equal (the second server's included).
    Then ``--crowd`` concurrent requests: how many are served and how many refused.
 2. long prompts: TTFT of one prompt of each of ``--lengths`` tokens, prefill tokens/s, the FLOPs the model spends
    on it (``flop_model``: matmuls, causal attention, the linear layers' chunked scan) and the FLOP/s achieved; and
@@ -196,13 +198,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(flags: list[str], start_timeout: float = 300.0) -> Iterator[Server]:
-    """``minifaas serve --port 0 FLAGS`` in a process group of its own; its log goes to a file, not a pipe."""
+def serving(flags: list[str], tree: Path | None = None, start_timeout: float = 300.0) -> Iterator[Server]:
+    """``minifaas serve --port 0 FLAGS`` in a process group of its own; its log goes to a file, not a pipe. With
+    ``tree``, the minifaas of the checkout there (first on its PYTHONPATH)."""
     argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", *flags]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])} if tree else None
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         before = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # this process stopped: the server with it
         try:
             deadline = time.monotonic() + start_timeout
@@ -365,27 +369,37 @@ class FlopModel:
 
 
 def throughput(
-    server: Server, model: torch.nn.Module, runtime: ModelRuntime, sizes: list[int], repeats: int, rng: random.Random
+    server: Server,
+    model: torch.nn.Module,
+    runtime: ModelRuntime,
+    sizes: list[int],
+    repeats: int,
+    rng: random.Random,
+    against: Server | None = None,
 ) -> list:
-    """At each size N: ``generate()`` at each thread count from one to this process's cores, the server, and the
-    workers' code in one process (``one_process_run``), in turn, on the same N prompts (fresh ones each repeat:
-    the same prompt again would hit the server's prefix cache); the best of ``repeats`` of each figure. Every
-    served stream's tokens are checked against the row of one-thread ``generate()`` for its prompt, and every
-    other thread count's rows and the one-process rows against that run's."""
+    """At each size N: ``generate()`` at each thread count from one to this process's cores, the server, the
+    ``against`` server if any, and the workers' code in one process (``one_process_run``), in turn, on the same N
+    prompts (fresh ones each repeat: the same prompt again would hit the server's prefix cache); the best of
+    ``repeats`` of each figure. Every served stream's tokens are checked against the row of one-thread
+    ``generate()`` for its prompt, and every other thread count's rows and the one-process rows against that
+    run's."""
     threads = thread_counts()
     rows = []
     for n in sizes:
         gen: dict[int, list[Run]] = {t: [] for t in threads}
         srv: list[Run] = []
+        alt: list[Run] = []
         one: list[Run] = []
-        unequal = generate_unequal = 0
+        unequal = generate_unequal = against_unequal = 0
         first_unequal: dict = {}  # the first prompt whose served tokens differ, both sides' tokens
         for r in range(repeats):
             batch = prompts(n, PROMPT_TOKENS, rng)
-            sides = ["served", "one process", *threads]
+            sides = ["served", *(["against"] if against else []), "one process", *threads]
             for side in sides if r % 2 == 0 else reversed(sides):
                 if side == "served":
                     srv.append(served_run(server, batch))
+                elif side == "against":
+                    alt.append(served_run(against, batch))
                 elif side == "one process":
                     one.append(one_process_run(runtime, batch, PREFILL_BATCH_TOKENS))
                 else:
@@ -394,6 +408,8 @@ def throughput(
             differ = [(got, row) for got, row in zip(srv[-1].rows, want, strict=True) if got != row]
             first_unequal = first_unequal or ({"served": differ[0][0], "generate": differ[0][1]} if differ else {})
             unequal += len(differ)
+            if against:
+                against_unequal += sum(got != row for got, row in zip(alt[-1].rows, want, strict=True))
             generate_unequal += sum(gen[t][-1].rows != want for t in threads) + (one[-1].rows != want)
         by_threads = {t: {"tok_s": max(x.tok_s for x in runs), "tok_cpu_s": max(x.tok_cpu_s for x in runs),
                           "cpu_s": min(x.cpu_s for x in runs)} for t, runs in gen.items()}  # fmt: skip
@@ -411,11 +427,23 @@ def throughput(
         row["ratio"] = row["served_tok_s"] / row["generate_tok_s"]
         row["cpu_ratio"] = row["served_tok_cpu_s"] / row["generate_tok_cpu_s"]
         row["tokens_equal"] = unequal == 0 and generate_unequal == 0
+        if against:
+            row |= {
+                "against_tok_s": max(x.tok_s for x in alt),
+                "against_tok_cpu_s": max(x.tok_cpu_s for x in alt),
+                "against_refused": sum(not got for x in alt for got in x.rows),
+                "against_unequal": against_unequal,
+            }
+            row["against_ratio"] = row["against_tok_s"] / row["generate_tok_s"]
+            row["against_cpu_ratio"] = row["against_tok_cpu_s"] / row["generate_tok_cpu_s"]
+            row["tokens_equal"] = row["tokens_equal"] and against_unequal == 0
         rows.append(row)
         print(f"{n:>6} {row['generate_tok_s']:>9.1f} ({fastest}) {row['generate_tok_cpu_s']:>9.1f} ({leanest}) "
               f"{row['served_tok_s']:>9.1f} {row['served_tok_cpu_s']:>9.1f} {row['ratio']:>6.2f}x "
-              f"{row['cpu_ratio']:>6.2f}x {row['refused']:>7} {unequal:>7} {row['one_process_tok_s']:>9.1f}",
-              flush=True)  # fmt: skip
+              f"{row['cpu_ratio']:>6.2f}x {row['refused']:>7} {unequal:>7} {row['one_process_tok_s']:>9.1f}"
+              + (f" | against {row['against_tok_s']:>9.1f} {row['against_tok_cpu_s']:>9.1f} "
+                 f"{row['against_ratio']:>6.2f}x {row['against_cpu_ratio']:>6.2f}x {row['against_refused']:>7} "
+                 f"{against_unequal:>7}" if against else ""), flush=True)  # fmt: skip
     return rows
 
 
@@ -667,6 +695,10 @@ def main() -> None:
     p.add_argument("--soak", type=int, default=10_000, help="mixed requests for memory over time (0: none)")
     p.add_argument("--repeats", type=int, default=2, help="best of this many runs of each throughput figure")
     p.add_argument("--serve-flags", default="", help="more flags for minifaas serve (default: none, its defaults)")
+    p.add_argument("--against-flags", help="a second minifaas serve with these flags, one more side of the "
+                   "throughput phase (default: none)")  # fmt: skip
+    p.add_argument("--against-tree", type=Path, metavar="PATH",
+                   help="run the second minifaas serve from the checkout at PATH (default: this one)")  # fmt: skip
     p.add_argument("--out", type=Path, help="write every figure as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of throughput and long prompts here")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
@@ -683,6 +715,8 @@ def main() -> None:
                        repeats=1)  # fmt: skip
         a = p.parse_args()
     lengths = numbers(a.lengths)
+    if a.against_tree is not None and not (a.against_tree / "minifaas" / "__init__.py").is_file():
+        p.error(f"--against-tree {a.against_tree}: not a minifaas checkout")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server's group is stopped on the way out
     rng = random.Random(0)
     model = load_reference()
@@ -690,8 +724,14 @@ def main() -> None:
         generate_run(model, prompts(2, PROMPT_TOKENS, rng), threads)
     flop = FlopModel.of(model)
     summary: dict = {"model": MODEL, "load_average_start": os.getloadavg()[0], "flop_model": vars(flop)}
-    with serving(a.serve_flags.split()) as server:
+    with serving(a.serve_flags.split()) as server, contextlib.ExitStack() as stack:
         asyncio.run(concurrent(server.url, prompts(4, PROMPT_TOKENS, rng)))  # the served path warm
+        against = None
+        if a.against_flags is not None or a.against_tree is not None:
+            tree = a.against_tree.resolve() if a.against_tree else None
+            against = stack.enter_context(serving((a.against_flags or "").split(), tree))
+            asyncio.run(concurrent(against.url, prompts(4, PROMPT_TOKENS, rng)))
+            summary["against"] = {"flags": a.against_flags or "", "tree": str(tree or "")}
         if lengths:  # first: the prefill workers' memory as only the warm-up left it
             summary.update(long_prompt_table(server, flop, lengths, rng))
         print(f"output tokens per second and per CPU-second, {PROMPT_TOKENS} tokens in and {OUTPUT_TOKENS} out, "
@@ -705,7 +745,7 @@ def main() -> None:
         from minifaas.model.runtime import ModelRuntime  # model code: after the kernel choice (load_reference)
 
         runtime = ModelRuntime.load(str(MODELS_DIR / "checkpoints" / MODEL))
-        summary["throughput"] = throughput(server, model, runtime, numbers(a.sizes), a.repeats, rng)
+        summary["throughput"] = throughput(server, model, runtime, numbers(a.sizes), a.repeats, rng, against)
         summary["checks"] = checks(summary["throughput"])
         if a.crowd:
             summary["crowd"] = crowd(server, a.crowd, rng)
