@@ -1,20 +1,15 @@
 """The PD-D instances: continuous batching with at most BS_max running requests each.
 
-A request holds one batch slot for output_tokens steps and its first token
-comes one step after it joins; a request whose KV arrives at a full instance
-waits for a slot there. A step takes the profile's ``step_time_s`` whatever
-the batch, or, with ``by_batch``, the profile's step at the rows running now:
-each instance then keeps a clock of steps taken (``BatchClock``), and a
-request ends when that clock has moved its output_tokens past where it joined;
-with ``hold``, each step also waits that many times its length (at most
-``hold_max_s``) while more requests are on their way than it holds.
-The router picks the instance when the request arrives (least assigned work,
-counting requests still in prefill or on the link), as the live router does.
-Loads move by one at a time, so instances sit in buckets by load and the least
-loaded is found in O(1), not by scanning hundreds of instances per request.
-A ``retire``d instance leaves the buckets (it gets no new requests) and
-finishes its batch; ``add_node`` appends one.
-"""
+A request holds a batch slot for output_tokens steps, its first token one step after it joins; one whose KV
+arrives at a full instance waits for a slot there. A step takes the profile's ``step_time_s``, or with
+``by_batch`` the profile's step at the rows running now: each instance keeps a clock of steps taken
+(``BatchClock``), a request ending when the clock has moved its output_tokens past where it joined; with
+``hold``, a step also waits that many times its length (at most ``hold_max_s``) while more requests are on
+their way than it holds. The router picks the instance when the request arrives (least assigned work,
+counting requests still in prefill or on the link), as the live router does. Loads move by one at a time,
+so instances sit in buckets by load and the least loaded is found in O(1), not by scanning hundreds of
+instances per request. A ``retire``d instance leaves the buckets (it gets no new requests) and finishes its
+batch; ``add_node`` appends one."""
 
 from __future__ import annotations
 
