@@ -11,7 +11,8 @@
    sent alone a few times as fresh tokens, the median of the forward time each worker reports; the twin runs
    on that, since a worker's forward also feeds its layer sink while its event loop sends. Then short PD
    prompts timed while a long PrfaaS prompt prefills, and again with a batch decoding too, give the prefill's
-   slowdown beside one and two other workers computing (``contended``): the twin's ``contention``.
+   slowdown beside one and two other workers computing (``contended``): the twin's ``contention``; and
+   the client's TTFT beyond the prefill, alone, its ``delivery_s``.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
@@ -100,6 +101,7 @@ LIVE_FLAGS = [
 PROFILE_BATCHES = "1,4,16,64"
 DECODE_STREAMS = 8  # decoding while a contended prefill is timed
 CONTENDED_TOKENS, CONTENDED_LONG = 128, 2048  # a PD prompt timed beside a PrfaaS one
+CONTENDED_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -153,15 +155,17 @@ class Calibration:
 
     prefill: PrefillProfile
     contention: tuple[float, ...]  # a prefill's time over its time alone, with 1, 2, 3 workers computing
+    delivery_s: float  # a first token's time at the client beyond its prefill: the gateway and HTTP
 
 
 async def calibrate(url: str, model: PrefillProfile, repeats: int = 5) -> Calibration:
     """Each of the model profile's lengths sent alone ``repeats`` times as fresh token ids (no cached prefix),
     routed as the router routes it: the median of the ``prefill_s`` its worker reports is the prefill (the state
-    bytes stay the profile's; a longer prompt never counts faster). Then ``contended``: the same on PD beside a
-    PrfaaS prefill, and beside that and a decoding batch."""
+    bytes stay the profile's; a longer prompt never counts faster), and the median of the client's TTFT beyond
+    it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill, and
+    beside that and a decoding batch."""
     rng = np.random.default_rng(11)
-    points, slowest = [], 0.0
+    points, slowest, beyond = [], 0.0, []
     async with client() as http:
         for ids in ([5] * 8, [6] * (2 * THRESHOLD["mooncake"])):  # first-call costs of each route, not timed
             await stream(http, url, ids, 1)
@@ -172,12 +176,16 @@ async def calibrate(url: str, model: PrefillProfile, repeats: int = 5) -> Calibr
                 if done.status != 200:
                     raise RuntimeError(f"a {q.tokens}-token calibration prompt failed with {done.status}")
                 taken.append(float(done.info["prefill_s"]))
+                beyond.append(done.ttft - taken[-1])
             slowest = max(slowest, statistics.median(taken))
             points.append(replace(q, latency_s=slowest))
         prefill = replace(model, points=tuple(points), latency_coeffs=())
         alone = float(prefill.latency_s(CONTENDED_TOKENS))
-        beside = [statistics.median(await contended(http, url, rng, decoding)) / alone for decoding in (False, True)]
-    return Calibration(prefill, tuple(np.maximum.accumulate([1.0, *beside]).tolist()))
+        beside = []
+        for decoding in (False, True):
+            taken = [s for _ in range(CONTENDED_ROUNDS) for s in await contended(http, url, rng, decoding)]
+            beside.append(statistics.median(taken) / alone)
+    return Calibration(prefill, tuple(np.maximum.accumulate([1.0, *beside]).tolist()), statistics.median(beyond))
 
 
 async def contended(http: aiohttp.ClientSession, url: str, rng: np.random.Generator, decoding: bool) -> list[float]:
@@ -217,10 +225,10 @@ def batch_tokens(serve: ServeConfig) -> int:
 
 def twin(
     serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, lossless: CodecEstimate,
-    contention: tuple[float, ...] = (),
+    contention: tuple[float, ...] = (), delivery_s: float = 0.0,
 ) -> SimConfig:  # fmt: skip
     """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles, with the
-    prefill's slowdown measured beside other workers on this machine."""
+    prefill's slowdown measured beside other workers on this machine and the delivery of its tokens."""
     model = load_config_dict(ModelSpec.resolve(serve.model, serve.seed))
     rate = parse_rate(serve.link.rate)
     cache = serve.cache
@@ -251,6 +259,7 @@ def twin(
         whole_prompt_hits=True,  # a prefill worker serves a repeated prompt from its end snapshot
         shared_cores=len(os.sched_getaffinity(0)),  # every worker of the live deployment on this machine
         contention=contention,
+        delivery_s=delivery_s,
         decode_step_by_batch=True,  # a decode worker steps the rows it has
         decode_hold=1.0 if serve.pd.device == "cpu" else 0.0,  # as worker_process gives a CPU decode worker
         decode_hold_max_s=MAX_HOLD_S,
@@ -509,6 +518,7 @@ class LiveRun:
     flags: list[str]  # minifaas serve's
     workers: PrefillProfile  # the prefill as the served workers ran it
     contention: tuple[float, ...]  # the prefill's slowdown beside 0, 1, 2 other workers computing (``calibrate``)
+    delivery_s: float  # a token's way from its worker to the client
     model: PrefillProfile  # minifaas profile's prefill, the model alone
     decode: DecodeProfile
     lossless: CodecEstimate
@@ -548,7 +558,7 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
     lossless = lossless_codec()
     with serving(flags) as server:
         cal = asyncio.run(calibrate(server.url, model))
-        config = twin(serve, cal.prefill, decode, lossless, cal.contention)
+        config = twin(serve, cal.prefill, decode, lossless, cal.contention, cal.delivery_s)
         capacity = capacity_rps(config, sl.prompts, sl.output_tokens, os.cpu_count() or 1)
         trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
         time_scale = trace_rate / (LOADS[load] * capacity)
@@ -556,15 +566,15 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
         print(f"replaying {len(workload)} requests over {workload.duration_s:.1f} s", file=sys.stderr, flush=True)
         streams, late = asyncio.run(replay(server.url, sl, workload))
     wall_s = time.perf_counter() - started
-    return LiveRun(trace, load, requests, flags, cal.prefill, cal.contention, model, decode, lossless, time_scale,
-                   capacity, streams, late, wall_s)  # fmt: skip
+    return LiveRun(trace, load, requests, flags, cal.prefill, cal.contention, cal.delivery_s, model, decode,
+                   lossless, time_scale, capacity, streams, late, wall_s)  # fmt: skip
 
 
 def report(run: LiveRun, as_json: bool) -> None:
     """The run beside its twin and the twin's variants: the table, the deviations, the breakdowns, the JSON."""
     sl = trace_slice(run.trace, run.requests)
     workload = sl.workload(run.time_scale)
-    config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless, run.contention)
+    config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless, run.contention, run.delivery_s)
     print(f"{run.trace} ({sl.name}), {run.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
           f"prompts / {LENGTH_DIVISOR[run.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
           f"time x{run.time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[run.load]:.0%} of the "
@@ -574,6 +584,7 @@ def report(run: LiveRun, as_json: bool) -> None:
         f"({run.model.latency_s(256):.4f} s the model alone), decode step "
         f"{run.decode.step_s(1) * 1e3:.2f}-{run.decode.step_time_s * 1e3:.2f} ms at batch 1-{run.decode.bs_max}; "
         f"prefill beside 0/1/2 others computing: {' / '.join(f'{x:.2f}x' for x in run.contention)}; "
+        f"delivery {run.delivery_s * 1e3:.1f} ms; "
         f"serve {' '.join(run.flags)}"
     )
     streams = run.streams
@@ -617,7 +628,7 @@ def report(run: LiveRun, as_json: bool) -> None:
             "own_cores": own_errors, "sim_model_alone": alone_f, "model_alone": alone_errors,
             "model_prefill_256_s": float(run.model.latency_s(256)),
             "worker_prefill_256_s": float(run.workers.latency_s(256)),
-            "contention": list(run.contention),
+            "contention": list(run.contention), "delivery_s": run.delivery_s,
         }  # fmt: skip
         print(figures.dumps(out))
 

@@ -141,6 +141,9 @@ def test_ttft_at_light_load_is_prefill_plus_one_step() -> None:
     expected = case.pd_prefill.latency_s(workload.input_tokens) + case.decode.step_time_s
     assert result.ttft_mean_s == pytest.approx(float(expected.mean()), rel=1e-9)
     assert result.offload_fraction == 0.0 and result.egress_gbps_mean == 0.0
+    delivered = Simulation(replace(config, delivery_s=0.01), workload)
+    late = delivered.run()  # every token 10 ms later at the client, the deployment's work unchanged
+    assert late.ttft_mean_s == pytest.approx(result.ttft_mean_s + 0.01, rel=1e-9)
 
 
 def test_an_early_first_token_comes_at_the_prefill_end_and_decode_makes_the_rest() -> None:

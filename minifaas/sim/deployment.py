@@ -62,6 +62,8 @@ class SimConfig:
     # on their way to its instance than it holds, as a decode worker on a CPU waits for rows (``DecoderConfig.hold``)
     decode_hold: float = 0.0
     decode_hold_max_s: float = 0.05
+    # every token reaches the client this long after its worker makes it (the gateway's messages, the HTTP stream)
+    delivery_s: float = 0.0
     sample_s: float = 1.0  # queue-depth sampling period, and the scheduler's tick
     short_term: ShortTermConfig | None = None  # None: t and the rule stay fixed
     long_term: LongTermConfig | None = None  # None: no re-planning, no role conversion
@@ -89,8 +91,8 @@ class SimConfig:
             raise ValueError("convert_s must be >= 0")
         if self.snapshot_interval_blocks < 0:
             raise ValueError("snapshot_interval_blocks must be >= 0")
-        if self.shared_cores < 0 or any(s <= 0 for s in self.contention):
-            raise ValueError("shared_cores must be >= 0 and every contention figure > 0")
+        if self.shared_cores < 0 or self.delivery_s < 0 or any(s <= 0 for s in self.contention):
+            raise ValueError("shared_cores and delivery_s must be >= 0, every contention figure > 0")
         named = self.kv_compression in CODEC.builtins
         if named and self.kv_compression not in ("none", "auto", *dict(self.codecs)):
             raise ValueError(f"kv_compression {self.kv_compression}: no figures for that codec in codecs")

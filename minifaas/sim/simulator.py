@@ -86,6 +86,7 @@ class Simulation:
         self._link_gen = 0
         self._step = config.decode.step_time_s
         self._by_batch = config.decode_step_by_batch
+        self._delivery = config.delivery_s
         self._early = config.early_first_token
         self._whole_hits = config.whole_prompt_hits
         self._samples: list[tuple[float, int, int, int, int, int]] = []
@@ -200,7 +201,7 @@ class Simulation:
         if pool.done(self.prefill_node[rid], self._tokens[rid]):
             self.scheduler.drained(into_prefill=False)
         if self._early:
-            self.first_token[rid] = now
+            self.first_token[rid] = now + self._delivery
         if self.caches is not None:
             seen = self._keys[rid][2]
             self.caches.store(pool.cluster, self._used_keys(rid), now, seen)
@@ -259,10 +260,10 @@ class Simulation:
             self.decode.join(node, rid, steps, now)
             clock = self._schedule_leave(node)
             if not self._early:
-                self.first_token[rid] = now + clock.step_s
+                self.first_token[rid] = now + clock.step_s + self._delivery
             return
         if not self._early:
-            self.first_token[rid] = now + self._step
+            self.first_token[rid] = now + self._step + self._delivery
         self.loop.at(now + steps * self._step, self._decode_end, rid)
 
     def _schedule_leave(self, node: int) -> BatchClock:
@@ -281,7 +282,7 @@ class Simulation:
         self._schedule_leave(node)
 
     def _decode_end(self, rid: int) -> None:
-        self.finished[rid] = self.loop.now
+        self.finished[rid] = self.loop.now + self._delivery
         successor = self.decode.finish(self.decode_node[rid])
         if successor is not None:
             self._start_decode(successor)
