@@ -32,6 +32,15 @@ def test_kv_compression_from_toml_flag_and_default(tmp_path: Path) -> None:
     assert config_from_args(serve_args("--config", str(toml), "--kv-compression", "fp8")).link.kv_compression == "fp8"
 
 
+def test_a_clusters_torch_threads_from_toml_reach_its_workers(tmp_path: Path) -> None:
+    toml = tmp_path / "serve.toml"
+    toml.write_text("[prfaas]\nthreads = 3\n[pd]\nthreads = 2\ndecode_threads = 4\n")
+    config = config_from_args(serve_args("--config", str(toml)))  # as minifaas serve reads it, flags or none
+    assert (config.prfaas.threads, config.pd.threads, config.pd.decode_threads) == (3, 2, 4)
+    argv = worker_argv(config, "decode", "pd")
+    assert argv[argv.index("--threads") + 1] == "4"
+
+
 def test_a_bad_mode_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"codec 'zip': neither a built-in \(none, lossless, fp8, int8, auto\)"):
         InterClusterLinkConfig(kv_compression="zip")

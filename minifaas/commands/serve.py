@@ -256,6 +256,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         _pick(args.prfaas_device, "cpu" if args.prfaas_devices else base.prfaas.device),
         prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
         prefill_batch=base.prfaas.prefill_batch,
+        threads=base.prfaas.threads,
         workers=_pick(args.prfaas_worker, base.prfaas.workers),
         dtype=None if args.dtype else base.prfaas.dtype,  # --dtype is for every cluster
         devices=_pick(args.prfaas_devices, base.prfaas.devices),
@@ -270,6 +271,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         _pick(args.max_batch, base.pd.max_batch),
         _pick(args.prefill_chunk, base.pd.prefill_chunk),
         prefill_batch=base.pd.prefill_batch,
+        threads=base.pd.threads,
+        decode_threads=base.pd.decode_threads,
         workers=_pick(args.pd_worker, base.pd.workers),
         dtype=None if args.dtype else base.pd.dtype,
         devices=_pick(args.pd_devices, base.pd.devices),
