@@ -268,7 +268,8 @@ class Simulation:
 
     def _schedule_leave(self, node: int) -> BatchClock:
         """The event of the next request to leave the instance, at its clock's step now; earlier ones go stale."""
-        clock = self.decode.restep(node, self._shared_slowdown(self.loop.now, decoder=True))
+        rows = self.decode.running[node]  # none: no step to slow, and no workers counted for one
+        clock = self.decode.restep(node, self._shared_slowdown(self.loop.now, decoder=True) if rows else 1.0)
         if clock.leaving:
             clock.generation += 1
             self.loop.at(max(clock.due(), self.loop.now), self._batch_leave, (node, clock.generation))
