@@ -184,6 +184,8 @@ async def calibrate(url: str, model: PrefillProfile, repeats: int = 5) -> Calibr
         beside = []
         for decoding in (False, True):
             taken = [s for _ in range(CONTENDED_ROUNDS) for s in await contended(http, url, rng, decoding)]
+            if not taken:  # a round may end before a prompt beside it does; all of them, not
+                raise RuntimeError(f"no prompt finished beside the long one in {CONTENDED_ROUNDS} rounds")
             beside.append(statistics.median(taken) / alone)
     return Calibration(prefill, tuple(np.maximum.accumulate([1.0, *beside]).tolist()), statistics.median(beyond))
 
@@ -204,8 +206,11 @@ async def contended(http: aiohttp.ClientSession, url: str, rng: np.random.Genera
         if not long.arrivals and done.status == 200:
             taken.append(float(done.info["prefill_s"]))
     await asyncio.gather(prefilling, *tasks)
-    if not taken or long.status != 200 or any(len(s.arrivals) < 4 * MAX_OUTPUT for s in batch):
-        raise RuntimeError("the contended calibration did not run beside its long prompt and streams")
+    if long.status != 200 or any(len(s.tokens) < 4 * MAX_OUTPUT for s in batch):
+        raise RuntimeError(
+            f"the contended calibration's long prompt ({long.status}) or streams failed: "
+            f"{[(s.status, len(s.tokens)) for s in batch]}"
+        )
     return taken
 
 
