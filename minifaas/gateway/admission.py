@@ -1,14 +1,7 @@
 """Admission: which requests the gateway takes in, bounded by count, by memory and by the first-token deadline.
 
-A request is refused (``Overloaded``: HTTP 503 with Retry-After and an OpenAI error body) when taking it in would
-pass one of three bounds, and otherwise waits its turn however long the queue (vLLM and SGLang queue without a
-bound by default):
-- count: ``max_requests`` in flight (0: no bound by count);
-- memory: ``max_tokens`` prompt tokens in flight, what the gateway holds of each (ids, body, block keys);
-- deadline: the wait for a first token that the requests ahead predict, at the rate the queue drained lately
-  (first tokens that came while others still waited: an idle spell says nothing of it), past
-  ``first_token_timeout``: told at once to come back, rather than failed with a 504 minutes later.
-Sans-IO: the gateway passes the clock in.
+Past a bound a request is refused at once with ``Overloaded`` (HTTP 503 with Retry-After); within them it waits
+its turn. Sans-IO: the gateway passes the clock in.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The OpenAI-compatible HTTP API: completions and chat completions (streamed or not), models, health, metrics.
 
-Handlers only move bytes: rules and response shapes live in openai_schema, and
-generation in the gateway. A streamed request waits for its first token before sending headers,
-so a request the gateway refuses (503) or cannot serve (500, or 504 past a deadline) still gets a
-real status; a failure after that arrives as an SSE ``data: {"error": ...}`` event, as vLLM sends
-it. Every error is an OpenAI error body, an unexpected exception included (logged with its trace),
-and is counted in ``minifaas:request_errors_total`` by cause; every 503 carries Retry-After. A
-client that goes away makes the next write fail (or, with the runner's handler_cancellation on,
-cancels the handler); either way leaving ``_closing`` closes the gateway's iterator, which aborts
-the request on every worker. The socket side (connection cap, header timeout) is http_server's.
+Handlers only move bytes: rules and response shapes live in openai_schema, generation in the gateway. A stream
+sends its headers with its first token, so a refused or failed request still gets a real status; every error is
+an OpenAI error body. A client that goes away aborts its request on every worker.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Cache moves: under the ABUNDANT rule, a cached prefix brought into the prefill node's cluster before it prefills.
 
-The router asks for a move when the other cluster holds a longer prefix of the prompt than the chosen node. The
-source cluster's node with the longest hit sends that prefix's state across the link to the prefill node's move
-receiver; the prefill then loads it as its hit. A move that cannot be made (no source, no route, a failure) is
-counted and the prefill computes the prefix itself.
+A move that cannot be made is counted, and the prefill computes the prefix itself.
 """
 
 from __future__ import annotations
@@ -46,8 +43,8 @@ class CacheMoves:
         self, request: GenerateRequest, keys: PromptKeys | None, record: RequestRecord, move: CacheMove,
         dst: WorkerHandle,
     ) -> int | None:  # fmt: skip
-        """Carry out the router's cache move: the source cluster's node with the longest hit sends that
-        prefix's state to ``dst`` across the link. Returns the transfer ``dst`` takes it from, or None."""
+        """Send the longest cached prefix from the source cluster to ``dst`` across the link.
+        Returns the transfer ``dst`` takes it from, or None when no move could be made."""
         rid, transfer = request.request_id, next(self.transfer_ids)
         hits = self.prefixes.node_hits(keys)
         sources = [w for w in self.pool.workers.values() if w.cluster == move.src and w.serving and hits.get(w.name, 0)]

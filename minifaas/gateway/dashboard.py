@@ -2,12 +2,8 @@
 
     dashboard = Dashboard.install(app, gateway, metrics)   # routes, the sampler, the request ring
 
-A sampler task owned by the app (started and awaited by its ``cleanup_ctx``) reads, once a second, what the
-short-term scheduler saw at its last tick (``LiveScheduler.last``: egress, ceiling, stage queues and waits),
-t and the rule, and the KV wire bytes by codec from the same counters /metrics exposes; it keeps
-``HISTORY_S`` seconds of those samples. Each request that ends adds its ``RequestRecord`` to a ring of the
-last ``RECENT_REQUESTS`` (one deque append on the request path; they are turned into JSON only when the page
-asks). Nothing here labels a Prometheus series per request. The state's fields: docs/ARCHITECTURE.md.
+A sampler task owned by the app keeps a short history of what the scheduler saw each second; a ring holds the
+records of the last requests. The state's fields: docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations

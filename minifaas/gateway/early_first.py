@@ -1,9 +1,7 @@
-"""The first token before the state's tail: shown to the client as soon as the prefill worker has it.
+"""The first token shown to the client as soon as the prefill worker has it, before the state's tail has crossed.
 
-The prefill worker computes the first token before the last layers' state has crossed to the decode worker; the
-gateway can send it at once. ``EarlyFirst`` is where the two sides meet: the prefill offers the token, the
-gateway shows it, a failed attempt withdraws it. Both sides act on it without awaiting in between, so on the
-one event loop a token is either shown (and a failed prefill is redone after it) or withdrawn (never shown).
+``EarlyFirst`` is where the prefill (which offers the token) and the gateway (which shows it) meet: a token is
+either shown, and a failed prefill is then redone after it, or withdrawn and never shown.
 """
 
 from __future__ import annotations
@@ -37,8 +35,8 @@ class EarlyFirst:
         return self.shown
 
     async def shown_before(self, prefill: asyncio.Future, ends_output: Callable[[int], bool]) -> int | None:
-        """The first token to send before ``prefill`` ends, or None when the prefill ended first (or the token
-        ``ends_output``: it then waits for the prefill's end, which may redo it)."""
+        """The first token to send before ``prefill`` ends, or None when the prefill ended first or the token
+        ends the output (it then waits for the prefill's end, which may redo it)."""
         while not prefill.done():
             arrived = asyncio.ensure_future(self.arrived.wait())
             try:

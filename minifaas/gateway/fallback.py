@@ -1,11 +1,7 @@
 """Where a failed prefill goes next: the retry seam around ``PrefillDispatch.prefill``.
 
-A failed attempt is recorded (its reason in the record and /metrics), the decode side told to let the request go,
-and the prefill redone on a PD-P worker not tried yet (or back since it failed), else on a PrfaaS one while the
-link is up: a PD-P that died must not fail a request PrfaaS can serve. With none left it waits for a worker, or
-the link, to come back: the request's first-token deadline bounds the wait, and the decode worker going away ends
-it (the request migrates). If the failed attempt's first token was already shown to the client, the retry
-prefills the prompt with that token appended, as a migration does.
+A failed attempt is recorded and redone on a PD-P worker not tried yet, else on a PrfaaS one while the link is
+up; with none left it waits, within the request's first-token deadline, for a worker or the link to come back.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The gateway: one asyncio program that attaches to both clusters and runs every request through them.
 
-What it composes (each part gets only the collaborators it needs):
-    Workers         every worker: started by a launcher (local children, Ray actors, or hand-started ones it
-                       only dials), attached over the control channel, supervised, re-attached when it answers
-    InterClusterLink   the PrfaaS -> PD link: an emulator beside the gateway, or the real network
-    PrefillDispatch    the prefill half of a request, with fallback to PD-P
-    RoleChanger        PD workers changing role on the long-term scheduler's word
-    LiveScheduler      the link and the queues sampled each second; the threshold and the rule
-
-A request's life (``stream``, then ``_attempt``): admitted; its prompt's block keys hashed once; routed
-(``policy.router``, on each prefill node's cached prefix and each decode node's KV); prefilled
-(``prefill_dispatch``); its first token to the client at once (``early_first``); the decode worker streams the
-rest (``token_stream``). A decode worker lost on the way: the request migrates to another (``migration``).
+It composes ``Workers`` (started, attached, supervised), the ``InterClusterLink``, ``PrefillDispatch``, the
+``RoleChanger`` and the ``LiveScheduler``. A request is admitted, routed, prefilled, and streamed back from its
+decode worker; one whose decode worker is lost migrates to another.
 """
 
 from __future__ import annotations

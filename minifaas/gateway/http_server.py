@@ -2,15 +2,8 @@
 
     async with serve_http(app, host, port, HttpConfig(), metrics) as bound_port: ...
 
-- Connections: at most ``max_connections`` open (``ConnectionLimit``); the next one is answered 503 at once.
-  The soft RLIMIT_NOFILE is raised to the hard limit first, and the cap kept to three quarters of it, so the
-  rest stays for the workers, the links and the 503 answers themselves.
-- Headers: a request's line and headers must arrive within ``header_timeout`` of connecting or of the last
-  response, or the connection is closed (aiohttp's keep-alive timer, which also ends an idle keep-alive one).
-- Bodies: ``body_timeout`` bounds reading the body (``api.py``: 408), ``max_body_bytes`` its size (413). What a
-  client still sends after its answer is read for at most ``LINGER_S`` (aiohttp's lingering close), then cut.
-- Logs: the event loop's error handler is rate limited, so a flood of one failure (``accept()`` out of
-  descriptors, thousands of times a second) is one line every ten seconds with a count, not a traceback each.
+Connections over the cap are answered 503 at once, slow headers and bodies are cut off, and the event loop's
+error log is rate limited so a flood of one failure stays a line with a count.
 """
 
 from __future__ import annotations
@@ -146,12 +139,10 @@ class RateLimitedLog:
 
 
 class ConnectionLimit:
-    """Wraps a protocol factory (aiohttp's server): each protocol it makes is counted while it lives.
+    """Wraps aiohttp's protocol factory so that each protocol it makes is counted while it lives.
 
-    While ``limit`` are open, a new connection is answered 503 with Retry-After and an OpenAI error body: the
-    client learns at once, instead of waiting in the kernel's queue. The answer is written, the write side shut,
-    and the connection closed when the client has read it (or after ``LINGER_S``), so the close does not reset it
-    away; at most ``max_lingering`` such answers wait at a time, later ones close at once."""
+    At the limit a new connection is answered 503 with Retry-After at once, rather than left in the kernel's
+    queue; the connection closes once the client has read the answer."""
 
     def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, metrics: ServeMetrics) -> None:
         self._factory, self.limit, self._metrics = factory, limit, metrics

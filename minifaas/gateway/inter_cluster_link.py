@@ -1,18 +1,8 @@
 """The PrfaaS -> PD link as the gateway uses it: emulated beside the gateway, or the real network.
 
-Emulated (the default when every worker is a local child): one link emulator process with a route (a listening
-port of its own) to each decode worker's KV port and one pacer for all, so the PrfaaS egress shares one ceiling
-however many decode workers there are; with cache moves, one more emulator in front of each prefill worker's
-move receiver. Only state from the PrfaaS cluster goes through it; its counters are the link's reading. Each
-emulator is supervised as the workers are: one that exited or missed its ping deadline is down at once (long
-prompts stay local: ``long_but_prfaas_down``), then killed and restarted on the same port with backoff, with a
-route to every decode worker it had. /health says which link is down and why.
-
-Real (``[link] emulated = false``, and whenever workers run elsewhere): KV goes straight to each decode worker's
-advertised address. Every PrfaaS worker reports the TCP_INFO of its KV connections with each pong; a
-``LinkMonitor`` turns their counters' growth into egress, rtt and retransmissions, and ``rate`` is taken as the
-link's capacity ("none": unknown). Through the emulator the connections end at the relay on loopback, so their
-rtt says nothing about the link: the emulated reading leaves it at zero.
+Emulated: a supervised link emulator process relays the PrfaaS cluster's state to each decode worker, so the
+egress shares one ceiling; its counters are the link's reading. Real: KV goes straight to each decode worker,
+and a ``LinkMonitor`` reads egress, rtt and retransmissions from the PrfaaS workers' TCP_INFO reports.
 """
 
 from __future__ import annotations
@@ -117,8 +107,7 @@ class InterClusterLink:
         return emulator
 
     async def _supervise(self, name: str, emulator: EmulatorProcess) -> None:
-        """Ping the emulator each interval; when it is gone (seen at once) or late, take it out of service and
-        restart it."""
+        """Ping the emulator each interval; when it is gone or late, take it out of service and restart it."""
         hb = self.heartbeat
         while True:
             with contextlib.suppress(TimeoutError):

@@ -1,18 +1,8 @@
 """The scheduler in the live gateway: the link and the worker queues sampled once a second into ``Signals``.
 
-``run`` reads the inter-cluster link (``InterClusterLink.sample``) and the stage queues each second, writes them
-to /metrics and calls ``tick``, which steps the short-term policy and keeps its threshold and rule here for the
-gateway's next route. The signals: PrfaaS egress and the link ceiling (over a real link also rtt,
-retransmissions and the senders' backlog; 0 through the emulator, so the rules that use them stay quiet); queue
-depth per stage; the incremental lengths routed; each prefill stage's wait, the prompt tokens sent and not yet
-answered on its least loaded serving worker over the stage's measured speed; decode occupancy, requests over rows.
-
-With a profile (``[scheduler] profile``) the long-term policy runs on the same ticks: once a period it re-plans
-(t, N_p, N_d) from the lengths routed, the measured prefill speeds (``prefilled``), the mean output length
-(``finished``) and the link's ceiling; ``rebalance`` (the ``RoleChanger``) carries out a new split, reporting
-back one that could not happen (``converted``). ``codec`` asks the codec policy for each link transfer's codec,
-told the PrfaaS workers' start-up measurements (``calibrated``) and each transfer's (``coded``). Each policy is
-the configured one (``policy.plugin``), used through its interface (``policy.interfaces``) alone.
+Each second ``run`` writes the signals to /metrics and steps the short-term policy, whose threshold and rule the
+gateway's next route uses. With a profile, the long-term policy re-plans the PD split on the same ticks and
+``RoleChanger`` carries it out; the codec policy picks each link transfer's codec.
 """
 
 from __future__ import annotations

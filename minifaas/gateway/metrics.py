@@ -1,8 +1,6 @@
 """The server's Prometheus metrics, named as vLLM users already scrape them (``minifaas:`` for ``vllm:``).
 
-Each ServeMetrics owns its own CollectorRegistry, so several servers (or tests) in one process
-never share a series. Two writers feed it: the HTTP layer calls ``request_finished`` once per
-request with its RequestRecord; the gateway calls the setters as its queues and links change.
+Each ServeMetrics owns its registry, so servers (or tests) in one process never share a series.
 """
 
 from __future__ import annotations

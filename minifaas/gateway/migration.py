@@ -1,17 +1,8 @@
 """A request that outlives its decode worker: what it has sent so far, and what it asks of the next one.
 
-When the decode worker holding a request goes away (killed, or silent past its heartbeat deadline), the prompt
-plus every token already sent is prefilled again where the router says, and decoding continues on another
-decode worker (or the same one restarted), asking only for the tokens still owed: no token twice, none missing,
-and a greedy output equal to an undisturbed run's. Past ``--migration-limit`` moves (none by default: the
-deadlines decide) it fails with a retryable error. Two decode workers that each ended by themselves just as
-they took this request, and no other, into their batch (``POISON_LOSSES``) stop it as their likely cause. No
-evidence: a worker gone silent (it may never have read the request), one that died while several requests
-waited for their first step there, one killed by a signal from outside (an operator, the OOM killer).
-
-A sampled request continues from the same sequence, but its random draws are not those of an undisturbed run.
-The presence and frequency penalties count only generated tokens, which a re-prefill would take for prompt: such
-a request fails rather than migrate into a different distribution.
+When the decode worker goes away, the prompt plus every token already sent is prefilled again and decoding goes
+on elsewhere, asking only for the tokens still owed. A request that seems to crash the workers it lands on is
+stopped (``PoisonRequest``); one with presence or frequency penalties fails rather than migrate.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """OpenAI request bodies in, validated token ids and SamplingParams out; response bodies and stream chunks back.
 
-Sans-IO: nothing here reads a socket, so every rule can be tested without a server. Fields the
-OpenAI API (or vLLM's) defines but minifaas does not implement (logprobs, echo, tools, logit_bias,
-response_format, min_p, n > 1, ...) are refused by name with a 400 unless they ask for nothing,
-rather than silently ignored; top_k, min_tokens and the presence and frequency penalties are
-honoured (``model.sampling``). Text that is not valid Unicode (a lone surrogate such as
-``"\ud800"``, which JSON can carry) is a 400 too. vLLM's ``return_token_ids`` is honoured (the reply
-carries the ids). Unknown extra fields are ignored. ``CompletionReply`` assembles one request's response body, or
-its stream's chunks in OpenAI's order (content, then an empty delta with the finish_reason, then usage), the last
-one carrying the ``minifaas`` object as every non-streamed body does.
+Sans-IO, so every rule is tested without a server. A field minifaas does not implement is refused by name with a
+400 unless it asks for nothing; unknown extra fields are ignored. ``CompletionReply`` builds a response body or
+its stream's chunks in OpenAI's order.
 """
 
 from __future__ import annotations

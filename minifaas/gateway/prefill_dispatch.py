@@ -1,11 +1,7 @@
 """The prefill half of a request: carry out the router's decision, and redo the prefill elsewhere when it fails.
 
-``prefill`` is one attempt, top to bottom: the decode node told to expect the state (and to pin the prefix it
-holds, so only the rest crosses the link), the prefill node asked to compute and send it, its reply awaited and
-written to the record. ``run`` wraps it: a cache move first when the router asked for one (``cache_move``), and
-on a failed attempt the retry seam (``fallback``) picks the next worker. The first token can reach the client
-before the state's tail has crossed (``early_first``). A decode worker that goes away ends the attempt with
-``DecodeLost``: the gateway migrates the request.
+``prefill`` is one attempt, top to bottom; ``run`` wraps it with the cache move and the retry seam
+(``fallback``). A decode worker that goes away ends the attempt with ``DecodeLost``: the request migrates.
 """
 
 from __future__ import annotations
@@ -122,9 +118,8 @@ class PrefillDispatch:
     async def run(
         self, a: Attempt, record: RequestRecord, decision: RouteDecision, early: EarlyFirst | None = None
     ) -> Handoff:
-        """Prefill on the routed worker; if that fails, on the next the fallback finds. ``early`` gets the first
-        token before the transfer ends; if the gateway showed it and the prefill then fails, the retry prefills
-        it too (the returned request says so)."""
+        """Prefill on the routed worker, or on the next the fallback finds. ``early`` gets the first token before
+        the transfer ends; a retry after it was shown prefills it too (the returned request says so)."""
         if decision.cache_move is not None:
             a.worker.claims += 1  # held until the attempt opens its inbox, so a drain cannot end in between
             try:
@@ -235,9 +230,9 @@ class PrefillDispatch:
 async def _outcome(
     inbox: asyncio.Queue[Inbound], a: Attempt, on_first: OnFirst | None, gone: asyncio.Event, cut: asyncio.Event | None
 ) -> Prefilled | Failed | Lost | None:
-    """The prefill's reply for ``a``'s transfer (``prefilled`` or ``failed``), or the worker's session lost; None
-    once the decode worker is ``gone`` or the link is ``cut``. On the way the early first token goes to
-    ``on_first``, an earlier attempt's replies to ``unclaimed`` (a migrated request keeps its id)."""
+    """The prefill's reply for ``a``'s transfer, or the worker's session lost; None once the decode worker is
+    ``gone`` or the link is ``cut``. The early first token goes to ``on_first``, an earlier attempt's replies
+    to ``unclaimed``."""
     while True:
         get = asyncio.ensure_future(inbox.get())
         waits = [asyncio.ensure_future(e.wait()) for e in (gone, cut) if e is not None]

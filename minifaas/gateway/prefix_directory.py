@@ -1,17 +1,7 @@
 """Where every cached prefix lives, as the gateway sees it, turned into the router's per-node hits.
 
-Each prefill node holds its own pool (``prefix_store`` says why), so the global
-cache manager keeps one mirror per node pool, fed by the store/evict events the
-nodes send with their replies. Decode nodes keep the full-attention KV they
-received (``decode_prefix``); their mirrors say how much of a prompt's KV need
-not cross the link again. A cluster's hit is its best node's hit: the
-router judges the cluster by it and, inside the cluster, weighs each node's own
-hit against its queue. No node can load another node's entries, so the pool hit
-every node of a cluster shares is zero.
-
-The answer is a forecast: events arrive with replies, and a node evicts on its
-own. The prefill node uses whatever its pool holds when the prompt's turn comes,
-and the request records that real figure as its cached tokens.
+One mirror per prefill node's pool, and per decode node's received KV, fed by the events the nodes send with
+their replies. The answer is a forecast: the request records what the node's pool really held.
 """
 
 from __future__ import annotations

@@ -7,9 +7,6 @@ The lifecycle is one enum and the table of its legal transitions:
     PREFILLING / TRANSFERRING -> FALLBACK -> PREFILLING   (prefill node or link lost: re-prefill locally)
     any live state -> MIGRATING -> PREFILLING             (decode node lost: prompt + output so far re-prefilled)
     any live state -> ABORTED (client gone) | FAILED (no way left to answer)
-
-Prefill streams layers while it computes, so PREFILLING and TRANSFERRING overlap in time; TRANSFERRING is entered
-when the prefill itself is done and only the tail of the state is still crossing the link.
 """
 
 from __future__ import annotations
@@ -145,10 +142,8 @@ class RequestFailed(Exception):
 
 
 class DecodeLost(RequestFailed):
-    """The decode worker holding the request went away (its session was lost): the request may migrate.
-    ``suspect``: it ended (not merely went silent) while this request, and no other, waited for its first
-    step there: the sign a request that crashes its worker leaves (``migration.POISON_LOSSES``), unless its
-    launcher saw a signal from outside end it (``Workers.ended_by_itself``, at the migration seam)."""
+    """The decode worker holding the request went away: the request may migrate. ``suspect``: the worker
+    ended while this request, and no other, waited for its first step there (``migration.POISON_LOSSES``)."""
 
     def __init__(self, message: str, worker: str | None = None, suspect: bool = False, pid: int = 0) -> None:
         super().__init__(message)
@@ -170,10 +165,7 @@ class DeadlineExceeded(RequestFailed):
 
 class RequestDeadline:
     """The first token within one limit, each next one within another, all in an optional total from arrival.
-
-    They bound the server's silence, not the length of what it says: a long answer that keeps streaming is never
-    cut, a request whose worker has gone quiet is. Each limit covers one wait for the gateway's next token (the
-    prefill, then each decode step), never the time the client takes to read what it was sent."""
+    They bound the server's silence, not the length of the answer or the client's reading."""
 
     def __init__(self, first_token: float, between_tokens: float, total: float | None, now: float) -> None:
         self.first_token_s, self.between_tokens_s, self.total_s = first_token, between_tokens, total

@@ -1,17 +1,8 @@
 """Changing a PD worker's role while the gateway serves: drain, restart in the other role, rejoin.
 
-The long-term scheduler (``policy.long_term``) decides how many PD workers prefill and how many decode;
-``RoleChanger`` carries a decision out on live processes, one worker at a time:
-
-  1. pick the least busy worker of the role that shrinks; never the last decode worker, nor the last prefill
-     worker when PrfaaS has none.
-  2. drain it: the router, the PD-P fallback and cache moves pass it by; wait until every request it holds has
-     ended where it is. A drain longer than ``drain_timeout`` is called off: the conversion is abandoned.
-  3. retire it: stop the process, drop its prefix-directory entries and its route through the link.
-  4. start a worker in the new role under a fresh name (pd-p<k> or pd-d<k>; ``worker_specs``), tried again
-     every ``RETRY_S`` if it fails; it joins the workers the router sees as soon as it is ready.
-
-PrfaaS workers are never re-roled (another cluster, on other hardware), nor are hand-started ones.
+``RoleChanger`` carries out the long-term scheduler's split on live processes, one worker at a time: it picks the
+least busy worker of the shrinking role, drains it (abandoning the change past ``drain_timeout``), retires it, and
+starts a worker of the other role under a fresh name. PrfaaS and hand-started workers are never re-roled.
 """
 
 from __future__ import annotations

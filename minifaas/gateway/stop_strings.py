@@ -1,16 +1,7 @@
 """Stop strings found in streamed text at a cost per character that grows with neither their number nor the text.
 
-An Aho-Corasick automaton over characters: one state per prefix of a stop string, a
-failure link to the longest proper suffix that is also such a prefix, and for each state
-the longest stop string ending there. Each character moves one step forward and at most
-as many failure steps as it has moved forward before, so the work is amortised O(1) per
-character, whether there is one stop string or sixty-four.
-
-The output ends where the first stop string to complete begins (of several completing
-at the same character, the longest), wherever the text was cut into tokens. Text that
-may still turn out to be the start of a stop string is held back until it is known not
-to be, so no part of a stop string reaches the client; ``flush`` lets it go when the
-output ends another way.
+An Aho-Corasick automaton over characters. The output ends where the first stop string to complete begins,
+wherever the text was cut into tokens; text that may still start a stop string is held back until it cannot.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The decode half of a request, as the client sees it: worker messages in, token events out.
 
-The first token comes from the prefill worker (often before the state's tail
-has reached the decode worker); the decode worker streams the rest, each
-within the request's deadline between tokens. A decode worker that goes away
-raises ``DecodeLost``: the gateway migrates the request (``gateway.migration``)
-and streams on with the same ``OutputText``. Text is detokenized incrementally
-(never splitting a UTF-8 character) and checked for stop strings here, since
-only the gateway sees the text; both cost the same per token however long the
-output grows (``model.tokenizer``, ``serve.stop_strings``).
+The first token comes from the prefill worker, the rest from the decode worker within the deadline between
+tokens. Text is detokenized incrementally and checked for stop strings here, since only the gateway sees it.
 """
 
 from __future__ import annotations
@@ -43,9 +37,8 @@ async def decode_tokens(
     text: OutputText,
     shown: bool = False,
 ) -> AsyncIterator[TokenEvent]:
-    """``request`` is the attempt's (after a migration: prompt plus output so far, and only the tokens still
-    owed); ``text`` and ``record.completion_tokens`` span every attempt. ``shown``: the first token's event
-    went out already (``token_event``, before the state's tail arrived)."""
+    """``request`` is the attempt's (after a migration: prompt plus output so far); ``text`` and
+    ``record.completion_tokens`` span every attempt. ``shown``: the first token's event went out already."""
     token, finish = first, first_token_finish(first, request, tokenizer)
     rid = request.request_id
     if finish is None:

@@ -1,14 +1,8 @@
 """The gateway's handle on one worker: attach over the control channel, talk to it, notice when it is gone.
 
-``attach`` dials the worker's control port, proves the cluster secret both ways and says ``attach``; the
-worker answers what it is. ``pump`` then runs the session: a ping every ``heartbeat_s``, each reply read as
-its dataclass (``from_wire``: one it refuses is logged and dropped, what waits on it times out) and sorted into
-its request's inbox; a reply no request waits for any more (a stopped prefill's news) goes to
-``on_unclaimed``. The session is lost when the connection ends, a frame fails its MAC, or nothing is heard
-for the deadline: the worker stops serving at once and every open inbox receives ``Lost``, so no
-request waits on a worker that is gone (it falls back instead); the pool attaches again when it answers.
-A worker changing role (``gateway.roles``) is ``draining``: routed nothing new, and ``wait_idle`` returns
-once the requests it holds (open inboxes, and ``claims``: prefills routed to it not yet in one) are done.
+``attach`` proves the cluster secret both ways; ``pump`` runs the session, pings the worker and sorts each reply
+into its request's inbox. When the session is lost every open inbox receives ``Lost``, so no request waits on a
+worker that is gone. A ``draining`` worker is routed nothing new.
 """
 
 from __future__ import annotations
@@ -147,9 +141,7 @@ class WorkerHandle:
         self.alive = True
 
     async def pump(self, heartbeat: HeartbeatConfig) -> SessionLost:
-        """Run the session until it is lost; then wake every waiting request, telling it whether the worker
-        went silent (hung or stopped) rather than away, and which requests it had taken without a step of
-        them. Returns why it ended."""
+        """Run the session until it is lost, then wake every waiting request with ``Lost``. Returns why it ended."""
         assert self.session is not None
         lost: SessionLost | None = None
         try:

@@ -4,12 +4,8 @@
         pool.workers["pd-d0"], pool.of("pd", "prefill")
         await pool.launch(spec); await pool.retire(worker)          # role changes (gateway.roles)
 
-A worker the gateway starts (local child or Ray actor) comes from its launcher; a hand-started one (its spec has
-an address) from ``AttachedLauncher``, and says its own name and role when it attaches. Each attached worker has
-a supervisor task: it runs the session (heartbeats) and, when the session is lost, asks the launcher for the
-worker again and re-attaches as soon as it answers, backing off from ``RETRY_S`` to ``MAX_RETRY_S``. Meanwhile
-the worker is out of routing and the requests it held have fallen back. Each (re)attach also brings the link's
-route to it up to date and restarts the prefix directory's mirror of its pool from the inventory it sends.
+Each worker has a supervisor task: when its session is lost it gets the worker back from the launcher and
+attaches again, with backoff.
 """
 
 from __future__ import annotations
@@ -73,10 +69,8 @@ class Workers:
         return [w for w in self.workers.values() if w.cluster == cluster and w.role == role]
 
     async def ended_by_itself(self, name: str, pid: int, wait: float = EXIT_WAIT_S) -> bool:
-        """Whether worker ``name``'s process ``pid`` ended by itself (an exit code, a crash signal) rather than
-        by a signal from outside (an operator, a supervisor, the kernel's OOM killer). Not known within
-        ``wait`` seconds (a forked worker's parent lost), or never to be known (a hand-started worker, a Ray
-        actor): True at once, so the other evidence decides."""
+        """Whether worker ``name``'s process ``pid`` ended by itself rather than by a signal from outside.
+        True when that cannot be known within ``wait`` seconds, so the other evidence decides."""
         w = self.workers.get(name)
         if w is None or not (launcher := self.launcher_of(w.spec)).sees_exits:
             return True
@@ -91,8 +85,7 @@ class Workers:
             await self._joined.wait()
 
     async def changed(self, within: float) -> None:
-        """Return once a worker attaches, first or again, or after ``within`` seconds, whichever is first (what
-        joins no pool, such as the link coming back, a caller sees by asking again)."""
+        """Return once a worker attaches, first or again, or after ``within`` seconds, whichever is first."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._joined.wait(), within)
 
