@@ -1,18 +1,8 @@
 """Heartbeats with a deadline: the client side of a supervised control session.
 
-``Heartbeat`` is the sans-IO rule: ping every ``interval_s``; the peer is late
-once a ping has gone unanswered (nothing at all heard since it was sent) for
-``deadline_s``. Counting from the ping rather than from the last message heard
-means that a client whose own event loop stalled (a long blocking call) does
-not blame its peers for the silence it caused: it pings again, and only a
-peer that then stays silent is late. ``keep_alive`` drives the rule over a live
-session: it sends the pings, hands every message on, and returns SessionLost
-the moment the peer is late, the connection ends or a frame is forged, so the
-caller takes the peer out of service at once.
-
-The deadline is several intervals (5 s over 1 s by default): a busy host may
-delay one pong by a second or two, and dropping a healthy worker costs every
-request it holds a fallback.
+``Heartbeat`` is the sans-IO rule: ping every ``interval_s``; the peer is late once a ping has gone unanswered
+for ``deadline_s``. Counting from the ping means a client whose own loop stalled does not blame its peers.
+``keep_alive`` drives the rule over a live session and returns SessionLost as soon as the peer is late or gone.
 """
 
 from __future__ import annotations

@@ -3,13 +3,8 @@
     PREFILL = {"req": Text(), "tokens": IntList(0, 2**31), "rate": Optional(Number(0.0, 1.0))}
     check_fields(raw, PREFILL)      # or BadMessage, naming the first thing wrong
 
-(``worker_ops.from_wire`` picks a message's table by its op, then checks it here.)
-
-Every field is required unless wrapped in ``Optional``; a field the table does
-not name is refused too, so a misspelt one is an error rather than a silent
-default. Numbers must be finite and in range, strings and lists bounded, so a
-validated message can be used without further checks and no value in it can
-make a handler raise.
+Every field is required unless ``Optional``, and an unknown field is refused. Values are bounded and finite, so
+no value in a validated message can make a handler raise.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The cluster secret: one per deployment, for the KV link and every control channel alike.
 
-It comes from a file (``--secret-file``) or the MINIFAAS_SECRET environment
-variable, never from the command line, where any local user can read it in
-``ps``. The secret is the text itself, stripped of surrounding whitespace
-(``openssl rand -hex 32`` makes a good one). A file that other users may read
-is refused, as ssh refuses such a key.
+It comes from a file (``--secret-file``) or the MINIFAAS_SECRET environment variable, never from the command
+line. A file that other users may read is refused.
 """
 
 from __future__ import annotations

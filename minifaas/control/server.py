@@ -3,15 +3,8 @@
     async with ControlServer(("0.0.0.0", 7000), secret, handle) as server:
         ...                      # handle(session) runs for the one client attached
 
-A connection must finish the handshake within ``handshake_timeout``; at most
-``max_pending`` may be in it at once (the rest are closed at once), so neither
-a slow nor a flooding peer can hold the port. A client that proves the secret
-while another is attached is told ``{"op": "refused"}`` and closed: one
-gateway drives a worker at a time. The handler reads with the server's
-``deadline_s`` as its timeout (``Session.recv``), so a client that falls silent
-(its host died, the network parted) is dropped and the next one can attach.
-Whatever the handler raises ends that session only; the server goes on.
-Refusals are logged at most once per ``LOG_EVERY_S``, with their count.
+Handshakes are bounded in time and number, so no peer can hold the port. Whatever the handler raises ends that
+session only; the server goes on.
 """
 
 from __future__ import annotations

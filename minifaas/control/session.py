@@ -3,14 +3,8 @@
     frame   length u32 big-endian | MAC 32 B | body: one JSON object, UTF-8 (length counts the body)
     MAC     HMAC-SHA256(session key, direction byte | sequence number u64 | body)
 
-The session key comes out of the handshake (``transport.auth``, its control
-session form), so only the two ends of this connection can sign. Each
-direction numbers its frames from 0, so a frame that is injected, replayed,
-dropped or reordered fails its MAC. A frame is checked before anything reads
-it: a length over ``max_bytes`` is ``Oversized`` (the body is never read) and
-a wrong MAC is ``Forged``; both end the session, because the stream can no
-longer be trusted. A signed body that is not a JSON object is ``Garbled``:
-the peer is authentic, so the session goes on and the caller answers it.
+Each direction numbers its frames, so an injected, replayed or reordered frame fails its MAC. An ``Oversized``
+or ``Forged`` frame ends the session; a ``Garbled`` body (signed, but not a JSON object) does not.
 """
 
 from __future__ import annotations

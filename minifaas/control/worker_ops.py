@@ -1,17 +1,13 @@
 """The gateway <-> worker control protocol: one frozen dataclass per message each way, over an authenticated session.
 
-Each message class holds its ``op``; each field declares its bounds (a ``schema`` kind) in its type. ``to_wire``
-gives the JSON object ``control.session`` signs and frames (an ``Optional`` field that is None is left out; a
-trailing ``_`` is not part of a wire name); ``from_wire`` checks one that came in against its class, as
-``schema.check_fields`` does, and builds it. ``OPS`` is what a worker accepts, ``REPLIES`` what it answers.
+Each field declares its bounds (a ``schema`` kind) in its type; ``to_wire`` and ``from_wire`` convert a message
+to and from the JSON a session carries. ``OPS`` is what a worker accepts, ``REPLIES`` what it answers.
 
     attach -> attached (what the worker is), then its pool's inventory as ``cache`` messages
     ping -> pong (TCP_INFO of its KV connections)    load -> load (its queue)    start, abort: no reply
     prefill -> first (the first token, once the forwards are done), prefilled (once the state has gone)
     export -> exported    decode -> pinned, received, token... (a step's, of every request, as one ``tokens``), done
     any request -> failed (it could not be done); a message its class refuses -> error
-
-Cache events belong to no request: they go under the ``req`` CACHE_EVENTS, which the gateway always listens on.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ from minifaas.control.session import MAX_BYTES
 from minifaas.model.sampling import SamplingParams
 from minifaas.net.connections import TcpInfo
 
-CACHE_EVENTS = "@cache"  # no request id starts with "@"
+CACHE_EVENTS = "@cache"  # the id cache events go under: they belong to no request, and no request id starts with "@"
 message = dataclass(frozen=True, slots=True, kw_only=True)
 
 Req = Annotated[str, Text(256)]  # a request id
