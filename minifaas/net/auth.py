@@ -1,17 +1,13 @@
 """Challenge-response handshake: both ends prove they hold the cluster's shared secret, and agree on codecs.
 
-Runs once per connection, before any frame is read, so an unauthenticated peer never makes the receiver parse
-a header or set aside memory. It authenticates; it does not encrypt (use TLS for that).
+Runs once per connection, before any frame is read. It authenticates; it does not encrypt (use TLS for that).
 
     receiver -> sender   b"MFK2" + 32-byte receiver nonce + u8 codec offer + 3 zero bytes
     sender -> receiver   32-byte sender nonce + HMAC-SHA256(secret, "send" | receiver hello | sender nonce)
     receiver -> sender   HMAC-SHA256(secret, "recv" | sender nonce | receiver hello)
 
-The offer has bit i set for each ``codec.Codec`` i the receiver decodes; the sender uses no other. Both MACs
-cover the whole hello and are bound to fresh nonces from both ends: the offer cannot be changed, a recorded
-handshake cannot be replayed, and each end refuses a wrong MAC. A version-1 hello (b"MFKA") is refused by name.
-Control sessions (``minifaas.control``) use the magic b"MFC1" and no offer, so neither protocol's handshake
-passes on the other's port, and sign every message with the key HMAC-SHA256(secret, "key" | hello | client nonce).
+The offer has bit i set for each ``codec.Codec`` i the receiver decodes. Control sessions use the magic b"MFC1"
+and no offer, and sign messages with the key HMAC-SHA256(secret, "key" | hello | client nonce).
 """
 
 from __future__ import annotations
@@ -80,8 +76,7 @@ async def _prove(channel: Channel, secret: bytes, timeout: float, magic: bytes) 
 
 
 async def verify_sender(channel: Channel, secret: bytes, timeout: float, offer: int) -> None:
-    """Server side of the handshake, offering the codecs in ``offer``; raises AuthError (the caller then
-    drops the connection)."""
+    """Server side of the handshake, offering the codecs in ``offer``; raises AuthError."""
     await _verify(channel, secret, timeout, MAGIC, offer)
 
 

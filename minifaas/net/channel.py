@@ -1,17 +1,7 @@
 """One TCP connection of the KV transport, with exact sends and receives and stall deadlines.
 
-Plain connections use the raw non-blocking socket: ``sendmsg`` sends a frame
-header and a view of tensor memory in one call with no copy, and
-``recv_into`` reads payloads straight into the receiver's tensor buffers.
-TLS connections go through asyncio streams instead; encryption makes new
-bytes anyway, so the copy there costs nothing extra.
-
-A deadline applies to *progress*: a send or receive fails with ``StallError``
-only when no byte moves for ``timeout`` seconds, however large the buffer.
-The kernel's wake-ups lag progress on a slow link (TCP_NOTSENT_LOWAT says
-writable only once half the unsent bytes have gone, SO_RCVLOWAT says readable
-only once a whole block is in), so a wait that times out first asks the
-kernel whether its queue moved meanwhile and, if it did, waits on.
+Plain connections send and receive tensor memory without copies; TLS ones go through asyncio streams. A
+deadline bounds progress, not size: ``StallError`` only when no byte moves for ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -154,9 +144,7 @@ class Channel:
 
     def usable(self) -> bool:
         """For an idle connection: the peer has sent no EOF, reset or stray bytes since its last use.
-
-        A receiver that restarted closed every connection it had; without this check the next
-        transfer would go into one of them and fail with a broken pipe."""
+        A receiver that restarted closed every connection it had."""
         if self.closed:
             return False
         if self._streams is not None:  # asyncio owns a TLS socket and reads it: its stream knows

@@ -1,15 +1,7 @@
 """Authenticated connections to one receiver, dialled once and reused between transfers.
 
-A transfer borrows connections for its whole life and gives them back only if
-it ended cleanly (a connection that broke mid-frame is closed, never reused).
-An idle connection is checked before it is lent again (``Channel.usable``): one
-whose receiver went away meanwhile (it restarted, so it closed them all) is
-dropped and a new one dialled. A transfer's first send on a reused connection
-that fails anyway (the peer left just after the check) is redone, once, on a
-fresh connection (``send_first``). Every live connection, idle or busy, is
-listed so link health can sample its TCP_INFO (``read_tcp_info``: the fields of
-Linux's ``struct tcp_info`` that say how a path is doing), with the codecs its
-receiver offered in the handshake.
+A transfer borrows connections and gives back only those it ended cleanly on. An idle connection is checked
+before it is lent again; every live one is listed so link health can sample its TCP_INFO.
 """
 
 from __future__ import annotations
@@ -77,11 +69,8 @@ def read_tcp_info(sock: socket.socket) -> TcpInfo:
     return TcpInfo.parse(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES))
 
 
-# One TCP connection keeps at most its window in flight, and gets it acknowledged one round trip
-# later, so it moves at most window / RTT. Untuned Linux hosts cap a connection's send buffer, and
-# so its window, at 4 MiB (net.ipv4.tcp_wmem); a 14.7 Gbit/s cross-datacenter link at 30 ms holds
-# 14.7e9 * 0.030 / 8 = 55 MB in flight, so filling it takes ceil(55 MB / 4 MiB) = 14 connections.
-# 16 fill it with 22% to spare (up to 36 ms at that rate); hosts tuned to 16 MiB windows would need 4.
+# Enough connections to fill a cross-datacenter link through untuned hosts' TCP windows
+# (docs/ARCHITECTURE.md, "Connections, windows and the round trip").
 DEFAULT_CONNECTIONS = 16
 MAX_CONNECTIONS = 64
 

@@ -1,9 +1,4 @@
-"""Why a KV transfer failed: one exception per cause, so callers can react to each.
-
-Every failure of a transfer, on either side, is a ``TransferError``. The sender
-raises it from ``send``; the receiver raises it from the consumer's iteration
-over an incoming transfer, after it has freed the partial state.
-"""
+"""Why a KV transfer failed: one ``TransferError`` subclass per cause, raised on either side."""
 
 from __future__ import annotations
 

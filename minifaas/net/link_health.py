@@ -1,15 +1,7 @@
 """Congestion signals: the kernel's TCP_INFO per sender connection, folded into one link reading.
 
-The samples are ``connections.TcpInfo``, read from each sender connection's
-socket (``read_tcp_info``). ``LinkMonitor`` is sans-IO: it
-is given samples and the time, and turns the growth of the kernel's counters
-between two samples into a ``LinkHealth`` (goodput, utilisation of the
-configured link rate, rtt, retransmission rate, queued bytes) for the scheduler.
-
-Through the userspace link emulator a connection ends at the relay on
-loopback, so rtt and retransmits stay at loopback values there and the
-emulated link shows up as delivery rate, unsent bytes and sender queue; the
-namespace mode (netns.py) puts a real kernel bottleneck under the connection.
+``LinkMonitor`` is sans-IO: given samples and the time, it turns the growth of the kernel's counters into a
+``LinkHealth`` (goodput, utilisation, rtt, retransmissions, queued bytes) for the scheduler.
 """
 
 from __future__ import annotations
