@@ -1,10 +1,7 @@
 """Flag types the subcommands share: each checks a value as it is parsed, so a bad one is argparse's error line.
 
-A type returns the value as the code downstream takes it (a model stays its
-name, a rate its text), having made sure it will be understood: a model
-resolves, a trace is shipped or a file, a rate parses. Files a command reads
-(profiles, configs, cases) are checked when it reads them (``cli.user_input``),
-so that parsing a command never depends on what a command before it wrote.
+A type returns the value as the code downstream takes it. Files a command reads are checked when it reads them
+(``main.user_input``), so parsing never depends on what an earlier command wrote.
 """
 
 from __future__ import annotations
@@ -193,9 +190,7 @@ def address(text: str) -> tuple[str, int]:
 
 def add_model_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
     """--model, --dtype and --trust-remote-code, as every command that loads a model takes them.
-
-    ``defaults`` False leaves them None, for a command whose config file may set them.
-    """
+    ``defaults`` False leaves them None, for a command whose config file may set them."""
     from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES  # torch: only for a command that loads a model
 
     parser.add_argument(

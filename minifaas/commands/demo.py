@@ -1,13 +1,7 @@
 """``minifaas demo``: the default clusters, a concurrent mix of short and long prompts, live.
 
-Starts the gateway (PrfaaS prefill worker, PD-P, PD-D, link emulator) on a free
-port, sends the mix through the real OpenAI-compatible HTTP API with streaming,
-shows per-request progress, the start of each answer and the link's
-utilisation, prints a summary (the KV state each route moved and the bytes it
-put on the wire after its codec), and shuts everything down. Log lines below
-``--log-level`` (WARNING) are not shown, the workers' included. Answers are
-sampled (temperature 0.8, a fixed seed per request), since greedy decoding of a
-small byte model falls into loops.
+Starts the gateway on a free port, streams the mix through the OpenAI-compatible HTTP API while showing each
+request's progress and the link's use, prints a summary of what each route moved, and shuts everything down.
 """
 
 from __future__ import annotations

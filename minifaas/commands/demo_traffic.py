@@ -1,10 +1,7 @@
 """``minifaas demo --dashboard``: a steady mix of prompts and a link that dips now and then, until stopped.
 
-``CLIENTS`` clients each send one prompt after another, short and long in turn (long ones drawn from the
-threshold up to three times ``--long-tokens``); every ``--dip-every`` seconds the link emulator's rate
-drops to a ``DIP_FACTOR``th for ``--dip-seconds``, so the short-term scheduler raises t while the link is
-full and lowers it again once it has room. Clients and dips run in one TaskGroup; Ctrl-C (SIGINT) or
-``--duration`` ends them, and the demo then shuts down as it does after its one mix.
+Clients send short and long prompts in turn while the link emulator's rate drops every ``--dip-every`` seconds,
+so the short-term scheduler can be watched raising and lowering t. Ctrl-C or ``--duration`` ends the run.
 """
 
 from __future__ import annotations

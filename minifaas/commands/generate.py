@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def default_temperature(model: object) -> float:
-    """The checkpoint's own sampling default (generation_config.json: its temperature when it samples, else
+    """The checkpoint's own sampling default (its generation_config.json's temperature when it samples, else
     greedy); presets: greedy."""
     config = getattr(model, "generation_config", None)
     return float(config.temperature or 1.0) if config is not None and config.do_sample else 0.0

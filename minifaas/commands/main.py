@@ -1,14 +1,8 @@
 """The ``minifaas`` command: one entry point, one module per subcommand.
 
-Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
-it is imported only when its subcommand runs, so ``minifaas plan`` never loads torch.
-
-Bad input (a flag's value, a file named on the command line, what such a file
-says) ends in one line, ``minifaas CMD: error: ...``, and exit code 2, as
-argparse ends a usage error: flags are checked by their ``type``
-(``minifaas.commands.arguments``), the rest where a subcommand reads it, inside
-``user_input()``. Anything else is a bug or a failure at run time and keeps its
-traceback.
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``, and is imported only when its
+subcommand runs. Bad input ends in one error line and exit code 2, as argparse ends a usage error; anything else
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -66,9 +60,8 @@ def user_input() -> Iterator[None]:
 
 
 def exit_at_once(code: int) -> NoReturn:
-    """End a finished command without tearing down its modules: with torch and transformers loaded that
-    takes a second and serves nothing. What an exit runs first (atexit: logging's flush, the pre-loaded
-    parent's end) runs here too, and both streams are flushed."""
+    """End a finished command without tearing down its modules, which is slow with torch loaded and of no use.
+    atexit handlers still run, and both streams are flushed."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -93,7 +86,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class CommandParser(argparse.ArgumentParser):
-    """A usage error is one line (the usage of ``serve`` alone fills a screen), exit code 2."""
+    """A usage error is one line rather than the whole usage, exit code 2."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

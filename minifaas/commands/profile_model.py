@@ -1,15 +1,9 @@
 """``minifaas profile``: measure one instance of a model on a device, write the profile the planner reads.
 
     minifaas profile --model kimi-linear-tiny --device cpu --out cpu.json
-    minifaas profile --model kimi-linear-tiny --device cuda:0 --lengths 1024,4096,16384 --batches 1,8,32
 
-Prefill: for each length, the median over ``--repeats`` of one prefill's wall time, and the bytes of the
-state it leaves (every layer's KV or recurrent state: what crosses the link). Decode: for each batch size B,
-one decode step of B requests as a decode worker runs them (one batched forward; with ``--unbatched``, B
-forwards, as with ``--max-batch 1``). BS_max is the largest measured B whose step meets ``--slo`` tokens/s
-per request, with the step time measured there; when even the largest B meets it, BS_max is only a lower
-bound and the command says so (time larger ``--batches``). The file has the [prefill] and [decode] tables of
-``planner.profile`` that ``minifaas sim --prfaas-profile/--pd-profile`` and ``load_profiles`` read.
+Prefill: each length's median wall time and the bytes of state it leaves. Decode: the step time for each batch
+size, and BS_max, the largest batch whose step meets ``--slo`` (a lower bound when even the largest does).
 """
 
 from __future__ import annotations
@@ -154,9 +148,8 @@ def _bs_max_text(decode: DecodeProfile, steps: list[tuple[int, float]], slo: flo
 
 
 def _latency_model(points: tuple[ProfilePoint, ...]) -> tuple[float, ...]:
-    """Coefficients of T_prefill(l), or () to interpolate the points. Noisy CPU timings may allow neither
-    a quadratic that stays positive nor an interpolation whose extrapolation does (a steep first segment
-    crosses zero below the shortest length); then a least-squares line that never goes below zero."""
+    """Coefficients of T_prefill(l), or () to interpolate the points. When noisy timings allow neither without
+    going below zero, a least-squares line that never does."""
     if len(points) > 2 and _valid(points, fit_latency(points)):
         return fit_latency(points)
     if _valid(points, ()):

@@ -1,13 +1,7 @@
 """``minifaas serve``: start (or attach to) both clusters and the link between them, then serve the OpenAI API.
 
-By default every worker is a child process on this host. ``--prfaas-worker`` /
-``--pd-worker`` attach to workers started by hand elsewhere (``minifaas
-worker``), and ``--launcher ray`` places them as Ray actors; docs/DEPLOY.md
-shows each.
-
-The API key comes from ``--api-key``, ``--api-key-file``, the MINIFAAS_API_KEY
-environment variable or the TOML file, in that order; the last three keep it out
-of ``ps``.
+By default every worker is a child process on this host; ``--prfaas-worker`` / ``--pd-worker`` attach to
+workers started by hand, and ``--launcher ray`` places them as Ray actors (docs/DEPLOY.md).
 """
 
 from __future__ import annotations

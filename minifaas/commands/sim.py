@@ -1,18 +1,10 @@
 """``minifaas sim``: simulate a planned deployment under a workload and report what it would do.
 
     minifaas sim --case paper --load 0.8 --arrivals poisson --duration 3600
-    minifaas sim --case paper --config homogeneous --load 0.95 --arrivals bursty --json
-    minifaas sim --case paper --gpus 10000 --load 0.8 --duration 3600          # 1,250 instances
-    minifaas sim --case paper --trace mooncake-synthetic --rate-scale 0.5          # a shipped trace, or a file
-    minifaas sim --case paper --bandwidth-schedule 600:20,900:100 --queues-png q.png
     minifaas sim --case paper --bandwidth-schedule 600:6,1500:100 --scheduler      # t and N_p/N_d adapt
-    minifaas sim --case paper --scheduler --no-rebalance                            # only t adapts
-    minifaas sim --case paper --pd-profile cpu.json --prfaas-profile gpu.json      # from ``minifaas profile``
-    minifaas sim --case paper --link-gbps 5 --kv-compression auto                  # the live codec choice
 
-The instance counts and threshold come from the planner's solution for the chosen configuration (flags
-override them); ``--load`` is a fraction of its planned throughput. ``--router`` and the other policy flags
-name a policy as ``minifaas serve`` does (docs/POLICIES.md); ``sim compare`` runs several (sim_compare.py).
+The instance counts and threshold come from the planner's solution (flags override them); ``--load`` is a
+fraction of its planned throughput. Policy flags name a policy as ``minifaas serve`` does.
 """
 
 from __future__ import annotations

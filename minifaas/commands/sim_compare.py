@@ -1,13 +1,9 @@
 """``minifaas sim compare``: the same deployment and workload simulated once per ``--policy``, side by side.
 
     minifaas sim compare --policy default --policy mymodule:MyRouter --trace mooncake-synthetic
-    minifaas sim compare --policy short-term=default --policy short-term=mymodule:MyControl,step=2 --scheduler
 
-A ``--policy`` is ``[KIND=]SPEC[,KEY=VALUE...]``: KIND is router (the default), short-term, long-term,
-snapshot-policy or kv-compression; SPEC a built-in name or module:Class; each KEY=VALUE an argument of its
-constructor. Every other flag is ``minifaas sim``'s and holds for every policy alike; naming a short-term or
-long-term policy turns that scheduler on for all of them. Prints a table (``sim.comparison.COLUMNS``), writes
-the plot (``--plot``) and, with ``--json``, ends with one JSON object of every policy's figures.
+A ``--policy`` is ``[KIND=]SPEC[,KEY=VALUE...]``; every other flag is ``minifaas sim``'s and holds for every
+policy alike. Prints a table, writes the plot and, with ``--json``, one JSON object of every policy's figures.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """``minifaas train``: train a tiny hybrid checkpoint from a text file on the CPU.
 
     minifaas train --text data/text/tinyshakespeare.txt --out runs/shakespeare
-    minifaas train --text data/text/tinyshakespeare.txt --out runs/shakespeare --resume
 
-Writes a transformers checkpoint directory that ``--model DIR`` serves: config.json,
-model.safetensors (bfloat16), the byte tokenizer with its chat template,
-generation_config.json, training_log.jsonl and loss_curve.png (with the ``plot``
-extra), plus training_state.pt to resume from.
+Writes a transformers checkpoint directory that ``--model DIR`` serves, plus the training log and the state to
+resume from.
 """
 
 from __future__ import annotations
