@@ -1,9 +1,4 @@
-"""Ending a child process: give it a grace period to exit, then kill it.
-
-The caller asks the child to exit its own way first (close its stdin, send
-SIGTERM); this waits for that, and a child that does not comply in time is
-killed, so no caller can hang on a stuck child.
-"""
+"""Ending a child process: give it a grace period to exit, then kill it, so no caller hangs on a stuck child."""
 
 from __future__ import annotations
 

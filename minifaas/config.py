@@ -1,18 +1,7 @@
 """Serving configuration: frozen dataclasses, one per role, loadable from a TOML file.
 
-[serve]            host, port, model, dtype, trust_remote_code, threshold, spill_tokens, api_key, deadlines, launcher,
-                   fork_workers, secret_file, heartbeats, migration_limit, max_queued_*, worker_log_level, router
-[http]             the HTTP server's bounds: connections, header and body timeouts, body size
-[prfaas]           the remote prefill cluster: prefill_workers, device, dtype, prefill_chunk, prefill_batch, threads,
-                   or the addresses of hand-started workers (workers = ["host:port", ...])
-[pd]               the local cluster: prefill_workers (PD-P), decode_workers (PD-D), device, dtype, max_batch,
-                   prefill_chunk, prefill_batch, threads, decode_threads, or workers = [...]
-[link]             the inter-cluster link: rate, delay (emulated), per-flow cap and window, connections,
-                   kv_compression (the codec policy), emulated
-[ray]              the Ray launcher: cluster address, namespace, CPUs and GPUs per worker
-[cache]            the hybrid prefix cache: mode, block size, snapshot policy and interval, bytes per node
-[scheduler]        the short_term and long_term policies; re-planning: a profile of this machine, period
-A policy (router, short_term, ...) is a built-in name or module:Class; ``<key>_args``: its arguments.
+The TOML tables are [serve], [http], [prfaas], [pd], [link], [ray], [cache] and [scheduler]. A policy (router,
+short_term, ...) is a built-in name or module:Class; ``<key>_args``: its arguments.
 """
 
 from __future__ import annotations
@@ -175,9 +164,7 @@ class CacheConfig:
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """The long-term loop: re-plan (t, N_p, N_d) from measured traffic and re-role PD workers.
-
-    It needs a profile of the instances (``minifaas profile`` writes one); without one it stays off.
-    """
+    It needs a profile of the instances (``minifaas profile`` writes one); without one it stays off."""
 
     profile: str | None = None  # [prefill] and [decode] tables of a PD instance
     prfaas_profile: str | None = None  # [prefill] of a PrfaaS instance; default: ``profile``'s
@@ -346,13 +333,8 @@ class ServeConfig:
 
     def worker_threads(self, cluster: str, role: str = "prefill") -> int:
         """Torch threads of a ``role`` worker of ``cluster`` that the gateway starts; 0 leaves torch's default.
-
-        A decode worker's are its cluster's ``decode_threads`` when set; else, for every worker, its cluster's
-        ``threads`` when set. Otherwise (0, auto) a CPU worker of the local launcher gets an equal share of this
-        host's cores, less those the workers with threads set take, and at least one: every local CPU worker runs
-        on them, and torch's default of a thread per core in each would put several spinning OpenMP threads on
-        every core. A GPU worker, or one on a Ray node, keeps torch's default (its own device or host).
-        """
+        The cluster's ``threads`` (``decode_threads`` for a decode worker) when set; unset, local CPU workers
+        share this host's cores rather than each taking a thread per core."""
         c = self.cluster(cluster)
         if role == "decode" and c.decode_threads:
             return c.decode_threads
@@ -386,8 +368,8 @@ TOML_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
 
 
 def toml_values(path: str | Path, table: str, config: type, values: dict) -> dict:
-    """``values`` of a TOML table checked against ``config``'s fields: each known, and of the field's type (an
-    int where a float goes; a list where a tuple goes), so a wrong one is an error line, not a traceback later."""
+    """``values`` of a TOML table checked against ``config``'s fields, each known and of the field's type, so a
+    wrong one is an error line, not a traceback later."""
     known = {f.name: str(f.type) for f in fields(config)}
     for key, value in values.items():
         if key not in known:

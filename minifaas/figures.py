@@ -1,10 +1,6 @@
 """Figures as JSON: every float to six significant digits, so ``--json`` prints what was measured, not float noise.
 
-Six digits keep more than any figure here is worth (timings on shared cores
-vary in the second digit; the planner's outputs are exact for their inputs to
-about that) and make a figure read the same in a table and in JSON. NaN and
-infinities stay what they are: a caller that means "nothing measured" says so
-with None (JSON null).
+NaN and infinities stay what they are; "nothing measured" is None (JSON null).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """A child that ends with its parent, however the parent ends (kill -9 included).
 
-The gateway starts every worker and link emulator with a pipe on its stdin
-and ``MINIFAAS_PARENT_PID`` in its environment (``child_env``). The child
-calls ``die_with_parent`` as it starts: PR_SET_PDEATHSIG (Linux, through
-ctypes prctl) makes the kernel SIGKILL it the moment its parent dies, even
-while it is stopped (SIGSTOP) or stuck in a forward; a parent that died
-before the call is caught by comparing getppid with the pid it was given.
-``exit_when_stdin_closes`` is the second, portable guard: the pipe closes when
-the parent goes, on any system.
-
-A worker forked by the pre-loaded parent (``launch.zygote``) has that parent
-as its own but must outlive it: ``MINIFAAS_GATEWAY_PID`` names the gateway,
-and the parent's death sends a catchable signal that ends the worker only if
-the gateway is gone too. From then on stdin alone ties it to the gateway.
+The gateway starts each child with a pipe on its stdin and its pid in the environment (``child_env``). The
+child calls ``die_with_parent`` (the kernel kills it when its parent dies) and ``exit_when_stdin_closes`` (the
+portable guard). A worker forked by the pre-loaded parent outlives that parent, but not the gateway.
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ from pathlib import Path
 
 
 def tree_cpu_s(root: int) -> float:
-    """CPU seconds spent so far by ``root`` and every process below it: each one's own time (utime, stime)
-    and that of the children it has reaped (cutime, cstime), so a process that ended between two readings
-    still counts. 0.0 where /proc is not there."""
+    """CPU seconds spent so far by ``root`` and every process below it, reaped children included, so a process
+    that ended between two readings still counts. 0.0 where /proc is not there."""
     stats: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():

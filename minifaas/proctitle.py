@@ -1,9 +1,7 @@
 """What ``ps``, ``top`` and /proc/PID/cmdline show for a process minifaas starts: ``minifaas ROLE ...``.
 
-Every entry point calls ``set_title``: a worker (``minifaas pd-decode pd-d0 :41235``), the pre-loaded
-parent (``minifaas zygote``), the link emulator, a command run from the shell. The title is written
-over the process's own command line (``setproctitle``), within the room that line had: the
-environment stays where it was, readable in /proc/PID/environ, and a longer title is cut short.
+Every entry point calls ``set_title``. The title is written over the process's own command line, so a longer
+one is cut short; the environment stays where it was.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Trace readers: Mooncake JSONL and Azure LLM inference CSV, as columns the planner and the simulator share.
 
-Mooncake lines: {"timestamp": ms, "input_length", "output_length", "hash_ids"}
-with one hash id per 512-token block. Azure rows: TIMESTAMP (wall clock),
-ContextTokens, GeneratedTokens; no prefix information.
-
-``length_scale`` multiplies every prompt length (a Mooncake block then stands
-for 512 * scale tokens, so prefix structure is kept; output lengths are left
-as they are); ``rate_scale`` multiplies the arrival rate (timestamps are
-divided by it). Time starts at the first request. The planner takes the
-prompt lengths (``minifaas.planner.case``); the simulator replays the whole
-trace (``minifaas.sim.trace_workload``).
-
-The traces the repository ships (data/traces, with their licences) go by name
-(``SHIPPED_TRACES``: ``--trace mooncake-synthetic``); anything else is a path.
+Mooncake lines: {"timestamp": ms, "input_length", "output_length", "hash_ids"}, a hash id per
+``MOONCAKE_BLOCK_TOKENS`` of prompt. Azure rows: TIMESTAMP, ContextTokens, GeneratedTokens; no prefix information.
+``length_scale`` multiplies prompt lengths, ``rate_scale`` the arrival rate. A shipped trace goes by name
+(``SHIPPED_TRACES``), anything else is a path.
 """
 
 from __future__ import annotations
