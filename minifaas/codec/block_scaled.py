@@ -1,14 +1,8 @@
-"""Lossy 8-bit coding of attention KV: one float32 scale per block of 128 elements, one byte per element.
+"""Lossy 8-bit coding of attention KV: one byte per element and one float32 scale per block of ``BLOCK``.
 
-Each block of ``BLOCK`` consecutive elements (the last may be shorter) is divided by its own scale, amax / 448
-for float8 e4m3 or amax / 127 for int8 (rounded to nearest), so every block uses the code's whole range; a block
-is one or two tokens of one head, so outliers stay local to a token. Against bfloat16 that is 2 bytes -> 1 +
-4/128 (1.94x); against float32, 3.88x. Only full-attention and sliding-window KV is coded this way
-(``codec``): linear-attention state is a running sum every later token reads, so it stays lossless.
-
-Payload of ``n`` elements: ceil(n / BLOCK) float32 scales, then n codes. Decoding multiplies in float32 and
-rounds once to the slot's dtype, the same arithmetic on both ends, so the sender checksums exactly what a
-receiver writes (``roundtrip``).
+Each block is scaled so that its largest value fills the code's range (float8 e4m3 or int8), which keeps an
+outlier local to its token. Payload of ``n`` elements: ceil(n / BLOCK) float32 scales, then n codes. Both ends
+decode with the same float32 arithmetic, so the sender checksums exactly the bytes a receiver writes.
 """
 
 from __future__ import annotations

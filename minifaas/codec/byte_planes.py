@@ -1,10 +1,5 @@
-"""Lossless coding of float tensors: the sign and exponent byte apart from the mantissa bytes, entropy-coded.
-
-A float's top byte (the last, little-endian: sign and high exponent bits) carries 3-4 bits of information, the
-bytes below are close to 8 bits of mantissa noise, so only the plane of top bytes is zstd-coded. Its gain is in
-byte frequencies, not repeats: the encoder accelerates zstd's match finder (fast strategy, ``ZSTD_c_targetLength``)
-and forces literal Huffman coding back on (``ZSTD_c_literalCompressionMode``, via the zstandard package's cffi
-module). Without cffi it falls back to the finder's full search with a 64-entry hash table: same format.
+"""Lossless coding of float tensors: the plane of top bytes (sign and high exponent) is zstd-coded, the
+mantissa bytes below it go as they are.
 
 Payload of a coded range of ``n`` elements of ``w`` bytes:
 
@@ -115,11 +110,8 @@ class PlaneDecoder:
 
 
 def split(raw: memoryview, width: int) -> tuple[np.ndarray, list[memoryview]]:
-    """The top byte of each element, and the other planes one after another.
-
-    Shifts and narrowing casts, not strided copies: gathering 3 of every 4 bytes
-    runs at a tenth of their speed.
-    """
+    """The top byte of each element, and the other planes one after another (shifts and narrowing casts,
+    much faster than strided copies)."""
     if width not in WIDTHS or len(raw) % width:
         raise PlaneError(f"{len(raw)} bytes are not whole elements of {width} bytes")
     if width == 2:

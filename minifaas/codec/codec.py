@@ -1,17 +1,9 @@
-"""KV codecs on the wire: which one a frame gets, and the stage that codes and decodes it.
+"""KV codecs on the wire: which ``Codec`` each frame gets (``frame_codec``), and the per-connection
+``FrameEncoder`` and ``FrameDecoder`` that code and decode it.
 
-    none      the slot's bytes as they are
-    lossless  sign and exponent bytes entropy-coded apart from the mantissa bytes (``byte_planes``);
-              float32, bfloat16 and float16 slots, decoded bit for bit
-    fp8/int8  8-bit codes with a float32 scale per 128 elements (``block_scaled``); only full-attention
-              and sliding-window KV in float slots, the rest of a lossy transfer goes lossless
-
-A transfer asks for one codec; each frame gets the one that fits its slot (``frame_codec``): int slots, ragged
-ranges, frames too small to gain and frames that would not shrink go uncoded. A sender uses only codecs the
-receiver offered in the handshake (``auth``). A coded frame's header checksum is that of the decoded bytes, so
-it covers the codec too (for the lossy codes the encoder decodes its own output to get it). The sender codes each
-chunk just before it goes, the receiver decodes it into the slot's tensor as soon as it is in, so layers still
-stream.
+``lossless`` is bit-exact (``byte_planes``); ``fp8``/``int8`` code only attention KV (``block_scaled``), the
+rest of a lossy transfer goes lossless. A coded frame's checksum is that of the decoded bytes, so it covers the
+codec too, and a sender uses only the codecs its receiver offered in the handshake.
 """
 
 from __future__ import annotations
@@ -96,8 +88,8 @@ class Coded:
 
 
 class FrameEncoder:
-    """One per sending connection (zstd contexts are not shared between threads). ``accelerated``: see
-    ``PlaneEncoder``, made at the first lossless frame: a transfer with no codec makes no zstd context."""
+    """One per sending connection (zstd contexts are not shared between threads). Its ``PlaneEncoder`` is made
+    at the first lossless frame, so a transfer with no codec makes no zstd context."""
 
     def __init__(self, accelerated: bool = True) -> None:
         self._accelerated = accelerated
