@@ -1,14 +1,9 @@
 """Chained block keys: the names under which cached state is stored and matched.
 
-A prompt is cut into blocks of ``block_size`` tokens. Block j's key hashes block j-1's key with block j's token
-bytes (blake2b, 16 bytes), so one key names the whole prefix up to the end of its block and equal keys mean
-equal prefixes. The chain starts at a root derived from a namespace (the model name), so models never share.
-``key_at(n)`` names the prefix of length n for any n: the last full block's key chained with the token bytes of
-the partial block after it; state snapshots, valid at one length, are stored under these keys.
-
-``PromptKeys.from_tokens`` takes real token ids (the live system): every ``key_at(n)`` is computable.
-``PromptKeys.from_ids`` takes one precomputed id per block (a trace's hash ids, in the simulator), the last
-possibly for a partial block: only block-aligned lengths and the full prompt length have keys, else None.
+A block's key hashes the key before it with the block's tokens, so one key names the whole prefix up to the
+block's end, and ``key_at(n)`` names the prefix of any length n. The chain starts at a root made from a namespace
+(the model name), so models never share keys. ``PromptKeys.from_tokens`` keys real tokens; ``from_ids`` keys a
+trace's one id per block, where only block ends and the prompt's end have keys.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""A hybrid prefix cache pool (one node's; one cluster's in the simulator): cached state, its bytes, who may evict it.
+"""A hybrid prefix cache pool (one node's; one cluster's in the simulator): each cached block or snapshot
+(``Entry``), its bytes, and which may be evicted.
 
-Sans-IO (``now`` is an argument); payloads are opaque (the live system stores LayerState lists, the simulator
-only sizes) and kept by reference, so a stored payload must never be mutated. A request on a prefill node:
-
-    keys = PromptKeys.from_tokens(tokens, pool.config.block_size, model_name)
-    lease = pool.acquire(keys, now, limit=len(tokens) - 1)   # pins what it returns
-    ...load lease.block_payloads + lease.snapshot_payload; prefill the rest, taking snapshots
-       at pool.snapshot_points(lease.hit_tokens, len(tokens))...
-    pool.put_block(keys, j, now, nbytes, payload) / pool.put_snapshot(keys, n, now, nbytes, payload), in order
-    pool.release(lease); pool.touch(keys, len(tokens), now); ship pool.drain_events() to the gateway
-
-Referenced entries and entries something hangs from are never evicted, so the cached set stays prefix-closed;
-eviction is LRU by bytes. Every decision is counted in ``counts``. An ``Entry`` is one block or snapshot with its
-bytes and payload; a ``Lease``, the entries of one hit, pinned until released.
+Sans-IO (``now`` is an argument). Payloads are opaque and kept by reference, so a stored payload must never be
+mutated. A prefill ``acquire``s its hit as a pinned ``Lease``, stores what it computed with ``put_block`` and
+``put_snapshot`` in order, then releases the lease. Eviction is least recently used by bytes and never takes a
+pinned entry or one that others hang from, so the cached set stays prefix-closed.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Which cached prefixes exist, and who holds them: the metadata half of the cache, shared by pools and gateway.
+"""Which cached prefixes exist and which nodes hold them: the metadata half of the cache.
 
-A BLOCK is the full-attention KV of one aligned block, under its chained key; blocks match by longest prefix. A
-SNAPSHOT is the state valid at exactly one length n (linear-attention and sliding-window layers, plus the
-full-attention KV of the partial block before n), under ``key_at(n)``, indexed by its parent block. The usable
-hit is the longest n such that every full block inside [0, n) is present and a snapshot exists at exactly n; a
-model without fixed-size state needs no snapshot at block boundaries. Each entry records the nodes that stored it.
-
-A pool emits one ``CacheEvent`` per change (store, evict), metadata only, and its owner ships them to the gateway
-in order. ``GlobalCacheManager`` mirrors every pool's index from those events; its ``match`` gives a prompt's
-usable hit per pool and per node (a forecast: events may arrive late).
+``PrefixIndex`` finds a prompt's usable hit: the longest length whose full blocks are all present and that has
+a snapshot at exactly that length (a model without fixed-size state needs none at block ends). A pool reports
+each store and eviction as a ``CacheEvent``; the gateway's ``GlobalCacheManager`` mirrors every pool's index from
+them and forecasts each prompt's hit per pool and per node.
 """
 
 from __future__ import annotations
@@ -97,10 +92,9 @@ class PrefixIndex:
         return self._held_by.get(node, 0) == len(self)
 
     def leading_blocks(self, prompt: PromptKeys, start: int = 0, end: int | None = None) -> int:
-        """How many of the prompt's full blocks [start, end) are present, counted from ``start`` up to
-        the first missing one. Found by bisection: the blocks present are prefix-closed (a pool
-        stores a block only under its parent and evicts only blocks nothing hangs from, and a
-        mirror replays its events in order), so along one prompt's chain they are a leading run."""
+        """How many of the prompt's full blocks [start, end) are present, counted from ``start`` up to the
+        first missing one. Bisection finds it because the blocks present are prefix-closed: along one prompt's
+        chain they are a leading run."""
         keys, blocks = prompt.block_keys, self.blocks
         low, high = start, len(keys) if end is None else end
         while low < high:
@@ -213,8 +207,8 @@ class GlobalCacheManager:
         self.counts: Counter[str] = Counter()
 
     def attach(self, pool: str, index: PrefixIndex, node: str) -> None:
-        """Match ``pool`` against its own index, held by ``node`` alone: what replaying the pool's
-        events at once would build, without the events (a pool in this process: the simulator)."""
+        """Match ``pool`` against its own index, held by ``node`` alone, instead of a mirror built from
+        events (a pool in this process, as in the simulator)."""
         self.indexes[pool] = index
         self.nodes[pool] = {node}
 
