@@ -1,16 +1,9 @@
-"""A transformers Cache whose rows are independent requests of different lengths.
+"""A transformers Cache whose rows are independent requests of different lengths, for batched decoding.
 
-One decode step feeds one token per row. Each model layer keeps its rows in a row layer, row r of every buffer
-belonging to the same request. Rows are padded, not paged: with one query token per row, attention over a padded
-``[n, width]`` block is one batched matmul that transformers' own attention functions run unchanged, and the
-decoder's token budget caps the padding's cost (n x width). Rows stay packed in ``0..n-1``: a row that leaves is
-replaced by the last one.
-
-The masks go to the model as a dict keyed by layer type, under the name the config gives it (``layer_types`` or
-``layers_block_type``) and a generic one ("full_attention", "sliding_attention", "linear_attention"): the padded
-mask, the ring's, or None for a layer with only linear state. A model whose layers all attend alike gets its one
-mask as a 4D tensor (older model code such as Qwen3-MoE takes no dict). A cache layer with no row form raises
-NotImplementedError; the decode service then runs that model unbatched.
+Each model layer keeps its rows in a row layer, row r of every buffer belonging to one request. Rows are padded to
+the longest and stay packed in ``0..n-1`` (a row that leaves is replaced by the last one). The masks go to the
+model as a dict by layer type, or as one 4D tensor where all layers attend alike. A cache layer with no row form
+raises NotImplementedError, and the decode service then runs that model unbatched.
 """
 
 from __future__ import annotations

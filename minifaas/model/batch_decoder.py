@@ -1,16 +1,9 @@
-"""Continuous batching: every running request is a row of one forward per step, one per lane of like lengths.
+"""Continuous batching: every running request is a row of one forward per step, one per ``Lane`` of like lengths.
 
-A request joins as soon as its state has arrived and a row is free, and leaves the moment it finishes or is
-aborted. Rows differ in context length, sampling parameters and seeds: each row samples with its own parameters
-at its own absolute position, so it draws the tokens it would draw decoded alone. Rows are padded to their
-cache's longest (``batch_cache``), so each length class (``lane_of``) is a ``Lane`` with a cache and a forward of
-its own: a 32K-token request pads only its own lane, and a row stays in the lane it joined.
-
-Admission is in arrival order and bounded twice: at most ``max_batch`` rows, and a step may attend to at most
-``step_token_budget`` KV slots, padding included (per lane, rows x (longest + 1)); a lone row always runs. The
-head of the queue waits until it fits; nothing behind it jumps ahead, and running rows are never preempted. At
-most ``max_waiting`` requests wait; one more is refused with QueueFull. Both bounds default to what the worker's
-memory holds (``decode_memory``).
+A request joins as soon as its state has arrived and a row is free, and leaves when it finishes or is aborted.
+Each row samples with its own parameters at its own position, so it draws what it would draw decoded alone.
+Admission is in arrival order, bounded by ``max_batch`` rows and a step's KV budget (padding included; a lone row
+always runs); running rows are never preempted, and a request past ``max_waiting`` is refused with QueueFull.
 """
 
 from __future__ import annotations

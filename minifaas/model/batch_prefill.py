@@ -1,10 +1,7 @@
 """Prompts of one length prefilled as the rows of one forward, each row's layer states handed to its own callback.
 
-On a CPU a short prompt's forward is mostly fixed cost (the weights read once, thousands of small ops); a batch
-pays it once. The hook on every decoder layer cuts that layer's states into rows (views, no copy) and hands row
-i's to ``on_layers[i]`` as ``ModelRuntime.prefill`` hands a prompt's to its ``on_layer``. A row whose callback
-raises (its request was aborted) is dropped, and the others go on. Rows of one length need no padding, so a
-row's state is the one its prompt alone would give, and its logits agree within float rounding.
+A batch pays a forward's fixed cost once, and rows of one length need no padding, so a row's state is the one its
+prompt alone would give. A row whose callback raises (its request was aborted) is dropped; the others go on.
 """
 
 from __future__ import annotations

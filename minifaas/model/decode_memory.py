@@ -1,14 +1,8 @@
 """What a decode worker's memory holds: ``max_batch`` and the step's KV budget when they are left at 0 (auto).
 
-A decode row holds its request's fixed state (recurrent and conv state, sliding windows) and the full-attention
-KV of every token of its context, padded to the longest row's (``batch_cache``). A worker gives its batch
-``MEMORY_SHARE`` of the memory it has when it starts (host memory on the CPU, free memory on a GPU):
-
-    step_token_budget = share / bytes of one KV slot (every full-attention layer's K and V of one token)
-    max_batch         = min(MAX_ROWS, share / (fixed bytes + bytes of a slot x ROW_CONTEXT))
-
-``MAX_ROWS`` is the most vLLM's ``max_num_seqs`` defaults to; on a host of a few GB and a small model both
-bounds are far above it, and a model whose rows are large gets fewer.
+The batch gets ``MEMORY_SHARE`` of the memory the worker has when it starts. The step's budget is the KV slots
+(one token's full-attention K and V) that fit in it; ``max_batch`` is the rows of ``ROW_CONTEXT`` tokens and
+their fixed state that fit, at most ``MAX_ROWS``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """What a decode worker runs: a Decoder steps every request it holds by one token at a time.
 
-Two implementations share this interface: ``BatchDecoder`` (rows of one
-forward pass, continuous batching) and ``InterleavedDecoder`` (one forward per
-request, the unbatched reference that ``max_batch = 1`` selects). Both are
-synchronous and single-threaded: the caller decides which thread steps them.
+``BatchDecoder`` runs the requests as rows of one forward; ``InterleavedDecoder``, the unbatched reference, runs
+one forward each. Both are synchronous: the caller decides which thread steps them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Layer states out of the GPU without stalling anyone: pinned host buffers, a side stream, an event.
 
-``HostCopier.stage`` runs in the compute thread (a prefill's layer hook): it queues each tensor's copy into
-pinned host memory on a side CUDA stream, ordered after the kernels that wrote it (``wait_stream``), records an
-event and returns at once, so the copy of layer i overlaps the compute of layer i+1. Whoever reads the host
-bytes first waits for the event, in a thread (``OutgoingTransfer``'s pumps call ``synchronize``), so no
-``.cpu()`` ever runs on the event loop. The source tensor is recorded on the side stream (``record_stream``) so
-its GPU memory is not reused before the copy has read it; pinned memory comes from torch's caching host allocator.
-
-On the CPU ``stage`` hands the state back as it is, with no event. ``to_device`` is the other direction, for a
-decode node: host states copied to the GPU without blocking the host.
+``HostCopier.stage`` runs in the compute thread: it queues each tensor's copy on a side CUDA stream and returns at
+once, so the copy of layer i overlaps the compute of layer i+1. Whoever reads the host bytes first waits for the
+copy's event in a thread, never on the event loop. On the CPU ``stage`` hands the state back as it is;
+``to_device`` is the other direction, for a decode node.
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ class HostCopier:
             for name, tensor in state.slots:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
                 host.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self.stream)
+                tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
                 slots.append((name, host))
             done = torch.cuda.Event()
             done.record(self.stream)

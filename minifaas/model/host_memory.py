@@ -1,12 +1,8 @@
 """Host memory for a process that runs forwards: freed blocks are kept for the next forward.
 
-A forward on the CPU frees its activations, and the next asks for the same sizes again. Under glibc's defaults
-every block above the mmap threshold is a fresh ``mmap``, unmapped on free, and the heap's free top goes back to
-the kernel past the trim threshold, so each forward faults its pages in anew. ``keep_freed_memory`` sets both
-thresholds once per process, before the model loads (``ModelRuntime.load`` calls it): blocks up to
-``MMAP_THRESHOLD`` come from the heap, which keeps up to ``TRIM_THRESHOLD`` free. Resident memory then stays at
-its peak. Only glibc has these knobs; elsewhere, and with ``MINIFAAS_HOST_MALLOC=system``, nothing changes.
-``available_bytes`` is what the host can still give, for the bounds sized by memory (admission, decode rows).
+``keep_freed_memory`` raises glibc's mmap and trim thresholds once per process, before the model loads, so a
+forward on the CPU reuses freed heap blocks instead of faulting fresh pages in (without glibc, or with
+``MINIFAAS_HOST_MALLOC=system``, nothing changes). ``available_bytes`` is what the host can still give.
 """
 
 from __future__ import annotations

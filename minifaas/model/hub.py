@@ -1,10 +1,7 @@
 """A Hugging Face Hub id (``org/name``) as a snapshot directory in the local hub cache.
 
-huggingface_hub finds the cache (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else
-~/.cache/huggingface/hub) and honours ``HF_HUB_OFFLINE=1`` itself. The cache is
-tried first with no network at all, so a cached model starts the same online
-or off; only a model that is not there is downloaded, and only the files a
-model needs (config, safetensors weights, tokenizer, chat template, remote code).
+The cache is tried first with no network, so a cached model starts the same online or off; a model that is not
+there is downloaded, only the files a model needs, unless ``HF_HUB_OFFLINE=1``.
 """
 
 from __future__ import annotations

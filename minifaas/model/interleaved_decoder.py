@@ -1,8 +1,7 @@
 """The unbatched reference decoder: one DecodeStream and one forward per request per step.
 
-Every request advances each step, none waits for another, and each keeps its
-own transformers DynamicCache, exactly as ``ModelRuntime.generate`` decodes.
-``--max-batch 1`` selects it; tests hold ``BatchDecoder`` to its outputs.
+Each request keeps its own transformers DynamicCache, exactly as ``ModelRuntime.generate`` decodes.
+``--max-batch 1`` selects it, and tests hold ``BatchDecoder`` to its outputs.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Keep flash-linear-attention out of CPU processes, and report which kernels each layer kind really runs.
 
-transformers binds fla's Triton kernels when a modeling module is first imported, if ``import fla`` works.
-On a machine without a GPU those kernels fail at the first forward, so a CPU process makes ``import fla``
-fail before any model code loads; a CUDA process keeps them. A binding is not yet a call: transformers sends
-inputs on a device fla does not list to its torch reference, per call. So ``kernels_in_use`` reads what each
-function is bound to, ``KernelRecorder`` notes during a worker's warm-up what each layer kind really called
-(the short convolution's torch fallback included), and a CUDA worker refuses the torch reference unless told
-otherwise (``require_fast``).
+transformers binds fla's Triton kernels when a modeling module is imported, and those fail on a machine without
+a GPU, so a CPU process makes ``import fla`` fail before any model code loads. A binding is not yet a call:
+``KernelRecorder`` notes during warm-up what each layer kind really called, and a CUDA worker refuses the torch
+reference unless told otherwise (``require_fast``).
 """
 
 from __future__ import annotations
@@ -85,12 +82,8 @@ FAST_PACKAGES = ("fla",)  # causal_conv1d is optional: its torch path is one sho
 
 
 def kernels_in_use(model: torch.nn.Module) -> KernelReport:
-    """What the model's modeling module actually calls, read from transformers' kernel wrappers.
-
-    ``use_kernel_func_from_hub_with_fallback`` resolves each function once, at import, and keeps the
-    choice in the wrapper's closure (``implementation``, with ``package`` beside it): that is the
-    binding every forward uses, so reading it is checking the kernels, not guessing from imports.
-    """
+    """What the model's modeling module binds, read from the closures of transformers' kernel wrappers: the
+    choice each wrapper made at import and every forward uses."""
     bindings = []
     for name, cells in kernel_wrappers(model):
         implementation, package = _contents(cells["implementation"]), _contents(cells["package"])
@@ -101,10 +94,7 @@ def kernels_in_use(model: torch.nn.Module) -> KernelReport:
 class KernelRecorder:
     """While open, every kernel wrapper of ``model``'s modeling module notes what it calls, and from which kind
     of decoder layer (``layer_kinds[i]`` for layer i); ``report`` then holds the calls beside the bindings.
-
-    The wrapper picks, per call, ``implementation`` (the package's function) or ``torch_function`` (the
-    fallback); both are closure cells it reads at each call, so each is swapped for a recording stand-in
-    while the recorder is open, and put back when it closes. Open it where no other thread runs the model.
+    It swaps the wrappers' closure cells while open, so open it where no other thread runs the model.
     """
 
     def __init__(self, model: torch.nn.Module, layer_kinds: Sequence[str]) -> None:

@@ -1,18 +1,8 @@
-"""How many bytes of state a request carries, from a config.json alone. Each layer is one of:
+"""How many bytes of state a request carries, from a config.json alone (no transformers, no weights).
 
-    full_attention   GQA K+V per token                 grows with length
-    mla              compressed latent + rope key      grows with length
-    sliding_window   K+V of the last `window` tokens   bounded
-    linear           recurrent state + short-conv tail fixed
-    mamba            SSM state + short-conv tail       fixed
-    conv             short-conv tail only              fixed
-    attention+mamba  both in one layer (Falcon-H1)     grows, plus fixed
-    rglru            RG-LRU state + conv tail          fixed
-    none             nothing (MLP or MoE layers)       -
-
-Reads the raw dict (no transformers, no weights), counting as transformers' caches hold state: a conv tail
-keeps `kernel` columns, a sliding window `window` tokens, and a recurrent state is float32 unless the config
-names its dtype.
+Each layer's state grows with length (full attention, MLA), is bounded (a sliding window), is fixed (linear
+attention, Mamba, a short convolution, RG-LRU) or is nothing (MLP and MoE layers); Falcon-H1's ``attention+mamba``
+is both. Sizes count what transformers' caches hold; a recurrent state is float32 unless the config names a dtype.
 """
 
 from __future__ import annotations

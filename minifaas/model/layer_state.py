@@ -1,15 +1,12 @@
-"""Per-layer model state: the unit that prefill produces and decode consumes. Three kinds, each in named tensor slots:
+"""Per-layer model state (``LayerState``): the unit that prefill produces and decode consumes, in named tensor slots.
 
-- FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]``; grows with the prompt
-  and can be sliced to a token range (prefix reuse, incremental transfer). MLA keeps its compressed latent here.
-- SLIDING_WINDOW: ``keys``/``values`` of the last ``window - 1`` tokens plus the absolute length they end at.
-- LINEAR_ATTENTION: ``conv.<i>`` (short-convolution tail) and ``recurrent.<i>`` (linear-attention, Mamba or
-  RG-LRU state); a short-convolution layer (LFM2) has only ``conv``. Fixed size, valid at exactly one length.
+- FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]`` (MLA keeps its latent
+  here); can be sliced to a token range.
+- SLIDING_WINDOW: ``keys``/``values`` of the last ``window - 1`` tokens, and the length they end at.
+- LINEAR_ATTENTION: ``conv.<i>`` and ``recurrent.<i>`` (linear attention, Mamba or RG-LRU); fixed size, valid at
+  exactly one length.
 
-A layer that keeps two kinds at once (attention beside a Mamba mixer) is two LayerStates, one of each kind.
-``state_layout`` reads them out of a transformers ``Cache`` and puts them back. The bytes of a slot go on the
-wire as they are (``tensor_bytes``), each tensor's dtype as a one-byte code (``DTYPES``), checksummed with the
-low 32 bits of xxh3-64 (fast: every KV byte is checksummed on both ends).
+A slot's bytes go on the wire as they are (``tensor_bytes``), with a one-byte dtype code and a ``checksum``.
 """
 
 from __future__ import annotations
@@ -118,10 +115,8 @@ DTYPE_CODES: dict[torch.dtype, int] = {v: k for k, v in DTYPES.items()}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A byte view of a host tensor's memory (copied only if it is not contiguous).
-
-    A device tensor is refused rather than copied here: this runs on event loops, where a ``.cpu()``
-    would block the loop until the GPU caught up (``host_copy`` stages states off the loop)."""
+    """A byte view of a host tensor's memory (copied only if it is not contiguous). A device tensor is refused:
+    this runs on event loops, where a ``.cpu()`` would block (``host_copy`` stages states off the loop)."""
     if t.device.type != "cpu":
         raise ValueError(f"a {t.device} tensor reached the byte codec: stage it to host memory first (host_copy)")
     t = t.contiguous()

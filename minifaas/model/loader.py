@@ -1,14 +1,9 @@
 """Find a model by name, path or hub id and build it: presets, checkpoints, bare configs.
 
-A *preset* is a transformers config (models/presets/<name>.json) of a real
-architecture, initialised from a seed: ``torch.manual_seed(seed)`` on the CPU,
-then the model class's own init, in float32. The same name and seed give
-bit-identical weights in every process on the same torch build (tests compare
-digests of them across processes). A *checkpoint* is a directory with
-config.json, weights and a tokenizer, loaded with ``from_pretrained``: one
-shipped in models/checkpoints/ (by its name), any local directory, or a hub id
-``org/name`` found in (or downloaded into) the Hugging Face cache. A bare
-config.json (no weights) is enough for ``kv-size`` and the planner.
+A *preset* is a transformers config (models/presets/<name>.json) of a real architecture, initialised from a
+seed in float32, so one name and seed give identical weights in every process on one torch build. A *checkpoint*
+is a directory with config.json, weights and a tokenizer, loaded with ``from_pretrained``: shipped, local, or a
+hub id. A bare config.json is enough for ``kv-size`` and the planner.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The independent reference for exact output: transformers' own ``generate`` on the same weights.
 
-The disaggregated paths and ``ModelRuntime.generate`` share the per-layer export (``state_layout``), the
-cache rebuild and the state layout, so a bug there shows on both sides of a comparison between them.
-``reference_run`` shares none of it: the prompt goes to the model's own ``generate``, which builds and grows
-its own cache, and the greedy tokens it returns are what every path must reproduce. Greedy only: seeded
-sampling and penalties are this project's own sampler, which transformers does not have.
-
-On the CPU in float32 a correct path gives these tokens exactly; ``reference_run`` also returns the logits
-of every step, to compare a path's own logits against.
+``reference_run`` shares none of the state export and cache rebuild that the serving paths share, so a bug there
+cannot hide on both sides of a comparison. It is greedy only (seeded sampling and penalties are minifaas's own)
+and returns every step's logits too; on the CPU in float32 a correct path gives its tokens exactly.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The model runtime: prefill with a per-layer callback, and decode from a state.
 
-``prefill`` hooks every decoder layer: when layer i's forward returns, its cache entry holds the final state for
-the whole prompt, so the hook hands its LayerStates (``state_layout``) to ``on_layer`` while layer i+1 is yet to
-run, and a sender can put layer i on the wire during the rest of the forward. With ``chunk_tokens`` the prompt
-runs as several forwards on one cache; a full-attention layer's KV for a chunk is final once the chunk has
-passed the layer, so ``on_tokens`` gets it then, while linear-attention and sliding-window state is final only
-after the last token and goes to ``on_layer`` at the end.
-
-Everything here blocks on the model; async callers run it on the runtime's own thread (``on_forward_thread``)
-so their event loop keeps moving bytes.
+``prefill`` hooks every decoder layer, so layer i's final state goes to ``on_layer`` while layer i+1 computes,
+and a sender can put it on the wire during the rest of the forward. Everything here blocks on the model; async
+callers run it on the runtime's own thread (``on_forward_thread``).
 """
 
 from __future__ import annotations

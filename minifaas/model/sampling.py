@@ -1,15 +1,8 @@
 """Sampling parameters (vLLM-like) and a sampler that gives the same token on any worker.
 
-Randomness is stateless per position: the generator for the token at position
-``pos`` is seeded with ``(seed, pos)``. So the first token, drawn on a prefill
-worker, and the rest, drawn on a decode worker, follow exactly the sequence a
-single process would produce, with nothing to hand over but the seed.
-
-What else a token depends on is the request's own output so far (its ``History``):
-``min_tokens`` keeps the end-of-sequence and stop tokens out until that many
-tokens are out, and the presence and frequency penalties lower the logits of
-tokens already generated, as OpenAI and vLLM define them. The first token has
-no history, so a prefill worker needs nothing more than the parameters.
+The token at position ``pos`` is drawn with a generator seeded by ``(seed, pos)``, so a prefill worker's first
+token and a decode worker's rest follow exactly what one process would draw. ``min_tokens`` and the presence and
+frequency penalties also read the request's output so far (``History``), which the first token does not have.
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ Layout (little-endian), one record per layer state:
     u32      checksum of everything above (header and slot headers)
     payloads the raw bytes of every slot, in slot order
 
-Checksums are ``layer_state.checksum``. ``encode`` returns
-the header as ``bytes`` and one ``memoryview`` per slot on the (contiguous, CPU) tensor memory, ready for
-``socket.sendmsg`` or ``writelines``. ``decode`` validates sizes, dtypes and checksums before it builds a tensor,
-so corrupt or truncated input raises ``StateCodecError`` and never yields a wrong tensor.
+``encode`` returns the header and one ``memoryview`` per slot on the tensor memory, ready for ``socket.sendmsg``.
+``decode`` checks sizes, dtypes and checksums (``layer_state.checksum``) before it builds a tensor, so bad input
+raises ``StateCodecError`` and never yields a wrong tensor.
 """
 
 from __future__ import annotations

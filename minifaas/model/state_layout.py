@@ -1,15 +1,8 @@
 """Which LayerStates a model's cache holds, and how they are read out of a transformers Cache and put back.
 
-A model's state is a list of LayerStates, one per stateful part of a decoder layer, in layer order. Most layers
-have one part: full-attention KV, a sliding window, or linear state (linear attention, a Mamba SSM, a short
-convolution). A layer that runs attention and a Mamba mixer side by side (Falcon-H1, Zamba's hybrid layers) has
-two, its attention KV then its linear state; a layer that keeps nothing (Nemotron-H's MLP and MoE layers) none.
-Two parts rather than one mixed state, because every consumer decides by kind what it may do with a state (slice
-it, keep it as prefix blocks or as a snapshot, send it by increments, stream it, batch it by rows).
-
-``LayerState.layer`` is the part's index in this list: what the wire format, the transport and the prefix pool
-count as a layer. ``StateLayout.parts[i].layer`` is the decoder layer the part belongs to; for a model with one
-state per layer the two are the same.
+A model's state is one LayerState per stateful part of a decoder layer, in layer order: a layer with attention
+beside a Mamba mixer has two (its KV, then its linear state), an MLP-only layer none. ``LayerState.layer`` is the
+part's index, which the wire and the pool count as a layer; ``StateLayout.parts[i].layer`` is its decoder layer.
 """
 
 from __future__ import annotations
@@ -59,12 +52,9 @@ class StateLayout:
         return [i for i, p in enumerate(self.parts) if p.layer == layer]
 
     def extract(self, cache: Cache, layer: int, seq_len: int, clone_fixed: bool = True) -> list[LayerState]:
-        """Decoder layer ``layer``'s parts, read out of ``cache`` after ``seq_len`` tokens.
-
-        Full-attention KV is not copied: transformers replaces (never mutates) it on
-        update. Sliding-window and linear states are updated in place by later
-        forwards, so they are cloned unless ``clone_fixed`` is False.
-        """
+        """Decoder layer ``layer``'s parts, read out of ``cache`` after ``seq_len`` tokens. Full-attention KV is
+        not copied (transformers replaces it on update); sliding-window and linear states, updated in place by
+        later forwards, are cloned unless ``clone_fixed`` is False."""
         keep = (lambda t: t.clone()) if clone_fixed else (lambda t: t)
         cache_layer = cache.layers[layer]
         return [_read(cache_layer, i, self.parts[i].kind, seq_len, keep) for i in self.parts_of(layer)]
@@ -137,11 +127,8 @@ def _lightning_cache_type() -> type:
 
 
 def build_cache(config: PreTrainedConfig, states: Sequence[LayerState], device: torch.device | str) -> Cache:
-    """A fresh cache holding ``states`` (every part, in order), ready to continue.
-
-    Tensors are copied onto ``device`` (a no-op copy is still a copy), so the
-    cache never mutates a state that someone else holds, e.g. a pooled prefix.
-    """
+    """A fresh cache holding ``states`` (every part, in order), ready to continue. Tensors are copied onto
+    ``device`` even when already there, so the cache never mutates a state someone else holds (a pooled prefix)."""
     cache = new_cache(config)
     layout = StateLayout.of_cache(cache)
     if len(states) != len(layout.parts):

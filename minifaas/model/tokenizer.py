@@ -1,12 +1,9 @@
-"""Tokenizers: a byte-level one for the presets (nothing to download), or a checkpoint's own.
+"""Tokenizers behind one protocol: a byte-level one for the presets (nothing to download), or a checkpoint's own.
 
-Both follow one small protocol so the rest of minifaas never asks which it has. ``IncrementalDecoder`` turns a
-stream of token ids into text pieces: never a split character, and a cost per token that does not grow with the
-output. It decodes only a window: the tokens not shown yet, after those of the last piece shown as context (a
-tokenizer may render a token differently at the start of a text: SentencePiece drops the leading space of its
-first word). A window whose text ends in U+FFFD waits for the rest of its character; after ``MAX_PENDING``
-tokens without a whole one it is shown as it decodes. For the byte tokenizer the pieces, then ``flush``, join to
-exactly ``tokenizer.decode(all ids)``.
+``IncrementalDecoder`` turns a stream of token ids into text pieces, never a split character, at a cost per token
+that does not grow with the output: it decodes only the tokens not shown yet, with the last piece's tokens before
+them as context (a tokenizer may render a token differently at a text's start). A piece ending in U+FFFD waits
+for the rest of its character, for up to ``MAX_PENDING`` tokens.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Warm-up: run the shapes real requests will use before a worker says it is ready.
 
-On a GPU the first forward of each new shape compiles and autotunes Triton kernels (fla's chunked linear
-attention); without a warm-up that happens inside the first real requests' deadlines. So a worker runs,
-before it reports ready, a prefill of two full chunks and a short tail (the chunk shape with and without a
-prefix, and a last chunk shorter than the rest), a second prompt ending in a one-token chunk, and one decode
-step at each power-of-two batch up to ``max_batch``. On the CPU nothing compiles, so the worker asks for tiny
-sizes (``cpu_plan``): the same code path in a fraction of a second. The warm-up is also where the worker
-learns which kernels its layers really run (``ModelRuntime.recording_kernels``), the report it gives the
-gateway.
+On a GPU the first forward of each new shape compiles and autotunes Triton kernels. A worker runs a prefill's
+chunk shapes and a decode step at each power-of-two batch up to ``max_batch`` before it reports ready, so no
+request's deadline pays for that; on the CPU it asks for tiny sizes (``cpu_plan``). The warm-up also records
+which kernels the layers really run, for the gateway.
 """
 
 from __future__ import annotations
