@@ -1,15 +1,9 @@
 """A decode node's prefix cache: the full-attention KV it received, so a later turn ships only its increment.
 
-When the node that will decode a request already holds the KV of a prefix (it decoded an earlier turn of the
-conversation), only the full-attention KV of tokens [link_start, end) crosses the link, and the node joins it
-onto the prefix it holds; fixed-size layers (linear attention, sliding window) always cross whole, since each
-is valid at one length only. Before the prefill starts the gateway has the node pin the prefix (``pin``) and
-the prefill node send from what was pinned, so an eviction in between cannot leave a hole in the joined state.
-
-The node keeps the full blocks of every state it receives in a kv-only ``HybridPrefixPool`` (no snapshots: a
-decode node never continues a prefill); its store/evict events go to the gateway with its replies.
-``JoiningReceiver`` wraps the node's KVReceiver, so the decode service's ``receiver.transfer(id)`` yields
-whole layers and ``model_state()`` whole states, however much of them crossed the link.
+The node keeps the full blocks of every state it receives in a kv-only ``HybridPrefixPool``. Before a prefill
+starts, the gateway has the node pin the prefix it holds (``pin``), so no eviction can leave a hole in the joined
+state; only the KV after that prefix crosses the link, while fixed-size layers always cross whole.
+``JoiningReceiver`` joins the two, so the decode service sees whole layers and whole states.
 """
 
 from __future__ import annotations

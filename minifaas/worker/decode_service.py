@@ -1,16 +1,9 @@
 """A decode worker's job: take a request's state off the KV receiver and decode it with the others.
 
-The decoder (``BatchDecoder``, or ``InterleavedDecoder`` when ``max_batch`` is
-1) is stepped on the model thread, one step per round; the event loop hands the
-tokens out between rounds. Only the loop touches the decoder while no step is
-in flight: a request that arrives or is aborted during a step is applied the
-moment that step returns, so an aborted request's state is freed within one
-step and the others go on.
-
-A request refused by a full waiting queue is answered ``failed`` at once (the gateway's
-``max_queued_requests`` comes first while at most ``max_batch + max_waiting``, as by default).
-With ``hold`` (``DecoderConfig``), a step waits that many times the last one's length while more
-requests are on their way than it holds: more rows share its fixed cost, their prefills get the cores.
+The decoder is stepped on the model thread, one step per round, and the event loop hands the tokens out between
+rounds. Only the loop touches the decoder while no step is in flight: an arrival or an abort during a step is
+applied when it returns. A request refused by a full waiting queue is answered ``failed`` at once. With ``hold``,
+a step waits a multiple of the last one's length while more requests are on their way, so more rows share it.
 """
 
 from __future__ import annotations

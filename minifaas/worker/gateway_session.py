@@ -1,18 +1,9 @@
 """One gateway's session with a worker: control messages in, the worker's replies out; one class per role.
 
-A worker serves one gateway at a time (``control.server`` refuses a second).
-On ``attach`` it says what it is and sends its pool's inventory, so a gateway
-that restarted learns what the node already holds.
-
-Every message is checked and read as its op's dataclass (``from_wire``), then
-goes to its op's handler (an op the role does not serve is refused); one its
-class refuses, or whose handling raises, is answered ``error`` and the session
-goes on. Each request runs as a task of the session. When the session ends
-(the gateway closed it, went silent past the deadline, or sent a frame that
-failed its MAC), every request it started is aborted: a prefill stops, a
-decode row is freed, and nothing waits for a gateway that is gone. A decode
-step's tokens leave as one ``tokens`` frame at the loop's next turn; any other
-message sends them first, so each request's messages keep their order.
+Every message is read as its op's dataclass (``from_wire``) and goes to its op's handler; one that is refused,
+or whose handling raises, is answered ``error`` and the session goes on. Each request runs as a task of the
+session, and when the session ends every request it started is aborted. On ``attach`` the worker sends its
+pool's inventory; a decode step's tokens leave as one ``tokens`` frame, ahead of any later message.
 """
 
 from __future__ import annotations

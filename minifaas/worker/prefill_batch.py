@@ -1,12 +1,9 @@
 """Short prompts prefilled together: prompts of one length, none with a cached prefix, as rows of one forward.
 
 A prefill service's ``Batcher`` keeps its queue for the compute lock. The prompt whose turn comes leads
-(``gather``): prompts queued behind it of its length, within the token budget and with no cached prefix or
-snapshot point inside (``cold``), ride along, taken off the queue; a queued prompt waits for the lock or a ride,
-whichever comes first (``turn_or_ride``). Each member opens its own transfer and ``join``s; the forward
-(``model.batch_prefill``) starts once every member has joined or left, each row's layer states streaming to its
-own transfer's sink as it is made (``row``). A member aborted meanwhile loses only its row; the others go on. Why a
-batch pays: docs/RESULTS.md, section 35.
+(``gather``), and prompts of its length queued behind it ride along, within the token budget. Each member opens
+its own transfer and ``join``s; the forward starts once every member has joined or left, each row's layers
+streaming to its own transfer. A member aborted meanwhile loses only its row.
 """
 
 from __future__ import annotations

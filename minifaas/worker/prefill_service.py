@@ -1,18 +1,10 @@
 """A prefill worker's job: run prompts through the model and stream each layer's state as it is made.
 
-``prefill`` waits for the prompt's turn at the compute lock (arrival order), then chooses once how it runs: alone
-with its cached prefix pinned and loaded (``PrefixStore.begin``), or leading the short prompts queued behind it
-in one forward (``prefill_batch``, with ``batch_tokens``). The core (``_run``): open the transfer, run the
-forwards with the transfer's ``TransferSink`` (``put_layer``, ``put_tokens``), send the first token, reply. With
-``chunk_tokens`` every forward runs in chunks and each chunk's full-attention KV goes out once it has passed the
-layer; with 0 the snapshot segments run before the transfer opens and the last segment streams by layer.
-
-Around the core: the pool keeps the prompt's blocks and snapshots beside the transfer's tail, the compute lock
-held until they are in so the next prompt sees them (``_keep``). An abort takes a waiting prompt out of the
-queue or stops a running forward at its sink's next put, lets the lock go only once that forward's thread has
-ended, resets the transfer and stores nothing. ``export`` sends a cached prefix to another cluster's node, whose
-``prefill`` takes it in first (``import``; a move that fails is logged, counted and done without). Codecs: the
-gateway's, if allowed, else the nearest (``calibrate`` measures each).
+``prefill`` waits for the prompt's turn at the compute lock (arrival order), then runs it alone with its cached
+prefix loaded (``PrefixStore``), or leading the short prompts queued behind it in one forward (``prefill_batch``).
+The plain path is ``_run``: open the transfer, run the forwards into its ``TransferSink``, send the first token,
+reply; the pool then keeps the prompt's blocks and snapshots (``_keep``). ``export`` sends a cached prefix to
+another cluster's node, which takes it in before its prefill.
 """
 
 from __future__ import annotations
@@ -274,13 +266,8 @@ def coding(report: TransferReport) -> dict:
 
 class TransferSink:
     """A ``LayerSink`` onto a prompt's transfer: where its forward puts its layers, from the forward's thread.
-
-    ``put_layer`` takes a finished layer, ``put_tokens`` a token range of a full-attention layer (prefill in
-    token chunks; the ranges of one layer come in order, from one or several forwards, each of which hands over
-    its prefix again: only tokens not yet sent go out). Full-attention KV goes only from ``link_start`` on,
-    since the decode node already holds the tokens before it (incremental transfer). Once ``stop`` is set, the
-    next put raises ``Stopped`` in the forward.
-    """
+    Full-attention KV goes out once per token and only from ``link_start`` on (the decode node holds the
+    tokens before it). Once ``stop`` is set, the next put raises ``Stopped`` in the forward."""
 
     def __init__(self, tx: OutgoingTransfer, link_start: int, total: int, stop: threading.Event | None = None) -> None:
         self.tx, self.link_start, self.total, self.stop = tx, link_start, total, stop

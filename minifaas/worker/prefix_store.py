@@ -1,18 +1,9 @@
 """A prefill node's prefix cache: the live payloads of a ``HybridPrefixPool`` and the prefill that fills it.
 
-Each prefill worker holds one pool in its own host memory, and the cluster shares them by routing: the
-gateway hears every node's store/evict events under the node's name and sends a request to a node that can
-load its hit. A worker that restarts comes back with an empty pool. Payloads are in host memory:
-- a block: the full-attention KV of its ``block_size`` tokens, one state per full-attention layer;
-- a snapshot at length n: the full-attention KV of the partial block [n - n % block_size, n),
-  every other layer's state (linear attention, sliding window) at exactly n, and the logits of the token
-  after n (``Snapshot``).
-
-A prefill with a hit of h tokens continues from the hit's state and runs the rest in segments that end at
-the pool's snapshot points, keeping the state at each (``advance``); only the last segment streams its layers
-to the decode side (``compute``). A prompt whose end snapshot is held runs no forward: its state streams from
-the pool and its first token is sampled from the kept logits. The blocks and the end snapshot are copied out
-(``cut``) and stored (``finish``) after the prefill's result has gone on: no first token waits for them.
+Payloads are in host memory. A block holds the full-attention KV of its tokens; a snapshot at length n holds the
+KV of the partial block before n, every other layer's state at exactly n, and the logits of the token after n.
+A prefill continues from its hit in segments that end at the pool's snapshot points (``advance``), the last one
+streaming (``compute``); a prompt whose end snapshot is held runs no forward at all.
 """
 
 from __future__ import annotations
@@ -276,9 +267,9 @@ def join_tokens(parts: list[LayerState]) -> LayerState:
 
 
 def _copy(s: LayerState) -> LayerState:
-    """Copied into host memory: the pool's budget (``--cache-mib``) is host memory, and a hit joins blocks
-    computed here with blocks moved in from another cluster (received on the host) without mixing devices.
-    From a GPU the copy waits for the device; ``compute`` runs in the compute thread, never on the loop."""
+    """Copied into host memory: the pool's budget (``--cache-mib``) is host memory, and a hit then joins blocks
+    computed here with blocks moved in from another cluster without mixing devices. Blocks on a GPU copy: run
+    it in the compute thread, never on the loop."""
     return LayerState(s.layer, s.kind, s.seq_len, tuple((n, t.to("cpu", copy=True)) for n, t in s.slots))
 
 

@@ -1,12 +1,8 @@
 """A worker process: ``minifaas worker --role prefill|decode --cluster prfaas|pd --listen HOST:PORT``.
 
-One per node, on any host. It loads and warms up the model, opens its KV port (decode: the receiver; prefill
-with ``--accept-moves``: the one cache moves arrive on) and its control port, prints one JSON line when ready
-(``{"control": [host, port], "kv": ..., "pid": ...}``) and waits for a gateway: ``gateway_session`` serves one
-at a time, and a gateway that restarts attaches again to the same process. It serves until ``stop`` is set, or
-with ``--exit-with-stdin`` (how the gateway starts its local children) until its stdin closes, so a gateway
-that dies, however it dies, leaves none behind. The cluster secret comes from ``--secret-file`` or
-$MINIFAAS_SECRET, never from the command line; the flags are in ``commands/worker.py``.
+One per node. It loads and warms up the model, opens its KV and control ports, prints one JSON line when ready,
+and serves one gateway at a time until ``stop`` is set or, with ``--exit-with-stdin``, until its stdin closes, so
+a gateway that dies leaves no worker behind. Its flags are in ``commands/worker.py``.
 """
 
 from __future__ import annotations
