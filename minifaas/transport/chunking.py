@@ -1,12 +1,8 @@
 """Cutting layer states into chunks: byte ranges of tensor slots, each sent as one CHUNK frame.
 
-A whole layer is cut slot by slot. A token range of a full-attention layer
-(prefill run in token chunks: the keys and values of tokens [start, end) are
-final as soon as that chunk has passed the layer) is cut into the byte ranges
-it will occupy in the finished slot, so the receiver assembles the whole
-layer from its pieces without knowing they were pieces. Payloads are views
-of tensor memory: nothing is copied until the kernel copies it, or until a
-codec (``codec``) reads it to make the coded payload the frame carries instead.
+A token range of a full-attention layer is cut into the byte ranges it will occupy in the finished slot, so the
+receiver assembles the whole layer without knowing it came in pieces. Payloads are views of tensor memory: nothing
+is copied until the kernel, or a codec, reads them.
 """
 
 from __future__ import annotations
@@ -100,11 +96,8 @@ def split_token_range(
     piece: LayerState, start: int, total: int, chunk_bytes: int, ready: CopyDone | None = None
 ) -> list[Chunk]:
     """Chunks that put ``piece`` (tokens [start, start + piece.seq_len) of a full-attention layer)
-    where those tokens sit in the finished layer of ``total`` tokens.
-
-    Slots are ``[..., tokens, dim]``: every leading index (batch, head) holds one
-    contiguous run of the piece's rows, which lands at row ``start`` of that index.
-    """
+    where those tokens sit in the finished layer of ``total`` tokens. Slots are ``[..., tokens, dim]``: each
+    leading index (batch, head) holds one run of the piece's rows, which lands at row ``start`` of that index."""
     if piece.kind is not StateKind.FULL_ATTENTION:
         raise ValueError(f"only full-attention state grows by tokens, not {piece.kind.name}")
     if chunk_bytes <= 0 or not 0 <= start <= start + piece.seq_len <= total:
@@ -127,12 +120,8 @@ def split_token_range(
 
 
 def cut_tail(chunks: list[Chunk], connections: int, piece_bytes: int | None) -> list[Chunk]:
-    """The chunks with the last ``connections`` chunks' worth of bytes cut into pieces of ``piece_bytes``.
-
-    Once the producer is done, what is still queued is all that is left. A chunk a pump takes stays
-    on its connection, so the connections end when their last chunks do; with small pieces at the
-    end they end together, instead of a few of them carrying a whole chunk each while the rest idle
-    (on a link that only many windows fill, that idling is lost rate)."""
+    """The chunks with the last ``connections`` chunks' worth of bytes cut into pieces of ``piece_bytes``, so
+    that the connections end together instead of a few carrying a whole last chunk each while the rest idle."""
     if piece_bytes is None or connections == 1 or not chunks:
         return chunks
     budget, cut = connections * max(c.length for c in chunks), []

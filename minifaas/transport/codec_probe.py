@@ -1,12 +1,7 @@
 """A codec measured on a real state: the bytes before and after, and the time to code and decode them.
 
-Chunks are cut and coded as the sender does it (``split_chunks``, then each
-frame's codec from ``frame_codec``), on this thread, then decoded as the
-receiver does and checked against the original bytes (lossless) or the
-sender's checksum (lossy). A prefill worker runs it once on the state of its
-warm-up prefill and reports the figures, so the scheduler has measured ones
-before the first request; ``benchmarks/bench_kv_compression.py`` builds its
-codec table from it.
+Chunks are cut, coded, decoded and checked as the sender and the receiver do it, on this thread. A prefill worker
+runs it on its warm-up state, so the scheduler has measured codec figures before the first request.
 """
 
 from __future__ import annotations
@@ -49,9 +44,8 @@ def roundtrip(
     state: ModelState, codec: Codec, chunk_bytes: int = 1 << 20, every_kind: bool = False, accelerated: bool = True
 ) -> tuple[ModelState, ProbeResult]:
     """``state`` as a receiver would hold it after a transfer coded with ``codec``, and the measurement.
-    ``every_kind`` codes linear-attention state with a lossy code too, which no transfer does: it is
-    how the benchmark measures what that would cost. ``accelerated`` False codes lossless frames with
-    the coder's fallback (``PlaneEncoder``)."""
+    ``every_kind`` codes linear-attention state with a lossy code too, which no transfer does, to measure
+    what that would cost. ``accelerated`` False codes lossless frames with the fallback (``PlaneEncoder``)."""
     encoder, decoder = FrameEncoder(accelerated), FrameDecoder()
     nbytes = wire = 0
     encode_s = decode_s = 0.0

@@ -1,16 +1,9 @@
 """An incoming transfer: chunks that arrive in any order rebuilt into layer states, handed on in layer order.
 
-``Reassembly`` is the sans-IO part: ``buffer_for(header)`` says where a chunk's payload goes (a view into the
-slot's final tensor memory: no copy), ``commit`` checks its checksum and returns the layers now deliverable.
-``IncomingTransfer`` is the transfer as its consumer sees it:
-
-    async for layer in receiver.transfer(transfer_id):   # LayerState 0, 1, 2, ... as soon as each is whole
-        ...
-
-Iteration ends after the last layer, or raises the ``TransferError`` that ended the transfer. ``TransferTable``
-holds a receiver's transfers by id: a frame for a new id opens one (frames may come before the consumer asks), a
-frame for one that ended recently is skipped, and one that ended unclaimed is kept ``grace`` seconds, then
-dropped. At most ``max_open`` are held; only claimed, unfinished ones are never pushed out.
+``Reassembly`` is the sans-IO part: where a chunk's payload goes (a view into the slot's final tensor, no copy)
+and which layers a checked chunk makes deliverable. ``IncomingTransfer`` is what a consumer iterates, each layer
+as soon as it is whole, until the last or the ``TransferError`` that ended it. ``TransferTable`` holds a
+receiver's transfers by id, those whose frames came before their consumer asked too, and drops unclaimed ones.
 """
 
 from __future__ import annotations

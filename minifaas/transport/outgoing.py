@@ -1,17 +1,9 @@
 """The KV sender: layer states to one receiver over a pool of N TCP connections, as the prefill makes them.
 
-    async with KVSender(SenderConfig(host, port, secret, connections=16)) as sender:
-        report = await sender.send(transfer_id, model_state)        # a finished state
-        async with sender.stream(transfer_id, layers=n) as tx:       # layers as prefill makes them
-            await asyncio.to_thread(runtime.prefill, tokens, on_layer=tx.put_threadsafe)
-
-One ``OutgoingTransfer`` per state: each layer (``put_tokens``: a token range of a full-attention layer) is cut
-into chunks and queued when it is put; N pumps, one per connection, take the next chunk as soon as their
-connection has room (``unsent_limit_bytes``), so layer i's chunks all leave before layer i+1's. Then the first
-connection carries END and waits for DONE or ABORT. ``pipelined=False`` holds every layer until the producer is
-done (the naive reference). ``put_threadsafe`` stages a GPU layer to pinned host memory (``model.host_copy``);
-a ``codec`` codes each chunk just before it is sent. While no layer comes, ALIVE goes out every third of
-``stall_timeout``. ``tcp_infos()`` and ``queued_bytes`` feed ``link_health.LinkMonitor``.
+One ``OutgoingTransfer`` per state: each layer put is cut into chunks and queued, and N pumps, one per connection,
+take the next chunk as soon as their connection has room, so layer i's chunks all leave before layer i+1's; then
+END goes out and the sender waits for DONE or ABORT. ``pipelined=False`` holds every layer until the producer is
+done (the naive reference). While the producer has no new layer, ALIVE frames show the sender lives.
 """
 
 from __future__ import annotations
@@ -181,12 +173,8 @@ class OutgoingTransfer:
             self._enqueue(split_chunks(layer, self._settings.chunk_bytes, ready))
 
     def put_tokens(self, piece: LayerState, start: int, total: int, ready: CopyDone | None = None) -> None:
-        """Queue tokens [start, start + piece.seq_len) of a full-attention layer that will hold ``total``.
-
-        For prefill run in token chunks: a layer's keys and values for a chunk are
-        final once the chunk has passed it, long before the prompt's last chunk.
-        Pieces of one layer go in token order; the receiver sees one whole layer.
-        """
+        """Queue tokens [start, start + piece.seq_len) of a full-attention layer that will hold ``total`` (prefill
+        in token chunks). Pieces of one layer go in token order; the receiver sees one whole layer."""
         if self._accept(piece.layer, start, start + piece.seq_len, total):
             self._enqueue(split_token_range(piece, start, total, self._settings.chunk_bytes, ready))
 

@@ -1,17 +1,9 @@
 """The KV receiver: an asyncio server that turns frames from many connections back into layers.
 
-    async with KVReceiver(ReceiverConfig(secret=...)) as receiver:
-        incoming = receiver.transfer(transfer_id)   # before or after its frames arrive
-        async for layer in incoming: ...            # or: state = await incoming.model_state()
-        receiver.release(state)                     # optional: its memory takes the next transfer
-
-After the handshake (offering only ``codecs``), a chunk's payload is read straight into the slot's tensor memory
-and checksummed block by block as it lands; a coded chunk is read into the connection's scratch buffer, decoded
-into the slot (in a thread when large) and checksummed there. Anything wrong with a connection drops it and fails
-every unfinished transfer it carried, with the specific error. A transfer with no frame finished (ALIVE counts)
-and no payload being read for ``stall_timeout`` fails with ``StallError``. A failed transfer's memory is freed at
-once and its later frames skipped; one no consumer claims is dropped ``unclaimed_grace`` seconds after it ends,
-or sooner when ``max_open_transfers`` needs its place (``incoming.TransferTable``), with a warning naming the cause.
+A chunk's payload is read straight into the slot's tensor memory and checksummed as it lands (a coded one is
+decoded into it). Anything wrong with a connection drops it and fails every unfinished transfer it carried, with
+the specific error; a transfer with no progress for ``stall_timeout`` fails with ``StallError``. A consumer takes
+a transfer with ``transfer(id)``, before or after its frames arrive, and may ``release`` its memory for reuse.
 """
 
 from __future__ import annotations
@@ -94,11 +86,10 @@ class ReceiverStats:
 
 
 class ReceiveBuffers:
-    """Receive memory used again instead of freshly mapped for every transfer: new memory makes the kernel fault
-    in and zero every page first, which on a busy host costs about as much as the copy. A consumer done with a
-    received state gives it back (``KVReceiver.release``); forgetting only costs speed, while releasing a state
-    still in use is a bug (its bytes will be overwritten). ``pinned``: page-locked memory, for a decode node on a
-    GPU, whose copies to the device then run asynchronously; such a state goes back only once they are done."""
+    """Receive memory used again instead of freshly mapped (and page-faulted) for every transfer. A consumer done
+    with a received state gives it back (``KVReceiver.release``); releasing a state still in use is a bug, its bytes
+    will be overwritten. ``pinned``: page-locked memory, for a decode node's asynchronous copies to a GPU; such a
+    state goes back only once they are done."""
 
     def __init__(self, max_bytes: int, pinned: bool = False):
         if max_bytes < 0:
