@@ -3,7 +3,7 @@
 ``Reassembly`` is the sans-IO part: where a chunk's payload goes (a view into the slot's final tensor, no copy)
 and which layers a checked chunk makes deliverable. ``IncomingTransfer`` is what a consumer iterates, each layer
 as soon as it is whole, until the last or the ``TransferError`` that ended it. ``TransferTable`` holds a
-receiver's transfers by id, those whose frames came before their consumer asked too, and drops unclaimed ones.
+receiver's transfers by id (frames may come before the consumer asks) and drops the ones nobody claims.
 """
 
 from __future__ import annotations

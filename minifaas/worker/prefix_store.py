@@ -268,8 +268,8 @@ def join_tokens(parts: list[LayerState]) -> LayerState:
 
 def _copy(s: LayerState) -> LayerState:
     """Copied into host memory: the pool's budget (``--cache-mib``) is host memory, and a hit then joins blocks
-    computed here with blocks moved in from another cluster without mixing devices. Blocks on a GPU copy: run
-    it in the compute thread, never on the loop."""
+    computed here with blocks moved in from another cluster without mixing devices. From a GPU the copy waits
+    for the device, so it runs in the compute thread, never on the loop."""
     return LayerState(s.layer, s.kind, s.seq_len, tuple((n, t.to("cpu", copy=True)) for n, t in s.slots))
 
 
