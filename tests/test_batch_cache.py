@@ -62,9 +62,37 @@ def test_a_long_request_decodes_in_its_own_lane_and_a_burst_after_it_gets_buffer
 
 def test_a_buffer_doubles_while_small_grows_by_a_quarter_when_large_and_shrinks_once_four_times_too_large() -> None:
     buf = torch.arange(2 * 100, dtype=torch.float32).reshape(2, 100)
-    assert fitted(buf, 1, 100) is buf and fitted(buf, 1, 25) is buf  # within four times (and the slack): kept
-    grown = fitted(buf, 1, 101)
+    assert fitted(buf, {1: 100}) is buf and fitted(buf, {1: 25}) is buf  # within four times (and the slack): kept
+    grown = fitted(buf, {1: 101})
     assert grown.shape == (2, 203) and torch.equal(grown[:, :100], buf) and not grown[:, 100:].any()
-    shrunk = fitted(grown, 1, 20)
+    shrunk = fitted(grown, {1: 20})
     assert shrunk.shape == (2, 41) and torch.equal(shrunk[:, :20], buf[:, :20])
-    assert fitted(torch.zeros(1, 32000), 1, 32001).shape == (1, 40002)  # a long row: a quarter more, not double
+    assert fitted(grown, {1: 20}, shrink=False) is grown  # between the times a buffer may shrink: kept
+    assert fitted(torch.zeros(1, 32000), {1: 32001}).shape == (1, 40002)  # a long row: a quarter more, not double
+
+
+def test_a_buffer_that_grows_on_one_dimension_shrinks_the_other_in_the_same_copy() -> None:
+    buf = torch.ones(4, 1000)
+    both = fitted(buf, {0: 5, 1: 40}, shrink=False)  # one more row: the copy is made anyway, so it is narrowed too
+    assert both.shape == (11, 81) and torch.equal(both[:4, :40], buf[:, :40]) and not both[4:].any()
+
+
+def test_long_rows_that_come_and_go_among_short_ones_do_not_copy_the_buffers_each_time(runtime: ModelRuntime) -> None:
+    """Width grows when a long row joins and, were it to shrink each time the row left, every long row would
+    copy the whole batch's buffers twice. They may shrink only every ``SHRINK_EVERY`` steps."""
+    long = runtime.prefill([(7 * i + 3) % 256 for i in range(2000)], chunk_tokens=512)
+    short = runtime.prefill([(5 * i + 1) % 256 for i in range(SHORT)])
+    assert lane_of(2000) == 0
+    decoder = BatchDecoder(runtime, DecoderConfig(max_batch=64))
+    for i in range(16):
+        decoder.submit(f"short-{i}", short.state, short.next_token, SamplingParams(max_tokens=60, ignore_eos=True))
+    decoder.step()
+    seen = []
+    for cycle in range(10):  # a long row for two steps, then three steps without it
+        decoder.submit(f"long-{cycle}", long.state, long.next_token, SamplingParams(max_tokens=2, ignore_eos=True))
+        for _ in range(5):
+            decoder.step()
+            seen.append(kv_buffers(decoder.lanes[0])[0])
+    assert len({b.data_ptr() for b in seen}) <= 3  # grown once for the long rows, shrunk at most once
+    while decoder.load:
+        decoder.step()

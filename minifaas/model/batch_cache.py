@@ -29,7 +29,8 @@ from minifaas.model.state_layout import new_cache
 # - full attention, ``PaddedKVLayer``: ``[rows, heads, capacity, dim]``, right padded. Row r holds its tokens in
 #   slots ``0..len_r-1`` and writes the new one at slot ``len_r``. The forward sees ``[:n, :, :width]``, width =
 #   longest row + 1, with a mask that hides each row's padding. Capacity grows geometrically (a step copies only
-#   the n new tokens; a row, when it joins or moves) and shrinks once four times what rows need (``fitted``).
+#   the n new tokens; a row, when it joins or moves) and shrinks once four times what the rows of the last
+#   ``SHRINK_EVERY`` steps needed at most (``fitted``), or as it grows on its other dimension.
 # - sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: position p lives in slot
 #   ``p % window`` (attention is order-free once keys carry their rotary phase, so the ring is never shifted).
 # - linear state, ``RowLinearLayer``: conv and recurrent states stacked by row, ``[:n]`` views updated in place.
@@ -38,6 +39,7 @@ from minifaas.model.state_layout import new_cache
 
 SLACK = 16  # rows or tokens a buffer may hold past four times what it needs: no churn at small sizes
 GROWTH = 1024  # up to this many a buffer doubles when it grows; past it, it grows by a quarter
+SHRINK_EVERY = 64  # steps between the times a buffer may shrink: one copy per window, not one per long row
 
 
 def roomy(needed: int) -> int:
@@ -46,17 +48,20 @@ def roomy(needed: int) -> int:
     return needed + min(needed, max(needed // 4, GROWTH)) + 1
 
 
-def fitted(buffer: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
-    """``buffer`` if dimension ``dim`` holds ``needed`` and not four times that (plus ``SLACK``); else a copy of
-    ``roomy(needed)``, its first ``needed`` entries kept (zeros after)."""
-    size = buffer.shape[dim]
-    if needed <= size <= 4 * needed + SLACK:
-        return buffer
+def fitted(buffer: torch.Tensor, needs: dict[int, int], shrink: bool = True) -> torch.Tensor:
+    """``buffer`` if each dimension ``d`` of ``needs`` holds ``needs[d]`` and, with ``shrink``, not four times that
+    (plus ``SLACK``); else one copy in which each dimension that must change is ``roomy`` of its need, the first
+    ``needs[d]`` entries kept (zeros after). A copy made to grow also shrinks the dimensions too large."""
     shape = list(buffer.shape)
-    shape[dim] = roomy(needed)
+    grows = any(n > shape[d] for d, n in needs.items())
+    for d, n in needs.items():
+        if n > shape[d] or ((shrink or grows) and shape[d] > 4 * n + SLACK):
+            shape[d] = roomy(n)
+    if shape == list(buffer.shape):
+        return buffer
     out = buffer.new_zeros(shape)
-    kept = min(size, needed)
-    out.narrow(dim, 0, kept).copy_(buffer.narrow(dim, 0, kept))
+    kept = tuple(slice(0, min(size, needs.get(d, size))) for d, size in enumerate(buffer.shape))
+    out[kept] = buffer[kept]
     return out
 
 
@@ -72,10 +77,10 @@ class PaddedKVLayer(CacheLayerMixin):
         self.rows, self.width = 0, 0
         self.write_at = torch.zeros(0, dtype=torch.long)
 
-    def fit(self, rows: int, width: int) -> None:
-        """Room for ``rows`` rows of ``width`` slots, and not four times more (``fitted``)."""
+    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
+        """Room for ``rows`` rows of ``width`` slots; with ``shrink``, not four times more (``fitted``)."""
         for name, buf in self.buffers.items():
-            self.buffers[name] = fitted(fitted(buf, 0, rows), 2, width)
+            self.buffers[name] = fitted(buf, {0: rows, 2: width}, shrink)
 
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         state = states[0]
@@ -90,7 +95,6 @@ class PaddedKVLayer(CacheLayerMixin):
             buf[dst, :, :tokens].copy_(buf[src, :, :tokens])
 
     def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
-        self.fit(rows, width)
         self.rows, self.write_at, self.width = rows, write_at, width
         self.keys, self.values = self.buffers.get("keys"), self.buffers.get("values")
 
@@ -126,9 +130,9 @@ class RingKVLayer(PaddedKVLayer):
         super().__init__(device)
         self.window = window
 
-    def fit(self, rows: int, width: int) -> None:
+    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
         for name, buf in self.buffers.items():
-            self.buffers[name] = fitted(buf, 0, rows)
+            self.buffers[name] = fitted(buf, {0: rows}, shrink)
 
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         # the last `held` tokens, ending at position seq_len - 1; the next step needs window - 1 of them
@@ -158,9 +162,9 @@ class RowLinearLayer(LinearAttentionLayer):
         self.device = torch.device(device)
         self.linear_buffers: dict[str, torch.Tensor] = {}  # "conv.<i>" / "recurrent.<i>": [rows, ...]
 
-    def fit(self, rows: int, width: int) -> None:
+    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
         for name, buf in self.linear_buffers.items():
-            self.linear_buffers[name] = fitted(buf, 0, rows)
+            self.linear_buffers[name] = fitted(buf, {0: rows}, shrink)
 
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         for name, t in states[-1].slots:
@@ -174,7 +178,6 @@ class RowLinearLayer(LinearAttentionLayer):
             buf[dst].copy_(buf[src])
 
     def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
-        self.fit(rows, width)
         for name, buf in self.linear_buffers.items():
             which, idx = name.split(".")
             i = int(idx)
@@ -198,9 +201,9 @@ class RowHybridLayer(PaddedKVLayer, RowLinearLayer):
         PaddedKVLayer.__init__(self, device)
         RowLinearLayer.__init__(self, number_of_states, device)
 
-    def fit(self, rows: int, width: int) -> None:
-        PaddedKVLayer.fit(self, rows, width)
-        RowLinearLayer.fit(self, rows, width)
+    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
+        PaddedKVLayer.fit(self, rows, width, shrink)
+        RowLinearLayer.fit(self, rows, width, shrink)
 
     def put(self, row: int, states: Sequence[LayerState]) -> None:
         PaddedKVLayer.put(self, row, states)
@@ -218,7 +221,7 @@ class RowHybridLayer(PaddedKVLayer, RowLinearLayer):
 class StatelessRowLayer(DummyLayer):
     parts: tuple[StateKind, ...] = ()
 
-    def fit(self, rows: int, width: int) -> None:
+    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
         pass
 
     def put(self, row: int, states: Sequence[LayerState]) -> None:
@@ -261,6 +264,8 @@ class BatchCache:
         self.one_mask = len(windows) == 1 and all(type(x) in (PaddedKVLayer, RingKVLayer) for x in self.layers)
         self.cache = new_cache(config, self.layers)  # what the model's forward sees
         self.lengths: list[int] = []  # tokens held per row = the position its next token is written at
+        self.steps = 0
+        self.peak = (0, 0)  # the most rows and the widest step since the buffers last could shrink
 
     def _mask_names(self, config: PreTrainedConfig) -> dict[str, PaddedKVLayer | None]:
         """Every name a model may look a layer's mask up by -> the layer whose attention the mask is for."""
@@ -317,8 +322,14 @@ class BatchCache:
         n = self.rows
         positions = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
         width = max(self.lengths) + 1
+        self.peak = (max(self.peak[0], n), max(self.peak[1], width))
+        self.steps += 1
+        shrink = self.steps % SHRINK_EVERY == 0  # to the window's peak: rows that come and go do not churn them
         for layer in self.layers:
+            layer.fit(*(self.peak if shrink else (n, width)), shrink=shrink)
             layer.prepare(n, positions, width)
+        if shrink:
+            self.peak = (0, 0)
         hidden = torch.finfo(dtype).min
         built: dict[int, torch.Tensor] = {}  # one mask per window size (0: full attention)
         masks: dict[str, torch.Tensor | None] = {}
