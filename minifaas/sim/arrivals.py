@@ -1,9 +1,7 @@
 """Arrival processes: uniform, Poisson and bursty (a two-state Markov-modulated Poisson process).
 
-Bursty traffic alternates ON and OFF periods of exponential length (means
-``on_s`` and ``off_s``). During ON requests arrive as Poisson at a high rate,
-during OFF at ``off_fraction`` of it; the two rates are set so the long-run mean
-is ``rate``. ``off_fraction = 0`` is the classic on/off source.
+Bursty traffic alternates exponential ON and OFF periods (means ``on_s``, ``off_s``); the OFF rate is
+``off_fraction`` of the ON rate, and both are set so the long-run mean is ``rate``.
 """
 
 from __future__ import annotations

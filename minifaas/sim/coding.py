@@ -1,14 +1,8 @@
-"""KV compression in the simulator: the live policy picks each transfer's codec, the flow shrinks by its ratio.
+"""KV compression in the simulator: the live codec policy picks each PrfaaS transfer's codec as it is placed.
 
-Each PrfaaS transfer asks the codec policy (``policy.codec_policy``, or a plug-in) for a codec with the link as
-the simulator sees it when the transfer is placed (its rate, the short-term
-scheduler's smoothed utilisation when one runs, the flows on the pipe) and
-the transfer's shape (its bytes, its prefill time, and, when layers stream,
-one layer's bytes as the tail that waits for the prefill's end). A coded flow
-enters the pipe at its coded size, and its KV lands later by the time coding
-the tail takes at both ends (the rest is coded as it streams): the cost the
-policy weighs. The codec figures are given (``SimConfig.codecs``), not
-measured: the simulator has no bytes to code; the policy is told them once, as a measurement.
+A coded flow enters the link at its coded size, and its KV lands later by the time coding its tail takes at both
+ends. The codec figures are given (``SimConfig.codecs``): the simulator has no bytes to code, so the policy is
+told them once, as if measured.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Policies side by side: one deployment and one workload simulated once per policy, as a table and a plot.
-
-``compare`` runs each named ``SimConfig`` (the same deployment with another policy spec, ``policy.plugin``)
-over the same workload; ``COLUMNS`` are the figures a comparison shows, ``text_table`` lays them out in plain
-text and ``plot_comparison`` draws TTFT p50 and p90, throughput and the link's use per policy (matplotlib, the
-plot extra). ``minifaas sim compare`` and examples/custom_router.py use them.
-"""
+"""Policies side by side: one deployment and one workload simulated once per policy, as a table and a plot."""
 
 from __future__ import annotations
 
@@ -52,6 +46,7 @@ def text_table(results: Mapping[str, SimResult]) -> str:
 
 
 def plot_comparison(results: Mapping[str, SimResult], path: str | Path) -> None:
+    """TTFT p50 and p90, throughput and the link's use per policy (needs matplotlib, the plot extra)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,15 +1,9 @@
 """The PD-D instances: continuous batching with at most BS_max running requests each.
 
-A request holds a batch slot for output_tokens steps, its first token one step after it joins; one whose KV
-arrives at a full instance waits for a slot there. A step takes the profile's ``step_time_s``, or with
-``by_batch`` the profile's step at the rows running now: each instance keeps a clock of steps taken
-(``BatchClock``), a request ending when the clock has moved its output_tokens past where it joined; with
-``hold``, a step also waits that many times its length (at most ``hold_max_s``) while more requests are on
-their way than it holds. The router picks the instance when the request arrives (least assigned work,
-counting requests still in prefill or on the link), as the live router does. Loads move by one at a time,
-so instances sit in buckets by load and the least loaded is found in O(1), not by scanning hundreds of
-instances per request. A ``retire``d instance leaves the buckets (it gets no new requests) and finishes its
-batch; ``add_node`` appends one."""
+A request holds a batch slot for its output steps; one whose KV reaches a full instance waits for a slot.
+Loads move by one at a time, so instances sit in buckets by assigned load and the least loaded is found at once.
+With ``by_batch`` a step's time follows the rows running (``BatchClock``).
+"""
 
 from __future__ import annotations
 
@@ -21,8 +15,8 @@ from minifaas.policy.router import NodeView
 
 
 class BatchClock:
-    """One instance's steps taken, at a rate that changes with its rows, and the step count each running request
-    leaves at; ``due`` says when the next of them leaves, at the rate of now."""
+    """One instance's count of steps taken, at a rate that changes with its rows, and the count each request
+    leaves at; ``due`` is when the next leaves at the current rate."""
 
     def __init__(self) -> None:
         self.steps = 0.0
@@ -129,8 +123,7 @@ class DecodeInstances:
         return False
 
     def finish(self, node: int) -> int | None:
-        """A request left the batch; returns the waiting request that takes its slot, if any.
-        (A retired instance is empty once ``assigned[node]`` is 0 after this.)"""
+        """A request left the batch; returns the waiting request that takes its slot, if any."""
         self._move(node, -1)
         if self.waiting[node]:
             self.total_waiting -= 1
@@ -146,16 +139,15 @@ class DecodeInstances:
         heapq.heappush(clock.leaving, (clock.steps + steps, request))
 
     def leave(self, node: int, now: float) -> int:
-        """(``by_batch``) The clock's first request has taken its last step: it leaves the clock (its slot is
-        freed by ``finish``); returns it."""
+        """(``by_batch``) Remove and return the clock's next request to finish; ``finish`` frees its slot."""
         clock = self.clocks[node]
         clock.advance(now)
         clock.steps, request = heapq.heappop(clock.leaving)
         return request
 
     def restep(self, node: int, slowdown: float = 1.0) -> BatchClock:
-        """(``by_batch``) The clock, stepping at the rows running now (after a ``join``, a ``finish`` or a
-        ``reserve``), each step ``slowdown`` times the profile's, and its hold while more are on their way."""
+        """(``by_batch``) Set the clock's step time for the rows running now, ``slowdown`` times the profile's,
+        plus the hold while more requests are on their way than the instance holds."""
         clock = self.clocks[node]
         rows = self.running[node]
         step = self.profile.step_s(rows) * slowdown if rows else 0.0

@@ -1,7 +1,6 @@
 """What a simulated deployment is made of: profiles, instance counts, routing, link, measurement, policies.
 
-Each policy is a spec, a built-in name or module:Class, with its keyword arguments (``policy.plugin``): the
-simulator loads them as the gateway does.
+Each policy is a spec (a built-in name or module:Class) with its keyword arguments, loaded as the gateway does.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from minifaas.policy.short_term import ShortTermConfig
 from minifaas.sim.fluid_link import LinkConfig
 
 NO_OFFLOAD = 10**12  # a threshold no prompt exceeds
-# lossless byte-plane coding of bf16 KV on a GPU: about 1.3x at hundreds of GB/s (SplitZip, arXiv 2605.01708)
+# lossless byte-plane coding of bf16 KV on a GPU (SplitZip, arXiv 2605.01708)
 GPU_LOSSLESS = CodecEstimate(ratio=1.3, encode_bps=200e9, decode_bps=200e9)
 
 
@@ -40,26 +39,22 @@ class SimConfig:
     snapshot_interval_blocks: int = 8  # linear-state snapshots every this many blocks (plus prompt ends)
     warmup_s: float = 0.0  # completions before this are not counted in throughput
     drain: bool = True  # run until every request finishes, or stop at the last arrival
-    # the first token at the prefill's end, as the gateway sends it before the KV lands (gateway/early_first.py);
-    # off: once the KV is at the decode node and one decode step has run
+    # the first token at the prefill's end, as the gateway sends it; off: after the KV lands and one decode step
     early_first_token: bool = False
-    # a prompt whose end snapshot the chosen cluster holds is served whole, as a prefill worker serves it
-    # (worker/prefix_store.py: its first token from the logits kept there); off: a hit leaves a token to compute
+    # a prompt whose end snapshot the cluster holds is served whole, its first token from the logits kept there
     whole_prompt_hits: bool = False
-    # every worker on one host of this many cores (a demo box): a prefill runs slower while the workers computing
-    # need more than the cores (``Simulation._shared_slowdown``); 0: each worker on hardware of its own
+    # every worker on one host of this many cores: a prefill slows while more workers compute than it has cores;
+    # 0: each worker on hardware of its own
     shared_cores: int = 0
-    # on that host, a prefill's time over the profile's with n workers computing (itself counted), as measured
-    # for n = 1, 2, ...; past the last, that one's times n over its n. Empty: n over the cores, at least 1
+    # on that host, a prefill's slowdown with n = 1, 2, ... workers computing (itself counted); past the last, scaled
+    # by n. Empty: n over the cores, at least 1
     contention: tuple[float, ...] = ()
-    # prompts of one length with no cached prefix share a prefill forward of at most this many tokens, as a
-    # prefill worker batches them (``prefill_batch``); its time the profile's for their tokens together. 0: never
+    # prompts of one length with no cached prefix share a prefill forward of at most this many tokens; 0: never
     prefill_batch_tokens: int = 0
-    # a decode step takes the profile's time at the rows the instance runs now (``DecodeProfile.step_s``), as a
-    # decode worker steps whatever batch it has; off: every step takes the profile's ``step_time_s``
+    # a decode step takes the profile's time at the rows running now; off: every step takes ``step_time_s``
     decode_step_by_batch: bool = False
-    # with it, a step then waits this many times its length, at most ``decode_hold_max_s``, while more requests are
-    # on their way to its instance than it holds, as a decode worker on a CPU waits for rows (``DecoderConfig.hold``)
+    # with it, a step waits this many times its length (at most ``decode_hold_max_s``) while more requests are on
+    # their way to its instance than it holds, as a decode worker on a CPU waits for rows
     decode_hold: float = 0.0
     decode_hold_max_s: float = 0.05
     # every token reaches the client this long after its worker makes it (the gateway's messages, the HTTP stream)

@@ -1,10 +1,7 @@
 """The discrete-event engine: a clock and a heap of (time, seq, callback, argument).
 
-``seq`` breaks time ties in scheduling order, so a run is deterministic. One
-argument per event keeps the hot loop small (a million requests make about five
-million events). Arrivals, known in advance and sorted, come from a separate
-``feed`` merged into the loop instead of the heap: half the heap traffic of a
-request is saved, and at equal times an arrival goes after scheduled events.
+``seq`` breaks time ties in scheduling order, so a run is deterministic. Arrivals, known in advance, come from a
+sorted ``feed`` merged into the loop rather than the heap; at equal times they go after scheduled events.
 """
 
 from __future__ import annotations

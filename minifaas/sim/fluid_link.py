@@ -1,15 +1,8 @@
-"""The inter-cluster link as one shared fluid pipe (processor sharing), with RTT and changing bandwidth.
+"""The inter-cluster link as one fluid pipe its flows share equally (processor sharing), with RTT and a changing rate.
 
-Every active flow gets an equal share B(t)/n of the bandwidth, as long-lived TCP flows on one bottleneck
-roughly do. A "virtual clock" V counts the bytes any single active flow has received so far and advances at
-B(t)/n; a flow of S bytes that starts when V reads V0 is done when V reaches V0 + S. So flows sit in a heap
-by V0 + S and only the head matters for the next completion, whatever B or n do later: O(log n) per event.
-
-Layer-pipelined overlap (``pipeline_layers`` > 0): a flow enters the pipe when its prefill STARTS (layer i is
-sent while layer i+1 computes) and cannot finish before the prefill ends plus one layer's bytes at its share;
-with 0 it enters when the prefill ends. Either way the last byte lands one-way delay (RTT / 2) later. A flow
-ahead of its producer still counts as one share: a small error, only when the link is busy and faster than
-prefill.
+A virtual clock V counts the bytes each active flow has received and advances at B(t)/n; a flow of S bytes that
+starts at V0 is done when V reaches V0 + S, so flows sit in a heap by V0 + S and only the head decides the next
+completion, whatever B or n do later. The simulator adds each flow's one-way delay and pipelined tail itself.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""A cluster's prefill instances: one FCFS queue each, one prefill at a time, as the profile measured.
+"""A cluster's prefill instances: one FCFS queue each, one prefill at a time, timed by the profile.
 
-A prefill's start and end are known the moment it is placed (the node is free
-at ``busy_until``), so placement costs no events of its own. The router sees
-each node's queued tokens as its load. A lazy heap finds the node that frees
-up first without scanning a thousand nodes per request: entries go stale when
-a node's ``busy_until`` moves and are dropped when they reach the top.
-
-Role conversion: a ``retire``d node takes no new work (its heap entries are
-dropped like stale ones) and finishes what it holds; ``add_node`` appends one.
-With ``batch_tokens``, a cold prompt placed behind a node's last prefill that has
-not started, of its length and within the budget, rides in its forward, as a
-prefill worker batches them: one forward of their tokens together, one end.
+A prefill's start and end are known when it is placed, so placement costs no events. A lazy heap finds the node
+that frees up first; its entries go stale when a node's ``busy_until`` moves and are dropped at the top. A
+``retire``d node takes no new work and finishes what it holds.
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ from minifaas.policy.router import NodeView
 
 @dataclass(slots=True)
 class Forward:
-    """A node's last placed prefill: when it starts, its prompts' length and tokens together, its slowdown."""
+    """A node's last placed prefill, which cold prompts of its length may still join until it starts."""
 
     start: float
     end: float
@@ -107,10 +99,7 @@ class PrefillInstances:
         return heap[0][1] if heap else None
 
     def views(self, hits: dict[int, int]) -> tuple[NodeView, ...]:
-        """Router candidates: the first-free node plus every node holding a prefix.
-
-        Every other node has no hit and more queued work, so the router could not
-        pick it: the decision equals the one over the whole cluster."""
+        """Router candidates: the first-free node plus every node holding a prefix (the router could pick no other)."""
         free = self.first_free()
         if not hits:  # the common case, kept cheap: one candidate
             return () if free is None else (NodeView(self.ids[free], 0, float(self.queued_tokens[free])),)
@@ -129,8 +118,7 @@ class PrefillInstances:
         self, node: int, now: float, tokens: int, slowdown: float = 1.0, cold: bool = False
     ) -> tuple[float, float]:
         """Queue a prefill of ``tokens`` uncached tokens, ``slowdown`` times the profile's time; its (start, end).
-        ``cold`` (no cached prefix): it may ride in the node's last forward (``batch_tokens``); that forward's
-        other prompts then end when it does."""
+        A ``cold`` prompt (no cached prefix) may join the node's last forward, which then ends later for all."""
         last = self.last[node]
         self.queued_tokens[node] += tokens
         self.in_system += 1

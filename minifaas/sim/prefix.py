@@ -1,14 +1,9 @@
 """The clusters' prefix caches in the simulator: the live pools and the live global manager, sizes only.
 
-Each cluster keeps one ``HybridPrefixPool`` (minifaas.cache) shared by its nodes, and the router's hits come
-from the ``GlobalCacheManager``, as in the gateway. The gateway's manager mirrors each pool from its
-store/evict events; here those would apply at once, so the manager matches against the pool's own index
-(``attach``) and the pools make no events. Trace hash ids become block keys once per request (``keys``:
-numbered, not hashed); a prefill stores what it computed (``store``, no payloads). When a PrfaaS prefill's KV
-lands on a PD decode node, the PD pool keeps what arrived (``store_received``): the full-attention blocks and
-the state at the prompt's end, not the intermediate snapshots, which never left the PrfaaS cluster; so the
-next turn of a conversation ships only its increment. Entries are held under the cluster's name: no node has
-a private hit and the router's node choice stays load-driven, which keeps a thousand-node cluster cheap.
+One pool per cluster, its entries held under the cluster's name, so no node has a private hit and the router's
+node choice stays load-driven. The manager matches against each pool's own index, as events would apply at once.
+A PrfaaS prompt's KV that lands in the PD cluster is kept there (its blocks and end state, not the intermediate
+snapshots), so a conversation's next turn ships only its increment.
 """
 
 from __future__ import annotations
@@ -53,9 +48,8 @@ class ClusterPrefixCaches:
         self._prefilled_ends: dict[str, set[BlockKey]] = {name: set() for name in clusters}  # ends with their logits
 
     def keys(self, hash_ids: tuple[int, ...], prompt_tokens: int) -> PromptKeys:
-        """The prompt's block keys, as ``PromptKeys.from_ids`` would chain them, but numbered instead
-        of hashed: a run only needs keys that are equal exactly when the prefixes are, so each new
-        (parent key, block id) gets the next number and a prefix many prompts share is keyed once."""
+        """The prompt's block keys, chained as ``PromptKeys.from_ids`` does but numbered, not hashed: keys are
+        equal exactly when the prefixes are."""
         size = self.block_tokens
         full, tail = divmod(prompt_tokens, size)
         if len(hash_ids) != full + (tail > 0):

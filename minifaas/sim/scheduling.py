@@ -1,14 +1,7 @@
 """The scheduler in the simulator: the live policies fed from the simulated pools, their decisions applied.
 
-On every sampling tick the pools and the fluid link become one ``Signals``;
-the short-term policy sets the router's threshold and rule, the long-term one
-(once a period) may ask for PD workers to change role. Both are built from
-their specs (``policy.plugin``) and driven through their interfaces only
-(``policy.interfaces``), on the simulator's clock. A conversion retires
-the least-loaded worker of the role that shrinks (no new work goes to it),
-waits until it holds nothing, then, ``convert_s`` later (the restart in its
-new role), adds a worker to the other pool. Nothing is lost or moved: the
-retired worker finishes what it holds, as the live drain does.
+Each tick turns the pools and the link into one ``Signals``. A role conversion retires the least-loaded worker
+of the shrinking role, waits until it holds nothing, then adds a worker to the other role ``convert_s`` later.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The cluster simulator: a workload replayed through the live router, prefix caches and cost profiles.
 
-One request's life, as events:
-  arrive      the global cache manager's prefix hits per cluster -> the router (the same ``decide`` the
-              gateway runs) -> a prefill node and a decode node; the prefill's start and end follow
-              from the node's queue (none to compute for a prompt held whole, with ``whole_prompt_hits``)
-  flow_start  (PrfaaS path, pipelining on) the KV stream enters the link as prefill starts, at the
-              size its codec leaves (``coding``: the live compression policy picks it at arrival)
-  prefill_end the node's queue shrinks; the first token, when it goes out early (as the gateway
-              sends it); PD path: KV is at the decode node (same fabric); PrfaaS path,
-              pipelining off: the stream enters the link now
-  link        the pipe's head flow finished; its KV lands after the tail layer, its coding time and RTT/2
-  kv_ready    join the decode batch, or wait for a slot; the first token one step later unless it went early
-  decode_end  free the slot for the next waiting request (with ``decode_step_by_batch``, ``batch_leave``:
-              the instance's clock of steps says who leaves next, and when, at the step of its rows now)
+A request's life is a chain of events: arrive (cache hits, the router, a prefill and a decode node), flow_start
+(PrfaaS KV streamed as its prefill runs), prefill_end, link (its KV crosses), kv_ready (it joins a decode batch
+or waits for a slot) and decode_end.
 """
 
 from __future__ import annotations
@@ -100,9 +90,8 @@ class Simulation:
             loop.at(at_s, self._set_bandwidth, gbps)
         loop.at(0.0, self._sample)
         until = math.inf if self.config.drain else self.workload.duration_s
-        # The run makes millions of small objects (heap entries, cache entries and their holder sets)
-        # and no reference cycles; the cyclic collector would walk every live one again and again,
-        # and once more right after the run, though they die with the simulation by reference counts.
+        # The run makes many small objects and no reference cycles: the cyclic collector would only walk them
+        # again and again, though they die by reference counts.
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -173,8 +162,7 @@ class Simulation:
 
     def _shared_slowdown(self, start: float, decoder: bool = False) -> float:
         """A prefill's (or, with ``decoder``, a decode step's) time over the profile's when every worker shares
-        ``shared_cores``, by the workers computing at ``start`` (prefill nodes busy then, decode nodes with rows
-        now, itself): the ``contention`` measured for that many, or that many over the cores, at least 1."""
+        ``shared_cores``, from the number of workers computing at ``start`` (``SimConfig.contention``)."""
         c = self.config
         if not c.shared_cores:
             return 1.0

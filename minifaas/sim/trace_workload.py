@@ -1,8 +1,4 @@
-"""A recorded trace as the simulator replays it: ``minifaas.traces`` read into a ``Workload``.
-
-The readers live in ``minifaas.traces`` because the planner reads traces too
-(their prompt lengths) and must not depend on the simulator.
-"""
+"""A recorded trace as the simulator replays it: ``minifaas.traces`` (shared with the planner) read into a Workload."""
 
 from __future__ import annotations
 

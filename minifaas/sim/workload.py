@@ -1,8 +1,7 @@
-"""A workload: when requests arrive, how long their prompts and outputs are, which blocks they share.
+"""A workload, held as numpy columns: when requests arrive, their prompt and output lengths, the blocks they share.
 
-Held as columns (numpy arrays) because the large runs have a million
-requests; ``hash_ids`` is present only for traces that carry prefix
-information (one id per ``block_tokens`` block; equal leading ids = shared prefix).
+``hash_ids`` is there only for traces that carry prefix information: one id per ``block_tokens`` block, equal
+leading ids meaning a shared prefix.
 """
 
 from __future__ import annotations
