@@ -1,16 +1,8 @@
 """Which codec a KV transfer gets: coding pays only when the link time it saves exceeds the time it costs.
 
-``CompressionPolicy.choose`` weighs what a transfer adds after its prefill ends (``TransferShape.exposed_s``):
-uncoded max(B / bw - T, tail / bw), with B its state bytes, T the prefill's time (0: unknown, which leans
-towards not coding) and tail the bytes final only at its end; coded with ratio r, the same at the coded
-stream's pace (r bw, or the slower codec) plus coding the tail at both ends. With T = 0 and tail = B, coding
-pays below the break-even bandwidth (1 - 1/r) / (1/enc + 1/dec) (``CodecEstimate.break_even_bps``).
-bw is ``LinkShare.expected_bytes_per_s``: the link's unused rate, rate * (1 - u), but never less than a fair
-share rate / (n + 1) with n transfers on it. r, enc and dec are moving averages per codec (``CodecMeter``)
-of what coded transfers and each prefill worker's warm-up calibration report. ``auto`` chooses between
-``none`` and ``lossless`` only, never a codec not yet measured; a lossy code changes the model's output and
-is used only when asked for by name. The live gateway and the simulator both call ``choose``, and ``observe``
-with what each coded transfer did.
+``CompressionPolicy.choose`` compares what a transfer adds after its prefill ends (``TransferShape.exposed_s``),
+coded and not, at the share of the link it can expect, with each codec's figures averaged from what coded
+transfers report. ``auto`` picks ``none`` or ``lossless`` only: a lossy code changes the model's output.
 """
 
 from __future__ import annotations
@@ -76,6 +68,7 @@ class LinkShare:
 
     @property
     def expected_bytes_per_s(self) -> float:
+        """The link's unused rate, but never less than a fair share among the transfers on it."""
         if math.isinf(self.rate_bps):
             return math.inf
         free = max(0.0, 1.0 - self.utilisation)

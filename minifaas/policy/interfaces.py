@@ -1,16 +1,7 @@
 """The policy interfaces: one small Protocol per decision, which the gateway and the simulator alike call.
 
-Each method takes frozen values (what the policy may see) and returns a frozen decision; a policy does no
-I/O, keeps no clock (time comes in the signals) and reaches into nothing of the caller's. The shipped
-policies implement these, and callers use nothing else of them. A policy is named by a built-in name, whose
-class its driver builds, or by ``module:Class``, built by ``policy.plugin.load_policy``; docs/POLICIES.md lists
-the keywords each is offered.
-
-    RoutingPolicy      per request: which cluster prefills it, which node, which decode node   (router.py)
-    ShortTermControl   per tick (seconds): the threshold t and the routing rule               (short_term.py)
-    LongTermControl    per tick, acting once a period: the P:D split and role changes         (long_term.py)
-    SnapshotPlacement  per prefill, in the workers: where the linear state is kept            (snapshot_policy.py)
-    CodecPolicy        per transfer across the link: which codec                              (codec_policy.py)
+Each method takes frozen values and returns a frozen decision; a policy does no I/O and keeps no clock (time comes
+in its input). Callers use nothing of a policy but these methods; docs/POLICIES.md describes each kind.
 """
 
 from __future__ import annotations
@@ -26,12 +17,16 @@ from minifaas.policy.snapshot_policy import SnapshotInput
 
 
 class RoutingPolicy(Protocol):
+    """Per request: which cluster prefills it, on which node, and which node decodes it."""
+
     def route(self, request: RouteInput) -> RouteDecision:
         """Where ``request`` is prefilled and decoded (nodes named in its views), or Path.REJECT."""
         ...
 
 
 class ShortTermControl(Protocol):
+    """Per tick (seconds): the threshold t and the routing rule."""
+
     def step(self, signals: Signals) -> ThresholdDecision:
         """One tick: the threshold and the routing rule the router gets from now on."""
         ...
@@ -42,6 +37,8 @@ class ShortTermControl(Protocol):
 
 
 class LongTermControl(Protocol):
+    """Per tick, acting once a period: the P:D split and which PD workers change role."""
+
     def step(self, signals: Signals) -> RebalanceDecision | None:
         """One tick: None between plans; a plan (its t, its split, workers to move) when one is made."""
         ...
@@ -52,12 +49,16 @@ class LongTermControl(Protocol):
 
 
 class SnapshotPlacement(Protocol):
+    """Per prefill, inside each prefill worker: where the linear state is kept."""
+
     def points(self, prompt: SnapshotInput) -> list[int]:
         """Lengths in (start, num_tokens], ascending, at which the prefill keeps its state."""
         ...
 
 
 class CodecPolicy(Protocol):
+    """Per transfer across the link: which codec it gets."""
+
     def choose(self, link: LinkShare, transfer: TransferShape) -> CodecChoice:
         """The codec of a transfer about to cross ``link`` (none, lossless, fp8 or int8)."""
         ...

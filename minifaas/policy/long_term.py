@@ -1,15 +1,9 @@
 """The long-term policy (minutes): re-profile the traffic, re-solve the planner, re-role PD workers.
 
-Every ``period_s``, and at once when the link's ceiling moves by more than ``link_change``, ``step`` takes
-what the ticks since the last plan saw (the incremental prefill lengths, the arrival rate, the link ceiling,
-the mean output length, the measured prefills' speeds against their profiles), builds the planning case of
-the traffic as it is now and solves it (``planner.best_prfaas``) for (t, N_p, N_d). A sample shorter than
-``min_requests`` is topped up with the previous sample's lengths; one still short skips the period.
-The new t becomes the short-term policy's base at once. The split changes only when the planned throughput
-beats the current split's, priced on the same traffic, by ``min_gain``; then at most ``max_conversions`` PD
-workers change role per period (drained first by whoever acts on the decision, who reports each worker
-that could not change back through ``converted``). PrfaaS instances are never re-roled: they are another
-cluster, on other hardware. The constants' reasons: docs/ARCHITECTURE.md 6.
+Once a period, or at once when the link's ceiling moves, ``step`` plans (t, N_p, N_d) for the traffic the ticks
+saw. The new t becomes the short-term base; the split changes only when the plan beats the current one by
+``min_gain``, a few workers at a time, which the caller drains and reports through ``converted``. PrfaaS
+instances never change role: they are another cluster, on other hardware.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Policies by ``module:Class``, and every policy spec checked before anything starts.
 
-Each driver builds its kind's built-ins by name in its own code (``Router`` for the router's ``default``; the
-table below lists the names, for checking). Any other spec is a ``module:Class``, imported as ``python -m`` would
-find it: installed, or under the current directory. Either class must have the methods of its kind's Protocol
-(``policy.interfaces``), and its constructor must take the arguments the configuration gives it (``--router-arg
-k=v``, ``[serve.router_args]``) and those of the keywords its driver offers (``PolicyKind.context``) that it names,
-or all of them with ``**kwargs``; a configured argument wins over an offered keyword of its name. ``check_policy``
-does all but build, so a configuration is checked before anything starts; ``load_policy`` builds a spec. Every
-failure is one ``PolicyError`` line, a value a constructor refuses too (``building``, around a built-in's build).
+A spec is a built-in name, which its driver builds, or a ``module:Class`` imported as ``python -m`` would find it.
+The class needs its kind's Protocol methods, and a constructor that takes the configured arguments and the offered
+keywords (``PolicyKind.context``) it names; a configured argument wins. Every failure is one ``PolicyError`` line.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The PrfaaS router: where one request is prefilled, where it decodes, and why.
 
-Routing is on the INCREMENTAL prefill length l = prompt - usable cached prefix. With threshold t, l > t is
-offloaded to the PrfaaS cluster (its KV then crosses the inter-cluster link to a PD-D node, less the prefix the
-decode side holds); l <= t is prefilled locally on a PD-P node. Two rules pick which cached prefix counts
-(docs/ARCHITECTURE.md, "The router's rules"):
-
-- SCARCE (bandwidth is scarce): each cluster is judged by its own cache; local iff prompt - hit(PD) <= t.
-- ABUNDANT (compute is scarce): the longer of the two caches counts; when it sits in the other cluster, it is
-  moved across the link first (a CacheMove).
-
-Inside the chosen cluster the node is cache-affine and load-aware: the least ``load + prompt - hit`` (a
-cluster's nodes are homogeneous, so queued tokens compare directly). With ``spill_tokens``, a short prompt goes to
-PrfaaS while PD-P is that far behind and the link has room (``_spills``). Sans-IO and pure: ``decide`` is a
-function of its inputs (hits, loads, health, threshold, rule, the link's state); ``Router`` adds counters.
+It routes on the incremental length l = prompt - usable cached prefix: l > t is offloaded to the PrfaaS cluster,
+l <= t is prefilled on a PD-P node. The rule says whose cached prefix counts (SCARCE: the PD cluster's own;
+ABUNDANT: the longer, moved across first), and in a cluster the node that would finish first wins. ``decide`` is
+a pure function of its input; ``Router`` adds counters.
 """
 
 from __future__ import annotations
@@ -76,10 +67,9 @@ class NodeView:
 
 @dataclass(frozen=True, slots=True)
 class ClusterView:
-    """A cluster's nodes and its shared pool. ``pool_hit_tokens`` is the usable prefix in the
-    pool, which every node of the cluster can load; ``kv_prefix_tokens`` is the pool's
-    full-attention KV prefix (blocks present, snapshot or not): what a decode node or a cache
-    move need not resend."""
+    """A cluster's nodes and its shared pool. ``pool_hit_tokens`` is the usable prefix in the pool, which every
+    node can load; ``kv_prefix_tokens`` is the pool's full-attention KV prefix, snapshot or not, which a decode
+    node or a cache move need not resend."""
 
     name: str
     prefill_nodes: tuple[NodeView, ...] = ()

@@ -1,17 +1,8 @@
 """The short-term policy (seconds): move the offload threshold t with the link, pick the routing rule.
 
-Each tick ``ShortTermPolicy.step`` reads one ``Signals`` and returns one ``ThresholdDecision``:
-  raise t   the smoothed utilisation reaches ``high_utilisation``, the link degrades (rtt over
-            ``rtt_inflation`` times the lowest seen, or retransmissions over ``retrans_high``) or is cut, or
-            the PrfaaS queue surges (``surge_per_node`` per node, its path waiting ``surge_imbalance`` times
-            PD-P's): x ``raise_factor``, at most once per ``raise_gap_ticks``;
-  lower t   after ``headroom_ticks`` below ``low_utilisation``: x ``lower_factor``, never below the base t
-            (the planner's, set by the long-term policy);
-  hold      anything else, always when the policy is off (fixed t), and under pressure when PD-P already
-            waits longer than the PrfaaS path (its queue plus the link's backlog): t settles where the two
-            waits balance. A step moves t by at least ``min_step_tokens``, so t can leave 0.
-The rule is SCARCE while the link is cut, degraded or above ``scarce_above``, or PD-P is the busier side;
-ABUNDANT (cache moves) only below ``abundant_below`` with t at its base. The constants' reasons: docs/ARCHITECTURE.md 6.
+Each tick raises t when the link saturates, degrades or is cut, or the PrfaaS queue surges; lowers it back
+towards its base after a spell of headroom; and holds while PD-P already waits longer than the PrfaaS path,
+so t settles where the two waits balance. docs/ARCHITECTURE.md gives each constant's reason.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """What the scheduler sees: one sample of the link, the stage queues and the traffic, taken on a tick.
 
-The live gateway fills a ``Signals`` from the link emulators' counters (or the
-transport's ``LinkHealth``) and its workers; the simulator fills it from its
-fluid link and pools. The policies read nothing else, so both drive them alike.
+The gateway fills it from the link and its workers, the simulator from its own; the policies read nothing else.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Where a prefill keeps linear-state snapshots: the points a later prompt can actually load.
+"""Where a prefill keeps linear-state snapshots: the lengths a later prompt can load its state from.
 
-A hybrid model's linear-attention and sliding-window state is valid at one length only, so a cached prefix
-is usable only up to a length where a snapshot was taken. Every snapshot inside a prompt ends a forward there
-(more, smaller forwards, and a copy of the state) on every request, reused or not; a snapshot at the
-prompt's end costs only the copy.
-
-``ReuseSnapshots`` (``reuse``, the serving default): the prompt's end (the next turn of a chat continues from
-there) and its branch point, the end of the longest block prefix an earlier prompt already stored: a prefix
-seen twice is the evidence that a third prompt will want it. A prompt that shares nothing pays no split.
-``IntervalSnapshots`` (``interval``): every ``interval_blocks`` blocks plus the end (0: the end only).
-
-Sans-IO and pure: the caller passes what its pool (or the gateway's directory) knows about the prompt.
+A snapshot inside a prompt splits its forward, so ``ReuseSnapshots`` keeps only the prompt's end and its branch
+point (the longest prefix already stored), while ``IntervalSnapshots`` keeps one every ``interval_blocks`` too.
 """
 
 from __future__ import annotations
@@ -36,6 +27,9 @@ def prompt_end(p: SnapshotInput) -> list[int]:
 
 
 class ReuseSnapshots:
+    """The ``reuse`` policy, the serving default: a prefix seen twice is the evidence that a third prompt will
+    want it, and a prompt that shares nothing pays no split."""
+
     def points(self, p: SnapshotInput) -> list[int]:
         """Lengths in (start, num_tokens], ascending, at which the prefill keeps its state."""
         if p.num_tokens <= p.start:
@@ -47,6 +41,8 @@ class ReuseSnapshots:
 
 
 class IntervalSnapshots:
+    """The ``interval`` policy: a snapshot every ``interval_blocks`` blocks as well as the end (0: the end only)."""
+
     def __init__(self, interval_blocks: int = 8) -> None:
         if interval_blocks < 0:
             raise ValueError(f"interval_blocks must be >= 0, got {interval_blocks}")
