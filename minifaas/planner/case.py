@@ -1,6 +1,6 @@
 """A planning case: the hardware, the link and the workload the throughput model is solved for.
 
-A TOML (or JSON) file (``load_case``; ``name`` optional) plans any deployment without code:
+A TOML (or JSON) file (``load_case``, ``name`` optional) plans any deployment:
 
     n_prfaas = 4              # PrfaaS instances
     n_pd = 8                  # local PD instances, N_p + N_d

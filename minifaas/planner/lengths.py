@@ -1,10 +1,7 @@
 """Uncached input-length distributions, as weighted samples the planner can condition on.
 
-Every distribution is held the same way: sorted support points with
-probabilities. A truncated log-normal is discretised at equal-probability
-quantiles (``points`` of them, each the median of its slice), an empirical one
-(lengths seen in a trace or in recent traffic) keeps its observations. The
-planner then needs only prefix sums: p = P(L > t), E[L | L > t], E[L | L <= t].
+Each is sorted support points with probabilities: a truncated log-normal at equal-probability quantiles, or the
+lengths observed. The planner's conditional means then need only prefix sums.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The PrfaaS throughput model (the paper's eqs 2-6, listed in docs/ARCHITECTURE.md), vectorised over thresholds.
 
-For a threshold t and instance counts (N_prfaas, N_p, N_d):
-    p = P(L > t), l_long = E[L | L > t], l_short = E[L | L <= t]
-    Theta_prfaas = min(N_prfaas / T_prfaas(l_long), B_out / S_kv(l_long))   (3)
-    Theta_pdp    = N_p / T_pd(l_short)                                     (4)
-    Theta_pdd    = N_d * BS_max / (T_decode * L_out)                       (5)
-    Lambda_max   = min(Theta_prfaas / p, Theta_pdp / (1 - p), Theta_pdd)   (6)
-A stage that receives no requests (p = 0 or p = 1) does not bound Lambda.
-
-``expected_latency`` swaps T(E[L | side]) for E[T(L) | side]: a queue's
-capacity is one over its MEAN service time, and with T convex the paper's form
-overstates it by the spread of lengths on that side (Jensen's inequality).
+A stage that receives no requests (p = 0 or p = 1) does not bound Lambda. ``expected_latency`` prices each side
+by E[T(L)] instead of T(E[L]): a queue's capacity is one over its mean service time, which the paper's form
+overstates when T is convex.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The PrfaaS paper's case study, every input in one place (Qin et al., arXiv 2604.15039).
 
-Only inputs live here; the planner derives the threshold, the split, the
-throughputs and the egress from them. Units: 1K in the profile table is 1024
-tokens (the published fit only matches the table that way); the length
-distribution's bounds use K = 1000 as the paper states them.
+1K in the profile table is 1024 tokens (the published fit matches the table only that way); the length
+distribution's bounds use K = 1000, as the paper states them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The two pictures a reader of a plan needs (matplotlib, the optional ``plot`` extra).
-
-Left: eq 6's three bounds against N_p at the chosen t (where they cross is eq 8).
-Right: the PrfaaS bound Theta_prfaas/p and the PD-P bound Theta_pdp/(1-p) as t
-sweeps at the chosen N_p (where they cross is eq 7), with Lambda_max.
-"""
+"""The two pictures a reader of a plan needs (matplotlib, the optional ``plot`` extra): eq 6's bounds against N_p
+at the chosen t, which cross at eq 8, and the two prefill bounds as t sweeps, which cross at eq 7."""
 
 from __future__ import annotations
 

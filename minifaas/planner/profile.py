@@ -1,7 +1,6 @@
-"""Instance profiles: what one prefill or decode instance costs, as the planner and simulator need it.
+"""Instance profiles: what one instance (``gpus_per_instance`` GPUs serving one replica) costs to prefill or decode.
 
-A profile describes ONE instance (``gpus_per_instance`` GPUs serving one model replica), not one GPU. A file
-holds a [prefill] and a [decode] table, TOML or JSON (``load_profiles``; ``save_profiles`` writes JSON):
+A file holds a [prefill] and a [decode] table, TOML or JSON (``load_profiles``; ``save_profiles`` writes JSON):
 
     [prefill]                     # also name = "H20x8" and gpus_per_instance = 8, as in [decode]
     points = [[1024, 0.44, 200068300], [8192, 0.72, 323905126]]   # [tokens, seconds, kv bytes]

@@ -1,14 +1,8 @@
-"""The planner's search: best threshold and PD split, plus the two baselines.
+"""The planner's search: the best threshold and PD split, and the two baselines priced by the same model.
 
-``best_prfaas`` searches the paper's 2-D grid (eqs 7 and 8 are where its optimum sits): t over 0, step,
-2*step, ... up to the largest length (``SearchGrid``, step 100 tokens by default), every t at once through
-prefix sums over the length distribution; N_p over 0 .. n_pd - 1 with N_d = n_pd - N_p. The winner maximises
-Lambda_max (eq 6); ``expected_latency`` (off by default, as in the paper) prices each side by its mean
-prefill time (model.py). Ties (a decode-bound plateau) go to the point closest to eq 7's balance
-Theta_prfaas/p = Theta_pdp/(1-p), then to the least PrfaaS egress, which leaves the most link headroom.
-
-Baselines, same model: ``best_homogeneous`` (n_homogeneous instances of the PD hardware, no PrfaaS, the best
-N_p >= 1) and ``naive`` (every prefill on the PrfaaS cluster, p = 1; every PD instance decodes).
+``best_prfaas`` sweeps a grid of t and every N_p for the most Lambda_max; ties (a decode-bound plateau) go to
+eq 7's balance, then to the least egress, which leaves the most link headroom. ``naive`` sends every prefill to
+the PrfaaS cluster; ``best_homogeneous`` has no PrfaaS cluster at all.
 """
 
 from __future__ import annotations
