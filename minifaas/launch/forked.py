@@ -4,13 +4,9 @@
     process = await forks.spawn(flags, env)      # a worker: pid, stdin, stdout, returncode, wait(), kill()
     release(forks)                               # its workers are the caller's to stop; the parent stays
 
-A ``ForkedProcess`` has what ``LocalLauncher`` uses of an asyncio child process. Its exit status comes from
-the parent, which reaps it, or from polling its pid once the parent is gone; any failure of the parent
-raises ``ForkError``, and the launcher starts a fresh interpreter instead. ``minifaas serve`` and ``demo``
-fork the parent from their own process before their event loop runs (``start_here``), keeping the imports
-they did. One parent per model and environment (an import may read a variable) serves every gateway of the
-process, is shared only from the main thread (PR_SET_PDEATHSIG ends it with the thread that started it)
-and ends with the process. Its events are read on a thread and handed to the loop of the worker concerned.
+A ``ForkedProcess`` has what ``LocalLauncher`` uses of an asyncio child process; any failure of the parent raises
+``ForkError``. One parent per model and environment (an import may read a variable) serves every gateway of
+the process, shared only from the main thread, since PR_SET_PDEATHSIG ends it with the thread that started it.
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ from minifaas.launch import zygote
 from minifaas.parent_watch import GATEWAY_ENV, PARENT_ENV, child_env, running
 
 log = logging.getLogger("minifaas.gateway")
-READY_TIMEOUT_S = 120.0  # the parent's imports: seconds on a quiet machine, more on a busy one
-FORK_TIMEOUT_S = 5.0  # one fork's answer takes milliseconds: a parent this slow is stopped or stuck, and is killed
+READY_TIMEOUT_S = 120.0  # the parent's imports, on a busy machine too
+FORK_TIMEOUT_S = 5.0  # a fork's answer is quick: a parent this slow is stopped or stuck, and is killed
 VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})  # changed per test by a test runner; no import reads it
 
 
@@ -318,10 +314,8 @@ _shared_lock = threading.Lock()
 
 
 def acquire(model: str) -> ForkServer:
-    """The pre-loaded parent for ``model`` that this process's launchers share, started if need be.
-
-    From a thread other than the main one it is a parent of the caller's own, closed at ``release``.
-    """
+    """The pre-loaded parent for ``model`` that this process's launchers share, started if need be; from a
+    thread other than the main one, a parent of the caller's own, closed at ``release``."""
     if threading.current_thread() is not threading.main_thread():
         forks = ForkServer(model)
         forks.start()
@@ -342,10 +336,9 @@ def acquire(model: str) -> ForkServer:
 
 
 def start_here(model: str) -> bool:
-    """Make this process's shared parent for ``model`` by forking this very process (see the module's
-    docstring); True if it did. Only where a fork is safe: on the main thread, with no other thread
-    and no event loop running (a fork copies only its caller's thread, with every lock as it stands).
-    Elsewhere it does nothing, and ``acquire`` starts a fresh parent."""
+    """Make this process's shared parent for ``model`` by forking this very process, which keeps its imports;
+    True if it did. Only on the main thread with no other thread and no event loop running, since a fork copies
+    only its caller's thread, with every lock as it stands; elsewhere ``acquire`` starts a fresh parent."""
     if threading.current_thread() is not threading.main_thread() or threading.active_count() > 1:
         return False
     with contextlib.suppress(RuntimeError):

@@ -4,10 +4,7 @@
     await launcher.stop(spec)              # stopped for good, if it is the launcher's to stop
     launcher.alive(spec)                   # still there, as far as the launcher knows
 
-``LocalLauncher`` (``local``) starts child processes on this host, ``AttachedLauncher`` only dials workers
-started by hand (``minifaas worker``), ``RayLauncher`` (``ray_actors``) starts Ray actors. When the gateway
-loses a worker's session it calls ``start`` again and re-attaches to what it returns: restarts are the
-launcher's business, and the gateway never needs to know which launcher it has.
+When the gateway loses a worker's session it calls ``start`` again: restarts are the launcher's business.
 """
 
 from __future__ import annotations

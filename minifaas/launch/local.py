@@ -1,12 +1,8 @@
 """The default launcher: every worker a child process of the gateway, on this host.
 
-A child runs ``python -m minifaas.commands.worker --exit-with-stdin`` with the cluster secret in its
-environment, listens on 127.0.0.1 (control and, at its first start, KV on any free port; a restart keeps
-the KV port, where the link emulator's route points) and prints one JSON line when ready. It exits when
-its stdin closes and dies with the gateway, however that dies (``parent_watch``). CPU workers are forked
-from a pre-loaded parent the process's launchers share (``forked``, ``zygote``); with ``model=None``, on
-CUDA, or when that parent fails, a worker is a fresh interpreter (and the next ones fork from a new parent).
-``start`` of a worker whose process still runs returns its address: one that is only slow is re-attached.
+A child listens on 127.0.0.1, prints one JSON line when ready, and exits when its stdin closes or the gateway
+dies. CPU workers are forked from a pre-loaded parent (``forked``); on CUDA, or when that parent fails, a worker
+is a fresh interpreter. A restart keeps the worker's KV port, where the link emulator's route points.
 """
 
 from __future__ import annotations

@@ -4,13 +4,9 @@
     ray start --address HEAD:6379 --resources '{"prfaas": 2}'  # the PrfaaS site's nodes
     minifaas serve --launcher ray --ray-address HEAD:6379      # --ray-address local: a one-machine Ray
 
-Each worker takes one unit of its cluster's resource, ``cpus_per_worker`` CPUs and on cuda ``gpus_per_worker``
-GPUs, from its cluster's placement group (a bundle per worker, PACK), reserved before any actor starts: a
-cluster that does not fit is one clear error. A PD worker that changes role takes its old self's bundle.
-An actor runs the ordinary worker (``worker_process.serve``) on a loop in a thread of its own; ``address``
-answers once the model is loaded. Ray restarts an actor that dies and ``start`` waits for it; the actors
-end with the gateway, Ray's driver. The cluster secret reaches them in their runtime environment (whoever
-can reach the Ray cluster can run code on its nodes). Ray titles the actors' processes (``ray::WorkerActor``).
+Each cluster's workers are reserved together in a placement group before any actor starts, so a cluster that
+does not fit is one clear error. The cluster secret reaches the actors in their runtime environment: whoever
+can reach the Ray cluster can run code on its nodes.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Start-up progress: each worker and link emulator the gateway starts, starting and then ready.
 
-Loading a model in every worker takes seconds each on shared CPU cores, so
-``Gateway.__aenter__`` starts every process through ``reported``, which tells a
-``StartupListener`` (name, what it is, ``Stage``), or the log where there is
-none. ``StartupView`` shows the reports: on a terminal one rich table that
-updates in place; into a file or a pipe, one plain line per report.
+``reported`` tells a ``StartupListener`` (or the log) as a process starts and when it is ready or has failed;
+``StartupView`` shows the reports as a live table on a terminal, or one line per report elsewhere.
 """
 
 from __future__ import annotations

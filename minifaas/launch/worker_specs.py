@@ -1,17 +1,7 @@
 """The workers a configuration asks for, and the command line each role is started with.
 
-A cluster either lists hand-started workers (``workers = ["host:port", ...]``:
-they are dialled, never started) or has counts of workers the gateway's
-launcher starts (local children or Ray actors), named ``prfaas-p<i>``,
-``pd-p<i>`` and ``pd-d<i>``.
-
-Placement: a cluster's workers are dealt to its ``devices`` in turn, prefill
-workers first (``ClusterConfig.placement``), so by default each has a GPU of
-its own. A local worker on ``cuda:N`` sees that GPU alone
-(``CUDA_VISIBLE_DEVICES``, counted within the gateway's own, if set) and is
-told ``--device cuda:0``; workers that share a GPU each get a fraction of its
-memory (``ServeConfig.memory_fraction``). A Ray actor is given its GPUs by
-Ray. A converted worker keeps the device of the one it replaces.
+A cluster lists hand-started workers (dialled, never started) or counts of workers its launcher starts. A local
+worker on ``cuda:N`` sees that GPU alone (``CUDA_VISIBLE_DEVICES``) and is told ``--device cuda:0``.
 """
 
 from __future__ import annotations

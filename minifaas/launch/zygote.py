@@ -1,10 +1,7 @@
-"""A pre-loaded parent that forks local CPU workers, so each one skips seconds of imports.
+"""A pre-loaded parent that forks local CPU workers, so each one skips the imports.
 
-It imports what a CPU worker imports (torch, transformers, the model's code; fla kept out, as in the
-worker), then forks a child per request: a whole worker process, ``python -m minifaas.commands.worker
-ARGV`` from ``main`` on. Nothing here runs a torch op, a thread or an event loop before a fork, and CUDA
-workers are never forked. It dies with the gateway's process and its children with it (``parent_watch``).
-The gateway's end, ``forked.ForkServer``, talks to it over:
+It imports what a CPU worker imports, then forks a whole worker process per request; nothing here runs a torch
+op, a thread or an event loop before a fork. The gateway's end, ``forked.ForkServer``, talks to it over:
 
     control socket, gateway -> here   {"id": 3, "argv": [...], "env": {...}}, the child's stdin and stdout
                                       attached (SCM_RIGHTS); this process exits when the socket closes
