@@ -5,12 +5,8 @@
         await link.control.stall(2.0)
         print(await link.control.stats())
 
-``EmulatorProcess`` runs ``python -m minifaas.commands.link_emulator`` as a child (stdin piped, killed with
-its parent: ``minifaas.parent_watch``), always stops it on exit (SIGTERM, then SIGKILL), and ``restart``
-replaces a dead or hung one on the same port, routed to the same targets. ``EmulatorControl`` sends one
-command at a time over one authenticated control session (``control.session``), dialling again after a
-failure; use it alone for an emulator started elsewhere. The secret is the cluster's, or a fresh one for an
-emulator only this process drives.
+``EmulatorProcess`` runs the emulator as a child that dies with this process; ``EmulatorControl`` alone drives
+one started elsewhere, one command at a time over an authenticated control session.
 """
 
 from __future__ import annotations

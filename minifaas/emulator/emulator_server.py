@@ -1,18 +1,13 @@
 """The cross-datacenter link emulator: a TCP relay process that every inter-cluster connection crosses.
 
     minifaas link-emulator --target 127.0.0.1:9000 --rate 1gbit --flow-rate 250mbit --window 4MiB \
-        --delay-ms 15 --jitter-ms 1 --schedule 0:1gbit,30:200mbit    # or python -m minifaas.commands.link_emulator
+        --delay-ms 15 --jitter-ms 1 --schedule 0:1gbit,30:200mbit
 
-The link (aggregate pacer, per-flow cap and window, delay, jitter, faults; round trip twice ``--delay-ms``) is
-``relay.LinkEmulator``; this is the process around it. It prints ``{"port": ..., "control_port": ...}`` as one
-JSON line, then serves until SIGINT/SIGTERM; with ``--exit-with-stdin`` (the gateway's) until SIGTERM or stdin closes.
-The control port is a control session (``control.session``: the cluster secret from $MINIFAAS_SECRET or
-``--secret-file``, one client at a time, one silent for ``--control-idle`` s dropped). Each message is one
-command ``{"cmd": NAME, ...}``, checked first (``link_commands``) and answered ``{"ok": true, ...}`` or
-``{"ok": false, "error": ...}``, with the request's "id": stats (bytes, flows, rates, utilisation since the
-last) | cut (reset every connection) | stall seconds (forward nothing; 0 ends it) | corrupt (flip a byte of
-the next chunk to the target) | rate bps, flow_bps (null: unlimited) | window bytes (per flow; null: none) |
-delay ms, jitter_ms | schedule steps [[seconds, bps], ...] | route target -> port | unroute port | ping.
+It prints ``{"port": ..., "control_port": ...}`` as one JSON line once it listens. Each control message is one
+command ``{"cmd": NAME, ...}``, answered ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}`` with the
+request's "id": stats | cut (reset every connection) | stall seconds (forward nothing; 0 ends it) | corrupt (flip
+a byte of the next chunk to the target) | rate bps, flow_bps (null: unlimited) | window bytes (per flow; null:
+none) | delay ms, jitter_ms | schedule steps [[seconds, bps], ...] | route target -> port | unroute port | ping.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""The link emulator's control commands: each one checked in full before it touches the link.
+"""The link emulator's control commands (listed in ``emulator_server``), each checked in full before it acts.
 
-A command is one JSON object, ``{"cmd": NAME, ...}`` (the list is in
-``emulator_server``). Everything a command carries is bounded before the
-link sees it: a rate is > 0 and at most ``MAX_RATE_BPS`` (or null:
-unlimited), a stall lasts at most ``MAX_STALL_S`` (``stall 0`` ends one), a
-delay at most ``MAX_DELAY_MS``, a schedule has at most ``MAX_STEPS`` steps
-within ``MAX_SCHEDULE_S``, and a route leads only to a host the
-emulator was started for (``--route-host``; the target's host by default), at
-most ``MAX_ROUTES`` of them: the control port can reshape the link it guards,
-never turn the emulator into a relay to anywhere. A bad command raises
-``CommandError`` with a one-line reason, which the control session sends
-back; the emulator goes on.
+Everything a command carries is bounded, and a route leads only to a host the emulator was started for: the
+control port can reshape the link it guards, never turn the emulator into a relay to anywhere.
 """
 
 from __future__ import annotations

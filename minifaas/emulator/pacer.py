@@ -1,18 +1,9 @@
 """The link emulator's policy, free of I/O: rate pacing, rate schedules, delay with jitter, flow windows.
 
-``Pacer`` is a token bucket written as a virtual clock: a link of rate R
-serialises bytes in the order they arrive, so n bytes reserved at time t
-leave at max(t, previous departure) + 8n/R. Oversleeping is forgiven up to
-``burst_bytes``, so the average rate stays exact even when the event loop
-wakes up late. One Pacer shared by every flow is an aggregate link; one per
-flow is a per-flow cap.
-
-``FlowWindow`` is what makes a long fat pipe: a TCP sender keeps at most its
-window of bytes unacknowledged, and an acknowledgement comes back one RTT
-after the bytes left, so one flow moves at most window / RTT however fast the
-link is. Filling a link of rate R at round trip RTT takes ceil(R * RTT / (8 *
-window)) flows. The relay ends TCP on loopback, so without it a sender would
-never feel the round trip.
+``Pacer`` is a token bucket written as a virtual clock: n bytes reserved at time t leave at max(t, previous
+departure) + 8n/R, and oversleeping is forgiven up to ``burst_bytes``, so the average rate stays exact when the
+event loop wakes late. One Pacer shared by every flow is an aggregate link; one per flow is a per-flow cap.
+``FlowWindow`` holds a flow to window / RTT, as TCP does over a long link (the relay ends TCP on loopback).
 """
 
 from __future__ import annotations
@@ -61,7 +52,7 @@ def check_window(window_bytes: object) -> int | None:
 
 
 class FlowWindow:
-    """One flow's bytes in flight, one direction: sent and not yet acknowledged (see the module docstring)."""
+    """One flow's bytes in flight, one direction: sent and not yet acknowledged."""
 
     def __init__(self, window_bytes: int | None) -> None:
         self.window_bytes = check_window(window_bytes)

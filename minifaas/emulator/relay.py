@@ -1,16 +1,9 @@
 """The link emulator's relay: every flow through it crosses one emulated inter-datacenter link.
 
-Each direction of the link has ONE aggregate pacer shared by all flows, like a real link, plus an optional
-per-flow pacer (real inter-DC paths often cap one flow, which is why several connections help) and an
-optional per-flow window (bytes in flight per connection: one flow moves at most window / RTT). A flow's
-bytes wait for room in its window, then for both pacers at once, then for the one-way delay (with jitter
-that never reorders a flow); they are acknowledged one more one-way delay after they arrive. The relay reads
-only as fast as the link drains, in steps of about 2 ms of the slowest rate on the path, and its sockets
-buffer only two such steps (``_bound_buffers``), so TCP backpressure reaches the sender: bytes a flow cannot
-send yet wait in the sender's own socket, as before a real link. Bytes wait in pipes and move with splice(2)
-(``splice=False``: recycled buffers, copied in and out; ``relay_blocks``). Faults: ``cut`` resets every
-connection, ``stall`` forwards nothing (resets included) for a while, ``corrupt_pending`` flips a byte in
-the next chunk towards the target.
+Each direction has one pacer shared by all flows, like a real link, and optionally a rate cap and a window per
+flow. A flow's bytes wait for room in its window, then for both pacers, then for the one-way delay. The relay
+reads only as fast as the link drains and its sockets buffer little, so bytes a flow cannot send yet wait in the
+sender's own socket, as before a real link.
 """
 
 from __future__ import annotations
@@ -211,10 +204,8 @@ class LinkEmulator:
         return block
 
     def _read_size(self, flow: Flow, direction: str) -> int:
-        """About 2 ms of the slowest rate on the path: bytes cross a slow link in small steps, not in one MiB.
-        At most an eighth of the flow's window: a block is acknowledged whole, after all of it has been
-        paced, so a window read in one block would stall a round trip plus its own sending time each turn,
-        where TCP's window slides one segment at a time."""
+        """A read's bytes: a small step of the slowest rate on the path, and a fraction of the flow's window, since
+        a block is acknowledged whole and a window read in one block would stall a round trip each turn."""
         size = self.config.read_bytes
         rates = [r for r in (flow.pacers[direction].rate_bps, self.link[direction].rate_bps) if r is not None]
         if rates:
@@ -224,14 +215,9 @@ class LinkEmulator:
         return max(1500, size)
 
     def _bound_buffers(self, flow: Flow) -> None:
-        """Let each of the flow's sockets take in two reads' worth (``_read_size``), or one loopback segment.
-
-        Left to the kernel, a loopback socket's receive buffer grows to megabytes, and a slow flow's
-        bytes pile up there out of the sender's sight: its unsent budget (TCP_NOTSENT_LOWAT) counts
-        only its own socket. The sender then cannot move the last chunks to the connections that are
-        draining, and a transfer ends when its most loaded flow has crawled through its backlog at one
-        window per round trip. Sized again whenever the rate or the window changes; a direction with
-        neither, never bounded before, keeps the kernel's own sizing, which moves bytes fastest."""
+        """Let each of the flow's sockets take in two reads' worth, or one loopback segment, so a slow flow's bytes
+        wait in the sender's socket, where its unsent budget sees them, not in a buffer the kernel grows. Sized
+        again as the rate or window changes; a direction with neither keeps the kernel's sizing, the fastest."""
         for direction, sock in zip((UP, DOWN), flow.sockets, strict=True):
             read = self._read_size(flow, direction)
             if sock is None or sock.fileno() < 0 or (read >= self.config.read_bytes and direction not in flow.bounded):

@@ -1,11 +1,7 @@
 """How the link emulator's relay holds a block of a flow's bytes between reading and sending it.
 
-``CopiedBlock`` is the reference: a recycled bytearray, filled with recv_into
-and sent with send, so every byte is copied into the relay and out again.
-``SplicedBlock`` is a pipe: splice(2) moves the socket's pages into it and on
-to the other socket without copying them through the relay's memory; on a
-host of few cores those two copies are most of the relay's work. Either kind
-waits for readiness on the event loop and can flip one byte (a corruption fault).
+``CopiedBlock`` is the reference: a buffer every byte is copied into and out of. ``SplicedBlock`` is a pipe that
+splice(2) moves the socket's pages through, sparing the relay those two copies, most of its work.
 """
 
 from __future__ import annotations

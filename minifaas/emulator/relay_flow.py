@@ -1,10 +1,6 @@
 """One connection through the link emulator's relay: both sockets and what the link does to each direction.
 
-Each direction of a flow has its own per-flow pacer (a per-flow rate cap),
-its own window (bytes in flight per round trip) and its own delay line; the
-aggregate pacer every flow shares belongs to the relay (``relay.LinkEmulator``).
-The blocks its bytes wait in between reading and sending are made for it and
-closed with it.
+Each direction has its own rate cap, window and delay line; the aggregate pacer every flow shares is the relay's.
 """
 
 from __future__ import annotations
