@@ -1,9 +1,6 @@
 """The model to train: a preset's architecture, resized, with the byte vocabulary.
 
-A preset (models/presets/<name>.json) fixes the architecture and its layer
-schedule; ``--layers``, ``--hidden`` and ``--intermediate`` resize it. Every
-per-layer list in the config (``layer_types``, Kimi's ``mlp_layer_types``) is
-repeated over the new depth, so a 3:1 schedule stays 3:1 at any depth.
+Every per-layer list in the config is repeated over the new depth, so the preset's layer schedule keeps its mix.
 """
 
 from __future__ import annotations

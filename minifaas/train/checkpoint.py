@@ -1,12 +1,8 @@
 """What a training run writes: a standard transformers checkpoint, and the state to resume from.
 
-The checkpoint directory holds config.json, model.safetensors (bfloat16),
-generation_config.json and the byte tokenizer's files, so ``from_pretrained``
-and ``AutoTokenizer`` load it as they load any model. Beside them,
-``training_state.pt`` keeps the float32 weights and the optimizer's moments:
-``--resume`` continues from it exactly. Every file is written to a temporary
-name first and then renamed, so a run killed mid-save leaves the previous
-checkpoint whole.
+``from_pretrained`` and ``AutoTokenizer`` load the checkpoint as any model; ``training_state.pt`` keeps the
+float32 weights and optimizer moments. Each file is written under a temporary name and renamed, so a run killed
+mid-save leaves the previous checkpoint whole.
 """
 
 from __future__ import annotations

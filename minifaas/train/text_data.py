@@ -1,9 +1,7 @@
 """The training text as bytes: a train/validation split and the batches of each step.
 
-Batches depend only on (seed, step), never on a generator carried from step
-to step, so a resumed run draws exactly the windows the uninterrupted run
-would have drawn. Validation uses the same evenly spaced held-out windows every
-time, so its loss curve compares like with like.
+Batches depend only on (seed, step), so a resumed run draws exactly the windows an uninterrupted one would;
+validation uses the same held-out windows every time, so its loss curve compares like with like.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The byte tokenizer as a standard transformers tokenizer: ``tokenizer.json`` and its config files.
 
-The ids equal ``ByteTokenizer``'s (byte i is id i, the five specials follow at
-256..260, three reserved ids pad the vocabulary to 264) and the chat template
-writes what ``ByteTokenizer.chat`` builds, so a trained checkpoint loads with
-``AutoTokenizer`` and behaves exactly as a preset's tokenizer does.
-
-It is the ``tokenizers`` library's byte-level BPE with no merges: the
-byte-level pre-tokenizer turns every byte into one printable character, and
-each character is a token of its own.
+Its ids and chat template equal ``ByteTokenizer``'s, so a trained checkpoint loads with ``AutoTokenizer`` and
+behaves as a preset's tokenizer does. It is a byte-level BPE with no merges: every byte is a token of its own.
 """
 
 from __future__ import annotations
@@ -31,11 +25,8 @@ CHAT_TEMPLATE = (
 
 
 def byte_characters() -> list[str]:
-    """The printable character the byte-level pre-tokenizer maps each byte to, by byte value.
-
-    Bytes that print as themselves keep their own code point; the others are
-    given code points from 256 up, in byte order (the mapping GPT-2 made usual).
-    """
+    """The printable character the byte-level pre-tokenizer maps each byte to: a byte that prints as itself keeps
+    its code point, the others take code points from 256 up, in byte order (GPT-2's mapping)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     chars, extra = [], 0
     for b in range(256):

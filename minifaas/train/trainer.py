@@ -1,9 +1,7 @@
 """The training loop: AdamW, warmup then cosine, periodic validation, checkpoints, exact resume.
 
-One step: a batch of random byte windows (``TextData.batch``), next-byte
-cross-entropy, clipped gradients, one optimizer step. Weights start from
-``torch.manual_seed(seed)`` and batches from (seed, step), so a run is the same
-on every start and a resumed run continues bit for bit (tests check both).
+Weights start from ``torch.manual_seed(seed)`` and batches from (seed, step), so a run is the same on every start
+and a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
