@@ -377,7 +377,7 @@ def release(forks: ForkServer) -> None:
 
 @atexit.register
 def close_shared() -> None:
-    """Stop every shared parent: at exit, and between starts of a benchmark that times cold ones."""
+    """Stop every shared parent: at exit, or before a start that must be cold."""
     with _shared_lock:
         for forks in _shared.values():
             forks.close()
