@@ -1,8 +1,8 @@
 """The PD-D instances: continuous batching with at most BS_max running requests each.
 
-A request holds a batch slot for its output steps; one whose KV reaches a full instance waits for a slot.
-Loads move by one at a time, so instances sit in buckets by assigned load and the least loaded is found at once.
-With ``by_batch`` a step's time follows the rows running (``BatchClock``).
+A request is assigned an instance as it arrives and holds a batch slot for its output steps once its KV is there,
+waiting while the batch is full. Assigned loads move by one at a time, so instances sit in buckets by load and the
+least loaded is found at once. With ``by_batch`` a step's time follows the rows running (``BatchClock``).
 """
 
 from __future__ import annotations

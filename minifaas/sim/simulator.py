@@ -1,8 +1,8 @@
 """The cluster simulator: a workload replayed through the live router, prefix caches and cost profiles.
 
 A request's life is a chain of events: arrive (cache hits, the router, a prefill and a decode node), flow_start
-(PrfaaS KV streamed as its prefill runs), prefill_end, link (its KV crosses), kv_ready (it joins a decode batch
-or waits for a slot) and decode_end.
+(a PrfaaS prefill's KV starts streaming), prefill_end, link (its KV has crossed), kv_ready (it joins a decode
+batch or waits for a slot) and decode_end.
 """
 
 from __future__ import annotations
