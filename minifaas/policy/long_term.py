@@ -2,8 +2,8 @@
 
 Once a period, or at once when the link's ceiling moves, ``step`` plans (t, N_p, N_d) for the traffic the ticks
 saw. The new t becomes the short-term base; the split changes only when the plan beats the current one by
-``min_gain``, a few workers at a time, which the caller drains and reports through ``converted``. PrfaaS
-instances never change role: they are another cluster, on other hardware.
+``min_gain``, by at most ``max_conversions`` workers a period, which the caller drains and reports through
+``converted``. PrfaaS instances never change role: they are another cluster, on other hardware.
 """
 
 from __future__ import annotations

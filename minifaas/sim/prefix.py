@@ -1,7 +1,7 @@
 """The clusters' prefix caches in the simulator: the live pools and the live global manager, sizes only.
 
 One pool per cluster, its entries held under the cluster's name, so no node has a private hit and the router's
-node choice stays load-driven. The manager matches against each pool's own index, as events would apply at once.
+node choice stays load-driven. The manager reads each pool's own index rather than mirroring it from events.
 A PrfaaS prompt's KV that lands in the PD cluster is kept there (its blocks and end state, not the intermediate
 snapshots), so a conversation's next turn ships only its increment.
 """
