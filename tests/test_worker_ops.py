@@ -39,6 +39,7 @@ from minifaas.control.worker_ops import (
     Prefilled,
     Received,
     Start,
+    Taken,
     Token,
     Tokens,
     from_wire,
@@ -103,6 +104,7 @@ PAIRS = [  # (the message written out by hand, as a dataclass)
     ({"op": "failed", "req": "r", "transfer": 5, "error": "OSError: gone"},
      Failed(req="r", transfer=5, error="OSError: gone")),
     ({"op": "error", "req": "", "error": "unknown op 'x'"}, Error(req="", error="unknown op 'x'")),
+    ({"op": "refused", "error": "another client (a:1) is attached"}, Taken(error="another client (a:1) is attached")),
 ]  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 Each field declares its bounds (a ``schema`` kind) in its type; ``to_wire`` and ``from_wire`` convert a message
 to and from the JSON a session carries. ``OPS`` is what a worker accepts, ``REPLIES`` what it answers.
 
-    attach -> attached (what the worker is), then its pool's inventory as ``cache`` messages
+    attach -> attached (what the worker is), then its pool's inventory as ``cache`` messages; refused if taken
     ping -> pong (TCP_INFO of its KV connections)    load -> load (its queue)    start, abort: no reply
     prefill -> first (the first token, once the forwards are done), prefilled (once the state has gone)
     export -> exported    decode -> pinned, received, token... (a step's, of every request, as one ``tokens``), done
@@ -306,10 +306,18 @@ class Error:
     error: Why
 
 
+@message
+class Taken:
+    """A worker's answer to a gateway that would attach while another is attached (from ``control.server``)."""
+
+    op: ClassVar[str] = "refused"
+    error: Why
+
+
 OpMessage = Attach | Ping | Prefill | Export | Decode | Start | Abort | Load
 ReplyMessage = (
     Attached | CacheEvents | Pong | First | Prefilled | Exported | Aborted | Pinned | Received | Token | Tokens | Done
-    | LoadReply | Failed | Error
+    | LoadReply | Failed | Error | Taken
 )  # fmt: skip
 OPS: dict[str, type[OpMessage]] = {cls.op: cls for cls in OpMessage.__args__}
 REPLIES: dict[str, type[ReplyMessage]] = {cls.op: cls for cls in ReplyMessage.__args__ if cls is not Token}

@@ -28,6 +28,7 @@ from minifaas.control.worker_ops import (
     Ping,
     Pong,
     ReplyMessage,
+    Taken,
     Tokens,
     from_wire,
     to_wire,
@@ -69,16 +70,20 @@ async def attach(
     except BaseException:
         session.close()
         raise
-    if hello is None or hello.get("op") != Attached.op:
+    if hello is None:
         session.close()
-        why = hello.get("error", hello) if hello else "it hung up"
-        kind = Busy if hello and hello.get("op") == "refused" else Refused  # control.server's, to a second gateway
-        raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
+        raise Refused(f"{address[0]}:{address[1]} did not take this gateway: it hung up")
     try:
-        return session, from_wire(hello, REPLIES)
+        reply = from_wire(hello, REPLIES)
     except BadMessage as e:
         session.close()
         raise Refused(f"{address[0]}:{address[1]} said what it is unreadably: {e}") from None
+    if not isinstance(reply, Attached):
+        session.close()
+        kind = Busy if isinstance(reply, Taken) else Refused
+        why = getattr(reply, "error", hello)
+        raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
+    return session, reply
 
 
 class WorkerHandle:
