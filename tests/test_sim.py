@@ -280,6 +280,25 @@ def test_on_shared_cores_a_prefill_slows_by_the_workers_computing_beside_it() ->
     assert crowded.first_token == pytest.approx([alone, 1.3 * alone, 1.95 * alone], rel=1e-9)
 
 
+def test_a_prefill_beside_a_decoding_batch_alone_slows_by_its_own_measured_figure() -> None:
+    case = paper_case()
+    decode = replace(case.decode, bs_max=8, steps=((1, 0.01), (2, 0.015)))
+    config = replace(config_for(case, plan(case).homogeneous, early_first_token=True), decode=decode, n_decode=1)
+    alone = float(case.pd_prefill.latency_s(1024))
+    # the first decodes 40 tokens; the second arrives while it does, the third while the second prefills
+    at = np.array([0.0, alone + 0.05, alone + 0.06])
+    three = Workload("three", at, np.full(3, 1024), np.array([40, 2, 2]), ((1, 2), (3, 4), (5, 6)), 512)
+    table = replace(config, decode_step_by_batch=True, shared_cores=2, contention=(1.0, 1.3, 1.6))
+    counted = Simulation(table, three)
+    counted.run()
+    assert counted.first_token[1] - at[1] == pytest.approx(1.3 * alone, rel=1e-9)  # two computing, by the table
+    kinds = Simulation(replace(table, beside_decode=1.5), three)
+    kinds.run()
+    assert kinds.first_token[0] == pytest.approx(alone, rel=1e-9)  # alone, as before
+    assert kinds.first_token[1] - at[1] == pytest.approx(1.5 * alone, rel=1e-9)  # beside the decoding batch alone
+    assert kinds.first_token[2] - at[2] == pytest.approx(1.6 * alone, rel=1e-9)  # beside a prefill and the batch
+
+
 def test_prompts_of_one_length_queued_behind_a_prefill_ride_in_one_forward() -> None:
     case = paper_case()
     config = replace(config_for(case, plan(case).homogeneous, early_first_token=True), n_prefill=1)

@@ -49,6 +49,9 @@ class SimConfig:
     # on that host, a prefill's slowdown with n = 1, 2, ... workers computing (itself counted); past the last, scaled
     # by n. Empty: n over the cores, at least 1
     contention: tuple[float, ...] = ()
+    # a prefill's slowdown while the one other worker computing is a decode instance (its attention reads every
+    # row's state); 0: as ``contention`` gives for two workers
+    beside_decode: float = 0.0
     # prompts of one length with no cached prefix share a prefill forward of at most this many tokens; 0: never
     prefill_batch_tokens: int = 0
     # a decode step takes the profile's time at the rows running now; off: every step takes ``step_time_s``
@@ -86,8 +89,8 @@ class SimConfig:
             raise ValueError("convert_s must be >= 0")
         if self.snapshot_interval_blocks < 0:
             raise ValueError("snapshot_interval_blocks must be >= 0")
-        if self.shared_cores < 0 or self.delivery_s < 0 or any(s <= 0 for s in self.contention):
-            raise ValueError("shared_cores and delivery_s must be >= 0, every contention figure > 0")
+        if min(self.shared_cores, self.delivery_s, self.beside_decode) < 0 or any(s <= 0 for s in self.contention):
+            raise ValueError("shared_cores, delivery_s and beside_decode must be >= 0, every contention figure > 0")
         named = self.kv_compression in CODEC.builtins
         if named and self.kv_compression not in ("none", "auto", *dict(self.codecs)):
             raise ValueError(f"kv_compression {self.kv_compression}: no figures for that codec in codecs")

@@ -162,12 +162,14 @@ class Simulation:
 
     def _shared_slowdown(self, start: float, decoder: bool = False) -> float:
         """A prefill's (or, with ``decoder``, a decode step's) time over the profile's when every worker shares
-        ``shared_cores``, from the number of workers computing at ``start`` (``SimConfig.contention``)."""
+        ``shared_cores``, from the workers computing at ``start`` (``SimConfig.contention``, ``beside_decode``)."""
         c = self.config
         if not c.shared_cores:
             return 1.0
         decoding = sum(1 for rows in self.decode.running if rows)
         computing = self.prfaas.busy_at(start) + self.pd.busy_at(start) + decoding + (0 if decoder else 1)
+        if c.beside_decode and not decoder and computing == 2 and decoding == 1:  # a prefill beside decoding alone
+            return c.beside_decode
         table = c.contention
         if not table:
             return max(1.0, computing / c.shared_cores)
