@@ -10,9 +10,10 @@
    the prefill as the live workers run it (``calibrate``): once the server is up, each profiled length
    sent alone a few times as fresh tokens, the median of the forward time each worker reports; the twin runs
    on that, since a worker's forward also feeds its layer sink while its event loop sends. Then short PD
-   prompts timed while a long PrfaaS prompt prefills, and again with a batch decoding too, give the prefill's
-   slowdown beside one and two other workers computing (``contended``): the twin's ``contention``; and
-   the client's TTFT beyond the prefill, alone, its ``delivery_s``.
+   prompts timed while a long PrfaaS prompt prefills, and again with a batch of the slice's median prompt
+   decoding too, give the prefill's slowdown beside one and two other workers computing (``contended``): the
+   twin's ``contention``; timed beside the decoding batch alone, its ``beside_decode``; and the client's TTFT
+   beyond the prefill, alone, its ``delivery_s``.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
@@ -156,14 +157,15 @@ class Calibration:
     prefill: PrefillProfile
     contention: tuple[float, ...]  # a prefill's time over its time alone, with 1, 2, 3 workers computing
     delivery_s: float  # a first token's time at the client beyond its prefill: the gateway and HTTP
+    beside_decode: float  # a prefill's time over its time alone while a batch decodes beside it, nothing else
 
 
-async def calibrate(url: str, model: PrefillProfile, repeats: int = 5) -> Calibration:
+async def calibrate(url: str, model: PrefillProfile, context: int, repeats: int = 5) -> Calibration:
     """Each of the model profile's lengths sent alone ``repeats`` times as fresh token ids (no cached prefix),
     routed as the router routes it: the median of the ``prefill_s`` its worker reports is the prefill (the state
     bytes stay the profile's; a longer prompt never counts faster), and the median of the client's TTFT beyond
-    it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill, and
-    beside that and a decoding batch."""
+    it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill,
+    beside that and a batch decoding ``context``-token prompts, and beside the batch alone."""
     rng = np.random.default_rng(11)
     points, slowest, beyond = [], 0.0, []
     async with client() as http:
@@ -182,31 +184,37 @@ async def calibrate(url: str, model: PrefillProfile, repeats: int = 5) -> Calibr
         prefill = replace(model, points=tuple(points), latency_coeffs=())
         alone = float(prefill.latency_s(CONTENDED_TOKENS))
         beside = []
-        for decoding in (False, True):
-            taken = [s for _ in range(CONTENDED_ROUNDS) for s in await contended(http, url, rng, decoding)]
+        for prefilling, decoding in ((True, False), (True, True), (False, True)):
+            taken = [s for _ in range(CONTENDED_ROUNDS)
+                     for s in await contended(http, url, rng, prefilling, decoding, context)]  # fmt: skip
             if not taken:  # a round may end before a prompt beside it does; all of them, not
-                raise RuntimeError(f"no prompt finished beside the long one in {CONTENDED_ROUNDS} rounds")
+                raise RuntimeError(f"no prompt finished beside the others in {CONTENDED_ROUNDS} rounds")
             beside.append(statistics.median(taken) / alone)
-    return Calibration(prefill, tuple(np.maximum.accumulate([1.0, *beside]).tolist()), statistics.median(beyond))
+    contention = tuple(np.maximum.accumulate([1.0, *beside[:2]]).tolist())
+    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[2]))
 
 
-async def contended(http: aiohttp.ClientSession, url: str, rng: np.random.Generator, decoding: bool) -> list[float]:
-    """The ``prefill_s`` of fresh ``CONTENDED_TOKENS``-token prompts, one after another on PD, while a fresh long
-    prompt prefills on PrfaaS and, with ``decoding``, ``DECODE_STREAMS`` streams decode."""
+async def contended(
+    http: aiohttp.ClientSession, url: str, rng: np.random.Generator, prefilling: bool, decoding: bool, context: int
+) -> list[float]:
+    """The ``prefill_s`` of fresh ``CONTENDED_TOKENS``-token prompts, one after another on PD, while, with
+    ``prefilling``, a fresh long prompt prefills on PrfaaS (until it ends) and, with ``decoding``,
+    ``DECODE_STREAMS`` streams of ``context``-token prompts decode (until they end, without the long one)."""
     batch = [Stream() for _ in range(DECODE_STREAMS if decoding else 0)]
-    tasks = [asyncio.create_task(stream(http, url, rng.integers(0, 256, 8).tolist(), 4 * MAX_OUTPUT, out=s))
+    tasks = [asyncio.create_task(stream(http, url, rng.integers(0, 256, context).tolist(), 4 * MAX_OUTPUT, out=s))
              for s in batch]  # fmt: skip
     while not all(s.arrivals for s in batch) and not any(t.done() for t in tasks):  # all decoding, then begin
         await asyncio.sleep(0.005)
     long = Stream()
-    prefilling = asyncio.create_task(stream(http, url, rng.integers(0, 256, CONTENDED_LONG).tolist(), 1, out=long))
+    ids = rng.integers(0, 256, CONTENDED_LONG).tolist()
+    beside = asyncio.create_task(stream(http, url, ids, 1, out=long)) if prefilling else asyncio.gather(*tasks)
     taken = []
-    while not long.arrivals and not prefilling.done():
+    while not long.arrivals and not beside.done():
         done = await stream(http, url, rng.integers(0, 256, CONTENDED_TOKENS).tolist(), 1)
-        if not long.arrivals and done.status == 200:
+        if not long.arrivals and not beside.done() and done.status == 200:
             taken.append(float(done.info["prefill_s"]))
-    await asyncio.gather(prefilling, *tasks)
-    if long.status != 200 or any(len(s.tokens) < 4 * MAX_OUTPUT for s in batch):
+    await asyncio.gather(beside, *tasks)
+    if (prefilling and long.status != 200) or any(len(s.tokens) < 4 * MAX_OUTPUT for s in batch):
         raise RuntimeError(
             f"the contended calibration's long prompt ({long.status}) or streams failed: "
             f"{[(s.status, len(s.tokens)) for s in batch]}"
@@ -230,7 +238,7 @@ def batch_tokens(serve: ServeConfig) -> int:
 
 def twin(
     serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, lossless: CodecEstimate,
-    contention: tuple[float, ...] = (), delivery_s: float = 0.0,
+    contention: tuple[float, ...] = (), delivery_s: float = 0.0, beside_decode: float = 0.0,
 ) -> SimConfig:  # fmt: skip
     """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles, with the
     prefill's slowdown measured beside other workers on this machine and the delivery of its tokens."""
@@ -264,6 +272,7 @@ def twin(
         whole_prompt_hits=True,  # a prefill worker serves a repeated prompt from its end snapshot
         shared_cores=len(os.sched_getaffinity(0)),  # every worker of the live deployment on this machine
         contention=contention,
+        beside_decode=beside_decode,
         delivery_s=delivery_s,
         decode_step_by_batch=True,  # a decode worker steps the rows it has
         decode_hold=1.0 if serve.pd.device == "cpu" else 0.0,  # as worker_process gives a CPU decode worker
@@ -532,6 +541,7 @@ class LiveRun:
     streams: list[Stream]
     late_s: list[float]  # how late each request was sent
     wall_s: float
+    beside_decode: float = 0.0  # the prefill's slowdown beside a decoding batch alone (``calibrate``); 0: not measured
 
     def write(self, path: Path) -> None:
         tables = {"workers": profile_tables(self.workers)["prefill"], "model": profile_tables(self.model)["prefill"],
@@ -562,8 +572,8 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
         model, decode = profile(lengths, serve.worker_threads("prfaas"), Path(tmp) / "profile.json")
     lossless = lossless_codec()
     with serving(flags) as server:
-        cal = asyncio.run(calibrate(server.url, model))
-        config = twin(serve, cal.prefill, decode, lossless, cal.contention, cal.delivery_s)
+        cal = asyncio.run(calibrate(server.url, model, max(8, int(np.median(sl.prompts)))))
+        config = twin(serve, cal.prefill, decode, lossless, cal.contention, cal.delivery_s, cal.beside_decode)
         capacity = capacity_rps(config, sl.prompts, sl.output_tokens, os.cpu_count() or 1)
         trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
         time_scale = trace_rate / (LOADS[load] * capacity)
@@ -572,14 +582,15 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
         streams, late = asyncio.run(replay(server.url, sl, workload))
     wall_s = time.perf_counter() - started
     return LiveRun(trace, load, requests, flags, cal.prefill, cal.contention, cal.delivery_s, model, decode,
-                   lossless, time_scale, capacity, streams, late, wall_s)  # fmt: skip
+                   lossless, time_scale, capacity, streams, late, wall_s, cal.beside_decode)  # fmt: skip
 
 
 def report(run: LiveRun, as_json: bool) -> None:
     """The run beside its twin and the twin's variants: the table, the deviations, the breakdowns, the JSON."""
     sl = trace_slice(run.trace, run.requests)
     workload = sl.workload(run.time_scale)
-    config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless, run.contention, run.delivery_s)
+    config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless, run.contention, run.delivery_s,
+                  run.beside_decode)  # fmt: skip
     print(f"{run.trace} ({sl.name}), {run.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
           f"prompts / {LENGTH_DIVISOR[run.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
           f"time x{run.time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[run.load]:.0%} of the "
@@ -588,7 +599,8 @@ def report(run: LiveRun, as_json: bool) -> None:
         f"profile: prefill {run.workers.latency_s(256):.4f} s at 256 tokens in the workers "
         f"({run.model.latency_s(256):.4f} s the model alone), decode step "
         f"{run.decode.step_s(1) * 1e3:.2f}-{run.decode.step_time_s * 1e3:.2f} ms at batch 1-{run.decode.bs_max}; "
-        f"prefill beside 0/1/2 others computing: {' / '.join(f'{x:.2f}x' for x in run.contention)}; "
+        f"prefill beside 0/1/2 others computing: {' / '.join(f'{x:.2f}x' for x in run.contention)}, "
+        f"beside a decoding batch alone {run.beside_decode:.2f}x; "
         f"delivery {run.delivery_s * 1e3:.1f} ms; "
         f"serve {' '.join(run.flags)}"
     )
@@ -633,7 +645,7 @@ def report(run: LiveRun, as_json: bool) -> None:
             "own_cores": own_errors, "sim_model_alone": alone_f, "model_alone": alone_errors,
             "model_prefill_256_s": float(run.model.latency_s(256)),
             "worker_prefill_256_s": float(run.workers.latency_s(256)),
-            "contention": list(run.contention), "delivery_s": run.delivery_s,
+            "contention": list(run.contention), "delivery_s": run.delivery_s, "beside_decode": run.beside_decode,
         }  # fmt: skip
         print(figures.dumps(out))
 
