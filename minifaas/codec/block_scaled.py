@@ -24,7 +24,7 @@ def payload_bytes(n: int) -> int:
     return 4 * math.ceil(n / BLOCK) + n
 
 
-def encode(raw: memoryview, dtype: torch.dtype, code: str) -> tuple[list[memoryview], torch.Tensor] | None:
+def encode_blocks(raw: memoryview, dtype: torch.dtype, code: str) -> tuple[list[memoryview], torch.Tensor] | None:
     """The payload parts of ``raw`` (elements of ``dtype``) and its decoded tensor; None if a value is
     not finite (the frame then goes lossless)."""
     values = _view(raw, dtype).float()

@@ -104,7 +104,7 @@ class FrameEncoder:
     def encode(self, codec: Codec, dtype: torch.dtype, raw: memoryview) -> Coded:
         """``raw`` (whole elements of ``dtype``) coded with ``codec``, or as it is if that would not shrink it."""
         if codec.lossy:
-            lossy = block_scaled.encode(raw, dtype, codec.label)
+            lossy = block_scaled.encode_blocks(raw, dtype, codec.label)
             if lossy is not None:
                 parts, decoded = lossy
                 return _smaller(codec, parts, lambda: checksum(_bytes(decoded)), raw)

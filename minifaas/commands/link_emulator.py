@@ -12,7 +12,7 @@ import sys
 from minifaas.commands import arguments
 from minifaas.commands.main import user_input
 from minifaas.control.secret import load_secret
-from minifaas.emulator.emulator_server import serve
+from minifaas.emulator.emulator_server import serve_link
 from minifaas.emulator.pacer import RateSchedule, parse_bytes, parse_rate
 from minifaas.emulator.relay import RelayConfig
 from minifaas.parent_watch import die_with_parent
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     port = f":{listen[1]}" if listen[1] else ""  # port 0: the one it binds is known only inside ``serve``
     set_title("link-emulator", port, f"-> {target_host}:{target_port}")
     route_hosts = frozenset(args.route_host or [target_host])
-    return asyncio.run(serve(config, secret, args.control, route_hosts, args.control_idle, args.exit_with_stdin))
+    return asyncio.run(serve_link(config, secret, args.control, route_hosts, args.control_idle, args.exit_with_stdin))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ async def _control_session(link: LinkEmulator, route_hosts: frozenset[str], sess
         await session.drain(idle_s)
 
 
-async def serve(
+async def serve_link(
     config: RelayConfig, secret: bytes, control: tuple[str, int], route_hosts: frozenset[str], idle_s: float,
     exit_with_stdin: bool,
 ) -> int:  # fmt: skip
