@@ -28,9 +28,6 @@ from minifaas.config import (
     LOG_LEVELS,
     SNAPSHOT_POLICIES,
     CacheConfig,
-    ClusterConfig,
-    HttpConfig,
-    InterClusterLinkConfig,
     ServeConfig,
 )
 from minifaas.gateway.api import build_app
@@ -244,45 +241,42 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("give --prfaas-device or --prfaas-devices, not both")
     if args.pd_device and args.pd_devices:
         raise ValueError("give --pd-device or --pd-devices, not both")
-    prfaas = ClusterConfig(
-        _pick(args.prfaas_workers, len(args.prfaas_devices) if args.prfaas_devices else base.prfaas.prefill_workers),
-        0,
-        _pick(args.prfaas_device, "cpu" if args.prfaas_devices else base.prfaas.device),
+    # each table as the TOML gave it, with what the flags set: a setting no flag names is kept whole
+    prfaas = replace(
+        base.prfaas,
+        prefill_workers=_pick(
+            args.prfaas_workers, len(args.prfaas_devices) if args.prfaas_devices else base.prfaas.prefill_workers
+        ),
+        decode_workers=0,
+        device=_pick(args.prfaas_device, "cpu" if args.prfaas_devices else base.prfaas.device),
         prefill_chunk=_pick(args.prefill_chunk, base.prfaas.prefill_chunk),
-        prefill_batch=base.prfaas.prefill_batch,
-        threads=base.prfaas.threads,
         workers=_pick(args.prfaas_worker, base.prfaas.workers),
         dtype=None if args.dtype else base.prfaas.dtype,  # --dtype is for every cluster
         devices=_pick(args.prfaas_devices, base.prfaas.devices),
-        memory_fraction=base.prfaas.memory_fraction,
     )
     pd_prefill = _pick(args.pd_prefill_workers, base.pd.prefill_workers)
     pd_decode = max(1, len(args.pd_devices) - pd_prefill) if args.pd_devices else base.pd.decode_workers
-    pd = ClusterConfig(
-        pd_prefill,
-        _pick(args.pd_decode_workers, pd_decode),
-        _pick(args.pd_device, "cpu" if args.pd_devices else base.pd.device),
-        _pick(args.max_batch, base.pd.max_batch),
-        _pick(args.prefill_chunk, base.pd.prefill_chunk),
-        prefill_batch=base.pd.prefill_batch,
-        threads=base.pd.threads,
-        decode_threads=base.pd.decode_threads,
+    pd = replace(
+        base.pd,
+        prefill_workers=pd_prefill,
+        decode_workers=_pick(args.pd_decode_workers, pd_decode),
+        device=_pick(args.pd_device, "cpu" if args.pd_devices else base.pd.device),
+        max_batch=_pick(args.max_batch, base.pd.max_batch),
+        prefill_chunk=_pick(args.prefill_chunk, base.pd.prefill_chunk),
         workers=_pick(args.pd_worker, base.pd.workers),
         dtype=None if args.dtype else base.pd.dtype,
         devices=_pick(args.pd_devices, base.pd.devices),
-        memory_fraction=base.pd.memory_fraction,
     )
     if args.gpu_memory_fraction is not None:  # for the clusters on GPUs; one on the CPU has no share to set
         if prfaas.device == pd.device == "cpu":
             raise ValueError("--gpu-memory-fraction: no cluster runs on a GPU")
         prfaas, pd = (c if c.device == "cpu" else replace(c, memory_fraction=args.gpu_memory_fraction)
                       for c in (prfaas, pd))  # fmt: skip
-    link = InterClusterLinkConfig(
+    link = replace(
+        base.link,
         rate=_pick(args.link_rate, base.link.rate),
-        flow_rate=base.link.flow_rate,
         window=_pick(args.link_window, base.link.window),
         delay_ms=_pick(args.link_delay_ms, base.link.delay_ms),
-        jitter_ms=base.link.jitter_ms,
         connections=_pick(args.connections, base.link.connections),
         pipelined=base.link.pipelined and not args.no_pipelining,
         kv_compression=_pick(args.kv_compression, base.link.kv_compression),
@@ -302,12 +296,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         incremental_transfer=base.cache.incremental_transfer and not args.no_incremental_transfer,
         cross_cluster_moves=base.cache.cross_cluster_moves and not args.no_cache_moves,
     )
-    http = HttpConfig(
+    http = replace(
+        base.http,
         max_connections=_pick(args.max_connections, base.http.max_connections),
         header_timeout=_pick(args.header_timeout, base.http.header_timeout),
         body_timeout=_pick(args.body_timeout, base.http.body_timeout),
-        max_body_bytes=base.http.max_body_bytes,
-        backlog=base.http.backlog,
     )
     scheduler = replace(
         base.scheduler,
