@@ -1,12 +1,12 @@
 """One decode worker's batch while a trace's requests of mixed lengths join and leave it.
 
-The decoder a decode worker runs (``BatchDecoder``, one torch thread) is fed the first ``--requests`` of a
-shipped trace (prompts / 4 and outputs / 8, at most 64, as ``bench_sim_fidelity`` scales the Azure one),
-arriving at the trace's own times sped up ``--speed`` times, on a clock that moves by each step's own time:
-a pace above what the decoder holds piles rows up, as a loaded decode worker's do. Each request's state is a
-slice of one long prefill, so no prefill is timed. Prints tokens/s, the steps, the most rows at once and the
-seconds spent in the batch's buffer copies (``batch_cache.fitted``) of each of ``--repeats`` runs, and their
-median: once rows pile up, a run's copies grow with them, so runs differ.
+The decoder a decode worker runs (``BatchDecoder``, one torch thread) is fed the slice of a shipped trace that
+``bench_sim_fidelity`` replays (its first ``--requests`` requests, lengths scaled as it scales them), arriving at
+the trace's own times sped up ``--speed`` times, on a clock that moves by each step's own time: a pace above what
+the decoder holds piles rows up, as a loaded decode worker's do. Each request's state is a slice of one long
+prefill, so no prefill is timed. Prints tokens/s, the steps, the most rows at once and the seconds spent in the
+batch's buffer copies (``batch_cache.fitted``) of each of ``--repeats`` runs, and their median: once rows pile
+up, a run's copies grow with them, so runs differ.
 
     python benchmarks/bench_decode_churn.py
     python benchmarks/bench_decode_churn.py --trace mooncake --speed 8 --json
@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import torch
+from bench_sim_fidelity import TRACES, trace_slice  # the slice the fidelity benchmark replays, scaled alike
 
 import minifaas.model.batch_cache as batch_cache
 from minifaas.model.batch_decoder import BatchDecoder
@@ -29,10 +30,6 @@ from minifaas.model.decoder import DecoderConfig
 from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.traces import read_trace
-
-TRACES = {"azure": ("azure-conv", 4), "mooncake": ("mooncake-synthetic", 32)}  # name, length divisor
-OUTPUT_DIVISOR, MAX_OUTPUT = 8, 64
 
 
 class CopyClock:
@@ -99,11 +96,8 @@ def main() -> None:
     if a.quick:
         a.requests, a.repeats = min(a.requests, 60), 1
     torch.set_num_threads(1)  # as a decode worker on a 2-core box
-    name, divisor = TRACES[a.trace]
-    trace = read_trace(name, length_scale=1.0 / divisor)
-    prompts = trace.input_tokens[: a.requests]
-    at = (trace.arrival_s[: a.requests] - trace.arrival_s[0]) / a.speed
-    outputs = np.clip(np.rint(trace.output_tokens[: a.requests] / OUTPUT_DIVISOR), 1, MAX_OUTPUT)
+    sl = trace_slice(a.trace, a.requests)
+    prompts, outputs, at = sl.prompts, sl.output_tokens, sl.at_s / a.speed
     runtime = ModelRuntime.load()
     whole = runtime.prefill([(13 * i + 5) % 256 for i in range(int(prompts.max()))], chunk_tokens=512).state
     runs = [run_once(runtime, whole, at, prompts, outputs) for _ in range(a.repeats)]
