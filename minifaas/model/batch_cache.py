@@ -38,13 +38,17 @@ from minifaas.model.state_layout import new_cache
 #   reaches both through the same ``cache.layers[i]``; no state (Nemotron-H's MLP/MoE layers), ``StatelessRowLayer``.
 
 SLACK = 16  # rows or tokens a buffer may hold past four times what it needs: no churn at small sizes
-GROWTH = 1024  # up to this many a buffer doubles when it grows; past it, it grows by a quarter
+GROWTH = 1024  # up to this many rows a buffer doubles when it grows; past it, it grows by a quarter
+SLOT_ROOM = 64  # token slots a grown buffer keeps past its longest row at least
 SHRINK_EVERY = 64  # steps between the times a buffer may shrink: one copy per window, not one per long row
 
 
-def roomy(needed: int) -> int:
-    """What a buffer is sized to when it must change: twice ``needed`` while small, so growing one at a time
-    reallocates rarely; a quarter more once large, so a long row's slots are not doubled."""
+def roomy(needed: int, dim: int = 0) -> int:
+    """What a buffer's dimension ``dim`` is sized to when it must change. Rows (0): twice ``needed`` while small,
+    so rows joining one at a time reallocate rarely; a quarter more once large. Token slots (2): an eighth more
+    (at least ``SLOT_ROOM``), since every row gains one a step: a long row joining does not double every row."""
+    if dim == 2:
+        return needed + max(needed // 8, SLOT_ROOM)
     return needed + min(needed, max(needed // 4, GROWTH)) + 1
 
 
@@ -56,7 +60,7 @@ def fitted(buffer: torch.Tensor, needs: dict[int, int], shrink: bool = True) -> 
     grows = any(n > shape[d] for d, n in needs.items())
     for d, n in needs.items():
         if n > shape[d] or ((shrink or grows) and shape[d] > 4 * n + SLACK):
-            shape[d] = roomy(n)
+            shape[d] = roomy(n, d)
     if shape == list(buffer.shape):
         return buffer
     out = buffer.new_zeros(shape)
@@ -86,7 +90,7 @@ class PaddedKVLayer(CacheLayerMixin):
         state = states[0]
         for name, t in state.slots:
             if name not in self.buffers:
-                shape = (roomy(row + 1), t.shape[1], roomy(state.seq_len), t.shape[3])
+                shape = (roomy(row + 1), t.shape[1], roomy(state.seq_len, 2), t.shape[3])
                 self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
             self.buffers[name][row, :, : state.seq_len].copy_(t[0])
 
