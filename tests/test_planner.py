@@ -233,7 +233,7 @@ def test_a_case_file_can_take_its_lengths_from_a_trace(tmp_path, trace: str) -> 
 
 def test_decode_profile_from_measured_steps_meets_the_slo() -> None:
     from minifaas.planner.paper import H20_DECODE
-    from minifaas.planner.profile import DecodeProfile
+    from minifaas.planner.profile import DecodeProfile, decode_from_dict, profile_tables
 
     steps = [(1, 0.008), (8, 0.012), (16, 0.019), (20, 0.024), (24, 0.029), (32, 0.04)]
     profile = DecodeProfile.from_steps("H20x8", 8, steps, slo_tokens_per_s=40)
@@ -246,6 +246,13 @@ def test_decode_profile_from_measured_steps_meets_the_slo() -> None:
     assert profile.step_s(12) == pytest.approx(0.0155)
     assert profile.step_s(40) == pytest.approx(0.04 + 8 * 0.011 / 8)
     assert H20_DECODE.step_s(1) == H20_DECODE.step_s(100) == H20_DECODE.step_time_s  # none kept: one step time
+    # rows padded to the longest: each row of a batch 1,064 slots wide pays 1,000 slots past the measured context
+    wide = replace(profile, context=64, slot_s=1e-7)
+    assert wide.step_s(12, 1064) == pytest.approx(0.0155 + 12 * 1000 * 1e-7)
+    assert wide.step_s(12, 32) == wide.step_s(12) == pytest.approx(0.0155)
+    assert decode_from_dict(profile_tables(decode=wide)["decode"]) == wide
+    with pytest.raises(ValueError, match="slot_s"):
+        replace(profile, slot_s=-1.0)
     with pytest.raises(ValueError, match="increasing batch"):
         DecodeProfile("bad", 1, 4, 0.01, steps=((4, 0.01), (1, 0.005)))
     with pytest.raises(ValueError):

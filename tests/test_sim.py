@@ -351,3 +351,16 @@ def test_a_decode_step_takes_the_profiles_time_at_the_rows_running_then() -> Non
     held.run()
     assert held.first_token[1] > held.finished[0]  # both long prompts still on their way as the first decodes
     assert held.finished[0] == pytest.approx(held.first_token[0] + 10 * (0.01 + 0.004), rel=1e-9)
+
+
+def test_a_decode_step_adds_its_rows_padding_to_the_longest() -> None:
+    case = paper_case()
+    decode = replace(case.decode, bs_max=8, steps=((1, 0.01), (2, 0.015)), context=24, slot_s=1e-6)
+    config = replace(config_for(case, plan(case).homogeneous, early_first_token=True), decode=decode, n_decode=1)
+    pair = Workload("pair", np.zeros(2), np.full(2, 1024), np.array([4, 8]), ((1, 2), (3, 4)), 512)
+    joined = float(case.pd_prefill.latency_s(1024))
+    sim = Simulation(replace(config, decode_step_by_batch=True), pair)
+    sim.run()
+    # the rows hold 1024 + 3 // 2 and 1024 + 7 // 2 tokens halfway: the batch is 1028 slots wide, 1004 past context
+    two, one = 0.015 + 1e-6 * 2 * 1004, 0.01 + 1e-6 * 1004
+    assert sim.finished == pytest.approx([joined + 3 * two, joined + 3 * two + 4 * one], rel=1e-9)

@@ -3,7 +3,8 @@
     minifaas profile --model kimi-linear-tiny --device cpu --out cpu.json
 
 Prefill: each length's median wall time and the bytes of state it leaves. Decode: the step time for each batch
-size, and BS_max, the largest batch whose step meets ``--slo`` (a lower bound when even the largest does).
+size, and BS_max, the largest batch whose step meets ``--slo`` (a lower bound when even the largest does); the
+largest batch again with longer rows, for what a step adds per token of the batch's width.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,6 +26,8 @@ from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint
 if TYPE_CHECKING:
     from minifaas.model.runtime import ModelRuntime
 
+DECODE_CONTEXT = 64  # tokens each row holds as the decode steps are timed
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
@@ -33,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batches", type=arguments.positive_ints, default="1,2,4,8", help="decode batch sizes")
     parser.add_argument("--decode-steps", type=int, default=8, help="steps timed per batch size")
+    parser.add_argument(
+        "--decode-context",
+        type=int,
+        default=1024,
+        help=f"a second row length (tokens; the steps are timed at {DECODE_CONTEXT}) at which the largest batch is "
+        "timed again: what a step adds per row for each token of the batch's width",
+    )
     parser.add_argument(
         "--unbatched", action="store_true", help="time decode one forward per request (workers' --max-batch 1)"
     )
@@ -57,13 +68,16 @@ def measure_prefill(runtime: ModelRuntime, lengths: list[int], repeats: int) -> 
     return tuple(points)
 
 
-def measure_decode(runtime: ModelRuntime, batches: list[int], steps: int, batched: bool) -> list[tuple[int, float]]:
-    """Seconds per step with B requests decoding, for each B, on the decoder a decode worker runs."""
+def measure_decode(
+    runtime: ModelRuntime, batches: list[int], steps: int, batched: bool, context: int = DECODE_CONTEXT
+) -> list[tuple[int, float]]:
+    """Seconds per step with B requests of ``context`` tokens decoding, for each B, on the decoder a decode
+    worker runs."""
     from minifaas.model.batch_decoder import make_decoder
     from minifaas.model.decoder import DecoderConfig
     from minifaas.model.sampling import SamplingParams
 
-    prompt = runtime.prefill([(13 * i + 5) % 256 for i in range(64)])
+    prompt = runtime.prefill([(13 * i + 5) % 256 for i in range(context)])
     sampling = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     out = []
     for b in batches:
@@ -84,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     lengths, batches = sorted(set(args.lengths)), sorted(set(args.batches))
     if len(lengths) < 2 or args.repeats < 1 or args.decode_steps < 1 or args.slo <= 0:
         raise BadInput("need two lengths or more, --repeats and --decode-steps >= 1 and --slo > 0")
+    if args.decode_context <= DECODE_CONTEXT:
+        raise BadInput(f"--decode-context must be more than the {DECODE_CONTEXT} tokens the steps are timed at")
     with user_input():
         arguments.present_device(args.device)
         checked_spec(args.model, args.trust_remote_code)
@@ -105,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
         kv_bytes_per_token=per_token,
     )
     steps = measure_decode(runtime, batches, args.decode_steps, not args.unbatched)
+    ((largest, wide_s),) = measure_decode(
+        runtime, batches[-1:], args.decode_steps, not args.unbatched, args.decode_context
+    )
+    slot_s = max(0.0, wide_s - steps[-1][1]) / (largest * (args.decode_context - DECODE_CONTEXT))
     print(f"{name}: prefill")
     for p in points:
         print(f"  {p.tokens:>7} tokens  {p.latency_s:8.4f} s  {p.kv_bytes / 2**20:9.3f} MiB")
@@ -113,9 +133,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"decode step time ({'one forward per request' if args.unbatched else 'batched'})")
     for b, seconds in steps:
         print(f"  batch {b:>4}  {seconds * 1000:9.2f} ms  ({1 / seconds:7.1f} tokens/s per request)")
+    print(f"  batch {largest:>4}  {wide_s * 1000:9.2f} ms at {args.decode_context} tokens a row "
+          f"(the above at {DECODE_CONTEXT}): {slot_s * 1e9:.1f} ns per row and token of width")  # fmt: skip
     decode: DecodeProfile | None = None
     try:
-        decode = DecodeProfile.from_steps(name, args.gpus_per_instance, steps, args.slo)
+        measured = DecodeProfile.from_steps(name, args.gpus_per_instance, steps, args.slo)
+        decode = replace(measured, context=DECODE_CONTEXT, slot_s=slot_s)
     except ValueError as e:
         print(f"  no [decode] table written: {e}")
     else:

@@ -11,6 +11,8 @@ A file holds a [prefill] and a [decode] table, TOML or JSON (``load_profiles``; 
     bs_max = 20                   # the largest batch meeting the decode SLO
     step_time_s = 0.025           # one decode step at bs_max
     steps = [[1, 0.012], [8, 0.016], [32, 0.03]]   # optional: [batch, seconds] of every batch measured
+    context = 64                  # optional: the tokens each row held as they were measured,
+    slot_s = 1.3e-7               #   and what a step adds per row for each token of the batch's width past it
 """
 
 from __future__ import annotations
@@ -86,23 +88,29 @@ class DecodeProfile:
     bs_max: int
     step_time_s: float  # one decode step at bs_max: measured, or at most the SLO's time per output token
     steps: tuple[tuple[int, float], ...] = ()  # (batch, step seconds) of every batch measured, if kept
+    context: int = 0  # the tokens each row held as the steps were measured
+    slot_s: float = 0.0  # seconds a step adds per row for each token slot of the batch's width past ``context``
 
     def __post_init__(self) -> None:
         if self.gpus_per_instance < 1 or self.bs_max < 1 or self.step_time_s <= 0:
             raise ValueError(f"{self.name}: need gpus_per_instance >= 1, bs_max >= 1, step_time_s > 0")
+        if self.context < 0 or self.slot_s < 0:
+            raise ValueError(f"{self.name}: need context >= 0 and slot_s >= 0")
         batches = [b for b, _ in self.steps]
         if batches != sorted(set(batches)) or any(b < 1 or s <= 0 for b, s in self.steps):
             raise ValueError(f"{self.name}: steps must be (batch >= 1, seconds > 0) by increasing batch")
 
-    def step_s(self, batch: int) -> float:
+    def step_s(self, batch: int, width: int = 0) -> float:
         """One step's seconds with ``batch`` rows: the measured steps interpolated, the smallest batch's below
-        them, extended linearly above; ``step_time_s`` for every batch when no steps were kept."""
+        them, extended linearly above; ``step_time_s`` for every batch when no steps were kept. Plus, rows being
+        padded to the longest, ``slot_s`` per row for each token of ``width`` past ``context``."""
+        padded = self.slot_s * batch * max(0, width - self.context)
         if not self.steps:
-            return self.step_time_s
+            return self.step_time_s + padded
         xs, ys = [b for b, _ in self.steps], [s for _, s in self.steps]
         if len(xs) == 1 or batch <= xs[-1]:
-            return float(np.interp(batch, xs, ys))
-        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (batch - xs[-1])
+            return float(np.interp(batch, xs, ys)) + padded
+        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (batch - xs[-1]) + padded
 
     def requests_per_s(self, output_tokens: float) -> float:
         """One instance's decode throughput, eq 5 per instance: BS_max / (T_decode * L_out)."""
@@ -167,6 +175,8 @@ def decode_from_dict(data: dict[str, Any]) -> DecodeProfile:
         bs_max=int(data["bs_max"]),
         step_time_s=float(data["step_time_s"]),
         steps=tuple((int(b), float(s)) for b, s in data.get("steps", ())),
+        context=int(data.get("context", 0)),
+        slot_s=float(data.get("slot_s", 0.0)),
     )
 
 

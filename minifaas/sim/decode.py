@@ -2,7 +2,8 @@
 
 A request is assigned an instance as it arrives and holds a batch slot for its output steps once its KV is there,
 waiting while the batch is full. Assigned loads move by one at a time, so instances sit in buckets by load and the
-least loaded is found at once. With ``by_batch`` a step's time follows the rows running (``BatchClock``).
+least loaded is found at once. With ``by_batch`` a step's time follows the rows running (``BatchClock``) and the
+longest of them, the rows being padded to it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ class BatchClock:
         self.step_s = 0.0  # seconds per step since ``at`` (0: no rows)
         self.leaving: list[tuple[float, int]] = []  # (steps at which it leaves, request)
         self.generation = 0  # the ``due`` event that is current
+        self.rows: dict[int, int] = {}  # request -> its length in tokens
+        self.longest: list[tuple[int, int]] = []  # (-length, request), a max-heap; rows gone are dropped as met
+
+    def width(self) -> int:
+        """The longest row's length, the width every row is padded to."""
+        while self.longest and self.longest[0][1] not in self.rows:
+            heapq.heappop(self.longest)
+        return -self.longest[0][0] if self.longest else 0
 
     def advance(self, now: float) -> None:
         if self.step_s:
@@ -132,25 +141,29 @@ class DecodeInstances:
         self.total_running -= 1
         return None
 
-    def join(self, node: int, request: int, steps: int, now: float) -> None:
-        """(``by_batch``) The request, counted in ``running`` already, decodes ``steps`` steps from now."""
+    def join(self, node: int, request: int, steps: int, now: float, tokens: int = 0) -> None:
+        """(``by_batch``) The request, counted in ``running`` already, decodes ``steps`` steps from now, its row
+        ``tokens`` long (it grows by one a step: halfway through, it holds ``tokens + steps // 2``)."""
         clock = self.clocks[node]
         clock.advance(now)
         heapq.heappush(clock.leaving, (clock.steps + steps, request))
+        clock.rows[request] = length = tokens + steps // 2
+        heapq.heappush(clock.longest, (-length, request))
 
     def leave(self, node: int, now: float) -> int:
         """(``by_batch``) Remove and return the clock's next request to finish; ``finish`` frees its slot."""
         clock = self.clocks[node]
         clock.advance(now)
         clock.steps, request = heapq.heappop(clock.leaving)
+        del clock.rows[request]
         return request
 
     def restep(self, node: int, slowdown: float = 1.0) -> BatchClock:
-        """(``by_batch``) Set the clock's step time for the rows running now, ``slowdown`` times the profile's,
-        plus the hold while more requests are on their way than the instance holds."""
+        """(``by_batch``) Set the clock's step time for the rows running now and the longest of them, ``slowdown``
+        times the profile's, plus the hold while more requests are on their way than the instance holds."""
         clock = self.clocks[node]
         rows = self.running[node]
-        step = self.profile.step_s(rows) * slowdown if rows else 0.0
+        step = self.profile.step_s(rows, clock.width() + 1) * slowdown if rows else 0.0
         held = rows + len(self.waiting[node])
         if self.hold and self.assigned[node] - held > held:
             step += min(self.hold * step, self.hold_max_s)

@@ -102,6 +102,16 @@ class SimConfig:
             object.__setattr__(self, field_name, args)
             check_policy(getattr(self, spec), kind, args)
 
+    def slowdown(self, computing: int) -> float:
+        """A worker's time over the profile's while ``computing`` workers (itself counted) share
+        ``shared_cores``: the ``contention`` table's figure, past its end scaled by the count."""
+        if not self.shared_cores:
+            return 1.0
+        table = self.contention
+        if not table:
+            return max(1.0, computing / self.shared_cores)
+        return table[computing - 1] if computing <= len(table) else table[-1] * computing / len(table)
+
     @property
     def gpus(self) -> int:
         prefill = self.n_prfaas * self.prfaas.gpus_per_instance + self.n_prefill * self.pd_prefill.gpus_per_instance

@@ -170,10 +170,7 @@ class Simulation:
         computing = self.prfaas.busy_at(start) + self.pd.busy_at(start) + decoding + (0 if decoder else 1)
         if c.beside_decode and not decoder and computing == 2 and decoding == 1:  # a prefill beside decoding alone
             return c.beside_decode
-        table = c.contention
-        if not table:
-            return max(1.0, computing / c.shared_cores)
-        return table[computing - 1] if computing <= len(table) else table[-1] * computing / len(table)
+        return c.slowdown(computing)
 
     def _flow_start(self, rid: int) -> None:
         self.link.add(self.loop.now, rid, self._kv_bytes[rid])
@@ -247,7 +244,7 @@ class Simulation:
             steps -= 1
         if self._by_batch:
             node = self.decode_node[rid]
-            self.decode.join(node, rid, steps, now)
+            self.decode.join(node, rid, steps, now, self._prompt[rid])
             clock = self._schedule_leave(node)
             if not self._early:
                 self.first_token[rid] = now + clock.step_s + self._delivery
