@@ -25,7 +25,8 @@
    Mooncake hash id becomes a fixed block of token ids, so prefixes are shared as in the trace, and the
    cache's block is the scaled 512-token block), outputs by ``OUTPUT_DIVISOR`` (at most ``MAX_OUTPUT``), and
    time is scaled so the slice arrives at ``--load`` of the capacity the profile predicts for it
-   (``capacity_rps``: the busiest of the prefill pools, the link, the decode rows and this machine's cores).
+   (``capacity_rps``: the busiest of the prefill pools, the decode rows and the link, each worker slowed as
+   when all of them compute on this machine's cores).
 4. Live: ``minifaas serve --port 0`` in a child process; each request a streamed completion sent at its
    scaled arrival time. Simulated: the same slice through ``Simulation`` with the twin.
 
@@ -291,20 +292,25 @@ def twin(
 # --- the slice ----------------------------------------------------------------------------------------------
 
 
-def capacity_rps(config: SimConfig, prompts: np.ndarray, outputs: np.ndarray, cores: int) -> float:
+def capacity_rps(config: SimConfig, prompts: np.ndarray, outputs: np.ndarray) -> float:
     """Requests/s the profile says the deployment holds for these lengths: the inverse of the busiest stage's
-    seconds per request (prefix hits ignored). Prefill of both clusters also shares this machine's cores,
-    less one the decode worker keeps busy."""
+    seconds per request (prefix hits ignored). At capacity every worker computes, so each takes the twin's
+    slowdown for all of them at once; a decode row costs a large batch's step slope, its rows padded to the
+    slice's 99th-percentile prompt."""
     long = prompts > config.threshold
     prefill_s = config.pd_prefill.latency_s(prompts)
+    decode = config.decode
+    (b0, s0), (b1, s1) = decode.steps[-2:] if len(decode.steps) > 1 else ((0, 0.0), (1, decode.step_time_s))
+    row_s = (s1 - s0) / (b1 - b0) + decode.slot_s * max(0.0, float(np.percentile(prompts, 99)) - decode.context)
     per_request = {
         "prfaas": prefill_s[long].sum() / len(prompts) / max(config.n_prfaas, 1),
         "pd-prefill": prefill_s[~long].sum() / len(prompts) / max(config.n_prefill, 1),
-        "link": config.prfaas.kv_bytes(prompts[long]).sum() * 8 / len(prompts) / (config.link.gbps * 1e9),
-        "decode": outputs.mean() * config.decode.step_time_s / config.decode.bs_max / config.n_decode,
-        "cores": prefill_s.mean() / max(1, cores - 1),
+        "decode": outputs.mean() * row_s / config.n_decode,
     }
-    return 1.0 / max(per_request.values())
+    slowed = {stage: s * config.slowdown(config.n_prfaas + config.n_prefill + config.n_decode)
+              for stage, s in per_request.items()}  # fmt: skip
+    link = config.prfaas.kv_bytes(prompts[long]).sum() * 8 / len(prompts) / (config.link.gbps * 1e9)
+    return 1.0 / max(*slowed.values(), link)
 
 
 def trace_slice(trace: str, requests: int) -> Slice:
@@ -574,7 +580,7 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
     with serving(flags) as server:
         cal = asyncio.run(calibrate(server.url, model, max(8, int(np.median(sl.prompts)))))
         config = twin(serve, cal.prefill, decode, lossless, cal.contention, cal.delivery_s, cal.beside_decode)
-        capacity = capacity_rps(config, sl.prompts, sl.output_tokens, os.cpu_count() or 1)
+        capacity = capacity_rps(config, sl.prompts, sl.output_tokens)
         trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
         time_scale = trace_rate / (LOADS[load] * capacity)
         workload = sl.workload(time_scale)
