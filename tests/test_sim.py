@@ -364,3 +364,11 @@ def test_a_decode_step_adds_its_rows_padding_to_the_longest() -> None:
     # the rows hold 1024 + 3 // 2 and 1024 + 7 // 2 tokens halfway: the batch is 1028 slots wide, 1004 past context
     two, one = 0.015 + 1e-6 * 2 * 1004, 0.01 + 1e-6 * 1004
     assert sim.finished == pytest.approx([joined + 3 * two, joined + 3 * two + 4 * one], rel=1e-9)
+
+
+def test_a_worker_never_slows_by_less_than_its_share_of_the_cores() -> None:
+    case = paper_case()
+    config = config_for(case, plan(case).homogeneous, shared_cores=2, contention=(1.0, 1.1, 1.2))
+    # two computing fit two cores: the table's figure; three: at least 3/2; four, past the table: 4/2 over 1.2 * 4/3
+    assert [config.slowdown(n) for n in (1, 2, 3, 4)] == pytest.approx([1.0, 1.1, 1.5, 2.0])
+    assert replace(config, shared_cores=0).slowdown(4) == 1.0  # each worker on cores of its own
