@@ -47,7 +47,8 @@ class SimConfig:
     # 0: each worker on hardware of its own
     shared_cores: int = 0
     # on that host, a prefill's slowdown with n = 1, 2, ... workers computing (itself counted); past the last, scaled
-    # by n. Never less than n over the cores, at least 1 (what an empty table gives)
+    # by n; past the cores, at least the figure with every core busy times n over the cores. Empty: n over the
+    # cores, at least 1
     contention: tuple[float, ...] = ()
     # a prefill's slowdown while the one other worker computing is a decode instance (its attention reads every
     # row's state); 0: as ``contention`` gives for two workers
@@ -104,15 +105,20 @@ class SimConfig:
 
     def slowdown(self, computing: int) -> float:
         """A worker's time over the profile's while ``computing`` workers (itself counted) share
-        ``shared_cores``: the ``contention`` table's figure (past its end scaled by the count), and never less
-        than the workers' share of the cores."""
-        if not self.shared_cores:
+        ``shared_cores``: the ``contention`` table's figure (past its end scaled by the count); past the cores the
+        workers take turns on them, so never less than the figure with every core busy, times their share."""
+        cores, table = self.shared_cores, self.contention
+        if not cores:
             return 1.0
-        share = max(1.0, computing / self.shared_cores)
-        table = self.contention
         if not table:
-            return share
-        return max(share, table[computing - 1] if computing <= len(table) else table[-1] * computing / len(table))
+            return max(1.0, computing / cores)
+
+        def measured(n: int) -> float:
+            return table[n - 1] if n <= len(table) else table[-1] * n / len(table)
+
+        if computing <= cores:
+            return measured(computing)
+        return max(measured(computing), measured(cores) * computing / cores)
 
     @property
     def gpus(self) -> int:
