@@ -31,6 +31,11 @@ def test_profile_writes_what_the_planner_reads(tmp_path, capsys: pytest.CaptureF
     assert prefill.kv_bytes_per_token > 0 and prefill.kv_fixed_bytes > 0  # hybrid: a fixed recurrent state too
     assert decode.bs_max == 2 and decode.step_time_s < 1.0  # the step measured at batch 2, not 1/SLO = 1000 s
     assert f"step {decode.step_time_s * 1000:.2f} ms" in printed
+    assert decode.context == 64 and decode.slot_s >= 0  # the largest batch timed again with 1,024-token rows
+    assert "at 1024 tokens a row (the above at 64)" in printed
+    with pytest.raises(SystemExit) as bad:  # no longer than the rows the steps were timed with
+        main([*argv, "--decode-context", "64", "--out", str(out)])
+    assert bad.value.code == 2 and "--decode-context must be more than" in capsys.readouterr().err
 
     case = with_profiles(paper_case(), None, str(out))
     assert case.pd_prefill == prefill and case.decode == decode and case.prfaas == paper_case().prfaas
