@@ -299,18 +299,17 @@ def capacity_rps(config: SimConfig, prompts: np.ndarray, outputs: np.ndarray) ->
     slice's 99th-percentile prompt."""
     long = prompts > config.threshold
     prefill_s = config.pd_prefill.latency_s(prompts)
-    decode = config.decode
-    (b0, s0), (b1, s1) = decode.steps[-2:] if len(decode.steps) > 1 else ((0, 0.0), (1, decode.step_time_s))
-    row_s = (s1 - s0) / (b1 - b0) + decode.slot_s * max(0.0, float(np.percentile(prompts, 99)) - decode.context)
-    per_request = {
-        "prfaas": prefill_s[long].sum() / len(prompts) / max(config.n_prfaas, 1),
-        "pd-prefill": prefill_s[~long].sum() / len(prompts) / max(config.n_prefill, 1),
-        "decode": outputs.mean() * row_s / config.n_decode,
-    }
-    slowed = {stage: s * config.slowdown(config.n_prfaas + config.n_prefill + config.n_decode)
-              for stage, s in per_request.items()}  # fmt: skip
+    decode, width = config.decode, int(np.percentile(prompts, 99))
+    largest = decode.steps[-1][0]  # PROFILE_BATCHES: past it, a row adds the last measured slope
+    row_s = decode.step_s(largest + 1, width) - decode.step_s(largest, width)
+    busiest = max(
+        prefill_s[long].sum() / len(prompts) / max(config.n_prfaas, 1),
+        prefill_s[~long].sum() / len(prompts) / max(config.n_prefill, 1),
+        outputs.mean() * row_s / config.n_decode,
+    )
+    slowdown = config.slowdown(config.n_prfaas + config.n_prefill + config.n_decode)
     link = config.prfaas.kv_bytes(prompts[long]).sum() * 8 / len(prompts) / (config.link.gbps * 1e9)
-    return 1.0 / max(*slowed.values(), link)
+    return 1.0 / max(busiest * slowdown, link)
 
 
 def trace_slice(trace: str, requests: int) -> Slice:

@@ -25,7 +25,7 @@ class BatchClock:
         self.step_s = 0.0  # seconds per step since ``at`` (0: no rows)
         self.leaving: list[tuple[float, int]] = []  # (steps at which it leaves, request)
         self.generation = 0  # the ``due`` event that is current
-        self.rows: dict[int, int] = {}  # request -> its length in tokens
+        self.rows: set[int] = set()  # the requests decoding
         self.longest: list[tuple[int, int]] = []  # (-length, request), a max-heap; rows gone are dropped as met
 
     def width(self) -> int:
@@ -147,15 +147,15 @@ class DecodeInstances:
         clock = self.clocks[node]
         clock.advance(now)
         heapq.heappush(clock.leaving, (clock.steps + steps, request))
-        clock.rows[request] = length = tokens + steps // 2
-        heapq.heappush(clock.longest, (-length, request))
+        clock.rows.add(request)
+        heapq.heappush(clock.longest, (-(tokens + steps // 2), request))
 
     def leave(self, node: int, now: float) -> int:
         """(``by_batch``) Remove and return the clock's next request to finish; ``finish`` frees its slot."""
         clock = self.clocks[node]
         clock.advance(now)
         clock.steps, request = heapq.heappop(clock.leaving)
-        del clock.rows[request]
+        clock.rows.remove(request)
         return request
 
     def restep(self, node: int, slowdown: float = 1.0) -> BatchClock:
