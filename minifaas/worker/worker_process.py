@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import socket
@@ -68,6 +69,8 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     name = args.name or default_name(args)
     runtime = await _load_runtime(args, name)
     await _warm_up(args, runtime, name)
+    # what is loaded lives as long as the process: full collections while serving skip it (scanning it stalls a forward)
+    gc.freeze()
     codecs = codecs_for(args.kv_compression)
     async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
         build = _decode_side if args.role == "decode" else _prefill_side
