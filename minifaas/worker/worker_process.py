@@ -1,8 +1,9 @@
 """A worker process: ``minifaas worker --role prefill|decode --cluster prfaas|pd --listen HOST:PORT``.
 
-One per node. It loads and warms up the model, opens its KV and control ports, prints one JSON line when ready,
-and serves one gateway at a time until ``stop`` is set or, with ``--exit-with-stdin``, until its stdin closes, so
-a gateway that dies leaves no worker behind. Its flags are in ``commands/worker.py``.
+One per node. It loads and warms up the model, freezes that heap out of the garbage collector's full passes, opens
+its KV and control ports, prints one JSON line when ready, and serves one gateway at a time until ``stop`` is set
+or, with ``--exit-with-stdin``, until its stdin closes, so a gateway that dies leaves no worker behind. Its flags
+are in ``commands/worker.py``.
 """
 
 from __future__ import annotations
