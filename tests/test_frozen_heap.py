@@ -1,4 +1,5 @@
-"""A ready worker's heap: what it loaded before serving is frozen out of the garbage collector's full passes."""
+"""A ready worker's heap, and the serving gateway's: what each loaded before serving is frozen out of the garbage
+collector's full passes."""
 
 from __future__ import annotations
 
@@ -38,3 +39,28 @@ def test_a_ready_worker_leaves_what_it_loaded_out_of_full_collections(role: str)
     # the model, torch and transformers are frozen; a full pass scans only what came after warm-up
     assert heap["frozen"] > 100_000, heap
     assert heap["scanned"] < heap["frozen"] / 10, heap
+
+
+# the gateway as `minifaas serve` runs it: once it says it is serving, the heap that start-up made is frozen
+GATEWAY = """
+import argparse, gc, json, logging, os, signal
+from minifaas.commands import serve
+
+class Serving(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("serving "):
+            print(json.dumps({"frozen": gc.get_freeze_count()}), flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)  # the command's own stop
+
+logging.getLogger("minifaas.serve").addHandler(Serving())
+parser = argparse.ArgumentParser()
+serve.add_arguments(parser)
+serve.run(parser.parse_args(["--model", "kimi-linear-tiny", "--port", "0", "--log-level", "INFO"]))
+"""
+
+
+def test_the_serving_gateway_leaves_what_start_up_loaded_out_of_full_collections() -> None:
+    out = subprocess.run([sys.executable, "-c", GATEWAY], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    heap = json.loads(out.stdout.strip().splitlines()[-1])
+    assert heap["frozen"] > 100_000, heap
