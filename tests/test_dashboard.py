@@ -25,7 +25,10 @@ def get(url: str) -> tuple[int, str, bytes]:
 
 
 def complete(base: str, prompt: str, max_tokens: int = 4) -> dict:
-    body = json.dumps({"model": "kimi-linear-tiny", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    # ignore_eos: a random-weight model may sample its end-of-sequence token; every request here ends by length
+    body = json.dumps(
+        {"model": "kimi-linear-tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    ).encode()
     req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
