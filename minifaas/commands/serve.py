@@ -461,6 +461,7 @@ async def _serve(config: ServeConfig, view: StartupView) -> None:
         with view:
             gateway, port = await stack.enter_async_context(running_server(config, view))
         on_signals()  # again: starting Ray installs handlers of its own
+        gc.collect()  # start-up's garbage in reference cycles is freed, not frozen with the rest
         gc.freeze()  # what start-up loaded lives as long as the process: full collections while serving skip it
         set_title("serve", f"{config.host}:{port}")
         log.info("serving %s on http://%s:%d/v1, %s (Ctrl-C to stop)", config.model, config.host, port,

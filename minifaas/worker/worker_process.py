@@ -70,7 +70,9 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     name = args.name or default_name(args)
     runtime = await _load_runtime(args, name)
     await _warm_up(args, runtime, name)
-    # what is loaded lives as long as the process: full collections while serving skip it (scanning it stalls a forward)
+    # what is loaded lives as long as the process: full collections while serving skip it (scanning it stalls a
+    # forward); what loading and warming up left in reference cycles is freed first, not kept for good
+    gc.collect()
     gc.freeze()
     codecs = codecs_for(args.kv_compression)
     async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
