@@ -50,7 +50,10 @@ def test_the_default_batch_is_what_memory_holds_in_the_range_vllm_uses() -> None
 
 def test_a_decoder_left_at_auto_gets_the_rows_this_hosts_memory_holds(runtime: ModelRuntime) -> None:
     decoder = make_decoder(runtime, DecoderConfig())
-    assert isinstance(decoder, BatchDecoder) and decoder.config == sized_for(DecoderConfig(), runtime)
+    # the host's memory read again: the suite's other processes, allocating meanwhile, move it a little
+    again = sized_for(DecoderConfig(), runtime)
+    assert isinstance(decoder, BatchDecoder) and decoder.config.max_batch == again.max_batch
+    assert decoder.config.step_token_budget == pytest.approx(again.step_token_budget, rel=0.05)
     assert decoder.config.max_batch >= 256  # any host that runs the suite has the memory for it
     assert isinstance(make_decoder(runtime, DecoderConfig(max_batch=1)), InterleavedDecoder)
 
