@@ -9,17 +9,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.codec import block_scaled
-from minifaas.codec.byte_planes import PlaneDecoder, PlaneEncoder, split
 from minifaas.codec.codec import (
     ALL_CODECS,
     MIN_CODED_BYTES,
     Codec,
     FrameDecoder,
     FrameEncoder,
+    PlaneDecoder,
+    PlaneEncoder,
     codecs_for,
     frame_codec,
     offer_mask,
     offered,
+    split,
     usable,
 )
 from minifaas.model.layer_state import DTYPE_CODES, StateKind, checksum, tensor_bytes
