@@ -47,8 +47,8 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import GREEDY
 from minifaas.model.state_layout import build_cache
 from minifaas.policy.codec_policy import CompressionConfig
-from minifaas.transport.chunking import split_chunks
 from minifaas.transport.codec_probe import roundtrip
+from minifaas.transport.wire import split_chunks
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "text" / "tinyshakespeare.txt"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

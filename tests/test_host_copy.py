@@ -17,9 +17,9 @@ from minifaas.model.layer_state import LayerState, ModelState, StateKind, same_s
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.transport.chunking import split_chunks
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.wire import split_chunks
 from minifaas.worker.prefix_store import PrefixStore
 
 SECRET = b"cluster-secret-0123456789abcdef"

@@ -19,9 +19,9 @@ from synthetic import bulk_state, synthetic_state
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.model.layer_state import same_state
 from minifaas.net.errors import AuthError, ProtocolError, TransferError
-from minifaas.transport.chunking import split_chunks
-from minifaas.transport.outgoing import MIN_UNSENT_BYTES, KVSender, SenderConfig, cut_tail
+from minifaas.transport.outgoing import MIN_UNSENT_BYTES, KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.wire import cut_tail, split_chunks
 
 SECRET = b"cluster-secret-0123456789abcdef"
 pytestmark = pytest.mark.timeout(60)

@@ -25,10 +25,9 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.net.auth import OLD_MAGIC, prove_as_sender
 from minifaas.net.channel import Channel, open_channel
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TransferError
-from minifaas.transport.chunking import split_chunks
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.wire import FrameType, control, pack_counts
+from minifaas.transport.wire import FrameType, control, pack_counts, split_chunks
 
 SECRET = b"cluster-secret-0123456789abcdef"
 pytestmark = pytest.mark.timeout(60)

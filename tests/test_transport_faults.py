@@ -23,11 +23,10 @@ from minifaas.net.errors import (
     TransferError,
     TruncatedError,
 )
-from minifaas.transport.chunking import split_chunks
 from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts
+from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts, split_chunks
 
 SECRET = b"cluster-secret-0123456789abcdef"
 STALL = 1.0  # seconds without progress before a side gives up

@@ -13,7 +13,6 @@ from synthetic import synthetic_state
 
 from minifaas.model.layer_state import Checksum, ModelState, checksum, same_state
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
-from minifaas.transport.chunking import split_chunks, split_token_range
 from minifaas.transport.incoming import Reassembly
 from minifaas.transport.wire import (
     HEADER_SIZE,
@@ -22,6 +21,8 @@ from minifaas.transport.wire import (
     FrameType,
     Limits,
     control,
+    split_chunks,
+    split_token_range,
     unpack_header,
 )
 

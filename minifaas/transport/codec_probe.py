@@ -13,7 +13,7 @@ import torch
 
 from minifaas.codec.codec import Codec, Coded, FrameDecoder, FrameEncoder, frame_codec
 from minifaas.model.layer_state import DTYPE_CODES, LayerState, ModelState, StateKind
-from minifaas.transport.chunking import split_chunks
+from minifaas.transport.wire import split_chunks
 
 
 @dataclass(frozen=True, slots=True)

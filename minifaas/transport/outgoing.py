@@ -21,14 +21,18 @@ from minifaas.net.auth import check_secret
 from minifaas.net.channel import Channel
 from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, Connections, Endpoint, TcpInfo, read_tcp_info
 from minifaas.net.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
-from minifaas.transport.chunking import Chunk, Payload, cut_tail, split_chunks, split_token_range
 from minifaas.transport.wire import (
     HEADER_SIZE,
+    Chunk,
     FrameType,
     Limits,
+    Payload,
     Receipt,
     control,
+    cut_tail,
     pack_counts,
+    split_chunks,
+    split_token_range,
     unpack_header,
 )
 
