@@ -28,7 +28,7 @@ from minifaas.control.schema import (
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
 from minifaas.control.session import Garbled, PeerSilent, Refused, Session, SessionLost, _wire, connect
-from minifaas.net.auth import CONTROL, prove_as_sender, prove_control_client
+from minifaas.net.connections import CONTROL, prove_as_sender, prove_control_client
 
 SECRET = b"control-test-secret-0123456789"
 SCHEMAS = {"echo": {"n": Int(0, 100)}, "hang": {}, "bye": {}}

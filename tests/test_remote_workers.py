@@ -33,7 +33,7 @@ from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer
-from minifaas.net.auth import CONTROL, HELLO_BYTES
+from minifaas.net.connections import CONTROL, HELLO_BYTES
 
 pytestmark = pytest.mark.slow
 PROMPT = [(7 * i + 3) % 256 for i in range(60)]

@@ -22,8 +22,8 @@ from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.net.auth import OLD_MAGIC, prove_as_sender
 from minifaas.net.channel import Channel, open_channel
+from minifaas.net.connections import OLD_MAGIC, prove_as_sender
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TransferError
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig

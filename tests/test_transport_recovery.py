@@ -24,8 +24,8 @@ from minifaas.model.layer_state import same_state
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.net.auth import prove_as_sender
 from minifaas.net.channel import open_channel
+from minifaas.net.connections import prove_as_sender
 from minifaas.net.errors import DroppedError
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig

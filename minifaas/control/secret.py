@@ -12,7 +12,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from minifaas.net.auth import MIN_SECRET_BYTES
+from minifaas.net.connections import MIN_SECRET_BYTES
 
 SECRET_ENV = "MINIFAAS_SECRET"
 

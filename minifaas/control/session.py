@@ -16,8 +16,8 @@ import json
 import ssl as ssl_module
 import struct
 
-from minifaas.net.auth import MAC_BYTES, prove_control_client, verify_control_client
 from minifaas.net.channel import Channel
+from minifaas.net.connections import MAC_BYTES, prove_control_client, verify_control_client
 from minifaas.net.errors import AuthError
 
 MAX_BYTES = 64 << 20  # a prompt of a few million token ids still fits

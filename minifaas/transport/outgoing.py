@@ -17,9 +17,16 @@ from dataclasses import dataclass
 from minifaas.codec.codec import OFF_LOOP_BYTES, Codec, Coded, FrameEncoder, frame_codec, offered, usable
 from minifaas.model.host_copy import CopyDone, HostCopier
 from minifaas.model.layer_state import LayerState, ModelState
-from minifaas.net.auth import check_secret
 from minifaas.net.channel import Channel
-from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS, Connections, Endpoint, TcpInfo, read_tcp_info
+from minifaas.net.connections import (
+    DEFAULT_CONNECTIONS,
+    MAX_CONNECTIONS,
+    Connections,
+    Endpoint,
+    TcpInfo,
+    check_secret,
+    read_tcp_info,
+)
 from minifaas.net.errors import ProtocolError, RejectedError, StallError, TransferError, first_transfer_error
 from minifaas.transport.wire import (
     HEADER_SIZE,

@@ -20,8 +20,8 @@ import torch
 
 from minifaas.codec.codec import ALL_CODECS, OFF_LOOP_BYTES, Codec, FrameDecoder, offer_mask
 from minifaas.model.layer_state import Checksum, LayerState, ModelState, checksum
-from minifaas.net.auth import check_secret, verify_sender
 from minifaas.net.channel import Channel, Digest, accept_channel
+from minifaas.net.connections import check_secret, verify_sender
 from minifaas.net.errors import (
     AuthError,
     ConnectionLostError,
