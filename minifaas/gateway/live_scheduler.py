@@ -18,7 +18,7 @@ from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkReading
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.workers import Workers
-from minifaas.model.kv_size import KVProfile
+from minifaas.model.kv_profile import KVProfile
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_profiles

@@ -1,4 +1,4 @@
-"""How many bytes of state a request carries, from a config.json alone (no transformers, no weights).
+"""A model's ``KVProfile`` from a config.json alone (no transformers, no weights), whichever family wrote it.
 
 Each layer's state grows with length (full attention, MLA), is bounded (a sliding window), is fixed (linear
 attention, Mamba, a short convolution, RG-LRU) or is nothing (MLP and MoE layers); Falcon-H1's ``attention+mamba``
@@ -7,38 +7,9 @@ is both. Sizes count what transformers' caches hold; a recurrent state is float3
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from minifaas.model.kv_profile import KVProfile, LayerCost
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
-
-
-@dataclass(frozen=True, slots=True)
-class LayerCost:
-    kind: str
-    bytes_per_token: int  # growing part, one layer
-    fixed_bytes: int  # per request, one layer
-    window: int | None = None  # tokens kept, for sliding layers
-
-
-@dataclass(frozen=True, slots=True)
-class KVProfile:
-    name: str
-    layers: tuple[LayerCost, ...]
-
-    def bytes_at(self, length: int) -> int:
-        total = 0
-        for c in self.layers:
-            tokens = min(length, c.window) if c.window is not None else length
-            total += c.fixed_bytes + c.bytes_per_token * tokens
-        return total
-
-    def by_kind(self) -> dict[str, tuple[int, int, int, int | None]]:
-        """kind -> (layer count, bytes/token over those layers, fixed bytes over those layers, window)."""
-        out: dict[str, tuple[int, int, int, int | None]] = {}
-        for c in self.layers:
-            n, per_tok, fixed, _ = out.get(c.kind, (0, 0, 0, None))
-            out[c.kind] = (n + 1, per_tok + c.bytes_per_token, fixed + c.fixed_bytes, c.window)
-        return out
 
 
 def kv_profile(cfg: dict, name: str = "") -> KVProfile:
