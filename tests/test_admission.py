@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 
 from minifaas.config import ServeConfig
-from minifaas.gateway.admission import (
+from minifaas.gateway.requests import (
     MIN_RATE_SAMPLES,
     QUEUED_TOKEN_BYTES,
     RATE_WINDOW_S,
     Admission,
+    Overloaded,
     tokens_memory_holds,
 )
-from minifaas.gateway.requests import Overloaded
 
 
 def test_the_default_queue_holds_thousands_bounded_by_memory_not_a_small_count() -> None:

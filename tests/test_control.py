@@ -13,7 +13,10 @@ import pytest
 from test_transport import tls_contexts
 
 from minifaas.control.heartbeat import Heartbeat, HeartbeatConfig, keep_alive
-from minifaas.control.schema import (
+from minifaas.control.secret import SECRET_ENV, load_secret
+from minifaas.control.server import ControlServer
+from minifaas.control.session import Garbled, PeerSilent, Refused, Session, SessionLost, _wire, connect
+from minifaas.control.worker_ops import (
     Address,
     BadMessage,
     Fields,
@@ -25,9 +28,6 @@ from minifaas.control.schema import (
     Text,
     check_fields,
 )
-from minifaas.control.secret import SECRET_ENV, load_secret
-from minifaas.control.server import ControlServer
-from minifaas.control.session import Garbled, PeerSilent, Refused, Session, SessionLost, _wire, connect
 from minifaas.net.connections import CONTROL, prove_as_sender, prove_control_client
 
 SECRET = b"control-test-secret-0123456789"

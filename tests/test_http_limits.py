@@ -25,7 +25,8 @@ from test_api import GOOD, KEY, C, FakeGateway, metric_samples, run_async, serie
 
 from minifaas.config import HttpConfig
 from minifaas.gateway.api import build_app
-from minifaas.gateway.http_server import LINGER_S, BoundedSite, connection_cap, serve_http
+from minifaas.gateway.connection_limit import LINGER_S
+from minifaas.gateway.http_server import BoundedSite, connection_cap, serve_http
 from minifaas.gateway.metrics import ServeMetrics
 
 LIMITS = HttpConfig(max_connections=32, header_timeout=1.0, body_timeout=1.0)
@@ -138,7 +139,7 @@ sys.path.insert(0, {tests!r})
 from test_api import FakeGateway
 from minifaas.gateway.api import build_app
 from minifaas.config import HttpConfig
-from minifaas.gateway.http_server import LINGER_S
+from minifaas.gateway.connection_limit import LINGER_S
 from minifaas.gateway.http_server import serve_http
 from minifaas.gateway.metrics import ServeMetrics
 

@@ -13,7 +13,6 @@ from dataclasses import fields
 import pytest
 
 from minifaas.cache.prefix_index import CacheEvent
-from minifaas.control.schema import BadMessage
 from minifaas.control.worker_ops import (
     OPS,
     REPLIES,
@@ -22,6 +21,7 @@ from minifaas.control.worker_ops import (
     Aborted,
     Attach,
     Attached,
+    BadMessage,
     CacheEvents,
     Decode,
     Done,

@@ -19,7 +19,6 @@ from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
 from minifaas.control.worker_ops import Abort, Aborted, ReplyMessage
-from minifaas.gateway.admission import Admission
 from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.live_scheduler import LiveScheduler
@@ -28,6 +27,7 @@ from minifaas.gateway.migration import Migration, migrate
 from minifaas.gateway.prefill_dispatch import PrefillDispatch
 from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import (
+    Admission,
     DecodeLost,
     GenerateRequest,
     Phase,

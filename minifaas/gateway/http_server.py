@@ -10,24 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import resource
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from minifaas.config import HttpConfig
+from minifaas.gateway.connection_limit import LINGER_S, ConnectionLimit, RateLimitedLog
 from minifaas.gateway.metrics import ServeMetrics
 
 log = logging.getLogger("minifaas.http")
 FD_SHARE = 0.75  # of the descriptor limit, the most the HTTP clients may hold
-LINGER_S = 2.0
-RETRY_AFTER_S = 1
-TOO_MANY = "too_many_connections"
 
 
 def raise_fd_limit() -> int:
@@ -115,125 +111,3 @@ async def serve_http(
     finally:
         await runner.cleanup()
         loop.set_exception_handler(previous)
-
-
-class RateLimitedLog:
-    """One line per ``period`` seconds for a message that keeps coming, with how often it came meanwhile."""
-
-    def __init__(self, logger: logging.Logger, period: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self._logger, self.period, self._clock = logger, period, clock
-        self._seen: dict[str, tuple[float, int]] = {}  # key -> (when last logged, times since)
-
-    def __call__(self, key: str, level: int, message: str, exc_info: BaseException | None = None) -> bool:
-        """Log ``message`` unless ``key`` was logged less than ``period`` ago; True if it was logged."""
-        now = self._clock()
-        last, since = self._seen.get(key, (-self.period, 0))
-        if now - last < self.period:
-            self._seen[key] = (last, since + 1)
-            return False
-        if since:
-            message += f" ({since} more times since it was last logged)"
-        self._seen[key] = (now, 0)
-        self._logger.log(level, "%s", message, exc_info=exc_info)
-        return True
-
-
-class ConnectionLimit:
-    """Wraps aiohttp's protocol factory so that each protocol it makes is counted while it lives.
-
-    At the limit a new connection is answered 503 with Retry-After at once, rather than left in the kernel's
-    queue; the connection closes once the client has read the answer."""
-
-    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, metrics: ServeMetrics) -> None:
-        self._factory, self.limit, self._metrics = factory, limit, metrics
-        self.open = 0
-        self.refused = 0
-        self.lingering = 0
-        self.max_lingering = max(16, limit // 8)
-        self._log = RateLimitedLog(log)
-        body = {
-            "error": {
-                "message": f"The server holds {limit} connections, its limit; retry later.",
-                "type": "server_error",
-                "param": None,
-                "code": TOO_MANY,
-            }
-        }
-        payload = json.dumps(body).encode()
-        head = (
-            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
-        )
-        self.refusal = head.encode() + payload
-
-    def __call__(self) -> asyncio.Protocol:
-        if self.open >= self.limit:
-            self.refused += 1
-            self._metrics.request_error(TOO_MANY)
-            self._log("full", logging.WARNING, f"{self.open} HTTP connections open, the limit: new ones get 503")
-            return _Refusal(self)
-        return _Counted(self._factory(), self)
-
-    def opened(self) -> None:
-        self.open += 1
-        self._metrics.set_connections(self.open)
-
-    def closed(self) -> None:
-        self.open -= 1
-        self._metrics.set_connections(self.open)
-
-
-class _Counted(asyncio.Protocol):
-    """The real protocol, with the count kept around its life."""
-
-    def __init__(self, inner: asyncio.Protocol, limit: ConnectionLimit) -> None:
-        self._inner, self._limit = inner, limit
-        limit.opened()  # counted from now: the transport calls connection_made next
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._limit.closed()
-        self._inner.connection_lost(exc)
-
-
-class _Refusal(asyncio.Protocol):
-    """A connection over the cap: the 503, then the close."""
-
-    def __init__(self, limit: ConnectionLimit) -> None:
-        self._limit = limit
-        self._timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(self._limit.refusal)
-        if self._limit.lingering >= self._limit.max_lingering:
-            transport.close()
-            return
-        self._limit.lingering += 1
-        transport.write_eof()
-        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
-
-    def data_received(self, data: bytes) -> None:
-        pass  # the request it sent meanwhile is not read
-
-    def eof_received(self) -> bool:
-        return False  # the client has what it needs: close
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._limit.lingering -= 1

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
-from minifaas.control.schema import BadMessage
 from minifaas.control.session import ControlError, PeerSilent, Refused, Session, SessionLost, connect
 from minifaas.control.worker_ops import (
     CACHE_EVENTS,
     REPLIES,
     Attach,
     Attached,
+    BadMessage,
     OpMessage,
     Ping,
     Pong,

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from minifaas.cache.pool import HybridPrefixPool
-from minifaas.control.schema import BadMessage
 from minifaas.control.session import ControlError, Garbled, Session
 from minifaas.control.worker_ops import (
     CACHE_EVENTS,
@@ -27,6 +26,7 @@ from minifaas.control.worker_ops import (
     Aborted,
     Attach,
     Attached,
+    BadMessage,
     CacheEvents,
     Decode,
     Done,
