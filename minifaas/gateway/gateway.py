@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
@@ -26,7 +27,6 @@ from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import Migration, migrate
 from minifaas.gateway.prefill_dispatch import PrefillDispatch
-from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import (
     DecodeLost,
     GenerateRequest,
@@ -110,7 +110,7 @@ class Gateway:
         )  # fmt: skip
         self.secret = cluster_secret(config)
         hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
-        self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, ())
+        self.prefixes = PrefixDirectory(config.cache.enabled, config.cache.block_size, spec.name, hybrid, ())
         heartbeat = HeartbeatConfig(config.heartbeat_s, config.heartbeat_deadline_s)
         self.link = InterClusterLink(config.link, config.link_emulated, config.cache.moves, heartbeat)
         self.link.secret = self.secret

@@ -18,11 +18,11 @@ import ssl as ssl_module
 import time
 from collections.abc import Callable
 
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.session import ControlError, Refused, SessionLost
-from minifaas.control.worker_ops import CACHE_EVENTS, Attached, ReplyMessage
+from minifaas.control.worker_ops import CACHE_EVENTS, Attached, CacheEvents, ReplyMessage
 from minifaas.gateway.inter_cluster_link import InterClusterLink
-from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.worker_handle import Busy, Lost, WorkerHandle, attach
 from minifaas.launch.launcher import AttachedLauncher, Launcher, WorkerError, WorkerSpec
 from minifaas.launch.startup import StartupListener, reported
@@ -136,7 +136,7 @@ class Workers:
         self._join(w)
         assert self._tasks is not None
         self._tasks.create_task(self._supervise(w))
-        self._tasks.create_task(self.prefixes.follow(w, self))
+        self._tasks.create_task(self._mirror(w))
         log.debug("worker %s (%s, %s) attached at %s:%d, pid %d", w.name, w.role, w.cluster, *address, w.pid)
         return w
 
@@ -180,6 +180,20 @@ class Workers:
         await self.link.leave(w)
         self.prefixes.drop(w.name)
 
+    async def _mirror(self, w: WorkerHandle) -> None:
+        """Keep the worker's mirror in ``prefixes`` current with its pool, through restarts, until it is retired
+        or shutdown."""
+        inbox = w.inboxes[CACHE_EVENTS]
+        while not self.closing:
+            msg = await inbox.get()
+            if isinstance(msg, CacheEvents):
+                self.prefixes.apply(msg.events)
+            elif isinstance(msg, Lost) and w.retired:
+                self.prefixes.drop(w.name)
+                return
+            elif isinstance(msg, Lost):
+                self.prefixes.forget(w.name)  # a re-attached worker sends its inventory again
+
     async def _supervise(self, w: WorkerHandle) -> None:
         """Run the worker's session; when it is lost, get the worker back and attach again."""
         while True:
@@ -215,5 +229,5 @@ class Workers:
             w.detach()
         launched = {w.name: w.spec for w in self.workers.values()}
         await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
-        for w in self.workers.values():  # ends PrefixDirectory.follow even if no session was left to lose
+        for w in self.workers.values():  # ends Workers._mirror even if no session was left to lose
             w.inboxes[CACHE_EVENTS].put_nowait(Lost())
