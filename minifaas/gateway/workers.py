@@ -4,8 +4,8 @@
         pool.workers["pd-d0"], pool.of("pd", "prefill")
         await pool.launch(spec); await pool.retire(worker)          # role changes (gateway.roles)
 
-Each worker has a supervisor task: when its session is lost it gets the worker back from the launcher and
-attaches again, with backoff.
+``attach`` proves the cluster secret both ways. Each worker has a supervisor task: when its session is lost it
+gets the worker back from the launcher and attaches again, with backoff.
 """
 
 from __future__ import annotations
@@ -13,19 +13,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import ssl as ssl_module
 import time
 from collections.abc import Callable
 
 from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.heartbeat import HeartbeatConfig
-from minifaas.control.session import ControlError, Refused, SessionLost
-from minifaas.control.worker_ops import CACHE_EVENTS, Attached, CacheEvents, ReplyMessage
+from minifaas.control.schema import BadMessage
+from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
+from minifaas.control.worker_ops import (
+    CACHE_EVENTS,
+    REPLIES,
+    Attach,
+    Attached,
+    CacheEvents,
+    ReplyMessage,
+    Taken,
+    from_wire,
+    to_wire,
+)  # fmt: skip
 from minifaas.gateway.inter_cluster_link import InterClusterLink
-from minifaas.gateway.worker_handle import Busy, Lost, WorkerHandle, attach
+from minifaas.gateway.worker_handle import Lost, WorkerHandle
 from minifaas.launch.launcher import AttachedLauncher, Launcher, WorkerError, WorkerSpec
 from minifaas.launch.startup import StartupListener, reported
+from minifaas.net.address import Address
 
 OUTSIDE_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # sent to a process, not raised
 EXIT_WAIT_S = 2.0  # how long a lost worker's exit status is waited for
@@ -33,6 +47,39 @@ log = logging.getLogger("minifaas.gateway")
 RETRY_S, MAX_RETRY_S = 0.5, 5.0
 ATTACH_TIMEOUT_S = 10.0  # one attempt: connect, handshake, the worker's answer
 WAIT_POLL_S = 0.25  # a request waiting for a worker (or the link) to come back looks again this often
+GATEWAY_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Busy(ControlError):
+    """The worker serves another gateway."""
+
+
+async def attach(
+    address: Address, secret: bytes, timeout: float, ssl: ssl_module.SSLContext | None = None
+) -> tuple[Session, Attached]:
+    """A session with the worker at ``address`` and what it said it is; raises ControlError."""
+    session = await connect(*address, secret, timeout, ssl)
+    try:
+        session.send(to_wire(Attach(gateway=GATEWAY_ID)))
+        await session.drain(timeout)
+        hello = await session.recv(timeout)
+    except BaseException:
+        session.close()
+        raise
+    if hello is None:
+        session.close()
+        raise Refused(f"{address[0]}:{address[1]} did not take this gateway: it hung up")
+    try:
+        reply = from_wire(hello, REPLIES)
+    except BadMessage as e:
+        session.close()
+        raise Refused(f"{address[0]}:{address[1]} said what it is unreadably: {e}") from None
+    if not isinstance(reply, Attached):
+        session.close()
+        kind = Busy if isinstance(reply, Taken) else Refused
+        why = getattr(reply, "error", hello)
+        raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
+    return session, reply
 
 
 class Workers:
