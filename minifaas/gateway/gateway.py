@@ -127,7 +127,7 @@ class Gateway:
         sc = config.scheduler
         long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
         self.scheduler = LiveScheduler(
-            self.pool, self.link, config, self.metrics, self.roles.rebalance, self.kv_profile, short_term,
+            self.pool, self.link, config, self.metrics, self.roles, self.kv_profile, short_term,
             long_term if sc.enabled else None,
         )  # fmt: skip
         self.dispatch = PrefillDispatch(
