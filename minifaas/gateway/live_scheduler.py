@@ -88,7 +88,8 @@ class LiveScheduler:
                 self.metrics.set_process(w.name, w.alive, w.rejoins)
             for name in self.link.emulators():
                 self.metrics.set_process(name, name not in self.link.down, self.link.restarts[name])
-            for stage, (cluster, role) in zip(("prfaas_prefill", "pd_prefill", "decode"), _STAGES, strict=True):
+            for stage, cluster, role in (("prfaas_prefill", "prfaas", "prefill"), ("pd_prefill", "pd", "prefill"),
+                                         ("decode", "pd", "decode")):  # fmt: skip
                 self.metrics.set_queue_depth(stage, sum(w.requests for w in self.pool.of(cluster, role)))
             if not self.pool.closing:  # shutdown may have begun while the link answered: start no conversion now
                 self.tick(loop.time())
@@ -176,10 +177,9 @@ class LiveScheduler:
         decision = self.short.step(signals)
         self.rule, self.utilisation = decision.rule, decision.utilisation
         self.metrics.scheduler_decision("short_term", decision.action, decision.reason)
+        threshold = decision.threshold
         if self.long is not None:
-            threshold = self.roles.replan(self.long, self.short, signals, decision.threshold)
-        else:
-            threshold = decision.threshold
+            threshold = self.roles.replan(self.long, self.short, signals, threshold)
         if threshold != self.threshold:
             self.metrics.set_threshold(threshold)
         self.threshold = threshold
@@ -197,6 +197,3 @@ class LiveScheduler:
 def _spent(reading: LinkReading) -> LinkReading:
     """A reading once a tick has used it: the same ceiling and rtt, nothing new sent or retransmitted."""
     return LinkReading(0.0, reading.rate_bps, reading.rtt_ms)
-
-
-_STAGES = (("prfaas", "prefill"), ("pd", "prefill"), ("pd", "decode"))

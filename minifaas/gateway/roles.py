@@ -1,10 +1,9 @@
-"""Changing a PD worker's role while the gateway serves: planned on the scheduler's ticks, then drain, restart in
-the other role, rejoin.
+"""Changing a PD worker's role while the gateway serves: planned on the scheduler's ticks; drain, restart, rejoin.
 
-``RoleChanger`` builds the long-term policy over this deployment's profiles and, on each tick the scheduler hands
-it (``replan``), carries out its split on live processes, one worker at a time: it picks the least busy worker of
-the shrinking role, drains it (abandoning the change past ``drain_timeout``), retires it, and starts a worker of
-the other role under a fresh name. PrfaaS and hand-started workers are never re-roled.
+``RoleChanger`` plans the split with the long-term policy (``replan``) and carries it out on live processes, one
+worker at a time: it picks the least busy worker of the shrinking role, drains it (abandoning the change past
+``drain_timeout``), retires it, and starts a worker of the other role under a fresh name. PrfaaS and hand-started
+workers are never re-roled.
 """
 
 from __future__ import annotations

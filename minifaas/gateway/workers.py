@@ -4,8 +4,9 @@
         pool.workers["pd-d0"], pool.of("pd", "prefill")
         await pool.launch(spec); await pool.retire(worker)          # role changes (gateway.roles)
 
-``attach`` proves the cluster secret both ways. Each worker has a supervisor task: when its session is lost it
-gets the worker back from the launcher and attaches again, with backoff.
+``make_launcher`` picks where they come from and ``attach`` proves the cluster secret both ways. Each worker has
+a supervisor task: when its session is lost it gets the worker back from the launcher and attaches again, with
+backoff.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import socket
 import ssl as ssl_module
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from minifaas.cache.prefix_index import PrefixDirectory
+from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.schema import BadMessage
+from minifaas.control.secret import load_secret, new_secret
 from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
 from minifaas.control.worker_ops import (
     CACHE_EVENTS,
@@ -38,8 +42,13 @@ from minifaas.control.worker_ops import (
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.worker_handle import Lost, WorkerHandle
 from minifaas.launch.launcher import AttachedLauncher, Launcher, WorkerError, WorkerSpec
+from minifaas.launch.local import LocalLauncher
 from minifaas.launch.startup import StartupListener, reported
+from minifaas.launch.worker_specs import planned_specs
 from minifaas.net.address import Address
+
+if TYPE_CHECKING:
+    from minifaas.launch.ray_actors import RayLauncher
 
 OUTSIDE_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # sent to a process, not raised
 EXIT_WAIT_S = 2.0  # how long a lost worker's exit status is waited for
@@ -80,6 +89,26 @@ async def attach(
         why = getattr(reply, "error", hello)
         raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
     return session, reply
+
+
+def cluster_secret(config: ServeConfig) -> bytes:
+    """The deployment's secret: given (file or environment) whenever a worker is not the gateway's own child."""
+    if config.secret_file is not None or (not config.all_local and config.launcher != "ray"):
+        return load_secret(config.secret_file)
+    with contextlib.suppress(ValueError):  # Ray actors are the gateway's own: a fresh secret does, if none is set
+        return load_secret()
+    return new_secret()
+
+
+def make_launcher(config: ServeConfig, secret: bytes) -> LocalLauncher | RayLauncher:
+    """The launcher of the workers the gateway starts (hand-started ones are only dialled)."""
+    if config.launcher != "ray":
+        return LocalLauncher(secret, model=config.model if config.fork_workers else None)
+    try:
+        from minifaas.launch.ray_actors import RayLauncher
+    except ImportError as e:
+        raise ValueError(f"the Ray launcher needs the ray extra (pip install 'minifaas[ray]'): {e}") from None
+    return RayLauncher(config.ray, secret, planned_specs(config))
 
 
 class Workers:
@@ -228,8 +257,7 @@ class Workers:
         self.prefixes.drop(w.name)
 
     async def _mirror(self, w: WorkerHandle) -> None:
-        """Keep the worker's mirror in ``prefixes`` current with its pool, through restarts, until it is retired
-        or shutdown."""
+        """Keep the worker's mirror in ``prefixes`` current, through restarts, until it is retired or shutdown."""
         inbox = w.inboxes[CACHE_EVENTS]
         while not self.closing:
             msg = await inbox.get()
