@@ -1,8 +1,8 @@
 """The gateway's handle on one worker: talk to it over its control session, notice when it is gone.
 
-``pump`` runs the session, pings the worker and sorts each reply into its request's inbox. When the session is
-lost every open inbox receives ``Lost``, so no request waits on a worker that is gone. A ``draining`` worker is
-routed nothing new.
+``pump`` runs the session, pings the worker and sorts each reply into its request's inbox, and ``follow_cache``
+keeps the gateway's mirror of its prefix cache current. When the session is lost every open inbox receives
+``Lost``, so no request waits on a worker that is gone. A ``draining`` worker is routed nothing new.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
 from minifaas.control.schema import BadMessage
 from minifaas.control.session import ControlError, PeerSilent, Session, SessionLost
@@ -21,6 +23,7 @@ from minifaas.control.worker_ops import (
     CACHE_EVENTS,
     REPLIES,
     Attached,
+    CacheEvents,
     OpMessage,
     Ping,
     Pong,
@@ -47,6 +50,10 @@ class Lost:
 
 
 Inbound = ReplyMessage | Lost  # what a request's inbox holds
+
+
+class Closing(Protocol):
+    closing: bool  # shutdown has begun (``Workers``)
 
 
 class WorkerHandle:
@@ -122,6 +129,20 @@ class WorkerHandle:
             self.unstepped = set()
             for inbox in self.inboxes.values():
                 inbox.put_nowait(news)
+
+    async def follow_cache(self, prefixes: PrefixDirectory, pool: Closing) -> None:
+        """Keep the gateway's mirror of the worker's pool in ``prefixes`` current from the cache events it sends,
+        through restarts, until it is retired or shutdown."""
+        inbox = self.inboxes[CACHE_EVENTS]
+        while not pool.closing:
+            msg = await inbox.get()
+            if isinstance(msg, CacheEvents):
+                prefixes.apply(msg.events)
+            elif isinstance(msg, Lost) and self.retired:
+                prefixes.drop(self.name)
+                return
+            elif isinstance(msg, Lost):
+                prefixes.forget(self.name)  # a re-attached worker sends its inventory again
 
     def _deliver(self, raw: dict) -> None:
         try:

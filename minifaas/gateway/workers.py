@@ -33,7 +33,6 @@ from minifaas.control.worker_ops import (
     REPLIES,
     Attach,
     Attached,
-    CacheEvents,
     ReplyMessage,
     Taken,
     from_wire,
@@ -212,7 +211,7 @@ class Workers:
         self._join(w)
         assert self._tasks is not None
         self._tasks.create_task(self._supervise(w))
-        self._tasks.create_task(self._mirror(w))
+        self._tasks.create_task(w.follow_cache(self.prefixes, self))
         log.debug("worker %s (%s, %s) attached at %s:%d, pid %d", w.name, w.role, w.cluster, *address, w.pid)
         return w
 
@@ -256,19 +255,6 @@ class Workers:
         await self.link.leave(w)
         self.prefixes.drop(w.name)
 
-    async def _mirror(self, w: WorkerHandle) -> None:
-        """Keep the worker's mirror in ``prefixes`` current, through restarts, until it is retired or shutdown."""
-        inbox = w.inboxes[CACHE_EVENTS]
-        while not self.closing:
-            msg = await inbox.get()
-            if isinstance(msg, CacheEvents):
-                self.prefixes.apply(msg.events)
-            elif isinstance(msg, Lost) and w.retired:
-                self.prefixes.drop(w.name)
-                return
-            elif isinstance(msg, Lost):
-                self.prefixes.forget(w.name)  # a re-attached worker sends its inventory again
-
     async def _supervise(self, w: WorkerHandle) -> None:
         """Run the worker's session; when it is lost, get the worker back and attach again."""
         while True:
@@ -304,5 +290,5 @@ class Workers:
             w.detach()
         launched = {w.name: w.spec for w in self.workers.values()}
         await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
-        for w in self.workers.values():  # ends Workers._mirror even if no session was left to lose
+        for w in self.workers.values():  # ends WorkerHandle.follow_cache even if no session was left to lose
             w.inboxes[CACHE_EVENTS].put_nowait(Lost())
