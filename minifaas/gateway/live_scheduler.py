@@ -72,8 +72,7 @@ class LiveScheduler:
 
     def prepare(self) -> None:
         """The long-term policy over this deployment's planning case, now that its workers are attached."""
-        if self.long_term is not None:
-            assert self.profiles is not None
+        if self.long_term is not None and self.profiles is not None:
             self.long = self.roles.long_term(self.long_term, self.profiles, self.threshold)
 
     async def run(self, period: float = 1.0) -> None:

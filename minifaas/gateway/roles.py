@@ -31,6 +31,7 @@ from minifaas.policy.plugin import LONG_TERM, building, load_policy
 from minifaas.policy.signals import Signals
 
 log = logging.getLogger("minifaas.gateway")
+plan_log = logging.getLogger("minifaas.policy")  # the long-term planning's word, as the scheduler's
 RETRY_S = 2.0  # between attempts to start a converted worker
 UNLIMITED_LINK_GBPS = 1000.0  # what the planner is told when the link has no rate limit
 Profiles = tuple[PrefillProfile, PrefillProfile, DecodeProfile]  # PD prefill, PrfaaS prefill, decode
@@ -68,7 +69,7 @@ class RoleChanger:
         n_prfaas, n_p, n_d = (len(self.pool.of(c, r)) for c, r in (("prfaas", "prefill"), ("pd", "prefill"),
                                                                      ("pd", "decode")))  # fmt: skip
         if n_p + n_d < 2:
-            log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
+            plan_log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
             return None
         rate = parse_rate(self.config.link.rate)
         case = PlanCase(
