@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.cache.prefix_index import CacheEvent
+from minifaas.cache.prefix_index import CacheEvent, PrefixDirectory
 from minifaas.config import CacheConfig
-from minifaas.gateway.prefix_directory import PrefixDirectory
 
 BLOCK = 8
 TOKENS = list(range(50))
@@ -23,21 +22,26 @@ def _events(node: str, tokens: list[int], snapshots: bool = True) -> list[CacheE
     return [CacheEvent.from_json(e.to_json()) for e in pool.drain_events()]  # as they arrive at the gateway
 
 
-def kv_prefix(directory: PrefixDirectory, prompt: list[int], node: str) -> int:
+def _directory(config: CacheConfig, nodes: list[str]) -> PrefixDirectory:
+    return PrefixDirectory(config.enabled, config.block_size, "m", True, nodes)
+
+
+def kv_prefix(directory: PrefixDirectory, prompt: list[int], node: str, config: CacheConfig) -> int:
     """Full-attention KV of the prompt's prefix that ``node`` holds (a decode node needs no snapshot), as an
     incremental transfer to it would skip."""
-    found = directory.matches(prompt) if directory.config.incremental_transfer else {}
+    found = directory.matches(prompt) if config.incremental_transfer else {}
     return found[node].kv_prefix_tokens if found else 0
 
 
 def test_hits_per_node_kv_prefix_of_a_decode_node_and_forgetting_a_node() -> None:
-    directory = PrefixDirectory(CacheConfig(block_size=BLOCK), "m", True, ["p0", "p1", "d0"])
+    config = CacheConfig(block_size=BLOCK)
+    directory = _directory(config, ["p0", "p1", "d0"])
     directory.apply(_events("p0", TOKENS))
     directory.apply(_events("d0", TOKENS, snapshots=False))
     longer = [*TOKENS, 99, 98, 97]
     assert directory.node_hits(longer) == {"p0": 50, "p1": 0, "d0": 0}  # the end snapshot at 50
     assert directory.node_hits(TOKENS)["p0"] == 48  # at least one token is computed: snapshot at 3 * 16
-    assert kv_prefix(directory, longer, "d0") == 48 and kv_prefix(directory, longer, "p1") == 0
+    assert kv_prefix(directory, longer, "d0", config) == 48 and kv_prefix(directory, longer, "p1", config) == 0
     directory.forget("p0")
     assert directory.node_hits(longer)["p0"] == 0
     directory.apply(_events("p0", TOKENS))  # a restarted node's new stores count again
@@ -45,10 +49,10 @@ def test_hits_per_node_kv_prefix_of_a_decode_node_and_forgetting_a_node() -> Non
 
 
 def test_off_switches_answer_nothing() -> None:
-    none = PrefixDirectory(CacheConfig(mode="none", block_size=BLOCK), "m", True, ["p0", "d0"])
-    full = PrefixDirectory(CacheConfig(block_size=BLOCK, incremental_transfer=False), "m", True, ["p0", "d0"])
-    for directory in (none, full):
+    configs = CacheConfig(mode="none", block_size=BLOCK), CacheConfig(block_size=BLOCK, incremental_transfer=False)
+    none, full = (_directory(config, ["p0", "d0"]) for config in configs)
+    for directory, config in zip((none, full), configs, strict=True):
         directory.apply(_events("p0", TOKENS))
         directory.apply(_events("d0", TOKENS, snapshots=False))
-        assert kv_prefix(directory, [*TOKENS, 1], "d0") == 0
+        assert kv_prefix(directory, [*TOKENS, 1], "d0", config) == 0
     assert none.node_hits([*TOKENS, 1]) == {} and full.node_hits([*TOKENS, 1])["p0"] == 50

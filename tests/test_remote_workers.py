@@ -28,7 +28,7 @@ from minifaas.control.session import Refused, Session, connect
 from minifaas.control.worker_ops import Prefill, to_wire
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
-from minifaas.gateway.worker_handle import Busy, attach
+from minifaas.gateway.workers import Busy, attach
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams

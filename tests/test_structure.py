@@ -43,7 +43,7 @@ LAZY_IMPORTS = {
     ("minifaas.commands.profile_model", "minifaas.model.decoder"): _TORCH_WHEN_PROFILING,
     ("minifaas.commands.profile_model", "minifaas.model.sampling"): _TORCH_WHEN_PROFILING,
     ("minifaas.planner.plot", "matplotlib"): _PLOT,
-    ("minifaas.gateway.gateway", "minifaas.launch.ray_actors"): _RAY,
+    ("minifaas.gateway.workers", "minifaas.launch.ray_actors"): _RAY,
     ("minifaas.launch.zygote", "minifaas.model.kernels"): _PRELOAD,
     ("minifaas.launch.zygote", "minifaas.model.loader"): _PRELOAD,
     ("minifaas.launch.zygote", "minifaas.worker.worker_process"): _PRELOAD,

@@ -2,8 +2,10 @@
 
 ``PrefixIndex`` finds a prompt's usable hit: the longest length whose full blocks are all present and that has
 a snapshot at exactly that length (a model without fixed-size state needs none at block ends). A pool reports
-each store and eviction as a ``CacheEvent``; the gateway's ``GlobalCacheManager`` mirrors every pool's index from
-them and forecasts each prompt's hit per pool and per node.
+each store and eviction as a ``CacheEvent``; ``GlobalCacheManager`` mirrors every pool's index from them and
+forecasts each prompt's hit per pool and per node. The live gateway's ``PrefixDirectory`` keeps one mirror per
+prefill node's pool and per decode node's received KV; its answer is a forecast: the request records what the
+node's pool really held.
 """
 
 from __future__ import annotations
@@ -244,3 +246,49 @@ class GlobalCacheManager:
             self.counts[f"{name}_hit_tokens"] += m.hit_tokens
         self.counts["lookup_tokens"] += prompt.num_tokens
         return out
+
+
+Prompt = Sequence[int] | PromptKeys | None  # token ids, or their keys from ``PrefixDirectory.keys`` (None: no match)
+
+
+class PrefixDirectory:
+    def __init__(
+        self, enabled: bool, block_size: int, namespace: str, needs_snapshot: bool, nodes: Iterable[str]
+    ) -> None:
+        self.enabled, self.block_size, self.namespace = enabled, block_size, namespace
+        self.needs_snapshot = needs_snapshot
+        self.manager = GlobalCacheManager(nodes, needs_snapshot)
+
+    def apply(self, events: Iterable[CacheEvent]) -> None:
+        self.manager.apply_all(events)
+
+    def forget(self, node: str) -> None:
+        """The node's process is gone, and its pool with it."""
+        self.manager.indexes[node] = PrefixIndex(self.needs_snapshot)
+        self.manager.nodes[node] = set()
+
+    def drop(self, node: str) -> None:
+        """The node is gone for good (it changed role under a new name)."""
+        self.manager.indexes.pop(node, None)
+        self.manager.nodes.pop(node, None)
+
+    def keys(self, prompt_ids: Sequence[int]) -> PromptKeys | None:
+        """The prompt's block keys, hashed once per request and passed to each lookup below; None when nothing
+        can match (the cache is off, or the prompt has one token)."""
+        if not self.enabled or len(prompt_ids) < 2:
+            return None
+        return PromptKeys.from_tokens(prompt_ids, self.block_size, self.namespace)
+
+    def matches(self, prompt: Prompt) -> dict[str, PoolMatch]:
+        """Each node's match for the prompt, leaving at least one token to compute."""
+        keys = prompt if prompt is None or isinstance(prompt, PromptKeys) else self.keys(prompt)
+        return {} if keys is None else self.manager.match(keys, limit=keys.num_tokens - 1)
+
+    def node_hits(self, prompt: Prompt) -> dict[str, int]:
+        """Each node's usable hit for the prompt."""
+        return {node: m.hit_tokens for node, m in self.matches(prompt).items()}
+
+    def seen_prefix(self, prompt: Prompt) -> int:
+        """The longest prefix of the prompt whose KV blocks any node stored: a branch point another prompt
+        shared, where a state snapshot is worth taking (``cache.snapshot_policy``)."""
+        return max((m.kv_prefix_tokens for m in self.matches(prompt).values()), default=0)

@@ -33,9 +33,10 @@ from minifaas.config import (
 )
 from minifaas.gateway.api import build_app
 from minifaas.gateway.dashboard import Dashboard
-from minifaas.gateway.gateway import Gateway, cluster_secret
+from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.http_server import serve_http
 from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.workers import cluster_secret
 from minifaas.launch import forked
 from minifaas.launch.startup import StartupListener, StartupView
 from minifaas.launch.worker_specs import planned_specs

@@ -11,11 +11,11 @@ from collections import Counter
 from collections.abc import Iterator
 
 from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.worker_ops import Export, Exported, Failed
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import Workers

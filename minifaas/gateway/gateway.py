@@ -12,12 +12,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
-from minifaas.control.secret import load_secret, new_secret
 from minifaas.control.worker_ops import Abort, Aborted, ReplyMessage
 from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.inter_cluster_link import InterClusterLink
@@ -25,7 +24,6 @@ from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import Migration, migrate
 from minifaas.gateway.prefill_dispatch import PrefillDispatch
-from minifaas.gateway.prefix_directory import PrefixDirectory
 from minifaas.gateway.requests import (
     Admission,
     DecodeLost,
@@ -40,8 +38,7 @@ from minifaas.gateway.requests import (
 from minifaas.gateway.roles import RoleChanger
 from minifaas.gateway.token_stream import OutputText, decode_tokens, first_token_finish, token_event
 from minifaas.gateway.worker_handle import WorkerHandle
-from minifaas.gateway.workers import WAIT_POLL_S, Workers
-from minifaas.launch.local import LocalLauncher
+from minifaas.gateway.workers import WAIT_POLL_S, Workers, cluster_secret, make_launcher
 from minifaas.launch.startup import StartupListener
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.kv_size import kv_profile
@@ -51,42 +48,11 @@ from minifaas.model.tokenizer import Tokenizer
 from minifaas.policy.interfaces import RoutingPolicy
 from minifaas.policy.long_term import LongTermConfig
 from minifaas.policy.plugin import ROUTER, load_policy
-from minifaas.policy.router import (
-    ClusterView,
-    NodeView,
-    Path,
-    RouteDecision,
-    RouteInput,
-    Router,
-    RouterConfig,
-)
+from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig
 from minifaas.policy.short_term import ShortTermConfig
-
-if TYPE_CHECKING:
-    from minifaas.launch.ray_actors import RayLauncher
 
 log = logging.getLogger("minifaas.gateway")
 NO_ROUTE = "no worker to route to: waiting for one"
-
-
-def cluster_secret(config: ServeConfig) -> bytes:
-    """The deployment's secret: given (file or environment) whenever a worker is not the gateway's own child."""
-    if config.secret_file is not None or (not config.all_local and config.launcher != "ray"):
-        return load_secret(config.secret_file)
-    with contextlib.suppress(ValueError):  # Ray actors are the gateway's own: a fresh secret does, if none is set
-        return load_secret()
-    return new_secret()
-
-
-def make_launcher(config: ServeConfig, secret: bytes) -> LocalLauncher | RayLauncher:
-    """The launcher of the workers the gateway starts (hand-started ones are only dialled)."""
-    if config.launcher != "ray":
-        return LocalLauncher(secret, model=config.model if config.fork_workers else None)
-    try:
-        from minifaas.launch.ray_actors import RayLauncher
-    except ImportError as e:
-        raise ValueError(f"the Ray launcher needs the ray extra (pip install 'minifaas[ray]'): {e}") from None
-    return RayLauncher(config.ray, secret, planned_specs(config))
 
 
 class Gateway:
@@ -110,7 +76,7 @@ class Gateway:
         )  # fmt: skip
         self.secret = cluster_secret(config)
         hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
-        self.prefixes = PrefixDirectory(config.cache, spec.name, hybrid, ())
+        self.prefixes = PrefixDirectory(config.cache.enabled, config.cache.block_size, spec.name, hybrid, ())
         heartbeat = HeartbeatConfig(config.heartbeat_s, config.heartbeat_deadline_s)
         self.link = InterClusterLink(config.link, config.link_emulated, config.cache.moves, heartbeat)
         self.link.secret = self.secret
@@ -127,7 +93,7 @@ class Gateway:
         sc = config.scheduler
         long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
         self.scheduler = LiveScheduler(
-            self.pool, self.link, config, self.metrics, self.roles.rebalance, self.kv_profile, short_term,
+            self.pool, self.link, config, self.metrics, self.roles, self.kv_profile, short_term,
             long_term if sc.enabled else None,
         )  # fmt: skip
         self.dispatch = PrefillDispatch(

@@ -1,39 +1,32 @@
 """The scheduler in the live gateway: the link and the worker queues sampled once a second into ``Signals``.
 
 Each second ``run`` writes the signals to /metrics and steps the short-term policy, whose threshold and rule the
-gateway's next route uses. With a profile, the long-term policy re-plans the PD split on the same ticks and
-``RoleChanger`` carries it out; the codec policy picks each link transfer's codec.
+gateway's next route uses. With a profile, ``RoleChanger`` re-plans the PD split on the same ticks with the
+long-term policy and carries it out; the codec policy picks each link transfer's codec.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
-from collections.abc import Callable
 
 from minifaas.config import ServeConfig
 from minifaas.control.worker_ops import Exported, Prefilled
 from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkReading
 from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.roles import RoleChanger, split_profiles
 from minifaas.gateway.workers import Workers
 from minifaas.model.kv_profile import KVProfile
-from minifaas.planner.case import PlanCase
-from minifaas.planner.lengths import LengthDistribution
-from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_profiles
 from minifaas.policy.codec_policy import MODES, CodecChoice, CodecSample, CompressionPolicy, LinkShare, TransferShape
 from minifaas.policy.interfaces import CodecPolicy, LongTermControl, ShortTermControl
-from minifaas.policy.long_term import LongTermConfig, LongTermPolicy, RebalanceDecision
-from minifaas.policy.plugin import CODEC, LONG_TERM, SHORT_TERM, building, load_policy
+from minifaas.policy.long_term import LongTermConfig
+from minifaas.policy.plugin import CODEC, SHORT_TERM, building, load_policy
 from minifaas.policy.router import RouteDecision, Rule
 from minifaas.policy.short_term import ShortTermConfig, ShortTermPolicy
 from minifaas.policy.signals import PrefillSample, Signals, StageLoad
 
-log = logging.getLogger("minifaas.policy")
-UNLIMITED_LINK_GBPS = 1000.0  # what the planner is told when the link has no rate limit
 SPEED_WEIGHT = 0.3  # of the newest prefill in the speed average: a few prefills follow a change of load
-Rebalance = Callable[[int, Callable[[bool], None]], None]
 
 
 class LiveScheduler:
@@ -43,12 +36,12 @@ class LiveScheduler:
         link: InterClusterLink,
         config: ServeConfig,
         metrics: ServeMetrics,
-        rebalance: Rebalance,
+        roles: RoleChanger,
         kv: KVProfile,
         short_term: ShortTermConfig,
         long_term: LongTermConfig | None = None,
     ) -> None:
-        self.pool, self.link, self.config, self.metrics, self.rebalance = pool, link, config, metrics, rebalance
+        self.pool, self.link, self.config, self.metrics, self.roles = pool, link, config, metrics, roles
         self.kv = kv  # the model's state sizes: each transfer's shape
         self.threshold, self.rule = config.threshold, Rule(config.cache.rule)
         sc = config.scheduler
@@ -60,7 +53,7 @@ class LiveScheduler:
             )  # fmt: skip
         self.utilisation = 0.0  # the short-term policy's smoothed reading of the link, as of its last step
         self.long_term = long_term
-        self.profiles = self._profiles() if long_term is not None else None  # read now: a bad file fails at once
+        self.profiles = split_profiles(config) if long_term is not None else None  # read now: a bad one fails at once
         self.long: LongTermControl | None = None  # built by ``prepare`` once the workers are known
         self.lengths: list[int] = []
         self.reading: LinkReading | None = None  # the link as last sampled
@@ -79,44 +72,8 @@ class LiveScheduler:
 
     def prepare(self) -> None:
         """The long-term policy over this deployment's planning case, now that its workers are attached."""
-        if self.long_term is not None:
-            self.long = self._long_term(self.long_term)
-
-    def _profiles(self) -> tuple[PrefillProfile, PrefillProfile, DecodeProfile]:
-        """The PD instance's prefill and decode profiles and the PrfaaS instance's prefill one."""
-        sc = self.config.scheduler
-        prefill, decode = load_pd_profiles(sc.profile)  # type: ignore[arg-type]
-        prfaas = load_profiles(sc.prfaas_profile)[0] if sc.prfaas_profile else prefill
-        if prfaas is None:
-            raise ValueError(f"{sc.prfaas_profile}: no [prefill] table")
-        return prefill, prfaas, decode
-
-    def _long_term(self, config: LongTermConfig) -> LongTermControl | None:
-        assert self.profiles is not None
-        prefill, prfaas, decode = self.profiles
-        n_prfaas, n_p, n_d = (len(self.pool.of(c, r)) for c, r in _STAGES)
-        if n_p + n_d < 2:
-            log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
-            return None
-        rate = parse_rate(self.config.link.rate)
-        case = PlanCase(
-            name="live",
-            prfaas=prfaas,
-            pd_prefill=prefill,
-            decode=decode,
-            lengths=LengthDistribution.empirical("until measured", [max(1, self.threshold)]),
-            output_tokens=16.0,  # replaced by the measured mean before each plan
-            n_prfaas=n_prfaas,
-            n_pd=n_p + n_d,
-            n_homogeneous=max(2, n_prfaas + n_p + n_d),
-            link_gbps=rate / 1e9 if rate else UNLIMITED_LINK_GBPS,
-        )
-        sc = self.config.scheduler
-        offered = dict(config=config, case=case, threshold=self.threshold, n_prefill=n_p, n_decode=n_d)
-        with building(LONG_TERM, sc.long_term):
-            if sc.long_term == "default":
-                return LongTermPolicy(**(offered | dict(sc.long_term_args)))
-            return load_policy(sc.long_term, LONG_TERM, sc.long_term_args, **offered)
+        if self.long_term is not None and self.profiles is not None:
+            self.long = self.roles.long_term(self.long_term, self.profiles, self.threshold)
 
     async def run(self, period: float = 1.0) -> None:
         """Sample the link and the stage queues into /metrics, and tick the policies, until shutdown."""
@@ -130,7 +87,8 @@ class LiveScheduler:
                 self.metrics.set_process(w.name, w.alive, w.rejoins)
             for name in self.link.emulators():
                 self.metrics.set_process(name, name not in self.link.down, self.link.restarts[name])
-            for stage, (cluster, role) in zip(("prfaas_prefill", "pd_prefill", "decode"), _STAGES, strict=True):
+            for stage, cluster, role in (("prfaas_prefill", "prfaas", "prefill"), ("pd_prefill", "pd", "prefill"),
+                                         ("decode", "pd", "decode")):  # fmt: skip
                 self.metrics.set_queue_depth(stage, sum(w.requests for w in self.pool.of(cluster, role)))
             if not self.pool.closing:  # shutdown may have begun while the link answered: start no conversion now
                 self.tick(loop.time())
@@ -218,30 +176,12 @@ class LiveScheduler:
         decision = self.short.step(signals)
         self.rule, self.utilisation = decision.rule, decision.utilisation
         self.metrics.scheduler_decision("short_term", decision.action, decision.reason)
-        threshold = decision.threshold if self.long is None else self._replan(signals, decision.threshold)
+        threshold = decision.threshold
+        if self.long is not None:
+            threshold = self.roles.replan(self.long, self.short, signals, threshold)
         if threshold != self.threshold:
             self.metrics.set_threshold(threshold)
         self.threshold = threshold
-
-    def _replan(self, signals: Signals, threshold: int) -> int:
-        """The long-term policy's tick; returns t from now on (a plan that keeps the split sets its base)."""
-        assert self.long is not None
-        plan: RebalanceDecision | None = self.long.step(signals)
-        if plan is None:
-            return threshold
-        self.metrics.scheduler_decision("long_term", "convert" if plan.to_prefill else "plan", plan.reason)
-        if not plan.to_prefill:
-            return self.short.set_base(plan.threshold)
-        # the plan's t is for the new split: it applies once the worker serves in its new role
-        self.rebalance(plan.to_prefill, lambda ok: self._converted(plan, ok))
-        return threshold
-
-    def _converted(self, plan: RebalanceDecision, ok: bool) -> None:
-        """A conversion the long-term policy asked for ended: take up its t (at the next tick), or undo its split."""
-        assert self.long is not None
-        self.long.converted(plan, ok)
-        if ok:
-            self.short.set_base(plan.threshold)
 
     def _stage(self, cluster: str, role: str) -> StageLoad:
         """Draining workers do not serve the stage; their requests still count in its depth."""
@@ -256,6 +196,3 @@ class LiveScheduler:
 def _spent(reading: LinkReading) -> LinkReading:
     """A reading once a tick has used it: the same ceiling and rtt, nothing new sent or retransmitted."""
     return LinkReading(0.0, reading.rate_bps, reading.rtt_ms)
-
-
-_STAGES = (("prfaas", "prefill"), ("pd", "prefill"), ("pd", "decode"))

@@ -1,8 +1,9 @@
-"""Changing a PD worker's role while the gateway serves: drain, restart in the other role, rejoin.
+"""Changing a PD worker's role while the gateway serves: planned on the scheduler's ticks; drain, restart, rejoin.
 
-``RoleChanger`` carries out the long-term scheduler's split on live processes, one worker at a time: it picks the
-least busy worker of the shrinking role, drains it (abandoning the change past ``drain_timeout``), retires it, and
-starts a worker of the other role under a fresh name. PrfaaS and hand-started workers are never re-roled.
+``RoleChanger`` plans the split with the long-term policy (``replan``) and carries it out on live processes, one
+worker at a time: it picks the least busy worker of the shrinking role, drains it (abandoning the change past
+``drain_timeout``), retires it, and starts a worker of the other role under a fresh name. PrfaaS and hand-started
+workers are never re-roled.
 """
 
 from __future__ import annotations
@@ -16,13 +17,34 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minifaas.config import NAME_PREFIX, ServeConfig
+from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.launch.worker_specs import worker_spec
+from minifaas.planner.case import PlanCase
+from minifaas.planner.lengths import LengthDistribution
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_profiles
+from minifaas.policy.interfaces import LongTermControl, ShortTermControl
+from minifaas.policy.long_term import LongTermConfig, LongTermPolicy
+from minifaas.policy.plugin import LONG_TERM, building, load_policy
+from minifaas.policy.signals import Signals
 
 log = logging.getLogger("minifaas.gateway")
+plan_log = logging.getLogger("minifaas.policy")  # the long-term planning's word, as the scheduler's
 RETRY_S = 2.0  # between attempts to start a converted worker
+UNLIMITED_LINK_GBPS = 1000.0  # what the planner is told when the link has no rate limit
+Profiles = tuple[PrefillProfile, PrefillProfile, DecodeProfile]  # PD prefill, PrfaaS prefill, decode
+
+
+def split_profiles(config: ServeConfig) -> Profiles:
+    """The PD instance's prefill and decode profiles and the PrfaaS instance's prefill one."""
+    sc = config.scheduler
+    prefill, decode = load_pd_profiles(sc.profile)  # type: ignore[arg-type]
+    prfaas = load_profiles(sc.prfaas_profile)[0] if sc.prfaas_profile else prefill
+    if prfaas is None:
+        raise ValueError(f"{sc.prfaas_profile}: no [prefill] table")
+    return prefill, prfaas, decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +62,52 @@ class RoleChanger:
         self.counts: Counter[str] = Counter()  # to_prefill, to_decode, abandoned, refused
         self.done: list[Conversion] = []
         self.tasks: set[asyncio.Task] = set()
+
+    def long_term(self, config: LongTermConfig, profiles: Profiles, threshold: int) -> LongTermControl | None:
+        """The long-term policy over this deployment's planning case, now that its workers are attached."""
+        prefill, prfaas, decode = profiles
+        n_prfaas, n_p, n_d = (len(self.pool.of(c, r)) for c, r in (("prfaas", "prefill"), ("pd", "prefill"),
+                                                                     ("pd", "decode")))  # fmt: skip
+        if n_p + n_d < 2:
+            plan_log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
+            return None
+        rate = parse_rate(self.config.link.rate)
+        case = PlanCase(
+            name="live",
+            prfaas=prfaas,
+            pd_prefill=prefill,
+            decode=decode,
+            lengths=LengthDistribution.empirical("until measured", [max(1, threshold)]),
+            output_tokens=16.0,  # replaced by the measured mean before each plan
+            n_prfaas=n_prfaas,
+            n_pd=n_p + n_d,
+            n_homogeneous=max(2, n_prfaas + n_p + n_d),
+            link_gbps=rate / 1e9 if rate else UNLIMITED_LINK_GBPS,
+        )
+        sc = self.config.scheduler
+        offered = dict(config=config, case=case, threshold=threshold, n_prefill=n_p, n_decode=n_d)
+        with building(LONG_TERM, sc.long_term):
+            if sc.long_term == "default":
+                return LongTermPolicy(**(offered | dict(sc.long_term_args)))
+            return load_policy(sc.long_term, LONG_TERM, sc.long_term_args, **offered)
+
+    def replan(self, long: LongTermControl, short: ShortTermControl, signals: Signals, threshold: int) -> int:
+        """The long-term policy's tick; returns t from now on (a plan that keeps the split sets the short-term
+        policy's base; a converting plan's t applies once the worker serves in its new role)."""
+        plan = long.step(signals)
+        if plan is None:
+            return threshold
+        self.metrics.scheduler_decision("long_term", "convert" if plan.to_prefill else "plan", plan.reason)
+        if not plan.to_prefill:
+            return short.set_base(plan.threshold)
+
+        def converted(ok: bool) -> None:  # take up the plan's t (at the next tick), or undo its split
+            long.converted(plan, ok)
+            if ok:
+                short.set_base(plan.threshold)
+
+        self.rebalance(plan.to_prefill, converted)
+        return threshold
 
     def rebalance(self, to_prefill: int, done: Callable[[bool], None] = lambda ok: None) -> None:
         """Start |to_prefill| conversions, decode -> prefill when positive; each drains on its own and

@@ -1,8 +1,8 @@
-"""The gateway's handle on one worker: attach over the control channel, talk to it, notice when it is gone.
+"""The gateway's handle on one worker: talk to it over its control session, notice when it is gone.
 
-``attach`` proves the cluster secret both ways; ``pump`` runs the session, pings the worker and sorts each reply
-into its request's inbox. When the session is lost every open inbox receives ``Lost``, so no request waits on a
-worker that is gone. A ``draining`` worker is routed nothing new.
+``pump`` runs the session, pings the worker and sorts each reply into its request's inbox, and ``follow_cache``
+keeps the gateway's mirror of its prefix cache current. When the session is lost every open inbox receives
+``Lost``, so no request waits on a worker that is gone. A ``draining`` worker is routed nothing new.
 """
 
 from __future__ import annotations
@@ -11,24 +11,23 @@ import asyncio
 import logging
 import os
 import signal
-import socket
-import ssl as ssl_module
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
-from minifaas.control.session import ControlError, PeerSilent, Refused, Session, SessionLost, connect
+from minifaas.control.session import ControlError, PeerSilent, Session, SessionLost
 from minifaas.control.worker_ops import (
     CACHE_EVENTS,
     REPLIES,
-    Attach,
     Attached,
     BadMessage,
+    CacheEvents,
     OpMessage,
     Ping,
     Pong,
     ReplyMessage,
-    Taken,
     Tokens,
     from_wire,
     to_wire,
@@ -38,7 +37,6 @@ from minifaas.net.address import Address
 from minifaas.net.connections import TcpInfo
 
 log = logging.getLogger("minifaas.gateway")
-GATEWAY_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,36 +52,8 @@ class Lost:
 Inbound = ReplyMessage | Lost  # what a request's inbox holds
 
 
-class Busy(ControlError):
-    """The worker serves another gateway."""
-
-
-async def attach(
-    address: Address, secret: bytes, timeout: float, ssl: ssl_module.SSLContext | None = None
-) -> tuple[Session, Attached]:
-    """A session with the worker at ``address`` and what it said it is; raises ControlError."""
-    session = await connect(*address, secret, timeout, ssl)
-    try:
-        session.send(to_wire(Attach(gateway=GATEWAY_ID)))
-        await session.drain(timeout)
-        hello = await session.recv(timeout)
-    except BaseException:
-        session.close()
-        raise
-    if hello is None:
-        session.close()
-        raise Refused(f"{address[0]}:{address[1]} did not take this gateway: it hung up")
-    try:
-        reply = from_wire(hello, REPLIES)
-    except BadMessage as e:
-        session.close()
-        raise Refused(f"{address[0]}:{address[1]} said what it is unreadably: {e}") from None
-    if not isinstance(reply, Attached):
-        session.close()
-        kind = Busy if isinstance(reply, Taken) else Refused
-        why = getattr(reply, "error", hello)
-        raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
-    return session, reply
+class Closing(Protocol):
+    closing: bool  # shutdown has begun (``Workers``)
 
 
 class WorkerHandle:
@@ -159,6 +129,20 @@ class WorkerHandle:
             self.unstepped = set()
             for inbox in self.inboxes.values():
                 inbox.put_nowait(news)
+
+    async def follow_cache(self, prefixes: PrefixDirectory, pool: Closing) -> None:
+        """Keep the gateway's mirror of the worker's pool in ``prefixes`` current from the cache events it sends,
+        through restarts, until it is retired or shutdown."""
+        inbox = self.inboxes[CACHE_EVENTS]
+        while not pool.closing:
+            msg = await inbox.get()
+            if isinstance(msg, CacheEvents):
+                prefixes.apply(msg.events)
+            elif isinstance(msg, Lost) and self.retired:
+                prefixes.drop(self.name)
+                return
+            elif isinstance(msg, Lost):
+                prefixes.forget(self.name)  # a re-attached worker sends its inventory again
 
     def _deliver(self, raw: dict) -> None:
         try:

@@ -4,8 +4,9 @@
         pool.workers["pd-d0"], pool.of("pd", "prefill")
         await pool.launch(spec); await pool.retire(worker)          # role changes (gateway.roles)
 
-Each worker has a supervisor task: when its session is lost it gets the worker back from the launcher and
-attaches again, with backoff.
+``make_launcher`` picks where they come from and ``attach`` proves the cluster secret both ways. Each worker has
+a supervisor task: when its session is lost it gets the worker back from the launcher and attaches again, with
+backoff.
 """
 
 from __future__ import annotations
@@ -13,19 +14,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import ssl as ssl_module
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from minifaas.cache.prefix_index import PrefixDirectory
+from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
-from minifaas.control.session import ControlError, Refused, SessionLost
-from minifaas.control.worker_ops import CACHE_EVENTS, Attached, ReplyMessage
+from minifaas.control.schema import BadMessage
+from minifaas.control.secret import load_secret, new_secret
+from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
+from minifaas.control.worker_ops import (
+    CACHE_EVENTS,
+    REPLIES,
+    Attach,
+    Attached,
+    ReplyMessage,
+    Taken,
+    from_wire,
+    to_wire,
+)  # fmt: skip
 from minifaas.gateway.inter_cluster_link import InterClusterLink
-from minifaas.gateway.prefix_directory import PrefixDirectory
-from minifaas.gateway.worker_handle import Busy, Lost, WorkerHandle, attach
+from minifaas.gateway.worker_handle import Lost, WorkerHandle
 from minifaas.launch.launcher import AttachedLauncher, Launcher, WorkerError, WorkerSpec
+from minifaas.launch.local import LocalLauncher
 from minifaas.launch.startup import StartupListener, reported
+from minifaas.launch.worker_specs import planned_specs
+from minifaas.net.address import Address
+
+if TYPE_CHECKING:
+    from minifaas.launch.ray_actors import RayLauncher
 
 OUTSIDE_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # sent to a process, not raised
 EXIT_WAIT_S = 2.0  # how long a lost worker's exit status is waited for
@@ -33,6 +55,59 @@ log = logging.getLogger("minifaas.gateway")
 RETRY_S, MAX_RETRY_S = 0.5, 5.0
 ATTACH_TIMEOUT_S = 10.0  # one attempt: connect, handshake, the worker's answer
 WAIT_POLL_S = 0.25  # a request waiting for a worker (or the link) to come back looks again this often
+GATEWAY_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Busy(ControlError):
+    """The worker serves another gateway."""
+
+
+async def attach(
+    address: Address, secret: bytes, timeout: float, ssl: ssl_module.SSLContext | None = None
+) -> tuple[Session, Attached]:
+    """A session with the worker at ``address`` and what it said it is; raises ControlError."""
+    session = await connect(*address, secret, timeout, ssl)
+    try:
+        session.send(to_wire(Attach(gateway=GATEWAY_ID)))
+        await session.drain(timeout)
+        hello = await session.recv(timeout)
+    except BaseException:
+        session.close()
+        raise
+    if hello is None:
+        session.close()
+        raise Refused(f"{address[0]}:{address[1]} did not take this gateway: it hung up")
+    try:
+        reply = from_wire(hello, REPLIES)
+    except BadMessage as e:
+        session.close()
+        raise Refused(f"{address[0]}:{address[1]} said what it is unreadably: {e}") from None
+    if not isinstance(reply, Attached):
+        session.close()
+        kind = Busy if isinstance(reply, Taken) else Refused
+        why = getattr(reply, "error", hello)
+        raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
+    return session, reply
+
+
+def cluster_secret(config: ServeConfig) -> bytes:
+    """The deployment's secret: given (file or environment) whenever a worker is not the gateway's own child."""
+    if config.secret_file is not None or (not config.all_local and config.launcher != "ray"):
+        return load_secret(config.secret_file)
+    with contextlib.suppress(ValueError):  # Ray actors are the gateway's own: a fresh secret does, if none is set
+        return load_secret()
+    return new_secret()
+
+
+def make_launcher(config: ServeConfig, secret: bytes) -> LocalLauncher | RayLauncher:
+    """The launcher of the workers the gateway starts (hand-started ones are only dialled)."""
+    if config.launcher != "ray":
+        return LocalLauncher(secret, model=config.model if config.fork_workers else None)
+    try:
+        from minifaas.launch.ray_actors import RayLauncher
+    except ImportError as e:
+        raise ValueError(f"the Ray launcher needs the ray extra (pip install 'minifaas[ray]'): {e}") from None
+    return RayLauncher(config.ray, secret, planned_specs(config))
 
 
 class Workers:
@@ -136,7 +211,7 @@ class Workers:
         self._join(w)
         assert self._tasks is not None
         self._tasks.create_task(self._supervise(w))
-        self._tasks.create_task(self.prefixes.follow(w, self))
+        self._tasks.create_task(w.follow_cache(self.prefixes, self))
         log.debug("worker %s (%s, %s) attached at %s:%d, pid %d", w.name, w.role, w.cluster, *address, w.pid)
         return w
 
@@ -215,5 +290,5 @@ class Workers:
             w.detach()
         launched = {w.name: w.spec for w in self.workers.values()}
         await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
-        for w in self.workers.values():  # ends PrefixDirectory.follow even if no session was left to lose
+        for w in self.workers.values():  # ends WorkerHandle.follow_cache even if no session was left to lose
             w.inboxes[CACHE_EVENTS].put_nowait(Lost())
