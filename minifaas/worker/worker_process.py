@@ -39,8 +39,7 @@ from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import exit_when_stdin_closes
 from minifaas.transport.receiver import MAX_OPEN_TRANSFERS, KVReceiver, ReceiverConfig
-from minifaas.worker.decode_prefix import DecodePrefixCache, JoiningReceiver
-from minifaas.worker.decode_service import DecodeService
+from minifaas.worker.decode_service import DecodePrefixCache, DecodeService, JoiningReceiver
 from minifaas.worker.gateway_session import DecodeSession, PrefillSession, WorkerNode, WorkerSession
 from minifaas.worker.prefill_service import PrefillService
 from minifaas.worker.prefix_store import PrefixStore
