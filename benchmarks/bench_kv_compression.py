@@ -41,11 +41,10 @@ from minifaas.codec.codec import Codec
 from minifaas.commands.serve import running_server
 from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
-from minifaas.model.layer_state import ModelState, StateKind
+from minifaas.model.layer_state import ModelState, StateKind, build_cache
 from minifaas.model.loader import MODELS_DIR, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import GREEDY
-from minifaas.model.state_layout import build_cache
 from minifaas.policy.codec_policy import CompressionConfig
 from minifaas.transport.chunking import split_chunks
 from minifaas.transport.codec_probe import roundtrip

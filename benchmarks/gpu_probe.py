@@ -50,11 +50,10 @@ from minifaas.model.decode_memory import device_memory, row_bytes, sized_for  # 
 from minifaas.model.decoder import DecoderConfig  # noqa: E402
 from minifaas.model.host_copy import HostCopier  # noqa: E402
 from minifaas.model.kernels import select_kernels  # noqa: E402
-from minifaas.model.layer_state import LayerState, ModelState  # noqa: E402
+from minifaas.model.layer_state import LayerState, ModelState, build_cache  # noqa: E402
 from minifaas.model.loader import ModelSpec, config_from_dict, load_config_dict  # noqa: E402
 from minifaas.model.runtime import ModelRuntime  # noqa: E402
 from minifaas.model.sampling import SamplingParams  # noqa: E402
-from minifaas.model.state_layout import build_cache  # noqa: E402
 from minifaas.model.tokenizer import ByteTokenizer  # noqa: E402
 from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig  # noqa: E402
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig  # noqa: E402

@@ -29,12 +29,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from fla_interpreter import LAUNCHES, use_fla_on_cpu  # the interpreter's shims, before any kernel runs
 
-from minifaas.model.layer_state import ModelState
+from minifaas.model.layer_state import ModelState, build_cache
 from minifaas.model.loader import MODELS_DIR, ModelSpec, config_from_dict, load_config_dict
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_layout import build_cache
 from minifaas.model.tokenizer import ByteTokenizer
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
@@ -68,7 +67,7 @@ def on_path(runtime: ModelRuntime, path: str) -> Iterator[None]:
 
 
 def cache_states(cache: Any) -> States:
-    """Every tensor transformers' cache holds, read straight from its layers (not through ``state_layout``)."""
+    """Every tensor transformers' cache holds, read straight from its layers (not through ``layer_state``)."""
     out = {}
     for i, layer in enumerate(cache.layers):
         if getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", True):

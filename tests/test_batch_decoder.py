@@ -16,11 +16,10 @@ from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
 from minifaas.model.interleaved_decoder import InterleavedDecoder
-from minifaas.model.layer_state import LayerState, ModelState, StateKind
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, build_cache
 from minifaas.model.loader import ModelSpec, load_config, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_layout import build_cache
 from minifaas.worker.decode_service import DecodeService
 
 # Lengths straddle mimo-v2-tiny's 65-token window: below it, crossing it while decoding, and past it.

@@ -12,11 +12,12 @@ import torch
 from synthetic import synthetic_state
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.model.host_copy import HostCopier, to_device
-from minifaas.model.layer_state import LayerState, ModelState, StateKind, same_state, tensor_bytes
+from minifaas.model.host_copy import HostCopier
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, tensor_bytes, to_device
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_codec import same_state
 from minifaas.transport.chunking import split_chunks
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from minifaas.model.layer_state import build_cache
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import ReferenceRun, reference_run, reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_layout import build_cache
 
 PROMPT = [(13 * i + 5) % 256 for i in range(120)]
 

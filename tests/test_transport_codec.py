@@ -17,11 +17,12 @@ from synthetic import synthetic_state
 
 from minifaas.codec.codec import Codec, FrameEncoder
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.layer_state import ModelState, StateKind, same_state, tensor_bytes
+from minifaas.model.layer_state import ModelState, StateKind, tensor_bytes
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_codec import same_state
 from minifaas.net.auth import OLD_MAGIC, prove_as_sender
 from minifaas.net.channel import Channel, open_channel
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TransferError

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.layer_state import LayerState, ModelState, StateKind, same_state
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_codec import same_state
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 

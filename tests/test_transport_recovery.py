@@ -20,10 +20,10 @@ import pytest
 from synthetic import synthetic_state
 from test_transport import _self_signed
 
-from minifaas.model.layer_state import same_state
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_codec import same_state
 from minifaas.net.auth import prove_as_sender
 from minifaas.net.channel import open_channel
 from minifaas.net.errors import DroppedError

@@ -21,10 +21,9 @@ import torch
 
 from minifaas.model.host_memory import keep_freed_memory
 from minifaas.model.kernels import KernelRecorder, KernelReport, kernels_in_use
-from minifaas.model.layer_state import LayerState, ModelState
+from minifaas.model.layer_state import LayerState, ModelState, StateLayout, build_cache, new_cache
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
 from minifaas.model.sampling import GREEDY, History, SamplingParams, sample
-from minifaas.model.state_layout import StateLayout, build_cache, new_cache
 from minifaas.model.tokenizer import Tokenizer
 
 OnLayer = Callable[[LayerState], None]
@@ -48,7 +47,7 @@ class ModelRuntime:
         self.decoder_layers = model.model.layers
         self.num_layers = len(self.decoder_layers)
         self.layout = StateLayout.of(self.config)
-        self.num_states = len(self.layout.parts)  # what a transfer counts as layers (see state_layout)
+        self.num_states = len(self.layout.parts)  # what a transfer counts as layers (see layer_state)
         if self.layout.num_layers != self.num_layers:
             raise ValueError(f"{spec.name}: {self.num_layers} decoder layers but {self.layout.num_layers} cache layers")
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)

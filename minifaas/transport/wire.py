@@ -1,7 +1,7 @@
 """The KV transport's wire format: a fixed-size header (laid out above ``_HEADER``), then ``length`` payload bytes.
 
 Integers are little-endian. A CHUNK frame carries one byte range of one tensor slot of one layer's state, "layer"
-being the state's index in the model's list of states (``state_layout``). Frame types and their payloads:
+being the state's index in the model's list of states (``layer_state.StateLayout``). Frame types and their payloads:
 
     START  sender -> receiver   u32 layers, u64 total bytes (0: not known yet)
     CHUNK  sender -> receiver   the slot's bytes [offset, offset + decoded), coded by ``codec``

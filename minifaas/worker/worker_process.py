@@ -33,9 +33,9 @@ from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.kernels import require_fast
+from minifaas.model.layer_state import needs_snapshot
 from minifaas.model.loader import resolve_dtype
 from minifaas.model.runtime import ModelRuntime
-from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import exit_when_stdin_closes
 from minifaas.transport.receiver import MAX_OPEN_TRANSFERS, KVReceiver, ReceiverConfig
