@@ -29,12 +29,14 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from fla_interpreter import LAUNCHES, use_fla_on_cpu  # the interpreter's shims, before any kernel runs
 
+from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import ModelState, build_cache
 from minifaas.model.loader import MODELS_DIR, ModelSpec, config_from_dict, load_config_dict
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import ByteTokenizer
+from minifaas.model.warm_up import recording_kernels
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 
@@ -153,7 +155,7 @@ async def serve_across(runtime: ModelRuntime, ids: list[int], prefill_path: str,
         received = receiving.result()
     LAUNCHES.clear()
     with on_path(runtime, decode_path):
-        tokens = runtime.start_decode(received, result.next_token, SERVED).run()
+        tokens = DecodeStream(runtime, received, result.next_token, SERVED).run()
     launches["decode"] = sum(LAUNCHES.values())
     return {"tokens": tokens, "launches": launches}
 
@@ -171,7 +173,7 @@ def main(family: str, prompt_tokens: int) -> dict[str, Any]:
     for path in ("torch", "fla"):
         started = time.perf_counter()
         LAUNCHES.clear()
-        with on_path(runtime, path), runtime.recording_kernels():  # as a worker's warm-up records its report
+        with on_path(runtime, path), recording_kernels(runtime):  # as a worker's warm-up records its report
             runs[path] = project_steps(runtime, prompt, more)
         logit_err, state_err = max_errors(runs[path], reference)
         figures[path] = {

@@ -17,6 +17,7 @@ from synthetic import synthetic_state
 
 from minifaas.codec.codec import Codec, FrameEncoder
 from minifaas.emulator.emulator_process import EmulatorProcess
+from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import ModelState, StateKind, tensor_bytes
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.model.reference import reference_tokens
@@ -197,6 +198,6 @@ def test_greedy_output_through_lossless_transfer_equals_the_uncompressed_path(ru
 
     result, received, _ = run(main())
     assert same_state(received, result.state)
-    local = runtime.start_decode(result.state, result.next_token, params).run()
-    assert runtime.start_decode(received, result.next_token, params).run() == local
+    local = DecodeStream(runtime, result.state, result.next_token, params).run()
+    assert DecodeStream(runtime, received, result.next_token, params).run() == local
     assert local == reference_tokens(runtime, ids, params)

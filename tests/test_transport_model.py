@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from minifaas.emulator.emulator_process import EmulatorProcess
+from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import reference_tokens
@@ -82,8 +83,8 @@ def test_layers_streamed_during_prefill_decode_like_the_local_state(runtime: Mod
 
     result, received = run(main())
     assert same_state(received, result.state)
-    local = runtime.start_decode(result.state, result.next_token, params).run()
-    remote = runtime.start_decode(received, result.next_token, params).run()
+    local = DecodeStream(runtime, result.state, result.next_token, params).run()
+    remote = DecodeStream(runtime, received, result.next_token, params).run()
     assert remote == local
 
 
@@ -152,5 +153,5 @@ def test_a_layer_broken_before_the_sender_decodes_away_from_the_reference(runtim
         result, received = run(transfer(corrupt))
         sent = ModelState([as_sent(s, corrupt) for s in result.state.layers], result.state.seq_len)
         assert same_state(received, sent) and same_state(received, result.state) is not corrupt
-        tokens = runtime.start_decode(received, result.next_token, params).run()
+        tokens = DecodeStream(runtime, received, result.next_token, params).run()
         assert (tokens == expected) is not corrupt, f"broken: {corrupt}, {tokens} against the reference {expected}"
