@@ -41,7 +41,7 @@ from minifaas.codec.codec import Codec
 from minifaas.commands.serve import running_server
 from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
-from minifaas.model.interleaved_decoder import DecodeStream
+from minifaas.model.interleaved_decoder import DecodeStream, forward_one
 from minifaas.model.layer_state import ModelState, StateKind, build_cache
 from minifaas.model.loader import MODELS_DIR, preset_names
 from minifaas.model.runtime import ModelRuntime
@@ -130,7 +130,7 @@ def codec_table(names: list[str], dtypes: list[str], tokens: int, repeats: int) 
 def forced(runtime: ModelRuntime, state: ModelState, first: int, tokens: list[int]) -> list[torch.Tensor]:
     """The logits after each of ``first, *tokens[:-1]`` fed to ``state`` (teacher forcing)."""
     cache = build_cache(runtime.config, state.layers, runtime.device)
-    return [runtime.forward_one(cache, token) for token in [first, *tokens[:-1]]]
+    return [forward_one(runtime, cache, token) for token in [first, *tokens[:-1]]]
 
 
 def accuracy(names: list[str], dtypes: list[str], prompts: int, tokens: int, steps: int) -> list[dict]:

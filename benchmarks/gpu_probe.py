@@ -49,7 +49,7 @@ from minifaas.model.batch_decoder import make_decoder  # noqa: E402
 from minifaas.model.decode_memory import device_memory, row_bytes, sized_for  # noqa: E402
 from minifaas.model.decoder import DecoderConfig  # noqa: E402
 from minifaas.model.host_copy import HostCopier  # noqa: E402
-from minifaas.model.interleaved_decoder import generate  # noqa: E402
+from minifaas.model.interleaved_decoder import forward_one, generate  # noqa: E402
 from minifaas.model.kernels import select_kernels  # noqa: E402
 from minifaas.model.layer_state import LayerState, ModelState, build_cache  # noqa: E402
 from minifaas.model.loader import ModelSpec, config_from_dict, load_config_dict  # noqa: E402
@@ -125,7 +125,7 @@ def decode_logits(rt: ModelRuntime, state: ModelState, token: int, steps: int) -
     cache = build_cache(rt.config, state.layers, rt.device)
     tokens, logits = [token], []
     for _ in range(steps):
-        out = rt.forward_one(cache, tokens[-1])
+        out = forward_one(rt, cache, tokens[-1])
         logits.append(out)
         tokens.append(int(out.argmax()))
     return tokens, torch.stack(logits)

@@ -29,7 +29,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from fla_interpreter import LAUNCHES, use_fla_on_cpu  # the interpreter's shims, before any kernel runs
 
-from minifaas.model.interleaved_decoder import DecodeStream
+from minifaas.model.interleaved_decoder import DecodeStream, forward_one
 from minifaas.model.layer_state import ModelState, build_cache
 from minifaas.model.loader import MODELS_DIR, ModelSpec, config_from_dict, load_config_dict
 from minifaas.model.reference import reference_tokens
@@ -111,7 +111,7 @@ def project_steps(runtime: ModelRuntime, prompt: list[int], more: list[int]) -> 
     tokens = [first.next_token, second.next_token]
     cache, seq_len = build_cache(runtime.config, second.state.layers, runtime.device), second.state.seq_len
     for _ in range(DECODE_STEPS):
-        logits.append(runtime.forward_one(cache, tokens[-1]))
+        logits.append(forward_one(runtime, cache, tokens[-1]))
         seq_len += 1
         states.append(model_states(runtime, ModelState(exported(runtime, cache, seq_len), seq_len)))
         tokens.append(int(logits[-1].argmax()))

@@ -15,7 +15,7 @@ from minifaas.control.worker_ops import Decode, Token
 from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
-from minifaas.model.interleaved_decoder import DecodeStream, InterleavedDecoder
+from minifaas.model.interleaved_decoder import DecodeStream, InterleavedDecoder, forward_one
 from minifaas.model.layer_state import LayerState, ModelState, StateKind, build_cache
 from minifaas.model.loader import ModelSpec, load_config, preset_names
 from minifaas.model.runtime import ModelRuntime
@@ -73,7 +73,7 @@ def test_rows_joining_and_leaving_decode_exactly_as_alone(preset: str) -> None:
         assert decoder.last_logits is not None
         for t, logits in zip(tokens, decoder.last_logits):
             cache, so_far = refs[t.request]
-            alone = runtime.forward_one(cache, so_far[-1])  # the same input token, decoded alone
+            alone = forward_one(runtime, cache, so_far[-1])  # the same input token, decoded alone
             assert torch.allclose(logits, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max()))
             if t.token != int(alone.argmax()):  # only a near tie may flip a greedy token
                 ties += 1

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from minifaas.model.interleaved_decoder import generate
+from minifaas.model.interleaved_decoder import forward_one, generate
 from minifaas.model.layer_state import build_cache
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import ReferenceRun, reference_run, reference_tokens
@@ -49,7 +49,7 @@ def test_on_the_cpu_in_float32_every_logit_equals_the_runtimes_bit_for_bit(runti
     cache = build_cache(runtime.config, result.state.layers, runtime.device)
     logits, tokens = [result.logits], [result.next_token]
     while len(tokens) < params.max_tokens:
-        logits.append(runtime.forward_one(cache, tokens[-1]))
+        logits.append(forward_one(runtime, cache, tokens[-1]))
         tokens.append(int(logits[-1].argmax()))
     assert tokens == reference.tokens
     assert torch.equal(torch.stack(logits), reference.logits)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from minifaas.model.decoder import StepToken
 from minifaas.model.layer_state import ModelState, build_cache
 from minifaas.model.runtime import ModelRuntime, decode_finish
@@ -67,7 +69,7 @@ class DecodeStream:
         """Decode one more token (the stream must not be finished)."""
         if self.finished:
             raise RuntimeError(f"stream already finished ({self.finish_reason})")
-        logits = self.runtime.forward_one(self.cache, self.tokens[-1])
+        logits = forward_one(self.runtime, self.cache, self.tokens[-1])
         self.position += 1
         token = sample(logits, self.sampling, self.position, self.history, self.runtime.eos_token_id)
         self.tokens.append(token)
@@ -89,3 +91,10 @@ def generate(runtime: ModelRuntime, token_ids: Sequence[int], sampling: Sampling
     (``model.reference`` is)."""
     result = runtime.prefill(token_ids, sampling=sampling)
     return DecodeStream(runtime, result.state, result.next_token, sampling).run()
+
+
+@torch.no_grad()
+def forward_one(runtime: ModelRuntime, cache: object, token: int) -> torch.Tensor:
+    """Feed one token to one request's own cache; the logits [vocab] of the one after it."""
+    ids = torch.tensor([[token]], dtype=torch.long, device=runtime.device)
+    return runtime.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float().cpu()

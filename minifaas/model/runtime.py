@@ -1,4 +1,4 @@
-"""The model runtime: prefill with a per-layer callback, a one-token forward, and when a decode ends.
+"""The model runtime: prefill with a per-layer callback, and when a decode ends.
 
 ``prefill`` hooks every decoder layer, so layer i's final state goes to ``on_layer`` while layer i+1 computes,
 and a sender can put it on the wire during the rest of the forward. Everything here blocks on the model; async
@@ -135,12 +135,6 @@ class ModelRuntime:
 
     def new_cache(self) -> object:
         return new_cache(self.config)
-
-    @torch.no_grad()
-    def forward_one(self, cache: object, token: int) -> torch.Tensor:
-        """Feed one token; the logits [vocab] of the one after it."""
-        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float().cpu()
 
 
 @dataclass(slots=True)
