@@ -33,7 +33,7 @@ from minifaas import figures
 from minifaas.launch import forked
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import Decoder, DecoderConfig
-from minifaas.model.interleaved_decoder import InterleavedDecoder
+from minifaas.model.interleaved_decoder import InterleavedDecoder, generate
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -199,7 +199,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     runtime = ModelRuntime.load(args.model)
-    runtime.generate([1, 2, 3], SamplingParams(max_tokens=4))  # first forwards are slow
+    generate(runtime, [1, 2, 3], SamplingParams(max_tokens=4))  # first forwards are slow
     threads = torch.get_num_threads()
     summary: dict = {"model": args.model, "tokens_per_stream": args.tokens, "threads": threads}
 

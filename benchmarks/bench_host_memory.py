@@ -31,6 +31,7 @@ def child(model: str, short: int, long: int, repeats: int, threads: int) -> dict
     """In a fresh process: load, warm up, then time the forwards in a thread."""
     import torch
 
+    from minifaas.model.interleaved_decoder import DecodeStream, generate
     from minifaas.model.runtime import ModelRuntime
     from minifaas.model.sampling import SamplingParams
 
@@ -41,7 +42,7 @@ def child(model: str, short: int, long: int, repeats: int, threads: int) -> dict
         return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n + salt)).tolist()
 
     def run() -> dict:
-        rt.generate([1, 2, 3], SamplingParams(max_tokens=2))
+        generate(rt, [1, 2, 3], SamplingParams(max_tokens=2))
         for salt in range(3):
             rt.prefill(prompt(short, 1000 + salt))
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -50,7 +51,7 @@ def child(model: str, short: int, long: int, repeats: int, threads: int) -> dict
         longs = [rt.prefill(prompt(long, salt)).seconds for salt in range(max(1, repeats // 5))]
         result = rt.prefill(prompt(short, -1))
         steps = SamplingParams(max_tokens=repeats + 1, ignore_eos=True)
-        stream = rt.start_decode(result.state, result.next_token, steps)
+        stream = DecodeStream(rt, result.state, result.next_token, steps)
         start = time.perf_counter()
         stream.run()
         step = (time.perf_counter() - start) / repeats

@@ -41,11 +41,11 @@ from minifaas.codec.codec import Codec
 from minifaas.commands.serve import running_server
 from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
-from minifaas.model.layer_state import ModelState, StateKind
+from minifaas.model.interleaved_decoder import DecodeStream, forward_one
+from minifaas.model.layer_state import ModelState, StateKind, build_cache
 from minifaas.model.loader import MODELS_DIR, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import GREEDY
-from minifaas.model.state_layout import build_cache
 from minifaas.policy.codec_policy import CompressionConfig
 from minifaas.transport.codec_probe import roundtrip
 from minifaas.transport.wire import split_chunks
@@ -130,7 +130,7 @@ def codec_table(names: list[str], dtypes: list[str], tokens: int, repeats: int) 
 def forced(runtime: ModelRuntime, state: ModelState, first: int, tokens: list[int]) -> list[torch.Tensor]:
     """The logits after each of ``first, *tokens[:-1]`` fed to ``state`` (teacher forcing)."""
     cache = build_cache(runtime.config, state.layers, runtime.device)
-    return [runtime.forward_one(cache, token) for token in [first, *tokens[:-1]]]
+    return [forward_one(runtime, cache, token) for token in [first, *tokens[:-1]]]
 
 
 def accuracy(names: list[str], dtypes: list[str], prompts: int, tokens: int, steps: int) -> list[dict]:
@@ -146,7 +146,7 @@ def accuracy(names: list[str], dtypes: list[str], prompts: int, tokens: int, ste
             params = replace(GREEDY, max_tokens=steps + 1, ignore_eos=True)  # the first token is prefill's
             for i in range(prompts):
                 result = runtime.prefill(prompt(runtime, tokens, 7919 * i))
-                continuation = runtime.start_decode(result.state, result.next_token, params).run()[1:]
+                continuation = DecodeStream(runtime, result.state, result.next_token, params).run()[1:]
                 exact = forced(runtime, result.state, result.next_token, continuation)
                 for label, codec, every_kind in cases:
                     received, _ = roundtrip(result.state, codec, every_kind=every_kind)
@@ -155,7 +155,7 @@ def accuracy(names: list[str], dtypes: list[str], prompts: int, tokens: int, ste
                     t["agree"] += sum(int(a.argmax() == b.argmax()) for a, b in zip(exact, got, strict=True))
                     t["max"] += [float((a - b).abs().max()) for a, b in zip(exact, got, strict=True)]
                     t["rel"] += [float((a - b).norm() / a.norm()) for a, b in zip(exact, got, strict=True)]
-                    free = runtime.start_decode(received, result.next_token, params).run()
+                    free = DecodeStream(runtime, received, result.next_token, params).run()
                     t["same"] += int(free[1:] == continuation)
             for label, _, _ in cases:
                 t = tally[label]

@@ -17,6 +17,7 @@ import time
 import torch
 
 from minifaas import figures
+from minifaas.model.interleaved_decoder import DecodeStream, generate
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.loader import ModelSpec, checkpoint_names, load_config_dict, preset_names
 from minifaas.model.runtime import ModelRuntime
@@ -25,7 +26,7 @@ from minifaas.model.sampling import SamplingParams
 
 def measure(name: str, lengths: list[int], decode_tokens: int, repeats: int) -> dict:
     rt = ModelRuntime.load(name)
-    rt.generate([1, 2, 3], SamplingParams(max_tokens=2))  # warm up
+    generate(rt, [1, 2, 3], SamplingParams(max_tokens=2))  # warm up
     row: dict = {"model": name}
     for n in lengths:
         ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -35,7 +36,7 @@ def measure(name: str, lengths: list[int], decode_tokens: int, repeats: int) -> 
         params = SamplingParams(max_tokens=decode_tokens + 1, ignore_eos=True)
         times = []
         for _ in range(repeats):
-            stream = rt.start_decode(result.state, result.next_token, params)
+            stream = DecodeStream(rt, result.state, result.next_token, params)
             start = time.perf_counter()
             stream.run()
             times.append(time.perf_counter() - start)

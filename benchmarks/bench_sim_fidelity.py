@@ -145,7 +145,7 @@ def lossless_codec() -> CodecEstimate:
     from minifaas.codec.codec import Codec
     from minifaas.model.runtime import ModelRuntime
     from minifaas.transport.codec_probe import probe
-    from minifaas.worker.prefill_service import CALIBRATION_PROMPT
+    from minifaas.worker.worker_process import CALIBRATION_PROMPT
 
     sample = probe(ModelRuntime.load(MODEL, "cpu").prefill(CALIBRATION_PROMPT).state, Codec.LOSSLESS)
     return CodecEstimate(sample.ratio, sample.nbytes / sample.encode_s, sample.nbytes / sample.decode_s)

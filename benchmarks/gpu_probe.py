@@ -49,12 +49,12 @@ from minifaas.model.batch_decoder import make_decoder  # noqa: E402
 from minifaas.model.decode_memory import device_memory, row_bytes, sized_for  # noqa: E402
 from minifaas.model.decoder import DecoderConfig  # noqa: E402
 from minifaas.model.host_copy import HostCopier  # noqa: E402
+from minifaas.model.interleaved_decoder import forward_one, generate  # noqa: E402
 from minifaas.model.kernels import select_kernels  # noqa: E402
-from minifaas.model.layer_state import LayerState, ModelState  # noqa: E402
+from minifaas.model.layer_state import LayerState, ModelState, build_cache  # noqa: E402
 from minifaas.model.loader import ModelSpec, config_from_dict, load_config_dict  # noqa: E402
 from minifaas.model.runtime import ModelRuntime  # noqa: E402
 from minifaas.model.sampling import SamplingParams  # noqa: E402
-from minifaas.model.state_layout import build_cache  # noqa: E402
 from minifaas.model.tokenizer import ByteTokenizer  # noqa: E402
 from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig  # noqa: E402
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig  # noqa: E402
@@ -125,7 +125,7 @@ def decode_logits(rt: ModelRuntime, state: ModelState, token: int, steps: int) -
     cache = build_cache(rt.config, state.layers, rt.device)
     tokens, logits = [token], []
     for _ in range(steps):
-        out = rt.forward_one(cache, tokens[-1])
+        out = forward_one(rt, cache, tokens[-1])
         logits.append(out)
         tokens.append(int(out.argmax()))
     return tokens, torch.stack(logits)
@@ -720,7 +720,7 @@ def serve(model: str, device: str, dtype_name: str, long_tokens: int, short_toke
         log.close()
     rt = ModelRuntime.load(model, device, dtype=DTYPES[dtype_name])
     for name, row in served.items():
-        tokens = rt.generate(row.pop("ids"), SamplingParams(max_tokens=16, ignore_eos=True))
+        tokens = generate(rt, row.pop("ids"), SamplingParams(max_tokens=16, ignore_eos=True))
         row["equal_in_process"] = row["text"] == rt.tokenizer.decode(tokens)
         if not row["equal_in_process"]:
             out["failures"].append(f"the {name} request's text differs from the in-process run's")

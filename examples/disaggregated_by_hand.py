@@ -18,6 +18,7 @@ import struct
 import time
 
 from minifaas.model import state_codec
+from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
@@ -70,7 +71,7 @@ def main() -> None:
             seq_len, first_token = struct.unpack("<QQ", read_exactly(conn, 16))
         child.join()
     assert child.exitcode == 0, f"the prefill process exited {child.exitcode}"
-    remote = runtime.start_decode(ModelState(layers, seq_len), first_token, PARAMS).run()
+    remote = DecodeStream(runtime, ModelState(layers, seq_len), first_token, PARAMS).run()
     expected = reference_tokens(runtime, runtime.tokenizer.encode(PROMPT), PARAMS)
     print(f"prompt of {seq_len} tokens, {sum(s.nbytes for s in layers)} state bytes over the socket")
     print(f"decoded from the received state: {remote}")

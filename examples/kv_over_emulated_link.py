@@ -17,8 +17,9 @@ import time
 
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.emulator.pacer import parse_rate
-from minifaas.model.layer_state import LayerState, ModelState, same_state
+from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.runtime import ModelRuntime
+from minifaas.model.state_codec import same_state
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 

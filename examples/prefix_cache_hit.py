@@ -15,9 +15,10 @@ prefills only the new tokens. The outputs must equal cold runs.
 from __future__ import annotations
 
 from minifaas.cache.pool import PoolConfig
+from minifaas.model.interleaved_decoder import DecodeStream
+from minifaas.model.layer_state import needs_snapshot
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_layout import needs_snapshot
 from minifaas.worker.prefix_store import PrefixStore
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -33,7 +34,7 @@ def serve(store: PrefixStore, runtime: ModelRuntime, text: str) -> tuple[list[in
     computed = store.compute(runtime, plan, sampling=PARAMS)
     store.finish(plan, computed, now=0.0)
     result = computed.result
-    out = runtime.start_decode(result.state, result.next_token, PARAMS).run()
+    out = DecodeStream(runtime, result.state, result.next_token, PARAMS).run()
     return out, plan.hit_tokens, result.computed_tokens, result.seconds
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     out, hit, computed, seconds = serve(store, runtime, TURN_2)
     print(f"turn 2: hit {hit:>3} tokens, computed {computed:>3}, prefill {seconds:.3f}s")
     cold_prefill = runtime.prefill(runtime.tokenizer.encode(TURN_2), sampling=PARAMS)
-    cold = runtime.start_decode(cold_prefill.state, cold_prefill.next_token, PARAMS).run()
+    cold = DecodeStream(runtime, cold_prefill.state, cold_prefill.next_token, PARAMS).run()
     print(f"turn 2 cold:           computed {cold_prefill.computed_tokens:>3}, prefill {cold_prefill.seconds:.3f}s")
     saved = 1 - computed / cold_prefill.computed_tokens
     print(

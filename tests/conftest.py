@@ -117,13 +117,14 @@ def served(loop: asyncio.AbstractEventLoop, config: object) -> Iterator[object]:
 def decodes_as_alone(runtime: Any, tokens: list[int], reply: Any, state: Any, params: Any) -> None:
     """A state that crossed a socket is what one forward of ``tokens`` gives, layer by layer, and decoding it
     after ``reply``'s first token gives transformers' own tokens."""
+    from minifaas.model.interleaved_decoder import DecodeStream
     from minifaas.model.reference import reference_tokens
 
     alone = runtime.prefill(tokens).state
     for got, ref in zip(state.layers, alone.layers, strict=True):
         for (name, x), (_, y) in zip(got.slots, ref.slots, strict=True):
             assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), f"layer {got.layer} {name}"
-    decoded = runtime.start_decode(state, reply.next_token, params).run()
+    decoded = DecodeStream(runtime, state, reply.next_token, params).run()
     assert decoded == reference_tokens(runtime, tokens, params)
 
 

@@ -29,13 +29,14 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from fla_interpreter import LAUNCHES, use_fla_on_cpu  # the interpreter's shims, before any kernel runs
 
-from minifaas.model.layer_state import ModelState
+from minifaas.model.interleaved_decoder import DecodeStream, forward_one
+from minifaas.model.layer_state import ModelState, build_cache
 from minifaas.model.loader import MODELS_DIR, ModelSpec, config_from_dict, load_config_dict
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_layout import build_cache
 from minifaas.model.tokenizer import ByteTokenizer
+from minifaas.model.warm_up import recording_kernels
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 
@@ -68,7 +69,7 @@ def on_path(runtime: ModelRuntime, path: str) -> Iterator[None]:
 
 
 def cache_states(cache: Any) -> States:
-    """Every tensor transformers' cache holds, read straight from its layers (not through ``state_layout``)."""
+    """Every tensor transformers' cache holds, read straight from its layers (not through ``layer_state``)."""
     out = {}
     for i, layer in enumerate(cache.layers):
         if getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", True):
@@ -110,7 +111,7 @@ def project_steps(runtime: ModelRuntime, prompt: list[int], more: list[int]) -> 
     tokens = [first.next_token, second.next_token]
     cache, seq_len = build_cache(runtime.config, second.state.layers, runtime.device), second.state.seq_len
     for _ in range(DECODE_STEPS):
-        logits.append(runtime.forward_one(cache, tokens[-1]))
+        logits.append(forward_one(runtime, cache, tokens[-1]))
         seq_len += 1
         states.append(model_states(runtime, ModelState(exported(runtime, cache, seq_len), seq_len)))
         tokens.append(int(logits[-1].argmax()))
@@ -154,7 +155,7 @@ async def serve_across(runtime: ModelRuntime, ids: list[int], prefill_path: str,
         received = receiving.result()
     LAUNCHES.clear()
     with on_path(runtime, decode_path):
-        tokens = runtime.start_decode(received, result.next_token, SERVED).run()
+        tokens = DecodeStream(runtime, received, result.next_token, SERVED).run()
     launches["decode"] = sum(LAUNCHES.values())
     return {"tokens": tokens, "launches": launches}
 
@@ -172,7 +173,7 @@ def main(family: str, prompt_tokens: int) -> dict[str, Any]:
     for path in ("torch", "fla"):
         started = time.perf_counter()
         LAUNCHES.clear()
-        with on_path(runtime, path), runtime.recording_kernels():  # as a worker's warm-up records its report
+        with on_path(runtime, path), recording_kernels(runtime):  # as a worker's warm-up records its report
             runs[path] = project_steps(runtime, prompt, more)
         logit_err, state_err = max_errors(runs[path], reference)
         figures[path] = {

@@ -15,12 +15,11 @@ from minifaas.control.worker_ops import Decode, Token
 from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
-from minifaas.model.interleaved_decoder import InterleavedDecoder
-from minifaas.model.layer_state import LayerState, ModelState, StateKind
+from minifaas.model.interleaved_decoder import DecodeStream, InterleavedDecoder, forward_one
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, build_cache
 from minifaas.model.loader import ModelSpec, load_config, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_layout import build_cache
 from minifaas.worker.decode_service import DecodeService
 
 # Lengths straddle mimo-v2-tiny's 65-token window: below it, crossing it while decoding, and past it.
@@ -74,7 +73,7 @@ def test_rows_joining_and_leaving_decode_exactly_as_alone(preset: str) -> None:
         assert decoder.last_logits is not None
         for t, logits in zip(tokens, decoder.last_logits):
             cache, so_far = refs[t.request]
-            alone = runtime.forward_one(cache, so_far[-1])  # the same input token, decoded alone
+            alone = forward_one(runtime, cache, so_far[-1])  # the same input token, decoded alone
             assert torch.allclose(logits, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max()))
             if t.token != int(alone.argmax()):  # only a near tie may flip a greedy token
                 ties += 1
@@ -116,7 +115,7 @@ def test_an_aborted_row_frees_its_state_at_once_and_the_batch_goes_on() -> None:
     runtime = runtime_for("kimi-linear-tiny")
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     results = [runtime.prefill(prompt(n, salt=2), sampling=params) for n in (5, 40, 17, 26)]
-    alone = [runtime.start_decode(r.state, r.next_token, params).run() for r in results[:3]]
+    alone = [DecodeStream(runtime, r.state, r.next_token, params).run() for r in results[:3]]
     decoder = BatchDecoder(runtime, DecoderConfig(max_batch=3))
     for i in range(4):
         decoder.submit(f"r{i}", results[i].state, results[i].next_token, params)
@@ -227,7 +226,7 @@ def test_decode_service_streams_tokens_and_an_abort_mid_step_stops_only_that_req
     runtime = runtime_for("kimi-linear-tiny")
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     results = [runtime.prefill(prompt(n, salt=4), sampling=params) for n in (8, 21, 13)]
-    alone = [runtime.start_decode(r.state, r.next_token, params).run() for r in results]
+    alone = [DecodeStream(runtime, r.state, r.next_token, params).run() for r in results]
     events: dict[str, list] = {f"r{i}": [] for i in range(3)}
 
     async def scenario() -> int:
@@ -264,7 +263,7 @@ def test_a_request_aborted_and_sent_again_within_one_step_decodes_the_later_stat
     runtime = runtime_for("kimi-linear-tiny")
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     busy, old, new = (runtime.prefill(prompt(n, salt=s), sampling=params) for n, s in ((30, 5), (11, 6), (17, 7)))
-    want = runtime.start_decode(new.state, new.next_token, params).run()
+    want = DecodeStream(runtime, new.state, new.next_token, params).run()
     events: list = []
 
     async def scenario() -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from minifaas.cache.pool import PoolConfig
+from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.worker.decode_prefix import DecodePrefixCache
+from minifaas.worker.decode_service import DecodePrefixCache
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -46,7 +47,7 @@ def test_increment_joined_onto_the_kept_prefix_decodes_like_the_whole_state() ->
     cache.received(2, state, now=1.0)
     assert cache.pool.counts["kv_lookups_hit"] == 1
     assert all(e.refs == 0 for e in cache.pool.entries())  # the pin went with the delivery
-    assert rt.start_decode(state, whole.next_token, PARAMS).run() == reference_tokens(rt, turn, PARAMS)
+    assert DecodeStream(rt, state, whole.next_token, PARAMS).run() == reference_tokens(rt, turn, PARAMS)
 
 
 def test_a_cancelled_transfer_unpins_and_a_disabled_cache_pins_nothing() -> None:

@@ -33,7 +33,7 @@ from minifaas.commands.main import main
 from minifaas.control.worker_ops import Prefill, to_wire
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig
-from minifaas.model.interleaved_decoder import InterleavedDecoder
+from minifaas.model.interleaved_decoder import DecodeStream, InterleavedDecoder
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import MODELS_DIR, ModelSpec, load_config_dict
@@ -41,7 +41,7 @@ from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.worker.decode_prefix import DecodePrefixCache, JoiningReceiver
+from minifaas.worker.decode_service import DecodePrefixCache, JoiningReceiver
 
 SECRET = b"family-secret-0123456789abcdef01"
 CHILD = Path(__file__).with_name("family_child.py")
@@ -178,7 +178,7 @@ def test_family_round_trip_prefix_and_batch(family: str, child: Child) -> None:
             for s in state.layers
         )
         assert reply["kv_bytes"] == crossed, f"{family} {name}: only tokens from {reply['link_start']} cross"
-        decoded = rt.start_decode(state, reply["next_token"], GREEDY).run()
+        decoded = DecodeStream(rt, state, reply["next_token"], GREEDY).run()
         expected = reference_tokens(rt, ids, GREEDY)
         assert decoded == expected, f"{family} {name}: decode after the transfer differs from transformers' generate()"
     assert received["continued"][0]["link_start"] == 32  # the first prompt's whole blocks were kept

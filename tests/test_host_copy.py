@@ -12,11 +12,13 @@ import torch
 from synthetic import synthetic_state
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.model.host_copy import HostCopier, to_device
-from minifaas.model.layer_state import LayerState, ModelState, StateKind, same_state, tensor_bytes
+from minifaas.model.host_copy import HostCopier
+from minifaas.model.interleaved_decoder import DecodeStream
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, tensor_bytes, to_device
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_codec import same_state
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.transport.wire import split_chunks
@@ -110,4 +112,4 @@ def test_the_prefix_pool_keeps_host_copies_and_a_hit_joins_moved_in_and_computed
     assert plan.hit_tokens == 64  # two moved-in blocks beside two computed ones
     result = store.compute(rt, plan, sampling=params).result
     store.release(plan)
-    assert rt.start_decode(result.state, result.next_token, params).run() == reference_tokens(rt, tokens, params)
+    assert DecodeStream(rt, result.state, result.next_token, params).run() == reference_tokens(rt, tokens, params)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.model.layer_state import LayerState, StateKind
+from minifaas.model.interleaved_decoder import DecodeStream
+from minifaas.model.layer_state import LayerState, StateKind, needs_snapshot
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_layout import needs_snapshot
 from minifaas.worker.prefix_store import PrefixStore
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -29,7 +29,7 @@ def _serve(store: PrefixStore, rt: ModelRuntime, tokens: list[int]) -> tuple[lis
     store.finish(plan, computed, now=0.0)
     assert computed.result.state.seq_len == len(tokens)
     assert computed.result.computed_tokens == len(tokens) - plan.hit_tokens
-    out = rt.start_decode(computed.result.state, computed.result.next_token, PARAMS).run()
+    out = DecodeStream(rt, computed.result.state, computed.result.next_token, PARAMS).run()
     return out, plan.hit_tokens
 
 
@@ -98,7 +98,7 @@ def test_the_same_prompt_again_streams_the_same_state_and_samples_the_same_token
         plan = store.begin(tokens, now=0.0)
         computed = store.compute(rt, plan, layers, sampled)
         store.finish(plan, computed, now=0.0)
-        out = rt.start_decode(computed.result.state, computed.result.next_token, sampled).run()
+        out = DecodeStream(rt, computed.result.state, computed.result.next_token, sampled).run()
         return plan.hit_tokens, computed.result.computed_tokens, layers, out
 
     miss_hit, miss_computed, miss_layers, miss_out = send()
@@ -149,5 +149,5 @@ def test_a_pinned_hit_survives_a_full_pool_and_is_released() -> None:
     out = store.compute(rt, plan, sampling=PARAMS)
     store.finish(plan, out, 2.0)
     assert plan.lease.released
-    decoded = rt.start_decode(out.result.state, out.result.next_token, PARAMS).run()
+    decoded = DecodeStream(rt, out.result.state, out.result.next_token, PARAMS).run()
     assert decoded == reference_tokens(rt, [*tokens, 9], PARAMS)

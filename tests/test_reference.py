@@ -8,11 +8,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from minifaas.model.interleaved_decoder import forward_one, generate
+from minifaas.model.layer_state import build_cache
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import ReferenceRun, reference_run, reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.state_layout import build_cache
 
 PROMPT = [(13 * i + 5) % 256 for i in range(120)]
 
@@ -48,7 +49,7 @@ def test_on_the_cpu_in_float32_every_logit_equals_the_runtimes_bit_for_bit(runti
     cache = build_cache(runtime.config, result.state.layers, runtime.device)
     logits, tokens = [result.logits], [result.next_token]
     while len(tokens) < params.max_tokens:
-        logits.append(runtime.forward_one(cache, tokens[-1]))
+        logits.append(forward_one(runtime, cache, tokens[-1]))
         tokens.append(int(logits[-1].argmax()))
     assert tokens == reference.tokens
     assert torch.equal(torch.stack(logits), reference.logits)
@@ -64,7 +65,7 @@ def test_stop_tokens_min_tokens_and_the_end_token_stop_it_as_they_stop_the_runti
         SamplingParams(max_tokens=40),
     ]
     for params in cases:
-        expected = rt.generate(ids, params)
+        expected = generate(rt, ids, params)
         assert reference_tokens(rt, ids, params) == expected, params
     first_line = reference_tokens(rt, ids, cases[0])
     assert first_line[-1] == newline and len(first_line) < 60

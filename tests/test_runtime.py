@@ -15,6 +15,7 @@ from test_state_codec import encode_bytes
 from weights import weights_digest
 
 from minifaas.model import state_codec
+from minifaas.model.interleaved_decoder import DecodeStream, generate
 from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import preset_names
 from minifaas.model.reference import reference_tokens
@@ -87,7 +88,7 @@ def test_prefill_in_one_process_decode_in_another_equals_generate(
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for n, (state, next_token) in zip(LENGTHS, received):
         assert state.seq_len == n and [s.layer for s in state.layers] == list(range(runtime.num_layers))
-        ours = runtime.start_decode(state, next_token, params).run()
+        ours = DecodeStream(runtime, state, next_token, params).run()
         assert ours == reference_tokens(runtime, prompt(n), params), f"{runtime.spec.name}, {n} prompt tokens"
 
 
@@ -100,7 +101,7 @@ def test_prefix_continuation_matches_one_prefill(runtime: ModelRuntime, cut: int
     rel = (rest.logits - whole.logits).abs().max() / whole.logits.abs().max()
     assert rel < 1e-4
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    assert runtime.start_decode(rest.state, rest.next_token, params).run() == reference_tokens(runtime, ids, params)
+    assert DecodeStream(runtime, rest.state, rest.next_token, params).run() == reference_tokens(runtime, ids, params)
     assert rest.computed_tokens == 300 - cut and rest.state.seq_len == 300
 
 
@@ -136,11 +137,11 @@ def test_on_layer_state_is_the_final_state(runtime: ModelRuntime) -> None:
 
 def test_seeded_sampling_is_the_same_across_prefill_and_decode_processes(runtime: ModelRuntime) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
-    whole = runtime.generate(prompt(40), params)
+    whole = generate(runtime, prompt(40), params)
     first = runtime.prefill(prompt(40), sampling=params)
     restored = ModelState([state_codec.decode(encode_bytes(s)) for s in first.state.layers], 40)
-    assert runtime.start_decode(restored, first.next_token, params).run() == whole
-    other = runtime.generate(prompt(40), SamplingParams(max_tokens=12, temperature=0.9, seed=99, ignore_eos=True))
+    assert DecodeStream(runtime, restored, first.next_token, params).run() == whole
+    other = generate(runtime, prompt(40), SamplingParams(max_tokens=12, temperature=0.9, seed=99, ignore_eos=True))
     assert other != whole
 
 
@@ -172,7 +173,7 @@ def test_prefill_in_token_chunks_matches_one_prefill(runtime: ModelRuntime, chun
         for (name, x), (_, y) in zip(a.slots, b.slots, strict=True):
             assert x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-5), f"layer {a.layer} {name}"
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    decoded = runtime.start_decode(chunked.state, chunked.next_token, params).run()
+    decoded = DecodeStream(runtime, chunked.state, chunked.next_token, params).run()
     assert decoded == reference_tokens(runtime, ids, params)
 
 

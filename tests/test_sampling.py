@@ -10,7 +10,7 @@ import torch
 from minifaas.control.worker_ops import SAMPLING
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig
-from minifaas.model.interleaved_decoder import InterleavedDecoder
+from minifaas.model.interleaved_decoder import InterleavedDecoder, generate
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import History, SamplingParams, sample
 
@@ -94,7 +94,7 @@ def test_both_decoders_and_generate_apply_them_alike(runtime: ModelRuntime) -> N
         "top_k": SamplingParams(max_tokens=12, top_k=1, temperature=1.5, seed=6, ignore_eos=True),
         "min_tokens": SamplingParams(max_tokens=12, min_tokens=6, stop_token_ids=odd, ignore_eos=True),
     }
-    alone = {name: runtime.generate(prompt, p) for name, p in params.items()}
+    alone = {name: generate(runtime, prompt, p) for name, p in params.items()}
     arrivals = []
     for name, p in params.items():
         first = runtime.prefill(prompt, sampling=p)

@@ -13,6 +13,7 @@ import openai
 import pytest
 from serve_child import serving
 
+from minifaas.model.interleaved_decoder import generate
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -150,7 +151,7 @@ def test_sampling_fields_are_honoured_as_generate_honours_them(server: str) -> N
     )
     assert code == 200, reply
     rt, tok = ModelRuntime.load("kimi-linear-tiny"), ByteTokenizer()
-    expected = rt.generate(tok.encode(SHORT), SamplingParams(**params))
+    expected = generate(rt, tok.encode(SHORT), SamplingParams(**params))
     assert reply["choices"][0]["text"] == tok.decode(expected)
     code, reply = _post(f"{server}/v1/completions", b'{"model": "kimi-linear-tiny", "prompt": "\\ud800"}')
     assert code == 400 and "lone surrogate" in reply["error"]["message"]

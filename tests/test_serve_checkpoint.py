@@ -17,6 +17,7 @@ import openai
 import pytest
 from serve_child import serving
 
+from minifaas.model.interleaved_decoder import generate
 from minifaas.model.loader import DEFAULT_MODEL, MODELS_DIR
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
@@ -48,7 +49,7 @@ def client(server: str) -> openai.OpenAI:
 def _expected(rt: ModelRuntime, ids: list[int], **sampling: object) -> str:
     """Greedy: transformers' own generate(); seeded: the runtime in one process (the sampler is ours alone)."""
     params = SamplingParams(max_tokens=12, **sampling)  # type: ignore[arg-type]
-    return rt.tokenizer.decode(reference_tokens(rt, ids, params) if params.greedy else rt.generate(ids, params))
+    return rt.tokenizer.decode(reference_tokens(rt, ids, params) if params.greedy else generate(rt, ids, params))
 
 
 def test_the_model_is_named_after_its_directory(client: openai.OpenAI) -> None:

@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from minifaas.model.interleaved_decoder import generate
 from minifaas.model.loader import DEFAULT_MODEL, MODELS_DIR, ModelSpec, checkpoint_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -31,7 +32,7 @@ def samples() -> dict[int, str]:
     rt = ModelRuntime.load(DEFAULT_MODEL)
     ids = rt.tokenizer.encode(PROMPT)
     return {
-        seed: rt.tokenizer.decode(rt.generate(ids, SamplingParams(max_tokens=200, temperature=0.8, seed=seed)))
+        seed: rt.tokenizer.decode(generate(rt, ids, SamplingParams(max_tokens=200, temperature=0.8, seed=seed)))
         for seed in SEEDS
     }
 
@@ -53,7 +54,7 @@ def known_words(text: str) -> tuple[int, float]:
 def test_it_loads_in_bfloat16_and_still_writes_words_of_the_training_text() -> None:
     rt = ModelRuntime.load(DEFAULT_MODEL, dtype=torch.bfloat16)
     assert rt.model.dtype == torch.bfloat16
-    text = rt.tokenizer.decode(rt.generate(rt.tokenizer.encode(PROMPT), SamplingParams(max_tokens=120, seed=1)))
+    text = rt.tokenizer.decode(generate(rt, rt.tokenizer.encode(PROMPT), SamplingParams(max_tokens=120, seed=1)))
     count, known = known_words(text)
     assert count >= 12 and known >= 0.8, (count, known, text)
 

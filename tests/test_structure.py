@@ -35,7 +35,7 @@ LAZY_IMPORTS = {
     ("minifaas.commands.arguments", "minifaas.model.loader"): _TORCH_FOR_A_MODEL_FLAG,
     ("minifaas.commands.arguments", "torch"): _TORCH_FOR_A_MODEL_FLAG,
     ("minifaas.commands.arguments", "minifaas.traces"): "numpy loads for a --trace flag, not in the link emulator",
-    ("minifaas.model.state_layout", "transformers"): _TRANSFORMERS,
+    ("minifaas.model.layer_state", "transformers"): _TRANSFORMERS,
     ("minifaas.model.loader", "transformers"): _TRANSFORMERS,
     ("minifaas.model.tokenizer", "transformers"): _TRANSFORMERS,
     ("minifaas.commands.profile_model", "minifaas.model.runtime"): _TORCH_WHEN_PROFILING,

@@ -15,6 +15,7 @@ import torch
 from preloaded import Preloaded
 from rich.console import Console
 
+from minifaas.model.interleaved_decoder import generate
 from minifaas.model.loader import ModelSpec
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -93,7 +94,7 @@ def test_a_run_writes_a_checkpoint_that_loads_as_any_other(straight: Path) -> No
     assert ModelSpec.resolve(str(straight)).kind == "checkpoint"
     rt = ModelRuntime.load(str(straight))
     assert rt.model.dtype.is_floating_point and isinstance(rt.tokenizer, HFTokenizer)
-    assert len(rt.generate(rt.tokenizer.encode("ROMEO:"), SamplingParams(max_tokens=4, ignore_eos=True))) == 4
+    assert len(generate(rt, rt.tokenizer.encode("ROMEO:"), SamplingParams(max_tokens=4, ignore_eos=True))) == 4
 
 
 def test_training_is_seeded(straight: Path, tmp_path: Path) -> None:

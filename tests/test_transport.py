@@ -17,7 +17,7 @@ import pytest
 from synthetic import bulk_state, synthetic_state
 
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.layer_state import same_state
+from minifaas.model.state_codec import same_state
 from minifaas.net.errors import AuthError, ProtocolError, TransferError
 from minifaas.transport.outgoing import MIN_UNSENT_BYTES, KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig

@@ -17,11 +17,13 @@ from synthetic import synthetic_state
 
 from minifaas.codec.codec import Codec, FrameEncoder
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.layer_state import ModelState, StateKind, same_state, tensor_bytes
+from minifaas.model.interleaved_decoder import DecodeStream
+from minifaas.model.layer_state import ModelState, StateKind, tensor_bytes
 from minifaas.model.loader import DEFAULT_MODEL
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_codec import same_state
 from minifaas.net.channel import Channel, open_channel
 from minifaas.net.connections import OLD_MAGIC, prove_as_sender
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TransferError
@@ -195,6 +197,6 @@ def test_greedy_output_through_lossless_transfer_equals_the_uncompressed_path(ru
 
     result, received, _ = run(main())
     assert same_state(received, result.state)
-    local = runtime.start_decode(result.state, result.next_token, params).run()
-    assert runtime.start_decode(received, result.next_token, params).run() == local
+    local = DecodeStream(runtime, result.state, result.next_token, params).run()
+    assert DecodeStream(runtime, received, result.next_token, params).run() == local
     assert local == reference_tokens(runtime, ids, params)

@@ -10,7 +10,7 @@ import pytest
 from synthetic import bulk_state, synthetic_state
 
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.layer_state import same_state
+from minifaas.model.state_codec import same_state
 from minifaas.net.channel import Channel, open_channel
 from minifaas.net.connections import prove_as_sender
 from minifaas.net.errors import (

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from minifaas.emulator.emulator_process import EmulatorProcess
-from minifaas.model.layer_state import LayerState, ModelState, StateKind, same_state
+from minifaas.model.interleaved_decoder import DecodeStream
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_codec import same_state
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 
@@ -81,8 +83,8 @@ def test_layers_streamed_during_prefill_decode_like_the_local_state(runtime: Mod
 
     result, received = run(main())
     assert same_state(received, result.state)
-    local = runtime.start_decode(result.state, result.next_token, params).run()
-    remote = runtime.start_decode(received, result.next_token, params).run()
+    local = DecodeStream(runtime, result.state, result.next_token, params).run()
+    remote = DecodeStream(runtime, received, result.next_token, params).run()
     assert remote == local
 
 
@@ -151,5 +153,5 @@ def test_a_layer_broken_before_the_sender_decodes_away_from_the_reference(runtim
         result, received = run(transfer(corrupt))
         sent = ModelState([as_sent(s, corrupt) for s in result.state.layers], result.state.seq_len)
         assert same_state(received, sent) and same_state(received, result.state) is not corrupt
-        tokens = runtime.start_decode(received, result.next_token, params).run()
+        tokens = DecodeStream(runtime, received, result.next_token, params).run()
         assert (tokens == expected) is not corrupt, f"broken: {corrupt}, {tokens} against the reference {expected}"

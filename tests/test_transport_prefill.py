@@ -18,12 +18,13 @@ from conftest import decodes_as_alone
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.control.worker_ops import Prefill, Prefilled
-from minifaas.model.layer_state import LayerState, ModelState, same_state
+from minifaas.model.interleaved_decoder import DecodeStream
+from minifaas.model.layer_state import LayerState, ModelState, needs_snapshot
 from minifaas.model.loader import preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import GREEDY, SamplingParams
-from minifaas.model.state_layout import needs_snapshot
+from minifaas.model.state_codec import same_state
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.worker.prefill_service import PrefillService, TransferSink
@@ -156,7 +157,7 @@ def test_an_aborted_prefill_stops_part_way_and_the_next_prompt_runs_alone() -> N
     plan = service.store.begin(long, 0.0)  # nothing of the stopped prompt went into the pool
     service.store.release(plan)
     assert plan.hit_tokens == 0
-    assert runtime.start_decode(state, reply.next_token, PARAMS).run() == reference_tokens(runtime, short, PARAMS)
+    assert DecodeStream(runtime, state, reply.next_token, PARAMS).run() == reference_tokens(runtime, short, PARAMS)
 
 
 def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_computes() -> None:

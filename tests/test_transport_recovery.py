@@ -20,10 +20,11 @@ import pytest
 from synthetic import synthetic_state
 from test_transport import _self_signed
 
-from minifaas.model.layer_state import same_state
+from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_codec import same_state
 from minifaas.net.channel import open_channel
 from minifaas.net.connections import prove_as_sender
 from minifaas.net.errors import DroppedError
@@ -53,7 +54,7 @@ async def decodes_like_generate(rx: KVReceiver, runtime: ModelRuntime, transfer_
     async with KVSender(SenderConfig("127.0.0.1", rx.port, SECRET, connections=2)) as tx:
         await tx.send(transfer_id, result.state)
     state = await incoming.model_state()
-    tokens = runtime.start_decode(state, result.next_token, PARAMS).run()
+    tokens = DecodeStream(runtime, state, result.next_token, PARAMS).run()
     assert tokens == reference_tokens(runtime, PROMPT, PARAMS)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decoder import DecoderConfig
+from minifaas.model.interleaved_decoder import generate
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.warm_up import TAIL_TOKENS, WarmUpPlan, warm_up
 
@@ -34,7 +35,7 @@ def test_warm_up_records_what_each_layer_kind_ran_and_puts_back_what_the_model_c
     reference of every kernel function, the short convolution's included, in the linear-attention layers."""
     rt = ModelRuntime.load("qwen3.5-tiny")
     assert rt.kernels.ran == ()  # nothing has run yet: the report is the bindings
-    before = rt.generate(list(range(12)))
+    before = generate(rt, list(range(12)))
     warm_up(rt, WarmUpPlan(4, (1,)), make_decoder(rt, DecoderConfig(max_batch=2)))
     ran = rt.kernels.to_json()["ran"]
     assert set(ran) == {"linear_attention"}, ran  # the full-attention layers call none of them
@@ -42,5 +43,5 @@ def test_warm_up_records_what_each_layer_kind_ran_and_puts_back_what_the_model_c
     assert ran["linear_attention"].keys() == rules | {"causal_conv1d_fn", "causal_conv1d_update"}
     assert all(module == "transformers.models.qwen3_5.modeling_qwen3_5" for module in ran["linear_attention"].values())
     assert rt.kernels.label == "torch"
-    assert rt.generate(list(range(12))) == before  # the recorder is gone: the same calls, the same tokens
+    assert generate(rt, list(range(12))) == before  # the recorder is gone: the same calls, the same tokens
     assert rt.kernels.to_json()["ran"] == ran  # and it records only while open

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from synthetic import synthetic_state
 
-from minifaas.model.layer_state import Checksum, ModelState, checksum, same_state
+from minifaas.model.layer_state import Checksum, ModelState, checksum
+from minifaas.model.state_codec import same_state
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
 from minifaas.transport.incoming import Reassembly
 from minifaas.transport.wire import (

@@ -8,6 +8,7 @@ import time
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import stdout_console, user_input
+from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.loader import checked_spec, resolve_dtype
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     layers: list[str] = []
     result = rt.prefill(ids, sampling=params, on_layer=lambda s: layers.append(f"{s.layer}:{s.kind.name.lower()}"))
     start = time.perf_counter()
-    tokens = rt.start_decode(result.state, result.next_token, params).run()
+    tokens = DecodeStream(rt, result.state, result.next_token, params).run()
     decode_s = time.perf_counter() - start
     console.print(
         f"[bold]{rt.spec.name}[/] on {args.device}: {len(ids)} prompt tokens, layers handed over in order "

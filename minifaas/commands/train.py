@@ -15,6 +15,7 @@ from dataclasses import fields
 import torch
 
 from minifaas.commands.main import stdout_console, user_input
+from minifaas.model.interleaved_decoder import generate
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.train.train_config import TrainConfig
@@ -101,4 +102,4 @@ def sample_text(checkpoint: str, tokens: int, prompt: str = SAMPLE_PROMPT, seed:
     """Text from the written checkpoint, loaded back as any user would load it."""
     rt = ModelRuntime.load(checkpoint)
     params = SamplingParams(max_tokens=tokens, temperature=0.8, seed=seed, ignore_eos=True)
-    return prompt + rt.tokenizer.decode(rt.generate(rt.tokenizer.encode(prompt), params))
+    return prompt + rt.tokenizer.decode(generate(rt, rt.tokenizer.encode(prompt), params))

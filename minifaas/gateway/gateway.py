@@ -42,8 +42,8 @@ from minifaas.gateway.workers import WAIT_POLL_S, Workers, cluster_secret, make_
 from minifaas.launch.startup import StartupListener
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.kv_size import kv_profile
+from minifaas.model.layer_state import StateLayout, needs_snapshot
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load_tokenizer
-from minifaas.model.state_layout import StateLayout, needs_snapshot
 from minifaas.model.tokenizer import Tokenizer
 from minifaas.policy.interfaces import RoutingPolicy
 from minifaas.policy.long_term import LongTermConfig

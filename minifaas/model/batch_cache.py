@@ -21,8 +21,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from minifaas.model.layer_state import LayerState, StateKind
-from minifaas.model.state_layout import new_cache
+from minifaas.model.layer_state import LayerState, StateKind, new_cache
 
 # The row layers. A row layer is sized with ``fit``, takes a request's parts of its layer with ``put``, moves a row
 # with ``move``, and before each step ``prepare`` points at rows 0..n-1:

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minifaas.model.layer_state import LayerState, ModelState
+from minifaas.model.layer_state import LayerState, ModelState, StateLayout
 from minifaas.model.runtime import ModelRuntime, OnLayer, PrefillResult
 from minifaas.model.sampling import SamplingParams, sample
-from minifaas.model.state_layout import StateLayout
 
 
 @torch.no_grad()

@@ -2,8 +2,8 @@
 
 ``HostCopier.stage`` runs in the compute thread: it queues each tensor's copy on a side CUDA stream and returns at
 once, so the copy of layer i overlaps the compute of layer i+1. Whoever reads the host bytes first waits for the
-copy's event in a thread, never on the event loop. On the CPU ``stage`` hands the state back as it is;
-``to_device`` is the other direction, for a decode node.
+copy's event in a thread, never on the event loop. On the CPU ``stage`` hands the state back as it is
+(``layer_state.to_device`` is the other direction, for a decode node).
 """
 
 from __future__ import annotations
@@ -50,13 +50,3 @@ class HostCopier:
         if done is not None:
             done.synchronize()
         return host
-
-
-def to_device(state: LayerState, device: torch.device | str) -> LayerState:
-    """``state`` on ``device``; from pinned host memory the copies are asynchronous on the current stream,
-    so the forward that reads them is queued behind them and the host never waits."""
-    target = torch.device(device)
-    slots = tuple(
-        (n, t.to(target, non_blocking=t.device.type == "cpu" and t.is_pinned(), copy=True)) for n, t in state.slots
-    )
-    return LayerState(state.layer, state.kind, state.seq_len, slots)

@@ -1,4 +1,4 @@
-"""The model runtime: prefill with a per-layer callback, and decode from a state.
+"""The model runtime: prefill with a per-layer callback, and when a decode ends.
 
 ``prefill`` hooks every decoder layer, so layer i's final state goes to ``on_layer`` while layer i+1 computes,
 and a sender can put it on the wire during the rest of the forward. Everything here blocks on the model; async
@@ -8,11 +8,10 @@ callers run it on the runtime's own thread (``on_forward_thread``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -20,11 +19,10 @@ from typing import TypeVar
 import torch
 
 from minifaas.model.host_memory import keep_freed_memory
-from minifaas.model.kernels import KernelRecorder, KernelReport, kernels_in_use
-from minifaas.model.layer_state import LayerState, ModelState
+from minifaas.model.kernels import KernelReport, kernels_in_use
+from minifaas.model.layer_state import LayerState, ModelState, StateLayout, build_cache, new_cache
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
-from minifaas.model.sampling import GREEDY, History, SamplingParams, sample
-from minifaas.model.state_layout import StateLayout, build_cache, new_cache
+from minifaas.model.sampling import GREEDY, SamplingParams, sample
 from minifaas.model.tokenizer import Tokenizer
 
 OnLayer = Callable[[LayerState], None]
@@ -48,7 +46,7 @@ class ModelRuntime:
         self.decoder_layers = model.model.layers
         self.num_layers = len(self.decoder_layers)
         self.layout = StateLayout.of(self.config)
-        self.num_states = len(self.layout.parts)  # what a transfer counts as layers (see state_layout)
+        self.num_states = len(self.layout.parts)  # what a transfer counts as layers (see layer_state)
         if self.layout.num_layers != self.num_layers:
             raise ValueError(f"{spec.name}: {self.num_layers} decoder layers but {self.layout.num_layers} cache layers")
         self.max_context = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 20)
@@ -61,17 +59,6 @@ class ModelRuntime:
         if self._forward_thread is None:
             self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix=f"forward-{self.spec.name}")
         return await asyncio.get_running_loop().run_in_executor(self._forward_thread, functools.partial(fn, *args))
-
-    @contextlib.contextmanager
-    def recording_kernels(self) -> Iterator[None]:
-        """While open, note what each layer kind's kernel functions really call; ``kernels`` then says that."""
-        kinds = [
-            "+".join(self.layout.parts[i].kind.name.lower() for i in self.layout.parts_of(layer)) or "stateless"
-            for layer in range(self.num_layers)
-        ]
-        with KernelRecorder(self.model, kinds) as recorder:
-            yield
-        self.kernels = recorder.report(self.kernels)
 
     @classmethod
     def load(
@@ -149,22 +136,6 @@ class ModelRuntime:
     def new_cache(self) -> object:
         return new_cache(self.config)
 
-    @torch.no_grad()
-    def forward_one(self, cache: object, token: int) -> torch.Tensor:
-        """Feed one token; the logits [vocab] of the one after it."""
-        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float().cpu()
-
-    def start_decode(self, state: ModelState, next_token: int, sampling: SamplingParams = GREEDY) -> DecodeStream:
-        return DecodeStream(self, state, next_token, sampling)
-
-    def generate(self, token_ids: Sequence[int], sampling: SamplingParams = GREEDY) -> list[int]:
-        """Prefill then decode in this process, through the same state export and cache rebuild as the
-        disaggregated paths: the in-process path, not a reference for them (``model.reference`` is)."""
-        result = self.prefill(token_ids, sampling=sampling)
-        stream = self.start_decode(result.state, result.next_token, sampling)
-        return stream.run()
-
 
 @dataclass(slots=True)
 class _LayerHook:
@@ -197,43 +168,6 @@ class _LayerHook:
             got = [s.layer for s in self.layers]
             raise RuntimeError(f"layer hooks gave states {got}, expected each part once in order")
         return self.layers
-
-
-class DecodeStream:
-    """One request's decode: owns its cache, yields tokens until a stop condition."""
-
-    def __init__(self, runtime: ModelRuntime, state: ModelState, next_token: int, sampling: SamplingParams) -> None:
-        self.runtime, self.sampling = runtime, sampling
-        self.cache = build_cache(runtime.config, state.layers, runtime.device)
-        self.position = state.seq_len  # absolute position of the newest token
-        self.tokens = [next_token]
-        self.history = History(sampling, (next_token,))
-        self.finish_reason: str | None = None
-        self._check_stop(next_token)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def step(self) -> int:
-        """Decode one more token (the stream must not be finished)."""
-        if self.finished:
-            raise RuntimeError(f"stream already finished ({self.finish_reason})")
-        logits = self.runtime.forward_one(self.cache, self.tokens[-1])
-        self.position += 1
-        token = sample(logits, self.sampling, self.position, self.history, self.runtime.eos_token_id)
-        self.tokens.append(token)
-        self.history.add(token)
-        self._check_stop(token)
-        return token
-
-    def run(self) -> list[int]:
-        while not self.finished:
-            self.step()
-        return self.tokens
-
-    def _check_stop(self, token: int) -> None:
-        self.finish_reason = decode_finish(self.runtime, self.sampling, token, len(self.tokens), self.position)
 
 
 def decode_finish(runtime: ModelRuntime, p: SamplingParams, token: int, count: int, position: int) -> str | None:

@@ -10,7 +10,8 @@ Layout (little-endian), one record per layer state:
 
 ``encode`` returns the header and one ``memoryview`` per slot on the tensor memory, ready for ``socket.sendmsg``.
 ``decode`` checks sizes, dtypes and checksums (``layer_state.checksum``) before it builds a tensor, so bad input
-raises ``StateCodecError`` and never yields a wrong tensor.
+raises ``StateCodecError`` and never yields a wrong tensor. ``same_state`` is the bit-exact equality of whole
+states that a round trip through bytes keeps.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minifaas.model.layer_state import DTYPE_CODES, DTYPES, LayerState, StateKind, checksum, tensor_bytes
+from minifaas.model.layer_state import DTYPE_CODES, DTYPES, LayerState, ModelState, StateKind, checksum, tensor_bytes
 
 MAGIC = b"MFLS"
 VERSION = 1
@@ -127,3 +128,18 @@ def _need(view: memoryview, pos: int, n: int, what: str) -> int:
     if pos + n > len(view):
         raise StateCodecError(f"truncated: {what} needs {n} bytes at offset {pos}, only {len(view) - pos} left")
     return pos + n
+
+
+def same_state(a: ModelState, b: ModelState) -> bool:
+    """Bit-exact equality: same layers, kinds, lengths, slot names, dtypes, shapes and bytes."""
+    if len(a.layers) != len(b.layers):
+        return False
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        if (la.layer, la.kind, la.seq_len, len(la.slots)) != (lb.layer, lb.kind, lb.seq_len, len(lb.slots)):
+            return False
+        for (na, ta), (nb, tb) in zip(la.slots, lb.slots, strict=True):
+            if na != nb or ta.dtype != tb.dtype or ta.shape != tb.shape:
+                return False
+            if not torch.equal(ta.contiguous().view(torch.uint8), tb.contiguous().view(torch.uint8)):
+                return False
+    return True

@@ -8,10 +8,13 @@ which kernels the layers really run, for the gateway.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from minifaas.model.decoder import Decoder
+from minifaas.model.kernels import KernelRecorder
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -48,7 +51,7 @@ def warm_up(runtime: ModelRuntime, plan: WarmUpPlan, decoder: Decoder | None = N
     """Run ``plan`` (blocking: call it in a thread); what ran and how long it took, for the log."""
     started = time.perf_counter()
     states = []
-    with runtime.recording_kernels():
+    with recording_kernels(runtime):
         for n in plan.prompt_lengths():
             tokens = [(13 * i + 5) % 256 for i in range(min(n, runtime.max_context - 2))]
             states.append(runtime.prefill(tokens, chunk_tokens=plan.prefill_chunk))
@@ -63,3 +66,16 @@ def warm_up(runtime: ModelRuntime, plan: WarmUpPlan, decoder: Decoder | None = N
                 decoder.step()
     return {"prompts": list(plan.prompt_lengths()), "batches": list(plan.batch_sizes),
             "seconds": round(time.perf_counter() - started, 3)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def recording_kernels(runtime: ModelRuntime) -> Iterator[None]:
+    """While open, note what each layer kind's kernel functions really call; ``runtime.kernels`` then says that."""
+    layout = runtime.layout
+    kinds = [
+        "+".join(layout.parts[i].kind.name.lower() for i in layout.parts_of(layer)) or "stateless"
+        for layer in range(runtime.num_layers)
+    ]
+    with KernelRecorder(runtime.model, kinds) as recorder:
+        yield
+    runtime.kernels = recorder.report(runtime.kernels)

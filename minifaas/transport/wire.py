@@ -9,7 +9,7 @@ payload bytes; and layer states cut into CHUNK frames. Frame types and their pay
     ABORT  either way           utf-8 reason; the transfer is over
     ALIVE  sender -> receiver   empty: the sender lives while its producer has no new layer yet
 
-A CHUNK carries one byte range of one tensor slot of one layer (the state's index in ``state_layout``) at the
+A CHUNK carries one byte range of one tensor slot of one layer (the state's index in ``layer_state.StateLayout``) at the
 offset it takes in the finished slot, so a receiver assembles a layer sent in pieces without knowing it was cut;
 its payload is a view of tensor memory until a socket or a codec reads it. A header is checked whole (magic,
 version, its own checksum, sizes against ``Limits``) before its payload gets memory.

@@ -48,8 +48,7 @@ from minifaas.control.worker_ops import (
     to_wire,
 )  # fmt: skip
 from minifaas.net.errors import TransferError
-from minifaas.worker.decode_prefix import DecodePrefixCache
-from minifaas.worker.decode_service import DecodeService
+from minifaas.worker.decode_service import DecodePrefixCache, DecodeService
 from minifaas.worker.prefill_service import PrefillService
 
 log = logging.getLogger("minifaas.worker")

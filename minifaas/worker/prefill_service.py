@@ -19,12 +19,10 @@ from typing import TypeVar
 
 from minifaas.codec.codec import Codec, usable
 from minifaas.control.worker_ops import Export, Exported, First, Prefill, Prefilled
-from minifaas.model.host_copy import HostCopier
-from minifaas.model.layer_state import LayerState, ModelState, StateKind
+from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.net.errors import TransferError
-from minifaas.transport.codec_probe import probe
 from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig, TransferReport
 from minifaas.transport.receiver import KVReceiver
 from minifaas.worker.prefill_batch import Batcher, PrefillBatch, until_done
@@ -32,7 +30,6 @@ from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
 
 log = logging.getLogger("minifaas.prefill")
 T = TypeVar("T")
-CALIBRATION_PROMPT = [(37 * i + 11) % 256 for i in range(256)]  # token ids every preset's vocabulary holds
 
 
 class Stopped(Exception):
@@ -166,14 +163,6 @@ class PrefillService:
     def codec(self, msg: Prefill | Export) -> Codec:
         """The codec the gateway asked for, or the nearest this worker allows."""
         return usable(Codec.named(msg.codec or "none"), frozenset(self.codecs))
-
-    def calibrate(self) -> dict[str, list[float]]:
-        """Each codec this worker may use, measured once on the state of a real prefill: what the
-        scheduler starts from (nbytes, wire bytes, encode s, decode s). Blocking: run it in a thread."""
-        state = self.runtime.prefill(CALIBRATION_PROMPT).state
-        copier = HostCopier(self.runtime.device)
-        state = ModelState([copier.to_host(s) for s in state.layers], state.seq_len)
-        return {c.label: probe(state, c).to_json() for c in sorted(self.codecs - {Codec.NONE})}
 
     async def _import(self, tokens: list[int], transfer: int) -> None:
         if self.receiver is None:

@@ -32,15 +32,16 @@ from minifaas.control.session import Session
 from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import DecoderConfig
+from minifaas.model.host_copy import HostCopier
 from minifaas.model.kernels import require_fast
+from minifaas.model.layer_state import ModelState, needs_snapshot
 from minifaas.model.loader import resolve_dtype
 from minifaas.model.runtime import ModelRuntime
-from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import exit_when_stdin_closes
+from minifaas.transport.codec_probe import probe
 from minifaas.transport.receiver import MAX_OPEN_TRANSFERS, KVReceiver, ReceiverConfig
-from minifaas.worker.decode_prefix import DecodePrefixCache, JoiningReceiver
-from minifaas.worker.decode_service import DecodeService
+from minifaas.worker.decode_service import DecodePrefixCache, DecodeService, JoiningReceiver
 from minifaas.worker.gateway_session import DecodeSession, PrefillSession, WorkerNode, WorkerSession
 from minifaas.worker.prefill_service import PrefillService
 from minifaas.worker.prefix_store import PrefixStore
@@ -48,6 +49,7 @@ from minifaas.worker.prefix_store import PrefixStore
 log = logging.getLogger("minifaas.worker")
 WILDCARDS = ("", "0.0.0.0", "::")
 READY = "waiting for a gateway"  # in the log line that says the worker is ready
+CALIBRATION_PROMPT = [(37 * i + 11) % 256 for i in range(256)]  # token ids every preset's vocabulary holds
 
 
 def default_name(args: argparse.Namespace) -> str:
@@ -178,8 +180,17 @@ async def _prefill_side(
         chunk_tokens=args.prefill_chunk, codecs=codecs, batch_tokens=args.prefill_batch,
     )  # fmt: skip
     stack.push_async_callback(service.close)
-    measured = await runtime.on_forward_thread(service.calibrate)
+    measured = await runtime.on_forward_thread(calibrate, runtime, service.codecs)
     return Side(functools.partial(PrefillSession, service=service), kv, measured)
+
+
+def calibrate(runtime: ModelRuntime, codecs: frozenset[Codec]) -> dict[str, list[float]]:
+    """Each codec a prefill worker may use, measured once on the state of a real prefill: what the scheduler
+    starts from (nbytes, wire bytes, encode s, decode s). Blocking: run it in a thread."""
+    state = runtime.prefill(CALIBRATION_PROMPT).state
+    copier = HostCopier(runtime.device)
+    state = ModelState([copier.to_host(s) for s in state.layers], state.seq_len)
+    return {c.label: probe(state, c).to_json() for c in sorted(codecs - {Codec.NONE})}
 
 
 def _announce(args: argparse.Namespace, node: WorkerNode, port: int, announce: Callable[[dict], None]) -> None:
