@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
-from minifaas.control.schema import BadMessage
 from minifaas.control.secret import load_secret, new_secret
 from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
 from minifaas.control.worker_ops import (
@@ -33,6 +32,7 @@ from minifaas.control.worker_ops import (
     REPLIES,
     Attach,
     Attached,
+    BadMessage,
     ReplyMessage,
     Taken,
     from_wire,
