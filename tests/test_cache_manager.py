@@ -6,9 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.pool import PoolConfig
 from minifaas.cache.prefix_index import CacheEvent, EventKind, GlobalCacheManager
 from minifaas.policy.router import CacheMove, NodeView, Path, RouteInput, Router, RouteReason, Rule
+from minifaas.sim.prefix import SizedPool
 
 B = 8
 
@@ -17,11 +18,11 @@ def keys(tokens: list[int]) -> PromptKeys:
     return PromptKeys.from_tokens(tokens, B, "test-model")
 
 
-def pools(capacity: int = 10**9, interval: int = 1) -> dict[str, HybridPrefixPool[None]]:
-    return {c: HybridPrefixPool(PoolConfig(c, capacity, B, interval)) for c in ("prfaas", "pd")}
+def pools(capacity: int = 10**9, interval: int = 1) -> dict[str, SizedPool]:
+    return {c: SizedPool(PoolConfig(c, capacity, B, interval)) for c in ("prfaas", "pd")}
 
 
-def prefill(pool: HybridPrefixPool[None], tokens: list[int], node: str, now: float) -> None:
+def prefill(pool: SizedPool, tokens: list[int], node: str, now: float) -> None:
     k = keys(tokens)
     lease = pool.acquire(k, now, limit=len(tokens) - 1)
     pool.release(lease)

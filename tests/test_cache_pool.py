@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
 from minifaas.cache.prefix_index import EntryKind, EventKind
+from minifaas.sim.prefix import SizedPool
 from minifaas.traces import trace_path
 
 B = 8  # tokens per block in these tests
@@ -258,7 +259,7 @@ def test_infinite_pool_replay_of_the_mooncake_trace_hits_every_repeated_leading_
         ideal_tokens, ideal_blocks = ideal_tokens + min(k * block, r["input_length"]), ideal_blocks + k
         seen.update(ids[: i + 1] for i in range(len(ids)))
 
-    p: HybridPrefixPool[None] = HybridPrefixPool(PoolConfig("prfaas", 10**18, block, snapshot_interval_blocks=1))
+    p = SizedPool(PoolConfig("prfaas", 10**18, block, snapshot_interval_blocks=1))
     hit_tokens = hit_blocks = 0
     for t, r in enumerate(rows):
         k = PromptKeys.from_ids(r["hash_ids"], r["input_length"], block)

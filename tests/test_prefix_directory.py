@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.pool import PoolConfig
 from minifaas.cache.prefix_index import CacheEvent, PrefixDirectory
 from minifaas.config import CacheConfig
+from minifaas.sim.prefix import SizedPool
 
 BLOCK = 8
 TOKENS = list(range(50))
 
 
 def _events(node: str, tokens: list[int], snapshots: bool = True) -> list[CacheEvent]:
-    pool: HybridPrefixPool[None] = HybridPrefixPool(PoolConfig(node, 1 << 20, BLOCK, 2), node)
+    pool = SizedPool(PoolConfig(node, 1 << 20, BLOCK, 2), node)
     keys = PromptKeys.from_tokens(tokens, BLOCK, "m")
     if snapshots:
         pool.store_prompt(keys, 0.0, 100, lambda n: 10)

@@ -10,7 +10,7 @@ pinned entry or one that others hang from, so the cached set stays prefix-closed
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -208,57 +208,6 @@ class HybridPrefixPool(Generic[P]):
             raise ValueError(f"no key for a snapshot at {length} tokens of this prompt")
         parent, needs_parent = prompt.parent_of(length), length >= prompt.block_size
         return self._put(EntryKind.SNAPSHOT, key, parent, length, needs_parent, now, nbytes, payload, node)
-
-    def put_blocks(
-        self, prompt: PromptKeys, start: int, end: int, now: float, nbytes: int, node: str | None = None
-    ) -> int:
-        """``put_block`` for full blocks [start, end) in order, without payloads (simulator); stops at
-        the first one that cannot be stored, since every later one would be an orphan. Returns how
-        many are in the pool afterwards."""
-        holder = self.node if node is None else node
-        if not (self.config.enabled and self.index.holds_all(holder)):
-            for j in range(start, end):
-                if not self.put_block(prompt, j, now, nbytes, node=node):
-                    return j - start
-            return end - start
-        # A replayed conversation finds most of its blocks here, all of them the holder's, so
-        # put_block would only touch them: find that leading run at once and touch it. Every block
-        # after it is missing too (the pool is prefix-closed), so each is stored under the one
-        # before it without a lookup, unless it needs room made (eviction: the general path).
-        present = self.index.leading_blocks(prompt, start, end)
-        self.counts["block_store_dups"] += present
-        keys, entries = prompt.block_keys, self._entries
-        self._touch_blocks(keys[start : start + present], now)
-        first_new = start + present
-        parent = entries.get(keys[first_new - 1]) if first_new else None
-        for j in range(first_new, end):
-            if (parent is None and j) or self.free_bytes < nbytes:
-                if not self.put_block(prompt, j, now, nbytes, node=node):
-                    return j - start
-                parent = entries[keys[j]]
-            else:
-                parent_key = keys[j - 1] if j else prompt.root
-                parent = self._insert(EntryKind.BLOCK, keys[j], parent_key, (j + 1) * prompt.block_size, parent, now,
-                                      nbytes, None, holder)  # fmt: skip
-        return end - start
-
-    def store_prompt(
-        self,
-        prompt: PromptKeys,
-        now: float,
-        block_nbytes: int,
-        snapshot_nbytes: Callable[[int], int],
-        start: int = 0,
-        node: str | None = None,
-        seen_tokens: int = 0,
-    ) -> None:
-        """Store everything a prefill of tokens [start, end) leaves behind, without payloads (simulator);
-        ``seen_tokens``: the prompt's branch point when its prefill began (``snapshot_points``)."""
-        self.put_blocks(prompt, start // prompt.block_size, prompt.num_full_blocks, now, block_nbytes, node)
-        for n in self.snapshot_points(start, prompt.num_tokens, seen_tokens):
-            if prompt.key_at(n) is not None:
-                self.put_snapshot(prompt, n, now, snapshot_nbytes(n), node=node)
-        self.touch(prompt, prompt.num_tokens, now)
 
     def drain_events(self) -> list[CacheEvent]:
         events, self._events = self._events, []

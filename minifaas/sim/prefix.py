@@ -8,6 +8,8 @@ snapshots), so a conversation's next turn ships only its increment.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from minifaas.cache.block_hash import BlockKey, PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.cache.prefix_index import EntryKind, GlobalCacheManager, PoolMatch
@@ -15,6 +17,60 @@ from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.plugin import Args
 
 UNLIMITED_BYTES = 2**62
+
+
+class SizedPool(HybridPrefixPool[None]):
+    """A pool of sizes without payloads, which stores what a prefill leaves a whole prompt at a time."""
+
+    def put_blocks(
+        self, prompt: PromptKeys, start: int, end: int, now: float, nbytes: int, node: str | None = None
+    ) -> int:
+        """``put_block`` for full blocks [start, end) in order; stops at the first one that cannot be stored,
+        since every later one would be an orphan. Returns how many are in the pool afterwards."""
+        holder = self.node if node is None else node
+        if not (self.config.enabled and self.index.holds_all(holder)):
+            for j in range(start, end):
+                if not self.put_block(prompt, j, now, nbytes, node=node):
+                    return j - start
+            return end - start
+        # A replayed conversation finds most of its blocks here, all of them the holder's, so
+        # put_block would only touch them: find that leading run at once and touch it. Every block
+        # after it is missing too (the pool is prefix-closed), so each is stored under the one
+        # before it without a lookup, unless it needs room made (eviction: the general path).
+        present = self.index.leading_blocks(prompt, start, end)
+        self.counts["block_store_dups"] += present
+        keys = prompt.block_keys
+        self._touch_blocks(keys[start : start + present], now)
+        first_new = start + present
+        parent = self.entry(EntryKind.BLOCK, keys[first_new - 1]) if first_new else None
+        for j in range(first_new, end):
+            if (parent is None and j) or self.free_bytes < nbytes:
+                if not self.put_block(prompt, j, now, nbytes, node=node):
+                    return j - start
+                parent = self.entry(EntryKind.BLOCK, keys[j])
+            else:
+                parent_key = keys[j - 1] if j else prompt.root
+                parent = self._insert(EntryKind.BLOCK, keys[j], parent_key, (j + 1) * prompt.block_size, parent, now,
+                                      nbytes, None, holder)  # fmt: skip
+        return end - start
+
+    def store_prompt(
+        self,
+        prompt: PromptKeys,
+        now: float,
+        block_nbytes: int,
+        snapshot_nbytes: Callable[[int], int],
+        start: int = 0,
+        node: str | None = None,
+        seen_tokens: int = 0,
+    ) -> None:
+        """Store everything a prefill of tokens [start, end) leaves behind; ``seen_tokens``: the prompt's branch
+        point when its prefill began (``snapshot_points``)."""
+        self.put_blocks(prompt, start // prompt.block_size, prompt.num_full_blocks, now, block_nbytes, node)
+        for n in self.snapshot_points(start, prompt.num_tokens, seen_tokens):
+            if prompt.key_at(n) is not None:
+                self.put_snapshot(prompt, n, now, snapshot_nbytes(n), node=node)
+        self.touch(prompt, prompt.num_tokens, now)
 
 
 class ClusterPrefixCaches:
@@ -35,7 +91,7 @@ class ClusterPrefixCaches:
                              snapshot_policy=snapshot_policy, snapshot_args=snapshot_args)
             for name in clusters
         }  # fmt: skip
-        self.pools: dict[str, HybridPrefixPool[None]] = {name: HybridPrefixPool(c, name) for name, c in configs.items()}
+        self.pools: dict[str, SizedPool] = {name: SizedPool(c, name) for name, c in configs.items()}
         self.manager = GlobalCacheManager(clusters)
         for name, pool in self.pools.items():
             self.manager.attach(name, pool.index, name)
