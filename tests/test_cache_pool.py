@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.block_hash import BlockKey, PromptKeys, chain, root_key, token_bytes
 from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
 from minifaas.cache.prefix_index import EntryKind, EventKind
 from minifaas.sim.prefix import SizedPool
@@ -19,6 +19,22 @@ TRACE = trace_path("mooncake-synthetic")
 
 def keys(tokens: list[int]) -> PromptKeys:
     return PromptKeys.from_tokens(tokens, B, "test-model")
+
+
+def keys_from_ids(block_ids: list[int], num_tokens: int, block_size: int) -> PromptKeys:
+    """Keys from a trace's one id per block, without tokens; equal ids mean equal block content."""
+    if len(block_ids) != -(-num_tokens // block_size):
+        raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // block_size)} block ids, got {len(block_ids)}")
+    root = root_key("trace-ids")
+    full = num_tokens // block_size
+    keys: list[BlockKey] = []
+    parent = root
+    for block_id in block_ids[:full]:
+        parent = chain(parent, token_bytes([block_id]))
+        keys.append(parent)
+    tail = num_tokens - full * block_size
+    end = chain(parent, token_bytes([block_ids[full], -tail])) if tail else parent
+    return PromptKeys(root, block_size, num_tokens, tuple(keys), end)
 
 
 class ReservingPool(HybridPrefixPool[str]):
@@ -89,10 +105,10 @@ def test_keys_are_chained_and_key_at_names_every_prefix() -> None:
     for n in range(len(a) + 1):
         assert ka.key_at(n) == keys(a[:n]).end_key
     assert PromptKeys.from_tokens(a, B, "other-model").block_keys[0] != ka.block_keys[0]
-    ids = PromptKeys.from_ids([4, 5, 6], 20, B)
+    ids = keys_from_ids([4, 5, 6], 20, B)
     assert ids.num_full_blocks == 2 and ids.key_at(16) == ids.block_keys[1] and ids.key_at(12) is None
     with pytest.raises(ValueError):
-        PromptKeys.from_ids([4, 5], 20, B)
+        keys_from_ids([4, 5], 20, B)
 
 
 @settings(max_examples=300, deadline=None)
@@ -262,7 +278,7 @@ def test_infinite_pool_replay_of_the_mooncake_trace_hits_every_repeated_leading_
     p = SizedPool(PoolConfig("prfaas", 10**18, block, snapshot_interval_blocks=1))
     hit_tokens = hit_blocks = 0
     for t, r in enumerate(rows):
-        k = PromptKeys.from_ids(r["hash_ids"], r["input_length"], block)
+        k = keys_from_ids(r["hash_ids"], r["input_length"], block)
         lease = p.acquire(k, now=float(t))
         hit_tokens += lease.hit_tokens
         hit_blocks += -(-lease.hit_tokens // block)

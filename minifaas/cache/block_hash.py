@@ -2,8 +2,8 @@
 
 A block's key hashes the key before it with the block's tokens, so one key names the whole prefix up to the
 block's end, and ``key_at(n)`` names the prefix of any length n. The chain starts at a root made from a namespace
-(the model name), so models never share keys. ``PromptKeys.from_tokens`` keys real tokens; ``from_ids`` keys a
-trace's one id per block, where only block ends and the prompt's end have keys.
+(the model name), so models never share keys. Keys made without the tokens (a trace's) name only block ends and
+the prompt's end.
 """
 
 from __future__ import annotations
@@ -61,24 +61,6 @@ class PromptKeys:
         tail = tokens[len(keys) * block_size :]
         end = chain(parent, token_bytes(tail)) if tail else parent
         return cls(root, block_size, len(tokens), tuple(keys), end, tuple(tokens))
-
-    @classmethod
-    def from_ids(
-        cls, block_ids: Sequence[int], num_tokens: int, block_size: int, namespace: str = "trace-ids"
-    ) -> PromptKeys:
-        """Keys from one id per block; equal ids mean equal block content."""
-        if len(block_ids) != -(-num_tokens // block_size):
-            raise ValueError(f"{num_tokens} tokens need {-(-num_tokens // block_size)} block ids, got {len(block_ids)}")
-        root = root_key(namespace)
-        full = num_tokens // block_size
-        keys: list[BlockKey] = []
-        parent = root
-        for block_id in block_ids[:full]:
-            parent = chain(parent, token_bytes([block_id]))
-            keys.append(parent)
-        tail = num_tokens - full * block_size
-        end = chain(parent, token_bytes([block_ids[full], -tail])) if tail else parent
-        return cls(root, block_size, num_tokens, tuple(keys), end)
 
     @property
     def num_full_blocks(self) -> int:

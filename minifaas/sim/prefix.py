@@ -104,8 +104,8 @@ class ClusterPrefixCaches:
         self._prefilled_ends: dict[str, set[BlockKey]] = {name: set() for name in clusters}  # ends with their logits
 
     def keys(self, hash_ids: tuple[int, ...], prompt_tokens: int) -> PromptKeys:
-        """The prompt's block keys, chained as ``PromptKeys.from_ids`` does but numbered, not hashed: keys are
-        equal exactly when the prefixes are."""
+        """The prompt's block keys from one trace id per block, numbered rather than hashed: keys are equal exactly
+        when the prefixes are."""
         size = self.block_tokens
         full, tail = divmod(prompt_tokens, size)
         if len(hash_ids) != full + (tail > 0):
