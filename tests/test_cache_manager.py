@@ -9,7 +9,7 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import PoolConfig
 from minifaas.cache.prefix_index import CacheEvent, EventKind, GlobalCacheManager
 from minifaas.policy.router import CacheMove, NodeView, Path, RouteInput, Router, RouteReason, Rule
-from minifaas.sim.prefix import SizedPool
+from minifaas.sim.prefix import SizedPool, cluster_view
 
 B = 8
 
@@ -83,7 +83,10 @@ def test_pool_events_drive_the_router_end_to_end() -> None:
 
     pd_nodes = (NodeView("p0"), NodeView("p1"))
     decode = (NodeView("d0"),)
-    pd, prfaas = matches["pd"].view(pd_nodes, decode), matches["prfaas"].view((NodeView("x0"), NodeView("x1")))
+    pd, prfaas = (
+        cluster_view(matches["pd"], pd_nodes, decode),
+        cluster_view(matches["prfaas"], (NodeView("x0"), NodeView("x1"))),
+    )
     router = Router()
     scarce = router.route(RouteInput(len(prompt), 30, Rule.SCARCE, prfaas, pd))
     assert (scarce.path, scarce.prefill_node, scarce.cached_tokens) == (Path.PRFAAS, "x0", 143)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from minifaas.cache.block_hash import BlockKey, PromptKeys
-from minifaas.policy.router import ClusterView, NodeView
 
 
 class EntryKind(StrEnum):
@@ -195,24 +194,12 @@ class PoolMatch:
     kv_prefix_tokens: int  # full-attention KV present (snapshot or not): what need not be resent
     node_hits: dict[str, int] = field(default_factory=dict)  # usable over each node's own entries
 
-    def view(self, prefill_nodes: Sequence[NodeView] = (), decode_nodes: Sequence[NodeView] = ()) -> ClusterView:
-        """The router's view of the cluster this pool serves: nodes keep their load and health, hits come from here."""
-        hits = self.node_hits
-        nodes = tuple(NodeView(n.node_id, hits.get(n.node_id, 0), n.load, n.healthy) for n in prefill_nodes)
-        return ClusterView(self.pool, nodes, tuple(decode_nodes), self.kv_prefix_tokens, self.hit_tokens)
-
 
 class GlobalCacheManager:
     def __init__(self, pools: Iterable[str], needs_snapshot: bool = True) -> None:
         self.indexes = {name: PrefixIndex(needs_snapshot) for name in pools}
         self.nodes: dict[str, set[str]] = {name: set() for name in self.indexes}
         self.counts: Counter[str] = Counter()
-
-    def attach(self, pool: str, index: PrefixIndex, node: str) -> None:
-        """Match ``pool`` against its own index, held by ``node`` alone, instead of a mirror built from
-        events (a pool in this process, as in the simulator)."""
-        self.indexes[pool] = index
-        self.nodes[pool] = {node}
 
     def apply(self, event: CacheEvent) -> None:
         index = self.indexes.get(event.pool)

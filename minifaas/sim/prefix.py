@@ -15,6 +15,7 @@ from minifaas.cache.pool import HybridPrefixPool, PoolConfig
 from minifaas.cache.prefix_index import EntryKind, GlobalCacheManager, PoolMatch
 from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.plugin import Args
+from minifaas.policy.router import ClusterView, NodeView
 
 UNLIMITED_BYTES = 2**62
 
@@ -73,6 +74,12 @@ class SizedPool(HybridPrefixPool[None]):
         self.touch(prompt, prompt.num_tokens, now)
 
 
+def cluster_view(match: PoolMatch, prefill: tuple[NodeView, ...], decode: tuple[NodeView, ...] = ()) -> ClusterView:
+    """The router's view of the cluster a pool serves: nodes keep their load and health, hits come from the match."""
+    nodes = tuple(NodeView(n.node_id, match.node_hits.get(n.node_id, 0), n.load, n.healthy) for n in prefill)
+    return ClusterView(match.pool, nodes, decode, match.kv_prefix_tokens, match.hit_tokens)
+
+
 class ClusterPrefixCaches:
     def __init__(
         self,
@@ -93,8 +100,8 @@ class ClusterPrefixCaches:
         }  # fmt: skip
         self.pools: dict[str, SizedPool] = {name: SizedPool(c, name) for name, c in configs.items()}
         self.manager = GlobalCacheManager(clusters)
-        for name, pool in self.pools.items():
-            self.manager.attach(name, pool.index, name)
+        for name, pool in self.pools.items():  # each pool's own index, held by the cluster alone: no mirror
+            self.manager.indexes[name], self.manager.nodes[name] = pool.index, {name}
         fixed = float(kv_profile.kv_bytes(0))
         self._block_bytes = max(1, round(float(kv_profile.kv_bytes(block_tokens)) - fixed))
         self._snapshot_bytes = max(1, round(fixed))

@@ -24,7 +24,7 @@ from minifaas.sim.deployment import SimConfig
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.fluid_link import FluidLink
 from minifaas.sim.prefill import Forward, PrefillInstances
-from minifaas.sim.prefix import ClusterPrefixCaches
+from minifaas.sim.prefix import ClusterPrefixCaches, cluster_view
 from minifaas.sim.report import SimResult, mean, percentile
 from minifaas.sim.scheduling import SimScheduler
 from minifaas.sim.workload import Workload
@@ -111,8 +111,8 @@ class Simulation:
         else:  # as the gateway does: the global manager's match, turned into the router's view
             keys = self.caches.keys(self.workload.hash_ids[rid], prompt)  # type: ignore[index]
             matches = self.caches.match(keys)
-            prfaas = matches[self.prfaas.cluster].view(prfaas_nodes)
-            pd = matches[self.pd.cluster].view(pd_nodes, decode_nodes)
+            prfaas = cluster_view(matches[self.prfaas.cluster], prfaas_nodes)
+            pd = cluster_view(matches[self.pd.cluster], pd_nodes, decode_nodes)
         sched = self.scheduler
         req = RouteInput(prompt, sched.threshold, sched.rule, prfaas, pd, link_utilisation=sched.utilisation)
         decision = self.router.route(req)
