@@ -5,9 +5,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import PoolConfig
-from minifaas.cache.prefix_index import CacheEvent, EventKind, GlobalCacheManager
+from minifaas.cache.prefix_index import CacheEvent, EventKind, GlobalCacheManager, PromptKeys
 from minifaas.policy.router import CacheMove, NodeView, Path, RouteInput, Router, RouteReason, Rule
 from minifaas.sim.prefix import SizedPool, cluster_view
 

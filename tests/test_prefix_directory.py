@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import PoolConfig
-from minifaas.cache.prefix_index import CacheEvent, PrefixDirectory
+from minifaas.cache.prefix_index import CacheEvent, PrefixDirectory, PromptKeys
 from minifaas.config import CacheConfig
 from minifaas.sim.prefix import SizedPool
 

@@ -14,8 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from minifaas.cache.block_hash import BlockKey, PromptKeys
-from minifaas.cache.prefix_index import CacheEvent, EntryKind, EventKind, Match, PrefixIndex
+from minifaas.cache.prefix_index import BlockKey, CacheEvent, EntryKind, EventKind, Match, PrefixIndex, PromptKeys
 from minifaas.policy.interfaces import SnapshotPlacement
 from minifaas.policy.plugin import SNAPSHOT, Args, building, check_policy, load_policy, policy_args
 from minifaas.policy.snapshot_policy import IntervalSnapshots, ReuseSnapshots, SnapshotInput

@@ -10,8 +10,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 
-from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.prefix_index import PrefixDirectory
+from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Export, Exported, Failed
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.live_scheduler import LiveScheduler

@@ -9,8 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.prefix_index import PrefixDirectory
+from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Abort
 from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.inter_cluster_link import InterClusterLink

@@ -13,8 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.prefix_index import PrefixDirectory
+from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.worker_ops import Abort, Aborted, ReplyMessage

@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from minifaas.cache.block_hash import PromptKeys
-from minifaas.cache.prefix_index import PrefixDirectory
+from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Abort, Decode, Failed, First, Pinned, Prefill, Prefilled
 from minifaas.gateway.cache_move import CacheMoves
 from minifaas.gateway.early_first import EarlyFirst

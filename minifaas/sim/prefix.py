@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from minifaas.cache.block_hash import BlockKey, PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, PoolConfig
-from minifaas.cache.prefix_index import EntryKind, GlobalCacheManager, PoolMatch
+from minifaas.cache.prefix_index import BlockKey, EntryKind, GlobalCacheManager, PoolMatch, PromptKeys
 from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.plugin import Args
 from minifaas.policy.router import ClusterView, NodeView

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minifaas.cache.block_hash import PromptKeys
+from minifaas.cache.prefix_index import PromptKeys
 from minifaas.policy.codec_policy import TransferShape
 from minifaas.policy.interfaces import RoutingPolicy
 from minifaas.policy.plugin import ROUTER, load_policy

@@ -18,9 +18,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
-from minifaas.cache.prefix_index import CacheEvent, EntryKind
+from minifaas.cache.prefix_index import CacheEvent, EntryKind, PromptKeys
 from minifaas.control.worker_ops import Decode, Done, Failed, Received, ReplyMessage, Token
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull

@@ -15,9 +15,8 @@ from typing import Protocol
 
 import torch
 
-from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
-from minifaas.cache.prefix_index import CacheEvent, EntryKind
+from minifaas.cache.prefix_index import CacheEvent, EntryKind, PromptKeys
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
