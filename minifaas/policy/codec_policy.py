@@ -8,7 +8,7 @@ transfers report. ``auto`` picks ``none`` or ``lossless`` only: a lossy code cha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from enum import StrEnum
 
 
@@ -111,9 +111,7 @@ class CodecMeter:
         old = self.estimates.get(codec)
         if old is not None:
             w = self.smoothing
-            new = CodecEstimate(
-                *(w * n + (1 - w) * o for n, o in zip(_fields(new), _fields(old), strict=True))
-            )  # fmt: skip
+            new = CodecEstimate(*(w * n + (1 - w) * o for n, o in zip(astuple(new), astuple(old), strict=True)))
         self.estimates[codec] = new
         self.samples[codec] = self.samples.get(codec, 0) + 1
 
@@ -134,7 +132,6 @@ class CompressionPolicy:
     def __init__(self, mode: str = Compression.AUTO.value, smoothing: float = 0.3) -> None:
         self.config = CompressionConfig(mode, smoothing)
         self.meter = CodecMeter(smoothing)
-        self.history: dict[tuple[str, str], int] = {}  # (codec, reason) -> transfers
 
     def observe(self, sample: CodecSample) -> None:
         """A codec's figures, measured: folded into its moving averages."""
@@ -149,19 +146,11 @@ class CompressionPolicy:
         lossless = self.meter.estimates.get(Compression.LOSSLESS)
         break_even = lossless.break_even_bps if lossless is not None else 0.0
         if mode is not Compression.AUTO:
-            choice = CodecChoice(mode.value, "forced", expected, break_even)
-        elif lossless is None:
-            choice = CodecChoice(Compression.NONE, "unmeasured", expected, break_even)
-        elif math.isinf(expected):
-            choice = CodecChoice(Compression.NONE, "unlimited_link", expected, break_even)
-        elif expected <= 0 or transfer.exposed_s(expected, lossless) < transfer.exposed_s(expected):
-            choice = CodecChoice(Compression.LOSSLESS, "saves_time", expected, break_even)
-        else:
-            choice = CodecChoice(Compression.NONE, "costs_more", expected, break_even)
-        key = (choice.codec, choice.reason)
-        self.history[key] = self.history.get(key, 0) + 1
-        return choice
-
-
-def _fields(e: CodecEstimate) -> tuple[float, float, float]:
-    return e.ratio, e.encode_bps, e.decode_bps
+            return CodecChoice(mode.value, "forced", expected, break_even)
+        if lossless is None:
+            return CodecChoice(Compression.NONE, "unmeasured", expected, break_even)
+        if math.isinf(expected):
+            return CodecChoice(Compression.NONE, "unlimited_link", expected, break_even)
+        if expected <= 0 or transfer.exposed_s(expected, lossless) < transfer.exposed_s(expected):
+            return CodecChoice(Compression.LOSSLESS, "saves_time", expected, break_even)
+        return CodecChoice(Compression.NONE, "costs_more", expected, break_even)
