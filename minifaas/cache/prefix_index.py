@@ -211,16 +211,12 @@ class PrefixIndex:
                 for n in sorted(lengths, reverse=True) if keyed is None else [n for n in keyed if n in lengths]:
                     if low <= n <= high:
                         key = prompt.key_at(n)
-                        if key is not None and self._held(self.snapshots, key, node):
+                        holders = self.snapshots.get(key) if key is not None else None
+                        if holders is not None and (node is None or node in holders):
                             return Match(n, kv_blocks, key)
             if j and not self.needs_snapshot:
                 return Match(j * size, kv_blocks, None)
         return Match(0, kv_blocks, None)
-
-    @staticmethod
-    def _held(table: dict[BlockKey, set[str]], key: BlockKey, node: str | None) -> bool:
-        holders = table.get(key)
-        return holders is not None and (node is None or node in holders)
 
 
 class EventKind(StrEnum):
