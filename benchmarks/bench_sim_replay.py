@@ -34,7 +34,7 @@ from minifaas.planner.search import plan
 from minifaas.sim.deployment import config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.trace_workload import read_workload
+from minifaas.sim.workload import read_workload
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 CONFIGS = ("homogeneous", "prfaas", "naive")

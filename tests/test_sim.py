@@ -19,8 +19,7 @@ from minifaas.sim.deployment import NO_OFFLOAD, config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.prefix import ClusterPrefixCaches
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.trace_workload import read_workload
-from minifaas.sim.workload import Workload, synthetic
+from minifaas.sim.workload import Workload, read_workload, synthetic
 
 
 def simulated_throughput(case: PlanCase, point: OperatingPoint, load: float, seed: int = 0) -> float:

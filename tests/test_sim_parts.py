@@ -11,7 +11,7 @@ from minifaas.sim.decode import DecodeInstances
 from minifaas.sim.engine import EventLoop
 from minifaas.sim.fluid_link import FluidLink, LinkConfig
 from minifaas.sim.prefill import PrefillInstances
-from minifaas.sim.trace_workload import read_workload
+from minifaas.sim.workload import read_workload
 from minifaas.traces import trace_path
 
 GB = 1e9 / 8  # bytes in one gigabit

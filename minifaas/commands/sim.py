@@ -34,8 +34,7 @@ from minifaas.sim.deployment import SimConfig, config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.report import SimResult
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.trace_workload import read_workload
-from minifaas.sim.workload import Workload, synthetic
+from minifaas.sim.workload import Workload, read_workload, synthetic
 from minifaas.traces import SHIPPED_TRACES
 
 

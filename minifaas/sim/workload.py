@@ -1,15 +1,18 @@
 """A workload, held as numpy columns: when requests arrive, their prompt and output lengths, the blocks they share.
 
 ``hash_ids`` is there only for traces that carry prefix information: one id per ``block_tokens`` block, equal
-leading ids meaning a shared prefix.
+leading ids meaning a shared prefix. A workload is drawn (``synthetic``) or a recorded trace, read by
+``minifaas.traces`` (shared with the planner).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from minifaas import traces
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.sim.arrivals import ArrivalSpec, arrival_times
 
@@ -66,3 +69,9 @@ def synthetic(
     inputs = lengths.sample(rng, times.size)
     outputs = np.full(times.size, output_tokens, dtype=np.int64)
     return Workload(f"{lengths.name}, {arrivals.describe()}", times, inputs, outputs)
+
+
+def read_workload(name_or_path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Workload:
+    """A shipped trace by name (``minifaas.traces.SHIPPED_TRACES``) or a trace file, as a Workload."""
+    t = traces.read_trace(name_or_path, length_scale, rate_scale)
+    return Workload(t.name, t.arrival_s, t.input_tokens, t.output_tokens, t.hash_ids, t.block_tokens)
