@@ -1,4 +1,5 @@
-"""The clusters' prefix caches in the simulator: the live pools and the live global manager, sizes only.
+"""The clusters' prefix caches in the simulator: the live pool (filled a whole prompt at a time) and the live global
+manager, sizes only, and the router's view of a cluster from the manager's match.
 
 One pool per cluster, its entries held under the cluster's name, so no node has a private hit and the router's
 node choice stays load-driven. The manager reads each pool's own index rather than mirroring it from events.
