@@ -15,8 +15,9 @@ from minifaas.control.worker_ops import Decode, Token
 from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
+from minifaas.model.host_copy import build_cache
 from minifaas.model.interleaved_decoder import DecodeStream, InterleavedDecoder, forward_one
-from minifaas.model.layer_state import LayerState, ModelState, StateKind, build_cache
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.loader import ModelSpec, load_config, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams

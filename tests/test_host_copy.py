@@ -12,9 +12,9 @@ import torch
 from synthetic import synthetic_state
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.model.host_copy import HostCopier
+from minifaas.model.host_copy import HostCopier, to_device
 from minifaas.model.interleaved_decoder import DecodeStream
-from minifaas.model.layer_state import LayerState, ModelState, StateKind, tensor_bytes, to_device
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, tensor_bytes
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams

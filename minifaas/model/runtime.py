@@ -18,9 +18,10 @@ from typing import TypeVar
 
 import torch
 
+from minifaas.model.host_copy import build_cache
 from minifaas.model.host_memory import keep_freed_memory
 from minifaas.model.kernels import KernelReport, kernels_in_use
-from minifaas.model.layer_state import LayerState, ModelState, StateLayout, build_cache, new_cache
+from minifaas.model.layer_state import LayerState, ModelState, StateLayout, new_cache
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
 from minifaas.model.tokenizer import Tokenizer
