@@ -1,6 +1,6 @@
 """A transformers Cache whose rows are independent requests of different lengths, for batched decoding.
 
-Each model layer keeps its rows in a row layer (``family_rows.row_layers`` picks them), row r of every buffer
+Each model layer keeps its rows in a row layer (``family_rows.row_layer`` picks its form), row r of every buffer
 belonging to one request. Rows are padded to the longest and stay packed in ``0..n-1`` (a row that leaves is
 replaced by the last one). The masks go to the model as a dict by layer type, or as one 4D tensor where all
 layers attend alike. A cache layer with no row form raises NotImplementedError, and the decode service then runs
@@ -9,10 +9,10 @@ that model unbatched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-from transformers import PreTrainedConfig
+from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
 from minifaas.model.layer_state import LayerState, StateKind, new_cache
@@ -25,7 +25,6 @@ from minifaas.model.layer_state import LayerState, StateKind, new_cache
 #   the n new tokens; a row, when it joins or moves) and shrinks once four times what the rows of the last
 #   ``SHRINK_EVERY`` steps needed at most (``fitted``), or as it grows on its other dimension.
 # - linear state, ``RowLinearLayer``: conv and recurrent states stacked by row, ``[:n]`` views updated in place.
-# The row layers of a sliding window, of attention beside a linear state, and of no state are in ``family_rows``.
 
 SLACK = 16  # rows or tokens a buffer may hold past four times what it needs: no churn at small sizes
 GROWTH = 1024  # up to this many rows a buffer doubles when it grows; past it, it grows by a quarter
@@ -157,14 +156,15 @@ class RowLinearLayer(LinearAttentionLayer):
 
 
 RowLayer = PaddedKVLayer | RowLinearLayer | DummyLayer
+RowForm = Callable[[CacheLayerMixin, torch.device], RowLayer]  # a cache layer's row form (``family_rows.row_layer``)
 
 
 class BatchCache:
     """The per-layer row buffers of one decode batch, and the masks of its next step."""
 
-    def __init__(self, config: PreTrainedConfig, layers: list[RowLayer], device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: PreTrainedConfig, row_layer: RowForm, device: torch.device | str = "cpu") -> None:
         self.config, self.device = config, torch.device(device)
-        self.layers = layers
+        self.layers = [row_layer(t, self.device) for t in DynamicCache(config=config).layers]
         self.mask_of = self._mask_names(config)
         windows = {x.window if isinstance(x, PaddedKVLayer) else 0 for x in self.layers}
         self.one_mask = len(windows) == 1 and all(

@@ -1,5 +1,5 @@
 """The row layers of the model families whose cache is more than full attention and linear state, and the row form
-of every layer of the cache transformers builds for a model (``row_layers``).
+of a layer of the cache transformers builds for a model (``row_layer``).
 
 - sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: position p lives in slot ``p % window``
   (attention is order-free once keys carry their rotary phase, so the ring is never shifted).
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import (
     DummyLayer,
     DynamicLayer,
@@ -85,17 +84,10 @@ class RowHybridLayer(PaddedKVLayer, RowLinearLayer):
 class StatelessRowLayer(DummyLayer):
     parts: tuple[StateKind, ...] = ()
 
-    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
-        pass
+    def nothing(self, *args: object, **kwargs: object) -> None:
+        """A layer without state has nothing to size, put, move or prepare."""
 
-    def put(self, row: int, states: Sequence[LayerState]) -> None:
-        pass
-
-    def move(self, src: int, dst: int, tokens: int) -> None:
-        pass
-
-    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
-        pass
+    fit = put = move = prepare = nothing
 
 
 def row_layer(template: object, device: torch.device) -> RowLayer:
@@ -111,8 +103,3 @@ def row_layer(template: object, device: torch.device) -> RowLayer:
     if type(template) is DummyLayer:
         return StatelessRowLayer()
     raise NotImplementedError(f"no row-batched form of cache layer {type(template).__name__}")
-
-
-def row_layers(config: PreTrainedConfig, device: torch.device | str) -> list[RowLayer]:
-    """The row form of every layer of the cache transformers builds for the model of ``config``."""
-    return [row_layer(t, torch.device(device)) for t in DynamicCache(config=config).layers]
