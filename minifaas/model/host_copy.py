@@ -88,20 +88,15 @@ def _write(cache_layer: Any, state: LayerState, device: torch.device | str) -> N
                 cache_layer.is_recurrent_states_initialized[i] = True
             cache_layer.has_previous_state[i] = True
             cache_layer.device, cache_layer.dtype = t.device, t.dtype
-        _count_linear_tokens(cache_layer, state.seq_len)
+        # the token count kept beside it is its get_seq_length: a model whose first layer is linear takes positions
+        if hasattr(cache_layer, "cumulative_length_linear"):
+            cache_layer.cumulative_length_linear = torch.tensor(state.seq_len, device=cache_layer.device)
         return
     keys, values = tensors["keys"], tensors["values"]
     cache_layer.lazy_initialization(keys, values)  # a hybrid layer dispatches two tensors to its attention half
     cache_layer.keys, cache_layer.values = keys, values
     if state.kind is StateKind.SLIDING_WINDOW:
         cache_layer.cumulative_length = state.seq_len
-
-
-def _count_linear_tokens(cache_layer: Any, seq_len: int) -> None:
-    """Set the token count of a layer that keeps one beside its linear state (``cumulative_length_linear``):
-    its ``get_seq_length`` returns it, and a model whose first layer is linear takes its positions from that."""
-    if hasattr(cache_layer, "cumulative_length_linear"):
-        cache_layer.cumulative_length_linear = torch.tensor(seq_len, device=cache_layer.device)
 
 
 def to_device(state: LayerState, device: torch.device | str) -> LayerState:
