@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -75,10 +75,6 @@ class LayerState:
         slots = tuple((n, t[..., start:end, :]) for n, t in self.slots)
         return LayerState(self.layer, self.kind, end - start, slots)
 
-    def to(self, device: torch.device | str) -> LayerState:
-        slots = tuple((n, t.to(device)) for n, t in self.slots)
-        return LayerState(self.layer, self.kind, self.seq_len, slots)
-
 
 @dataclass(slots=True)
 class ModelState:
@@ -86,7 +82,6 @@ class ModelState:
 
     layers: list[LayerState]
     seq_len: int
-    extras: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

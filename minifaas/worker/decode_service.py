@@ -20,7 +20,7 @@ from typing import Protocol
 
 from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
-from minifaas.cache.prefix_index import CacheEvent, EntryKind
+from minifaas.cache.prefix_index import EntryKind
 from minifaas.control.worker_ops import Decode, Done, Failed, Received, ReplyMessage, Token
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
@@ -215,9 +215,6 @@ class DecodePrefixCache:
         lease = self._leases.pop(transfer, None)
         if lease is not None:
             self.pool.release(lease)
-
-    def drain_events(self) -> list[CacheEvent]:
-        return self.pool.drain_events()
 
 
 class JoiningReceiver:
