@@ -111,7 +111,7 @@ class ModelRuntime:
         total = prefix_len + len(token_ids)
         if total > self.max_context:
             raise ValueError(f"{total} tokens exceed the model's context of {self.max_context}")
-        cache = build_cache(self.config, prefix_state.layers, self.device) if prefix_state else self.new_cache()
+        cache = build_cache(self.config, prefix_state.layers, self.device) if prefix_state else new_cache(self.config)
         hook = _LayerHook(self.layout, cache, prefix_len, total, on_layer, on_tokens)
         logits = self._forwards(token_ids, cache, hook, chunk_tokens or len(token_ids))
         layers = hook.final_states(self.num_states)
@@ -133,9 +133,6 @@ class ModelRuntime:
             for h in handles:
                 h.remove()
         return out.logits[0, -1].float().cpu()
-
-    def new_cache(self) -> object:
-        return new_cache(self.config)
 
 
 @dataclass(slots=True)
