@@ -1,5 +1,4 @@
-"""The row layers of the model families whose cache is more than full attention and linear state, and the row form
-of a layer of the cache transformers builds for a model (``row_layer``).
+"""Row layers for the cache layers only some model families have, and ``row_layer``: each cache layer's row form.
 
 - sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: position p lives in slot ``p % window``
   (attention is order-free once keys carry their rotary phase, so the ring is never shifted).

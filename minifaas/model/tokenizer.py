@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Protocol
 
 MAX_PENDING = 16  # tokens a window may wait for a whole character (UTF-8 needs at most 4 bytes)
-REPLACEMENT = "\ufffd"
 
 
 class Tokenizer(Protocol):
@@ -80,7 +79,7 @@ class IncrementalDecoder:
         shown = self._tok.decode(self._window[: self._context])
         text = self._tok.decode(self._window)
         pending = len(self._window) - self._context
-        if (len(text) <= len(shown) or text.endswith(REPLACEMENT)) and pending < MAX_PENDING:
+        if (len(text) <= len(shown) or text.endswith("\ufffd")) and pending < MAX_PENDING:
             return ""
         del self._window[: self._context]  # the new piece's tokens are the next one's context
         self._context = len(self._window)

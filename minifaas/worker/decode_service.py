@@ -50,11 +50,6 @@ Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, ne
 CRASH_AT_CONTEXT = "MINIFAAS_TEST_CRASH_AT_CONTEXT"
 
 
-def crash_window() -> range:
-    lo, _, hi = os.environ.get(CRASH_AT_CONTEXT, "0:0").partition(":")
-    return range(int(lo), int(hi or lo))
-
-
 class DecodeService:
     def __init__(
         self, runtime: ModelRuntime, receiver: StateSource, state_timeout: float, config: DecoderConfig | None = None
@@ -68,7 +63,8 @@ class DecodeService:
         self.arrivals: list[Arrival] = []  # came in during a step
         self.aborts: set[str] = set()  # aborted during a step
         self.wakeup = asyncio.Event()
-        self.crash_at = crash_window()  # empty but in the poison request's test
+        lo, _, hi = os.environ.get(CRASH_AT_CONTEXT, "0:0").partition(":")
+        self.crash_at = range(int(lo), int(hi or lo))  # empty but in the poison request's test
 
     @property
     def max_batch(self) -> int:
