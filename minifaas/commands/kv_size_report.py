@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         table = Table(title=f"{p.name}: state per request by layer kind")
         for col in ("layer kind", "layers", "bytes/token (growing)", "fixed bytes/request", "window"):
             table.add_column(col, justify="right" if col != "layer kind" else "left")
-        for kind, (n, per_tok, fixed, window) in _by_kind(p).items():
+        for kind, (n, per_tok, fixed, window) in p.by_kind().items():
             table.add_row(kind, str(n), _fmt(per_tok), _fmt(fixed), str(window or "-"))
         console.print(table)
     summary = Table(
@@ -84,15 +84,6 @@ def _profile(name_or_path: str) -> KVProfile:
     return kv_profile(load_config_dict(spec), spec.name if spec.kind == "preset" else Path(spec.path).stem)
 
 
-def _by_kind(p: KVProfile) -> dict[str, tuple[int, int, int, int | None]]:
-    """kind -> (layer count, bytes/token over those layers, fixed bytes over those layers, window)."""
-    out: dict[str, tuple[int, int, int, int | None]] = {}
-    for c in p.layers:
-        n, per_tok, fixed, _ = out.get(c.kind, (0, 0, 0, None))
-        out[c.kind] = (n + 1, per_tok + c.bytes_per_token, fixed + c.fixed_bytes, c.window)
-    return out
-
-
 def _baseline(profiles: list[KVProfile], name: str | None) -> KVProfile | None:
     if name:
         return next((p for p in profiles if p.name == name), None) or _profile(name)
@@ -104,7 +95,7 @@ def _as_dict(p: KVProfile, lengths: list[int], baseline: KVProfile | None) -> di
     return {
         "by_kind": {
             k: {"layers": n, "bytes_per_token": t, "fixed_bytes": f, "window": w}
-            for k, (n, t, f, w) in _by_kind(p).items()
+            for k, (n, t, f, w) in p.by_kind().items()
         },
         "bytes_per_token": sum(c.bytes_per_token for c in p.layers if c.window is None),
         "fixed_bytes": sum(c.fixed_bytes for c in p.layers),

@@ -24,3 +24,11 @@ class KVProfile:
             tokens = min(length, c.window) if c.window is not None else length
             total += c.fixed_bytes + c.bytes_per_token * tokens
         return total
+
+    def by_kind(self) -> dict[str, tuple[int, int, int, int | None]]:
+        """kind -> (layer count, bytes/token over those layers, fixed bytes over those layers, window)."""
+        out: dict[str, tuple[int, int, int, int | None]] = {}
+        for c in self.layers:
+            n, per_tok, fixed, _ = out.get(c.kind, (0, 0, 0, None))
+            out[c.kind] = (n + 1, per_tok + c.bytes_per_token, fixed + c.fixed_bytes, c.window)
+        return out
