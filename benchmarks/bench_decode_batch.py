@@ -34,7 +34,7 @@ from minifaas.launch import forked
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import Decoder, DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder, generate
-from minifaas.model.layer_state import ModelState
+from minifaas.model.layer_state import ModelState, new_cache
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 
@@ -105,10 +105,10 @@ def bench_prefill(runtime: ModelRuntime, lengths: tuple[int, ...], batch: int, r
             for _ in range(repeats):
                 started = time.process_time()
                 for i in range(batch):
-                    runtime.model(input_ids=ids[i : i + 1], cache=runtime.new_cache(), logits_to_keep=1)
+                    runtime.model(input_ids=ids[i : i + 1], cache=new_cache(runtime.config), logits_to_keep=1)
                 one_by_one = min(one_by_one, time.process_time() - started)
                 started = time.process_time()
-                runtime.model(input_ids=ids, cache=runtime.new_cache(), logits_to_keep=1)
+                runtime.model(input_ids=ids, cache=new_cache(runtime.config), logits_to_keep=1)
                 together = min(together, time.process_time() - started)
         rows.append({"length": length, "batch": batch, "one_by_one_cpu_s": one_by_one, "batched_cpu_s": together})
         ratio = one_by_one / together

@@ -41,8 +41,9 @@ from minifaas.codec.codec import Codec
 from minifaas.commands.serve import running_server
 from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
+from minifaas.model.host_copy import build_cache
 from minifaas.model.interleaved_decoder import DecodeStream, forward_one
-from minifaas.model.layer_state import ModelState, StateKind, build_cache
+from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import MODELS_DIR, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import GREEDY

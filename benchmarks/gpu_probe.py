@@ -48,10 +48,10 @@ from request_path import wait_healthy  # noqa: E402  (benchmarks/, this script's
 from minifaas.model.batch_decoder import make_decoder  # noqa: E402
 from minifaas.model.decode_memory import device_memory, row_bytes, sized_for  # noqa: E402
 from minifaas.model.decoder import DecoderConfig  # noqa: E402
-from minifaas.model.host_copy import HostCopier  # noqa: E402
+from minifaas.model.host_copy import HostCopier, build_cache  # noqa: E402
 from minifaas.model.interleaved_decoder import forward_one, generate  # noqa: E402
 from minifaas.model.kernels import select_kernels  # noqa: E402
-from minifaas.model.layer_state import LayerState, ModelState, build_cache  # noqa: E402
+from minifaas.model.layer_state import LayerState, ModelState  # noqa: E402
 from minifaas.model.loader import ModelSpec, config_from_dict, load_config_dict  # noqa: E402
 from minifaas.model.runtime import ModelRuntime  # noqa: E402
 from minifaas.model.sampling import SamplingParams  # noqa: E402

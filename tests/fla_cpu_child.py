@@ -29,8 +29,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from fla_interpreter import LAUNCHES, use_fla_on_cpu  # the interpreter's shims, before any kernel runs
 
+from minifaas.model.host_copy import build_cache
 from minifaas.model.interleaved_decoder import DecodeStream, forward_one
-from minifaas.model.layer_state import ModelState, build_cache
+from minifaas.model.layer_state import ModelState
 from minifaas.model.loader import MODELS_DIR, ModelSpec, config_from_dict, load_config_dict
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime

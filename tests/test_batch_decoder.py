@@ -15,8 +15,10 @@ from minifaas.control.worker_ops import Decode, Token
 from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
+from minifaas.model.family_rows import row_layer
+from minifaas.model.host_copy import build_cache
 from minifaas.model.interleaved_decoder import DecodeStream, InterleavedDecoder, forward_one
-from minifaas.model.layer_state import LayerState, ModelState, StateKind, build_cache
+from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.loader import ModelSpec, load_config, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -173,7 +175,7 @@ def test_waiting_queue_is_bounded_and_admits_in_arrival_order() -> None:
 
 def test_full_attention_buffers_grow_geometrically_not_every_step() -> None:
     config = load_config(ModelSpec.resolve("qwen3-tiny"))
-    cache = BatchCache(config)
+    cache = BatchCache(config, row_layer)
     heads, dim = config.num_key_value_heads, config.head_dim
     for length in (3, 9):
         kv = torch.randn(1, heads, length, dim)
@@ -198,7 +200,7 @@ def test_full_attention_buffers_grow_geometrically_not_every_step() -> None:
 def test_model_state_round_trip_into_rows_matches_dynamic_cache() -> None:
     runtime = runtime_for("mimo-v2-tiny")
     result = runtime.prefill(prompt(90))
-    cache = BatchCache(runtime.config)
+    cache = BatchCache(runtime.config, row_layer)
     cache.add_row(result.state.layers, result.state.seq_len)
     ring = cache.layers[1].buffers["keys"][0]  # sliding layer: position p sits in slot p % window
     window = runtime.config.sliding_window

@@ -34,7 +34,7 @@ def test_increment_joined_onto_the_kept_prefix_decodes_like_the_whole_state() ->
     first = [(3 * i + 1) % 256 for i in range(70)]
     cache.pin(1, first, 0, now=0.0)
     cache.received(1, rt.prefill(first).state, now=0.0)
-    events = cache.drain_events()
+    events = cache.pool.drain_events()
     assert [e.length for e in events] == [16, 32, 48, 64] and {e.node for e in events} == {"d"}
 
     turn = [*first, *[(5 * i + 7) % 256 for i in range(30)]]

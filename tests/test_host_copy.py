@@ -12,9 +12,9 @@ import torch
 from synthetic import synthetic_state
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.model.host_copy import HostCopier
+from minifaas.model.host_copy import HostCopier, to_device
 from minifaas.model.interleaved_decoder import DecodeStream
-from minifaas.model.layer_state import LayerState, ModelState, StateKind, tensor_bytes, to_device
+from minifaas.model.layer_state import LayerState, ModelState, StateKind, tensor_bytes
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -99,7 +99,7 @@ def test_the_prefix_pool_keeps_host_copies_and_a_hit_joins_moved_in_and_computed
     store = PrefixStore(PoolConfig("n", 1 << 28, 16, 2, False), "qwen3-tiny", rt.layout.kinds, "n")
     tokens = [(31 * i + 7) % 256 for i in range(80)]
     moved = rt.prefill(tokens[:32]).state  # as a cache move brings it in: received into host memory
-    store.import_state(tokens, ModelState([s.to("cpu") for s in moved.layers], moved.seq_len), now=0.0)
+    store.import_state(tokens, ModelState([to_device(s, "cpu") for s in moved.layers], moved.seq_len), now=0.0)
     plan = store.begin(tokens[:64], now=0.0)  # blocks 0-1 moved in; 2-3 computed here
     computed = store.compute(rt, plan, sampling=params)
     store.finish(plan, computed, now=0.0)

@@ -118,14 +118,14 @@ def test_off_switches_store_nothing_and_take_no_snapshots_between_ends() -> None
     tokens = _tokens(4, 4 * BLOCK + 5)
     off = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, enabled=False), "m", layout, "n")
     _serve(off, rt, tokens)
-    assert off.pool.used_bytes == 0 and off.drain_events() == []
+    assert off.pool.used_bytes == 0 and off.pool.drain_events() == []
     assert _serve(off, rt, tokens)[1] == 0
 
     ends_only = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 0), "m", layout, "n")
     plan = ends_only.begin(tokens, 0.0)
     assert plan.points == [] and plan.snapshot_end
     ends_only.finish(plan, ends_only.compute(rt, plan), 0.0)
-    events = ends_only.drain_events()
+    events = ends_only.pool.drain_events()
     assert sorted(e.length for e in events if e.entry == "snapshot") == [len(tokens)]
     assert sum(e.entry == "block" for e in events) == 4
     assert _serve(ends_only, rt, tokens)[1] == len(tokens)  # the end snapshot, with its logits

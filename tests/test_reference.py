@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from minifaas.model.host_copy import build_cache
 from minifaas.model.interleaved_decoder import forward_one, generate
-from minifaas.model.layer_state import build_cache
 from minifaas.model.loader import DEFAULT_MODEL, preset_names
 from minifaas.model.reference import ReferenceRun, reference_run, reference_tokens
 from minifaas.model.runtime import ModelRuntime

@@ -171,7 +171,7 @@ def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_
 
         def kept() -> None:  # what the session would send: the pool's size and news after each store
             stored.append(len(service.store.pool.entries()))
-            news.extend(e.kind.value for e in service.store.drain_events())
+            news.extend(e.kind.value for e in service.store.pool.drain_events())
 
         service.kept = kept
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:

@@ -1,25 +1,19 @@
 """A transformers Cache whose rows are independent requests of different lengths, for batched decoding.
 
-Each model layer keeps its rows in a row layer, row r of every buffer belonging to one request. Rows are padded to
-the longest and stay packed in ``0..n-1`` (a row that leaves is replaced by the last one). The masks go to the
-model as a dict by layer type, or as one 4D tensor where all layers attend alike. A cache layer with no row form
-raises NotImplementedError, and the decode service then runs that model unbatched.
+Each model layer keeps its rows in a row layer (``family_rows.row_layer`` picks its form), row r of every buffer
+belonging to one request. Rows are padded to the longest and stay packed in ``0..n-1`` (a row that leaves is
+replaced by the last one). The masks go to the model as a dict by layer type, or as one 4D tensor where all
+layers attend alike. A cache layer with no row form raises NotImplementedError, and the decode service then runs
+that model unbatched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedConfig
-from transformers.cache_utils import (
-    CacheLayerMixin,
-    DummyLayer,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionAndFullAttentionLayer,
-    LinearAttentionLayer,
-)
+from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
 from minifaas.model.layer_state import LayerState, StateKind, new_cache
 
@@ -30,11 +24,7 @@ from minifaas.model.layer_state import LayerState, StateKind, new_cache
 #   longest row + 1, with a mask that hides each row's padding. Capacity grows geometrically (a step copies only
 #   the n new tokens; a row, when it joins or moves) and shrinks once four times what the rows of the last
 #   ``SHRINK_EVERY`` steps needed at most (``fitted``), or as it grows on its other dimension.
-# - sliding window, ``RingKVLayer``: ``[rows, heads, window, dim]``, a ring: position p lives in slot
-#   ``p % window`` (attention is order-free once keys carry their rotary phase, so the ring is never shifted).
 # - linear state, ``RowLinearLayer``: conv and recurrent states stacked by row, ``[:n]`` views updated in place.
-# - attention and linear state in one layer (Falcon-H1, Zamba), ``RowHybridLayer``: both, since the model
-#   reaches both through the same ``cache.layers[i]``; no state (Nemotron-H's MLP/MoE layers), ``StatelessRowLayer``.
 
 SLACK = 16  # rows or tokens a buffer may hold past four times what it needs: no churn at small sizes
 GROWTH = 1024  # up to this many rows a buffer doubles when it grows; past it, it grows by a quarter
@@ -72,6 +62,7 @@ class PaddedKVLayer(CacheLayerMixin):
     """Full-attention KV of every row, right padded to a shared capacity."""
 
     parts = (StateKind.FULL_ATTENTION,)
+    window = 0  # tokens a row keeps (0: all of them)
 
     def __init__(self, device: torch.device | str) -> None:
         super().__init__()
@@ -124,37 +115,6 @@ class PaddedKVLayer(CacheLayerMixin):
         return -1
 
 
-class RingKVLayer(PaddedKVLayer):
-    """Sliding-window KV of every row in a ring of ``window`` slots."""
-
-    parts = (StateKind.SLIDING_WINDOW,)
-
-    def __init__(self, window: int, device: torch.device | str) -> None:
-        super().__init__(device)
-        self.window = window
-
-    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
-        for name, buf in self.buffers.items():
-            self.buffers[name] = fitted(buf, {0: rows}, shrink)
-
-    def put(self, row: int, states: Sequence[LayerState]) -> None:
-        # the last `held` tokens, ending at position seq_len - 1; the next step needs window - 1 of them
-        state = states[0]
-        held = min(state.tensor("keys").shape[-2], self.window - 1)
-        slots = torch.arange(state.seq_len - held, state.seq_len, device=self.device) % self.window
-        for name, t in state.slots:
-            if name not in self.buffers:
-                shape = (roomy(row + 1), t.shape[1], self.window, t.shape[3])
-                self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=self.device)
-            self.buffers[name][row, :, slots] = t[0, :, t.shape[-2] - held :].to(self.device)
-
-    def move(self, src: int, dst: int, tokens: int) -> None:
-        super().move(src, dst, self.window)
-
-    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
-        super().prepare(rows, write_at % self.window, self.window)
-
-
 class RowLinearLayer(LinearAttentionLayer):
     """Conv and recurrent states of every row, stacked; the model updates the [:n] views in place."""
 
@@ -195,76 +155,21 @@ class RowLinearLayer(LinearAttentionLayer):
             self.dtype = buf.dtype
 
 
-class RowHybridLayer(PaddedKVLayer, RowLinearLayer):
-    """A layer's attention KV (padded rows) and its linear state (stacked rows), its two parts in that order."""
-
-    parts = (StateKind.FULL_ATTENTION, StateKind.LINEAR_ATTENTION)
-
-    def __init__(self, number_of_states: int, device: torch.device | str) -> None:
-        PaddedKVLayer.__init__(self, device)
-        RowLinearLayer.__init__(self, number_of_states, device)
-
-    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
-        PaddedKVLayer.fit(self, rows, width, shrink)
-        RowLinearLayer.fit(self, rows, width, shrink)
-
-    def put(self, row: int, states: Sequence[LayerState]) -> None:
-        PaddedKVLayer.put(self, row, states)
-        RowLinearLayer.put(self, row, states)
-
-    def move(self, src: int, dst: int, tokens: int) -> None:
-        PaddedKVLayer.move(self, src, dst, tokens)
-        RowLinearLayer.move(self, src, dst, tokens)
-
-    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
-        PaddedKVLayer.prepare(self, rows, write_at, width)
-        RowLinearLayer.prepare(self, rows, write_at, width)
-
-
-class StatelessRowLayer(DummyLayer):
-    parts: tuple[StateKind, ...] = ()
-
-    def fit(self, rows: int, width: int, shrink: bool = False) -> None:
-        pass
-
-    def put(self, row: int, states: Sequence[LayerState]) -> None:
-        pass
-
-    def move(self, src: int, dst: int, tokens: int) -> None:
-        pass
-
-    def prepare(self, rows: int, write_at: torch.Tensor, width: int) -> None:
-        pass
-
-
-RowLayer = PaddedKVLayer | RowLinearLayer | StatelessRowLayer
-
-
-def row_layer(template: object, device: torch.device) -> RowLayer:
-    """The row form of one layer of the cache transformers builds for the model."""
-    if type(template) is LinearAttentionAndFullAttentionLayer:
-        return RowHybridLayer(template.number_of_states, device)
-    if type(template) is LinearAttentionLayer:
-        return RowLinearLayer(template.number_of_states, device)
-    if type(template) is DynamicSlidingWindowLayer:
-        return RingKVLayer(template.sliding_window, device)
-    if type(template) is DynamicLayer:
-        return PaddedKVLayer(device)
-    if type(template) is DummyLayer:
-        return StatelessRowLayer()
-    raise NotImplementedError(f"no row-batched form of cache layer {type(template).__name__}")
+RowLayer = PaddedKVLayer | RowLinearLayer | DummyLayer
+RowForm = Callable[[CacheLayerMixin, torch.device], RowLayer]  # a cache layer's row form (``family_rows.row_layer``)
 
 
 class BatchCache:
     """The per-layer row buffers of one decode batch, and the masks of its next step."""
 
-    def __init__(self, config: PreTrainedConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: PreTrainedConfig, row_layer: RowForm, device: torch.device | str = "cpu") -> None:
         self.config, self.device = config, torch.device(device)
-        template = DynamicCache(config=config).layers
-        self.layers: list[RowLayer] = [row_layer(t, self.device) for t in template]
+        self.layers = [row_layer(t, self.device) for t in DynamicCache(config=config).layers]
         self.mask_of = self._mask_names(config)
-        windows = {x.window if isinstance(x, RingKVLayer) else 0 for x in self.layers}
-        self.one_mask = len(windows) == 1 and all(type(x) in (PaddedKVLayer, RingKVLayer) for x in self.layers)
+        windows = {x.window if isinstance(x, PaddedKVLayer) else 0 for x in self.layers}
+        self.one_mask = len(windows) == 1 and all(
+            isinstance(x, PaddedKVLayer) and not isinstance(x, RowLinearLayer) for x in self.layers
+        )
         self.cache = new_cache(config, self.layers)  # what the model's forward sees
         self.lengths: list[int] = []  # tokens held per row = the position its next token is written at
         self.steps = 0
@@ -276,8 +181,8 @@ class BatchCache:
         for names in (getattr(config, "layer_types", None), getattr(config, "layers_block_type", None)):
             for name, layer in zip(names or (), self.layers):
                 out.setdefault(name, layer if isinstance(layer, PaddedKVLayer) else None)
-        full = next((x for x in self.layers if isinstance(x, PaddedKVLayer) and not isinstance(x, RingKVLayer)), None)
-        ring = next((x for x in self.layers if isinstance(x, RingKVLayer)), None)
+        full = next((x for x in self.layers if isinstance(x, PaddedKVLayer) and not x.window), None)
+        ring = next((x for x in self.layers if isinstance(x, PaddedKVLayer) and x.window), None)
         for name, layer in (("full_attention", full), ("sliding_attention", ring), ("linear_attention", None)):
             out.setdefault(name, layer)
         return out
@@ -340,7 +245,7 @@ class BatchCache:
             if layer is None:
                 masks[name] = None
                 continue
-            window = layer.window if isinstance(layer, RingKVLayer) else 0
+            window = layer.window
             if window not in built:
                 if window:  # slot j holds a token iff j <= p, or the ring is full
                     slots = torch.arange(window, device=self.device)

@@ -17,6 +17,7 @@ import torch
 from minifaas.model.batch_cache import BatchCache
 from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import Decoder, DecoderConfig, QueueFull, StepToken
+from minifaas.model.family_rows import row_layer
 from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, decode_finish
@@ -48,7 +49,7 @@ class Row:
 class Lane:
     def __init__(self, runtime: ModelRuntime) -> None:
         self.runtime = runtime
-        self.cache = BatchCache(runtime.config, runtime.device)
+        self.cache = BatchCache(runtime.config, row_layer, runtime.device)
         self.running: list[Row] = []  # running[i] is row i of the cache
 
     def slots(self, joining: int | None = None) -> int:

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from minifaas.model.decoder import StepToken
-from minifaas.model.layer_state import ModelState, build_cache
+from minifaas.model.host_copy import build_cache
+from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import GREEDY, History, SamplingParams, sample
 

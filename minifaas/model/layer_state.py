@@ -1,5 +1,5 @@
 """A model's state: one ``LayerState`` per stateful part of a layer, in named tensor slots, and how it is read
-out of a transformers Cache and put back.
+out of a transformers Cache (``host_copy.build_cache`` puts it back).
 
 - FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]`` (MLA keeps its latent
   here); can be sliced to a token range.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -75,10 +75,6 @@ class LayerState:
         slots = tuple((n, t[..., start:end, :]) for n, t in self.slots)
         return LayerState(self.layer, self.kind, end - start, slots)
 
-    def to(self, device: torch.device | str) -> LayerState:
-        slots = tuple((n, t.to(device)) for n, t in self.slots)
-        return LayerState(self.layer, self.kind, self.seq_len, slots)
-
 
 @dataclass(slots=True)
 class ModelState:
@@ -86,7 +82,6 @@ class ModelState:
 
     layers: list[LayerState]
     seq_len: int
-    extras: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -247,22 +242,6 @@ def _lightning_cache_type() -> type:
     return LightningCache
 
 
-def build_cache(config: PreTrainedConfig, states: Sequence[LayerState], device: torch.device | str) -> Cache:
-    """A fresh cache holding ``states`` (every part, in order), ready to continue. Tensors are copied onto
-    ``device`` even when already there, so the cache never mutates a state someone else holds (a pooled prefix)."""
-    cache = new_cache(config)
-    layout = StateLayout.of_cache(cache)
-    if len(states) != len(layout.parts):
-        raise ValueError(f"the model's layers hold {len(layout.parts)} states, got {len(states)}")
-    for i, (part, state) in enumerate(zip(layout.parts, states)):
-        if state.layer != i:
-            raise ValueError(f"state for part {state.layer} given at position {i}")
-        if state.kind is not part.kind:
-            raise ValueError(f"part {i} (layer {part.layer}): model expects {part.kind.name}, got {state.kind.name}")
-        _write(cache.layers[part.layer], state, device)
-    return cache
-
-
 def _read(cache_layer: Any, index: int, kind: StateKind, seq_len: int, keep: Callable) -> LayerState:
     if kind is StateKind.LINEAR_ATTENTION:
         slots: list[tuple[str, torch.Tensor]] = []
@@ -282,44 +261,3 @@ def _read(cache_layer: Any, index: int, kind: StateKind, seq_len: int, keep: Cal
     if keys.shape[-2] != seq_len:
         raise ValueError(f"part {index}: cache holds {keys.shape[-2]} tokens, expected {seq_len}")
     return LayerState(index, kind, seq_len, (("keys", keys), ("values", values)))
-
-
-def _write(cache_layer: Any, state: LayerState, device: torch.device | str) -> None:
-    tensors = dict(to_device(state, device).slots)  # asynchronous from pinned memory
-    if state.kind is StateKind.LINEAR_ATTENTION:
-        for name, t in tensors.items():
-            which, idx = name.split(".")
-            i = int(idx)
-            if which == "conv":
-                cache_layer.conv_states[i] = t
-                cache_layer.conv_kernel_size[i] = t.shape[-1]
-                cache_layer.is_conv_states_initialized[i] = True
-            else:
-                cache_layer.recurrent_states[i] = t
-                cache_layer.is_recurrent_states_initialized[i] = True
-            cache_layer.has_previous_state[i] = True
-            cache_layer.device, cache_layer.dtype = t.device, t.dtype
-        _count_linear_tokens(cache_layer, state.seq_len)
-        return
-    keys, values = tensors["keys"], tensors["values"]
-    cache_layer.lazy_initialization(keys, values)  # a hybrid layer dispatches two tensors to its attention half
-    cache_layer.keys, cache_layer.values = keys, values
-    if state.kind is StateKind.SLIDING_WINDOW:
-        cache_layer.cumulative_length = state.seq_len
-
-
-def _count_linear_tokens(cache_layer: Any, seq_len: int) -> None:
-    """Set the token count of a layer that keeps one beside its linear state (``cumulative_length_linear``):
-    its ``get_seq_length`` returns it, and a model whose first layer is linear takes its positions from that."""
-    if hasattr(cache_layer, "cumulative_length_linear"):
-        cache_layer.cumulative_length_linear = torch.tensor(seq_len, device=cache_layer.device)
-
-
-def to_device(state: LayerState, device: torch.device | str) -> LayerState:
-    """``state`` on ``device``; from pinned host memory the copies are asynchronous on the current stream,
-    so the forward that reads them is queued behind them and the host never waits."""
-    target = torch.device(device)
-    slots = tuple(
-        (n, t.to(target, non_blocking=t.device.type == "cpu" and t.is_pinned(), copy=True)) for n, t in state.slots
-    )
-    return LayerState(state.layer, state.kind, state.seq_len, slots)

@@ -18,9 +18,10 @@ from typing import TypeVar
 
 import torch
 
+from minifaas.model.host_copy import build_cache
 from minifaas.model.host_memory import keep_freed_memory
 from minifaas.model.kernels import KernelReport, kernels_in_use
-from minifaas.model.layer_state import LayerState, ModelState, StateLayout, build_cache, new_cache
+from minifaas.model.layer_state import LayerState, ModelState, StateLayout, new_cache
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
 from minifaas.model.tokenizer import Tokenizer
@@ -110,7 +111,7 @@ class ModelRuntime:
         total = prefix_len + len(token_ids)
         if total > self.max_context:
             raise ValueError(f"{total} tokens exceed the model's context of {self.max_context}")
-        cache = build_cache(self.config, prefix_state.layers, self.device) if prefix_state else self.new_cache()
+        cache = build_cache(self.config, prefix_state.layers, self.device) if prefix_state else new_cache(self.config)
         hook = _LayerHook(self.layout, cache, prefix_len, total, on_layer, on_tokens)
         logits = self._forwards(token_ids, cache, hook, chunk_tokens or len(token_ids))
         layers = hook.final_states(self.num_states)
@@ -132,9 +133,6 @@ class ModelRuntime:
             for h in handles:
                 h.remove()
         return out.logits[0, -1].float().cpu()
-
-    def new_cache(self) -> object:
-        return new_cache(self.config)
 
 
 @dataclass(slots=True)

@@ -8,12 +8,11 @@ for the rest of its character, for up to ``MAX_PENDING`` tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 MAX_PENDING = 16  # tokens a window may wait for a whole character (UTF-8 needs at most 4 bytes)
-REPLACEMENT = "\ufffd"
 
 
 class Tokenizer(Protocol):
@@ -38,10 +37,7 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        return bytes(i for i in ids if i < 256)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         ids = [self.bos_token_id]
@@ -68,8 +64,7 @@ class HFTokenizer:
 
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        # transformers 5 returns a BatchEncoding (a Mapping) by default; transformers 4 returned the ids
-        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+        return list(out["input_ids"])  # a BatchEncoding
 
 
 class IncrementalDecoder:
@@ -84,7 +79,7 @@ class IncrementalDecoder:
         shown = self._tok.decode(self._window[: self._context])
         text = self._tok.decode(self._window)
         pending = len(self._window) - self._context
-        if (len(text) <= len(shown) or text.endswith(REPLACEMENT)) and pending < MAX_PENDING:
+        if (len(text) <= len(shown) or text.endswith("\ufffd")) and pending < MAX_PENDING:
             return ""
         del self._window[: self._context]  # the new piece's tokens are the next one's context
         self._context = len(self._window)

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
-from minifaas.cache.prefix_index import CacheEvent, EntryKind, PromptKeys
+from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.control.worker_ops import Decode, Done, Failed, Received, ReplyMessage, Token
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
@@ -49,11 +49,6 @@ Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, ne
 CRASH_AT_CONTEXT = "MINIFAAS_TEST_CRASH_AT_CONTEXT"
 
 
-def crash_window() -> range:
-    lo, _, hi = os.environ.get(CRASH_AT_CONTEXT, "0:0").partition(":")
-    return range(int(lo), int(hi or lo))
-
-
 class DecodeService:
     def __init__(
         self, runtime: ModelRuntime, receiver: StateSource, state_timeout: float, config: DecoderConfig | None = None
@@ -67,7 +62,8 @@ class DecodeService:
         self.arrivals: list[Arrival] = []  # came in during a step
         self.aborts: set[str] = set()  # aborted during a step
         self.wakeup = asyncio.Event()
-        self.crash_at = crash_window()  # empty but in the poison request's test
+        lo, _, hi = os.environ.get(CRASH_AT_CONTEXT, "0:0").partition(":")
+        self.crash_at = range(int(lo), int(hi or lo))  # empty but in the poison request's test
 
     @property
     def max_batch(self) -> int:
@@ -214,9 +210,6 @@ class DecodePrefixCache:
         lease = self._leases.pop(transfer, None)
         if lease is not None:
             self.pool.release(lease)
-
-    def drain_events(self) -> list[CacheEvent]:
-        return self.pool.drain_events()
 
 
 class JoiningReceiver:

@@ -19,13 +19,14 @@ from typing import TypeVar
 
 from minifaas.codec.codec import Codec, usable
 from minifaas.control.worker_ops import Export, Exported, First, Prefill, Prefilled
+from minifaas.model.batch_prefill import PrefillBatch
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.net.errors import TransferError
 from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig, TransferReport
 from minifaas.transport.receiver import KVReceiver
-from minifaas.worker.prefill_batch import Batcher, PrefillBatch, until_done
+from minifaas.worker.prefill_batch import Batcher, until_done
 from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
 
 log = logging.getLogger("minifaas.prefill")

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
-from minifaas.cache.prefix_index import CacheEvent, EntryKind, PromptKeys
+from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
@@ -201,9 +201,6 @@ class PrefixStore:
     def release(self, plan: CachedPrefill) -> None:
         if not plan.lease.released:
             self.pool.release(plan.lease)
-
-    def drain_events(self) -> list[CacheEvent]:
-        return self.pool.drain_events()
 
 
 def replayed(
