@@ -20,14 +20,13 @@ from aiohttp import web
 
 from minifaas.config import HttpConfig
 from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.migration import MigrationLimit, PoisonRequest
 from minifaas.gateway.openai_schema import APIEndpoint, APIError, CompletionReply, parse_json, parse_request
 from minifaas.gateway.requests import (
     DeadlineExceeded,
     GatewayAPI,
     GenerateRequest,
-    MigrationLimit,
     Overloaded,
-    PoisonRequest,
     RequestFailed,
     TokenEvent,
 )

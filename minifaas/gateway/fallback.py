@@ -13,8 +13,8 @@ from minifaas.cache.block_hash import PromptKeys
 from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.worker_ops import Abort
 from minifaas.gateway.inter_cluster_link import InterClusterLink
-from minifaas.gateway.migration import continued
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, Phase, RequestRecord, advance
+from minifaas.gateway.migration import DecodeLost, continued
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord, advance
 from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import WAIT_POLL_S, Workers

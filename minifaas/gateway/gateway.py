@@ -21,11 +21,10 @@ from minifaas.control.worker_ops import Abort, Aborted, ReplyMessage
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.migration import Migration, migrate
+from minifaas.gateway.migration import DecodeLost, Migration, migrate
 from minifaas.gateway.prefill_dispatch import PrefillDispatch
 from minifaas.gateway.requests import (
     Admission,
-    DecodeLost,
     GenerateRequest,
     Phase,
     RequestDeadline,

@@ -22,7 +22,8 @@ from minifaas.gateway.fallback import Fallback, PrefillFailed
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown, LinkNotReady
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, Phase, RequestRecord, advance
+from minifaas.gateway.migration import DecodeLost
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord, advance
 from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers

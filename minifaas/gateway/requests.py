@@ -155,24 +155,6 @@ class RequestFailed(Exception):
     """Every path to an answer failed (HTTP 500); the message says why."""
 
 
-class DecodeLost(RequestFailed):
-    """The decode worker holding the request went away: the request may migrate. ``suspect``: the worker
-    ended while this request, and no other, waited for its first step there (``migration.POISON_LOSSES``)."""
-
-    def __init__(self, message: str, worker: str | None = None, suspect: bool = False, pid: int = 0) -> None:
-        super().__init__(message)
-        self.worker, self.suspect, self.pid = worker, suspect, pid
-
-
-class MigrationLimit(RequestFailed):
-    """The request lost its decode worker more often than ``--migration-limit`` allows (HTTP 503, retryable)."""
-
-
-class PoisonRequest(RequestFailed):
-    """Decode workers died one after another just as they took this request into their batch: it is stopped as
-    their likely cause, before it takes down another (HTTP 500, not retryable)."""
-
-
 class DeadlineExceeded(RequestFailed):
     """The gateway was silent longer than a deadline allows, or the request outlived its total limit (HTTP 504)."""
 

@@ -12,14 +12,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from minifaas.control.worker_ops import Done, Failed, Pinned, Received, Start, Token
-from minifaas.gateway.requests import (
-    DecodeLost,
-    GenerateRequest,
-    RequestDeadline,
-    RequestFailed,
-    RequestRecord,
-    TokenEvent,
-)
+from minifaas.gateway.migration import DecodeLost
+from minifaas.gateway.requests import GenerateRequest, RequestDeadline, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import StopMatcher
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.model.sampling import SamplingParams
