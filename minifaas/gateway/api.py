@@ -8,11 +8,11 @@ worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 from aiohttp import web
@@ -100,16 +100,6 @@ def _bearer_auth(api_key: str | None) -> Middleware:
     return check
 
 
-@asynccontextmanager
-async def _closing(events: AsyncIterator[TokenEvent]) -> AsyncIterator[AsyncIterator[TokenEvent]]:
-    try:
-        yield events
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
 class OpenAIServer:
     def __init__(self, gateway: GatewayAPI, metrics: ServeMetrics, http: HttpConfig) -> None:
         self.gateway = gateway
@@ -175,7 +165,7 @@ class OpenAIServer:
             with self.metrics.in_flight():
                 generate = GenerateRequest(reply.id, parsed.prompt_ids, parsed.sampling)
                 events = self.gateway.stream(generate, reply.record)
-                async with _closing(events):
+                async with contextlib.aclosing(events):
                     if parsed.stream:
                         response, outcome = await stream_reply(
                             request, reply, events, parsed.include_usage, self.metrics
