@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.openai_schema import APIError
 
 log = logging.getLogger("minifaas.http")
 LINGER_S = 2.0
@@ -54,15 +55,8 @@ class ConnectionLimit:
         self.lingering = 0
         self.max_lingering = max(16, limit // 8)
         self._log = RateLimitedLog(log)
-        body = {
-            "error": {
-                "message": f"The server holds {limit} connections, its limit; retry later.",
-                "type": "server_error",
-                "param": None,
-                "code": TOO_MANY,
-            }
-        }
-        payload = json.dumps(body).encode()
+        error = APIError(503, f"The server holds {limit} connections, its limit; retry later.", code=TOO_MANY)
+        payload = json.dumps(error.body()).encode()
         head = (
             "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
