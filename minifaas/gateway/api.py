@@ -13,7 +13,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -29,13 +29,28 @@ from minifaas.gateway.openai_schema import (
     parse_json,
     parse_request,
 )
-from minifaas.gateway.requests import GatewayAPI, GenerateRequest, Overloaded, RequestFailed, TokenEvent
+from minifaas.gateway.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.sse import stream_reply
+from minifaas.model.tokenizer import Tokenizer
 
 log = logging.getLogger("minifaas.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 RETRY_AFTER_S = "1"
+
+
+class GatewayAPI(Protocol):
+    """What the HTTP layer needs from the gateway."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    max_context: int
+
+    def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
+        """Token events until one carries a finish_reason. Closing the iterator early aborts the request."""
+        ...
+
+    def health(self) -> dict: ...
 
 
 def build_app(

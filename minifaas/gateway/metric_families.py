@@ -158,11 +158,8 @@ class MetricFamilies:
     def set_queue_depth(self, stage: str, depth: int) -> None:
         self.queue_depth.labels(stage=stage).set(depth)
 
-    def set_link_utilization(self, link: str, fraction: float) -> None:
-        self.link_utilization.labels(link=link).set(fraction)
-
     def set_link_health(self, link: str, utilisation: float, rtt_ms: float, retrans_rate: float) -> None:
-        self.set_link_utilization(link, utilisation)
+        self.link_utilization.labels(link=link).set(utilisation)
         self.link_rtt.labels(link=link).set(rtt_ms / 1000)
         self.link_retransmits.labels(link=link).set(retrans_rate)
 

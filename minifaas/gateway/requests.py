@@ -21,12 +21,10 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Protocol
 
 from minifaas.config import ServeConfig
 from minifaas.model.host_memory import available_bytes
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.tokenizer import Tokenizer
 
 QUEUED_TOKEN_BYTES = 64  # what the gateway holds per prompt token in flight: its id, its share of the body and keys
 MEMORY_SHARE = 0.25  # of the host memory available at start, the most the prompts in flight may take
@@ -265,17 +263,3 @@ class Admission:
 def tokens_memory_holds(available_bytes: int) -> int:
     """The default bound on prompt tokens in flight: ``MEMORY_SHARE`` of ``available_bytes``."""
     return max(1, int(available_bytes * MEMORY_SHARE) // QUEUED_TOKEN_BYTES)
-
-
-class GatewayAPI(Protocol):
-    """What the HTTP layer needs from the gateway."""
-
-    model_name: str
-    tokenizer: Tokenizer
-    max_context: int
-
-    def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
-        """Token events until one carries a finish_reason. Closing the iterator early aborts the request."""
-        ...
-
-    def health(self) -> dict: ...
