@@ -153,8 +153,6 @@ class MetricFamilies:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    # -- set by the gateway's samplers and supervisors ---------------------------------------------
-
     def set_queue_depth(self, stage: str, depth: int) -> None:
         self.queue_depth.labels(stage=stage).set(depth)
 

@@ -24,12 +24,9 @@ _CHUNK_OBJECT = {APIEndpoint.COMPLETIONS: "text_completion", APIEndpoint.CHAT: "
 
 
 async def stream_reply(
-    request: web.Request,
-    reply: CompletionReply,
-    events: AsyncIterator[TokenEvent],
-    include_usage: bool,
+    request: web.Request, reply: CompletionReply, events: AsyncIterator[TokenEvent], include_usage: bool,
     metrics: ServeMetrics,
-) -> tuple[web.StreamResponse, str]:
+) -> tuple[web.StreamResponse, str]:  # fmt: skip
     """Stream ``events`` as ``reply``'s chunks; the response and the request's outcome."""
     first = await anext(events, None)  # Overloaded / RequestFailed here still become an HTTP status
     if first is None:
