@@ -504,7 +504,7 @@ async def test_metrics_series_after_requests() -> None:
         await s.client.post(C, json=GOOD | {"prompt": "please fallback", "max_tokens": 2})
         await s.client.post(C, json=GOOD | {"max_tokens": 0})
         s.metrics.set_queue_depth("prfaas_prefill", 3)
-        s.metrics.set_link_utilization("prfaas->pd", 0.25)
+        s.metrics.set_link_health("prfaas->pd", 0.25, 0.0, 0.0)
         s.metrics.add_kv_bytes("prfaas->pd", 1000)
         s.metrics.add_kv_bytes("prfaas->pd", 24)
         s.metrics.add_kv_bytes("prfaas->pd", 4096, 3000, "lossless")

@@ -21,10 +21,10 @@ import pytest
 from conftest import served
 from test_supervision import CONFIG as SUPERVISED
 
-from minifaas.gateway.api import api_error
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.migration import Migration
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, MigrationLimit, PoisonRequest, RequestRecord
+from minifaas.gateway.migration import DecodeLost, Migration, MigrationLimit, PoisonRequest
+from minifaas.gateway.openai_schema import api_error
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.token_stream import suspect
 from minifaas.gateway.worker_handle import Lost
 from minifaas.model.reference import reference_tokens

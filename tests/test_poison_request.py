@@ -20,7 +20,8 @@ from test_migration import every_worker_up
 from test_supervision import CONFIG as SUPERVISED
 
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.requests import GenerateRequest, PoisonRequest, RequestRecord
+from minifaas.gateway.migration import PoisonRequest
+from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams

@@ -1,44 +1,56 @@
 """The OpenAI-compatible HTTP API: completions and chat completions (streamed or not), models, health, metrics.
 
-Handlers only move bytes: rules and response shapes live in openai_schema, generation in the gateway. A stream
-sends its headers with its first token, so a refused or failed request still gets a real status; every error is
-an OpenAI error body. A client that goes away aborts its request on every worker.
+Handlers only move bytes: rules and response shapes live in openai_schema, generation in the gateway, a stream's
+writing in ``sse``. Every error is an OpenAI error body. A client that goes away aborts its request on every
+worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from minifaas.config import HttpConfig
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.openai_schema import APIEndpoint, APIError, CompletionReply, parse_json, parse_request
-from minifaas.gateway.requests import (
-    DeadlineExceeded,
-    GatewayAPI,
-    GenerateRequest,
-    MigrationLimit,
-    Overloaded,
-    PoisonRequest,
-    RequestFailed,
-    TokenEvent,
+from minifaas.gateway.openai_schema import (
+    APIEndpoint,
+    APIError,
+    CompletionReply,
+    api_error,
+    cause_of,
+    check_finished,
+    parse_json,
+    parse_request,
 )
+from minifaas.gateway.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
+from minifaas.gateway.sse import stream_reply
+from minifaas.model.tokenizer import Tokenizer
 
 log = logging.getLogger("minifaas.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = "1"
-# the metric cause of an error whose body has no code
-_CAUSES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+class GatewayAPI(Protocol):
+    """What the HTTP layer needs from the gateway."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    max_context: int
+
+    def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
+        """Token events until one carries a finish_reason. Closing the iterator early aborts the request."""
+        ...
+
+    def health(self) -> dict: ...
 
 
 def build_app(
@@ -89,10 +101,6 @@ def _error_response(error: APIError, metrics: ServeMetrics) -> web.Response:
     return response
 
 
-def cause_of(error: APIError) -> str:
-    return error.code or _CAUSES.get(error.status, f"http_{error.status}")
-
-
 def _bearer_auth(api_key: str | None) -> Middleware:
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -105,16 +113,6 @@ def _bearer_auth(api_key: str | None) -> Middleware:
         return await handler(request)
 
     return check
-
-
-@asynccontextmanager
-async def _closing(events: AsyncIterator[TokenEvent]) -> AsyncIterator[AsyncIterator[TokenEvent]]:
-    try:
-        yield events
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 class OpenAIServer:
@@ -182,9 +180,11 @@ class OpenAIServer:
             with self.metrics.in_flight():
                 generate = GenerateRequest(reply.id, parsed.prompt_ids, parsed.sampling)
                 events = self.gateway.stream(generate, reply.record)
-                async with _closing(events):
+                async with contextlib.aclosing(events):
                     if parsed.stream:
-                        response, outcome = await self._stream(request, reply, events, parsed.include_usage)
+                        response, outcome = await stream_reply(
+                            request, reply, events, parsed.include_usage, self.metrics
+                        )
                     else:
                         response, outcome = await self._complete(reply, events)
             return response
@@ -202,76 +202,6 @@ class OpenAIServer:
     async def _complete(self, reply: CompletionReply, events: AsyncIterator[TokenEvent]) -> tuple[web.Response, str]:
         async for event in events:
             reply.add(event, time.perf_counter())
-        _check_finished(reply)
+        check_finished(reply)
         reply.seal(time.perf_counter())
         return web.json_response(reply.body()), str(reply.finish_reason)
-
-    async def _stream(
-        self, request: web.Request, reply: CompletionReply, events: AsyncIterator[TokenEvent], include_usage: bool
-    ) -> tuple[web.StreamResponse, str]:
-        first = await anext(events, None)  # Overloaded / RequestFailed here still become an HTTP status
-        if first is None:
-            raise RequestFailed("the gateway ended the stream before the first token")
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        try:
-            try:
-                for chunk in reply.opening_chunks(include_usage):
-                    await _send(response, chunk)
-                await self._send_token(response, reply, first, include_usage)
-                async for event in events:
-                    await self._send_token(response, reply, event, include_usage)
-                _check_finished(reply)
-                reply.seal(time.perf_counter())
-                for chunk in reply.closing_chunks(include_usage):
-                    await _send(response, chunk)
-                outcome = str(reply.finish_reason)
-            except ConnectionResetError:
-                raise
-            except Exception as e:  # after the 200: the error goes in the stream, as vLLM sends it
-                error = api_error(e)
-                if error.code == "internal_error":
-                    log.exception("stream of %s failed", reply.id)
-                self.metrics.request_error(cause_of(error))
-                await _send(response, error.body())
-                outcome = "error"
-            await response.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:  # the client went away: leaving closes the gateway's iterator
-            return response, "abort"
-        return response, outcome
-
-    async def _send_token(
-        self, response: web.StreamResponse, reply: CompletionReply, event: TokenEvent, include_usage: bool
-    ) -> None:
-        text = reply.add(event, time.perf_counter())
-        # A token inside a multi-byte character has no text of its own yet, and waits for the rest; but the
-        # first token's chunk goes out at once, with whatever text it has, so a client sees when it came.
-        if text or reply.tokens == 1:
-            await _send(response, reply.content_chunk(text, include_usage))
-
-
-def api_error(e: Exception) -> APIError:
-    """The OpenAI error a failure of the gateway's stream becomes."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, Overloaded):
-        message = str(e) or "The server is overloaded; retry later."
-        return APIError(503, message, code="overloaded", retry_after=e.retry_after)
-    if isinstance(e, MigrationLimit):
-        return APIError(503, str(e), code="migration_limit")
-    if isinstance(e, PoisonRequest):
-        return APIError(500, str(e), code="poison_request")
-    if isinstance(e, DeadlineExceeded):
-        return APIError(504, str(e), code="timeout")
-    if isinstance(e, RequestFailed):
-        return APIError(500, str(e), code="request_failed")
-    return APIError(500, f"Internal error ({type(e).__name__}); the request was not completed.", code="internal_error")
-
-
-def _check_finished(reply: CompletionReply) -> None:
-    if reply.finish_reason is None:
-        raise RequestFailed("the gateway ended the stream without a finish reason")
-
-
-async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")

@@ -1,10 +1,10 @@
 """The HTTP connection limit, kept on the server's protocol factory: each connection counted while it lives.
 
-    site = loop.create_server(ConnectionLimit(factory, limit, metrics), host, port)
+    site = loop.create_server(ConnectionLimit(factory, limit, metrics, RateLimitedLog(log)), host, port)
 
 While ``limit`` are open a new one is answered 503 with Retry-After and an OpenAI error body at once, rather than
 left in the kernel's queue, and closed once the client has read the answer. Reaching the limit is logged through
-a ``RateLimitedLog``, once a period with a count, not once per connection.
+the ``RateLimitedLog`` (``http_server``), once a period with a count, not once per connection.
 """
 
 from __future__ import annotations
@@ -12,57 +12,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Callable
 
 from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.openai_schema import APIError
 
-log = logging.getLogger("minifaas.http")
 LINGER_S = 2.0
 RETRY_AFTER_S = 1
 TOO_MANY = "too_many_connections"
 
 
-class RateLimitedLog:
-    """One line per ``period`` seconds for a message that keeps coming, with how often it came meanwhile."""
-
-    def __init__(self, logger: logging.Logger, period: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self._logger, self.period, self._clock = logger, period, clock
-        self._seen: dict[str, tuple[float, int]] = {}  # key -> (when last logged, times since)
-
-    def __call__(self, key: str, level: int, message: str, exc_info: BaseException | None = None) -> bool:
-        """Log ``message`` unless ``key`` was logged less than ``period`` ago; True if it was logged."""
-        now = self._clock()
-        last, since = self._seen.get(key, (-self.period, 0))
-        if now - last < self.period:
-            self._seen[key] = (last, since + 1)
-            return False
-        if since:
-            message += f" ({since} more times since it was last logged)"
-        self._seen[key] = (now, 0)
-        self._logger.log(level, "%s", message, exc_info=exc_info)
-        return True
-
-
 class ConnectionLimit:
     """Wraps aiohttp's protocol factory so that each protocol it makes is counted while it lives."""
 
-    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int, metrics: ServeMetrics) -> None:
-        self._factory, self.limit, self._metrics = factory, limit, metrics
+    def __init__(
+        self, factory: Callable[[], asyncio.Protocol], limit: int, metrics: ServeMetrics, log: Callable[..., bool]
+    ) -> None:
+        self._factory, self.limit, self._metrics, self._log = factory, limit, metrics, log
         self.open = 0
         self.refused = 0
         self.lingering = 0
         self.max_lingering = max(16, limit // 8)
-        self._log = RateLimitedLog(log)
-        body = {
-            "error": {
-                "message": f"The server holds {limit} connections, its limit; retry later.",
-                "type": "server_error",
-                "param": None,
-                "code": TOO_MANY,
-            }
-        }
-        payload = json.dumps(body).encode()
+        error = APIError(503, f"The server holds {limit} connections, its limit; retry later.", code=TOO_MANY)
+        payload = json.dumps(error.body()).encode()
         head = (
             "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"

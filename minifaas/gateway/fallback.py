@@ -11,10 +11,10 @@ import logging
 
 from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Abort
-from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.inter_cluster_link import InterClusterLink
-from minifaas.gateway.migration import continued
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, Phase, RequestRecord, advance
+from minifaas.gateway.migration import DecodeLost, continued
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord, advance
+from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import WAIT_POLL_S, Workers
 

@@ -17,15 +17,13 @@ from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.config import ServeConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.worker_ops import Abort, Aborted, ReplyMessage
-from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.migration import Migration, migrate
+from minifaas.gateway.migration import DecodeLost, Migration, migrate
 from minifaas.gateway.prefill_dispatch import PrefillDispatch
 from minifaas.gateway.requests import (
     Admission,
-    DecodeLost,
     GenerateRequest,
     Phase,
     RequestDeadline,
@@ -35,7 +33,7 @@ from minifaas.gateway.requests import (
     advance,
 )
 from minifaas.gateway.roles import RoleChanger
-from minifaas.gateway.token_stream import OutputText, decode_tokens, first_token_finish, token_event
+from minifaas.gateway.token_stream import EarlyFirst, OutputText, decode_tokens, first_token_finish, token_event
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import WAIT_POLL_S, Workers, cluster_secret, make_launcher
 from minifaas.launch.startup import StartupListener

@@ -13,17 +13,39 @@ import contextlib
 import logging
 import resource
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.connection_limit import LINGER_S, ConnectionLimit, RateLimitedLog
+from minifaas.gateway.connection_limit import LINGER_S, ConnectionLimit
 from minifaas.gateway.metrics import ServeMetrics
 
 log = logging.getLogger("minifaas.http")
 FD_SHARE = 0.75  # of the descriptor limit, the most the HTTP clients may hold
+
+
+class RateLimitedLog:
+    """One line per ``period`` seconds for a message that keeps coming, with how often it came meanwhile."""
+
+    def __init__(self, logger: logging.Logger, period: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self._logger, self.period, self._clock = logger, period, clock
+        self._seen: dict[str, tuple[float, int]] = {}  # key -> (when last logged, times since)
+
+    def __call__(self, key: str, level: int, message: str, exc_info: BaseException | None = None) -> bool:
+        """Log ``message`` unless ``key`` was logged less than ``period`` ago; True if it was logged."""
+        now = self._clock()
+        last, since = self._seen.get(key, (-self.period, 0))
+        if now - last < self.period:
+            self._seen[key] = (last, since + 1)
+            return False
+        if since:
+            message += f" ({since} more times since it was last logged)"
+        self._seen[key] = (now, 0)
+        self._logger.log(level, "%s", message, exc_info=exc_info)
+        return True
 
 
 def raise_fd_limit() -> int:
@@ -57,7 +79,7 @@ class BoundedSite(web.BaseSite):
         super().__init__(runner, backlog=backlog)
         self._host, self._port, self._bound_port = host, port, port
         assert runner.server is not None
-        self.limit = ConnectionLimit(runner.server, limit, metrics)
+        self.limit = ConnectionLimit(runner.server, limit, metrics, RateLimitedLog(log))
 
     @property
     def name(self) -> str:

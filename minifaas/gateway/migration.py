@@ -11,21 +11,30 @@ import dataclasses
 import logging
 
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.requests import (
-    DecodeLost,
-    GenerateRequest,
-    MigrationLimit,
-    Phase,
-    PoisonRequest,
-    RequestFailed,
-    RequestRecord,
-    advance,
-)
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord, advance
 
 log = logging.getLogger("minifaas.gateway")
 
 
 POISON_LOSSES = 2  # decode workers lost right after taking a request alone into their batch: then it is the cause
+
+
+class DecodeLost(RequestFailed):
+    """The decode worker holding the request went away: the request may migrate. ``suspect``: the worker
+    ended while this request, and no other, waited for its first step there (``POISON_LOSSES``)."""
+
+    def __init__(self, message: str, worker: str | None = None, suspect: bool = False, pid: int = 0) -> None:
+        super().__init__(message)
+        self.worker, self.suspect, self.pid = worker, suspect, pid
+
+
+class MigrationLimit(RequestFailed):
+    """The request lost its decode worker more often than ``--migration-limit`` allows (HTTP 503, retryable)."""
+
+
+class PoisonRequest(RequestFailed):
+    """Decode workers died one after another just as they took this request into their batch: it is stopped as
+    their likely cause, before it takes down another (HTTP 500, not retryable)."""
 
 
 class Migration:

@@ -1,8 +1,8 @@
-"""OpenAI request bodies in, validated token ids and SamplingParams out; response bodies and stream chunks back.
+"""OpenAI request bodies in, validated token ids and SamplingParams out; response and error bodies back.
 
 Sans-IO, so every rule is tested without a server. A field minifaas does not implement is refused by name with a
-400 unless it asks for nothing; unknown extra fields are ignored. ``CompletionReply`` builds a response body or
-its stream's chunks in OpenAI's order.
+400 unless it asks for nothing; unknown extra fields are ignored. ``CompletionReply`` gathers the tokens into a
+response body (``gateway.sse`` streams them as chunks); ``api_error`` is the OpenAI error a failure becomes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from minifaas.gateway.requests import RequestRecord, TokenEvent
+from minifaas.gateway.migration import MigrationLimit, PoisonRequest
+from minifaas.gateway.requests import DeadlineExceeded, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
@@ -48,6 +49,29 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def api_error(e: Exception) -> APIError:
+    """The OpenAI error a failure of the gateway's stream becomes."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, Overloaded):
+        message = str(e) or "The server is overloaded; retry later."
+        return APIError(503, message, code="overloaded", retry_after=e.retry_after)
+    if isinstance(e, MigrationLimit):
+        return APIError(503, str(e), code="migration_limit")
+    if isinstance(e, PoisonRequest):
+        return APIError(500, str(e), code="poison_request")
+    if isinstance(e, DeadlineExceeded):
+        return APIError(504, str(e), code="timeout")
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), code="request_failed")
+    return APIError(500, f"Internal error ({type(e).__name__}); the request was not completed.", code="internal_error")
+
+
+def cause_of(error: APIError) -> str:
+    """The error's cause in ``minifaas:request_errors``: its body's code, else one for its status."""
+    return error.code or _CAUSES.get(error.status, f"http_{error.status}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +112,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
 }
 _ROLES = ("system", "developer", "user", "assistant")
+# the metric cause of an error whose body has no code
+_CAUSES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _DEFAULT_MAX_TOKENS = 16
 
 
@@ -278,7 +304,6 @@ def _unicode(text: str, param: str) -> str:
 
 
 _OBJECT = {APIEndpoint.COMPLETIONS: "text_completion", APIEndpoint.CHAT: "chat.completion"}
-_CHUNK_OBJECT = {APIEndpoint.COMPLETIONS: "text_completion", APIEndpoint.CHAT: "chat.completion.chunk"}
 _ID_PREFIX = {APIEndpoint.COMPLETIONS: "cmpl-", APIEndpoint.CHAT: "chatcmpl-"}
 
 
@@ -295,8 +320,6 @@ class CompletionReply:
     finish_reason: str | None = None
     prompt_ids: list[int] | None = None  # set: the client asked for token ids
     token_ids: list[int] = field(default_factory=list)
-    ids_sent: int = 0  # token ids already in a stream chunk
-    prompt_sent: bool = False
 
     @classmethod
     def start(
@@ -337,8 +360,6 @@ class CompletionReply:
             "prompt_tokens_details": {"cached_tokens": self.record.cached_tokens},
         }
 
-    # -- a whole body ---------------------------------------------------------------------------
-
     def body(self) -> dict[str, Any]:
         text = "".join(self.pieces)
         if self.endpoint is APIEndpoint.CHAT:
@@ -348,45 +369,15 @@ class CompletionReply:
         choice |= {"logprobs": None, "finish_reason": self.finish_reason}
         if self.prompt_ids is not None:
             choice |= {"prompt_token_ids": self.prompt_ids, "token_ids": self.token_ids}
-        return self._envelope(_OBJECT[self.endpoint], [choice]) | {
+        return self.envelope(_OBJECT[self.endpoint], [choice]) | {
             "usage": self.usage(),
             "minifaas": self.record.to_json(),
         }
 
-    # -- stream chunks --------------------------------------------------------------------------
-
-    def opening_chunks(self, include_usage: bool) -> list[dict[str, Any]]:
-        if self.endpoint is APIEndpoint.CHAT:
-            return [self._chunk({"role": "assistant", "content": ""}, None, include_usage)]
-        return []
-
-    def content_chunk(self, text: str, include_usage: bool) -> dict[str, Any]:
-        delta = {"content": text} if self.endpoint is APIEndpoint.CHAT else text
-        return self._chunk(delta, None, include_usage)
-
-    def closing_chunks(self, include_usage: bool) -> list[dict[str, Any]]:
-        done = self._chunk({} if self.endpoint is APIEndpoint.CHAT else "", self.finish_reason, include_usage)
-        chunks = [done]
-        if include_usage:
-            chunks.append(self._envelope(_CHUNK_OBJECT[self.endpoint], []) | {"usage": self.usage()})
-        chunks[-1]["minifaas"] = self.record.to_json()
-        return chunks
-
-    def _chunk(self, delta: dict[str, str] | str, finish_reason: str | None, include_usage: bool) -> dict[str, Any]:
-        if isinstance(delta, str):
-            choice: dict[str, Any] = {"index": 0, "text": delta, "logprobs": None}
-        else:
-            choice = {"index": 0, "delta": delta, "logprobs": None}
-        choice["finish_reason"] = finish_reason
-        if self.prompt_ids is not None:
-            if not self.prompt_sent:
-                choice["prompt_token_ids"], self.prompt_sent = self.prompt_ids, True
-            choice["token_ids"] = self.token_ids[self.ids_sent :]
-            self.ids_sent = len(self.token_ids)
-        out = self._envelope(_CHUNK_OBJECT[self.endpoint], [choice])
-        if include_usage:
-            out["usage"] = None  # OpenAI sends null on every chunk but the usage one
-        return out
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def check_finished(reply: CompletionReply) -> None:
+    if reply.finish_reason is None:
+        raise RequestFailed("the gateway ended the stream without a finish reason")

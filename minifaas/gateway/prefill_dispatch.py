@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Abort, Decode, Failed, First, Pinned, Prefill, Prefilled
 from minifaas.gateway.cache_move import CacheMoves
-from minifaas.gateway.early_first import EarlyFirst
 from minifaas.gateway.fallback import Fallback, PrefillFailed
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown, LinkNotReady
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.requests import DecodeLost, GenerateRequest, Phase, RequestRecord, advance
+from minifaas.gateway.migration import DecodeLost
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord, advance
+from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.launch.launcher import WorkerError

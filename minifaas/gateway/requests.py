@@ -21,12 +21,10 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Protocol
 
 from minifaas.config import ServeConfig
 from minifaas.model.host_memory import available_bytes
 from minifaas.model.sampling import SamplingParams
-from minifaas.model.tokenizer import Tokenizer
 
 QUEUED_TOKEN_BYTES = 64  # what the gateway holds per prompt token in flight: its id, its share of the body and keys
 MEMORY_SHARE = 0.25  # of the host memory available at start, the most the prompts in flight may take
@@ -155,24 +153,6 @@ class RequestFailed(Exception):
     """Every path to an answer failed (HTTP 500); the message says why."""
 
 
-class DecodeLost(RequestFailed):
-    """The decode worker holding the request went away: the request may migrate. ``suspect``: the worker
-    ended while this request, and no other, waited for its first step there (``migration.POISON_LOSSES``)."""
-
-    def __init__(self, message: str, worker: str | None = None, suspect: bool = False, pid: int = 0) -> None:
-        super().__init__(message)
-        self.worker, self.suspect, self.pid = worker, suspect, pid
-
-
-class MigrationLimit(RequestFailed):
-    """The request lost its decode worker more often than ``--migration-limit`` allows (HTTP 503, retryable)."""
-
-
-class PoisonRequest(RequestFailed):
-    """Decode workers died one after another just as they took this request into their batch: it is stopped as
-    their likely cause, before it takes down another (HTTP 500, not retryable)."""
-
-
 class DeadlineExceeded(RequestFailed):
     """The gateway was silent longer than a deadline allows, or the request outlived its total limit (HTTP 504)."""
 
@@ -283,17 +263,3 @@ class Admission:
 def tokens_memory_holds(available_bytes: int) -> int:
     """The default bound on prompt tokens in flight: ``MEMORY_SHARE`` of ``available_bytes``."""
     return max(1, int(available_bytes * MEMORY_SHARE) // QUEUED_TOKEN_BYTES)
-
-
-class GatewayAPI(Protocol):
-    """What the HTTP layer needs from the gateway."""
-
-    model_name: str
-    tokenizer: Tokenizer
-    max_context: int
-
-    def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
-        """Token events until one carries a finish_reason. Closing the iterator early aborts the request."""
-        ...
-
-    def health(self) -> dict: ...

@@ -2,23 +2,18 @@
 
 The first token comes from the prefill worker, the rest from the decode worker within the deadline between
 tokens. Text is detokenized incrementally and checked for stop strings here, since only the gateway sees it.
+``EarlyFirst`` shows the first token as soon as the prefill worker has it, before the state's tail has crossed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from minifaas.control.worker_ops import Done, Failed, Pinned, Received, Start, Token
-from minifaas.gateway.requests import (
-    DecodeLost,
-    GenerateRequest,
-    RequestDeadline,
-    RequestFailed,
-    RequestRecord,
-    TokenEvent,
-)
+from minifaas.gateway.migration import DecodeLost
+from minifaas.gateway.requests import GenerateRequest, RequestDeadline, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import StopMatcher
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.model.sampling import SamplingParams
@@ -120,3 +115,47 @@ def first_token_finish(token: int, request: GenerateRequest, tokenizer: Tokenize
     if (token == tokenizer.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
         return "stop"
     return "length" if p.max_tokens <= 1 else None
+
+
+class EarlyFirst:
+    """Where the prefill (which offers the first token) and the gateway (which shows it) meet: a token is either
+    shown, and a failed prefill is then redone after it, or withdrawn and never shown."""
+
+    def __init__(self) -> None:
+        self.token: int | None = None
+        self.shown = False
+        self.arrived = asyncio.Event()
+
+    def offer(self, token: int) -> None:
+        if not self.shown:
+            self.token = token
+            self.arrived.set()
+
+    def show(self) -> int:
+        """The gateway sends the token to the client: from now on the prefill must continue after it."""
+        assert self.token is not None
+        self.shown = True
+        return self.token
+
+    def withdraw(self) -> bool:
+        """The attempt that offered the token failed: drop it unless it was shown. Returns ``shown``."""
+        if not self.shown:
+            self.token = None
+            self.arrived.clear()
+        return self.shown
+
+    async def shown_before(self, prefill: asyncio.Future, ends_output: Callable[[int], bool]) -> int | None:
+        """The first token to send before ``prefill`` ends, or None when the prefill ended first or the token
+        ends the output (it then waits for the prefill's end, which may redo it)."""
+        while not prefill.done():
+            arrived = asyncio.ensure_future(self.arrived.wait())
+            try:
+                await asyncio.wait({prefill, arrived}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrived.cancel()
+            if self.token is not None and not prefill.done():  # not withdrawn meanwhile
+                if not ends_output(self.token):
+                    return self.show()
+                break
+        await asyncio.wait({prefill})
+        return None
