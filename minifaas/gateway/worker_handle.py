@@ -164,7 +164,12 @@ class WorkerHandle:
         inbox = self.inboxes.get(getattr(msg, "req", ""))
         if inbox is not None:
             inbox.put_nowait(msg)
-        elif self.on_unclaimed is not None:  # no request waits on it: a stopped prefill's news, a late reply
+        else:
+            self.unclaimed(msg)
+
+    def unclaimed(self, msg: ReplyMessage) -> None:
+        """A message no waiting request wants (a stopped prefill's news, a reply that came too late)."""
+        if self.on_unclaimed is not None:
             self.on_unclaimed(self, msg)
 
     def open(self, req: str) -> asyncio.Queue[Inbound]:
