@@ -88,8 +88,6 @@ class ReceiveBuffers:
     state goes back only once they are done."""
 
     def __init__(self, max_bytes: int, pinned: bool = False):
-        if max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0 (0: recycle nothing)")
         self.max_bytes, self.pinned = max_bytes, pinned
         self.held_bytes = 0
         self._sizes: list[int] = []  # sorted, parallel to _buffers
