@@ -77,6 +77,7 @@ class ReceiverConfig:
 class ReceiverStats:
     auth_failures: int = 0
     completed: int = 0
+    failed: int = 0
     dropped: int = 0  # unclaimed transfers dropped (after the grace, or to make room)
     bytes_received: int = 0  # payload bytes off the network
 
@@ -179,6 +180,7 @@ class KVReceiver:
 
     def _finish(self, t: IncomingTransfer) -> None:
         self.stats.completed += t.complete
+        self.stats.failed += t.error is not None
         self._table.ended(t, asyncio.get_running_loop().time())
 
     def _dropped(self, t: IncomingTransfer, cause: str) -> None:
