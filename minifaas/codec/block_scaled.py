@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from minifaas.model.layer_state import tensor_bytes
+
 BLOCK = 128
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _CODES = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}
@@ -39,7 +41,7 @@ def encode_blocks(raw: memoryview, dtype: torch.dtype, code: str) -> tuple[list[
     scaled = (blocks / scales[:, None]).clamp_(-top, top)
     codes = (scaled.round() if code == "int8" else scaled).to(code_dtype).view(-1)[:n]
     decoded = _dequantise(codes, scales, dtype)
-    return [_bytes(scales), _bytes(codes)], decoded
+    return [tensor_bytes(scales), tensor_bytes(codes)], decoded
 
 
 def decode_into(payload: memoryview, dtype: torch.dtype, code: str, out: memoryview) -> None:
@@ -68,7 +70,3 @@ def _view(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
     if buf.readonly:  # torch wants writable memory; what the transport hands in always is
         buf = memoryview(bytearray(buf))
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")

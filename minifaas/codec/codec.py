@@ -27,7 +27,7 @@ import zstandard
 
 from minifaas.codec import block_scaled
 from minifaas.codec.block_scaled import BlockError
-from minifaas.model.layer_state import DTYPES, StateKind, checksum
+from minifaas.model.layer_state import DTYPES, StateKind, checksum, tensor_bytes
 from minifaas.net.errors import CorruptFrameError
 
 try:  # zstd's experimental settings (``_literal_coder``); the module loads only where cffi is installed
@@ -234,10 +234,10 @@ class FrameEncoder:
             lossy = block_scaled.encode_blocks(raw, dtype, codec.label)
             if lossy is not None:
                 parts, decoded = lossy
-                return _smaller(codec, parts, lambda: checksum(_bytes(decoded)), raw)
+                return _smaller(codec, parts, lambda: checksum(tensor_bytes(decoded)), raw)
             codec = Codec.LOSSLESS  # inf or nan in the range: no scale fits it
         if codec is Codec.LOSSLESS:
-            return _smaller(codec, self._planes.encode(raw, raw_width(dtype)), lambda: checksum(raw), raw)
+            return _smaller(codec, self._planes.encode(raw, dtype.itemsize), lambda: checksum(raw), raw)
         return Coded(Codec.NONE, [raw], checksum(raw), len(raw))
 
 
@@ -246,10 +246,6 @@ def _smaller(codec: Codec, parts: list[memoryview | bytes], crc: Callable[[], in
     if nbytes >= len(raw):
         return Coded(Codec.NONE, [raw], checksum(raw), len(raw))
     return Coded(codec, parts, crc(), nbytes)
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 class FrameDecoder:
@@ -275,17 +271,13 @@ class FrameDecoder:
     def _decode(self, codec: Codec, dtype: torch.dtype, payload: memoryview, out: memoryview) -> None:
         try:
             if codec is Codec.LOSSLESS:
-                self._planes.decode_into(payload, raw_width(dtype), out)
+                self._planes.decode_into(payload, dtype.itemsize, out)
             elif codec.lossy:
                 block_scaled.decode_into(payload, dtype, codec.label, out)
             else:
                 raise PlaneError(f"{codec.name} is not a coded frame")
         except (PlaneError, BlockError) as e:
             raise CorruptFrameError(f"{codec.label} payload: {e}") from None
-
-
-def raw_width(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 def codecs_for(mode: str) -> frozenset[Codec]:

@@ -100,10 +100,6 @@ class TransferReport:
     encode_s: float = 0.0  # coding time at the sender, summed over its pumps
     decode_s: float = 0.0  # decoding time at the receiver, as its DONE says
 
-    @property
-    def ratio(self) -> float:
-        return self.nbytes / self.wire_bytes if self.wire_bytes else 1.0
-
 
 class OutgoingTransfer:
     def __init__(

@@ -75,14 +75,11 @@ class ReceiverConfig:
 
 @dataclass(slots=True)
 class ReceiverStats:
-    connections: int = 0
     auth_failures: int = 0
     completed: int = 0
     failed: int = 0
     dropped: int = 0  # unclaimed transfers dropped (after the grace, or to make room)
     bytes_received: int = 0  # payload bytes off the network
-    decoded_bytes: int = 0  # slot bytes that coded payloads decoded to
-    decode_s: float = 0.0
 
 
 class ReceiveBuffers:
@@ -92,8 +89,6 @@ class ReceiveBuffers:
     state goes back only once they are done."""
 
     def __init__(self, max_bytes: int, pinned: bool = False):
-        if max_bytes < 0:
-            raise ValueError("max_bytes must be >= 0 (0: recycle nothing)")
         self.max_bytes, self.pinned = max_bytes, pinned
         self.held_bytes = 0
         self._sizes: list[int] = []  # sorted, parallel to _buffers
@@ -214,7 +209,6 @@ class KVReceiver:
         loop = asyncio.get_running_loop()
         while True:
             sock, _ = await loop.sock_accept(self._listener)
-            self.stats.connections += 1
             self._spawn(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> None:
@@ -283,8 +277,6 @@ class KVReceiver:
             view = t.assembly.buffer_for(h)
             digest = None if unchecked else Checksum()  # fed each block as it is read, while it is in cache
             await self._receive(t, channel, view, None if digest is None else digest.update)
-            self.stats.bytes_received += h.length
-            t.wire_bytes += h.length
             await self._commit(t, h, view, h.crc if digest is None else digest.value)
             return
         payload = await channel.recv_exactly(h.length, self.config.stall_timeout)
@@ -312,24 +304,22 @@ class KVReceiver:
         view = t.assembly.buffer_for(h)
         payload = dec.scratch(h.length)
         await self._receive(t, channel, payload)
-        self.stats.bytes_received += h.length
-        t.wire_bytes += h.length
         if h.length >= OFF_LOOP_BYTES:
             crc, seconds = await asyncio.to_thread(dec.decode_into, codec, h.dtype, payload, view)
         else:
             crc, seconds = dec.decode_into(codec, h.dtype, payload, view)
         t.decode_s += seconds
-        self.stats.decoded_bytes += h.decoded
-        self.stats.decode_s += seconds
         await self._commit(t, h, view, crc)
 
     async def _receive(
         self, t: IncomingTransfer, channel: Channel, view: memoryview, digest: Digest | None = None
     ) -> None:
-        """Read one chunk's payload; meanwhile the transfer is not judged stalled as a whole."""
+        """Read one chunk's payload and count its bytes; meanwhile the transfer is not judged stalled as a whole."""
         t.receiving += 1
         try:
             await channel.recv_into(view, self.config.stall_timeout, digest)
+            self.stats.bytes_received += view.nbytes
+            t.wire_bytes += view.nbytes
         finally:
             t.receiving -= 1
             t.last_progress = asyncio.get_running_loop().time()

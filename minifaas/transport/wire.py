@@ -248,10 +248,10 @@ class Chunk:
         return self.state.slots[self.slot][1].dtype
 
     def pieces(self, piece_bytes: int) -> list[Chunk]:
-        """The same bytes as consecutive chunks of at most ``piece_bytes``."""
+        """The same bytes as consecutive chunks of at most ``piece_bytes`` (an empty chunk: itself)."""
         return [
             replace(self, source=self.source + at, offset=self.offset + at, length=min(piece_bytes, self.length - at))
-            for at in range(0, self.length, piece_bytes)
+            for at in range(0, max(self.length, 1), piece_bytes)
         ]
 
     def frame(self, transfer: int, checked: bool = True) -> tuple[bytes, memoryview]:
@@ -278,23 +278,17 @@ def _wire_ready(name: str, dtype: object, ndim: int) -> None:
         raise ValueError(f"slot {name!r} ({dtype}, {ndim} dims) cannot go on the wire")
 
 
-def _ranges(start: int, length: int, chunk_bytes: int) -> range:
-    return range(start, start + max(length, 1), chunk_bytes)
-
-
 def split_chunks(state: LayerState, chunk_bytes: int, ready: CopyDone | None = None) -> list[Chunk]:
     """Chunks covering every slot of ``state`` (an empty slot still gets one, empty, chunk); ``ready``: the
     copy that fills the host tensors, if it is still under way."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
-    chunks = []
+    chunks: list[Chunk] = []
     for index, (name, tensor) in enumerate(state.slots):
         _wire_ready(name, tensor.dtype, tensor.dim())
         data = tensor_bytes(tensor)  # a view of tensor memory, no copy
-        shape = tuple(tensor.shape)
-        for at in _ranges(0, data.nbytes, chunk_bytes):
-            length = min(chunk_bytes, data.nbytes - at)
-            chunks.append(Chunk(state, index, data, at, at, length, shape, state.seq_len, ready))
+        whole = Chunk(state, index, data, 0, 0, data.nbytes, tuple(tensor.shape), state.seq_len, ready)
+        chunks += whole.pieces(chunk_bytes)
     return chunks
 
 
@@ -308,7 +302,7 @@ def split_token_range(
         raise ValueError(f"only full-attention state grows by tokens, not {piece.kind.name}")
     if chunk_bytes <= 0 or not 0 <= start <= start + piece.seq_len <= total:
         raise ValueError(f"tokens [{start}, {start + piece.seq_len}) do not fit in {total}")
-    chunks = []
+    chunks: list[Chunk] = []
     for index, (name, tensor) in enumerate(piece.slots):
         _wire_ready(name, tensor.dtype, tensor.dim())
         if tensor.dim() < 2 or tensor.shape[-2] != piece.seq_len:
@@ -319,9 +313,8 @@ def split_token_range(
         runs = tensor.numel() // max(piece.seq_len * tensor.shape[-1], 1) if piece.seq_len else 0
         for run in range(runs):
             source, offset = run * piece.seq_len * row, (run * total + start) * row
-            for at in _ranges(0, piece.seq_len * row, chunk_bytes):
-                length = min(chunk_bytes, piece.seq_len * row - at)
-                chunks.append(Chunk(piece, index, data, source + at, offset + at, length, shape, total, ready))
+            run_chunk = Chunk(piece, index, data, source, offset, piece.seq_len * row, shape, total, ready)
+            chunks += run_chunk.pieces(chunk_bytes)
     return chunks
 
 
