@@ -421,15 +421,20 @@ def start_forks(config: ServeConfig) -> bool:
     return config.forks_on_cpu_only and forked.start_here(config.model)
 
 
+def log_to(console: Console, level: str) -> None:
+    """Log lines at ``level`` and above: on a terminal printed above the live tables instead of through them."""
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, markup=False)
+        logging.basicConfig(level=level, format="%(name)s %(message)s", handlers=[handler])
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def run(args: argparse.Namespace) -> int:
     config = checked_config(args)
     forked_here = start_forks(config)
     console = Console(stderr=True)  # where the log goes
-    if console.is_terminal:  # log lines print above the live start-up table instead of through it
-        handler: logging.Handler = RichHandler(console=console, show_path=False, markup=False)
-        logging.basicConfig(level=args.log_level or "INFO", format="%(name)s %(message)s", handlers=[handler])
-    else:
-        logging.basicConfig(level=args.log_level or "INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_to(console, args.log_level or "INFO")
     asyncio.run(_serve(config, StartupView(console, log.info)))
     if forked_here:  # this process holds the workers' modules too
         exit_at_once(0)
