@@ -34,7 +34,6 @@ def compare(
 
 
 def cells(result: SimResult) -> list[str]:
-    """One row of the table: ``COLUMNS`` of ``result``, formatted."""
     return [format(getattr(result, field), spec) for _, field, spec in COLUMNS]
 
 
