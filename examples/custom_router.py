@@ -21,7 +21,8 @@ from minifaas.planner import LengthDistribution, plan
 from minifaas.planner.paper import paper_case
 from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, RouteReason
 from minifaas.sim import config_for, read_workload
-from minifaas.sim.comparison import compare, plot_comparison, text_table
+from minifaas.sim.comparison import COLUMNS, cells, compare, plot_comparison
+from minifaas.sim.report import SimResult
 
 REQUESTS, PLOT = 1500, "custom_router.png"
 
@@ -54,6 +55,13 @@ class LeastLoadedRouter:
 
 def _hit(cluster: ClusterView, node: NodeView) -> int:
     return max(node.hit_tokens, cluster.pool_hit_tokens)
+
+
+def text_table(results: dict[str, SimResult]) -> str:
+    width = max(len("policy"), *(len(name) for name in results))
+    lines = [f"{'policy':<{width}}" + "".join(f"{header:>15}" for header, _, _ in COLUMNS)]
+    lines += [f"{name:<{width}}" + "".join(f"{c:>15}" for c in cells(r)) for name, r in results.items()]
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -24,5 +24,4 @@ def rounded(value: Any, digits: int = SIGNIFICANT_DIGITS) -> Any:
 
 
 def dumps(value: Any, **kwargs: Any) -> str:
-    """``json.dumps`` of ``rounded(value)``."""
     return json.dumps(rounded(value), **kwargs)

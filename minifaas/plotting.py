@@ -1,15 +1,19 @@
-"""Figures need matplotlib, the optional ``plot`` extra: a command asks ``matplotlib_missing`` before it draws
-and, on an install without it, prints the one line it returns in place of the figure."""
+"""Figures need matplotlib, the optional ``plot`` extra: a command draws through ``draw_or_say``, which on an
+install without it prints one line in place of the figure."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+from collections.abc import Callable
 
 INSTALL = "pip install -e '.[plot]'"
 
 
-def matplotlib_missing(figure: str) -> str | None:
-    """None when matplotlib can be imported; else the line to print instead of ``figure``."""
-    if importlib.util.find_spec("matplotlib") is not None:
-        return None
-    return f"no {figure}: matplotlib is not installed ({INSTALL})"
+def draw_or_say(png: str, draw: Callable[[str], object]) -> bool:
+    """``draw(png)`` when matplotlib can be imported; else the line saying why not, on stderr. True if drawn."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"no plot {png}: matplotlib is not installed ({INSTALL})", file=sys.stderr)
+        return False
+    draw(png)
+    return True

@@ -9,21 +9,27 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 
 from minifaas.emulator.pacer import RateSchedule, check_window, parse_bytes, parse_rate
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
+def _accepted(check: Callable[[str], object], text: str, error: type[Exception]) -> str:
+    """``text``, once ``check`` takes it; the ``error`` it raises instead becomes argparse's error line."""
+    try:
+        check(text)
+    except error as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def model(text: str) -> str:
     """A preset, a shipped checkpoint, a checkpoint directory, a config.json or a hub id (found or fetched)."""
     from minifaas.model.loader import ModelSpec  # torch: only once a model is named
 
-    try:
-        ModelSpec.resolve(text)
-    except FileNotFoundError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _accepted(ModelSpec.resolve, text, FileNotFoundError)
 
 
 def device(text: str) -> str:
@@ -102,11 +108,7 @@ def trace(text: str) -> str:
     """A shipped trace's name or a trace file."""
     from minifaas.traces import trace_path
 
-    try:
-        trace_path(text)
-    except FileNotFoundError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _accepted(trace_path, text, FileNotFoundError)
 
 
 def rate(text: str) -> str:
@@ -122,11 +124,7 @@ def rate(text: str) -> str:
 
 def window(text: str) -> str:
     """A flow window as ``parse_bytes`` reads it: 262144, 256KiB, 4MiB, none; at least one segment."""
-    try:
-        check_window(parse_bytes(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _accepted(lambda t: check_window(parse_bytes(t)), text, ValueError)
 
 
 def rate_schedule(text: str) -> str:

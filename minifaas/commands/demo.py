@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import logging
 import os
 import time
 from dataclasses import dataclass, replace
@@ -19,7 +18,6 @@ from dataclasses import dataclass, replace
 import aiohttp
 from rich.console import Console
 from rich.live import Live
-from rich.logging import RichHandler
 from rich.table import Table
 
 from minifaas.commands import arguments
@@ -27,7 +25,7 @@ from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.demo_traffic import DIP_FACTOR, steady_mix
 from minifaas.commands.main import exit_at_once, stdout_console, user_input
 from minifaas.commands.serve import add_arguments as add_serve_arguments
-from minifaas.commands.serve import checked_config, kernels_line, running_server, start_forks
+from minifaas.commands.serve import checked_config, kernels_line, log_to, running_server, start_forks
 from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
@@ -93,7 +91,7 @@ class DemoRequest:
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
     forked_here = start_forks(config)
-    _log_to(stdout_console(), args.log_level)
+    log_to(stdout_console(), args.log_level)
     code = asyncio.run(_demo(args, config))
     if forked_here:  # this process holds the workers' modules too
         exit_at_once(code)
@@ -123,15 +121,6 @@ def served_args(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("model", "dtype", "trust_remote_code", "threshold", *arguments.DEVICE_FLAGS):
         setattr(served, name, getattr(args, name))
     return served
-
-
-def _log_to(console: Console, level: str) -> None:
-    """Log lines at ``level`` and above: on a terminal printed above the live tables, else on stderr."""
-    if console.is_terminal:
-        handler = RichHandler(console=console, show_path=False, markup=False)
-        logging.basicConfig(level=level, format="%(name)s %(message)s", handlers=[handler])
-    else:
-        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:

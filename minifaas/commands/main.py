@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import importlib
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from typing import NoReturn
@@ -57,6 +58,14 @@ def user_input() -> Iterator[None]:
         raise BadInput(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
     except (ValueError, TypeError) as e:  # includes TOML and JSON syntax errors, and a setting of the wrong type
         raise BadInput(str(e)) from None
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go, so that a port taken is one error line before slow start-up."""
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as e:
+        raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def exit_at_once(code: int) -> NoReturn:

@@ -8,7 +8,6 @@ minifaas plan --case my.toml --link-gbps 25 --plot out.png
 from __future__ import annotations
 
 import argparse
-import sys
 
 from minifaas import figures
 from minifaas.commands.main import user_input
@@ -17,7 +16,7 @@ from minifaas.planner.model import OperatingPoint
 from minifaas.planner.paper import named_case
 from minifaas.planner.plot import plot_plan
 from minifaas.planner.search import Plan, SearchGrid, plan
-from minifaas.plotting import matplotlib_missing
+from minifaas.plotting import draw_or_say
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,11 +82,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_plan(case, result, args.price_ratio)
     if args.plot:
-        missing = matplotlib_missing(f"plot {args.plot}")
-        if missing:
-            print(missing, file=sys.stderr)
-        else:
-            plot_plan(case, result, grid, args.plot)
+        draw_or_say(args.plot, lambda png: plot_plan(case, result, grid, png))
     return 0
 
 

@@ -14,7 +14,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +23,7 @@ from rich.logging import RichHandler
 
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
-from minifaas.commands.main import BadInput, exit_at_once, user_input
+from minifaas.commands.main import check_listen, exit_at_once, user_input
 from minifaas.config import (
     LOG_LEVELS,
     SNAPSHOT_POLICIES,
@@ -314,14 +313,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         long_term=_pick(args.long_term, base.scheduler.long_term),
         long_term_args=_policy_args(args.long_term, args.long_term_arg, base.scheduler.long_term_args),
     )
-    return ServeConfig(
+    return replace(
+        base,
         host=_pick(args.host, base.host),
         port=_pick(args.port, base.port),
         model=_pick(args.model, base.model),
         dtype=_pick(args.dtype, base.dtype),
         trust_remote_code=args.trust_remote_code or base.trust_remote_code,
         allow_slow_kernels=args.allow_slow_kernels or base.allow_slow_kernels,
-        seed=base.seed,
         threshold=_pick(args.threshold, base.threshold),
         fixed_threshold=args.fixed_threshold or base.fixed_threshold,
         spill_tokens=_pick(args.spill_tokens, base.spill_tokens),
@@ -330,14 +329,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         token_timeout=_pick(args.token_timeout, base.token_timeout),
         request_timeout=_pick(args.request_timeout, base.request_timeout),
         migration_limit=_pick(args.migration_limit, base.migration_limit),
-        prefill_timeout=base.prefill_timeout,
-        max_queued_requests=base.max_queued_requests,
-        max_queued_tokens=base.max_queued_tokens,
         launcher=_pick(args.launcher, base.launcher),
         fork_workers=_pick(args.fork_workers, base.fork_workers),
         secret_file=_pick(args.secret_file, base.secret_file),
-        heartbeat_s=base.heartbeat_s,
-        heartbeat_deadline_s=base.heartbeat_deadline_s,
         router=_pick(args.router, base.router),
         router_args=_policy_args(args.router, args.router_arg, base.router_args),
         worker_log_level=_pick(args.log_level, base.worker_log_level),
@@ -405,11 +399,8 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
         cluster_secret(config)  # a secret that is missing or too open
         if config.launcher == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("--launcher ray needs the ray extra: pip install 'minifaas[ray]'")
-    if config.port:
-        try:  # aiohttp would find the port taken only once every worker is up
-            socket.create_server((config.host, config.port), family=_family(config.host)).close()
-        except OSError as e:
-            raise BadInput(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+    if config.port:  # aiohttp would find the port taken only once every worker is up
+        check_listen(config.host, config.port)
     return config
 
 
@@ -430,19 +421,20 @@ def start_forks(config: ServeConfig) -> bool:
     return config.forks_on_cpu_only and forked.start_here(config.model)
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+def log_to(console: Console, level: str) -> None:
+    """Log lines at ``level`` and above: on a terminal printed above the live tables instead of through them."""
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False, markup=False)
+        logging.basicConfig(level=level, format="%(name)s %(message)s", handlers=[handler])
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def run(args: argparse.Namespace) -> int:
     config = checked_config(args)
     forked_here = start_forks(config)
     console = Console(stderr=True)  # where the log goes
-    if console.is_terminal:  # log lines print above the live start-up table instead of through it
-        handler: logging.Handler = RichHandler(console=console, show_path=False, markup=False)
-        logging.basicConfig(level=args.log_level or "INFO", format="%(name)s %(message)s", handlers=[handler])
-    else:
-        logging.basicConfig(level=args.log_level or "INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_to(console, args.log_level or "INFO")
     asyncio.run(_serve(config, StartupView(console, log.info)))
     if forked_here:  # this process holds the workers' modules too
         exit_at_once(0)

@@ -24,7 +24,7 @@ from minifaas.planner.model import OperatingPoint
 from minifaas.planner.paper import named_case
 from minifaas.planner.profile import PrefillProfile, load_profiles
 from minifaas.planner.search import plan
-from minifaas.plotting import matplotlib_missing
+from minifaas.plotting import draw_or_say
 from minifaas.policy.codec_policy import CodecEstimate
 from minifaas.policy.long_term import LongTermConfig
 from minifaas.policy.router import Rule
@@ -279,11 +279,7 @@ def run(args: argparse.Namespace) -> int:
     if args.queues_csv:
         result.write_queues_csv(args.queues_csv)
     if args.queues_png:
-        missing = matplotlib_missing(f"plot {args.queues_png}")
-        if missing:
-            print(missing, file=sys.stderr)
-        else:
-            result.plot_queues(args.queues_png)
+        draw_or_say(args.queues_png, result.plot_queues)
     summary = {
         "workload": workload.name,
         "gpus": config.gpus,

@@ -19,7 +19,7 @@ from rich.table import Table
 from minifaas import figures
 from minifaas.commands import arguments
 from minifaas.commands.main import stdout_console
-from minifaas.plotting import matplotlib_missing
+from minifaas.plotting import draw_or_say
 from minifaas.sim.comparison import COLUMNS, cells, compare, plot_comparison
 from minifaas.sim.deployment import SimConfig
 from minifaas.sim.report import SimResult
@@ -92,11 +92,7 @@ def run(configs: dict[str, SimConfig], workload: Workload, args: argparse.Namesp
         for task in tasks.values():
             progress.update(task, completed=total)
     print_comparison(results, f"{workload.name}: {len(workload):,} requests over {workload.duration_s:,.0f} s")
-    missing = matplotlib_missing(f"plot {args.plot}")
-    if missing:
-        print(missing, file=sys.stderr)
-    else:
-        plot_comparison(results, args.plot)
+    if draw_or_say(args.plot, lambda png: plot_comparison(results, png)):
         print(f"plot: {args.plot}")
     if args.json:
         print(figures.dumps({name: r.to_dict() for name, r in results.items()}))

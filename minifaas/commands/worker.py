@@ -7,13 +7,12 @@ import asyncio
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
-from minifaas.commands.main import BadInput, user_input
+from minifaas.commands.main import check_listen, user_input
 from minifaas.commands.main import main as cli_main
 from minifaas.config import LOG_LEVELS, SNAPSHOT_POLICIES
 from minifaas.control.secret import SECRET_ENV, load_secret
@@ -111,10 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _print_ready(ready: dict) -> None:
-    print(json.dumps(ready), flush=True)
-
-
 def _role(args: argparse.Namespace) -> str:
     """The first word of the worker's process title: ``prfaas-prefill``, ``pd-decode``."""
     return f"{args.cluster}-{args.role}"
@@ -128,7 +123,7 @@ async def _until_signalled(args: argparse.Namespace) -> None:
 
     def announce(ready: dict) -> None:
         set_title(_role(args), ready["name"], f":{ready['control'][1]}")  # its name and control port, in ps
-        _print_ready(ready)
+        print(json.dumps(ready), flush=True)
 
     await serve(args, announce, stop)
 
@@ -141,11 +136,8 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= args.gpu_memory_fraction <= 1 or (args.gpu_memory_fraction and args.device == "cpu"):
             raise ValueError(f"--gpu-memory-fraction {args.gpu_memory_fraction}: a share in [0, 1] of a GPU")
     for host, port in {args.listen, args.kv_listen or args.listen}:
-        if port:
-            try:  # the model would load for seconds before the bind failed
-                socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
-            except OSError as e:
-                raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        if port:  # the model would load for seconds before the bind failed
+            check_listen(host, port)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     die_with_parent()  # a child of the gateway: killed with it, however it dies
     set_title(_role(args), args.name)  # until it is ready and knows its control port

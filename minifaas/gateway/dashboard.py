@@ -231,10 +231,6 @@ def _worker(w: WorkerHandle) -> dict:
     }
 
 
-def _series(counter: Counter) -> list[tuple[dict[str, str], float]]:
-    """A labelled counter's ``_total`` samples, as /metrics shows them."""
-    return [(s.labels, s.value) for m in counter.collect() for s in m.samples if s.name.endswith("_total")]
-
-
 def _total(counter: Counter) -> float:
-    return sum(v for _, v in _series(counter))
+    """A counter's ``_total`` samples over every label, summed, as /metrics shows them."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))

@@ -25,6 +25,7 @@ from minifaas.net.link_health import LinkMonitor
 
 NAME = "prfaas->pd"  # the inter-cluster link's name in /metrics
 log = logging.getLogger("minifaas.gateway")
+EMULATOR_OPTIONS = ("rate", "flow_rate", "window", "delay_ms", "jitter_ms")  # the emulator's, from the link's config
 RETRY_S, MAX_RETRY_S = 0.5, 5.0  # an emulator that does not start again: the next try after 0.5, 1, 2, 4, 5, 5... s
 
 
@@ -95,7 +96,8 @@ class InterClusterLink:
         return named | {f"{name}-link": e for name, e in self.move_links.items()}
 
     async def _started(self, name: str, what: str, target: tuple[str, int]) -> EmulatorProcess:
-        entered = self._stack.enter_async_context(EmulatorProcess(target, secret=self.secret, **self._options()))
+        options = {k: getattr(self.config, k) for k in EMULATOR_OPTIONS}
+        entered = self._stack.enter_async_context(EmulatorProcess(target, secret=self.secret, **options))
         emulator = await reported(self.on_startup, name, what, entered)
         assert self._tasks is not None, "enter the link first"
         assert name not in self._watchers, f"a second {name} emulator"
@@ -147,57 +149,40 @@ class InterClusterLink:
             raise RuntimeError("the link is not emulated (or no decode worker is up yet)")
         return self.emulator.control
 
-    def _options(self) -> dict[str, object]:
-        c = self.config
-        return {
-            "rate": c.rate,
-            "flow_rate": c.flow_rate,
-            "window": c.window,
-            "delay_ms": c.delay_ms,
-            "jitter_ms": c.jitter_ms,
-        }
-
     async def join(self, w: WorkerHandle) -> None:
         """Put the emulated link in front of what crosses clusters into ``w`` (once; it keeps its KV port)."""
         if not self.emulated or w.kv is None:
             return
         async with self._joining:
-            await self._join(w)
-
-    async def _join(self, w: WorkerHandle) -> None:
-        assert w.kv is not None
-        if w.role == "decode" and w.name not in self.routes:
-            if self.emulator is None:  # the link starts with the first decode worker
-                self.emulator = await self._started(NAME, f"link emulator, {self.config.rate}", w.kv)
-            else:
-                self.emulator.routes[w.kv] = 0  # a restart of the emulator routes it, whatever happens now
-                try:
-                    await self.emulator.add_route(w.kv)
-                except EmulatorError as e:  # the emulator is down: its restart brings the route
-                    log.warning("no route to %s through the link yet: %s", w.name, e)
-            self.routes[w.name] = w.kv
-        elif w.role == "prefill" and self.moves and w.name not in self.move_links:
-            self.move_links[w.name] = await self._started(f"{w.name}-link", "link emulator for cache moves", w.kv)
+            if w.role == "decode" and w.name not in self.routes:
+                if self.emulator is None:  # the link starts with the first decode worker
+                    self.emulator = await self._started(NAME, f"link emulator, {self.config.rate}", w.kv)
+                else:
+                    self.emulator.routes[w.kv] = 0  # a restart of the emulator routes it, whatever happens now
+                    try:
+                        await self.emulator.add_route(w.kv)
+                    except EmulatorError as e:  # the emulator is down: its restart brings the route
+                        log.warning("no route to %s through the link yet: %s", w.name, e)
+                self.routes[w.name] = w.kv
+            elif w.role == "prefill" and self.moves and w.name not in self.move_links:
+                self.move_links[w.name] = await self._started(f"{w.name}-link", "link emulator for cache moves", w.kv)
 
     async def leave(self, w: WorkerHandle) -> None:
         async with self._joining:
-            await self._leave(w)
-
-    async def _leave(self, w: WorkerHandle) -> None:
-        target = self.routes.pop(w.name, None)
-        if target is not None and self.emulator is not None:
-            with contextlib.suppress(EmulatorError, OSError, TimeoutError):
-                if target == self.emulator.target:
-                    await self.emulator.control.remove_route(self.emulator.port)
-                else:
-                    await self.emulator.remove_route(target)
-        emulator = self.move_links.pop(w.name, None)
-        if emulator is not None:
-            watcher = self._watchers.pop(f"{w.name}-link", None)
-            if watcher is not None:
-                watcher.cancel()
-            self.down.pop(f"{w.name}-link", None)
-            await emulator.__aexit__(None, None, None)
+            target = self.routes.pop(w.name, None)
+            if target is not None and self.emulator is not None:
+                with contextlib.suppress(EmulatorError, OSError, TimeoutError):
+                    if target == self.emulator.target:
+                        await self.emulator.control.remove_route(self.emulator.port)
+                    else:
+                        await self.emulator.remove_route(target)
+            emulator = self.move_links.pop(w.name, None)
+            if emulator is not None:
+                watcher = self._watchers.pop(f"{w.name}-link", None)
+                if watcher is not None:
+                    watcher.cancel()
+                self.down.pop(f"{w.name}-link", None)
+                await emulator.__aexit__(None, None, None)
 
     def move_address(self, dst: WorkerHandle) -> list | None:
         """Where a cache move into ``dst`` goes, or None if ``dst`` takes none."""

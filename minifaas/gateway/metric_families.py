@@ -56,7 +56,6 @@ class MetricFamilies:
         self.tpot = Histogram(
             "minifaas:time_per_output_token_seconds", "Time per token", ["route"], buckets=TPOT_BUCKETS, registry=r
         )
-        # Arrival to last token.
         self.e2e = Histogram(
             "minifaas:e2e_request_latency_seconds", "End-to-end latency", ["route"], buckets=E2E_BUCKETS, registry=r
         )
@@ -74,7 +73,6 @@ class MetricFamilies:
         self.prompt_tokens = Counter("minifaas:prompt_tokens", "Prompt tokens processed", registry=r)
         # Prompt tokens served from the prefix cache instead of prefilled.
         self.cached_tokens = Counter("minifaas:prompt_tokens_cached", "Prompt tokens found in cache", registry=r)
-        # Tokens generated and sent to clients.
         self.generation_tokens = Counter("minifaas:generation_tokens", "Generation tokens produced", registry=r)
         # Requests whose decode worker went away: moved to another (re-prefilled), or refused past the limit.
         self.migrations = Counter(

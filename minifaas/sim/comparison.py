@@ -34,15 +34,7 @@ def compare(
 
 
 def cells(result: SimResult) -> list[str]:
-    """One row of the table: ``COLUMNS`` of ``result``, formatted."""
     return [format(getattr(result, field), spec) for _, field, spec in COLUMNS]
-
-
-def text_table(results: Mapping[str, SimResult]) -> str:
-    width = max(len("policy"), *(len(name) for name in results))
-    lines = [f"{'policy':<{width}}" + "".join(f"{header:>15}" for header, _, _ in COLUMNS)]
-    lines += [f"{name:<{width}}" + "".join(f"{c:>15}" for c in cells(r)) for name, r in results.items()]
-    return "\n".join(lines)
 
 
 def plot_comparison(results: Mapping[str, SimResult], path: str | Path) -> None:

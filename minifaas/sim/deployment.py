@@ -95,9 +95,6 @@ class SimConfig:
         named = self.kv_compression in CODEC.builtins
         if named and self.kv_compression not in ("none", "auto", *dict(self.codecs)):
             raise ValueError(f"kv_compression {self.kv_compression}: no figures for that codec in codecs")
-        self._check_policies()
-
-    def _check_policies(self) -> None:
         for spec, field_name, kind in _POLICIES:
             args = policy_args(getattr(self, field_name))
             object.__setattr__(self, field_name, args)

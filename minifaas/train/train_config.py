@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 # May differ between a run and its --resume: they change what is printed and saved, not the weights
 # (the text may be named another way: its bytes are checked instead).
@@ -55,9 +55,6 @@ class TrainConfig:
     @property
     def last_step(self) -> int:
         return self.stop_at or self.steps
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     def resume_mismatch(self, saved: dict) -> list[str]:
         """The settings that differ from a saved run's and would change its weights."""

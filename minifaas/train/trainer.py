@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -157,7 +157,7 @@ class Trainer:
         save_state(
             self.out,
             {
-                "config": self.c.as_dict(),
+                "config": asdict(self.c),
                 "text_sha256": self.data.sha256,
                 "step": self.step,
                 "seconds": seconds,
