@@ -17,7 +17,6 @@ import pytest
 from minifaas.config import InterClusterLinkConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
-from minifaas.gateway.prefill_dispatch import kv_address
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.launch.launcher import WorkerSpec
 
@@ -65,7 +64,7 @@ def test_decode_workers_joining_at_once_share_one_emulator_and_each_has_its_rout
             assert set(link.routes) == {w.name for w in workers}
             prfaas = WorkerHandle(WorkerSpec("prfaas-p0", "prefill", "prfaas"), "prfaas-p0", "prefill", "prfaas")
             for w, listener in zip(workers, listeners, strict=True):
-                _, port = kv_address(link, prfaas, w)
+                _, port = link.kv_address(prfaas, w)
                 assert await _reaches(port, listener), w.name
             emulator = link.emulator
         assert emulator is not None and not emulator.alive

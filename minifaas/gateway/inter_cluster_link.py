@@ -72,7 +72,6 @@ class InterClusterLink:
         self._watchers: dict[str, asyncio.Task] = {}  # emulator name -> its supervisor
         self._joining = asyncio.Lock()  # workers join at once as they start: one emulator, however many join
         self._closing = False
-        self.up = True  # PrfaaS KV can cross now: always over the network; through the emulator unless it is down
         self.cut = asyncio.Event()  # set when the link leaves service; a fresh one each time it is back
 
     async def __aenter__(self) -> InterClusterLink:
@@ -84,6 +83,11 @@ class InterClusterLink:
         for task in self._watchers.values():  # no restart once the emulators are being stopped
             task.cancel()
         await self._stack.aclose()
+
+    @property
+    def up(self) -> bool:
+        """PrfaaS KV can cross now: always over the network; through the emulator unless it is down."""
+        return NAME not in self.down
 
     @property
     def generation(self) -> int:
@@ -122,7 +126,6 @@ class InterClusterLink:
                     why = f"no answer to a ping within {hb.deadline_s:g} s ({e!r})" if emulator.alive else repr(e)
             self.down[name] = why
             if name == NAME:
-                self.up = False
                 self.cut.set()  # transfers crossing it now fail at once rather than at their timeout
             log.error("link emulator %s (pid %d) left service: %s", name, emulator.pid, why)
             delay = RETRY_S
@@ -138,7 +141,7 @@ class InterClusterLink:
                 return
             del self.down[name]
             if name == NAME:
-                self.up, self.cut = True, asyncio.Event()
+                self.cut = asyncio.Event()
             self.restarts[name] += 1
             log.info("link emulator %s back (pid %d), %d routes", name, emulator.pid, len(emulator.routes) + 1)
 
@@ -183,6 +186,18 @@ class InterClusterLink:
                     watcher.cancel()
                 self.down.pop(f"{w.name}-link", None)
                 await emulator.__aexit__(None, None, None)
+
+    def kv_address(self, prefill: WorkerHandle, decode: WorkerHandle) -> list:
+        """Where ``prefill`` sends KV for ``decode``: through the emulator when it crosses clusters."""
+        assert decode.kv is not None
+        if prefill.cluster == "prfaas" and self.emulated:
+            assert self.emulator is not None
+            target = self.routes[decode.name]
+            port = self.emulator.port if target == self.emulator.target else self.emulator.routes.get(target)
+            if not port:  # the emulator restarting, or the route not answered yet: the prefill falls back
+                raise LinkNotReady(f"the link has no route to {decode.name} yet")
+            return ["127.0.0.1", port]
+        return list(decode.kv)
 
     def move_address(self, dst: WorkerHandle) -> list | None:
         """Where a cache move into ``dst`` goes, or None if ``dst`` takes none."""

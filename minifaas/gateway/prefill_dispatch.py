@@ -18,7 +18,7 @@ from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Abort, Decode, Failed, First, Pinned, Prefill, Prefilled
 from minifaas.gateway.cache_move import CacheMoves
 from minifaas.gateway.fallback import Fallback, PrefillFailed
-from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown, LinkNotReady
+from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import DecodeLost
@@ -161,7 +161,7 @@ class PrefillDispatch:
             link_start = await self._pinned(decode, rid, a.transfer) if a.link_start else 0
             choice = self.scheduler.codec(len(prompt), a.computed, link_start) if a.remote else None
             a.worker.send(Prefill(req=rid, transfer=a.transfer, tokens=prompt, sampling=sampling,
-                                  kv=kv_address(self.link, a.worker, decode), link_start=link_start,
+                                  kv=self.link.kv_address(a.worker, decode), link_start=link_start,
                                   codec=choice.codec if choice is not None else "none",
                                   seen_tokens=self.prefixes.seen_prefix(a.keys), import_=a.moved))  # fmt: skip
             sent = time.perf_counter()
@@ -225,19 +225,6 @@ class PrefillDispatch:
                     raise RuntimeError(f"decode worker {decode.name}: {msg.error}")
                 if isinstance(msg, Pinned) and msg.transfer == transfer:
                     return msg.tokens
-
-
-def kv_address(link: InterClusterLink, prefill: WorkerHandle, decode: WorkerHandle) -> list:
-    """Where ``prefill`` sends KV for ``decode``: through the link's emulator when it crosses clusters."""
-    assert decode.kv is not None
-    if prefill.cluster == "prfaas" and link.emulated:
-        assert link.emulator is not None
-        target = link.routes[decode.name]
-        port = link.emulator.port if target == link.emulator.target else link.emulator.routes.get(target)
-        if not port:  # the emulator restarting, or the route not answered yet: the prefill falls back
-            raise LinkNotReady(f"the link has no route to {decode.name} yet")
-        return ["127.0.0.1", port]
-    return list(decode.kv)
 
 
 async def _outcome(
