@@ -16,7 +16,7 @@ from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkReading
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.roles import RoleChanger, split_profiles
-from minifaas.gateway.workers import Workers
+from minifaas.gateway.workers import STAGES, Workers
 from minifaas.model.kv_profile import KVProfile
 from minifaas.policy.codec_policy import MODES, CodecChoice, CodecSample, CompressionPolicy, LinkShare, TransferShape
 from minifaas.policy.interfaces import CodecPolicy, LongTermControl, ShortTermControl
@@ -87,8 +87,7 @@ class LiveScheduler:
                 self.metrics.set_process(w.name, w.alive, w.rejoins)
             for name in self.link.emulators():
                 self.metrics.set_process(name, name not in self.link.down, self.link.restarts[name])
-            for stage, cluster, role in (("prfaas_prefill", "prfaas", "prefill"), ("pd_prefill", "pd", "prefill"),
-                                         ("decode", "pd", "decode")):  # fmt: skip
+            for stage, (cluster, role) in zip(("prfaas_prefill", "pd_prefill", "decode"), STAGES, strict=True):
                 self.metrics.set_queue_depth(stage, sum(w.requests for w in self.pool.of(cluster, role)))
             if not self.pool.closing:  # shutdown may have begun while the link answered: start no conversion now
                 self.tick(loop.time())

@@ -20,7 +20,7 @@ from minifaas.config import NAME_PREFIX, ServeConfig
 from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.worker_handle import WorkerHandle
-from minifaas.gateway.workers import Workers
+from minifaas.gateway.workers import STAGES, Workers
 from minifaas.launch.worker_specs import worker_spec
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
@@ -66,8 +66,7 @@ class RoleChanger:
     def long_term(self, config: LongTermConfig, profiles: Profiles, threshold: int) -> LongTermControl | None:
         """The long-term policy over this deployment's planning case, now that its workers are attached."""
         prefill, prfaas, decode = profiles
-        n_prfaas, n_p, n_d = (len(self.pool.of(c, r)) for c, r in (("prfaas", "prefill"), ("pd", "prefill"),
-                                                                     ("pd", "decode")))  # fmt: skip
+        n_prfaas, n_p, n_d = (len(self.pool.of(c, r)) for c, r in STAGES)
         if n_p + n_d < 2:
             plan_log.warning("no re-planning: the PD cluster has %d worker(s), the planner needs 2", n_p + n_d)
             return None

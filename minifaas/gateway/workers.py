@@ -57,6 +57,8 @@ ATTACH_TIMEOUT_S = 10.0  # one attempt: connect, handshake, the worker's answer
 WAIT_POLL_S = 0.25  # a request waiting for a worker (or the link) to come back looks again this often
 GATEWAY_ID = f"{socket.gethostname()}:{os.getpid()}"
 
+STAGES = (("prfaas", "prefill"), ("pd", "prefill"), ("pd", "decode"))  # (cluster, role) of each kind of worker
+
 
 class Busy(ControlError):
     """The worker serves another gateway."""
