@@ -26,7 +26,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
@@ -133,10 +133,6 @@ def raw_send(port: int, state: Any) -> float:
             sock.sendall(view)
         assert sock.recv(1) == b"k"
     return time.perf_counter() - start
-
-
-async def median_of(repeats: int, measure: Callable[[], Awaitable[float]]) -> float:
-    return statistics.median([await measure() for _ in range(repeats)])
 
 
 async def loopback(nbytes: int, repeats: int) -> None:

@@ -224,7 +224,6 @@ class Router:
         self.config = config
         self.paths: Counter[Path] = Counter()
         self.reasons: Counter[RouteReason] = Counter()
-        self.cache_moves = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -232,7 +231,6 @@ class Router:
         decision = decide(req, self.config)
         self.paths[decision.path] += 1
         self.reasons[decision.reason] += 1
-        self.cache_moves += decision.cache_move is not None
         if decision.path is not Path.REJECT:
             self.prompt_tokens += decision.prompt_tokens
             self.cached_tokens += decision.cached_tokens
