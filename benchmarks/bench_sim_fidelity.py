@@ -39,7 +39,9 @@ each cluster's prefill slowed by what its live workers took over what the profil
 the live gap between tokens), which leaves the simulator's own model (queues, routing, the link) as the
 error. Then the requests the twin at live speed misses most, with their routes, and where live TTFT goes by
 route (the gateway's per-request breakdown, the client's HTTP round trip) beside the profile's prefill time,
-and the live prefill beside the profile's by band of uncached tokens (``prefill_by_length``).
+and the live prefill beside the profile's by band of uncached tokens (``prefill_by_length``); last, the twin's
+TTFT error with its prefill 5% faster and 5% slower (``prefill_sensitivity``): how closely a profile must match
+the loaded workers.
 ``--json`` ends with one JSON object: ``ttft_mean_err``, ``ttft_p90_err``, ``throughput_err`` and the other
 errors of the twin, ``model_alone``, ``own_cores`` and ``at_live_speed`` with the same of the others, the trace,
 the load and the scaling. ``--quick`` is the short slice the tests run (40 requests); the same code path.
@@ -410,6 +412,15 @@ def simulated_timeline(config: SimConfig, workload: Workload) -> Timeline:
     )
 
 
+def slowed(profile: PrefillProfile, factor: float) -> PrefillProfile:
+    """The profile with every prefill ``factor`` times as long."""
+    return replace(
+        profile,
+        points=tuple(replace(q, latency_s=q.latency_s * factor) for q in profile.points),
+        latency_coeffs=tuple(c * factor for c in profile.latency_coeffs),
+    )
+
+
 def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> SimConfig:
     """The twin with each cluster's prefill as slow, over the profile, as its live workers were in this run, and
     a decode step as long as the live streams' mean gap between tokens after the second: what is left of the
@@ -422,11 +433,7 @@ def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> S
             continue
         charged = profile.latency_s(np.array([max(1, i["prompt_tokens"] - i["cached_tokens"]) for i in taken]))
         slower = sum(i["prefill_s"] for i in taken) / float(charged.sum())
-        changes[field] = replace(
-            profile,
-            points=tuple(replace(q, latency_s=q.latency_s * slower) for q in profile.points),
-            latency_coeffs=tuple(c * slower for c in profile.latency_coeffs),
-        )
+        changes[field] = slowed(profile, slower)
     # from the second token on: the first leaves before the state's tail, the second waits for it
     decoding = [s.arrivals for s in streams if len(s.arrivals) > 2]
     if decoding:
@@ -452,6 +459,20 @@ ROWS = (  # (label, figure, format)
     ("link bytes (KV)", "link_bytes", ",.0f"),
 )
 PARTS = ("dispatch_s", "queue_s", "prefill_s", "store_s", "control_s")  # the gateway's TTFT breakdown
+
+
+def prefill_sensitivity(
+    config: SimConfig, workload: Workload, live: dict[str, float], scales: tuple[float, ...] = (0.95, 1.05)
+) -> dict[str, dict[str, float | None]]:
+    """The twin's TTFT mean and p90 errors with both clusters' prefill times multiplied by each of ``scales``: how
+    closely the profile must match the loaded workers for the TTFT to fall within a given error."""
+    out = {}
+    for scale in scales:
+        sim = simulated_timeline(
+            replace(config, prfaas=slowed(config.prfaas, scale), pd_prefill=slowed(config.pd_prefill, scale)), workload
+        ).figures()
+        out[str(scale)] = {f"{key}_err": relative_error(sim[key], live[key]) for key in ("ttft_mean", "ttft_p90")}
+    return out
 
 
 def relative_error(sim: float, live: float) -> float | None:
@@ -638,6 +659,10 @@ def report(run: LiveRun, as_json: bool) -> None:
         live_ms, profile_ms = band["live_s"] * 1e3, band["profile_s"] * 1e3
         print(f"  [{band['tokens_from']}, {band['tokens_to']}) {band['requests']:>4} requests: live {live_ms:7.1f} ms, "
               f"profile {profile_ms:7.1f} ms, {live_ms / profile_ms:.2f}x, {live_ms - profile_ms:+.1f} ms")  # fmt: skip
+    sensitivity = prefill_sensitivity(config, workload, live_f)
+    print("\nthe twin's TTFT error with its prefill (both clusters) a little slower or faster:")
+    for scale, errs in sensitivity.items():
+        print(f"  x{scale}: TTFT mean {errs['ttft_mean_err']:+.1%}, p90 {errs['ttft_p90_err']:+.1%}")
     if as_json:
         out = {
             "bench": "sim_fidelity", "trace": TRACES[run.trace], "load": run.load, "load_fraction": LOADS[run.load],
@@ -651,6 +676,7 @@ def report(run: LiveRun, as_json: bool) -> None:
             "model_prefill_256_s": float(run.model.latency_s(256)),
             "worker_prefill_256_s": float(run.workers.latency_s(256)),
             "contention": list(run.contention), "delivery_s": run.delivery_s, "beside_decode": run.beside_decode,
+            "prefill_sensitivity": sensitivity,
         }  # fmt: skip
         print(figures.dumps(out))
 

@@ -49,6 +49,9 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, 
     fitted = run["at_live_speed"]
     assert abs(fitted["ttft_mean_err"]) < BOUND and abs(fitted["throughput_err"]) < BOUND, fitted
     assert abs(run["ttft_mean_err"]) < PROFILE_TTFT_BOUND, run
+    # a slower prefill queues longer: the twin's TTFT error grows with the profile's prefill time
+    faster, slower = run["prefill_sensitivity"]["0.95"], run["prefill_sensitivity"]["1.05"]
+    assert faster["ttft_mean_err"] < run["ttft_mean_err"] < slower["ttft_mean_err"], run["prefill_sensitivity"]
     # the machine's cores shared by its workers slow the twin's prefills toward live (routes may differ a little)
     assert run["sim"]["ttft_mean"] >= 0.95 * run["sim_own_cores"]["ttft_mean"], run
     # the workers' prefill against the model's alone: two timings taken a minute apart, each moving some 10% from
