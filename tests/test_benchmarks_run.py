@@ -2,7 +2,7 @@
 
 Each quoted command runs from the repository root as written plus ``--quick``
 (every benchmark's smoke run: smaller sizes and fewer repeats on the same code
-path) and ``--json``, less any ``--repeats N`` of the full run (``smoke_form``):
+path) and ``--json``, less any ``--repeats N`` or ``--sizes N`` of the full run (``smoke_form``):
 it must exit 0, print its table and end with one JSON line of finite figures.
 Two run at a time, each a process forked from the pre-loaded interpreter
 (``python`` in conftest.py). A benchmark whose own test runs it so and checks
@@ -42,12 +42,13 @@ def benchmark_commands(markdown: str) -> list[list[str]]:
 
 
 def smoke_form(argv: list[str]) -> tuple[str, ...]:
-    """A quoted command as its smoke run takes it: every run adds --json, and a full run's ``--repeats N``
-    gives way to the smoke run's own (one), so quotes that differ only in those are one run."""
+    """A quoted command as its smoke run takes it: every run adds --json, and a full run's ``--repeats N`` and
+    ``--sizes N`` give way to the smoke run's own (one repeat, small sizes), so quotes that differ only in those
+    are one run."""
     out: list[str] = []
     args = iter(argv)
     for a in args:
-        if a == "--repeats":
+        if a in ("--repeats", "--sizes"):
             next(args, None)  # and its value
         elif a != "--json":
             out.append(a)
@@ -103,8 +104,9 @@ def test_extraction() -> None:
     ]
 
 
-def test_a_full_runs_repeats_and_json_flag_are_left_to_the_smoke_run() -> None:
+def test_a_full_runs_repeats_sizes_and_json_flag_are_left_to_the_smoke_run() -> None:
     assert smoke_form(["b.py", "--repeats", "11", "--json", "--long", "256"]) == ("b.py", "--long", "256")
+    assert smoke_form(["b.py", "--sizes", "128,256", "--soak", "0"]) == ("b.py", "--soak", "0")
     assert smoke_form(["b.py", "--threads", "1"]) == ("b.py", "--threads", "1")
 
 
