@@ -412,15 +412,6 @@ def simulated_timeline(config: SimConfig, workload: Workload) -> Timeline:
     )
 
 
-def slowed(profile: PrefillProfile, factor: float) -> PrefillProfile:
-    """The profile with every prefill ``factor`` times as long."""
-    return replace(
-        profile,
-        points=tuple(replace(q, latency_s=q.latency_s * factor) for q in profile.points),
-        latency_coeffs=tuple(c * factor for c in profile.latency_coeffs),
-    )
-
-
 def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> SimConfig:
     """The twin with each cluster's prefill as slow, over the profile, as its live workers were in this run, and
     a decode step as long as the live streams' mean gap between tokens after the second: what is left of the
@@ -433,7 +424,7 @@ def at_live_speed(config: SimConfig, streams: list[Stream], live: Timeline) -> S
             continue
         charged = profile.latency_s(np.array([max(1, i["prompt_tokens"] - i["cached_tokens"]) for i in taken]))
         slower = sum(i["prefill_s"] for i in taken) / float(charged.sum())
-        changes[field] = slowed(profile, slower)
+        changes[field] = profile.slowed(slower)
     # from the second token on: the first leaves before the state's tail, the second waits for it
     decoding = [s.arrivals for s in streams if len(s.arrivals) > 2]
     if decoding:
@@ -469,7 +460,7 @@ def prefill_sensitivity(
     out = {}
     for scale in scales:
         sim = simulated_timeline(
-            replace(config, prfaas=slowed(config.prfaas, scale), pd_prefill=slowed(config.pd_prefill, scale)), workload
+            replace(config, prfaas=config.prfaas.slowed(scale), pd_prefill=config.pd_prefill.slowed(scale)), workload
         ).figures()
         out[str(scale)] = {f"{key}_err": relative_error(sim[key], live[key]) for key in ("ttft_mean", "ttft_p90")}
     return out

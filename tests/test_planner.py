@@ -148,6 +148,15 @@ def test_profiles_and_cases_load_from_toml_and_json(tmp_path) -> None:
     assert plan(case).prfaas.throughput_rps > 0
 
 
+def test_a_slowed_profile_takes_longer_by_its_factor_and_keeps_its_state_sizes() -> None:
+    fitted = paper_case().prfaas
+    for profile in (fitted, replace(fitted, latency_coeffs=())):  # a polynomial, then its table of points
+        slower = profile.slowed(1.5)
+        tokens = np.array([1, 512, 8192, 65536])
+        assert slower.latency_s(tokens) == pytest.approx(1.5 * profile.latency_s(tokens), rel=1e-12)
+        assert np.array_equal(slower.kv_bytes(tokens), profile.kv_bytes(tokens))
+
+
 def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError):
         paper_case().with_overrides(link_gbps=-1.0)

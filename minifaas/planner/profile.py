@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,11 @@ class PrefillProfile:
         if self.latency_coeffs:
             return np.polynomial.polynomial.polyval(x, self.latency_coeffs)
         return _interpolate(x, [p.tokens for p in self.points], [p.latency_s for p in self.points])
+
+    def slowed(self, factor: float) -> PrefillProfile:
+        """The same profile with every prefill ``factor`` times as long."""
+        points = tuple(ProfilePoint(p.tokens, p.latency_s * factor, p.kv_bytes) for p in self.points)
+        return replace(self, points=points, latency_coeffs=tuple(c * factor for c in self.latency_coeffs))
 
     def kv_bytes(self, tokens: np.ndarray | float) -> np.ndarray:
         """S_kv(l): bytes of state a prefill of ``tokens`` produces (fixed state plus growing KV)."""

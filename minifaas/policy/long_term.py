@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
@@ -18,7 +18,7 @@ import numpy as np
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.model import stages
-from minifaas.planner.profile import PrefillProfile, ProfilePoint
+from minifaas.planner.profile import PrefillProfile
 from minifaas.planner.search import SearchGrid, best_prfaas
 from minifaas.policy.signals import Signals
 
@@ -187,9 +187,7 @@ class LongTermPolicy:
         measured, profiled = self._measured.get(cluster, (0.0, 0.0))
         if measured <= 0 or profiled <= 0:
             return profile
-        ratio = measured / profiled
-        points = tuple(ProfilePoint(p.tokens, p.latency_s * ratio, p.kv_bytes) for p in profile.points)
-        return replace(profile, points=points, latency_coeffs=tuple(c * ratio for c in profile.latency_coeffs))
+        return profile.slowed(measured / profiled)
 
 
 def _best_threshold(case: PlanCase, grid: SearchGrid, n_prefill: int, n_decode: int) -> tuple[int, float]:
