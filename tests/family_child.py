@@ -19,10 +19,11 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 from weights import weights_digest
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.control.worker_ops import OPS, from_wire, to_wire
+from minifaas.control.worker_ops import OPS, from_wire
 from minifaas.model.layer_state import needs_snapshot
 from minifaas.model.loader import MODELS_DIR, ModelSpec, load_model
 from minifaas.model.runtime import ModelRuntime
@@ -59,7 +60,7 @@ async def main(secret: bytes) -> None:
             reply = {"op": "loaded", "digest": weights_digest(runtime.model)}
         else:
             assert service is not None, "load a family first"
-            reply = to_wire(await service.prefill(from_wire(msg, OPS)))
+            reply = msgspec.to_builtins(await service.prefill(from_wire(msg, OPS)))
         print(json.dumps(reply), flush=True)
     if service is not None:
         await service.close()

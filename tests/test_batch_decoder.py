@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from minifaas.control.worker_ops import Decode, Token
+from minifaas.control.worker_ops import Decode, Sampling, Token
 from minifaas.model.batch_cache import BatchCache, PaddedKVLayer
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
@@ -237,7 +237,7 @@ def test_decode_service_streams_tokens_and_an_abort_mid_step_stops_only_that_req
         async with asyncio.timeout(120), asyncio.TaskGroup() as tg:
             steps = tg.create_task(service.run())
             for i, r in enumerate(results):
-                msg = Decode(req=f"r{i}", transfer=i, sampling=params, tokens=[], link_start=0)
+                msg = Decode(req=f"r{i}", transfer=i, sampling=Sampling.of(params), tokens=[], link_start=0)
                 tg.create_task(service.decode(msg, lambda m: events[m.req].append(m)))
                 service.start(f"r{i}", r.next_token)
             while len(events["r1"]) < 3 or not service.stepping:  # "received" and two tokens, then mid-step
@@ -275,13 +275,13 @@ def test_a_request_aborted_and_sent_again_within_one_step_decodes_the_later_stat
         service.decoder.step = lambda: (gate.wait(30), step())[1]  # type: ignore[method-assign]  # hold one step
         async with asyncio.timeout(120), asyncio.TaskGroup() as tg:
             steps = tg.create_task(service.run())
-            busy_msg = Decode(req="busy", transfer=0, sampling=params, tokens=[], link_start=0)
+            busy_msg = Decode(req="busy", transfer=0, sampling=Sampling.of(params), tokens=[], link_start=0)
             tg.create_task(service.decode(busy_msg, lambda m: None))
             service.start("busy", busy.next_token)
             while not service.stepping:
                 await asyncio.sleep(0.001)
             for transfer, first in ((1, old), (2, new)):
-                msg = Decode(req="r", transfer=transfer, sampling=params, tokens=[], link_start=0)
+                msg = Decode(req="r", transfer=transfer, sampling=Sampling.of(params), tokens=[], link_start=0)
                 tg.create_task(service.decode(msg, events.append))
                 service.start("r", first.next_token)
                 while len(service.arrivals) < transfer:

@@ -6,41 +6,43 @@ import asyncio
 import os
 import shutil
 import struct
-from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+from msgspec import Meta, Struct
 from test_transport import tls_contexts
 
 from minifaas.control.heartbeat import Heartbeat, HeartbeatConfig, keep_alive
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
-from minifaas.control.session import Garbled, PeerSilent, Refused, Session, SessionLost, _wire, connect
-from minifaas.control.worker_ops import (
-    Address,
-    BadMessage,
-    Fields,
-    Int,
-    IntList,
-    Kind,
-    Number,
-    Optional,
-    Text,
-    check_fields,
-)
+from minifaas.control.session import _PREFIX, Garbled, PeerSilent, Refused, Session, SessionLost, _wire, connect
+from minifaas.control.worker_ops import BadMessage, Message, from_wire
+from minifaas.net.address import Address
 from minifaas.net.connections import CONTROL, prove_as_sender, prove_control_client
 
 SECRET = b"control-test-secret-0123456789"
-SCHEMAS = {"echo": {"n": Int(0, 100)}, "hang": {}, "bye": {}}
 
 
-def validate(message: dict, schemas: Mapping[str, Mapping[str, Kind]]) -> tuple[str, dict]:
-    """The message's op and the message, if its op's schema allows it."""
-    op = message.get("op")
-    if not isinstance(op, str) or op not in schemas:
-        raise BadMessage(f"unknown op {op!r}"[:100])
-    check_fields(message, {"op": Text(), **schemas[op]})
-    return op, message
+class Echo(Message, tag="echo"):
+    n: Annotated[int, Meta(ge=0, le=100)]
+
+
+class Hang(Message, tag="hang"):
+    pass
+
+
+class Bye(Message, tag="bye"):
+    pass
+
+
+SCHEMAS = {"echo": Echo, "hang": Hang, "bye": Bye}
+
+
+def validate(message: dict, schemas: dict[str, type[Message]]) -> tuple[str, dict]:
+    """The message's op and the message, if its op's class allows it."""
+    from_wire(message, schemas)
+    return message["op"], message
 
 
 async def _echo(server: ControlServer, session: Session) -> None:
@@ -137,6 +139,11 @@ def test_garbled_forged_and_oversized_frames_leave_the_server_serving() -> None:
                 session.send(bad)
                 reply = await session.recv(5)
                 assert reply is not None and reply["op"] == "error", bad
+            for body in (b'{"op":"echo","n":NaN}', b'{"op":"echo","n":1e999}', b'{"op":"echo","n":"\xff"}', b"[1]"):
+                session._writer.write(_PREFIX.pack(len(body)) + session._mac(b"c", session._sent, body) + body)
+                session._sent += 1  # signed, but not a JSON object of finite numbers
+                reply = await session.recv(5)
+                assert reply is not None and reply["op"] == "error", body
             session.send({"op": "echo", "n": 7})  # the session goes on after signed but bad messages
             assert await session.recv(5) == {"op": "echo", "n": 7}
             session.close()
@@ -233,27 +240,31 @@ def test_heartbeat_rule() -> None:
         HeartbeatConfig(5.0, 5.0)
 
 
+class Sub(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(max_length=3)]
+
+
+class Go(Message, tag="go"):
+    tokens: Annotated[list[Annotated[int, Meta(ge=0, le=255)]], Meta(max_length=4)]
+    kv: Address
+    sub: Sub
+    rate: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+
+
 def test_schema() -> None:
-    schemas = {
-        "go": {
-            "tokens": IntList(0, 255, max_len=4),
-            "kv": Address(),
-            "rate": Optional(Number(0.0, 1.0)),
-            "sub": Fields({"name": Text(3)}),
-        }
-    }
+    schemas = {"go": Go}
     good = {"op": "go", "tokens": [1, 2], "kv": ["h", 80], "sub": {"name": "abc"}}
     assert validate(good, schemas) == ("go", good)
     for bad, why in [
-        ({**good, "tokens": [1, 256]}, "item 1"),
-        ({**good, "tokens": [1] * 5}, "at most 4"),
-        ({**good, "tokens": [True]}, "integer"),
-        ({**good, "kv": ["h", 0]}, "outside"),
-        ({**good, "rate": float("nan")}, "finite"),
-        ({**good, "rate": 2}, "outside"),
-        ({**good, "sub": {"name": "abcd"}}, "at most 3"),
-        ({**good, "sub": {"name": "a", "x": 1}}, "unknown fields"),
-        ({k: v for k, v in good.items() if k != "kv"}, "missing"),
+        ({**good, "tokens": [1, 256]}, r"<= 255 - at `\$.tokens\[1\]`"),
+        ({**good, "tokens": [1] * 5}, "length <= 4"),
+        ({**good, "tokens": [True]}, "got `bool`"),
+        ({**good, "kv": ["h", 0]}, r">= 1 - at `\$.kv\[1\]`"),
+        ({**good, "kv": ["h"]}, "length 2"),
+        ({**good, "rate": 2}, r"<= 1.0 - at `\$.rate`"),
+        ({**good, "sub": {"name": "abcd"}}, "length <= 3"),
+        ({**good, "sub": {"name": "a", "x": 1}}, "unknown field `x`"),
+        ({k: v for k, v in good.items() if k != "kv"}, "missing required field `kv`"),
         ({**good, "op": "stop"}, "unknown op"),
         ({**good, "op": 3}, "unknown op"),
     ]:

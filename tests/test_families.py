@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from family_child import BLOCK, FAMILIES, family_runtime
@@ -30,7 +31,7 @@ from weights import weights_digest
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.commands.main import main
-from minifaas.control.worker_ops import Prefill, to_wire
+from minifaas.control.worker_ops import Prefill, Sampling
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.interleaved_decoder import DecodeStream, InterleavedDecoder
@@ -125,8 +126,8 @@ async def prefill_remotely(child: Child, rt: ModelRuntime) -> dict[str, tuple[di
         receiver = JoiningReceiver(rx, kept, time.monotonic)
         for transfer, (name, (ids, keep)) in enumerate(PROMPTS.items()):
             link_start = kept.pin(transfer, ids, keep, time.monotonic())
-            msg = to_wire(Prefill(req=name, tokens=ids, sampling=GREEDY, transfer=transfer, kv=["127.0.0.1", rx.port],
-                                  link_start=link_start))  # fmt: skip
+            msg = msgspec.to_builtins(Prefill(req=name, tokens=ids, sampling=Sampling.of(GREEDY), transfer=transfer,
+                                  kv=["127.0.0.1", rx.port], link_start=link_start))  # fmt: skip
             reply, state = await asyncio.gather(child.ask(msg), receiver.transfer(transfer).model_state())
             out[name] = ({**reply, "link_start": link_start}, state)
     return out

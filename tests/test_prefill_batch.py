@@ -17,7 +17,7 @@ import torch
 from conftest import decodes_as_alone
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.control.worker_ops import Prefill, Prefilled
+from minifaas.control.worker_ops import Prefill, Prefilled, Sampling
 from minifaas.model.layer_state import ModelState, needs_snapshot
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -51,8 +51,8 @@ async def prefilled(
     async with KVReceiver(ReceiverConfig(SECRET)) as rx:
 
         async def one(i: int, tokens: list[int]) -> tuple[Prefilled, ModelState]:
-            msg = Prefill(req=f"r{i}", tokens=tokens, sampling=PARAMS, transfer=i, kv=["127.0.0.1", rx.port],
-                          link_start=0)  # fmt: skip
+            msg = Prefill(req=f"r{i}", tokens=tokens, sampling=Sampling.of(PARAMS), transfer=i,
+                          kv=["127.0.0.1", rx.port], link_start=0)  # fmt: skip
             reply, state = await asyncio.gather(service.prefill(msg), rx.transfer(i).model_state())
             return reply, state
 

@@ -19,13 +19,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 from hand_started import HandStarted, alive, start_all, write_secret
 
 from minifaas.config import ClusterConfig, ServeConfig
 from minifaas.control.secret import load_secret
 from minifaas.control.session import Refused, Session, connect
-from minifaas.control.worker_ops import Prefill, to_wire
+from minifaas.control.worker_ops import Prefill, Sampling
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.workers import Busy, attach
@@ -114,7 +115,8 @@ def test_control_port_refuses_strangers_a_second_gateway_and_bad_messages(cluste
             {"op": "decode", "req": "x", "transfer": 1, "tokens": [1], "link_start": 0,
              "sampling": {"max_tokens": 1, "temperature": 0, "top_p": 1, "seed": 0, "stop_token_ids": [],
                           "ignore_eos": False}},  # a prefill worker does not decode
-            {**to_wire(Prefill(req="x", transfer=1, tokens=[1], sampling=PARAMS, kv=["h", 1], link_start=0)),
+            {**msgspec.to_builtins(Prefill(req="x", transfer=1, tokens=[1], sampling=Sampling.of(PARAMS), kv=("h", 1),
+                                            link_start=0)),
              "codec": "zip"},  # a codec the worker does not know
             {"op": "start", "req": "x", "next_token": 1e308},
             {"op": "abort", "req": ["not", "a", "string"]},

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from minifaas.control.worker_ops import SAMPLING
+from minifaas.control.worker_ops import Sampling
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.interleaved_decoder import InterleavedDecoder, generate
@@ -71,7 +71,7 @@ def test_out_of_range_values_are_refused_by_name(field: str, value: float) -> No
 
 def test_the_new_fields_cross_the_control_channel() -> None:
     p = SamplingParams(max_tokens=9, top_k=5, min_tokens=3, presence_penalty=0.5, frequency_penalty=-0.25, seed=4)
-    assert SAMPLING.load(SAMPLING.dump(p)) == p
+    assert Sampling.of(p).params() == p
 
 
 def drive(decoder: BatchDecoder | InterleavedDecoder, arrivals: list[tuple]) -> dict[str, list[int]]:

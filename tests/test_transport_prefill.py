@@ -17,7 +17,7 @@ import torch
 from conftest import decodes_as_alone
 
 from minifaas.cache.pool import PoolConfig
-from minifaas.control.worker_ops import Prefill, Prefilled
+from minifaas.control.worker_ops import Prefill, Prefilled, Sampling
 from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import LayerState, ModelState, needs_snapshot
 from minifaas.model.loader import preset_names
@@ -66,8 +66,8 @@ def test_chunked_prefill_through_the_service_decodes_like_generate(runtime: Mode
         out = []
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
             for i, tokens in enumerate([FIRST, SECOND]):
-                msg = Prefill(req=f"r{i}", tokens=tokens, sampling=PARAMS, transfer=i, kv=["127.0.0.1", rx.port],
-                              link_start=0)  # fmt: skip
+                msg = Prefill(req=f"r{i}", tokens=tokens, sampling=Sampling.of(PARAMS), transfer=i,
+                              kv=["127.0.0.1", rx.port], link_start=0)  # fmt: skip
                 out.append(await asyncio.gather(service.prefill(msg), rx.transfer(i).model_state()))
         await service.close()
         return out
@@ -133,8 +133,8 @@ def test_an_aborted_prefill_stops_part_way_and_the_next_prompt_runs_alone() -> N
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
 
             def msg(req: str, tokens: list[int], transfer: int) -> Prefill:
-                return Prefill(req=req, tokens=tokens, sampling=PARAMS, transfer=transfer, kv=["127.0.0.1", rx.port],
-                               link_start=0)  # fmt: skip
+                return Prefill(req=req, tokens=tokens, sampling=Sampling.of(PARAMS), transfer=transfer,
+                               kv=["127.0.0.1", rx.port], link_start=0)  # fmt: skip
 
             running = asyncio.create_task(service.prefill(msg("long", long, 0)))
             queued = asyncio.create_task(service.prefill(msg("queued", long, 1)))
@@ -177,7 +177,7 @@ def test_a_prompts_blocks_are_stored_after_its_reply_and_before_the_next_prompt_
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
             replies = []
             for transfer in (0, 1):  # the same prompt twice, the second sent the moment the first is answered
-                msg = Prefill(req=f"r{transfer}", tokens=tokens, sampling=PARAMS, transfer=transfer,
+                msg = Prefill(req=f"r{transfer}", tokens=tokens, sampling=Sampling.of(PARAMS), transfer=transfer,
                               kv=["127.0.0.1", rx.port], link_start=0)  # fmt: skip
                 reply, _ = await asyncio.gather(service.prefill(msg), rx.transfer(transfer).model_state())
                 replies.append(reply)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from minifaas.commands.serve import add_arguments, config_from_args
 from minifaas.commands.worker import parse_args
 from minifaas.config import ClusterConfig, InterClusterLinkConfig, SchedulerConfig, ServeConfig
-from minifaas.control.worker_ops import OPS, Decode, from_wire, to_wire
+from minifaas.control.worker_ops import OPS, Decode, Sampling, from_wire
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.sampling import SamplingParams
 from minifaas.net.address import parse_address
@@ -82,8 +83,8 @@ def test_the_worker_protocol_takes_every_sampling_field_the_gateway_sends() -> N
         max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_tokens=2, presence_penalty=-1.5,
         frequency_penalty=2.0, seed=3, stop_token_ids=(1, 2), ignore_eos=True,
     )  # fmt: skip
-    decode = Decode(req="r", transfer=7, tokens=[1, 2, 3], link_start=0, sampling=params)
-    assert from_wire(to_wire(decode), OPS) == decode and decode.sampling == params
+    decode = Decode(req="r", transfer=7, tokens=[1, 2, 3], link_start=0, sampling=Sampling.of(params))
+    assert from_wire(msgspec.to_builtins(decode), OPS) == decode and decode.sampling.params() == params
 
 
 def _threads(c: ServeConfig) -> dict[str, int]:

@@ -236,33 +236,6 @@ class CacheEvent:
     nbytes: int
     at: float
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "kind": self.kind.value,
-            "entry": self.entry.value,
-            "cluster": self.pool,
-            "node": self.node,
-            "key": self.key.hex(),
-            "parent": self.parent.hex(),
-            "length": self.length,
-            "nbytes": self.nbytes,
-            "at": self.at,
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict[str, object]) -> CacheEvent:
-        return cls(
-            EventKind(str(obj["kind"])),
-            EntryKind(str(obj["entry"])),
-            str(obj["cluster"]),
-            str(obj["node"]),
-            bytes.fromhex(str(obj["key"])),
-            bytes.fromhex(str(obj["parent"])),
-            int(obj["length"]),  # type: ignore[call-overload]
-            int(obj["nbytes"]),  # type: ignore[call-overload]
-            float(obj["at"]),  # type: ignore[arg-type]
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class PoolMatch:

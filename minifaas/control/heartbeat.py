@@ -55,7 +55,7 @@ class Heartbeat:
 
 
 async def keep_alive(
-    session: Session, config: HeartbeatConfig, on_message: Callable[[dict], None], ping: Callable[[], dict]
+    session: Session, config: HeartbeatConfig, on_message: Callable[[dict], None], ping: Callable[[], object]
 ) -> SessionLost:
     """Ping and listen until the session is lost; every message goes to ``on_message``. Returns why it ended."""
     loop = asyncio.get_running_loop()

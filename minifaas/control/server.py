@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from minifaas.control.session import MAX_BYTES, ControlError, Session, accept
-from minifaas.control.worker_ops import Taken, to_wire
+from minifaas.control.worker_ops import Taken
 
 log = logging.getLogger("minifaas.control")
 LOG_EVERY_S = 10.0
@@ -95,7 +95,7 @@ class ControlServer:
             self._pending -= 1
         if self.active is not None:
             with contextlib.suppress(ControlError):
-                session.send(to_wire(Taken(error=f"another client ({self.active.peer}) is attached")))
+                session.send(Taken(error=f"another client ({self.active.peer}) is attached"))
                 await session.drain(self.handshake_timeout)
             self._refuse(f"{session.peer} while {self.active.peer} is attached")
             return

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import ssl as ssl_module
 import struct
+
+import msgspec
 
 from minifaas.net.channel import Channel
 from minifaas.net.connections import MAC_BYTES, prove_control_client, verify_control_client
@@ -72,11 +73,12 @@ class Session:
     def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
         return hmac.new(self._key, direction + seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
 
-    def send(self, message: dict) -> None:
-        """Queue one message (call ``drain`` now and then); raises SessionLost once the session is over."""
+    def send(self, message: object) -> None:
+        """Queue one message, a dict or a msgspec Struct (call ``drain`` now and then); raises SessionLost once the
+        session is over."""
         if self.closed or self._writer.is_closing():
             raise SessionLost(f"the session with {self.peer} is closed")
-        body = json.dumps(message, separators=(",", ":")).encode()
+        body = msgspec.json.encode(message)
         self._writer.write(_PREFIX.pack(len(body)) + self._mac(self._out, self._sent, body) + body)
         self._sent += 1
 
@@ -110,8 +112,8 @@ class Session:
             raise Forged(f"frame {self._received} from {self.peer} does not carry the session's MAC")
         self._received += 1
         try:
-            message = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            message = msgspec.json.decode(body)
+        except msgspec.DecodeError as e:  # malformed, not UTF-8, or a NaN or infinite number
             raise Garbled(f"not JSON: {e}") from None
         if not isinstance(message, dict):
             raise Garbled(f"a JSON {type(message).__name__}, not an object")

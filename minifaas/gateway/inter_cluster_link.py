@@ -20,6 +20,7 @@ from minifaas.emulator.emulator_process import EmulatorControl, EmulatorError, E
 from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.launch.startup import StartupListener, reported
+from minifaas.net.address import Address
 from minifaas.net.connections import TcpInfo
 from minifaas.net.link_health import LinkMonitor
 
@@ -187,7 +188,7 @@ class InterClusterLink:
                 self.down.pop(f"{w.name}-link", None)
                 await emulator.__aexit__(None, None, None)
 
-    def kv_address(self, prefill: WorkerHandle, decode: WorkerHandle) -> list:
+    def kv_address(self, prefill: WorkerHandle, decode: WorkerHandle) -> Address:
         """Where ``prefill`` sends KV for ``decode``: through the emulator when it crosses clusters."""
         assert decode.kv is not None
         if prefill.cluster == "prfaas" and self.emulated:
@@ -196,18 +197,18 @@ class InterClusterLink:
             port = self.emulator.port if target == self.emulator.target else self.emulator.routes.get(target)
             if not port:  # the emulator restarting, or the route not answered yet: the prefill falls back
                 raise LinkNotReady(f"the link has no route to {decode.name} yet")
-            return ["127.0.0.1", port]
-        return list(decode.kv)
+            return ("127.0.0.1", port)
+        return decode.kv
 
-    def move_address(self, dst: WorkerHandle) -> list | None:
+    def move_address(self, dst: WorkerHandle) -> Address | None:
         """Where a cache move into ``dst`` goes, or None if ``dst`` takes none."""
         if dst.kv is None:
             return None
         if self.emulated:
             emulator = self.move_links.get(dst.name)
             up = emulator is not None and f"{dst.name}-link" not in self.down
-            return ["127.0.0.1", emulator.port] if up else None  # type: ignore[union-attr]
-        return list(dst.kv)
+            return ("127.0.0.1", emulator.port) if up else None  # type: ignore[union-attr]
+        return dst.kv
 
     async def sample(self, prfaas: list[WorkerHandle], now: float) -> LinkReading | None:
         """The link now, or None when there is nothing to read (no emulator yet, or it did not answer)."""

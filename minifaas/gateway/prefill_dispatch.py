@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
-from minifaas.control.worker_ops import Abort, Decode, Failed, First, Pinned, Prefill, Prefilled
+from minifaas.control.worker_ops import Abort, Decode, Failed, First, Pinned, Prefill, Prefilled, Sampling
 from minifaas.gateway.cache_move import CacheMoves
 from minifaas.gateway.fallback import Fallback, PrefillFailed
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown
@@ -152,7 +152,7 @@ class PrefillDispatch:
             asked = time.perf_counter()
             if not decode.alive:
                 raise DecodeLost(f"decode worker {decode.name} is not attached")
-            sampling = a.request.sampling
+            sampling = Sampling.of(a.request.sampling)  # with the seed resolved: both workers sample alike
             try:  # its session may have ended before the pool noticed: the decode side is gone, not this prefill
                 decode.send(Decode(req=rid, transfer=a.transfer, sampling=sampling, tokens=prompt,
                                    link_start=a.link_start))  # fmt: skip

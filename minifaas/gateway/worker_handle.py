@@ -30,7 +30,6 @@ from minifaas.control.worker_ops import (
     ReplyMessage,
     Tokens,
     from_wire,
-    to_wire,
 )  # fmt: skip
 from minifaas.launch.launcher import WorkerError, WorkerSpec
 from minifaas.net.address import Address
@@ -120,7 +119,7 @@ class WorkerHandle:
         assert self.session is not None
         lost: SessionLost | None = None
         try:
-            lost = await keep_alive(self.session, heartbeat, self._deliver, lambda: to_wire(Ping()))
+            lost = await keep_alive(self.session, heartbeat, self._deliver, Ping)
             return lost
         finally:
             self.alive = False
@@ -137,7 +136,7 @@ class WorkerHandle:
         while not pool.closing:
             msg = await inbox.get()
             if isinstance(msg, CacheEvents):
-                prefixes.apply(msg.events)
+                prefixes.apply([e.event() for e in msg.events])
             elif isinstance(msg, Lost) and self.retired:
                 prefixes.drop(self.name)
                 return
@@ -151,7 +150,7 @@ class WorkerHandle:
             log.warning("worker %s: unreadable reply: %s", self.name, e)
             return
         if isinstance(msg, Pong):
-            self.tcp = {key: TcpInfo(**info) for key, info in (msg.tcp or {}).items()}
+            self.tcp = msg.tcp or {}
             self.queued_bytes = msg.queued_bytes or 0
             return
         if isinstance(msg, Tokens):  # one decode step's tokens, each to its request's inbox
@@ -184,7 +183,7 @@ class WorkerHandle:
         if not self.alive or self.session is None:
             raise WorkerError(f"worker {self.name} is not attached")
         try:
-            self.session.send(to_wire(message))
+            self.session.send(message)
         except ControlError as e:
             raise WorkerError(f"worker {self.name}: {e}") from None
 

@@ -36,7 +36,6 @@ from minifaas.control.worker_ops import (
     ReplyMessage,
     Taken,
     from_wire,
-    to_wire,
 )  # fmt: skip
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.worker_handle import Lost, WorkerHandle
@@ -70,7 +69,7 @@ async def attach(
     """A session with the worker at ``address`` and what it said it is; raises ControlError."""
     session = await connect(*address, secret, timeout, ssl)
     try:
-        session.send(to_wire(Attach(gateway=GATEWAY_ID)))
+        session.send(Attach(gateway=GATEWAY_ID))
         await session.drain(timeout)
         hello = await session.recv(timeout)
     except BaseException:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-Address = tuple[str, int]
+from typing import Annotated
+
+from msgspec import Meta
+
+# the bounds are for a control message that carries one
+Address = tuple[Annotated[str, Meta(max_length=253)], Annotated[int, Meta(ge=1, le=65535)]]
 
 
 def parse_address(text: str) -> Address:

@@ -81,7 +81,7 @@ class DecodeService:
 
     async def decode(self, msg: Decode, emit: Emit) -> None:
         """Wait for the state and the first token, then hand the request to the decoder."""
-        req, transfer, sampling = msg.req, msg.transfer, msg.sampling
+        req, transfer, sampling = msg.req, msg.transfer, msg.sampling.params()
         incoming = self.receiver.transfer(transfer)
         first = self._first_token(req)
         try:

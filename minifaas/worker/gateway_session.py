@@ -9,7 +9,6 @@ pool's inventory; a decode step's tokens leave as one ``tokens`` frame, ahead of
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import traceback
@@ -31,6 +30,7 @@ from minifaas.control.worker_ops import (
     Decode,
     Done,
     Error,
+    Event,
     Export,
     Failed,
     Load,
@@ -45,7 +45,6 @@ from minifaas.control.worker_ops import (
     Token,
     Tokens,
     from_wire,
-    to_wire,
 )  # fmt: skip
 from minifaas.net.errors import TransferError
 from minifaas.worker.decode_service import DecodePrefixCache, DecodeService
@@ -90,18 +89,18 @@ class WorkerSession:
     def send(self, message: ReplyMessage) -> None:
         self.send_tokens()
         if not self.session.closed:  # after the session ended its requests answer no one
-            self.session.send(to_wire(message))
+            self.session.send(message)
 
     def send_tokens(self) -> None:
         """The token messages held back so far, as one ``tokens`` message."""
         if self.tokens:
             tokens, self.tokens = self.tokens, []
             if not self.session.closed:
-                self.session.send(to_wire(Tokens(tokens=tokens)))
+                self.session.send(Tokens(tokens=tokens))
 
     def send_cache_events(self) -> None:
         if self.pool is not None and (events := self.pool.drain_events()):
-            self.send(CacheEvents(req=CACHE_EVENTS, events=events))
+            self.send(CacheEvents(req=CACHE_EVENTS, events=[Event.of(e) for e in events]))
 
     def emit(self, message: ReplyMessage) -> None:
         self.send_cache_events()  # the pool's changes go out before the news that follows them
@@ -152,7 +151,7 @@ class WorkerSession:
                            kernels=node.kernels, deadline_s=self.deadline_s))  # fmt: skip
         events = self.pool.inventory(time.perf_counter()) if self.pool is not None else []
         for i in range(0, len(events), INVENTORY_BATCH):
-            self.send(CacheEvents(req=CACHE_EVENTS, events=events[i : i + INVENTORY_BATCH]))
+            self.send(CacheEvents(req=CACHE_EVENTS, events=[Event.of(e) for e in events[i : i + INVENTORY_BATCH]]))
 
     def ping(self, msg: Ping) -> None:
         self.send(Pong())
@@ -227,7 +226,7 @@ class PrefillSession(WorkerSession):
         for (host, port), sender in self.service.senders.items():
             queued += sender.queued_bytes
             for key, info in sender.tcp_infos().items():
-                tcp[f"{host}:{port}/{key}"] = dataclasses.asdict(info)
+                tcp[f"{host}:{port}/{key}"] = info
         self.send(Pong(tcp=tcp, queued_bytes=queued))
 
     async def work(self, msg: Job) -> None:

@@ -220,7 +220,7 @@ class PrefillJob:
 
     @property
     def sampling(self) -> SamplingParams:
-        return self.msg.sampling
+        return self.msg.sampling.params()
 
 
 def _prefilled(
