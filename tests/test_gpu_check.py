@@ -53,30 +53,32 @@ def test_asking_for_cuda_without_it_fails_rather_than_skips() -> None:
     assert done.returncode != 0 and "sees no CUDA device" in done.stderr, done.stderr[-2000:]
 
 
-@pytest.mark.slow  # two probe processes
-@pytest.mark.parametrize("spoil", ["five percent", "nan"])
-def test_an_error_past_the_tolerance_or_a_nan_fails_the_step_and_says_why(tmp_path: Path, spoil: str) -> None:
-    """The kernels step against a reference whose logits are 5% off, or hold a NaN: it exits 1 naming the figure."""
-    common = ["--model", "kimi-linear-tiny", "--tokens", "48", "--file", str(tmp_path)]
-    done = subprocess.run(
-        [sys.executable, PROBE, "reference", *common], capture_output=True, text=True, timeout=180, cwd=ROOT
-    )
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory: pytest.TempPathFactory, python: Preloaded) -> Path:
+    """The kernels step's reference for kimi-linear-tiny, made once by the probe's ``reference`` step."""
+    where = tmp_path_factory.mktemp("reference")
+    argv = [PROBE, "reference", "--model", "kimi-linear-tiny", "--tokens", "48", "--file", str(where)]
+    done = python.run(argv, cwd=ROOT, env=dict(os.environ), timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
-    ref_file = tmp_path / "kimi-linear-tiny.pt"
-    saved = torch.load(ref_file, weights_only=False)
+    return where
+
+
+@pytest.mark.slow  # a probe process each, beside the reference's
+@pytest.mark.parametrize("spoil", ["five percent", "nan"])
+def test_an_error_past_the_tolerance_or_a_nan_fails_the_step_and_says_why(
+    tmp_path: Path, reference_dir: Path, python: Preloaded, spoil: str
+) -> None:
+    """The kernels step against a reference whose logits are 5% off, or hold a NaN: it exits 1 naming the figure."""
+    saved = torch.load(reference_dir / "kimi-linear-tiny.pt", weights_only=False)
     logits = (
         saved["logits"] * 1.05
         if spoil == "five percent"
         else saved["logits"].index_fill(0, torch.tensor([3]), math.nan)
     )
-    torch.save({**saved, "logits": logits}, ref_file)
-    done = subprocess.run(
-        [sys.executable, PROBE, "kernels", *common, "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-    )
+    torch.save({**saved, "logits": logits}, tmp_path / "kimi-linear-tiny.pt")
+    argv = [PROBE, "kernels", "--model", "kimi-linear-tiny", "--tokens", "48", "--file", str(tmp_path)]
+    argv += ["--device", "cpu"]
+    done = python.run(argv, cwd=ROOT, env=dict(os.environ), timeout=180)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert done.returncode == 1 and result["ok"] is False, result
     expected = "prefill_logits error" if spoil == "five percent" else "errors.prefill_logits is not finite"
