@@ -2,7 +2,8 @@
 
 Each quoted command runs from the repository root as written plus ``--quick``
 (every benchmark's smoke run: smaller sizes and fewer repeats on the same code
-path) and ``--json``, less any ``--repeats N`` or ``--sizes N`` of the full run (``smoke_form``):
+path) and ``--json``, less any ``--repeats N`` or ``--sizes N`` of the full run, and with this checkout as
+any ``--against-tree PATH`` (``smoke_form``):
 it must exit 0, print its table and end with one JSON line of finite figures.
 Two run at a time, each a process forked from the pre-loaded interpreter
 (``python`` in conftest.py). A benchmark whose own test runs it so and checks
@@ -44,12 +45,15 @@ def benchmark_commands(markdown: str) -> list[list[str]]:
 def smoke_form(argv: list[str]) -> tuple[str, ...]:
     """A quoted command as its smoke run takes it: every run adds --json, and a full run's ``--repeats N`` and
     ``--sizes N`` give way to the smoke run's own (one repeat, small sizes), so quotes that differ only in those
-    are one run."""
+    are one run. ``--against-tree PATH`` names a checkout on the machine that ran it: here, this one."""
     out: list[str] = []
     args = iter(argv)
     for a in args:
         if a in ("--repeats", "--sizes"):
             next(args, None)  # and its value
+        elif a == "--against-tree":
+            out += [a, str(ROOT)]
+            next(args, None)
         elif a != "--json":
             out.append(a)
     return tuple(out)
