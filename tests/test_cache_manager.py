@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from minifaas.cache.pool import PoolConfig
 from minifaas.cache.prefix_index import EventKind, GlobalCacheManager, PromptKeys
-from minifaas.control.worker_ops import CACHE_EVENTS, REPLIES, CacheEvents, Event, from_wire
+from minifaas.control.worker_ops import CACHE_EVENTS, REPLIES, CacheEvents, WireEvent, from_wire
 from minifaas.policy.router import CacheMove, NodeView, Path, RouteInput, Router, RouteReason, Rule
 from minifaas.sim.prefix import SizedPool, cluster_view
 
@@ -133,6 +133,6 @@ def test_events_survive_a_json_round_trip() -> None:
     ps = pools()
     prefill(ps["pd"], list(range(20)), node="p0", now=3.5)
     events = ps["pd"].drain_events()
-    sent = msgspec.json.encode(CacheEvents(req=CACHE_EVENTS, events=[Event.of(e) for e in events]))
+    sent = msgspec.json.encode(CacheEvents(req=CACHE_EVENTS, events=[WireEvent.of(e) for e in events]))
     got = from_wire(msgspec.json.decode(sent), REPLIES)
     assert events and isinstance(got, CacheEvents) and [e.event() for e in got.events] == events

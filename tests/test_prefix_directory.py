@@ -7,7 +7,7 @@ import msgspec
 from minifaas.cache.pool import PoolConfig
 from minifaas.cache.prefix_index import CacheEvent, PrefixDirectory, PromptKeys
 from minifaas.config import CacheConfig
-from minifaas.control.worker_ops import Event
+from minifaas.control.worker_ops import WireEvent
 from minifaas.sim.prefix import SizedPool
 
 BLOCK = 8
@@ -22,8 +22,8 @@ def _events(node: str, tokens: list[int], snapshots: bool = True) -> list[CacheE
     else:  # a decode node keeps blocks only
         for j in range(keys.num_full_blocks):
             pool.put_block(keys, j, 0.0, 100)
-    sent = [msgspec.json.encode(Event.of(e)) for e in pool.drain_events()]
-    return [msgspec.json.decode(e, type=Event).event() for e in sent]  # as they arrive at the gateway
+    sent = [msgspec.json.encode(WireEvent.of(e)) for e in pool.drain_events()]
+    return [msgspec.json.decode(e, type=WireEvent).event() for e in sent]  # as they arrive at the gateway
 
 
 def _directory(config: CacheConfig, nodes: list[str]) -> PrefixDirectory:

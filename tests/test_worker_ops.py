@@ -23,7 +23,6 @@ from minifaas.control.worker_ops import (
     Decode,
     Done,
     Error,
-    Event,
     Export,
     Exported,
     Failed,
@@ -41,6 +40,7 @@ from minifaas.control.worker_ops import (
     Taken,
     Token,
     Tokens,
+    WireEvent,
     from_wire,
 )  # fmt: skip
 from minifaas.model.sampling import SamplingParams
@@ -81,7 +81,7 @@ PAIRS = [  # (the message written out by hand, as a dataclass)
      Attached(name="p0", role="prefill", cluster="prfaas", model="m", kv=None, pid=43,
               codecs={"fp8": [100.0, 50.0, 0.01, 0.02]}, kernels="fla", deadline_s=5)),
     ({"op": "cache", "req": "@cache", "events": [EVENT]},
-     CacheEvents(req="@cache", events=[msgspec.convert(EVENT, Event)])),
+     CacheEvents(req="@cache", events=[msgspec.convert(EVENT, WireEvent)])),
     ({"op": "pong"}, Pong()),
     ({"op": "pong", "tcp": {"h:1/0": TCP}, "queued_bytes": 0}, Pong(tcp={"h:1/0": TcpInfo(**TCP)}, queued_bytes=0)),
     ({"op": "first", "req": "r", "transfer": 5, "next_token": 11}, First(req="r", transfer=5, next_token=11)),

@@ -74,7 +74,7 @@ class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
         return SamplingParams(**fields | {"stop_token_ids": tuple(self.stop_token_ids)})
 
 
-class Event(Struct, frozen=True, forbid_unknown_fields=True):
+class WireEvent(Struct, frozen=True, forbid_unknown_fields=True):
     """A CacheEvent as it crosses, its keys in hex."""
 
     kind: EventKind
@@ -88,7 +88,7 @@ class Event(Struct, frozen=True, forbid_unknown_fields=True):
     at: float
 
     @classmethod
-    def of(cls, e: CacheEvent) -> Event:
+    def of(cls, e: CacheEvent) -> WireEvent:
         return cls(e.kind, e.entry, e.pool, e.node, e.key.hex(), e.parent.hex(), e.length, e.nbytes, e.at)
 
     def event(self) -> CacheEvent:
@@ -170,7 +170,7 @@ class Attached(Message, tag="attached", kw_only=True):
 
 class CacheEvents(Message, tag="cache"):
     req: Req
-    events: list[Event]
+    events: list[WireEvent]
 
 
 class Pong(Message, tag="pong"):

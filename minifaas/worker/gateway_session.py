@@ -30,7 +30,6 @@ from minifaas.control.worker_ops import (
     Decode,
     Done,
     Error,
-    Event,
     Export,
     Failed,
     Load,
@@ -44,6 +43,7 @@ from minifaas.control.worker_ops import (
     Start,
     Token,
     Tokens,
+    WireEvent,
     from_wire,
 )  # fmt: skip
 from minifaas.net.errors import TransferError
@@ -100,7 +100,7 @@ class WorkerSession:
 
     def send_cache_events(self) -> None:
         if self.pool is not None and (events := self.pool.drain_events()):
-            self.send(CacheEvents(req=CACHE_EVENTS, events=[Event.of(e) for e in events]))
+            self.send(CacheEvents(req=CACHE_EVENTS, events=[WireEvent.of(e) for e in events]))
 
     def emit(self, message: ReplyMessage) -> None:
         self.send_cache_events()  # the pool's changes go out before the news that follows them
@@ -151,7 +151,7 @@ class WorkerSession:
                            kernels=node.kernels, deadline_s=self.deadline_s))  # fmt: skip
         events = self.pool.inventory(time.perf_counter()) if self.pool is not None else []
         for i in range(0, len(events), INVENTORY_BATCH):
-            self.send(CacheEvents(req=CACHE_EVENTS, events=[Event.of(e) for e in events[i : i + INVENTORY_BATCH]]))
+            self.send(CacheEvents(req=CACHE_EVENTS, events=[WireEvent.of(e) for e in events[i : i + INVENTORY_BATCH]]))
 
     def ping(self, msg: Ping) -> None:
         self.send(Pong())
