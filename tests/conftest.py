@@ -4,9 +4,11 @@
 line for minutes; each test that took a while says so on its own line, with
 the run's time so far.
 
-Torch runs on one thread in the test process: its forwards are small, and the
-workers and children the tests start share the same cores (a second thread
-per process only spins against them).
+Torch runs on one thread in the test process and, by ``OMP_NUM_THREADS=1``, in
+every process it starts that does not choose its own count: their forwards are
+small, and the two test processes and their children share the same cores (a
+second thread per process only spins against them: a CPU dry run of the device
+check took three times as long with two).
 
     loop               one event loop for a module whose fixtures keep a gateway up across tests
     served(loop, config)  a module fixture's gateway: ``yield from served(loop, CONFIG)``
@@ -87,6 +89,7 @@ class SkipGuard:
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered, in its own pytest_configure
 def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the processes the tests start: commands, benchmarks, children
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
         config.option.loadscopereorder = False
     reporter = config.pluginmanager.get_plugin("terminalreporter")
