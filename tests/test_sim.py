@@ -178,6 +178,19 @@ def test_layer_pipelining_hides_transfer_and_rtt_adds_half_a_round_trip() -> Non
     assert with_rtt == pytest.approx(off + 0.1, abs=1e-6)
 
 
+def test_on_shared_cores_an_offloaded_prompt_decodes_only_after_its_prefill_however_it_slows() -> None:
+    # a fast pipelined link brings the KV before the prefill ends; prefills that start later then slow it
+    case = paper_case()
+    link = LinkConfig(gbps=400.0, pipeline_layers=61)
+    config = replace(config_for(case, plan(case).prfaas, link, early_first_token=True), threshold=0)
+    workload = synthetic(case.lengths, 8, ArrivalSpec(ArrivalKind.POISSON, 2.0), 120.0, seed=8)
+    sim = Simulation(replace(config, shared_cores=2, contention=(1.0, 1.5)), workload)
+    sim.run()
+    first, finished = np.array(sim.first_token), np.array(sim.finished)  # first: the prefill's end
+    assert not np.isnan(finished).any()
+    assert np.all(finished - first >= 7 * case.decode.step_time_s * (1 - 1e-9))  # seven steps after it, at least
+
+
 def test_a_link_cut_holds_offloaded_kv_until_it_returns() -> None:
     case = paper_case()
     link = LinkConfig(gbps=100.0, schedule=((100.0, 0.0), (400.0, 100.0)))
@@ -257,26 +270,34 @@ def test_the_spill_sends_short_prompts_to_prfaas_while_pd_prefill_is_behind(caps
     assert offloaded[1] > offloaded[0]
 
 
-def test_on_shared_cores_a_prefill_slows_by_the_workers_computing_beside_it() -> None:
+def test_on_shared_cores_the_workers_computing_share_them_from_moment_to_moment() -> None:
     case = paper_case()
     config = config_for(case, plan(case).homogeneous, early_first_token=True)
-    both = Workload("pair", np.array([0.0, 0.0]), np.array([1024, 1024]), np.full(2, 4), ((1, 2), (3, 4)), 512)
     alone = float(case.pd_prefill.latency_s(1024))
+    both = Workload("pair", np.array([0.0, 0.0]), np.array([1024, 1024]), np.full(2, 4), ((1, 2), (3, 4)), 512)
     own = Simulation(config, both)
     own.run()
     assert own.first_token == pytest.approx([alone, alone], rel=1e-9)  # each worker on cores of its own
     shared = Simulation(replace(config, shared_cores=1), both)
     shared.run()
-    # the first starts alone; the second starts beside it: two computing on one core, each at half speed
-    assert shared.first_token == pytest.approx([alone, 2 * alone], rel=1e-9)
-    # a measured contention: two computing take 1.3x each; three, 1.3 x 3/2
-    measured = Simulation(replace(config, shared_cores=2, contention=(1.0, 1.3)), both)
+    assert shared.first_token == pytest.approx([2 * alone, 2 * alone], rel=1e-9)  # two on one core, half speed
+    # the second starts halfway through the first: from then on both go at half speed, and the first is done
+    # at 1.5 prefills, when the second has half of its own left, which it computes alone (one token each: no
+    # decode step computes beside them)
+    one = np.ones(2, dtype=int)
+    later = Workload("later", np.array([0.0, alone / 2]), np.full(2, 1024), one, ((1, 2), (3, 4)), 512)
+    staggered = Simulation(replace(config, shared_cores=1), later)
+    staggered.run()
+    assert staggered.first_token == pytest.approx([1.5 * alone, 2 * alone], rel=1e-9)
+    # a measured contention: two computing take 1.3x each
+    measured = Simulation(replace(config, shared_cores=2, contention=(1.0, 1.3)), later)
     measured.run()
-    assert measured.first_token == pytest.approx([alone, 1.3 * alone], rel=1e-9)
+    assert measured.first_token == pytest.approx([alone / 2 + 1.3 * alone / 2, alone + 1.3 * alone / 2], rel=1e-9)
+    # three computing on two cores take turns: 1.3 x 3/2 each
     three = Workload("three", np.zeros(3), np.full(3, 1024), np.full(3, 4), ((1, 2), (3, 4), (5, 6)), 512)
     crowded = Simulation(replace(config, shared_cores=2, contention=(1.0, 1.3)), three)
     crowded.run()
-    assert crowded.first_token == pytest.approx([alone, 1.3 * alone, 1.95 * alone], rel=1e-9)
+    assert crowded.first_token == pytest.approx([1.95 * alone] * 3, rel=1e-9)
 
 
 def test_a_prefill_beside_a_decoding_batch_alone_slows_by_its_own_measured_figure() -> None:
@@ -284,18 +305,27 @@ def test_a_prefill_beside_a_decoding_batch_alone_slows_by_its_own_measured_figur
     decode = replace(case.decode, bs_max=8, steps=((1, 0.01), (2, 0.015)))
     config = replace(config_for(case, plan(case).homogeneous, early_first_token=True), decode=decode, n_decode=1)
     alone = float(case.pd_prefill.latency_s(1024))
-    # the first decodes 40 tokens; the second arrives while it does, the third while the second prefills
-    at = np.array([0.0, alone + 0.05, alone + 0.06])
-    three = Workload("three", at, np.full(3, 1024), np.array([40, 2, 2]), ((1, 2), (3, 4), (5, 6)), 512)
+    # the first decodes 400 tokens, long enough to outlast the prefills that start while it does
+    at = np.array([0.0, alone + 0.05])
+    pair = Workload("pair", at, np.full(2, 1024), np.array([400, 2]), ((1, 2), (3, 4)), 512)
     table = replace(config, decode_step_by_batch=True, shared_cores=2, contention=(1.0, 1.3, 2.0))
-    counted = Simulation(table, three)
+    counted = Simulation(table, pair)
     counted.run()
+    assert counted.first_token[0] == pytest.approx(alone, rel=1e-9)  # alone
     assert counted.first_token[1] - at[1] == pytest.approx(1.3 * alone, rel=1e-9)  # two computing, by the table
-    kinds = Simulation(replace(table, beside_decode=1.5), three)
+    kinds = Simulation(replace(table, beside_decode=1.5), pair)
     kinds.run()
-    assert kinds.first_token[0] == pytest.approx(alone, rel=1e-9)  # alone, as before
     assert kinds.first_token[1] - at[1] == pytest.approx(1.5 * alone, rel=1e-9)  # beside the decoding batch alone
-    assert kinds.first_token[2] - at[2] == pytest.approx(2.0 * alone, rel=1e-9)  # beside a prefill and the batch
+    # two prefills that start together while the batch decodes: three computing, each by the table
+    at = np.array([0.0, alone + 0.05, alone + 0.05])
+    three = Workload("three", at, np.full(3, 1024), np.array([400, 2, 2]), ((1, 2), (3, 4), (5, 6)), 512)
+    crowded = Simulation(replace(table, beside_decode=1.5), three)
+    crowded.run()
+    assert np.array(crowded.first_token[1:]) - at[1] == pytest.approx([2.0 * alone] * 2, rel=1e-9)
+    # the batch's steps slow too, more beside two prefills than beside one, than on cores of its own
+    own = Simulation(replace(config, decode_step_by_batch=True), pair)
+    own.run()
+    assert crowded.finished[0] > kinds.finished[0] > own.finished[0]
 
 
 def test_prompts_of_one_length_queued_behind_a_prefill_ride_in_one_forward() -> None:

@@ -86,14 +86,28 @@ def test_prefill_pool_is_fcfs_and_picks_the_first_free_node() -> None:
     pool = PrefillInstances("pd", "pd-p", H20_PREFILL, 2)
     t = H20_PREFILL.latency_s(10_000)
     assert pool.latency_s(10_000) == pytest.approx(float(t))
-    assert pool.place(0, 0.0, 10_000) == pytest.approx((0.0, float(t)))
+    first = pool.place(0, 0.0, 10_000, request=0)
+    assert (first.start, first.end) == pytest.approx((0.0, float(t)))
     assert pool.first_free() == 1
-    assert pool.place(1, 0.0, 10_000)[0] == 0.0
-    start, _ = pool.place(0, 1.0, 10_000)  # queued behind the first
-    assert start == pytest.approx(float(t))
+    assert pool.place(1, 0.0, 10_000, request=1).start == 0.0
+    queued = pool.place(0, 1.0, 10_000, request=2)  # queued behind the first
+    assert queued.start == pytest.approx(float(t))
+    assert list(pool.queue[0]) == [first, queued]
     views = pool.views({})
     assert len(views) == 1 and views[0].node_id == "pd-p-1" and views[0].load == 10_000
     assert {v.node_id for v in pool.views({0: 512})} == {"pd-p-0", "pd-p-1"}
+
+
+def test_a_rescaled_node_stretches_what_its_forwards_have_left() -> None:
+    pool = PrefillInstances("pd", "pd-p", H20_PREFILL, 1)
+    t = float(H20_PREFILL.latency_s(10_000))
+    running, queued = pool.place(0, 0.0, 10_000, request=0), pool.place(0, 0.0, 10_000, request=1)
+    assert list(pool.rescale(0, t / 2, 2.0)) == [running, queued]  # from halfway on, at half speed
+    assert (running.end, queued.start, queued.end) == pytest.approx((1.5 * t, 1.5 * t, 3.5 * t))
+    assert running.version == queued.version == 1 and pool.busy_until[0] == pytest.approx(3.5 * t)
+    assert not pool.rescale(0, t, 2.0)  # the same speed: nothing moves
+    pool.ended(0, running)
+    assert pool.slowdown(0) == 2.0 and list(pool.queue[0]) == [queued]
 
 
 def test_decode_pool_holds_at_most_bs_max_and_hands_slots_over() -> None:

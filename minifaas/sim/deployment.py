@@ -43,8 +43,8 @@ class SimConfig:
     early_first_token: bool = False
     # a prompt whose end snapshot the cluster holds is served whole, its first token from the logits kept there
     whole_prompt_hits: bool = False
-    # every worker on one host of this many cores: a prefill slows while more workers compute than it has cores;
-    # 0: each worker on hardware of its own
+    # every worker on one host of this many cores: while n workers compute, each goes at 1 / slowdown(n) of its
+    # profile's speed, n counted again whenever one starts or stops; 0: each worker on hardware of its own
     shared_cores: int = 0
     # on that host, a prefill's slowdown with n = 1, 2, ... workers computing (itself counted); past the last, scaled
     # by n; past the cores, at least the figure with every core busy times n over the cores. Empty: n over the

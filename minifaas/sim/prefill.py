@@ -1,14 +1,17 @@
-"""A cluster's prefill instances: one FCFS queue each, one prefill at a time, timed by the profile.
+"""A cluster's prefill instances: one FCFS queue of forwards each, one forward at a time, timed by the profile.
 
-A prefill's start and end are known when it is placed, so placement costs no events. A lazy heap finds the node
-that frees up first; its entries go stale when a node's ``busy_until`` moves and are dropped at the top. A
-``retire``d node takes no new work and finishes what it holds.
+A forward's start and end are worked out when it is placed. On a shared host ``rescale`` stretches or shrinks
+what a node has left when the workers computing beside it change, and bumps each forward's ``version`` so the
+simulator's events for the old times go stale. A lazy heap finds the node that frees up first; its entries go
+stale when a node's ``busy_until`` moves and are dropped at the top. A ``retire``d node takes no new work and
+finishes what it holds.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.router import NodeView
@@ -16,13 +19,16 @@ from minifaas.policy.router import NodeView
 
 @dataclass(slots=True)
 class Forward:
-    """A node's last placed prefill, which cold prompts of its length may still join until it starts."""
+    """One prefill forward of a node: its requests, and cold prompts of its length that join it until it starts."""
 
     start: float
     end: float
     length: int  # each prompt's (0: one that takes no riders)
     tokens: int
     slowdown: float
+    requests: list[int] = field(default_factory=list)
+    version: int = 0  # bumped whenever start or end moves
+    started: bool = False
 
     def takes(self, now: float, tokens: int, budget: int) -> bool:
         """Whether a cold prompt of ``tokens`` may ride: the forward has not begun, its prompts are that long,
@@ -34,7 +40,7 @@ class PrefillInstances:
     def __init__(self, cluster: str, node_prefix: str, profile: PrefillProfile, n: int, batch_tokens: int = 0) -> None:
         self.cluster = cluster
         self.batch_tokens = batch_tokens  # a forward's budget for prompts of one length (0: one prompt each)
-        self.last: list[Forward | None] = [None] * n
+        self.queue: list[deque[Forward]] = [deque() for _ in range(n)]  # placed and not ended, the first running
         self.profile = profile
         self.ids = [f"{node_prefix}-{i}" for i in range(n)]
         self.index = {node_id: i for i, node_id in enumerate(self.ids)}
@@ -77,7 +83,7 @@ class PrefillInstances:
         self.ids.append(node_id)
         self.index[node_id] = node
         self.busy_until.append(now)
-        self.last.append(None)
+        self.queue.append(deque())
         self.queued_tokens.append(0)
         self.in_node.append(0)
         heapq.heappush(self._heap, (now, node))
@@ -114,31 +120,61 @@ class PrefillInstances:
         """Nodes computing at ``at`` (from now on: a node's placed work runs without a gap)."""
         return sum(1 for end in self.busy_until if end > at)
 
-    def place(
-        self, node: int, now: float, tokens: int, slowdown: float = 1.0, cold: bool = False
-    ) -> tuple[float, float]:
-        """Queue a prefill of ``tokens`` uncached tokens, ``slowdown`` times the profile's time; its (start, end).
-        A ``cold`` prompt (no cached prefix) may join the node's last forward, which then ends later for all."""
-        last = self.last[node]
+    def slowdown(self, node: int) -> float:
+        """The factor over the profile's time at which the node computes now (1.0 when idle)."""
+        queue = self.queue[node]
+        return queue[-1].slowdown if queue else 1.0
+
+    def place(self, node: int, now: float, tokens: int, request: int, cold: bool = False) -> Forward:
+        """Queue a prefill of ``tokens`` uncached tokens for ``request``, at the node's current ``slowdown``; the
+        forward it is in. A ``cold`` prompt (no cached prefix) may join the node's last forward, which then ends
+        later for all."""
+        queue = self.queue[node]
         self.queued_tokens[node] += tokens
         self.in_system += 1
         self.in_node[node] += 1
-        if cold and last is not None and last.takes(now, tokens, self.batch_tokens):
+        last = queue[-1] if queue else None
+        if cold and last is not None and self.batch_tokens and last.takes(now, tokens, self.batch_tokens):
             last.tokens += tokens
             last.end = last.start + self.latency_s(last.tokens) * last.slowdown
+            last.version += 1
+            last.requests.append(request)
             self.busy_s += last.end - self.busy_until[node]
             self.busy_until[node] = last.end
             heapq.heappush(self._heap, (last.end, node))
-            return last.start, last.end
-        start = self.start_s(node, now)
+            return last
+        slowdown = last.slowdown if last is not None else 1.0  # the node's speed now
+        start = max(now, self.busy_until[node])
         duration = self.latency_s(max(tokens, 1)) * slowdown
-        end = start + duration
-        if self.batch_tokens:
-            self.last[node] = Forward(start, end, tokens if cold else 0, tokens, slowdown)
-        self.busy_until[node] = end
+        forward = Forward(start, start + duration, tokens if cold else 0, tokens, slowdown, [request])
+        queue.append(forward)
+        self.busy_until[node] = forward.end
         self.busy_s += duration
+        heapq.heappush(self._heap, (forward.end, node))
+        return forward
+
+    def rescale(self, node: int, now: float, slowdown: float) -> deque[Forward]:
+        """The node computes at ``slowdown`` from now on: what its forwards have left takes that much over the
+        profile's time (processor sharing). Returns its forwards, each with a new ``version``."""
+        queue = self.queue[node]
+        if not queue or queue[-1].slowdown == slowdown:
+            return deque()
+        ratio = slowdown / queue[-1].slowdown
+        for forward in queue:
+            if forward.start > now:
+                forward.start = now + (forward.start - now) * ratio
+            forward.end = now + (forward.end - now) * ratio
+            forward.slowdown = slowdown
+            forward.version += 1
+        end = queue[-1].end
+        self.busy_s += end - self.busy_until[node]
+        self.busy_until[node] = end
         heapq.heappush(self._heap, (end, node))
-        return start, end
+        return queue
+
+    def ended(self, node: int, forward: Forward) -> None:
+        """The node's running forward, ``forward``, ended (``done`` then counts each of its requests)."""
+        self.queue[node].popleft()
 
     def done(self, node: int, tokens: int) -> bool:
         """A prefill ended; True if that emptied a retired node (it can change role now)."""

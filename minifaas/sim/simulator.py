@@ -1,8 +1,9 @@
 """The cluster simulator: a workload replayed through the live router, prefix caches and cost profiles.
 
-A request's life is a chain of events: arrive (cache hits, the router, a prefill and a decode node), flow_start
-(a PrfaaS prefill's KV starts streaming), prefill_end, link (its KV has crossed), kv_ready (it joins a decode
-batch or waits for a slot) and decode_end.
+A request's life is a chain of events: arrive (cache hits, the router, a prefill and a decode node), its
+forward's start (a PrfaaS prefill's KV starts streaming) and end, link (its KV has crossed), kv_ready (it joins
+a decode batch or waits for a slot) and decode_end. On a shared host (``SimConfig.shared_cores``) every change in
+the workers computing re-times what each has left, as the host's cores are shared among them (``_share_cores``).
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ class Simulation:
         self.prefill_node = [0] * n  # index in the pool its path names
         self._tokens = [0] * n  # incremental (computed) prefill tokens
         self.decode_node = [0] * n  # index in the decode instances
-        self._prefill_end = [0.0] * n
-        self._forward: list[Forward | None] = [None] * n  # the forward it rides in, where prompts batch
+        self._prefill_end = [math.nan] * n  # when its prefill ended
+        self._forward: list[Forward | None] = [None] * n  # the forward it rides in, until it ends
+        self._kv_after: dict[int, float] = {}  # PrfaaS: its KV's time after its prefill ends, once it has crossed
+        self._kv_early: dict[int, float] = {}  # ... for those whose KV crossed before their prefill ended
+        self._shared = bool(config.shared_cores)
+        self._step_slowdown = 1.0  # on a shared host: the decode clocks' slowdown
         self._kv_bytes = [0.0] * n  # on the wire
         self._coding_s = [0.0] * n
         self.coding = SimCoding(config.kv_compression, config.codecs, config.kv_compression_args)
@@ -130,15 +135,14 @@ class Simulation:
         sched.lengths.append(tokens)
         node = pool.index[decision.prefill_node]  # type: ignore[index]
         cold = not cached and tokens == prompt
-        start, end = pool.place(node, now, tokens, self._shared_slowdown(pool.start_s(node, now)), cold)
+        forward = pool.place(node, now, tokens, rid, cold)
+        start, end = forward.start, forward.end
         dnode = self.decode.index[decision.decode_node]  # type: ignore[index]
         self.decode.reserve(dnode)
         if self._by_batch and self.config.decode_hold:  # one more on its way: the instance may hold its steps now
             self._schedule_leave(dnode)
         self.prefill_node[rid], self.decode_node[rid] = node, dnode
-        self._tokens[rid], self._prefill_end[rid] = tokens, end
-        if pool.batch_tokens:
-            self._forward[rid] = pool.last[node]
+        self._tokens[rid], self._forward[rid] = tokens, forward
         move = decision.cache_move
         if move is not None and move.src == self.prfaas.cluster:
             # A PrfaaS prefix moved to PD shares the egress pipe. The prefill is not held back
@@ -154,37 +158,66 @@ class Simulation:
             self._kv_bytes[rid], self._coding_s[rid] = self.coding.transfer(
                 shape, self.link.bytes_per_s * 8, utilisation, self.link.active
             )
-            if self.config.link.pipeline_layers:
-                self.loop.at(start, self._flow_start, rid)
         else:
             self.path[rid] = PD
-        self.loop.at(end, self._prefill_end_event, rid)
+        self._schedule_forward(pool, node, forward)
+        if self._shared:
+            self._share_cores()
 
-    def _shared_slowdown(self, start: float, decoder: bool = False) -> float:
-        """A prefill's (or, with ``decoder``, a decode step's) time over the profile's when every worker shares
-        ``shared_cores``, from the workers computing at ``start`` (``SimConfig.contention``, ``beside_decode``)."""
+    def _schedule_forward(self, pool: PrefillInstances, node: int, forward: Forward) -> None:
+        """Events at the forward's start (a PrfaaS forward's KV starts streaming) and end, for its ``version``."""
+        event = (pool, node, forward, forward.version)
+        if not forward.started and pool is self.prfaas and self.config.link.pipeline_layers:
+            self.loop.at(max(forward.start, self.loop.now), self._forward_start, event)
+        self.loop.at(max(forward.end, self.loop.now), self._forward_end, event)
+
+    def _share_cores(self) -> None:
+        """On a shared host, after any change in the workers computing: each computes what it has left at the
+        slowdown for the workers computing now (prefill nodes ``rescale``, decode clocks ``restep``)."""
+        prefill, step = self._slowdowns()
+        for pool in (self.prfaas, self.pd):
+            for node in range(len(pool)):
+                for forward in pool.rescale(node, self.loop.now, prefill):  # none where the speed is the same
+                    self._schedule_forward(pool, node, forward)
+        if self._by_batch and step != self._step_slowdown:
+            for node, rows in enumerate(self.decode.running):
+                if rows:
+                    self._schedule_leave(node)
+        self._step_slowdown = step
+
+    def _slowdowns(self) -> tuple[float, float]:
+        """A prefill's and a decode step's time over the profile's with the workers computing now
+        (``SimConfig.slowdown``; ``beside_decode`` for a prefill beside a decoding batch alone)."""
         c = self.config
         if not c.shared_cores:
-            return 1.0
+            return 1.0, 1.0
         decoding = sum(1 for rows in self.decode.running if rows)
-        computing = self.prfaas.busy_at(start) + self.pd.busy_at(start) + decoding + (0 if decoder else 1)
-        if c.beside_decode and not decoder and computing == 2 and decoding == 1:  # a prefill beside decoding alone
-            return c.beside_decode
-        return c.slowdown(computing)
+        computing = self.prfaas.busy_at(self.loop.now) + self.pd.busy_at(self.loop.now) + decoding
+        step = c.slowdown(computing)
+        return (c.beside_decode if c.beside_decode and computing == 2 and decoding == 1 else step), step
 
-    def _flow_start(self, rid: int) -> None:
-        self.link.add(self.loop.now, rid, self._kv_bytes[rid])
+    def _forward_start(self, event: tuple[PrefillInstances, int, Forward, int]) -> None:
+        _, _, forward, version = event
+        if version != forward.version or forward.started:
+            return  # it moved: a later event says when
+        forward.started = True
+        for rid in forward.requests:
+            self.link.add(self.loop.now, rid, self._kv_bytes[rid])
         self._reschedule_link()
 
-    def _prefill_end_event(self, rid: int) -> None:
+    def _forward_end(self, event: tuple[PrefillInstances, int, Forward, int]) -> None:
+        pool, node, forward, version = event
+        if version != forward.version:
+            return  # it moved: a later event says when
+        pool.ended(node, forward)
+        for rid in forward.requests:
+            self._prefill_done(pool, rid)
+        if self._shared:
+            self._share_cores()
+
+    def _prefill_done(self, pool: PrefillInstances, rid: int) -> None:
         now = self.loop.now
-        forward = self._forward[rid]
-        if forward is not None and forward.end > now:  # a prompt that rode in later made the forward longer
-            self._prefill_end[rid] = forward.end
-            self.loop.at(forward.end, self._prefill_end_event, rid)
-            return
-        path = self.path[rid]
-        pool = self.prfaas if path == PRFAAS else self.pd
+        self._prefill_end[rid], self._forward[rid] = now, None
         if pool.done(self.prefill_node[rid], self._tokens[rid]):
             self.scheduler.drained(into_prefill=False)
         if self._early:
@@ -192,11 +225,13 @@ class Simulation:
         if self.caches is not None:
             seen = self._keys[rid][2]
             self.caches.store(pool.cluster, self._used_keys(rid), now, seen)
-        if path == PD:
+        if self.path[rid] == PD:
             self._kv_ready(rid)
         elif not self.config.link.pipeline_layers:
             self.link.add(now, rid, self._kv_bytes[rid])
             self._reschedule_link()
+        elif rid in self._kv_early:  # its KV crossed before this prefill, slowed since, ended
+            self.loop.at(now + self._kv_early.pop(rid), self._kv_ready, rid)
 
     def _used_keys(self, rid: int) -> PromptKeys:
         held = self._keys[rid]
@@ -219,13 +254,17 @@ class Simulation:
         for rid in self.link.pop_done(now):
             if rid < 0:
                 continue  # a cache move: nothing waits for it here
-            ready = now
-            if layers:  # the last layer leaves only after prefill ends
+            ready, after = now, self.config.link.one_way_s + self._coding_s[rid]
+            if layers:  # the last layer leaves only after prefill ends (as now expected, if it has not)
                 tail = self._kv_bytes[rid] / layers / self.link.share_bytes_per_s()
-                ready = max(now, self._prefill_end[rid] + tail)
+                ended = self._prefill_end[rid]
+                ready = max(now, (self._forward[rid].end if math.isnan(ended) else ended) + tail)  # type: ignore[union-attr]
+                after += tail
             ready += self.config.link.one_way_s + self._coding_s[rid]
             if self.caches is not None:
                 self.caches.store_received(self.pd.cluster, self._used_keys(rid), ready)
+            if self._shared:  # its prefill may yet slow
+                self._kv_after[rid] = after
             self.loop.at(ready, self._kv_ready, rid)
         self._reschedule_link()
 
@@ -234,8 +273,15 @@ class Simulation:
         self._reschedule_link()
 
     def _kv_ready(self, rid: int) -> None:
+        if self._shared:
+            after = self._kv_after.pop(rid, 0.0)
+            if math.isnan(self._prefill_end[rid]):  # its prefill slowed since the KV crossed: it ends first
+                self._kv_early[rid] = after
+                return
         if self.decode.arrive(self.decode_node[rid], rid):
             self._start_decode(rid)
+            if self._shared:
+                self._share_cores()
 
     def _start_decode(self, rid: int) -> None:
         now = self.loop.now
@@ -256,7 +302,7 @@ class Simulation:
     def _schedule_leave(self, node: int) -> BatchClock:
         """The event of the next request to leave the instance, at its clock's step now; earlier ones go stale."""
         rows = self.decode.running[node]  # none: no step to slow, and no workers counted for one
-        clock = self.decode.restep(node, self._shared_slowdown(self.loop.now, decoder=True) if rows else 1.0)
+        clock = self.decode.restep(node, self._slowdowns()[1] if rows else 1.0)
         if clock.leaving:
             clock.generation += 1
             self.loop.at(max(clock.due(), self.loop.now), self._batch_leave, (node, clock.generation))
@@ -275,6 +321,8 @@ class Simulation:
         if successor is not None:
             self._start_decode(successor)
         self.scheduler.decode_finished(self.decode_node[rid])
+        if self._shared:
+            self._share_cores()
 
     def _sample(self, _: object) -> None:
         self.scheduler.tick()
