@@ -401,6 +401,8 @@ def test_past_the_cores_workers_take_turns_each_as_slow_as_with_every_core_busy(
     # two fit two cores: the table's figure; three and four take turns: 1.1 times 3/2 and 4/2, over what the table
     # says (1.2, and past its end 1.2 * 4/3), a figure a calibration that caught a worker idle measures too low
     assert [config.slowdown(n) for n in (1, 2, 3, 4)] == pytest.approx([1.0, 1.1, 1.65, 2.2])
+    # a decode worker that holds its steps computes half of each: a count between two, a figure between theirs
+    assert config.slowdown(2.5) == pytest.approx((1.1 + 1.65) / 2) and config.slowdown(0.5) == 1.0
     assert replace(config, contention=(1.0, 1.1, 2.0)).slowdown(3) == 2.0
     assert replace(config, contention=()).slowdown(3) == 1.5
     assert replace(config, shared_cores=0).slowdown(4) == 1.0  # each worker on cores of its own

@@ -121,6 +121,20 @@ def test_decode_pool_holds_at_most_bs_max_and_hands_slots_over() -> None:
     assert pool.total_running == H20_DECODE.bs_max and pool.assigned[0] == H20_DECODE.bs_max + 1
 
 
+def test_a_decode_instance_that_holds_its_steps_computes_only_part_of_each() -> None:
+    pool = DecodeInstances(H20_DECODE, 2, by_batch=True, hold=1.0, hold_max_s=10.0)
+    assert pool.computing() == 0.0  # no rows: nothing steps
+    for _ in range(3):  # three on their way to the first, one of them here
+        pool.reserve(0)
+    pool.arrive(0, 0)
+    pool.join(0, 0, steps=4, now=0.0)
+    clock = pool.restep(0)
+    assert clock.busy == pytest.approx(0.5) and pool.computing() == pytest.approx(0.5)  # a step, then as long held
+    pool.arrive(0, 1)
+    pool.arrive(0, 2)
+    assert pool.restep(0).busy == 1.0 and pool.computing() == 1.0  # all here: no hold
+
+
 def test_mooncake_trace_reads_as_documented() -> None:
     trace = read_workload("mooncake-synthetic")
     assert len(trace) == 3_993 and trace.hash_ids is not None

@@ -23,6 +23,7 @@ class BatchClock:
         self.steps = 0.0
         self.at = 0.0
         self.step_s = 0.0  # seconds per step since ``at`` (0: no rows)
+        self.busy = 1.0  # the share of a step spent computing (the rest: the hold)
         self.leaving: list[tuple[float, int]] = []  # (steps at which it leaves, request)
         self.generation = 0  # the ``due`` event that is current
         self.rows: set[int] = set()  # the requests decoding
@@ -165,7 +166,13 @@ class DecodeInstances:
         rows = self.running[node]
         step = self.profile.step_s(rows, clock.width() + 1) * slowdown if rows else 0.0
         held = rows + len(self.waiting[node])
-        if self.hold and self.assigned[node] - held > held:
-            step += min(self.hold * step, self.hold_max_s)
-        clock.step_s = step
+        wait = min(self.hold * step, self.hold_max_s) if self.hold and self.assigned[node] - held > held else 0.0
+        clock.step_s = step + wait
+        clock.busy = step / clock.step_s if wait else 1.0
         return clock
+
+    def computing(self) -> float:
+        """The instances stepping now, each counted by the share of its steps it computes."""
+        if not self.clocks:
+            return float(sum(1 for rows in self.running if rows))
+        return sum(clock.busy for clock, rows in zip(self.clocks, self.running, strict=True) if rows)

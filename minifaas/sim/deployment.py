@@ -5,6 +5,7 @@ Each policy is a spec (a built-in name or module:Class) with its keyword argumen
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from minifaas.planner.case import PlanCase
@@ -100,22 +101,28 @@ class SimConfig:
             object.__setattr__(self, field_name, args)
             check_policy(getattr(self, spec), kind, args)
 
-    def slowdown(self, computing: int) -> float:
+    def slowdown(self, computing: float) -> float:
         """A worker's time over the profile's while ``computing`` workers (itself counted) share
         ``shared_cores``: the ``contention`` table's figure (past its end scaled by the count); past the cores the
-        workers take turns on them, so never less than the figure with every core busy, times their share."""
+        workers take turns on them, so never less than the figure with every core busy, times their share. A
+        fractional count (a decode worker that computes only part of each step) lies between its neighbours."""
         cores, table = self.shared_cores, self.contention
         if not cores:
             return 1.0
-        if not table:
-            return max(1.0, computing / cores)
 
         def measured(n: int) -> float:
+            if not table:
+                return max(1.0, n / cores)
             return table[n - 1] if n <= len(table) else table[-1] * n / len(table)
 
-        if computing <= cores:
-            return measured(computing)
-        return max(measured(computing), measured(cores) * computing / cores)
+        def whole(n: int) -> float:
+            return measured(n) if n <= cores else max(measured(n), measured(cores) * n / cores)
+
+        computing = max(computing, 1.0)
+        low = math.floor(computing)
+        if computing == low:
+            return whole(low)
+        return whole(low) + (whole(low + 1) - whole(low)) * (computing - low)
 
     @property
     def gpus(self) -> int:

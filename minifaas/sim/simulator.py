@@ -187,14 +187,17 @@ class Simulation:
 
     def _slowdowns(self) -> tuple[float, float]:
         """A prefill's and a decode step's time over the profile's with the workers computing now
-        (``SimConfig.slowdown``; ``beside_decode`` for a prefill beside a decoding batch alone)."""
+        (``SimConfig.slowdown``; for a prefill beside a decoding batch alone, ``beside_decode`` by the share of
+        its steps the batch computes)."""
         c = self.config
         if not c.shared_cores:
             return 1.0, 1.0
-        decoding = sum(1 for rows in self.decode.running if rows)
-        computing = self.prfaas.busy_at(self.loop.now) + self.pd.busy_at(self.loop.now) + decoding
-        step = c.slowdown(computing)
-        return (c.beside_decode if c.beside_decode and computing == 2 and decoding == 1 else step), step
+        prefilling = self.prfaas.busy_at(self.loop.now) + self.pd.busy_at(self.loop.now)
+        decoding = self.decode.computing()
+        step = c.slowdown(prefilling + decoding)
+        if c.beside_decode and prefilling == 1 and 0 < decoding <= 1:
+            return 1.0 + (c.beside_decode - 1.0) * decoding, step
+        return step, step
 
     def _forward_start(self, event: tuple[PrefillInstances, int, Forward, int]) -> None:
         _, _, forward, version = event
