@@ -80,7 +80,7 @@ def store(p: HybridPrefixPool[str], tokens: list[int], now: float = 0.0, start: 
         p.put_block(k, j, now, 10, payload=f"kv[{j * B}:{(j + 1) * B}]")
     for n in p.snapshot_points(start, len(tokens)):
         p.put_snapshot(k, n, now, 100, payload=f"state@{n}")
-    p.touch(k, len(tokens), now)
+    p.touch(k, len(tokens))
     return k
 
 

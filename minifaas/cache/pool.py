@@ -30,7 +30,6 @@ class Entry(Generic[P]):
     length: int
     nbytes: int
     payload: P | None
-    last_used: float
     refs: int = 0  # leases holding it: it is not evicted while any does
     dependents: int = 0  # stored children (blocks and snapshots) that need this block: nor while any does
 
@@ -146,7 +145,7 @@ class HybridPrefixPool(Generic[P]):
         snapshot = self._entries[_slot(EntryKind.SNAPSHOT, m.snapshot_key)] if m.snapshot_key else None
         for e in (*blocks, *([snapshot] if snapshot else [])):
             e.refs += 1
-        self.touch(prompt, m.hit_tokens, now)
+        self.touch(prompt, m.hit_tokens)
         kind = "kv_" if kv_only else ""
         self.counts[f"{kind}lookups"] += 1
         self.counts[f"{kind}lookup_tokens"] += prompt.num_tokens
@@ -161,13 +160,13 @@ class HybridPrefixPool(Generic[P]):
         for e in (*lease.blocks, *([lease.snapshot] if lease.snapshot else [])):
             e.refs -= 1
 
-    def touch(self, prompt: PromptKeys, length: int, now: float) -> None:
+    def touch(self, prompt: PromptKeys, length: int) -> None:
         """Mark the prefix of ``length`` recently used, deepest entry first, so the LRU end
         holds leaves and a prefix's root outlives its branches."""
         snapshot_key = prompt.key_at(length) if length else None
         if snapshot_key is not None:
-            self._touch(_slot(EntryKind.SNAPSHOT, snapshot_key), now)
-        self._touch_blocks(reversed(prompt.block_keys[: length // prompt.block_size]), now)
+            self._touch(_slot(EntryKind.SNAPSHOT, snapshot_key))
+        self._touch_blocks(reversed(prompt.block_keys[: length // prompt.block_size]))
 
     def snapshot_points(self, start: int, num_tokens: int, seen_tokens: int = 0) -> list[int]:
         """Lengths in (start, num_tokens] at which a prefill of a prompt should snapshot its state;
@@ -240,7 +239,7 @@ class HybridPrefixPool(Generic[P]):
         existing = entries.get(slot)
         if existing is not None:
             self.counts[counts.dups] += 1
-            self._touch(slot, now)
+            self._touch(slot)
             if self.index.add(kind, key, node, parent, length) and self.config.events:
                 self._events.append(self._event(EventKind.STORE, existing, node, now))
             return True
@@ -273,7 +272,7 @@ class HybridPrefixPool(Generic[P]):
         node: str,
     ) -> Entry[P]:
         """Add an entry known to be missing, with room for it, under ``parent_entry``."""
-        entry: Entry[P] = Entry(kind, key, parent, length, nbytes, payload, now)
+        entry: Entry[P] = Entry(kind, key, parent, length, nbytes, payload)
         self._entries[_slot(kind, key)] = entry
         self.index.add(kind, key, node, parent, length)
         if parent_entry is not None:
@@ -306,18 +305,15 @@ class HybridPrefixPool(Generic[P]):
         if self.config.events:
             self._events.append(self._event(EventKind.EVICT, entry, "", now))
 
-    def _touch_blocks(self, keys: Iterable[BlockKey], now: float) -> None:
+    def _touch_blocks(self, keys: Iterable[BlockKey]) -> None:
+        """The blocks are used now: last in the LRU order, the one evicted last."""
         entries = self._entries
         for key in keys:
-            entry = entries.get(key)
-            if entry is not None:
-                entry.last_used = now
+            if key in entries:
                 entries.move_to_end(key)
 
-    def _touch(self, slot: bytes, now: float) -> None:
-        entry = self._entries.get(slot)
-        if entry is not None:
-            entry.last_used = now
+    def _touch(self, slot: bytes) -> None:
+        if slot in self._entries:
             self._entries.move_to_end(slot)
 
     def _event(self, kind: EventKind, e: Entry[P], node: str, now: float) -> CacheEvent:

@@ -41,7 +41,7 @@ class SizedPool(HybridPrefixPool[None]):
         present = self.index.leading_blocks(prompt, start, end)
         self.counts["block_store_dups"] += present
         keys = prompt.block_keys
-        self._touch_blocks(keys[start : start + present], now)
+        self._touch_blocks(keys[start : start + present])
         first_new = start + present
         parent = self.entry(EntryKind.BLOCK, keys[first_new - 1]) if first_new else None
         for j in range(first_new, end):
@@ -71,7 +71,7 @@ class SizedPool(HybridPrefixPool[None]):
         for n in self.snapshot_points(start, prompt.num_tokens, seen_tokens):
             if prompt.key_at(n) is not None:
                 self.put_snapshot(prompt, n, now, snapshot_nbytes(n), node=node)
-        self.touch(prompt, prompt.num_tokens, now)
+        self.touch(prompt, prompt.num_tokens)
 
 
 def cluster_view(match: PoolMatch, prefill: tuple[NodeView, ...], decode: tuple[NodeView, ...] = ()) -> ClusterView:

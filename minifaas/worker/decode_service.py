@@ -201,7 +201,7 @@ class DecodePrefixCache:
             payload = entry.payload if entry is not None else block_payload(state, j, size)
             if not self.pool.put_block(keys, j, now, sum(s.nbytes for s in payload or ()), payload):
                 break
-        self.pool.touch(keys, keys.num_full_blocks * size, now)
+        self.pool.touch(keys, keys.num_full_blocks * size)
 
     def cancel(self, transfer: int) -> None:
         """The transfer ended (delivered, failed or aborted): let its prefix go."""

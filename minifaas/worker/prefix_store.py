@@ -174,7 +174,7 @@ class PrefixStore:
                     break  # a later block would be an orphan
             for n, snapshot in computed.snapshots:
                 self.pool.put_snapshot(plan.keys, n, now, snapshot.nbytes, snapshot)
-            self.pool.touch(plan.keys, plan.keys.num_tokens, now)
+            self.pool.touch(plan.keys, plan.keys.num_tokens)
         finally:
             self.release(plan)
 
