@@ -106,8 +106,8 @@ def test_a_rescaled_node_stretches_what_its_forwards_have_left() -> None:
     assert (running.end, queued.start, queued.end) == pytest.approx((1.5 * t, 1.5 * t, 3.5 * t))
     assert running.version == queued.version == 1 and pool.busy_until[0] == pytest.approx(3.5 * t)
     assert not pool.rescale(0, t, 2.0)  # the same speed: nothing moves
-    pool.ended(0, running)
-    assert pool.slowdown(0) == 2.0 and list(pool.queue[0]) == [queued]
+    pool.ended(0)
+    assert queued.slowdown == 2.0 and list(pool.queue[0]) == [queued]
 
 
 def test_decode_pool_holds_at_most_bs_max_and_hands_slots_over() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.router import NodeView
@@ -26,7 +26,7 @@ class Forward:
     length: int  # each prompt's (0: one that takes no riders)
     tokens: int
     slowdown: float
-    requests: list[int] = field(default_factory=list)
+    requests: list[int]
     version: int = 0  # bumped whenever start or end moves
     started: bool = False
 
@@ -120,13 +120,8 @@ class PrefillInstances:
         """Nodes computing at ``at`` (from now on: a node's placed work runs without a gap)."""
         return sum(1 for end in self.busy_until if end > at)
 
-    def slowdown(self, node: int) -> float:
-        """The factor over the profile's time at which the node computes now (1.0 when idle)."""
-        queue = self.queue[node]
-        return queue[-1].slowdown if queue else 1.0
-
     def place(self, node: int, now: float, tokens: int, request: int, cold: bool = False) -> Forward:
-        """Queue a prefill of ``tokens`` uncached tokens for ``request``, at the node's current ``slowdown``; the
+        """Queue a prefill of ``tokens`` uncached tokens for ``request``, at the node's current slowdown; the
         forward it is in. A ``cold`` prompt (no cached prefix) may join the node's last forward, which then ends
         later for all."""
         queue = self.queue[node]
@@ -143,8 +138,8 @@ class PrefillInstances:
             self.busy_until[node] = last.end
             heapq.heappush(self._heap, (last.end, node))
             return last
-        slowdown = last.slowdown if last is not None else 1.0  # the node's speed now
-        start = max(now, self.busy_until[node])
+        slowdown = last.slowdown if last is not None else 1.0  # the node's speed now (idle: the profile's)
+        start = self.start_s(node, now)
         duration = self.latency_s(max(tokens, 1)) * slowdown
         forward = Forward(start, start + duration, tokens if cold else 0, tokens, slowdown, [request])
         queue.append(forward)
@@ -172,8 +167,8 @@ class PrefillInstances:
         heapq.heappush(self._heap, (end, node))
         return queue
 
-    def ended(self, node: int, forward: Forward) -> None:
-        """The node's running forward, ``forward``, ended (``done`` then counts each of its requests)."""
+    def ended(self, node: int) -> None:
+        """The node's running forward ended (``done`` then counts each of its requests)."""
         self.queue[node].popleft()
 
     def done(self, node: int, tokens: int) -> bool:

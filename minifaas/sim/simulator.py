@@ -212,7 +212,7 @@ class Simulation:
         pool, node, forward, version = event
         if version != forward.version:
             return  # it moved: a later event says when
-        pool.ended(node, forward)
+        pool.ended(node)
         for rid in forward.requests:
             self._prefill_done(pool, rid)
         if self._shared:
@@ -257,13 +257,15 @@ class Simulation:
         for rid in self.link.pop_done(now):
             if rid < 0:
                 continue  # a cache move: nothing waits for it here
-            ready, after = now, self.config.link.one_way_s + self._coding_s[rid]
-            if layers:  # the last layer leaves only after prefill ends (as now expected, if it has not)
+            delay = self.config.link.one_way_s + self._coding_s[rid]
+            ready, after = now + delay, delay  # after: its time past its prefill's end, should that end move
+            if layers:  # the last layer leaves only after prefill ends
                 tail = self._kv_bytes[rid] / layers / self.link.share_bytes_per_s()
                 ended = self._prefill_end[rid]
-                ready = max(now, (self._forward[rid].end if math.isnan(ended) else ended) + tail)  # type: ignore[union-attr]
+                if math.isnan(ended):  # not yet: when it is expected to
+                    ended = self._forward[rid].end  # type: ignore[union-attr]
+                ready = max(now, ended + tail) + delay
                 after += tail
-            ready += self.config.link.one_way_s + self._coding_s[rid]
             if self.caches is not None:
                 self.caches.store_received(self.pd.cluster, self._used_keys(rid), ready)
             if self._shared:  # its prefill may yet slow
