@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a smoke run: one round")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     a = p.parse_args()
-    if a.against is not None and not (a.against / "minifaas" / "cli.py").is_file():
+    if a.against is not None and not (a.against / "minifaas" / "__init__.py").is_file():
         p.error(f"--against {a.against}: not a minifaas checkout")
     out = run(1 if a.quick else a.rounds, a.against.resolve() if a.against else None)
     if a.json:
