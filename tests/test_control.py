@@ -16,8 +16,18 @@ from test_transport import tls_contexts
 from minifaas.control.heartbeat import Heartbeat, HeartbeatConfig, keep_alive
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.control.server import ControlServer
-from minifaas.control.session import _PREFIX, Garbled, PeerSilent, Refused, Session, SessionLost, _wire, connect
-from minifaas.control.worker_ops import BadMessage, Message, from_wire
+from minifaas.control.session import (
+    _PREFIX,
+    Garbled,
+    Message,
+    PeerSilent,
+    Refused,
+    Session,
+    SessionLost,
+    _wire,
+    connect,
+)
+from minifaas.control.worker_ops import BadMessage, from_wire
 from minifaas.net.address import Address
 from minifaas.net.connections import CONTROL, prove_as_sender, prove_control_client
 

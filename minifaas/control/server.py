@@ -15,12 +15,20 @@ import logging
 import ssl as ssl_module
 import time
 from collections.abc import Awaitable, Callable
+from typing import Annotated
 
-from minifaas.control.session import MAX_BYTES, ControlError, Session, accept
-from minifaas.control.worker_ops import Taken
+from msgspec import Meta
+
+from minifaas.control.session import MAX_BYTES, ControlError, Message, Session, accept
 
 log = logging.getLogger("minifaas.control")
 LOG_EVERY_S = 10.0
+
+
+class Taken(Message, tag="refused"):
+    """The answer to a client that would attach while another is attached."""
+
+    error: Annotated[str, Meta(max_length=MAX_BYTES)]
 
 
 class ControlServer:

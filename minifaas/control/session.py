@@ -16,6 +16,7 @@ import ssl as ssl_module
 import struct
 
 import msgspec
+from msgspec import Struct
 
 from minifaas.net.channel import Channel
 from minifaas.net.connections import MAC_BYTES, prove_control_client, verify_control_client
@@ -24,6 +25,14 @@ from minifaas.net.errors import AuthError
 MAX_BYTES = 64 << 20  # a prompt of a few million token ids still fits
 _PREFIX = struct.Struct(">I")
 _FROM_CLIENT, _FROM_SERVER = b"c", b"s"
+
+
+class Message(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True, tag_field="op"):
+    """A control message; a field that defaults to None may be left out, and is left out when None."""
+
+    @property
+    def op(self) -> str:
+        return self.__struct_config__.tag  # type: ignore[return-value]
 
 
 class ControlError(Exception):

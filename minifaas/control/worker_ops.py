@@ -22,7 +22,8 @@ from msgspec import Meta, Struct, field
 
 from minifaas.cache.prefix_index import CacheEvent, EntryKind, EventKind
 from minifaas.codec.codec import Codec
-from minifaas.control.session import MAX_BYTES
+from minifaas.control.server import Taken
+from minifaas.control.session import MAX_BYTES, Message
 from minifaas.model.sampling import MAX_PENALTY, SamplingParams
 from minifaas.net.address import Address
 from minifaas.net.connections import TcpInfo
@@ -95,14 +96,6 @@ class WireEvent(Struct, frozen=True, forbid_unknown_fields=True):
         key, parent = bytes.fromhex(self.key), bytes.fromhex(self.parent)
         return CacheEvent(self.kind, self.entry, self.cluster, self.node, key, parent, self.length, self.nbytes,
                           self.at)  # fmt: skip
-
-
-class Message(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True, tag_field="op"):
-    """A control message; a field that defaults to None may be left out, and is left out when None."""
-
-    @property
-    def op(self) -> str:
-        return self.__struct_config__.tag  # type: ignore[return-value]
 
 
 class Attach(Message, tag="attach"):
@@ -262,12 +255,6 @@ class Failed(Message, tag="failed"):
 
 class Error(Message, tag="error"):
     req: Req
-    error: Why
-
-
-class Taken(Message, tag="refused"):
-    """A worker's answer to a gateway that would attach while another is attached (from ``control.server``)."""
-
     error: Why
 
 
