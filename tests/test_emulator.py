@@ -368,3 +368,9 @@ def test_a_block_moves_a_stream_between_sockets_and_can_flip_one_byte(kind: type
     expected = bytearray(payload)
     expected[flipped_at] ^= 0xFF
     assert flipped_at >= 0 and received == bytes(expected)
+
+
+def test_the_link_emulator_does_not_import_torch() -> None:
+    """A relay moves bytes: each emulator process starts in a fraction of a second and holds no model library."""
+    code = "import sys, minifaas.commands.link_emulator; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
