@@ -270,7 +270,7 @@ def serving_prefill(runtime: Any, ids: list[int], chunk_tokens: int, snapshots: 
     layout = runtime.layout.kinds
     pool = PoolConfig("bench", 1 << 30, 32, 4, needs_snapshot(layout), enabled=snapshots)  # the worker's defaults
     store = PrefixStore(pool, runtime.spec.name, layout, "bench")
-    plan = store.begin(ids, 0.0)
+    plan = store.begin(ids)
     if not chunk_tokens:  # as the service does: these segments run before the transfer opens
         store.advance(runtime, plan)
     store.compute(runtime, plan, TransferSink(out, 0, len(ids)), GREEDY, chunk_tokens)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ BLOCK = 16
 
 def serve(store: PrefixStore, runtime: ModelRuntime, text: str) -> tuple[list[int], int, int, float]:
     """One prompt through the store: (tokens out, tokens hit, tokens computed, prefill seconds)."""
-    plan = store.begin(runtime.tokenizer.encode(text), now=0.0)
+    plan = store.begin(runtime.tokenizer.encode(text))
     computed = store.compute(runtime, plan, sampling=PARAMS)
     store.finish(plan, computed, now=0.0)
     result = computed.result

@@ -25,7 +25,7 @@ def pools(capacity: int = 10**9, interval: int = 1) -> dict[str, SizedPool]:
 
 def prefill(pool: SizedPool, tokens: list[int], node: str, now: float) -> None:
     k = keys(tokens)
-    lease = pool.acquire(k, now, limit=len(tokens) - 1)
+    lease = pool.acquire(k, limit=len(tokens) - 1)
     pool.release(lease)
     pool.store_prompt(k, now, block_nbytes=10, snapshot_nbytes=lambda n: 30, start=lease.hit_tokens, node=node)
 

@@ -128,11 +128,11 @@ def test_a_hit_needs_an_exact_snapshot() -> None:
     assert p.snapshot_points(0, 37) == [16, 32, 37]
     longer = keys([*prompt[:35], 900, 901, 902])  # diverges inside the 5th block
     assert p.match(longer).kv_blocks == 4 and p.match(longer).hit_tokens == 32
-    lease = p.acquire(keys(prompt), now=1.0, limit=36)  # the last token is always computed
+    lease = p.acquire(keys(prompt), limit=36)  # the last token is always computed
     assert (lease.hit_tokens, lease.snapshot_payload) == (32, "state@32")
     assert lease.block_payloads == [f"kv[{i}:{i + 8}]" for i in range(0, 32, 8)]
     p.release(lease)
-    assert p.acquire(keys(prompt), now=2.0).hit_tokens == 37  # the prompt-end snapshot
+    assert p.acquire(keys(prompt)).hit_tokens == 37  # the prompt-end snapshot
     dense = pool(needs_snapshot=False)
     store(dense, prompt)
     assert dense.match(longer).hit_tokens == 32 and dense.snapshot_points(0, 37) == [37]
@@ -143,8 +143,8 @@ def test_a_decode_node_can_pin_the_kv_blocks_without_a_snapshot() -> None:
     prompt = list(range(1, 38))
     store(p, prompt)
     other = keys([*prompt[:35], 900, 901])
-    assert p.acquire(other, now=1.0).hit_tokens == 0  # no snapshot on its path
-    kv = p.acquire(other, now=1.0, kv_only=True)
+    assert p.acquire(other).hit_tokens == 0  # no snapshot on its path
+    kv = p.acquire(other, kv_only=True)
     assert (kv.hit_tokens, kv.snapshot, len(kv.block_payloads)) == (32, None, 4)
     assert all(e.refs == 1 for e in kv.blocks) and p.counts["kv_hit_tokens"] == 32
     p.release(kv)
@@ -156,7 +156,7 @@ def test_next_turn_reuses_the_previous_prompt_end_mid_block() -> None:
     turn1 = list(range(50, 71))  # 21 tokens: ends inside block 2
     store(p, turn1)
     turn2 = [*turn1, 5, 6, 7, 8, 9, 10, 11]
-    lease = p.acquire(keys(turn2), now=1.0, limit=len(turn2) - 1)
+    lease = p.acquire(keys(turn2), limit=len(turn2) - 1)
     assert (lease.hit_tokens, lease.snapshot_payload) == (21, "state@21")
     assert lease.block_payloads == ["kv[0:8]", "kv[8:16]"]  # the snapshot carries the KV of 16..21
     p.release(lease)
@@ -169,7 +169,7 @@ def test_next_turn_reuses_the_previous_prompt_end_mid_block() -> None:
 def test_pinned_entries_survive_and_stores_are_refused_when_nothing_can_go() -> None:
     p = pool(capacity=2 * 10 + 100, snapshot_interval_blocks=0)
     a = store(p, list(range(16)))  # two blocks and a snapshot fill the pool
-    lease = p.acquire(a, now=1.0)
+    lease = p.acquire(a)
     assert lease.hit_tokens == 16
     assert not p.put_block(keys(list(range(900, 908))), 0, 2.0, 10)
     assert p.counts["block_store_rejected_no_room"] == 1 and p.used_bytes == p.config.capacity_bytes
@@ -186,7 +186,7 @@ def test_pinned_entries_survive_and_stores_are_refused_when_nothing_can_go() -> 
 def test_lru_evicts_the_least_recently_used_leaf_first() -> None:
     p = pool(capacity=3 * 110, snapshot_interval_blocks=0)
     a, b = store(p, list(range(8)), now=0.0), store(p, list(range(100, 108)), now=1.0)
-    p.release(p.acquire(a, now=2.0))  # a is now more recent than b
+    p.release(p.acquire(a))  # a is now more recent than b
     store(p, list(range(200, 208)), now=3.0)
     store(p, list(range(300, 308)), now=4.0)
     assert p.match(a).hit_tokens == 8 and p.match(b).hit_tokens == 0
@@ -213,7 +213,7 @@ def test_events_report_new_entries_new_holders_and_evictions() -> None:
 def test_prefix_cache_off_switch() -> None:
     p = pool(enabled=False)
     k = store(p, list(range(40)))
-    assert p.acquire(k, now=1.0).hit_tokens == 0 and p.prefix_bytes == 0
+    assert p.acquire(k).hit_tokens == 0 and p.prefix_bytes == 0
     assert p.counts["store_skipped_disabled"] > 0 and not p.drain_events()
 
 
@@ -241,7 +241,7 @@ def test_pool_invariants_under_random_traffic(
         elif op == "acquire":
             limit = rng.randrange(len(tokens) + 1)
             expected = naive_hit(p, k, limit)
-            lease = p.acquire(k, now=i, limit=limit)
+            lease = p.acquire(k, limit=limit)
             assert lease.hit_tokens == expected
             if needs_snapshot and lease.hit_tokens:
                 assert lease.snapshot is not None and lease.snapshot.length == lease.hit_tokens
@@ -278,7 +278,7 @@ def test_infinite_pool_replay_of_the_mooncake_trace_hits_every_repeated_leading_
     hit_tokens = hit_blocks = 0
     for t, r in enumerate(rows):
         k = keys_from_ids(r["hash_ids"], r["input_length"], block)
-        lease = p.acquire(k, now=float(t))
+        lease = p.acquire(k)
         hit_tokens += lease.hit_tokens
         hit_blocks += -(-lease.hit_tokens // block)
         p.release(lease)
@@ -313,7 +313,7 @@ def test_layer_state_payloads_reassemble_the_prefill_state() -> None:
         p.put_snapshot(k, n, 0.0, linear_at[n].nbytes + tail.nbytes, [linear_at[n], tail])
 
     follow_up = keys([*tokens[:27], 1, 2, 3])
-    lease = p.acquire(follow_up, now=1.0)
+    lease = p.acquire(follow_up)
     assert lease.hit_tokens == 24  # the last block-aligned snapshot before the prompts diverge
     joined = lease.snapshot_payload[1]  # type: ignore[index]
     for payload in reversed(lease.block_payloads):
@@ -322,5 +322,5 @@ def test_layer_state_payloads_reassemble_the_prefill_state() -> None:
     assert torch.equal(joined.tensor("k"), kv.slice_tokens(0, 24).tensor("k"))
     assert lease.snapshot_payload[0] is linear_at[24]  # type: ignore[index]
     p.release(lease)
-    again = p.acquire(k, now=2.0, limit=29)
-    assert again.hit_tokens == 24 and p.acquire(k, now=3.0).hit_tokens == 30
+    again = p.acquire(k, limit=29)
+    assert again.hit_tokens == 24 and p.acquire(k).hit_tokens == 30

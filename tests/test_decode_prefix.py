@@ -32,14 +32,14 @@ def test_increment_joined_onto_the_kept_prefix_decodes_like_the_whole_state() ->
     rt = ModelRuntime.load("kimi-linear-tiny")
     cache = DecodePrefixCache(PoolConfig("d", 1 << 30, BLOCK), "m", rt.layout.kinds, "d")
     first = [(3 * i + 1) % 256 for i in range(70)]
-    cache.pin(1, first, 0, now=0.0)
+    cache.pin(1, first, 0)
     cache.received(1, rt.prefill(first).state, now=0.0)
     events = cache.pool.drain_events()
     assert [e.length for e in events] == [16, 32, 48, 64] and {e.node for e in events} == {"d"}
 
     turn = [*first, *[(5 * i + 7) % 256 for i in range(30)]]
     whole = rt.prefill(turn)
-    pinned = cache.pin(2, turn, 70, now=1.0)
+    pinned = cache.pin(2, turn, 70)
     assert pinned == 64  # whole blocks only: the partial block's KV crosses again
     joined = [cache.join_layer(2, s) for s in _increment(whole.state, pinned)]
     assert all(_same(j, w) for j, w in zip(joined, whole.state.layers, strict=True))
@@ -55,14 +55,14 @@ def test_a_cancelled_transfer_unpins_and_a_disabled_cache_pins_nothing() -> None
     layout = rt.layout.kinds
     tokens = [(7 * i) % 256 for i in range(40)]
     cache = DecodePrefixCache(PoolConfig("d", 1 << 30, BLOCK), "m", layout, "d")
-    cache.pin(1, tokens, 0, 0.0)
+    cache.pin(1, tokens, 0)
     cache.received(1, rt.prefill(tokens).state, 0.0)
-    assert cache.pin(2, tokens, 39, 1.0) == 32
+    assert cache.pin(2, tokens, 39) == 32
     assert any(e.refs for e in cache.pool.entries())
     cache.cancel(2)
     assert all(e.refs == 0 for e in cache.pool.entries())
 
     off = DecodePrefixCache(PoolConfig("d", 1 << 30, BLOCK, enabled=False), "m", layout, "d")
-    off.pin(1, tokens, 0, 0.0)
+    off.pin(1, tokens, 0)
     off.received(1, rt.prefill(tokens).state, 0.0)
-    assert off.pin(2, tokens, 39, 1.0) == 0 and off.pool.used_bytes == 0
+    assert off.pin(2, tokens, 39) == 0 and off.pool.used_bytes == 0

@@ -125,7 +125,7 @@ async def prefill_remotely(child: Child, rt: ModelRuntime) -> dict[str, tuple[di
     async with KVReceiver(ReceiverConfig(SECRET)) as rx:
         receiver = JoiningReceiver(rx, kept, time.monotonic)
         for transfer, (name, (ids, keep)) in enumerate(PROMPTS.items()):
-            link_start = kept.pin(transfer, ids, keep, time.monotonic())
+            link_start = kept.pin(transfer, ids, keep)
             msg = msgspec.to_builtins(Prefill(req=name, tokens=ids, sampling=Sampling.of(GREEDY), transfer=transfer,
                                   kv=["127.0.0.1", rx.port], link_start=link_start))  # fmt: skip
             reply, state = await asyncio.gather(child.ask(msg), receiver.transfer(transfer).model_state())

@@ -100,7 +100,7 @@ def test_the_prefix_pool_keeps_host_copies_and_a_hit_joins_moved_in_and_computed
     tokens = [(31 * i + 7) % 256 for i in range(80)]
     moved = rt.prefill(tokens[:32]).state  # as a cache move brings it in: received into host memory
     store.import_state(tokens, ModelState([to_device(s, "cpu") for s in moved.layers], moved.seq_len), now=0.0)
-    plan = store.begin(tokens[:64], now=0.0)  # blocks 0-1 moved in; 2-3 computed here
+    plan = store.begin(tokens[:64])  # blocks 0-1 moved in; 2-3 computed here
     computed = store.compute(rt, plan, sampling=params)
     store.finish(plan, computed, now=0.0)
     cache_tensors = {t.untyped_storage().data_ptr() for s in computed.result.state.layers for _, t in s.slots}
@@ -108,7 +108,7 @@ def test_the_prefix_pool_keeps_host_copies_and_a_hit_joins_moved_in_and_computed
         for s in payload:
             for _, t in s.slots:
                 assert t.device.type == "cpu" and t.untyped_storage().data_ptr() not in cache_tensors
-    plan = store.begin(tokens, now=0.0)
+    plan = store.begin(tokens)
     assert plan.hit_tokens == 64  # two moved-in blocks beside two computed ones
     result = store.compute(rt, plan, sampling=params).result
     store.release(plan)

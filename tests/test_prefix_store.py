@@ -24,7 +24,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 def _serve(store: PrefixStore, rt: ModelRuntime, tokens: list[int]) -> tuple[list[int], int]:
-    plan = store.begin(tokens, now=0.0)
+    plan = store.begin(tokens)
     computed = store.compute(rt, plan, sampling=PARAMS)
     store.finish(plan, computed, now=0.0)
     assert computed.result.state.seq_len == len(tokens)
@@ -65,12 +65,12 @@ def test_reuse_policy_splits_only_at_a_prefix_seen_before() -> None:
     layout = rt.layout.kinds
     store = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 2, snapshot_policy="reuse"), "m", layout, "n")
     a, b, c = (_tokens(1, 3 * BLOCK) + _tokens(seed, 40) for seed in (4, 5, 6))
-    plan = store.begin(a, now=0.0)
+    plan = store.begin(a)
     assert (plan.points, plan.snapshot_end) == ([], True)  # no split: only the end's state is kept
     store.release(plan)
     assert _serve(store, rt, a)[1] == 0
     assert _serve(store, rt, a) == (reference_tokens(rt, a, PARAMS), len(a))  # the second send hits
-    plan = store.begin(b, now=0.0)
+    plan = store.begin(b)
     assert (plan.hit_tokens, plan.points, plan.snapshot_end) == (0, [3 * BLOCK], True)
     store.release(plan)
     assert _serve(store, rt, b)[1] == 0
@@ -95,7 +95,7 @@ def test_the_same_prompt_again_streams_the_same_state_and_samples_the_same_token
 
     def send() -> tuple[int, int, list[LayerState], list[int]]:
         layers = Layers()
-        plan = store.begin(tokens, now=0.0)
+        plan = store.begin(tokens)
         computed = store.compute(rt, plan, layers, sampled)
         store.finish(plan, computed, now=0.0)
         out = DecodeStream(rt, computed.result.state, computed.result.next_token, sampled).run()
@@ -122,7 +122,7 @@ def test_off_switches_store_nothing_and_take_no_snapshots_between_ends() -> None
     assert _serve(off, rt, tokens)[1] == 0
 
     ends_only = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 0), "m", layout, "n")
-    plan = ends_only.begin(tokens, 0.0)
+    plan = ends_only.begin(tokens)
     assert plan.points == [] and plan.snapshot_end
     ends_only.finish(plan, ends_only.compute(rt, plan), 0.0)
     events = ends_only.pool.drain_events()
@@ -142,7 +142,7 @@ def test_a_pinned_hit_survives_a_full_pool_and_is_released() -> None:
     capacity = probe.pool.used_bytes  # room for exactly one prompt's entries
     store = PrefixStore(PoolConfig("n", capacity, BLOCK, 1), "m", layout, "n")
     _serve(store, rt, tokens)
-    plan = store.begin([*tokens, 9], 1.0)
+    plan = store.begin([*tokens, 9])
     assert plan.hit_tokens == len(tokens)
     _serve(store, rt, _tokens(6, 3 * BLOCK + 1))  # a different prompt cannot evict the pinned hit
     assert store.pool.used_bytes <= capacity

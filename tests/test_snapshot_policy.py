@@ -56,7 +56,7 @@ def test_a_third_prompt_hits_where_the_first_two_branched() -> None:
 
     def prefill(tokens: list[int]) -> int:
         keys = PromptKeys.from_tokens(tokens, block, "m")
-        lease = pool.acquire(keys, 0.0, limit=len(tokens) - 1)
+        lease = pool.acquire(keys, limit=len(tokens) - 1)
         seen = pool.match(keys, limit=len(tokens) - 1).kv_blocks * block
         for j in range(lease.hit_tokens // block, keys.num_full_blocks):
             pool.put_block(keys, j, 0.0, 1)

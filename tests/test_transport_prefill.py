@@ -83,12 +83,12 @@ def test_chunked_prefill_through_the_service_decodes_like_generate(runtime: Mode
 def test_streamed_pieces_rebuild_the_computed_state_bit_exact(runtime: ModelRuntime, link_start: int) -> None:
     """Segments after a hit, in chunks of 24; the decode node already holds the first ``link_start`` tokens."""
     store = store_for(runtime)
-    first = store.begin(FIRST, 0.0)
+    first = store.begin(FIRST)
     store.finish(first, store.compute(runtime, first), 0.0)
     pieces: list[tuple[int, int, int, int]] = []  # (layer, start, end, total) of every token range put
 
     async def main() -> tuple[Any, ModelState, list[int]]:
-        plan = store.begin(SECOND, 1.0)
+        plan = store.begin(SECOND)
         assert plan.hit_tokens == 96
         segments = [96, *plan.points, len(SECOND)]  # each one forward's tokens, run in chunks of 24
         async with KVReceiver(ReceiverConfig(SECRET)) as rx:
@@ -154,7 +154,7 @@ def test_an_aborted_prefill_stops_part_way_and_the_next_prompt_runs_alone() -> N
     service, state, reply = run(main())
     assert 0 < service.stopped_at["long"] < len(long), service.stopped_at
     assert service.stopped_at["queued"] == 0
-    plan = service.store.begin(long, 0.0)  # nothing of the stopped prompt went into the pool
+    plan = service.store.begin(long)  # nothing of the stopped prompt went into the pool
     service.store.release(plan)
     assert plan.hit_tokens == 0
     assert DecodeStream(runtime, state, reply.next_token, PARAMS).run() == reference_tokens(runtime, short, PARAMS)

@@ -131,7 +131,7 @@ class HybridPrefixPool(Generic[P]):
             return Match(0, 0, None)
         return self.index.match(prompt, limit)
 
-    def acquire(self, prompt: PromptKeys, now: float, limit: int | None = None, kv_only: bool = False) -> Lease[P]:
+    def acquire(self, prompt: PromptKeys, limit: int | None = None, kv_only: bool = False) -> Lease[P]:
         """Pin and return the usable hit. ``kv_only``: the full-attention blocks alone, no snapshot
         needed (a decode node that receives only the rest of the KV over the link)."""
         self._check_block_size(prompt)

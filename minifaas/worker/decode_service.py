@@ -170,14 +170,14 @@ class DecodePrefixCache:
         self._prefixes: dict[int, dict[int, LayerState]] = {}  # transfer -> layer -> pinned prefix KV
         self._leases: dict[int, Lease[Payload]] = {}
 
-    def pin(self, transfer: int, tokens: Sequence[int], link_start: int, now: float) -> int:
+    def pin(self, transfer: int, tokens: Sequence[int], link_start: int) -> int:
         """Expect ``transfer`` to carry ``tokens``' state, pinning the KV of up to ``link_start``
         tokens; returns how many are pinned (the prefill sends the full-attention KV from there)."""
         keys = PromptKeys.from_tokens(tokens, self.pool.config.block_size, self.namespace)
         self._expected[transfer] = keys
         if link_start <= 0:
             return 0
-        lease = self.pool.acquire(keys, now, limit=link_start, kv_only=True)
+        lease = self.pool.acquire(keys, limit=link_start, kv_only=True)
         self._leases[transfer] = lease
         if lease.hit_tokens:
             by_block = [p for p in lease.block_payloads if p is not None]

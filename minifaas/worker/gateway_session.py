@@ -274,7 +274,7 @@ class DecodeSession(WorkerSession):
         if req in self.jobs:
             raise BadMessage(f"request {req!r} is already running")
         if self.prefixes is not None:
-            pinned = self.prefixes.pin(msg.transfer, msg.tokens, msg.link_start, time.perf_counter())
+            pinned = self.prefixes.pin(msg.transfer, msg.tokens, msg.link_start)
             if msg.link_start:
                 self.emit(Pinned(req=req, transfer=msg.transfer, tokens=pinned))
         self.decoding.add(req)

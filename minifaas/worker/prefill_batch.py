@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from typing import Protocol, TypeVar
 
 from minifaas.control.worker_ops import Prefill
@@ -76,7 +75,7 @@ def gather(leader: Queued, waiting: list[Queued], store: PrefixStore, budget: in
         if (len(riders) + 2) * n > budget:
             break
         if len(other.tokens) == n and other.msg.import_ is None:
-            other.plan = store.begin(other.tokens, time.perf_counter(), other.msg.seen_tokens or 0)
+            other.plan = store.begin(other.tokens, other.msg.seen_tokens or 0)
             if cold(other.plan):
                 riders.append(other)
             else:

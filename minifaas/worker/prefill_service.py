@@ -91,7 +91,7 @@ class PrefillService:
             job.holds_lock = await self.batcher.turn(job)  # False: a batch ahead took it along, planned
             job.started = time.perf_counter()
             if job.batch is None:  # batching is chosen once, here: alone, or leading the prompts queued behind
-                job.plan = self.store.begin(job.tokens, job.started, msg.seen_tokens or 0)
+                job.plan = self.store.begin(job.tokens, msg.seen_tokens or 0)
                 self.batcher.gather(job)
             return await self._run(job, first)
         except asyncio.CancelledError:
@@ -181,7 +181,7 @@ class PrefillService:
 
     async def export(self, msg: Export) -> Exported:
         """Send the usable prefix of ``tokens`` up to ``length`` to another cluster's node."""
-        lease, state = self.store.export_state(msg.tokens, msg.length, time.perf_counter())
+        lease, state = self.store.export_state(msg.tokens, msg.length)
         try:
             report = None
             if state is not None:

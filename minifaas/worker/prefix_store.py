@@ -84,7 +84,7 @@ class PrefixStore:
     def enabled(self) -> bool:
         return self.pool.config.enabled
 
-    def begin(self, tokens: Sequence[int], now: float, seen_tokens: int = 0) -> CachedPrefill:
+    def begin(self, tokens: Sequence[int], seen_tokens: int = 0) -> CachedPrefill:
         """Pin the usable hit and load its state: the whole prompt where its end snapshot kept the logits, else
         a prefix that leaves at least one token to compute. ``seen_tokens``: the longest prefix of the prompt
         that some node stored (the gateway's directory), a branch point worth a snapshot; this node's own pool
@@ -92,7 +92,7 @@ class PrefixStore:
         size, n = self.pool.config.block_size, len(tokens)
         keys = PromptKeys.from_tokens(tokens, size, self.namespace)
         logits = self._logits_at_end(keys)
-        lease = self.pool.acquire(keys, now, limit=n if logits is not None else n - 1)
+        lease = self.pool.acquire(keys, limit=n if logits is not None else n - 1)
         h = lease.hit_tokens
         snapshot = lease.snapshot_payload
         states = snapshot.states if isinstance(snapshot, Snapshot) else None
@@ -178,11 +178,11 @@ class PrefixStore:
         finally:
             self.release(plan)
 
-    def export_state(self, tokens: Sequence[int], length: int, now: float) -> tuple[Lease[Payload], ModelState | None]:
+    def export_state(self, tokens: Sequence[int], length: int) -> tuple[Lease[Payload], ModelState | None]:
         """Pin and load the usable prefix of ``tokens`` up to ``length``, to move it to another cluster.
         Release the lease once the state is sent."""
         keys = PromptKeys.from_tokens(tokens, self.pool.config.block_size, self.namespace)
-        lease = self.pool.acquire(keys, now, limit=length)
+        lease = self.pool.acquire(keys, limit=length)
         h, snapshot = lease.hit_tokens, lease.snapshot_payload
         states = snapshot.states if isinstance(snapshot, Snapshot) else None
         return lease, assemble(self.layout, lease.block_payloads, states, h) if h else None
