@@ -15,11 +15,8 @@ import logging
 import ssl as ssl_module
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated
 
-from msgspec import Meta
-
-from minifaas.control.session import MAX_BYTES, ControlError, Message, Session, accept
+from minifaas.control.session import MAX_BYTES, ControlError, Message, Session, Why, accept
 
 log = logging.getLogger("minifaas.control")
 LOG_EVERY_S = 10.0
@@ -28,7 +25,7 @@ LOG_EVERY_S = 10.0
 class Taken(Message, tag="refused"):
     """The answer to a client that would attach while another is attached."""
 
-    error: Annotated[str, Meta(max_length=MAX_BYTES)]
+    error: Why
 
 
 class ControlServer:

@@ -14,15 +14,17 @@ import hashlib
 import hmac
 import ssl as ssl_module
 import struct
+from typing import Annotated
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from minifaas.net.channel import Channel
 from minifaas.net.connections import MAC_BYTES, prove_control_client, verify_control_client
 from minifaas.net.errors import AuthError
 
 MAX_BYTES = 64 << 20  # a prompt of a few million token ids still fits
+Why = Annotated[str, Meta(max_length=MAX_BYTES)]  # an exception's text: as long as a frame allows
 _PREFIX = struct.Struct(">I")
 _FROM_CLIENT, _FROM_SERVER = b"c", b"s"
 

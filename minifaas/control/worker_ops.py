@@ -23,7 +23,7 @@ from msgspec import Meta, Struct, field
 from minifaas.cache.prefix_index import CacheEvent, EntryKind, EventKind
 from minifaas.codec.codec import Codec
 from minifaas.control.server import Taken
-from minifaas.control.session import MAX_BYTES, Message
+from minifaas.control.session import Message, Why
 from minifaas.model.sampling import MAX_PENALTY, SamplingParams
 from minifaas.net.address import Address
 from minifaas.net.connections import TcpInfo
@@ -42,7 +42,6 @@ TokenIds = Annotated[list[Count], Meta(max_length=1 << 24)]
 Bytes = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Seconds = Annotated[float, Meta(ge=0.0)]
 Name = Annotated[str, Meta(max_length=4096)]
-Why = Annotated[str, Meta(max_length=MAX_BYTES)]  # an exception's text: as long as a frame allows
 CodecName = Literal[tuple(c.label for c in Codec)]  # type: ignore[valid-type]
 Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 Hex = Annotated[str, Meta(pattern="^([0-9a-f]{2})*$", max_length=4096)]
