@@ -12,9 +12,8 @@
    on that, since a worker's forward also feeds its layer sink while its event loop sends. Then short PD
    prompts timed while a long PrfaaS prompt prefills, and again with a batch of the slice's median prompt
    decoding too, give the prefill's slowdown beside one and two other workers computing (``contended``): the
-   twin's ``contention``; timed beside the decoding batch alone, its ``beside_decode``. Each is the median over
-   rounds of a contended time over the same prompt's time alone just before it. The client's TTFT beyond the
-   prefill, alone, gives ``delivery_s``.
+   twin's ``contention``; timed beside the decoding batch alone, its ``beside_decode``; and the client's TTFT
+   beyond the prefill, alone, its ``delivery_s``.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
@@ -106,8 +105,7 @@ LIVE_FLAGS = [
 PROFILE_BATCHES = "1,4,16,64"
 DECODE_STREAMS = 8  # decoding while a contended prefill is timed
 CONTENDED_TOKENS, CONTENDED_LONG = 128, 2048  # a PD prompt timed beside a PrfaaS one
-CONTENDED_ROUNDS = 5  # each slowdown: the median of this many paired ratios
-CONTENDED_ALONE = 3  # prompts timed alone just before each contended phase
+CONTENDED_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -169,10 +167,8 @@ async def calibrate(url: str, model: PrefillProfile, context: int, repeats: int 
     """Each of the model profile's lengths sent alone ``repeats`` times as fresh token ids (no cached prefix),
     routed as the router routes it: the median of the ``prefill_s`` its worker reports is the prefill (the state
     bytes stay the profile's; a longer prompt never counts faster), and the median of the client's TTFT beyond
-    it the delivery. Then ``CONTENDED_ROUNDS`` rounds of ``contended``: on PD beside a PrfaaS prefill, beside
-    that and a batch decoding ``context``-token prompts, and beside the batch alone. Each phase is timed against
-    the same prompt alone just before it, and a slowdown is the median of those paired ratios: a box that is
-    slower for a while slows both sides of a pair."""
+    it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill,
+    beside that and a batch decoding ``context``-token prompts, and beside the batch alone."""
     rng = np.random.default_rng(11)
     points, slowest, beyond = [], 0.0, []
     async with client() as http:
@@ -189,26 +185,16 @@ async def calibrate(url: str, model: PrefillProfile, context: int, repeats: int 
             slowest = max(slowest, statistics.median(taken))
             points.append(replace(q, latency_s=slowest))
         prefill = replace(model, points=tuple(points), latency_coeffs=())
-        ratios: list[list[float]] = [[], [], []]
-        for _ in range(CONTENDED_ROUNDS):
-            for k, (prefilling, decoding) in enumerate(((True, False), (True, True), (False, True))):
-                alone = [await prefill_s(http, url, rng) for _ in range(CONTENDED_ALONE)]
-                beside = await contended(http, url, rng, prefilling, decoding, context)
-                if beside:  # a round may end before a prompt beside it does; all of them, not
-                    ratios[k].append(statistics.median(beside) / statistics.median(alone))
-        if not all(ratios):
-            raise RuntimeError(f"no prompt finished beside the others in {CONTENDED_ROUNDS} rounds")
-    beside = [statistics.median(r) for r in ratios]
+        alone = float(prefill.latency_s(CONTENDED_TOKENS))
+        beside = []
+        for prefilling, decoding in ((True, False), (True, True), (False, True)):
+            taken = [s for _ in range(CONTENDED_ROUNDS)
+                     for s in await contended(http, url, rng, prefilling, decoding, context)]  # fmt: skip
+            if not taken:  # a round may end before a prompt beside it does; all of them, not
+                raise RuntimeError(f"no prompt finished beside the others in {CONTENDED_ROUNDS} rounds")
+            beside.append(statistics.median(taken) / alone)
     contention = tuple(np.maximum.accumulate([1.0, *beside[:2]]).tolist())
     return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[2]))
-
-
-async def prefill_s(http: aiohttp.ClientSession, url: str, rng: np.random.Generator) -> float:
-    """The ``prefill_s`` of one fresh ``CONTENDED_TOKENS``-token prompt, alone on PD."""
-    done = await stream(http, url, rng.integers(0, 256, CONTENDED_TOKENS).tolist(), 1)
-    if done.status != 200:
-        raise RuntimeError(f"a {CONTENDED_TOKENS}-token calibration prompt failed with {done.status}")
-    return float(done.info["prefill_s"])
 
 
 async def contended(
