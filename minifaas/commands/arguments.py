@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from collections.abc import Callable
 
@@ -145,6 +146,37 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"need integers >= 1, got {text!r}")
     return values
+
+
+def _number(text: str, convert: Callable[[str], float], ok: Callable[[float], bool], need: str) -> float:
+    """``text`` as a finite number that ``ok`` takes; else argparse's error line saying what is needed."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"need {need}, got {text!r}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A finite number > 0: a duration, a rate, a scale."""
+    return _number(text, float, lambda v: v > 0, "a number > 0")
+
+
+def non_negative(text: str) -> float:
+    """A finite number >= 0: a delay, a warm-up."""
+    return _number(text, float, lambda v: v >= 0, "a number >= 0")
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1]."""
+    return _number(text, float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def count(text: str) -> int:
+    """An integer >= 0."""
+    return int(_number(text, int, lambda v: v >= 0, "an integer >= 0"))
 
 
 def policy(text: str) -> str:

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value, help="routing rule")
     deploy.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache in either cluster")
-    deploy.add_argument("--cache-gb", type=float, help="prefix pool size per cluster (default: unlimited)")
+    deploy.add_argument("--cache-gb", type=arguments.positive, help="prefix pool size per cluster (default: unlimited)")
     deploy.add_argument(
         "--kv-bytes-per-token", type=float, help="replace the model's KV growth, both clusters (default: the case's)"
     )
@@ -90,12 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "interval", "reuse, interval")  # fmt: skip
     sched.add_argument("--fixed-threshold", action="store_true", help="with --scheduler: t and the rule stay fixed")
     sched.add_argument("--no-rebalance", action="store_true", help="with --scheduler: no re-planning, no re-roling")
-    sched.add_argument("--rebalance-period", type=float, default=300.0, help="seconds between re-plans")
-    sched.add_argument("--convert-s", type=float, default=60.0, help="restart time of a re-roled PD worker")
+    sched.add_argument("--rebalance-period", type=arguments.positive, default=300.0, help="seconds between re-plans")
+    sched.add_argument(
+        "--convert-s", type=arguments.non_negative, default=60.0, help="restart time of a re-roled PD worker"
+    )
     link = parser.add_argument_group("link")
-    link.add_argument("--link-gbps", type=float, help="inter-cluster bandwidth (default: the case's)")
-    link.add_argument("--rtt-ms", type=float, default=10.0, help="round-trip time of the link")
-    link.add_argument("--pipeline-layers", type=int, default=61, help="layers streamed during prefill; 0 = off")
+    link.add_argument("--link-gbps", type=arguments.positive, help="inter-cluster bandwidth (default: the case's)")
+    link.add_argument("--rtt-ms", type=arguments.non_negative, default=10.0, help="round-trip time of the link")
+    link.add_argument(
+        "--pipeline-layers", type=arguments.count, default=61, help="layers streamed during prefill; 0 = off"
+    )
     link.add_argument(
         "--bandwidth-schedule",
         type=bandwidth_schedule,
@@ -121,20 +125,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"replay a trace instead of synthetic requests: {', '.join(SHIPPED_TRACES)} (shipped in data/traces), "
         "or a Mooncake .jsonl / Azure .csv file (default: none)",
     )
-    load.add_argument("--length-scale", type=float, default=1.0, help="a trace's prompt lengths times this")
-    load.add_argument("--rate-scale", type=float, default=1.0, help="a trace's arrival rate times this")
+    load.add_argument(
+        "--length-scale", type=arguments.positive, default=1.0, help="a trace's prompt lengths times this"
+    )
+    load.add_argument("--rate-scale", type=arguments.positive, default=1.0, help="a trace's arrival rate times this")
     load.add_argument(
         "--arrivals", choices=[k.value for k in ArrivalKind], default=ArrivalKind.POISSON.value, help="arrival process"
     )
-    load.add_argument("--load", type=float, default=0.8, help="offered rate as a fraction of planned capacity")
-    load.add_argument("--rate", type=float, help="offered rate in req/s (default: from --load)")
-    load.add_argument("--duration", type=float, help="seconds of arrivals (default: 600; a trace: all of it)")
-    load.add_argument("--on-s", type=float, default=10.0, help="bursty: mean ON period")
-    load.add_argument("--off-s", type=float, default=10.0, help="bursty: mean OFF period")
-    load.add_argument("--off-fraction", type=float, default=0.0, help="bursty: OFF rate / ON rate")
+    load.add_argument(
+        "--load", type=arguments.positive, default=0.8, help="offered rate as a fraction of planned capacity"
+    )
+    load.add_argument("--rate", type=arguments.positive, help="offered rate in req/s (default: from --load)")
+    load.add_argument(
+        "--duration", type=arguments.positive, help="seconds of arrivals (default: 600; a trace: all of it)"
+    )
+    load.add_argument("--on-s", type=arguments.positive, default=10.0, help="bursty: mean ON period")
+    load.add_argument("--off-s", type=arguments.positive, default=10.0, help="bursty: mean OFF period")
+    load.add_argument("--off-fraction", type=arguments.fraction, default=0.0, help="bursty: OFF rate / ON rate")
     load.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
     out = parser.add_argument_group("output")
-    out.add_argument("--warmup", type=float, default=0.0, help="seconds not counted in throughput")
+    out.add_argument("--warmup", type=arguments.non_negative, default=0.0, help="seconds not counted in throughput")
     out.add_argument("--no-drain", action="store_true", help="stop at the last arrival")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--queues-csv", metavar="CSV", help="write the queue depths over time (default: none)")
