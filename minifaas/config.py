@@ -6,6 +6,7 @@ short_term, ...) is a built-in name or module:Class; ``<key>_args``: its argumen
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -26,6 +27,14 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 NAME_PREFIX = {("prfaas", "prefill"): "prfaas-p", ("pd", "prefill"): "pd-p", ("pd", "decode"): "pd-d"}
 
 
+def check_finite(config: object) -> None:
+    """Every number of ``config`` finite: a NaN passes every comparison the checks below make."""
+    for f in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     prefill_workers: int = 1
@@ -42,6 +51,7 @@ class ClusterConfig:
     memory_fraction: float = 0.0  # of its GPU per worker; 0: an equal share where workers share one, else all
 
     def __post_init__(self) -> None:
+        check_finite(self)
         object.__setattr__(self, "workers", tuple(self.workers))  # a TOML array comes as a list
         object.__setattr__(self, "devices", tuple(self.devices))
         if self.devices:
@@ -97,6 +107,7 @@ class InterClusterLinkConfig:
     kv_compression_args: Args = ()  # the codec policy's keyword arguments
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if not 1 <= self.connections <= MAX_CONNECTIONS or self.delay_ms < 0 or self.jitter_ms < 0:
             raise ValueError(f"need connections 1..{MAX_CONNECTIONS} and non-negative delay and jitter")
         for rate in (self.rate, self.flow_rate):  # a rate the emulator cannot read fails here, not in its process
@@ -122,6 +133,7 @@ class RayConfig:
     start_timeout: float = 300.0  # placement of every worker, and a restarted actor's readiness
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0 or self.start_timeout <= 0:
             raise ValueError("need cpus_per_worker >= 0, gpus_per_worker >= 0 and start_timeout > 0")
 
@@ -141,6 +153,7 @@ class CacheConfig:
     cross_cluster_moves: bool = True  # off: no cache crosses the link before prefill (ABUNDANT then acts as SCARCE)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.mode not in ("hybrid", "none") or self.rule not in ("scarce", "abundant"):
             raise ValueError(f"cache mode must be hybrid|none and rule scarce|abundant, got {self.mode}, {self.rule}")
         object.__setattr__(self, "snapshot_policy_args", policy_args(self.snapshot_policy_args))
@@ -179,6 +192,7 @@ class SchedulerConfig:
     long_term_args: Args = ()
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.period_s <= 0 or self.min_requests < 1 or self.min_gain < 0 or self.drain_timeout <= 0:
             raise ValueError("need period_s > 0, min_requests >= 1, min_gain >= 0, drain_timeout > 0")
         for name, kind in (("short_term", SHORT_TERM), ("long_term", LONG_TERM)):
@@ -204,6 +218,7 @@ class HttpConfig:
     backlog: int = 512  # connections the kernel queues before they are accepted
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.max_connections < 1 or self.max_body_bytes < 1 or self.backlog < 1:
             raise ValueError("need max_connections, max_body_bytes and backlog >= 1")
         if min(self.header_timeout, self.body_timeout) <= 0:
@@ -247,6 +262,7 @@ class ServeConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if min(self.threshold, self.spill_tokens) < 0 or not 0 <= self.port < 65536:
             raise ValueError("need threshold >= 0, spill_tokens >= 0 (0: no spill) and a valid port")
         object.__setattr__(self, "router_args", policy_args(self.router_args))

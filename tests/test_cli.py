@@ -60,6 +60,7 @@ BAD_INPUT = [
     (["serve", "--profile", "prefill-only.json"], "prefill-only.json: a profile needs [prefill] and [decode] tables"),
     (["serve", "--link-rate", "fast"], "not a rate: 'fast'"),
     (["serve", "--prefill-chunk", "-5"], "prefill_chunk must be >= 0"),
+    (["serve", "--link-delay-ms", "nan"], "delay_ms must be a finite number, got nan"),
     (["serve", "--pd-device", "gpu0"], "not a device: 'gpu0'"),
     (["demo", "--model", "nope"], "no model 'nope'"),
     (["demo", "--link-rate", "fast"], "not a rate"),
