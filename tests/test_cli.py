@@ -70,7 +70,13 @@ BAD_INPUT = [
     (["generate", "--max-tokens", "x"], "invalid int value: 'x'"),
     (["generate", "--device", "cuda:99"], "no device cuda:99: this machine has"),
     (["plan", "--case", "missing.toml"], "missing.toml: No such file or directory"),
-    (["plan", "--link-gbps", "0"], "link_gbps and output_tokens must be > 0"),
+    (["plan", "--link-gbps", "0"], "argument --link-gbps: need a number > 0, got '0'"),
+    (["plan", "--price-ratio", "nan"], "argument --price-ratio: need a number > 0, got 'nan'"),
+    (["plan", "--output-tokens", "nan"], "argument --output-tokens: need a number > 0, got 'nan'"),
+    (["demo", "--duration", "nan"], "argument --duration: need a number > 0, got 'nan'"),
+    (["link-emulator", "--target", "127.0.0.1:9", "--delay-ms", "nan"], "argument --delay-ms: need a number >= 0"),
+    (["worker", "--gpu-memory-fraction", "2"], "argument --gpu-memory-fraction: need a number in [0, 1], got '2'"),
+    (["profile", "--slo", "nan"], "argument --slo: need a number > 0, got 'nan'"),
     (["sim", "--trace", "mooncake"], "not a shipped trace (mooncake-synthetic, azure-conv, azure-code) or a file"),
     (["sim", "--pd-profile", "missing.json"], "missing.json: No such file or directory"),
     (["sim", "--bandwidth-schedule", "600"], "not TIME_S:GBPS"),
@@ -118,7 +124,7 @@ def test_a_taken_port_is_an_error_before_any_worker_starts(taken_port: int, caps
     ("argv", "says"),
     [
         (["generate", "--model", "nope"], "minifaas generate: error: argument --model: no model 'nope'"),
-        (["plan", "--link-gbps", "0"], "minifaas plan: error: paper: link_gbps and output_tokens must be > 0"),
+        (["sim", "--n-decode", "0"], "minifaas sim: error: instance counts must be >= 0, with at least one decode"),
     ],
     ids=["a flag's type", "a value read by the command"],
 )

@@ -53,13 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "to watch on the dashboard",
     )
     parser.add_argument(
-        "--duration", type=float, help="with --dashboard: stop after this many seconds (default: at Ctrl-C)"
+        "--duration",
+        type=arguments.positive,
+        help="with --dashboard: stop after this many seconds (default: at Ctrl-C)",
     )
     parser.add_argument(
-        "--dip-every", type=float, default=30.0, help="with --dashboard: seconds between the link's dips"
+        "--dip-every", type=arguments.positive, default=30.0, help="with --dashboard: seconds between the link's dips"
     )
     parser.add_argument(
-        "--dip-seconds", type=float, default=10.0, help="with --dashboard: how long each dip lasts, in seconds"
+        "--dip-seconds",
+        type=arguments.positive,
+        default=10.0,
+        help="with --dashboard: how long each dip lasts, in seconds",
     )
     parser.add_argument(
         "--log-level",

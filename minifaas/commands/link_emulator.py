@@ -32,8 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=arguments.rate, default="none", help="aggregate rate per direction, e.g. 1gbit")
     parser.add_argument("--flow-rate", type=arguments.rate, default="none", help="cap of one flow, e.g. 250mbit")
     parser.add_argument("--window", type=arguments.window, default="none", help="bytes in flight per flow, e.g. 4MiB")
-    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (the RTT is twice it)")
-    parser.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter on the delay")
+    parser.add_argument(
+        "--delay-ms", type=arguments.non_negative, default=0.0, help="one-way delay (the RTT is twice it)"
+    )
+    parser.add_argument("--jitter-ms", type=arguments.non_negative, default=0.0, help="uniform +- jitter on the delay")
     parser.add_argument(
         "--schedule",
         type=arguments.rate_schedule,
@@ -52,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a host the route command may lead to (repeatable; default: the --target's host)",
     )  # fmt: skip
     parser.add_argument(
-        "--control-idle", type=float, default=30.0, help="drop a control client silent this long, seconds"
+        "--control-idle", type=arguments.positive, default=30.0, help="drop a control client silent this long, seconds"
     )
     parser.add_argument(
         "--exit-with-stdin", action="store_true", help="exit when stdin closes; ^C is the parent's (the gateway's)"

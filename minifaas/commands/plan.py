@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from minifaas import figures
+from minifaas.commands import arguments
 from minifaas.commands.main import user_input
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
@@ -25,23 +26,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", metavar="PNG", help="draw the bounds vs N_p and vs t (needs matplotlib; default: no plot)"
     )
-    parser.add_argument("--link-gbps", type=float, help="PrfaaS egress bandwidth in Gbit/s (default: the case's)")
+    parser.add_argument(
+        "--link-gbps", type=arguments.positive, help="PrfaaS egress bandwidth in Gbit/s (default: the case's)"
+    )
     parser.add_argument("--n-prfaas", type=int, help="PrfaaS instances (default: the case's)")
     parser.add_argument("--n-pd", type=int, help="PD instances, N_p + N_d (default: the case's)")
     parser.add_argument("--n-homogeneous", type=int, help="instances of the homogeneous baseline (default: the case's)")
-    parser.add_argument("--output-tokens", type=float, help="mean output length in tokens (default: the case's)")
+    parser.add_argument(
+        "--output-tokens", type=arguments.positive, help="mean output length in tokens (default: the case's)"
+    )
     parser.add_argument("--threshold-step", type=int, default=100, help="grid step of t in tokens")
     parser.add_argument(
-        "--kv-bytes-per-token", type=float, help="replace the model's KV growth, both clusters (default: the case's)"
+        "--kv-bytes-per-token",
+        type=arguments.non_negative,
+        help="replace the model's KV growth, both clusters (default: the case's)",
     )
     parser.add_argument(
-        "--kv-fixed-bytes", type=float, help="replace the model's fixed state per request (default: the case's)"
+        "--kv-fixed-bytes",
+        type=arguments.non_negative,
+        help="replace the model's fixed state per request (default: the case's)",
     )
     parser.add_argument(
         "--expected-latency", action="store_true", help="price prefill by E[T(L)] instead of the paper's T(E[L])"
     )
     parser.add_argument(
-        "--price-ratio", type=float, help="price of a PrfaaS GPU over a PD GPU: adds cost figures (default: none)"
+        "--price-ratio",
+        type=arguments.positive,
+        help="price of a PrfaaS GPU over a PD GPU: adds cost figures (default: none)",
     )
 
 

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="prefills timed per length (the median is kept)")
     parser.add_argument(
         "--slo",
-        type=float,
+        type=arguments.positive,
         default=40.0,
         help="decode SLO in tokens/s per request: BS_max is the largest batch meeting it",
     )

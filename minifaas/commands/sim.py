@@ -64,10 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache in either cluster")
     deploy.add_argument("--cache-gb", type=arguments.positive, help="prefix pool size per cluster (default: unlimited)")
     deploy.add_argument(
-        "--kv-bytes-per-token", type=float, help="replace the model's KV growth, both clusters (default: the case's)"
+        "--kv-bytes-per-token",
+        type=arguments.non_negative,
+        help="replace the model's KV growth, both clusters (default: the case's)",
     )
     deploy.add_argument(
-        "--kv-fixed-bytes", type=float, help="replace the model's fixed state per request (default: the case's)"
+        "--kv-fixed-bytes",
+        type=arguments.non_negative,
+        help="replace the model's fixed state per request (default: the case's)",
     )
     deploy.add_argument(
         "--prfaas-profile",

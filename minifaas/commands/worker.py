@@ -38,12 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise", metavar="HOST[:PORT]",
                    help="the KV address others are told to use (NAT, containers; default: --kv-listen)")  # fmt: skip
     p.add_argument("--secret-file", help=f"file holding the cluster secret (default: ${SECRET_ENV})")
-    p.add_argument("--gateway-deadline", type=float, default=30.0, metavar="S",
+    p.add_argument("--gateway-deadline", type=arguments.positive, default=30.0, metavar="S",
                    help="drop a gateway silent for S seconds, so another may attach (default: 30)")  # fmt: skip
     p.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (the gateway's children)")
     add_model_arguments(p)
     p.add_argument("--device", type=arguments.device, default="cpu", help="cpu or cuda:N (default: cpu)")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.0, metavar="F",
+    p.add_argument("--gpu-memory-fraction", type=arguments.fraction, default=0.0, metavar="F",
                    help="the share of its GPU's memory this worker may take, where workers share one; "
                    "0: no limit (default: 0)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="of a preset's random weights (default: 0)")
@@ -79,9 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-interval", type=int, default=4,
                    help="the interval policy's blocks between state snapshots; 0: at prompt ends only "
                    "(default: 4)")  # fmt: skip
-    p.add_argument("--cache-mib", type=float, default=256.0,
+    p.add_argument("--cache-mib", type=arguments.non_negative, default=256.0,
                    help="host memory for this node's prefix cache in MiB (default: 256)")  # fmt: skip
-    p.add_argument("--state-timeout", type=float, default=0.0,
+    p.add_argument("--state-timeout", type=arguments.non_negative, default=0.0,
                    help="seconds a decode waits for its state, and then for its first token; 0: no limit of its "
                    "own, since the gateway aborts a request past its first-token deadline (default: 0)")  # fmt: skip
     p.add_argument("--decode-hold", type=float, default=-1.0, metavar="X",
