@@ -91,6 +91,7 @@ BAD_INPUT = [
     (["sim", "--rtt-ms", "-1"], "argument --rtt-ms: need a number >= 0, got '-1'"),
     (["sim", "--warmup", "x"], "argument --warmup: not a number: 'x'"),
     (["sim", "--pipeline-layers", "-1"], "argument --pipeline-layers: need an integer >= 0, got '-1'"),
+    (["sim", "--pipeline-layers", "1.5"], "argument --pipeline-layers: not an integer: '1.5'"),
     (["profile", "--model", "nope"], "no model 'nope'"),
     (["profile", "--lengths", "64"], "need two lengths or more"),
     (["profile", "--batches", "0,1"], "need integers >= 1"),

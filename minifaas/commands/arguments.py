@@ -153,7 +153,7 @@ def _number(text: str, convert: Callable[[str], float], ok: Callable[[float], bo
     try:
         value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not {'an integer' if convert is int else 'a number'}: {text!r}") from None
     if not (math.isfinite(value) and ok(value)):
         raise argparse.ArgumentTypeError(f"need {need}, got {text!r}")
     return value
