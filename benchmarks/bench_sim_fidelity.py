@@ -13,7 +13,8 @@
    prompts timed while a long PrfaaS prompt prefills, and again with a batch of the slice's median prompt
    decoding too, give the prefill's slowdown beside one and two other workers computing (``contended``): the
    twin's ``contention``; timed beside the decoding batch alone, its ``beside_decode``; and the client's TTFT
-   beyond the prefill, alone, its ``delivery_s``.
+   beyond the prefill, alone, its ``delivery_s``. Last, PD prompts queued behind each other give a worker's
+   own time between two forwards (``turnaround``): the twin's ``prefill_turnaround_s``.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
@@ -106,6 +107,8 @@ PROFILE_BATCHES = "1,4,16,64"
 DECODE_STREAMS = 8  # decoding while a contended prefill is timed
 CONTENDED_TOKENS, CONTENDED_LONG = 128, 2048  # a PD prompt timed beside a PrfaaS one
 CONTENDED_ROUNDS = 3
+# PD prompts queued at once, to time the worker between forwards: together shorter than the spill margin
+TURNAROUND_PROMPTS, TURNAROUND_TOKENS, TURNAROUND_ROUNDS = 6, 64, 3
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ class Calibration:
     contention: tuple[float, ...]  # a prefill's time over its time alone, with 1, 2, 3 workers computing
     delivery_s: float  # a first token's time at the client beyond its prefill: the gateway and HTTP
     beside_decode: float  # a prefill's time over its time alone while a batch decodes beside it, nothing else
+    turnaround_s: float  # a prefill worker's own time from one forward's end to the next one's start, alone
 
 
 async def calibrate(url: str, model: PrefillProfile, context: int, repeats: int = 5) -> Calibration:
@@ -168,7 +172,7 @@ async def calibrate(url: str, model: PrefillProfile, context: int, repeats: int 
     routed as the router routes it: the median of the ``prefill_s`` its worker reports is the prefill (the state
     bytes stay the profile's; a longer prompt never counts faster), and the median of the client's TTFT beyond
     it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill,
-    beside that and a batch decoding ``context``-token prompts, and beside the batch alone."""
+    beside that and a batch decoding ``context``-token prompts, and beside the batch alone. Last ``turnaround``."""
     rng = np.random.default_rng(11)
     points, slowest, beyond = [], 0.0, []
     async with client() as http:
@@ -193,8 +197,29 @@ async def calibrate(url: str, model: PrefillProfile, context: int, repeats: int 
             if not taken:  # a round may end before a prompt beside it does; all of them, not
                 raise RuntimeError(f"no prompt finished beside the others in {CONTENDED_ROUNDS} rounds")
             beside.append(statistics.median(taken) / alone)
+        turn_s = await turnaround(http, url, rng)
     contention = tuple(np.maximum.accumulate([1.0, *beside[:2]]).tolist())
-    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[2]))
+    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[2]), turn_s)
+
+
+async def turnaround(http: aiohttp.ClientSession, url: str, rng: np.random.Generator) -> float:
+    """A prefill worker's own time between forwards (keeping a prompt's blocks, the next one's turn, planning
+    it): ``TURNAROUND_PROMPTS`` fresh PD prompts of distinct lengths (none shares a forward), sent 2 ms apart so
+    all queue behind the first. A prompt's turn comes at its sending, the gateway's dispatch and its queue at the
+    worker; from one turn to the next, less the forward between, is a turnaround. The median of every round's."""
+    gaps = []
+    for _ in range(TURNAROUND_ROUNDS):
+        tasks = []
+        for k in range(TURNAROUND_PROMPTS):
+            ids = rng.integers(0, 256, TURNAROUND_TOKENS + k).tolist()
+            tasks.append(asyncio.create_task(stream(http, url, ids, 1)))
+            await asyncio.sleep(0.002)
+        done = await asyncio.gather(*tasks)
+        if any(d.status != 200 or d.info.get("route") != "local" for d in done):
+            raise RuntimeError(f"a turnaround prompt failed or left PD: {[(d.status, d.info) for d in done]}")
+        turns = sorted((d.sent + d.info["dispatch_s"] + d.info["queue_s"], d.info["prefill_s"]) for d in done)
+        gaps += [after - turn - forward for (turn, forward), (after, _) in itertools.pairwise(turns)]
+    return max(0.0, statistics.median(gaps))
 
 
 async def contended(
@@ -242,6 +267,7 @@ def batch_tokens(serve: ServeConfig) -> int:
 def twin(
     serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, lossless: CodecEstimate,
     contention: tuple[float, ...] = (), delivery_s: float = 0.0, beside_decode: float = 0.0,
+    turnaround_s: float = 0.0,
 ) -> SimConfig:  # fmt: skip
     """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles, with the
     prefill's slowdown measured beside other workers on this machine and the delivery of its tokens."""
@@ -281,6 +307,7 @@ def twin(
         decode_hold=1.0 if serve.pd.device == "cpu" else 0.0,  # as worker_process gives a CPU decode worker
         decode_hold_max_s=MAX_HOLD_S,
         prefill_batch_tokens=batch_tokens(serve),
+        prefill_turnaround_s=turnaround_s,
         kv_compression=serve.link.kv_compression,
         kv_compression_args=serve.link.kv_compression_args,
         codecs=(("lossless", lossless),),
@@ -559,6 +586,7 @@ class LiveRun:
     late_s: list[float]  # how late each request was sent
     wall_s: float
     beside_decode: float = 0.0  # the prefill's slowdown beside a decoding batch alone (``calibrate``); 0: not measured
+    turnaround_s: float = 0.0  # a prefill worker's time between forwards (``calibrate``); 0: not measured
 
     def write(self, path: Path) -> None:
         tables = {"workers": profile_tables(self.workers)["prefill"], "model": profile_tables(self.model)["prefill"],
@@ -590,7 +618,8 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
     lossless = lossless_codec()
     with serving(flags) as server:
         cal = asyncio.run(calibrate(server.url, model, max(8, int(np.median(sl.prompts)))))
-        config = twin(serve, cal.prefill, decode, lossless, cal.contention, cal.delivery_s, cal.beside_decode)
+        config = twin(serve, cal.prefill, decode, lossless, cal.contention, cal.delivery_s, cal.beside_decode,
+                      cal.turnaround_s)  # fmt: skip
         capacity = capacity_rps(config, sl.prompts, sl.output_tokens)
         trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
         time_scale = trace_rate / (LOADS[load] * capacity)
@@ -599,7 +628,8 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
         streams, late = asyncio.run(replay(server.url, sl, workload))
     wall_s = time.perf_counter() - started
     return LiveRun(trace, load, requests, flags, cal.prefill, cal.contention, cal.delivery_s, model, decode,
-                   lossless, time_scale, capacity, streams, late, wall_s, cal.beside_decode)  # fmt: skip
+                   lossless, time_scale, capacity, streams, late, wall_s, cal.beside_decode,
+                   cal.turnaround_s)  # fmt: skip
 
 
 def report(run: LiveRun, as_json: bool) -> None:
@@ -607,7 +637,7 @@ def report(run: LiveRun, as_json: bool) -> None:
     sl = trace_slice(run.trace, run.requests)
     workload = sl.workload(run.time_scale)
     config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless, run.contention, run.delivery_s,
-                  run.beside_decode)  # fmt: skip
+                  run.beside_decode, run.turnaround_s)  # fmt: skip
     print(f"{run.trace} ({sl.name}), {run.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
           f"prompts / {LENGTH_DIVISOR[run.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
           f"time x{run.time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[run.load]:.0%} of the "
@@ -618,6 +648,7 @@ def report(run: LiveRun, as_json: bool) -> None:
         f"{run.decode.step_s(1) * 1e3:.2f}-{run.decode.step_time_s * 1e3:.2f} ms at batch 1-{run.decode.bs_max}; "
         f"prefill beside 0/1/2 others computing: {' / '.join(f'{x:.2f}x' for x in run.contention)}, "
         f"beside a decoding batch alone {run.beside_decode:.2f}x; "
+        f"turnaround between forwards {run.turnaround_s * 1e3:.1f} ms; "
         f"delivery {run.delivery_s * 1e3:.1f} ms; "
         f"serve {' '.join(run.flags)}"
     )
@@ -667,7 +698,7 @@ def report(run: LiveRun, as_json: bool) -> None:
             "model_prefill_256_s": float(run.model.latency_s(256)),
             "worker_prefill_256_s": float(run.workers.latency_s(256)),
             "contention": list(run.contention), "delivery_s": run.delivery_s, "beside_decode": run.beside_decode,
-            "prefill_sensitivity": sensitivity,
+            "turnaround_s": run.turnaround_s, "prefill_sensitivity": sensitivity,
         }  # fmt: skip
         print(figures.dumps(out))
 

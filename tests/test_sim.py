@@ -145,6 +145,21 @@ def test_ttft_at_light_load_is_prefill_plus_one_step() -> None:
     assert late.ttft_mean_s == pytest.approx(result.ttft_mean_s + 0.01, rel=1e-9)
 
 
+def test_a_prefill_queued_behind_another_waits_the_workers_turnaround_too() -> None:
+    case = paper_case()
+    config = replace(config_for(case, plan(case).homogeneous), n_prefill=1, prefix_cache=False)
+    burst = Workload("burst", np.zeros(3), np.full(3, 2048), np.full(3, 4), None, 512)  # three at once, one node
+    light = synthetic(case.lengths, 256, ArrivalSpec(ArrivalKind.UNIFORM, 0.05), 2_000.0, seed=4)
+    turn = 0.01
+    for workload, waits in ((burst, [0, 1, 2]), (light, [0] * len(light))):
+        plain = Simulation(config, workload)
+        plain.run()
+        turning = Simulation(replace(config, prefill_turnaround_s=turn), workload)
+        turning.run()
+        late = np.array(turning.first_token) - np.array(plain.first_token)
+        assert late == pytest.approx(turn * np.array(waits), abs=1e-9)  # one turnaround per forward ahead
+
+
 def test_an_early_first_token_comes_at_the_prefill_end_and_decode_makes_the_rest() -> None:
     case = paper_case()
     link = LinkConfig(gbps=2.0, rtt_s=0.2)  # a slow link: the KV lands seconds after an offloaded prefill ends

@@ -62,6 +62,8 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, 
     # measured beside others: one and two workers computing, and a decoding batch alone; each figure is at least
     # 1 by construction, so the bound is against a misread one (a time for a ratio, say)
     assert len(run["contention"]) == 3 and run["beside_decode"] < 10 and max(run["contention"]) < 10, run
+    # a worker's own time between two forwards: a few ms of Python, not a forward's length nor a negative one
+    assert 0 <= run["turnaround_s"] < 0.05, run
     bands = run["prefill_by_length"]
     assert sum(b["requests"] for b in bands) == 40 and all(b["live_s"] > 0 < b["profile_s"] for b in bands), bands
     # the saved run simulated again without serving: the same live figures, the same twin

@@ -110,6 +110,27 @@ def test_a_rescaled_node_stretches_what_its_forwards_have_left() -> None:
     assert queued.slowdown == 2.0 and list(pool.queue[0]) == [queued]
 
 
+def test_a_node_takes_its_next_forward_a_turnaround_after_one_ends_at_its_speed() -> None:
+    turn = 0.01
+    pool = PrefillInstances("pd", "pd-p", H20_PREFILL, 1, turnaround_s=turn)
+    t = float(H20_PREFILL.latency_s(10_000))
+    running, queued = pool.place(0, 0.0, 10_000, request=0), pool.place(0, 0.0, 10_000, request=1)
+    assert (running.end, queued.start, queued.end) == pytest.approx((t, t + turn, 2 * t + turn))
+    assert pool.busy() == 1 and pool.busy_until[0] == pytest.approx(2 * t + 2 * turn)
+    pool.rescale(0, t / 2, 2.0)  # from halfway on, at half speed: the turnarounds too
+    assert (running.end, queued.start, queued.end) == pytest.approx((1.5 * t, 1.5 * t + 2 * turn, 3.5 * t + 2 * turn))
+    assert pool.busy_until[0] == pytest.approx(3.5 * t + 4 * turn)
+    pool.ended(0)
+    pool.ended(0)
+    assert pool.busy() == 0  # storing its last prompt, a worker is not counted among those computing
+    later = pool.place(0, 3.5 * t + 2 * turn, 10_000, request=2)  # placed as the last forward ended
+    assert later.start == pytest.approx(3.5 * t + 4 * turn)
+    assert pool.place(0, 10 * t, 10_000, request=3).start == pytest.approx(10 * t)  # long after: at once
+    idle = PrefillInstances("pd", "pd-p", H20_PREFILL, 1, turnaround_s=turn)
+    assert idle.place(0, 5.0, 10_000, request=0).start == 5.0  # an idle node starts at once
+    assert idle.busy_s == pytest.approx(t + turn)
+
+
 def test_decode_pool_holds_at_most_bs_max_and_hands_slots_over() -> None:
     pool = DecodeInstances(H20_DECODE, 1)
     for request in range(H20_DECODE.bs_max + 2):

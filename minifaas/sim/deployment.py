@@ -56,6 +56,9 @@ class SimConfig:
     beside_decode: float = 0.0
     # prompts of one length with no cached prefix share a prefill forward of at most this many tokens; 0: never
     prefill_batch_tokens: int = 0
+    # a prefill worker's own time between forwards (keeping a prompt's blocks, the next prompt's turn, planning
+    # it), at the profile's speed: a node starts its next forward this long after one ends
+    prefill_turnaround_s: float = 0.0
     # a decode step takes the profile's time at the rows running now; off: every step takes ``step_time_s``
     decode_step_by_batch: bool = False
     # with it, a step waits this many times its length (at most ``decode_hold_max_s``) while more requests are on
@@ -91,8 +94,10 @@ class SimConfig:
             raise ValueError("convert_s must be >= 0")
         if self.snapshot_interval_blocks < 0:
             raise ValueError("snapshot_interval_blocks must be >= 0")
-        if min(self.shared_cores, self.delivery_s, self.beside_decode) < 0 or any(s <= 0 for s in self.contention):
-            raise ValueError("shared_cores, delivery_s and beside_decode must be >= 0, every contention figure > 0")
+        if min(self.shared_cores, self.delivery_s, self.beside_decode, self.prefill_turnaround_s) < 0:
+            raise ValueError("shared_cores, delivery_s, beside_decode and prefill_turnaround_s must be >= 0")
+        if any(s <= 0 for s in self.contention):
+            raise ValueError("every contention figure must be > 0")
         named = self.kv_compression in CODEC.builtins
         if named and self.kv_compression not in ("none", "auto", *dict(self.codecs)):
             raise ValueError(f"kv_compression {self.kv_compression}: no figures for that codec in codecs")

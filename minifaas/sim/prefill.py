@@ -1,7 +1,8 @@
 """A cluster's prefill instances: one FCFS queue of forwards each, one forward at a time, timed by the profile.
 
-A forward's start and end are worked out when it is placed. On a shared host ``rescale`` stretches or shrinks
-what a node has left when the workers computing beside it change, and bumps each forward's ``version`` so the
+A forward's start and end are worked out when it is placed; the node takes its next forward a turnaround after
+a forward ends (the worker's own time between forwards). On a shared host ``rescale`` stretches or shrinks what a
+node has left when the workers computing beside it change, and bumps each forward's ``version`` so the
 simulator's events for the old times go stale. A lazy heap finds the node that frees up first; its entries go
 stale when a node's ``busy_until`` moves and are dropped at the top. A ``retire``d node takes no new work and
 finishes what it holds.
@@ -37,14 +38,18 @@ class Forward:
 
 
 class PrefillInstances:
-    def __init__(self, cluster: str, node_prefix: str, profile: PrefillProfile, n: int, batch_tokens: int = 0) -> None:
+    def __init__(
+        self, cluster: str, node_prefix: str, profile: PrefillProfile, n: int, batch_tokens: int = 0,
+        turnaround_s: float = 0.0,
+    ) -> None:  # fmt: skip
         self.cluster = cluster
         self.batch_tokens = batch_tokens  # a forward's budget for prompts of one length (0: one prompt each)
+        self.turnaround_s = turnaround_s  # after each forward, at the profile's speed, before the node takes another
         self.queue: list[deque[Forward]] = [deque() for _ in range(n)]  # placed and not ended, the first running
         self.profile = profile
         self.ids = [f"{node_prefix}-{i}" for i in range(n)]
         self.index = {node_id: i for i, node_id in enumerate(self.ids)}
-        self.busy_until = [0.0] * n
+        self.busy_until = [0.0] * n  # when the node may start its next forward: its last one's end and turnaround
         self.queued_tokens = [0] * n
         self.in_system = 0  # requests placed here whose prefill has not ended
         self.in_node = [0] * n
@@ -113,12 +118,15 @@ class PrefillInstances:
         return tuple(NodeView(self.ids[i], hits.get(i, 0), float(self.queued_tokens[i])) for i in sorted(nodes))
 
     def start_s(self, node: int, now: float) -> float:
-        """When a prefill placed on ``node`` now would start: its queue is FCFS and has no gaps."""
+        """When a prefill placed on ``node`` now would start: its queue is FCFS, one turnaround between forwards."""
         return max(now, self.busy_until[node])
 
-    def busy_at(self, at: float) -> int:
-        """Nodes computing at ``at`` (from now on: a node's placed work runs without a gap)."""
-        return sum(1 for end in self.busy_until if end > at)
+    def busy(self) -> int:
+        """Nodes with a forward placed and not ended: the workers this pool has computing."""
+        return sum(1 for queue in self.queue if queue)
+
+    def _free_after(self, forward: Forward) -> float:
+        return forward.end + self.turnaround_s * forward.slowdown
 
     def place(self, node: int, now: float, tokens: int, request: int, cold: bool = False) -> Forward:
         """Queue a prefill of ``tokens`` uncached tokens for ``request``, at the node's current slowdown; the
@@ -134,18 +142,20 @@ class PrefillInstances:
             last.end = last.start + self.latency_s(last.tokens) * last.slowdown
             last.version += 1
             last.requests.append(request)
-            self.busy_s += last.end - self.busy_until[node]
-            self.busy_until[node] = last.end
-            heapq.heappush(self._heap, (last.end, node))
+            free = self._free_after(last)
+            self.busy_s += free - self.busy_until[node]
+            self.busy_until[node] = free
+            heapq.heappush(self._heap, (free, node))
             return last
         slowdown = last.slowdown if last is not None else 1.0  # the node's speed now (idle: the profile's)
         start = self.start_s(node, now)
         duration = self.latency_s(max(tokens, 1)) * slowdown
         forward = Forward(start, start + duration, tokens if cold else 0, tokens, slowdown, [request])
         queue.append(forward)
-        self.busy_until[node] = forward.end
-        self.busy_s += duration
-        heapq.heappush(self._heap, (forward.end, node))
+        free = self._free_after(forward)
+        self.busy_s += duration + self.turnaround_s * slowdown
+        self.busy_until[node] = free
+        heapq.heappush(self._heap, (free, node))
         return forward
 
     def rescale(self, node: int, now: float, slowdown: float) -> deque[Forward]:
@@ -161,10 +171,10 @@ class PrefillInstances:
             forward.end = now + (forward.end - now) * ratio
             forward.slowdown = slowdown
             forward.version += 1
-        end = queue[-1].end
-        self.busy_s += end - self.busy_until[node]
-        self.busy_until[node] = end
-        heapq.heappush(self._heap, (end, node))
+        free = self._free_after(queue[-1])
+        self.busy_s += free - self.busy_until[node]
+        self.busy_until[node] = free
+        heapq.heappush(self._heap, (free, node))
         return queue
 
     def ended(self, node: int) -> None:

@@ -44,8 +44,9 @@ class Simulation:
         )  # fmt: skip
         self.prompt_tokens = self.cached_tokens = 0  # of the requests routed: the prefix hit ratio
         batch = config.prefill_batch_tokens
-        self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas, batch)
-        self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill, batch)
+        turnaround = config.prefill_turnaround_s
+        self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas, batch, turnaround)
+        self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill, batch, turnaround)
         self.decode = DecodeInstances(
             config.decode, config.n_decode, config.decode_step_by_batch, config.decode_hold, config.decode_hold_max_s
         )
@@ -192,7 +193,7 @@ class Simulation:
         c = self.config
         if not c.shared_cores:
             return 1.0, 1.0
-        prefilling = self.prfaas.busy_at(self.loop.now) + self.pd.busy_at(self.loop.now)
+        prefilling = self.prfaas.busy() + self.pd.busy()
         decoding = self.decode.computing()
         step = c.slowdown(prefilling + decoding)
         if c.beside_decode and prefilling == 1 and 0 < decoding <= 1:
