@@ -270,7 +270,8 @@ def twin(
     turnaround_s: float = 0.0,
 ) -> SimConfig:  # fmt: skip
     """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles, with the
-    prefill's slowdown measured beside other workers on this machine and the delivery of its tokens."""
+    prefill's slowdown measured beside other workers on this machine, the workers' turnaround between forwards
+    and the delivery of its tokens."""
     model = load_config_dict(ModelSpec.resolve(serve.model, serve.seed))
     rate = parse_rate(serve.link.rate)
     cache = serve.cache
