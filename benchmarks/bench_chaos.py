@@ -2,17 +2,19 @@
 and stopped.
 
     python benchmarks/bench_chaos.py [--quick] [--json] [--seeds N] [--per-role 2 1] [--streams S] [--clustered]
+        [--per-stream N]
 
-For each ``--per-role`` count r, ``minifaas serve`` on the kimi-linear-tiny preset with r PD-P, r PrfaaS and r
-PD-D workers and its link emulators, in a process group of its own. ``--streams`` clients send streamed greedy
-requests through the OpenAI API back to back, short ones (local) and long ones (PrfaaS, across the link), and
-read every token id (``return_token_ids``): first a warm-up and a calm round, then per seed ``--rounds`` rounds,
-each while ``--faults`` faults are injected. A fault is SIGKILL, or SIGSTOP and SIGCONT 1-4 s later (shorter and
-longer than the 2 s heartbeat deadline), of one process of the server: a PD-P, PrfaaS or PD-D worker, a link
-emulator or the pre-loaded parent (zygote). One at a time, each waits until its process is back in routing;
-the (kind, signal) pairs are dealt in a seeded order, so five faults meet every kind and ten every pair. With
-``--clustered`` a fault hits every process of one kind (two link emulators), 0-2 s apart, and the next cluster
-follows 1-3 s later without waiting for the first to recover; PD-D clusters come twice as often as the others.
+For each ``--per-role`` count r, ``minifaas serve`` on the kimi-linear-tiny preset with r PD-P, r PrfaaS and r PD-D
+workers and its link emulators, in a process group of its own. ``--streams`` clients send streamed greedy requests
+through the OpenAI API back to back, short ones (local) and long ones (PrfaaS, across the link), and read every
+token id (``return_token_ids``): first a warm-up and a calm round, then per seed ``--rounds`` rounds, each while
+``--faults`` faults are injected and until each client has sent ``--per-stream``. A fault is SIGKILL, or SIGSTOP and
+SIGCONT 1-4 s later (shorter and longer than the 2 s heartbeat deadline), of one process of the server: a PD-P,
+PrfaaS or PD-D worker, a link emulator or the pre-loaded parent (zygote). One at a time, each waits until its
+process is back in routing; the (kind, signal) pairs are dealt in a seeded order, so five faults meet every kind and
+ten every pair. With ``--clustered`` a fault hits every process of one kind (two link emulators), 0-2 s apart, and
+the next cluster follows 1-3 s later without waiting for the first to recover; PD-D clusters come twice as often as
+the others.
 
 Every request is compared with transformers' own generate() and counted: ok, wrong, cut (a true prefix, ended
 with no error), failed (by the code of its HTTP or SSE error body) or hung (no end within the bound its
@@ -197,13 +199,16 @@ async def one(http: aiohttp.ClientSession, url: str, ids: list[int], want: list[
         out.ttft_s.append(reply.ttft_s)
 
 
-async def load(url: str, batch: list[list[int]], refs: list[list[int]], streams: int, until: asyncio.Event) -> Outcomes:
-    """``streams`` clients, each sending the prompts in turn, back to back, until ``until`` is set."""
+async def load(
+    url: str, batch: list[list[int]], refs: list[list[int]], streams: int, until: asyncio.Event, at_least: int = 0
+) -> Outcomes:
+    """``streams`` clients, each sending the prompts in turn, back to back, until ``until`` is set and it has
+    sent ``at_least`` requests."""
     out = Outcomes()
 
     async def client(http: aiohttp.ClientSession, c: int) -> None:
         for i in itertools.count(c):
-            if until.is_set():
+            if until.is_set() and i - c >= at_least:
                 return
             await one(http, url, batch[i % len(batch)], refs[i % len(batch)], out)
 
@@ -343,7 +348,7 @@ async def run_seed(dep: Deployment, seed: int, args: argparse.Namespace, expecte
     for _ in range(args.rounds):
         stop = asyncio.Event()
         async with asyncio.TaskGroup() as tasks:
-            stormy = tasks.create_task(load(dep.server.url, batch, want, args.streams, stop))
+            stormy = tasks.create_task(load(dep.server.url, batch, want, args.streams, stop, args.per_stream))
             if args.clustered:
                 injected += await clustered_faults(dep, rng, args.faults)
             else:
@@ -442,6 +447,7 @@ def main() -> None:
     p.add_argument("--faults", type=int, help="faults per round (default: 8; --quick 10)")
     p.add_argument("--calm-s", type=float, help="seconds of calm load after the warm-up (default: 20; --quick 5)")
     p.add_argument("--clustered", action="store_true", help="faults in clusters of one kind, not one at a time")
+    p.add_argument("--per-stream", type=int, default=3, help="requests per client per round at least (3)")
     args = p.parse_args()
     for name, full, quick in (("seeds", 10, 1), ("streams", 24, 8), ("rounds", 3, 1), ("faults", 8, 10),
                               ("calm_s", 20.0, 5.0)):  # fmt: skip
