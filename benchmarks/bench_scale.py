@@ -200,9 +200,17 @@ class Server:
 @contextlib.contextmanager
 def serving(flags: list[str], tree: Path | None = None, start_timeout: float = 300.0) -> Iterator[Server]:
     """``minifaas serve --port 0 FLAGS`` in a process group of its own; its log goes to a file, not a pipe. With
-    ``tree``, the minifaas of the checkout there (first on its PYTHONPATH)."""
+    ``tree``, the minifaas of the checkout there: first on its PYTHONPATH, and the working folder kept off its path
+    (``PYTHONSAFEPATH``), where ``python -m`` would put it first."""
     argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", *flags]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])} if tree else None
+    env = None
+    if tree:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+               "PYTHONSAFEPATH": "1"}  # fmt: skip
+        imported = subprocess.run([sys.executable, "-c", "import minifaas; print(minifaas.__file__)"], env=env,
+                                  capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        if Path(imported).resolve().parent.parent != tree.resolve():
+            raise RuntimeError(f"the server would import minifaas from {imported}, not from the tree {tree}")
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
