@@ -200,17 +200,9 @@ class Server:
 @contextlib.contextmanager
 def serving(flags: list[str], tree: Path | None = None, start_timeout: float = 300.0) -> Iterator[Server]:
     """``minifaas serve --port 0 FLAGS`` in a process group of its own; its log goes to a file, not a pipe. With
-    ``tree``, the minifaas of the checkout there: first on its PYTHONPATH, and the working folder kept off its path
-    (``PYTHONSAFEPATH``), where ``python -m`` would put it first."""
+    ``tree``, the minifaas of the checkout there (``tree_env``)."""
     argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", *flags]
-    env = None
-    if tree:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
-               "PYTHONSAFEPATH": "1"}  # fmt: skip
-        imported = subprocess.run([sys.executable, "-c", "import minifaas; print(minifaas.__file__)"], env=env,
-                                  capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-        if Path(imported).resolve().parent.parent != tree.resolve():
-            raise RuntimeError(f"the server would import minifaas from {imported}, not from the tree {tree}")
+    env = tree_env(tree) if tree else None
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
@@ -231,6 +223,19 @@ def serving(flags: list[str], tree: Path | None = None, start_timeout: float = 3
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             signal.signal(signal.SIGTERM, before)
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """An environment whose ``python -m minifaas...`` imports the minifaas of the checkout at ``tree``: first on
+    PYTHONPATH, and the working folder kept off the path (``PYTHONSAFEPATH``), where ``python -m`` puts it first.
+    Refused unless ``import minifaas`` there resolves inside ``tree``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONSAFEPATH": "1"}  # fmt: skip
+    imported = subprocess.run([sys.executable, "-c", "import minifaas; print(minifaas.__file__)"], env=env,
+                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    if Path(imported).resolve().parent.parent != tree.resolve():
+        raise RuntimeError(f"a server would import minifaas from {imported}, not from the tree {tree}")
+    return env
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

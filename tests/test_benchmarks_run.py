@@ -18,11 +18,13 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from preloaded import Preloaded
@@ -190,6 +192,23 @@ def test_bench_scales_checks_fail_on_one_unequal_token_and_below_a_threshold() -
         ("ratio >= 1.0", 32),
         ("cpu_ratio >= 0.8", 128),
     ]
+
+
+def test_a_second_tree_is_what_its_server_imports_even_from_this_checkouts_root(tmp_path: Path) -> None:
+    """``--against-tree``'s server runs ``python -m`` from this checkout's root, which Python would put first on the
+    path: the environment keeps it off, so the other tree's minifaas is the one imported."""
+    import bench_scale
+
+    shutil.copytree(ROOT / "minifaas", tmp_path / "minifaas", ignore=shutil.ignore_patterns("__pycache__"))
+    env = bench_scale.tree_env(tmp_path)
+    where = "import minifaas.commands.main, minifaas; print(minifaas.__file__)"
+    done = subprocess.run([sys.executable, "-c", where], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert Path(done.stdout.strip()) == tmp_path / "minifaas" / "__init__.py"
+    unsafe = {**env, "PYTHONSAFEPATH": ""}  # as before the fix: this checkout's minifaas
+    done = subprocess.run([sys.executable, "-c", where], cwd=ROOT, env=unsafe, capture_output=True, text=True)
+    assert Path(done.stdout.strip()) == ROOT / "minifaas" / "__init__.py"
+    with pytest.raises(RuntimeError, match="not from the tree"):
+        bench_scale.tree_env(tmp_path / "empty")
 
 
 def test_a_servers_cpu_time_keeps_what_its_ended_children_spent() -> None:
