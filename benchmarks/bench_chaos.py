@@ -8,13 +8,13 @@ For each ``--per-role`` count r, ``minifaas serve`` on the kimi-linear-tiny pres
 workers and its link emulators, in a process group of its own. ``--streams`` clients send streamed greedy requests
 through the OpenAI API back to back, short ones (local) and long ones (PrfaaS, across the link), and read every
 token id (``return_token_ids``): first a warm-up and a calm round, then per seed ``--rounds`` rounds, each while
-``--faults`` faults are injected and until each client has sent ``--per-stream``. A fault is SIGKILL, or SIGSTOP and
-SIGCONT 1-4 s later (shorter and longer than the 2 s heartbeat deadline), of one process of the server: a PD-P,
-PrfaaS or PD-D worker, a link emulator or the pre-loaded parent (zygote). One at a time, each waits until its
-process is back in routing; the (kind, signal) pairs are dealt in a seeded order, so five faults meet every kind and
-ten every pair. With ``--clustered`` a fault hits every process of one kind (two link emulators), 0-2 s apart, and
-the next cluster follows 1-3 s later without waiting for the first to recover; PD-D clusters come twice as often as
-the others.
+``--faults`` faults are injected and until each client has sent ``--per-stream`` requests. A fault is SIGKILL, or
+SIGSTOP and SIGCONT 1-4 s later (shorter and longer than the 2 s heartbeat deadline), of one process of the server:
+a PD-P, PrfaaS or PD-D worker, a link emulator or the pre-loaded parent (zygote). One at a time, each waits until
+its process is back in routing; the (kind, signal) pairs are dealt in a seeded order, so five faults meet every kind
+and ten every pair. With ``--clustered`` a fault hits every process of one kind (two link emulators), 0-2 s apart,
+and the next cluster follows 1-3 s later without waiting for the first to recover; PD-D clusters come twice as often
+as the others.
 
 Every request is compared with transformers' own generate() and counted: ok, wrong, cut (a true prefix, ended
 with no error), failed (by the code of its HTTP or SSE error body) or hung (no end within the bound its
