@@ -84,7 +84,11 @@ class ClusterView:
     @property
     def hit_tokens(self) -> int:
         """The cluster's usable hit: its pool's, or a healthy node's own if longer."""
-        return max([self.pool_hit_tokens, *(n.hit_tokens for n in self.prefill_nodes if n.healthy)])
+        best = self.pool_hit_tokens
+        for n in self.prefill_nodes:
+            if n.healthy and n.hit_tokens > best:
+                best = n.hit_tokens
+        return best
 
     @property
     def can_prefill(self) -> bool:
@@ -146,6 +150,8 @@ def pick_node(nodes: tuple[NodeView, ...], prompt_tokens: int, affinity: bool, f
     """The healthy node that would finish first. ``floor_hit`` is the prefix every node can load
     (the cluster pool's, or one moved into it); of equally good nodes, the one holding more of
     the prefix itself wins (no fetch from the pool), then the lower node id."""
+    if len(nodes) == 1:  # the common case in the simulator, kept cheap
+        return nodes[0] if nodes[0].healthy else None
     healthy = [n for n in nodes if n.healthy]
     if not healthy:
         return None
