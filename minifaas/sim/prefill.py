@@ -117,10 +117,6 @@ class PrefillInstances:
         nodes = set(hits) | ({free} if free is not None else set())
         return tuple(NodeView(self.ids[i], hits.get(i, 0), float(self.queued_tokens[i])) for i in sorted(nodes))
 
-    def start_s(self, node: int, now: float) -> float:
-        """When a prefill placed on ``node`` now would start: its queue is FCFS, one turnaround between forwards."""
-        return max(now, self.busy_until[node])
-
     def busy(self) -> int:
         """Nodes with a forward placed and not ended: the workers this pool has computing."""
         return sum(1 for queue in self.queue if queue)
@@ -148,12 +144,13 @@ class PrefillInstances:
             heapq.heappush(self._heap, (free, node))
             return last
         slowdown = last.slowdown if last is not None else 1.0  # the node's speed now (idle: the profile's)
-        start = self.start_s(node, now)
+        start = max(now, self.busy_until[node])  # FCFS, one turnaround after the last forward
         duration = self.latency_s(max(tokens, 1)) * slowdown
         forward = Forward(start, start + duration, tokens if cold else 0, tokens, slowdown, [request])
         queue.append(forward)
-        free = self._free_after(forward)
-        self.busy_s += duration + self.turnaround_s * slowdown
+        turnaround = self.turnaround_s * slowdown
+        free = forward.end + turnaround
+        self.busy_s += duration + turnaround
         self.busy_until[node] = free
         heapq.heappush(self._heap, (free, node))
         return forward
