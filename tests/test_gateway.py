@@ -125,6 +125,7 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             # and the worker serves the next request as before
             await _leave_mid_prefill(gw)
             await _leave_after_first_token(gw)
+            await _stop_string_in_the_first_token(gw, reference)
             tokens, rec = await _run(gw, "after-leave", FRESH)
             assert tokens == reference["fresh"] and rec.route == "prfaas", rec.to_json()
 
@@ -171,6 +172,25 @@ async def _leave_after_first_token(gw: Gateway) -> None:
     await anext(events)
     assert record.route == "prfaas" and record.phase is Phase.PREFILLING, record.to_json()  # the tail crossing
     await events.aclose()  # what the HTTP layer does when the client goes away
+    async with asyncio.timeout(60):
+        while (sample("minifaas:prefills_stopped_total", {"cluster": "prfaas"}) or 0.0) == stopped_before:
+            await asyncio.sleep(0.05)
+    await link.set_rate(20e6)
+
+
+async def _stop_string_in_the_first_token(gw: Gateway, reference: dict[str, list[int]]) -> None:
+    """The first token, shown while the state's tail still crosses a slow link, holds a stop string: the request
+    ends there, finished, with no decode step, and the prefill worker is told to stop."""
+    link, sample = gw.link.control, gw.metrics.registry.get_sample_value
+    stopped_before = sample("minifaas:prefills_stopped_total", {"cluster": "prfaas"}) or 0.0
+    first = gw.tokenizer.decode(reference["fresh"][:1])
+    assert first.isascii() and first.isprintable(), first  # its own text, so the stop string can match it
+    await link.set_rate(1e6)  # the state's tail takes seconds at this rate
+    record = RequestRecord("stops-early", len(FRESH))
+    params = replace(PARAMS, stop=(first,))
+    events = [e async for e in gw.stream(GenerateRequest("stops-early", FRESH, params), record)]
+    assert [(e.token_id, e.text, e.finish_reason) for e in events] == [(reference["fresh"][0], "", "stop")]
+    assert record.route == "prfaas" and record.phase is Phase.FINISHED, record.to_json()
     async with asyncio.timeout(60):
         while (sample("minifaas:prefills_stopped_total", {"cluster": "prfaas"}) or 0.0) == stopped_before:
             await asyncio.sleep(0.05)

@@ -54,7 +54,8 @@ _END = {Phase.ABORTED, Phase.FAILED}
 _LOST = {Phase.MIGRATING} | _END  # a decode node can go at any live step
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.QUEUED: frozenset({Phase.PREFILLING} | _END),
-    Phase.PREFILLING: frozenset({Phase.TRANSFERRING, Phase.FALLBACK} | _LOST),
+    # a stop string in the first token, shown while the state still crosses, ends the request before it decodes
+    Phase.PREFILLING: frozenset({Phase.TRANSFERRING, Phase.FALLBACK, Phase.FINISHED} | _LOST),
     Phase.TRANSFERRING: frozenset({Phase.DECODING, Phase.FALLBACK} | _LOST),
     Phase.FALLBACK: frozenset({Phase.PREFILLING} | _LOST),
     Phase.MIGRATING: frozenset({Phase.PREFILLING} | _END),
