@@ -69,6 +69,7 @@ BAD_INPUT = [
     (["generate", "--temperature", "-1"], "temperature must be in [0, 100]"),
     (["generate", "--max-tokens", "x"], "invalid int value: 'x'"),
     (["generate", "--device", "cuda:99"], "no device cuda:99: this machine has"),
+    (["generate", "--prompt", ""], "--prompt: '' is no tokens to"),
     (["plan", "--case", "missing.toml"], "missing.toml: No such file or directory"),
     (["plan", "--link-gbps", "0"], "argument --link-gbps: need a number > 0, got '0'"),
     (["plan", "--price-ratio", "nan"], "argument --price-ratio: need a number > 0, got 'nan'"),

@@ -7,7 +7,7 @@ import time
 
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
-from minifaas.commands.main import stdout_console, user_input
+from minifaas.commands.main import BadInput, stdout_console, user_input
 from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.loader import checked_spec, resolve_dtype
 from minifaas.model.runtime import ModelRuntime
@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p, seed=args.seed, ignore_eos=True
         )
     ids = rt.tokenizer.encode(args.prompt)
+    if not ids:
+        raise BadInput(f"--prompt: {args.prompt!r} is no tokens to {rt.spec.name}'s tokenizer")
     layers: list[str] = []
     result = rt.prefill(ids, sampling=params, on_layer=lambda s: layers.append(f"{s.layer}:{s.kind.name.lower()}"))
     start = time.perf_counter()
