@@ -220,6 +220,19 @@ def test_a_link_cut_holds_offloaded_kv_until_it_returns() -> None:
     assert np.all(first[after] - workload.arrival_s[after] < 30.0)  # back to normal once the backlog is gone
 
 
+def test_a_link_cut_for_good_ends_the_run_with_the_offloaded_requests_unfinished() -> None:
+    case = paper_case()
+    link = LinkConfig(gbps=100.0, schedule=((100.0, 0.0),))  # never back
+    config = replace(config_for(case, plan(case).prfaas, link), threshold=0, n_prefill=1)
+    workload = synthetic(case.lengths, 64, ArrivalSpec(ArrivalKind.UNIFORM, 0.5), 300.0, seed=6)
+    sim = Simulation(config, workload)
+    result = sim.run()  # draining: it ends once no event is left that could finish the rest
+    finished = ~np.isnan(np.array(sim.finished))
+    before = workload.arrival_s < 90.0
+    assert finished[before].all() and 0 < result.completed < result.requests
+    assert not finished[workload.arrival_s > 110.0].any()  # every later one crosses the link (threshold 0)
+
+
 def test_homogeneous_config_never_offloads() -> None:
     case = paper_case()
     config = config_for(case, plan(case).homogeneous)

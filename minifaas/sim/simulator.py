@@ -344,7 +344,8 @@ class Simulation:
             )
         )
         busy = self.prfaas.in_system + self.pd.in_system + self.link.active + d.total_waiting + d.total_running
-        if self.loop.now < self.workload.duration_s or busy:
+        # past the arrivals, with no event left to come (a link cut for good), the busy can never finish: stop
+        if self.loop.now < self.workload.duration_s or (busy and len(self.loop)):
             self.loop.at(self.loop.now + self.config.sample_s, self._sample)
 
     # ---- results -------------------------------------------------------------------------
