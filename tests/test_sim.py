@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -231,6 +232,12 @@ def test_a_link_cut_for_good_ends_the_run_with_the_offloaded_requests_unfinished
     before = workload.arrival_s < 90.0
     assert finished[before].all() and 0 < result.completed < result.requests
     assert not finished[workload.arrival_s > 110.0].any()  # every later one crosses the link (threshold 0)
+
+
+def test_sim_says_when_a_drained_run_leaves_requests_unfinished(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--duration", "30", "--bandwidth-schedule", "10:0", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^[\d,]+ requests never finished: no event was left to move them", out, re.M), out
 
 
 def test_homogeneous_config_never_offloads() -> None:

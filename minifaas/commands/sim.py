@@ -306,6 +306,10 @@ def run(args: argparse.Namespace) -> int:
         "scheduler": bool(args.scheduler),
         **result.to_dict(),
     }
+    stuck = result.requests - result.completed - result.rejected
+    if config.drain and stuck:
+        note = f"{stuck:,} requests never finished: no event was left to move them (a link cut for good?)"
+        print(note, file=sys.stderr if args.json else sys.stdout)
     note = plan_note(config, point)
     if note:  # on stderr with --json, so that stdout stays one JSON object
         print(note, file=sys.stderr if args.json else sys.stdout)
