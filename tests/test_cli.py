@@ -59,6 +59,7 @@ BAD_INPUT = [
     (["serve", "--threshold", "-1"], "need threshold >= 0"),
     (["serve", "--profile", "prefill-only.json"], "prefill-only.json: a profile needs [prefill] and [decode] tables"),
     (["serve", "--link-rate", "fast"], "not a rate: 'fast'"),
+    (["serve", "--link-rate", "0mbit"], "a rate must be positive, got '0mbit'"),
     (["serve", "--prefill-chunk", "-5"], "prefill_chunk must be >= 0"),
     (["serve", "--link-delay-ms", "nan"], "delay_ms must be a finite number, got nan"),
     (["serve", "--pd-device", "gpu0"], "not a device: 'gpu0'"),

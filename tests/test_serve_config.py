@@ -75,6 +75,8 @@ def test_one_default_number_of_connections_everywhere() -> None:
         ({"window": "10"}, "whole number of bytes"),
         ({"window": "4XB"}, "not a size"),
         ({"rate": "fast"}, "not a rate"),
+        ({"rate": "0mbit"}, "a rate must be positive, got '0mbit'"),
+        ({"flow_rate": "0.0"}, "a rate must be positive, got '0.0'"),
         ({"connections": 0}, "connections 1..64"),
     ],
 )

@@ -24,7 +24,10 @@ def parse_rate(text: str) -> float | None:
     m = _RATE.match(text)
     if m is None:
         raise ValueError(f"not a rate: {text!r} (try 100mbit, 5gbit, 2.5e8)")
-    return float(m.group(1)) * _SCALE[m.group(2).lower()]
+    bps = float(m.group(1)) * _SCALE[m.group(2).lower()]
+    if bps <= 0:
+        raise ValueError(f"a rate must be positive, got {text!r} (none: unlimited)")
+    return bps
 
 
 _BYTES = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(|b|kb|mb|gb|kib|mib|gib)\s*$", re.IGNORECASE)
