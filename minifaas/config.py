@@ -269,6 +269,8 @@ class ServeConfig:
         check_policy(self.router, ROUTER, self.router_args)
         if self.pd.decode_workers < 1 and not self.pd.workers:
             raise ValueError("the PD cluster needs at least one decode worker")
+        if self.prfaas.decode_workers:
+            raise ValueError("the PrfaaS cluster only prefills: [prfaas] decode_workers must be 0")
         if self.pd.prefill_workers + self.prfaas.prefill_workers < 1 and not (self.pd.workers or self.prfaas.workers):
             raise ValueError("at least one prefill worker is needed")
         total = () if self.request_timeout is None else (self.request_timeout,)

@@ -106,6 +106,8 @@ def test_a_bad_window_flag_is_one_error_line(command: str, capsys: pytest.Captur
         ("[link]\ndelay_ms = nan\n", "delay_ms must be a finite number, got nan"),
         ("[serve]\nfirst_token_timeout = inf\n", "first_token_timeout must be a finite number, got inf"),
         ("[cache]\ncapacity_mib = nan\n", "capacity_mib must be a finite number, got nan"),
+        ("[prfaas]\ndecode_workers = 1\n", "the PrfaaS cluster only prefills: [prfaas] decode_workers must be 0"),
+        ("[link]\nrate = '0mbit'\n", "a rate must be positive, got '0mbit'"),
     ],
 )  # fmt: skip
 def test_a_toml_value_of_the_wrong_type_or_name_is_one_error_line(
