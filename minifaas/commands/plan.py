@@ -105,17 +105,20 @@ def print_plan(case: PlanCase, result: Plan, price_ratio: float | None = None) -
     print(
         f"case {case.name}: {case.gpus} GPUs in PrfaaS + PD, lengths {case.lengths.name}, mean {case.lengths.mean:.0f}"
     )
-    header = f"{'config':<12}{'t':>9}{'Nprf':>6}{'Np':>4}{'Nd':>4}{'p':>7}{'l_long':>9}{'l_short':>9}"
-    header += f"{'Th_prf':>8}{'Th_pdp':>8}{'Th_pdd':>8}{'req/s':>8}{'Gbps':>7}  bottleneck"
-    print(header)
     ops: tuple[OperatingPoint, ...] = (result.prfaas, result.homogeneous, result.naive)
+    rows = [["config", "t", "Nprf", "Np", "Nd", "p", "l_long", "l_short", "Th_prf", "Th_pdp", "Th_pdd", "req/s",
+             "Gbps", "bottleneck"]]  # fmt: skip
     for op in ops:
-        print(
-            f"{op.config:<12}{_fmt(op.threshold_tokens, '.0f'):>9}{op.n_prfaas:>6}{op.n_prefill:>4}{op.n_decode:>4}"
-            f"{op.offload_fraction:>7.3f}{_fmt(op.l_long, '.0f'):>9}{_fmt(op.l_short, '.0f'):>9}"
-            f"{_fmt(op.theta_prfaas, '.3f'):>8}{_fmt(op.theta_pdp, '.3f'):>8}{op.theta_pdd:>8.3f}"
-            f"{op.throughput_rps:>8.3f}{_fmt(op.egress_gbps, '.1f'):>7}  {op.bottleneck}"
-        )
+        rows.append([
+            op.config, _fmt(op.threshold_tokens, ".0f"), str(op.n_prfaas), str(op.n_prefill), str(op.n_decode),
+            f"{op.offload_fraction:.3f}", _fmt(op.l_long, ".0f"), _fmt(op.l_short, ".0f"),
+            _fmt(op.theta_prfaas, ".3f"), _fmt(op.theta_pdp, ".3f"), f"{op.theta_pdd:.3f}",
+            f"{op.throughput_rps:.3f}", _fmt(op.egress_gbps, ".1f"), op.bottleneck,
+        ])  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:  # the name left, the figures right, two spaces apart whatever their width
+        cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)), row[-1]]
+        print("  ".join(cells))
     print(f"PrfaaS vs homogeneous: {result.gain_vs_homogeneous:+.1%}; vs naive: {result.gain_vs_naive:+.1%}")
     if price_ratio is not None:
         for op in ops:
