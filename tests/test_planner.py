@@ -166,6 +166,15 @@ def test_bad_inputs_are_refused() -> None:
         type(H20_PREFILL)(name="x", gpus_per_instance=8, latency_coeffs=(-1.0,), kv_bytes_per_token=1.0)
 
 
+def test_the_plan_table_keeps_every_figure_apart_however_wide(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--output-tokens", "1"]) == 0  # one output token: a decode capacity of thousands
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[1].split()
+    rows = {line.split()[0]: dict(zip(header, line.split(), strict=True)) for line in lines[2:5]}
+    assert set(rows) == {"prfaas", "homogeneous", "naive"}
+    assert all(float(row["Th_pdd"]) > 0 for row in rows.values()) and float(rows["naive"]["Th_pdd"]) > 1000, rows
+
+
 def test_plan_json_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--case", "paper", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
