@@ -273,6 +273,28 @@ def test_wrong_secret_on_either_side_is_refused() -> None:
     run(main())
 
 
+def test_a_sender_that_leaves_during_the_handshake_is_no_auth_failure(caplog: pytest.LogCaptureFixture) -> None:
+    """What an aborted transfer's connections do: open, read the receiver's hello, and close without answering."""
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", rx.port)
+                await reader.readexactly(1)  # the hello has begun
+                writer.transport.abort()  # a reset, as a cancelled sender's socket gives
+            while sum("closed before it carried a frame" in r.getMessage() for r in caplog.records) < 3:
+                await asyncio.sleep(0.01)
+            assert rx.stats.auth_failures == 0
+            async with KVSender(sender_config(rx.port)) as tx:  # and the receiver serves the next one
+                incoming = rx.transfer(1)
+                await tx.send(1, synthetic_state(layers=2))
+                assert same_state(await incoming.model_state(), synthetic_state(layers=2))
+
+    with caplog.at_level("DEBUG", logger="minifaas.transport.receiver"):
+        run(main())
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
 def _self_signed(directory: Path) -> tuple[Path, Path]:
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(

@@ -21,7 +21,7 @@ from msgspec import Meta, Struct
 
 from minifaas.net.channel import Channel
 from minifaas.net.connections import MAC_BYTES, prove_control_client, verify_control_client
-from minifaas.net.errors import AuthError
+from minifaas.net.errors import AuthError, TransferError
 
 MAX_BYTES = 64 << 20  # a prompt of a few million token ids still fits
 Why = Annotated[str, Meta(max_length=MAX_BYTES)]  # an exception's text: as long as a frame allows
@@ -167,4 +167,6 @@ async def accept(
         key = await verify_control_client(_wire(reader, writer), secret, timeout)
     except AuthError as e:
         raise Refused(str(e)) from None
+    except TransferError as e:  # the client left before it answered
+        raise Refused(f"handshake failed: {e}") from None
     return Session(reader, writer, key, server=True, max_bytes=max_bytes)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from itertools import count
 
 from minifaas.net.channel import Buffer, Channel, open_channel
-from minifaas.net.errors import AuthError, ConnectionLostError, ProtocolError, TransferError
+from minifaas.net.errors import AuthError, ConnectionLostError, ProtocolError, TransferError, TruncatedError
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ async def _verify(channel: Channel, secret: bytes, timeout: float, magic: bytes,
     try:
         await channel.send([hello], timeout)
         answer = await channel.recv_exactly(NONCE_BYTES + MAC_BYTES, timeout)
+    except (ConnectionLostError, TruncatedError):
+        raise  # the peer left before it answered (a sender that gave up): no evidence against it
     except TransferError as e:
         raise AuthError(f"handshake failed: {e}") from None
     theirs, their_mac = bytes(answer[:NONCE_BYTES]), bytes(answer[NONCE_BYTES:])

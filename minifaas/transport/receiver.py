@@ -230,6 +230,8 @@ class KVReceiver:
         except TransferError as e:
             if isinstance(e, ProtocolError):  # the peer sent what the wire does not allow (another version, say)
                 log.warning("dropped a connection: %s: %s", type(e).__name__, e)
+            elif not carried:  # a sender that gave up before its first frame, in the handshake even
+                log.debug("a connection closed before it carried a frame: %s", e)
             await self._lost(carried, e)
         except OSError as e:
             await self._lost(carried, ConnectionLostError(str(e)))
