@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,6 +138,28 @@ def test_the_command_prints_no_traceback(argv: list[str], says: str) -> None:
     done = subprocess.run([sys.executable, "-m", "minifaas.commands.main", *argv], capture_output=True, text=True)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith(says) and done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_long_simulation_is_one_line_and_exit_code_130() -> None:
+    argv = ["sim", "--gpus", "10000", "--duration", "7200", "--no-progress"]  # about a minute here
+    proc = subprocess.Popen([sys.executable, "-m", "minifaas.commands.main", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                            signal.SIG_DFL))  # fmt: skip
+    try:
+        while cpu_seconds(proc.pid) < 5.0 and proc.poll() is None:  # its imports and workload behind it
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and out == "" and err == "minifaas sim: interrupted\n", err
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of a running process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _floats(value: object) -> list[float]:

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(COMMANDS[name][0]).run(args) or 0)
     except BadInput as e:
         command.error(str(e))
+    except KeyboardInterrupt:  # ^C in a command that does not stop on it itself (sim, profile, plan): one line
+        print(f"minifaas {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 def command_parser(name: str) -> argparse.ArgumentParser:
