@@ -99,6 +99,8 @@ BAD_INPUT = [
     (["sim", "--pipeline-layers", "1.5"], "argument --pipeline-layers: not an integer: '1.5'"),
     (["profile", "--model", "nope"], "no model 'nope'"),
     (["profile", "--lengths", "64"], "need two lengths or more"),
+    (["profile", "--lengths", "64,100000"], "--lengths and --decode-context must fit the model's context of 32768"),
+    (["profile", "--out", "no-such-folder/p.json"], "--out: no folder"),
     (["profile", "--batches", "0,1"], "need integers >= 1"),
     (["link-emulator", "--target", "localhost"], "not HOST:PORT: 'localhost'"),
     (["link-emulator", "--target", "127.0.0.1:9", "--schedule", "0:fast"], "not a rate schedule"),

@@ -13,6 +13,7 @@ import argparse
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -100,11 +101,16 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("need two lengths or more, --repeats and --decode-steps >= 1 and --slo > 0")
     if args.decode_context <= DECODE_CONTEXT:
         raise BadInput(f"--decode-context must be more than the {DECODE_CONTEXT} tokens the steps are timed at")
+    folder = Path(args.out).absolute().parent
+    if not folder.is_dir():  # found now, not after minutes of measuring
+        raise BadInput(f"--out: no folder {folder} to write {Path(args.out).name} in")
     with user_input():
         arguments.present_device(args.device)
         checked_spec(args.model, args.trust_remote_code)
         dtype = resolve_dtype(args.dtype, args.device)
     runtime = ModelRuntime.load(args.model, args.device, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    if max(lengths[-1], args.decode_context + args.decode_steps) > runtime.max_context:
+        raise BadInput(f"--lengths and --decode-context must fit the model's context of {runtime.max_context} tokens")
     name = args.name or f"{args.model}@{args.device}"
     runtime.prefill([1, 2, 3, 4])  # warm-up: first-call allocations are not the model's speed
     points = measure_prefill(runtime, lengths, args.repeats)
