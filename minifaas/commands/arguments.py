@@ -11,6 +11,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 from minifaas.emulator.pacer import RateSchedule, check_window, parse_bytes, parse_rate
 
@@ -155,6 +156,14 @@ def _number(text: str, convert: Callable[[str], float], ok: Callable[[float], bo
     if not (math.isfinite(value) and ok(value)):
         raise argparse.ArgumentTypeError(f"need {need}, got {text!r}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file to write: its folder must exist, found when the flags are read rather than after the work."""
+    folder = Path(text).absolute().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {folder} to write {Path(text).name} in")
+    return text
 
 
 def positive(text: str) -> float:

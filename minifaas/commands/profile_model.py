@@ -13,7 +13,6 @@ import argparse
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs one instance of the model uses")
     parser.add_argument("--name", help="profile name (default: MODEL@DEVICE)")
-    parser.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    parser.add_argument(
+        "--out", type=arguments.output_file, default="profile.json", help="where to write the profile (JSON)"
+    )
 
 
 def measure_prefill(runtime: ModelRuntime, lengths: list[int], repeats: int) -> tuple[ProfilePoint, ...]:
@@ -101,9 +102,6 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("need two lengths or more, --repeats and --decode-steps >= 1 and --slo > 0")
     if args.decode_context <= DECODE_CONTEXT:
         raise BadInput(f"--decode-context must be more than the {DECODE_CONTEXT} tokens the steps are timed at")
-    folder = Path(args.out).absolute().parent
-    if not folder.is_dir():  # found now, not after minutes of measuring
-        raise BadInput(f"--out: no folder {folder} to write {Path(args.out).name} in")
     with user_input():
         arguments.present_device(args.device)
         checked_spec(args.model, args.trust_remote_code)
