@@ -63,6 +63,7 @@ import aiohttp
 import torch
 
 from minifaas import figures
+from minifaas.commands.arguments import output_file
 from minifaas.model.kernels import select_kernels
 from minifaas.model.loader import MODELS_DIR
 from minifaas.process_cpu import tree_cpu_s
@@ -712,8 +713,10 @@ def main() -> None:
                    "throughput phase (default: none)")  # fmt: skip
     p.add_argument("--against-tree", type=Path, metavar="PATH",
                    help="run the second minifaas serve from the checkout at PATH (default: this one)")  # fmt: skip
-    p.add_argument("--out", type=Path, help="write every figure as JSON here")
-    p.add_argument("--plot", type=Path, help="write a PNG of throughput and long prompts here")
+    p.add_argument("--out", type=lambda t: Path(output_file(t)), help="write every figure as JSON here")
+    p.add_argument(
+        "--plot", type=lambda t: Path(output_file(t)), help="write a PNG of throughput and long prompts here"
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     p.add_argument(

@@ -72,6 +72,7 @@ from bench_trace_replay import arrivals
 
 from minifaas import figures
 from minifaas.commands import serve as serve_command
+from minifaas.commands.arguments import output_file
 from minifaas.config import ServeConfig
 from minifaas.emulator.pacer import parse_rate
 from minifaas.model.decoder import MAX_HOLD_S
@@ -711,7 +712,10 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=400, help="the first this many requests of the trace")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--quick", action="store_true", help="a short slice, the same code path")
-    p.add_argument("--save", type=Path, metavar="FILE", help="also write the live run here (JSON), for --from")
+    p.add_argument(
+        "--save", type=lambda t: Path(output_file(t)), metavar="FILE",
+        help="also write the live run here (JSON), for --from",
+    )  # fmt: skip
     p.add_argument(
         "--from", dest="recorded", type=Path, metavar="FILE",
         help="simulate a run --save wrote, beside its live figures, without serving (its trace, load and size)",
