@@ -186,6 +186,11 @@ def count(text: str) -> int:
     return int(_number(text, int, lambda v: v >= 0, "an integer >= 0"))
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return int(_number(text, int, lambda v: v >= 1, "an integer >= 1"))
+
+
 def policy(text: str) -> str:
     """A policy: a built-in name or module:Class (whether it loads is checked when the command runs)."""
     module, colon, name = text.partition(":")

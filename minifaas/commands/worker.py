@@ -31,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=("prefill", "decode"), required=True, help="what this worker does")
     p.add_argument("--cluster", choices=("prfaas", "pd"), required=True, help="the cluster this worker serves in")
     p.add_argument("--name", help="this node's name in routing and metrics (default: cluster-role-host-port)")
-    p.add_argument("--listen", type=parse_address, default=("127.0.0.1", 0), metavar="HOST:PORT",
+    p.add_argument("--listen", type=_address, default=("127.0.0.1", 0), metavar="HOST:PORT",
                    help="the control port the gateway dials (default: 127.0.0.1:0, any free port)")  # fmt: skip
-    p.add_argument("--kv-listen", type=parse_address, metavar="HOST:PORT",
+    p.add_argument("--kv-listen", type=_address, metavar="HOST:PORT",
                    help="where the KV receiver listens (default: the --listen host, any free port)")  # fmt: skip
     p.add_argument("--advertise", metavar="HOST[:PORT]",
                    help="the KV address others are told to use (NAT, containers; default: --kv-listen)")  # fmt: skip
@@ -47,18 +47,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the share of its GPU's memory this worker may take, where workers share one; "
                    "0: no limit (default: 0)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="of a preset's random weights (default: 0)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=arguments.count, default=0,
                    help="torch threads; 0: torch's default, one per core it may use (default: 0)")  # fmt: skip
     p.add_argument("--allow-slow-kernels", action="store_true",
                    help="on CUDA, start even without flash-linear-attention (torch reference kernels)")  # fmt: skip
     p.add_argument("--accept-moves", action="store_true", help="prefill: take cache moves in on a KV receiver")
-    p.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS,
+    p.add_argument("--connections", type=arguments.positive_int, default=DEFAULT_CONNECTIONS,
                    help=f"TCP connections per KV transfer (prefill; default: {DEFAULT_CONNECTIONS})")  # fmt: skip
     p.add_argument("--no-pipelining", action="store_true", help="send a state only once every layer is done")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+    p.add_argument("--prefill-chunk", type=arguments.count, default=512, metavar="TOKENS",
                    help="prefill: run a prompt in forwards of at most TOKENS, each one's full-attention KV "
                    "streamed as soon as it is made; 0: one forward (default: 512)")  # fmt: skip
-    p.add_argument("--prefill-batch", type=int, default=512, metavar="TOKENS",
+    p.add_argument("--prefill-batch", type=arguments.count, default=512, metavar="TOKENS",
                    help="prefill: prompts of one length queued at once, none with a cached prefix, run as the rows "
                    "of one forward of at most TOKENS; 0: one prompt per forward (default: 512)")  # fmt: skip
     p.add_argument("--kv-compression", choices=MODES, default="auto",
@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: auto)")  # fmt: skip
     p.add_argument("--prefix-cache", choices=("hybrid", "none"), default="hybrid",
                    help="this node's prefix cache (default: hybrid)")  # fmt: skip
-    p.add_argument("--cache-block-size", type=int, default=32,
+    p.add_argument("--cache-block-size", type=arguments.positive_int, default=32,
                    help="tokens per cached full-attention block (default: 32)")  # fmt: skip
     p.add_argument("--snapshot-policy", type=arguments.policy, default="reuse", metavar="SPEC",
                    help="where state snapshots go: prompt ends and prefixes another prompt shared (reuse), or "
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-policy-arg", type=arguments.policy_arg, action="append",
                    metavar="KEY=VALUE",
                    help="a keyword argument of the snapshot policy; repeat for more (default: none)")  # fmt: skip
-    p.add_argument("--snapshot-interval", type=int, default=4,
+    p.add_argument("--snapshot-interval", type=arguments.count, default=4,
                    help="the interval policy's blocks between state snapshots; 0: at prompt ends only "
                    "(default: 4)")  # fmt: skip
     p.add_argument("--cache-mib", type=arguments.non_negative, default=256.0,
@@ -89,17 +89,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "times the last one's length (at most 0.05 s), so more rows share it and the prefills they wait "
                    "for get the cores; 0: step back to back; -1: 1 on a CPU, 0 on a GPU (default: -1)")  # fmt: skip
     d = DecoderConfig()
-    p.add_argument("--max-batch", type=int, default=d.max_batch,
+    p.add_argument("--max-batch", type=arguments.count, default=d.max_batch,
                    help="decode rows per forward; 1: unbatched; 0: what this worker's memory holds, at most "
                    f"{MAX_ROWS} (default: {d.max_batch})")  # fmt: skip
-    p.add_argument("--step-tokens", type=int, default=d.step_token_budget,
+    p.add_argument("--step-tokens", type=arguments.count, default=d.step_token_budget,
                    help="KV slots a decode step may attend, padding included; 0: what this worker's memory "
                    f"holds (default: {d.step_token_budget})")  # fmt: skip
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+    p.add_argument("--max-waiting", type=arguments.count, default=d.max_waiting,
                    help=f"requests queued for a decode row (default: {d.max_waiting})")  # fmt: skip
     p.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS,
                    help="the least severe log lines shown; a gateway starts its own workers at WARNING "
                    "(serve --log-level) (default: INFO)")  # fmt: skip
+
+
+def _address(text: str) -> tuple[str, int]:
+    try:
+        return parse_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,6 +137,10 @@ async def _until_signalled(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     with user_input():  # one error line, before the model loads
+        if args.cluster == "prfaas" and args.role == "decode":
+            raise ValueError("the PrfaaS cluster only prefills: --role decode needs --cluster pd")
+        if args.decode_hold < 0 and args.decode_hold != -1:
+            raise ValueError(f"--decode-hold {args.decode_hold}: a factor >= 0, or -1 for the device's default")
         load_secret(args.secret_file)
         arguments.present_device(args.device)
         check_policy(args.snapshot_policy, SNAPSHOT, args.snapshot_policy_arg or ())
