@@ -69,6 +69,7 @@ BAD_INPUT = [
     (["demo", "--model", "nope"], "no model 'nope'"),
     (["demo", "--link-rate", "fast"], "not a rate"),
     (["demo", "--short", "-1"], "need --short, --long >= 0"),
+    (["demo", "--short", "0", "--long", "0"], "need --short, --long >= 0 (not both 0)"),
     (["generate", "--model", "nope"], "no model 'nope'"),
     (["generate", "--temperature", "-1"], "temperature must be in [0, 100]"),
     (["generate", "--max-tokens", "x"], "invalid int value: 'x'"),

@@ -107,8 +107,8 @@ def _config(args: argparse.Namespace) -> ServeConfig:
     """``serve``'s configuration for the demo, checked as ``serve`` checks it (model, devices), with the demo's
     link and log level."""
     with user_input():
-        if min(args.short, args.long) < 0 or min(args.long_tokens, args.max_tokens) < 1:
-            raise ValueError("need --short, --long >= 0 and --long-tokens, --max-tokens >= 1")
+        if min(args.short, args.long) < 0 or not args.short + args.long or min(args.long_tokens, args.max_tokens) < 1:
+            raise ValueError("need --short, --long >= 0 (not both 0) and --long-tokens, --max-tokens >= 1")
         if not 0 < args.dip_seconds < args.dip_every or (args.duration is not None and args.duration <= 0):
             raise ValueError("need 0 < --dip-seconds < --dip-every, and --duration > 0")
     config = checked_config(served_args(args))
