@@ -186,6 +186,10 @@ BAD_REQUESTS = [
     (C, GOOD | {"seed": "1"}, 400, "seed"),
     (C, GOOD | {"stop": 5}, 400, "stop"),
     (C, GOOD | {"stop": ["ok", 3]}, 400, "stop"),
+    (C, GOOD | {"stop_token_ids": 5}, 400, "stop_token_ids"),
+    (C, GOOD | {"stop_token_ids": [5, -1]}, 400, "stop_token_ids"),
+    (C, GOOD | {"stop_token_ids": [True]}, 400, "stop_token_ids"),
+    (C, GOOD | {"stop_token_ids": [1 << 20]}, 400, "stop_token_ids"),
     (C, GOOD | {"n": 2}, 400, "n"),
     (C, GOOD | {"stream": "yes"}, 400, "stream"),
     (C, GOOD | {"stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -287,8 +291,9 @@ async def test_chat_body_shape_and_sampling_passthrough() -> None:
         assert body["usage"]["prompt_tokens"] == len(sent.prompt_ids)
         sp = sent.sampling
         assert (sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop) == (3, 0.5, 0.9, 7, ("x",))
-        await s.client.post(C, json={"model": MODEL, "prompt": "a", "stop": ["p", "q"]})
+        await s.client.post(C, json={"model": MODEL, "prompt": "a", "stop": ["p", "q"], "stop_token_ids": [10, 0]})
         assert s.gateway.requests[1].sampling.stop == ("p", "q")
+        assert s.gateway.requests[1].sampling.stop_token_ids == (10, 0)
         assert s.gateway.requests[1].sampling.max_tokens == 16  # OpenAI's default
 
 

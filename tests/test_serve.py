@@ -157,6 +157,20 @@ def test_sampling_fields_are_honoured_as_generate_honours_them(server: str) -> N
     assert code == 400 and "lone surrogate" in reply["error"]["message"]
 
 
+def test_stop_token_ids_end_the_output_as_generate_ends_it(server: str) -> None:
+    rt, tok = ModelRuntime.load("kimi-linear-tiny"), ByteTokenizer()
+    greedy = reference_tokens(rt, tok.encode(SHORT), SamplingParams(max_tokens=8, ignore_eos=True))
+    for stop in (greedy[0], greedy[3]):  # the prefill's token, and one a decode step makes
+        params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]}
+        body = {"model": "kimi-linear-tiny", "prompt": SHORT, "return_token_ids": True} | params
+        code, reply = _post(f"{server}/v1/completions", json.dumps(body).encode())
+        assert code == 200, reply
+        expected = reference_tokens(rt, tok.encode(SHORT), SamplingParams(**params))
+        choice = reply["choices"][0]
+        assert choice["token_ids"] == expected == greedy[: greedy.index(stop) + 1], (choice, greedy)
+        assert choice["finish_reason"] == "stop"
+
+
 def test_api_key_health_and_metrics(server: str) -> None:
     # a long prompt of its own (no earlier one shares its prefix), so the PrfaaS and codec series below hold
     # whatever ran before

@@ -84,7 +84,8 @@ class ParsedRequest:
     return_token_ids: bool = False
 
 
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
+               list: "an array"}  # fmt: skip
 # Fields not implemented here, each with the values that ask for nothing (and so are accepted).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
@@ -115,6 +116,7 @@ _ROLES = ("system", "developer", "user", "assistant")
 # the metric cause of an error whose body has no code
 _CAUSES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _DEFAULT_MAX_TOKENS = 16
+MAX_STOP_TOKEN_IDS = 4096  # as many as a control message carries
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -138,7 +140,8 @@ def parse_request(
         raise APIError(400, "'stream_options' may only be set when 'stream' is true.", param="stream_options")
     include_usage = _field(options or {}, "include_usage", bool, False, param="stream_options.include_usage")
     return_ids = _field(body, "return_token_ids", bool, False)
-    return ParsedRequest(endpoint, prompt_ids, _sampling(body, max_tokens), stream, include_usage, return_ids)
+    sampling = _sampling(body, max_tokens, tokenizer.vocab_size)
+    return ParsedRequest(endpoint, prompt_ids, sampling, stream, include_usage, return_ids)
 
 
 def _check_fields(body: dict[str, Any], model_name: str) -> None:
@@ -188,7 +191,7 @@ def _prompt_and_budget(
     return prompt_ids, max_tokens
 
 
-def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
+def _sampling(body: dict[str, Any], max_tokens: int, vocab_size: int) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -200,11 +203,21 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> SamplingParams:
             frequency_penalty=float(_field(body, "frequency_penalty", (int, float), 0.0)),
             seed=_field(body, "seed", int, None),
             stop=_stop(body),
+            stop_token_ids=_stop_token_ids(body, vocab_size),
             ignore_eos=_field(body, "ignore_eos", bool, False),
         )
     except ValueError as e:  # SamplingParams messages start with the field's name
         name = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=name if name in body else None) from None
+
+
+def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
+    """Token ids that end the output where they are generated (the token itself is output)."""
+    ids = _field(body, "stop_token_ids", list, [])
+    if len(ids) > MAX_STOP_TOKEN_IDS or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        message = f"'stop_token_ids' must be at most {MAX_STOP_TOKEN_IDS} token ids in [0, {vocab_size})."
+        raise APIError(400, message, param="stop_token_ids")
+    return tuple(ids)
 
 
 def _field(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any, param: str = "") -> Any:
