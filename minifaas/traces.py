@@ -95,6 +95,11 @@ def _build(
 ) -> Trace:
     if length_scale <= 0 or rate_scale <= 0:
         raise ValueError("length_scale and rate_scale must be > 0")
+    if not times:
+        raise ValueError(f"{name}: no requests in the trace")
+    for row, (prompt, output) in enumerate(zip(inputs, outputs, strict=True), start=1):
+        if prompt < 1 or output < 1:  # a scaled length rounds up to 1, but a row's own is data
+            raise ValueError(f"{name}: request {row} has {prompt} prompt and {output} output tokens; need >= 1 each")
     t = np.asarray(times, dtype=float)
     order = np.argsort(t, kind="stable")
     t = (t[order] - t[order[0]]) / rate_scale if t.size else t

@@ -240,6 +240,28 @@ def test_sim_says_when_a_drained_run_leaves_requests_unfinished(capsys: pytest.C
     assert re.search(r"^[\d,]+ requests never finished: no event was left to move them", out, re.M), out
 
 
+@pytest.mark.parametrize(
+    ("name", "rows", "says"),
+    [
+        ("t.jsonl", '{"timestamp": 0, "input_length": -100, "output_length": 10}\n', "request 1 has -100 prompt"),
+        ("t.jsonl", '{"timestamp": 0, "input_length": 9, "output_length": 4}\n' * 2
+         + '{"timestamp": 5, "input_length": 9, "output_length": 0}\n', "request 3 has 9 prompt and 0 output"),
+        ("t.jsonl", "\n", "t.jsonl: no requests in the trace"),
+        ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,0,5\n",
+         "request 1 has 0 prompt"),
+    ],
+)  # fmt: skip
+def test_a_trace_row_without_tokens_or_no_row_is_one_error_line(
+    tmp_path, capsys: pytest.CaptureFixture[str], name: str, rows: str, says: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(rows)
+    with pytest.raises(SystemExit) as stopped:
+        main(["sim", "--trace", str(path)])
+    assert stopped.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 def test_homogeneous_config_never_offloads() -> None:
     case = paper_case()
     config = config_for(case, plan(case).homogeneous)
