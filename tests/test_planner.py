@@ -175,6 +175,11 @@ def test_the_plan_table_keeps_every_figure_apart_however_wide(capsys: pytest.Cap
     assert all(float(row["Th_pdd"]) > 0 for row in rows.values()) and float(rows["naive"]["Th_pdd"]) > 1000, rows
 
 
+def test_a_plan_with_no_prfaas_instance_says_naive_serves_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--n-prfaas", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("vs naive: - (it serves nothing)")
+
+
 def test_plan_json_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--case", "paper", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -8,6 +8,7 @@ minifaas plan --case my.toml --link-gbps 25 --plot out.png
 from __future__ import annotations
 
 import argparse
+import math
 
 from minifaas import figures
 from minifaas.commands import arguments
@@ -118,7 +119,9 @@ def print_plan(case: PlanCase, result: Plan, price_ratio: float | None = None) -
     for row in rows:  # the name left, the figures right, two spaces apart whatever their width
         cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)), row[-1]]
         print("  ".join(cells))
-    print(f"PrfaaS vs homogeneous: {result.gain_vs_homogeneous:+.1%}; vs naive: {result.gain_vs_naive:+.1%}")
+    gains = [f"{g:+.1%}" if math.isfinite(g) else "- (it serves nothing)" for g in
+             (result.gain_vs_homogeneous, result.gain_vs_naive)]  # fmt: skip
+    print(f"PrfaaS vs homogeneous: {gains[0]}; vs naive: {gains[1]}")
     if price_ratio is not None:
         for op in ops:
             cost = cost_units(case, op, price_ratio)

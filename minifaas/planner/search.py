@@ -7,6 +7,7 @@ the PrfaaS cluster; ``best_homogeneous`` has no PrfaaS cluster at all.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,11 +45,16 @@ class Plan:
 
     @property
     def gain_vs_homogeneous(self) -> float:
-        return self.prfaas.throughput_rps / self.homogeneous.throughput_rps - 1
+        return _gain(self.prfaas.throughput_rps, self.homogeneous.throughput_rps)
 
     @property
     def gain_vs_naive(self) -> float:
-        return self.prfaas.throughput_rps / self.naive.throughput_rps - 1
+        """PrfaaS's throughput over naive's, less 1; inf where naive serves nothing (no PrfaaS instance)."""
+        return _gain(self.prfaas.throughput_rps, self.naive.throughput_rps)
+
+
+def _gain(ours: float, theirs: float) -> float:
+    return ours / theirs - 1 if theirs else math.inf if ours else math.nan
 
 
 def best_prfaas(case: PlanCase, grid: SearchGrid = SearchGrid(), expected_latency: bool = False) -> OperatingPoint:
