@@ -101,6 +101,7 @@ BAD_INPUT = [
     (["sim", "--length-scale", "0"], "argument --length-scale: need a number > 0"),
     (["sim", "--rtt-ms", "-1"], "argument --rtt-ms: need a number >= 0, got '-1'"),
     (["sim", "--warmup", "x"], "argument --warmup: not a number: 'x'"),
+    (["sim", "--warmup", "100", "--duration", "30"], "--warmup 100 s leaves nothing of the"),
     (["sim", "--pipeline-layers", "-1"], "argument --pipeline-layers: need an integer >= 0, got '-1'"),
     (["sim", "--pipeline-layers", "1.5"], "argument --pipeline-layers: not an integer: '1.5'"),
     (["profile", "--model", "nope"], "no model 'nope'"),
