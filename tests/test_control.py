@@ -112,6 +112,22 @@ def test_one_client_is_served_and_a_second_is_refused() -> None:
     asyncio.run(main())
 
 
+def test_a_port_that_hangs_up_before_its_hello_is_a_lost_session_not_a_refusal() -> None:
+    """What a worker's control port does while it stops: the gateway tries again rather than give up on it."""
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.transport.abort()
+
+    async def main() -> None:
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            with pytest.raises(SessionLost, match="closed the connection before its handshake"):
+                await connect("127.0.0.1", port, SECRET, 5.0)
+
+    asyncio.run(main())
+
+
 def test_no_secret_wrong_secret_and_the_kv_handshake_are_refused() -> None:
     async def main() -> None:
         async with _server() as server:

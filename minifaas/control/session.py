@@ -156,6 +156,9 @@ async def connect(
     except AuthError as e:
         writer.close()
         raise Refused(f"{host}:{port}: {e}") from None
+    except TransferError as e:  # the server went before its hello (stopping, say): try again later
+        writer.close()
+        raise SessionLost(f"{host}:{port} closed the connection before its handshake: {e}") from None
     return Session(reader, writer, key, server=False, max_bytes=max_bytes)
 
 

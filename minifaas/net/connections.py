@@ -69,6 +69,11 @@ async def prove_control_client(channel: Channel, secret: bytes, timeout: float) 
 async def _prove(channel: Channel, secret: bytes, timeout: float, magic: bytes) -> tuple[int, bytes]:
     try:
         head = await channel.recv_exactly(len(MAGIC) + NONCE_BYTES, timeout)  # as long as a version-1 hello
+    except (ConnectionLostError, TruncatedError):
+        raise  # the peer went before its hello, which it sends whatever our secret: no word on the secret
+    except TransferError as e:
+        raise AuthError(f"handshake failed: {e}") from None
+    try:
         if head[: len(MAGIC)] == OLD_MAGIC and magic == MAGIC:
             raise ProtocolError("the receiver speaks KV wire version 1, which this sender no longer speaks")
         if head[: len(MAGIC)] != magic:
