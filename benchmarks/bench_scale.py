@@ -713,10 +713,8 @@ def main() -> None:
                    "throughput phase (default: none)")  # fmt: skip
     p.add_argument("--against-tree", type=Path, metavar="PATH",
                    help="run the second minifaas serve from the checkout at PATH (default: this one)")  # fmt: skip
-    p.add_argument("--out", type=lambda t: Path(output_file(t)), help="write every figure as JSON here")
-    p.add_argument(
-        "--plot", type=lambda t: Path(output_file(t)), help="write a PNG of throughput and long prompts here"
-    )
+    p.add_argument("--out", type=output_file, help="write every figure as JSON here")
+    p.add_argument("--plot", type=output_file, help="write a PNG of throughput and long prompts here")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     p.add_argument(
@@ -779,8 +777,8 @@ def main() -> None:
     start, end = summary["load_average_start"], summary["load_average_end"]
     print(f"load average: {start:.1f} at the start, {end:.1f} at the end")
     if a.out:
-        a.out.write_text(figures.dumps(summary, indent=1) + "\n")
-    if a.plot and plot(summary, a.plot):
+        Path(a.out).write_text(figures.dumps(summary, indent=1) + "\n")
+    if a.plot and plot(summary, Path(a.plot)):
         print(f"plot: {a.plot}")
     failed = [c for c in summary["checks"] if not c["ok"]]
     print("checks: " + ("all hold" if not failed else "; ".join(f"{c['check']} at N={c['n']}: {c['value']:.3g}"

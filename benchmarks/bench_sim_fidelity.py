@@ -712,10 +712,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=400, help="the first this many requests of the trace")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--quick", action="store_true", help="a short slice, the same code path")
-    p.add_argument(
-        "--save", type=lambda t: Path(output_file(t)), metavar="FILE",
-        help="also write the live run here (JSON), for --from",
-    )  # fmt: skip
+    p.add_argument("--save", type=output_file, metavar="FILE", help="also write the live run here (JSON), for --from")
     p.add_argument(
         "--from", dest="recorded", type=Path, metavar="FILE",
         help="simulate a run --save wrote, beside its live figures, without serving (its trace, load and size)",
@@ -729,7 +726,7 @@ def main() -> None:
     else:
         run = live_run(args.trace, args.load, args.requests)
         if args.save:
-            run.write(args.save)
+            run.write(Path(args.save))
     report(run, args.json)
 
 
