@@ -83,6 +83,7 @@ BAD_INPUT = [
     (["link-emulator", "--target", "127.0.0.1:9", "--delay-ms", "nan"], "argument --delay-ms: need a number >= 0"),
     (["worker", "--gpu-memory-fraction", "2"], "argument --gpu-memory-fraction: need a number in [0, 1], got '2'"),
     (["worker", "--role", "decode", "--cluster", "prfaas"], "the PrfaaS cluster only prefills: --role decode needs"),
+    (["serve", "--pd-worker", "127.0.0.1:99999"], "argument --pd-worker: '127.0.0.1:99999' is not HOST:PORT"),
     (["worker", "--role", "prefill", "--cluster", "pd", "--listen", ":99999"], "argument --listen: ':99999' is not"),
     (["worker", "--role", "prefill", "--cluster", "pd", "--prefill-chunk", "-3"], "need an integer >= 0, got '-3'"),
     (["worker", "--role", "prefill", "--cluster", "pd", "--connections", "0"], "need an integer >= 1, got '0'"),

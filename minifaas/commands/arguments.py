@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from minifaas.emulator.pacer import RateSchedule, check_window, parse_bytes, parse_rate
+from minifaas.net.address import parse_address
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -220,6 +221,14 @@ def add_policy_arguments(parser: argparse._ActionsContainer, flag: str, what: st
         f"--{flag}-arg", type=policy_arg, action="append", metavar="KEY=VALUE",
         help=f"a keyword argument of the --{flag} policy's constructor; repeat for more (default: none)",
     )  # fmt: skip
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """HOST:PORT as ``parse_address`` reads it (an IPv6 host in brackets): a worker's or a gateway's."""
+    try:
+        return parse_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def address(text: str) -> tuple[str, int]:

@@ -40,7 +40,6 @@ from minifaas.launch import forked
 from minifaas.launch.startup import StartupListener, StartupView
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.loader import checked_spec
-from minifaas.net.address import parse_address
 from minifaas.planner.profile import load_pd_profiles
 from minifaas.policy.codec_policy import MODES
 from minifaas.policy.short_term import ShortTermConfig
@@ -346,7 +345,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def _address(text: str) -> str:
-    parse_address(text)  # argparse reports the ValueError as a usage error
+    arguments.host_port(text)  # a bad one is a usage error that says why
     return text
 
 

@@ -18,7 +18,6 @@ from minifaas.config import LOG_LEVELS, SNAPSHOT_POLICIES
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.model.decode_memory import MAX_ROWS
 from minifaas.model.decoder import DecoderConfig
-from minifaas.net.address import parse_address
 from minifaas.net.connections import DEFAULT_CONNECTIONS
 from minifaas.parent_watch import die_with_parent
 from minifaas.policy.codec_policy import MODES
@@ -31,9 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=("prefill", "decode"), required=True, help="what this worker does")
     p.add_argument("--cluster", choices=("prfaas", "pd"), required=True, help="the cluster this worker serves in")
     p.add_argument("--name", help="this node's name in routing and metrics (default: cluster-role-host-port)")
-    p.add_argument("--listen", type=_address, default=("127.0.0.1", 0), metavar="HOST:PORT",
+    p.add_argument("--listen", type=arguments.host_port, default=("127.0.0.1", 0), metavar="HOST:PORT",
                    help="the control port the gateway dials (default: 127.0.0.1:0, any free port)")  # fmt: skip
-    p.add_argument("--kv-listen", type=_address, metavar="HOST:PORT",
+    p.add_argument("--kv-listen", type=arguments.host_port, metavar="HOST:PORT",
                    help="where the KV receiver listens (default: the --listen host, any free port)")  # fmt: skip
     p.add_argument("--advertise", metavar="HOST[:PORT]",
                    help="the KV address others are told to use (NAT, containers; default: --kv-listen)")  # fmt: skip
@@ -100,13 +99,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS,
                    help="the least severe log lines shown; a gateway starts its own workers at WARNING "
                    "(serve --log-level) (default: INFO)")  # fmt: skip
-
-
-def _address(text: str) -> tuple[str, int]:
-    try:
-        return parse_address(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
