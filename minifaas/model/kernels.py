@@ -1,4 +1,4 @@
-"""Keep flash-linear-attention out of CPU processes, and report which kernels each layer kind really runs.
+"""Keep flash-linear-attention and Triton out of CPU processes, and report which kernels each layer kind really runs.
 
 transformers binds fla's Triton kernels when a modeling module is imported, and those fail on a machine without
 a GPU, so a CPU process makes ``import fla`` fail before any model code loads. A binding is not yet a call:
@@ -35,6 +35,9 @@ def select_kernels(device: str) -> str:
         if loaded is not None:
             raise RuntimeError(f"{name} was imported before the CPU kernel choice; import minifaas.model first")
         sys.modules[name] = None  # type: ignore[assignment]  # makes `import fla` raise ImportError
+    # transformers' masking code imports torch's compiler, which imports triton where it is installed: a CPU
+    # process compiles nothing, so it is kept out too (unless something loaded it already)
+    sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
     return "torch"
 
 
