@@ -87,6 +87,7 @@ BAD_INPUT = [
     (["worker", "--role", "prefill", "--cluster", "pd", "--listen", ":99999"], "argument --listen: ':99999' is not"),
     (["worker", "--role", "prefill", "--cluster", "pd", "--prefill-chunk", "-3"], "need an integer >= 0, got '-3'"),
     (["worker", "--role", "prefill", "--cluster", "pd", "--connections", "0"], "need an integer >= 1, got '0'"),
+    (["worker", "--role", "prefill", "--cluster", "pd", "--connections", "100"], "--connections 100: at most 64 per"),
     (["worker", "--role", "decode", "--cluster", "pd", "--decode-hold", "-2"], "--decode-hold -2.0: a factor >= 0"),
     (["profile", "--slo", "nan"], "argument --slo: need a number > 0, got 'nan'"),
     (["sim", "--trace", "mooncake"], "not a shipped trace (mooncake-synthetic, azure-conv, azure-code) or a file"),

@@ -18,7 +18,7 @@ from minifaas.config import LOG_LEVELS, SNAPSHOT_POLICIES
 from minifaas.control.secret import SECRET_ENV, load_secret
 from minifaas.model.decode_memory import MAX_ROWS
 from minifaas.model.decoder import DecoderConfig
-from minifaas.net.connections import DEFAULT_CONNECTIONS
+from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS
 from minifaas.parent_watch import die_with_parent
 from minifaas.policy.codec_policy import MODES
 from minifaas.policy.plugin import SNAPSHOT, check_policy
@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     with user_input():  # one error line, before the model loads
         if args.cluster == "prfaas" and args.role == "decode":
             raise ValueError("the PrfaaS cluster only prefills: --role decode needs --cluster pd")
+        if args.connections > MAX_CONNECTIONS:
+            raise ValueError(f"--connections {args.connections}: at most {MAX_CONNECTIONS} per transfer")
         if args.decode_hold < 0 and args.decode_hold != -1:
             raise ValueError(f"--decode-hold {args.decode_hold}: a factor >= 0, or -1 for the device's default")
         load_secret(args.secret_file)
