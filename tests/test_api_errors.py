@@ -129,7 +129,13 @@ async def test_top_k_min_tokens_and_penalties_reach_the_sampler() -> None:
         first, second = (r.sampling for r in s.gateway.requests)
         assert (first.top_k, first.min_tokens, first.presence_penalty, first.frequency_penalty) == (5, 3, 0.5, -1.0)
         assert second.top_k == 0
-        for bad in ({"top_k": -2}, {"min_tokens": 9}, {"presence_penalty": 3}, {"frequency_penalty": "x"}):
+        for bad in (
+            {"top_k": -2},
+            {"top_k": 2**31},
+            {"min_tokens": 9},
+            {"presence_penalty": 3},
+            {"frequency_penalty": "x"},
+        ):
             resp = await s.client.post(C, json=GOOD | bad)
             assert resp.status == 400 and (await resp.json())["error"]["param"] == next(iter(bad)), bad
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
@@ -62,7 +63,14 @@ def test_top_k_samples_only_among_the_k_most_likely() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("top_k", -1), ("min_tokens", 17), ("min_tokens", -1), ("presence_penalty", 2.5), ("frequency_penalty", -3)],
+    [
+        ("top_k", -1),
+        ("top_k", 2**31),
+        ("min_tokens", 17),
+        ("min_tokens", -1),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+    ],
 )
 def test_out_of_range_values_are_refused_by_name(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
@@ -72,6 +80,21 @@ def test_out_of_range_values_are_refused_by_name(field: str, value: float) -> No
 def test_the_new_fields_cross_the_control_channel() -> None:
     p = SamplingParams(max_tokens=9, top_k=5, min_tokens=3, presence_penalty=0.5, frequency_penalty=-0.25, seed=4)
     assert Sampling.of(p).params() == p
+
+
+def test_the_widest_params_allowed_pass_the_control_channel_bounds() -> None:
+    """What SamplingParams accepts, a worker accepts too: else the worker refuses a request the API let in."""
+    p = SamplingParams(
+        max_tokens=2**31 - 1,
+        temperature=100.0,
+        top_k=2**31 - 1,
+        min_tokens=2**31 - 1,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        seed=2**63 - 1,
+        stop_token_ids=(2**31 - 1,),
+    )
+    assert msgspec.convert(msgspec.to_builtins(Sampling.of(p)), Sampling).params() == p
 
 
 def drive(decoder: BatchDecoder | InterleavedDecoder, arrivals: list[tuple]) -> dict[str, list[int]]:
