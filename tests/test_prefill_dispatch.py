@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from minifaas.control.worker_ops import First, Prefilled, ReplyMessage
+from minifaas.control.worker_ops import Error, First, Prefilled, ReplyMessage
 from minifaas.gateway.prefill_dispatch import Attempt, _outcome
 from minifaas.gateway.requests import GenerateRequest
 from minifaas.gateway.worker_handle import WorkerHandle
@@ -41,5 +41,20 @@ def test_an_earlier_attempts_replies_go_to_unclaimed_and_the_attempts_own_reply_
         assert got == prefilled(2)
         assert handed == [first(1, 5), prefilled(1)]  # the earlier attempt's, for whoever handles strays
         assert firsts == [7]  # only this attempt's early first token is shown
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_refuses_the_request_ends_the_wait_at_once() -> None:
+    """A worker answers a message it cannot take with an Error: the attempt ends there, not at its timeout."""
+
+    async def main() -> None:
+        worker = handle("pd-p0", "prefill", "pd")
+        request = GenerateRequest("r0", [1, 2, 3], SamplingParams(max_tokens=4))
+        attempt = Attempt(request, None, worker, handle("pd-d0", "decode", "pd"), transfer=2, computed=3, link_start=0)
+        inbox = worker.open("r0")
+        inbox.put_nowait(Error(req="r0", error="Expected `int` <= 2147483647 - at `$.sampling.top_k`"))
+        got = await asyncio.wait_for(_outcome(inbox, attempt, None, asyncio.Event(), None), 5)
+        assert isinstance(got, Error) and "top_k" in got.error
 
     asyncio.run(main())

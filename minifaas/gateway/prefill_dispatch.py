@@ -15,14 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
-from minifaas.control.worker_ops import Abort, Decode, Failed, First, Pinned, Prefill, Prefilled, Sampling
+from minifaas.control.worker_ops import Abort, Decode, Error, Failed, First, Pinned, Prefill, Prefilled, Sampling
 from minifaas.gateway.cache_move import CacheMoves
 from minifaas.gateway.fallback import Fallback, PrefillFailed
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import DecodeLost
-from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord, advance
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord, advance
 from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers
@@ -147,7 +147,7 @@ class PrefillDispatch:
         inbox = a.worker.open(rid)
         a.hold()
         gone = decode.gone  # this session's: a decode worker that came back does not know the request
-        reply: Prefilled | Failed | Lost | None = None
+        reply: Prefilled | Failed | Lost | Error | None = None
         try:
             asked = time.perf_counter()
             if not decode.alive:
@@ -189,6 +189,8 @@ class PrefillDispatch:
             raise PrefillFailed(f"worker_lost: {a.worker.name} went away")
         if isinstance(reply, Failed):
             raise PrefillFailed(f"transfer_failed: {reply.error}")
+        if isinstance(reply, Error):  # any worker of this build refuses the same message: no retry
+            raise RequestFailed(f"prefill worker {a.worker.name} refused the request: {reply.error}")
         self._recorded(a, record, reply, choice, replied - sent)
         record.dispatch_s = (record.dispatch_s or 0.0) + sent - asked
         return Handoff(a.transfer, reply.next_token, a.request)
@@ -223,16 +225,18 @@ class PrefillDispatch:
                     raise DecodeLost(f"decode worker {decode.name} went away before pinning its prefix")
                 if isinstance(msg, Failed) and msg.transfer == transfer:
                     raise RuntimeError(f"decode worker {decode.name}: {msg.error}")
+                if isinstance(msg, Error):
+                    raise RequestFailed(f"decode worker {decode.name} refused the request: {msg.error}")
                 if isinstance(msg, Pinned) and msg.transfer == transfer:
                     return msg.tokens
 
 
 async def _outcome(
     inbox: asyncio.Queue[Inbound], a: Attempt, on_first: OnFirst | None, gone: asyncio.Event, cut: asyncio.Event | None
-) -> Prefilled | Failed | Lost | None:
-    """The prefill's reply for ``a``'s transfer, or the worker's session lost; None once the decode worker is
-    ``gone`` or the link is ``cut``. The early first token goes to ``on_first``, an earlier attempt's replies
-    to ``unclaimed``."""
+) -> Prefilled | Failed | Lost | Error | None:
+    """The prefill's reply for ``a``'s transfer, the worker's refusal of the request, or its session lost; None
+    once the decode worker is ``gone`` or the link is ``cut``. The early first token goes to ``on_first``, an
+    earlier attempt's replies to ``unclaimed``."""
     while True:
         get = asyncio.ensure_future(inbox.get())
         waits = [asyncio.ensure_future(e.wait()) for e in (gone, cut) if e is not None]
@@ -245,7 +249,7 @@ async def _outcome(
             return None
         msg = get.result()
         ours = getattr(msg, "transfer", None) == a.transfer
-        if isinstance(msg, Lost) or (isinstance(msg, (Prefilled, Failed)) and ours):
+        if isinstance(msg, Lost | Error) or (isinstance(msg, (Prefilled, Failed)) and ours):
             return msg
         if isinstance(msg, First) and ours:
             if on_first is not None:

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
-from minifaas.control.worker_ops import Done, Failed, Pinned, Received, Start, Token
+from minifaas.control.worker_ops import Done, Error, Failed, Pinned, Received, Start, Token
 from minifaas.gateway.migration import DecodeLost
 from minifaas.gateway.requests import GenerateRequest, RequestDeadline, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import StopMatcher
@@ -60,7 +60,7 @@ async def decode_tokens(
             if isinstance(msg, Lost):
                 raise DecodeLost(f"decode worker {decode.name} went away", decode.name, suspect(msg, rid), msg.pid)
             decode.unstepped.discard(rid)
-            if isinstance(msg, Failed):
+            if isinstance(msg, Failed | Error):  # an Error: the worker refused the request's message
                 raise RequestFailed(f"decode worker {decode.name}: {msg.error}")
             if isinstance(msg, Done):
                 return
