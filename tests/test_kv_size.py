@@ -77,3 +77,8 @@ def test_kimi_linear_reconstructed_config_matches_the_reference_figures() -> Non
     kinds = p.by_kind()
     assert kinds["mla"][:2] == (7, 8064)  # (512 + 64) x 2 bytes per MLA layer
     assert kinds["linear"][0] == 20 and kinds["linear"][2] == 20 * (32 * 128 * 128 * 4 + 3 * 4096 * 4 * 2)
+
+
+def test_the_default_model_is_named_by_its_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kv-size", "--json", "--lengths", "1000"]) == 0
+    assert list(json.loads(capsys.readouterr().out)) == ["shakespeare-qwen3.5"]  # not its file's name, "config"

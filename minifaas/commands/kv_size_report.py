@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.table import Table
 
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _profile(name_or_path: str) -> KVProfile:
     spec = ModelSpec.resolve(name_or_path)
-    return kv_profile(load_config_dict(spec), spec.name if spec.kind == "preset" else Path(spec.path).stem)
+    return kv_profile(load_config_dict(spec), spec.name)
 
 
 def _baseline(profiles: list[KVProfile], name: str | None) -> KVProfile | None:
