@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--baseline",
-        help="a model shown, or any model, whose bytes the others are divided by (default: the first dense one)",
+        help="a model shown, or any model, divided by each other's bytes: (Nx) means N times smaller than it "
+        "(default: the first dense one)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
