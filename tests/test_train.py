@@ -76,6 +76,15 @@ def test_bad_settings_are_refused_in_one_line() -> None:
         Trainer(tiny(Path("unused"), text="no-such-text"), Console(quiet=True))
 
 
+@pytest.mark.parametrize("size", [0, 30])
+def test_a_text_too_short_for_one_window_is_refused_by_its_size(size: int, tmp_path: Path) -> None:
+    text = tmp_path / "short.txt"
+    text.write_bytes(b"a" * size)
+    training = int(size * (1 - 0.05))  # the default validation share
+    with pytest.raises(ValueError, match=rf"short\.txt: {training} training bytes, fewer than the 34 a window needs"):
+        Trainer(tiny(tmp_path / "out", text=str(text)), Console(quiet=True))
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("straight")

@@ -35,12 +35,12 @@ class TextData:
         raw = self.path.read_bytes()
         self.sha256 = hashlib.sha256(raw).hexdigest()
         split = int(len(raw) * (1 - val_fraction))
+        for name, part in (("training", raw[:split]), ("validation", raw[split:])):
+            if len(part) < seq_len + 2:  # a window of seq_len + 1 bytes, at one start or more
+                raise ValueError(f"{self.path}: {len(part)} {name} bytes, fewer than the {seq_len + 2} a window needs")
         self.train = torch.frombuffer(bytearray(raw[:split]), dtype=torch.uint8)
         self.val = torch.frombuffer(bytearray(raw[split:]), dtype=torch.uint8)
         self.seq_len = seq_len
-        for name, part in (("training", self.train), ("validation", self.val)):
-            if len(part) < seq_len + 2:
-                raise ValueError(f"{self.path}: {len(part)} {name} bytes, fewer than one window of {seq_len + 1}")
 
     def batch(self, seed: int, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets [batch, seq_len] for ``step``: random windows of the training bytes."""
