@@ -75,6 +75,7 @@ BAD_INPUT = [
     (["generate", "--max-tokens", "x"], "invalid int value: 'x'"),
     (["generate", "--device", "cuda:99"], "no device cuda:99: this machine has"),
     (["generate", "--prompt", ""], "--prompt: '' is no tokens to"),
+    (["generate", "--max-tokens", "40000"], "--max-tokens 40000: more than shakespeare-qwen3.5's context of 32768"),
     (["plan", "--case", "missing.toml"], "missing.toml: No such file or directory"),
     (["plan", "--link-gbps", "0"], "argument --link-gbps: need a number > 0, got '0'"),
     (["plan", "--price-ratio", "nan"], "argument --price-ratio: need a number > 0, got 'nan'"),

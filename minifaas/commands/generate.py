@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     ids = rt.tokenizer.encode(args.prompt)
     if not ids:
         raise BadInput(f"--prompt: {args.prompt!r} is no tokens to {rt.spec.name}'s tokenizer")
+    if len(ids) + args.max_tokens > rt.max_context:
+        raise BadInput(f"--prompt of {len(ids)} tokens and --max-tokens {args.max_tokens}: more than "
+                       f"{rt.spec.name}'s context of {rt.max_context} tokens")  # fmt: skip
     layers: list[str] = []
     result = rt.prefill(ids, sampling=params, on_layer=lambda s: layers.append(f"{s.layer}:{s.kind.name.lower()}"))
     start = time.perf_counter()
