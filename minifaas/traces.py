@@ -8,8 +8,10 @@ Mooncake lines: {"timestamp": ms, "input_length", "output_length", "hash_ids"}, 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -60,28 +62,46 @@ def read_trace(name_or_path: str | Path, length_scale: float = 1.0, rate_scale: 
 def read_mooncake(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
     times, inputs, outputs, ids = [], [], [], []
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            times.append(float(row["timestamp"]) / 1000.0)
-            inputs.append(int(row["input_length"]))
-            outputs.append(int(row["output_length"]))
-            ids.append(tuple(int(h) for h in row.get("hash_ids", ())))
+            with _row(path, n):
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError(f"not a JSON object: {line.strip()[:40]}")
+                times.append(float(row["timestamp"]) / 1000.0)
+                inputs.append(int(row["input_length"]))
+                outputs.append(int(row["output_length"]))
+                ids.append(tuple(int(h) for h in row.get("hash_ids", ())))
     return _build(Path(path).name, times, inputs, outputs, ids, length_scale, rate_scale)
 
 
 def read_azure(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
     times, inputs, outputs = [], [], []
     with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            stamp = row["TIMESTAMP"].strip()
-            # seven fractional digits: fromisoformat takes at most six
-            head, _, frac = stamp.partition(".")
-            times.append(datetime.fromisoformat(head).timestamp() + float(f"0.{frac or 0}"))
-            inputs.append(int(row["ContextTokens"]))
-            outputs.append(int(row["GeneratedTokens"]))
+        rows = csv.DictReader(f)
+        for row in rows:
+            with _row(path, rows.line_num):
+                stamp = row["TIMESTAMP"].strip()
+                # seven fractional digits: fromisoformat takes at most six
+                head, _, frac = stamp.partition(".")
+                times.append(datetime.fromisoformat(head).timestamp() + float(f"0.{frac or 0}"))
+                inputs.append(int(row["ContextTokens"]))
+                outputs.append(int(row["GeneratedTokens"]))
     return _build(Path(path).name, times, inputs, outputs, None, length_scale, rate_scale)
+
+
+@contextlib.contextmanager
+def _row(path: str | Path, line: int) -> Iterator[None]:
+    """A row that cannot be read is an error naming the file, the line and what is wrong with it."""
+    try:
+        yield
+    except KeyError as e:
+        raise ValueError(f"{path} line {line}: no {e.args[0]!r}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} line {line}: not JSON ({e.msg} at character {e.pos})") from None
+    except (ValueError, TypeError, AttributeError) as e:  # not JSON, not a number, not an object
+        raise ValueError(f"{path} line {line}: {e}") from None
 
 
 def _build(
@@ -101,6 +121,8 @@ def _build(
         if prompt < 1 or output < 1:  # a scaled length rounds up to 1, but a row's own is data
             raise ValueError(f"{name}: request {row} has {prompt} prompt and {output} output tokens; need >= 1 each")
     t = np.asarray(times, dtype=float)
+    if not np.isfinite(t).all():
+        raise ValueError(f"{name}: request {int(np.argmin(np.isfinite(t))) + 1} has no finite timestamp")
     order = np.argsort(t, kind="stable")
     t = (t[order] - t[order[0]]) / rate_scale if t.size else t
     prompts = np.maximum(1, np.rint(np.asarray(inputs, dtype=float)[order] * length_scale)).astype(np.int64)

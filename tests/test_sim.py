@@ -249,9 +249,15 @@ def test_sim_says_when_a_drained_run_leaves_requests_unfinished(capsys: pytest.C
         ("t.jsonl", "\n", "t.jsonl: no requests in the trace"),
         ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,0,5\n",
          "request 1 has 0 prompt"),
+        ("t.jsonl", '{"timestamp": 0, "input_length": 9, "output_length": 4}\nnot json\n', "t.jsonl line 2: not JSON"),
+        ("t.jsonl", '{"timestamp": 0, "input_length": 9}\n', "t.jsonl line 1: no 'output_length'"),
+        ("t.jsonl", "[1, 2]\n", "t.jsonl line 1: not a JSON object"),
+        ("t.jsonl", '{"timestamp": NaN, "input_length": 9, "output_length": 4}\n', "request 1 has no finite timestamp"),
+        ("t.csv", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,5\n", "t.csv line 2: no 'GeneratedTokens'"),
+        ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n", "t.csv line 2: Invalid isoformat"),
     ],
 )  # fmt: skip
-def test_a_trace_row_without_tokens_or_no_row_is_one_error_line(
+def test_a_bad_trace_row_or_no_row_is_one_error_line_naming_it(
     tmp_path, capsys: pytest.CaptureFixture[str], name: str, rows: str, says: str
 ) -> None:
     path = tmp_path / name
