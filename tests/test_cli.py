@@ -93,6 +93,9 @@ BAD_INPUT = [
     (["profile", "--slo", "nan"], "argument --slo: need a number > 0, got 'nan'"),
     (["sim", "--trace", "mooncake"], "not a shipped trace (mooncake-synthetic, azure-conv, azure-code) or a file"),
     (["sim", "--pd-profile", "missing.json"], "missing.json: No such file or directory"),
+    (["sim", "--prfaas-profile", "tableless.json"], "tableless.json: no [prefill] table"),
+    (["sim", "--pd-profile", "garbled.json"], "garbled.json: not a profile (Expecting value"),
+    (["sim", "--pd-profile", "nameless.json"], "nameless.json: [prefill] has no 'name'"),
     (["sim", "--bandwidth-schedule", "600"], "not TIME_S:GBPS"),
     (["sim", "--n-decode", "0"], "at least one decode instance"),
     (["sim", "--duration", "-5"], "argument --duration: need a number > 0, got '-5'"),
@@ -127,6 +130,9 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the missing files are missing here
     save_profiles(tmp_path / "prefill-only.json", H200)
+    (tmp_path / "tableless.json").write_text("{}")
+    (tmp_path / "garbled.json").write_text("profile")
+    (tmp_path / "nameless.json").write_text('{"prefill": {"points": []}}')
     with pytest.raises(SystemExit) as done:
         main(argv)
     err = capsys.readouterr().err

@@ -207,7 +207,7 @@ def with_profiles(case: PlanCase, prfaas: str | None, pd: str | None) -> PlanCas
 def _prefill_of(path: str) -> PrefillProfile:
     prefill, _ = load_profiles(path)
     if prefill is None:
-        raise SystemExit(f"{path}: no [prefill] table")
+        raise ValueError(f"{path}: no [prefill] table")
     return prefill
 
 

@@ -194,11 +194,21 @@ def load_table(path: str | Path) -> dict[str, Any]:
 
 
 def load_profiles(path: str | Path) -> tuple[PrefillProfile | None, DecodeProfile | None]:
-    """The ``[prefill]`` and ``[decode]`` tables of one profile file (either may be absent)."""
-    data = load_table(path)
-    prefill = prefill_from_dict(data["prefill"]) if "prefill" in data else None
-    decode = decode_from_dict(data["decode"]) if "decode" in data else None
-    return prefill, decode
+    """The ``[prefill]`` and ``[decode]`` tables of one profile file (either may be absent); a file or table that
+    cannot be read is a ValueError naming the file and the table."""
+    try:
+        data = load_table(path)
+    except ValueError as e:  # JSON's and TOML's syntax errors
+        raise ValueError(f"{path}: not a profile ({e})") from None
+    tables: list[Any] = []
+    for name, read in (("prefill", prefill_from_dict), ("decode", decode_from_dict)):
+        try:
+            tables.append(read(data[name]) if isinstance(data, dict) and name in data else None)
+        except KeyError as e:
+            raise ValueError(f"{path}: [{name}] has no {e.args[0]!r}") from None
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: [{name}]: {e}") from None
+    return tables[0], tables[1]
 
 
 def load_pd_profiles(path: str | Path) -> tuple[PrefillProfile, DecodeProfile]:
