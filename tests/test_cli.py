@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from minifaas.commands.main import COMMANDS, HelpFormatter, command_parser, main
-from minifaas.planner.paper import H200
+from minifaas.planner.paper import H20_DECODE, H200
 from minifaas.planner.profile import save_profiles
 
 
@@ -61,6 +61,7 @@ BAD_INPUT = [
     (["serve", "--profile", "missing.json"], "missing.json: No such file or directory"),
     (["serve", "--threshold", "-1"], "need threshold >= 0"),
     (["serve", "--profile", "prefill-only.json"], "prefill-only.json: a profile needs [prefill] and [decode] tables"),
+    (["serve", "--config", "own-prfaas.toml"], "tableless.json: no [prefill] table"),
     (["serve", "--link-rate", "fast"], "not a rate: 'fast'"),
     (["serve", "--link-rate", "0mbit"], "a rate must be positive, got '0mbit'"),
     (["serve", "--prefill-chunk", "-5"], "prefill_chunk must be >= 0"),
@@ -131,6 +132,8 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     monkeypatch.chdir(tmp_path)  # the missing files are missing here
     save_profiles(tmp_path / "prefill-only.json", H200)
     (tmp_path / "tableless.json").write_text("{}")
+    save_profiles(tmp_path / "pd.json", H200, H20_DECODE)
+    (tmp_path / "own-prfaas.toml").write_text('[scheduler]\nprofile = "pd.json"\nprfaas_profile = "tableless.json"\n')
     (tmp_path / "garbled.json").write_text("profile")
     (tmp_path / "nameless.json").write_text('{"prefill": {"points": []}}')
     with pytest.raises(SystemExit) as done:

@@ -35,12 +35,12 @@ from minifaas.gateway.dashboard import Dashboard
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.http_server import serve_http
 from minifaas.gateway.metrics import ServeMetrics
+from minifaas.gateway.roles import split_profiles
 from minifaas.gateway.workers import cluster_secret
 from minifaas.launch import forked
 from minifaas.launch.startup import StartupListener, StartupView
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.loader import checked_spec
-from minifaas.planner.profile import load_pd_profiles
 from minifaas.policy.codec_policy import MODES
 from minifaas.policy.short_term import ShortTermConfig
 from minifaas.proctitle import set_title
@@ -394,7 +394,7 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
             arguments.present_device(device)
         planned_specs(config)  # a GPU the gateway's CUDA_VISIBLE_DEVICES does not show
         if config.scheduler.profile is not None:
-            load_pd_profiles(config.scheduler.profile)
+            split_profiles(config)  # the PD instance's tables, and the PrfaaS one's if it has its own
         cluster_secret(config)  # a secret that is missing or too open
         if config.launcher == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("--launcher ray needs the ray extra: pip install 'minifaas[ray]'")
