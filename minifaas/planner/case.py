@@ -96,6 +96,24 @@ def case_from_dict(data: dict[str, Any], base_dir: Path = Path(".")) -> PlanCase
     )
 
 
+CASE_KEYS = ("name", "n_prfaas", "n_pd", "n_homogeneous", "link_gbps", "output_tokens", "lengths", "prfaas",
+             "pd_prefill", "decode")  # fmt: skip
+
+
 def load_case(path: str | Path) -> PlanCase:
+    """A case file's plan case; a file that cannot be read is a ValueError naming it and what is wrong."""
     path = Path(path)
-    return case_from_dict(load_table(path), path.parent)
+    try:
+        data = load_table(path)
+    except ValueError as e:  # JSON's and TOML's syntax errors
+        raise ValueError(f"{path}: not a case ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a case (a table of settings)")
+    if unknown := sorted(set(data) - set(CASE_KEYS)):
+        raise ValueError(f"{path}: unknown settings {unknown} (known: {', '.join(CASE_KEYS)})")
+    try:
+        return case_from_dict(data, path.parent)
+    except KeyError as e:
+        raise ValueError(f"{path}: no {e.args[0]!r}") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: {e}") from None
