@@ -72,15 +72,15 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
         "--prfaas-devices",
         type=gpus,
         metavar="GPUS",
-        help="GPUs for the PrfaaS cluster, one worker each unless --prfaas-workers says otherwise, e.g. "
-        "cuda:0,cuda:1 (default: none, --prfaas-device)",
+        help="GPUs for the PrfaaS cluster, one worker each (in serve, unless --prfaas-workers says otherwise), "
+        "e.g. cuda:0,cuda:1 (default: none, --prfaas-device)",
     )
     parser.add_argument(
         "--pd-devices",
         type=gpus,
         metavar="GPUS",
-        help="GPUs for the PD cluster, dealt to its workers in turn, prefill first; one worker each unless "
-        "--pd-decode-workers says otherwise (default: none, --pd-device)",
+        help="GPUs for the PD cluster, dealt to its workers in turn, prefill first; one worker each (in serve, "
+        "unless --pd-decode-workers says otherwise) (default: none, --pd-device)",
     )
     parser.add_argument(
         "--gpu-memory-fraction",
