@@ -370,6 +370,8 @@ class ServeConfig:
     def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
         data = tomllib.loads(Path(path).read_text())
         tables = ("serve", "prfaas", "pd", "link", "cache", "scheduler", "http", "ray")
+        if loose := sorted(k for k, v in data.items() if not isinstance(v, dict)):
+            raise ValueError(f"{path}: settings {loose} outside any table: the gateway's go under [serve]")
         if unknown_tables := sorted(set(data) - set(tables)):
             raise ValueError(f"{path}: unknown tables {unknown_tables} (known: {', '.join(tables)})")
         top = dict(data.get("serve", {}))
