@@ -295,6 +295,36 @@ def test_a_sender_that_leaves_during_the_handshake_is_no_auth_failure(caplog: py
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
 
 
+@pytest.mark.parametrize("abandoned", [True, False])
+def test_a_sender_that_goes_mid_transfer_is_a_warning_unless_its_consumer_left(
+    abandoned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An aborted request: the decode side stops waiting for its state, then the prefill's sender hangs up
+    mid-transfer. That failure is expected (debug); the same hang-up under a transfer still wanted warns."""
+    state = bulk_state(4 << 20, layers=4)
+
+    async def main() -> None:
+        async with KVReceiver(ReceiverConfig(SECRET)) as rx:
+            async with EmulatorProcess(("127.0.0.1", rx.port), rate="20mbit") as link:
+                incoming = rx.transfer(7)
+                if abandoned:
+                    incoming.abandon()
+                async with KVSender(sender_config(link.port, connections=2)) as tx:
+                    sending = asyncio.create_task(tx.send(7, state))
+                    while not incoming.started:
+                        await asyncio.sleep(0.01)
+                    sending.cancel()
+                    await asyncio.gather(sending, return_exceptions=True)
+                while incoming.error is None:  # the sender's connections closed with it
+                    await asyncio.sleep(0.01)
+            assert rx.stats.failed == 1
+
+    with caplog.at_level("DEBUG", logger="minifaas.transport.receiver"):
+        run(main())
+    failed = [r for r in caplog.records if "transfer 7 failed" in r.getMessage()]
+    assert [r.levelname for r in failed] == ["DEBUG" if abandoned else "WARNING"], caplog.text
+
+
 def _self_signed(directory: Path) -> tuple[Path, Path]:
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(

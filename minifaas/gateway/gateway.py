@@ -250,14 +250,15 @@ class Gateway:
             async for event in tokens:
                 yield event
         finally:
+            if decode is not None:  # told first, so the decode side expects the stopped prefill's hang-up
+                with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
+                    decode.send(Abort(req=rid))
             if prefill is not None and not prefill.done():  # the client left, or a deadline passed
                 prefill.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await prefill
             if decode is not None:
                 decode.close(rid)
-                with contextlib.suppress(RuntimeError):  # frees the row if a stop string or the client ended it
-                    decode.send(Abort(req=rid))
 
     def route(self, prompt_ids: list[int], keys: PromptKeys | None = None) -> RouteDecision:
         """The router's decision, on each prefill node's usable hit and each decode node's KV prefix (what a

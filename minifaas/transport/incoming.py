@@ -177,12 +177,16 @@ class IncomingTransfer:
         self.wire_bytes = 0  # payload bytes as they came off the network (coded ones smaller)
         self.decode_s = 0.0
         self.complete = False
+        self.abandoned = False  # its consumer stopped waiting (the request was aborted): a failure now is expected
         self.layers = 0  # delivered so far
         self._queue: asyncio.Queue[LayerState | TransferError | None] = asyncio.Queue()
 
     @property
     def finished(self) -> bool:
         return self.complete or self.error is not None
+
+    def abandon(self) -> None:
+        self.abandoned = True
 
     def deliver(self, layers: list[LayerState], now: float) -> bool:
         """Hand on layers that are ready; True if this completed the transfer."""

@@ -199,7 +199,7 @@ class KVReceiver:
     async def _fail(self, t: IncomingTransfer, error: TransferError) -> None:
         if not t.fail(error):
             return
-        log.warning("transfer %d failed: %s: %s", t.id, type(error).__name__, error)
+        (log.debug if t.abandoned else log.warning)("transfer %d failed: %s: %s", t.id, type(error).__name__, error)
         self._finish(t)
         if t.reply_to is not None and not t.reply_to.closed:
             await self._reply_quietly(t.reply_to, control(FrameType.ABORT, t.id, reason(error).encode()))

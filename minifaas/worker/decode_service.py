@@ -36,6 +36,8 @@ Emit = Callable[[ReplyMessage], None]
 class ArrivingState(Protocol):
     async def model_state(self) -> ModelState: ...
 
+    def abandon(self) -> None: ...  # no one waits for it now: its failure is expected
+
 
 class StateSource(Protocol):
     """Where a decode worker's request states arrive: a ``KVReceiver``, or the node's prefix cache joined onto
@@ -90,6 +92,9 @@ class DecodeService:
             emit(Received(req=req, transfer=transfer, bytes=state.nbytes))
             async with asyncio.timeout(self.state_timeout or None):
                 next_token = await first
+        except asyncio.CancelledError:  # aborted: the sender's hang-up that follows is no fault of the link
+            incoming.abandon()
+            raise
         finally:
             if self.first_tokens.get(req) is first:
                 del self.first_tokens[req]
@@ -247,6 +252,9 @@ class JoinedTransfer:
 
     async def model_state(self) -> ModelState:
         return _whole([layer async for layer in self])
+
+    def abandon(self) -> None:
+        self.incoming.abandon()
 
 
 def _whole(layers: list[LayerState]) -> ModelState:
