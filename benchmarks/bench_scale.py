@@ -63,7 +63,7 @@ import aiohttp
 import torch
 
 from minifaas import figures
-from minifaas.commands.arguments import output_file
+from minifaas.commands.arguments import count, output_file, positive, positive_int, positive_ints
 from minifaas.model.kernels import select_kernels
 from minifaas.model.loader import MODELS_DIR
 from minifaas.process_cpu import tree_cpu_s
@@ -694,20 +694,22 @@ def long_prompt_table(server: Server, flop: FlopModel, lengths: list[int], rng: 
 
 
 def numbers(text: str) -> list[int]:
-    """Comma-separated integers: "1,32,128" -> [1, 32, 128]; "" -> [] (that phase is skipped)."""
-    return [int(n) for n in text.split(",") if n.strip()]
+    """Comma-separated integers >= 1: "1,32,128" -> [1, 32, 128]; "" -> [] (that phase is skipped)."""
+    return positive_ints(text) if text.strip() else []
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="1,32,128,256", help="concurrent requests / generate() batch sizes")
-    p.add_argument("--crowd", type=int, default=1000, help="requests sent at once, all to be served (0: none)")
-    p.add_argument("--lengths", default="2048,8192,32000", help="long prompts' tokens, shortest first ('': none)")
-    p.add_argument("--burst", type=int, default=100, help="short streams before and after the longest prompt (0: none)")
-    p.add_argument("--streams", type=int, default=8, help="streams decoding while the longest prompt prefills")
-    p.add_argument("--baseline", type=float, default=5.0, help="seconds of their gaps measured before it")
-    p.add_argument("--soak", type=int, default=10_000, help="mixed requests for memory over time (0: none)")
-    p.add_argument("--repeats", type=int, default=2, help="best of this many runs of each throughput figure")
+    p.add_argument("--sizes", type=numbers, default="1,32,128,256", help="concurrent requests / generate() batch sizes")
+    p.add_argument("--crowd", type=count, default=1000, help="requests sent at once, all to be served (0: none)")
+    p.add_argument("--lengths", type=numbers, default="2048,8192,32000",
+                   help="long prompts' tokens, shortest first ('': none)")  # fmt: skip
+    p.add_argument("--burst", type=count, default=100,
+                   help="short streams before and after the longest prompt (0: none)")  # fmt: skip
+    p.add_argument("--streams", type=count, default=8, help="streams decoding while the longest prompt prefills")
+    p.add_argument("--baseline", type=positive, default=5.0, help="seconds of their gaps measured before it")
+    p.add_argument("--soak", type=count, default=10_000, help="mixed requests for memory over time (0: none)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="best of this many runs of each throughput figure")
     p.add_argument("--serve-flags", default="", help="more flags for minifaas serve (default: none, its defaults)")
     p.add_argument("--against-flags", help="a second minifaas serve with these flags, one more side of the "
                    "throughput phase (default: none)")  # fmt: skip
@@ -728,7 +730,7 @@ def main() -> None:
         p.set_defaults(sizes="1,4", crowd=16, lengths="128,512", burst=4, streams=2, baseline=0.5, soak=40,
                        repeats=1)  # fmt: skip
         a = p.parse_args()
-    lengths = numbers(a.lengths)
+    lengths = a.lengths
     if a.against_tree is not None and not (a.against_tree / "minifaas" / "__init__.py").is_file():
         p.error(f"--against-tree {a.against_tree}: not a minifaas checkout")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server's group is stopped on the way out
@@ -759,7 +761,7 @@ def main() -> None:
         from minifaas.model.runtime import ModelRuntime  # model code: after the kernel choice (load_reference)
 
         runtime = ModelRuntime.load(str(MODELS_DIR / "checkpoints" / MODEL))
-        summary["throughput"] = throughput(server, model, runtime, numbers(a.sizes), a.repeats, rng, against)
+        summary["throughput"] = throughput(server, model, runtime, a.sizes, a.repeats, rng, against)
         summary["checks"] = checks(summary["throughput"])
         if a.crowd:
             summary["crowd"] = crowd(server, a.crowd, rng)
