@@ -254,3 +254,13 @@ def test_a_benchmark_stopped_with_sigterm_stops_its_server() -> None:
     finally:
         bench.kill()
         bench.wait()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [(["--sizes", "0"], "argument --sizes: need integers >= 1"), (["--repeats", "0"], "argument --repeats: need")],
+)
+def test_bench_scale_refuses_a_bad_count_as_its_flags_are_read(flags: list[str], says: str) -> None:
+    done = subprocess.run([sys.executable, "benchmarks/bench_scale.py", *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
