@@ -45,6 +45,7 @@ from pathlib import Path
 import aiohttp
 from bench_scale import Server, serving
 
+from minifaas.commands.arguments import count, non_negative, positive_int
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -439,15 +440,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one seed, one round of ten faults, 8 streams")
     p.add_argument("--json", action="store_true", help="after the tables, the result as one JSON line")
-    p.add_argument("--seed", type=int, default=17, help="the first seed (default: 17)")
-    p.add_argument("--seeds", type=int, help="seeds per worker count (default: 10; --quick 1)")
-    p.add_argument("--per-role", type=int, nargs="+", default=[2, 1], help="workers per role, each a run (2 1)")
-    p.add_argument("--streams", type=int, help="concurrent clients (default: 24; --quick 8)")
-    p.add_argument("--rounds", type=int, help="rounds of faults per seed (default: 3; --quick 1)")
-    p.add_argument("--faults", type=int, help="faults per round (default: 8; --quick 10)")
-    p.add_argument("--calm-s", type=float, help="seconds of calm load after the warm-up (default: 20; --quick 5)")
+    p.add_argument("--seed", type=count, default=17, help="the first seed (default: 17)")
+    p.add_argument("--seeds", type=positive_int, help="seeds per worker count (default: 10; --quick 1)")
+    p.add_argument(
+        "--per-role", type=positive_int, nargs="+", default=[2, 1], help="workers per role, each a run (2 1)"
+    )
+    p.add_argument("--streams", type=positive_int, help="concurrent clients (default: 24; --quick 8)")
+    p.add_argument("--rounds", type=positive_int, help="rounds of faults per seed (default: 3; --quick 1)")
+    p.add_argument("--faults", type=count, help="faults per round (default: 8; --quick 10)")
+    p.add_argument(
+        "--calm-s", type=non_negative, help="seconds of calm load after the warm-up (default: 20; --quick 5)"
+    )
     p.add_argument("--clustered", action="store_true", help="faults in clusters of one kind, not one at a time")
-    p.add_argument("--per-stream", type=int, default=3, help="requests per client per round at least (3)")
+    p.add_argument("--per-stream", type=positive_int, default=3, help="requests per client per round at least (3)")
     args = p.parse_args()
     for name, full, quick in (("seeds", 10, 1), ("streams", 24, 8), ("rounds", 3, 1), ("faults", 8, 10),
                               ("calm_s", 20.0, 5.0)):  # fmt: skip

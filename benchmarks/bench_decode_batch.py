@@ -30,6 +30,7 @@ import time
 import torch
 
 from minifaas import figures
+from minifaas.commands.arguments import positive_int, positive_ints
 from minifaas.launch import forked
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import Decoder, DecoderConfig
@@ -176,16 +177,22 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="kimi-linear-tiny")
-    parser.add_argument("--streams", default="1,4,16,32", help="concurrent streams, comma separated")
-    parser.add_argument("--tokens", type=int, default=16, help="tokens decoded per stream")
+    parser.add_argument(
+        "--streams", type=positive_ints, default="1,4,16,32", help="concurrent streams, comma separated"
+    )
+    parser.add_argument("--tokens", type=positive_int, default=16, help="tokens decoded per stream")
     parser.add_argument("--e2e", action="store_true", help="also compare two servers end to end")
-    parser.add_argument("--e2e-requests", type=int, default=32)
-    parser.add_argument("--e2e-max-batch", type=int, default=32)
+    parser.add_argument("--e2e-requests", type=positive_int, default=32)
+    parser.add_argument("--e2e-max-batch", type=positive_int, default=32)
     parser.add_argument("--prefill", action="store_true", help="also measure batched against one-by-one prefill")
-    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs of each measurement")
-    parser.add_argument("--threads", type=int, help="torch threads in this process (default: torch's choice)")
-    parser.add_argument("--prefill-lengths", default="16,32,128,512", help="prompt lengths of --prefill")
-    parser.add_argument("--prefill-batch", type=int, default=8, help="prompts per batched forward of --prefill")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="best of this many runs of each measurement")
+    parser.add_argument("--threads", type=positive_int, help="torch threads in this process (default: torch's choice)")
+    parser.add_argument(
+        "--prefill-lengths", type=positive_ints, default="16,32,128,512", help="prompt lengths of --prefill"
+    )
+    parser.add_argument(
+        "--prefill-batch", type=positive_int, default=8, help="prompts per batched forward of --prefill"
+    )
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     parser.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     args = parser.parse_args()
@@ -207,13 +214,13 @@ def main() -> None:
     print(f"{'':>8} {'tokens per wall second':>31} {'tokens per CPU second':>31}")
     columns = f"{'max-batch 1':>12} {'batched':>10} {'ratio':>8}"
     print(f"{'streams':>8} {columns} {columns}")
-    streams = tuple(int(s) for s in args.streams.split(","))
+    streams = tuple(args.streams)
     summary["decode"] = bench_decode(runtime, streams, args.tokens, args.repeats)
 
     if args.prefill:
         print("\nprefill: equal-length prompts one by one against one batched forward (CPU seconds)")
         print(f"{'length':>8} {'batch':>6} {'one by one':>14} {'batched':>12} {'ratio':>9}")
-        lengths = tuple(int(n) for n in args.prefill_lengths.split(","))
+        lengths = tuple(args.prefill_lengths)
         summary["prefill"] = bench_prefill(runtime, lengths, args.prefill_batch, args.repeats)
 
     if args.e2e:

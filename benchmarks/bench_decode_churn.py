@@ -25,6 +25,7 @@ import torch
 from bench_sim_fidelity import TRACES, trace_slice  # the slice the fidelity benchmark replays, scaled alike
 
 import minifaas.model.batch_cache as batch_cache
+from minifaas.commands.arguments import positive, positive_int
 from minifaas.model.batch_decoder import BatchDecoder
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.layer_state import ModelState, StateKind
@@ -87,9 +88,9 @@ def run_once(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", choices=TRACES, default="azure")
-    p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--speed", type=float, default=32.0, help="the trace's arrivals this many times faster")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--requests", type=positive_int, default=400)
+    p.add_argument("--speed", type=positive, default=32.0, help="the trace's arrivals this many times faster")
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--quick", action="store_true", help="a smoke run: 60 requests, one repeat")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     a = p.parse_args()

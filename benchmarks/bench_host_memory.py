@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from minifaas.commands.arguments import positive_int
+
 VARIANTS = {"kept": {}, "system": {"MINIFAAS_HOST_MALLOC": "system"}}
 
 
@@ -65,10 +67,10 @@ def child(model: str, short: int, long: int, repeats: int, threads: int) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="kimi-linear-tiny")
-    p.add_argument("--rounds", type=int, default=3, help="pairs of fresh processes")
-    p.add_argument("--repeats", type=int, default=15, help="128-token prefills and decode steps per process")
-    p.add_argument("--threads", type=int, default=1, help="torch threads in each process")
-    p.add_argument("--long", type=int, default=2048, help="the long prompt's tokens")
+    p.add_argument("--rounds", type=positive_int, default=3, help="pairs of fresh processes")
+    p.add_argument("--repeats", type=positive_int, default=15, help="128-token prefills and decode steps per process")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads in each process")
+    p.add_argument("--long", type=positive_int, default=2048, help="the long prompt's tokens")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     p.add_argument("--quick", action="store_true", help="a smoke run: one round, shorter, the same code path")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -38,6 +38,7 @@ import torch
 import zstandard
 
 from minifaas.codec.codec import Codec
+from minifaas.commands.arguments import positive_int
 from minifaas.commands.serve import running_server
 from minifaas.config import CacheConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
@@ -236,11 +237,15 @@ async def ttft_sweep(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("codecs", "accuracy", "ttft"), help="run one part")
-    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens of the codec table and the TTFT sweep")
-    p.add_argument("--prompts", type=int, default=50, help="prompts per model for accuracy")
-    p.add_argument("--accuracy-tokens", type=int, default=256, help="prompt tokens of the accuracy part")
-    p.add_argument("--steps", type=int, default=16, help="decode steps compared per prompt")
-    p.add_argument("--repeats", type=int, default=7, help="timed passes per codec table row (the median is shown)")
+    p.add_argument(
+        "--tokens", type=positive_int, default=2048, help="prompt tokens of the codec table and the TTFT sweep"
+    )
+    p.add_argument("--prompts", type=positive_int, default=50, help="prompts per model for accuracy")
+    p.add_argument("--accuracy-tokens", type=positive_int, default=256, help="prompt tokens of the accuracy part")
+    p.add_argument("--steps", type=positive_int, default=16, help="decode steps compared per prompt")
+    p.add_argument(
+        "--repeats", type=positive_int, default=7, help="timed passes per codec table row (the median is shown)"
+    )
     p.add_argument("--rates", default="10,50,200,1000", help="link rates of the TTFT sweep, Mbit/s")
     p.add_argument("--ttft-model", default="qwen3.5-tiny", help="served in the TTFT sweep (its KV outruns prefill)")
     p.add_argument("--models", help="comma-separated models (default: every preset and shipped checkpoint)")

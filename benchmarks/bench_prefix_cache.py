@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from minifaas import figures
+from minifaas.commands.arguments import count, positive_int
 from minifaas.config import SNAPSHOT_POLICIES, CacheConfig, ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
@@ -123,13 +124,13 @@ def summarise(records: list[RequestRecord], moved_bytes: int, repeats: list[bool
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="mooncake-synthetic", help="a shipped trace or a Mooncake .jsonl file")
-    p.add_argument("--requests", type=int, default=36)
-    p.add_argument("--scale", type=int, default=32, help="divide every trace length by this")
-    p.add_argument("--min-turns", type=int, default=3)
-    p.add_argument("--threshold", type=int, default=256, help="incremental tokens above this go PrfaaS")
+    p.add_argument("--requests", type=positive_int, default=36)
+    p.add_argument("--scale", type=positive_int, default=32, help="divide every trace length by this")
+    p.add_argument("--min-turns", type=positive_int, default=3)
+    p.add_argument("--threshold", type=count, default=256, help="incremental tokens above this go PrfaaS")
     p.add_argument("--snapshot-policy", choices=SNAPSHOT_POLICIES, default=CacheConfig().snapshot_policy,
                    help="where state snapshots go (cache.snapshot_policy)")  # fmt: skip
-    p.add_argument("--snapshot-interval", type=int, default=4, help="the interval policy's blocks between snapshots")
+    p.add_argument("--snapshot-interval", type=count, default=4, help="the interval policy's blocks between snapshots")
     p.add_argument("--rule", choices=("scarce", "abundant"), default="scarce", help="routing rule, held fixed")
     p.add_argument("--model", default="kimi-linear-tiny")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")

@@ -17,6 +17,7 @@ import time
 import torch
 
 from minifaas import figures
+from minifaas.commands.arguments import positive_int
 from minifaas.model.interleaved_decoder import DecodeStream, generate
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.loader import ModelSpec, checkpoint_names, load_config_dict, preset_names
@@ -51,9 +52,9 @@ def measure(name: str, lengths: list[int], decode_tokens: int, repeats: int) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="1024,4096")
-    p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--decode-tokens", type=positive_int, default=32)
+    p.add_argument("--repeats", type=positive_int, default=2)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", action="store_true", help="also print one JSON line at the end")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     args = p.parse_args()

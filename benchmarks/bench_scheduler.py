@@ -30,6 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from minifaas import figures
+from minifaas.commands.arguments import count, non_negative, positive
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.paper import paper_case
 from minifaas.planner.search import plan
@@ -80,13 +81,13 @@ def configs(link: LinkConfig, period: float, convert_s: float) -> dict[str, SimC
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--load", type=float, default=0.7)
-    parser.add_argument("--duration", type=float, default=3_000.0)
-    parser.add_argument("--drop-gbps", type=float, default=6.0)
+    parser.add_argument("--load", type=positive, default=0.7)
+    parser.add_argument("--duration", type=positive, default=3_000.0)
+    parser.add_argument("--drop-gbps", type=positive, default=6.0)
     parser.add_argument("--shift-mu", type=float, default=10.2)
-    parser.add_argument("--period", type=float, default=300.0)
-    parser.add_argument("--convert-s", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--period", type=positive, default=300.0)
+    parser.add_argument("--convert-s", type=non_negative, default=60.0)
+    parser.add_argument("--seed", type=count, default=0)
     parser.add_argument("--quick", action="store_true", help="a smoke run: a shorter run, the same code path")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     args = parser.parse_args()

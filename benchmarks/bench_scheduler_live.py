@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from minifaas import figures
+from minifaas.commands.arguments import count, positive, positive_int
 from minifaas.config import CacheConfig, ClusterConfig, InterClusterLinkConfig, SchedulerConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestFailed, RequestRecord
@@ -216,12 +217,12 @@ def _chosen(configs: dict[str, ServeConfig], quick: bool) -> list[tuple[str, Ser
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=("drop", "shift", "both"), default="both")
-    parser.add_argument("--requests", type=int, default=24, help="drop: requests per configuration")
-    parser.add_argument("--drop-after", type=int, default=6, help="drop: finished requests before the drop")
-    parser.add_argument("--drop-bps", type=float, default=400e3, help="drop: the link's rate after the drop")
-    parser.add_argument("--short", type=int, default=12, help="shift: decode-heavy requests first")
-    parser.add_argument("--long", type=int, default=48, help="shift: prefill-heavy requests after them")
-    parser.add_argument("--period", type=float, default=8.0, help="shift: seconds between re-plans (adaptive)")
+    parser.add_argument("--requests", type=positive_int, default=24, help="drop: requests per configuration")
+    parser.add_argument("--drop-after", type=count, default=6, help="drop: finished requests before the drop")
+    parser.add_argument("--drop-bps", type=positive, default=400e3, help="drop: the link's rate after the drop")
+    parser.add_argument("--short", type=count, default=12, help="shift: decode-heavy requests first")
+    parser.add_argument("--long", type=count, default=48, help="shift: prefill-heavy requests after them")
+    parser.add_argument("--period", type=positive, default=8.0, help="shift: seconds between re-plans (adaptive)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer requests, adaptive only")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()

@@ -38,6 +38,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from minifaas import figures
+from minifaas.commands.arguments import positive_int
 from minifaas.commands.serve import running_server
 from minifaas.config import ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.launch import forked
@@ -150,10 +151,10 @@ async def served(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="kimi-linear-tiny")
-    p.add_argument("--short", type=int, default=128)
-    p.add_argument("--long", type=int, default=2048)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--short", type=positive_int, default=128)
+    p.add_argument("--long", type=positive_int, default=2048)
+    p.add_argument("--max-tokens", type=positive_int, default=16)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--link-rate", default="100mbit")
     p.add_argument(
         "--threads",
@@ -165,7 +166,7 @@ def main() -> None:
         "--prefill-chunk", type=int, default=ClusterConfig().prefill_chunk, help="tokens per prefill forward"
     )
     p.add_argument("--device", default="cpu", help="every worker's device, and the reference's (cpu or cuda:N)")
-    p.add_argument("--rounds", type=int, default=1, help="fresh servers per route, the requests pooled")
+    p.add_argument("--rounds", type=positive_int, default=1, help="fresh servers per route, the requests pooled")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every row")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     a = p.parse_args()

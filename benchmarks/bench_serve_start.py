@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from minifaas import figures
+from minifaas.commands.arguments import positive_int
 
 HERE = Path(__file__).resolve().parents[1]
 READY = "serving"  # the line serve logs once the HTTP port is open
@@ -89,7 +90,7 @@ def run(rounds: int, against: Path | None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5, help="starts of each checkout, alternating")
+    p.add_argument("--rounds", type=positive_int, default=5, help="starts of each checkout, alternating")
     p.add_argument("--against", type=Path, help="another checkout of minifaas to compare with")
     p.add_argument("--quick", action="store_true", help="a smoke run: one round")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")

@@ -19,6 +19,7 @@ import argparse
 import time
 
 from minifaas import figures
+from minifaas.commands.arguments import count, positive, positive_int
 from minifaas.commands.sim import scaled_case
 from minifaas.planner.paper import paper_case
 from minifaas.planner.search import plan
@@ -31,10 +32,10 @@ from minifaas.sim.workload import synthetic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=int, default=10_000)
-    parser.add_argument("--duration", type=float, default=3_600.0)
-    parser.add_argument("--load", type=float, default=0.8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpus", type=positive_int, default=10_000)
+    parser.add_argument("--duration", type=positive, default=3_600.0)
+    parser.add_argument("--load", type=positive, default=0.8)
+    parser.add_argument("--seed", type=count, default=0)
     parser.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, the same code path")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
@@ -42,7 +43,10 @@ def main() -> None:
         parser.set_defaults(gpus=1_000, duration=300.0)
         args = parser.parse_args()
 
-    case = scaled_case(paper_case(), args.gpus, None)
+    try:
+        case = scaled_case(paper_case(), args.gpus, None)
+    except ValueError as e:  # too few GPUs for the case's instances
+        parser.error(f"--gpus {args.gpus}: {e}")
     point = plan(case).prfaas
     link = LinkConfig(case.link_gbps, rtt_s=0.01, pipeline_layers=61)
     config = config_for(case, point, link, warmup_s=120.0)

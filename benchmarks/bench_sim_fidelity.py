@@ -72,7 +72,7 @@ from bench_trace_replay import arrivals
 
 from minifaas import figures
 from minifaas.commands import serve as serve_command
-from minifaas.commands.arguments import output_file
+from minifaas.commands.arguments import output_file, positive_int
 from minifaas.config import ServeConfig
 from minifaas.emulator.pacer import parse_rate
 from minifaas.model.decoder import MAX_HOLD_S
@@ -709,7 +709,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", choices=TRACES, default="mooncake", help="Mooncake synthetic or Azure conversation")
     p.add_argument("--load", choices=LOADS, default="near-capacity", help="offered load, of the profiled capacity")
-    p.add_argument("--requests", type=int, default=400, help="the first this many requests of the trace")
+    p.add_argument("--requests", type=positive_int, default=400, help="the first this many requests of the trace")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--quick", action="store_true", help="a short slice, the same code path")
     p.add_argument("--save", type=output_file, metavar="FILE", help="also write the live run here (JSON), for --from")

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from minifaas.commands.arguments import positive_int
 from minifaas.planner.paper import paper_case
 from minifaas.planner.search import plan
 from minifaas.sim.deployment import config_for
@@ -89,7 +90,7 @@ def timed(run: Callable[[], int]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the figures are medians")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="interleaved rounds; the figures are medians")
     parser.add_argument("--quick", action="store_true", help="a smoke run: one round, the same code path")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()

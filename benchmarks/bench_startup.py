@@ -24,6 +24,7 @@ import statistics
 import time
 
 from minifaas import figures
+from minifaas.commands.arguments import positive_int
 from minifaas.config import ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
@@ -90,7 +91,7 @@ async def run(model: str, rounds: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3, help="starts of each kind, alternating")
+    p.add_argument("--rounds", type=positive_int, default=3, help="starts of each kind, alternating")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model served")
     p.add_argument("--quick", action="store_true", help="a smoke run: one round")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, replace
 
 from minifaas import figures
+from minifaas.commands.arguments import count, positive, positive_int
 from minifaas.config import CacheConfig, ClusterConfig, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
@@ -144,13 +145,13 @@ def summarise(records: dict[str, list[RequestRecord]], late: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--traces", default="mooncake-synthetic,azure-conv,azure-code", help="shipped traces or files")
-    p.add_argument("--requests", type=int, default=60, help="the first this many of each trace")
+    p.add_argument("--requests", type=positive_int, default=60, help="the first this many of each trace")
     p.add_argument("--scale", default="32,2,2", help="divide each trace's lengths by this (one per trace)")
-    p.add_argument("--block-tokens", type=int, default=16, help="the cache's block (a Mooncake block over 32)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's timestamps by this")
-    p.add_argument("--threshold", type=int, default=512, help="incremental tokens above this go PrfaaS (held)")
+    p.add_argument("--block-tokens", type=positive_int, default=16, help="the cache's block (a Mooncake block over 32)")
+    p.add_argument("--time-scale", type=positive, default=1.0, help="multiply the trace's timestamps by this")
+    p.add_argument("--threshold", type=count, default=512, help="incremental tokens above this go PrfaaS (held)")
     spacing = "the interval server's blocks between snapshots (8 x 16: the serving default's 128 tokens)"
-    p.add_argument("--snapshot-interval", type=int, default=8, help=spacing)
+    p.add_argument("--snapshot-interval", type=count, default=8, help=spacing)
     p.add_argument("--model", default="kimi-linear-tiny")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer, shorter requests, the same code path")

@@ -69,6 +69,7 @@ from bench_transport import SECRET, Recording, Transfers, goodput, replay, servi
 from netns import NETNS, SECRET_ENV, NetnsLink, run_pair, unavailable
 from synthetic import bulk_state
 
+from minifaas.commands.arguments import positive, positive_int, positive_ints
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.net.connections import DEFAULT_CONNECTIONS
 from minifaas.transport.outgoing import MIN_UNSENT_BYTES, KVSender, SenderConfig
@@ -290,7 +291,7 @@ async def main(args: argparse.Namespace) -> None:
     modes = ["not pipelined", "worker defaults"] if quick else list(MODES)
     repeats, tokens, seconds = (1, 512, 0.5) if quick else (3, 2048, 2.0)
     rtts = [float(ms) / 1000 for ms in args.rtts.split(",")] if args.rtts else rtts
-    counts = [int(n) for n in args.counts.split(",")] if args.counts else counts
+    counts = args.counts or counts
     repeats = args.repeats or repeats
     print(f"  load average {os.getloadavg()[0]:.2f} (two cores)")
     print(f"  {'section':<14} {'case':<42} {'figure':>15}  note")
@@ -314,12 +315,18 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="one RTT (30 ms), 1 and 16 connections, short transfers")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     parser.add_argument("--only", choices=["emulator", "netns"], help="run one half")
-    parser.add_argument("--emulator-rate", type=float, default=1e9, help="bits/s of the emulated link")
-    parser.add_argument("--netns-rate", type=float, default=200e6, help="bits/s of the namespace link's tbf")
-    parser.add_argument("--pipeline-rate", type=float, default=50e6, help="bits/s of the link in the pipelining runs")
+    parser.add_argument("--emulator-rate", type=positive, default=1e9, help="bits/s of the emulated link")
+    parser.add_argument("--netns-rate", type=positive, default=200e6, help="bits/s of the namespace link's tbf")
+    parser.add_argument(
+        "--pipeline-rate", type=positive, default=50e6, help="bits/s of the link in the pipelining runs"
+    )
     parser.add_argument("--rtts", help="round trips to run, ms, comma-separated (default: 5,30; --quick: 30)")
-    parser.add_argument("--counts", help="connection counts of the goodput rows (default: 1,4,8,16; --quick: 1,16)")
-    parser.add_argument("--repeats", type=int, help="runs of each figure, the median shown (default: 3; --quick: 1)")
+    parser.add_argument(
+        "--counts", type=positive_ints, help="connection counts of the goodput rows (default: 1,4,8,16; --quick: 1,16)"
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, help="runs of each figure, the median shown (default: 3; --quick: 1)"
+    )
     parser.add_argument("--goodput-only", action="store_true", help="the goodput rows only, no pipelining runs")
     parser.add_argument("--replay", help=argparse.SUPPRESS)  # the sender half of netns pipelining, in namespace a
     parser.add_argument("--connect", help=argparse.SUPPRESS)

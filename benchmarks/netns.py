@@ -40,6 +40,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
+from minifaas.commands import arguments
 from minifaas.emulator.pacer import check_window, parse_rate
 from minifaas.net.connections import DEFAULT_CONNECTIONS
 from minifaas.net.errors import TransferError
@@ -283,16 +284,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="role", required=True)
     sink = sub.add_parser("sink", help="a KV receiver that takes transfers 0..N-1, in turn, and drops them")
     sink.add_argument("--listen", required=True, help="HOST:PORT")
-    sink.add_argument("--transfers", type=int, default=1, help="0: until killed")
+    sink.add_argument("--transfers", type=arguments.count, default=1, help="0: until killed")
     sink.add_argument("--accept-unchecked", action="store_true", help="take chunks sent without payload checksums")
     probe = sub.add_parser("probe", help="a KV sender that prints link-health readings")
     probe.add_argument("--connect", required=True, help="HOST:PORT")
-    probe.add_argument("--bytes", type=int, default=8 << 20)
-    probe.add_argument("--connections", type=int, default=DEFAULT_CONNECTIONS)
+    probe.add_argument("--bytes", type=arguments.positive_int, default=8 << 20)
+    probe.add_argument("--connections", type=arguments.positive_int, default=DEFAULT_CONNECTIONS)
     probe.add_argument("--rate", default="50mbit", help="the link rate utilisation is measured against")
     probe.add_argument("--warm-up", action="store_true", help="first a small transfer (0) to open the connections")
-    probe.add_argument("--chunk-bytes", type=int, help="the sender's chunk (default: SenderConfig's)")
-    probe.add_argument("--unsent-bytes", type=int, help="the sender's unsent budget (default: SenderConfig's)")
+    probe.add_argument(
+        "--chunk-bytes", type=arguments.positive_int, help="the sender's chunk (default: SenderConfig's)"
+    )
+    probe.add_argument(
+        "--unsent-bytes", type=arguments.positive_int, help="the sender's unsent budget (default: SenderConfig's)"
+    )
     args = parser.parse_args(argv)
     if args.role == "sink":
         host, _, port = args.listen.rpartition(":")

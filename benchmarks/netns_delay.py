@@ -35,6 +35,8 @@ import sys
 import time
 from collections import deque
 
+from minifaas.commands.arguments import non_negative
+
 _TUNSETIFF = 0x400454CA
 _IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
 _ETH_P_IP = b"\x08\x00"
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tun", required=True, help="name of the tun device to make and read")
     parser.add_argument("--out", required=True, help="the veth to send the held packets on")
     parser.add_argument("--to", required=True, help="MAC address of the veth at the other end")
-    parser.add_argument("--delay-ms", type=float, required=True, help="how long each packet is held (the RTT)")
+    parser.add_argument("--delay-ms", type=non_negative, required=True, help="how long each packet is held (the RTT)")
     args = parser.parse_args(argv)
     if not 0 < args.delay_ms <= 10_000:
         parser.error("--delay-ms must be in (0, 10000]")
