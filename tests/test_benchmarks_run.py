@@ -257,10 +257,17 @@ def test_a_benchmark_stopped_with_sigterm_stops_its_server() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flags", "says"),
-    [(["--sizes", "0"], "argument --sizes: need integers >= 1"), (["--repeats", "0"], "argument --repeats: need")],
+    ("argv", "says"),
+    [
+        (["bench_scale.py", "--sizes", "0"], "argument --sizes: need integers >= 1"),
+        (["bench_scale.py", "--repeats", "0"], "argument --repeats: need an integer >= 1"),
+        (["bench_serve.py", "--repeats", "0"], "argument --repeats: need an integer >= 1"),
+        (["bench_decode_batch.py", "--streams", "0"], "argument --streams: need integers >= 1"),
+        (["bench_sim_fidelity.py", "--requests", "0"], "argument --requests: need an integer >= 1"),
+        (["bench_sim.py", "--gpus", "3"], "--gpus 3: paper: need"),
+    ],
 )
-def test_bench_scale_refuses_a_bad_count_as_its_flags_are_read(flags: list[str], says: str) -> None:
-    done = subprocess.run([sys.executable, "benchmarks/bench_scale.py", *flags], cwd=ROOT, capture_output=True,
+def test_a_benchmark_refuses_a_bad_count_in_one_error_line(argv: list[str], says: str) -> None:
+    done = subprocess.run([sys.executable, f"benchmarks/{argv[0]}", *argv[1:]], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
