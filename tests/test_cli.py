@@ -94,6 +94,8 @@ BAD_INPUT = [
     (["worker", "--role", "prefill", "--cluster", "pd", "--connections", "0"], "need an integer >= 1, got '0'"),
     (["worker", "--role", "prefill", "--cluster", "pd", "--connections", "100"], "--connections 100: at most 64 per"),
     (["worker", "--role", "decode", "--cluster", "pd", "--decode-hold", "-2"], "--decode-hold -2.0: a factor >= 0"),
+    (["train", "--text", "t", "--out", "o", "--threads", "0"], "argument --threads: need an integer >= 1"),
+    (["train", "--text", "t", "--out", "o", "--sample-tokens", "-5"], "argument --sample-tokens: need an integer >= 0"),
     (["profile", "--slo", "nan"], "argument --slo: need a number > 0, got 'nan'"),
     (["sim", "--trace", "mooncake"], "not a shipped trace (mooncake-synthetic, azure-conv, azure-code) or a file"),
     (["sim", "--pd-profile", "missing.json"], "missing.json: No such file or directory"),

@@ -14,6 +14,7 @@ from dataclasses import fields
 
 import torch
 
+from minifaas.commands import arguments
 from minifaas.commands.main import stdout_console, user_input
 from minifaas.model.interleaved_decoder import generate
 from minifaas.model.runtime import ModelRuntime
@@ -56,10 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="go on from OUT/training_state.pt")
     for name, (kind, help_text) in SETTINGS.items():  # the help shows each default (cli.HelpFormatter)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=DEFAULTS[name], help=help_text)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: fastest on shared cores)")
-    parser.add_argument(
-        "--sample-tokens", type=int, default=200, help="bytes sampled from the result at the end; 0: none"
-    )
+    parser.add_argument("--threads", type=arguments.positive_int, default=1,
+                        help="torch threads (default 1: fastest on shared cores)")  # fmt: skip
+    parser.add_argument("--sample-tokens", type=arguments.count, default=200,
+                        help="bytes sampled from the result at the end; 0: none")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
