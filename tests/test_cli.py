@@ -96,6 +96,7 @@ BAD_INPUT = [
     (["worker", "--role", "decode", "--cluster", "pd", "--decode-hold", "-2"], "--decode-hold -2.0: a factor >= 0"),
     (["train", "--text", "t", "--out", "o", "--threads", "0"], "argument --threads: need an integer >= 1"),
     (["train", "--text", "t", "--out", "o", "--sample-tokens", "-5"], "argument --sample-tokens: need an integer >= 0"),
+    (["profile", "--gpus-per-instance", "0"], "argument --gpus-per-instance: need an integer >= 1, got '0'"),
     (["profile", "--slo", "nan"], "argument --slo: need a number > 0, got 'nan'"),
     (["sim", "--trace", "mooncake"], "not a shipped trace (mooncake-synthetic, azure-conv, azure-code) or a file"),
     (["sim", "--pd-profile", "missing.json"], "missing.json: No such file or directory"),

@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=40.0,
         help="decode SLO in tokens/s per request: BS_max is the largest batch meeting it",
     )
-    parser.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs one instance of the model uses")
+    parser.add_argument("--gpus-per-instance", type=arguments.positive_int, default=1,
+                        help="GPUs one instance of the model uses")  # fmt: skip
     parser.add_argument("--name", help="profile name (default: MODEL@DEVICE)")
     parser.add_argument(
         "--out", type=arguments.output_file, default="profile.json", help="where to write the profile (JSON)"
