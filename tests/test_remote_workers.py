@@ -217,3 +217,15 @@ def test_a_gateway_killed_and_restarted_reattaches_to_the_same_workers(cluster: 
             second.kill()
     assert code == 0, log.read_text()[-3000:]
     assert all(alive(pid) for pid in pids.values()), "a hand-started worker must outlive its gateway"
+
+
+def test_a_worker_given_as_the_other_clusters_is_one_error_line(cluster: dict) -> None:
+    """The PD prefill worker handed to --prfaas-worker: serve says which worker it met, and stops with code 1."""
+    prefill, decode = cluster["addresses"]
+    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", "--prfaas-worker", prefill,
+            "--pd-worker", decode, "--secret-file", str(cluster["secret"]), "--model", "kimi-linear-tiny",
+            "--no-rebalance"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    said = f"minifaas serve: the prfaas worker at {prefill} says it is the pd prefill worker pd-p0, where the prfaas"
+    assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert all(w.process.poll() is None for w in cluster["workers"].values())  # they wait for the next gateway

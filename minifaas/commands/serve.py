@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,7 @@ from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.roles import split_profiles
 from minifaas.gateway.workers import cluster_secret
 from minifaas.launch import forked
+from minifaas.launch.launcher import WorkerError
 from minifaas.launch.startup import StartupListener, StartupView
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.loader import checked_spec
@@ -434,10 +436,15 @@ def run(args: argparse.Namespace) -> int:
     forked_here = start_forks(config)
     console = Console(stderr=True)  # where the log goes
     log_to(console, args.log_level or "INFO")
-    asyncio.run(_serve(config, StartupView(console, log.info)))
+    code = 0
+    try:
+        asyncio.run(_serve(config, StartupView(console, log.info)))
+    except WorkerError as e:  # a worker that would not start or attach: one line, not a traceback
+        print(f"minifaas serve: {e}", file=sys.stderr)
+        code = 1
     if forked_here:  # this process holds the workers' modules too
-        exit_at_once(0)
-    return 0
+        exit_at_once(code)
+    return code
 
 
 async def _serve(config: ServeConfig, view: StartupView) -> None:

@@ -245,7 +245,8 @@ class Workers:
             raise WorkerError(f"{spec.label} serves the model {hello.model}; this gateway serves {self.model}")
         wanted = (spec.name or said[0], spec.role or said[1], spec.cluster)
         if said != wanted or said[1] not in ("prefill", "decode") or (said[2], said[1]) == ("prfaas", "decode"):
-            raise WorkerError(f"{spec.label} says it is the {said[2]} {said[1]} worker {said[0]}, expected {wanted}")
+            raise WorkerError(f"{spec.label} says it is the {said[2]} {said[1]} worker {said[0]}, where the "
+                              f"{wanted[2]} {wanted[1]} worker {wanted[0]} was expected")  # fmt: skip
 
     async def retire(self, w: WorkerHandle) -> None:
         """Stop a worker for good (it changes role: ``gateway.roles``); forget its pool and its link."""
