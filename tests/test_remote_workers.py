@@ -229,3 +229,14 @@ def test_a_worker_given_as_the_other_clusters_is_one_error_line(cluster: dict) -
     said = f"minifaas serve: the prfaas worker at {prefill} says it is the pd prefill worker pd-p0, where the prfaas"
     assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert all(w.process.poll() is None for w in cluster["workers"].values())  # they wait for the next gateway
+
+
+def test_a_worker_whose_starter_left_before_it_was_ready_stops_quietly(cluster: dict, tmp_path: Path) -> None:
+    """Its ready line meets a closed pipe (a gateway that gave up on start): it stops, with no traceback."""
+    argv = [sys.executable, "-m", "minifaas.commands.main", "worker", "--model", "kimi-linear-tiny", "--role",
+            "prefill", "--cluster", "pd", "--secret-file", str(cluster["secret"]), "--threads", "1"]  # fmt: skip
+    with (tmp_path / "worker.log").open("w") as log:
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
+    p.stdout.close()  # type: ignore[union-attr]
+    assert p.wait(120) == 0
+    assert "Traceback" not in (tmp_path / "worker.log").read_text()

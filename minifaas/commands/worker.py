@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -122,7 +123,11 @@ async def _until_signalled(args: argparse.Namespace) -> None:
 
     def announce(ready: dict) -> None:
         set_title(_role(args), ready["name"], f":{ready['control'][1]}")  # its name and control port, in ps
-        print(json.dumps(ready), flush=True)
+        try:
+            print(json.dumps(ready), flush=True)
+        except BrokenPipeError:  # whoever started it left before it was ready: no one will attach, so stop
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  # the interpreter flushes it once more at exit
+            stop.set()
 
     await serve(args, announce, stop)
 
