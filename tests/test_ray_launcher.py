@@ -9,7 +9,11 @@ and the gateway attaches to it again.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +36,17 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 async def _run(gw: Gateway, rid: str, ids: list[int]) -> tuple[list[int], RequestRecord]:
     record = RequestRecord(rid, len(ids))
     return [e.token_id async for e in gw.stream(GenerateRequest(rid, ids, PARAMS), record)], record
+
+
+def test_serve_without_a_ray_cluster_to_join_says_so_in_one_line(tmp_path: Path) -> None:
+    """Before this file's cluster starts, none runs here: serve --launcher ray stops with code 1 and says how to
+    start one, where Ray's own error was a traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--launcher", "ray", "--port", "0", "--model",
+            "kimi-linear-tiny"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    said = "minifaas serve: no Ray cluster at 'auto'"
+    assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def test_workers_land_on_their_clusters_nodes_and_a_killed_actor_comes_back() -> None:

@@ -86,7 +86,11 @@ class RayLauncher:
             c = self.config
             local = {"resources": dict(self.sizes), "num_cpus": self._local_cpus()} if c.address == "local" else {}
             # on this thread: Ray's driver state belongs to the thread that made it (seconds, before serving)
-            ray.init(address=c.address, namespace=c.namespace, **local)
+            try:
+                ray.init(address=c.address, namespace=c.namespace, **local)
+            except ConnectionError as e:  # no cluster where it was told to look
+                raise WorkerError(f"no Ray cluster at {c.address!r} ({e}); `ray start --head` starts one, "
+                                  "--ray-address local one inside this process") from None  # fmt: skip
             self._started_ray = True
         try:
             for cluster, n in self.sizes.items():
