@@ -73,6 +73,12 @@ def test_the_kv_address_a_worker_advertises() -> None:
     assert _advertised(args(), "0.0.0.0", 7102) == ["", 7102]  # the gateway fills in where it reached us
     assert _advertised(args("--advertise", "203.0.113.9"), "0.0.0.0", 7102) == ["203.0.113.9", 7102]
     assert _advertised(args("--advertise", "203.0.113.9:31000"), "0.0.0.0", 7102) == ["203.0.113.9", 31000]
+    assert _advertised(args("--advertise", "2001:db8::5"), "::", 7102) == ["2001:db8::5", 7102]  # not port 5
+    assert _advertised(args("--advertise", "[2001:db8::5]:31000"), "::", 7102) == ["2001:db8::5", 31000]
+    assert _advertised(args("--advertise", "[2001:db8::5]"), "::", 7102) == ["2001:db8::5", 7102]
+    for bad in ("host:99999", "host:abc", ":31000"):
+        with pytest.raises(SystemExit):
+            args("--advertise", bad)
     assert parse_address("[::1]:80") == ("::1", 80)
     with pytest.raises(SystemExit):
         parse_args(["--role", "decode", "--cluster", "pd", "--model", "kimi-linear-tiny", "--listen", "nowhere"])

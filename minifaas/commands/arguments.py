@@ -231,6 +231,17 @@ def host_port(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def advertised(text: str) -> tuple[str, int | None]:
+    """HOST or HOST:PORT, an IPv6 host in brackets ([::1]:9000) or bare without a port (::1); no port: None."""
+    if text.startswith("[") and text.endswith("]"):
+        return text[1:-1], None
+    if text.startswith("[") or text.count(":") == 1:
+        return host_port(text)
+    if not text or text.startswith(":"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST or HOST:PORT")
+    return text, None
+
+
 def address(text: str) -> tuple[str, int]:
     """HOST:PORT (or :PORT, on 127.0.0.1)."""
     host, _, port = text.rpartition(":")

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the control port the gateway dials (default: 127.0.0.1:0, any free port)")  # fmt: skip
     p.add_argument("--kv-listen", type=arguments.host_port, metavar="HOST:PORT",
                    help="where the KV receiver listens (default: the --listen host, any free port)")  # fmt: skip
-    p.add_argument("--advertise", metavar="HOST[:PORT]",
+    p.add_argument("--advertise", type=arguments.advertised, metavar="HOST[:PORT]",
                    help="the KV address others are told to use (NAT, containers; default: --kv-listen)")  # fmt: skip
     p.add_argument("--secret-file", help=f"file holding the cluster secret (default: ${SECRET_ENV})")
     p.add_argument("--gateway-deadline", type=arguments.positive, default=30.0, metavar="S",

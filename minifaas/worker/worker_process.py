@@ -62,8 +62,8 @@ def _advertised(args: argparse.Namespace, kv_host: str, kv_port: int) -> list:
     where a wildcard host becomes "" (the address the gateway reached this worker at)."""
     if args.advertise is None:
         return ["" if kv_host in WILDCARDS else kv_host, kv_port]
-    host, _, port = args.advertise.rpartition(":") if ":" in args.advertise else (args.advertise, "", "")
-    return [host.strip("[]"), int(port) if port else kv_port]
+    host, port = args.advertise
+    return [host, port or kv_port]
 
 
 async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop: asyncio.Event | None = None) -> None:
