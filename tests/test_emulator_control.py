@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -156,3 +157,37 @@ def running(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_link_emulator_command_relays_between_ipv6_hosts() -> None:
+    """``minifaas link-emulator --target [::1]:PORT --listen [::1]:0``: both ends on IPv6 loopback."""
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+
+    async def main() -> None:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(await reader.read(100))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(echo, "::1", 0)
+        port = server.sockets[0].getsockname()[1]
+        env = {**os.environ, "MINIFAAS_SECRET": "a-secret-of-twenty-four-bytes"}
+        argv = [sys.executable, "-m", "minifaas.commands.main", "link-emulator", "--target", f"[::1]:{port}",
+                "--listen", "[::1]:0"]  # fmt: skip
+        emulator = await asyncio.create_subprocess_exec(*argv, env=env, stdout=subprocess.PIPE)
+        try:
+            assert emulator.stdout is not None
+            relay = json.loads(await asyncio.wait_for(emulator.stdout.readline(), 60))["port"]
+            reader, writer = await asyncio.open_connection("::1", relay)
+            writer.write(b"over six")
+            assert await asyncio.wait_for(reader.read(100), 10) == b"over six"
+            writer.close()
+        finally:
+            emulator.terminate()
+            await emulator.wait()
+            server.close()
+
+    run(main())

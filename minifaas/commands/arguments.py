@@ -243,11 +243,11 @@ def advertised(text: str) -> tuple[str, int | None]:
 
 
 def address(text: str) -> tuple[str, int]:
-    """HOST:PORT (or :PORT, on 127.0.0.1)."""
-    host, _, port = text.rpartition(":")
-    if not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
-    return host or "127.0.0.1", int(port)
+    """HOST:PORT (an IPv6 host in brackets), or :PORT on 127.0.0.1."""
+    try:
+        return parse_address(f"127.0.0.1{text}" if text.startswith(":") else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}") from None
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:

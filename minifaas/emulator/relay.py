@@ -104,7 +104,8 @@ class LinkEmulator:
     def add_route(self, host: str, port: int, listen_port: int = 0) -> int:
         """Carry flows to another target over the same link (the same pacers, delay and faults): senders
         reach it on the listening port this returns. A cluster with several receivers shares one link so."""
-        server = socket.create_server((self.config.listen_host, listen_port), backlog=128)
+        host = self.config.listen_host
+        server = socket.create_server((host, listen_port), family=_family(host), backlog=128)
         server.setblocking(False)
         bound = server.getsockname()[1]
         self._routes[bound] = (server, (host, port), self._spawn(self._accept(server, (host, port))))
@@ -142,7 +143,7 @@ class LinkEmulator:
         assert task is not None
         self.flows[flow.id] = (flow, task)
         try:
-            upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            upstream = socket.socket(_family(target[0]), socket.SOCK_STREAM)
             flow.upstream = upstream
             upstream.setblocking(False)
             self._bound_buffers(flow)
@@ -323,3 +324,7 @@ class LinkEmulator:
             "uptime_s": now - self._started,
             "routes": {str(port): f"{host}:{to}" for port, (_, (host, to), _) in self._routes.items()},
         }
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
