@@ -103,6 +103,7 @@ def test_a_bad_window_flag_is_one_error_line(command: str, capsys: pytest.Captur
         ("[link]\nratez = '1mbit'\n", "[link] has no setting 'ratez'"),
         ("[serve]\nthresold = 5\n", "[serve] has no setting 'thresold'"),
         ("[foo]\nx = 1\n", "unknown tables ['foo']"),
+        ("[serve]\napi_key = ''\n", "[serve] api_key is empty: give a key, or leave the setting out"),
         ("threshold = 5\n[pd]\nmax_batch = 4\n", "settings ['threshold'] outside any table: the gateway's go under"),
         ("[link]\ndelay_ms = nan\n", "delay_ms must be a finite number, got nan"),
         ("[serve]\nfirst_token_timeout = inf\n", "first_token_timeout must be a finite number, got inf"),

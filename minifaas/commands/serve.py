@@ -361,7 +361,10 @@ def _policy_args(spec: str | None, flags: list[tuple[str, object]] | None, confi
 
 
 def _api_key(args: argparse.Namespace, configured: str | None) -> str | None:
-    if args.api_key:
+    """The key /v1/* requires, or None (open); one given empty is refused, not taken as no key."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("--api-key is empty: give a key, or leave the flag out for an open server")
         return args.api_key
     if args.api_key_file:
         try:
@@ -371,6 +374,8 @@ def _api_key(args: argparse.Namespace, configured: str | None) -> str | None:
         if not lines or not lines[0].strip():
             raise ValueError(f"--api-key-file {args.api_key_file} is empty")
         return lines[0].strip()
+    if configured is not None and not configured.strip():
+        raise ValueError("[serve] api_key is empty: give a key, or leave the setting out for an open server")
     return os.environ.get(API_KEY_ENV) or configured
 
 
