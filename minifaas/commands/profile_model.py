@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
     lengths, batches = sorted(set(args.lengths)), sorted(set(args.batches))
     if len(lengths) < 2 or args.repeats < 1 or args.decode_steps < 1 or args.slo <= 0:
-        raise BadInput("need two lengths or more, --repeats and --decode-steps >= 1 and --slo > 0")
+        raise BadInput("need two different lengths or more, --repeats and --decode-steps >= 1 and --slo > 0")
     if args.decode_context <= DECODE_CONTEXT:
         raise BadInput(f"--decode-context must be more than the {DECODE_CONTEXT} tokens the steps are timed at")
     with user_input():
