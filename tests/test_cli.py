@@ -61,6 +61,7 @@ BAD_INPUT = [
     (["serve", "--profile", "missing.json"], "missing.json: No such file or directory"),
     (["serve", "--threshold", "-1"], "need threshold >= 0"),
     (["serve", "--profile", "prefill-only.json"], "prefill-only.json: a profile needs [prefill] and [decode] tables"),
+    (["serve", "--router", "default", "--router-arg", "foo=1"], "router 'default': its constructor refuses ['foo']: "),
     (["serve", "--api-key", ""], "--api-key is empty: give a key, or leave the flag out for an open server"),
     (["serve", "--config", "own-prfaas.toml"], "tableless.json: no [prefill] table"),
     (["serve", "--link-rate", "fast"], "not a rate: 'fast'"),

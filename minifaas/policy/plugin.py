@@ -104,7 +104,7 @@ def _checked(
     try:
         signature.bind(**keywords)
     except TypeError as e:
-        raise PolicyError(f"{kind.name} {spec!r}: its constructor refuses {sorted(keywords)}: {e}") from None
+        raise PolicyError(f"{kind.name} {spec!r}: its constructor refuses {sorted(dict(args))}: {e}") from None
     return cls, keywords
 
 
