@@ -128,6 +128,8 @@ BAD_INPUT = [
     (["sim", "--queues-png", "no-such-folder/q.png"], "argument --queues-png: no folder"),
     (["sim", "compare", "--plot", "no-such-folder/p.png"], "argument --plot: no folder"),
     (["plan", "--plot", "no-such-folder/p.png"], "argument --plot: no folder"),
+    (["sim", "--queues-csv", "."], "argument --queues-csv: . is a folder: give the file to write"),
+    (["profile", "--out", "."], "argument --out: . is a folder: give the file to write"),
     (["profile", "--batches", "0,1"], "need integers >= 1"),
     (["link-emulator", "--target", "localhost"], "not HOST:PORT: 'localhost'"),
     (["link-emulator", "--target", "127.0.0.1:9", "--schedule", "0:fast"], "not a rate schedule"),

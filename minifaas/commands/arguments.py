@@ -164,6 +164,8 @@ def output_file(text: str) -> str:
     folder = Path(text).absolute().parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"no folder {folder} to write {Path(text).name} in")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give the file to write")
     return text
 
 
