@@ -242,3 +242,15 @@ def test_an_idle_server_reports_empty_queues(server: str) -> None:
             break
         time.sleep(0.5)
     assert depths == {"prfaas_prefill": 0, "pd_prefill": 0, "decode": 0}
+
+
+def test_an_open_api_on_every_interface_is_warned_of(serve_process: tuple[str, list[str]]) -> None:
+    """--host 0.0.0.0 and no API key: serve says anyone who reaches it may send requests. The module's server
+    (a key, on 127.0.0.1) says nothing of the kind."""
+    warning = "takes requests from anyone who reaches it"
+    with serving("--model", "kimi-linear-tiny", "--host", "0.0.0.0", "--prfaas-workers", "0") as (_, lines):
+        deadline = time.monotonic() + 30
+        while not any(warning in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any(warning in line and "WARNING" in line for line in lines), "".join(lines)[-3000:]
+    assert not any(warning in line for line in serve_process[1])

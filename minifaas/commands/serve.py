@@ -49,6 +49,7 @@ from minifaas.proctitle import set_title
 
 log = logging.getLogger("minifaas.serve")
 API_KEY_ENV = "MINIFAAS_API_KEY"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # hosts only this machine reaches
 KERNEL_WORDS = {"fla": "fla kernels", "torch": "torch reference kernels", "none": "no linear-attention kernels"}
 
 
@@ -470,5 +471,8 @@ async def _serve(config: ServeConfig, view: StartupView) -> None:
         set_title("serve", f"{config.host}:{port}")
         log.info("serving %s on http://%s:%d/v1, %s (Ctrl-C to stop)", config.model, config.host, port,
                  kernels_line(gateway))  # fmt: skip
+        if config.api_key is None and config.host not in LOOPBACK:
+            log.warning("the API on %s takes requests from anyone who reaches it: no API key (--api-key-file, "
+                        "$%s)", config.host, API_KEY_ENV)  # fmt: skip
         await stop.wait()
         log.info("stopping: the workers the gateway started and the link emulator are shut down")
