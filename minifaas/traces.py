@@ -100,7 +100,7 @@ def _row(path: str | Path, line: int) -> Iterator[None]:
         raise ValueError(f"{path} line {line}: no {e.args[0]!r}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} line {line}: not JSON ({e.msg} at character {e.pos})") from None
-    except (ValueError, TypeError, AttributeError) as e:  # not JSON, not a number, not an object
+    except (ValueError, TypeError, AttributeError) as e:  # not a number, not a date, not an object
         raise ValueError(f"{path} line {line}: {e}") from None
 
 

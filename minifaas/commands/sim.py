@@ -22,7 +22,7 @@ from minifaas.commands.main import user_input
 from minifaas.planner.case import PlanCase
 from minifaas.planner.model import OperatingPoint
 from minifaas.planner.paper import named_case
-from minifaas.planner.profile import PrefillProfile, load_profiles
+from minifaas.planner.profile import load_prefill_profile, load_profiles
 from minifaas.planner.search import plan
 from minifaas.plotting import draw_or_say
 from minifaas.policy.codec_policy import CodecEstimate
@@ -197,18 +197,11 @@ def with_profiles(case: PlanCase, prfaas: str | None, pd: str | None) -> PlanCas
     """The case with measured instance profiles in place of its own."""
     changes: dict[str, object] = {}
     if prfaas:
-        changes["prfaas"] = _prefill_of(prfaas)
+        changes["prfaas"] = load_prefill_profile(prfaas)
     if pd:
-        changes["pd_prefill"] = _prefill_of(pd)
+        changes["pd_prefill"] = load_prefill_profile(pd)
         changes["decode"] = load_profiles(pd)[1]
     return case.with_overrides(**changes)
-
-
-def _prefill_of(path: str) -> PrefillProfile:
-    prefill, _ = load_profiles(path)
-    if prefill is None:
-        raise ValueError(f"{path}: no [prefill] table")
-    return prefill
 
 
 def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:

@@ -24,7 +24,7 @@ from minifaas.gateway.workers import STAGES, Workers
 from minifaas.launch.worker_specs import worker_spec
 from minifaas.planner.case import PlanCase
 from minifaas.planner.lengths import LengthDistribution
-from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_profiles
+from minifaas.planner.profile import DecodeProfile, PrefillProfile, load_pd_profiles, load_prefill_profile
 from minifaas.policy.interfaces import LongTermControl, ShortTermControl
 from minifaas.policy.long_term import LongTermConfig, LongTermPolicy
 from minifaas.policy.plugin import LONG_TERM, building, load_policy
@@ -41,9 +41,7 @@ def split_profiles(config: ServeConfig) -> Profiles:
     """The PD instance's prefill and decode profiles and the PrfaaS instance's prefill one."""
     sc = config.scheduler
     prefill, decode = load_pd_profiles(sc.profile)  # type: ignore[arg-type]
-    prfaas = load_profiles(sc.prfaas_profile)[0] if sc.prfaas_profile else prefill
-    if prfaas is None:
-        raise ValueError(f"{sc.prfaas_profile}: no [prefill] table")
+    prfaas = load_prefill_profile(sc.prfaas_profile) if sc.prfaas_profile else prefill
     return prefill, prfaas, decode
 
 

@@ -211,6 +211,14 @@ def load_profiles(path: str | Path) -> tuple[PrefillProfile | None, DecodeProfil
     return tables[0], tables[1]
 
 
+def load_prefill_profile(path: str | Path) -> PrefillProfile:
+    """The ``[prefill]`` table of a profile file; ValueError if it has none."""
+    prefill, _ = load_profiles(path)
+    if prefill is None:
+        raise ValueError(f"{path}: no [prefill] table")
+    return prefill
+
+
 def load_pd_profiles(path: str | Path) -> tuple[PrefillProfile, DecodeProfile]:
     """Both tables of a PD instance's profile file; ValueError if either is missing."""
     prefill, decode = load_profiles(path)
