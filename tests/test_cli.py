@@ -66,6 +66,7 @@ BAD_INPUT = [
     (["serve", "--config", "own-prfaas.toml"], "tableless.json: no [prefill] table"),
     (["serve", "--link-rate", "fast"], "not a rate: 'fast'"),
     (["serve", "--link-rate", "0mbit"], "a rate must be positive, got '0mbit'"),
+    (["serve", "--link-rate", "0"], "a rate must be positive, got '0' (none: unlimited)"),
     (["serve", "--prefill-chunk", "-5"], "prefill_chunk must be >= 0"),
     (["serve", "--link-delay-ms", "nan"], "delay_ms must be a finite number, got nan"),
     (["serve", "--pd-device", "gpu0"], "not a device: 'gpu0'"),
@@ -133,6 +134,7 @@ BAD_INPUT = [
     (["profile", "--batches", "0,1"], "need integers >= 1"),
     (["link-emulator", "--target", "localhost"], "not HOST:PORT: 'localhost'"),
     (["link-emulator", "--target", "127.0.0.1:9", "--schedule", "0:fast"], "not a rate schedule"),
+    (["link-emulator", "--target", "127.0.0.1:9", "--schedule", "0:1gbit,5:0"], "a rate must be positive, got '0'"),
 ]
 
 

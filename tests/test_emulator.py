@@ -34,6 +34,8 @@ def test_parse_rate() -> None:
     assert parse_rate("none") is None
     with pytest.raises(ValueError):
         parse_rate("fast")
+    with pytest.raises(ValueError, match="must be positive"):  # not unlimited: a schedule's "5:0" is no outage
+        parse_rate("0")
 
 
 def drain(pacer: Pacer, sizes: list[int], now: float = 0.0) -> float:

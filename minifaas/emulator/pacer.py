@@ -19,7 +19,7 @@ _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
 
 def parse_rate(text: str) -> float | None:
     """'100mbit', '5gbit', '2.5e8' -> bits/s; 'none' or 'inf' -> None (unlimited)."""
-    if text.strip().lower() in ("none", "inf", "unlimited", "0"):
+    if text.strip().lower() in ("none", "inf", "unlimited"):
         return None
     m = _RATE.match(text)
     if m is None:
