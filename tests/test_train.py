@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import signal
@@ -15,6 +16,7 @@ import torch
 from preloaded import Preloaded
 from rich.console import Console
 
+from minifaas.commands import train as train_command
 from minifaas.model.interleaved_decoder import generate
 from minifaas.model.loader import ModelSpec
 from minifaas.model.runtime import ModelRuntime
@@ -128,6 +130,20 @@ def test_a_resumed_run_continues_exactly(straight: Path, tmp_path: Path) -> None
     assert [r["step"] for r in read_log(out / LOG_FILE)] == [2, 4, 6]
 
 
+def command_settings(*flags: str) -> TrainConfig:
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    return train_command.settings(parser.parse_args(["--text", str(TEXT), *flags]))
+
+
+def test_the_command_resumes_with_the_saved_settings_where_no_flag_gives_one(tmp_path: Path) -> None:
+    out = tmp_path / "resumed"
+    train(tiny(out, stop_at=4, log_every=3))
+    assert command_settings("--out", str(out), "--resume") == tiny(out, log_every=3)
+    assert command_settings("--out", str(out), "--resume", "--log-every", "1") == tiny(out, log_every=1)
+    assert command_settings("--out", str(tmp_path / "new")) == TrainConfig(str(TEXT), str(tmp_path / "new"))
+
+
 def test_resume_needs_a_saved_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no training_state\.pt"):
         train(tiny(tmp_path), resume=True)
@@ -156,7 +172,8 @@ def test_the_command_stops_on_sigterm_saved_and_resumes(tmp_path: Path, python: 
     assert proc.returncode == 130 and "stopped after step" in stdout, stderr[-2000:]
     stopped = torch.load(out / STATE_FILE, weights_only=True)["step"]
     assert 1 <= stopped < 150
-    done = python.run([*cmd, "--resume"], cwd=ROOT, env=dict(os.environ), timeout=300)
+    resume = [*cmd[:7], "--sample-tokens", "8", "--resume"]  # the saved run's settings, none given again
+    done = python.run(resume, cwd=ROOT, env=dict(os.environ), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 150/150" in done.stdout and "sample (temperature 0.8" in done.stdout
     assert [r["step"] for r in read_log(out / LOG_FILE)] == list(range(1, 151))

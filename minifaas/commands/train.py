@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ from minifaas.commands.main import stdout_console, user_input
 from minifaas.model.interleaved_decoder import generate
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.train.checkpoint import load_state
 from minifaas.train.train_config import TrainConfig
 from minifaas.train.trainer import Trainer
 
@@ -54,9 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--text", required=True, help="the text to train on: a shipped one by name (tinyshakespeare) or a file"
     )
     parser.add_argument("--out", required=True, help="the checkpoint directory to write")
-    parser.add_argument("--resume", action="store_true", help="go on from OUT/training_state.pt")
-    for name, (kind, help_text) in SETTINGS.items():  # the help shows each default (cli.HelpFormatter)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=DEFAULTS[name], help=help_text)
+    parser.add_argument("--resume", action="store_true",
+                        help="go on from OUT/training_state.pt, with its settings where no flag gives one")  # fmt: skip
+    for name, (kind, help_text) in SETTINGS.items():  # absent from args unless given: see settings()
+        default = "" if "default" in help_text else f" (default: {DEFAULTS[name]})"
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=argparse.SUPPRESS,
+                            help=help_text + default)  # fmt: skip
     parser.add_argument("--threads", type=arguments.positive_int, default=1,
                         help="torch threads (default 1: fastest on shared cores)")  # fmt: skip
     parser.add_argument("--sample-tokens", type=arguments.count, default=200,
@@ -66,9 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     console = stdout_console()
     torch.set_num_threads(args.threads)
-    names = {f.name for f in fields(TrainConfig)}
     with user_input():
-        config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+        config = settings(args)
         trainer = Trainer(config, console)
         trainer.prepare(resume=args.resume)
     console.print(
@@ -92,6 +96,15 @@ def run(args: argparse.Namespace) -> int:
     if args.sample_tokens:
         console.print(f"sample (temperature 0.8, seed 0): {sample_text(config.out, args.sample_tokens)!r}")
     return 0
+
+
+def settings(args: argparse.Namespace) -> TrainConfig:
+    """The run's settings: each flag given, else (with --resume) the saved run's, else the default."""
+    chosen = dict(DEFAULTS)
+    if args.resume:  # stop_at is the one setting a saved run has always reached
+        chosen |= {k: v for k, v in load_state(Path(args.out))["config"].items() if k in SETTINGS and k != "stop_at"}
+    given = {k: v for k, v in vars(args).items() if k in SETTINGS}
+    return TrainConfig(text=args.text, out=args.out, **(chosen | given))
 
 
 def _stop(trainer: Trainer, signum: int) -> None:
