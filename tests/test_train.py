@@ -144,6 +144,15 @@ def test_the_command_resumes_with_the_saved_settings_where_no_flag_gives_one(tmp
     assert command_settings("--out", str(tmp_path / "new")) == TrainConfig(str(TEXT), str(tmp_path / "new"))
 
 
+def test_a_short_run_warms_up_for_a_tenth_of_its_steps_unless_told() -> None:
+    assert command_settings("--out", "o").warmup_steps == 50
+    assert command_settings("--out", "o", "--steps", "51").warmup_steps == 50
+    assert command_settings("--out", "o", "--steps", "30").warmup_steps == 3
+    assert command_settings("--out", "o", "--steps", "30", "--warmup-steps", "7").warmup_steps == 7
+    with pytest.raises(ValueError, match="warmup_steps"):
+        command_settings("--out", "o", "--steps", "30", "--warmup-steps", "30")
+
+
 def test_resume_needs_a_saved_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no training_state\.pt"):
         train(tiny(tmp_path), resume=True)

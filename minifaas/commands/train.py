@@ -38,7 +38,7 @@ SETTINGS: dict[str, tuple[type, str]] = {
     "batch_size": (int, "windows per step"),
     "steps": (int, "steps of the learning-rate schedule"),
     "lr": (float, "peak learning rate, after warmup"),
-    "warmup_steps": (int, "steps of linear warmup"),
+    "warmup_steps": (int, "steps of linear warmup (default: 50, or a tenth of --steps where --steps is 50 or fewer)"),
     "min_lr_ratio": (float, "the cosine ends at lr times this"),
     "weight_decay": (float, "AdamW weight decay on matrices"),
     "val_fraction": (float, "the end of the text held out for validation"),
@@ -103,6 +103,8 @@ def settings(args: argparse.Namespace) -> TrainConfig:
     chosen = dict(DEFAULTS)
     if args.resume:  # stop_at is the one setting a saved run has always reached
         chosen |= {k: v for k, v in load_state(Path(args.out))["config"].items() if k in SETTINGS and k != "stop_at"}
+    elif "warmup_steps" not in args and "steps" in args and args.steps <= chosen["warmup_steps"]:
+        chosen["warmup_steps"] = args.steps // 10
     given = {k: v for k, v in vars(args).items() if k in SETTINGS}
     return TrainConfig(text=args.text, out=args.out, **(chosen | given))
 
