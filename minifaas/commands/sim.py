@@ -50,12 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument(
         "--gpus", type=int, help="scale the case's instance counts and link to this many GPUs (default: the case's)"
     )
-    deploy.add_argument("--n-prfaas", type=int, help="PrfaaS instances (default: the plan's)")
-    deploy.add_argument("--n-prefill", type=int, help="PD-P instances (default: the plan's)")
-    deploy.add_argument("--n-decode", type=int, help="PD-D instances (default: the plan's)")
-    deploy.add_argument("--threshold", type=int, help="offload threshold in tokens (default: the plan's)")
+    deploy.add_argument("--n-prfaas", type=arguments.count, help="PrfaaS instances (default: the plan's)")
+    deploy.add_argument("--n-prefill", type=arguments.count, help="PD-P instances (default: the plan's)")
+    deploy.add_argument("--n-decode", type=arguments.count, help="PD-D instances (default: the plan's)")
+    deploy.add_argument("--threshold", type=arguments.count, help="offload threshold in tokens (default: the plan's)")
     deploy.add_argument(
-        "--spill-tokens", type=int, default=0, metavar="N",
+        "--spill-tokens", type=arguments.count, default=0, metavar="N",
         help="a short prompt goes to PrfaaS while PD-P's queue is N tokens longer and the link has room, as "
         "minifaas serve does by default; the link's use is read only with --scheduler (default: 0, the threshold rule "
         "alone)",
