@@ -157,6 +157,15 @@ def test_a_slowed_profile_takes_longer_by_its_factor_and_keeps_its_state_sizes()
         assert np.array_equal(slower.kv_bytes(tokens), profile.kv_bytes(tokens))
 
 
+def test_a_kv_growth_of_zero_is_a_model_whose_state_does_not_grow() -> None:
+    case = paper_case().with_kv(0.0, None)  # minifaas plan --kv-bytes-per-token 0: linear layers alone
+    tokens = np.array([1, 8192, 65536])
+    assert np.all(case.prfaas.kv_bytes(tokens) == case.prfaas.kv_fixed_bytes)
+    assert plan(case).prfaas.egress_gbps < plan(paper_case()).prfaas.egress_gbps / 4  # only the fixed state crosses
+    table = replace(paper_case().prfaas, kv_bytes_per_token=None)  # no growth given: the points' bytes
+    assert table.kv_bytes(8192) == pytest.approx(np.interp(8192, *zip(*[(q.tokens, q.kv_bytes) for q in table.points])))
+
+
 def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError):
         paper_case().with_overrides(link_gbps=-1.0)

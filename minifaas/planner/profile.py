@@ -48,7 +48,7 @@ class PrefillProfile:
     points: tuple[ProfilePoint, ...] = ()
     latency_coeffs: tuple[float, ...] = ()
     kv_fixed_bytes: float = 0.0
-    kv_bytes_per_token: float = 0.0
+    kv_bytes_per_token: float | None = None  # None: the points' KV bytes, interpolated
 
     def __post_init__(self) -> None:
         if self.gpus_per_instance < 1:
@@ -58,9 +58,9 @@ class PrefillProfile:
             raise ValueError(f"{self.name}: points must have strictly increasing lengths")
         if not self.latency_coeffs and len(self.points) < 2:
             raise ValueError(f"{self.name}: give latency_coeffs or at least two points")
-        if self.kv_bytes_per_token <= 0 and len(self.points) < 2:
+        if self.kv_bytes_per_token is None and len(self.points) < 2:
             raise ValueError(f"{self.name}: give kv_bytes_per_token or at least two points")
-        if self.kv_fixed_bytes < 0 or self.kv_bytes_per_token < 0:
+        if self.kv_fixed_bytes < 0 or (self.kv_bytes_per_token or 0.0) < 0:
             raise ValueError(f"{self.name}: KV sizes must be >= 0")
         probe = np.array([1.0, 1e3, 1e4, 1e5, 1e6])
         if np.any(self.latency_s(probe) <= 0):
@@ -81,7 +81,7 @@ class PrefillProfile:
     def kv_bytes(self, tokens: np.ndarray | float) -> np.ndarray:
         """S_kv(l): bytes of state a prefill of ``tokens`` produces (fixed state plus growing KV)."""
         x = np.asarray(tokens, dtype=float)
-        if self.kv_bytes_per_token > 0:
+        if self.kv_bytes_per_token is not None:
             return self.kv_fixed_bytes + self.kv_bytes_per_token * x
         return _interpolate(x, [p.tokens for p in self.points], [p.kv_bytes for p in self.points])
 
@@ -169,7 +169,7 @@ def prefill_from_dict(data: dict[str, Any]) -> PrefillProfile:
         points=points,
         latency_coeffs=tuple(float(c) for c in data.get("latency_coeffs", ())),
         kv_fixed_bytes=float(data.get("kv_fixed_bytes", 0.0)),
-        kv_bytes_per_token=float(data.get("kv_bytes_per_token", 0.0)),
+        kv_bytes_per_token=None if data.get("kv_bytes_per_token") is None else float(data["kv_bytes_per_token"]),
     )
 
 

@@ -58,11 +58,11 @@ class PrefillInstances:
         self._heap = [(0.0, i) for i in range(n)]
         self._coeffs = profile.latency_coeffs
         self.kv_fixed_bytes = float(profile.kv_bytes(0))
-        self._kv_per_token = profile.kv_bytes_per_token  # 0: interpolate the table
+        self._kv_per_token = profile.kv_bytes_per_token  # None: interpolate the table
 
     def kv_bytes(self, tokens: int, fixed: bool = True) -> float:
         """Bytes shipped for ``tokens`` of full-attention KV, plus the fixed-size state if ``fixed``."""
-        if self._kv_per_token:
+        if self._kv_per_token is not None:
             growing = self._kv_per_token * tokens
         else:
             growing = float(self.profile.kv_bytes(tokens)) - self.kv_fixed_bytes
