@@ -108,6 +108,8 @@ BAD_INPUT = [
     (["sim", "--pd-profile", "nameless.json"], "nameless.json: [prefill] has no 'name'"),
     (["sim", "--bandwidth-schedule", "600"], "not TIME_S:GBPS"),
     (["sim", "--n-decode", "0"], "at least one decode instance"),
+    (["plan", "--threshold-step", "0"], "argument --threshold-step: need an integer >= 1, got '0'"),
+    (["plan", "--n-prfaas", "-2"], "argument --n-prfaas: need an integer >= 0, got '-2'"),
     (["sim", "--threshold", "-5"], "argument --threshold: need an integer >= 0, got '-5'"),
     (["sim", "--spill-tokens", "-1"], "argument --spill-tokens: need an integer >= 0, got '-1'"),
     (["sim", "--n-prfaas", "-1"], "argument --n-prfaas: need an integer >= 0, got '-1'"),

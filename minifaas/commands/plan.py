@@ -29,13 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--link-gbps", type=arguments.positive, help="PrfaaS egress bandwidth in Gbit/s (default: the case's)"
     )
-    parser.add_argument("--n-prfaas", type=int, help="PrfaaS instances (default: the case's)")
+    parser.add_argument("--n-prfaas", type=arguments.count, help="PrfaaS instances (default: the case's)")
     parser.add_argument("--n-pd", type=int, help="PD instances, N_p + N_d (default: the case's)")
     parser.add_argument("--n-homogeneous", type=int, help="instances of the homogeneous baseline (default: the case's)")
     parser.add_argument(
         "--output-tokens", type=arguments.positive, help="mean output length in tokens (default: the case's)"
     )
-    parser.add_argument("--threshold-step", type=int, default=100, help="grid step of t in tokens")
+    parser.add_argument("--threshold-step", type=arguments.positive_int, default=100, help="grid step of t in tokens")
     parser.add_argument(
         "--kv-bytes-per-token",
         type=arguments.non_negative,
