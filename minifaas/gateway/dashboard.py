@@ -213,6 +213,8 @@ class Dashboard:
         since = request.query.get("since")
         try:
             after = float(since) if since is not None else None
+            if after is not None and math.isnan(after):  # no sample is after NaN: the page would stop moving
+                raise ValueError(since)
         except ValueError:
             raise web.HTTPBadRequest(reason=f"since must be a time in seconds, got {since!r}") from None
         return web.json_response(self.state(after), headers={"Cache-Control": "no-store"})
