@@ -67,6 +67,8 @@ def test_modes() -> None:
     assert policy("auto", None).choose(LinkShare(1e3)).reason == "unmeasured"  # nothing measured: no guess
     with pytest.raises(ValueError, match="none, lossless, fp8, int8, auto"):
         CompressionConfig("zstd")
+    with pytest.raises(ValueError, match="smoothing must be in"):
+        CompressionConfig("auto", "x")  # type: ignore[arg-type]
 
 
 def test_lossy_is_never_chosen_automatically() -> None:

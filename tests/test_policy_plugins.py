@@ -116,7 +116,7 @@ def test_serve_refuses_a_bad_spec_in_one_line_before_anything_starts(
     argv: list[str], says: str | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if says is None:  # a value its constructor refuses shows in the worker's pool: checked by building one
-        with pytest.raises(PolicyError, match="interval_blocks must be >= 0"):
+        with pytest.raises(PolicyError, match="interval_blocks must be an integer >= 0"):
             HybridPrefixPool(PoolConfig("n", 1, snapshot_policy="interval", snapshot_args={"interval_blocks": -1}))
         return
     started = time.monotonic()

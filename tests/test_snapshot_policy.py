@@ -37,6 +37,9 @@ def test_interval_is_the_earlier_rule() -> None:
     assert points(interval(2), 16, 37, 8) == [32, 37]
     assert points(interval(0), 0, 37, 8) == [37]
     assert points(interval(2), 0, 37, 8, seen=24) == [16, 32, 37]
+    for wrong in (-1, 2.5, True, "4"):  # a policy argument is any JSON value the user wrote
+        with pytest.raises(ValueError, match="interval_blocks must be an integer >= 0"):
+            IntervalSnapshots(wrong)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("policy", [REUSE, interval(2)], ids=["reuse", "interval"])

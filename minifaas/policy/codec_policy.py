@@ -91,7 +91,7 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"kv compression must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not 0 < self.smoothing <= 1:
+        if type(self.smoothing) not in (int, float) or not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
 
 

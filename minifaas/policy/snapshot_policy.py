@@ -44,8 +44,8 @@ class IntervalSnapshots:
     """The ``interval`` policy: a snapshot every ``interval_blocks`` blocks as well as the end (0: the end only)."""
 
     def __init__(self, interval_blocks: int = 8) -> None:
-        if interval_blocks < 0:
-            raise ValueError(f"interval_blocks must be >= 0, got {interval_blocks}")
+        if type(interval_blocks) is not int or interval_blocks < 0:  # given as a flag: any JSON value
+            raise ValueError(f"interval_blocks must be an integer >= 0, got {interval_blocks!r}")
         self.interval_blocks = interval_blocks
 
     def points(self, p: SnapshotInput) -> list[int]:
