@@ -110,6 +110,10 @@ BAD_INPUT = [
     (["sim", "--n-decode", "0"], "at least one decode instance"),
     (["plan", "--threshold-step", "0"], "argument --threshold-step: need an integer >= 1, got '0'"),
     (["plan", "--n-prfaas", "-2"], "argument --n-prfaas: need an integer >= 0, got '-2'"),
+    (
+        ["sim", "--trace", "mooncake-synthetic", "--snapshot-policy-arg", "interval_blocks=-3"],
+        "snapshot 'interval': ValueError: interval_blocks must be an integer >= 0, got -3",
+    ),
     (["sim", "--threshold", "-5"], "argument --threshold: need an integer >= 0, got '-5'"),
     (["sim", "--spill-tokens", "-1"], "argument --spill-tokens: need an integer >= 0, got '-1'"),
     (["sim", "--n-prfaas", "-1"], "argument --n-prfaas: need an integer >= 0, got '-1'"),

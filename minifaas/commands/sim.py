@@ -266,8 +266,7 @@ def policies(args: argparse.Namespace) -> dict[str, object]:
     return fields
 
 
-def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimResult:
-    simulation = Simulation(config, workload)
+def simulate(simulation: Simulation, workload: Workload, show_progress: bool) -> SimResult:
     if not show_progress:
         return simulation.run()
     columns = (TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"))
@@ -280,12 +279,12 @@ def simulate(config: SimConfig, workload: Workload, show_progress: bool) -> SimR
 def run(args: argparse.Namespace) -> int:
     with user_input():
         config, workload, point = build(args)
-        if args.action == "compare":
-            configs = sim_compare.variants(config, args)
+        configs = sim_compare.variants(config, args) if args.action == "compare" else {"": config}
+        simulations = [Simulation(c, workload) for c in configs.values()]  # each policy built: its refusal is ours
     if args.action == "compare":
         return sim_compare.run(configs, workload, args)
     show = not args.no_progress and sys.stderr.isatty() and len(workload) > 20_000
-    result = simulate(config, workload, show)
+    result = simulate(simulations[0], workload, show)
     if args.queues_csv:
         result.write_queues_csv(args.queues_csv)
     if args.queues_png:
