@@ -52,6 +52,7 @@ def taken_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
+WORKER = ["worker", "--role", "prefill", "--cluster", "pd", "--secret-file", "secret"]  # a secret the test writes
 BAD_INPUT = [
     (["kv-size", "--model", "nope"], "no model 'nope': not a preset (kimi-linear-tiny"),
     (["kv-size", "--lengths", "1k"], "not a list of integers"),
@@ -95,6 +96,14 @@ BAD_INPUT = [
     (["worker", "--role", "prefill", "--cluster", "pd", "--listen", ":99999"], "argument --listen: ':99999' is not"),
     (["worker", "--role", "prefill", "--cluster", "pd", "--prefill-chunk", "-3"], "need an integer >= 0, got '-3'"),
     (["worker", "--role", "prefill", "--cluster", "pd", "--connections", "0"], "need an integer >= 1, got '0'"),
+    (
+        [*WORKER, "--snapshot-policy-arg", "interval_blocks=2"],
+        "snapshot 'reuse': its constructor refuses ['interval_blocks']",
+    ),
+    (
+        [*WORKER, "--snapshot-policy", "interval", "--snapshot-policy-arg", "interval_blocks=2.5"],
+        "interval_blocks must be an integer >= 0, got 2.5",
+    ),
     (["worker", "--role", "prefill", "--cluster", "pd", "--connections", "100"], "--connections 100: at most 64 per"),
     (["worker", "--role", "decode", "--cluster", "pd", "--decode-hold", "-2"], "--decode-hold -2.0: a factor >= 0"),
     (["train", "--text", "t", "--out", "o", "--threads", "0"], "argument --threads: need an integer >= 1"),
@@ -158,6 +167,8 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     (tmp_path / "own-prfaas.toml").write_text('[scheduler]\nprofile = "pd.json"\nprfaas_profile = "tableless.json"\n')
     (tmp_path / "garbled.json").write_text("profile")
     (tmp_path / "nameless.json").write_text('{"prefill": {"points": []}}')
+    (tmp_path / "secret").write_text("s" * 32)
+    (tmp_path / "secret").chmod(0o600)
     with pytest.raises(SystemExit) as done:
         main(argv)
     err = capsys.readouterr().err

@@ -91,6 +91,18 @@ class PoolConfig:
             raise ValueError(f"bad pool config {self}")
         object.__setattr__(self, "snapshot_args", policy_args(self.snapshot_args))
         check_policy(self.snapshot_policy, SNAPSHOT, self.snapshot_args)
+        snapshot_placement(self)  # built once: a value its constructor refuses is this config's error
+
+
+def snapshot_placement(config: PoolConfig) -> SnapshotPlacement:
+    """The snapshot policy ``config`` names, built with its arguments and the interval it offers."""
+    spec, offered = config.snapshot_policy, {"interval_blocks": config.snapshot_interval_blocks}
+    with building(SNAPSHOT, spec):
+        return (
+            ReuseSnapshots() if spec == "reuse"
+            else IntervalSnapshots(**(offered | dict(config.snapshot_args))) if spec == "interval"
+            else load_policy(spec, SNAPSHOT, config.snapshot_args, **offered)
+        )  # fmt: skip
 
 
 class HybridPrefixPool(Generic[P]):
@@ -98,13 +110,7 @@ class HybridPrefixPool(Generic[P]):
         self.config = config
         self.node = node  # default holder recorded in events
         self.index = PrefixIndex(config.needs_snapshot)
-        spec, offered = config.snapshot_policy, {"interval_blocks": config.snapshot_interval_blocks}
-        with building(SNAPSHOT, spec):
-            self.snapshots: SnapshotPlacement = (
-                ReuseSnapshots() if spec == "reuse"
-                else IntervalSnapshots(**(offered | dict(config.snapshot_args))) if spec == "interval"
-                else load_policy(spec, SNAPSHOT, config.snapshot_args, **offered)
-            )  # fmt: skip
+        self.snapshots = snapshot_placement(config)
         self.counts: Counter[str] = Counter()
         self.prefix_bytes = 0
         self._entries: OrderedDict[bytes, Entry[P]] = OrderedDict()  # by _slot, LRU first

@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
+from minifaas.cache.pool import PoolConfig
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import check_listen, exit_at_once, user_input
@@ -404,6 +405,9 @@ def checked_config(args: argparse.Namespace) -> ServeConfig:
         if config.scheduler.profile is not None:
             split_profiles(config)  # the PD instance's tables, and the PrfaaS one's if it has its own
         cluster_secret(config)  # a secret that is missing or too open
+        c = config.cache  # the workers' snapshot policy, built once: a value its constructor refuses
+        PoolConfig("", 0, c.block_size, c.snapshot_interval_blocks, snapshot_policy=c.snapshot_policy,
+                   snapshot_args=c.snapshot_policy_args)  # fmt: skip
         if config.launcher == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("--launcher ray needs the ray extra: pip install 'minifaas[ray]'")
     if config.port:  # aiohttp would find the port taken only once every worker is up

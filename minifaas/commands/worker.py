@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 
+from minifaas.cache.pool import PoolConfig
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import check_listen, user_input
@@ -22,7 +23,6 @@ from minifaas.model.decoder import DecoderConfig
 from minifaas.net.connections import DEFAULT_CONNECTIONS, MAX_CONNECTIONS
 from minifaas.parent_watch import die_with_parent
 from minifaas.policy.codec_policy import MODES
-from minifaas.policy.plugin import SNAPSHOT, check_policy
 from minifaas.proctitle import set_title
 from minifaas.worker.worker_process import serve
 
@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--decode-hold {args.decode_hold}: a factor >= 0, or -1 for the device's default")
         load_secret(args.secret_file)
         arguments.present_device(args.device)
-        check_policy(args.snapshot_policy, SNAPSHOT, args.snapshot_policy_arg or ())
+        PoolConfig("", 0, args.cache_block_size, args.snapshot_interval,  # its snapshot policy built once
+                   snapshot_policy=args.snapshot_policy, snapshot_args=args.snapshot_policy_arg or ())  # fmt: skip
         if not 0 <= args.gpu_memory_fraction <= 1 or (args.gpu_memory_fraction and args.device == "cpu"):
             raise ValueError(f"--gpu-memory-fraction {args.gpu_memory_fraction}: a share in [0, 1] of a GPU")
     for host, port in {args.listen, args.kv_listen or args.listen}:
