@@ -113,6 +113,8 @@ def test_the_toml_keys_and_their_argument_tables(tmp_path: Path) -> None:
          "snapshot 'interval': ValueError: interval_blocks must be an integer >= 0, got -1"),
         (["--snapshot-policy", "interval", "--snapshot-policy-arg", "interval_blocks=2.5"],
          "interval_blocks must be an integer >= 0, got 2.5"),
+        (["--kv-compression", "auto", "--kv-compression-arg", "smoothing=5"],
+         "codec 'auto': ValueError: smoothing must be in (0, 1], got 5"),
     ],
 )  # fmt: skip
 def test_serve_refuses_a_bad_spec_in_one_line_before_anything_starts(

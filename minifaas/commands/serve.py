@@ -25,7 +25,7 @@ from rich.logging import RichHandler
 from minifaas.cache.pool import PoolConfig
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
-from minifaas.commands.main import check_listen, exit_at_once, user_input
+from minifaas.commands.main import BadInput, check_listen, exit_at_once, user_input
 from minifaas.config import (
     LOG_LEVELS,
     SNAPSHOT_POLICIES,
@@ -45,6 +45,7 @@ from minifaas.launch.startup import StartupListener, StartupView
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.loader import checked_spec
 from minifaas.policy.codec_policy import MODES
+from minifaas.policy.plugin import PolicyError
 from minifaas.policy.short_term import ShortTermConfig
 from minifaas.proctitle import set_title
 
@@ -452,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
     except WorkerError as e:  # a worker that would not start or attach: one line, not a traceback
         print(f"minifaas serve: {e}", file=sys.stderr)
         code = 1
+    except PolicyError as e:  # a value a policy's constructor refuses, as the gateway builds it (before any worker)
+        raise BadInput(str(e)) from None
     if forked_here:  # this process holds the workers' modules too
         exit_at_once(code)
     return code
