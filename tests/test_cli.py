@@ -73,6 +73,8 @@ BAD_INPUT = [
     (["serve", "--pd-device", "gpu0"], "not a device: 'gpu0'"),
     (["demo", "--model", "nope"], "no model 'nope'"),
     (["demo", "--link-rate", "fast"], "not a rate"),
+    (["demo", "--long-tokens", "40000"], "the longest prompt (40297 tokens) and --max-tokens 24: more than shakesp"),
+    (["demo", "--dashboard", "--max-tokens", "32000"], "and --max-tokens 32000: more than shakespeare-qwen3.5's"),
     (["demo", "--short", "-1"], "need --short, --long >= 0"),
     (["demo", "--short", "0", "--long", "0"], "need --short, --long >= 0 (not both 0)"),
     (["generate", "--model", "nope"], "no model 'nope'"),

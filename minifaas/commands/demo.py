@@ -30,6 +30,7 @@ from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.launch.startup import StartupView
+from minifaas.model.loader import ModelSpec, load_config_dict, load_tokenizer
 from minifaas.process_cpu import tree_cpu_s
 from minifaas.proctitle import set_title
 
@@ -112,9 +113,23 @@ def _config(args: argparse.Namespace) -> ServeConfig:
         if not 0 < args.dip_seconds < args.dip_every or (args.duration is not None and args.duration <= 0):
             raise ValueError("need 0 < --dip-seconds < --dip-every, and --duration > 0")
     config = checked_config(served_args(args))
+    with user_input():
+        _fits_the_context(args, config)
     return replace(
         config, worker_log_level=args.log_level, link=InterClusterLinkConfig(rate=args.link_rate, delay_ms=5.0)
     )
+
+
+def _fits_the_context(args: argparse.Namespace, config: ServeConfig) -> None:
+    """The longest prompt the demo sends, and --max-tokens after it, within the model's context: past it every
+    such request would be refused once all had started."""
+    spec = ModelSpec.resolve(config.model, config.seed)
+    context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
+    longest = 3 * args.long_tokens if args.dashboard else max(r.prompt_chars for r in _mix(args))
+    tokens = len(load_tokenizer(spec, config.trust_remote_code).encode(_prompt(longest)))
+    if tokens + args.max_tokens > context:
+        raise ValueError(f"the longest prompt ({tokens} tokens) and --max-tokens {args.max_tokens}: more than "
+                         f"{spec.name}'s context of {context} tokens")  # fmt: skip
 
 
 def served_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -171,8 +186,7 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
 
 async def _one_mix(args: argparse.Namespace, gateway: Gateway, address: str, console: Console) -> list[DemoRequest]:
     """The short and long prompts at once, with a live table of their progress."""
-    rows = [DemoRequest(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
-    rows += [DemoRequest(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
+    rows = _mix(args)
     base = f"{address}/v1/completions"
     # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
     live = Live(_table(rows, gateway.link), console=console) if console.is_terminal else None
@@ -195,9 +209,20 @@ async def _one_mix(args: argparse.Namespace, gateway: Gateway, address: str, con
     return rows
 
 
+def _mix(args: argparse.Namespace) -> list[DemoRequest]:
+    """The one mix: short prompts of 60, 80, ... characters, long ones of --long-tokens, then 100 more each."""
+    short = [DemoRequest(f"short-{i}", 60 + 20 * i) for i in range(args.short)]
+    return short + [DemoRequest(f"long-{i}", args.long_tokens + 100 * i) for i in range(args.long)]
+
+
+def _prompt(chars: int) -> str:
+    """Verse of about ``chars`` characters, cut after a whole word, so the answer starts with one."""
+    return (VERSE * (chars // len(VERSE) + 1))[:chars].rsplit(" ", 1)[0] + " "
+
+
 async def _one(http: aiohttp.ClientSession, url: str, model: str, row: DemoRequest, max_tokens: int, seed: int) -> None:
-    prompt = (VERSE * (row.prompt_chars // len(VERSE) + 1))[: row.prompt_chars].rsplit(" ", 1)[0] + " "
-    row.prompt_chars = len(prompt)  # cut after a whole word, so the answer starts with one
+    prompt = _prompt(row.prompt_chars)
+    row.prompt_chars = len(prompt)
     body = {
         "model": model,
         "prompt": prompt,
