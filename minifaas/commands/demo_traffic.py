@@ -60,7 +60,11 @@ async def _client(
     draw = random.Random(i)
     for n in range(1 << 62):
         long = (n + i) % 2 == 1
-        chars = draw.randint(args.threshold, 3 * args.long_tokens) if long else draw.randint(40, args.threshold // 2)
+        if long:  # past the threshold, up to three times --long-tokens
+            chars = draw.randint(args.threshold, max(args.threshold, 3 * args.long_tokens))
+        else:  # up to half the threshold, and at least a character
+            top = max(1, args.threshold // 2)
+            chars = draw.randint(min(40, top), top)
         row = new_row(f"{'long' if long else 'short'}-{i}.{n}", chars)
         rows.append(row)
         await send(row, CLIENTS * n + i)
