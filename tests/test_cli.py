@@ -73,6 +73,7 @@ BAD_INPUT = [
     (["serve", "--pd-device", "gpu0"], "not a device: 'gpu0'"),
     (["demo", "--model", "nope"], "no model 'nope'"),
     (["demo", "--link-rate", "fast"], "not a rate"),
+    (["demo", "--duration", "60"], "--duration goes with --dashboard"),
     (["demo", "--long-tokens", "40000"], "the longest prompt (40297 tokens) and --max-tokens 24: more than shakesp"),
     (["demo", "--dashboard", "--max-tokens", "32000"], "and --max-tokens 32000: more than shakespeare-qwen3.5's"),
     (["demo", "--short", "-1"], "need --short, --long >= 0"),

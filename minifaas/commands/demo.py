@@ -112,6 +112,8 @@ def _config(args: argparse.Namespace) -> ServeConfig:
             raise ValueError("need --short, --long >= 0 (not both 0) and --long-tokens, --max-tokens >= 1")
         if not 0 < args.dip_seconds < args.dip_every or (args.duration is not None and args.duration <= 0):
             raise ValueError("need 0 < --dip-seconds < --dip-every, and --duration > 0")
+        if args.duration is not None and not args.dashboard:  # one mix ends when its prompts are done
+            raise ValueError("--duration goes with --dashboard: a single mix runs until its prompts are answered")
     config = checked_config(served_args(args))
     with user_input():
         _fits_the_context(args, config)
