@@ -10,6 +10,7 @@ attempt asks for) is checked without processes.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import os
 import signal
@@ -104,10 +105,10 @@ async def every_worker_up(gw: Gateway) -> None:
 
 
 async def stream_and_fault(
-    gw: Gateway, rid: str, ids: list[int], fault: object, after: int = 3
+    gw: Gateway, rid: str, ids: list[int], fault: object, after: int = 3, before: list | None = None
 ) -> tuple[list[int], RequestRecord, list[float]]:
     """Stream the request; after ``after`` tokens apply ``fault(decode_worker)``. Returns the tokens, the
-    record and each token's arrival time."""
+    record and each token's arrival time; ``before`` gets a copy of the record as the fault came."""
     await every_worker_up(gw)
     record = RequestRecord(rid, len(ids))
     tokens, times = [], []
@@ -115,6 +116,8 @@ async def stream_and_fault(
         tokens.append(event.token_id)
         times.append(time.monotonic())
         if len(tokens) == after:
+            if before is not None:
+                before.append(copy.copy(record))
             fault(gw.pool.workers[record.decode_worker])  # type: ignore[index,operator]
     return tokens, record, times
 
@@ -132,9 +135,12 @@ def test_a_decode_worker_killed_mid_stream_migrates_and_the_greedy_output_is_unc
         killed.append((w.name, w.pid))  # type: ignore[attr-defined]
         w.kill()  # type: ignore[attr-defined]
 
-    coro = stream_and_fault(gateway, f"killed-{prompt}", ids, kill)
+    before: list[RequestRecord] = []
+    coro = stream_and_fault(gateway, f"killed-{prompt}", ids, kill, before=before)
     tokens, record, times = loop.run_until_complete(asyncio.wait_for(coro, 120))
     assert tokens == reference[prompt], record.to_json()
+    first = ("kv_bytes", "cached_tokens", "dispatch_s", "queue_s", "prefill_s", "transfer_s", "store_s", "control_s")
+    assert [getattr(record, f) for f in first] == [getattr(before[0], f) for f in first]  # the first token's prefill
     (name, pid), pool = killed[0], gateway.pool  # SIGKILL came from outside: no evidence against a request
     assert loop.run_until_complete(pool.ended_by_itself(name, pid)) is False
     assert loop.run_until_complete(pool.ended_by_itself(name, pid + 10**6, wait=0.1)) is True  # not seen end

@@ -192,28 +192,32 @@ class PrefillDispatch:
         if isinstance(reply, Error):  # any worker of this build refuses the same message: no retry
             raise RequestFailed(f"prefill worker {a.worker.name} refused the request: {reply.error}")
         self._recorded(a, record, reply, choice, replied - sent)
-        record.dispatch_s = (record.dispatch_s or 0.0) + sent - asked
+        if not record.migrations:
+            record.dispatch_s = (record.dispatch_s or 0.0) + sent - asked
         return Handoff(a.transfer, reply.next_token, a.request)
 
     def _recorded(
         self, a: Attempt, record: RequestRecord, reply: Prefilled, choice: CodecChoice | None, round_trip: float
     ) -> None:
-        """The prefill's figures into the record, the scheduler and /metrics."""
+        """The prefill's figures into the scheduler, /metrics and the record (a migration's re-prefill not: the
+        record's figures stay those of the prefill behind the first token)."""
+        if a.remote:
+            self.scheduler.coded(reply, reply.kv_bytes)
+        link = f"{a.worker.cluster}->{a.decode.name}"
+        self.metrics.add_kv_bytes(link, reply.kv_bytes, reply.kv_wire_bytes, reply.codec)
+        self.scheduler.prefilled(a.worker.cluster, reply.computed_tokens, reply.prefill_s)
+        record.phase = advance(record.phase, Phase.TRANSFERRING)
+        if record.migrations:
+            return
         record.kv_bytes, record.cached_tokens = reply.kv_bytes, reply.cached_tokens
         record.kv_codec, record.kv_codec_reason = reply.codec, choice.reason if choice is not None else "local"
         record.kv_wire_bytes, record.kv_encode_s, record.kv_decode_s = (
             reply.kv_wire_bytes, reply.kv_encode_s, reply.kv_decode_s
         )  # fmt: skip
-        if a.remote:
-            self.scheduler.coded(reply, reply.kv_bytes)
-        link = f"{a.worker.cluster}->{a.decode.name}"
-        self.metrics.add_kv_bytes(link, reply.kv_bytes, reply.kv_wire_bytes, reply.codec)
         record.queue_s, record.prefill_s = reply.queue_s, reply.prefill_s
         record.transfer_s = reply.transfer_tail_s
         record.store_s = reply.worker_s - reply.prefill_s - reply.transfer_tail_s
         record.control_s = max(0.0, round_trip - reply.queue_s - reply.worker_s)
-        self.scheduler.prefilled(a.worker.cluster, reply.computed_tokens, reply.prefill_s)
-        record.phase = advance(record.phase, Phase.TRANSFERRING)
 
     async def _pinned(self, decode: WorkerHandle, rid: str, transfer: int) -> int:
         """Tokens of the prompt whose KV the decode node has pinned: the prefill sends only the rest."""
