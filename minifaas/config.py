@@ -108,8 +108,8 @@ class InterClusterLinkConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
-        if not 1 <= self.connections <= MAX_CONNECTIONS or self.delay_ms < 0 or self.jitter_ms < 0:
-            raise ValueError(f"need connections 1..{MAX_CONNECTIONS} and non-negative delay and jitter")
+        if not 1 <= self.connections <= MAX_CONNECTIONS or not 0 <= self.jitter_ms <= self.delay_ms:
+            raise ValueError(f"need connections 1..{MAX_CONNECTIONS}, delay_ms >= 0 and 0 <= jitter_ms <= delay_ms")
         for rate in (self.rate, self.flow_rate):  # a rate the emulator cannot read fails here, not in its process
             parse_rate(rate)
         check_window(parse_bytes(self.window))

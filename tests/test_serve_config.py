@@ -110,6 +110,7 @@ def test_a_bad_window_flag_is_one_error_line(command: str, capsys: pytest.Captur
         ("[cache]\ncapacity_mib = nan\n", "capacity_mib must be a finite number, got nan"),
         ("[prfaas]\ndecode_workers = 1\n", "the PrfaaS cluster only prefills: [prfaas] decode_workers must be 0"),
         ("[link]\nrate = '0mbit'\n", "a rate must be positive, got '0mbit'"),
+        ("[link]\ndelay_ms = 5.0\njitter_ms = 10.0\n", "0 <= jitter_ms <= delay_ms"),  # as the emulator needs
     ],
 )  # fmt: skip
 def test_a_toml_value_of_the_wrong_type_or_name_is_one_error_line(
