@@ -376,3 +376,17 @@ def test_the_link_emulator_does_not_import_torch() -> None:
     """A relay moves bytes: each emulator process starts in a fraction of a second and holds no model library."""
     code = "import sys, minifaas.commands.link_emulator; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_an_emulator_that_refuses_its_options_is_one_line_from_it_and_one_error_from_its_starter(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    async def main() -> None:
+        with pytest.raises(EmulatorError, match=r"exited before it was ready \(exit code 2\)"):
+            async with EmulatorProcess(("127.0.0.1", 9), delay_ms=1, jitter_ms=5):
+                pass
+
+    run(main())
+    err = capfd.readouterr().err  # the child's stderr, shared with this process
+    assert "minifaas link-emulator: error: need delay_ms >= 0 and 0 <= jitter_ms <= delay_ms" in err
+    assert "Traceback" not in err, err

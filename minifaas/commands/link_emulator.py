@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 from minifaas.commands import arguments
+from minifaas.commands.main import main as cli_main
 from minifaas.commands.main import user_input
 from minifaas.control.secret import load_secret
 from minifaas.emulator.emulator_server import serve_link
@@ -79,9 +80,5 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(serve_link(config, secret, args.control, route_hosts, args.control_idle, args.exit_with_stdin))
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        prog="python -m minifaas.commands.link_emulator", description=__doc__.splitlines()[0]
-    )
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+if __name__ == "__main__":  # as the gateway starts it: errors as ``minifaas link-emulator`` gives them, one line
+    sys.exit(cli_main(["link-emulator", *sys.argv[1:]]))

@@ -32,6 +32,7 @@ from minifaas.config import (
     CacheConfig,
     ServeConfig,
 )
+from minifaas.emulator.emulator_process import EmulatorError
 from minifaas.gateway.api import build_app
 from minifaas.gateway.dashboard import Dashboard
 from minifaas.gateway.gateway import Gateway
@@ -450,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         asyncio.run(_serve(config, StartupView(console, log.info)))
-    except WorkerError as e:  # a worker that would not start or attach: one line, not a traceback
+    except (WorkerError, EmulatorError) as e:  # a worker or link emulator that would not start: one line
         print(f"minifaas serve: {e}", file=sys.stderr)
         code = 1
     except PolicyError as e:  # a value a policy's constructor refuses, as the gateway builds it (before any worker)

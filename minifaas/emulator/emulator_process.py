@@ -151,10 +151,13 @@ class EmulatorProcess:
         try:
             async with asyncio.timeout(self.start_timeout):
                 line = await self._process.stdout.readline()  # type: ignore[union-attr]
+            if not line:  # its error went to the shared terminal
+                code = await self._process.wait()
+                raise EmulatorError(f"the link emulator exited before it was ready (exit code {code})")
             ready = json.loads(line)
         except (TimeoutError, json.JSONDecodeError) as e:
             await self._stop()
-            raise EmulatorError(f"the emulator did not start: {e!r}") from None
+            raise EmulatorError(f"the link emulator did not start: {e!r}") from None
         self.port = ready["port"]
         self.control.close()
         self.control = EmulatorControl("127.0.0.1", ready["control_port"], self.secret)
