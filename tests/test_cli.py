@@ -126,6 +126,7 @@ BAD_INPUT = [
         ["sim", "--trace", "mooncake-synthetic", "--snapshot-policy-arg", "interval_blocks=-3"],
         "snapshot 'interval': ValueError: interval_blocks must be an integer >= 0, got -3",
     ),
+    (["sim", "--arrivals", "uniform", "--rate", "0.001", "--duration", "5"], "1 request(s), all arriving at once"),
     (["sim", "--threshold", "-5"], "argument --threshold: need an integer >= 0, got '-5'"),
     (["sim", "--spill-tokens", "-1"], "argument --spill-tokens: need an integer >= 0, got '-1'"),
     (["sim", "--n-prfaas", "-1"], "argument --n-prfaas: need an integer >= 0, got '-1'"),

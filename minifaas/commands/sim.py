@@ -249,6 +249,9 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         arrivals = ArrivalSpec(ArrivalKind(args.arrivals), rate, args.on_s, args.off_s, args.off_fraction)
         duration = 600.0 if args.duration is None else args.duration
         workload = synthetic(case.lengths, round(case.output_tokens), arrivals, duration, args.seed)
+    if workload.duration_s == 0:  # throughput counts over the span of the arrivals
+        raise ValueError(f"{len(workload)} request(s), all arriving at once: no span of arrivals to count over "
+                         "(a longer --duration, or a higher rate, gives one)")  # fmt: skip
     if args.warmup >= workload.duration_s:
         span = f"the {workload.duration_s:g} s of arrivals"
         raise ValueError(f"--warmup {args.warmup:g} s leaves nothing of {span} to count")
