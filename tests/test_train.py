@@ -153,6 +153,12 @@ def test_a_short_run_warms_up_for_a_tenth_of_its_steps_unless_told() -> None:
         command_settings("--out", "o", "--steps", "30", "--warmup-steps", "30")
 
 
+def test_out_is_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file: the checkpoint is a directory"):
+        train(tiny(tmp_path / "a-file"))
+
+
 def test_resume_needs_a_saved_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no training_state\.pt"):
         train(tiny(tmp_path), resume=True)

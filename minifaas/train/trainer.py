@@ -84,6 +84,8 @@ class Trainer:
 
     def prepare(self, resume: bool = False) -> None:
         """The output directory, and the saved run to go on from: its errors are the user's to fix."""
+        if self.out.exists() and not self.out.is_dir():
+            raise NotADirectoryError(f"--out {self.out} is a file: the checkpoint is a directory")
         self.out.mkdir(parents=True, exist_ok=True)
         clear_exports(self.out)
         if resume:
