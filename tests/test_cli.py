@@ -248,3 +248,33 @@ def test_json_figures_have_six_significant_digits(argv: list[str], capsys: pytes
     values = _floats(json.loads(capsys.readouterr().out))
     assert values, "no figures"
     assert all(math.isfinite(v) and float(f"{v:.6g}") == v for v in values), values
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_serve_waits_for_a_worker_stops_it_at_once_and_its_children_with_it(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: the hand-started worker never answers
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    argv = ["serve", "--port", "0", "--no-fork-workers", "--secret-file", str(secret),
+            "--pd-worker", f"127.0.0.1:{closed.getsockname()[1]}"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "minifaas.commands.main", *argv], stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if "waiting for the pd worker" in line:
+                break
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert children, "the PrfaaS worker it started"
+        signalled = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        closed.close()
+    assert proc.returncode == 0 and "stopped while starting" in err, err
+    print(f"stopped {time.monotonic() - signalled:.1f} s after the signal, where it waited 120 s for the worker")
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]

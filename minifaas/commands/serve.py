@@ -463,24 +463,36 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(config: ServeConfig, view: StartupView) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    loop, serving = asyncio.get_running_loop(), asyncio.current_task()
+    starting = True
+
+    def stopping() -> None:
+        if starting and not stop.is_set() and serving is not None:  # a start waiting on its workers ends now
+            serving.cancel()
+        stop.set()
 
     def on_signals() -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping)
 
     on_signals()
-    async with contextlib.AsyncExitStack() as stack:
-        with view:
-            gateway, port = await stack.enter_async_context(running_server(config, view))
-        on_signals()  # again: starting Ray installs handlers of its own
-        gc.collect()  # start-up's garbage in reference cycles is freed, not frozen with the rest
-        gc.freeze()  # what start-up loaded lives as long as the process: full collections while serving skip it
-        set_title("serve", f"{config.host}:{port}")
-        log.info("serving %s on http://%s:%d/v1, %s (Ctrl-C to stop)", config.model, config.host, port,
-                 kernels_line(gateway))  # fmt: skip
-        if config.api_key is None and config.host not in LOOPBACK:
-            log.warning("the API on %s takes requests from anyone who reaches it: no API key (--api-key-file, "
-                        "$%s)", config.host, API_KEY_ENV)  # fmt: skip
-        await stop.wait()
-        log.info("stopping: the workers the gateway started and the link emulator are shut down")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            with view:
+                gateway, port = await stack.enter_async_context(running_server(config, view))
+            starting = False
+            on_signals()  # again: starting Ray installs handlers of its own
+            gc.collect()  # start-up's garbage in reference cycles is freed, not frozen with the rest
+            gc.freeze()  # what start-up loaded lives as long as the process: full collections while serving skip it
+            set_title("serve", f"{config.host}:{port}")
+            log.info("serving %s on http://%s:%d/v1, %s (Ctrl-C to stop)", config.model, config.host, port,
+                     kernels_line(gateway))  # fmt: skip
+            if config.api_key is None and config.host not in LOOPBACK:
+                log.warning("the API on %s takes requests from anyone who reaches it: no API key (--api-key-file, "
+                            "$%s)", config.host, API_KEY_ENV)  # fmt: skip
+            await stop.wait()
+            log.info("stopping: the workers the gateway started and the link emulator are shut down")
+    except asyncio.CancelledError:
+        if not (starting and stop.is_set()):
+            raise
+        log.info("stopped while starting: what had started is shut down")
