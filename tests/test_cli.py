@@ -218,6 +218,21 @@ def test_ctrl_c_in_a_long_simulation_is_one_line_and_exit_code_130() -> None:
     assert proc.returncode == 130 and out == "" and err == "minifaas sim: interrupted\n", err
 
 
+def test_ctrl_c_while_a_command_imports_torch_is_one_line_and_exit_code_130() -> None:
+    argv = ["generate", "--max-tokens", "20000"]  # imports torch, then loads a model and decodes for minutes
+    proc = subprocess.Popen([sys.executable, "-m", "minifaas.commands.main", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                            signal.SIG_DFL))  # fmt: skip
+    try:
+        while cpu_seconds(proc.pid) < 0.4 and proc.poll() is None:  # torch's import takes more than a second
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and out == "" and err == "minifaas generate: interrupted\n", err
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system CPU of a running process, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -116,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.parse_args(argv)  # prints help or the usage error and exits
     name = argv[0]
-    command = command_parser(name)
-    args = command.parse_args(argv[1:])
     try:
-        return int(importlib.import_module(COMMANDS[name][0]).run(args) or 0)
-    except BadInput as e:
-        command.error(str(e))
+        command = command_parser(name)  # imports torch: seconds in which ^C may come too
+        args = command.parse_args(argv[1:])
+        try:
+            return int(importlib.import_module(COMMANDS[name][0]).run(args) or 0)
+        except BadInput as e:
+            command.error(str(e))
     except KeyboardInterrupt:  # ^C in a command that does not stop on it itself (sim, profile, plan): one line
         print(f"minifaas {name}: interrupted", file=sys.stderr)
         return 130
