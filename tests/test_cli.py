@@ -202,35 +202,32 @@ def test_the_command_prints_no_traceback(argv: list[str], says: str) -> None:
     assert done.stderr.startswith(says) and done.stderr.count("\n") == 1, done.stderr
 
 
-@pytest.mark.slow
-def test_ctrl_c_in_a_long_simulation_is_one_line_and_exit_code_130() -> None:
-    argv = ["sim", "--gpus", "10000", "--duration", "7200", "--no-progress"]  # about a minute here
+def interrupted(argv: list[str], after_cpu_s: float) -> tuple[int, str, str]:
+    """Run the command, send it ^C once it has used ``after_cpu_s`` of CPU; its exit code, stdout and stderr."""
     proc = subprocess.Popen([sys.executable, "-m", "minifaas.commands.main", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
                             signal.SIG_DFL))  # fmt: skip
     try:
-        while cpu_seconds(proc.pid) < 5.0 and proc.poll() is None:  # its imports and workload behind it
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and out == "" and err == "minifaas sim: interrupted\n", err
-
-
-def test_ctrl_c_while_a_command_imports_torch_is_one_line_and_exit_code_130() -> None:
-    argv = ["generate", "--max-tokens", "20000"]  # imports torch, then loads a model and decodes for minutes
-    proc = subprocess.Popen([sys.executable, "-m", "minifaas.commands.main", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
-                            signal.SIG_DFL))  # fmt: skip
-    try:
-        while cpu_seconds(proc.pid) < 0.4 and proc.poll() is None:  # torch's import takes more than a second
+        while cpu_seconds(proc.pid) < after_cpu_s and proc.poll() is None:
             time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and out == "" and err == "minifaas generate: interrupted\n", err
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_long_simulation_is_one_line_and_exit_code_130() -> None:
+    argv = ["sim", "--gpus", "10000", "--duration", "7200", "--no-progress"]  # about a minute here
+    code, out, err = interrupted(argv, 5.0)  # its imports and workload behind it
+    assert code == 130 and out == "" and err == "minifaas sim: interrupted\n", err
+
+
+def test_ctrl_c_while_a_command_imports_torch_is_one_line_and_exit_code_130() -> None:
+    argv = ["generate", "--max-tokens", "20000"]  # imports torch, then loads a model and decodes for minutes
+    code, out, err = interrupted(argv, 0.4)  # torch's import takes more than a second
+    assert code == 130 and out == "" and err == "minifaas generate: interrupted\n", err
 
 
 def cpu_seconds(pid: int) -> float:
