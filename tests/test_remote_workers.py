@@ -231,6 +231,19 @@ def test_a_worker_given_as_the_other_clusters_is_one_error_line(cluster: dict) -
     assert all(w.process.poll() is None for w in cluster["workers"].values())  # they wait for the next gateway
 
 
+def test_hand_started_workers_with_no_decode_worker_among_them_are_one_error_line(cluster: dict) -> None:
+    """Only the PD prefill worker handed to --pd-worker: every request would wait out its deadline for a decode
+    worker, so serve stops at once, saying so."""
+    prefill, _ = cluster["addresses"]
+    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", "--pd-worker", prefill,
+            "--secret-file", str(cluster["secret"]), "--model", "kimi-linear-tiny",
+            "--prfaas-workers", "0"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    said = "minifaas serve: no decode worker in the PD cluster among the workers attached (pd-p0): every request"
+    assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert all(w.process.poll() is None for w in cluster["workers"].values())  # they wait for the next gateway
+
+
 def test_a_worker_whose_starter_left_before_it_was_ready_stops_quietly(cluster: dict, tmp_path: Path) -> None:
     """Its ready line meets a closed pipe (a gateway that gave up on start): it stops, with no traceback."""
     argv = [sys.executable, "-m", "minifaas.commands.main", "worker", "--model", "kimi-linear-tiny", "--role",

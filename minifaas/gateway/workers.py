@@ -177,6 +177,11 @@ class Workers:
             async with asyncio.TaskGroup() as starting:  # one failing cancels the others
                 for spec in self.planned:
                     starting.create_task(self.launch(spec))
+            roles = {(w.cluster, w.role) for w in self.workers.values()}  # hand-started ones say theirs on attach
+            if ("pd", "decode") not in roles or not roles & {("prfaas", "prefill"), ("pd", "prefill")}:
+                what = "decode worker in the PD cluster" if ("pd", "decode") not in roles else "prefill worker"
+                raise WorkerError(f"no {what} among the workers attached ({', '.join(sorted(self.workers))}): every "
+                                  "request would wait for one")  # fmt: skip
         except BaseException as e:
             await self._stack.aclose()
             if isinstance(e, BaseExceptionGroup):  # say why the first worker failed, not "a TaskGroup failed"
