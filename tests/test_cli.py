@@ -74,6 +74,8 @@ BAD_INPUT = [
     (["demo", "--model", "nope"], "no model 'nope'"),
     (["demo", "--link-rate", "fast"], "not a rate"),
     (["demo", "--duration", "60"], "--duration goes with --dashboard"),
+    (["serve", "--pd-worker", "127.0.0.1:9", "--pd-decode-workers", "1"], "--pd-decode-workers does not apply with"),
+    (["serve", "--prfaas-worker", "127.0.0.1:9", "--prfaas-workers", "2"], "--prfaas-workers does not apply with --"),
     (["demo", "--long-tokens", "40000"], "the longest prompt (40297 tokens) and --max-tokens 24: more than shakesp"),
     (["demo", "--dashboard", "--max-tokens", "32000"], "and --max-tokens 32000: more than shakespeare-qwen3.5's"),
     (["demo", "--short", "-1"], "need --short, --long >= 0"),

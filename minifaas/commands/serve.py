@@ -247,6 +247,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("give --prfaas-device or --prfaas-devices, not both")
     if args.pd_device and args.pd_devices:
         raise ValueError("give --pd-device or --pd-devices, not both")
+    counts = {
+        "--prfaas-workers": (args.prfaas_workers, args.prfaas_worker, "--prfaas-worker"),
+        "--pd-prefill-workers": (args.pd_prefill_workers, args.pd_worker, "--pd-worker"),
+        "--pd-decode-workers": (args.pd_decode_workers, args.pd_worker, "--pd-worker"),
+    }
+    for flag, (count, hand_started, hand_flag) in counts.items():
+        if count is not None and hand_started:  # a cluster's workers are all hand-started, or all started here
+            raise ValueError(f"{flag} does not apply with {hand_flag}: the cluster's workers are the ones it names")
     # each table as the TOML gave it, with what the flags set: a setting no flag names is kept whole
     prfaas = replace(
         base.prfaas,
