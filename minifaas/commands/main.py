@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import importlib
 import os
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -117,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints help or the usage error and exits
     name = argv[0]
     try:
-        command = command_parser(name)  # imports torch: seconds in which ^C may come too
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # ^C in torch's import may be lost in C
+        try:
+            command = command_parser(name)  # imports torch: a ^C meanwhile comes once it is done
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         args = command.parse_args(argv[1:])
         try:
             return int(importlib.import_module(COMMANDS[name][0]).run(args) or 0)
