@@ -14,7 +14,9 @@
    decoding too, give the prefill's slowdown beside one and two other workers computing (``contended``): the
    twin's ``contention``; timed beside the decoding batch alone, its ``beside_decode``; and the client's TTFT
    beyond the prefill, alone, its ``delivery_s``. Last, PD prompts queued behind each other give a worker's
-   own time between two forwards (``turnaround``): the twin's ``prefill_turnaround_s``.
+   own time between two forwards (``turnaround``): the twin's ``prefill_turnaround_s``. The same calibration
+   runs again after the replay, and the twin takes each figure halfway between the two (``Calibration.mean``):
+   the box's speed drifts over a run, and the replay runs between them.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
@@ -42,11 +44,12 @@ error. Then the requests the twin at live speed misses most, with their routes, 
 route (the gateway's per-request breakdown, the client's HTTP round trip) beside the profile's prefill time,
 and the live prefill beside the profile's by band of uncached tokens (``prefill_by_length``); last, the twin's
 TTFT error with its prefill 5% faster and 5% slower (``prefill_sensitivity``): how closely a profile must match
-the loaded workers.
+the loaded workers; and its error on the calibration before the replay alone, and on the one after alone.
 ``--json`` ends with one JSON object: ``ttft_mean_err``, ``ttft_p90_err``, ``throughput_err`` and the other
-errors of the twin, ``model_alone``, ``own_cores`` and ``at_live_speed`` with the same of the others, the trace,
-the load and the scaling. ``--quick`` is the short slice the tests run (40 requests); the same code path.
-``--save FILE`` keeps the live run (the profiles, the scaling and every stream) and ``--from FILE`` simulates it
+errors of the twin, ``model_alone``, ``own_cores``, ``at_live_speed``, ``before_only`` and ``after_only`` with
+the same of the others, both calibrations' figures, the trace, the load and the scaling. ``--quick`` is the short
+slice the tests run (40 requests); the same code path. ``--save FILE`` keeps the live run (the profiles, both
+calibrations, the scaling and every stream) and ``--from FILE`` simulates it
 again with the simulator of the day, so a model change is measured on the same live runs.
 """
 
@@ -159,7 +162,7 @@ def lossless_codec() -> CodecEstimate:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The served workers before the replay: their prefill alone, and how much slower it runs beside others."""
+    """The served workers' prefill alone, and how much slower it runs beside others, timed once."""
 
     prefill: PrefillProfile
     contention: tuple[float, ...]  # a prefill's time over its time alone, with 1, 2, 3 workers computing
@@ -167,14 +170,35 @@ class Calibration:
     beside_decode: float  # a prefill's time over its time alone while a batch decodes beside it, nothing else
     turnaround_s: float  # a prefill worker's own time from one forward's end to the next one's start, alone
 
+    def mean(self, other: Calibration) -> Calibration:
+        """Each figure halfway between this calibration's and ``other``'s, taken on the same lengths: the box's
+        speed drifts, and a replay timed between two calibrations runs at neither's."""
+        points = tuple(replace(a, latency_s=(a.latency_s + b.latency_s) / 2)
+                       for a, b in zip(self.prefill.points, other.prefill.points, strict=True))  # fmt: skip
+        return Calibration(
+            replace(self.prefill, points=points),
+            tuple((a + b) / 2 for a, b in zip(self.contention, other.contention, strict=True)),
+            (self.delivery_s + other.delivery_s) / 2,
+            (self.beside_decode + other.beside_decode) / 2,
+            (self.turnaround_s + other.turnaround_s) / 2,
+        )
 
-async def calibrate(url: str, model: PrefillProfile, context: int, repeats: int = 5) -> Calibration:
+    def to_dict(self) -> dict:
+        return asdict(self) | {"prefill": profile_tables(self.prefill)["prefill"]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        return cls(**data | {"prefill": prefill_from_dict(data["prefill"]), "contention": tuple(data["contention"])})
+
+
+async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, repeats: int = 5) -> Calibration:
     """Each of the model profile's lengths sent alone ``repeats`` times as fresh token ids (no cached prefix),
     routed as the router routes it: the median of the ``prefill_s`` its worker reports is the prefill (the state
     bytes stay the profile's; a longer prompt never counts faster), and the median of the client's TTFT beyond
     it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill,
-    beside that and a batch decoding ``context``-token prompts, and beside the batch alone. Last ``turnaround``."""
-    rng = np.random.default_rng(11)
+    beside that and a batch decoding ``context``-token prompts, and beside the batch alone. Last ``turnaround``.
+    The prompts' token ids come from ``seed``: a second calibration on the same server needs another."""
+    rng = np.random.default_rng(seed)
     points, slowest, beyond = [], 0.0, []
     async with client() as http:
         for ids in ([5] * 8, [6] * (2 * THRESHOLD["mooncake"])):  # first-call costs of each route, not timed
@@ -265,20 +289,16 @@ def batch_tokens(serve: ServeConfig) -> int:
     return serve.pd.prefill_batch
 
 
-def twin(
-    serve: ServeConfig, prefill: PrefillProfile, decode: DecodeProfile, lossless: CodecEstimate,
-    contention: tuple[float, ...] = (), delivery_s: float = 0.0, beside_decode: float = 0.0,
-    turnaround_s: float = 0.0,
-) -> SimConfig:  # fmt: skip
+def twin(serve: ServeConfig, cal: Calibration, decode: DecodeProfile, lossless: CodecEstimate) -> SimConfig:
     """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles, with the
-    prefill's slowdown measured beside other workers on this machine, the workers' turnaround between forwards
-    and the delivery of its tokens."""
+    workers' prefill as calibrated: alone, beside other workers on this machine, their turnaround between
+    forwards and the delivery of its tokens."""
     model = load_config_dict(ModelSpec.resolve(serve.model, serve.seed))
     rate = parse_rate(serve.link.rate)
     cache = serve.cache
     return SimConfig(
-        prfaas=prefill,
-        pd_prefill=prefill,
+        prfaas=cal.prefill,
+        pd_prefill=cal.prefill,
         # a decode worker batches what its memory holds (or --max-batch), not the SLO's BS_max: the admission
         # bound on requests in flight is the live cap
         decode=replace(decode, bs_max=serve.pd.max_batch or serve.max_queued_requests or 10**6),
@@ -302,14 +322,14 @@ def twin(
         early_first_token=True,  # the gateway sends the first token as the prefill worker has it
         whole_prompt_hits=True,  # a prefill worker serves a repeated prompt from its end snapshot
         shared_cores=len(os.sched_getaffinity(0)),  # every worker of the live deployment on this machine
-        contention=contention,
-        beside_decode=beside_decode,
-        delivery_s=delivery_s,
+        contention=cal.contention,
+        beside_decode=cal.beside_decode,
+        delivery_s=cal.delivery_s,
         decode_step_by_batch=True,  # a decode worker steps the rows it has
         decode_hold=1.0 if serve.pd.device == "cpu" else 0.0,  # as worker_process gives a CPU decode worker
         decode_hold_max_s=MAX_HOLD_S,
         prefill_batch_tokens=batch_tokens(serve),
-        prefill_turnaround_s=turnaround_s,
+        prefill_turnaround_s=cal.turnaround_s,
         kv_compression=serve.link.kv_compression,
         kv_compression_args=serve.link.kv_compression_args,
         codecs=(("lossless", lossless),),
@@ -576,9 +596,7 @@ class LiveRun:
     load: str
     requests: int
     flags: list[str]  # minifaas serve's
-    workers: PrefillProfile  # the prefill as the served workers ran it
-    contention: tuple[float, ...]  # the prefill's slowdown beside 0, 1, 2 other workers computing (``calibrate``)
-    delivery_s: float  # a token's way from its worker to the client
+    before: Calibration  # the served workers, timed before the replay (``calibrate``)
     model: PrefillProfile  # minifaas profile's prefill, the model alone
     decode: DecodeProfile
     lossless: CodecEstimate
@@ -587,29 +605,38 @@ class LiveRun:
     streams: list[Stream]
     late_s: list[float]  # how late each request was sent
     wall_s: float
-    beside_decode: float = 0.0  # the prefill's slowdown beside a decoding batch alone (``calibrate``); 0: not measured
-    turnaround_s: float = 0.0  # a prefill worker's time between forwards (``calibrate``); 0: not measured
+    after: Calibration | None = None  # the same, timed again after the replay; None in a run saved before it was
+
+    @property
+    def calibration(self) -> Calibration:
+        """What the twin runs on: halfway between the two calibrations, or the one before where there is no other."""
+        return self.before if self.after is None else self.before.mean(self.after)
 
     def write(self, path: Path) -> None:
-        tables = {"workers": profile_tables(self.workers)["prefill"], "model": profile_tables(self.model)["prefill"],
+        tables = {"model": profile_tables(self.model)["prefill"],
                   "decode": profile_tables(decode=self.decode)["decode"], "lossless": asdict(self.lossless),
-                  "streams": [asdict(s) for s in self.streams]}  # fmt: skip
+                  "streams": [asdict(s) for s in self.streams], "before": self.before.to_dict(),
+                  "after": self.after and self.after.to_dict()}  # fmt: skip
         plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in tables}
         path.write_text(json.dumps(plain | tables) + "\n")
 
     @classmethod
     def read(cls, path: Path) -> LiveRun:
         data = json.loads(path.read_text())
+        if "before" not in data:  # saved with one calibration, its figures among the run's
+            names = ("contention", "delivery_s", "beside_decode", "turnaround_s")
+            data["before"] = {"prefill": data.pop("workers")} | {k: data.pop(k, 0.0) for k in names}
         return cls(**data | {
-            "workers": prefill_from_dict(data["workers"]), "model": prefill_from_dict(data["model"]),
-            "decode": decode_from_dict(data["decode"]), "lossless": CodecEstimate(**data["lossless"]),
-            "contention": tuple(data["contention"]),
-            "streams": [Stream(**s) for s in data["streams"]],
+            "model": prefill_from_dict(data["model"]), "decode": decode_from_dict(data["decode"]),
+            "lossless": CodecEstimate(**data["lossless"]), "streams": [Stream(**s) for s in data["streams"]],
+            "before": Calibration.from_dict(data["before"]),
+            "after": data.get("after") and Calibration.from_dict(data["after"]),
         })  # fmt: skip
 
 
 def live_run(trace: str, load: str, requests: int) -> LiveRun:
-    """Profile the model, serve it, time the workers' prefill, scale the slice to the load, replay it live."""
+    """Profile the model, serve it, time the workers' prefill, scale the slice to the load, replay it live, time
+    the workers' prefill again."""
     started = time.perf_counter()
     sl = trace_slice(trace, requests)
     flags = [*LIVE_FLAGS, "--threshold", str(THRESHOLD[trace]), "--cache-block-size", str(sl.block_tokens)]
@@ -618,42 +645,45 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
         lengths = profile_lengths(int(sl.prompts.max()))
         model, decode = profile(lengths, serve.worker_threads("prfaas"), Path(tmp) / "profile.json")
     lossless = lossless_codec()
+    context = max(8, int(np.median(sl.prompts)))
     with serving(flags) as server:
-        cal = asyncio.run(calibrate(server.url, model, max(8, int(np.median(sl.prompts)))))
-        config = twin(serve, cal.prefill, decode, lossless, cal.contention, cal.delivery_s, cal.beside_decode,
-                      cal.turnaround_s)  # fmt: skip
-        capacity = capacity_rps(config, sl.prompts, sl.output_tokens)
+        before = asyncio.run(calibrate(server.url, model, context, seed=11))
+        capacity = capacity_rps(twin(serve, before, decode, lossless), sl.prompts, sl.output_tokens)
         trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
         time_scale = trace_rate / (LOADS[load] * capacity)
         workload = sl.workload(time_scale)
         print(f"replaying {len(workload)} requests over {workload.duration_s:.1f} s", file=sys.stderr, flush=True)
         streams, late = asyncio.run(replay(server.url, sl, workload))
+        print("calibrating again", file=sys.stderr, flush=True)
+        after = asyncio.run(calibrate(server.url, model, context, seed=12))
     wall_s = time.perf_counter() - started
-    return LiveRun(trace, load, requests, flags, cal.prefill, cal.contention, cal.delivery_s, model, decode,
-                   lossless, time_scale, capacity, streams, late, wall_s, cal.beside_decode,
-                   cal.turnaround_s)  # fmt: skip
+    return LiveRun(trace, load, requests, flags, before, model, decode, lossless, time_scale, capacity, streams, late,
+                   wall_s, after)  # fmt: skip
 
 
 def report(run: LiveRun, as_json: bool) -> None:
     """The run beside its twin and the twin's variants: the table, the deviations, the breakdowns, the JSON."""
     sl = trace_slice(run.trace, run.requests)
     workload = sl.workload(run.time_scale)
-    config = twin(serve_config(run.flags), run.workers, run.decode, run.lossless, run.contention, run.delivery_s,
-                  run.beside_decode, run.turnaround_s)  # fmt: skip
+    serve, cal = serve_config(run.flags), run.calibration
+    config = twin(serve, cal, run.decode, run.lossless)
     print(f"{run.trace} ({sl.name}), {run.load}: {len(workload)} requests over {workload.duration_s:.1f} s; "
           f"prompts / {LENGTH_DIVISOR[run.trace]}, outputs / {OUTPUT_DIVISOR} (at most {MAX_OUTPUT}), "
           f"time x{run.time_scale:.3g}: {workload.rate:.2f} req/s, {LOADS[run.load]:.0%} of the "
           f"{run.capacity_rps:.2f} req/s the profile predicts")  # fmt: skip
     print(
-        f"profile: prefill {run.workers.latency_s(256):.4f} s at 256 tokens in the workers "
-        f"({run.model.latency_s(256):.4f} s the model alone), decode step "
+        f"profile: prefill {run.model.latency_s(256):.4f} s at 256 tokens, the model alone; decode step "
         f"{run.decode.step_s(1) * 1e3:.2f}-{run.decode.step_time_s * 1e3:.2f} ms at batch 1-{run.decode.bs_max}; "
-        f"prefill beside 0/1/2 others computing: {' / '.join(f'{x:.2f}x' for x in run.contention)}, "
-        f"beside a decoding batch alone {run.beside_decode:.2f}x; "
-        f"turnaround between forwards {run.turnaround_s * 1e3:.1f} ms; "
-        f"delivery {run.delivery_s * 1e3:.1f} ms; "
         f"serve {' '.join(run.flags)}"
     )
+    shown = [("before the replay", run.before)]
+    if run.after is not None:
+        shown += [("after it", run.after), ("for the twin, halfway", cal)]
+    for name, c in shown:
+        print(f"  calibrated {name}: prefill {c.prefill.latency_s(256):.4f} s at 256 tokens in the workers; "
+              f"beside 0/1/2 others computing {' / '.join(f'{x:.2f}x' for x in c.contention)}, beside a "
+              f"decoding batch alone {c.beside_decode:.2f}x; turnaround between forwards "
+              f"{c.turnaround_s * 1e3:.1f} ms; delivery {c.delivery_s * 1e3:.1f} ms")  # fmt: skip
     streams = run.streams
     live = live_timeline(streams)
     sim_started = time.perf_counter()
@@ -668,12 +698,22 @@ def report(run: LiveRun, as_json: bool) -> None:
     fitted_errors = {f"{key}_err": relative_error(fitted_f[key], live_f[key]) for key in live_f}
     own_errors = {f"{key}_err": relative_error(own_f[key], live_f[key]) for key in live_f}
     alone_errors = {f"{key}_err": relative_error(alone_f[key], live_f[key]) for key in live_f}
+    one_calibration = {}  # the twin on the calibration before the replay alone, and on the one after alone
+    for name, c in (("before_only", run.before), ("after_only", run.after)):
+        if c is not None and run.after is not None:
+            one = simulated_timeline(twin(serve, c, run.decode, run.lossless), workload).figures()
+            one_calibration[name] = {f"{key}_err": relative_error(one[key], live_f[key]) for key in live_f}
     print(
         f"sent late: median {statistics.median(run.late_s) * 1e3:.1f} ms, max {max(run.late_s) * 1e3:.1f} ms; "
         f"simulated in {sim_s * 1e3:.0f} ms\n"
     )
     columns = {"simulated": (sim_f, errors), "model alone": (alone_f, alone_errors), "own cores": (own_f, own_errors)}
     print_comparison(live_f, {**columns, "at live speed": (fitted_f, fitted_errors)})
+    for name, errs in one_calibration.items():
+        print(
+            f"the twin on the calibration {name.replace('_', ' ')}: TTFT mean {errs['ttft_mean_err']:+.1%}, "
+            f"p90 {errs['ttft_p90_err']:+.1%}, output tokens/s {errs['throughput_err']:+.1%}"
+        )
     print_deviations(live, sim, fitted, streams)
     parts = breakdown(streams, live, config)
     print_breakdown(parts)
@@ -698,9 +738,14 @@ def report(run: LiveRun, as_json: bool) -> None:
             "sim_at_live_speed": fitted_f, "at_live_speed": fitted_errors, "sim_own_cores": own_f,
             "own_cores": own_errors, "sim_model_alone": alone_f, "model_alone": alone_errors,
             "model_prefill_256_s": float(run.model.latency_s(256)),
-            "worker_prefill_256_s": float(run.workers.latency_s(256)),
-            "contention": list(run.contention), "delivery_s": run.delivery_s, "beside_decode": run.beside_decode,
-            "turnaround_s": run.turnaround_s, "prefill_sensitivity": sensitivity,
+            "worker_prefill_256_s": float(cal.prefill.latency_s(256)),
+            "contention": list(cal.contention), "delivery_s": cal.delivery_s, "beside_decode": cal.beside_decode,
+            "turnaround_s": cal.turnaround_s, "prefill_sensitivity": sensitivity, **one_calibration,
+            "calibrations": {
+                name: {"prefill_256_s": float(c.prefill.latency_s(256))}
+                | {k: v for k, v in asdict(c).items() if k != "prefill"}
+                for name, c in (("before", run.before), ("after", run.after)) if c is not None
+            },
         }  # fmt: skip
         print(figures.dumps(out))
 

@@ -67,6 +67,12 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, 
     assert len(run["contention"]) == 3 and run["beside_decode"] < 10 and max(run["contention"]) < 10, run
     # a worker's own time between two forwards: a few ms of Python, not a forward's length nor a negative one
     assert 0 <= run["turnaround_s"] < 0.05, run
+    # timed again after the replay: the twin's figures lie halfway between the two calibrations (the JSON keeps 6
+    # significant digits)
+    before, after = run["calibrations"]["before"], run["calibrations"]["after"]
+    for key, halfway in (("worker_prefill_256_s", "prefill_256_s"), ("turnaround_s", "turnaround_s")):
+        assert run[key] == pytest.approx((before[halfway] + after[halfway]) / 2, rel=1e-4), (key, run)
+    assert run["before_only"]["ttft_mean_err"] is not None and run["after_only"]["ttft_mean_err"] is not None, run
     bands = run["prefill_by_length"]
     assert sum(b["requests"] for b in bands) == 40 and all(b["live_s"] > 0 < b["profile_s"] for b in bands), bands
     # the saved run simulated again without serving: the same live figures, the same twin
@@ -75,5 +81,15 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, 
     )
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads(again.stdout.splitlines()[-1])
-    for key in ("live", "sim", "sim_at_live_speed", "sim_own_cores", "sim_model_alone", "ttft_parts"):
+    for key in (
+        "live",
+        "sim",
+        "sim_at_live_speed",
+        "sim_own_cores",
+        "sim_model_alone",
+        "ttft_parts",
+        "before_only",
+        "after_only",
+        "calibrations",
+    ):
         assert rerun[key] == run[key], key
