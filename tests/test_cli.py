@@ -63,6 +63,8 @@ BAD_INPUT = [
     (["serve", "--threshold", "-1"], "need threshold >= 0"),
     (["serve", "--profile", "prefill-only.json"], "prefill-only.json: a profile needs [prefill] and [decode] tables"),
     (["serve", "--router", "default", "--router-arg", "foo=1"], "router 'default': its constructor refuses ['foo']: "),
+    (["serve", "--router-arg", "config=1"], "router 'default': TypeError: config must be a RouterConfig, got 1"),
+    (["sim", "--router-arg", "config=1"], "router 'default': TypeError: config must be a RouterConfig, got 1"),
     (["serve", "--api-key", ""], "--api-key is empty: give a key, or leave the flag out for an open server"),
     (["serve", "--config", "own-prfaas.toml"], "tableless.json: no [prefill] table"),
     (["serve", "--link-rate", "fast"], "not a rate: 'fast'"),

@@ -44,7 +44,7 @@ from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load
 from minifaas.model.tokenizer import Tokenizer
 from minifaas.policy.interfaces import RoutingPolicy
 from minifaas.policy.long_term import LongTermConfig
-from minifaas.policy.plugin import ROUTER, load_policy
+from minifaas.policy.plugin import ROUTER, building, load_policy
 from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig
 from minifaas.policy.short_term import ShortTermConfig
 
@@ -67,10 +67,11 @@ class Gateway:
             cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer,
             spill_tokens=config.spill_tokens,
         )  # fmt: skip
-        self.router: RoutingPolicy = (
-            Router(**{"config": routing, **dict(config.router_args)}) if config.router == "default"
-            else load_policy(config.router, ROUTER, config.router_args, config=routing)
-        )  # fmt: skip
+        with building(ROUTER, config.router):
+            self.router: RoutingPolicy = (
+                Router(**{"config": routing, **dict(config.router_args)}) if config.router == "default"
+                else load_policy(config.router, ROUTER, config.router_args, config=routing)
+            )  # fmt: skip
         self.secret = cluster_secret(config)
         hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
         self.prefixes = PrefixDirectory(config.cache.enabled, config.cache.block_size, spec.name, hybrid, ())

@@ -227,6 +227,8 @@ class Router:
     """``decide`` plus counters for /metrics: every decision by path and by reason."""
 
     def __init__(self, config: RouterConfig = RouterConfig()) -> None:
+        if not isinstance(config, RouterConfig):  # a --router-arg config=VALUE in place of the deployment's
+            raise TypeError(f"config must be a RouterConfig, got {config!r}")
         self.config = config
         self.paths: Counter[Path] = Counter()
         self.reasons: Counter[RouteReason] = Counter()

@@ -17,7 +17,7 @@ import numpy as np
 from minifaas.cache.prefix_index import PromptKeys
 from minifaas.policy.codec_policy import TransferShape
 from minifaas.policy.interfaces import RoutingPolicy
-from minifaas.policy.plugin import ROUTER, load_policy
+from minifaas.policy.plugin import ROUTER, building, load_policy
 from minifaas.policy.router import ClusterView, Path, RouteInput, Router
 from minifaas.sim.coding import SimCoding
 from minifaas.sim.decode import BatchClock, DecodeInstances
@@ -38,10 +38,11 @@ class Simulation:
         self.config = config
         self.workload = workload
         self.loop = EventLoop()
-        self.router: RoutingPolicy = (
-            Router(**{"config": config.router, **dict(config.router_args)}) if config.router_policy == "default"
-            else load_policy(config.router_policy, ROUTER, config.router_args, config=config.router)
-        )  # fmt: skip
+        with building(ROUTER, config.router_policy):
+            self.router: RoutingPolicy = (
+                Router(**{"config": config.router, **dict(config.router_args)}) if config.router_policy == "default"
+                else load_policy(config.router_policy, ROUTER, config.router_args, config=config.router)
+            )  # fmt: skip
         self.prompt_tokens = self.cached_tokens = 0  # of the requests routed: the prefix hit ratio
         batch = config.prefill_batch_tokens
         turnaround = config.prefill_turnaround_s
