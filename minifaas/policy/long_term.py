@@ -76,17 +76,23 @@ class LongTermPolicy:
     threshold: int
     n_prefill: int
     n_decode: int
-    reasons: Counter[RebalanceReason] = field(default_factory=Counter)
-    decisions: list[RebalanceDecision] = field(default_factory=list)
-    _lengths: list[int] = field(default_factory=list)
-    _period_start: float = 0.0
-    _link_bps: float = 0.0
-    _planned_link_bps: float | None = None  # the link ceiling the last plan was made for
-    _previous: list[int] = field(default_factory=list)  # the last plan's lengths
-    _measured: dict[str, list[float]] = field(default_factory=dict)  # cluster -> [measured s, profiled s]
-    _outputs: list[int] = field(default_factory=list)  # completion tokens of the period's finished requests
+    reasons: Counter[RebalanceReason] = field(default_factory=Counter, init=False)
+    decisions: list[RebalanceDecision] = field(default_factory=list, init=False)
+    _lengths: list[int] = field(default_factory=list, init=False)
+    _period_start: float = field(default=0.0, init=False)
+    _link_bps: float = field(default=0.0, init=False)
+    _planned_link_bps: float | None = field(default=None, init=False)  # the link ceiling the last plan was made for
+    _previous: list[int] = field(default_factory=list, init=False)  # the last plan's lengths
+    _measured: dict[str, list[float]] = field(default_factory=dict, init=False)  # cluster -> [measured s, profiled s]
+    _outputs: list[int] = field(default_factory=list, init=False)  # completion tokens of the period's finished requests
 
     def __post_init__(self) -> None:
+        # the arguments may come from flags, each any JSON value
+        for name, kind in (("config", LongTermConfig), ("case", PlanCase), ("threshold", int), ("n_prefill", int),
+                           ("n_decode", int)):  # fmt: skip
+            if not isinstance(getattr(self, name), kind):
+                what = "an integer" if kind is int else f"a {kind.__name__}"
+                raise TypeError(f"{name} must be {what}, got {getattr(self, name)!r}")
         if self.n_prefill + self.n_decode != self.case.n_pd:
             raise ValueError("n_prefill + n_decode must equal the case's n_pd")
 

@@ -89,15 +89,22 @@ class ShortTermPolicy:
     threshold: int  # t now
     rule: Rule = Rule.SCARCE
     base: int = -1  # the lowest t it returns to; defaults to the starting t
-    reasons: Counter[ThresholdReason] = field(default_factory=Counter)
-    rule_changes: int = 0
-    history: deque[ThresholdDecision] = field(default_factory=lambda: deque(maxlen=4096))
-    _smoothed: float | None = None
-    _min_rtt_ms: float = 0.0
-    _since_raise: int = 1 << 30
-    _headroom_run: int = 0
+    reasons: Counter[ThresholdReason] = field(default_factory=Counter, init=False)
+    rule_changes: int = field(default=0, init=False)
+    history: deque[ThresholdDecision] = field(default_factory=lambda: deque(maxlen=4096), init=False)
+    _smoothed: float | None = field(default=None, init=False)
+    _min_rtt_ms: float = field(default=0.0, init=False)
+    _since_raise: int = field(default=1 << 30, init=False)
+    _headroom_run: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
+        # the arguments may come from flags, each any JSON value
+        if not isinstance(self.config, ShortTermConfig):
+            raise TypeError(f"config must be a ShortTermConfig, got {self.config!r}")
+        for name in ("threshold", "base"):
+            if not isinstance(getattr(self, name), int):
+                raise TypeError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        self.rule = Rule(self.rule)
         if self.threshold < 0:
             raise ValueError("the threshold must be >= 0")
         if self.base < 0:
