@@ -68,6 +68,7 @@ BAD_INPUT = [
     (["serve", "--short-term-arg", "history=1"], "short_term 'default': its constructor refuses ['history']"),
     (["sim", "--scheduler", "--short-term-arg", "config=1"], "TypeError: config must be a ShortTermConfig, got 1"),
     (["sim", "--scheduler", "--short-term-arg", "rule=x"], "short_term 'default': ValueError: 'x' is not a valid Rule"),
+    (["sim", "--scheduler", "--short-term-arg", "threshold=true"], "threshold must be an integer, got True"),
     (["sim", "--long-term", "default", "--long-term-arg", "case=1"], "TypeError: case must be a PlanCase, got 1"),
     (["sim", "--long-term", "default", "--long-term-arg", "n_decode=2.5"], "n_decode must be an integer, got 2.5"),
     (["sim", "--long-term", "default", "--long-term-arg", "_lengths=[]"], "its constructor refuses ['_lengths']"),

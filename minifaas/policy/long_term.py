@@ -90,7 +90,7 @@ class LongTermPolicy:
         # the arguments may come from flags, each any JSON value
         for name, kind in (("config", LongTermConfig), ("case", PlanCase), ("threshold", int), ("n_prefill", int),
                            ("n_decode", int)):  # fmt: skip
-            if not isinstance(getattr(self, name), kind):
+            if not isinstance(getattr(self, name), kind) or type(getattr(self, name)) is bool:
                 what = "an integer" if kind is int else f"a {kind.__name__}"
                 raise TypeError(f"{name} must be {what}, got {getattr(self, name)!r}")
         if self.n_prefill + self.n_decode != self.case.n_pd:

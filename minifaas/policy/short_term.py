@@ -102,7 +102,7 @@ class ShortTermPolicy:
         if not isinstance(self.config, ShortTermConfig):
             raise TypeError(f"config must be a ShortTermConfig, got {self.config!r}")
         for name in ("threshold", "base"):
-            if not isinstance(getattr(self, name), int):
+            if type(getattr(self, name)) is not int:  # true and false are not counts
                 raise TypeError(f"{name} must be an integer, got {getattr(self, name)!r}")
         self.rule = Rule(self.rule)
         if self.threshold < 0:
