@@ -699,8 +699,8 @@ def report(run: LiveRun, as_json: bool) -> None:
     own_errors = {f"{key}_err": relative_error(own_f[key], live_f[key]) for key in live_f}
     alone_errors = {f"{key}_err": relative_error(alone_f[key], live_f[key]) for key in live_f}
     one_calibration = {}  # the twin on the calibration before the replay alone, and on the one after alone
-    for name, c in (("before_only", run.before), ("after_only", run.after)):
-        if c is not None and run.after is not None:
+    if run.after is not None:
+        for name, c in (("before_only", run.before), ("after_only", run.after)):
             one = simulated_timeline(twin(serve, c, run.decode, run.lossless), workload).figures()
             one_calibration[name] = {f"{key}_err": relative_error(one[key], live_f[key]) for key in live_f}
     print(
