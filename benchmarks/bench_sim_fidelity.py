@@ -10,13 +10,14 @@
    the prefill as the live workers run it (``calibrate``): once the server is up, each profiled length
    sent alone a few times as fresh tokens, the median of the forward time each worker reports; the twin runs
    on that, since a worker's forward also feeds its layer sink while its event loop sends. Then short PD
-   prompts timed while a long PrfaaS prompt prefills, and again with a batch of the slice's median prompt
-   decoding too, give the prefill's slowdown beside one and two other workers computing (``contended``): the
-   twin's ``contention``; timed beside the decoding batch alone, its ``beside_decode``; and the client's TTFT
-   beyond the prefill, alone, its ``delivery_s``. Last, PD prompts queued behind each other give a worker's
-   own time between two forwards (``turnaround``): the twin's ``prefill_turnaround_s``. The same calibration
-   runs again after the replay, and the twin takes each figure halfway between the two (``Calibration.mean``):
-   the box's speed drifts over a run, and the replay runs between them.
+   prompts timed while a long PrfaaS prompt prefills give the prefill's slowdown beside one other worker
+   computing (``contended``): the twin's ``contention``, which the simulator scales past that by the count of
+   workers taking turns on the cores; timed beside a batch of the slice's median prompt decoding, its
+   ``beside_decode``; and the client's TTFT beyond the prefill, alone, its ``delivery_s``. Last, PD prompts
+   queued behind each other give a worker's own time between two forwards (``turnaround``): the twin's
+   ``prefill_turnaround_s``. The same calibration runs again after the replay, and the twin takes each figure
+   halfway between the two (``Calibration.mean``): the box's speed drifts over a run, and the replay runs
+   between them.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
    through ``minifaas serve``'s own parser to a ``ServeConfig``; ``twin`` turns that into the ``SimConfig``
    with the same worker counts per cluster, decode batch bound, threshold and scheduler settings, routing rule
@@ -165,7 +166,7 @@ class Calibration:
     """The served workers' prefill alone, and how much slower it runs beside others, timed once."""
 
     prefill: PrefillProfile
-    contention: tuple[float, ...]  # a prefill's time over its time alone, with 1, 2, 3 workers computing
+    contention: tuple[float, ...]  # a prefill's time over its time alone, with 1 and 2 workers computing
     delivery_s: float  # a first token's time at the client beyond its prefill: the gateway and HTTP
     beside_decode: float  # a prefill's time over its time alone while a batch decodes beside it, nothing else
     turnaround_s: float  # a prefill worker's own time from one forward's end to the next one's start, alone
@@ -188,15 +189,16 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, data: dict) -> Calibration:
-        return cls(**data | {"prefill": prefill_from_dict(data["prefill"]), "contention": tuple(data["contention"])})
+        contention = tuple(data["contention"][:2])  # a run saved with a third figure, beside two others: not used
+        return cls(**data | {"prefill": prefill_from_dict(data["prefill"]), "contention": contention})
 
 
 async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, repeats: int = 5) -> Calibration:
     """Each of the model profile's lengths sent alone ``repeats`` times as fresh token ids (no cached prefix),
     routed as the router routes it: the median of the ``prefill_s`` its worker reports is the prefill (the state
     bytes stay the profile's; a longer prompt never counts faster), and the median of the client's TTFT beyond
-    it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill,
-    beside that and a batch decoding ``context``-token prompts, and beside the batch alone. Last ``turnaround``.
+    it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill, and
+    beside a batch decoding ``context``-token prompts. Last ``turnaround``.
     The prompts' token ids come from ``seed``: a second calibration on the same server needs another."""
     rng = np.random.default_rng(seed)
     points, slowest, beyond = [], 0.0, []
@@ -216,15 +218,15 @@ async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, re
         prefill = replace(model, points=tuple(points), latency_coeffs=())
         alone = float(prefill.latency_s(CONTENDED_TOKENS))
         beside = []
-        for prefilling, decoding in ((True, False), (True, True), (False, True)):
+        for prefilling, decoding in ((True, False), (False, True)):
             taken = [s for _ in range(CONTENDED_ROUNDS)
                      for s in await contended(http, url, rng, prefilling, decoding, context)]  # fmt: skip
             if not taken:  # a round may end before a prompt beside it does; all of them, not
                 raise RuntimeError(f"no prompt finished beside the others in {CONTENDED_ROUNDS} rounds")
             beside.append(statistics.median(taken) / alone)
         turn_s = await turnaround(http, url, rng)
-    contention = tuple(np.maximum.accumulate([1.0, *beside[:2]]).tolist())
-    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[2]), turn_s)
+    contention = (1.0, max(1.0, beside[0]))
+    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[1]), turn_s)
 
 
 async def turnaround(http: aiohttp.ClientSession, url: str, rng: np.random.Generator) -> float:
@@ -681,7 +683,7 @@ def report(run: LiveRun, as_json: bool) -> None:
         shown += [("after it", run.after), ("for the twin, halfway", cal)]
     for name, c in shown:
         print(f"  calibrated {name}: prefill {c.prefill.latency_s(256):.4f} s at 256 tokens in the workers; "
-              f"beside 0/1/2 others computing {' / '.join(f'{x:.2f}x' for x in c.contention)}, beside a "
+              f"beside 0/1 others computing {' / '.join(f'{x:.2f}x' for x in c.contention)}, beside a "
               f"decoding batch alone {c.beside_decode:.2f}x; turnaround between forwards "
               f"{c.turnaround_s * 1e3:.1f} ms; delivery {c.delivery_s * 1e3:.1f} ms")  # fmt: skip
     streams = run.streams

@@ -62,9 +62,9 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, 
     # profile (a worker's figure in the wrong unit, the wrong length), not a ratio
     assert run["worker_prefill_256_s"] >= 0.5 * run["model_prefill_256_s"], run
     assert run["sim"]["ttft_mean"] >= 0.5 * run["sim_model_alone"]["ttft_mean"], run
-    # measured beside others: one and two workers computing, and a decoding batch alone; each figure is at least
-    # 1 by construction, so the bound is against a misread one (a time for a ratio, say)
-    assert len(run["contention"]) == 3 and run["beside_decode"] < 10 and max(run["contention"]) < 10, run
+    # measured beside others: one other worker computing, and a decoding batch alone; each figure is at least 1 by
+    # construction, so the bound is against a misread one (a time for a ratio, say)
+    assert len(run["contention"]) == 2 and run["beside_decode"] < 10 and max(run["contention"]) < 10, run
     # a worker's own time between two forwards: a few ms of Python, not a forward's length nor a negative one
     assert 0 <= run["turnaround_s"] < 0.05, run
     # timed again after the replay: the twin's figures lie halfway between the two calibrations (the JSON keeps 6
