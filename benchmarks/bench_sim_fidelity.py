@@ -218,9 +218,9 @@ async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, re
         prefill = replace(model, points=tuple(points), latency_coeffs=())
         alone = float(prefill.latency_s(CONTENDED_TOKENS))
         beside = []
-        for prefilling, decoding in ((True, False), (False, True)):
+        for decoding in (False, True):
             taken = [s for _ in range(CONTENDED_ROUNDS)
-                     for s in await contended(http, url, rng, prefilling, decoding, context)]  # fmt: skip
+                     for s in await contended(http, url, rng, decoding, context)]  # fmt: skip
             if not taken:  # a round may end before a prompt beside it does; all of them, not
                 raise RuntimeError(f"no prompt finished beside the others in {CONTENDED_ROUNDS} rounds")
             beside.append(statistics.median(taken) / alone)
@@ -250,26 +250,28 @@ async def turnaround(http: aiohttp.ClientSession, url: str, rng: np.random.Gener
 
 
 async def contended(
-    http: aiohttp.ClientSession, url: str, rng: np.random.Generator, prefilling: bool, decoding: bool, context: int
+    http: aiohttp.ClientSession, url: str, rng: np.random.Generator, decoding: bool, context: int
 ) -> list[float]:
-    """The ``prefill_s`` of fresh ``CONTENDED_TOKENS``-token prompts, one after another on PD, while, with
-    ``prefilling``, a fresh long prompt prefills on PrfaaS (until it ends) and, with ``decoding``,
-    ``DECODE_STREAMS`` streams of ``context``-token prompts decode (until they end, without the long one)."""
+    """The ``prefill_s`` of fresh ``CONTENDED_TOKENS``-token prompts, one after another on PD, while a fresh long
+    prompt prefills on PrfaaS (until its first token) or, with ``decoding``, ``DECODE_STREAMS`` streams of
+    ``context``-token prompts decode (until they end)."""
     batch = [Stream() for _ in range(DECODE_STREAMS if decoding else 0)]
     tasks = [asyncio.create_task(stream(http, url, rng.integers(0, 256, context).tolist(), 4 * MAX_OUTPUT, out=s))
              for s in batch]  # fmt: skip
     while not all(s.arrivals for s in batch) and not any(t.done() for t in tasks):  # all decoding, then begin
         await asyncio.sleep(0.005)
     long = Stream()
-    ids = rng.integers(0, 256, CONTENDED_LONG).tolist()
-    beside = asyncio.create_task(stream(http, url, ids, 1, out=long)) if prefilling else asyncio.gather(*tasks)
+    if decoding:
+        beside = asyncio.gather(*tasks)
+    else:
+        beside = asyncio.create_task(stream(http, url, rng.integers(0, 256, CONTENDED_LONG).tolist(), 1, out=long))
     taken = []
     while not long.arrivals and not beside.done():
         done = await stream(http, url, rng.integers(0, 256, CONTENDED_TOKENS).tolist(), 1)
         if not long.arrivals and not beside.done() and done.status == 200:
             taken.append(float(done.info["prefill_s"]))
-    await asyncio.gather(beside, *tasks)
-    if (prefilling and long.status != 200) or any(len(s.tokens) < 4 * MAX_OUTPUT for s in batch):
+    await beside
+    if (not decoding and long.status != 200) or any(len(s.tokens) < 4 * MAX_OUTPUT for s in batch):
         raise RuntimeError(
             f"the contended calibration's long prompt ({long.status}) or streams failed: "
             f"{[(s.status, len(s.tokens)) for s in batch]}"
