@@ -13,11 +13,9 @@
    prompts timed while a long PrfaaS prompt prefills give the prefill's slowdown beside one other worker
    computing (``contended``): the twin's ``contention``, which the simulator scales past that by the count of
    workers taking turns on the cores; timed beside a batch of the slice's median prompt decoding, its
-   ``beside_decode``; and the client's TTFT beyond the prefill, alone, its ``delivery_s``. Then PD prompts
+   ``beside_decode``; and the client's TTFT beyond the prefill, alone, its ``delivery_s``. Last, PD prompts
    queued behind each other give a worker's own time between two forwards (``turnaround``): the twin's
-   ``prefill_turnaround_s``. Last, the batch decoding alone gives the served decode step over the profile's
-   (``decode_step``): the twin's decode steps take that much longer, the worker's event loop and the gateway's
-   stream being in them. The same calibration runs again after the replay, and the twin takes each figure
+   ``prefill_turnaround_s``. The same calibration runs again after the replay, and the twin takes each figure
    halfway between the two (``Calibration.mean``): the box's speed drifts over a run, and the replay runs
    between them.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
@@ -111,8 +109,7 @@ LIVE_FLAGS = [
     "--fixed-threshold", "--link-rate", "100mbit", "--link-delay-ms", "5",
 ]  # fmt: skip
 PROFILE_BATCHES = "1,4,16,64"
-DECODE_STREAMS = 8  # decoding while a contended prefill is timed, and alone for the decode step
-DECODE_TOKENS = 4 * MAX_OUTPUT  # each of those streams' output
+DECODE_STREAMS = 8  # decoding while a contended prefill is timed
 CONTENDED_TOKENS, CONTENDED_LONG = 128, 2048  # a PD prompt timed beside a PrfaaS one
 CONTENDED_ROUNDS = 3
 # PD prompts queued at once, to time the worker between forwards: together shorter than the spill margin
@@ -173,7 +170,6 @@ class Calibration:
     delivery_s: float  # a first token's time at the client beyond its prefill: the gateway and HTTP
     beside_decode: float  # a prefill's time over its time alone while a batch decodes beside it, nothing else
     turnaround_s: float  # a prefill worker's own time from one forward's end to the next one's start, alone
-    decode_factor: float = 1.0  # a served decode step over the profile's (1: a run saved before it was timed)
 
     def mean(self, other: Calibration) -> Calibration:
         """Each figure halfway between this calibration's and ``other``'s, taken on the same lengths: the box's
@@ -186,7 +182,6 @@ class Calibration:
             (self.delivery_s + other.delivery_s) / 2,
             (self.beside_decode + other.beside_decode) / 2,
             (self.turnaround_s + other.turnaround_s) / 2,
-            (self.decode_factor + other.decode_factor) / 2,
         )
 
     def to_dict(self) -> dict:
@@ -198,15 +193,12 @@ class Calibration:
         return cls(**data | {"prefill": prefill_from_dict(data["prefill"]), "contention": contention})
 
 
-async def calibrate(
-    url: str, model: PrefillProfile, decode: DecodeProfile, context: int, seed: int, repeats: int = 5
-) -> Calibration:
+async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, repeats: int = 5) -> Calibration:
     """Each of the model profile's lengths sent alone ``repeats`` times as fresh token ids (no cached prefix),
     routed as the router routes it: the median of the ``prefill_s`` its worker reports is the prefill (the state
     bytes stay the profile's; a longer prompt never counts faster), and the median of the client's TTFT beyond
     it the delivery. Then ``contended``, ``CONTENDED_ROUNDS`` times: the same on PD beside a PrfaaS prefill, and
-    beside a batch decoding ``context``-token prompts. Then ``turnaround``, and last ``decode_step`` over
-    ``decode``'s step for the same rows.
+    beside a batch decoding ``context``-token prompts. Last ``turnaround``.
     The prompts' token ids come from ``seed``: a second calibration on the same server needs another."""
     rng = np.random.default_rng(seed)
     points, slowest, beyond = [], 0.0, []
@@ -233,11 +225,8 @@ async def calibrate(
                 raise RuntimeError(f"no prompt finished beside the others in {CONTENDED_ROUNDS} rounds")
             beside.append(statistics.median(taken) / alone)
         turn_s = await turnaround(http, url, rng)
-        served_step = await decode_step(http, url, rng, context)
     contention = (1.0, max(1.0, beside[0]))
-    profile_step = decode.step_s(DECODE_STREAMS, context + DECODE_TOKENS // 2)
-    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[1]), turn_s,
-                       served_step / profile_step)  # fmt: skip
+    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[1]), turn_s)
 
 
 async def turnaround(http: aiohttp.ClientSession, url: str, rng: np.random.Generator) -> float:
@@ -260,25 +249,6 @@ async def turnaround(http: aiohttp.ClientSession, url: str, rng: np.random.Gener
     return max(0.0, statistics.median(gaps))
 
 
-async def decode_step(http: aiohttp.ClientSession, url: str, rng: np.random.Generator, context: int) -> float:
-    """A decode step as served: ``DECODE_STREAMS`` streams of fresh ``context``-token prompts decoding together and
-    nothing else; each stream's mean gap between tokens while all of them decode, the median of those."""
-    batch = [Stream() for _ in range(DECODE_STREAMS)]
-    await asyncio.gather(*(stream(http, url, rng.integers(0, 256, context).tolist(), DECODE_TOKENS, out=s)
-                           for s in batch))  # fmt: skip
-    if any(s.status != 200 or len(s.arrivals) < DECODE_TOKENS // 2 for s in batch):
-        raise RuntimeError(f"the decode step's streams failed: {[(s.status, len(s.arrivals)) for s in batch]}")
-    begin, end = max(s.arrivals[1] for s in batch), min(s.arrivals[-1] for s in batch)  # all decoding
-    gaps = []
-    for s in batch:
-        inside = [t for t in s.arrivals if begin <= t <= end]
-        if len(inside) > 1:
-            gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
-    if not gaps:
-        raise RuntimeError("the decode step's streams never decoded together")
-    return statistics.median(gaps)
-
-
 async def contended(
     http: aiohttp.ClientSession, url: str, rng: np.random.Generator, decoding: bool, context: int
 ) -> list[float]:
@@ -286,7 +256,7 @@ async def contended(
     prompt prefills on PrfaaS (until its first token) or, with ``decoding``, ``DECODE_STREAMS`` streams of
     ``context``-token prompts decode (until they end)."""
     batch = [Stream() for _ in range(DECODE_STREAMS if decoding else 0)]
-    tasks = [asyncio.create_task(stream(http, url, rng.integers(0, 256, context).tolist(), DECODE_TOKENS, out=s))
+    tasks = [asyncio.create_task(stream(http, url, rng.integers(0, 256, context).tolist(), 4 * MAX_OUTPUT, out=s))
              for s in batch]  # fmt: skip
     while not all(s.arrivals for s in batch) and not any(t.done() for t in tasks):  # all decoding, then begin
         await asyncio.sleep(0.005)
@@ -301,7 +271,7 @@ async def contended(
         if not long.arrivals and not beside.done() and done.status == 200:
             taken.append(float(done.info["prefill_s"]))
     await beside
-    if (not decoding and long.status != 200) or any(len(s.tokens) < DECODE_TOKENS for s in batch):
+    if (not decoding and long.status != 200) or any(len(s.tokens) < 4 * MAX_OUTPUT for s in batch):
         raise RuntimeError(
             f"the contended calibration's long prompt ({long.status}) or streams failed: "
             f"{[(s.status, len(s.tokens)) for s in batch]}"
@@ -326,13 +296,10 @@ def batch_tokens(serve: ServeConfig) -> int:
 def twin(serve: ServeConfig, cal: Calibration, decode: DecodeProfile, lossless: CodecEstimate) -> SimConfig:
     """The simulated deployment of ``serve``: its counts, policies and link, on the measured profiles, with the
     workers' prefill as calibrated: alone, beside other workers on this machine, their turnaround between
-    forwards and the delivery of its tokens; and the decode step as served."""
+    forwards and the delivery of its tokens."""
     model = load_config_dict(ModelSpec.resolve(serve.model, serve.seed))
     rate = parse_rate(serve.link.rate)
     cache = serve.cache
-    f = cal.decode_factor
-    decode = replace(decode, step_time_s=decode.step_time_s * f, steps=tuple((b, s * f) for b, s in decode.steps),
-                     slot_s=decode.slot_s * f)  # fmt: skip
     return SimConfig(
         prfaas=cal.prefill,
         pd_prefill=cal.prefill,
@@ -684,7 +651,7 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
     lossless = lossless_codec()
     context = max(8, int(np.median(sl.prompts)))
     with serving(flags) as server:
-        before = asyncio.run(calibrate(server.url, model, decode, context, seed=11))
+        before = asyncio.run(calibrate(server.url, model, context, seed=11))
         capacity = capacity_rps(twin(serve, before, decode, lossless), sl.prompts, sl.output_tokens)
         trace_rate = (len(sl.at_s) - 1) / max(sl.at_s[-1], 1e-9)
         time_scale = trace_rate / (LOADS[load] * capacity)
@@ -692,7 +659,7 @@ def live_run(trace: str, load: str, requests: int) -> LiveRun:
         print(f"replaying {len(workload)} requests over {workload.duration_s:.1f} s", file=sys.stderr, flush=True)
         streams, late = asyncio.run(replay(server.url, sl, workload))
         print("calibrating again", file=sys.stderr, flush=True)
-        after = asyncio.run(calibrate(server.url, model, decode, context, seed=12))
+        after = asyncio.run(calibrate(server.url, model, context, seed=12))
     wall_s = time.perf_counter() - started
     return LiveRun(trace, load, requests, flags, before, model, decode, lossless, time_scale, capacity, streams, late,
                    wall_s, after)  # fmt: skip
@@ -720,8 +687,7 @@ def report(run: LiveRun, as_json: bool) -> None:
         print(f"  calibrated {name}: prefill {c.prefill.latency_s(256):.4f} s at 256 tokens in the workers; "
               f"beside 0/1 others computing {' / '.join(f'{x:.2f}x' for x in c.contention)}, beside a "
               f"decoding batch alone {c.beside_decode:.2f}x; turnaround between forwards "
-              f"{c.turnaround_s * 1e3:.1f} ms; delivery {c.delivery_s * 1e3:.1f} ms; decode step "
-              f"{c.decode_factor:.2f}x the profile's")  # fmt: skip
+              f"{c.turnaround_s * 1e3:.1f} ms; delivery {c.delivery_s * 1e3:.1f} ms")  # fmt: skip
     streams = run.streams
     live = live_timeline(streams)
     sim_started = time.perf_counter()
@@ -778,8 +744,7 @@ def report(run: LiveRun, as_json: bool) -> None:
             "model_prefill_256_s": float(run.model.latency_s(256)),
             "worker_prefill_256_s": float(cal.prefill.latency_s(256)),
             "contention": list(cal.contention), "delivery_s": cal.delivery_s, "beside_decode": cal.beside_decode,
-            "turnaround_s": cal.turnaround_s, "decode_factor": cal.decode_factor,
-            "prefill_sensitivity": sensitivity, **one_calibration,
+            "turnaround_s": cal.turnaround_s, "prefill_sensitivity": sensitivity, **one_calibration,
             "calibrations": {
                 name: {"prefill_256_s": float(c.prefill.latency_s(256))}
                 | {k: v for k, v in asdict(c).items() if k != "prefill"}

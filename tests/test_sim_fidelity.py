@@ -67,9 +67,6 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, 
     assert len(run["contention"]) == 2 and run["beside_decode"] < 10 and max(run["contention"]) < 10, run
     # a worker's own time between two forwards: a few ms of Python, not a forward's length nor a negative one
     assert 0 <= run["turnaround_s"] < 0.05, run
-    # a served decode step over the model's alone: the event loop and the stream add to it; a bound against a misread
-    # one (a step against the wrong batch or width, a gap counted over the wrong tokens), not a ratio
-    assert 0.8 < run["decode_factor"] < 4, run
     # timed again after the replay: the twin's figures lie halfway between the two calibrations (the JSON keeps 6
     # significant digits)
     before, after = run["calibrations"]["before"], run["calibrations"]["after"]
