@@ -172,13 +172,15 @@ class Server:
     url: str
 
     def processes(self) -> dict[str, int]:
-        """Every process of the server's group, by title (``serve``, ``pd-decode pd-d0``, ...) -> pid."""
+        """Every process of the server's group, by title (``serve``, ``pd-decode pd-d0``, ...) -> pid; a title
+        that two share (the link emulators') carries the pid from the second on."""
         out = {}
         for pid, _ in self.group():
             with contextlib.suppress(OSError):
                 words = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().split()
                 title = " ".join(w for w in words[1:3] if not w.startswith(":")) if words[0] == "minifaas" else ""
-                out[title or f"pid {pid}"] = pid
+                title = title or f"pid {pid}"
+                out[title if title not in out else f"{title} (pid {pid})"] = pid  # three link emulators, say
         return out
 
     def cpu_s(self) -> float:
