@@ -15,11 +15,12 @@ One run, on one machine, with ``minifaas serve`` started as a user starts it (it
    its best thread count for each figure; each figure is the best of ``--repeats``, the sides taking turns on
    fresh prompts each repeat. Beside them, the workers' own model code on the same prompts in this process on
    one thread (prefill batches of a worker's budget, one batch decoder; ``one_process_run``): what the model costs
-   without the deployment's processes, sockets and messages. With ``--against-flags`` or ``--against-tree``, a
-   second ``minifaas serve`` (those flags; the checkout at that path) is one more side taking turns on the same
-   prompts, its tokens checked like the first's: two deployments measured side by side in one run. ``--check``
-   exits 1 unless served tokens/s is at least generate()'s at N = 32, 128 and 256, served tokens per CPU-second at
-   least 0.8 of generate()'s at 128 and 256, and every token equal (the second server's included).
+   without the deployment's processes, sockets and messages; and where the served CPU went, each process's event
+   loop thread apart from its other threads (the leanest served run's). With ``--against-flags`` or
+   ``--against-tree``, a second ``minifaas serve`` (those flags; the checkout at that path) is one more side taking
+   turns on the same prompts, its tokens checked like the first's: two deployments measured side by side in one
+   run. ``--check`` exits 1 unless served tokens/s is at least generate()'s at N = 32, 128 and 256, served tokens
+   per CPU-second at least 0.8 of generate()'s at 128 and 256, and every token equal (the second server's included).
    Then ``--crowd`` concurrent requests: how many are served and how many refused.
 2. long prompts: TTFT of one prompt of each of ``--lengths`` tokens, prefill tokens/s, the FLOPs the model spends
    on it (``flop_model``: matmuls, causal attention, the linear layers' chunked scan) and the FLOP/s achieved; and
@@ -105,6 +106,7 @@ class Run:
     rows: list[list[int]]  # [] for a request refused
     wall_s: float
     cpu_s: float
+    cpu_by_thread: dict[str, float] = field(default_factory=dict)  # served: each process's loop and other threads
 
     @property
     def tok_s(self) -> float:
@@ -187,6 +189,19 @@ class Server:
         """CPU seconds the server and every process below it have spent so far, as the demo counts them
         (``process_cpu``): reaped children included, so a worker that ends between two readings still counts."""
         return tree_cpu_s(self.proc.pid)
+
+    def thread_cpu_s(self) -> dict[str, float]:
+        """CPU seconds so far of each process's main thread (``TITLE loop``: its event loop) and of its other
+        threads together (``TITLE threads``: the forward thread and the kernels' threads), from /proc."""
+        out: dict[str, float] = {}
+        for title, pid in self.processes().items():
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    stat = (task / "stat").read_text()
+                    ticks = sum(map(int, stat[stat.rindex(")") + 2 :].split()[11:13]))  # utime, stime
+                    part = f"{title} {'loop' if int(task.name) == pid else 'threads'}"
+                    out[part] = out.get(part, 0.0) + ticks / os.sysconf("SC_CLK_TCK")
+        return out
 
     def group(self) -> Iterator[tuple[int, list[str]]]:
         """Each process in the server's group and the fields of its /proc stat after the command name."""
@@ -351,9 +366,11 @@ async def concurrent(url: str, batch: list[list[int]], max_tokens: int = OUTPUT_
 
 def served_run(server: Server, batch: list[list[int]]) -> Run:
     """``batch`` served at once; the CPU time is the whole deployment's, the server and every process below it."""
-    cpu = server.cpu_s()
+    cpu, threads = server.cpu_s(), server.thread_cpu_s()
     done, wall = asyncio.run(concurrent(server.url, batch))
-    return Run([s.tokens if s.status == 200 else [] for s in done], wall, server.cpu_s() - cpu)
+    cpu, after = server.cpu_s() - cpu, server.thread_cpu_s()
+    by_thread = {part: round(after[part] - threads.get(part, 0.0), 3) for part in after}
+    return Run([s.tokens if s.status == 200 else [] for s in done], wall, cpu, by_thread)
 
 
 # --- the FLOP model -----------------------------------------------------------------------------------------------
@@ -439,6 +456,7 @@ def throughput(
             "served_cpu_s": min(x.cpu_s for x in srv), "refused": sum(not got for x in srv for got in x.rows),
             "unequal": unequal, "generate_unequal": generate_unequal, "first_unequal": first_unequal,
             "one_process_tok_s": max(x.tok_s for x in one), "one_process_tok_cpu_s": max(x.tok_cpu_s for x in one),
+            "served_cpu_by_thread": min(srv, key=lambda x: x.cpu_s).cpu_by_thread,  # that of the leanest run
         }  # fmt: skip
         row["ratio"] = row["served_tok_s"] / row["generate_tok_s"]
         row["cpu_ratio"] = row["served_tok_cpu_s"] / row["generate_tok_cpu_s"]
@@ -460,6 +478,8 @@ def throughput(
               + (f" | against {row['against_tok_s']:>9.1f} {row['against_tok_cpu_s']:>9.1f} "
                  f"{row['against_ratio']:>6.2f}x {row['against_cpu_ratio']:>6.2f}x {row['against_refused']:>7} "
                  f"{against_unequal:>7}" if against else ""), flush=True)  # fmt: skip
+        parts = sorted(row["served_cpu_by_thread"].items(), key=lambda kv: -kv[1])
+        print("       served CPU-s by thread: " + ", ".join(f"{part} {cpu:.2f}" for part, cpu in parts if cpu >= 0.01))
     return rows
 
 

@@ -170,6 +170,9 @@ def test_bench_scale_holds_every_served_token_to_generate_and_counts_cpu_time(
         for name in (*names, "one_process_tok_s", "one_process_tok_cpu_s"):  # the one-process rows: generate_unequal
             assert row[name] > 0, name
         assert row["ratio"] == pytest.approx(row["served_tok_s"] / row["generate_tok_s"], rel=1e-3)
+        loops = {part: cpu for part, cpu in row["served_cpu_by_thread"].items() if part.endswith(" loop")}
+        assert any(part.startswith("pd-decode") for part in loops) and sum(loops.values()) > 0  # each part counted
+        assert sum(row["served_cpu_by_thread"].values()) <= row["served_cpu_s"] * 1.05 + 0.05  # no tick twice
     assert summary["crowd"]["tok_cpu_s"] > 0
     checked = {(c["check"], c["n"]) for c in summary["checks"]}
     assert checked >= {("tokens equal", r["n"]) for r in summary["throughput"]}
