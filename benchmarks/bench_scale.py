@@ -190,17 +190,17 @@ class Server:
         (``process_cpu``): reaped children included, so a worker that ends between two readings still counts."""
         return tree_cpu_s(self.proc.pid)
 
-    def thread_cpu_s(self) -> dict[str, float]:
-        """CPU seconds so far of each process's main thread (``TITLE loop``: its event loop) and of its other
-        threads together (``TITLE threads``: the forward thread and the kernels' threads), from /proc."""
-        out: dict[str, float] = {}
+    def thread_cpu_s(self) -> dict[tuple[str, int], float]:
+        """CPU seconds so far of each thread of each process, by part and thread id: the main thread's part is
+        ``TITLE loop`` (its event loop), the others' ``TITLE threads`` (the forward thread, the kernels')."""
+        out: dict[tuple[str, int], float] = {}
         for title, pid in self.processes().items():
             with contextlib.suppress(OSError):
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     stat = (task / "stat").read_text()
                     ticks = sum(map(int, stat[stat.rindex(")") + 2 :].split()[11:13]))  # utime, stime
                     part = f"{title} {'loop' if int(task.name) == pid else 'threads'}"
-                    out[part] = out.get(part, 0.0) + ticks / os.sysconf("SC_CLK_TCK")
+                    out[part, int(task.name)] = ticks / os.sysconf("SC_CLK_TCK")
         return out
 
     def group(self) -> Iterator[tuple[int, list[str]]]:
@@ -369,8 +369,16 @@ def served_run(server: Server, batch: list[list[int]]) -> Run:
     cpu, threads = server.cpu_s(), server.thread_cpu_s()
     done, wall = asyncio.run(concurrent(server.url, batch))
     cpu, after = server.cpu_s() - cpu, server.thread_cpu_s()
-    by_thread = {part: round(after[part] - threads.get(part, 0.0), 3) for part in after}
-    return Run([s.tokens if s.status == 200 else [] for s in done], wall, cpu, by_thread)
+    return Run([s.tokens if s.status == 200 else [] for s in done], wall, cpu, cpu_by_part(threads, after))
+
+
+def cpu_by_part(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float]) -> dict[str, float]:
+    """CPU seconds each part spent between two ``thread_cpu_s`` readings, thread by thread: a thread that ended
+    in between is left out (its time went with it), rather than taken off the part's other threads."""
+    out: dict[str, float] = {}
+    for (part, tid), cpu in after.items():
+        out[part] = out.get(part, 0.0) + cpu - before.get((part, tid), 0.0)
+    return {part: round(cpu, 3) for part, cpu in out.items()}
 
 
 # --- the FLOP model -----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -195,6 +196,38 @@ def test_bench_scales_checks_fail_on_one_unequal_token_and_below_a_threshold() -
         ("ratio >= 1.0", 32),
         ("cpu_ratio >= 0.8", 128),
     ]
+
+
+def test_bench_scales_split_by_thread_never_goes_negative_when_a_thread_ends_mid_run() -> None:
+    """A thread that burned CPU before the run and ended during it takes its ticks with it, not off the rest."""
+    import bench_scale
+
+    burner = (
+        "import sys, threading, time\n"
+        "def burn_then_wait():\n"
+        "    end = time.thread_time() + 0.5\n"
+        "    while time.thread_time() < end: pass\n"
+        "    print('burned', flush=True); sys.stdin.readline()\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a thread that stays\n"
+        "worker = threading.Thread(target=burn_then_wait); worker.start(); worker.join(); time.sleep(30)\n"
+    )  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", burner], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "burned\n"
+        server = bench_scale.Server(proc, "")
+        before = server.thread_cpu_s()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()  # the waiting thread ends
+        deadline = time.monotonic() + 10
+        while len(list(Path(f"/proc/{proc.pid}/task").iterdir())) > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        split = bench_scale.cpu_by_part(before, server.thread_cpu_s())
+        assert split and all(cpu >= 0 for cpu in split.values()), split
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_second_tree_is_what_its_server_imports_even_from_this_checkouts_root(tmp_path: Path) -> None:
