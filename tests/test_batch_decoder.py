@@ -67,13 +67,17 @@ def test_rows_joining_and_leaving_decode_exactly_as_alone(preset: str) -> None:
         arrivals.setdefault(step, []).append((f"r{i}", result.state, result.next_token, params))
 
     step, ties, seen_together = 0, 0, 0
+    forwards: list[torch.Tensor] = []  # each forward's last-position logits [rows, vocab], as the decoder drew from
+    hook = runtime.model.register_forward_hook(lambda _m, _a, out: forwards.append(out.logits[:, -1].float()))
     while decoder.load or step <= max(JOIN_AT):
         for args in arrivals.get(step, []):
             decoder.submit(*args)
+        forwards.clear()
         tokens = decoder.step()
         seen_together = max(seen_together, len(tokens))
-        assert decoder.last_logits is not None
-        for t, logits in zip(tokens, decoder.last_logits):
+        step_logits = torch.cat(forwards)  # rows in the step's output order: lane by lane, as the tokens
+        assert len(step_logits) == len(tokens)
+        for t, logits in zip(tokens, step_logits):
             cache, so_far = refs[t.request]
             alone = forward_one(runtime, cache, so_far[-1])  # the same input token, decoded alone
             assert torch.allclose(logits, alone, rtol=1e-4, atol=1e-4 * float(alone.abs().max()))
@@ -82,6 +86,7 @@ def test_rows_joining_and_leaving_decode_exactly_as_alone(preset: str) -> None:
                 assert alone.max() - alone[t.token] <= 1e-4 * float(alone.abs().max())
             so_far.append(t.token)
         step += 1
+    hook.remove()
     assert seen_together == 3
     assert [len(refs[f"r{i}"][1]) for i in range(len(LENGTHS))] == list(MAX_TOKENS)
     assert ties == 0, f"{ties} greedy tokens flipped on near ties (logits agreed within 1e-4)"

@@ -70,8 +70,8 @@ class Lane:
                 return True
         return False
 
-    def step(self) -> tuple[list[StepToken], torch.Tensor]:
-        """One token for every row, and the logits [rows, vocab] it was drawn from; finished rows leave."""
+    def step(self) -> list[StepToken]:
+        """One token for every row; finished rows leave."""
         logits = self._forward()
         self.cache.advance()
         for row in self.running:
@@ -89,7 +89,7 @@ class Lane:
                 finished.append(index)
         for index in reversed(finished):  # highest first, so the row moved into a hole is never one still to go
             self.release(index)
-        return out, logits
+        return out
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
@@ -115,7 +115,6 @@ class BatchDecoder:
         self.runtime, self.config = runtime, sized_for(config or DecoderConfig(), runtime)
         self.lanes: dict[int, Lane] = {0: Lane(runtime)}  # by length class (``lane_of``); the first kept
         self.waiting: deque[Row] = deque()
-        self.last_logits: torch.Tensor | None = None  # [rows, vocab] of the last step, rows in its output's order
 
     @property
     def cache(self) -> BatchCache:
@@ -152,14 +151,10 @@ class BatchDecoder:
 
     def step(self) -> list[StepToken]:
         self._admit()
-        out, logits = [], []
+        out = []
         for _, lane in sorted(self.lanes.items()):
             if lane.running:
-                tokens, lane_logits = lane.step()
-                out += tokens
-                logits.append(lane_logits)
-        if logits:
-            self.last_logits = torch.cat(logits)
+                out += lane.step()
         self._drop_empty()
         return out
 
