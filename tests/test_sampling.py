@@ -40,6 +40,15 @@ def test_min_tokens_keeps_end_of_sequence_and_stop_tokens_out_until_enough_token
     assert sample(logits, ignoring, 0, History(ignoring), EOS) == EOS  # EOS is no stop: not banned
 
 
+def test_a_temperature_near_zero_draws_the_most_likely_token_rather_than_failing() -> None:
+    """Logits over a temperature of 1e-40 overflow float32; scaled from their maximum, they draw its token."""
+    logits = torch.tensor([5.0, 9.0, -3.0, 8.5, -float("inf")])
+    for temperature in (1e-40, 1e-30, 1e-6):
+        for seed in range(20):
+            assert sample(logits, SamplingParams(temperature=temperature, seed=seed), 0) == 1
+    assert {sample(logits, SamplingParams(temperature=100.0, seed=s), 0) for s in range(400)} == {0, 1, 2, 3}
+
+
 def test_penalties_lower_what_was_generated_by_presence_and_by_count() -> None:
     logits = torch.tensor([5.0, 4.5, 4.0, 0.0])
     presence = SamplingParams(presence_penalty=1.0)
