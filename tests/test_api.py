@@ -190,6 +190,8 @@ BAD_REQUESTS = [
     (C, GOOD | {"stop_token_ids": [5, -1]}, 400, "stop_token_ids"),
     (C, GOOD | {"stop_token_ids": [True]}, 400, "stop_token_ids"),
     (C, GOOD | {"stop_token_ids": [1 << 20]}, 400, "stop_token_ids"),
+    (C, GOOD | {"min_tokens": 1, "stop_token_ids": [t for t in range(264) if t != 257]}, 400, "min_tokens"),  # +EOS
+    (CHAT, CHAT_GOOD | {"min_tokens": 2, "stop_token_ids": list(range(264)), "temperature": 0}, 400, "min_tokens"),
     (C, GOOD | {"n": 2}, 400, "n"),
     (C, GOOD | {"stream": "yes"}, 400, "stream"),
     (C, GOOD | {"stream_options": {"include_usage": True}}, 400, "stream_options"),

@@ -141,6 +141,10 @@ def parse_request(
     include_usage = _field(options or {}, "include_usage", bool, False, param="stream_options.include_usage")
     return_ids = _field(body, "return_token_ids", bool, False)
     sampling = _sampling(body, max_tokens, tokenizer.vocab_size)
+    banned = {*sampling.stop_token_ids, *(() if sampling.ignore_eos else (tokenizer.eos_token_id,))}
+    if sampling.min_tokens and len(banned) >= tokenizer.vocab_size:
+        message = "'min_tokens' leaves no token to generate: 'stop_token_ids' and the end of sequence cover every one."
+        raise APIError(400, message, param="min_tokens")
     return ParsedRequest(endpoint, prompt_ids, sampling, stream, include_usage, return_ids)
 
 
