@@ -1,7 +1,8 @@
 """Trace readers: Mooncake JSONL and Azure LLM inference CSV, as columns the planner and the simulator share.
 
 Mooncake lines: {"timestamp": ms, "input_length", "output_length", "hash_ids"}, a hash id per
-``MOONCAKE_BLOCK_TOKENS`` of prompt. Azure rows: TIMESTAMP, ContextTokens, GeneratedTokens; no prefix information.
+``MOONCAKE_BLOCK_TOKENS`` of prompt (a trace without them has no prefix information). Azure rows: TIMESTAMP,
+ContextTokens, GeneratedTokens; no prefix information.
 ``length_scale`` multiplies prompt lengths, ``rate_scale`` the arrival rate. A shipped trace goes by name
 (``SHIPPED_TRACES``), anything else is a path.
 """
@@ -60,7 +61,9 @@ def read_trace(name_or_path: str | Path, length_scale: float = 1.0, rate_scale: 
 
 
 def read_mooncake(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
+    """A trace whose lines have no ``hash_ids`` carries no prefix information; one with some lines only is refused."""
     times, inputs, outputs, ids = [], [], [], []
+    lines_with_ids: dict[bool, int] = {}  # has hash_ids -> the first line that does (or does not)
     with open(path) as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -73,7 +76,12 @@ def read_mooncake(path: str | Path, length_scale: float = 1.0, rate_scale: float
                 inputs.append(int(row["input_length"]))
                 outputs.append(int(row["output_length"]))
                 ids.append(tuple(int(h) for h in row.get("hash_ids", ())))
-    return _build(Path(path).name, times, inputs, outputs, ids, length_scale, rate_scale)
+                lines_with_ids.setdefault("hash_ids" in row, n)
+    if len(lines_with_ids) == 2:
+        raise ValueError(f"{path}: line {lines_with_ids[True]} has hash_ids and line {lines_with_ids[False]} has "
+                         "none: give every line its ids, or none")  # fmt: skip
+    keyed = ids if True in lines_with_ids else None
+    return _build(Path(path).name, times, inputs, outputs, keyed, length_scale, rate_scale)
 
 
 def read_azure(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:

@@ -252,6 +252,8 @@ def test_sim_says_when_a_drained_run_leaves_requests_unfinished(capsys: pytest.C
         ("t.jsonl", '{"timestamp": 0, "input_length": 9, "output_length": 4}\nnot json\n', "t.jsonl line 2: not JSON"),
         ("t.jsonl", '{"timestamp": 0, "input_length": 9}\n', "t.jsonl line 1: no 'output_length'"),
         ("t.jsonl", "[1, 2]\n", "t.jsonl line 1: not a JSON object"),
+        ("t.jsonl", '{"timestamp": 0, "input_length": 9, "output_length": 4, "hash_ids": [1]}\n'
+         '{"timestamp": 1, "input_length": 9, "output_length": 4}\n', "line 1 has hash_ids and line 2 has none"),
         ("t.jsonl", '{"timestamp": NaN, "input_length": 9, "output_length": 4}\n', "request 1 has no finite timestamp"),
         ("t.csv", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,5\n", "t.csv line 2: no 'GeneratedTokens'"),
         ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n", "t.csv line 2: Invalid isoformat"),
@@ -266,6 +268,20 @@ def test_a_bad_trace_row_or_no_row_is_one_error_line_naming_it(
         main(["sim", "--trace", str(path)])
     assert stopped.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_mooncake_trace_without_hash_ids_keeps_its_lengths_and_runs_without_prefix_matching(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    rows = [(0, 1000), (2000, 20000), (5000, 50000)]
+    path.write_text(
+        "".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 5}) + "\n" for t, n in rows)
+    )
+    workload = read_workload(str(path))
+    assert workload.input_tokens.tolist() == [1000, 20000, 50000] and workload.hash_ids is None
+    assert main(["sim", "--case", "paper", "--trace", str(path), "--json", "--no-progress"]) == 0  # the cache on
+    assert json.loads(capsys.readouterr().out)["completed"] == 3
 
 
 def test_homogeneous_config_never_offloads() -> None:
