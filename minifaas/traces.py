@@ -77,6 +77,10 @@ def read_mooncake(path: str | Path, length_scale: float = 1.0, rate_scale: float
                 outputs.append(int(row["output_length"]))
                 ids.append(tuple(int(h) for h in row.get("hash_ids", ())))
                 lines_with_ids.setdefault("hash_ids" in row, n)
+                need = -(-inputs[-1] // MOONCAKE_BLOCK_TOKENS)
+                if "hash_ids" in row and inputs[-1] >= 1 and len(ids[-1]) != need:
+                    raise ValueError(f"{inputs[-1]} prompt tokens need {need} hash_ids of {MOONCAKE_BLOCK_TOKENS} "
+                                     f"tokens, not {len(ids[-1])}")  # fmt: skip
     if len(lines_with_ids) == 2:
         raise ValueError(f"{path}: line {lines_with_ids[True]} has hash_ids and line {lines_with_ids[False]} has "
                          "none: give every line its ids, or none")  # fmt: skip

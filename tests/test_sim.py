@@ -255,6 +255,10 @@ def test_sim_says_when_a_drained_run_leaves_requests_unfinished(capsys: pytest.C
         ("t.jsonl", '{"timestamp": 0, "input_length": 9, "output_length": 4, "hash_ids": [1]}\n'
          '{"timestamp": 1, "input_length": 9, "output_length": 4}\n', "line 1 has hash_ids and line 2 has none"),
         ("t.jsonl", '{"timestamp": NaN, "input_length": 9, "output_length": 4}\n', "request 1 has no finite timestamp"),
+        ("t.jsonl", '{"timestamp": 0, "input_length": 100000, "output_length": 4, "hash_ids": [1]}\n',
+         "t.jsonl line 1: 100000 prompt tokens need 196 hash_ids of 512 tokens, not 1"),
+        ("t.jsonl", '{"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": [1, 2]}\n',
+         "t.jsonl line 1: 100 prompt tokens need 1 hash_ids of 512 tokens, not 2"),
         ("t.csv", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,5\n", "t.csv line 2: no 'GeneratedTokens'"),
         ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n", "t.csv line 2: Invalid isoformat"),
     ],
