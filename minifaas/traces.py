@@ -14,7 +14,7 @@ import csv
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +97,9 @@ def read_azure(path: str | Path, length_scale: float = 1.0, rate_scale: float = 
                 stamp = row["TIMESTAMP"].strip()
                 # seven fractional digits: fromisoformat takes at most six
                 head, _, frac = stamp.partition(".")
-                times.append(datetime.fromisoformat(head).timestamp() + float(f"0.{frac or 0}"))
+                when = datetime.fromisoformat(head)
+                when = when if when.tzinfo is not None else when.replace(tzinfo=UTC)  # no zone: UTC, not local time
+                times.append(when.timestamp() + float(f"0.{frac or 0}"))
                 inputs.append(int(row["ContextTokens"]))
                 outputs.append(int(row["GeneratedTokens"]))
     return _build(Path(path).name, times, inputs, outputs, None, length_scale, rate_scale)

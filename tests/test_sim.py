@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -286,6 +287,18 @@ def test_a_mooncake_trace_without_hash_ids_keeps_its_lengths_and_runs_without_pr
     assert workload.input_tokens.tolist() == [1000, 20000, 50000] and workload.hash_ids is None
     assert main(["sim", "--case", "paper", "--trace", str(path), "--json", "--no-progress"]) == 0  # the cache on
     assert json.loads(capsys.readouterr().out)["completed"] == 3
+
+
+def test_azure_timestamps_are_utc_whatever_the_machines_time_zone(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.csv"  # a minute apart; in New York's local time, the hour its clocks went back
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-05 01:59:00.5000000,1000,10\n2023-11-05 02:00:00.0000000,1000,10\n")  # fmt: skip
+    for zone in ("UTC", "America/New_York"):
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        assert read_workload(str(path)).arrival_s.tolist() == [0.0, 59.5], zone
+    monkeypatch.undo()
+    time.tzset()
 
 
 def test_homogeneous_config_never_offloads() -> None:
