@@ -97,6 +97,8 @@ def read_azure(path: str | Path, length_scale: float = 1.0, rate_scale: float = 
                 stamp = row["TIMESTAMP"].strip()
                 # seven fractional digits: fromisoformat takes at most six
                 head, _, frac = stamp.partition(".")
+                if frac and not (frac.isascii() and frac.isdigit()):
+                    raise ValueError(f"the fraction of a second {frac!r} is not digits")
                 when = datetime.fromisoformat(head)
                 when = when if when.tzinfo is not None else when.replace(tzinfo=UTC)  # no zone: UTC, not local time
                 times.append(when.timestamp() + float(f"0.{frac or 0}"))

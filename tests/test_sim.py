@@ -262,6 +262,8 @@ def test_sim_says_when_a_drained_run_leaves_requests_unfinished(capsys: pytest.C
          "t.jsonl line 1: 100 prompt tokens need 1 hash_ids of 512 tokens, not 2"),
         ("t.csv", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6805900,5\n", "t.csv line 2: no 'GeneratedTokens'"),
         ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n", "t.csv line 2: Invalid isoformat"),
+        ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5e3,5,5\n",
+         "t.csv line 2: the fraction of a second '5e3' is not digits"),
     ],
 )  # fmt: skip
 def test_a_bad_trace_row_or_no_row_is_one_error_line_naming_it(
