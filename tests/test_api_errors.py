@@ -61,6 +61,8 @@ async def test_routing_errors_outside_v1_are_json_too(method: str, path: str, st
         assert resp.status == status and set((await resp.json())["error"]) == {"message", "type", "param", "code"}
         cause = {404: "not_found", 405: "method_not_allowed"}[status]
         assert (await errors_by_cause(s))[cause] == 1
+        if status == 405:  # which methods the path takes, as HTTP requires of a 405
+            assert "GET" in resp.headers["Allow"].split(",")
 
 
 SURROGATE = '"\\ud800"'  # JSON may carry it; no UTF-8 encoder can

@@ -81,6 +81,8 @@ def _openai_errors(metrics: ServeMetrics) -> Middleware:
             if e.status < 400:
                 raise
             response = _error_response(APIError(e.status, e.reason), metrics)
+            if "Allow" in e.headers:  # a 405 says which methods the path takes
+                response.headers["Allow"] = e.headers["Allow"]
         except Exception as e:  # a bug: the client still gets JSON, the log the trace
             log.exception("%s %s failed", request.method, request.path)
             response = _error_response(api_error(e), metrics)
