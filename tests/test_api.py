@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -233,6 +234,31 @@ async def test_bad_input_gets_openai_error_and_server_stays_healthy(
         assert len(s.gateway.requests) == 1
         samples = metric_samples(await (await s.client.get("/metrics")).text())
         assert samples[series("minifaas:requests_total", route="none", outcome="invalid")] == 1
+
+
+class ThreadNoting(ByteTokenizer):
+    """Notes whether each prompt was tokenized on the event loop's thread."""
+
+    def __init__(self) -> None:
+        self.on_loop: list[bool] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.on_loop.append(threading.current_thread() is threading.main_thread())
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("path", [C, CHAT])
+@run_async
+async def test_a_large_prompt_is_tokenized_off_the_event_loop(path: str) -> None:
+    """Tokenizing megabytes takes seconds: on the loop, every other client's stream would stall meanwhile."""
+    async with serving() as s:
+        s.gateway.tokenizer = tokenizer = ThreadNoting()
+        for text, status, on_loop in (("hello", 200, True), ("x" * (1 << 20), 400, False)):  # past the context
+            message = {"role": "user", "content": text}
+            body = GOOD | {"prompt": text} if path == C else CHAT_GOOD | {"messages": [message]}
+            tokenizer.on_loop.clear()
+            resp = await s.client.post(path, json=body)
+            assert resp.status == status and tokenizer.on_loop and set(tokenizer.on_loop) == {on_loop}
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -13,7 +13,8 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from aiohttp import web
 
@@ -23,6 +24,7 @@ from minifaas.gateway.openai_schema import (
     APIEndpoint,
     APIError,
     CompletionReply,
+    ParsedRequest,
     api_error,
     cause_of,
     check_finished,
@@ -37,6 +39,7 @@ log = logging.getLogger("minifaas.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 RETRY_AFTER_S = "1"
+PARSE_ON_LOOP_BYTES = 64 << 10  # a larger body is tokenized on a thread of its own: seconds, at megabytes
 
 
 class GatewayAPI(Protocol):
@@ -60,6 +63,7 @@ def build_app(
     api = OpenAIServer(gateway, metrics, http)
     middlewares = [_openai_errors(metrics), _bearer_auth(api_key)]
     app = web.Application(client_max_size=http.max_body_bytes, middlewares=middlewares)
+    app.on_cleanup.append(api.close)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
@@ -122,6 +126,10 @@ class OpenAIServer:
         self.gateway = gateway
         self.metrics = metrics
         self.http = http
+        self._parser = ThreadPoolExecutor(1, thread_name_prefix="parse")  # one large body at a time
+
+    async def close(self, app: web.Application) -> None:
+        self._parser.shutdown(wait=False, cancel_futures=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, APIEndpoint.COMPLETIONS)
@@ -147,7 +155,7 @@ class OpenAIServer:
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type})
 
-    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+    async def _read_body(self, request: web.Request) -> bytes:
         limit, seconds = self.http.max_body_bytes, self.http.body_timeout
         too_large = APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
         if request.content_length is not None and request.content_length > limit:
@@ -159,18 +167,21 @@ class OpenAIServer:
             raise too_large from None
         except TimeoutError:
             raise APIError(408, f"The request body did not arrive within {seconds:g} s.", code="body_timeout") from None
-        return parse_json(raw)
+        return raw
+
+    def _parse(self, endpoint: APIEndpoint, raw: bytes) -> ParsedRequest:
+        gateway = self.gateway
+        return parse_request(endpoint, parse_json(raw), model_name=gateway.model_name, tokenizer=gateway.tokenizer,
+                             max_context=gateway.max_context)  # fmt: skip
 
     async def _generate(self, request: web.Request, endpoint: APIEndpoint) -> web.StreamResponse:
         started = time.perf_counter()
         try:
-            parsed = parse_request(
-                endpoint,
-                await self._read_json(request),
-                model_name=self.gateway.model_name,
-                tokenizer=self.gateway.tokenizer,
-                max_context=self.gateway.max_context,
-            )
+            raw = await self._read_body(request)
+            if len(raw) <= PARSE_ON_LOOP_BYTES:
+                parsed = self._parse(endpoint, raw)
+            else:  # the other clients' streams go on meanwhile
+                parsed = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse, endpoint, raw)
         except APIError:
             self.metrics.request_finished(None, "invalid")
             raise
