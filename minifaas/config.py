@@ -216,13 +216,14 @@ class HttpConfig:
     body_timeout: float = 30.0  # to send the request body once its headers are in
     max_body_bytes: int = 4 << 20
     backlog: int = 512  # connections the kernel queues before they are accepted
+    shutdown_grace: float = 30.0  # once told to stop: how long requests in flight have to finish before they are cut
 
     def __post_init__(self) -> None:
         check_finite(self)
         if self.max_connections < 1 or self.max_body_bytes < 1 or self.backlog < 1:
             raise ValueError("need max_connections, max_body_bytes and backlog >= 1")
-        if min(self.header_timeout, self.body_timeout) <= 0:
-            raise ValueError("header_timeout and body_timeout must be positive")
+        if min(self.header_timeout, self.body_timeout) <= 0 or self.shutdown_grace < 0:
+            raise ValueError("header_timeout and body_timeout must be positive, shutdown_grace >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -301,3 +302,56 @@ def test_a_signal_while_serve_waits_for_a_worker_stops_it_at_once_and_its_childr
     assert proc.returncode == 0 and "stopped while starting" in err, err
     print(f"stopped {time.monotonic() - signalled:.1f} s after the signal, where it waited 120 s for the worker")
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+
+
+@pytest.mark.parametrize("second_signal", [False, True], ids=["grace-ends", "second-signal"])
+def test_serve_lets_a_stream_in_flight_go_on_for_its_grace_then_cuts_it_and_a_second_signal_cuts_it_at_once(
+    second_signal: bool,
+) -> None:
+    import threading
+    import urllib.request
+
+    grace = 120.0 if second_signal else 3.0
+    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", "--no-fork-workers",
+            "--log-level", "INFO", "--shutdown-grace", str(grace)]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log: list[str] = []
+    try:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            log.append(line)
+            if "serving" in line and "http://" in line:
+                break
+        url = line.split("http://")[1].split("/")[0]
+        threading.Thread(target=log.extend, args=(proc.stderr,), daemon=True).start()
+        chunks: list[float] = []  # when each streamed line came
+        body = json.dumps({"prompt": "ROMEO:", "max_tokens": 30000, "ignore_eos": True, "stream": True}).encode()
+        request = urllib.request.Request(f"http://{url}/v1/completions", body, {"Content-Type": "application/json"})
+
+        def read() -> None:
+            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=300) as r:
+                for _ in r:
+                    chunks.append(time.monotonic())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        while len(chunks) < 20:
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        while not any(t > signalled + 1.0 for t in chunks):  # the stream goes on after the signal
+            assert proc.poll() is None
+            time.sleep(0.05)
+        with pytest.raises(OSError):  # but no one new gets in
+            urllib.request.urlopen(f"http://{url}/health", timeout=10)
+        if second_signal:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        stopped = time.monotonic() - signalled
+        reader.join(timeout=30)
+    finally:
+        proc.kill()
+    assert not subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert stopped < 60 and chunks[-1] < signalled + (grace if not second_signal else 30), "cut, long before 30,000"
+    said = "".join(log)
+    assert f"requests in flight have up to {grace:g} s to finish" in said
+    assert ("the requests still in flight were cut" in said) == second_signal

@@ -114,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--body-timeout", type=float, help=f"seconds to send a request's body (default: {d.http.body_timeout:g})"
     )
     parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        help="seconds requests in flight have to finish once serve is told to stop (Ctrl-C, SIGTERM); then they "
+        f"are cut, as they are at once by a second signal (default: {d.http.shutdown_grace:g})",
+    )
+    parser.add_argument(
         "--prfaas-workers", type=int, help=f"PrfaaS prefill workers (default: {d.prfaas.prefill_workers})"
     )
     parser.add_argument("--pd-prefill-workers", type=int, help=f"PD-P workers (default: {d.pd.prefill_workers})")
@@ -315,6 +321,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_connections=_pick(args.max_connections, base.http.max_connections),
         header_timeout=_pick(args.header_timeout, base.http.header_timeout),
         body_timeout=_pick(args.body_timeout, base.http.body_timeout),
+        shutdown_grace=_pick(args.shutdown_grace, base.http.shutdown_grace),
     )
     scheduler = replace(
         base.scheduler,
@@ -472,10 +479,14 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(config: ServeConfig, view: StartupView) -> None:
     stop = asyncio.Event()
     loop, serving = asyncio.get_running_loop(), asyncio.current_task()
-    starting = True
+    starting, cut = True, False
 
     def stopping() -> None:
-        if starting and not stop.is_set() and serving is not None:  # a start waiting on its workers ends now
+        nonlocal cut
+        if serving is not None and starting and not stop.is_set():  # a start waiting on its workers ends now
+            serving.cancel()
+        elif serving is not None and not starting and stop.is_set() and not cut:  # a second signal: no more grace
+            cut = True
             serving.cancel()
         stop.set()
 
@@ -499,8 +510,15 @@ async def _serve(config: ServeConfig, view: StartupView) -> None:
                 log.warning("the API on %s takes requests from anyone who reaches it: no API key (--api-key-file, "
                             "$%s)", config.host, API_KEY_ENV)  # fmt: skip
             await stop.wait()
-            log.info("stopping: the workers the gateway started and the link emulator are shut down")
+            log.info(
+                "stopping: requests in flight have up to %g s to finish (a second Ctrl-C cuts them now), "
+                "then the workers the gateway started and the link emulator stop",
+                config.http.shutdown_grace,
+            )
     except asyncio.CancelledError:
-        if not (starting and stop.is_set()):
+        if cut:
+            log.info("stopped: the requests still in flight were cut")
+        elif not (starting and stop.is_set()):
             raise
-        log.info("stopped while starting: what had started is shut down")
+        else:
+            log.info("stopped while starting: what had started is shut down")

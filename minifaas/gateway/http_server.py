@@ -123,6 +123,7 @@ async def serve_http(
         handler_cancellation=True,
         keepalive_timeout=http.header_timeout,
         lingering_time=LINGER_S,
+        shutdown_timeout=http.shutdown_grace / 2,  # twice over: for a handler to end, then (cancelled) to end
     )
     await runner.setup()
     try:
