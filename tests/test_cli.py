@@ -58,6 +58,8 @@ BAD_INPUT = [
     (["kv-size", "--model", "nope"], "no model 'nope': not a preset (kimi-linear-tiny"),
     (["kv-size", "--lengths", "1k"], "not a list of integers"),
     (["kv-size", "--baseline", "nope"], "no model 'nope'"),
+    (["kv-size", "--model", "garbled.json"], "garbled.json: not JSON (Expecting value"),
+    (["kv-size", "--model", "tableless.json"], "tableless.json: no setting 'num_hidden_layers' in the config"),
     (["serve", "--model", "nope"], "no model 'nope'"),
     (["serve", "--config", "missing.toml"], "missing.toml: No such file or directory"),
     (["serve", "--profile", "missing.json"], "missing.json: No such file or directory"),

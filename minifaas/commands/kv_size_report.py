@@ -8,7 +8,7 @@ from rich.table import Table
 
 from minifaas import figures
 from minifaas.commands import arguments
-from minifaas.commands.main import stdout_console, user_input
+from minifaas.commands.main import BadInput, stdout_console, user_input
 from minifaas.model.kv_profile import KVProfile
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.loader import DEFAULT_MODEL, MODELS_DIR, ModelSpec, load_config_dict, preset_names
@@ -47,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
         specs += preset_names()
     if args.real_configs:
         specs += sorted(str(p) for p in (MODELS_DIR / "configs").glob("*.json"))
-    profiles = [_profile(s) for s in (specs or [DEFAULT_MODEL])]
     lengths = args.lengths
     with user_input():
+        profiles = [_profile(s) for s in (specs or [DEFAULT_MODEL])]
         baseline = _baseline(profiles, args.baseline)
     if args.json:
         print(figures.dumps({p.name: _as_dict(p, lengths, baseline) for p in profiles}))
@@ -80,8 +80,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _profile(name_or_path: str) -> KVProfile:
+    """The state sizes of a model from its config; a config that cannot give them is BadInput naming the file."""
     spec = ModelSpec.resolve(name_or_path)
-    return kv_profile(load_config_dict(spec), spec.name)
+    cfg = load_config_dict(spec)
+    try:
+        return kv_profile(cfg, spec.name)
+    except KeyError as e:
+        raise BadInput(f"{spec.path}: no setting {e.args[0]!r} in the config") from None
+    except (ValueError, TypeError, ArithmeticError) as e:
+        raise BadInput(f"{spec.path}: not a config kv-size can read ({type(e).__name__}: {e})") from None
 
 
 def _baseline(profiles: list[KVProfile], name: str | None) -> KVProfile | None:

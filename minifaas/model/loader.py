@@ -99,7 +99,14 @@ def _dir_kind(path: Path) -> str:
 
 
 def load_config_dict(spec: ModelSpec) -> dict:
-    raw = json.loads(spec.path.read_text())
+    """The model's config.json as a dict (a multimodal config's ``text_config``); ValueError naming the file if it
+    is not a JSON object."""
+    try:
+        raw = json.loads(spec.path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{spec.path}: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{spec.path}: not a config (a JSON object), got {type(raw).__name__}")
     return raw.get("text_config", raw) if "layer_types" not in raw and "text_config" in raw else raw
 
 
