@@ -93,6 +93,9 @@ BAD_INPUT = [
     (["demo", "--short", "-1"], "need --short, --long >= 0"),
     (["demo", "--short", "0", "--long", "0"], "need --short, --long >= 0 (not both 0)"),
     (["generate", "--model", "nope"], "no model 'nope'"),
+    (["generate", "--model", "tableless.json"], "tableless.json: a bare config.json has no weights; use a preset"),
+    (["profile", "--model", "weightless"], "weightless/config.json: a bare config.json has no weights"),
+    (["serve", "--model", "weightless"], "weightless/config.json: a bare config.json has no weights"),
     (["generate", "--temperature", "-1"], "temperature must be in [0, 100]"),
     (["generate", "--max-tokens", "x"], "invalid int value: 'x'"),
     (["generate", "--device", "cuda:99"], "no device cuda:99: this machine has"),
@@ -181,6 +184,8 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     monkeypatch.chdir(tmp_path)  # the missing files are missing here
     save_profiles(tmp_path / "prefill-only.json", H200)
     (tmp_path / "tableless.json").write_text("{}")
+    (tmp_path / "weightless").mkdir()
+    (tmp_path / "weightless" / "config.json").write_text("{}")
     save_profiles(tmp_path / "pd.json", H200, H20_DECODE)
     (tmp_path / "own-prfaas.toml").write_text('[scheduler]\nprofile = "pd.json"\nprfaas_profile = "tableless.json"\n')
     (tmp_path / "garbled.json").write_text("profile")

@@ -110,6 +110,9 @@ def load_config_dict(spec: ModelSpec) -> dict:
     return raw.get("text_config", raw) if "layer_types" not in raw and "text_config" in raw else raw
 
 
+_NO_WEIGHTS = "{}: a bare config.json has no weights; use a preset or a checkpoint directory"
+
+
 def needs_remote_code(spec: ModelSpec, trust_remote_code: bool) -> bool:
     """Whether the checkpoint's own code (auto_map) builds it; refused in one line unless trusted."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -126,8 +129,11 @@ def needs_remote_code(spec: ModelSpec, trust_remote_code: bool) -> bool:
 
 
 def checked_spec(name_or_path: str, trust_remote_code: bool = False) -> ModelSpec:
-    """What ``--model`` names, refused before anything loads if it cannot be (FileNotFoundError, ValueError)."""
+    """What ``--model`` names, refused before anything loads if it cannot be (FileNotFoundError, ValueError):
+    a bare config, with no weights to load, is refused too."""
     spec = ModelSpec.resolve(name_or_path)
+    if spec.kind == "config":
+        raise ValueError(_NO_WEIGHTS.format(spec.path))
     needs_remote_code(spec, trust_remote_code)
     return spec
 
@@ -169,7 +175,7 @@ def load_model(
             model = AutoModelForCausalLM.from_config(load_config(spec), dtype=torch.float32)
         model = model.to(dtype)
     else:
-        raise ValueError(f"{spec.name}: a bare config.json has no weights; use a preset or a checkpoint directory")
+        raise ValueError(_NO_WEIGHTS.format(spec.path))
     return model.to(device).eval()
 
 
