@@ -375,17 +375,19 @@ class ServeConfig:
             raise ValueError(f"{path}: settings {loose} outside any table: the gateway's go under [serve]")
         if unknown_tables := sorted(set(data) - set(tables)):
             raise ValueError(f"{path}: unknown tables {unknown_tables} (known: {', '.join(tables)})")
-        top = dict(data.get("serve", {}))
+        if inside := sorted(set(data.get("serve", {})) & set(tables)):  # [serve.pd], or pd = ... under [serve]
+            raise ValueError(f"{path}: [serve] has no setting {inside[0]!r}: [{inside[0]}] is a table of its own, "
+                             "at the top level of the file")  # fmt: skip
+        top = dict(toml_values(path, "serve", cls, data.get("serve", {})))
         defaults = cls()
         for name in tables[1:]:
             if name in data:  # a table sets what it names; the rest keeps its default (worker counts included)
                 table = getattr(defaults, name)
                 top[name] = replace(table, **toml_values(path, name, type(table), data[name]))
-        plain = toml_values(path, "serve", cls, {k: v for k, v in top.items() if k not in tables})
-        return replace(cls(**top | plain), **{k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(**top), **{k: v for k, v in overrides.items() if v is not None})
 
 
-TOML_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
+TOML_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
 
 
 def toml_values(path: str | Path, table: str, config: type, values: dict) -> dict:
@@ -398,17 +400,33 @@ def toml_values(path: str | Path, table: str, config: type, values: dict) -> dic
         kinds = [k.strip() for k in known[key].split("|")]
         if value is None and "None" in kinds:
             continue
-        wanted = tuple(t for k in kinds for t in _toml_type(k))
-        if wanted and (not isinstance(value, wanted) or (isinstance(value, bool) and bool not in wanted)):
-            raise ValueError(f"{path}: [{table}] {key} must be {' or '.join(kinds)}, got {value!r}")
+        if not any(_toml_fits(k, value) for k in kinds):
+            raise ValueError(f"{path}: [{table}] {key} must be {' or '.join(map(_toml_name, kinds))}, got {value!r}")
     return values
 
 
-def _toml_type(annotation: str) -> tuple[type, ...]:
-    """The Python types a TOML value may have for a field annotated so (none known: not checked here)."""
-    if annotation.startswith(("tuple", "list")):
-        return (list, tuple)
-    if annotation.startswith("dict"):
-        return (dict,)
-    found = TOML_TYPES.get(annotation, ())
-    return found if isinstance(found, tuple) else (found,)
+def _toml_fits(annotation: str, value: object) -> bool:
+    """Whether a TOML value may go in a field annotated so; a list's items each of the type it names. A type not
+    known here is left to its config's own checks."""
+    if item := _list_item(annotation):
+        return isinstance(value, (list, tuple)) and all(_toml_fits(item, v) for v in value)
+    if annotation.startswith("dict") or annotation == "Args":  # a policy's arguments: a table
+        return isinstance(value, dict)
+    if annotation == "None":
+        return value is None
+    wanted = TOML_TYPES.get(annotation)
+    return wanted is None or (isinstance(value, wanted) and (bool in wanted or not isinstance(value, bool)))
+
+
+def _list_item(annotation: str) -> str:
+    """The item type of a list or tuple annotation (``tuple[str, ...]``: str); "" for any other."""
+    if not annotation.startswith(("tuple[", "list[")):
+        return ""
+    return annotation.partition("[")[2].split(",")[0].rstrip("]").strip()
+
+
+def _toml_name(annotation: str) -> str:
+    """A field's type in an error line: str, int, a list of str, a table."""
+    if item := _list_item(annotation):
+        return f"a list of {item}"
+    return "a table" if annotation.startswith("dict") or annotation == "Args" else annotation

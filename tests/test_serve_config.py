@@ -111,6 +111,13 @@ def test_a_bad_window_flag_is_one_error_line(command: str, capsys: pytest.Captur
         ("[prfaas]\ndecode_workers = 1\n", "the PrfaaS cluster only prefills: [prfaas] decode_workers must be 0"),
         ("[link]\nrate = '0mbit'\n", "a rate must be positive, got '0mbit'"),
         ("[link]\ndelay_ms = 5.0\njitter_ms = 10.0\n", "0 <= jitter_ms <= delay_ms"),  # as the emulator needs
+        ("[serve]\n[serve.prfaas]\nprefill_workers = 3\n", "[serve] has no setting 'prfaas': [prfaas] is a table"),
+        ("[serve]\nprfaas = 3\n", "[serve] has no setting 'prfaas': [prfaas] is a table of its own"),
+        ("[serve]\nlink = 'x'\n", "[serve] has no setting 'link': [link] is a table of its own"),
+        ("[pd]\nworkers = [7000]\n", "[pd] workers must be a list of str, got [7000]"),
+        ("[prfaas]\ndevices = ['cuda:0', 1]\n", "[prfaas] devices must be a list of str, got ['cuda:0', 1]"),
+        ("[serve]\nrouter_args = 5\n", "[serve] router_args must be a table, got 5"),
+        ("[scheduler]\nshort_term_args = [1]\n", "[scheduler] short_term_args must be a table, got [1]"),
     ],
 )  # fmt: skip
 def test_a_toml_value_of_the_wrong_type_or_name_is_one_error_line(
