@@ -175,6 +175,68 @@ def test_bad_inputs_are_refused() -> None:
         type(H20_PREFILL)(name="x", gpus_per_instance=8, latency_coeffs=(-1.0,), kv_bytes_per_token=1.0)
 
 
+CASE_TOML = """name = "mine"
+n_prfaas = 4
+n_pd = 8
+n_homogeneous = 12
+link_gbps = 100.0
+output_tokens = 1024
+[lengths]
+mu = 9.90
+sigma = 1.00
+low = 128
+high = 128000
+[prfaas]
+name = "H200x8"
+gpus_per_instance = 8
+latency_coeffs = [0.389, 4.107e-5, 9.48e-11]
+kv_bytes_per_token = 17137
+[pd_prefill]
+name = "H20x8"
+gpus_per_instance = 8
+latency_coeffs = [0.4, 1.399e-4, 3.15e-11]
+kv_bytes_per_token = 17137
+[decode]
+name = "H20x8"
+gpus_per_instance = 8
+bs_max = 20
+step_time_s = 0.025
+"""
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "says"),
+    [
+        ("mu = 9.90", "mu = nan", "[lengths] mu must be a finite number, got nan"),
+        ("sigma = 1.00", "sigma = nan", "[lengths] sigma must be a finite number, got nan"),
+        ("high = 128000", "high = inf", "[lengths] high must be a finite number, got inf"),
+        ("link_gbps = 100.0", "link_gbps = nan", "link_gbps must be a finite number, got nan"),
+        ("link_gbps = 100.0", "link_gbps = 'nan'", "link_gbps must be a finite number, got 'nan'"),
+        ("output_tokens = 1024", "output_tokens = inf", "output_tokens must be a finite number, got inf"),
+        ("step_time_s = 0.025", "step_time_s = nan", "[decode] step_time_s must be a finite number, got nan"),
+        ("kv_bytes_per_token = 17137\n[pd", "kv_bytes_per_token = nan\n[pd", "[prfaas] kv_bytes_per_token must be a"),
+        ("[0.389,", "[nan,", "[prfaas] latency_coeffs must be finite numbers, got [nan, 4.107e-05, 9.48e-11]"),
+        ("bs_max = 20", "bs_max = 20\nbogus = 1", "[decode] unknown settings ['bogus'] (known: name, gpus"),
+        ("low = 128", "low = 128\nlow_tokens = 5", "[lengths] unknown settings ['low_tokens'] (known: mu, sigma, low"),
+        ("mu = 9.90", "trace = 'azure-code'\nmu = 9.90", "[lengths] unknown settings ['high', 'low', 'mu', 'sigma']"),
+        ("[lengths]\nmu = 9.90\nsigma = 1.00\nlow = 128\nhigh = 128000\n", "lengths = 3\n", "[lengths] must be a"),
+    ],
+)  # fmt: skip
+def test_a_case_file_with_a_number_not_finite_or_an_unknown_setting_is_one_error_line(
+    old: str, new: str, says: str, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "ok.toml").write_text(CASE_TOML)
+    assert main(["plan", "--case", str(tmp_path / "ok.toml"), "--json"]) == 0
+    capsys.readouterr()
+    assert old in CASE_TOML
+    (tmp_path / "case.toml").write_text(CASE_TOML.replace(old, new, 1))
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--case", str(tmp_path / "case.toml")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1, err
+    assert f"case.toml: {says}" in err, err
+
+
 def test_the_plan_table_keeps_every_figure_apart_however_wide(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--output-tokens", "1"]) == 0  # one output token: a decode capacity of thousands
     lines = capsys.readouterr().out.splitlines()

@@ -13,11 +13,15 @@ A TOML (or JSON) file (``load_case``, ``name`` optional) plans any deployment:
     low = 128
     high = 128000
     [prfaas]                  # a prefill profile (profile.py); [pd_prefill] too; [decode] a decode profile
+
+A setting the case does not read, at the top or in a table, and a number that is not finite (nan, inf) are
+refused with the file and the setting named.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +102,50 @@ def case_from_dict(data: dict[str, Any], base_dir: Path = Path(".")) -> PlanCase
 
 CASE_KEYS = ("name", "n_prfaas", "n_pd", "n_homogeneous", "link_gbps", "output_tokens", "lengths", "prfaas",
              "pd_prefill", "decode")  # fmt: skip
+PROFILE_TABLES = {"prfaas": PrefillProfile, "pd_prefill": PrefillProfile, "decode": DecodeProfile}
+LENGTH_KEYS = {"trace": ("trace", "length_scale"), "lognormal": ("mu", "sigma", "low", "high")}
+
+
+def _checked_settings(path: Path, data: dict[str, Any]) -> None:
+    """ValueError naming the setting unless every table of the case is a table with only the settings it reads,
+    and every number in the case is finite."""
+    for key, value in data.items():
+        if key in PROFILE_TABLES or key == "lengths":
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: [{key}] must be a table, got {value!r}")
+            known = (LENGTH_KEYS["trace" if "trace" in value else "lognormal"] if key == "lengths"
+                     else tuple(f.name for f in fields(PROFILE_TABLES[key])))  # fmt: skip
+            if unknown := sorted(set(value) - set(known)):
+                raise ValueError(f"{path}: [{key}] unknown settings {unknown} (known: {', '.join(known)})")
+            for name, item in value.items():
+                _finite(path, f"[{key}] {name}", item)
+        else:
+            _finite(path, key, value)
+
+
+def _finite(path: Path, setting: str, value: object) -> None:
+    """ValueError naming ``setting`` if ``value`` is, or a list in it holds, a NaN or an infinity (as a number,
+    or as text that the case would read as one); names and traces are text and not checked."""
+    if setting.rpartition(" ")[2] in ("name", "trace"):
+        return
+    if any(not math.isfinite(_number(v)) for v in _items(value)):
+        need = "finite numbers" if isinstance(value, list) else "a finite number"
+        raise ValueError(f"{path}: {setting} must be {need}, got {value!r}")
+
+
+def _number(value: object) -> float:
+    """``value`` as the case reads a number; 0 for one it cannot read (refused where it is read)."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer past every float
+        return math.inf
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _items(value: object) -> list[object]:
+    """A setting's value, or the values in its lists, lists of lists included (a profile's points)."""
+    return [x for v in value for x in _items(v)] if isinstance(value, list) else [value]
 
 
 def load_case(path: str | Path) -> PlanCase:
@@ -111,6 +159,7 @@ def load_case(path: str | Path) -> PlanCase:
         raise ValueError(f"{path}: not a case (a table of settings)")
     if unknown := sorted(set(data) - set(CASE_KEYS)):
         raise ValueError(f"{path}: unknown settings {unknown} (known: {', '.join(CASE_KEYS)})")
+    _checked_settings(path, data)
     try:
         return case_from_dict(data, path.parent)
     except KeyError as e:
