@@ -353,8 +353,12 @@ def test_decode_profile_from_measured_steps_meets_the_slo() -> None:
         DecodeProfile.from_steps("slow", 8, [(1, 0.05)], slo_tokens_per_s=40)
 
 
-def test_plan_plot_draws_a_png(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("name", "starts"),
+    [("plan.png", b"\x89PNG\r\n\x1a\n"), ("plan.pdf", b"%PDF"), ("plan.svg", b"<?xml"), ("plan.JPG", b"\xff\xd8\xff")],
+)
+def test_plan_plot_draws_each_format_it_takes(tmp_path, name: str, starts: bytes) -> None:
     pytest.importorskip("matplotlib")
-    out = tmp_path / "plan.png"
+    out = tmp_path / name
     assert main(["plan", "--case", "paper", "--plot", str(out)]) == 0
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.read_bytes().startswith(starts)

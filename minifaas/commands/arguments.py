@@ -169,6 +169,19 @@ def output_file(text: str) -> str:
     return text
 
 
+FIGURE_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")  # what matplotlib writes, with its own backends or Pillow
+FIGURE_HELP = "a .png, .pdf, .svg or .jpg file"
+
+
+def figure_file(text: str) -> str:
+    """A figure to write (an ``output_file``), in a format its suffix names and matplotlib writes."""
+    suffix = Path(text).suffix.lower()
+    if suffix[1:] not in FIGURE_FORMATS:
+        said = f"{suffix} is not a figure format" if suffix else "no suffix to say the figure's format"
+        raise argparse.ArgumentTypeError(f"{text}: {said}: give {FIGURE_HELP}")
+    return output_file(text)
+
+
 def positive(text: str) -> float:
     """A finite number > 0: a duration, a rate, a scale."""
     return _number(text, float, lambda v: v > 0, "a number > 0")

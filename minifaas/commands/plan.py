@@ -24,8 +24,9 @@ from minifaas.plotting import draw_or_say
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", type=arguments.output_file, metavar="PNG",
-                        help="draw the bounds vs N_p and vs t (needs matplotlib; default: no plot)")  # fmt: skip
+    parser.add_argument("--plot", type=arguments.figure_file, metavar="FILE",
+                        help=f"draw the bounds vs N_p and vs t in {arguments.FIGURE_HELP} (needs matplotlib; "
+                        "default: no plot)")  # fmt: skip
     parser.add_argument(
         "--link-gbps", type=arguments.positive, help="PrfaaS egress bandwidth in Gbit/s (default: the case's)"
     )

@@ -153,8 +153,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--queues-csv", type=arguments.output_file, metavar="CSV",
                      help="write the queue depths over time (default: none)")  # fmt: skip
-    out.add_argument("--queues-png", type=arguments.output_file, metavar="PNG",
-                     help="plot the queue depths over time (needs matplotlib; default: none)")  # fmt: skip
+    out.add_argument("--queues-png", type=arguments.figure_file, metavar="FILE",
+                     help=f"plot the queue depths over time in {arguments.FIGURE_HELP} (needs matplotlib; "
+                     "default: none)")  # fmt: skip
     out.add_argument("--no-progress", action="store_true", help="no progress bar on a long run")
     sim_compare.add_arguments(parser)
 

@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a policy to compare (repeat): KIND router (the default), short-term, long-term, snapshot-policy or "
         "kv-compression; SPEC a built-in or module:Class (default: none)",
     )  # fmt: skip
-    group.add_argument("--plot", type=arguments.output_file, metavar="PNG", default=DEFAULT_PLOT,
-                       help="where compare draws its figures")  # fmt: skip
+    group.add_argument("--plot", type=arguments.figure_file, metavar="FILE", default=DEFAULT_PLOT,
+                       help=f"where compare draws its figures: {arguments.FIGURE_HELP}")  # fmt: skip
 
 
 def kinds(args: argparse.Namespace) -> set[str]:
