@@ -235,6 +235,22 @@ def test_a_link_cut_for_good_ends_the_run_with_the_offloaded_requests_unfinished
     assert not finished[workload.arrival_s > 110.0].any()  # every later one crosses the link (threshold 0)
 
 
+def test_a_run_with_offloads_late_in_simulated_time_ends() -> None:
+    case = paper_case()
+    config = replace(config_for(case, plan(case).prfaas, LinkConfig(100.0)), threshold=0)
+    n = 8
+    workload = Workload("late", 40_000.0 + 997.0 * np.arange(n), np.full(n, 30_000), np.full(n, 4))
+    ticks: list[float] = []
+
+    def tick(now: float) -> None:  # every 50,000 events: a few for samples, more is a loop that never ends
+        ticks.append(now)
+        if len(ticks) > 4:
+            raise RuntimeError(f"no end in sight at {now} s")
+
+    result = Simulation(config, workload).run(progress=tick)
+    assert result.completed == n and result.offload_fraction == 1.0
+
+
 def test_sim_says_when_a_drained_run_leaves_requests_unfinished(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--duration", "30", "--bandwidth-schedule", "10:0", "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -76,6 +76,22 @@ def test_link_bandwidth_change_moves_completions() -> None:
     assert egress[0] == pytest.approx(8.0) and egress[1] == pytest.approx(4.0) and egress[3] == 0.0
 
 
+def test_link_finishes_flows_late_in_a_long_run() -> None:
+    # past about 10^4 s a float step of the clock carries more bytes than the completion tolerance
+    for start in (4e4, 1e5, 1e6):
+        link = FluidLink(gbps=100.0)
+        now = start
+        for flow, size in enumerate((3.3e9, 1.7e9, 0.9e9)):
+            link.add(now, flow, size)
+        done: list[int] = []
+        for _ in range(10):  # one event per flow, a few more for clock steps
+            now = max(link.next_completion(), now)
+            done += link.pop_done(now)
+            if not link.active:
+                break
+        assert sorted(done) == [0, 1, 2] and now - start == pytest.approx(5.9e9 / (100.0 * GB), rel=1e-6)
+
+
 def test_link_config_validates() -> None:
     assert LinkConfig(rtt_s=0.02).one_way_s == pytest.approx(0.01)
     with pytest.raises(ValueError):

@@ -98,10 +98,14 @@ class FluidLink:
         return self._last + remaining * len(self._flows) / self.bytes_per_s
 
     def pop_done(self, now: float) -> list[int]:
+        """Flows done by ``now``, by their ids: their bytes all sent, up to float error in the virtual clock, or
+        so few left that the time they need rounds to ``now`` (a clock of large times moves in coarse steps)."""
         self.advance(now)
         done = []
         # a relative tolerance absorbs float error in the virtual clock
-        while self._flows and self._flows[0][0] <= self._virtual * (1 + 1e-12) + 1e-6:
+        while self._flows and (
+            self._flows[0][0] <= self._virtual * (1 + 1e-12) + 1e-6 or self.next_completion() <= self._last
+        ):
             done.append(heapq.heappop(self._flows)[1])
         return done
 
