@@ -319,6 +319,20 @@ def test_azure_timestamps_are_utc_whatever_the_machines_time_zone(tmp_path, monk
     time.tzset()
 
 
+def test_prefill_utilisation_counts_only_the_busy_time_inside_the_run() -> None:
+    case = paper_case()
+    config = replace(config_for(case, plan(case).homogeneous, drain=False), n_prefill=1, prefix_cache=False)
+    prompts = np.array([2048, 2049, 2050, 2051, 2052])  # four at once on one node, then one while it is still busy
+    forward = case.pd_prefill.latency_s(2048)
+    arrival = np.array([0.0, 0.0, 0.0, 0.0, 2.5 * forward])
+    result = Simulation(config, Workload("queued", arrival, prompts, np.full(5, 4))).run()  # stops at 2.5 forwards
+    assert result.pd_prefill_utilisation == pytest.approx(1.0)
+    point = plan(case).homogeneous
+    overloaded = synthetic(case.lengths, 64, ArrivalSpec(ArrivalKind.UNIFORM, 1.3 * point.throughput_rps), 600.0, 3)
+    result = Simulation(config_for(case, point, drain=False), overloaded).run()  # 30% more than the nodes can take
+    assert 0.9 < result.pd_prefill_utilisation <= 1.0
+
+
 def test_homogeneous_config_never_offloads() -> None:
     case = paper_case()
     config = config_for(case, plan(case).homogeneous)

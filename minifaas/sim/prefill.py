@@ -54,7 +54,7 @@ class PrefillInstances:
         self.in_system = 0  # requests placed here whose prefill has not ended
         self.in_node = [0] * n
         self.retired: set[int] = set()
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # node-seconds of the forwards and turnarounds placed, those still to come included
         self._heap = [(0.0, i) for i in range(n)]
         self._coeffs = profile.latency_coeffs
         self.kv_fixed_bytes = float(profile.kv_bytes(0))
@@ -173,6 +173,12 @@ class PrefillInstances:
         self.busy_until[node] = free
         heapq.heappush(self._heap, (free, node))
         return queue
+
+    def busy_by(self, end: float) -> float:
+        """Node-seconds computing (forwards and turnarounds) up to ``end``, taken no earlier than the last event:
+        what was placed, less what is still to come after ``end`` (a node busy then is busy until its
+        ``busy_until``)."""
+        return self.busy_s - sum(max(0.0, until - end) for until in self.busy_until)
 
     def ended(self, node: int) -> None:
         """The node's running forward ended (``done`` then counts each of its requests)."""
