@@ -333,6 +333,26 @@ def test_prefill_utilisation_counts_only_the_busy_time_inside_the_run() -> None:
     assert 0.9 < result.pd_prefill_utilisation <= 1.0
 
 
+@pytest.mark.parametrize(
+    ("rows", "says"),
+    [
+        ("2023-11-16 18:17:03,10000000000,10\n2023-11-16 18:17:04,100,10\n",
+         "1 request(s) with more than 10,000,000 tokens of prompt and output"),
+        ("2023-11-16 18:17:03,1000,1000000000\n2023-11-16 18:17:04,100,10\n", "the longest 1,000,001,000"),
+        ("2023-11-16 18:17:03,100000000000000000000,10\n2023-11-16 18:17:04,100,10\n",
+         "t.csv: a request with more than 10,000,000 tokens of prompt and output"),
+        ("2023-11-16 18:17:03,1000,10\n9999-11-16 18:17:04,100,10\n", "days, more than the 31 days a run may simulate"),
+    ],
+)  # fmt: skip
+def test_a_trace_past_the_bounds_is_one_error_line_not_a_run_without_end(tmp_path, rows: str, says: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    argv = [sys.executable, "-m", "minifaas.commands.main", "sim", "--trace", str(path), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and done.stdout == ""
+    assert says in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
 def test_homogeneous_config_never_offloads() -> None:
     case = paper_case()
     config = config_for(case, plan(case).homogeneous)

@@ -34,7 +34,7 @@ from minifaas.sim.deployment import SimConfig, config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.report import SimResult
 from minifaas.sim.simulator import Simulation
-from minifaas.sim.workload import Workload, read_workload, synthetic
+from minifaas.sim.workload import MAX_REQUEST_TOKENS, MAX_SPAN_S, Workload, read_workload, synthetic
 from minifaas.traces import SHIPPED_TRACES
 
 
@@ -127,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace",
         type=arguments.trace,
         help=f"replay a trace instead of synthetic requests: {', '.join(SHIPPED_TRACES)} (shipped in data/traces), "
-        "or a Mooncake .jsonl / Azure .csv file (default: none)",
+        f"or a Mooncake .jsonl / Azure .csv file; at most {MAX_REQUEST_TOKENS:,} tokens a request, prompt and "
+        f"output, and {MAX_SPAN_S / 86_400:g} days of arrivals once scaled and cut (default: none)",
     )
     load.add_argument(
         "--length-scale", type=arguments.positive, default=1.0, help="a trace's prompt lengths times this"
@@ -245,6 +246,7 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         workload = read_workload(args.trace, args.length_scale, args.rate_scale)
         if args.duration is not None:
             workload = workload.head(int((workload.arrival_s < args.duration).sum()))
+        workload.check_bounds()
     else:
         rate = args.rate if args.rate is not None else args.load * point.throughput_rps
         arrivals = ArrivalSpec(ArrivalKind(args.arrivals), rate, args.on_s, args.off_s, args.off_fraction)

@@ -2,7 +2,8 @@
 
 ``hash_ids`` is there only for traces that carry prefix information: one id per ``block_tokens`` block, equal
 leading ids meaning a shared prefix. A workload is drawn (``synthetic``) or a recorded trace, read by
-``minifaas.traces`` (shared with the planner).
+``minifaas.traces`` (shared with the planner); a trace with a request longer than a model's context, or arrivals
+spread over more than a month, is refused (``check_bounds``) rather than simulated for years of simulated time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import numpy as np
 from minifaas import traces
 from minifaas.planner.lengths import LengthDistribution
 from minifaas.sim.arrivals import ArrivalSpec, arrival_times
+
+MAX_REQUEST_TOKENS = 10_000_000  # a prompt and its output together: past the context a model holds
+MAX_SPAN_S = 31 * 86_400.0  # arrivals a trace may span: a month, which simulates in seconds
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,18 @@ class Workload:
     def rate(self) -> float:
         return len(self) / self.duration_s if self.duration_s > 0 else 0.0
 
+    def check_bounds(self) -> None:
+        """Refuse a request longer than ``MAX_REQUEST_TOKENS`` or arrivals spanning more than ``MAX_SPAN_S``: a
+        simulation of either would work through years of simulated time, one sample a second."""
+        tokens = self.input_tokens.astype(float) + self.output_tokens
+        if np.any(tokens > MAX_REQUEST_TOKENS):
+            count = int(np.count_nonzero(tokens > MAX_REQUEST_TOKENS))
+            raise ValueError(f"{self.name}: {count} request(s) with {_TOO_LONG} (the longest {tokens.max():,.0f})")
+        if self.duration_s > MAX_SPAN_S:
+            days, most = self.duration_s / 86_400, MAX_SPAN_S / 86_400
+            raise ValueError(f"{self.name}: arrivals span {days:,.0f} days, more than the {most:g} days a run may "
+                             "simulate (a stray timestamp?)")  # fmt: skip
+
     def head(self, n: int) -> Workload:
         ids = self.hash_ids[:n] if self.hash_ids is not None else None
         return Workload(
@@ -71,7 +87,15 @@ def synthetic(
     return Workload(f"{lengths.name}, {arrivals.describe()}", times, inputs, outputs)
 
 
+_TOO_LONG = f"more than {MAX_REQUEST_TOKENS:,} tokens of prompt and output, past a model's context"
+
+
 def read_workload(name_or_path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Workload:
-    """A shipped trace by name (``minifaas.traces.SHIPPED_TRACES``) or a trace file, as a Workload."""
-    t = traces.read_trace(name_or_path, length_scale, rate_scale)
+    """A shipped trace by name (``minifaas.traces.SHIPPED_TRACES``) or a trace file, as a Workload; a length too
+    large for an int64 is refused as too long (``Workload.check_bounds`` refuses the rest past the bounds)."""
+    try:
+        with np.errstate(invalid="raise"):  # an error, not a warning and a wrapped length
+            t = traces.read_trace(name_or_path, length_scale, rate_scale)
+    except (FloatingPointError, OverflowError):
+        raise ValueError(f"{Path(name_or_path).name}: a request with {_TOO_LONG}") from None
     return Workload(t.name, t.arrival_s, t.input_tokens, t.output_tokens, t.hash_ids, t.block_tokens)
