@@ -386,6 +386,21 @@ def test_sim_json_command(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     assert csv_path.read_text().startswith("time_s,prfaas_prefill,pd_prefill")
 
 
+def test_sim_compare_json_prints_one_json_object_and_refuses_a_policy_twice(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "compare", "--duration", "60", "--policy", "default", "--policy", "kv-compression=auto", "--json"]
+    argv += ["--plot", str(tmp_path / "c.png")]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert list(json.loads(captured.out)) == ["default", "kv-compression=auto"]  # the whole of stdout
+    assert "default" in captured.err and "kv-compression=auto" in captured.err  # the table, beside the notes
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--policy", "default"])
+    assert stopped.value.code == 2
+    assert "--policy default is given twice" in capsys.readouterr().err
+
+
 def test_a_plan_that_leaves_pd_prefill_unused_says_why(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """A tiny CPU model's profile (slow prefill, slow decode) against the paper's H200 PrfaaS: every prompt goes
     to PrfaaS, so the PD prefill figures are null in JSON, and one line says why."""

@@ -3,7 +3,8 @@
     minifaas sim compare --policy default --policy mymodule:MyRouter --trace mooncake-synthetic
 
 A ``--policy`` is ``[KIND=]SPEC[,KEY=VALUE...]``; every other flag is ``minifaas sim``'s and holds for every
-policy alike. Prints a table, writes the plot and, with ``--json``, one JSON object of every policy's figures.
+policy alike. Prints a table and writes the plot; with ``--json`` stdout holds one JSON object of every policy's
+figures alone, and the table and notes go to stderr. Each policy may be given once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from rich.table import Table
 
 from minifaas import figures
 from minifaas.commands import arguments
-from minifaas.commands.main import stdout_console
+from minifaas.commands.main import PIPE_WIDTH, stdout_console
 from minifaas.plotting import draw_or_say
 from minifaas.sim.comparison import COLUMNS, cells, compare, plot_comparison
 from minifaas.sim.deployment import SimConfig
@@ -49,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("compare (minifaas sim compare)")
     group.add_argument(
         "--policy", type=policy_variant, action="append", metavar="[KIND=]SPEC[,KEY=VALUE...]",
-        help="a policy to compare (repeat): KIND router (the default), short-term, long-term, snapshot-policy or "
-        "kv-compression; SPEC a built-in or module:Class (default: none)",
+        help="a policy to compare (repeat, each policy once): KIND router (the default), short-term, long-term, "
+        "snapshot-policy or kv-compression; SPEC a built-in or module:Class (default: none)",
     )  # fmt: skip
     group.add_argument("--plot", type=arguments.figure_file, metavar="FILE", default=DEFAULT_PLOT,
                        help=f"where compare draws its figures: {arguments.FIGURE_HELP}")  # fmt: skip
@@ -64,13 +65,17 @@ def kinds(args: argparse.Namespace) -> set[str]:
 
 
 def variants(config: SimConfig, args: argparse.Namespace) -> dict[str, SimConfig]:
-    """One SimConfig per --policy, named as it was given; ValueError for none, or a spec that does not load."""
+    """One SimConfig per --policy, named as it was given; ValueError for none, one given twice (the same
+    simulation twice over), or a spec that does not load."""
     if not args.policy:
         raise ValueError("compare needs at least one --policy (e.g. --policy default --policy mymodule:MyRouter)")
     named = {}
     for kind, spec, policy_args in args.policy:
         spec_field, args_field = POLICY_FIELDS[kind]
-        named[_label(kind, spec, policy_args)] = replace(config, **{spec_field: spec, args_field: policy_args})
+        label = _label(kind, spec, policy_args)
+        if label in named:
+            raise ValueError(f"--policy {label} is given twice: name each policy to compare once")
+        named[label] = replace(config, **{spec_field: spec, args_field: policy_args})
     return named
 
 
@@ -92,19 +97,22 @@ def run(configs: dict[str, SimConfig], workload: Workload, args: argparse.Namesp
         results = compare(configs, workload, advanced)
         for task in tasks.values():
             progress.update(task, completed=total)
-    print_comparison(results, f"{workload.name}: {len(workload):,} requests over {workload.duration_s:,.0f} s")
+    notes = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the JSON object alone
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else PIPE_WIDTH) if args.json else stdout_console()
+    title = f"{workload.name}: {len(workload):,} requests over {workload.duration_s:,.0f} s"
+    print_comparison(results, title, console)
     if draw_or_say(args.plot, lambda png: plot_comparison(results, png)):
-        print(f"plot: {args.plot}")
+        print(f"plot: {args.plot}", file=notes)
     if args.json:
         print(figures.dumps({name: r.to_dict() for name, r in results.items()}))
     return 0
 
 
-def print_comparison(results: dict[str, SimResult], title: str) -> None:
+def print_comparison(results: dict[str, SimResult], title: str, console: Console) -> None:
     table = Table(title=title)
     table.add_column("policy")
     for header, _, _ in COLUMNS:
         table.add_column(header, justify="right")
     for name, result in results.items():
         table.add_row(name, *cells(result))
-    stdout_console().print(table)
+    console.print(table)
