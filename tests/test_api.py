@@ -449,6 +449,9 @@ async def test_api_key_guards_v1_only() -> None:
         assert (await s.client.get("/metrics", headers=no_key)).status == 200
         assert s.gateway.requests == []
         assert (await s.client.post(C, json=GOOD)).status == 200
+        for scheme in ("bearer", "BEARER", "Bearer  "):  # the scheme's case is the client's; spaces may follow it
+            assert (await s.client.post(C, json=GOOD, headers={"Authorization": f"{scheme} {KEY}"})).status == 200
+        assert (await s.client.post(C, json=GOOD, headers={"Authorization": f"Basic {KEY}"})).status == 401
     async with serving(api_key=None) as s:
         assert (await s.client.post(C, json=GOOD, headers=no_key)).status == 200
 

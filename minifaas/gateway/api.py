@@ -108,13 +108,15 @@ def _error_response(error: APIError, metrics: ServeMetrics) -> web.Response:
 
 
 def _bearer_auth(api_key: str | None) -> Middleware:
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    """/v1 takes ``Authorization: Bearer KEY``, the scheme in any case (as HTTP has it)."""
+    expected = api_key.encode() if api_key else None
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if expected is not None and request.path.startswith("/v1"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            key = given.strip(" ").encode(errors="surrogateescape")  # a header's odd bytes come as surrogates
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key, expected):
                 raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
         return await handler(request)
 
