@@ -136,6 +136,17 @@ BAD_INPUT = [
     (["sim", "--pd-profile", "garbled.json"], "garbled.json: not a profile (Expecting value"),
     (["sim", "--pd-profile", "nameless.json"], "nameless.json: [prefill] has no 'name'"),
     (["sim", "--bandwidth-schedule", "600"], "not TIME_S:GBPS"),
+    (
+        ["sim", "--trace", "mooncake-synthetic", "--seed", "3", "--load", "0.5"],
+        "--load, --seed: for synthetic arrivals only: with --trace, the trace sets the arrivals",
+    ),
+    (["sim", "--trace", "azure-code", "--rate", "2", "--on-s", "5"], "--rate, --on-s: for synthetic arrivals only"),
+    (["sim", "--rate-scale", "2"], "--rate-scale: for a trace only: give --trace"),
+    (["sim", "--fixed-threshold"], "--fixed-threshold: for the short-term scheduler, which is off: --scheduler or"),
+    (
+        ["sim", "--short-term", "default", "--rebalance-period", "60", "--convert-s", "0"],
+        "--rebalance-period, --convert-s: for the long-term scheduler, which is off: --scheduler or --long-term runs",
+    ),
     (["sim", "--n-decode", "0"], "at least one decode instance"),
     (["plan", "--threshold-step", "0"], "argument --threshold-step: need an integer >= 1, got '0'"),
     (["plan", "--n-prfaas", "-2"], "argument --n-prfaas: need an integer >= 0, got '-2'"),

@@ -4,7 +4,8 @@
     minifaas sim --case paper --bandwidth-schedule 600:6,1500:100 --scheduler      # t and N_p/N_d adapt
 
 The instance counts and threshold come from the planner's solution (flags override them); ``--load`` is a
-fraction of its planned throughput. Policy flags name a policy as ``minifaas serve`` does.
+fraction of its planned throughput. Policy flags name a policy as ``minifaas serve`` does. A flag the run would
+not read is refused: synthetic arrivals' with ``--trace``, a trace's without it, a scheduler's while it is off.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ from minifaas.sim.report import SimResult
 from minifaas.sim.simulator import Simulation
 from minifaas.sim.workload import MAX_REQUEST_TOKENS, MAX_SPAN_S, Workload, read_workload, synthetic
 from minifaas.traces import SHIPPED_TRACES
+
+# dest -> default of the flags that only some runs read: synthetic arrivals, a trace, each scheduler
+SYNTHETIC_FLAGS = {"arrivals": ArrivalKind.POISSON.value, "load": 0.8, "rate": None, "on_s": 10.0, "off_s": 10.0,
+                   "off_fraction": 0.0, "seed": 0}  # fmt: skip
+TRACE_FLAGS = {"length_scale": 1.0, "rate_scale": 1.0}
+SHORT_TERM_FLAGS = {"fixed_threshold": False}
+LONG_TERM_FLAGS = {"no_rebalance": False, "rebalance_period": 300.0, "convert_s": 60.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,12 +100,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "default", "default")  # fmt: skip
     arguments.add_policy_arguments(policies, "snapshot-policy", "where the prefix pools keep state snapshots",
                                    "interval", "reuse, interval")  # fmt: skip
-    sched.add_argument("--fixed-threshold", action="store_true", help="with --scheduler: t and the rule stay fixed")
-    sched.add_argument("--no-rebalance", action="store_true", help="with --scheduler: no re-planning, no re-roling")
-    sched.add_argument("--rebalance-period", type=arguments.positive, default=300.0, help="seconds between re-plans")
     sched.add_argument(
-        "--convert-s", type=arguments.non_negative, default=60.0, help="restart time of a re-roled PD worker"
-    )
+        "--fixed-threshold", action="store_true", default=None,
+        help="with the short-term scheduler (--scheduler, --short-term): t and the rule stay fixed",
+    )  # fmt: skip
+    sched.add_argument(
+        "--no-rebalance", action="store_true", default=None,
+        help="with the long-term scheduler (--scheduler, --long-term): no re-planning, no re-roling",
+    )  # fmt: skip
+    sched.add_argument(
+        "--rebalance-period", type=arguments.positive,
+        help="with the long-term scheduler: seconds between re-plans (default: 300)",
+    )  # fmt: skip
+    sched.add_argument(
+        "--convert-s", type=arguments.non_negative,
+        help="with the long-term scheduler: restart time of a re-roled PD worker (default: 60)",
+    )  # fmt: skip
     link = parser.add_argument_group("link")
     link.add_argument("--link-gbps", type=arguments.positive, help="inter-cluster bandwidth (default: the case's)")
     link.add_argument("--rtt-ms", type=arguments.non_negative, default=10.0, help="round-trip time of the link")
@@ -130,24 +148,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"or a Mooncake .jsonl / Azure .csv file; at most {MAX_REQUEST_TOKENS:,} tokens a request, prompt and "
         f"output, and {MAX_SPAN_S / 86_400:g} days of arrivals once scaled and cut (default: none)",
     )
+    # the defaults of the flags below that only some runs read are in SYNTHETIC_FLAGS and TRACE_FLAGS
     load.add_argument(
-        "--length-scale", type=arguments.positive, default=1.0, help="a trace's prompt lengths times this"
-    )
-    load.add_argument("--rate-scale", type=arguments.positive, default=1.0, help="a trace's arrival rate times this")
-    load.add_argument(
-        "--arrivals", choices=[k.value for k in ArrivalKind], default=ArrivalKind.POISSON.value, help="arrival process"
+        "--length-scale", type=arguments.positive, help="with --trace: its prompt lengths times this (default: 1)"
     )
     load.add_argument(
-        "--load", type=arguments.positive, default=0.8, help="offered rate as a fraction of planned capacity"
+        "--rate-scale", type=arguments.positive, help="with --trace: its arrival rate times this (default: 1)"
     )
-    load.add_argument("--rate", type=arguments.positive, help="offered rate in req/s (default: from --load)")
     load.add_argument(
         "--duration", type=arguments.positive, help="seconds of arrivals (default: 600; a trace: all of it)"
     )
-    load.add_argument("--on-s", type=arguments.positive, default=10.0, help="bursty: mean ON period")
-    load.add_argument("--off-s", type=arguments.positive, default=10.0, help="bursty: mean OFF period")
-    load.add_argument("--off-fraction", type=arguments.fraction, default=0.0, help="bursty: OFF rate / ON rate")
-    load.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    load.add_argument("--arrivals", choices=[k.value for k in ArrivalKind], help="arrival process (default: poisson)")
+    load.add_argument(
+        "--load", type=arguments.positive, help="offered rate as a fraction of planned capacity (default: 0.8)"
+    )
+    load.add_argument("--rate", type=arguments.positive, help="offered rate in req/s (default: from --load)")
+    load.add_argument("--on-s", type=arguments.positive, help="bursty: mean ON period (default: 10)")
+    load.add_argument("--off-s", type=arguments.positive, help="bursty: mean OFF period (default: 10)")
+    load.add_argument("--off-fraction", type=arguments.fraction, help="bursty: OFF rate / ON rate (default: 0)")
+    load.add_argument("--seed", type=int, help="seed of the synthetic workload (default: 0)")
     out = parser.add_argument_group("output")
     out.add_argument("--warmup", type=arguments.non_negative, default=0.0, help="seconds not counted in throughput")
     out.add_argument("--no-drain", action="store_true", help="stop at the last arrival")
@@ -206,7 +225,38 @@ def with_profiles(case: PlanCase, prfaas: str | None, pd: str | None) -> PlanCas
     return case.with_overrides(**changes)
 
 
+def schedulers_on(args: argparse.Namespace) -> tuple[bool, bool]:
+    """Whether the short-term and the long-term scheduler run: --scheduler, its own policy, or one compared."""
+    compared = sim_compare.kinds(args)
+    short = bool(args.scheduler or args.short_term or "short-term" in compared)
+    return short, bool(args.scheduler or args.long_term or "long-term" in compared)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def checked_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags with every default filled in; ValueError naming those given where they would change nothing:
+    synthetic arrivals' with --trace, a trace's without one, a scheduler's while that scheduler is off."""
+    short, long = schedulers_on(args)
+    off = "scheduler, which is off"
+    kinds = (  # the flags of each kind, whether they change nothing in this run, and why
+        (SYNTHETIC_FLAGS, bool(args.trace), "for synthetic arrivals only: with --trace, the trace sets the arrivals"),
+        (TRACE_FLAGS, not args.trace, "for a trace only: give --trace"),
+        (SHORT_TERM_FLAGS, not short, f"for the short-term {off}: --scheduler or --short-term runs it"),
+        (LONG_TERM_FLAGS, not long, f"for the long-term {off}: --scheduler or --long-term runs it"),
+    )
+    for flags, idle, why in kinds:
+        given = [_flag(dest) for dest in flags if getattr(args, dest) is not None]
+        if idle and given:
+            raise ValueError(f"{', '.join(given)}: {why}")
+    unset = {dest: value for flags, _, _ in kinds for dest, value in flags.items() if getattr(args, dest) is None}
+    return argparse.Namespace(**{**vars(args), **unset})
+
+
 def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:
+    args = checked_flags(args)
     base = named_case(args.case)
     base = with_profiles(base, args.prfaas_profile, args.pd_profile)
     case = scaled_case(base, args.gpus, args.link_gbps).with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
@@ -225,11 +275,11 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         codecs=(("lossless", args.lossless),),
         **policies(args),
     )
-    compared = sim_compare.kinds(args)
-    if args.scheduler or args.short_term or "short-term" in compared:
+    short, long = schedulers_on(args)
+    if short:
         ceiling = int(case.lengths.values[-1])
         config = replace(config, short_term=ShortTermConfig(enabled=not args.fixed_threshold, ceiling=max(ceiling, 1)))
-    if args.scheduler or args.long_term or "long-term" in compared:
+    if long:
         config = replace(
             config, long_term=LongTermConfig(enabled=not args.no_rebalance, period_s=args.rebalance_period)
         )
@@ -242,16 +292,7 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.spill_tokens:
         config = replace(config, router=replace(config.router, spill_tokens=args.spill_tokens))
-    if args.trace:
-        workload = read_workload(args.trace, args.length_scale, args.rate_scale)
-        if args.duration is not None:
-            workload = workload.head(int((workload.arrival_s < args.duration).sum()))
-        workload.check_bounds()
-    else:
-        rate = args.rate if args.rate is not None else args.load * point.throughput_rps
-        arrivals = ArrivalSpec(ArrivalKind(args.arrivals), rate, args.on_s, args.off_s, args.off_fraction)
-        duration = 600.0 if args.duration is None else args.duration
-        workload = synthetic(case.lengths, round(case.output_tokens), arrivals, duration, args.seed)
+    workload = workload_of(args, case, point)
     if workload.duration_s == 0:  # throughput counts over the span of the arrivals
         raise ValueError(f"{len(workload)} request(s), all arriving at once: no span of arrivals to count over "
                          "(a longer --duration, or a higher rate, gives one)")  # fmt: skip
@@ -259,6 +300,20 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         span = f"the {workload.duration_s:g} s of arrivals"
         raise ValueError(f"--warmup {args.warmup:g} s leaves nothing of {span} to count")
     return config, workload, point
+
+
+def workload_of(args: argparse.Namespace, case: PlanCase, point: OperatingPoint) -> Workload:
+    """The trace, scaled and cut to --duration, or synthetic arrivals at --rate (else --load of the plan's rate)."""
+    if args.trace:
+        workload = read_workload(args.trace, args.length_scale, args.rate_scale)
+        if args.duration is not None:
+            workload = workload.head(int((workload.arrival_s < args.duration).sum()))
+        workload.check_bounds()
+        return workload
+    rate = args.rate if args.rate is not None else args.load * point.throughput_rps
+    arrivals = ArrivalSpec(ArrivalKind(args.arrivals), rate, args.on_s, args.off_s, args.off_fraction)
+    duration = 600.0 if args.duration is None else args.duration
+    return synthetic(case.lengths, round(case.output_tokens), arrivals, duration, args.seed)
 
 
 def policies(args: argparse.Namespace) -> dict[str, object]:
