@@ -386,6 +386,20 @@ def test_sim_json_command(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     assert csv_path.read_text().startswith("time_s,prfaas_prefill,pd_prefill")
 
 
+@pytest.mark.parametrize("flags", [[], ["--scheduler"], ["--short-term", "default"], ["--long-term", "default"]])
+def test_the_sim_summary_says_whether_a_scheduler_ran_and_the_split_it_ended_with(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "--case", "paper", "--trace", "mooncake-synthetic", "--rate-scale", "2", "--json", *flags]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scheduler"] is bool(flags)
+    start, end = (out["n_prefill"], out["n_decode"]), (out["n_prefill_final"], out["n_decode_final"])
+    assert sum(end) == sum(start)
+    re_roled = flags in (["--scheduler"], ["--long-term", "default"])  # the long-term scheduler moves the split here
+    assert (end != start) == (out["role_conversions"] > 0) == re_roled, out
+
+
 def test_sim_compare_json_prints_one_json_object_and_refuses_a_policy_twice(
     tmp_path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -356,10 +356,12 @@ def run(args: argparse.Namespace) -> int:
         "config": point.config,
         "threshold_tokens": config.threshold,
         "n_prfaas": config.n_prfaas,
-        "n_prefill": config.n_prefill,
+        "n_prefill": config.n_prefill,  # the split the run started with
         "n_decode": config.n_decode,
+        "n_prefill_final": result.n_prefill_final,  # and the one it ended with, once the long-term scheduler re-roled
+        "n_decode_final": result.n_decode_final,
         "planned_throughput_rps": point.throughput_rps,
-        "scheduler": bool(args.scheduler),
+        "scheduler": config.short_term is not None or config.long_term is not None,  # either of them ran
         **result.to_dict(),
     }
     stuck = result.requests - result.completed - result.rejected

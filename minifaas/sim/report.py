@@ -40,6 +40,8 @@ class SimResult:
     threshold_max: int = 0
     threshold_changes: int = 0  # ticks on which the scheduler moved t
     role_conversions: int = 0  # PD workers that changed role and rejoined
+    n_prefill_final: int = 0  # PD workers prefilling at the end, after any role conversions
+    n_decode_final: int = 0  # PD workers decoding at the end
     kv_coded_fraction: float = 0.0  # PrfaaS transfers the compression policy coded
     kv_wire_ratio: float = 1.0  # PrfaaS state bytes over the bytes they put on the link
     schedule: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)), repr=False)  # rows of SCHEDULE_COLUMNS

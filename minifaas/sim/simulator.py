@@ -400,5 +400,7 @@ class Simulation:
             "threshold_max": int(thresholds.max()),
             "threshold_changes": int(np.count_nonzero(np.diff(thresholds))),
             "role_conversions": sched.conversions,
+            "n_prefill_final": self.pd.serving,
+            "n_decode_final": self.decode.serving,
             "schedule": trace,
         }
