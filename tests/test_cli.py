@@ -148,6 +148,12 @@ BAD_INPUT = [
         "--rebalance-period, --convert-s: for the long-term scheduler, which is off: --scheduler or --long-term runs",
     ),
     (["sim", "--n-decode", "0"], "at least one decode instance"),
+    (
+        ["sim", "--gpus", "3"],
+        "--gpus 3: paper: need n_pd >= 2 and n_homogeneous >= 2, and its 96 GPUs scaled to 3 leave n_pd 0 and "
+        "n_homogeneous 0 (18 GPUs or more keep both)",
+    ),
+    (["sim", "--gpus", "0"], "argument --gpus: need an integer >= 1, got '0'"),
     (["plan", "--threshold-step", "0"], "argument --threshold-step: need an integer >= 1, got '0'"),
     (["plan", "--n-prfaas", "-2"], "argument --n-prfaas: need an integer >= 0, got '-2'"),
     (

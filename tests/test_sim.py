@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from minifaas.commands.main import main
+from minifaas.commands.sim import scaled_case
 from minifaas.planner import LengthDistribution, OperatingPoint, PlanCase, plan
 from minifaas.planner.paper import paper_case
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, save_profiles
@@ -351,6 +352,12 @@ def test_a_trace_past_the_bounds_is_one_error_line_not_a_run_without_end(tmp_pat
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and done.stdout == ""
     assert says in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_scaling_to_too_few_gpus_says_what_it_came_to_and_the_fewest_that_do() -> None:
+    with pytest.raises(ValueError, match=r"scaled to 17 leave n_pd 1 and n_homogeneous 2 \(18 GPUs or more keep"):
+        scaled_case(paper_case(), 17, None)
+    assert (scaled_case(paper_case(), 18, None).n_pd, scaled_case(paper_case(), 18, None).n_homogeneous) == (2, 2)
 
 
 def test_homogeneous_config_never_offloads() -> None:

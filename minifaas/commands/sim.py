@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--case", default="paper", help="a named case (paper) or a TOML/JSON case file")
     deploy.add_argument("--config", choices=("prfaas", "homogeneous", "naive"), default="prfaas", help="what to run")
     deploy.add_argument(
-        "--gpus", type=int, help="scale the case's instance counts and link to this many GPUs (default: the case's)"
+        "--gpus",
+        type=arguments.positive_int,
+        help="scale the case's instance counts and link to this many GPUs (default: the case's)",
     )
     deploy.add_argument("--n-prfaas", type=arguments.count, help="PrfaaS instances (default: the plan's)")
     deploy.add_argument("--n-prefill", type=arguments.count, help="PD-P instances (default: the plan's)")
@@ -202,16 +204,30 @@ def codec_figures(text: str) -> CodecEstimate:
     return CodecEstimate(ratio, encode * 1e9, decode * 1e9)
 
 
+def scaled_counts(case: PlanCase, gpus: int) -> dict[str, int]:
+    """The case's instance counts scaled to ``gpus`` GPUs, each rounded."""
+    factor = gpus / case.gpus
+    return {name: round(getattr(case, name) * factor) for name in ("n_prfaas", "n_pd", "n_homogeneous")}
+
+
+def _too_few(counts: dict[str, int]) -> bool:
+    return min(counts["n_pd"], counts["n_homogeneous"]) < 2
+
+
 def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> PlanCase:
+    """The case with its instance counts and link scaled to ``gpus`` GPUs; ValueError saying what the scaling came
+    to, and the fewest GPUs that do, where it leaves fewer than two PD or homogeneous instances."""
     if gpus is None:
         return case.with_overrides(link_gbps=link_gbps)
-    factor = gpus / case.gpus
-    return case.with_overrides(
-        n_prfaas=round(case.n_prfaas * factor),
-        n_pd=round(case.n_pd * factor),
-        n_homogeneous=round(case.n_homogeneous * factor),
-        link_gbps=link_gbps if link_gbps is not None else case.link_gbps * factor,
-    )
+    counts = scaled_counts(case, gpus)
+    if _too_few(counts):
+        enough = next(g for g in range(gpus + 1, case.gpus + 1) if not _too_few(scaled_counts(case, g)))
+        raise ValueError(
+            f"{case.name}: need n_pd >= 2 and n_homogeneous >= 2, and its {case.gpus} GPUs scaled to {gpus} leave "
+            f"n_pd {counts['n_pd']} and n_homogeneous {counts['n_homogeneous']} ({enough} GPUs or more keep both)"
+        )
+    link = link_gbps if link_gbps is not None else case.link_gbps * gpus / case.gpus
+    return case.with_overrides(**counts, link_gbps=link)
 
 
 def with_profiles(case: PlanCase, prfaas: str | None, pd: str | None) -> PlanCase:
@@ -259,7 +275,11 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
     args = checked_flags(args)
     base = named_case(args.case)
     base = with_profiles(base, args.prfaas_profile, args.pd_profile)
-    case = scaled_case(base, args.gpus, args.link_gbps).with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
+    try:
+        case = scaled_case(base, args.gpus, args.link_gbps)
+    except ValueError as e:  # too few GPUs for the case's instances
+        raise ValueError(f"--gpus {args.gpus}: {e}") from None
+    case = case.with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
     point: OperatingPoint = getattr(plan(case), args.config)
     link = LinkConfig(case.link_gbps, args.rtt_ms / 1000, args.pipeline_layers, args.bandwidth_schedule)
     config = config_for(
