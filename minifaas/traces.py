@@ -2,7 +2,7 @@
 
 Mooncake lines: {"timestamp": ms, "input_length", "output_length", "hash_ids"}, a hash id per
 ``MOONCAKE_BLOCK_TOKENS`` of prompt (a trace without them has no prefix information). Azure rows: TIMESTAMP,
-ContextTokens, GeneratedTokens; no prefix information.
+ContextTokens, GeneratedTokens; no prefix information. Both are UTF-8 text; a file that is not is refused by name.
 ``length_scale`` multiplies prompt lengths, ``rate_scale`` the arrival rate. A shipped trace goes by name
 (``SHIPPED_TRACES``), anything else is a path.
 """
@@ -64,7 +64,7 @@ def read_mooncake(path: str | Path, length_scale: float = 1.0, rate_scale: float
     """A trace whose lines have no ``hash_ids`` carries no prefix information; one with some lines only is refused."""
     times, inputs, outputs, ids = [], [], [], []
     lines_with_ids: dict[bool, int] = {}  # has hash_ids -> the first line that does (or does not)
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f, _text(path):
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -90,7 +90,7 @@ def read_mooncake(path: str | Path, length_scale: float = 1.0, rate_scale: float
 
 def read_azure(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> Trace:
     times, inputs, outputs = [], [], []
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f, _text(path):
         rows = csv.DictReader(f)
         for row in rows:
             with _row(path, rows.line_num):
@@ -105,6 +105,15 @@ def read_azure(path: str | Path, length_scale: float = 1.0, rate_scale: float = 
                 inputs.append(int(row["ContextTokens"]))
                 outputs.append(int(row["GeneratedTokens"]))
     return _build(Path(path).name, times, inputs, outputs, None, length_scale, rate_scale)
+
+
+@contextlib.contextmanager
+def _text(path: str | Path) -> Iterator[None]:
+    """A file that is not UTF-8 text is an error naming it and the first byte that is not."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x}: {e.reason})") from None
 
 
 @contextlib.contextmanager

@@ -281,13 +281,16 @@ def test_sim_says_when_a_drained_run_leaves_requests_unfinished(capsys: pytest.C
         ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n", "t.csv line 2: Invalid isoformat"),
         ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5e3,5,5\n",
          "t.csv line 2: the fraction of a second '5e3' is not digits"),
+        ("t.jsonl", b"\xff\xfe{}\n", "t.jsonl: not UTF-8 text (byte 0xff: invalid start byte)"),
+        ("t.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,5,\xe9\n",
+         "t.csv: not UTF-8 text (byte 0xe9: invalid continuation byte)"),
     ],
 )  # fmt: skip
 def test_a_bad_trace_row_or_no_row_is_one_error_line_naming_it(
-    tmp_path, capsys: pytest.CaptureFixture[str], name: str, rows: str, says: str
+    tmp_path, capsys: pytest.CaptureFixture[str], name: str, rows: str | bytes, says: str
 ) -> None:
     path = tmp_path / name
-    path.write_text(rows)
+    path.write_bytes(rows) if isinstance(rows, bytes) else path.write_text(rows)
     with pytest.raises(SystemExit) as stopped:
         main(["sim", "--trace", str(path)])
     assert stopped.value.code == 2
