@@ -220,6 +220,11 @@ step_time_s = 0.025
         ("low = 128", "low = 128\nlow_tokens = 5", "[lengths] unknown settings ['low_tokens'] (known: mu, sigma, low"),
         ("mu = 9.90", "trace = 'azure-code'\nmu = 9.90", "[lengths] unknown settings ['high', 'low', 'mu', 'sigma']"),
         ("[lengths]\nmu = 9.90\nsigma = 1.00\nlow = 128\nhigh = 128000\n", "lengths = 3\n", "[lengths] must be a"),
+        ("kv_bytes_per_token = 17137\n[pd", "kv_bytes_per_token = 17137\npoints = [[1024, 0.44], [2048, 0.5]]\n[pd",
+         "H200x8: points must be a list of [tokens, seconds, kv_bytes], got [[1024, 0.44], [2048, 0.5]]"),
+        ("step_time_s = 0.025", "step_time_s = 0.025\nsteps = [[1, 0.01, 3]]",
+         "H20x8: steps must be a list of [batch, seconds], got [[1, 0.01, 3]]"),
+        ("step_time_s = 0.025", "step_time_s = 0.025\nsteps = 'abc'", "H20x8: steps must be a list of [batch, sec"),
     ],
 )  # fmt: skip
 def test_a_case_file_with_a_number_not_finite_or_an_unknown_setting_is_one_error_line(
@@ -305,6 +310,34 @@ def test_profiles_round_trip_through_a_file(tmp_path) -> None:
     path = tmp_path / "h200.json"
     save_profiles(path, H200, H20_DECODE)
     assert load_profiles(path) == (H200, H20_DECODE)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda d: d["prefill"].update(kv_bytes_per_token=math.nan), "[prefill] kv_bytes_per_token must be a finite"),
+        (lambda d: d["prefill"].update(latency_coeffs=[0.4, math.inf]), "[prefill] latency_coeffs must be finite"),
+        (lambda d: d["decode"].update(step_time_s="nan"), "[decode] step_time_s must be a finite number, got 'nan'"),
+        (lambda d: d["decode"].update(bogus=1), "[decode] unknown settings ['bogus'] (known: name, gpus_per_instance"),
+        (lambda d: d.update(meta={}), "unknown tables ['meta'] (known: prefill, decode)"),
+        (lambda d: d["decode"].update(steps=[[1, 0.01, 3]]), "[decode]: H20x8: steps must be a list of [batch, sec"),
+        (lambda d: d["prefill"].update(points=[[1024, 0.4]]), "[prefill]: H200x8: points must be a list of [tokens,"),
+    ],
+)
+def test_a_profile_file_with_a_number_not_finite_or_an_unknown_setting_is_one_error_line(
+    change, says: str, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from minifaas.planner.paper import H20_DECODE
+    from minifaas.planner.profile import profile_tables
+
+    data = profile_tables(H200, H20_DECODE)
+    change(data)
+    (tmp_path / "pd.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as done:
+        main(["sim", "--pd-profile", str(tmp_path / "pd.json"), "--duration", "10"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1, err
+    assert f"pd.json: {says}" in err, err
 
 
 @pytest.mark.parametrize("trace", ["azure-code", str(trace_path("azure-code"))], ids=["name", "path"])

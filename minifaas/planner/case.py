@@ -20,7 +20,6 @@ refused with the file and the setting named.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from minifaas.planner.lengths import LengthDistribution
 from minifaas.planner.profile import (
     DecodeProfile,
     PrefillProfile,
+    check_finite,
+    checked_table,
     decode_from_dict,
     load_table,
     prefill_from_dict,
@@ -110,42 +111,13 @@ def _checked_settings(path: Path, data: dict[str, Any]) -> None:
     """ValueError naming the setting unless every table of the case is a table with only the settings it reads,
     and every number in the case is finite."""
     for key, value in data.items():
-        if key in PROFILE_TABLES or key == "lengths":
-            if not isinstance(value, dict):
-                raise ValueError(f"{path}: [{key}] must be a table, got {value!r}")
-            known = (LENGTH_KEYS["trace" if "trace" in value else "lognormal"] if key == "lengths"
-                     else tuple(f.name for f in fields(PROFILE_TABLES[key])))  # fmt: skip
-            if unknown := sorted(set(value) - set(known)):
-                raise ValueError(f"{path}: [{key}] unknown settings {unknown} (known: {', '.join(known)})")
-            for name, item in value.items():
-                _finite(path, f"[{key}] {name}", item)
+        if key == "lengths":
+            form = "trace" if isinstance(value, dict) and "trace" in value else "lognormal"
+            checked_table(path, key, value, LENGTH_KEYS[form])
+        elif key in PROFILE_TABLES:
+            checked_table(path, key, value, tuple(f.name for f in fields(PROFILE_TABLES[key])))
         else:
-            _finite(path, key, value)
-
-
-def _finite(path: Path, setting: str, value: object) -> None:
-    """ValueError naming ``setting`` if ``value`` is, or a list in it holds, a NaN or an infinity (as a number,
-    or as text that the case would read as one); names and traces are text and not checked."""
-    if setting.rpartition(" ")[2] in ("name", "trace"):
-        return
-    if any(not math.isfinite(_number(v)) for v in _items(value)):
-        need = "finite numbers" if isinstance(value, list) else "a finite number"
-        raise ValueError(f"{path}: {setting} must be {need}, got {value!r}")
-
-
-def _number(value: object) -> float:
-    """``value`` as the case reads a number; 0 for one it cannot read (refused where it is read)."""
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except OverflowError:  # an integer past every float
-        return math.inf
-    except (TypeError, ValueError):
-        return 0.0
-
-
-def _items(value: object) -> list[object]:
-    """A setting's value, or the values in its lists, lists of lists included (a profile's points)."""
-    return [x for v in value for x in _items(v)] if isinstance(value, list) else [value]
+            check_finite(path, key, value)
 
 
 def load_case(path: str | Path) -> PlanCase:

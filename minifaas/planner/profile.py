@@ -13,13 +13,17 @@ A file holds a [prefill] and a [decode] table, TOML or JSON (``load_profiles``; 
     steps = [[1, 0.012], [8, 0.016], [32, 0.03]]   # optional: [batch, seconds] of every batch measured
     context = 64                  # optional: the tokens each row held as they were measured,
     slot_s = 1.3e-7               #   and what a step adds per row for each token of the batch's width past it
+
+A table other than these two, a setting a table does not read, a number that is not finite (nan, inf) and a
+``points`` or ``steps`` list not of rows as above are refused with the file and the table or setting named.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import tomllib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -161,10 +165,24 @@ def _interpolate(x: np.ndarray, xs: list[int], ys: list[float]) -> np.ndarray:
     return np.where(x < xs[0], below, np.where(x > xs[-1], above, inside))
 
 
+def _rows(name: str, data: dict[str, Any], key: str, columns: dict[str, type]) -> list[tuple[Any, ...]]:
+    """The ``key`` list of ``data`` (none: empty), each row converted column by column; ValueError naming the
+    profile and the key if it is not a list of rows of ``columns`` (name -> type)."""
+    rows = data.get(key, [])
+    try:
+        if not isinstance(rows, list | tuple) or not all(isinstance(row, list | tuple) for row in rows):
+            raise TypeError
+        return [tuple(kind(x) for kind, x in zip(columns.values(), row, strict=True)) for row in rows]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: {key} must be a list of [{', '.join(columns)}], got {rows!r}") from None
+
+
 def prefill_from_dict(data: dict[str, Any]) -> PrefillProfile:
-    points = tuple(ProfilePoint(int(t), float(s), float(b)) for t, s, b in data.get("points", ()))
+    name = str(data["name"])
+    rows = _rows(name, data, "points", {"tokens": int, "seconds": float, "kv_bytes": float})
+    points = tuple(ProfilePoint(*row) for row in rows)
     return PrefillProfile(
-        name=str(data["name"]),
+        name=name,
         gpus_per_instance=int(data["gpus_per_instance"]),
         points=points,
         latency_coeffs=tuple(float(c) for c in data.get("latency_coeffs", ())),
@@ -174,15 +192,52 @@ def prefill_from_dict(data: dict[str, Any]) -> PrefillProfile:
 
 
 def decode_from_dict(data: dict[str, Any]) -> DecodeProfile:
+    name = str(data["name"])
     return DecodeProfile(
-        name=str(data["name"]),
+        name=name,
         gpus_per_instance=int(data["gpus_per_instance"]),
         bs_max=int(data["bs_max"]),
         step_time_s=float(data["step_time_s"]),
-        steps=tuple((int(b), float(s)) for b, s in data.get("steps", ())),
+        steps=tuple(_rows(name, data, "steps", {"batch": int, "seconds": float})),
         context=int(data.get("context", 0)),
         slot_s=float(data.get("slot_s", 0.0)),
     )
+
+
+def checked_table(path: str | Path, table: str, value: object, known: tuple[str, ...]) -> None:
+    """ValueError naming the file and the setting unless ``value`` is a table of ``known`` settings only, every
+    number in it finite."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: [{table}] must be a table, got {value!r}")
+    if unknown := sorted(set(value) - set(known)):
+        raise ValueError(f"{path}: [{table}] unknown settings {unknown} (known: {', '.join(known)})")
+    for name, item in value.items():
+        check_finite(path, f"[{table}] {name}", item)
+
+
+def check_finite(path: str | Path, setting: str, value: object) -> None:
+    """ValueError naming ``setting`` if ``value`` is, or a list in it holds, a NaN or an infinity (as a number,
+    or as text that would be read as one); names and traces are text and not checked."""
+    if setting.rpartition(" ")[2] in ("name", "trace"):
+        return
+    if any(not math.isfinite(_number(v)) for v in _items(value)):
+        need = "finite numbers" if isinstance(value, list) else "a finite number"
+        raise ValueError(f"{path}: {setting} must be {need}, got {value!r}")
+
+
+def _number(value: object) -> float:
+    """``value`` read as a number; 0 for one that cannot be read (refused where it is read)."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer past every float
+        return math.inf
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _items(value: object) -> list[object]:
+    """A setting's value, or the values in its lists, lists of lists included (a profile's points)."""
+    return [x for v in value for x in _items(v)] if isinstance(value, list) else [value]
 
 
 def load_table(path: str | Path) -> dict[str, Any]:
@@ -200,10 +255,17 @@ def load_profiles(path: str | Path) -> tuple[PrefillProfile | None, DecodeProfil
         data = load_table(path)
     except ValueError as e:  # JSON's and TOML's syntax errors
         raise ValueError(f"{path}: not a profile ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a profile (a table of [prefill] and [decode])")
+    readers = {"prefill": (prefill_from_dict, PrefillProfile), "decode": (decode_from_dict, DecodeProfile)}
+    if unknown := sorted(set(data) - set(readers)):
+        raise ValueError(f"{path}: unknown tables {unknown} (known: prefill, decode)")
     tables: list[Any] = []
-    for name, read in (("prefill", prefill_from_dict), ("decode", decode_from_dict)):
+    for name, (read, kind) in readers.items():
+        if name in data:
+            checked_table(path, name, data[name], tuple(f.name for f in fields(kind)))
         try:
-            tables.append(read(data[name]) if isinstance(data, dict) and name in data else None)
+            tables.append(read(data[name]) if name in data else None)
         except KeyError as e:
             raise ValueError(f"{path}: [{name}] has no {e.args[0]!r}") from None
         except (ValueError, TypeError, AttributeError) as e:
