@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -219,6 +220,16 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     assert done.value.code == 2
     assert err.count("\n") == 1 and err.startswith(f"minifaas {argv[0]}: error: "), err
     assert says in err
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_generate_gives_a_decode_speed_only_when_it_decoded(
+    max_tokens: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", "--model", "kimi-linear-tiny", "--max-tokens", str(max_tokens)]) == 0
+    out = capsys.readouterr().out
+    speed = re.search(r"decode [0-9.]+ tokens/s", out)
+    assert (speed is None) == ("no decode step (the prefill made the one token)" in out) == (max_tokens == 1), out
 
 
 def test_a_taken_port_is_an_error_before_any_worker_starts(taken_port: int, capsys: pytest.CaptureFixture[str]) -> None:

@@ -57,9 +57,12 @@ def run(args: argparse.Namespace) -> int:
         f"[bold]{rt.spec.name}[/] on {args.device}: {len(ids)} prompt tokens, layers handed over in order "
         f"{' '.join(layers)}"
     )
+    decoded = len(tokens) - 1  # the first token comes from the prefill
+    decode = (
+        f"decode {decoded / decode_s:.1f} tokens/s" if decoded else "no decode step (the prefill made the one token)"
+    )
     console.print(
-        f"state {result.state.nbytes / 1024:.1f} KiB, prefill {len(ids) / result.seconds:.0f} tokens/s, "
-        f"decode {max(len(tokens) - 1, 1) / decode_s:.1f} tokens/s, "
+        f"state {result.state.nbytes / 1024:.1f} KiB, prefill {len(ids) / result.seconds:.0f} tokens/s, {decode}, "
         + (f"temperature {temperature:g}, seed {params.resolved_seed}" if temperature else "greedy")
     )
     console.print(repr(rt.tokenizer.decode(tokens)))
