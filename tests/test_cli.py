@@ -394,3 +394,14 @@ def test_serve_lets_a_stream_in_flight_go_on_for_its_grace_then_cuts_it_and_a_se
     said = "".join(log)
     assert f"requests in flight have up to {grace:g} s to finish" in said
     assert ("the requests still in flight were cut" in said) == second_signal
+
+
+def test_a_reader_that_stops_early_ends_a_command_quietly() -> None:
+    """``minifaas sim | head -1``: the pipe closes under the command's output; no traceback follows."""
+    argv = [sys.executable, "-m", "minifaas.commands.main", "sim", "--case", "paper", "--duration", "60"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()  # as head does once it has its line, here before the command has written any
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert proc.returncode == 128 + signal.SIGPIPE

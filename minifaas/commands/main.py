@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # ^C in a command that does not stop on it itself (sim, profile, plan): one line
         print(f"minifaas {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout stopped early (``| head``): nothing more to say, to anyone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        return 128 + signal.SIGPIPE
 
 
 def command_parser(name: str) -> argparse.ArgumentParser:
