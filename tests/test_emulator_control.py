@@ -8,6 +8,7 @@ and an emulator whose parent is killed with SIGKILL dies with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -71,6 +72,34 @@ def test_only_a_holder_of_the_secret_drives_the_control_port() -> None:
                 await connect("127.0.0.1", link.control.port, b"x" * 32, timeout=5)
             assert (await link.control.stats())["stalled"] is False
             assert await round_trip(link.port) == b"ping"
+
+    run(main())
+
+
+def test_a_ping_behind_an_unanswered_command_fails_at_its_own_deadline() -> None:
+    """A hung emulator answers neither the command ahead of a ping nor the ping: the ping's deadline counts
+    from when it is asked, not from when the command ahead gives up."""
+
+    async def main() -> None:
+        server = await echo_server()
+        async with server, EmulatorProcess(server.sockets[0].getsockname()) as link:
+            await link.control.stats()  # the session is open
+            os.kill(link.pid, signal.SIGSTOP)
+            try:
+                ended: list[str] = []
+
+                async def ask(name: str, call: object) -> None:
+                    with contextlib.suppress(EmulatorError):
+                        await call  # type: ignore[misc]
+                    ended.append(name)
+
+                ahead = asyncio.ensure_future(ask("stats", link.control.command("stats", timeout=6.0)))
+                await asyncio.sleep(0.2)  # the stats command holds the session
+                await ask("ping", link.control.ping(1.0))
+                assert ended == ["ping"]  # the ping gave up while the stats command still waited
+                await ahead
+            finally:
+                os.kill(link.pid, signal.SIGCONT)
 
     run(main())
 

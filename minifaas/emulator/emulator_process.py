@@ -36,18 +36,25 @@ class EmulatorControl:
 
     async def command(self, cmd: str, timeout: float | None = None, **args: Any) -> dict[str, Any]:
         """Send one command and return its reply; EmulatorError if refused, unanswered within ``timeout``
-        (default: the control's) or the session failed."""
-        async with self._lock:
-            try:
-                async with asyncio.timeout(timeout or self.timeout):
-                    if self._session is None or self._session.closed:
-                        self._session = await connect(self.host, self.port, self.secret, timeout or self.timeout)
-                    self._session.send({"cmd": cmd, **args})
-                    await self._session.drain()
-                    reply = await self._session.recv()
-            except (TimeoutError, ControlError, OSError) as e:
+        (default: the control's, counted from the call: a wait for the command ahead counts) or the session
+        failed."""
+        holding = False
+        try:
+            async with asyncio.timeout(timeout or self.timeout):
+                await self._lock.acquire()
+                holding = True
+                if self._session is None or self._session.closed:
+                    self._session = await connect(self.host, self.port, self.secret, timeout or self.timeout)
+                self._session.send({"cmd": cmd, **args})
+                await self._session.drain()
+                reply = await self._session.recv()
+        except (TimeoutError, ControlError, OSError) as e:
+            if holding:
                 self.close()  # a late reply would be taken for the next command's: start afresh
-                raise EmulatorError(f"the emulator at {self.host}:{self.port} did not answer {cmd}: {e!r}") from None
+            raise EmulatorError(f"the emulator at {self.host}:{self.port} did not answer {cmd}: {e!r}") from None
+        finally:
+            if holding:
+                self._lock.release()
         if reply is None:
             self.close()
             raise EmulatorError(f"the emulator at {self.host}:{self.port} closed the session")
