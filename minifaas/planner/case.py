@@ -13,9 +13,6 @@ A TOML (or JSON) file (``load_case``, ``name`` optional) plans any deployment:
     low = 128
     high = 128000
     [prfaas]                  # a prefill profile (profile.py); [pd_prefill] too; [decode] a decode profile
-
-A setting the case does not read, at the top or in a table, and a number that is not finite (nan, inf) are
-refused with the file and the setting named.
 """
 
 from __future__ import annotations

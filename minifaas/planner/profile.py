@@ -13,9 +13,6 @@ A file holds a [prefill] and a [decode] table, TOML or JSON (``load_profiles``; 
     steps = [[1, 0.012], [8, 0.016], [32, 0.03]]   # optional: [batch, seconds] of every batch measured
     context = 64                  # optional: the tokens each row held as they were measured,
     slot_s = 1.3e-7               #   and what a step adds per row for each token of the batch's width past it
-
-A table other than these two, a setting a table does not read, a number that is not finite (nan, inf) and a
-``points`` or ``steps`` list not of rows as above are refused with the file and the table or setting named.
 """
 
 from __future__ import annotations
