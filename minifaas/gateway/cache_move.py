@@ -9,16 +9,19 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Export, Exported, Failed
 from minifaas.gateway.inter_cluster_link import InterClusterLink
-from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.policy.router import CacheMove
+
+if TYPE_CHECKING:
+    from minifaas.gateway.prefill_dispatch import PrefillDispatch
 
 log = logging.getLogger("minifaas.gateway")
 
@@ -30,12 +33,12 @@ class CacheMoves:
         link: InterClusterLink,
         prefixes: PrefixDirectory,
         metrics: ServeMetrics,
-        scheduler: LiveScheduler,
+        dispatch: PrefillDispatch,  # the codec policy, for what crosses the link
         timeout: float,
         transfer_ids: Iterator[int],
     ) -> None:
         self.pool, self.link, self.prefixes, self.metrics = pool, link, prefixes, metrics
-        self.scheduler, self.timeout, self.transfer_ids = scheduler, timeout, transfer_ids
+        self.dispatch, self.timeout, self.transfer_ids = dispatch, timeout, transfer_ids
         self.counts: Counter[str] = Counter()  # done, failed, no_source, bytes
 
     async def carry_out(
@@ -54,7 +57,7 @@ class CacheMoves:
         src = max(sources, key=lambda w: (hits[w.name], w.name))
         inbox = src.open(rid)
         try:
-            tokens, length, codec = request.prompt_ids, move.end_tokens, self.scheduler.codec().codec
+            tokens, length, codec = request.prompt_ids, move.end_tokens, self.dispatch.codec().codec
             src.send(Export(req=rid, transfer=transfer, tokens=tokens, length=length, kv=link, codec=codec))
             async with asyncio.timeout(self.timeout):
                 reply = await inbox.get()
@@ -69,7 +72,7 @@ class CacheMoves:
             return None
         self.counts["done"] += 1
         self.counts["bytes"] += reply.bytes
-        self.scheduler.coded(reply, reply.bytes)
+        self.dispatch.coded(reply, reply.bytes)
         self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply.bytes, reply.kv_wire_bytes, reply.codec)
         record.events.append(f"cache_move {src.name}->{dst.name} {reply.tokens} tokens")
         return transfer

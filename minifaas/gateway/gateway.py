@@ -91,11 +91,10 @@ class Gateway:
         sc = config.scheduler
         long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
         self.scheduler = LiveScheduler(
-            self.pool, self.link, config, self.metrics, self.roles, self.kv_profile, short_term,
-            long_term if sc.enabled else None,
-        )  # fmt: skip
+            self.pool, self.link, config, self.metrics, self.roles, short_term, long_term if sc.enabled else None
+        )
         self.dispatch = PrefillDispatch(
-            self.pool, self.link, self.prefixes, self.metrics, config.prefill_timeout, self.scheduler
+            self.pool, self.link, self.prefixes, self.metrics, config, self.scheduler, self.kv_profile
         )
         self.admission = Admission.of(config)  # the queue's bounds: count, memory, the first-token deadline
         self._stack = contextlib.AsyncExitStack()
@@ -200,7 +199,7 @@ class Gateway:
         finally:
             self.admission.release(ticket)
             record.e2e_s = time.perf_counter() - start
-            self.scheduler.finished(record.completion_tokens)
+            self.scheduler.outputs.append(record.completion_tokens)
             if record.decode_worker is not None and not record.phase.done:
                 record.phase = Phase.ABORTED
 
@@ -280,5 +279,5 @@ class Gateway:
         t, rule = self.scheduler.threshold, self.scheduler.rule
         decision = self.router.route(RouteInput(len(prompt_ids), t, rule, prfaas, pd, **link))
         if decision.path is not Path.REJECT:
-            self.scheduler.observe(decision)
+            self.scheduler.lengths.append(decision.incremental_tokens)
         return decision
