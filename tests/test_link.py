@@ -14,6 +14,7 @@ import socket
 
 import pytest
 
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.config import InterClusterLinkConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _decode_worker(name: str, listener: socket.socket) -> WorkerHandle:
-    w = WorkerHandle(WorkerSpec(name, "decode", "pd"), name, "decode", "pd")
+    w = WorkerHandle(
+        WorkerSpec(name, "decode", "pd"), name, "decode", "pd", PrefixDirectory(False, 16, "test", False, ())
+    )
     w.kv = listener.getsockname()
     return w
 
