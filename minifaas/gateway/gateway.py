@@ -43,10 +43,8 @@ from minifaas.model.layer_state import StateLayout, needs_snapshot
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load_tokenizer
 from minifaas.model.tokenizer import Tokenizer
 from minifaas.policy.interfaces import RoutingPolicy
-from minifaas.policy.long_term import LongTermConfig
 from minifaas.policy.plugin import ROUTER, building, load_policy
 from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig
-from minifaas.policy.short_term import ShortTermConfig
 
 log = logging.getLogger("minifaas.gateway")
 NO_ROUTE = "no worker to route to: waiting for one"
@@ -87,12 +85,7 @@ class Gateway:
         self.pool.on_attached = self._attached
         self.pool.on_startup = self.link.on_startup = on_startup  # told of each process __aenter__ starts
         self.roles = RoleChanger(self.pool, config, self.metrics)
-        short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=self.max_context)
-        sc = config.scheduler
-        long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
-        self.scheduler = LiveScheduler(
-            self.pool, self.link, config, self.metrics, self.roles, short_term, long_term if sc.enabled else None
-        )
+        self.scheduler = LiveScheduler(self.pool, self.link, config, self.metrics, self.roles, self.max_context)
         self.dispatch = PrefillDispatch(
             self.pool, self.link, self.prefixes, self.metrics, config, self.scheduler, self.kv_profile
         )
@@ -189,9 +182,7 @@ class Gateway:
                     break
                 except DecodeLost as lost:  # the migration seam: the same request on another decode worker
                     moving = moving or Migration(request, c.migration_limit, sent)
-                    if lost.suspect and lost.worker:  # a worker killed from outside is no evidence against it
-                        lost.suspect = await self.pool.ended_by_itself(lost.worker, lost.pid)
-                    attempt = migrate(moving, record, lost, self.metrics)
+                    attempt = await migrate(moving, record, lost, self.metrics, self.pool)
             record.phase = advance(record.phase, Phase.FINISHED)
         except RequestFailed:
             record.phase = Phase.FAILED

@@ -34,12 +34,12 @@ class LiveScheduler:
         config: ServeConfig,
         metrics: ServeMetrics,
         roles: RoleChanger,
-        short_term: ShortTermConfig,
-        long_term: LongTermConfig | None = None,
+        max_context: int,  # the short-term policy's ceiling on t
     ) -> None:
         self.pool, self.link, self.config, self.metrics, self.roles = pool, link, config, metrics, roles
         self.threshold, self.rule = config.threshold, Rule(config.cache.rule)
         sc = config.scheduler
+        short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=max_context)
         offered = dict(config=short_term, threshold=self.threshold, rule=self.rule)
         with building(SHORT_TERM, sc.short_term):
             self.short: ShortTermControl = (
@@ -47,8 +47,9 @@ class LiveScheduler:
                 else load_policy(sc.short_term, SHORT_TERM, sc.short_term_args, **offered)
             )  # fmt: skip
         self.utilisation = 0.0  # the short-term policy's smoothed reading of the link, as of its last step
-        self.long_term = long_term
-        self.profiles = split_profiles(config) if long_term is not None else None  # read now: a bad one fails at once
+        long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
+        self.long_term = long_term if sc.enabled else None
+        self.profiles = split_profiles(config) if sc.enabled else None  # read now: a bad one fails at once
         self.long: LongTermControl | None = None  # built by ``prepare`` once the workers are known
         self.reading: LinkReading | None = None  # the link as last sampled
         self.last: Signals | None = None  # what the policies saw at the last tick
