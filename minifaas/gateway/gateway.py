@@ -1,8 +1,10 @@
 """The gateway: one asyncio program that attaches to both clusters and runs every request through them.
 
 It composes ``Workers`` (started, attached, supervised), the ``InterClusterLink``, ``PrefillDispatch``, the
-``RoleChanger`` and the ``LiveScheduler``. A request is admitted, routed, prefilled, and streamed back from its
-decode worker; one whose decode worker is lost migrates to another.
+``RoleChanger`` and the ``LiveScheduler``. ``stream`` is one request's life: admitted, routed (``route``),
+prefilled (``PrefillDispatch``), streamed back from its decode worker (``decode_tokens``). Its seams: ``migrate``
+when the decode worker is lost, ``EarlyFirst`` for a first token shown before the state is all across, and
+``RequestDeadline`` around each wait.
 """
 
 from __future__ import annotations
