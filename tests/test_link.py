@@ -14,6 +14,7 @@ import socket
 
 import pytest
 
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.config import InterClusterLinkConfig
 from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _decode_worker(name: str, listener: socket.socket) -> WorkerHandle:
-    w = WorkerHandle(WorkerSpec(name, "decode", "pd"), name, "decode", "pd")
+    w = WorkerHandle(
+        WorkerSpec(name, "decode", "pd"), name, "decode", "pd", PrefixDirectory(False, 16, "test", False, ())
+    )
     w.kv = listener.getsockname()
     return w
 
@@ -62,9 +65,8 @@ def test_decode_workers_joining_at_once_share_one_emulator_and_each_has_its_rout
             await asyncio.gather(*(link.join(w) for w in workers))
             assert len(link.emulators()) == 1
             assert set(link.routes) == {w.name for w in workers}
-            prfaas = WorkerHandle(WorkerSpec("prfaas-p0", "prefill", "prfaas"), "prfaas-p0", "prefill", "prfaas")
             for w, listener in zip(workers, listeners, strict=True):
-                _, port = link.kv_address(prfaas, w)
+                _, port = link.kv_routes[w.name]
                 assert await _reaches(port, listener), w.name
             emulator = link.emulator
         assert emulator is not None and not emulator.alive

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.worker_ops import Error, First, Prefilled, ReplyMessage
 from minifaas.gateway.prefill_dispatch import Attempt, _outcome
 from minifaas.gateway.requests import GenerateRequest
@@ -13,7 +14,9 @@ from minifaas.model.sampling import SamplingParams
 
 
 def handle(name: str, role: str, cluster: str) -> WorkerHandle:
-    return WorkerHandle(WorkerSpec(name, role, cluster), name, role, cluster)
+    return WorkerHandle(
+        WorkerSpec(name, role, cluster), name, role, cluster, PrefixDirectory(False, 16, "test", False, ())
+    )
 
 
 def prefilled(transfer: int) -> Prefilled:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.server import ControlServer
 from minifaas.control.session import Session, connect
 from minifaas.control.worker_ops import Done, Token
@@ -48,7 +49,13 @@ def test_a_steps_tokens_leave_as_one_frame_and_arrive_in_each_requests_inbox() -
 
             async with ControlServer(("127.0.0.1", 0), SECRET, worker_side) as server:
                 session = await connect("127.0.0.1", server.port, SECRET, 5.0)
-                handle = WorkerHandle(WorkerSpec("pd-d0", "decode", "pd"), "pd-d0", "decode", "pd")
+                handle = WorkerHandle(
+                    WorkerSpec("pd-d0", "decode", "pd"),
+                    "pd-d0",
+                    "decode",
+                    "pd",
+                    PrefixDirectory(False, 16, "test", False, ()),
+                )
                 inboxes = {req: handle.open(req) for req in ("a", "b", "c")}
                 frames = [await session.recv(5) for _ in range(4)]
                 read.set()

@@ -9,18 +9,27 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from typing import Protocol
 
 from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Export, Exported, Failed
 from minifaas.gateway.inter_cluster_link import InterClusterLink
-from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import Workers
+from minifaas.policy.codec_policy import CodecChoice
 from minifaas.policy.router import CacheMove
 
 log = logging.getLogger("minifaas.gateway")
+
+
+class Codecs(Protocol):
+    """The codec policy's side of a move (``PrefillDispatch``): the codec to send it in, and what it did."""
+
+    def codec(self) -> CodecChoice: ...
+
+    def coded(self, reply: Exported, nbytes: int) -> None: ...
 
 
 class CacheMoves:
@@ -30,12 +39,12 @@ class CacheMoves:
         link: InterClusterLink,
         prefixes: PrefixDirectory,
         metrics: ServeMetrics,
-        scheduler: LiveScheduler,
+        codecs: Codecs,
         timeout: float,
         transfer_ids: Iterator[int],
     ) -> None:
         self.pool, self.link, self.prefixes, self.metrics = pool, link, prefixes, metrics
-        self.scheduler, self.timeout, self.transfer_ids = scheduler, timeout, transfer_ids
+        self.codecs, self.timeout, self.transfer_ids = codecs, timeout, transfer_ids
         self.counts: Counter[str] = Counter()  # done, failed, no_source, bytes
 
     async def carry_out(
@@ -54,7 +63,7 @@ class CacheMoves:
         src = max(sources, key=lambda w: (hits[w.name], w.name))
         inbox = src.open(rid)
         try:
-            tokens, length, codec = request.prompt_ids, move.end_tokens, self.scheduler.codec().codec
+            tokens, length, codec = request.prompt_ids, move.end_tokens, self.codecs.codec().codec
             src.send(Export(req=rid, transfer=transfer, tokens=tokens, length=length, kv=link, codec=codec))
             async with asyncio.timeout(self.timeout):
                 reply = await inbox.get()
@@ -69,7 +78,7 @@ class CacheMoves:
             return None
         self.counts["done"] += 1
         self.counts["bytes"] += reply.bytes
-        self.scheduler.coded(reply, reply.bytes)
+        self.codecs.coded(reply, reply.bytes)
         self.metrics.add_kv_bytes(f"{src.name}->{dst.name}", reply.bytes, reply.kv_wire_bytes, reply.codec)
         record.events.append(f"cache_move {src.name}->{dst.name} {reply.tokens} tokens")
         return transfer

@@ -1,8 +1,10 @@
 """The gateway: one asyncio program that attaches to both clusters and runs every request through them.
 
 It composes ``Workers`` (started, attached, supervised), the ``InterClusterLink``, ``PrefillDispatch``, the
-``RoleChanger`` and the ``LiveScheduler``. A request is admitted, routed, prefilled, and streamed back from its
-decode worker; one whose decode worker is lost migrates to another.
+``RoleChanger`` and the ``LiveScheduler``. ``stream`` is one request's life: admitted, routed (``route``),
+prefilled (``PrefillDispatch``), streamed back from its decode worker (``decode_tokens``). Its seams: ``migrate``
+when the decode worker is lost, ``EarlyFirst`` for a first token shown before the state is all across, and
+``RequestDeadline`` around each wait.
 """
 
 from __future__ import annotations
@@ -43,10 +45,8 @@ from minifaas.model.layer_state import StateLayout, needs_snapshot
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load_tokenizer
 from minifaas.model.tokenizer import Tokenizer
 from minifaas.policy.interfaces import RoutingPolicy
-from minifaas.policy.long_term import LongTermConfig
 from minifaas.policy.plugin import ROUTER, building, load_policy
 from minifaas.policy.router import ClusterView, NodeView, Path, RouteDecision, RouteInput, Router, RouterConfig
-from minifaas.policy.short_term import ShortTermConfig
 
 log = logging.getLogger("minifaas.gateway")
 NO_ROUTE = "no worker to route to: waiting for one"
@@ -87,15 +87,9 @@ class Gateway:
         self.pool.on_attached = self._attached
         self.pool.on_startup = self.link.on_startup = on_startup  # told of each process __aenter__ starts
         self.roles = RoleChanger(self.pool, config, self.metrics)
-        short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=self.max_context)
-        sc = config.scheduler
-        long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
-        self.scheduler = LiveScheduler(
-            self.pool, self.link, config, self.metrics, self.roles, self.kv_profile, short_term,
-            long_term if sc.enabled else None,
-        )  # fmt: skip
+        self.scheduler = LiveScheduler(self.pool, self.link, config, self.metrics, self.roles, self.max_context)
         self.dispatch = PrefillDispatch(
-            self.pool, self.link, self.prefixes, self.metrics, config.prefill_timeout, self.scheduler
+            self.pool, self.link, self.prefixes, self.metrics, config, self.scheduler, self.kv_profile
         )
         self.admission = Admission.of(config)  # the queue's bounds: count, memory, the first-token deadline
         self._stack = contextlib.AsyncExitStack()
@@ -190,9 +184,7 @@ class Gateway:
                     break
                 except DecodeLost as lost:  # the migration seam: the same request on another decode worker
                     moving = moving or Migration(request, c.migration_limit, sent)
-                    if lost.suspect and lost.worker:  # a worker killed from outside is no evidence against it
-                        lost.suspect = await self.pool.ended_by_itself(lost.worker, lost.pid)
-                    attempt = migrate(moving, record, lost, self.metrics)
+                    attempt = await migrate(moving, record, lost, self.metrics, self.pool)
             record.phase = advance(record.phase, Phase.FINISHED)
         except RequestFailed:
             record.phase = Phase.FAILED
@@ -200,7 +192,7 @@ class Gateway:
         finally:
             self.admission.release(ticket)
             record.e2e_s = time.perf_counter() - start
-            self.scheduler.finished(record.completion_tokens)
+            self.scheduler.outputs.append(record.completion_tokens)
             if record.decode_worker is not None and not record.phase.done:
                 record.phase = Phase.ABORTED
 
@@ -280,5 +272,5 @@ class Gateway:
         t, rule = self.scheduler.threshold, self.scheduler.rule
         decision = self.router.route(RouteInput(len(prompt_ids), t, rule, prfaas, pd, **link))
         if decision.path is not Path.REJECT:
-            self.scheduler.observe(decision)
+            self.scheduler.lengths.append(decision.incremental_tokens)
         return decision

@@ -59,6 +59,7 @@ class InterClusterLink:
         self.secret: bytes | None = None  # the emulators' control ports take the cluster secret; None: a fresh one
         self.emulator: EmulatorProcess | None = None  # PrfaaS -> PD: every PrfaaS state crosses it
         self.routes: dict[str, tuple[str, int]] = {}  # decode worker -> its KV port, behind the emulator
+        self.kv_routes: dict[str, Address] = {}  # decode worker -> where PrfaaS KV for it goes, once routed
         self.move_links: dict[str, EmulatorProcess] = {}  # the link into each prefill node, for cache moves
         self.down: dict[str, str] = {}  # emulator (NAME, or "<prefill node>-link") -> why it is out of service
         self.restarts: Counter[str] = Counter()
@@ -74,6 +75,7 @@ class InterClusterLink:
         self._joining = asyncio.Lock()  # workers join at once as they start: one emulator, however many join
         self._closing = False
         self.cut = asyncio.Event()  # set when the link leaves service; a fresh one each time it is back
+        self.up = True  # PrfaaS KV can cross now: always over the network; through the emulator unless it is down
 
     async def __aenter__(self) -> InterClusterLink:
         self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())  # out last: after the emulators
@@ -84,11 +86,6 @@ class InterClusterLink:
         for task in self._watchers.values():  # no restart once the emulators are being stopped
             task.cancel()
         await self._stack.aclose()
-
-    @property
-    def up(self) -> bool:
-        """PrfaaS KV can cross now: always over the network; through the emulator unless it is down."""
-        return NAME not in self.down
 
     @property
     def generation(self) -> int:
@@ -127,6 +124,7 @@ class InterClusterLink:
                     why = f"no answer to a ping within {hb.deadline_s:g} s ({e!r})" if emulator.alive else repr(e)
             self.down[name] = why
             if name == NAME:
+                self.up = False
                 self.cut.set()  # transfers crossing it now fail at once rather than at their timeout
             log.error("link emulator %s (pid %d) left service: %s", name, emulator.pid, why)
             delay = RETRY_S
@@ -142,7 +140,8 @@ class InterClusterLink:
                 return
             del self.down[name]
             if name == NAME:
-                self.cut = asyncio.Event()
+                self._publish()  # the routes came back on new ports
+                self.cut, self.up = asyncio.Event(), True
             self.restarts[name] += 1
             log.info("link emulator %s back (pid %d), %d routes", name, emulator.pid, len(emulator.routes) + 1)
 
@@ -168,6 +167,7 @@ class InterClusterLink:
                     except EmulatorError as e:  # the emulator is down: its restart brings the route
                         log.warning("no route to %s through the link yet: %s", w.name, e)
                 self.routes[w.name] = w.kv
+                self._publish()
             elif w.role == "prefill" and self.moves and w.name not in self.move_links:
                 self.move_links[w.name] = await self._started(f"{w.name}-link", "link emulator for cache moves", w.kv)
 
@@ -175,6 +175,7 @@ class InterClusterLink:
         async with self._joining:
             target = self.routes.pop(w.name, None)
             if target is not None and self.emulator is not None:
+                self._publish()
                 with contextlib.suppress(EmulatorError, OSError, TimeoutError):
                     if target == self.emulator.target:
                         await self.emulator.control.remove_route(self.emulator.port)
@@ -188,17 +189,13 @@ class InterClusterLink:
                 self.down.pop(f"{w.name}-link", None)
                 await emulator.__aexit__(None, None, None)
 
-    def kv_address(self, prefill: WorkerHandle, decode: WorkerHandle) -> Address:
-        """Where ``prefill`` sends KV for ``decode``: through the emulator when it crosses clusters."""
-        assert decode.kv is not None
-        if prefill.cluster == "prfaas" and self.emulated:
-            assert self.emulator is not None
-            target = self.routes[decode.name]
-            port = self.emulator.port if target == self.emulator.target else self.emulator.routes.get(target)
-            if not port:  # the emulator restarting, or the route not answered yet: the prefill falls back
-                raise LinkNotReady(f"the link has no route to {decode.name} yet")
-            return ("127.0.0.1", port)
-        return decode.kv
+    def _publish(self) -> None:
+        """Where PrfaaS KV for each decode worker goes now (``kv_routes``): the emulator's port for it, once it
+        answered; a prefill to a decode worker with none falls back."""
+        e = self.emulator
+        assert e is not None
+        ports = {name: e.port if target == e.target else e.routes.get(target) for name, target in self.routes.items()}
+        self.kv_routes = {name: ("127.0.0.1", port) for name, port in ports.items() if port}
 
     def move_address(self, dst: WorkerHandle) -> Address | None:
         """Where a cache move into ``dst`` goes, or None if ``dst`` takes none."""

@@ -2,7 +2,8 @@
 
 Each second ``run`` writes the signals to /metrics and steps the short-term policy, whose threshold and rule the
 gateway's next route uses. With a profile, ``RoleChanger`` re-plans the PD split on the same ticks with the
-long-term policy and carries it out; the codec policy picks each link transfer's codec.
+long-term policy and carries it out. Requests leave what they did in plain lists (``lengths``, ``prefills``,
+``outputs``) for the next tick; ``PrefillDispatch`` asks its ``compression`` policy for each transfer's codec.
 """
 
 from __future__ import annotations
@@ -11,22 +12,18 @@ import asyncio
 import math
 
 from minifaas.config import ServeConfig
-from minifaas.control.worker_ops import Exported, Prefilled
 from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkReading
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.roles import RoleChanger, split_profiles
 from minifaas.gateway.workers import STAGES, Workers
-from minifaas.model.kv_profile import KVProfile
-from minifaas.policy.codec_policy import MODES, CodecChoice, CodecSample, CompressionPolicy, LinkShare, TransferShape
+from minifaas.policy.codec_policy import MODES, CodecSample, CompressionPolicy
 from minifaas.policy.interfaces import CodecPolicy, LongTermControl, ShortTermControl
 from minifaas.policy.long_term import LongTermConfig
 from minifaas.policy.plugin import CODEC, SHORT_TERM, building, load_policy
-from minifaas.policy.router import RouteDecision, Rule
+from minifaas.policy.router import Rule
 from minifaas.policy.short_term import ShortTermConfig, ShortTermPolicy
 from minifaas.policy.signals import PrefillSample, Signals, StageLoad
-
-SPEED_WEIGHT = 0.3  # of the newest prefill in the speed average: a few prefills follow a change of load
 
 
 class LiveScheduler:
@@ -37,14 +34,12 @@ class LiveScheduler:
         config: ServeConfig,
         metrics: ServeMetrics,
         roles: RoleChanger,
-        kv: KVProfile,
-        short_term: ShortTermConfig,
-        long_term: LongTermConfig | None = None,
+        max_context: int,  # the short-term policy's ceiling on t
     ) -> None:
         self.pool, self.link, self.config, self.metrics, self.roles = pool, link, config, metrics, roles
-        self.kv = kv  # the model's state sizes: each transfer's shape
         self.threshold, self.rule = config.threshold, Rule(config.cache.rule)
         sc = config.scheduler
+        short_term = ShortTermConfig(enabled=not config.fixed_threshold, ceiling=max_context)
         offered = dict(config=short_term, threshold=self.threshold, rule=self.rule)
         with building(SHORT_TERM, sc.short_term):
             self.short: ShortTermControl = (
@@ -52,14 +47,16 @@ class LiveScheduler:
                 else load_policy(sc.short_term, SHORT_TERM, sc.short_term_args, **offered)
             )  # fmt: skip
         self.utilisation = 0.0  # the short-term policy's smoothed reading of the link, as of its last step
-        self.long_term = long_term
-        self.profiles = split_profiles(config) if long_term is not None else None  # read now: a bad one fails at once
+        long_term = LongTermConfig(period_s=sc.period_s, min_requests=sc.min_requests, min_gain=sc.min_gain)
+        self.long_term = long_term if sc.enabled else None
+        self.profiles = split_profiles(config) if sc.enabled else None  # read now: a bad one fails at once
         self.long: LongTermControl | None = None  # built by ``prepare`` once the workers are known
-        self.lengths: list[int] = []
         self.reading: LinkReading | None = None  # the link as last sampled
         self.last: Signals | None = None  # what the policies saw at the last tick
-        self._prefills: list[PrefillSample] = []  # since the last tick
-        self._outputs: list[int] = []  # completion tokens of the requests finished since the last tick
+        # what the requests since the last tick told it (``Gateway``, ``PrefillDispatch``):
+        self.lengths: list[int] = []  # tokens each routed request had to prefill
+        self.prefills: list[PrefillSample] = []
+        self.outputs: list[int] = []  # completion tokens of each request that ended
         self.speed: dict[str, float] = {}  # cluster -> prefill tokens/s, a moving average over recent prefills
         codec, codec_args = config.link.kv_compression, config.link.kv_compression_args
         with building(CODEC, codec):
@@ -93,60 +90,16 @@ class LiveScheduler:
                 self.tick(loop.time())
             await asyncio.sleep(period)
 
-    def prefilled(self, cluster: str, tokens: int, seconds: float) -> None:
-        """A prefill ended on ``cluster`` after ``seconds`` for ``tokens`` computed: its measured speed."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        self._prefills.append(PrefillSample(cluster, tokens, seconds))
-        old = self.speed.get(cluster)
-        self.speed[cluster] = (
-            tokens / seconds if old is None else SPEED_WEIGHT * tokens / seconds + (1 - SPEED_WEIGHT) * old
-        )
-
-    def finished(self, completion_tokens: int) -> None:
-        if completion_tokens > 0:
-            self._outputs.append(completion_tokens)
-
-    def codec(self, tokens: int = 0, computed: int = 0, link_start: int = 0) -> CodecChoice:
-        """The codec for a transfer about to cross the link: the state of a ``tokens`` prompt from
-        ``link_start`` on, ``computed`` of its tokens prefilled on PrfaaS (its own request already holds
-        a PrfaaS worker). Without tokens, the rule for a transfer with nothing to hide behind."""
-        busy = sum(w.busy for w in self.pool.of("prfaas", "prefill"))
-        link = LinkShare(self.link_rate_bps, self.utilisation, max(0, busy - 1))
-        shape = self._shape(tokens, computed, link_start) if tokens else TransferShape(1.0)
-        choice = self.compression.choose(link, shape)
-        self.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
-        return choice
-
-    def _shape(self, tokens: int, computed: int, link_start: int) -> TransferShape:
-        fixed = self.kv.bytes_at(0)
-        nbytes = self.kv.bytes_at(tokens) - (self.kv.bytes_at(link_start) - fixed)
-        chunk = self.config.prfaas.prefill_chunk
-        tail = self.kv.bytes_at(min(chunk, computed)) if chunk else nbytes  # the fixed state and the last chunk's KV
-        speed = self.speed.get("prfaas")
-        return TransferShape(nbytes, computed / speed if speed else 0.0, tail)
-
-    def coded(self, reply: Prefilled | Exported, nbytes: int) -> None:
-        """A transfer across the link ended: what its codec did (a worker's ``coding`` fields)."""
-        codec = reply.codec or "none"
-        wire, encode_s, decode_s = reply.kv_wire_bytes, reply.kv_encode_s, reply.kv_decode_s
-        self.compression.observe(CodecSample(codec, nbytes, wire, encode_s, decode_s))
-        self.metrics.kv_coded(codec, nbytes, wire, encode_s, decode_s)
-
     def calibrated(self, samples: dict[str, list[float]]) -> None:
         """A PrfaaS prefill worker's start-up measurement of its codecs (nbytes, wire, encode s, decode s)."""
         for codec, (nbytes, wire, encode_s, decode_s) in samples.items():
             self.compression.observe(CodecSample(codec, int(nbytes), int(wire), encode_s, decode_s))
 
-    def observe(self, decision: RouteDecision) -> None:
-        """A request was routed: remember how much of it had to be prefilled."""
-        self.lengths.append(decision.incremental_tokens)
-
     def signals(self, now: float) -> Signals:
         reading, self.reading = self.reading, None if self.reading is None else _spent(self.reading)
         lengths, self.lengths = tuple(self.lengths), []
-        prefills, self._prefills = tuple(self._prefills), []
-        outputs, self._outputs = tuple(self._outputs), []
+        prefills, self.prefills = tuple(self.prefills), []
+        outputs, self.outputs = tuple(n for n in self.outputs if n > 0), []
         if reading is not None:
             self.link_rate_bps = reading.rate_bps
         decode = self._stage("pd", "decode")
@@ -186,9 +139,8 @@ class LiveScheduler:
         """Draining workers do not serve the stage; their requests still count in its depth."""
         workers = self.pool.of(cluster, role)
         serving = [w for w in workers if w.serving]
-        wait = 0.0
-        if role == "prefill" and serving and self.speed.get(cluster):
-            wait = min(w.load_tokens for w in serving) / self.speed[cluster]
+        speed = self.speed.get(cluster, 0.0) if role == "prefill" and serving else 0.0
+        wait = min(w.load_tokens for w in serving) / speed if speed else 0.0
         return StageLoad(len(serving), sum(w.busy for w in workers), wait)
 
 

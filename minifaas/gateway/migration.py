@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord, advance
+
+if TYPE_CHECKING:
+    from minifaas.gateway.workers import Workers
 
 log = logging.getLogger("minifaas.gateway")
 
@@ -69,8 +73,12 @@ class Migration:
         self.moves += 1
 
 
-def migrate(moving: Migration, record: RequestRecord, lost: DecodeLost, metrics: ServeMetrics) -> GenerateRequest:
+async def migrate(
+    moving: Migration, record: RequestRecord, lost: DecodeLost, metrics: ServeMetrics, pool: Workers
+) -> GenerateRequest:
     """Move the request to another decode worker: what the next attempt asks for. Raises when it may not move."""
+    if lost.suspect and lost.worker:  # a worker killed from outside is no evidence against the request
+        lost.suspect = await pool.ended_by_itself(lost.worker, lost.pid)
     try:
         moving.move(lost)
     except RequestFailed:

@@ -2,6 +2,7 @@
 
 ``prefill`` is one attempt, top to bottom; ``run`` wraps it with the cache move and the retry seam
 (``fallback``). A decode worker that goes away ends the attempt with ``DecodeLost``: the request migrates.
+A transfer across the link is coded as the scheduler's codec policy picks (``codec``), and reports back.
 """
 
 from __future__ import annotations
@@ -15,10 +16,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
-from minifaas.control.worker_ops import Abort, Decode, Error, Failed, First, Pinned, Prefill, Prefilled, Sampling
+from minifaas.config import ServeConfig
+from minifaas.control.worker_ops import (
+    Abort,
+    Decode,
+    Error,
+    Exported,
+    Failed,
+    First,
+    Pinned,
+    Prefill,
+    Prefilled,
+    Sampling,
+)
 from minifaas.gateway.cache_move import CacheMoves
 from minifaas.gateway.fallback import Fallback, PrefillFailed
-from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown
+from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown, LinkNotReady
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import DecodeLost
@@ -27,10 +40,13 @@ from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.launch.launcher import WorkerError
-from minifaas.policy.codec_policy import CodecChoice
+from minifaas.model.kv_profile import KVProfile
+from minifaas.policy.codec_policy import CodecChoice, CodecSample, LinkShare, TransferShape
 from minifaas.policy.router import RouteDecision
+from minifaas.policy.signals import PrefillSample
 
 OnFirst = Callable[[int], None]  # told the first token as soon as the prefill worker has it
+SPEED_WEIGHT = 0.3  # of the newest prefill in the speed average: a few prefills follow a change of load
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,15 +95,17 @@ class PrefillDispatch:
         link: InterClusterLink,
         prefixes: PrefixDirectory,
         metrics: ServeMetrics,
-        prefill_timeout: float,
+        config: ServeConfig,
         scheduler: LiveScheduler,
+        kv: KVProfile,
     ) -> None:
         self.pool, self.link, self.prefixes, self.metrics = pool, link, prefixes, metrics
-        self.prefill_timeout, self.scheduler = prefill_timeout, scheduler
+        self.prefill_timeout, self.scheduler = config.prefill_timeout, scheduler
+        self.kv, self.prefill_chunk = kv, config.prfaas.prefill_chunk  # the model's state sizes: a transfer's shape
         # a random start in a 62-bit space: a restarted gateway never reuses an id a worker may still remember
         self.transfer_ids = itertools.count(secrets.randbits(62))
         self.fallback = Fallback(pool, link, prefixes)
-        self.moves = CacheMoves(pool, link, prefixes, metrics, scheduler, prefill_timeout, self.transfer_ids)
+        self.moves = CacheMoves(pool, link, prefixes, metrics, self, self.prefill_timeout, self.transfer_ids)
 
     def attempt(
         self, request: GenerateRequest, keys: PromptKeys | None, worker: WorkerHandle, decode: WorkerHandle,
@@ -159,9 +177,12 @@ class PrefillDispatch:
             except WorkerError as e:
                 raise DecodeLost(str(e)) from None
             link_start = await self._pinned(decode, rid, a.transfer) if a.link_start else 0
-            choice = self.scheduler.codec(len(prompt), a.computed, link_start) if a.remote else None
+            choice = self.codec(len(prompt), a.computed, link_start) if a.remote else None
+            kv = self.link.kv_routes.get(decode.name) if a.remote and self.link.emulated else decode.kv
+            if kv is None:  # the emulator restarting, or the route not answered yet: the prefill falls back
+                raise LinkNotReady(f"the link has no route to {decode.name} yet")
             a.worker.send(Prefill(req=rid, transfer=a.transfer, tokens=prompt, sampling=sampling,
-                                  kv=self.link.kv_address(a.worker, decode), link_start=link_start,
+                                  kv=kv, link_start=link_start,
                                   codec=choice.codec if choice is not None else "none",
                                   seen_tokens=self.prefixes.seen_prefix(a.keys), import_=a.moved))  # fmt: skip
             sent = time.perf_counter()
@@ -202,10 +223,10 @@ class PrefillDispatch:
         """The prefill's figures into the scheduler, /metrics and the record (a migration's re-prefill not: the
         record's figures stay those of the prefill behind the first token)."""
         if a.remote:
-            self.scheduler.coded(reply, reply.kv_bytes)
+            self.coded(reply, reply.kv_bytes)
         link = f"{a.worker.cluster}->{a.decode.name}"
         self.metrics.add_kv_bytes(link, reply.kv_bytes, reply.kv_wire_bytes, reply.codec)
-        self.scheduler.prefilled(a.worker.cluster, reply.computed_tokens, reply.prefill_s)
+        self._prefilled(a.worker.cluster, reply.computed_tokens, reply.prefill_s)
         record.phase = advance(record.phase, Phase.TRANSFERRING)
         if record.migrations:
             return
@@ -218,6 +239,40 @@ class PrefillDispatch:
         record.transfer_s = reply.transfer_tail_s
         record.store_s = reply.worker_s - reply.prefill_s - reply.transfer_tail_s
         record.control_s = max(0.0, round_trip - reply.queue_s - reply.worker_s)
+
+    def codec(self, tokens: int = 0, computed: int = 0, link_start: int = 0) -> CodecChoice:
+        """The codec for a transfer about to cross the link: the state of a ``tokens`` prompt from
+        ``link_start`` on, ``computed`` of its tokens prefilled on PrfaaS (its own request already holds
+        a PrfaaS worker). Without tokens, the rule for a transfer with nothing to hide behind."""
+        s = self.scheduler
+        busy = sum(w.busy for w in self.pool.of("prfaas", "prefill"))
+        link = LinkShare(s.link_rate_bps, s.utilisation, max(0, busy - 1))
+        shape = TransferShape(1.0)
+        if tokens:
+            nbytes = self.kv.bytes_at(tokens) - (self.kv.bytes_at(link_start) - self.kv.bytes_at(0))
+            chunk = self.prefill_chunk  # the tail: the fixed state and the last chunk's KV
+            tail = self.kv.bytes_at(min(chunk, computed)) if chunk else nbytes
+            speed = s.speed.get("prfaas")
+            shape = TransferShape(nbytes, computed / speed if speed else 0.0, tail)
+        choice = s.compression.choose(link, shape)
+        self.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
+        return choice
+
+    def coded(self, reply: Prefilled | Exported, nbytes: int) -> None:
+        """A transfer across the link ended: what its codec did (a worker's ``coding`` fields)."""
+        codec = reply.codec or "none"
+        wire, encode_s, decode_s = reply.kv_wire_bytes, reply.kv_encode_s, reply.kv_decode_s
+        self.scheduler.compression.observe(CodecSample(codec, nbytes, wire, encode_s, decode_s))
+        self.metrics.kv_coded(codec, nbytes, wire, encode_s, decode_s)
+
+    def _prefilled(self, cluster: str, tokens: int, seconds: float) -> None:
+        """A prefill ended on ``cluster`` after ``seconds`` for ``tokens`` computed: the scheduler's sample and
+        moving average of its speed."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self.scheduler.prefills.append(PrefillSample(cluster, tokens, seconds))
+        old, speed = self.scheduler.speed.get(cluster), tokens / seconds
+        self.scheduler.speed[cluster] = speed if old is None else SPEED_WEIGHT * speed + (1 - SPEED_WEIGHT) * old
 
     async def _pinned(self, decode: WorkerHandle, rid: str, transfer: int) -> int:
         """Tokens of the prompt whose KV the decode node has pinned: the prefill sends only the rest."""

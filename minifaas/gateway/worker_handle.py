@@ -1,8 +1,8 @@
 """The gateway's handle on one worker: talk to it over its control session, notice when it is gone.
 
-``pump`` runs the session, pings the worker and sorts each reply into its request's inbox, and ``follow_cache``
-keeps the gateway's mirror of its prefix cache current. When the session is lost every open inbox receives
-``Lost``, so no request waits on a worker that is gone. A ``draining`` worker is routed nothing new.
+``pump`` runs the session, pings the worker and sorts each reply into its request's inbox; its cache events keep
+the gateway's mirror of its prefix cache current. When the session is lost every open inbox receives ``Lost``,
+so no request waits on a worker that is gone. A ``draining`` worker is routed nothing new.
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.heartbeat import HeartbeatConfig, keep_alive
 from minifaas.control.session import ControlError, PeerSilent, Session, SessionLost
 from minifaas.control.worker_ops import (
-    CACHE_EVENTS,
     REPLIES,
     Attached,
     BadMessage,
@@ -51,13 +49,10 @@ class Lost:
 Inbound = ReplyMessage | Lost  # what a request's inbox holds
 
 
-class Closing(Protocol):
-    closing: bool  # shutdown has begun (``Workers``)
-
-
 class WorkerHandle:
-    def __init__(self, spec: WorkerSpec, name: str, role: str, cluster: str) -> None:
+    def __init__(self, spec: WorkerSpec, name: str, role: str, cluster: str, prefixes: PrefixDirectory) -> None:
         self.spec, self.name, self.role, self.cluster = spec, name, role, cluster
+        self.prefixes = prefixes  # the gateway's mirror of every worker's prefix cache
         self.session: Session | None = None
         self.address: Address | None = None  # its control port
         self.kv: Address | None = None  # where KV for it goes (its advertised address)
@@ -65,7 +60,7 @@ class WorkerHandle:
         self.alive = False
         self.rejoins = 0  # times it came back after its session was lost
         self.load_tokens = 0  # prompt tokens sent and not yet answered (prefill) / requests decoding
-        self.inboxes: dict[str, asyncio.Queue[Inbound]] = {CACHE_EVENTS: asyncio.Queue()}  # cache events from the start
+        self.inboxes: dict[str, asyncio.Queue[Inbound]] = {}  # request -> its replies
         self.draining = False  # changing role: routed nothing new
         self.retired = False  # stopped for good (replaced by a worker in its new role)
         self.claims = 0  # prefills routed here that have not opened their inbox yet
@@ -86,8 +81,8 @@ class WorkerHandle:
 
     @property
     def requests(self) -> int:
-        """Requests waiting on replies from the worker (not the cache-events inbox, open for the worker's life)."""
-        return sum(req != CACHE_EVENTS for req in self.inboxes)
+        """Requests waiting on replies from the worker."""
+        return len(self.inboxes)
 
     @property
     def busy(self) -> int:
@@ -115,7 +110,8 @@ class WorkerHandle:
         self.alive = True
 
     async def pump(self, heartbeat: HeartbeatConfig) -> SessionLost:
-        """Run the session until it is lost, then wake every waiting request with ``Lost``. Returns why it ended."""
+        """Run the session until it is lost, then wake every waiting request with ``Lost`` and forget the worker's
+        cache (a re-attached worker sends its inventory again; a retired one is dropped). Returns why it ended."""
         assert self.session is not None
         lost: SessionLost | None = None
         try:
@@ -128,20 +124,10 @@ class WorkerHandle:
             self.unstepped = set()
             for inbox in self.inboxes.values():
                 inbox.put_nowait(news)
-
-    async def follow_cache(self, prefixes: PrefixDirectory, pool: Closing) -> None:
-        """Keep the gateway's mirror of the worker's pool in ``prefixes`` current from the cache events it sends,
-        through restarts, until it is retired or shutdown."""
-        inbox = self.inboxes[CACHE_EVENTS]
-        while not pool.closing:
-            msg = await inbox.get()
-            if isinstance(msg, CacheEvents):
-                prefixes.apply([e.event() for e in msg.events])
-            elif isinstance(msg, Lost) and self.retired:
-                prefixes.drop(self.name)
-                return
-            elif isinstance(msg, Lost):
-                prefixes.forget(self.name)  # a re-attached worker sends its inventory again
+            if self.retired:
+                self.prefixes.drop(self.name)
+            else:
+                self.prefixes.forget(self.name)
 
     def _deliver(self, raw: dict) -> None:
         try:
@@ -152,6 +138,9 @@ class WorkerHandle:
         if isinstance(msg, Pong):
             self.tcp = msg.tcp or {}
             self.queued_bytes = msg.queued_bytes or 0
+            return
+        if isinstance(msg, CacheEvents):
+            self.prefixes.apply([e.event() for e in msg.events])
             return
         if isinstance(msg, Tokens):  # one decode step's tokens, each to its request's inbox
             for token in msg.tokens:

@@ -28,7 +28,6 @@ from minifaas.control.heartbeat import HeartbeatConfig
 from minifaas.control.secret import load_secret, new_secret
 from minifaas.control.session import ControlError, Refused, Session, SessionLost, connect
 from minifaas.control.worker_ops import (
-    CACHE_EVENTS,
     REPLIES,
     Attach,
     Attached,
@@ -38,7 +37,7 @@ from minifaas.control.worker_ops import (
     from_wire,
 )  # fmt: skip
 from minifaas.gateway.inter_cluster_link import InterClusterLink
-from minifaas.gateway.worker_handle import Lost, WorkerHandle
+from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.launch.launcher import AttachedLauncher, Launcher, WorkerError, WorkerSpec
 from minifaas.launch.local import LocalLauncher
 from minifaas.launch.startup import StartupListener, reported
@@ -202,7 +201,7 @@ class Workers:
             session, hello, address = await reported(self.on_startup, spec.name or spec.label, what, first)
             if hello.name in self.workers:
                 raise WorkerError(f"two workers call themselves {hello.name}: give one another --name")
-            w = WorkerHandle(spec, hello.name, hello.role, hello.cluster)
+            w = WorkerHandle(spec, hello.name, hello.role, hello.cluster, self.prefixes)
             w.on_unclaimed = self.on_unclaimed
             w.attached(session, hello, address)
             await self.link.join(w)
@@ -217,7 +216,6 @@ class Workers:
         self._join(w)
         assert self._tasks is not None
         self._tasks.create_task(self._supervise(w))
-        self._tasks.create_task(w.follow_cache(self.prefixes, self))
         log.debug("worker %s (%s, %s) attached at %s:%d, pid %d", w.name, w.role, w.cluster, *address, w.pid)
         return w
 
@@ -297,5 +295,3 @@ class Workers:
             w.detach()
         launched = {w.name: w.spec for w in self.workers.values()}
         await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
-        for w in self.workers.values():  # ends WorkerHandle.follow_cache even if no session was left to lose
-            w.inboxes[CACHE_EVENTS].put_nowait(Lost())
