@@ -19,18 +19,9 @@ from typing import Protocol
 from aiohttp import web
 
 from minifaas.config import HttpConfig
+from minifaas.gateway.api_errors import APIError, api_error, error_response
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.openai_schema import (
-    APIEndpoint,
-    APIError,
-    CompletionReply,
-    ParsedRequest,
-    api_error,
-    cause_of,
-    check_finished,
-    parse_json,
-    parse_request,
-)
+from minifaas.gateway.openai_schema import APIEndpoint, CompletionReply, ParsedRequest, check_finished, parse_request
 from minifaas.gateway.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.sse import stream_reply
 from minifaas.model.tokenizer import Tokenizer
@@ -80,31 +71,21 @@ def _openai_errors(metrics: ServeMetrics) -> Middleware:
         try:
             response = await handler(request)
         except APIError as e:
-            response = _error_response(e, metrics)
+            response = error_response(e, metrics)
         except web.HTTPException as e:  # aiohttp's own 404, 405, ...
             if e.status < 400:
                 raise
-            response = _error_response(APIError(e.status, e.reason), metrics)
+            response = error_response(APIError(e.status, e.reason), metrics)
             if "Allow" in e.headers:  # a 405 says which methods the path takes
                 response.headers["Allow"] = e.headers["Allow"]
         except Exception as e:  # a bug: the client still gets JSON, the log the trace
             log.exception("%s %s failed", request.method, request.path)
-            response = _error_response(api_error(e), metrics)
+            response = error_response(api_error(e), metrics)
         if response.status == 503:  # /health's too
             response.headers.setdefault("Retry-After", RETRY_AFTER_S)
         return response
 
     return errors
-
-
-def _error_response(error: APIError, metrics: ServeMetrics) -> web.Response:
-    metrics.request_error(cause_of(error))
-    response = web.json_response(error.body(), status=error.status)
-    if error.retry_after is not None:
-        response.headers["Retry-After"] = str(error.retry_after)
-    if error.status == 408:  # the body is still coming: close rather than read the rest
-        response.force_close()
-    return response
 
 
 def _bearer_auth(api_key: str | None) -> Middleware:
@@ -159,21 +140,19 @@ class OpenAIServer:
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit, seconds = self.http.max_body_bytes, self.http.body_timeout
-        too_large = APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large
         try:
             async with asyncio.timeout(seconds):
-                raw = await request.read()  # bounded by the app's client_max_size, chunked bodies included
+                if request.content_length is None or request.content_length <= limit:
+                    return await request.read()  # bounded by the app's client_max_size, chunked bodies included
         except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
+            pass
         except TimeoutError:
             raise APIError(408, f"The request body did not arrive within {seconds:g} s.", code="body_timeout") from None
-        return raw
+        raise APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
 
     def _parse(self, endpoint: APIEndpoint, raw: bytes) -> ParsedRequest:
         gateway = self.gateway
-        return parse_request(endpoint, parse_json(raw), model_name=gateway.model_name, tokenizer=gateway.tokenizer,
+        return parse_request(endpoint, raw, model_name=gateway.model_name, tokenizer=gateway.tokenizer,
                              max_context=gateway.max_context)  # fmt: skip
 
     async def _generate(self, request: web.Request, endpoint: APIEndpoint) -> web.StreamResponse:
@@ -192,7 +171,7 @@ class OpenAIServer:
         )
         outcome = "error"
         try:
-            with self.metrics.in_flight():
+            with self.metrics.running.track_inprogress():
                 generate = GenerateRequest(reply.id, parsed.prompt_ids, parsed.sampling)
                 events = self.gateway.stream(generate, reply.record)
                 async with contextlib.aclosing(events):

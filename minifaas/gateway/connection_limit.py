@@ -14,8 +14,8 @@ import json
 import logging
 from collections.abc import Callable
 
+from minifaas.gateway.api_errors import APIError
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.openai_schema import APIError
 
 LINGER_S = 2.0
 RETRY_AFTER_S = 1

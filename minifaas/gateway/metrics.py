@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry
 
@@ -25,11 +23,6 @@ class ServeMetrics(MetricFamilies):
         super().__init__(registry if registry is not None else CollectorRegistry())
         self.link_wire_bytes: dict[str, float] = {}  # by codec, the bytes PrfaaS's transfers put on the link
         self.ended: deque[tuple[float, str, RequestRecord]] | None = None  # the last routed requests, if kept
-
-    @contextmanager
-    def in_flight(self) -> Iterator[None]:
-        with self.running.track_inprogress():
-            yield
 
     def request_finished(self, record: RequestRecord | None, outcome: str) -> None:
         """Count one request that ended; ``record`` is None when it was rejected before reaching the gateway."""

@@ -1,8 +1,8 @@
-"""OpenAI request bodies in, validated token ids and SamplingParams out; response and error bodies back.
+"""OpenAI request bodies in, validated token ids and SamplingParams out; the response body back.
 
 Sans-IO, so every rule is tested without a server. A field minifaas does not implement is refused by name with a
 400 unless it asks for nothing; unknown extra fields are ignored. ``CompletionReply`` gathers the tokens into a
-response body (``gateway.sse`` streams them as chunks); ``api_error`` is the OpenAI error a failure becomes.
+response body (``gateway.sse`` streams them as chunks).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from minifaas.gateway.migration import MigrationLimit, PoisonRequest
-from minifaas.gateway.requests import DeadlineExceeded, Overloaded, RequestFailed, RequestRecord, TokenEvent
+from minifaas.gateway.api_errors import APIError
+from minifaas.gateway.requests import RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
@@ -26,57 +26,8 @@ class APIEndpoint(Enum):
     CHAT = "chat.completions"
 
 
-class APIError(Exception):
-    """An error the client caused or must see, with the HTTP status and OpenAI error body it maps to."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "",
-        retry_after: int | None = None,  # seconds, for the Retry-After header of a 503
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def api_error(e: Exception) -> APIError:
-    """The OpenAI error a failure of the gateway's stream becomes."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, Overloaded):
-        message = str(e) or "The server is overloaded; retry later."
-        return APIError(503, message, code="overloaded", retry_after=e.retry_after)
-    if isinstance(e, MigrationLimit):
-        return APIError(503, str(e), code="migration_limit")
-    if isinstance(e, PoisonRequest):
-        return APIError(500, str(e), code="poison_request")
-    if isinstance(e, DeadlineExceeded):
-        return APIError(504, str(e), code="timeout")
-    if isinstance(e, RequestFailed):
-        return APIError(500, str(e), code="request_failed")
-    return APIError(500, f"Internal error ({type(e).__name__}); the request was not completed.", code="internal_error")
-
-
-def cause_of(error: APIError) -> str:
-    """The error's cause in ``minifaas:request_errors``: its body's code, else one for its status."""
-    return error.code or _CAUSES.get(error.status, f"http_{error.status}")
-
-
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    endpoint: APIEndpoint
     prompt_ids: list[int]
     sampling: SamplingParams
     stream: bool
@@ -113,25 +64,19 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
 }
 _ROLES = ("system", "developer", "user", "assistant")
-# the metric cause of an error whose body has no code
-_CAUSES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _DEFAULT_MAX_TOKENS = 16
 MAX_STOP_TOKEN_IDS = 4096  # as many as a control message carries
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def parse_request(
+    endpoint: APIEndpoint, raw: bytes, *, model_name: str, tokenizer: Tokenizer, max_context: int
+) -> ParsedRequest:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
-    return body
-
-
-def parse_request(
-    endpoint: APIEndpoint, body: dict[str, Any], *, model_name: str, tokenizer: Tokenizer, max_context: int
-) -> ParsedRequest:
     _check_fields(body, model_name)
     prompt_ids, max_tokens = _prompt_and_budget(endpoint, body, tokenizer, max_context)
     stream = _field(body, "stream", bool, False)
@@ -145,7 +90,7 @@ def parse_request(
     if sampling.min_tokens and len(banned) >= tokenizer.vocab_size:
         message = "'min_tokens' leaves no token to generate: 'stop_token_ids' and the end of sequence cover every one."
         raise APIError(400, message, param="min_tokens")
-    return ParsedRequest(endpoint, prompt_ids, sampling, stream, include_usage, return_ids)
+    return ParsedRequest(prompt_ids, sampling, stream, include_usage, return_ids)
 
 
 def _check_fields(body: dict[str, Any], model_name: str) -> None:

@@ -14,8 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
+from minifaas.gateway.api_errors import api_error, cause_of
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.openai_schema import APIEndpoint, CompletionReply, api_error, cause_of, check_finished
+from minifaas.gateway.openai_schema import APIEndpoint, CompletionReply, check_finished
 from minifaas.gateway.requests import RequestFailed, TokenEvent
 
 log = logging.getLogger("minifaas.api")
