@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.connection_limit import LINGER_S, ConnectionLimit
+from minifaas.gateway.api import LINGER_S, ConnectionLimit
 from minifaas.gateway.metrics import ServeMetrics
 
 log = logging.getLogger("minifaas.http")
