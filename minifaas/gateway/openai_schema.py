@@ -141,12 +141,13 @@ def _prompt_and_budget(
 
 
 def _sampling(body: dict[str, Any], max_tokens: int, vocab_size: int) -> SamplingParams:
+    top_k = _field(body, "top_k", int, 0)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=float(_field(body, "temperature", (int, float), 1.0)),
             top_p=float(_field(body, "top_p", (int, float), 1.0)),
-            top_k=_top_k(body),
+            top_k=0 if top_k == -1 else top_k,  # vLLM's -1 and 0 both mean all tokens
             min_tokens=_field(body, "min_tokens", int, 0),
             presence_penalty=float(_field(body, "presence_penalty", (int, float), 0.0)),
             frequency_penalty=float(_field(body, "frequency_penalty", (int, float), 0.0)),
@@ -249,11 +250,6 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _top_k(body: dict[str, Any]) -> int:
-    top_k = _field(body, "top_k", int, 0)
-    return 0 if top_k == -1 else top_k  # vLLM's -1 and 0 both mean all tokens
-
-
 def _unicode(text: str, param: str) -> str:
     """``text`` if it can be encoded; JSON can carry a lone surrogate ("\\ud800"), which no tokenizer can."""
     try:
@@ -277,7 +273,6 @@ class CompletionReply:
     started: float  # time.perf_counter() when the request arrived
     created: int = field(default_factory=lambda: int(time.time()))
     pieces: list[str] = field(default_factory=list)
-    tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
     prompt_ids: list[int] | None = None  # set: the client asked for token ids
@@ -299,7 +294,6 @@ class CompletionReply:
         """Take one token event; returns its text."""
         if self.first_token_at is None:
             self.first_token_at = now
-        self.tokens += 1
         self.pieces.append(event.text)
         self.token_ids.append(event.token_id)
         self.finish_reason = event.finish_reason
@@ -307,18 +301,18 @@ class CompletionReply:
 
     def seal(self, now: float) -> None:
         """Write what the HTTP layer measured into the record; the gateway's own timings win where it set them."""
-        self.record.completion_tokens = self.tokens
+        self.record.completion_tokens = len(self.token_ids)
         if self.record.ttft_s is None and self.first_token_at is not None:
             self.record.ttft_s = self.first_token_at - self.started
         if self.record.e2e_s is None:
             self.record.e2e_s = now - self.started
 
     def usage(self) -> dict[str, Any]:
-        prompt = self.record.prompt_tokens
+        prompt, tokens = self.record.prompt_tokens, len(self.token_ids)
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": self.tokens,
-            "total_tokens": prompt + self.tokens,
+            "completion_tokens": tokens,
+            "total_tokens": prompt + tokens,
             "prompt_tokens_details": {"cached_tokens": self.record.cached_tokens},
         }
 

@@ -66,7 +66,7 @@ async def _send_token(response: web.StreamResponse, chunks: Chunks, event: Token
     text = chunks.reply.add(event, time.perf_counter())
     # A token inside a multi-byte character has no text of its own yet, and waits for the rest; but the
     # first token's chunk goes out at once, with whatever text it has, so a client sees when it came.
-    if text or chunks.reply.tokens == 1:
+    if text or len(chunks.reply.token_ids) == 1:
         await _send(response, chunks.content(text))
 
 
