@@ -51,23 +51,7 @@ class GatewayAPI(Protocol):
     def health(self) -> dict: ...
 
 
-def build_app(
-    gateway: GatewayAPI, metrics: ServeMetrics, api_key: str | None, http: HttpConfig | None = None
-) -> web.Application:
-    http = http or HttpConfig()
-    api = OpenAIServer(gateway, metrics, http)
-    middlewares = [_openai_errors(metrics), _bearer_auth(api_key)]
-    app = web.Application(client_max_size=http.max_body_bytes, middlewares=middlewares)
-    app.on_cleanup.append(api.close)
-    app.router.add_post("/v1/completions", api.completions)
-    app.router.add_post("/v1/chat/completions", api.chat_completions)
-    app.router.add_get("/v1/models", api.models)
-    app.router.add_get("/health", api.health)
-    app.router.add_get("/metrics", api.metrics_text)
-    return app
-
-
-def _openai_errors(metrics: ServeMetrics) -> Middleware:
+def openai_errors(metrics: ServeMetrics) -> Middleware:
     """Every error as an OpenAI error body, counted by cause; every 503 with Retry-After."""
 
     @web.middleware
@@ -92,7 +76,7 @@ def _openai_errors(metrics: ServeMetrics) -> Middleware:
     return errors
 
 
-def _bearer_auth(api_key: str | None) -> Middleware:
+def bearer_auth(api_key: str | None) -> Middleware:
     """/v1 takes ``Authorization: Bearer KEY``, the scheme in any case (as HTTP has it)."""
     expected = api_key.encode() if api_key else None
 
@@ -123,24 +107,6 @@ class OpenAIServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, APIEndpoint.CHAT)
-
-    async def models(self, request: web.Request) -> web.Response:
-        model = {
-            "id": self.gateway.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "minifaas",
-            "max_model_len": self.gateway.max_context,
-        }
-        return web.json_response({"object": "list", "data": [model]})
-
-    async def health(self, request: web.Request) -> web.Response:
-        """200 with the gateway's report when it says ``"healthy": true``, else 503 with the same report."""
-        report = self.gateway.health()
-        return web.json_response(report, status=200 if report.get("healthy") is True else 503)
-
-    async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type})
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit, seconds = self.http.max_body_bytes, self.http.body_timeout
