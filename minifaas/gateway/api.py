@@ -1,9 +1,8 @@
-"""The OpenAI-compatible HTTP edge: completions and chat completions (streamed or not), models, health, metrics,
-and the limit on connections.
+"""The OpenAI-compatible HTTP edge of a completion: its connection counted (or refused past the limit), its errors
+as OpenAI bodies, its key checked, its body read and parsed, its tokens sent back whole or streamed (``sse``).
 
-Handlers only move bytes: rules and response shapes live in openai_schema, generation in the gateway, a stream's
-writing in ``sse``. Every error is an OpenAI error body. A client that goes away aborts its request on every
-worker.
+Rules and response shapes live in openai_schema, generation in the gateway, the routes in ``http_server``. A
+client that goes away aborts its request on every worker.
 """
 
 from __future__ import annotations

@@ -56,9 +56,6 @@ class ServeMetrics(MetricFamilies):
     def migration(self, outcome: str) -> None:
         self.migrations.labels(outcome).inc()
 
-    def set_connections(self, n: int) -> None:
-        self.connections.set(n)
-
     def add_kv_bytes(self, link: str, nbytes: int, wire_bytes: int | None = None, codec: str = "none") -> None:
         """A transfer of ``nbytes`` of state over ``link``, ``wire_bytes`` on the wire (None: as many, uncoded)."""
         self.kv_bytes_sent.labels(link=link).inc(nbytes)

@@ -110,14 +110,12 @@ def _prompt_and_budget(
     endpoint: APIEndpoint, body: dict[str, Any], tokenizer: Tokenizer, max_context: int
 ) -> tuple[list[int], int]:
     """The prompt's token ids and the completion's max_tokens, checked against the model's context."""
-    if endpoint is APIEndpoint.CHAT:
+    if endpoint is APIEndpoint.CHAT:  # its newer max_completion_tokens wins over max_tokens
         prompt_ids, prompt_param = tokenizer.chat(_messages(body)), "messages"
-        max_tokens = _field(body, "max_completion_tokens", int, None)
-        param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
-        max_tokens = max_tokens if max_tokens is not None else _field(body, "max_tokens", int, _DEFAULT_MAX_TOKENS)
+        param = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
     else:
-        prompt_ids, prompt_param = _prompt_ids(body, tokenizer), "prompt"
-        max_tokens, param = _field(body, "max_tokens", int, _DEFAULT_MAX_TOKENS), "max_tokens"
+        prompt_ids, prompt_param, param = _prompt_ids(body, tokenizer), "prompt", "max_tokens"
+    max_tokens = _field(body, param, int, _DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
         raise APIError(400, f"'{param}' must be at least 1, got {max_tokens}.", param=param)
     if len(prompt_ids) >= max_context:
