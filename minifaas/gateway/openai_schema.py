@@ -139,13 +139,12 @@ def _prompt_and_budget(
 
 
 def _sampling(body: dict[str, Any], max_tokens: int, vocab_size: int) -> SamplingParams:
-    top_k = _field(body, "top_k", int, 0)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=float(_field(body, "temperature", (int, float), 1.0)),
             top_p=float(_field(body, "top_p", (int, float), 1.0)),
-            top_k=0 if top_k == -1 else top_k,  # vLLM's -1 and 0 both mean all tokens
+            top_k=_top_k(body),
             min_tokens=_field(body, "min_tokens", int, 0),
             presence_penalty=float(_field(body, "presence_penalty", (int, float), 0.0)),
             frequency_penalty=float(_field(body, "frequency_penalty", (int, float), 0.0)),
@@ -246,6 +245,11 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
             raise APIError(400, f"A stop string may be at most {MAX_STOP_CHARS} characters long.", param="stop")
         _unicode(s, "stop")
     return tuple(stops)
+
+
+def _top_k(body: dict[str, Any]) -> int:
+    top_k = _field(body, "top_k", int, 0)
+    return 0 if top_k == -1 else top_k  # vLLM's -1 and 0 both mean all tokens
 
 
 def _unicode(text: str, param: str) -> str:
