@@ -24,7 +24,7 @@ import pytest
 from test_api import GOOD, KEY, C, FakeGateway, metric_samples, run_async, series
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.api import LINGER_S
+from minifaas.gateway.api_errors import LINGER_S
 from minifaas.gateway.http_server import BoundedSite, build_app, connection_cap, serve_http
 from minifaas.gateway.metrics import ServeMetrics
 
@@ -138,7 +138,7 @@ sys.path.insert(0, {tests!r})
 from test_api import FakeGateway
 from minifaas.gateway.http_server import build_app
 from minifaas.config import HttpConfig
-from minifaas.gateway.api import LINGER_S
+from minifaas.gateway.api_errors import LINGER_S
 from minifaas.gateway.http_server import serve_http
 from minifaas.gateway.metrics import ServeMetrics
 

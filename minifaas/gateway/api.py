@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +19,7 @@ from typing import Protocol
 from aiohttp import web
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.api_errors import APIError, api_error, error_response
+from minifaas.gateway.api_errors import RETRY_AFTER_S, TOO_MANY, APIError, Refusals, api_error, error_response
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.openai_schema import APIEndpoint, CompletionReply, ParsedRequest, check_finished, parse_request
 from minifaas.gateway.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
@@ -30,10 +29,7 @@ from minifaas.model.tokenizer import Tokenizer
 log = logging.getLogger("minifaas.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
-RETRY_AFTER_S = "1"
 PARSE_ON_LOOP_BYTES = 64 << 10  # a larger body is tokenized on a thread of its own: seconds, at megabytes
-LINGER_S = 2.0  # a refused connection is closed this long after its 503, or when the client closes first
-TOO_MANY = "too_many_connections"
 
 
 class GatewayAPI(Protocol):
@@ -172,29 +168,21 @@ class OpenAIServer:
 
 class ConnectionLimit:
     """aiohttp's protocol factory, with each connection counted while it lives. While ``limit`` are open a new one
-    is answered 503 with Retry-After at once, rather than left in the kernel's queue, and closed once the client has
-    read it; reaching the limit is logged through ``log`` (a ``RateLimitedLog``: once a period, with a count)."""
+    gets the ``Refusals`` 503 at once, rather than a place in the kernel's queue; reaching the limit is logged
+    through ``log`` (a ``RateLimitedLog``: once a period, with a count)."""
 
     def __init__(
         self, factory: Callable[[], asyncio.Protocol], limit: int, metrics: ServeMetrics, log: Callable[..., bool]
     ) -> None:
         self._factory, self.limit, self._metrics, self._log = factory, limit, metrics, log
         self.open = 0
-        self.lingering = 0
-        self.max_lingering = max(16, limit // 8)
-        error = APIError(503, f"The server holds {limit} connections, its limit; retry later.", code=TOO_MANY)
-        payload = json.dumps(error.body()).encode()
-        head = (
-            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
-        )
-        self.refusal = head.encode() + payload
+        self._refuse = Refusals(limit)
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.limit:
             self._metrics.request_error(TOO_MANY)
             self._log("full", logging.WARNING, f"{self.open} HTTP connections open, the limit: new ones get 503")
-            return _Refusal(self)
+            return self._refuse()
         return _Counted(self._factory(), self)
 
     def count(self, change: int) -> None:
@@ -227,26 +215,3 @@ class _Counted(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._limit.count(-1)
         self._inner.connection_lost(exc)
-
-
-class _Refusal(asyncio.Protocol):
-    """A connection over the limit: the 503, then the close; the request it sent meanwhile is not read."""
-
-    def __init__(self, limit: ConnectionLimit) -> None:
-        self._limit = limit
-        self._timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(self._limit.refusal)
-        if self._limit.lingering >= self._limit.max_lingering:
-            transport.close()
-            return
-        self._limit.lingering += 1
-        transport.write_eof()
-        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._limit.lingering -= 1

@@ -1,9 +1,12 @@
 """The errors a client sees: ``APIError`` (an HTTP status and OpenAI error body), the one each failure of a request
-becomes, its cause in ``minifaas:request_errors``, and its aiohttp response.
+becomes, its cause in ``minifaas:request_errors``, its aiohttp response; and the raw 503 of a connection past the
+server's limit (``Refusals``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 from aiohttp import web
@@ -12,6 +15,9 @@ from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import MigrationLimit, PoisonRequest
 from minifaas.gateway.requests import DeadlineExceeded, Overloaded, RequestFailed
 
+RETRY_AFTER_S = "1"
+LINGER_S = 2.0  # a refused connection is closed this long after its 503, or when the client closes first
+TOO_MANY = "too_many_connections"
 # the metric cause of an error whose body has no code
 _CAUSES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
@@ -73,3 +79,43 @@ def error_response(error: APIError, metrics: ServeMetrics) -> web.Response:
     if error.status == 408:  # the body is still coming: close rather than read the rest
         response.force_close()
     return response
+
+
+class Refusals:
+    """Makes the protocol of each connection past ``limit``: a 503 with Retry-After at once, then the close once the
+    client has read it (at most ``max_lingering`` wait for that at a time); the request it sent is not read."""
+
+    def __init__(self, limit: int) -> None:
+        error = APIError(503, f"The server holds {limit} connections, its limit; retry later.", code=TOO_MANY)
+        payload = json.dumps(error.body()).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
+        )
+        self.answer = head.encode() + payload
+        self.lingering = 0
+        self.max_lingering = max(16, limit // 8)
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Refusal(self)
+
+
+class _Refusal(asyncio.Protocol):
+    def __init__(self, refusals: Refusals) -> None:
+        self._refusals = refusals
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(self._refusals.answer)
+        if self._refusals.lingering >= self._refusals.max_lingering:
+            transport.close()
+            return
+        self._refusals.lingering += 1
+        transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._refusals.lingering -= 1

@@ -21,7 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.api import LINGER_S, ConnectionLimit, GatewayAPI, OpenAIServer, bearer_auth, openai_errors
+from minifaas.gateway.api import ConnectionLimit, GatewayAPI, OpenAIServer, bearer_auth, openai_errors
+from minifaas.gateway.api_errors import LINGER_S
 from minifaas.gateway.metrics import ServeMetrics
 
 log = logging.getLogger("minifaas.http")
