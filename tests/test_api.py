@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.api import build_app
+from minifaas.gateway.http_server import build_app
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.model.tokenizer import ByteTokenizer

@@ -24,9 +24,8 @@ import pytest
 from test_api import GOOD, KEY, C, FakeGateway, metric_samples, run_async, series
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.api import build_app
-from minifaas.gateway.connection_limit import LINGER_S
-from minifaas.gateway.http_server import BoundedSite, connection_cap, serve_http
+from minifaas.gateway.api_errors import LINGER_S
+from minifaas.gateway.http_server import BoundedSite, build_app, connection_cap, serve_http
 from minifaas.gateway.metrics import ServeMetrics
 
 LIMITS = HttpConfig(max_connections=32, header_timeout=1.0, body_timeout=1.0)
@@ -137,9 +136,9 @@ ACCEPT_FLOOD = """
 import asyncio, logging, os, resource, socket, sys
 sys.path.insert(0, {tests!r})
 from test_api import FakeGateway
-from minifaas.gateway.api import build_app
+from minifaas.gateway.http_server import build_app
 from minifaas.config import HttpConfig
-from minifaas.gateway.connection_limit import LINGER_S
+from minifaas.gateway.api_errors import LINGER_S
 from minifaas.gateway.http_server import serve_http
 from minifaas.gateway.metrics import ServeMetrics
 

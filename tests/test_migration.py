@@ -22,9 +22,9 @@ import pytest
 from conftest import served
 from test_supervision import CONFIG as SUPERVISED
 
+from minifaas.gateway.api_errors import api_error
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.migration import DecodeLost, Migration, MigrationLimit, PoisonRequest
-from minifaas.gateway.openai_schema import api_error
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.gateway.token_stream import suspect
 from minifaas.gateway.worker_handle import Lost

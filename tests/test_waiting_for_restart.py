@@ -22,8 +22,8 @@ from conftest import served
 from test_supervision import CONFIG as SUPERVISED
 
 from minifaas.config import ClusterConfig
+from minifaas.gateway.api_errors import api_error
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.openai_schema import api_error
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime

@@ -33,10 +33,9 @@ from minifaas.config import (
     ServeConfig,
 )
 from minifaas.emulator.emulator_process import EmulatorError
-from minifaas.gateway.api import build_app
 from minifaas.gateway.dashboard import Dashboard
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.http_server import serve_http
+from minifaas.gateway.http_server import build_app, serve_http
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.roles import split_profiles
 from minifaas.gateway.workers import cluster_secret

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible HTTP API: completions and chat completions (streamed or not), models, health, metrics.
+"""The OpenAI-compatible HTTP edge of a completion: its connection counted (or refused past the limit), its errors
+as OpenAI bodies, its key checked, its body read and parsed, its tokens sent back whole or streamed (``sse``).
 
-Handlers only move bytes: rules and response shapes live in openai_schema, generation in the gateway, a stream's
-writing in ``sse``. Every error is an OpenAI error body. A client that goes away aborts its request on every
-worker.
+Rules and response shapes live in openai_schema, generation in the gateway, the routes in ``http_server``. A
+client that goes away aborts its request on every worker.
 """
 
 from __future__ import annotations
@@ -19,18 +19,9 @@ from typing import Protocol
 from aiohttp import web
 
 from minifaas.config import HttpConfig
+from minifaas.gateway.api_errors import RETRY_AFTER_S, TOO_MANY, APIError, Refusals, api_error, error_response
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.openai_schema import (
-    APIEndpoint,
-    APIError,
-    CompletionReply,
-    ParsedRequest,
-    api_error,
-    cause_of,
-    check_finished,
-    parse_json,
-    parse_request,
-)
+from minifaas.gateway.openai_schema import APIEndpoint, CompletionReply, ParsedRequest, check_finished, parse_request
 from minifaas.gateway.requests import GenerateRequest, Overloaded, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.sse import stream_reply
 from minifaas.model.tokenizer import Tokenizer
@@ -38,7 +29,6 @@ from minifaas.model.tokenizer import Tokenizer
 log = logging.getLogger("minifaas.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
-RETRY_AFTER_S = "1"
 PARSE_ON_LOOP_BYTES = 64 << 10  # a larger body is tokenized on a thread of its own: seconds, at megabytes
 
 
@@ -56,23 +46,7 @@ class GatewayAPI(Protocol):
     def health(self) -> dict: ...
 
 
-def build_app(
-    gateway: GatewayAPI, metrics: ServeMetrics, api_key: str | None, http: HttpConfig | None = None
-) -> web.Application:
-    http = http or HttpConfig()
-    api = OpenAIServer(gateway, metrics, http)
-    middlewares = [_openai_errors(metrics), _bearer_auth(api_key)]
-    app = web.Application(client_max_size=http.max_body_bytes, middlewares=middlewares)
-    app.on_cleanup.append(api.close)
-    app.router.add_post("/v1/completions", api.completions)
-    app.router.add_post("/v1/chat/completions", api.chat_completions)
-    app.router.add_get("/v1/models", api.models)
-    app.router.add_get("/health", api.health)
-    app.router.add_get("/metrics", api.metrics_text)
-    return app
-
-
-def _openai_errors(metrics: ServeMetrics) -> Middleware:
+def openai_errors(metrics: ServeMetrics) -> Middleware:
     """Every error as an OpenAI error body, counted by cause; every 503 with Retry-After."""
 
     @web.middleware
@@ -80,16 +54,16 @@ def _openai_errors(metrics: ServeMetrics) -> Middleware:
         try:
             response = await handler(request)
         except APIError as e:
-            response = _error_response(e, metrics)
+            response = error_response(e, metrics)
         except web.HTTPException as e:  # aiohttp's own 404, 405, ...
             if e.status < 400:
                 raise
-            response = _error_response(APIError(e.status, e.reason), metrics)
+            response = error_response(APIError(e.status, e.reason), metrics)
             if "Allow" in e.headers:  # a 405 says which methods the path takes
                 response.headers["Allow"] = e.headers["Allow"]
         except Exception as e:  # a bug: the client still gets JSON, the log the trace
             log.exception("%s %s failed", request.method, request.path)
-            response = _error_response(api_error(e), metrics)
+            response = error_response(api_error(e), metrics)
         if response.status == 503:  # /health's too
             response.headers.setdefault("Retry-After", RETRY_AFTER_S)
         return response
@@ -97,17 +71,7 @@ def _openai_errors(metrics: ServeMetrics) -> Middleware:
     return errors
 
 
-def _error_response(error: APIError, metrics: ServeMetrics) -> web.Response:
-    metrics.request_error(cause_of(error))
-    response = web.json_response(error.body(), status=error.status)
-    if error.retry_after is not None:
-        response.headers["Retry-After"] = str(error.retry_after)
-    if error.status == 408:  # the body is still coming: close rather than read the rest
-        response.force_close()
-    return response
-
-
-def _bearer_auth(api_key: str | None) -> Middleware:
+def bearer_auth(api_key: str | None) -> Middleware:
     """/v1 takes ``Authorization: Bearer KEY``, the scheme in any case (as HTTP has it)."""
     expected = api_key.encode() if api_key else None
 
@@ -139,41 +103,21 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, APIEndpoint.CHAT)
 
-    async def models(self, request: web.Request) -> web.Response:
-        model = {
-            "id": self.gateway.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "minifaas",
-            "max_model_len": self.gateway.max_context,
-        }
-        return web.json_response({"object": "list", "data": [model]})
-
-    async def health(self, request: web.Request) -> web.Response:
-        """200 with the gateway's report when it says ``"healthy": true``, else 503 with the same report."""
-        report = self.gateway.health()
-        return web.json_response(report, status=200 if report.get("healthy") is True else 503)
-
-    async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type})
-
     async def _read_body(self, request: web.Request) -> bytes:
         limit, seconds = self.http.max_body_bytes, self.http.body_timeout
-        too_large = APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large
         try:
             async with asyncio.timeout(seconds):
-                raw = await request.read()  # bounded by the app's client_max_size, chunked bodies included
+                if request.content_length is None or request.content_length <= limit:
+                    return await request.read()  # bounded by the app's client_max_size, chunked bodies included
         except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
+            pass
         except TimeoutError:
             raise APIError(408, f"The request body did not arrive within {seconds:g} s.", code="body_timeout") from None
-        return raw
+        raise APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
 
     def _parse(self, endpoint: APIEndpoint, raw: bytes) -> ParsedRequest:
         gateway = self.gateway
-        return parse_request(endpoint, parse_json(raw), model_name=gateway.model_name, tokenizer=gateway.tokenizer,
+        return parse_request(endpoint, raw, model_name=gateway.model_name, tokenizer=gateway.tokenizer,
                              max_context=gateway.max_context)  # fmt: skip
 
     async def _generate(self, request: web.Request, endpoint: APIEndpoint) -> web.StreamResponse:
@@ -192,7 +136,7 @@ class OpenAIServer:
         )
         outcome = "error"
         try:
-            with self.metrics.in_flight():
+            with self.metrics.running.track_inprogress():
                 generate = GenerateRequest(reply.id, parsed.prompt_ids, parsed.sampling)
                 events = self.gateway.stream(generate, reply.record)
                 async with contextlib.aclosing(events):
@@ -220,3 +164,54 @@ class OpenAIServer:
         check_finished(reply)
         reply.seal(time.perf_counter())
         return web.json_response(reply.body()), str(reply.finish_reason)
+
+
+class ConnectionLimit:
+    """aiohttp's protocol factory, with each connection counted while it lives. While ``limit`` are open a new one
+    gets the ``Refusals`` 503 at once, rather than a place in the kernel's queue; reaching the limit is logged
+    through ``log`` (a ``RateLimitedLog``: once a period, with a count)."""
+
+    def __init__(
+        self, factory: Callable[[], asyncio.Protocol], limit: int, metrics: ServeMetrics, log: Callable[..., bool]
+    ) -> None:
+        self._factory, self.limit, self._metrics, self._log = factory, limit, metrics, log
+        self.open = 0
+        self._refuse = Refusals(limit)
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.limit:
+            self._metrics.request_error(TOO_MANY)
+            self._log("full", logging.WARNING, f"{self.open} HTTP connections open, the limit: new ones get 503")
+            return self._refuse()
+        return _Counted(self._factory(), self)
+
+    def count(self, change: int) -> None:
+        self.open += change
+        self._metrics.connections.set(self.open)
+
+
+class _Counted(asyncio.Protocol):
+    """The real protocol, counted from its making (the transport calls connection_made next) to its loss."""
+
+    def __init__(self, inner: asyncio.Protocol, limit: ConnectionLimit) -> None:
+        self._inner, self._limit = inner, limit
+        limit.count(+1)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._limit.count(-1)
+        self._inner.connection_lost(exc)

@@ -1,6 +1,7 @@
-"""The HTTP server around the OpenAI app, bounded so no client can hold it: connections, headers, bodies, logs.
+"""The HTTP server: the OpenAI app's routes, served within bounds so no client can hold it: connections, headers,
+bodies, logs.
 
-    async with serve_http(app, host, port, HttpConfig(), metrics) as bound_port: ...
+    async with serve_http(build_app(gateway, metrics, key, http), host, port, http, metrics) as site: ...
 
 Connections over the cap are answered 503 at once, slow headers and bodies are cut off, and the event loop's
 error log is rate limited so a flood of one failure stays a line with a count.
@@ -20,11 +21,48 @@ from typing import Any
 from aiohttp import web
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.connection_limit import LINGER_S, ConnectionLimit
+from minifaas.gateway.api import ConnectionLimit, GatewayAPI, OpenAIServer, bearer_auth, openai_errors
+from minifaas.gateway.api_errors import LINGER_S
 from minifaas.gateway.metrics import ServeMetrics
 
 log = logging.getLogger("minifaas.http")
 FD_SHARE = 0.75  # of the descriptor limit, the most the HTTP clients may hold
+
+
+def build_app(
+    gateway: GatewayAPI, metrics: ServeMetrics, api_key: str | None, http: HttpConfig | None = None
+) -> web.Application:
+    """The OpenAI API's routes, /health and /metrics; every error an OpenAI error body, /v1 behind ``api_key``."""
+    http = http or HttpConfig()
+    api = OpenAIServer(gateway, metrics, http)
+    middlewares = [openai_errors(metrics), bearer_auth(api_key)]
+    app = web.Application(client_max_size=http.max_body_bytes, middlewares=middlewares)
+    app.on_cleanup.append(api.close)
+
+    async def models(request: web.Request) -> web.Response:
+        model = {
+            "id": gateway.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "minifaas",
+            "max_model_len": gateway.max_context,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def health(request: web.Request) -> web.Response:
+        """200 with the gateway's report when it says ``"healthy": true``, else 503 with the same report."""
+        report = gateway.health()
+        return web.json_response(report, status=200 if report.get("healthy") is True else 503)
+
+    async def metrics_text(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.content_type})
+
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_text)
+    return app
 
 
 class RateLimitedLog:

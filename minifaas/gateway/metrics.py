@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry
 
@@ -25,11 +23,6 @@ class ServeMetrics(MetricFamilies):
         super().__init__(registry if registry is not None else CollectorRegistry())
         self.link_wire_bytes: dict[str, float] = {}  # by codec, the bytes PrfaaS's transfers put on the link
         self.ended: deque[tuple[float, str, RequestRecord]] | None = None  # the last routed requests, if kept
-
-    @contextmanager
-    def in_flight(self) -> Iterator[None]:
-        with self.running.track_inprogress():
-            yield
 
     def request_finished(self, record: RequestRecord | None, outcome: str) -> None:
         """Count one request that ended; ``record`` is None when it was rejected before reaching the gateway."""
@@ -62,9 +55,6 @@ class ServeMetrics(MetricFamilies):
 
     def migration(self, outcome: str) -> None:
         self.migrations.labels(outcome).inc()
-
-    def set_connections(self, n: int) -> None:
-        self.connections.set(n)
 
     def add_kv_bytes(self, link: str, nbytes: int, wire_bytes: int | None = None, codec: str = "none") -> None:
         """A transfer of ``nbytes`` of state over ``link``, ``wire_bytes`` on the wire (None: as many, uncoded)."""

@@ -1,8 +1,8 @@
-"""OpenAI request bodies in, validated token ids and SamplingParams out; response and error bodies back.
+"""OpenAI request bodies in, validated token ids and SamplingParams out; the response body back.
 
 Sans-IO, so every rule is tested without a server. A field minifaas does not implement is refused by name with a
 400 unless it asks for nothing; unknown extra fields are ignored. ``CompletionReply`` gathers the tokens into a
-response body (``gateway.sse`` streams them as chunks); ``api_error`` is the OpenAI error a failure becomes.
+response body (``gateway.sse`` streams them as chunks).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from minifaas.gateway.migration import MigrationLimit, PoisonRequest
-from minifaas.gateway.requests import DeadlineExceeded, Overloaded, RequestFailed, RequestRecord, TokenEvent
+from minifaas.gateway.api_errors import APIError
+from minifaas.gateway.requests import RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import Tokenizer
@@ -26,57 +26,8 @@ class APIEndpoint(Enum):
     CHAT = "chat.completions"
 
 
-class APIError(Exception):
-    """An error the client caused or must see, with the HTTP status and OpenAI error body it maps to."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "",
-        retry_after: int | None = None,  # seconds, for the Retry-After header of a 503
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
-        self.retry_after = retry_after
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def api_error(e: Exception) -> APIError:
-    """The OpenAI error a failure of the gateway's stream becomes."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, Overloaded):
-        message = str(e) or "The server is overloaded; retry later."
-        return APIError(503, message, code="overloaded", retry_after=e.retry_after)
-    if isinstance(e, MigrationLimit):
-        return APIError(503, str(e), code="migration_limit")
-    if isinstance(e, PoisonRequest):
-        return APIError(500, str(e), code="poison_request")
-    if isinstance(e, DeadlineExceeded):
-        return APIError(504, str(e), code="timeout")
-    if isinstance(e, RequestFailed):
-        return APIError(500, str(e), code="request_failed")
-    return APIError(500, f"Internal error ({type(e).__name__}); the request was not completed.", code="internal_error")
-
-
-def cause_of(error: APIError) -> str:
-    """The error's cause in ``minifaas:request_errors``: its body's code, else one for its status."""
-    return error.code or _CAUSES.get(error.status, f"http_{error.status}")
-
-
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    endpoint: APIEndpoint
     prompt_ids: list[int]
     sampling: SamplingParams
     stream: bool
@@ -113,25 +64,19 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
 }
 _ROLES = ("system", "developer", "user", "assistant")
-# the metric cause of an error whose body has no code
-_CAUSES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _DEFAULT_MAX_TOKENS = 16
 MAX_STOP_TOKEN_IDS = 4096  # as many as a control message carries
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def parse_request(
+    endpoint: APIEndpoint, raw: bytes, *, model_name: str, tokenizer: Tokenizer, max_context: int
+) -> ParsedRequest:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
-    return body
-
-
-def parse_request(
-    endpoint: APIEndpoint, body: dict[str, Any], *, model_name: str, tokenizer: Tokenizer, max_context: int
-) -> ParsedRequest:
     _check_fields(body, model_name)
     prompt_ids, max_tokens = _prompt_and_budget(endpoint, body, tokenizer, max_context)
     stream = _field(body, "stream", bool, False)
@@ -145,7 +90,7 @@ def parse_request(
     if sampling.min_tokens and len(banned) >= tokenizer.vocab_size:
         message = "'min_tokens' leaves no token to generate: 'stop_token_ids' and the end of sequence cover every one."
         raise APIError(400, message, param="min_tokens")
-    return ParsedRequest(endpoint, prompt_ids, sampling, stream, include_usage, return_ids)
+    return ParsedRequest(prompt_ids, sampling, stream, include_usage, return_ids)
 
 
 def _check_fields(body: dict[str, Any], model_name: str) -> None:
@@ -165,14 +110,12 @@ def _prompt_and_budget(
     endpoint: APIEndpoint, body: dict[str, Any], tokenizer: Tokenizer, max_context: int
 ) -> tuple[list[int], int]:
     """The prompt's token ids and the completion's max_tokens, checked against the model's context."""
-    if endpoint is APIEndpoint.CHAT:
+    if endpoint is APIEndpoint.CHAT:  # its newer max_completion_tokens wins over max_tokens
         prompt_ids, prompt_param = tokenizer.chat(_messages(body)), "messages"
-        max_tokens = _field(body, "max_completion_tokens", int, None)
-        param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
-        max_tokens = max_tokens if max_tokens is not None else _field(body, "max_tokens", int, _DEFAULT_MAX_TOKENS)
+        param = "max_tokens" if body.get("max_completion_tokens") is None else "max_completion_tokens"
     else:
-        prompt_ids, prompt_param = _prompt_ids(body, tokenizer), "prompt"
-        max_tokens, param = _field(body, "max_tokens", int, _DEFAULT_MAX_TOKENS), "max_tokens"
+        prompt_ids, prompt_param, param = _prompt_ids(body, tokenizer), "prompt", "max_tokens"
+    max_tokens = _field(body, param, int, _DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
         raise APIError(400, f"'{param}' must be at least 1, got {max_tokens}.", param=param)
     if len(prompt_ids) >= max_context:
@@ -332,7 +275,6 @@ class CompletionReply:
     started: float  # time.perf_counter() when the request arrived
     created: int = field(default_factory=lambda: int(time.time()))
     pieces: list[str] = field(default_factory=list)
-    tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
     prompt_ids: list[int] | None = None  # set: the client asked for token ids
@@ -354,7 +296,6 @@ class CompletionReply:
         """Take one token event; returns its text."""
         if self.first_token_at is None:
             self.first_token_at = now
-        self.tokens += 1
         self.pieces.append(event.text)
         self.token_ids.append(event.token_id)
         self.finish_reason = event.finish_reason
@@ -362,18 +303,18 @@ class CompletionReply:
 
     def seal(self, now: float) -> None:
         """Write what the HTTP layer measured into the record; the gateway's own timings win where it set them."""
-        self.record.completion_tokens = self.tokens
+        self.record.completion_tokens = len(self.token_ids)
         if self.record.ttft_s is None and self.first_token_at is not None:
             self.record.ttft_s = self.first_token_at - self.started
         if self.record.e2e_s is None:
             self.record.e2e_s = now - self.started
 
     def usage(self) -> dict[str, Any]:
-        prompt = self.record.prompt_tokens
+        prompt, tokens = self.record.prompt_tokens, len(self.token_ids)
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": self.tokens,
-            "total_tokens": prompt + self.tokens,
+            "completion_tokens": tokens,
+            "total_tokens": prompt + tokens,
             "prompt_tokens_details": {"cached_tokens": self.record.cached_tokens},
         }
 

@@ -1,15 +1,10 @@
 """A request as the gateway holds it: what comes in, the token events that go out, the record of what happened,
-its phases, its deadlines, the bounds it is admitted within, and the ways it can fail.
-
-The lifecycle is one enum and the table of its legal transitions:
+its phases, its deadlines, the bounds it is admitted within, and the ways it can fail. Its lifecycle:
 
     QUEUED -> PREFILLING -> TRANSFERRING -> DECODING -> FINISHED
     PREFILLING / TRANSFERRING -> FALLBACK -> PREFILLING   (prefill node or link lost: re-prefill locally)
     any live state -> MIGRATING -> PREFILLING             (decode node lost: prompt + output so far re-prefilled)
     any live state -> ABORTED (client gone) | FAILED (no way left to answer)
-
-Admission takes a request in within bounds by count, by memory and by the first-token deadline; past one it is
-refused at once with ``Overloaded`` (HTTP 503 with Retry-After). Sans-IO: the gateway passes the clock in.
 """
 
 from __future__ import annotations
@@ -92,7 +87,9 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """The ``minifaas`` object of a response: where the request went and what it cost."""
+    """The ``minifaas`` object of a response: where the request went and what it cost. The prefill's round trip is
+    dispatch_s + queue_s + prefill_s + store_s + transfer_s + control_s (and a few microseconds of bookkeeping);
+    ttft_s is that less the transfer's tail and the reply when the first token went to the client ahead of them."""
 
     request_id: str
     prompt_tokens: int
@@ -111,14 +108,9 @@ class RequestRecord:
     kv_decode_s: float = 0.0  # decoding time at the decode worker
     transfer_s: float | None = None  # the transfer's tail: from the prefill's end to the decode node's DONE
     queue_s: float | None = None  # waiting for the prefill worker's compute lock
-    # where the prefill's time went: dispatch_s + queue_s + prefill_s + store_s + transfer_s + control_s is the
-    # prefill's round trip (the rest, a few microseconds, is the gateway's own bookkeeping); ttft_s is that less
-    # the transfer's tail and the reply, when the first token went to the client ahead of them:
     dispatch_s: float | None = None  # gateway: routing, pinning the decode node's prefix, the prefill message
     prefill_s: float | None = None  # the prefill worker's forwards
-    # the prefix cache (loading the hit, keeping the snapshot segments' states) and opening the transfer;
-    # the prompt's blocks and end snapshot are stored after the reply, in no request's time
-    store_s: float | None = None
+    store_s: float | None = None  # loading the prefix cache's hit, keeping snapshots, opening the transfer
     control_s: float | None = None  # the prefill round trip less the worker's queue, forwards and transfer tail
     first_step_s: float | None = None  # first token to second: the decode worker's first step and its hop back
     ttft_s: float | None = None
@@ -197,6 +189,9 @@ class Ticket:
 
 @dataclass(slots=True)
 class Admission:
+    """Takes a request in within bounds by count, by memory and by the first-token deadline; past one it is
+    refused at once with ``Overloaded`` (HTTP 503 with Retry-After). Sans-IO: the gateway passes the clock in."""
+
     max_requests: int  # 0: no bound by count
     max_tokens: int  # prompt tokens in flight (0: no bound by memory)
     first_token_timeout: float

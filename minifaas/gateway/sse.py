@@ -14,8 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
+from minifaas.gateway.api_errors import api_error, cause_of
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.openai_schema import APIEndpoint, CompletionReply, api_error, cause_of, check_finished
+from minifaas.gateway.openai_schema import APIEndpoint, CompletionReply, check_finished
 from minifaas.gateway.requests import RequestFailed, TokenEvent
 
 log = logging.getLogger("minifaas.api")
@@ -65,7 +66,7 @@ async def _send_token(response: web.StreamResponse, chunks: Chunks, event: Token
     text = chunks.reply.add(event, time.perf_counter())
     # A token inside a multi-byte character has no text of its own yet, and waits for the rest; but the
     # first token's chunk goes out at once, with whatever text it has, so a client sees when it came.
-    if text or chunks.reply.tokens == 1:
+    if text or len(chunks.reply.token_ids) == 1:
         await _send(response, chunks.content(text))
 
 
