@@ -14,13 +14,13 @@ from synthetic import synthetic_state
 from minifaas.model.layer_state import Checksum, ModelState, checksum
 from minifaas.model.state_codec import same_state
 from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
-from minifaas.transport.incoming import Reassembly
 from minifaas.transport.wire import (
     HEADER_SIZE,
     UNCHECKED,
     FrameHeader,
     FrameType,
     Limits,
+    Reassembly,
     control,
     split_chunks,
     split_token_range,
