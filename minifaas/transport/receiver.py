@@ -217,7 +217,7 @@ class TransferTable:
         self.max_open, self.max_transfer_bytes, self._allocate = max_open, max_transfer_bytes, allocate
         self.grace, self._on_drop = grace, on_drop
         self.open: dict[int, IncomingTransfer] = {}  # in the order they opened
-        self.unclaimed: OrderedDict[int, float] = OrderedDict()  # ended, unclaimed id -> when it ended
+        self._unclaimed: OrderedDict[int, float] = OrderedDict()  # ended, unclaimed id -> when it ended
         self._ended: OrderedDict[int, str] = OrderedDict()  # ended id -> why it failed ("" if it did not)
 
     def claim(self, transfer_id: int, now: float) -> IncomingTransfer:
@@ -232,7 +232,7 @@ class TransferTable:
         t.claimed = True
         if t.finished:
             self.open.pop(transfer_id, None)
-            self.unclaimed.pop(transfer_id, None)
+            self._unclaimed.pop(transfer_id, None)
         return t
 
     def for_frame(self, transfer_id: int, now: float) -> IncomingTransfer | None:
@@ -252,12 +252,12 @@ class TransferTable:
         if t.claimed:
             self.open.pop(t.id, None)
         elif t.id in self.open:
-            self.unclaimed[t.id] = now
+            self._unclaimed[t.id] = now
 
     def sweep(self, now: float) -> None:
         """Drop the transfers that ended unclaimed more than ``grace`` seconds ago."""
-        while self.unclaimed:
-            transfer_id, ended_at = next(iter(self.unclaimed.items()))
+        while self._unclaimed:
+            transfer_id, ended_at = next(iter(self._unclaimed.items()))
             if now - ended_at < self.grace:
                 return
             self._drop(transfer_id, f"ended {now - ended_at:.1f} s ago and no consumer claimed it")
@@ -270,7 +270,7 @@ class TransferTable:
 
     def _drop(self, transfer_id: int, why: str) -> None:
         t = self.open.pop(transfer_id)
-        self.unclaimed.pop(transfer_id, None)
+        self._unclaimed.pop(transfer_id, None)
         cause = f"transfer {transfer_id} was dropped: {why}"
         t.fail(DroppedError(cause))  # if unfinished: later frames are skipped, its END is answered with the cause
         self._remember(transfer_id, f"DroppedError: {cause}")
@@ -279,19 +279,22 @@ class TransferTable:
 
     def _open(self, transfer_id: int, now: float) -> IncomingTransfer:
         if len(self.open) >= self.max_open:
-            full = f"the table of {self.max_open} transfers was full"
-            oldest = next((t for t in self.open.values() if not t.claimed), None)
-            if self.unclaimed:
-                self._drop(next(iter(self.unclaimed)), f"ended and unclaimed when {full}")
-            elif oldest is None:
-                raise ProtocolError(f"more than {self.max_open} open transfers, all of them claimed")
-            else:
-                self._drop(oldest.id, f"unclaimed and unfinished when {full}")
+            self._make_room()
         t = self.open[transfer_id] = self._new(transfer_id, now)
         return t
 
     def _new(self, transfer_id: int, now: float) -> IncomingTransfer:
         return IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._allocate)
+
+    def _make_room(self) -> None:
+        full = f"the table of {self.max_open} transfers was full"
+        if self._unclaimed:
+            self._drop(next(iter(self._unclaimed)), f"ended and unclaimed when {full}")
+            return
+        oldest = next((t for t in self.open.values() if not t.claimed), None)
+        if oldest is None:
+            raise ProtocolError(f"more than {self.max_open} open transfers, all of them claimed")
+        self._drop(oldest.id, f"unclaimed and unfinished when {full}")
 
     def _remember(self, transfer_id: int, why: str) -> None:
         self._ended[transfer_id] = why

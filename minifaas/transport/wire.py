@@ -334,10 +334,6 @@ def cut_tail(chunks: list[Chunk], connections: int, piece_bytes: int | None) -> 
     return cut
 
 
-def _new_bytes(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
-
-
 @dataclass(slots=True)
 class _Slot:
     name: str
@@ -376,9 +372,10 @@ class _Layer:
 
 
 class Reassembly:
-    """The partial state of one incoming transfer, bounded by ``max_bytes``."""
+    """The partial state of one incoming transfer, bounded by ``max_bytes``: where each chunk's payload goes (a view
+    into its slot's memory, from ``allocate``), and which layers a checked chunk makes whole, in layer order."""
 
-    def __init__(self, transfer: int, max_bytes: int, allocate: Callable[[int], torch.Tensor] = _new_bytes):
+    def __init__(self, transfer: int, max_bytes: int, allocate: Callable[[int], torch.Tensor]):
         self.transfer = transfer
         self._allocate = allocate
         self.max_bytes = max_bytes
