@@ -4,7 +4,7 @@ A frame goes to its transfer by id (``TransferTable``: frames may open one befor
 payload is read straight into the slot's tensor memory (``wire.Reassembly``) and checksummed as it lands (a coded
 one is decoded into it); each layer is handed to the consumer iterating the ``IncomingTransfer`` once it is whole,
 and DONE goes back when the last is. A consumer may ``release`` a state's memory for reuse. What goes wrong (a
-bad frame, a broken connection, a stall, a transfer nobody claims) is handled at the receiver's end, apart.
+bad frame, a broken connection, a stall, a transfer nobody claims) is handled by the methods at its end.
 """
 
 from __future__ import annotations
