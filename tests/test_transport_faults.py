@@ -23,9 +23,8 @@ from minifaas.net.errors import (
     TransferError,
     TruncatedError,
 )
-from minifaas.transport.incoming import IncomingTransfer
 from minifaas.transport.outgoing import KVSender, SenderConfig
-from minifaas.transport.receiver import KVReceiver, ReceiverConfig
+from minifaas.transport.receiver import IncomingTransfer, KVReceiver, ReceiverConfig
 from minifaas.transport.wire import FrameHeader, FrameType, control, pack_counts, split_chunks
 
 SECRET = b"cluster-secret-0123456789abcdef"

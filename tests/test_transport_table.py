@@ -8,7 +8,7 @@ import torch
 
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.net.errors import CorruptFrameError, DroppedError, ProtocolError
-from minifaas.transport.incoming import FORGET_AFTER, IncomingTransfer, TransferTable
+from minifaas.transport.receiver import FORGET_AFTER, IncomingTransfer, TransferTable
 
 
 def table(max_open: int = 4, drops: list[tuple[int, str]] | None = None) -> TransferTable:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -220,13 +221,10 @@ class FrameEncoder:
 
     def __init__(self, accelerated: bool = True) -> None:
         self._accelerated = accelerated
-        self._plane_encoder: PlaneEncoder | None = None
 
-    @property
+    @cached_property
     def _planes(self) -> PlaneEncoder:
-        if self._plane_encoder is None:
-            self._plane_encoder = PlaneEncoder(self._accelerated)
-        return self._plane_encoder
+        return PlaneEncoder(self._accelerated)
 
     def encode(self, codec: Codec, dtype: torch.dtype, raw: memoryview) -> Coded:
         """``raw`` (whole elements of ``dtype``) coded with ``codec``, or as it is if that would not shrink it."""

@@ -147,6 +147,7 @@ class OutgoingTransfer:
             self.finished = True
 
     async def _finish(self, exc: BaseException | None) -> None:
+        """The producer is done: send what waits, its last chunks cut finer, then wait for DONE (or give up)."""
         assert self._runner is not None
         if exc is None and self._producer_error is None and len(self._whole) != self.layers:
             missing = sorted(set(range(self.layers)) - self._whole)
@@ -158,20 +159,12 @@ class OutgoingTransfer:
             if self._producer_error is not None and exc is None:
                 raise self._producer_error
             return
-        waiting = [*self._drain_queue(), *self._held]
+        waiting = [*(self._queue.get_nowait() for _ in range(self._queue.qsize())), *self._held]
         for chunk in cut_tail(waiting, self.connections, self._settings.unsent_limit_bytes):
             self._queue.put_nowait(chunk)
         for _ in range(self.connections):
             self._queue.put_nowait(None)
         self.report = await self._runner
-
-    def _drain_queue(self) -> list[Chunk]:
-        chunks = []
-        while not self._queue.empty():
-            chunk = self._queue.get_nowait()
-            assert chunk is not None  # the end markers go in after this
-            chunks.append(chunk)
-        return chunks
 
     def put(self, layer: LayerState, ready: CopyDone | None = None) -> None:
         """Queue a finished layer in host memory (``ready``: its copy there, if still under way). Call on the
@@ -197,6 +190,7 @@ class OutgoingTransfer:
         self._loop.call_soon_threadsafe(self.put_tokens, host, start, total, ready)
 
     def _stage(self, state: LayerState) -> tuple[LayerState, CopyDone | None]:
+        """``state`` in host memory, and the copy there if one is under way."""
         device = state.slots[0][1].device
         if device.type == "cpu":
             return state, None

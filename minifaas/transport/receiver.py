@@ -1,9 +1,10 @@
 """The KV receiver: an asyncio server that turns frames from many connections back into layers.
 
-A chunk's payload is read straight into the slot's tensor memory and checksummed as it lands (a coded one is
-decoded into it). Anything wrong with a connection drops it and fails every unfinished transfer it carried, with
-the specific error; a transfer with no progress for ``stall_timeout`` fails with ``StallError``. A consumer takes
-a transfer with ``transfer(id)``, before or after its frames arrive, and may ``release`` its memory for reuse.
+A frame goes to its transfer by id (``TransferTable``: frames may open one before its consumer asks); a chunk's
+payload is read straight into the slot's tensor memory (``wire.Reassembly``) and checksummed as it lands (a coded
+one is decoded into it); each layer is handed to the consumer iterating the ``IncomingTransfer`` once it is whole,
+and DONE goes back when the last is. A consumer may ``release`` a state's memory for reuse. What goes wrong (a
+bad frame, a broken connection, a stall, a transfer nobody claims) is handled by the methods at its end.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 import logging
 import socket
 import ssl as ssl_module
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
 import torch
@@ -26,19 +29,20 @@ from minifaas.net.errors import (
     AuthError,
     ConnectionLostError,
     CorruptFrameError,
+    DroppedError,
     ProtocolError,
     StallError,
     TransferAbortedError,
     TransferError,
     TruncatedError,
 )
-from minifaas.transport.incoming import IncomingTransfer, TransferTable, reason
 from minifaas.transport.wire import (
     HEADER_SIZE,
     UNCHECKED,
     FrameHeader,
     FrameType,
     Limits,
+    Reassembly,
     Receipt,
     control,
     unpack_counts,
@@ -121,12 +125,193 @@ class ReceiveBuffers:
         self.held_bytes += size
 
 
+FORGET_AFTER = 4096  # ended transfer ids remembered, so late frames are skipped, not restarted
+OnDrop = Callable[["IncomingTransfer", str], None]
+_END = None
+
+
+class IncomingTransfer:
+    """One transfer as its consumer sees it: each layer as soon as it is whole, until the last or the
+    ``TransferError`` that ended it."""
+
+    def __init__(self, transfer: int, max_bytes: int, now: float, allocate: Callable[[int], torch.Tensor]):
+        self.id = transfer
+        self.assembly: Reassembly | None = Reassembly(transfer, max_bytes, allocate)
+        self.error: TransferError | None = None
+        self.started = False  # a frame has arrived
+        self.claimed = False  # a consumer holds this object
+        self.last_progress = now
+        self.receiving = 0  # chunk payloads being read now: each connection's own deadline watches those
+        self.reply_to: Channel | None = None  # where END came from; DONE or ABORT goes back there
+        self.received_bytes = 0
+        self.wire_bytes = 0  # payload bytes as they came off the network (coded ones smaller)
+        self.decode_s = 0.0
+        self.complete = False
+        self.abandoned = False  # its consumer stopped waiting (the request was aborted): a failure now is expected
+        self.layers = 0  # delivered so far
+        self._queue: asyncio.Queue[LayerState | TransferError | None] = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return self.complete or self.error is not None
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+    def deliver(self, layers: list[LayerState], now: float) -> bool:
+        """Hand on layers that are ready; True if this completed the transfer."""
+        self.last_progress = now
+        for layer in layers:
+            self._queue.put_nowait(layer)
+        self.layers += len(layers)
+        if self.assembly is not None and self.assembly.complete:
+            self.received_bytes = self.assembly.received
+            self.complete = True
+            self.assembly = None  # the layers now belong to the consumer
+            self._queue.put_nowait(_END)
+            return True
+        return False
+
+    def fail(self, error: TransferError) -> bool:
+        """End the transfer with ``error``, freeing the partial state. False if it had already ended."""
+        if self.finished:
+            return False
+        self.error = error
+        self.assembly = None
+        self._queue.put_nowait(error)
+        return True
+
+    def discard(self) -> list[LayerState]:
+        """Take back the delivered layers no consumer took (the transfer was dropped unclaimed)."""
+        items = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+        return [item for item in items if isinstance(item, LayerState)]
+
+    async def __aiter__(self) -> AsyncIterator[LayerState]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                self._queue.put_nowait(_END)  # a second iteration ends at once too
+                return
+            if isinstance(item, TransferError):
+                self._queue.put_nowait(item)
+                raise item
+            yield item
+
+    async def model_state(self) -> ModelState:
+        layers = [layer async for layer in self]
+        return ModelState(layers, max((layer.seq_len for layer in layers), default=0))
+
+
+class TransferTable:
+    """A receiver's transfers by id (frames may open one before its consumer asks), and why recently ended ones
+    ended, so late frames are skipped, not restarted. Full, it drops the oldest unclaimed transfer."""
+
+    def __init__(
+        self,
+        max_open: int,
+        max_transfer_bytes: int,
+        allocate: Callable[[int], torch.Tensor],
+        grace: float = 10.0,
+        on_drop: OnDrop | None = None,
+    ) -> None:
+        self.max_open, self.max_transfer_bytes, self._allocate = max_open, max_transfer_bytes, allocate
+        self.grace, self._on_drop = grace, on_drop
+        self.open: dict[int, IncomingTransfer] = {}  # in the order they opened
+        self._unclaimed: OrderedDict[int, float] = OrderedDict()  # ended, unclaimed id -> when it ended
+        self._ended: OrderedDict[int, str] = OrderedDict()  # ended id -> why it failed ("" if it did not)
+
+    def claim(self, transfer_id: int, now: float) -> IncomingTransfer:
+        """The transfer for its consumer: the one frames opened, or a new one waiting for them."""
+        t = self.open.get(transfer_id)
+        if t is None and transfer_id in self._ended:  # dropped, or claimed once already
+            why = self._ended[transfer_id].removeprefix("DroppedError: ")
+            t = self._new(transfer_id, now)
+            t.fail(DroppedError(why or f"transfer {transfer_id} has already ended"))
+        elif t is None:
+            t = self._open(transfer_id, now)
+        t.claimed = True
+        if t.finished:
+            self.open.pop(transfer_id, None)
+            self._unclaimed.pop(transfer_id, None)
+        return t
+
+    def for_frame(self, transfer_id: int, now: float) -> IncomingTransfer | None:
+        """Where a frame goes; None if its transfer has ended (skip the frame)."""
+        t = self.open.get(transfer_id)
+        if t is None and transfer_id not in self._ended:
+            t = self._open(transfer_id, now)
+        return None if t is None or t.finished else t
+
+    def failure(self, transfer_id: int) -> str:
+        """Why an ended transfer failed ("" if it did not, or is not remembered)."""
+        return self._ended.get(transfer_id, "")
+
+    def ended(self, t: IncomingTransfer, now: float) -> None:
+        """Record that ``t`` completed or failed."""
+        self._remember(t.id, "" if t.error is None else reason(t.error))
+        if t.claimed:
+            self.open.pop(t.id, None)
+        elif t.id in self.open:
+            self._unclaimed[t.id] = now
+
+    def sweep(self, now: float) -> None:
+        """Drop the transfers that ended unclaimed more than ``grace`` seconds ago."""
+        while self._unclaimed:
+            transfer_id, ended_at = next(iter(self._unclaimed.items()))
+            if now - ended_at < self.grace:
+                return
+            self._drop(transfer_id, f"ended {now - ended_at:.1f} s ago and no consumer claimed it")
+
+    def stalled(self, now: float, limit: float) -> list[IncomingTransfer]:
+        """Started, unfinished transfers without progress for more than ``limit`` seconds and no payload
+        being read (a payload still arriving, however slowly, is its connection's deadline to judge)."""
+        quiet = (t for t in self.open.values() if t.started and not t.finished and not t.receiving)
+        return [t for t in quiet if now - t.last_progress > limit]
+
+    def _drop(self, transfer_id: int, why: str) -> None:
+        t = self.open.pop(transfer_id)
+        self._unclaimed.pop(transfer_id, None)
+        cause = f"transfer {transfer_id} was dropped: {why}"
+        t.fail(DroppedError(cause))  # if unfinished: later frames are skipped, its END is answered with the cause
+        self._remember(transfer_id, f"DroppedError: {cause}")
+        if self._on_drop is not None:
+            self._on_drop(t, cause)
+
+    def _open(self, transfer_id: int, now: float) -> IncomingTransfer:
+        if len(self.open) >= self.max_open:
+            self._make_room()
+        t = self.open[transfer_id] = self._new(transfer_id, now)
+        return t
+
+    def _new(self, transfer_id: int, now: float) -> IncomingTransfer:
+        return IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._allocate)
+
+    def _make_room(self) -> None:
+        full = f"the table of {self.max_open} transfers was full"
+        if self._unclaimed:
+            self._drop(next(iter(self._unclaimed)), f"ended and unclaimed when {full}")
+            return
+        oldest = next((t for t in self.open.values() if not t.claimed), None)
+        if oldest is None:
+            raise ProtocolError(f"more than {self.max_open} open transfers, all of them claimed")
+        self._drop(oldest.id, f"unclaimed and unfinished when {full}")
+
+    def _remember(self, transfer_id: int, why: str) -> None:
+        self._ended[transfer_id] = why
+        self._ended.move_to_end(transfer_id)
+        while len(self._ended) > FORGET_AFTER:
+            self._ended.popitem(last=False)
+
+
 class KVReceiver:
     def __init__(self, config: ReceiverConfig, ssl: ssl_module.SSLContext | None = None):
         self.config = config
         self.stats = ReceiverStats()
         self.buffers = ReceiveBuffers(config.recycle_bytes, config.pinned)
         self._ssl = ssl
+        self._listener: socket.socket | None = None
+        self._group = asyncio.TaskGroup()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._table = TransferTable(
             config.max_open_transfers,
             config.max_transfer_bytes,
@@ -134,9 +319,6 @@ class KVReceiver:
             config.unclaimed_grace,
             self._dropped,
         )
-        self._listener: socket.socket | None = None
-        self._group = asyncio.TaskGroup()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
@@ -173,8 +355,8 @@ class KVReceiver:
             for _, tensor in layer.slots:
                 self.buffers.give(tensor)
 
-    def _spawn(self, coro: object) -> None:
-        task = self._group.create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = self._group.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -182,27 +364,6 @@ class KVReceiver:
         self.stats.completed += t.complete
         self.stats.failed += t.error is not None
         self._table.ended(t, asyncio.get_running_loop().time())
-
-    def _dropped(self, t: IncomingTransfer, cause: str) -> None:
-        self.stats.dropped += 1
-        log.warning("%s", cause)
-        for layer in t.discard():
-            self.release(layer)
-        if not t.complete and t.reply_to is not None and not t.reply_to.closed:  # its sender waits for DONE
-            abort = control(FrameType.ABORT, t.id, f"DroppedError: {cause}".encode())
-            self._spawn(self._reply_quietly(t.reply_to, abort))
-
-    async def _reply_quietly(self, channel: Channel, frame: bytes) -> None:
-        with contextlib.suppress(TransferError):  # else the sender learns from the broken connection or its deadline
-            await channel.send([frame], self.config.stall_timeout)
-
-    async def _fail(self, t: IncomingTransfer, error: TransferError) -> None:
-        if not t.fail(error):
-            return
-        (log.debug if t.abandoned else log.warning)("transfer %d failed: %s: %s", t.id, type(error).__name__, error)
-        self._finish(t)
-        if t.reply_to is not None and not t.reply_to.closed:
-            await self._reply_quietly(t.reply_to, control(FrameType.ABORT, t.id, reason(error).encode()))
 
     async def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -212,7 +373,7 @@ class KVReceiver:
             self._spawn(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> None:
-        carried: set[int] = set()
+        carried: set[int] = set()  # the transfers this connection carried frames of
         channel: Channel | None = None
         clean = False
         try:
@@ -224,28 +385,13 @@ class KVReceiver:
                 pass
             clean = True
             await self._lost(carried, TruncatedError("connection closed before the transfer was complete"))
-        except AuthError as e:
-            self.stats.auth_failures += 1
-            log.warning("rejected a connection: %s", e)
-        except TransferError as e:
-            if isinstance(e, ProtocolError):  # the peer sent what the wire does not allow (another version, say)
-                log.warning("dropped a connection: %s: %s", type(e).__name__, e)
-            elif not carried:  # a sender that gave up before its first frame, in the handshake even
-                log.debug("a connection closed before it carried a frame: %s", e)
-            await self._lost(carried, e)
-        except OSError as e:
-            await self._lost(carried, ConnectionLostError(str(e)))
+        except (TransferError, OSError) as e:
+            await self._broken(carried, e)
         finally:
             if channel is None:
                 sock.close()
             else:
                 channel.close(reset=not clean)
-
-    async def _lost(self, carried: set[int], error: TransferError) -> None:
-        for transfer_id in carried:
-            t = self._table.open.get(transfer_id)
-            if t is not None:
-                await self._fail(t, error)
 
     async def _read_frame(self, channel: Channel, carried: set[int], decoding: FrameDecoder) -> bool:
         raw = bytearray(HEADER_SIZE)
@@ -344,6 +490,50 @@ class KVReceiver:
             receipt = Receipt(t.layers, t.received_bytes, t.wire_bytes, t.decode_s)
             await t.reply_to.send([control(FrameType.DONE, t.id, receipt.pack())], self.config.stall_timeout)
 
+    # What goes wrong: failed, lost, stalled and dropped transfers.
+
+    async def _fail(self, t: IncomingTransfer, error: TransferError) -> None:
+        """End ``t`` with ``error`` (if it has not ended) and tell its sender, if it waits for DONE."""
+        if not t.fail(error):
+            return
+        (log.debug if t.abandoned else log.warning)("transfer %d failed: %s: %s", t.id, type(error).__name__, error)
+        self._finish(t)
+        if t.reply_to is not None and not t.reply_to.closed:
+            await self._reply_quietly(t.reply_to, control(FrameType.ABORT, t.id, reason(error).encode()))
+
+    async def _lost(self, carried: set[int], error: TransferError) -> None:
+        for transfer_id in carried:
+            t = self._table.open.get(transfer_id)
+            if t is not None:
+                await self._fail(t, error)
+
+    async def _broken(self, carried: set[int], e: TransferError | OSError) -> None:
+        """A connection failed its handshake, or broke off with ``e``: the transfers it carried fail."""
+        if isinstance(e, AuthError):
+            self.stats.auth_failures += 1
+            log.warning("rejected a connection: %s", e)
+            return
+        if isinstance(e, OSError):
+            e = ConnectionLostError(str(e))
+        elif isinstance(e, ProtocolError):  # the peer sent what the wire does not allow (another version, say)
+            log.warning("dropped a connection: %s: %s", type(e).__name__, e)
+        elif not carried:  # a sender that gave up before its first frame, in the handshake even
+            log.debug("a connection closed before it carried a frame: %s", e)
+        await self._lost(carried, e)
+
+    def _dropped(self, t: IncomingTransfer, cause: str) -> None:
+        self.stats.dropped += 1
+        log.warning("%s", cause)
+        for layer in t.discard():
+            self.release(layer)
+        if not t.complete and t.reply_to is not None and not t.reply_to.closed:  # its sender waits for DONE
+            abort = control(FrameType.ABORT, t.id, f"DroppedError: {cause}".encode())
+            self._spawn(self._reply_quietly(t.reply_to, abort))
+
+    async def _reply_quietly(self, channel: Channel, frame: bytes) -> None:
+        with contextlib.suppress(TransferError):  # else the sender learns from the broken connection or its deadline
+            await channel.send([frame], self.config.stall_timeout)
+
     async def _reap_stalled(self) -> None:
         loop = asyncio.get_running_loop()
         limit = self.config.stall_timeout
@@ -352,3 +542,7 @@ class KVReceiver:
             self._table.sweep(loop.time())
             for t in self._table.stalled(loop.time(), limit):
                 await self._fail(t, StallError(f"transfer {t.id}: no progress for {limit} s"))
+
+
+def reason(error: TransferError) -> str:
+    return f"{type(error).__name__}: {error}"[:1024]

@@ -1,5 +1,5 @@
 """The KV transport's wire format: a fixed-size header (laid out above ``_HEADER``, little-endian), then ``length``
-payload bytes; and layer states cut into CHUNK frames. Frame types and their payloads:
+payload bytes; layer states cut into CHUNK frames, and ``Reassembly`` putting them back. Frames and payloads:
 
     START  sender -> receiver   u32 layers, u64 total bytes (0: not known yet)
     CHUNK  sender -> receiver   the slot's bytes [offset, offset + decoded), coded by ``codec``
@@ -9,16 +9,17 @@ payload bytes; and layer states cut into CHUNK frames. Frame types and their pay
     ABORT  either way           utf-8 reason; the transfer is over
     ALIVE  sender -> receiver   empty: the sender lives while its producer has no new layer yet
 
-A CHUNK carries one byte range of one tensor slot of one layer (the state's index in ``layer_state.StateLayout``) at the
-offset it takes in the finished slot, so a receiver assembles a layer sent in pieces without knowing it was cut;
-its payload is a view of tensor memory until a socket or a codec reads it. A header is checked whole (magic,
-version, its own checksum, sizes against ``Limits``) before its payload gets memory.
+A CHUNK carries one byte range of one tensor slot of one layer at the offset it takes in the finished slot, so the
+receiver writes its payload straight into that slot's memory and rebuilds a layer sent in pieces, in any order,
+without knowing it was cut. A header is checked whole (magic, version, its own checksum, sizes against ``Limits``)
+before its payload gets memory.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from minifaas.codec.codec import Codec, Coded
 from minifaas.model.host_copy import CopyDone
 from minifaas.model.layer_state import DTYPE_CODES, DTYPES, LayerState, StateKind, checksum, tensor_bytes
-from minifaas.net.errors import CorruptFrameError, ProtocolError
+from minifaas.net.errors import CorruptFrameError, ProtocolError, TruncatedError
 
 MAGIC = b"MFKV"
 VERSION = 3
@@ -198,8 +199,7 @@ def pack_counts(layers: int, nbytes: int) -> bytes:
 def unpack_counts(payload: bytes | bytearray | memoryview) -> tuple[int, int]:
     if len(payload) != _COUNTS.size:
         raise ProtocolError(f"counts payload must be {_COUNTS.size} bytes, got {len(payload)}")
-    layers, nbytes = _COUNTS.unpack(payload)
-    return layers, nbytes
+    return _COUNTS.unpack(payload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,3 +332,136 @@ def cut_tail(chunks: list[Chunk], connections: int, piece_bytes: int | None) -> 
         budget -= chunk.length
     cut.reverse()
     return cut
+
+
+@dataclass(slots=True)
+class _Slot:
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+    data: torch.Tensor  # uint8, the slot's bytes
+    view: memoryview  # of ``data``: chunks are received into slices of it
+    chunks: dict[int, int] = field(default_factory=dict)  # offset -> length
+    received: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.data.numel()
+
+    def check_tiling(self) -> None:
+        end = 0
+        for offset in sorted(self.chunks):
+            if offset != end:
+                raise ProtocolError(f"slot {self.name!r}: chunks leave a gap or overlap at byte {offset}")
+            end += self.chunks[offset]
+
+    def tensor(self) -> torch.Tensor:
+        return self.data.view(DTYPES[self.dtype]).reshape(self.shape)
+
+
+@dataclass(slots=True)
+class _Layer:
+    kind: int
+    seq_len: int
+    n_slots: int
+    slots: dict[int, _Slot] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.slots) == self.n_slots and all(s.complete for s in self.slots.values())
+
+
+class Reassembly:
+    """The partial state of one incoming transfer, bounded by ``max_bytes``: where each chunk's payload goes (a view
+    into its slot's memory, from ``allocate``), and which layers a checked chunk makes whole, in layer order."""
+
+    def __init__(self, transfer: int, max_bytes: int, allocate: Callable[[int], torch.Tensor]):
+        self.transfer = transfer
+        self._allocate = allocate
+        self.max_bytes = max_bytes
+        self.expected_layers: int | None = None
+        self.expected_bytes: int | None = None
+        self.allocated = 0
+        self.received = 0
+        self.delivered = 0  # layers 0 .. delivered-1 have been handed out
+        self.pending = 0  # chunks given a buffer but not yet committed
+        self._layers: dict[int, _Layer] = {}
+
+    @property
+    def complete(self) -> bool:
+        return self.expected_bytes is not None and self.delivered == self.expected_layers
+
+    def start(self, layers: int, total_bytes: int) -> None:
+        if total_bytes > self.max_bytes:
+            raise ProtocolError(f"transfer {self.transfer} announces {total_bytes} bytes, limit {self.max_bytes}")
+        self._expect_layers(layers)
+
+    def end(self, layers: int, total_bytes: int) -> None:
+        """The sender has sent everything; what is not here now will not come."""
+        self._expect_layers(layers)
+        self.expected_bytes = total_bytes
+        self._check_totals()
+
+    def _check_totals(self) -> None:
+        if self.expected_bytes is None:
+            return
+        if self.received > self.expected_bytes:
+            raise ProtocolError(f"transfer {self.transfer}: {self.received} bytes, sender sent {self.expected_bytes}")
+        if self.received == self.expected_bytes and not self.pending and not self.complete:
+            raise TruncatedError(f"transfer {self.transfer}: all {self.received} bytes arrived but layers are missing")
+
+    def _expect_layers(self, layers: int) -> None:
+        if self.expected_layers not in (None, layers):
+            raise ProtocolError(f"transfer {self.transfer}: {layers} layers announced, {self.expected_layers} before")
+        if any(i >= layers for i in self._layers):
+            raise ProtocolError(f"transfer {self.transfer}: a layer index is beyond {layers} layers")
+        self.expected_layers = layers
+
+    def buffer_for(self, h: FrameHeader) -> memoryview:
+        if h.layer < self.delivered or (self.expected_layers is not None and h.layer >= self.expected_layers):
+            raise ProtocolError(f"transfer {self.transfer}: unexpected chunk for layer {h.layer}")
+        layer = self._layers.get(h.layer)
+        if layer is None:
+            layer = self._layers[h.layer] = _Layer(h.kind, h.seq_len, h.n_slots)
+        elif (layer.kind, layer.seq_len, layer.n_slots) != (h.kind, h.seq_len, h.n_slots):
+            raise ProtocolError(f"transfer {self.transfer}: chunks of layer {h.layer} disagree on its shape")
+        slot = layer.slots.get(h.slot)
+        if slot is None:
+            if self.allocated + h.slot_bytes > self.max_bytes:
+                raise ProtocolError(f"transfer {self.transfer} exceeds its limit of {self.max_bytes} bytes")
+            self.allocated += h.slot_bytes
+            data = self._allocate(h.slot_bytes)
+            view = memoryview(data.numpy()).cast("B") if h.slot_bytes else memoryview(b"")
+            slot = layer.slots[h.slot] = _Slot(h.name, h.dtype, h.shape, data, view)
+        elif (slot.name, slot.dtype, slot.shape) != (h.name, h.dtype, h.shape):
+            raise ProtocolError(f"transfer {self.transfer}: chunks of slot {h.name!r} disagree on dtype or shape")
+        if h.offset in slot.chunks:
+            raise ProtocolError(f"transfer {self.transfer}: duplicate chunk at byte {h.offset} of {h.name!r}")
+        self.pending += 1
+        return slot.view[h.offset : h.offset + h.decoded]
+
+    def commit(self, h: FrameHeader, payload: memoryview, crc: int | None = None) -> list[LayerState]:
+        """Accept a received chunk; ``crc`` is its checksum if the caller computed it already."""
+        self.pending -= 1
+        if (checksum(payload) if crc is None else crc) != h.crc:
+            raise CorruptFrameError(f"transfer {self.transfer}: payload checksum mismatch in layer {h.layer}")
+        slot = self._layers[h.layer].slots[h.slot]
+        slot.chunks[h.offset] = h.decoded
+        slot.received += h.decoded
+        self.received += h.decoded
+        if slot.received > slot.data.numel():
+            raise ProtocolError(f"slot {slot.name!r} received more bytes than it holds")
+        if slot.complete:
+            slot.check_tiling()
+        ready = self._ready()
+        self._check_totals()
+        return ready
+
+    def _ready(self) -> list[LayerState]:
+        out = []
+        while (layer := self._layers.get(self.delivered)) is not None and layer.complete:
+            slots = tuple((s.name, s.tensor()) for _, s in sorted(layer.slots.items()))
+            out.append(LayerState(self.delivered, StateKind(layer.kind), layer.seq_len, slots))
+            del self._layers[self.delivered]
+            self.delivered += 1
+        return out

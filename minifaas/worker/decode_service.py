@@ -26,8 +26,7 @@ from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import SamplingParams
-from minifaas.transport.incoming import IncomingTransfer
-from minifaas.transport.receiver import KVReceiver
+from minifaas.transport.receiver import IncomingTransfer, KVReceiver
 from minifaas.worker.prefix_store import Payload, block_payload, join_tokens
 
 Emit = Callable[[ReplyMessage], None]
