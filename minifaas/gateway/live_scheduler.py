@@ -17,7 +17,7 @@ from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkRead
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.roles import RoleChanger, split_profiles
 from minifaas.gateway.workers import STAGES, Workers
-from minifaas.model.kv_profile import KVProfile
+from minifaas.model.layer_state import KVProfile
 from minifaas.policy.codec_policy import MODES, CodecChoice, CodecSample, CompressionPolicy, LinkShare, TransferShape
 from minifaas.policy.interfaces import CodecPolicy, LongTermControl, ShortTermControl
 from minifaas.policy.long_term import LongTermConfig

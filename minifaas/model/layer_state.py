@@ -1,15 +1,12 @@
-"""A model's state: one ``LayerState`` per stateful part of a layer, in named tensor slots, and how it is read
-out of a transformers Cache (``host_copy.build_cache`` puts it back).
+"""A model's state: one ``LayerState`` per stateful part of a layer, in named tensor slots, read out of a
+transformers Cache (``host_copy.build_cache`` puts it back), and its sizes (``KVProfile``).
 
-- FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]`` (MLA keeps its latent
-  here); can be sliced to a token range.
+- FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]``; can be sliced to a range.
 - SLIDING_WINDOW: ``keys``/``values`` of the last ``window - 1`` tokens, and the length they end at.
-- LINEAR_ATTENTION: ``conv.<i>`` and ``recurrent.<i>`` (linear attention, Mamba or RG-LRU); fixed size, valid at
-  exactly one length.
+- LINEAR_ATTENTION: ``conv.<i>`` and ``recurrent.<i>``; fixed size, valid at exactly one length.
 
-A layer with attention beside a Mamba mixer holds two parts (its KV, then its linear state), an MLP-only layer
-none. ``LayerState.layer`` is the part's index, which the wire and the pool count as a layer;
-``StateLayout.parts[i].layer`` is its decoder layer. A slot's bytes go on the wire as they are (``tensor_bytes``),
+A layer with attention beside a Mamba mixer holds two parts, an MLP-only layer none. ``LayerState.layer`` is the
+part's index, which the wire and the pool count as a layer. A slot goes on the wire as it is (``tensor_bytes``),
 with a one-byte dtype code and a ``checksum``.
 """
 
@@ -261,3 +258,34 @@ def _read(cache_layer: Any, index: int, kind: StateKind, seq_len: int, keep: Cal
     if keys.shape[-2] != seq_len:
         raise ValueError(f"part {index}: cache holds {keys.shape[-2]} tokens, expected {seq_len}")
     return LayerState(index, kind, seq_len, (("keys", keys), ("values", values)))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    kind: str
+    bytes_per_token: int  # growing part, one layer
+    fixed_bytes: int  # per request, one layer
+    window: int | None = None  # tokens kept, for sliding layers
+
+
+@dataclass(frozen=True, slots=True)
+class KVProfile:
+    """A model's state sizes, layer by layer (``kv_size.kv_profile`` reads them from a config)."""
+
+    name: str
+    layers: tuple[LayerCost, ...]
+
+    def bytes_at(self, length: int) -> int:
+        total = 0
+        for c in self.layers:
+            tokens = min(length, c.window) if c.window is not None else length
+            total += c.fixed_bytes + c.bytes_per_token * tokens
+        return total
+
+    def by_kind(self) -> dict[str, tuple[int, int, int, int | None]]:
+        """kind -> (layer count, bytes/token over those layers, fixed bytes over those layers, window)."""
+        out: dict[str, tuple[int, int, int, int | None]] = {}
+        for c in self.layers:
+            n, per_tok, fixed, _ = out.get(c.kind, (0, 0, 0, None))
+            out[c.kind] = (n + 1, per_tok + c.bytes_per_token, fixed + c.fixed_bytes, c.window)
+        return out
