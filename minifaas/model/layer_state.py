@@ -143,18 +143,10 @@ class StatePart:
 
 @dataclass(frozen=True, slots=True)
 class StateLayout:
+    """Which parts each decoder layer holds (``state_layout.layout_of`` finds them at start-up)."""
+
     parts: tuple[StatePart, ...]
     num_layers: int  # decoder layers, stateless ones included
-
-    @classmethod
-    def of(cls, config: PreTrainedConfig) -> StateLayout:
-        """The layout of the cache the model of ``config`` runs on."""
-        return cls.of_cache(new_cache(config))
-
-    @classmethod
-    def of_cache(cls, cache: Cache) -> StateLayout:
-        parts = tuple(StatePart(i, kind) for i, layer in enumerate(cache.layers) for kind in part_kinds(layer))
-        return cls(parts, len(cache.layers))
 
     @property
     def kinds(self) -> tuple[StateKind, ...]:
@@ -171,36 +163,6 @@ class StateLayout:
         keep = (lambda t: t.clone()) if clone_fixed else (lambda t: t)
         cache_layer = cache.layers[layer]
         return [_read(cache_layer, i, self.parts[i].kind, seq_len, keep) for i in self.parts_of(layer)]
-
-
-def part_kinds(cache_layer: object) -> tuple[StateKind, ...]:
-    """The parts one transformers cache layer holds, in the order they are listed."""
-    from transformers.cache_utils import (
-        DummyLayer,
-        DynamicLayer,
-        DynamicSlidingWindowLayer,
-        LinearAttentionCacheLayerMixin,
-    )
-
-    if isinstance(cache_layer, DummyLayer):
-        return ()
-    if isinstance(cache_layer, DynamicSlidingWindowLayer):
-        attention: tuple[StateKind, ...] = (StateKind.SLIDING_WINDOW,)
-    elif type(cache_layer) is DynamicLayer or (
-        isinstance(cache_layer, DynamicLayer) and isinstance(cache_layer, LinearAttentionCacheLayerMixin)
-    ):
-        attention = (StateKind.FULL_ATTENTION,)
-    elif isinstance(cache_layer, LinearAttentionCacheLayerMixin):
-        attention = ()
-    else:
-        raise NotImplementedError(f"cache layer type {type(cache_layer).__name__} is not supported")
-    linear = (StateKind.LINEAR_ATTENTION,) if isinstance(cache_layer, LinearAttentionCacheLayerMixin) else ()
-    return attention + linear
-
-
-def needs_snapshot(kinds: Sequence[StateKind]) -> bool:
-    """A model with any fixed-size state can reuse a prefix only where a snapshot was taken."""
-    return any(not kind.grows for kind in kinds)
 
 
 def new_cache(config: PreTrainedConfig, layers: Sequence[object] | None = None) -> Cache:

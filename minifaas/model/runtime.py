@@ -24,6 +24,7 @@ from minifaas.model.kernels import KernelReport, kernels_in_use
 from minifaas.model.layer_state import LayerState, ModelState, StateLayout, new_cache
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
+from minifaas.model.state_layout import layout_of
 from minifaas.model.tokenizer import Tokenizer
 
 OnLayer = Callable[[LayerState], None]
@@ -46,7 +47,7 @@ class ModelRuntime:
         self.config = model.config
         self.decoder_layers = model.model.layers
         self.num_layers = len(self.decoder_layers)
-        self.layout = StateLayout.of(self.config)
+        self.layout = layout_of(self.config)
         self.num_states = len(self.layout.parts)  # what a transfer counts as layers (see layer_state)
         if self.layout.num_layers != self.num_layers:
             raise ValueError(f"{spec.name}: {self.num_layers} decoder layers but {self.layout.num_layers} cache layers")

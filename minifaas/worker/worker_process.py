@@ -34,9 +34,10 @@ from minifaas.model.decoder import DecoderConfig
 from minifaas.model.host_copy import HostCopier
 from minifaas.model.interleaved_decoder import make_decoder
 from minifaas.model.kernels import require_fast
-from minifaas.model.layer_state import ModelState, needs_snapshot
+from minifaas.model.layer_state import ModelState
 from minifaas.model.loader import resolve_dtype
 from minifaas.model.runtime import ModelRuntime
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import exit_when_stdin_closes
 from minifaas.transport.codec_probe import probe
