@@ -95,13 +95,10 @@ class ModelRuntime:
         chunk_tokens: int = 0,
         on_tokens: OnTokens | None = None,
     ) -> PrefillResult:
-        """Run the prompt's tokens after ``prefix_state`` (if any); the state returned covers both.
-
-        ``chunk_tokens`` > 0: forwards of at most that many tokens (0: one forward). ``on_layer`` gets
-        each layer's final state once. With ``on_tokens``, full-attention layers go there instead,
-        one piece per forward: ``on_tokens(piece, start, total)``, ``piece`` holding tokens
-        [start, start + piece.seq_len) of a layer that will hold ``total``; a layer's pieces come in
-        order and tile [0, total) (the first one includes the prefix).
+        """Run the prompt's tokens after ``prefix_state`` (if any), in forwards of at most ``chunk_tokens`` (0: one);
+        the state returned covers both. ``on_layer`` gets each layer's final state once. With ``on_tokens``,
+        full-attention layers go there instead, one piece per forward: ``on_tokens(piece, start, total)``, the
+        pieces of a layer that will hold ``total`` tokens in order, tiling [0, total) (the first has the prefix).
         """
         if not token_ids:
             raise ValueError("prefill needs at least one new token")
