@@ -14,7 +14,7 @@ prefills only the new tokens. The outputs must equal cold runs.
 
 from __future__ import annotations
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 from weights import weights_digest
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.control.worker_ops import OPS, from_wire
 from minifaas.model.loader import MODELS_DIR, ModelSpec, load_model
 from minifaas.model.runtime import ModelRuntime

@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import EventKind, GlobalCacheManager, PrefixIndex, PromptKeys
 from minifaas.control.worker_ops import CACHE_EVENTS, REPLIES, CacheEvents, WireEvent, from_wire
 from minifaas.policy.router import CacheMove, NodeView, Path, RouteInput, Router, RouteReason, Rule

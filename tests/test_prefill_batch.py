@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import decodes_as_alone
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.control.worker_ops import Prefill, Prefilled, Sampling
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime

@@ -13,10 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from minifaas.cache.pool_config import PoolConfig, snapshot_placement
 from minifaas.cache.prefix_index import BlockKey, CacheEvent, EntryKind, EventKind, Match, PrefixIndex, PromptKeys
-from minifaas.policy.interfaces import SnapshotPlacement
-from minifaas.policy.plugin import SNAPSHOT, Args, building, check_policy, load_policy, policy_args
-from minifaas.policy.snapshot_policy import IntervalSnapshots, ReuseSnapshots, SnapshotInput
+from minifaas.policy.snapshot_policy import SnapshotInput
 
 P = TypeVar("P")
 
@@ -60,37 +59,6 @@ _COUNT_NAMES = {  # the store counters per entry kind (duplicate, orphan, no roo
     kind: (f"{kind}_store_dups", f"{kind}_store_skipped_orphan", f"{kind}_store_rejected_no_room", f"{kind}s_stored")
     for kind in EntryKind
 }
-
-
-@dataclass(frozen=True, slots=True)
-class PoolConfig:
-    name: str
-    capacity_bytes: int
-    block_size: int = 512
-    snapshot_interval_blocks: int = 8  # the interval policy's spacing; 0: snapshots only at prompt ends
-    needs_snapshot: bool = True  # False for dense models: any block prefix is usable
-    enabled: bool = True  # False: --prefix-cache none (no hits, nothing stored)
-    events: bool = True  # False: no store/evict events (the simulator's manager reads this pool's index)
-    snapshot_policy: str = "interval"  # where snapshots go: a built-in name or module:Class (policy.plugin)
-    snapshot_args: Args = ()  # its constructor's keyword arguments
-
-    def __post_init__(self) -> None:
-        if self.capacity_bytes < 0 or self.block_size < 1 or self.snapshot_interval_blocks < 0:
-            raise ValueError(f"bad pool config {self}")
-        object.__setattr__(self, "snapshot_args", policy_args(self.snapshot_args))
-        check_policy(self.snapshot_policy, SNAPSHOT, self.snapshot_args)
-        snapshot_placement(self)  # built once: a value its constructor refuses is this config's error
-
-
-def snapshot_placement(config: PoolConfig) -> SnapshotPlacement:
-    """The snapshot policy ``config`` names, built with its arguments and the interval it offers."""
-    spec, offered = config.snapshot_policy, {"interval_blocks": config.snapshot_interval_blocks}
-    with building(SNAPSHOT, spec):
-        return (
-            ReuseSnapshots() if spec == "reuse"
-            else IntervalSnapshots(**(offered | dict(config.snapshot_args))) if spec == "interval"
-            else load_policy(spec, SNAPSHOT, config.snapshot_args, **offered)
-        )  # fmt: skip
 
 
 class HybridPrefixPool(Generic[P]):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.codec.codec import Codec, codecs_for
 from minifaas.config import NAME_PREFIX
 from minifaas.control.secret import load_secret
