@@ -211,7 +211,7 @@ async def ttft_sweep(
                         wire[rate, mode].append(info["kv_bytes"] / max(info["kv_wire_bytes"], 1))
                         tails[rate, mode].append(info["transfer_s"])
                     await asyncio.sleep(0.3)  # let the link drain: each request finds it idle
-        estimate = gateway.scheduler.compression.estimates.get("lossless")
+        estimate = gateway.scheduler.compression.meter.estimates.get("lossless")
     break_even_mbit = 8 * estimate.break_even_bps / 1e6 if estimate is not None else 0.0
     rows = []
     head = f"{'Mbit/s':>7} {'mode':<9} {'codec':<9} {'ratio':>6} {'TTFT s':>8} {'/ none':>7} {'tail s':>8}"

@@ -8,7 +8,7 @@ import pytest
 
 from minifaas.policy.codec_policy import (
     CodecEstimate,
-    CodecSample,
+    CodecMeter,
     CompressionConfig,
     CompressionPolicy,
     LinkShare,
@@ -22,7 +22,7 @@ LOSSLESS = CodecEstimate(ratio=1.25, encode_bps=500 * MB, decode_bps=1000 * MB) 
 def policy(mode: str = "auto", estimate: CodecEstimate | None = LOSSLESS) -> CompressionPolicy:
     p = CompressionPolicy(mode)
     if estimate is not None:
-        p.estimates["lossless"] = estimate
+        p.meter.estimates["lossless"] = estimate
     return p
 
 
@@ -73,19 +73,19 @@ def test_modes() -> None:
 
 def test_lossy_is_never_chosen_automatically() -> None:
     p = policy()
-    p.estimates["fp8"] = CodecEstimate(3.9, 1e12, 1e12)  # cheaper and smaller than lossless
+    p.meter.estimates["fp8"] = CodecEstimate(3.9, 1e12, 1e12)  # cheaper and smaller than lossless
     assert {p.choose(LinkShare(mbit * 1e6)).codec for mbit in (0.1, 1, 10, 100, 1e4)} <= {"none", "lossless"}
 
 
 def test_meter_averages_what_transfers_report() -> None:
-    p = CompressionPolicy(smoothing=0.5)
-    p.observe(CodecSample("lossless", 1000, 800, 1e-6, 5e-7))
-    assert p.estimates["lossless"] == CodecEstimate(1.25, 1e9, 2e9)
-    p.observe(CodecSample("lossless", 1000, 1000, 1e-6, 5e-7))
-    assert p.estimates["lossless"].ratio == pytest.approx(1.125)
-    p.observe(CodecSample("none", 1000, 1000, 0, 0))
-    p.observe(CodecSample("lossless", 1000, 0, 1, 1))  # nothing measured: ignored
-    assert set(p.estimates) == {"lossless"} and p.estimates["lossless"].ratio == pytest.approx(1.125)
+    meter = CodecMeter(smoothing=0.5)
+    meter.observe("lossless", 1000, 800, 1e-6, 5e-7)
+    assert meter.estimates["lossless"] == CodecEstimate(1.25, 1e9, 2e9)
+    meter.observe("lossless", 1000, 1000, 1e-6, 5e-7)
+    assert meter.estimates["lossless"].ratio == pytest.approx(1.125)
+    meter.observe("none", 1000, 1000, 0, 0)
+    meter.observe("lossless", 1000, 0, 1, 1)  # nothing measured: ignored
+    assert set(meter.estimates) == {"lossless"} and meter.estimates["lossless"].ratio == pytest.approx(1.125)
 
 
 def test_only_what_is_left_after_the_prefill_counts() -> None:

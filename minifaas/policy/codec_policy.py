@@ -8,7 +8,7 @@ transfers report. ``auto`` picks ``none`` or ``lossless`` only: a lossy code cha
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from enum import StrEnum
 
 
@@ -95,6 +95,25 @@ class CompressionConfig:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
 
 
+@dataclass
+class CodecMeter:
+    """Moving averages of each codec's ratio and speeds, from what transfers report (sans-IO)."""
+
+    smoothing: float = 0.3
+    estimates: dict[str, CodecEstimate] = field(default_factory=dict)
+
+    def observe(self, codec: str, nbytes: float, wire_bytes: float, encode_s: float, decode_s: float) -> None:
+        """One transfer (or calibration) coded with ``codec``: ``nbytes`` of state became ``wire_bytes``."""
+        if codec == Compression.NONE or nbytes <= 0 or wire_bytes <= 0 or encode_s <= 0 or decode_s <= 0:
+            return
+        new = CodecEstimate(nbytes / wire_bytes, nbytes / encode_s, nbytes / decode_s)
+        old = self.estimates.get(codec)
+        if old is not None:
+            w = self.smoothing
+            new = CodecEstimate(*(w * n + (1 - w) * o for n, o in zip(astuple(new), astuple(old), strict=True)))
+        self.estimates[codec] = new
+
+
 @dataclass(frozen=True, slots=True)
 class CodecSample:
     """What one coded transfer (or a worker's start-up calibration) did: ``nbytes`` of state became
@@ -110,26 +129,19 @@ class CodecSample:
 class CompressionPolicy:
     def __init__(self, mode: str = Compression.AUTO.value, smoothing: float = 0.3) -> None:
         self.config = CompressionConfig(mode, smoothing)
-        self.estimates: dict[str, CodecEstimate] = {}  # each codec's moving averages, from what transfers report
+        self.meter = CodecMeter(smoothing)
 
     def observe(self, sample: CodecSample) -> None:
         """A codec's figures, measured: folded into its moving averages."""
         s = sample
-        if s.codec == Compression.NONE or s.nbytes <= 0 or s.wire_bytes <= 0 or s.encode_s <= 0 or s.decode_s <= 0:
-            return
-        new = CodecEstimate(s.nbytes / s.wire_bytes, s.nbytes / s.encode_s, s.nbytes / s.decode_s)
-        old = self.estimates.get(s.codec)
-        if old is not None:
-            w = self.config.smoothing
-            new = CodecEstimate(*(w * n + (1 - w) * o for n, o in zip(astuple(new), astuple(old), strict=True)))
-        self.estimates[s.codec] = new
+        self.meter.observe(s.codec, s.nbytes, s.wire_bytes, s.encode_s, s.decode_s)
 
     def choose(self, link: LinkShare, transfer: TransferShape = TransferShape(1.0)) -> CodecChoice:
         """The codec for ``transfer`` on ``link``; without a shape, the rule for a transfer with nothing to
         hide behind (which depends on the link and the codec only)."""
         mode = Compression(self.config.mode)
         expected = link.expected_bytes_per_s
-        lossless = self.estimates.get(Compression.LOSSLESS)
+        lossless = self.meter.estimates.get(Compression.LOSSLESS)
         break_even = lossless.break_even_bps if lossless is not None else 0.0
         if mode is not Compression.AUTO:
             return CodecChoice(mode.value, "forced", expected, break_even)
