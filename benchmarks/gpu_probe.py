@@ -45,14 +45,11 @@ from collections import Counter  # noqa: E402
 import torch  # noqa: E402
 from request_path import wait_healthy  # noqa: E402  (benchmarks/, this script's folder)
 
+from minifaas.model.batch_decoder import make_decoder  # noqa: E402
 from minifaas.model.decode_memory import device_memory, row_bytes, sized_for  # noqa: E402
 from minifaas.model.decoder import DecoderConfig  # noqa: E402
 from minifaas.model.host_copy import HostCopier, build_cache  # noqa: E402
-from minifaas.model.interleaved_decoder import (  # noqa: E402
-    forward_one,
-    generate,
-    make_decoder,
-)
+from minifaas.model.interleaved_decoder import forward_one, generate  # noqa: E402
 from minifaas.model.kernels import select_kernels  # noqa: E402
 from minifaas.model.layer_state import LayerState, ModelState  # noqa: E402
 from minifaas.model.loader import ModelSpec, config_from_dict, load_config_dict  # noqa: E402

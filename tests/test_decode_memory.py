@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minifaas.config import ClusterConfig
-from minifaas.model.batch_decoder import BatchDecoder
+from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decode_memory import (
     MAX_ROWS,
     MEMORY_SHARE,
@@ -17,7 +17,7 @@ from minifaas.model.decode_memory import (
     within_share,
 )
 from minifaas.model.decoder import DecoderConfig
-from minifaas.model.interleaved_decoder import InterleavedDecoder, make_decoder
+from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.kv_size import kv_profile
 from minifaas.model.loader import ModelSpec, load_config_dict
 from minifaas.model.runtime import ModelRuntime

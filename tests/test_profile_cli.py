@@ -7,9 +7,9 @@ import pytest
 from minifaas.commands.main import main
 from minifaas.commands.profile_model import _bs_max_text, _latency_model, _latency_text, measure_decode
 from minifaas.commands.sim import with_profiles
-from minifaas.model.batch_decoder import BatchDecoder
+from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import DecoderConfig
-from minifaas.model.interleaved_decoder import InterleavedDecoder, make_decoder
+from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.planner.paper import paper_case
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, load_profiles
 from minifaas.planner.search import best_prfaas

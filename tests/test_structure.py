@@ -40,7 +40,7 @@ LAZY_IMPORTS = {
     ("minifaas.model.state_layout", "transformers"): _TRANSFORMERS,
     ("minifaas.model.tokenizer", "transformers"): _TRANSFORMERS,
     ("minifaas.commands.profile_model", "minifaas.model.runtime"): _TORCH_WHEN_PROFILING,
-    ("minifaas.commands.profile_model", "minifaas.model.interleaved_decoder"): _TORCH_WHEN_PROFILING,
+    ("minifaas.commands.profile_model", "minifaas.model.batch_decoder"): _TORCH_WHEN_PROFILING,
     ("minifaas.commands.profile_model", "minifaas.model.decoder"): _TORCH_WHEN_PROFILING,
     ("minifaas.commands.profile_model", "minifaas.model.sampling"): _TORCH_WHEN_PROFILING,
     ("minifaas.planner.plot", "matplotlib"): _PLOT,

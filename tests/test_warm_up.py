@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decoder import DecoderConfig
-from minifaas.model.interleaved_decoder import generate, make_decoder
+from minifaas.model.interleaved_decoder import generate
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.warm_up import TAIL_TOKENS, WarmUpPlan, warm_up
 

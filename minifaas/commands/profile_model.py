@@ -76,8 +76,8 @@ def measure_decode(
 ) -> list[tuple[int, float]]:
     """Seconds per step with B requests of ``context`` tokens decoding, for each B, on the decoder a decode
     worker runs."""
+    from minifaas.model.batch_decoder import make_decoder
     from minifaas.model.decoder import DecoderConfig
-    from minifaas.model.interleaved_decoder import make_decoder
     from minifaas.model.sampling import SamplingParams
 
     prompt = runtime.prefill([(13 * i + 5) % 256 for i in range(context)])

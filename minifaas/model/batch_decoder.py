@@ -8,6 +8,7 @@ always runs); running rows are never preempted, and a request past ``max_waiting
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -15,12 +16,14 @@ import torch
 
 from minifaas.model.batch_cache import BatchCache
 from minifaas.model.decode_memory import sized_for
-from minifaas.model.decoder import DecoderConfig, QueueFull, StepToken
+from minifaas.model.decoder import Decoder, DecoderConfig, QueueFull, StepToken
 from minifaas.model.family_rows import row_layer
+from minifaas.model.interleaved_decoder import InterleavedDecoder
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import History, SamplingParams, sample_batch
 
+log = logging.getLogger("minifaas.decode")
 LANE_TOKENS = 4096
 LANE_FACTOR = 8
 
@@ -171,3 +174,15 @@ class BatchDecoder:
         """Let the buffers of a longer lane go once its last row has: they are as long as its longest was."""
         for k in [k for k, lane in self.lanes.items() if k and not lane.running]:
             del self.lanes[k]
+
+
+def make_decoder(runtime: ModelRuntime, config: DecoderConfig) -> Decoder:
+    """The decoder a decode worker runs for ``config``: batched, unless ``max_batch`` is 1 or the model's
+    layers have no batched cache (then one forward per request, with a warning)."""
+    if not config.batched:
+        return InterleavedDecoder(runtime)
+    try:
+        return BatchDecoder(runtime, config)
+    except NotImplementedError as e:
+        log.warning("%s: decoding UNBATCHED, one forward per request (%s)", runtime.spec.name, e)
+        return InterleavedDecoder(runtime)

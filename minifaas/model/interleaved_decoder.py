@@ -3,24 +3,19 @@
 A ``DecodeStream`` is one request's decode in its own transformers cache, rebuilt from the state; ``generate``
 prefills then decodes so in this process, through the same state export and cache rebuild as the disaggregated
 paths. ``--max-batch 1`` selects ``InterleavedDecoder``, and tests hold ``BatchDecoder`` to its outputs.
-``make_decoder`` picks the decoder a decode worker runs.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 
-from minifaas.model.batch_decoder import BatchDecoder
-from minifaas.model.decoder import Decoder, DecoderConfig, StepToken
+from minifaas.model.decoder import StepToken
 from minifaas.model.host_copy import build_cache
 from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import GREEDY, History, SamplingParams, sample
-
-log = logging.getLogger("minifaas.decode")
 
 
 class InterleavedDecoder:
@@ -104,15 +99,3 @@ def forward_one(runtime: ModelRuntime, cache: object, token: int) -> torch.Tenso
     """Feed one token to one request's own cache; the logits [vocab] of the one after it."""
     ids = torch.tensor([[token]], dtype=torch.long, device=runtime.device)
     return runtime.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float().cpu()
-
-
-def make_decoder(runtime: ModelRuntime, config: DecoderConfig) -> Decoder:
-    """The decoder a decode worker runs for ``config``: batched, unless ``max_batch`` is 1 or the model's
-    layers have no batched cache (then one forward per request, with a warning)."""
-    if not config.batched:
-        return InterleavedDecoder(runtime)
-    try:
-        return BatchDecoder(runtime, config)
-    except NotImplementedError as e:
-        log.warning("%s: decoding UNBATCHED, one forward per request (%s)", runtime.spec.name, e)
-        return InterleavedDecoder(runtime)

@@ -22,9 +22,8 @@ from minifaas.cache.pool import HybridPrefixPool, Lease
 from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.control.worker_ops import Decode, Done, Failed, Received, ReplyMessage, Token
-from minifaas.model.batch_decoder import BatchDecoder
+from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
-from minifaas.model.interleaved_decoder import make_decoder
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import SamplingParams

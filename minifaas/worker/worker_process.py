@@ -29,10 +29,10 @@ from minifaas.config import NAME_PREFIX
 from minifaas.control.secret import load_secret
 from minifaas.control.server import ControlServer
 from minifaas.control.session import Session
+from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.host_copy import HostCopier
-from minifaas.model.interleaved_decoder import make_decoder
 from minifaas.model.kernels import require_fast
 from minifaas.model.layer_state import ModelState
 from minifaas.model.loader import resolve_dtype
