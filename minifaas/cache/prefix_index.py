@@ -120,9 +120,6 @@ class PrefixIndex:
         self._snapshot_lengths: dict[BlockKey, dict[int, int]] = {}  # parent -> length -> count
         self._held_by: dict[str, int] = {}  # node -> entries it holds
 
-    def __len__(self) -> int:
-        return len(self.blocks) + len(self.snapshots)
-
     def add(self, kind: EntryKind, key: BlockKey, node: str, parent: BlockKey = b"", length: int = 0) -> bool:
         """Record that ``node`` holds the entry; True if the entry or this holder is new."""
         table = self.blocks if kind is EntryKind.BLOCK else self.snapshots
@@ -161,7 +158,7 @@ class PrefixIndex:
 
     def holds_all(self, node: str) -> bool:
         """True if ``node`` holds every entry: its own match is then the index's match."""
-        return self._held_by.get(node, 0) == len(self)
+        return self._held_by.get(node, 0) == len(self.blocks) + len(self.snapshots)
 
     def leading_blocks(self, prompt: PromptKeys, start: int = 0, end: int | None = None) -> int:
         """How many of the prompt's full blocks [start, end) are present, counted from ``start`` up to the
