@@ -261,9 +261,9 @@ async def replay(recording: Recording, seconds: float, out: Any) -> float:
 def serving_prefill(runtime: Any, ids: list[int], chunk_tokens: int, snapshots: bool, out: Recording) -> float:
     """One prompt through the prefill worker's own streaming code (``PrefixStore.compute`` into a
     ``TransferSink``), with a cold prefix cache (segments at its snapshot points) or none."""
-    from minifaas.cache.pool import PoolConfig
-    from minifaas.model.layer_state import needs_snapshot
+    from minifaas.cache.pool_config import PoolConfig
     from minifaas.model.sampling import GREEDY
+    from minifaas.model.state_layout import needs_snapshot
     from minifaas.worker.prefill_service import TransferSink
     from minifaas.worker.prefix_store import PrefixStore
 

@@ -14,11 +14,11 @@ prefills only the new tokens. The outputs must equal cold runs.
 
 from __future__ import annotations
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.model.interleaved_decoder import DecodeStream
-from minifaas.model.layer_state import needs_snapshot
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.worker.prefix_store import PrefixStore
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -22,11 +22,11 @@ from pathlib import Path
 import msgspec
 from weights import weights_digest
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.control.worker_ops import OPS, from_wire
-from minifaas.model.layer_state import needs_snapshot
 from minifaas.model.loader import MODELS_DIR, ModelSpec, load_model
 from minifaas.model.runtime import ModelRuntime
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.tokenizer import ByteTokenizer
 from minifaas.worker.prefill_service import PrefillService
 from minifaas.worker.prefix_store import PrefixStore

@@ -6,8 +6,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifaas.cache.pool import PoolConfig
-from minifaas.cache.prefix_index import EventKind, GlobalCacheManager, PromptKeys
+from minifaas.cache.pool_config import PoolConfig
+from minifaas.cache.prefix_index import EventKind, GlobalCacheManager, PrefixIndex, PromptKeys
 from minifaas.control.worker_ops import CACHE_EVENTS, REPLIES, CacheEvents, WireEvent, from_wire
 from minifaas.policy.router import CacheMove, NodeView, Path, RouteInput, Router, RouteReason, Rule
 from minifaas.sim.prefix import SizedPool, cluster_view
@@ -116,6 +116,14 @@ def test_stale_and_foreign_events_are_counted_not_applied() -> None:
     assert manager.match(keys(list(range(8))))["pd"].hit_tokens == 0
 
 
+def forget(index: PrefixIndex, node: str) -> None:
+    """``node`` holds nothing any more; the entries stay (other nodes may load them)."""
+    for table in (index.blocks, index.snapshots):
+        for holders in table.values():
+            holders.discard(node)
+    index._held_by.pop(node, None)
+
+
 def test_a_node_that_leaves_holds_nothing_but_the_pool_keeps_its_prefixes() -> None:
     ps = pools()
     manager = GlobalCacheManager(ps)
@@ -124,7 +132,7 @@ def test_a_node_that_leaves_holds_nothing_but_the_pool_keeps_its_prefixes() -> N
     manager.apply_all(ps["pd"].drain_events())
     assert manager.match(keys(tokens))["pd"].node_hits == {"p0": 30}
     manager.nodes["pd"].discard("p0")  # p0 left: it holds nothing locally any more (the pool still may)
-    manager.indexes["pd"].forget("p0")
+    forget(manager.indexes["pd"], "p0")
     after = manager.match(keys(tokens))["pd"]
     assert after.hit_tokens == 30 and after.node_hits == {}
 

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
+from minifaas.cache.pool import HybridPrefixPool, Lease
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import BlockKey, EntryKind, EventKind, PromptKeys, chain, root_key, token_bytes
 from minifaas.sim.prefix import SizedPool
 from minifaas.traces import trace_path

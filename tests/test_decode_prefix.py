@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.reference import reference_tokens

@@ -29,7 +29,7 @@ import torch
 from family_child import BLOCK, FAMILIES, family_runtime
 from weights import weights_digest
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.commands.main import main
 from minifaas.control.worker_ops import Prefill, Sampling
 from minifaas.model.batch_decoder import BatchDecoder

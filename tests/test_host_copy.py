@@ -11,7 +11,7 @@ import pytest
 import torch
 from synthetic import synthetic_state
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.model.host_copy import HostCopier, to_device
 from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import LayerState, ModelState, StateKind, tensor_bytes

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from policy_probes import OneCluster
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.commands.main import main
 from minifaas.config import CacheConfig, InterClusterLinkConfig, SchedulerConfig, ServeConfig
 from minifaas.gateway.gateway import Gateway

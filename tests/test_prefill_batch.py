@@ -16,11 +16,12 @@ import pytest
 import torch
 from conftest import decodes_as_alone
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.control.worker_ops import Prefill, Prefilled, Sampling
-from minifaas.model.layer_state import ModelState, needs_snapshot
+from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.worker.prefill_batch import turn_or_ride
 from minifaas.worker.prefill_service import PrefillService

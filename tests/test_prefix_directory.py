@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import CacheEvent, PrefixDirectory, PromptKeys
 from minifaas.config import CacheConfig
 from minifaas.control.worker_ops import WireEvent

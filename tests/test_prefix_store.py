@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.model.interleaved_decoder import DecodeStream
-from minifaas.model.layer_state import LayerState, StateKind, needs_snapshot
+from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.worker.prefix_store import PrefixStore
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.pool import HybridPrefixPool
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import PromptKeys
 from minifaas.policy.interfaces import SnapshotPlacement
 from minifaas.policy.snapshot_policy import IntervalSnapshots, ReuseSnapshots, SnapshotInput

@@ -37,6 +37,7 @@ LAZY_IMPORTS = {
     ("minifaas.commands.arguments", "minifaas.traces"): "numpy loads for a --trace flag, not in the link emulator",
     ("minifaas.model.layer_state", "transformers"): _TRANSFORMERS,
     ("minifaas.model.loader", "transformers"): _TRANSFORMERS,
+    ("minifaas.model.state_layout", "transformers"): _TRANSFORMERS,
     ("minifaas.model.tokenizer", "transformers"): _TRANSFORMERS,
     ("minifaas.commands.profile_model", "minifaas.model.runtime"): _TORCH_WHEN_PROFILING,
     ("minifaas.commands.profile_model", "minifaas.model.batch_decoder"): _TORCH_WHEN_PROFILING,

@@ -16,15 +16,16 @@ import pytest
 import torch
 from conftest import decodes_as_alone
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.control.worker_ops import Prefill, Prefilled, Sampling
 from minifaas.model.interleaved_decoder import DecodeStream
-from minifaas.model.layer_state import LayerState, ModelState, needs_snapshot
+from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import preset_names
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import GREEDY, SamplingParams
 from minifaas.model.state_codec import same_state
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.worker.prefill_service import PrefillService, TransferSink

@@ -1,8 +1,7 @@
 """A hybrid prefix cache pool (one node's; one cluster's in the simulator): each cached block or snapshot
-(``Entry``), its bytes, and which may be evicted.
+(``Entry``), its bytes, and which may be evicted. Sans-IO; payloads are kept by reference, never mutated.
 
-Sans-IO (``now`` is an argument). Payloads are opaque and kept by reference, so a stored payload must never be
-mutated. A prefill ``acquire``s its hit as a pinned ``Lease``, stores what it computed with ``put_block`` and
+A prefill ``acquire``s its hit as a pinned ``Lease``, stores what it computed with ``put_block`` and
 ``put_snapshot`` in order, then releases the lease. Eviction is least recently used by bytes and never takes a
 pinned entry or one that others hang from, so the cached set stays prefix-closed.
 """
@@ -14,10 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from minifaas.cache.pool_config import PoolConfig, snapshot_placement
 from minifaas.cache.prefix_index import BlockKey, CacheEvent, EntryKind, EventKind, Match, PrefixIndex, PromptKeys
-from minifaas.policy.interfaces import SnapshotPlacement
-from minifaas.policy.plugin import SNAPSHOT, Args, building, check_policy, load_policy, policy_args
-from minifaas.policy.snapshot_policy import IntervalSnapshots, ReuseSnapshots, SnapshotInput
+from minifaas.policy.snapshot_policy import SnapshotInput
 
 P = TypeVar("P")
 
@@ -52,57 +50,15 @@ class Lease(Generic[P]):
         return self.snapshot.payload if self.snapshot else None
 
 
-@dataclass(frozen=True, slots=True)
-class _CountNames:
-    dups: str
-    orphans: str
-    no_room: str
-    stored: str
-
-
 def _slot(kind: EntryKind, key: BlockKey) -> bytes:
-    """Where an entry sits in the pool: a block under its key, a snapshot under its key marked (one
-    at a block boundary has its block's key). Plain bytes, no tuple to build on every lookup."""
+    """Where an entry sits in the pool: a block under its key, a snapshot under its key marked."""
     return key if kind is EntryKind.BLOCK else b"s" + key
 
 
-_COUNT_NAMES = {  # names of the store counters per entry kind, made once: stores are the hot path
-    kind: _CountNames(
-        f"{kind}_store_dups", f"{kind}_store_skipped_orphan", f"{kind}_store_rejected_no_room", f"{kind}s_stored"
-    )
+_COUNT_NAMES = {  # the store counters per entry kind (duplicate, orphan, no room, stored), made once: a hot path
+    kind: (f"{kind}_store_dups", f"{kind}_store_skipped_orphan", f"{kind}_store_rejected_no_room", f"{kind}s_stored")
     for kind in EntryKind
 }
-
-
-@dataclass(frozen=True, slots=True)
-class PoolConfig:
-    name: str
-    capacity_bytes: int
-    block_size: int = 512
-    snapshot_interval_blocks: int = 8  # the interval policy's spacing; 0: snapshots only at prompt ends
-    needs_snapshot: bool = True  # False for dense models: any block prefix is usable
-    enabled: bool = True  # False: --prefix-cache none (no hits, nothing stored)
-    events: bool = True  # False: no store/evict events (the simulator's manager reads this pool's index)
-    snapshot_policy: str = "interval"  # where snapshots go: a built-in name or module:Class (policy.plugin)
-    snapshot_args: Args = ()  # its constructor's keyword arguments
-
-    def __post_init__(self) -> None:
-        if self.capacity_bytes < 0 or self.block_size < 1 or self.snapshot_interval_blocks < 0:
-            raise ValueError(f"bad pool config {self}")
-        object.__setattr__(self, "snapshot_args", policy_args(self.snapshot_args))
-        check_policy(self.snapshot_policy, SNAPSHOT, self.snapshot_args)
-        snapshot_placement(self)  # built once: a value its constructor refuses is this config's error
-
-
-def snapshot_placement(config: PoolConfig) -> SnapshotPlacement:
-    """The snapshot policy ``config`` names, built with its arguments and the interval it offers."""
-    spec, offered = config.snapshot_policy, {"interval_blocks": config.snapshot_interval_blocks}
-    with building(SNAPSHOT, spec):
-        return (
-            ReuseSnapshots() if spec == "reuse"
-            else IntervalSnapshots(**(offered | dict(config.snapshot_args))) if spec == "interval"
-            else load_policy(spec, SNAPSHOT, config.snapshot_args, **offered)
-        )  # fmt: skip
 
 
 class HybridPrefixPool(Generic[P]):
@@ -241,17 +197,17 @@ class HybridPrefixPool(Generic[P]):
         if not self.config.enabled:
             self.counts["store_skipped_disabled"] += 1
             return False
-        entries, slot, counts = self._entries, _slot(kind, key), _COUNT_NAMES[kind]
+        entries, slot, (dups, orphans, no_room, _) = self._entries, _slot(kind, key), _COUNT_NAMES[kind]
         existing = entries.get(slot)
         if existing is not None:
-            self.counts[counts.dups] += 1
+            self.counts[dups] += 1
             self._touch(slot)
             if self.index.add(kind, key, node, parent, length) and self.config.events:
                 self._events.append(self._event(EventKind.STORE, existing, node, now))
             return True
         parent_entry = entries.get(parent)  # a block's slot is its key
         if parent_entry is None and needs_parent:
-            self.counts[counts.orphans] += 1  # its prefix is gone: unreachable
+            self.counts[orphans] += 1  # its prefix is gone: unreachable
             return False
         if self.free_bytes < nbytes:
             if parent_entry is not None:
@@ -260,7 +216,7 @@ class HybridPrefixPool(Generic[P]):
             if parent_entry is not None:
                 parent_entry.refs -= 1
             if not room:
-                self.counts[counts.no_room] += 1
+                self.counts[no_room] += 1
                 return False
         self._insert(kind, key, parent, length, parent_entry, now, nbytes, payload, node)
         return True
@@ -284,7 +240,7 @@ class HybridPrefixPool(Generic[P]):
         if parent_entry is not None:
             parent_entry.dependents += 1
         self.prefix_bytes += nbytes
-        self.counts[_COUNT_NAMES[kind].stored] += 1
+        self.counts[_COUNT_NAMES[kind][3]] += 1  # "<kind>s_stored"
         if self.config.events:
             self._events.append(self._event(EventKind.STORE, entry, node, now))
         return entry

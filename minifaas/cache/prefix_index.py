@@ -1,14 +1,11 @@
 """Which cached prefixes exist and which nodes hold them: the metadata half of the cache.
 
-A prefix is named by chained block keys: a block's key hashes the key before it with the block's tokens, so one
-key names the whole prefix up to the block's end, and ``PromptKeys.key_at(n)`` names the prefix of any length n.
-The chain starts at a root made from a namespace (the model name), so models never share keys; keys made without
-the tokens (the simulator's) name only block ends and the prompt's end. ``PrefixIndex`` finds a prompt's usable
-hit: the longest length whose full blocks are all present and that has a snapshot at exactly that length (a model
-without fixed-size state needs none at block ends). A pool reports each store and eviction as a ``CacheEvent``;
-``GlobalCacheManager`` mirrors every pool's index from them and forecasts each prompt's hit per pool and per node.
-The live gateway's ``PrefixDirectory`` keeps one mirror per prefill node's pool and per decode node's received
-KV; its answer is a forecast: the request records what the node's pool really held.
+A block's key hashes the key before it with the block's tokens, so one key names the whole prefix up to the
+block's end (``PromptKeys.key_at(n)``: any length n); the chain starts at a root made from the model's name.
+``PrefixIndex`` finds a prompt's usable hit: the longest length whose full blocks are all present and that has a
+snapshot at exactly that length (a model without fixed-size state needs none at block ends). ``GlobalCacheManager``
+mirrors each pool's index from its ``CacheEvent``s; the gateway's ``PrefixDirectory`` keeps one per prefill node
+and per decode node, and its answer is a forecast: the request records what the node's pool really held.
 """
 
 from __future__ import annotations
@@ -123,9 +120,6 @@ class PrefixIndex:
         self._snapshot_lengths: dict[BlockKey, dict[int, int]] = {}  # parent -> length -> count
         self._held_by: dict[str, int] = {}  # node -> entries it holds
 
-    def __len__(self) -> int:
-        return len(self.blocks) + len(self.snapshots)
-
     def add(self, kind: EntryKind, key: BlockKey, node: str, parent: BlockKey = b"", length: int = 0) -> bool:
         """Record that ``node`` holds the entry; True if the entry or this holder is new."""
         table = self.blocks if kind is EntryKind.BLOCK else self.snapshots
@@ -162,16 +156,9 @@ class PrefixIndex:
         table = self.blocks if kind is EntryKind.BLOCK else self.snapshots
         return table.get(key, set())
 
-    def forget(self, node: str) -> None:
-        """``node`` holds nothing any more; the entries stay (other nodes may load them)."""
-        for table in (self.blocks, self.snapshots):
-            for holders in table.values():
-                holders.discard(node)
-        self._held_by.pop(node, None)
-
     def holds_all(self, node: str) -> bool:
         """True if ``node`` holds every entry: its own match is then the index's match."""
-        return self._held_by.get(node, 0) == len(self)
+        return self._held_by.get(node, 0) == len(self.blocks) + len(self.snapshots)
 
     def leading_blocks(self, prompt: PromptKeys, start: int = 0, end: int | None = None) -> int:
         """How many of the prompt's full blocks [start, end) are present, counted from ``start`` up to the

@@ -9,8 +9,8 @@ from rich.table import Table
 from minifaas import figures
 from minifaas.commands import arguments
 from minifaas.commands.main import BadInput, stdout_console, user_input
-from minifaas.model.kv_profile import KVProfile
 from minifaas.model.kv_size import kv_profile
+from minifaas.model.layer_state import KVProfile
 from minifaas.model.loader import DEFAULT_MODEL, MODELS_DIR, ModelSpec, load_config_dict, preset_names
 
 DEFAULT_LENGTHS = (1024, 8192, 32768, 131072)

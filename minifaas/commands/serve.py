@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import BadInput, check_listen, exit_at_once, user_input

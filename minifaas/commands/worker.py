@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import check_listen, user_input

@@ -41,8 +41,8 @@ from minifaas.gateway.workers import WAIT_POLL_S, Workers, cluster_secret, make_
 from minifaas.launch.startup import StartupListener
 from minifaas.launch.worker_specs import planned_specs
 from minifaas.model.kv_size import kv_profile
-from minifaas.model.layer_state import StateLayout, needs_snapshot
 from minifaas.model.loader import ModelSpec, load_config, load_config_dict, load_tokenizer
+from minifaas.model.state_layout import layout_of, needs_snapshot
 from minifaas.model.tokenizer import Tokenizer
 from minifaas.policy.interfaces import RoutingPolicy
 from minifaas.policy.plugin import ROUTER, building, load_policy
@@ -73,7 +73,7 @@ class Gateway:
                 else load_policy(config.router, ROUTER, config.router_args, config=routing)
             )  # fmt: skip
         self.secret = cluster_secret(config)
-        hybrid = needs_snapshot(StateLayout.of(load_config(spec, config.trust_remote_code)).kinds)
+        hybrid = needs_snapshot(layout_of(load_config(spec, config.trust_remote_code)).kinds)
         self.prefixes = PrefixDirectory(config.cache.enabled, config.cache.block_size, spec.name, hybrid, ())
         heartbeat = HeartbeatConfig(config.heartbeat_s, config.heartbeat_deadline_s)
         self.link = InterClusterLink(config.link, config.link_emulated, config.cache.moves, heartbeat)

@@ -40,7 +40,7 @@ from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.launch.launcher import WorkerError
-from minifaas.model.kv_profile import KVProfile
+from minifaas.model.layer_state import KVProfile
 from minifaas.policy.codec_policy import CodecChoice, CodecSample, LinkShare, TransferShape
 from minifaas.policy.router import RouteDecision
 from minifaas.policy.signals import PrefillSample

@@ -1,10 +1,10 @@
 """A transformers Cache whose rows are independent requests of different lengths, for batched decoding.
 
-Each model layer keeps its rows in a row layer (``family_rows.row_layer`` picks its form), row r of every buffer
-belonging to one request. Rows are padded to the longest and stay packed in ``0..n-1`` (a row that leaves is
-replaced by the last one). The masks go to the model as a dict by layer type, or as one 4D tensor where all
-layers attend alike. A cache layer with no row form raises NotImplementedError, and the decode service then runs
-that model unbatched.
+Each model layer keeps its rows in a row layer (``family_rows.row_layer`` picks its form): sized with ``fit``,
+given a request's parts with ``put``, a row moved with ``move``, pointed at rows 0..n-1 by ``prepare`` before each
+step. Rows are padded to the longest and stay packed in ``0..n-1`` (a row that leaves is replaced by the last one).
+The masks go to the model as a dict by layer type, or as one 4D tensor where all layers attend alike. A cache
+layer with no row form raises NotImplementedError, and the decode service then runs that model unbatched.
 """
 
 from __future__ import annotations
@@ -16,15 +16,6 @@ from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
 from minifaas.model.layer_state import LayerState, StateKind, new_cache
-
-# The row layers. A row layer is sized with ``fit``, takes a request's parts of its layer with ``put``, moves a row
-# with ``move``, and before each step ``prepare`` points at rows 0..n-1:
-# - full attention, ``PaddedKVLayer``: ``[rows, heads, capacity, dim]``, right padded. Row r holds its tokens in
-#   slots ``0..len_r-1`` and writes the new one at slot ``len_r``. The forward sees ``[:n, :, :width]``, width =
-#   longest row + 1, with a mask that hides each row's padding. Capacity grows geometrically (a step copies only
-#   the n new tokens; a row, when it joins or moves) and shrinks once four times what the rows of the last
-#   ``SHRINK_EVERY`` steps needed at most (``fitted``), or as it grows on its other dimension.
-# - linear state, ``RowLinearLayer``: conv and recurrent states stacked by row, ``[:n]`` views updated in place.
 
 SLACK = 16  # rows or tokens a buffer may hold past four times what it needs: no churn at small sizes
 GROWTH = 1024  # up to this many rows a buffer doubles when it grows; past it, it grows by a quarter
@@ -59,7 +50,9 @@ def fitted(buffer: torch.Tensor, needs: dict[int, int], shrink: bool = True) -> 
 
 
 class PaddedKVLayer(CacheLayerMixin):
-    """Full-attention KV of every row, right padded to a shared capacity."""
+    """Full-attention KV of every row, ``[rows, heads, capacity, dim]``, right padded: row r holds its tokens in
+    slots ``0..len_r-1`` and writes the new one at ``len_r``. The forward sees ``[:n, :, :longest + 1]``, with a
+    mask that hides each row's padding. Capacity grows geometrically and shrinks once four times too large."""
 
     parts = (StateKind.FULL_ATTENTION,)
     window = 0  # tokens a row keeps (0: all of them)

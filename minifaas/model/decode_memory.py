@@ -13,8 +13,8 @@ import torch
 
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.host_memory import available_bytes
-from minifaas.model.kv_profile import KVProfile
 from minifaas.model.kv_size import kv_profile
+from minifaas.model.layer_state import KVProfile
 from minifaas.model.loader import load_config_dict
 from minifaas.model.runtime import ModelRuntime
 

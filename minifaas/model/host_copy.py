@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from minifaas.model.layer_state import LayerState, StateKind, StateLayout, new_cache
+from minifaas.model.layer_state import LayerState, StateKind, new_cache
+from minifaas.model.state_layout import layout_of_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -61,7 +62,7 @@ def build_cache(config: PreTrainedConfig, states: Sequence[LayerState], device: 
     """A fresh cache holding ``states`` (every part, in order), ready to continue. Tensors are copied onto
     ``device`` even when already there, so the cache never mutates a state someone else holds (a pooled prefix)."""
     cache = new_cache(config)
-    layout = StateLayout.of_cache(cache)
+    layout = layout_of_cache(cache)
     if len(states) != len(layout.parts):
         raise ValueError(f"the model's layers hold {len(layout.parts)} states, got {len(states)}")
     for i, (part, state) in enumerate(zip(layout.parts, states)):

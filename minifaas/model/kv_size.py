@@ -7,7 +7,7 @@ is both. Sizes count what transformers' caches hold; a recurrent state is float3
 
 from __future__ import annotations
 
-from minifaas.model.kv_profile import KVProfile, LayerCost
+from minifaas.model.layer_state import KVProfile, LayerCost
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
 

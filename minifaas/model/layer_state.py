@@ -1,15 +1,12 @@
-"""A model's state: one ``LayerState`` per stateful part of a layer, in named tensor slots, and how it is read
-out of a transformers Cache (``host_copy.build_cache`` puts it back).
+"""A model's state: one ``LayerState`` per stateful part of a layer, in named tensor slots, read out of a
+transformers Cache (``host_copy.build_cache`` puts it back), and its sizes (``KVProfile``).
 
-- FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]`` (MLA keeps its latent
-  here); can be sliced to a token range.
+- FULL_ATTENTION: ``keys``/``values`` of every token, ``[batch, heads, tokens, dim]``; can be sliced to a range.
 - SLIDING_WINDOW: ``keys``/``values`` of the last ``window - 1`` tokens, and the length they end at.
-- LINEAR_ATTENTION: ``conv.<i>`` and ``recurrent.<i>`` (linear attention, Mamba or RG-LRU); fixed size, valid at
-  exactly one length.
+- LINEAR_ATTENTION: ``conv.<i>`` and ``recurrent.<i>``; fixed size, valid at exactly one length.
 
-A layer with attention beside a Mamba mixer holds two parts (its KV, then its linear state), an MLP-only layer
-none. ``LayerState.layer`` is the part's index, which the wire and the pool count as a layer;
-``StateLayout.parts[i].layer`` is its decoder layer. A slot's bytes go on the wire as they are (``tensor_bytes``),
+A layer with attention beside a Mamba mixer holds two parts, an MLP-only layer none. ``LayerState.layer`` is the
+part's index, which the wire and the pool count as a layer. A slot goes on the wire as it is (``tensor_bytes``),
 with a one-byte dtype code and a ``checksum``.
 """
 
@@ -146,18 +143,10 @@ class StatePart:
 
 @dataclass(frozen=True, slots=True)
 class StateLayout:
+    """Which parts each decoder layer holds (``state_layout.layout_of`` finds them at start-up)."""
+
     parts: tuple[StatePart, ...]
     num_layers: int  # decoder layers, stateless ones included
-
-    @classmethod
-    def of(cls, config: PreTrainedConfig) -> StateLayout:
-        """The layout of the cache the model of ``config`` runs on."""
-        return cls.of_cache(new_cache(config))
-
-    @classmethod
-    def of_cache(cls, cache: Cache) -> StateLayout:
-        parts = tuple(StatePart(i, kind) for i, layer in enumerate(cache.layers) for kind in part_kinds(layer))
-        return cls(parts, len(cache.layers))
 
     @property
     def kinds(self) -> tuple[StateKind, ...]:
@@ -174,36 +163,6 @@ class StateLayout:
         keep = (lambda t: t.clone()) if clone_fixed else (lambda t: t)
         cache_layer = cache.layers[layer]
         return [_read(cache_layer, i, self.parts[i].kind, seq_len, keep) for i in self.parts_of(layer)]
-
-
-def part_kinds(cache_layer: object) -> tuple[StateKind, ...]:
-    """The parts one transformers cache layer holds, in the order they are listed."""
-    from transformers.cache_utils import (
-        DummyLayer,
-        DynamicLayer,
-        DynamicSlidingWindowLayer,
-        LinearAttentionCacheLayerMixin,
-    )
-
-    if isinstance(cache_layer, DummyLayer):
-        return ()
-    if isinstance(cache_layer, DynamicSlidingWindowLayer):
-        attention: tuple[StateKind, ...] = (StateKind.SLIDING_WINDOW,)
-    elif type(cache_layer) is DynamicLayer or (
-        isinstance(cache_layer, DynamicLayer) and isinstance(cache_layer, LinearAttentionCacheLayerMixin)
-    ):
-        attention = (StateKind.FULL_ATTENTION,)
-    elif isinstance(cache_layer, LinearAttentionCacheLayerMixin):
-        attention = ()
-    else:
-        raise NotImplementedError(f"cache layer type {type(cache_layer).__name__} is not supported")
-    linear = (StateKind.LINEAR_ATTENTION,) if isinstance(cache_layer, LinearAttentionCacheLayerMixin) else ()
-    return attention + linear
-
-
-def needs_snapshot(kinds: Sequence[StateKind]) -> bool:
-    """A model with any fixed-size state can reuse a prefix only where a snapshot was taken."""
-    return any(not kind.grows for kind in kinds)
 
 
 def new_cache(config: PreTrainedConfig, layers: Sequence[object] | None = None) -> Cache:
@@ -261,3 +220,34 @@ def _read(cache_layer: Any, index: int, kind: StateKind, seq_len: int, keep: Cal
     if keys.shape[-2] != seq_len:
         raise ValueError(f"part {index}: cache holds {keys.shape[-2]} tokens, expected {seq_len}")
     return LayerState(index, kind, seq_len, (("keys", keys), ("values", values)))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    kind: str
+    bytes_per_token: int  # growing part, one layer
+    fixed_bytes: int  # per request, one layer
+    window: int | None = None  # tokens kept, for sliding layers
+
+
+@dataclass(frozen=True, slots=True)
+class KVProfile:
+    """A model's state sizes, layer by layer (``kv_size.kv_profile`` reads them from a config)."""
+
+    name: str
+    layers: tuple[LayerCost, ...]
+
+    def bytes_at(self, length: int) -> int:
+        total = 0
+        for c in self.layers:
+            tokens = min(length, c.window) if c.window is not None else length
+            total += c.fixed_bytes + c.bytes_per_token * tokens
+        return total
+
+    def by_kind(self) -> dict[str, tuple[int, int, int, int | None]]:
+        """kind -> (layer count, bytes/token over those layers, fixed bytes over those layers, window)."""
+        out: dict[str, tuple[int, int, int, int | None]] = {}
+        for c in self.layers:
+            n, per_tok, fixed, _ = out.get(c.kind, (0, 0, 0, None))
+            out[c.kind] = (n + 1, per_tok + c.bytes_per_token, fixed + c.fixed_bytes, c.window)
+        return out

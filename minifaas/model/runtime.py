@@ -24,6 +24,7 @@ from minifaas.model.kernels import KernelReport, kernels_in_use
 from minifaas.model.layer_state import LayerState, ModelState, StateLayout, new_cache
 from minifaas.model.loader import DEFAULT_MODEL, ModelSpec, load_config, load_model, load_tokenizer, resolve_dtype
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
+from minifaas.model.state_layout import layout_of
 from minifaas.model.tokenizer import Tokenizer
 
 OnLayer = Callable[[LayerState], None]
@@ -46,7 +47,7 @@ class ModelRuntime:
         self.config = model.config
         self.decoder_layers = model.model.layers
         self.num_layers = len(self.decoder_layers)
-        self.layout = StateLayout.of(self.config)
+        self.layout = layout_of(self.config)
         self.num_states = len(self.layout.parts)  # what a transfer counts as layers (see layer_state)
         if self.layout.num_layers != self.num_layers:
             raise ValueError(f"{spec.name}: {self.num_layers} decoder layers but {self.layout.num_layers} cache layers")
@@ -94,13 +95,10 @@ class ModelRuntime:
         chunk_tokens: int = 0,
         on_tokens: OnTokens | None = None,
     ) -> PrefillResult:
-        """Run the prompt's tokens after ``prefix_state`` (if any); the state returned covers both.
-
-        ``chunk_tokens`` > 0: forwards of at most that many tokens (0: one forward). ``on_layer`` gets
-        each layer's final state once. With ``on_tokens``, full-attention layers go there instead,
-        one piece per forward: ``on_tokens(piece, start, total)``, ``piece`` holding tokens
-        [start, start + piece.seq_len) of a layer that will hold ``total``; a layer's pieces come in
-        order and tile [0, total) (the first one includes the prefix).
+        """Run the prompt's tokens after ``prefix_state`` (if any), in forwards of at most ``chunk_tokens`` (0: one);
+        the state returned covers both. ``on_layer`` gets each layer's final state once. With ``on_tokens``,
+        full-attention layers go there instead, one piece per forward: ``on_tokens(piece, start, total)``, the
+        pieces of a layer that will hold ``total`` tokens in order, tiling [0, total) (the first has the prefix).
         """
         if not token_ids:
             raise ValueError("prefill needs at least one new token")

@@ -101,7 +101,6 @@ class CodecMeter:
 
     smoothing: float = 0.3
     estimates: dict[str, CodecEstimate] = field(default_factory=dict)
-    samples: dict[str, int] = field(default_factory=dict)
 
     def observe(self, codec: str, nbytes: float, wire_bytes: float, encode_s: float, decode_s: float) -> None:
         """One transfer (or calibration) coded with ``codec``: ``nbytes`` of state became ``wire_bytes``."""
@@ -113,7 +112,6 @@ class CodecMeter:
             w = self.smoothing
             new = CodecEstimate(*(w * n + (1 - w) * o for n, o in zip(astuple(new), astuple(old), strict=True)))
         self.estimates[codec] = new
-        self.samples[codec] = self.samples.get(codec, 0) + 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,9 +51,8 @@ class RouterConfig:
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
-    """One node as the router sees it. ``load`` is queued work in tokens (prefill) or any
-    comparable figure (decode); ``hit_tokens`` is the usable prefix in the node's own memory (a decode
-    node's: the full-attention KV it holds, which a transfer to it need not carry)."""
+    """One node as the router sees it: ``load`` is queued work in tokens (prefill) or any comparable figure
+    (decode); ``hit_tokens`` the usable prefix in its own memory (a decode node's: the KV it holds)."""
 
     node_id: str
     hit_tokens: int = 0
@@ -116,8 +115,8 @@ class RouteInput:
 
 @dataclass(frozen=True, slots=True)
 class CacheMove:
-    """Move ``src``'s usable prefix to ``dst`` before prefill: full-attention KV of tokens
-    [start_tokens, end_tokens) (dst already holds the rest) plus the state snapshot at end_tokens."""
+    """Before prefill, ``src``'s usable prefix goes to ``dst``: the KV of [start_tokens, end_tokens), plus the
+    snapshot at end_tokens."""
 
     src: str
     dst: str
@@ -147,9 +146,8 @@ class RouteDecision:
 
 
 def pick_node(nodes: tuple[NodeView, ...], prompt_tokens: int, affinity: bool, floor_hit: int = 0) -> NodeView | None:
-    """The healthy node that would finish first. ``floor_hit`` is the prefix every node can load
-    (the cluster pool's, or one moved into it); of equally good nodes, the one holding more of
-    the prefix itself wins (no fetch from the pool), then the lower node id."""
+    """The healthy node that would finish first. ``floor_hit`` is the prefix every node can load (the pool's, or
+    one moved into it); of equally good nodes, the one holding more of the prefix wins, then the lower id."""
     if len(nodes) == 1:  # the common case in the simulator, kept cheap
         return nodes[0] if nodes[0].healthy else None
     healthy = [n for n in nodes if n.healthy]

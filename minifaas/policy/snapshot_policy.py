@@ -21,9 +21,9 @@ class SnapshotInput:
 
 
 def prompt_end(p: SnapshotInput) -> list[int]:
-    """The end, where every policy keeps the state; a dense model only when the end is not block-aligned
-    (the partial block's KV)."""
-    return [p.num_tokens] if p.needs_snapshot or p.num_tokens % p.block_size else []
+    """The end, where every policy keeps the state (if any token is computed); a dense model only when the end is
+    not block-aligned (the partial block's KV)."""
+    return [p.num_tokens] if p.num_tokens > p.start and (p.needs_snapshot or p.num_tokens % p.block_size) else []
 
 
 class ReuseSnapshots:
@@ -31,10 +31,7 @@ class ReuseSnapshots:
     want it, and a prompt that shares nothing pays no split."""
 
     def points(self, p: SnapshotInput) -> list[int]:
-        """Lengths in (start, num_tokens], ascending, at which the prefill keeps its state."""
-        if p.num_tokens <= p.start:
-            return []
-        if not p.needs_snapshot:
+        if p.num_tokens <= p.start or not p.needs_snapshot:
             return prompt_end(p)
         branch = p.seen_tokens - p.seen_tokens % p.block_size
         return ([branch] if p.start < branch < p.num_tokens else []) + prompt_end(p)
@@ -49,10 +46,7 @@ class IntervalSnapshots:
         self.interval_blocks = interval_blocks
 
     def points(self, p: SnapshotInput) -> list[int]:
-        """Lengths in (start, num_tokens], ascending, at which the prefill keeps its state."""
-        if p.num_tokens <= p.start:
-            return []
-        if not p.needs_snapshot:
+        if p.num_tokens <= p.start or not p.needs_snapshot:
             return prompt_end(p)
         step = self.interval_blocks * p.block_size
         inner = list(range((p.start // step + 1) * step, p.num_tokens, step)) if step else []

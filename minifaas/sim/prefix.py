@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from minifaas.cache.pool import HybridPrefixPool, PoolConfig
+from minifaas.cache.pool import HybridPrefixPool
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import BlockKey, EntryKind, GlobalCacheManager, PoolMatch, PromptKeys
 from minifaas.planner.profile import PrefillProfile
 from minifaas.policy.plugin import Args

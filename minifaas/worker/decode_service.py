@@ -18,7 +18,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
+from minifaas.cache.pool import HybridPrefixPool, Lease
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.control.worker_ops import Decode, Done, Failed, Received, ReplyMessage, Token
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder

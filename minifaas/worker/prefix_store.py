@@ -15,7 +15,8 @@ from typing import Protocol
 
 import torch
 
-from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
+from minifaas.cache.pool import HybridPrefixPool, Lease
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, PrefillResult

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from minifaas.cache.pool import PoolConfig
+from minifaas.cache.pool_config import PoolConfig
 from minifaas.codec.codec import Codec, codecs_for
 from minifaas.config import NAME_PREFIX
 from minifaas.control.secret import load_secret
@@ -34,9 +34,10 @@ from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import DecoderConfig
 from minifaas.model.host_copy import HostCopier
 from minifaas.model.kernels import require_fast
-from minifaas.model.layer_state import ModelState, needs_snapshot
+from minifaas.model.layer_state import ModelState
 from minifaas.model.loader import resolve_dtype
 from minifaas.model.runtime import ModelRuntime
+from minifaas.model.state_layout import needs_snapshot
 from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import exit_when_stdin_closes
 from minifaas.transport.codec_probe import probe
