@@ -49,6 +49,7 @@ from minifaas.control.worker_ops import (
 from minifaas.net.errors import TransferError
 from minifaas.worker.decode_service import DecodePrefixCache, DecodeService
 from minifaas.worker.prefill_service import PrefillService
+from minifaas.worker.prefix_moves import export
 
 log = logging.getLogger("minifaas.worker")
 INVENTORY_BATCH = 1000  # cache events per message when a gateway attaches
@@ -231,7 +232,7 @@ class PrefillSession(WorkerSession):
 
     async def work(self, msg: Job) -> None:
         if isinstance(msg, Export):
-            self.emit(await self.service.export(msg))
+            self.emit(await export(self.service.store, self.service.sender, msg, self.service.codec(msg)))
         else:  # ``first`` is sent as it is; the pool's news goes out with the reply
             self.emit(await self.service.prefill(msg, self.send))
 

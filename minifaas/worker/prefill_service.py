@@ -3,8 +3,8 @@
 ``prefill`` waits for the prompt's turn at the compute lock (arrival order), then runs it alone with its cached
 prefix loaded (``PrefixStore``), or leading the short prompts queued behind it in one forward (``prefill_batch``).
 The plain path is ``_run``: open the transfer, run the forwards into its ``TransferSink``, send the first token,
-reply; the pool then keeps the prompt's blocks and snapshots (``_keep``). ``export`` sends a cached prefix to
-another cluster's node, which takes it in before its prefill.
+reply; the pool then keeps the prompt's blocks and snapshots (``_keep``). A prompt that a cache move goes ahead
+of first takes the moved prefix in (``prefix_moves``).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from minifaas.codec.codec import Codec, usable
-from minifaas.control.worker_ops import Export, Exported, First, Prefill, Prefilled
+from minifaas.control.worker_ops import Export, First, Prefill, Prefilled
 from minifaas.model.batch_prefill import PrefillBatch
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.net.errors import TransferError
 from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig, TransferReport
 from minifaas.transport.receiver import KVReceiver
 from minifaas.worker.prefill_batch import Batcher, until_done
+from minifaas.worker.prefix_moves import take_in
 from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
 
 log = logging.getLogger("minifaas.prefill")
@@ -85,7 +85,7 @@ class PrefillService:
         Cancelling the task aborts the request: the forward stops early, ``stopped_at[req]`` says how far."""
         job = PrefillJob(msg, self.sender(*msg.kv), time.perf_counter())
         if msg.import_ is not None:
-            await self._import(job.tokens, msg.import_)
+            await take_in(self.store, self.receiver, job.tokens, msg.import_, self.import_timeout)
         self.queued.add(job)
         try:
             job.holds_lock = await self.batcher.turn(job)  # False: a batch ahead took it along, planned
@@ -165,33 +165,6 @@ class PrefillService:
         """The codec the gateway asked for, or the nearest this worker allows."""
         return usable(Codec.named(msg.codec or "none"), frozenset(self.codecs))
 
-    async def _import(self, tokens: list[int], transfer: int) -> None:
-        if self.receiver is None:
-            self.store.pool.counts["moves_refused"] += 1
-            return
-        try:
-            async with asyncio.timeout(self.import_timeout):
-                state = await self.receiver.transfer(transfer).model_state()
-        except (TransferError, TimeoutError) as e:
-            log.warning("cache move %d did not arrive (%s): prefilling without it", transfer, e)
-            self.store.pool.counts["moves_lost"] += 1
-            return
-        self.store.import_state(tokens, state, time.perf_counter())
-        self.store.pool.counts["moves_imported"] += 1
-
-    async def export(self, msg: Export) -> Exported:
-        """Send the usable prefix of ``tokens`` up to ``length`` to another cluster's node."""
-        lease, state = self.store.export_state(msg.tokens, msg.length)
-        try:
-            report = None
-            if state is not None:
-                report = await self.sender(*msg.kv).send(msg.transfer, state, self.codec(msg))
-        finally:
-            self.store.pool.release(lease)
-        nbytes = state.nbytes if state is not None else 0
-        coded = coding(report) if report is not None else {}  # none when nothing was sent
-        return Exported(req=msg.req, tokens=lease.hit_tokens, bytes=nbytes, **coded)
-
     async def close(self) -> None:
         await asyncio.gather(*self._keeping, return_exceptions=True)
         for sender in self.senders.values():
@@ -240,18 +213,11 @@ def _prefilled(
         prefill_s=result.seconds,
         transfer_tail_s=now - computed_at,
         worker_s=now - job.started,
-        **coding(report),
+        codec=report.codec,
+        kv_wire_bytes=report.wire_bytes,
+        kv_encode_s=report.encode_s,
+        kv_decode_s=report.decode_s,
     )
-
-
-def coding(report: TransferReport) -> dict:
-    """What a reply says of a transfer's codec: its name, the bytes on the wire, the time on each end."""
-    return {
-        "codec": report.codec,
-        "kv_wire_bytes": report.wire_bytes,
-        "kv_encode_s": report.encode_s,
-        "kv_decode_s": report.decode_s,
-    }
 
 
 class TransferSink:

@@ -93,10 +93,7 @@ class PrefixStore:
         keys = PromptKeys.from_tokens(tokens, size, self.namespace)
         logits = self._logits_at_end(keys)
         lease = self.pool.acquire(keys, limit=n if logits is not None else n - 1)
-        h = lease.hit_tokens
-        snapshot = lease.snapshot_payload
-        states = snapshot.states if isinstance(snapshot, Snapshot) else None
-        prefix = assemble(self.layout, lease.block_payloads, states, h) if h else None
+        h, prefix = lease.hit_tokens, self.load(lease)
         points = []
         if self.enabled:
             seen = max(seen_tokens, self.pool.match(keys, limit=n - 1).kv_blocks * size)
@@ -178,25 +175,11 @@ class PrefixStore:
         finally:
             self.release(plan)
 
-    def export_state(self, tokens: Sequence[int], length: int) -> tuple[Lease[Payload], ModelState | None]:
-        """Pin and load the usable prefix of ``tokens`` up to ``length``, to move it to another cluster.
-        Release the lease once the state is sent."""
-        keys = PromptKeys.from_tokens(tokens, self.pool.config.block_size, self.namespace)
-        lease = self.pool.acquire(keys, limit=length)
+    def load(self, lease: Lease[Payload]) -> ModelState | None:
+        """The model state a lease's hit holds (None: no hit), from its blocks and its snapshot."""
         h, snapshot = lease.hit_tokens, lease.snapshot_payload
         states = snapshot.states if isinstance(snapshot, Snapshot) else None
-        return lease, assemble(self.layout, lease.block_payloads, states, h) if h else None
-
-    def import_state(self, tokens: Sequence[int], state: ModelState, now: float) -> None:
-        """Keep a prefix state moved in from another cluster: its blocks, and its snapshot at exactly its length."""
-        size, n = self.pool.config.block_size, state.seq_len
-        keys = PromptKeys.from_tokens(tokens[:n], size, self.namespace)
-        for j in range(keys.num_full_blocks):
-            payload = block_payload(state, j, size)
-            if not self.pool.put_block(keys, j, now, _nbytes(payload), payload):
-                return
-        snapshot = Snapshot(snapshot_payload(state, self.layout, size))
-        self.pool.put_snapshot(keys, n, now, snapshot.nbytes, snapshot)
+        return assemble(self.layout, lease.block_payloads, states, h) if h else None
 
     def release(self, plan: CachedPrefill) -> None:
         if not plan.lease.released:
