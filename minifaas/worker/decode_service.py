@@ -16,7 +16,6 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Protocol
 
 from minifaas.cache.pool import HybridPrefixPool, Lease, PoolConfig
 from minifaas.cache.prefix_index import EntryKind, PromptKeys
@@ -33,19 +32,6 @@ from minifaas.worker.prefix_store import Payload, block_payload, join_tokens
 Emit = Callable[[ReplyMessage], None]
 
 
-class ArrivingState(Protocol):
-    async def model_state(self) -> ModelState: ...
-
-    def abandon(self) -> None: ...  # no one waits for it now: its failure is expected
-
-
-class StateSource(Protocol):
-    """Where a decode worker's request states arrive: a ``KVReceiver``, or the node's prefix cache joined onto
-    one (``JoiningReceiver``), which hands out whole states however much of them crossed the link."""
-
-    def transfer(self, transfer_id: int) -> ArrivingState: ...
-
-
 Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, next token, sampling, transfer
 # a test's poison: a request whose context is in [lo, hi) ends the worker as it joins the batch ("lo:hi")
 CRASH_AT_CONTEXT = "MINIFAAS_TEST_CRASH_AT_CONTEXT"
@@ -53,7 +39,11 @@ CRASH_AT_CONTEXT = "MINIFAAS_TEST_CRASH_AT_CONTEXT"
 
 class DecodeService:
     def __init__(
-        self, runtime: ModelRuntime, receiver: StateSource, state_timeout: float, config: DecoderConfig | None = None
+        self,
+        runtime: ModelRuntime,
+        receiver: KVReceiver | JoiningReceiver,  # the receiver alone, or joined onto the node's prefix cache
+        state_timeout: float,
+        config: DecoderConfig | None = None,
     ) -> None:
         self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
         self.config = config or DecoderConfig()
@@ -223,32 +213,25 @@ class JoiningReceiver:
     def __init__(self, receiver: KVReceiver, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
         self.receiver, self.cache, self.clock = receiver, cache, clock
 
-    @property
-    def port(self) -> int:
-        return self.receiver.port
-
     def transfer(self, transfer_id: int) -> JoinedTransfer:
-        return JoinedTransfer(self.receiver.transfer(transfer_id), self)
+        return JoinedTransfer(self.receiver.transfer(transfer_id), self.cache, self.clock)
 
 
 class JoinedTransfer:
-    def __init__(self, incoming: IncomingTransfer, owner: JoiningReceiver) -> None:
-        self.incoming, self.owner = incoming, owner
+    def __init__(self, incoming: IncomingTransfer, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
+        self.incoming, self.cache, self.clock = incoming, cache, clock
         self.id = incoming.id
 
-    def __aiter__(self) -> AsyncIterator[LayerState]:
-        return self._layers()
-
-    async def _layers(self) -> AsyncIterator[LayerState]:
-        cache, layers = self.owner.cache, []
+    async def __aiter__(self) -> AsyncIterator[LayerState]:
+        layers = []
         try:
             async for layer in self.incoming:
-                layers.append(cache.join_layer(self.id, layer))
+                layers.append(self.cache.join_layer(self.id, layer))
                 yield layers[-1]
         except BaseException:
-            cache.cancel(self.id)
+            self.cache.cancel(self.id)
             raise
-        cache.received(self.id, _whole(layers), self.owner.clock())
+        self.cache.received(self.id, _whole(layers), self.clock())
 
     async def model_state(self) -> ModelState:
         return _whole([layer async for layer in self])
