@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -121,14 +121,13 @@ class PrefillService:
         msg, plan = job.msg, job.plan
         assert plan is not None
         if job.batch is None and not self.chunk_tokens:  # the snapshot segments, before the transfer opens
-            await self._on_forward_thread(job, self.store.advance, self.runtime, plan)
+            await until_done(job.stop, self.runtime.on_forward_thread(self.store.advance, self.runtime, plan))
         connections = self._connections(job)
         async with job.sender.stream(msg.transfer, self.runtime.num_states, 0, self.codec(msg), connections) as tx:
             job.sink = TransferSink(tx, msg.link_start, len(job.tokens), job.stop)
             if job.batch is None:
-                computed = await self._on_forward_thread(
-                    job, self.store.compute, self.runtime, plan, job.sink, job.sampling, self.chunk_tokens
-                )
+                args = (self.runtime, plan, job.sink, job.sampling, self.chunk_tokens)
+                computed = await until_done(job.stop, self.runtime.on_forward_thread(self.store.compute, *args))
             else:
                 computed = await self._row(job)
             self.queued.discard(job)  # its forwards are done: it no longer counts as queued
@@ -138,12 +137,6 @@ class PrefillService:
             self._keep(job, computed)
         assert tx.report is not None
         return _prefilled(job, plan, computed, tx.report, computed_at, time.perf_counter())
-
-    async def _on_forward_thread(self, job: PrefillJob, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on the runtime's forward thread. If the awaiting task is cancelled, set ``job.stop`` and
-        wait for the thread to end (a forward checks it at its next layer) before the cancellation goes on: the
-        compute lock must not be let go while a forward still runs."""
-        return await until_done(job.stop, asyncio.ensure_future(self.runtime.on_forward_thread(fn, *args)))
 
     def _connections(self, job: PrefillJob) -> int:
         """The connections a batched prompt's transfer needs: its state is small, a few chunks cross at once
@@ -162,7 +155,7 @@ class PrefillService:
         assert batch is not None
         batch.join(job)
         if batch.leader is job:
-            await until_done(job.stop, asyncio.ensure_future(batch.run(self.runtime)))
+            await until_done(job.stop, batch.run(self.runtime))
         try:
             return Computed(await batch.outcome(job), cut=not self.store.enabled)
         except asyncio.CancelledError:
@@ -307,9 +300,11 @@ def _give_up(lock: asyncio.Lock, turn: asyncio.Future[bool]) -> None:
         lock.release()
 
 
-async def until_done(stop: threading.Event, work: asyncio.Future[T]) -> T:
-    """``work``'s result. If the awaiting task is cancelled, set ``stop`` and wait for ``work`` to end (a forward
-    checks ``stop`` at its next layer) before the cancellation goes on."""
+async def until_done(stop: threading.Event, forward: Awaitable[T]) -> T:
+    """``forward``'s result. If the awaiting task is cancelled, set ``stop`` and wait for the forward to end (it
+    checks ``stop`` at its next layer) before the cancellation goes on: the compute lock is not let go while a
+    forward still runs."""
+    work = asyncio.ensure_future(forward)
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
