@@ -176,10 +176,24 @@ class PrefixStore:
             self.release(plan)
 
     def load(self, lease: Lease[Payload]) -> ModelState | None:
-        """The model state a lease's hit holds (None: no hit), from its blocks and its snapshot."""
+        """The model state after a lease's hit (None: no hit): its blocks' KV joined, then its snapshot's."""
         h, snapshot = lease.hit_tokens, lease.snapshot_payload
-        states = snapshot.states if isinstance(snapshot, Snapshot) else None
-        return assemble(self.layout, lease.block_payloads, states, h) if h else None
+        if not h:
+            return None
+        full = [i for i, kind in enumerate(self.layout) if kind is StateKind.FULL_ATTENTION]
+        parts: list[list[LayerState]] = [[] for _ in self.layout]
+        for payload in lease.block_payloads:
+            assert payload is not None, "a live pool entry without its payload"
+            for i, s in zip(full, payload, strict=True):
+                parts[i].append(s)
+        if isinstance(snapshot, Snapshot):
+            for i, s in enumerate(snapshot.states):
+                parts[i].append(s)
+        layers = [join_tokens(p) if kind is StateKind.FULL_ATTENTION else p[-1] for kind, p in zip(self.layout, parts)]
+        for s in layers:
+            if s.seq_len != h:
+                raise ValueError(f"layer {s.layer}: cached state covers {s.seq_len} tokens, the hit is {h}")
+        return ModelState(layers, h)
 
     def release(self, plan: CachedPrefill) -> None:
         if not plan.lease.released:
@@ -215,26 +229,6 @@ def snapshot_payload(state: ModelState, layout: Sequence[StateKind], block_size:
     for s, kind in zip(state.layers, layout, strict=True):
         out.append(_copy(s.slice_tokens(start, n)) if kind is StateKind.FULL_ATTENTION else _copy(s))
     return tuple(out)
-
-
-def assemble(
-    layout: Sequence[StateKind], blocks: Sequence[Payload | None], snapshot: Payload | None, hit_tokens: int
-) -> ModelState:
-    """The model state after ``hit_tokens`` tokens, from a lease's block and snapshot payloads."""
-    full = [i for i, kind in enumerate(layout) if kind is StateKind.FULL_ATTENTION]
-    parts: list[list[LayerState]] = [[] for _ in layout]
-    for payload in blocks:
-        assert payload is not None, "a live pool entry without its payload"
-        for i, s in zip(full, payload, strict=True):
-            parts[i].append(s)
-    if snapshot is not None:
-        for i, s in enumerate(snapshot):
-            parts[i].append(s)
-    layers = [join_tokens(p) if kind is StateKind.FULL_ATTENTION else p[-1] for kind, p in zip(layout, parts)]
-    for s in layers:
-        if s.seq_len != hit_tokens:
-            raise ValueError(f"layer {s.layer}: cached state covers {s.seq_len} tokens, the hit is {hit_tokens}")
-    return ModelState(layers, hit_tokens)
 
 
 def join_tokens(parts: list[LayerState]) -> LayerState:
