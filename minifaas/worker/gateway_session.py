@@ -46,9 +46,10 @@ from minifaas.control.worker_ops import (
     from_wire,
 )  # fmt: skip
 from minifaas.net.errors import TransferError
-from minifaas.worker.decode_service import DecodePrefixCache, DecodeService
+from minifaas.worker.decode_service import DecodeService
 from minifaas.worker.prefill_service import PrefillService
 from minifaas.worker.prefix_moves import export
+from minifaas.worker.prefix_store import DecodePrefixCache
 
 log = logging.getLogger("minifaas.worker")
 INVENTORY_BATCH = 1000  # cache events per message when a gateway attaches

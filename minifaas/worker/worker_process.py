@@ -42,10 +42,10 @@ from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import exit_when_stdin_closes
 from minifaas.transport.codec_probe import probe
 from minifaas.transport.receiver import MAX_OPEN_TRANSFERS, KVReceiver, ReceiverConfig
-from minifaas.worker.decode_service import DecodePrefixCache, DecodeService, JoiningReceiver
+from minifaas.worker.decode_service import DecodeService
 from minifaas.worker.gateway_session import DecodeSession, PrefillSession, WorkerSession
 from minifaas.worker.prefill_service import PrefillService
-from minifaas.worker.prefix_store import PrefixStore
+from minifaas.worker.prefix_store import DecodePrefixCache, JoiningReceiver, PrefixStore
 
 log = logging.getLogger("minifaas.worker")
 WILDCARDS = ("", "0.0.0.0", "::")
