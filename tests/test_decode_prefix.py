@@ -10,7 +10,7 @@ from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.worker.decode_service import DecodePrefixCache
+from minifaas.worker.prefix_store import DecodePrefixCache
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)

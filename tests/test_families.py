@@ -42,7 +42,7 @@ from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.worker.decode_service import DecodePrefixCache, JoiningReceiver
+from minifaas.worker.prefix_store import DecodePrefixCache, JoiningReceiver
 
 SECRET = b"family-secret-0123456789abcdef01"
 CHILD = Path(__file__).with_name("family_child.py")

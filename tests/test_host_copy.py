@@ -22,6 +22,7 @@ from minifaas.model.state_codec import same_state
 from minifaas.transport.outgoing import KVSender, SenderConfig
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.transport.wire import split_chunks
+from minifaas.worker.prefix_moves import import_state
 from minifaas.worker.prefix_store import PrefixStore
 
 SECRET = b"cluster-secret-0123456789abcdef"
@@ -99,7 +100,7 @@ def test_the_prefix_pool_keeps_host_copies_and_a_hit_joins_moved_in_and_computed
     store = PrefixStore(PoolConfig("n", 1 << 28, 16, 2, False), "qwen3-tiny", rt.layout.kinds, "n")
     tokens = [(31 * i + 7) % 256 for i in range(80)]
     moved = rt.prefill(tokens[:32]).state  # as a cache move brings it in: received into host memory
-    store.import_state(tokens, ModelState([to_device(s, "cpu") for s in moved.layers], moved.seq_len), now=0.0)
+    import_state(store, tokens, ModelState([to_device(s, "cpu") for s in moved.layers], moved.seq_len), now=0.0)
     plan = store.begin(tokens[:64])  # blocks 0-1 moved in; 2-3 computed here
     computed = store.compute(rt, plan, sampling=params)
     store.finish(plan, computed, now=0.0)

@@ -23,8 +23,7 @@ from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.model.state_layout import needs_snapshot
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.worker.prefill_batch import turn_or_ride
-from minifaas.worker.prefill_service import PrefillService
+from minifaas.worker.prefill_service import PrefillService, turn_or_ride
 from minifaas.worker.prefix_store import PrefixStore
 
 SECRET = b"cluster-secret-0123456789abcdef"
@@ -59,12 +58,12 @@ async def prefilled(
 
         tasks = [asyncio.create_task(one(i, tokens)) for i, tokens in enumerate(prompts)]
         if cancel is not None:
-            while not service.batcher.riders:
+            while not service.riders:
                 await asyncio.sleep(0.001)
             tasks[cancel].cancel()
         done = await asyncio.gather(*tasks, return_exceptions=True)
     await service.close()
-    assert not service.compute.locked() and service.queued_tokens == 0 and not service.batcher.waiting
+    assert not service.compute.locked() and service.queued_tokens == 0 and not service.waiting
     return [None if isinstance(d, BaseException) else d for d in done]
 
 
@@ -74,7 +73,7 @@ def test_prompts_of_one_length_queued_together_share_a_forward(runtime: ModelRun
     store = PrefixStore(PoolConfig("n", 1 << 30, 16, 0, needs_snapshot(layout)), runtime.spec.name, layout, "n")
     service = PrefillService(runtime, SECRET, 2, True, store, chunk_tokens=512, batch_tokens=512)
     done = run(prefilled(service, prompts))
-    assert service.batcher.riders == 4
+    assert service.riders == 4
     # a batched state is a chunk a layer: one connection each, not the sender's 2 (the lone prompt takes both)
     assert sum(sender.pool.dialled for sender in service.senders.values()) <= 5 + 2
     for tokens, result in zip(prompts, done, strict=True):
@@ -83,7 +82,7 @@ def test_prompts_of_one_length_queued_together_share_a_forward(runtime: ModelRun
         assert reply.kv_bytes == state.nbytes and reply.cached_tokens == 0 and state.seq_len == len(tokens)
         decodes_as_alone(runtime, tokens, reply, state, PARAMS)
     again = run(prefilled(service, prompts[:2]))  # now cached: each runs alone from its hit
-    assert service.batcher.riders == 4 and all(r is not None and r[0].cached_tokens > 0 for r in again)
+    assert service.riders == 4 and all(r is not None and r[0].cached_tokens > 0 for r in again)
 
 
 def test_a_prompt_aborted_mid_batch_leaves_the_others_whole(runtime: ModelRuntime) -> None:
@@ -93,7 +92,7 @@ def test_a_prompt_aborted_mid_batch_leaves_the_others_whole(runtime: ModelRuntim
     store = PrefixStore(off, runtime.spec.name, layout, "n")
     service = PrefillService(runtime, SECRET, 2, True, store, chunk_tokens=512, batch_tokens=512)
     done = run(prefilled(service, prompts, cancel=2))
-    assert done[2] is None and service.batcher.riders == 3
+    assert done[2] is None and service.riders == 3
     for i in (0, 1, 3):
         result = done[i]
         assert result is not None

@@ -12,13 +12,13 @@ import asyncio
 from minifaas.cache.prefix_index import PrefixDirectory
 from minifaas.control.server import ControlServer
 from minifaas.control.session import Session, connect
-from minifaas.control.worker_ops import Done, Token
+from minifaas.control.worker_ops import Attached, Done, Token
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.launch.launcher import WorkerSpec
 from minifaas.model.runtime import ModelRuntime
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
 from minifaas.worker.decode_service import DecodeService
-from minifaas.worker.gateway_session import DecodeSession, WorkerNode
+from minifaas.worker.gateway_session import DecodeSession
 
 SECRET = b"token-frames-secret-0123456789"
 
@@ -34,10 +34,20 @@ def test_a_steps_tokens_leave_as_one_frame_and_arrive_in_each_requests_inbox() -
         read = asyncio.Event()  # the gateway side has every frame: the worker side may end
         async with KVReceiver(ReceiverConfig(SECRET)) as receiver:
             service = DecodeService(runtime, receiver, 30.0)
-            node = WorkerNode("pd-d0", "decode", "pd", "kimi-linear-tiny", None, 1, {})
+            node = Attached(
+                name="pd-d0",
+                role="decode",
+                cluster="pd",
+                model="kimi-linear-tiny",
+                kv=None,
+                pid=1,
+                codecs={},
+                kernels="unknown",
+                deadline_s=30.0,
+            )
 
             async def worker_side(session: Session) -> None:
-                worker = DecodeSession(node, session, 30.0, service, None)
+                worker = DecodeSession(node, session, service, None)
                 for step in range(2):  # two steps, each one turn of the loop
                     for req in ("a", "b", "c"):
                         worker.emit(token(req, 10 * step + ord(req), "length" if step and req == "b" else None))

@@ -4,10 +4,8 @@ The decoder is stepped on the model thread, one step per round, and the event lo
 rounds. Only the loop touches the decoder while no step is in flight: an arrival or an abort during a step is
 applied when it returns. A request refused by a full waiting queue is answered ``failed`` at once. With ``hold``,
 a step waits a multiple of the last one's length while more requests are on their way, so more rows share it.
-
-The node keeps the full-attention KV of every state it receives (``DecodePrefixCache``). Before a prefill starts,
-the gateway has it pin the prefix it holds, so only the KV after that prefix crosses the link, while fixed-size
-layers always cross whole; ``JoiningReceiver`` joins the two, so the service sees whole layers and whole states.
+The receiver is the node's own, or joined onto its prefix cache (``prefix_store.JoiningReceiver``): either way
+the service sees whole states.
 """
 
 from __future__ import annotations
@@ -15,37 +13,18 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable
 
-from minifaas.cache.pool import HybridPrefixPool, Lease
-from minifaas.cache.pool_config import PoolConfig
-from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.control.worker_ops import Decode, Done, Failed, Received, ReplyMessage, Token
 from minifaas.model.batch_decoder import BatchDecoder, make_decoder
 from minifaas.model.decoder import MAX_HOLD_S, DecoderConfig, QueueFull
-from minifaas.model.layer_state import LayerState, ModelState, StateKind
+from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import SamplingParams
-from minifaas.transport.receiver import IncomingTransfer, KVReceiver
-from minifaas.worker.prefix_store import Payload, block_payload, join_tokens
+from minifaas.transport.receiver import KVReceiver
+from minifaas.worker.prefix_store import JoiningReceiver
 
 Emit = Callable[[ReplyMessage], None]
-
-
-class ArrivingState(Protocol):
-    async def model_state(self) -> ModelState: ...
-
-    def abandon(self) -> None: ...  # no one waits for it now: its failure is expected
-
-
-class StateSource(Protocol):
-    """Where a decode worker's request states arrive: a ``KVReceiver``, or the node's prefix cache joined onto
-    one (``JoiningReceiver``), which hands out whole states however much of them crossed the link."""
-
-    def transfer(self, transfer_id: int) -> ArrivingState: ...
-
-
 Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, next token, sampling, transfer
 # a test's poison: a request whose context is in [lo, hi) ends the worker as it joins the batch ("lo:hi")
 CRASH_AT_CONTEXT = "MINIFAAS_TEST_CRASH_AT_CONTEXT"
@@ -53,7 +32,11 @@ CRASH_AT_CONTEXT = "MINIFAAS_TEST_CRASH_AT_CONTEXT"
 
 class DecodeService:
     def __init__(
-        self, runtime: ModelRuntime, receiver: StateSource, state_timeout: float, config: DecoderConfig | None = None
+        self,
+        runtime: ModelRuntime,
+        receiver: KVReceiver | JoiningReceiver,  # the receiver alone, or joined onto the node's prefix cache
+        state_timeout: float,
+        config: DecoderConfig | None = None,
     ) -> None:
         self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
         self.config = config or DecoderConfig()
@@ -164,98 +147,3 @@ class DecodeService:
                     del self.clients[t.request]
             if self.config.hold and len(self.first_tokens) > self.decoder.load:  # more on their way than here
                 await asyncio.sleep(min(self.config.hold * took, MAX_HOLD_S))
-
-
-class DecodePrefixCache:
-    def __init__(self, config: PoolConfig, namespace: str, layout: Sequence[StateKind], node: str) -> None:
-        self.pool: HybridPrefixPool[Payload] = HybridPrefixPool(config, node)
-        self.namespace, self.layout = namespace, tuple(layout)
-        self._full = [i for i, kind in enumerate(layout) if kind is StateKind.FULL_ATTENTION]
-        self._expected: dict[int, PromptKeys] = {}  # transfer -> the prompt whose state it carries
-        self._prefixes: dict[int, dict[int, LayerState]] = {}  # transfer -> layer -> pinned prefix KV
-        self._leases: dict[int, Lease[Payload]] = {}
-
-    def pin(self, transfer: int, tokens: Sequence[int], link_start: int) -> int:
-        """Expect ``transfer`` to carry ``tokens``' state, pinning the KV of up to ``link_start``
-        tokens; returns how many are pinned (the prefill sends the full-attention KV from there)."""
-        keys = PromptKeys.from_tokens(tokens, self.pool.config.block_size, self.namespace)
-        self._expected[transfer] = keys
-        if link_start <= 0:
-            return 0
-        lease = self.pool.acquire(keys, limit=link_start, kv_only=True)
-        self._leases[transfer] = lease
-        if lease.hit_tokens:
-            by_block = [p for p in lease.block_payloads if p is not None]
-            self._prefixes[transfer] = {i: join_tokens([b[k] for b in by_block]) for k, i in enumerate(self._full)}
-        return lease.hit_tokens
-
-    def join_layer(self, transfer: int, layer: LayerState) -> LayerState:
-        """A received layer made whole: the pinned prefix KV, then the tokens that crossed."""
-        prefix = self._prefixes.get(transfer, {}).get(layer.layer)
-        return layer if prefix is None else join_tokens([prefix, layer])
-
-    def received(self, transfer: int, state: ModelState, now: float) -> None:
-        """The whole state is here: keep its new blocks, unpin the prefix."""
-        keys = self._expected.pop(transfer, None)
-        self.cancel(transfer)
-        if keys is None or not self.pool.config.enabled:
-            return
-        size = keys.block_size
-        for j, key in enumerate(keys.block_keys):
-            entry = self.pool.entry(EntryKind.BLOCK, key)
-            payload = entry.payload if entry is not None else block_payload(state, j, size)
-            if not self.pool.put_block(keys, j, now, sum(s.nbytes for s in payload or ()), payload):
-                break
-        self.pool.touch(keys, keys.num_full_blocks * size)
-
-    def cancel(self, transfer: int) -> None:
-        """The transfer ended (delivered, failed or aborted): let its prefix go."""
-        self._expected.pop(transfer, None)
-        self._prefixes.pop(transfer, None)
-        lease = self._leases.pop(transfer, None)
-        if lease is not None:
-            self.pool.release(lease)
-
-
-class JoiningReceiver:
-    """The decode service's receiver: whole states out, whether or not the prefix crossed the link."""
-
-    def __init__(self, receiver: KVReceiver, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
-        self.receiver, self.cache, self.clock = receiver, cache, clock
-
-    @property
-    def port(self) -> int:
-        return self.receiver.port
-
-    def transfer(self, transfer_id: int) -> JoinedTransfer:
-        return JoinedTransfer(self.receiver.transfer(transfer_id), self)
-
-
-class JoinedTransfer:
-    def __init__(self, incoming: IncomingTransfer, owner: JoiningReceiver) -> None:
-        self.incoming, self.owner = incoming, owner
-        self.id = incoming.id
-
-    def __aiter__(self) -> AsyncIterator[LayerState]:
-        return self._layers()
-
-    async def _layers(self) -> AsyncIterator[LayerState]:
-        cache, layers = self.owner.cache, []
-        try:
-            async for layer in self.incoming:
-                layers.append(cache.join_layer(self.id, layer))
-                yield layers[-1]
-        except BaseException:
-            cache.cancel(self.id)
-            raise
-        cache.received(self.id, _whole(layers), self.owner.clock())
-
-    async def model_state(self) -> ModelState:
-        return _whole([layer async for layer in self])
-
-    def abandon(self) -> None:
-        self.incoming.abandon()
-
-
-def _whole(layers: list[LayerState]) -> ModelState:
-    return ModelState(layers, max((s.seq_len for s in layers), default=0))

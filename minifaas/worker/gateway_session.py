@@ -13,7 +13,6 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from minifaas.cache.pool import HybridPrefixPool
@@ -47,38 +46,25 @@ from minifaas.control.worker_ops import (
     from_wire,
 )  # fmt: skip
 from minifaas.net.errors import TransferError
-from minifaas.worker.decode_service import DecodePrefixCache, DecodeService
+from minifaas.worker.decode_service import DecodeService
 from minifaas.worker.prefill_service import PrefillService
+from minifaas.worker.prefix_moves import export
+from minifaas.worker.prefix_store import DecodePrefixCache
 
 log = logging.getLogger("minifaas.worker")
 INVENTORY_BATCH = 1000  # cache events per message when a gateway attaches
 Job = Prefill | Export | Decode  # a request's work, run as a task of the session
 
 
-@dataclass(slots=True)
-class WorkerNode:
-    """What a worker is, for as long as the process runs."""
-
-    name: str
-    role: str
-    cluster: str
-    model: str
-    kv: list | None  # [host, port] others send KV to ("" host: the address the gateway reached us at)
-    pid: int
-    codecs: dict  # a prefill worker's codecs as measured at start: name -> [bytes, wire bytes, encode s, decode s]
-    kernels: str = "unknown"  # what its linear-attention layers run: fla, torch (the reference) or none
-
-
 class WorkerSession:
     """A session's requests, and one handler per op; ``PrefillSession`` and ``DecodeSession`` add their role's."""
 
-    def __init__(self, node: WorkerNode, session: Session, deadline_s: float, pool: HybridPrefixPool | None) -> None:
-        self.node, self.session, self.deadline_s, self.pool = node, session, deadline_s, pool
+    def __init__(self, node: Attached, session: Session, pool: HybridPrefixPool | None) -> None:
+        self.node, self.session, self.deadline_s, self.pool = node, session, node.deadline_s, pool
         self.jobs: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
         self.tasks: asyncio.TaskGroup | None = None
         self.tokens: list[Token] = []  # token messages of this turn of the loop, not sent yet (``emit``)
-        self.max_batch: int | None = None  # rows per forward, said on ``attach`` by a decode worker only
         self.handlers: dict[type[OpMessage], Callable[[Any], None]] = {
             Attach: self.attach,
             Ping: self.ping,
@@ -145,10 +131,7 @@ class WorkerSession:
             task.cancel()
 
     def attach(self, msg: Attach) -> None:
-        node = self.node
-        self.send(Attached(name=node.name, role=node.role, cluster=node.cluster, model=node.model,
-                           max_batch=self.max_batch, kv=node.kv, pid=node.pid, codecs=node.codecs,
-                           kernels=node.kernels, deadline_s=self.deadline_s))  # fmt: skip
+        self.send(self.node)  # what this worker is
         events = self.pool.inventory(time.perf_counter()) if self.pool is not None else []
         for i in range(0, len(events), INVENTORY_BATCH):
             self.send(CacheEvents(req=CACHE_EVENTS, events=[WireEvent.of(e) for e in events[i : i + INVENTORY_BATCH]]))
@@ -208,8 +191,8 @@ class WorkerSession:
 class PrefillSession(WorkerSession):
     """A prefill worker's session: ``prefill`` and ``export``; the pool's news follows each prompt's store."""
 
-    def __init__(self, node: WorkerNode, session: Session, deadline_s: float, service: PrefillService) -> None:
-        super().__init__(node, session, deadline_s, service.store.pool)
+    def __init__(self, node: Attached, session: Session, service: PrefillService) -> None:
+        super().__init__(node, session, service.store.pool)
         self.service = service
         self.handlers |= {Prefill: self.run, Export: self.run, Start: self.start}
         service.kept = self.send_cache_events  # a prompt's blocks are stored after its reply: news follows
@@ -231,7 +214,7 @@ class PrefillSession(WorkerSession):
 
     async def work(self, msg: Job) -> None:
         if isinstance(msg, Export):
-            self.emit(await self.service.export(msg))
+            self.emit(await export(self.service.store, self.service.sender, msg, self.service.codec(msg)))
         else:  # ``first`` is sent as it is; the pool's news goes out with the reply
             self.emit(await self.service.prefill(msg, self.send))
 
@@ -249,16 +232,14 @@ class DecodeSession(WorkerSession):
 
     def __init__(
         self,
-        node: WorkerNode,
+        node: Attached,
         session: Session,
-        deadline_s: float,
         service: DecodeService,
         prefixes: DecodePrefixCache | None,  # the node's received KV
     ) -> None:
-        super().__init__(node, session, deadline_s, prefixes.pool if prefixes is not None else None)
+        super().__init__(node, session, prefixes.pool if prefixes is not None else None)
         self.service, self.prefixes = service, prefixes
         self.decoding: set[str] = set()  # this session's decode requests, until their last message or abort
-        self.max_batch = service.max_batch  # as sized
         self.handlers |= {Decode: self.run, Start: self.start}
 
     def queued(self) -> int:

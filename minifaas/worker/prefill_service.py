@@ -1,32 +1,34 @@
 """A prefill worker's job: run prompts through the model and stream each layer's state as it is made.
 
-``prefill`` waits for the prompt's turn at the compute lock (arrival order), then runs it alone with its cached
-prefix loaded (``PrefixStore``), or leading the short prompts queued behind it in one forward (``prefill_batch``).
-The plain path is ``_run``: open the transfer, run the forwards into its ``TransferSink``, send the first token,
-reply; the pool then keeps the prompt's blocks and snapshots (``_keep``). ``export`` sends a cached prefix to
-another cluster's node, which takes it in before its prefill.
+``prefill`` waits for the prompt's turn at the compute lock (arrival order), plans it (``PrefixStore``) and
+chooses, once, how it runs: alone with its cached prefix loaded, or leading the prompts of its length queued
+behind it, none with a cached prefix, as rows of one forward (``PrefillBatch``; a member aborted meanwhile loses
+only its row). The core is ``_run``: open the transfer, run the forwards into its ``TransferSink``, send the first
+token, reply; the pool then keeps the prompt's blocks and snapshots (``_keep``). A prompt that a cache move goes
+ahead of first takes the moved prefix in (``prefix_moves``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from minifaas.codec.codec import Codec, usable
-from minifaas.control.worker_ops import Export, Exported, First, Prefill, Prefilled
+from minifaas.control.worker_ops import Export, First, Prefill, Prefilled
 from minifaas.model.batch_prefill import PrefillBatch
+from minifaas.model.decode_memory import RowBytes, row_bytes
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
-from minifaas.net.errors import TransferError
 from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig, TransferReport
 from minifaas.transport.receiver import KVReceiver
-from minifaas.worker.prefill_batch import Batcher, until_done
+from minifaas.worker.prefix_moves import take_in
 from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
 
 log = logging.getLogger("minifaas.prefill")
@@ -62,7 +64,10 @@ class PrefillService:
         self.codecs = codecs | {Codec.NONE}
         self.senders: dict[tuple[str, int], KVSender] = {}
         self.compute = asyncio.Lock()  # one prompt computes at a time; held until the pool has kept its part
-        self.batcher = Batcher(self.compute, runtime, store, batch_tokens)  # the queue for it, and its batches
+        self.batch_tokens = batch_tokens  # a batch's token budget
+        self.waiting: list[PrefillJob] = []  # prompts queued for the lock that a batch may take along
+        self.riders = 0  # prompts computed in the forward of a prompt ahead of them
+        self.sizes: RowBytes | None = None  # a request's state size, once a batch needs it
         self.queued: set[PrefillJob] = set()  # prompts waiting for their turn or in their forwards
         self._keeping: set[asyncio.Task[None]] = set()  # stores into the pool still under way
         self.kept: Callable[[], None] | None = None  # called after each store (the session sends the pool's news)
@@ -85,14 +90,19 @@ class PrefillService:
         Cancelling the task aborts the request: the forward stops early, ``stopped_at[req]`` says how far."""
         job = PrefillJob(msg, self.sender(*msg.kv), time.perf_counter())
         if msg.import_ is not None:
-            await self._import(job.tokens, msg.import_)
+            await take_in(self.store, self.receiver, job.tokens, msg.import_, self.import_timeout)
         self.queued.add(job)
         try:
-            job.holds_lock = await self.batcher.turn(job)  # False: a batch ahead took it along, planned
+            if self.batch_tokens:  # False: a batch ahead took it along, planned
+                job.holds_lock = await turn_or_ride(self.compute, self.waiting, job)
+            else:
+                job.holds_lock = await self.compute.acquire()
             job.started = time.perf_counter()
             if job.batch is None:  # batching is chosen once, here: alone, or leading the prompts queued behind
                 job.plan = self.store.begin(job.tokens, msg.seen_tokens or 0)
-                self.batcher.gather(job)
+                if self.batch_tokens and (riders := gather(job, self.waiting, self.store, self.batch_tokens)):
+                    PrefillBatch(job, riders, self.waiting)
+                    self.riders += len(riders)
             return await self._run(job, first)
         except asyncio.CancelledError:
             self.stopped_at[msg.req] = job.sink.handed_tokens if job.sink is not None else 0
@@ -111,16 +121,15 @@ class PrefillService:
         msg, plan = job.msg, job.plan
         assert plan is not None
         if job.batch is None and not self.chunk_tokens:  # the snapshot segments, before the transfer opens
-            await self._on_forward_thread(job, self.store.advance, self.runtime, plan)
-        connections = self.batcher.connections(job, self.connections)  # a batch's states are a few chunks each
+            await until_done(job.stop, self.runtime.on_forward_thread(self.store.advance, self.runtime, plan))
+        connections = self._connections(job)
         async with job.sender.stream(msg.transfer, self.runtime.num_states, 0, self.codec(msg), connections) as tx:
             job.sink = TransferSink(tx, msg.link_start, len(job.tokens), job.stop)
             if job.batch is None:
-                computed = await self._on_forward_thread(
-                    job, self.store.compute, self.runtime, plan, job.sink, job.sampling, self.chunk_tokens
-                )
+                args = (self.runtime, plan, job.sink, job.sampling, self.chunk_tokens)
+                computed = await until_done(job.stop, self.runtime.on_forward_thread(self.store.compute, *args))
             else:
-                computed = await self.batcher.row(job, job.stop)
+                computed = await self._row(job)
             self.queued.discard(job)  # its forwards are done: it no longer counts as queued
             computed_at = time.perf_counter()
             if first is not None:  # the client may see it while the transfer's tail is still on the wire
@@ -129,11 +138,29 @@ class PrefillService:
         assert tx.report is not None
         return _prefilled(job, plan, computed, tx.report, computed_at, time.perf_counter())
 
-    async def _on_forward_thread(self, job: PrefillJob, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on the runtime's forward thread. If the awaiting task is cancelled, set ``job.stop`` and
-        wait for the thread to end (a forward checks it at its next layer) before the cancellation goes on: the
-        compute lock must not be let go while a forward still runs."""
-        return await until_done(job.stop, asyncio.ensure_future(self.runtime.on_forward_thread(fn, *args)))
+    def _connections(self, job: PrefillJob) -> int:
+        """The connections a batched prompt's transfer needs: its state is small, a few chunks cross at once
+        (0 outside a batch: the sender's own count)."""
+        if job.batch is None:
+            return 0
+        if self.sizes is None:
+            self.sizes = row_bytes(self.runtime)
+        state = self.sizes.fixed + self.sizes.per_token * len(job.tokens)
+        return max(1, min(self.connections, -(-state // job.sender.config.chunk_bytes)))  # a chunk per connection
+
+    async def _row(self, job: PrefillJob) -> Computed:
+        """``job``'s row of its batch's forward. Cancelled, the row stops at its next layer (``job.stop``) and the
+        forward goes on for the others; the leader runs it, and returns only once it has ended."""
+        batch = job.batch
+        assert batch is not None
+        batch.join(job)
+        if batch.leader is job:
+            await until_done(job.stop, batch.run(self.runtime))
+        try:
+            return Computed(await batch.outcome(job), cut=not self.store.enabled)
+        except asyncio.CancelledError:
+            job.stop.set()
+            raise
 
     def _keep(self, job: PrefillJob, computed: Computed) -> None:
         """Copy out (on the forward thread) and store what the pool keeps of a computed prompt, then let the next
@@ -164,33 +191,6 @@ class PrefillService:
     def codec(self, msg: Prefill | Export) -> Codec:
         """The codec the gateway asked for, or the nearest this worker allows."""
         return usable(Codec.named(msg.codec or "none"), frozenset(self.codecs))
-
-    async def _import(self, tokens: list[int], transfer: int) -> None:
-        if self.receiver is None:
-            self.store.pool.counts["moves_refused"] += 1
-            return
-        try:
-            async with asyncio.timeout(self.import_timeout):
-                state = await self.receiver.transfer(transfer).model_state()
-        except (TransferError, TimeoutError) as e:
-            log.warning("cache move %d did not arrive (%s): prefilling without it", transfer, e)
-            self.store.pool.counts["moves_lost"] += 1
-            return
-        self.store.import_state(tokens, state, time.perf_counter())
-        self.store.pool.counts["moves_imported"] += 1
-
-    async def export(self, msg: Export) -> Exported:
-        """Send the usable prefix of ``tokens`` up to ``length`` to another cluster's node."""
-        lease, state = self.store.export_state(msg.tokens, msg.length)
-        try:
-            report = None
-            if state is not None:
-                report = await self.sender(*msg.kv).send(msg.transfer, state, self.codec(msg))
-        finally:
-            self.store.pool.release(lease)
-        nbytes = state.nbytes if state is not None else 0
-        coded = coding(report) if report is not None else {}  # none when nothing was sent
-        return Exported(req=msg.req, tokens=lease.hit_tokens, bytes=nbytes, **coded)
 
     async def close(self) -> None:
         await asyncio.gather(*self._keeping, return_exceptions=True)
@@ -240,18 +240,81 @@ def _prefilled(
         prefill_s=result.seconds,
         transfer_tail_s=now - computed_at,
         worker_s=now - job.started,
-        **coding(report),
+        codec=report.codec,
+        kv_wire_bytes=report.wire_bytes,
+        kv_encode_s=report.encode_s,
+        kv_decode_s=report.decode_s,
     )
 
 
-def coding(report: TransferReport) -> dict:
-    """What a reply says of a transfer's codec: its name, the bytes on the wire, the time on each end."""
-    return {
-        "codec": report.codec,
-        "kv_wire_bytes": report.wire_bytes,
-        "kv_encode_s": report.encode_s,
-        "kv_decode_s": report.decode_s,
-    }
+def cold(plan: CachedPrefill) -> bool:
+    """A plan that is one forward from nothing: no hit, no snapshot point inside, no kept logits."""
+    return plan.hit_tokens == 0 and not plan.points and plan.logits is None
+
+
+def gather(leader: PrefillJob, waiting: list[PrefillJob], store: PrefixStore, budget: int) -> list[PrefillJob]:
+    """The prompts queued behind ``leader`` that can share its forward, each with its plan (a prompt whose plan is
+    not cold stays queued, planless); none when ``leader`` cannot lead a batch."""
+    n, plan = len(leader.tokens), leader.plan
+    if 2 * n > budget or leader.msg.import_ is not None or plan is None or not cold(plan):
+        return []
+    riders: list[PrefillJob] = []
+    for other in list(waiting):
+        if (len(riders) + 2) * n > budget:
+            break
+        if len(other.tokens) == n and other.msg.import_ is None:
+            other.plan = store.begin(other.tokens, other.msg.seen_tokens or 0)
+            if cold(other.plan):
+                riders.append(other)
+            else:
+                store.release(other.plan)
+                other.plan = None
+    return riders
+
+
+async def turn_or_ride(lock: asyncio.Lock, waiting: list[PrefillJob], job: PrefillJob) -> bool:
+    """Wait in ``waiting`` for ``lock`` or for a batch ahead to take ``job`` along (``job.batch``), whichever
+    comes first; True if ``job`` holds the lock now (cancelled: it holds nothing, and is out)."""
+    job.adopted = asyncio.get_running_loop().create_future()
+    waiting.append(job)
+    turn = asyncio.ensure_future(lock.acquire())
+    try:
+        await asyncio.wait({turn, job.adopted}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled, perhaps just as the lock came: the next prompt's turn
+        _give_up(lock, turn)
+        raise
+    finally:
+        if job in waiting:
+            waiting.remove(job)
+    if job.adopted.done():  # taken along, perhaps just as the lock came: the next prompt's turn
+        _give_up(lock, turn)
+        return False
+    return True
+
+
+def _give_up(lock: asyncio.Lock, turn: asyncio.Future[bool]) -> None:
+    """Leave the queue for ``lock``: stop waiting, or release the lock if ``turn`` already took it."""
+    if not turn.done():
+        turn.cancel()
+    elif not turn.cancelled() and turn.exception() is None:
+        lock.release()
+
+
+async def until_done(stop: threading.Event, forward: Awaitable[T]) -> T:
+    """``forward``'s result. If the awaiting task is cancelled, set ``stop`` and wait for the forward to end (it
+    checks ``stop`` at its next layer) before the cancellation goes on: the compute lock is not let go while a
+    forward still runs."""
+    work = asyncio.ensure_future(forward)
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        stop.set()
+        while not work.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([work])
+        if not work.cancelled():
+            work.exception()  # retrieved (Stopped, or what the forward raised): the request is gone anyway
+        raise
 
 
 class TransferSink:

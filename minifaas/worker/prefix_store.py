@@ -1,15 +1,18 @@
-"""A prefill node's prefix cache: the live payloads of a ``HybridPrefixPool`` and the prefill that fills it.
+"""A node's prefix cache: the live payloads of a ``HybridPrefixPool``, on a prefill node or a decode node.
 
 Payloads are in host memory. A block holds the full-attention KV of its tokens; a snapshot at length n holds the
 KV of the partial block before n, every other layer's state at exactly n, and the logits of the token after n.
-A prefill continues from its hit in segments that end at the pool's snapshot points (``advance``), the last one
-streaming (``compute``); a prompt whose end snapshot is held runs no forward at all.
+On a prefill node (``PrefixStore``) a prefill continues from its hit in segments that end at the pool's snapshot
+points (``advance``), the last one streaming (``compute``); a prompt whose end snapshot is held runs no forward.
+A decode node (``DecodePrefixCache``) keeps the full-attention KV of every state it receives. Before a prefill
+starts the gateway has it pin the prefix it holds, so only the KV after it crosses the link (fixed-size layers
+always cross whole); ``JoiningReceiver`` joins the two, so the decode service sees whole states.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,6 +24,7 @@ from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
+from minifaas.transport.receiver import IncomingTransfer, KVReceiver
 
 Payload = tuple[LayerState, ...]
 
@@ -94,10 +98,7 @@ class PrefixStore:
         keys = PromptKeys.from_tokens(tokens, size, self.namespace)
         logits = self._logits_at_end(keys)
         lease = self.pool.acquire(keys, limit=n if logits is not None else n - 1)
-        h = lease.hit_tokens
-        snapshot = lease.snapshot_payload
-        states = snapshot.states if isinstance(snapshot, Snapshot) else None
-        prefix = assemble(self.layout, lease.block_payloads, states, h) if h else None
+        h, prefix = lease.hit_tokens, self.load(lease)
         points = []
         if self.enabled:
             seen = max(seen_tokens, self.pool.match(keys, limit=n - 1).kv_blocks * size)
@@ -179,25 +180,25 @@ class PrefixStore:
         finally:
             self.release(plan)
 
-    def export_state(self, tokens: Sequence[int], length: int) -> tuple[Lease[Payload], ModelState | None]:
-        """Pin and load the usable prefix of ``tokens`` up to ``length``, to move it to another cluster.
-        Release the lease once the state is sent."""
-        keys = PromptKeys.from_tokens(tokens, self.pool.config.block_size, self.namespace)
-        lease = self.pool.acquire(keys, limit=length)
+    def load(self, lease: Lease[Payload]) -> ModelState | None:
+        """The model state after a lease's hit (None: no hit): its blocks' KV joined, then its snapshot's."""
         h, snapshot = lease.hit_tokens, lease.snapshot_payload
-        states = snapshot.states if isinstance(snapshot, Snapshot) else None
-        return lease, assemble(self.layout, lease.block_payloads, states, h) if h else None
-
-    def import_state(self, tokens: Sequence[int], state: ModelState, now: float) -> None:
-        """Keep a prefix state moved in from another cluster: its blocks, and its snapshot at exactly its length."""
-        size, n = self.pool.config.block_size, state.seq_len
-        keys = PromptKeys.from_tokens(tokens[:n], size, self.namespace)
-        for j in range(keys.num_full_blocks):
-            payload = block_payload(state, j, size)
-            if not self.pool.put_block(keys, j, now, _nbytes(payload), payload):
-                return
-        snapshot = Snapshot(snapshot_payload(state, self.layout, size))
-        self.pool.put_snapshot(keys, n, now, snapshot.nbytes, snapshot)
+        if not h:
+            return None
+        full = [i for i, kind in enumerate(self.layout) if kind is StateKind.FULL_ATTENTION]
+        parts: list[list[LayerState]] = [[] for _ in self.layout]
+        for payload in lease.block_payloads:
+            assert payload is not None, "a live pool entry without its payload"
+            for i, s in zip(full, payload, strict=True):
+                parts[i].append(s)
+        if isinstance(snapshot, Snapshot):
+            for i, s in enumerate(snapshot.states):
+                parts[i].append(s)
+        layers = [join_tokens(p) if kind is StateKind.FULL_ATTENTION else p[-1] for kind, p in zip(self.layout, parts)]
+        for s in layers:
+            if s.seq_len != h:
+                raise ValueError(f"layer {s.layer}: cached state covers {s.seq_len} tokens, the hit is {h}")
+        return ModelState(layers, h)
 
     def release(self, plan: CachedPrefill) -> None:
         if not plan.lease.released:
@@ -235,26 +236,6 @@ def snapshot_payload(state: ModelState, layout: Sequence[StateKind], block_size:
     return tuple(out)
 
 
-def assemble(
-    layout: Sequence[StateKind], blocks: Sequence[Payload | None], snapshot: Payload | None, hit_tokens: int
-) -> ModelState:
-    """The model state after ``hit_tokens`` tokens, from a lease's block and snapshot payloads."""
-    full = [i for i, kind in enumerate(layout) if kind is StateKind.FULL_ATTENTION]
-    parts: list[list[LayerState]] = [[] for _ in layout]
-    for payload in blocks:
-        assert payload is not None, "a live pool entry without its payload"
-        for i, s in zip(full, payload, strict=True):
-            parts[i].append(s)
-    if snapshot is not None:
-        for i, s in enumerate(snapshot):
-            parts[i].append(s)
-    layers = [join_tokens(p) if kind is StateKind.FULL_ATTENTION else p[-1] for kind, p in zip(layout, parts)]
-    for s in layers:
-        if s.seq_len != hit_tokens:
-            raise ValueError(f"layer {s.layer}: cached state covers {s.seq_len} tokens, the hit is {hit_tokens}")
-    return ModelState(layers, hit_tokens)
-
-
 def join_tokens(parts: list[LayerState]) -> LayerState:
     """Full-attention KV of consecutive token ranges, in order, as one state."""
     first = parts[0]
@@ -272,3 +253,91 @@ def _copy(s: LayerState) -> LayerState:
 
 def _nbytes(payload: Payload) -> int:
     return sum(s.nbytes for s in payload)
+
+
+class DecodePrefixCache:
+    def __init__(self, config: PoolConfig, namespace: str, layout: Sequence[StateKind], node: str) -> None:
+        self.pool: HybridPrefixPool[Payload] = HybridPrefixPool(config, node)
+        self.namespace, self.layout = namespace, tuple(layout)
+        self._full = [i for i, kind in enumerate(layout) if kind is StateKind.FULL_ATTENTION]
+        self._expected: dict[int, PromptKeys] = {}  # transfer -> the prompt whose state it carries
+        self._prefixes: dict[int, dict[int, LayerState]] = {}  # transfer -> layer -> pinned prefix KV
+        self._leases: dict[int, Lease[Payload]] = {}
+
+    def pin(self, transfer: int, tokens: Sequence[int], link_start: int) -> int:
+        """Expect ``transfer`` to carry ``tokens``' state, pinning the KV of up to ``link_start``
+        tokens; returns how many are pinned (the prefill sends the full-attention KV from there)."""
+        keys = PromptKeys.from_tokens(tokens, self.pool.config.block_size, self.namespace)
+        self._expected[transfer] = keys
+        if link_start <= 0:
+            return 0
+        lease = self.pool.acquire(keys, limit=link_start, kv_only=True)
+        self._leases[transfer] = lease
+        if lease.hit_tokens:
+            by_block = [p for p in lease.block_payloads if p is not None]
+            self._prefixes[transfer] = {i: join_tokens([b[k] for b in by_block]) for k, i in enumerate(self._full)}
+        return lease.hit_tokens
+
+    def join_layer(self, transfer: int, layer: LayerState) -> LayerState:
+        """A received layer made whole: the pinned prefix KV, then the tokens that crossed."""
+        prefix = self._prefixes.get(transfer, {}).get(layer.layer)
+        return layer if prefix is None else join_tokens([prefix, layer])
+
+    def received(self, transfer: int, state: ModelState, now: float) -> None:
+        """The whole state is here: keep its new blocks, unpin the prefix."""
+        keys = self._expected.pop(transfer, None)
+        self.cancel(transfer)
+        if keys is None or not self.pool.config.enabled:
+            return
+        size = keys.block_size
+        for j, key in enumerate(keys.block_keys):
+            entry = self.pool.entry(EntryKind.BLOCK, key)
+            payload = entry.payload if entry is not None else block_payload(state, j, size)
+            if not self.pool.put_block(keys, j, now, sum(s.nbytes for s in payload or ()), payload):
+                break
+        self.pool.touch(keys, keys.num_full_blocks * size)
+
+    def cancel(self, transfer: int) -> None:
+        """The transfer ended (delivered, failed or aborted): let its prefix go."""
+        self._expected.pop(transfer, None)
+        self._prefixes.pop(transfer, None)
+        lease = self._leases.pop(transfer, None)
+        if lease is not None:
+            self.pool.release(lease)
+
+
+class JoiningReceiver:
+    """The decode service's receiver: whole states out, whether or not the prefix crossed the link."""
+
+    def __init__(self, receiver: KVReceiver, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
+        self.receiver, self.cache, self.clock = receiver, cache, clock
+
+    def transfer(self, transfer_id: int) -> JoinedTransfer:
+        return JoinedTransfer(self.receiver.transfer(transfer_id), self.cache, self.clock)
+
+
+class JoinedTransfer:
+    def __init__(self, incoming: IncomingTransfer, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
+        self.incoming, self.cache, self.clock = incoming, cache, clock
+        self.id = incoming.id
+
+    async def __aiter__(self) -> AsyncIterator[LayerState]:
+        layers = []
+        try:
+            async for layer in self.incoming:
+                layers.append(self.cache.join_layer(self.id, layer))
+                yield layers[-1]
+        except BaseException:
+            self.cache.cancel(self.id)
+            raise
+        self.cache.received(self.id, _whole(layers), self.clock())
+
+    async def model_state(self) -> ModelState:
+        return _whole([layer async for layer in self])
+
+    def abandon(self) -> None:
+        self.incoming.abandon()
+
+
+def _whole(layers: list[LayerState]) -> ModelState:
+    return ModelState(layers, max((s.seq_len for s in layers), default=0))

@@ -29,6 +29,7 @@ from minifaas.config import NAME_PREFIX
 from minifaas.control.secret import load_secret
 from minifaas.control.server import ControlServer
 from minifaas.control.session import Session
+from minifaas.control.worker_ops import Attached
 from minifaas.model.batch_decoder import make_decoder
 from minifaas.model.decode_memory import sized_for
 from minifaas.model.decoder import DecoderConfig
@@ -42,10 +43,10 @@ from minifaas.model.warm_up import WarmUpPlan, warm_up
 from minifaas.parent_watch import exit_when_stdin_closes
 from minifaas.transport.codec_probe import probe
 from minifaas.transport.receiver import MAX_OPEN_TRANSFERS, KVReceiver, ReceiverConfig
-from minifaas.worker.decode_service import DecodePrefixCache, DecodeService, JoiningReceiver
-from minifaas.worker.gateway_session import DecodeSession, PrefillSession, WorkerNode, WorkerSession
+from minifaas.worker.decode_service import DecodeService
+from minifaas.worker.gateway_session import DecodeSession, PrefillSession, WorkerSession
 from minifaas.worker.prefill_service import PrefillService
-from minifaas.worker.prefix_store import PrefixStore
+from minifaas.worker.prefix_store import DecodePrefixCache, JoiningReceiver, PrefixStore
 
 log = logging.getLogger("minifaas.worker")
 WILDCARDS = ("", "0.0.0.0", "::")
@@ -82,13 +83,21 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
         build = _decode_side if args.role == "decode" else _prefill_side
         side = await build(args, runtime, name, secret, codecs, stack)
         decode_loop = tg.create_task(side.loop()) if side.loop is not None else None
-        node = WorkerNode(
-            name, args.role, args.cluster, runtime.spec.name, side.kv, os.getpid(), side.codecs, runtime.kernels.label
+        node = Attached(  # what this worker is, as it tells a gateway that attaches
+            name=name,
+            role=args.role,
+            cluster=args.cluster,
+            model=runtime.spec.name,
+            max_batch=side.max_batch,
+            kv=side.kv,
+            pid=os.getpid(),
+            codecs=side.codecs,
+            kernels=runtime.kernels.label,
+            deadline_s=args.gateway_deadline,
         )
         server = ControlServer(
-            args.listen, secret, lambda session: side.session(node, session, args.gateway_deadline).serve(),
-            deadline_s=args.gateway_deadline,
-        )  # fmt: skip
+            args.listen, secret, lambda session: side.session(node, session).serve(), deadline_s=args.gateway_deadline
+        )
         await stack.enter_async_context(server)
         _announce(args, node, server.port, announce)
         await (exit_when_stdin_closes() if args.exit_with_stdin else (stop or asyncio.Event()).wait())
@@ -127,12 +136,13 @@ async def _warm_up(args: argparse.Namespace, runtime: ModelRuntime, name: str) -
 @dataclass(frozen=True, slots=True)
 class Side:
     """A role's side of the worker: how it serves a gateway's session, the KV address it advertises, its codecs as
-    measured, and the loop that steps its decoder (None: a prefill worker)."""
+    measured, and, for a decode worker, the loop that steps its decoder and its rows per forward."""
 
-    session: Callable[[WorkerNode, Session, float], WorkerSession]
+    session: Callable[[Attached, Session], WorkerSession]
     kv: list | None
     codecs: dict
     loop: Callable[[], Coroutine[Any, Any, None]] | None = None
+    max_batch: int | None = None
 
 
 async def _decode_side(
@@ -156,7 +166,8 @@ async def _decode_side(
     prefixes = DecodePrefixCache(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
     joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
     service = DecodeService(runtime, joining, args.state_timeout, decoding)
-    return Side(functools.partial(DecodeSession, service=service, prefixes=prefixes), kv, {}, service.run)
+    session = functools.partial(DecodeSession, service=service, prefixes=prefixes)
+    return Side(session, kv, {}, service.run, service.max_batch)
 
 
 async def _prefill_side(
@@ -194,7 +205,7 @@ def calibrate(runtime: ModelRuntime, codecs: frozenset[Codec]) -> dict[str, list
     return {c.label: probe(state, c).to_json() for c in sorted(codecs - {Codec.NONE})}
 
 
-def _announce(args: argparse.Namespace, node: WorkerNode, port: int, announce: Callable[[dict], None]) -> None:
+def _announce(args: argparse.Namespace, node: Attached, port: int, announce: Callable[[dict], None]) -> None:
     """The JSON line that says the worker is ready, and the log line."""
     host, kv = args.listen[0], node.kv
     announce({"control": [host, port], "kv": kv, "pid": node.pid, "name": node.name, "kernels": node.kernels})
