@@ -393,7 +393,7 @@ class KVReceiver:
             else:
                 channel.close(reset=not clean)
 
-    async def _read_frame(self, channel: Channel, carried: set[int], decoding: FrameDecoder) -> bool:
+    async def _read_frame(self, channel: Channel, carried: set[int], decoder: FrameDecoder) -> bool:
         raw = bytearray(HEADER_SIZE)
         if not await channel.recv_into(memoryview(raw), None):
             return False
@@ -407,25 +407,15 @@ class KVReceiver:
         carried.add(h.transfer)
         t.started = True
         try:
-            await self._apply(t, h, channel, decoding)
+            await self._apply(t, h, channel, decoder)
         except TransferError as e:
             await self._fail(t, e)
             raise
         return True
 
-    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, decoding: FrameDecoder) -> None:
-        assert t.assembly is not None
-        if h.type is FrameType.CHUNK and h.codec:
-            await self._decode_chunk(t, h, channel, decoding)
-            return
+    async def _apply(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, decoder: FrameDecoder) -> None:
         if h.type is FrameType.CHUNK:
-            unchecked = bool(h.flags & UNCHECKED)
-            if unchecked and not self.config.accept_unchecked:
-                raise ProtocolError("a chunk without a payload checksum; this receiver requires them")
-            view = t.assembly.buffer_for(h)
-            digest = None if unchecked else Checksum()  # fed each block as it is read, while it is in cache
-            await self._receive(t, channel, view, None if digest is None else digest.update)
-            await self._commit(t, h, view, h.crc if digest is None else digest.value)
+            await self._chunk(t, h, channel, decoder)
             return
         payload = await channel.recv_exactly(h.length, self.config.stall_timeout)
         if checksum(payload) != h.crc:
@@ -444,20 +434,32 @@ class KVReceiver:
         elif h.type is not FrameType.ALIVE:  # the sender lives: the progress stamped above is all it means
             raise ProtocolError(f"a receiver does not accept {h.type.name} frames")
 
-    async def _decode_chunk(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, dec: FrameDecoder) -> None:
-        codec = Codec(h.codec)
-        if codec not in self.config.codecs:
+    async def _chunk(self, t: IncomingTransfer, h: FrameHeader, channel: Channel, decoder: FrameDecoder) -> None:
+        """Read a chunk's payload into its place in the slot (decoding a coded one there), check and commit it."""
+        codec, unchecked = Codec(h.codec), h.codec == 0 and bool(h.flags & UNCHECKED)
+        if codec is not Codec.NONE and codec not in self.config.codecs:
             raise ProtocolError(f"a {codec.label} chunk; this receiver did not offer that codec")
+        if unchecked and not self.config.accept_unchecked:
+            raise ProtocolError("a chunk without a payload checksum; this receiver requires them")
         assert t.assembly is not None
         view = t.assembly.buffer_for(h)
-        payload = dec.scratch(h.length)
-        await self._receive(t, channel, payload)
-        if h.length >= OFF_LOOP_BYTES:
-            crc, seconds = await asyncio.to_thread(dec.decode_into, codec, h.dtype, payload, view)
+        if codec is not Codec.NONE:
+            payload = decoder.scratch(h.length)
+            await self._receive(t, channel, payload)
+            if h.length >= OFF_LOOP_BYTES:
+                crc, seconds = await asyncio.to_thread(decoder.decode_into, codec, h.dtype, payload, view)
+            else:
+                crc, seconds = decoder.decode_into(codec, h.dtype, payload, view)
+            t.decode_s += seconds
+        elif unchecked:
+            await self._receive(t, channel, view)
+            crc = h.crc
         else:
-            crc, seconds = dec.decode_into(codec, h.dtype, payload, view)
-        t.decode_s += seconds
-        await self._commit(t, h, view, crc)
+            digest = Checksum()  # fed each block as it is read, while it is in cache
+            await self._receive(t, channel, view, digest.update)
+            crc = digest.value
+        if t.assembly is not None:  # else the transfer failed meanwhile
+            await self._progress(t, t.assembly.commit(h, view, crc))
 
     async def _receive(
         self, t: IncomingTransfer, channel: Channel, view: memoryview, digest: Digest | None = None
@@ -471,16 +473,6 @@ class KVReceiver:
         finally:
             t.receiving -= 1
             t.last_progress = asyncio.get_running_loop().time()
-
-    async def _commit(self, t: IncomingTransfer, h: FrameHeader, view: memoryview, crc: int) -> None:
-        if t.assembly is None:
-            return  # the transfer failed meanwhile
-        try:
-            layers = t.assembly.commit(h, view, crc)
-        except TransferError as e:
-            await self._fail(t, e)
-            raise
-        await self._progress(t, layers)
 
     async def _progress(self, t: IncomingTransfer, layers: list[LayerState]) -> None:
         if not t.deliver(layers, asyncio.get_running_loop().time()):
