@@ -10,7 +10,7 @@ secret, and agree on codecs. It authenticates; it does not encrypt (use TLS for 
 The offer has bit i set for each ``codec.Codec`` i the receiver decodes. Control sessions use the magic b"MFC1"
 and no offer, and sign messages with the key HMAC-SHA256(secret, "key" | hello | client nonce). A transfer
 borrows pooled connections and gives back only those it ended cleanly on; an idle one is checked before it is
-lent again, and every live one is listed so link health can sample its TCP_INFO.
+lent again.
 """
 
 from __future__ import annotations
@@ -172,22 +172,24 @@ DEFAULT_CONNECTIONS = 16
 MAX_CONNECTIONS = 64
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    host: str
-    port: int
-    secret: bytes
-    connect_timeout: float = 5.0
-    unsent_limit: int | None = None
-
-
 class Connections:
-    def __init__(self, endpoint: Endpoint, max_idle: int, ssl: ssl_module.SSLContext | None = None):
-        self.endpoint = endpoint
-        self.max_idle = max_idle
-        self._ssl = ssl
+    """A sender's authenticated connections to one receiver: idle ones kept for the next transfers, every live one
+    listed (by connection id) so link health can sample it."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: bytes,
+        max_idle: int,
+        connect_timeout: float = 5.0,
+        unsent_limit: int | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+    ):
+        self.host, self.port, self._secret, self.max_idle = host, port, secret, max_idle
+        self._connect_timeout, self._unsent_limit, self._ssl = connect_timeout, unsent_limit, ssl
         self._idle: list[Channel] = []
-        self.live: dict[int, Channel] = {}  # connection id -> channel
+        self.live: dict[int, Channel] = {}
         self._offers: dict[Channel, int] = {}  # the codec offer each connection's handshake made
         self._ids = count()
         self._reused: set[Channel] = set()  # lent from the idle list, their first send not made yet
@@ -215,9 +217,9 @@ class Connections:
             raise eg.exceptions[0] from None
         return taken + [task.result() for task in dials]
 
-    async def send_first(self, channel: Channel, parts: Sequence[Buffer], timeout: float | None) -> Channel:
-        """A transfer's first send on ``channel``; the connection that carried it (a new one if a reused
-        connection failed: nothing of the transfer reached a receiver through it)."""
+    async def send(self, channel: Channel, parts: Sequence[Buffer], timeout: float | None) -> Channel:
+        """Send on a lent connection; the one that carried it: a new one if this was a reused connection's first
+        send and it failed (nothing of the transfer reached a receiver through it)."""
         reused = channel in self._reused
         self._reused.discard(channel)
         try:
@@ -233,15 +235,14 @@ class Connections:
 
     def _replaced(self, channel: Channel, why: str) -> None:
         self.stale += 1
-        e = self.endpoint
-        log.info("pooled connection to %s:%d dropped (%s); dialling a new one", e.host, e.port, why)
+        log.info("pooled connection to %s:%d dropped (%s); dialling a new one", self.host, self.port, why)
         self.discard(channel, reset=True)
 
     async def _dial(self) -> Channel:
-        e = self.endpoint
-        channel = await open_channel(e.host, e.port, e.connect_timeout, self._ssl, e.unsent_limit)
+        timeout = self._connect_timeout
+        channel = await open_channel(self.host, self.port, timeout, self._ssl, self._unsent_limit)
         try:
-            self._offers[channel] = await prove_as_sender(channel, e.secret, e.connect_timeout)
+            self._offers[channel] = await prove_as_sender(channel, self._secret, timeout)
         except BaseException:
             channel.close(reset=True)
             raise

@@ -22,7 +22,6 @@ from minifaas.net.connections import (
     DEFAULT_CONNECTIONS,
     MAX_CONNECTIONS,
     Connections,
-    Endpoint,
     TcpInfo,
     check_secret,
     read_tcp_info,
@@ -82,10 +81,6 @@ class SenderConfig:
         if self.unsent_bytes is None:
             return None
         return max(MIN_UNSENT_BYTES, self.unsent_bytes // self.connections)
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return Endpoint(self.host, self.port, self.secret, self.connect_timeout, self.unsent_limit_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +219,7 @@ class OutgoingTransfer:
         clean = False
         try:
             start = control(FrameType.START, self.id, pack_counts(self.layers, self.total_bytes))
-            channels[0] = await self._pool.send_first(channels[0], [start], s.stall_timeout)
+            channels[0] = await self._pool.send(channels[0], [start], s.stall_timeout)
             try:
                 async with asyncio.TaskGroup() as tg:
                     for i in range(len(channels)):
@@ -249,17 +244,12 @@ class OutgoingTransfer:
         )  # fmt: skip
 
     async def _pump(self, channels: list[Channel], i: int) -> None:
-        """Send chunks on ``channels[i]``; its first send may replace it (``Connections.send_first``)."""
-        first = i > 0  # the first connection's first send was START
+        """Send chunks on ``channels[i]``; its first send may replace it (``Connections.send``)."""
         encoder = FrameEncoder()
         alive_on = channels[0] if i == 0 else None
         while (upcoming := await self._next_frame(encoder, alive_on)) is not None:
             chunk, header, payload = upcoming
-            if first:
-                channels[i] = await self._pool.send_first(channels[i], [header, *payload], self._settings.stall_timeout)
-                first = False
-            else:
-                await channels[i].send([header, *payload], self._settings.stall_timeout)
+            channels[i] = await self._pool.send(channels[i], [header, *payload], self._settings.stall_timeout)
             self.queued_bytes -= chunk.length
             self.sent_bytes += chunk.length
             self.wire_bytes += sum(memoryview(p).nbytes for p in payload)
@@ -325,7 +315,10 @@ class OutgoingTransfer:
 class KVSender:
     def __init__(self, config: SenderConfig, ssl: ssl_module.SSLContext | None = None):
         self.config = config
-        self.pool = Connections(config.endpoint, max_idle=config.connections * IDLE_TRANSFERS, ssl=ssl)
+        self.pool = Connections(
+            config.host, config.port, config.secret, config.connections * IDLE_TRANSFERS,
+            config.connect_timeout, config.unsent_limit_bytes, ssl,
+        )  # fmt: skip
         self._active: set[OutgoingTransfer] = set()
 
     async def __aenter__(self) -> KVSender:
