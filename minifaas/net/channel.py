@@ -173,11 +173,6 @@ class Channel:
             self._streams[1].close()
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 async def open_channel(
     host: str, port: int, timeout: float, ssl: ssl_module.SSLContext | None = None, unsent_limit: int | None = None
 ) -> Channel:
@@ -187,23 +182,22 @@ async def open_channel(
         async with asyncio.timeout(timeout):
             if ssl is not None:
                 reader, writer = await asyncio.open_connection(host, port, ssl=ssl)
-                sock = writer.get_extra_info("socket")  # asyncio's TransportSocket: same getsockopt
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if unsent_limit is not None:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, unsent_limit)
-                return Channel(sock, (reader, writer))
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            family, _, _, _, address = infos[0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            _tune(sock)
+                channel = Channel(writer.get_extra_info("socket"), (reader, writer))  # asyncio's TransportSocket
+            else:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, _, _, _, address = infos[0]
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    await asyncio.get_running_loop().sock_connect(sock, address)
+                except BaseException:
+                    sock.close()
+                    raise
+                channel = Channel(sock)
+            channel.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if unsent_limit is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, unsent_limit)
-            try:
-                await asyncio.get_running_loop().sock_connect(sock, address)
-            except BaseException:
-                sock.close()
-                raise
-            return Channel(sock)
+                channel.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, unsent_limit)
+            return channel
     except TimeoutError:
         raise StallError(f"connecting to {host}:{port} took over {timeout} s") from None
     except OSError as e:
@@ -211,7 +205,8 @@ async def open_channel(
 
 
 async def accept_channel(sock: socket.socket, ssl: ssl_module.SSLContext | None = None) -> Channel:
-    _tune(sock)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if ssl is None:
         return Channel(sock)
     loop = asyncio.get_running_loop()

@@ -490,13 +490,11 @@ class KVReceiver:
             return
         (log.debug if t.abandoned else log.warning)("transfer %d failed: %s: %s", t.id, type(error).__name__, error)
         self._finish(t)
-        if t.reply_to is not None and not t.reply_to.closed:
-            await self._reply_quietly(t.reply_to, control(FrameType.ABORT, t.id, reason(error).encode()))
+        await self._abort(t, reason(error))
 
     async def _lost(self, carried: set[int], error: TransferError) -> None:
         for transfer_id in carried:
-            t = self._table.open.get(transfer_id)
-            if t is not None:
+            if (t := self._table.open.get(transfer_id)) is not None:
                 await self._fail(t, error)
 
     async def _broken(self, carried: set[int], e: TransferError | OSError) -> None:
@@ -518,13 +516,15 @@ class KVReceiver:
         log.warning("%s", cause)
         for layer in t.discard():
             self.release(layer)
-        if not t.complete and t.reply_to is not None and not t.reply_to.closed:  # its sender waits for DONE
-            abort = control(FrameType.ABORT, t.id, f"DroppedError: {cause}".encode())
-            self._spawn(self._reply_quietly(t.reply_to, abort))
+        if not t.complete:
+            self._spawn(self._abort(t, f"DroppedError: {cause}"))
 
-    async def _reply_quietly(self, channel: Channel, frame: bytes) -> None:
-        with contextlib.suppress(TransferError):  # else the sender learns from the broken connection or its deadline
-            await channel.send([frame], self.config.stall_timeout)
+    async def _abort(self, t: IncomingTransfer, why: str) -> None:
+        """ABORT to ``t``'s sender if it waits for DONE on END's connection; a failed reply is let go (the sender
+        learns from the broken connection or its deadline)."""
+        if t.reply_to is not None and not t.reply_to.closed:
+            with contextlib.suppress(TransferError):
+                await t.reply_to.send([control(FrameType.ABORT, t.id, why.encode())], self.config.stall_timeout)
 
     async def _reap_stalled(self) -> None:
         loop = asyncio.get_running_loop()

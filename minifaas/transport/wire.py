@@ -123,16 +123,11 @@ class FrameHeader:
         return n
 
     def pack(self) -> bytes:
-        name = self.name.encode()
-        if len(name) > NAME_BYTES:
-            raise ValueError(f"slot name {self.name!r} longer than {NAME_BYTES} bytes")
-        if len(self.shape) > MAX_NDIM:
-            raise ValueError(f"{len(self.shape)} dims; the wire carries at most {MAX_NDIM}")
-        shape = (*self.shape, *([0] * (MAX_NDIM - len(self.shape))))
+        shape = (*self.shape, *([0] * (MAX_NDIM - len(self.shape))))  # name and shape fit: ``split_chunks`` checked
         head = _HEADER.pack(
             MAGIC, VERSION, self.type, self.kind, self.dtype, self.transfer, self.layer, self.slot, self.n_slots,
             len(self.shape), self.flags, self.codec, self.crc, self.seq_len, self.offset, self.length, self.decoded,
-            *shape, name,
+            *shape, self.name.encode(),
         )  # fmt: skip
         return head + _HEADER_CRC.pack(checksum(head))
 
