@@ -241,11 +241,8 @@ class Recording:
         self.start = time.perf_counter()
         self.events: list[tuple[float, str, tuple[Any, ...]]] = []
 
-    def put_threadsafe(self, layer: Any) -> None:
-        self.events.append((time.perf_counter() - self.start, "put", (layer,)))
-
-    def put_tokens_threadsafe(self, piece: Any, start: int, total: int) -> None:
-        self.events.append((time.perf_counter() - self.start, "put_tokens", (piece, start, total)))
+    def put_threadsafe(self, state: Any, start: int = 0, total: int | None = None) -> None:
+        self.events.append((time.perf_counter() - self.start, "put", (state, start, total)))
 
 
 async def replay(recording: Recording, seconds: float, out: Any) -> float:

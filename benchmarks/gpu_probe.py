@@ -390,17 +390,14 @@ def kernels(model: str, device: str, dtype_name: str, against: str) -> dict:
 
 
 class HostFirst:
-    """An outgoing transfer's two puts, each layer copied to host memory in the forward's thread first (no
+    """An outgoing transfer's put, each layer copied to host memory in the forward's thread first (no
     staging): what the transfer costs without the side-stream copies."""
 
     def __init__(self, wire: OutgoingTransfer) -> None:
         self.wire = wire
 
-    def put_threadsafe(self, layer: LayerState) -> None:
-        self.wire.put_threadsafe(host(ModelState([layer], layer.seq_len)).layers[0])
-
-    def put_tokens_threadsafe(self, piece: LayerState, start: int, total: int) -> None:
-        self.wire.put_tokens_threadsafe(host(ModelState([piece], piece.seq_len)).layers[0], start, total)
+    def put_threadsafe(self, state: LayerState, start: int = 0, total: int | None = None) -> None:
+        self.wire.put_threadsafe(host(ModelState([state], state.seq_len)).layers[0], start, total)
 
 
 async def transfer(rt: ModelRuntime, ids: list[int], chunk: int, staged: bool, connections: int = 4) -> dict:

@@ -78,7 +78,7 @@ def test_a_pump_waits_for_the_copy_in_a_thread_and_sends_the_bytes_it_filled() -
                 ticks = 0
                 async with tx.stream(4, len(state.layers)) as out:
                     for layer in empty:
-                        out.put(layer, copy)
+                        out.put(layer, ready=copy)
                     for _ in range(20):  # the loop goes on while the pumps wait
                         await asyncio.sleep(0.005)
                         ticks += 1

@@ -187,7 +187,7 @@ def test_full_attention_layers_put_as_token_ranges_arrive_whole() -> None:
                 for start, end in itertools.pairwise(cuts):  # as a prefill in three token chunks would
                     for layer in state.layers:
                         if layer.kind.grows:
-                            out.put_tokens(layer.slice_tokens(start, end), start, 90)
+                            out.put(layer.slice_tokens(start, end), start, 90)
                         elif end == 90:
                             out.put(layer)
             assert same_state(await rx.transfer(8).model_state(), state)

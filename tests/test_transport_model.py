@@ -104,7 +104,7 @@ def test_prefill_in_token_chunks_streams_full_attention_ranges(runtime: ModelRun
 
                         def on_layer(layer: Any, start: int = start, end: int = end) -> None:
                             if layer.kind.grows:
-                                out.put_tokens_threadsafe(layer.slice_tokens(start, end), start, 40)
+                                out.put_threadsafe(layer.slice_tokens(start, end), start, 40)
                             elif end == 40:
                                 out.put_threadsafe(layer)
 

@@ -97,11 +97,10 @@ def test_streamed_pieces_rebuild_the_computed_state_bit_exact(runtime: ModelRunt
             async with KVSender(config) as sender, sender.stream(5, runtime.num_states) as tx:
 
                 class Recorded:  # the transfer, with every token range put in it noted
-                    put_threadsafe = tx.put_threadsafe
-
-                    def put_tokens_threadsafe(self, piece: LayerState, start: int, total: int) -> None:
-                        pieces.append((piece.layer, start, start + piece.seq_len, total))
-                        tx.put_tokens_threadsafe(piece, start, total)
+                    def put_threadsafe(self, piece: LayerState, start: int = 0, total: int | None = None) -> None:
+                        if total is not None:
+                            pieces.append((piece.layer, start, start + piece.seq_len, total))
+                        tx.put_threadsafe(piece, start, total)
 
                 sink = TransferSink(Recorded(), link_start, len(SECOND))  # type: ignore[arg-type]
                 computed = await asyncio.to_thread(store.compute, runtime, plan, sink, GREEDY, 24)

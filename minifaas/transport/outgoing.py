@@ -161,28 +161,24 @@ class OutgoingTransfer:
             self._queue.put_nowait(None)
         self.report = await self._runner
 
-    def put(self, layer: LayerState, ready: CopyDone | None = None) -> None:
-        """Queue a finished layer in host memory (``ready``: its copy there, if still under way). Call on the
-        event loop's thread."""
-        if self._accept(layer.layer, 0, layer.seq_len, layer.seq_len):
-            self._enqueue(split_chunks(layer, self._settings.chunk_bytes, ready))
+    def put(self, state: LayerState, start: int = 0, total: int | None = None, ready: CopyDone | None = None) -> None:
+        """Queue a finished layer in host memory or, given ``total``, tokens [start, start + state.seq_len) of a
+        full-attention layer that will hold ``total`` (pieces of one layer in token order; the receiver sees one
+        whole layer). ``ready``: the copy to host memory, if still under way. Call on the event loop's thread."""
+        end = start + state.seq_len
+        if not self._accept(state.layer, start, end, end if total is None else total):
+            return
+        if total is None:
+            self._enqueue(split_chunks(state, self._settings.chunk_bytes, ready))
+        else:
+            self._enqueue(split_token_range(state, start, total, self._settings.chunk_bytes, ready))
 
-    def put_tokens(self, piece: LayerState, start: int, total: int, ready: CopyDone | None = None) -> None:
-        """Queue tokens [start, start + piece.seq_len) of a full-attention layer that will hold ``total`` (prefill
-        in token chunks). Pieces of one layer go in token order; the receiver sees one whole layer."""
-        if self._accept(piece.layer, start, start + piece.seq_len, total):
-            self._enqueue(split_token_range(piece, start, total, self._settings.chunk_bytes, ready))
-
-    def put_threadsafe(self, layer: LayerState) -> None:
+    def put_threadsafe(self, state: LayerState, start: int = 0, total: int | None = None) -> None:
         """``put`` from another thread, e.g. a model runtime's per-layer callback. A state on a GPU is
         staged to pinned host memory here, in the caller's thread, without waiting for the copy."""
         assert self._loop is not None, "enter the transfer first"
-        self._loop.call_soon_threadsafe(self.put, *self._stage(layer))
-
-    def put_tokens_threadsafe(self, piece: LayerState, start: int, total: int) -> None:
-        assert self._loop is not None, "enter the transfer first"
-        host, ready = self._stage(piece)
-        self._loop.call_soon_threadsafe(self.put_tokens, host, start, total, ready)
+        host, ready = self._stage(state)
+        self._loop.call_soon_threadsafe(self.put, host, start, total, ready)
 
     def _stage(self, state: LayerState) -> tuple[LayerState, CopyDone | None]:
         """``state`` in host memory, and the copy there if one is under way."""

@@ -354,4 +354,4 @@ class TransferSink:
         if first == skip and end == self.total:  # the whole part of the layer that crosses the link
             self.tx.put_threadsafe(piece)
         else:
-            self.tx.put_tokens_threadsafe(piece, first - skip, self.total - skip)
+            self.tx.put_threadsafe(piece, first - skip, self.total - skip)
