@@ -262,11 +262,7 @@ class FrameDecoder:
     def decode_into(self, codec: Codec, dtype_code: int, payload: memoryview, out: memoryview) -> tuple[int, float]:
         """Decode a frame's payload into the slot bytes it stands for; returns their checksum and the
         seconds it took. CorruptFrameError if the payload does not decode to them."""
-        start = time.perf_counter()
-        self._decode(codec, DTYPES[dtype_code], payload, out)
-        return checksum(out), time.perf_counter() - start
-
-    def _decode(self, codec: Codec, dtype: torch.dtype, payload: memoryview, out: memoryview) -> None:
+        start, dtype = time.perf_counter(), DTYPES[dtype_code]
         try:
             if codec is Codec.LOSSLESS:
                 self._planes.decode_into(payload, dtype.itemsize, out)
@@ -276,6 +272,7 @@ class FrameDecoder:
                 raise PlaneError(f"{codec.name} is not a coded frame")
         except (PlaneError, BlockError) as e:
             raise CorruptFrameError(f"{codec.label} payload: {e}") from None
+        return checksum(out), time.perf_counter() - start
 
 
 def codecs_for(mode: str) -> frozenset[Codec]:

@@ -47,7 +47,6 @@ class Channel:
                 raise ConnectionLostError(f"send failed: {e}") from None
 
     async def _sendmsg_all(self, views: list[memoryview], timeout: float | None) -> None:
-        loop = asyncio.get_running_loop()
         views = [v for v in views if v.nbytes]
         while views:
             try:
@@ -61,20 +60,26 @@ class Channel:
                     views[0] = views[0][sent:]
                     sent = 0
             if views:
-                await self._wait_moving(loop, timeout, write=True)
+                await self._wait(timeout, write=True)
 
-    async def _wait_moving(self, loop: asyncio.AbstractEventLoop, timeout: float | None, write: bool) -> None:
-        """``_wait_ready``, with its deadline moved on each time the socket's queue changed since the last:
-        bytes left the send queue, or came into the receive queue below SO_RCVLOWAT."""
-        queued = self._queued(write)
-        while True:
-            try:
-                return await self._wait_ready(loop, timeout, write)
-            except TimeoutError:
-                now = self._queued(write)
-                if now == queued:
-                    raise
+    async def _wait(self, timeout: float | None, write: bool) -> None:
+        """Until the socket can be written (or read); TimeoutError only if its kernel queue did not change for
+        ``timeout`` seconds (bytes leaving the send queue, or coming into the receive queue below SO_RCVLOWAT)."""
+        loop = asyncio.get_running_loop()
+        fd = self.sock.fileno()
+        if fd < 0:
+            raise ConnectionLostError("socket closed")
+        add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+        ready = loop.create_future()
+        add(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            queued = self._queued(write)
+            while not (await asyncio.wait([ready], timeout=timeout))[0]:
+                if (now := self._queued(write)) == queued:
+                    raise TimeoutError
                 queued = now
+        finally:
+            remove(fd)
 
     def _queued(self, write: bool) -> int:
         """Bytes in the kernel's send queue (not yet acknowledged) or receive queue (not yet read)."""
@@ -83,19 +88,6 @@ class Channel:
             return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), request, b"\0\0\0\0"))[0]
         except OSError:
             return -1  # closed meanwhile: no progress; the next read or write reports why
-
-    async def _wait_ready(self, loop: asyncio.AbstractEventLoop, timeout: float | None, write: bool) -> None:
-        ready = loop.create_future()
-        fd = self.sock.fileno()
-        if fd < 0:
-            raise ConnectionLostError("socket closed")
-        add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-        add(fd, lambda: ready.done() or ready.set_result(None))
-        try:
-            async with asyncio.timeout(timeout):
-                await ready
-        finally:
-            remove(fd)
 
     async def recv_into(self, view: memoryview, timeout: float | None, digest: Digest | None = None) -> bool:
         """Fill ``view`` exactly, handing each block read to ``digest`` while it is in cache.
@@ -134,7 +126,7 @@ class Channel:
                 return self.sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
                 self._wake_at(min(view.nbytes, WAKE_BYTES))
-                await self._wait_moving(asyncio.get_running_loop(), timeout, write=False)
+                await self._wait(timeout, write=False)
 
     def _wake_at(self, nbytes: int) -> None:
         """Be woken only when ``nbytes`` have arrived (or the stream ended): one big read instead of many small."""

@@ -64,7 +64,6 @@ _HEADER_CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _HEADER_CRC.size
 _COUNTS = struct.Struct("<IQ")
 _RECEIPT = struct.Struct("<IQQQ")
-CODECS = 4  # codec ids 0..3 (codec.Codec)
 
 _KINDS = frozenset(int(k) for k in StateKind)
 _ITEMSIZE = {code: torch.empty((), dtype=dtype).element_size() for code, dtype in DTYPES.items()}
@@ -170,7 +169,7 @@ def _check_chunk(h: FrameHeader, limits: Limits) -> None:
         raise ProtocolError(f"unknown dtype code {h.dtype}")
     if not 0 <= h.slot < h.n_slots <= MAX_SLOTS:
         raise ProtocolError(f"slot {h.slot} of {h.n_slots} (at most {MAX_SLOTS})")
-    if h.codec >= CODECS:
+    if h.codec >= len(Codec):
         raise ProtocolError(f"unknown codec {h.codec}")
     if h.codec == 0 and h.decoded != h.length:
         raise ProtocolError(f"an uncoded chunk of {h.length} bytes claims to decode to {h.decoded}")
