@@ -225,7 +225,7 @@ class TransferTable:
         t = self.open.get(transfer_id)
         if t is None and transfer_id in self._ended:  # dropped, or claimed once already
             why = self._ended[transfer_id].removeprefix("DroppedError: ")
-            t = self._new(transfer_id, now)
+            t = IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._allocate)
             t.fail(DroppedError(why or f"transfer {transfer_id} has already ended"))
         elif t is None:
             t = self._open(transfer_id, now)
@@ -280,11 +280,8 @@ class TransferTable:
     def _open(self, transfer_id: int, now: float) -> IncomingTransfer:
         if len(self.open) >= self.max_open:
             self._make_room()
-        t = self.open[transfer_id] = self._new(transfer_id, now)
+        t = self.open[transfer_id] = IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._allocate)
         return t
-
-    def _new(self, transfer_id: int, now: float) -> IncomingTransfer:
-        return IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._allocate)
 
     def _make_room(self) -> None:
         full = f"the table of {self.max_open} transfers was full"
