@@ -22,7 +22,7 @@ from typing import TypeVar
 from minifaas.codec.codec import Codec, usable
 from minifaas.control.worker_ops import Export, First, Prefill, Prefilled
 from minifaas.model.batch_prefill import PrefillBatch
-from minifaas.model.decode_memory import RowBytes, row_bytes
+from minifaas.model.decode_memory import row_bytes
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
@@ -67,7 +67,7 @@ class PrefillService:
         self.batch_tokens = batch_tokens  # a batch's token budget
         self.waiting: list[PrefillJob] = []  # prompts queued for the lock that a batch may take along
         self.riders = 0  # prompts computed in the forward of a prompt ahead of them
-        self.sizes: RowBytes | None = None  # a request's state size, once a batch needs it
+        self.sizes = row_bytes(runtime) if batch_tokens else None  # a request's state size, for a batch's rows
         self.queued: set[PrefillJob] = set()  # prompts waiting for their turn or in their forwards
         self._keeping: set[asyncio.Task[None]] = set()  # stores into the pool still under way
         self.kept: Callable[[], None] | None = None  # called after each store (the session sends the pool's news)
@@ -93,10 +93,7 @@ class PrefillService:
             await take_in(self.store, self.receiver, job.tokens, msg.import_, self.import_timeout)
         self.queued.add(job)
         try:
-            if self.batch_tokens:  # False: a batch ahead took it along, planned
-                job.holds_lock = await turn_or_ride(self.compute, self.waiting, job)
-            else:
-                job.holds_lock = await self.compute.acquire()
+            job.holds_lock = await turn_or_ride(self.compute, self.waiting, job)  # False: a batch took it along
             job.started = time.perf_counter()
             if job.batch is None:  # batching is chosen once, here: alone, or leading the prompts queued behind
                 job.plan = self.store.begin(job.tokens, msg.seen_tokens or 0)
@@ -141,10 +138,8 @@ class PrefillService:
     def _connections(self, job: PrefillJob) -> int:
         """The connections a batched prompt's transfer needs: its state is small, a few chunks cross at once
         (0 outside a batch: the sender's own count)."""
-        if job.batch is None:
+        if job.batch is None or self.sizes is None:
             return 0
-        if self.sizes is None:
-            self.sizes = row_bytes(self.runtime)
         state = self.sizes.fixed + self.sizes.per_token * len(job.tokens)
         return max(1, min(self.connections, -(-state // job.sender.config.chunk_bytes)))  # a chunk per connection
 
@@ -190,7 +185,7 @@ class PrefillService:
 
     def codec(self, msg: Prefill | Export) -> Codec:
         """The codec the gateway asked for, or the nearest this worker allows."""
-        return usable(Codec.named(msg.codec or "none"), frozenset(self.codecs))
+        return usable(Codec.named(msg.codec or "none"), self.codecs)
 
     async def close(self) -> None:
         await asyncio.gather(*self._keeping, return_exceptions=True)
