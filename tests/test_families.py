@@ -18,7 +18,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,7 +122,7 @@ async def prefill_remotely(child: Child, rt: ModelRuntime) -> dict[str, tuple[di
     kept = DecodePrefixCache(PoolConfig("d", 1 << 30, BLOCK), rt.spec.name, rt.layout.kinds, "d")
     out = {}
     async with KVReceiver(ReceiverConfig(SECRET)) as rx:
-        receiver = JoiningReceiver(rx, kept, time.monotonic)
+        receiver = JoiningReceiver(rx, kept)
         for transfer, (name, (ids, keep)) in enumerate(PROMPTS.items()):
             link_start = kept.pin(transfer, ids, keep)
             msg = msgspec.to_builtins(Prefill(req=name, tokens=ids, sampling=Sampling.of(GREEDY), transfer=transfer,

@@ -12,7 +12,7 @@ always cross whole); ``JoiningReceiver`` joins the two, so the decode service se
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -96,7 +96,8 @@ class PrefixStore:
         adds what it holds."""
         size, n = self.pool.config.block_size, len(tokens)
         keys = PromptKeys.from_tokens(tokens, size, self.namespace)
-        logits = self._logits_at_end(keys)
+        at_end = self.pool.entry(EntryKind.SNAPSHOT, keys.end_key) if self.enabled else None  # it kept the logits
+        logits = at_end.payload.logits if at_end is not None and isinstance(at_end.payload, Snapshot) else None
         lease = self.pool.acquire(keys, limit=n if logits is not None else n - 1)
         h, prefix = lease.hit_tokens, self.load(lease)
         points = []
@@ -104,15 +105,8 @@ class PrefixStore:
             seen = max(seen_tokens, self.pool.match(keys, limit=n - 1).kv_blocks * size)
             points = self.pool.snapshot_points(h, n, seen)
         snapshot_end = bool(points) and points[-1] == n
-        plan = CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end, h)
-        plan.logits = logits if h == n else None
-        return plan
-
-    def _logits_at_end(self, keys: PromptKeys) -> torch.Tensor | None:
-        """The logits kept with a snapshot at the prompt's very end, if this pool holds one."""
-        entry = self.pool.entry(EntryKind.SNAPSHOT, keys.end_key) if self.enabled else None
-        payload = entry.payload if entry is not None else None
-        return payload.logits if isinstance(payload, Snapshot) else None
+        points = points[:-1] if snapshot_end else points
+        return CachedPrefill(keys, lease, prefix, points, snapshot_end, h, logits=logits if h == n else None)
 
     def advance(
         self, runtime: ModelRuntime, plan: CachedPrefill, sink: LayerSink | None = None, chunk_tokens: int = 0
@@ -293,7 +287,7 @@ class DecodePrefixCache:
         for j, key in enumerate(keys.block_keys):
             entry = self.pool.entry(EntryKind.BLOCK, key)
             payload = entry.payload if entry is not None else block_payload(state, j, size)
-            if not self.pool.put_block(keys, j, now, sum(s.nbytes for s in payload or ()), payload):
+            if not self.pool.put_block(keys, j, now, _nbytes(payload or ()), payload):
                 break
         self.pool.touch(keys, keys.num_full_blocks * size)
 
@@ -309,17 +303,16 @@ class DecodePrefixCache:
 class JoiningReceiver:
     """The decode service's receiver: whole states out, whether or not the prefix crossed the link."""
 
-    def __init__(self, receiver: KVReceiver, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
-        self.receiver, self.cache, self.clock = receiver, cache, clock
+    def __init__(self, receiver: KVReceiver, cache: DecodePrefixCache) -> None:
+        self.receiver, self.cache = receiver, cache
 
     def transfer(self, transfer_id: int) -> JoinedTransfer:
-        return JoinedTransfer(self.receiver.transfer(transfer_id), self.cache, self.clock)
+        return JoinedTransfer(self.receiver.transfer(transfer_id), self.cache)
 
 
 class JoinedTransfer:
-    def __init__(self, incoming: IncomingTransfer, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
-        self.incoming, self.cache, self.clock = incoming, cache, clock
-        self.id = incoming.id
+    def __init__(self, incoming: IncomingTransfer, cache: DecodePrefixCache) -> None:
+        self.incoming, self.cache, self.id = incoming, cache, incoming.id
 
     async def __aiter__(self) -> AsyncIterator[LayerState]:
         layers = []
@@ -330,7 +323,7 @@ class JoinedTransfer:
         except BaseException:
             self.cache.cancel(self.id)
             raise
-        self.cache.received(self.id, _whole(layers), self.clock())
+        self.cache.received(self.id, _whole(layers), time.perf_counter())
 
     async def model_state(self) -> ModelState:
         return _whole([layer async for layer in self])

@@ -16,7 +16,6 @@ import gc
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -164,7 +163,7 @@ async def _decode_side(
     receiver = await stack.enter_async_context(KVReceiver(config))
     kv = _advertised(args, kv_host, receiver.port)
     prefixes = DecodePrefixCache(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
-    joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
+    joining = JoiningReceiver(receiver, prefixes)
     service = DecodeService(runtime, joining, args.state_timeout, decoding)
     session = functools.partial(DecodeSession, service=service, prefixes=prefixes)
     return Side(session, kv, {}, service.run, service.max_batch)
