@@ -207,15 +207,12 @@ class DecodeSession(WorkerSession):
             self.decoding.discard(message.req)  # its row is gone: nothing to abort when the session ends
 
     def run(self, msg: Job) -> None:
-        req = msg.req
-        if req in self.jobs:
-            raise ops.BadMessage(f"request {req!r} is already running")
+        super().run(msg)  # its task starts on the loop's next turn, after these
         if self.prefixes is not None:
             pinned = self.prefixes.pin(msg.transfer, msg.tokens, msg.link_start)
             if msg.link_start:
-                self.emit(ops.Pinned(req=req, transfer=msg.transfer, tokens=pinned))
-        self.decoding.add(req)
-        super().run(msg)
+                self.emit(ops.Pinned(req=msg.req, transfer=msg.transfer, tokens=pinned))
+        self.decoding.add(msg.req)
 
     def start(self, msg: ops.Start) -> None:
         self.service.start(msg.req, msg.next_token)
