@@ -48,7 +48,6 @@ class PrefillService:
         pipelined: bool,
         store: PrefixStore,
         receiver: KVReceiver | None = None,  # takes cache moves in; None: this node accepts none
-        import_timeout: float = 30.0,
         chunk_tokens: int = 0,  # prefill in forwards of at most this many tokens, streaming each (0: one forward)
         codecs: frozenset[Codec] = frozenset(),  # the codecs this worker may send with (none always)
         batch_tokens: int = 0,  # queued prompts of one length share a forward of at most this many tokens (0: not)
@@ -59,7 +58,7 @@ class PrefillService:
         # transfer would sit open with nothing on it
         self.chunk_tokens = chunk_tokens if any(kind.grows for kind in store.layout) else 0
         self.runtime, self.secret, self.store = runtime, secret, store
-        self.receiver, self.import_timeout = receiver, import_timeout
+        self.receiver = receiver
         self.connections, self.pipelined = connections, pipelined
         self.codecs = codecs | {Codec.NONE}
         self.senders: dict[tuple[str, int], KVSender] = {}
@@ -90,7 +89,7 @@ class PrefillService:
         Cancelling the task aborts the request: the forward stops early, ``stopped_at[req]`` says how far."""
         job = PrefillJob(msg, self.sender(*msg.kv), time.perf_counter())
         if msg.import_ is not None:
-            await take_in(self.store, self.receiver, job.tokens, msg.import_, self.import_timeout)
+            await take_in(self.store, self.receiver, job.tokens, msg.import_)
         self.queued.add(job)
         try:
             job.holds_lock = await turn_or_ride(self.compute, self.waiting, job)  # False: a batch took it along

@@ -60,7 +60,7 @@ class CachedPrefill:
     points: list[int]  # snapshot points inside the prompt: each ends a forward, its state is kept
     snapshot_end: bool  # keep the state at the prompt's end too
     done: int = 0
-    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload)
+    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload) to keep, the end once cut
     logits: torch.Tensor | None = None  # the whole prompt is the hit: the logits of the token after it
     seconds: float = 0.0  # spent in forwards so far
 
@@ -76,7 +76,6 @@ class Computed:
 
     result: PrefillResult
     blocks: list[tuple[int, Payload]] = field(default_factory=list)  # (block index, payload)
-    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload)
     cut: bool = False  # the blocks and the end snapshot are in
 
 
@@ -145,7 +144,7 @@ class PrefixStore:
         result = runtime.prefill(tokens[plan.done :], plan.state, on_layer, sampling, chunk_tokens, on_tokens)
         result.seconds += plan.seconds
         result.computed_tokens = len(tokens) - plan.hit_tokens
-        return Computed(result, snapshots=list(plan.snapshots), cut=not self.enabled)
+        return Computed(result, cut=not self.enabled)
 
     def cut(self, plan: CachedPrefill, computed: Computed) -> None:
         """Copy out of the final state what the pool keeps: the new blocks and the end snapshot. Blocking (on
@@ -155,7 +154,7 @@ class PrefixStore:
         size, final = self.pool.config.block_size, computed.result.state
         if plan.snapshot_end:
             end = Snapshot(snapshot_payload(final, self.layout, size), computed.result.logits)
-            computed.snapshots.append((plan.keys.num_tokens, end))
+            plan.snapshots.append((plan.keys.num_tokens, end))
         first = plan.hit_tokens // size
         computed.blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
         computed.cut = True
@@ -168,7 +167,7 @@ class PrefixStore:
             for j, payload in computed.blocks:
                 if not self.pool.put_block(plan.keys, j, now, _nbytes(payload), payload):
                     break  # a later block would be an orphan
-            for n, snapshot in computed.snapshots:
+            for n, snapshot in plan.snapshots:
                 self.pool.put_snapshot(plan.keys, n, now, snapshot.nbytes, snapshot)
             self.pool.touch(plan.keys, plan.keys.num_tokens)
         finally:
