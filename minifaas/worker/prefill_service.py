@@ -24,12 +24,12 @@ from minifaas.control.worker_ops import Export, First, Prefill, Prefilled
 from minifaas.model.batch_prefill import PrefillBatch
 from minifaas.model.decode_memory import row_bytes
 from minifaas.model.layer_state import LayerState, StateKind
-from minifaas.model.runtime import ModelRuntime
+from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig, TransferReport
 from minifaas.transport.receiver import KVReceiver
 from minifaas.worker.prefix_moves import take_in
-from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
+from minifaas.worker.prefix_store import CachedPrefill, PrefixStore
 
 log = logging.getLogger("minifaas.prefill")
 T = TypeVar("T")
@@ -123,16 +123,16 @@ class PrefillService:
             job.sink = TransferSink(tx, msg.link_start, len(job.tokens), job.stop)
             if job.batch is None:
                 args = (self.runtime, plan, job.sink, job.sampling, self.chunk_tokens)
-                computed = await until_done(job.stop, self.runtime.on_forward_thread(self.store.compute, *args))
+                result = await until_done(job.stop, self.runtime.on_forward_thread(self.store.compute, *args))
             else:
-                computed = await self._row(job)
+                result = await self._row(job)
             self.queued.discard(job)  # its forwards are done: it no longer counts as queued
             computed_at = time.perf_counter()
             if first is not None:  # the client may see it while the transfer's tail is still on the wire
-                first(First(req=msg.req, transfer=msg.transfer, next_token=computed.result.next_token))
-            self._keep(job, computed)
+                first(First(req=msg.req, transfer=msg.transfer, next_token=result.next_token))
+            self._keep(job, result)
         assert tx.report is not None
-        return _prefilled(job, plan, computed, tx.report, computed_at, time.perf_counter())
+        return _prefilled(job, plan, result, tx.report, computed_at, time.perf_counter())
 
     def _connections(self, job: PrefillJob) -> int:
         """The connections a batched prompt's transfer needs: its state is small, a few chunks cross at once
@@ -142,7 +142,7 @@ class PrefillService:
         state = self.sizes.fixed + self.sizes.per_token * len(job.tokens)
         return max(1, min(self.connections, -(-state // job.sender.config.chunk_bytes)))  # a chunk per connection
 
-    async def _row(self, job: PrefillJob) -> Computed:
+    async def _row(self, job: PrefillJob) -> PrefillResult:
         """``job``'s row of its batch's forward. Cancelled, the row stops at its next layer (``job.stop``) and the
         forward goes on for the others; the leader runs it, and returns only once it has ended."""
         batch = job.batch
@@ -151,12 +151,12 @@ class PrefillService:
         if batch.leader is job:
             await until_done(job.stop, batch.run(self.runtime))
         try:
-            return Computed(await batch.outcome(job), cut=not self.store.enabled)
+            return await batch.outcome(job)
         except asyncio.CancelledError:
             job.stop.set()
             raise
 
-    def _keep(self, job: PrefillJob, computed: Computed) -> None:
+    def _keep(self, job: PrefillJob, result: PrefillResult) -> None:
         """Copy out (on the forward thread) and store what the pool keeps of a computed prompt, then let the next
         prompt compute: it sees this one's blocks. Nobody waits on it for a first token. It takes the prompt's
         plan and compute lock over."""
@@ -166,9 +166,9 @@ class PrefillService:
 
         async def keep() -> None:
             try:
-                if not computed.cut:  # nothing to copy with the cache off: no thread hop either
-                    await self.runtime.on_forward_thread(self.store.cut, plan, computed)
-                self.store.finish(plan, computed, time.perf_counter())
+                if not plan.cut:  # nothing to copy with the cache off: no thread hop either
+                    await self.runtime.on_forward_thread(self.store.cut, plan, result)
+                self.store.finish(plan, result, time.perf_counter())
             except Exception:  # the prompt was answered; only its cache entries are lost
                 log.exception("storing a prompt's prefix in the pool failed")
             finally:
@@ -218,11 +218,10 @@ class PrefillJob:
 
 
 def _prefilled(
-    job: PrefillJob, plan: CachedPrefill, computed: Computed, report: TransferReport, computed_at: float, now: float
+    job: PrefillJob, plan: CachedPrefill, result: PrefillResult, report: TransferReport, computed_at: float, now: float
 ) -> Prefilled:
     """The reply: the first token, what the cache saved, where the time went, what the codec did."""
     assert job.sink is not None
-    result = computed.result
     return Prefilled(
         req=job.msg.req,
         transfer=job.msg.transfer,

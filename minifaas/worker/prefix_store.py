@@ -52,7 +52,9 @@ class Snapshot:
 
 @dataclass(slots=True)
 class CachedPrefill:
-    """One prompt's cache plan and progress: its keys, the pinned hit, the state reached so far."""
+    """One prompt's cache plan and progress: its keys, the pinned hit, the state reached so far, and what the pool
+    keeps of it: cut from the final state by ``cut``, after the result has gone on (the copies are no part of the
+    time to the first token)."""
 
     keys: PromptKeys
     lease: Lease[Payload]
@@ -63,20 +65,12 @@ class CachedPrefill:
     snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload) to keep, the end once cut
     logits: torch.Tensor | None = None  # the whole prompt is the hit: the logits of the token after it
     seconds: float = 0.0  # spent in forwards so far
+    blocks: list[tuple[int, Payload]] = field(default_factory=list)  # (block index, payload) to keep, once cut
+    cut: bool = False  # the blocks and the end snapshot are in (or nothing is kept)
 
     @property
     def hit_tokens(self) -> int:
         return self.lease.hit_tokens
-
-
-@dataclass(slots=True)
-class Computed:
-    """A prefill's result, and what of it the pool keeps: cut from the final state by ``cut``, after the
-    result has gone on (the copies are no part of the time to the first token)."""
-
-    result: PrefillResult
-    blocks: list[tuple[int, Payload]] = field(default_factory=list)  # (block index, payload)
-    cut: bool = False  # the blocks and the end snapshot are in
 
 
 class PrefixStore:
@@ -105,7 +99,8 @@ class PrefixStore:
             points = self.pool.snapshot_points(h, n, seen)
         snapshot_end = bool(points) and points[-1] == n
         points = points[:-1] if snapshot_end else points
-        return CachedPrefill(keys, lease, prefix, points, snapshot_end, h, logits=logits if h == n else None)
+        logits = logits if h == n else None
+        return CachedPrefill(keys, lease, prefix, points, snapshot_end, h, logits=logits, cut=not self.enabled)
 
     def advance(
         self, runtime: ModelRuntime, plan: CachedPrefill, sink: LayerSink | None = None, chunk_tokens: int = 0
@@ -130,12 +125,13 @@ class PrefixStore:
         sink: LayerSink | None = None,
         sampling: SamplingParams = GREEDY,
         chunk_tokens: int = 0,
-    ) -> Computed:
+    ) -> PrefillResult:
         """Prefill the rest of the prompt, streaming it to ``sink``: with ``chunk_tokens``, every forward in token
         chunks; without, the last forward by layer. Blocking: run it in a thread. What the pool keeps of it is
         cut later (``cut``, ``finish``)."""
-        if plan.logits is not None:
-            return Computed(replayed(runtime, plan, sink, sampling), cut=True)
+        if plan.logits is not None:  # held whole: nothing new to keep
+            plan.cut = True
+            return replayed(runtime, plan, sink, sampling)
         self.advance(runtime, plan, sink, chunk_tokens)
         tokens = plan.keys.tokens
         assert tokens is not None
@@ -144,27 +140,27 @@ class PrefixStore:
         result = runtime.prefill(tokens[plan.done :], plan.state, on_layer, sampling, chunk_tokens, on_tokens)
         result.seconds += plan.seconds
         result.computed_tokens = len(tokens) - plan.hit_tokens
-        return Computed(result, cut=not self.enabled)
+        return result
 
-    def cut(self, plan: CachedPrefill, computed: Computed) -> None:
+    def cut(self, plan: CachedPrefill, result: PrefillResult) -> None:
         """Copy out of the final state what the pool keeps: the new blocks and the end snapshot. Blocking (on
         a GPU the copies wait for the device): run it in a thread. The pool itself is not touched."""
-        if computed.cut:
+        if plan.cut:
             return
-        size, final = self.pool.config.block_size, computed.result.state
+        size, final = self.pool.config.block_size, result.state
         if plan.snapshot_end:
-            end = Snapshot(snapshot_payload(final, self.layout, size), computed.result.logits)
+            end = Snapshot(snapshot_payload(final, self.layout, size), result.logits)
             plan.snapshots.append((plan.keys.num_tokens, end))
         first = plan.hit_tokens // size
-        computed.blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
-        computed.cut = True
+        plan.blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
+        plan.cut = True
 
-    def finish(self, plan: CachedPrefill, computed: Computed, now: float) -> None:
+    def finish(self, plan: CachedPrefill, result: PrefillResult, now: float) -> None:
         """Store the new blocks (in order, so each finds its parent), then the snapshots; unpin the hit. Cuts
         them first where ``cut`` has not (then it blocks as ``cut`` does)."""
         try:
-            self.cut(plan, computed)
-            for j, payload in computed.blocks:
+            self.cut(plan, result)
+            for j, payload in plan.blocks:
                 if not self.pool.put_block(plan.keys, j, now, _nbytes(payload), payload):
                     break  # a later block would be an orphan
             for n, snapshot in plan.snapshots:
