@@ -4,8 +4,8 @@ The decoder is stepped on the model thread, one step per round, and the event lo
 rounds. Only the loop touches the decoder while no step is in flight: an arrival or an abort during a step is
 applied when it returns. A request refused by a full waiting queue is answered ``failed`` at once. With ``hold``,
 a step waits a multiple of the last one's length while more requests are on their way, so more rows share it.
-The receiver is the node's own, or joined onto its prefix cache (``prefix_store.JoiningReceiver``): either way
-the service sees whole states.
+A state that crossed the link after a pinned prefix is joined onto it (``DecodePrefixCache.receive``): the
+service sees whole states.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.receiver import KVReceiver
-from minifaas.worker.prefix_store import JoiningReceiver
+from minifaas.worker.prefix_store import DecodePrefixCache
 
 Emit = Callable[[ReplyMessage], None]
 Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, next token, sampling, transfer
@@ -34,11 +34,12 @@ class DecodeService:
     def __init__(
         self,
         runtime: ModelRuntime,
-        receiver: KVReceiver | JoiningReceiver,  # the receiver alone, or joined onto the node's prefix cache
+        receiver: KVReceiver,
         state_timeout: float,
         config: DecoderConfig | None = None,
+        prefixes: DecodePrefixCache | None = None,  # the node's received KV, which states are joined onto
     ) -> None:
-        self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
+        self.runtime, self.receiver, self.state_timeout, self.prefixes = runtime, receiver, state_timeout, prefixes
         self.config = config or DecoderConfig()
         self.decoder = make_decoder(runtime, self.config)
         self.clients: dict[str, tuple[Emit, int]] = {}  # request -> (emit, transfer) while it decodes
@@ -71,7 +72,7 @@ class DecodeService:
         first = self._first_token(req)
         try:
             async with asyncio.timeout(self.state_timeout or None):  # 0: the gateway's first-token deadline
-                state = await incoming.model_state()
+                state = await (incoming.model_state() if self.prefixes is None else self.prefixes.receive(incoming))
             emit(Received(req=req, transfer=transfer, bytes=state.nbytes))
             async with asyncio.timeout(self.state_timeout or None):
                 next_token = await first

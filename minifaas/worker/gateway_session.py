@@ -22,7 +22,6 @@ from minifaas.net.errors import TransferError
 from minifaas.worker.decode_service import DecodeService
 from minifaas.worker.prefill_service import PrefillService
 from minifaas.worker.prefix_moves import export
-from minifaas.worker.prefix_store import DecodePrefixCache
 
 log = logging.getLogger("minifaas.worker")
 INVENTORY_BATCH = 1000  # cache events per message when a gateway attaches
@@ -186,15 +185,9 @@ class PrefillSession(WorkerSession):
 class DecodeSession(WorkerSession):
     """A decode worker's session: ``decode`` and ``start``; a request's row is freed when the session ends."""
 
-    def __init__(
-        self,
-        node: ops.Attached,
-        session: Session,
-        service: DecodeService,
-        prefixes: DecodePrefixCache | None,  # the node's received KV
-    ) -> None:
-        super().__init__(node, session, prefixes.pool if prefixes is not None else None)
-        self.service, self.prefixes = service, prefixes
+    def __init__(self, node: ops.Attached, session: Session, service: DecodeService) -> None:
+        self.service, self.prefixes = service, service.prefixes
+        super().__init__(node, session, self.prefixes.pool if self.prefixes is not None else None)
         self.decoding: set[str] = set()  # this session's decode requests, until their last message or abort
         self.handlers |= {ops.Decode: self.run, ops.Start: self.start, ops.Load: self.load}
 

@@ -6,13 +6,13 @@ On a prefill node (``PrefixStore``) a prefill continues from its hit in segments
 points (``advance``), the last one streaming (``compute``); a prompt whose end snapshot is held runs no forward.
 A decode node (``DecodePrefixCache``) keeps the full-attention KV of every state it receives. Before a prefill
 starts the gateway has it pin the prefix it holds, so only the KV after it crosses the link (fixed-size layers
-always cross whole); ``JoiningReceiver`` joins the two, so the decode service sees whole states.
+always cross whole); ``receive`` joins the two, so the decode service sees whole states.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,7 +24,7 @@ from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
-from minifaas.transport.receiver import IncomingTransfer, KVReceiver
+from minifaas.transport.receiver import IncomingTransfer
 
 Payload = tuple[LayerState, ...]
 
@@ -267,8 +267,19 @@ class DecodePrefixCache:
             self._prefixes[transfer] = {i: join_tokens([b[k] for b in by_block]) for k, i in enumerate(self._full)}
         return lease.hit_tokens
 
+    async def receive(self, incoming: IncomingTransfer) -> ModelState:
+        """``incoming``'s whole state, each layer the pinned prefix KV and then the tokens that crossed; its new
+        blocks are kept (failed: its prefix is let go)."""
+        try:
+            layers = [self.join_layer(incoming.id, layer) async for layer in incoming]
+        except BaseException:
+            self.cancel(incoming.id)
+            raise
+        state = ModelState(layers, max((s.seq_len for s in layers), default=0))
+        self.received(incoming.id, state, time.perf_counter())
+        return state
+
     def join_layer(self, transfer: int, layer: LayerState) -> LayerState:
-        """A received layer made whole: the pinned prefix KV, then the tokens that crossed."""
         prefix = self._prefixes.get(transfer, {}).get(layer.layer)
         return layer if prefix is None else join_tokens([prefix, layer])
 
@@ -293,39 +304,3 @@ class DecodePrefixCache:
         lease = self._leases.pop(transfer, None)
         if lease is not None:
             self.pool.release(lease)
-
-
-class JoiningReceiver:
-    """The decode service's receiver: whole states out, whether or not the prefix crossed the link."""
-
-    def __init__(self, receiver: KVReceiver, cache: DecodePrefixCache) -> None:
-        self.receiver, self.cache = receiver, cache
-
-    def transfer(self, transfer_id: int) -> JoinedTransfer:
-        return JoinedTransfer(self.receiver.transfer(transfer_id), self.cache)
-
-
-class JoinedTransfer:
-    def __init__(self, incoming: IncomingTransfer, cache: DecodePrefixCache) -> None:
-        self.incoming, self.cache, self.id = incoming, cache, incoming.id
-
-    async def __aiter__(self) -> AsyncIterator[LayerState]:
-        layers = []
-        try:
-            async for layer in self.incoming:
-                layers.append(self.cache.join_layer(self.id, layer))
-                yield layers[-1]
-        except BaseException:
-            self.cache.cancel(self.id)
-            raise
-        self.cache.received(self.id, _whole(layers), time.perf_counter())
-
-    async def model_state(self) -> ModelState:
-        return _whole([layer async for layer in self])
-
-    def abandon(self) -> None:
-        self.incoming.abandon()
-
-
-def _whole(layers: list[LayerState]) -> ModelState:
-    return ModelState(layers, max((s.seq_len for s in layers), default=0))
