@@ -87,10 +87,9 @@ class DecodeService:
             emit(Done(req=req, transfer=transfer, finish=finish))
             return
         self.clients[req] = (emit, transfer)
-        if self.stepping:
-            self.arrivals.append((req, state, next_token, sampling, transfer))
-        else:
-            self._submit((req, state, next_token, sampling, transfer))
+        self.arrivals.append((req, state, next_token, sampling, transfer))
+        if not self.stepping:
+            self._apply_pending()
         self.wakeup.set()
 
     def start(self, req: str, next_token: int) -> None:
@@ -108,25 +107,23 @@ class DecodeService:
         else:
             self.decoder.abort(req)
 
-    def _submit(self, arrival: Arrival) -> None:
-        req = arrival[0]
-        if arrival[1].seq_len in self.crash_at:
-            os._exit(70)  # the poison request's test: the worker dies as this request joins its batch
-        try:
-            self.decoder.submit(*arrival[:4])
-        except (QueueFull, ValueError) as e:  # full, or a bad state: this request fails, the others go on
-            emit, transfer = self.clients.pop(req)
-            why = f"overloaded: {e}" if isinstance(e, QueueFull) else f"{type(e).__name__}: {e}"
-            emit(Failed(req=req, transfer=transfer, error=why))
-
     def _apply_pending(self) -> None:
+        """Hand the decoder the aborts and arrivals that came in during a step (or an arrival between steps)."""
         for req in self.aborts:
             self.decoder.abort(req)
         self.aborts.clear()
         arrivals, self.arrivals = self.arrivals, []
-        for arrival in arrivals:  # not aborted meanwhile (nor replaced by a later attempt with the request's id)
-            if arrival[0] in self.clients and self.clients[arrival[0]][1] == arrival[4]:
-                self._submit(arrival)
+        for req, state, next_token, sampling, transfer in arrivals:
+            if req not in self.clients or self.clients[req][1] != transfer:
+                continue  # aborted meanwhile (or replaced by a later attempt with the request's id)
+            if state.seq_len in self.crash_at:
+                os._exit(70)  # the poison request's test: the worker dies as this request joins its batch
+            try:
+                self.decoder.submit(req, state, next_token, sampling)
+            except (QueueFull, ValueError) as e:  # full, or a bad state: this request fails, the others go on
+                emit, _ = self.clients.pop(req)
+                why = f"overloaded: {e}" if isinstance(e, QueueFull) else f"{type(e).__name__}: {e}"
+                emit(Failed(req=req, transfer=transfer, error=why))
 
     async def run(self) -> None:
         while True:
