@@ -52,8 +52,6 @@ class PrefillService:
         codecs: frozenset[Codec] = frozenset(),  # the codecs this worker may send with (none always)
         batch_tokens: int = 0,  # queued prompts of one length share a forward of at most this many tokens (0: not)
     ) -> None:
-        if chunk_tokens < 0 or batch_tokens < 0:
-            raise ValueError(f"chunk_tokens and batch_tokens must be >= 0, got {chunk_tokens}, {batch_tokens}")
         # without full attention nothing can stream before the last token: chunks would only cost, and the
         # transfer would sit open with nothing on it
         self.chunk_tokens = chunk_tokens if any(kind.grows for kind in store.layout) else 0
