@@ -31,9 +31,8 @@ BLOCK = 16
 def serve(store: PrefixStore, runtime: ModelRuntime, text: str) -> tuple[list[int], int, int, float]:
     """One prompt through the store: (tokens out, tokens hit, tokens computed, prefill seconds)."""
     plan = store.begin(runtime.tokenizer.encode(text))
-    computed = store.compute(runtime, plan, sampling=PARAMS)
-    store.finish(plan, computed, now=0.0)
-    result = computed.result
+    result = store.compute(runtime, plan, sampling=PARAMS)
+    store.finish(plan, result, now=0.0)
     out = DecodeStream(runtime, result.state, result.next_token, PARAMS).run()
     return out, plan.hit_tokens, result.computed_tokens, result.seconds
 

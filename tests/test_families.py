@@ -18,7 +18,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.receiver import KVReceiver, ReceiverConfig
-from minifaas.worker.prefix_store import DecodePrefixCache, JoiningReceiver
+from minifaas.worker.prefix_store import DecodePrefixCache
 
 SECRET = b"family-secret-0123456789abcdef01"
 CHILD = Path(__file__).with_name("family_child.py")
@@ -123,12 +122,11 @@ async def prefill_remotely(child: Child, rt: ModelRuntime) -> dict[str, tuple[di
     kept = DecodePrefixCache(PoolConfig("d", 1 << 30, BLOCK), rt.spec.name, rt.layout.kinds, "d")
     out = {}
     async with KVReceiver(ReceiverConfig(SECRET)) as rx:
-        receiver = JoiningReceiver(rx, kept, time.monotonic)
         for transfer, (name, (ids, keep)) in enumerate(PROMPTS.items()):
             link_start = kept.pin(transfer, ids, keep)
             msg = msgspec.to_builtins(Prefill(req=name, tokens=ids, sampling=Sampling.of(GREEDY), transfer=transfer,
                                   kv=["127.0.0.1", rx.port], link_start=link_start))  # fmt: skip
-            reply, state = await asyncio.gather(child.ask(msg), receiver.transfer(transfer).model_state())
+            reply, state = await asyncio.gather(child.ask(msg), kept.receive(rx.transfer(transfer)))
             out[name] = ({**reply, "link_start": link_start}, state)
     return out
 

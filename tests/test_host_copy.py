@@ -104,13 +104,13 @@ def test_the_prefix_pool_keeps_host_copies_and_a_hit_joins_moved_in_and_computed
     plan = store.begin(tokens[:64])  # blocks 0-1 moved in; 2-3 computed here
     computed = store.compute(rt, plan, sampling=params)
     store.finish(plan, computed, now=0.0)
-    cache_tensors = {t.untyped_storage().data_ptr() for s in computed.result.state.layers for _, t in s.slots}
-    for _, payload in computed.blocks:
+    cache_tensors = {t.untyped_storage().data_ptr() for s in computed.state.layers for _, t in s.slots}
+    for _, payload in plan.blocks:
         for s in payload:
             for _, t in s.slots:
                 assert t.device.type == "cpu" and t.untyped_storage().data_ptr() not in cache_tensors
     plan = store.begin(tokens)
     assert plan.hit_tokens == 64  # two moved-in blocks beside two computed ones
-    result = store.compute(rt, plan, sampling=params).result
+    result = store.compute(rt, plan, sampling=params)
     store.release(plan)
     assert DecodeStream(rt, result.state, result.next_token, params).run() == reference_tokens(rt, tokens, params)

@@ -26,11 +26,11 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 def _serve(store: PrefixStore, rt: ModelRuntime, tokens: list[int]) -> tuple[list[int], int]:
     plan = store.begin(tokens)
-    computed = store.compute(rt, plan, sampling=PARAMS)
-    store.finish(plan, computed, now=0.0)
-    assert computed.result.state.seq_len == len(tokens)
-    assert computed.result.computed_tokens == len(tokens) - plan.hit_tokens
-    out = DecodeStream(rt, computed.result.state, computed.result.next_token, PARAMS).run()
+    result = store.compute(rt, plan, sampling=PARAMS)
+    store.finish(plan, result, now=0.0)
+    assert result.state.seq_len == len(tokens)
+    assert result.computed_tokens == len(tokens) - plan.hit_tokens
+    out = DecodeStream(rt, result.state, result.next_token, PARAMS).run()
     return out, plan.hit_tokens
 
 
@@ -97,10 +97,10 @@ def test_the_same_prompt_again_streams_the_same_state_and_samples_the_same_token
     def send() -> tuple[int, int, list[LayerState], list[int]]:
         layers = Layers()
         plan = store.begin(tokens)
-        computed = store.compute(rt, plan, layers, sampled)
-        store.finish(plan, computed, now=0.0)
-        out = DecodeStream(rt, computed.result.state, computed.result.next_token, sampled).run()
-        return plan.hit_tokens, computed.result.computed_tokens, layers, out
+        result = store.compute(rt, plan, layers, sampled)
+        store.finish(plan, result, now=0.0)
+        out = DecodeStream(rt, result.state, result.next_token, sampled).run()
+        return plan.hit_tokens, result.computed_tokens, layers, out
 
     miss_hit, miss_computed, miss_layers, miss_out = send()
     hit, computed, hit_layers, hit_out = send()
@@ -150,5 +150,5 @@ def test_a_pinned_hit_survives_a_full_pool_and_is_released() -> None:
     out = store.compute(rt, plan, sampling=PARAMS)
     store.finish(plan, out, 2.0)
     assert plan.lease.released
-    decoded = DecodeStream(rt, out.result.state, out.result.next_token, PARAMS).run()
+    decoded = DecodeStream(rt, out.state, out.next_token, PARAMS).run()
     assert decoded == reference_tokens(rt, [*tokens, 9], PARAMS)

@@ -47,7 +47,7 @@ def test_a_steps_tokens_leave_as_one_frame_and_arrive_in_each_requests_inbox() -
             )
 
             async def worker_side(session: Session) -> None:
-                worker = DecodeSession(node, session, service, None)
+                worker = DecodeSession(node, session, service)
                 for step in range(2):  # two steps, each one turn of the loop
                     for req in ("a", "b", "c"):
                         worker.emit(token(req, 10 * step + ord(req), "length" if step and req == "b" else None))

@@ -109,7 +109,7 @@ def test_streamed_pieces_rebuild_the_computed_state_bit_exact(runtime: ModelRunt
             return computed, await rx.transfer(5).model_state(), segments
 
     computed, received, segments = run(main())
-    final = computed.result.state
+    final = computed.state
     expected = [s.slice_tokens(link_start, s.seq_len) if s.kind.grows else s for s in final.layers]
     assert same_state(received, ModelState(expected, max(s.seq_len for s in expected)))
     grows = [s.layer for s in final.layers if s.kind.grows]

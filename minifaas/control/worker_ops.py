@@ -70,8 +70,7 @@ class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
                    p.frequency_penalty, p.resolved_seed, list(p.stop_token_ids), p.ignore_eos)  # fmt: skip
 
     def params(self) -> SamplingParams:
-        fields = msgspec.structs.asdict(self)
-        return SamplingParams(**fields | {"stop_token_ids": tuple(self.stop_token_ids)})
+        return SamplingParams(**msgspec.structs.asdict(self) | {"stop_token_ids": tuple(self.stop_token_ids)})
 
 
 class WireEvent(Struct, frozen=True, forbid_unknown_fields=True):
@@ -155,8 +154,9 @@ class Attached(Message, tag="attached", kw_only=True):
     max_batch: Count | None = None  # a decode worker's rows per forward
     kv: Address | None  # where KV for it goes ("" host: the address the gateway dialled)
     pid: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+    # codec -> [bytes, wire bytes, encode s, decode s], each >= 0
     codecs: Annotated[dict[Name, Annotated[list[Seconds], Meta(max_length=4)]], Meta(max_length=1 << 16)]
-    kernels: Name  # codecs: codec -> [bytes, wire bytes, encode s, decode s], each >= 0
+    kernels: Name
     deadline_s: Seconds
 
 

@@ -4,8 +4,8 @@ The decoder is stepped on the model thread, one step per round, and the event lo
 rounds. Only the loop touches the decoder while no step is in flight: an arrival or an abort during a step is
 applied when it returns. A request refused by a full waiting queue is answered ``failed`` at once. With ``hold``,
 a step waits a multiple of the last one's length while more requests are on their way, so more rows share it.
-The receiver is the node's own, or joined onto its prefix cache (``prefix_store.JoiningReceiver``): either way
-the service sees whole states.
+A state that crossed the link after a pinned prefix is joined onto it (``DecodePrefixCache.receive``): the
+service sees whole states.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from minifaas.model.layer_state import ModelState
 from minifaas.model.runtime import ModelRuntime, decode_finish
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.receiver import KVReceiver
-from minifaas.worker.prefix_store import JoiningReceiver
+from minifaas.worker.prefix_store import DecodePrefixCache
 
 Emit = Callable[[ReplyMessage], None]
 Arrival = tuple[str, ModelState, int, SamplingParams, int]  # request, state, next token, sampling, transfer
@@ -34,11 +34,12 @@ class DecodeService:
     def __init__(
         self,
         runtime: ModelRuntime,
-        receiver: KVReceiver | JoiningReceiver,  # the receiver alone, or joined onto the node's prefix cache
+        receiver: KVReceiver,
         state_timeout: float,
         config: DecoderConfig | None = None,
+        prefixes: DecodePrefixCache | None = None,  # the node's received KV, which states are joined onto
     ) -> None:
-        self.runtime, self.receiver, self.state_timeout = runtime, receiver, state_timeout
+        self.runtime, self.receiver, self.state_timeout, self.prefixes = runtime, receiver, state_timeout, prefixes
         self.config = config or DecoderConfig()
         self.decoder = make_decoder(runtime, self.config)
         self.clients: dict[str, tuple[Emit, int]] = {}  # request -> (emit, transfer) while it decodes
@@ -71,7 +72,7 @@ class DecodeService:
         first = self._first_token(req)
         try:
             async with asyncio.timeout(self.state_timeout or None):  # 0: the gateway's first-token deadline
-                state = await incoming.model_state()
+                state = await (incoming.model_state() if self.prefixes is None else self.prefixes.receive(incoming))
             emit(Received(req=req, transfer=transfer, bytes=state.nbytes))
             async with asyncio.timeout(self.state_timeout or None):
                 next_token = await first
@@ -86,10 +87,9 @@ class DecodeService:
             emit(Done(req=req, transfer=transfer, finish=finish))
             return
         self.clients[req] = (emit, transfer)
-        if self.stepping:
-            self.arrivals.append((req, state, next_token, sampling, transfer))
-        else:
-            self._submit((req, state, next_token, sampling, transfer))
+        self.arrivals.append((req, state, next_token, sampling, transfer))
+        if not self.stepping:
+            self._apply_pending()
         self.wakeup.set()
 
     def start(self, req: str, next_token: int) -> None:
@@ -107,25 +107,23 @@ class DecodeService:
         else:
             self.decoder.abort(req)
 
-    def _submit(self, arrival: Arrival) -> None:
-        req = arrival[0]
-        if arrival[1].seq_len in self.crash_at:
-            os._exit(70)  # the poison request's test: the worker dies as this request joins its batch
-        try:
-            self.decoder.submit(*arrival[:4])
-        except (QueueFull, ValueError) as e:  # full, or a bad state: this request fails, the others go on
-            emit, transfer = self.clients.pop(req)
-            why = f"overloaded: {e}" if isinstance(e, QueueFull) else f"{type(e).__name__}: {e}"
-            emit(Failed(req=req, transfer=transfer, error=why))
-
     def _apply_pending(self) -> None:
+        """Hand the decoder the aborts and arrivals that came in during a step (or an arrival between steps)."""
         for req in self.aborts:
             self.decoder.abort(req)
         self.aborts.clear()
         arrivals, self.arrivals = self.arrivals, []
-        for arrival in arrivals:  # not aborted meanwhile (nor replaced by a later attempt with the request's id)
-            if arrival[0] in self.clients and self.clients[arrival[0]][1] == arrival[4]:
-                self._submit(arrival)
+        for req, state, next_token, sampling, transfer in arrivals:
+            if req not in self.clients or self.clients[req][1] != transfer:
+                continue  # aborted meanwhile (or replaced by a later attempt with the request's id)
+            if state.seq_len in self.crash_at:
+                os._exit(70)  # the poison request's test: the worker dies as this request joins its batch
+            try:
+                self.decoder.submit(req, state, next_token, sampling)
+            except (QueueFull, ValueError) as e:  # full, or a bad state: this request fails, the others go on
+                emit, _ = self.clients.pop(req)
+                why = f"overloaded: {e}" if isinstance(e, QueueFull) else f"{type(e).__name__}: {e}"
+                emit(Failed(req=req, transfer=transfer, error=why))
 
     async def run(self) -> None:
         while True:

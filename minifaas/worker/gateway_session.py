@@ -16,81 +16,53 @@ from collections.abc import Callable
 from typing import Any
 
 from minifaas.cache.pool import HybridPrefixPool
+from minifaas.control import worker_ops as ops
 from minifaas.control.session import ControlError, Garbled, Session
-from minifaas.control.worker_ops import (
-    CACHE_EVENTS,
-    OPS,
-    Abort,
-    Aborted,
-    Attach,
-    Attached,
-    BadMessage,
-    CacheEvents,
-    Decode,
-    Done,
-    Error,
-    Export,
-    Failed,
-    Load,
-    LoadReply,
-    OpMessage,
-    Ping,
-    Pinned,
-    Pong,
-    Prefill,
-    ReplyMessage,
-    Start,
-    Token,
-    Tokens,
-    WireEvent,
-    from_wire,
-)  # fmt: skip
 from minifaas.net.errors import TransferError
 from minifaas.worker.decode_service import DecodeService
 from minifaas.worker.prefill_service import PrefillService
 from minifaas.worker.prefix_moves import export
-from minifaas.worker.prefix_store import DecodePrefixCache
 
 log = logging.getLogger("minifaas.worker")
 INVENTORY_BATCH = 1000  # cache events per message when a gateway attaches
-Job = Prefill | Export | Decode  # a request's work, run as a task of the session
+Job = ops.Prefill | ops.Export | ops.Decode  # a request's work, run as a task of the session
+FAILURES = (TransferError, TimeoutError, OSError, ValueError, RuntimeError)  # a request's; others are bugs
 
 
 class WorkerSession:
-    """A session's requests, and one handler per op; ``PrefillSession`` and ``DecodeSession`` add their role's."""
+    """A session's requests, and a handler per op; ``PrefillSession`` and ``DecodeSession`` add their role's
+    handlers and its ``work``, which answers a cancelled request itself."""
 
-    def __init__(self, node: Attached, session: Session, pool: HybridPrefixPool | None) -> None:
+    def __init__(self, node: ops.Attached, session: Session, pool: HybridPrefixPool | None) -> None:
         self.node, self.session, self.deadline_s, self.pool = node, session, node.deadline_s, pool
         self.jobs: dict[str, asyncio.Task[None]] = {}
         self.aborted: set[str] = set()  # requests the gateway aborted whose job has not ended yet
         self.tasks: asyncio.TaskGroup | None = None
-        self.tokens: list[Token] = []  # token messages of this turn of the loop, not sent yet (``emit``)
-        self.handlers: dict[type[OpMessage], Callable[[Any], None]] = {
-            Attach: self.attach,
-            Ping: self.ping,
-            Abort: self.abort,
-            Load: self.load,
+        self.tokens: list[ops.Token] = []  # token messages of this turn of the loop, not sent yet (``emit``)
+        self.handlers: dict[type[ops.OpMessage], Callable[[Any], None]] = {
+            ops.Attach: self.attach,
+            ops.Ping: self.ping,
+            ops.Abort: self.abort,
         }
 
-    def send(self, message: ReplyMessage) -> None:
+    def send(self, message: ops.ReplyMessage) -> None:
         self.send_tokens()
         if not self.session.closed:  # after the session ended its requests answer no one
             self.session.send(message)
 
     def send_tokens(self) -> None:
         """The token messages held back so far, as one ``tokens`` message."""
-        if self.tokens:
-            tokens, self.tokens = self.tokens, []
-            if not self.session.closed:
-                self.session.send(Tokens(tokens=tokens))
+        tokens, self.tokens = self.tokens, []
+        if tokens and not self.session.closed:
+            self.session.send(ops.Tokens(tokens=tokens))
 
     def send_cache_events(self) -> None:
         if self.pool is not None and (events := self.pool.drain_events()):
-            self.send(CacheEvents(req=CACHE_EVENTS, events=[WireEvent.of(e) for e in events]))
+            self.send(ops.CacheEvents(req=ops.CACHE_EVENTS, events=[ops.WireEvent.of(e) for e in events]))
 
-    def emit(self, message: ReplyMessage) -> None:
+    def emit(self, message: ops.ReplyMessage) -> None:
         self.send_cache_events()  # the pool's changes go out before the news that follows them
-        if isinstance(message, Token):  # held until this turn of the loop is over: a step's tokens in one frame
+        if isinstance(message, ops.Token):  # held until this turn of the loop is over: a step's tokens in one frame
             if not self.tokens:
                 asyncio.get_running_loop().call_soon(self.send_tokens)
             self.tokens.append(message)
@@ -113,51 +85,44 @@ class WorkerSession:
             raw = await self.session.recv(self.deadline_s)
             if raw is None:
                 return False
-            msg = from_wire(raw, OPS)
+            msg = ops.from_wire(raw, ops.OPS)
             if type(msg) not in self.handlers:
-                raise BadMessage(f"a {self.node.role} worker does not {msg.op}")
+                raise ops.BadMessage(f"a {self.node.role} worker does not {msg.op}")
             self.handlers[type(msg)](msg)
-        except (Garbled, BadMessage) as e:
-            self.send(Error(req=_req_of(raw), error=str(e)))
+        except (Garbled, ops.BadMessage) as e:
+            self.send(ops.Error(req=_req_of(raw), error=str(e)))
         except ControlError:
             raise
         except Exception as e:  # a bug in handling one message: say so, keep serving
             log.exception("control message %s failed", _req_of(raw))
-            self.send(Error(req=_req_of(raw), error=f"{type(e).__name__}: {e}"))
+            self.send(ops.Error(req=_req_of(raw), error=f"{type(e).__name__}: {e}"))
         return True
 
     def end(self) -> None:
         for task in self.jobs.values():
             task.cancel()
 
-    def attach(self, msg: Attach) -> None:
+    def attach(self, msg: ops.Attach) -> None:
         self.send(self.node)  # what this worker is
         events = self.pool.inventory(time.perf_counter()) if self.pool is not None else []
         for i in range(0, len(events), INVENTORY_BATCH):
-            self.send(CacheEvents(req=CACHE_EVENTS, events=[WireEvent.of(e) for e in events[i : i + INVENTORY_BATCH]]))
+            batch = [ops.WireEvent.of(e) for e in events[i : i + INVENTORY_BATCH]]
+            self.send(ops.CacheEvents(req=ops.CACHE_EVENTS, events=batch))
 
-    def ping(self, msg: Ping) -> None:
-        self.send(Pong())
-
-    def load(self, msg: Load) -> None:
-        self.emit(LoadReply(req=msg.req, load=self.queued()))
-
-    def queued(self) -> int:
-        raise NotImplementedError
+    def ping(self, msg: ops.Ping) -> None:
+        self.send(ops.Pong())
 
     def run(self, msg: Job) -> None:
         """Start a request's work as a task of the session."""
-        req = msg.req
-        if req in self.jobs:
-            raise BadMessage(f"request {req!r} is already running")
+        if msg.req in self.jobs:
+            raise ops.BadMessage(f"request {msg.req!r} is already running")
         assert self.tasks is not None
-        self.jobs[req] = self.tasks.create_task(self.job(msg))
+        self.jobs[msg.req] = self.tasks.create_task(self.job(msg))
 
-    def abort(self, msg: Abort) -> None:
-        req = msg.req
-        task = self.jobs.pop(req, None)
+    def abort(self, msg: ops.Abort) -> None:
+        task = self.jobs.pop(msg.req, None)
         if task is not None:  # a prefill stops at its next layer (PrefillService.prefill)
-            self.aborted.add(req)
+            self.aborted.add(msg.req)
             task.cancel()
 
     async def job(self, msg: Job) -> None:
@@ -165,15 +130,13 @@ class WorkerSession:
         req = msg.req
         try:
             await self.work(msg)
-        except asyncio.CancelledError:  # aborted by the gateway, or the session is over
-            self.cancelled(msg)
-        except (TransferError, TimeoutError, OSError, ValueError, RuntimeError) as e:
-            self.emit(_failed(msg, e))
-        except Exception as e:  # a bug: report it with its trace rather than leave the request hanging
-            self.emit(_failed(msg, e))
-            traceback.print_exc()
+        except asyncio.CancelledError:  # aborted by the gateway, or the session is over: ``work`` answered
+            pass
+        except Exception as e:
+            self.emit(ops.Failed(req=req, transfer=msg.transfer, error=f"{type(e).__name__}: {e}"))
+            if not isinstance(e, FAILURES):  # a bug: its trace too, rather than leave the request hanging
+                traceback.print_exc()
         finally:
-            self.ended(msg)
             if self.jobs.get(req, asyncio.current_task()) is asyncio.current_task():  # not a retry's, same id
                 self.jobs.pop(req, None)
                 self.aborted.discard(req)
@@ -181,90 +144,73 @@ class WorkerSession:
     async def work(self, msg: Job) -> None:
         raise NotImplementedError
 
-    def cancelled(self, msg: Job) -> None:
-        """A request's work was cancelled (the gateway aborted it, or the session is over)."""
-
-    def ended(self, msg: Job) -> None:
-        """A request's work is over, however it ended."""
-
 
 class PrefillSession(WorkerSession):
     """A prefill worker's session: ``prefill`` and ``export``; the pool's news follows each prompt's store."""
 
-    def __init__(self, node: Attached, session: Session, service: PrefillService) -> None:
+    def __init__(self, node: ops.Attached, session: Session, service: PrefillService) -> None:
         super().__init__(node, session, service.store.pool)
         self.service = service
-        self.handlers |= {Prefill: self.run, Export: self.run, Start: self.start}
+        self.handlers |= {ops.Prefill: self.run, ops.Export: self.run, ops.Start: self.start, ops.Load: self.load}
         service.kept = self.send_cache_events  # a prompt's blocks are stored after its reply: news follows
 
-    def start(self, msg: Start) -> None:
+    def start(self, msg: ops.Start) -> None:
         """A prefill worker has no use for a first token."""
 
-    def queued(self) -> int:
-        return self.service.queued_tokens
+    def load(self, msg: ops.Load) -> None:
+        self.emit(ops.LoadReply(req=msg.req, load=self.service.queued_tokens))
 
-    def ping(self, msg: Ping) -> None:
+    def ping(self, msg: ops.Ping) -> None:
         """With TCP_INFO of every KV connection this worker sends on, for the gateway's link health."""
         tcp, queued = {}, 0
         for (host, port), sender in self.service.senders.items():
             queued += sender.queued_bytes
             for key, info in sender.tcp_infos().items():
                 tcp[f"{host}:{port}/{key}"] = info
-        self.send(Pong(tcp=tcp, queued_bytes=queued))
+        self.send(ops.Pong(tcp=tcp, queued_bytes=queued))
 
     async def work(self, msg: Job) -> None:
-        if isinstance(msg, Export):
+        if isinstance(msg, ops.Export):
             self.emit(await export(self.service.store, self.service.sender, msg, self.service.codec(msg)))
-        else:  # ``first`` is sent as it is; the pool's news goes out with the reply
-            self.emit(await self.service.prefill(msg, self.send))
-
-    def cancelled(self, msg: Job) -> None:
-        if not isinstance(msg, Prefill):
             return
-        req = msg.req
-        done = self.service.stopped_at.pop(req, 0)
-        if req in self.aborted:
-            self.emit(Aborted(req=req, tokens=len(msg.tokens), done_tokens=done))
+        try:  # ``first`` is sent as it is; the pool's news goes out with the reply
+            self.emit(await self.service.prefill(msg, self.send))
+        except asyncio.CancelledError:
+            done = self.service.stopped_at.pop(msg.req, 0)
+            if msg.req in self.aborted:
+                self.emit(ops.Aborted(req=msg.req, tokens=len(msg.tokens), done_tokens=done))
+            raise
 
 
 class DecodeSession(WorkerSession):
     """A decode worker's session: ``decode`` and ``start``; a request's row is freed when the session ends."""
 
-    def __init__(
-        self,
-        node: Attached,
-        session: Session,
-        service: DecodeService,
-        prefixes: DecodePrefixCache | None,  # the node's received KV
-    ) -> None:
-        super().__init__(node, session, prefixes.pool if prefixes is not None else None)
-        self.service, self.prefixes = service, prefixes
+    def __init__(self, node: ops.Attached, session: Session, service: DecodeService) -> None:
+        self.service, self.prefixes = service, service.prefixes
+        super().__init__(node, session, self.prefixes.pool if self.prefixes is not None else None)
         self.decoding: set[str] = set()  # this session's decode requests, until their last message or abort
-        self.handlers |= {Decode: self.run, Start: self.start}
+        self.handlers |= {ops.Decode: self.run, ops.Start: self.start, ops.Load: self.load}
 
-    def queued(self) -> int:
-        return self.service.load
+    def load(self, msg: ops.Load) -> None:
+        self.emit(ops.LoadReply(req=msg.req, load=self.service.load))
 
-    def emit(self, message: ReplyMessage) -> None:
+    def emit(self, message: ops.ReplyMessage) -> None:
         super().emit(message)
-        if isinstance(message, (Done, Failed)) or (isinstance(message, Token) and message.finish):
+        if isinstance(message, (ops.Done, ops.Failed)) or (isinstance(message, ops.Token) and message.finish):
             self.decoding.discard(message.req)  # its row is gone: nothing to abort when the session ends
 
     def run(self, msg: Job) -> None:
-        req = msg.req
-        if req in self.jobs:
-            raise BadMessage(f"request {req!r} is already running")
+        super().run(msg)  # its task starts on the loop's next turn, after these
         if self.prefixes is not None:
             pinned = self.prefixes.pin(msg.transfer, msg.tokens, msg.link_start)
             if msg.link_start:
-                self.emit(Pinned(req=req, transfer=msg.transfer, tokens=pinned))
-        self.decoding.add(req)
-        super().run(msg)
+                self.emit(ops.Pinned(req=msg.req, transfer=msg.transfer, tokens=pinned))
+        self.decoding.add(msg.req)
 
-    def start(self, msg: Start) -> None:
+    def start(self, msg: ops.Start) -> None:
         self.service.start(msg.req, msg.next_token)
 
-    def abort(self, msg: Abort) -> None:
+    def abort(self, msg: ops.Abort) -> None:
         self.service.abort(msg.req)
         self.decoding.discard(msg.req)
         super().abort(msg)
@@ -275,15 +221,11 @@ class DecodeSession(WorkerSession):
             self.service.abort(req)
 
     async def work(self, msg: Job) -> None:
-        await self.service.decode(msg, self.emit)
-
-    def ended(self, msg: Job) -> None:
-        if self.prefixes is not None:
-            self.prefixes.cancel(msg.transfer)  # unpins a prefix whose state never arrived
-
-
-def _failed(msg: Job, e: BaseException) -> Failed:
-    return Failed(req=msg.req, transfer=msg.transfer, error=f"{type(e).__name__}: {e}")
+        try:
+            await self.service.decode(msg, self.emit)
+        finally:
+            if self.prefixes is not None:
+                self.prefixes.cancel(msg.transfer)  # unpins a prefix whose state never arrived
 
 
 def _req_of(raw: object) -> str:

@@ -22,14 +22,14 @@ from typing import TypeVar
 from minifaas.codec.codec import Codec, usable
 from minifaas.control.worker_ops import Export, First, Prefill, Prefilled
 from minifaas.model.batch_prefill import PrefillBatch
-from minifaas.model.decode_memory import RowBytes, row_bytes
+from minifaas.model.decode_memory import row_bytes
 from minifaas.model.layer_state import LayerState, StateKind
-from minifaas.model.runtime import ModelRuntime
+from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import SamplingParams
 from minifaas.transport.outgoing import KVSender, OutgoingTransfer, SenderConfig, TransferReport
 from minifaas.transport.receiver import KVReceiver
 from minifaas.worker.prefix_moves import take_in
-from minifaas.worker.prefix_store import CachedPrefill, Computed, PrefixStore
+from minifaas.worker.prefix_store import CachedPrefill, PrefixStore
 
 log = logging.getLogger("minifaas.prefill")
 T = TypeVar("T")
@@ -48,18 +48,15 @@ class PrefillService:
         pipelined: bool,
         store: PrefixStore,
         receiver: KVReceiver | None = None,  # takes cache moves in; None: this node accepts none
-        import_timeout: float = 30.0,
         chunk_tokens: int = 0,  # prefill in forwards of at most this many tokens, streaming each (0: one forward)
         codecs: frozenset[Codec] = frozenset(),  # the codecs this worker may send with (none always)
         batch_tokens: int = 0,  # queued prompts of one length share a forward of at most this many tokens (0: not)
     ) -> None:
-        if chunk_tokens < 0 or batch_tokens < 0:
-            raise ValueError(f"chunk_tokens and batch_tokens must be >= 0, got {chunk_tokens}, {batch_tokens}")
         # without full attention nothing can stream before the last token: chunks would only cost, and the
         # transfer would sit open with nothing on it
         self.chunk_tokens = chunk_tokens if any(kind.grows for kind in store.layout) else 0
         self.runtime, self.secret, self.store = runtime, secret, store
-        self.receiver, self.import_timeout = receiver, import_timeout
+        self.receiver = receiver
         self.connections, self.pipelined = connections, pipelined
         self.codecs = codecs | {Codec.NONE}
         self.senders: dict[tuple[str, int], KVSender] = {}
@@ -67,7 +64,7 @@ class PrefillService:
         self.batch_tokens = batch_tokens  # a batch's token budget
         self.waiting: list[PrefillJob] = []  # prompts queued for the lock that a batch may take along
         self.riders = 0  # prompts computed in the forward of a prompt ahead of them
-        self.sizes: RowBytes | None = None  # a request's state size, once a batch needs it
+        self.sizes = row_bytes(runtime) if batch_tokens else None  # a request's state size, for a batch's rows
         self.queued: set[PrefillJob] = set()  # prompts waiting for their turn or in their forwards
         self._keeping: set[asyncio.Task[None]] = set()  # stores into the pool still under way
         self.kept: Callable[[], None] | None = None  # called after each store (the session sends the pool's news)
@@ -90,13 +87,10 @@ class PrefillService:
         Cancelling the task aborts the request: the forward stops early, ``stopped_at[req]`` says how far."""
         job = PrefillJob(msg, self.sender(*msg.kv), time.perf_counter())
         if msg.import_ is not None:
-            await take_in(self.store, self.receiver, job.tokens, msg.import_, self.import_timeout)
+            await take_in(self.store, self.receiver, job.tokens, msg.import_)
         self.queued.add(job)
         try:
-            if self.batch_tokens:  # False: a batch ahead took it along, planned
-                job.holds_lock = await turn_or_ride(self.compute, self.waiting, job)
-            else:
-                job.holds_lock = await self.compute.acquire()
+            job.holds_lock = await turn_or_ride(self.compute, self.waiting, job)  # False: a batch took it along
             job.started = time.perf_counter()
             if job.batch is None:  # batching is chosen once, here: alone, or leading the prompts queued behind
                 job.plan = self.store.begin(job.tokens, msg.seen_tokens or 0)
@@ -127,28 +121,26 @@ class PrefillService:
             job.sink = TransferSink(tx, msg.link_start, len(job.tokens), job.stop)
             if job.batch is None:
                 args = (self.runtime, plan, job.sink, job.sampling, self.chunk_tokens)
-                computed = await until_done(job.stop, self.runtime.on_forward_thread(self.store.compute, *args))
+                result = await until_done(job.stop, self.runtime.on_forward_thread(self.store.compute, *args))
             else:
-                computed = await self._row(job)
+                result = await self._row(job)
             self.queued.discard(job)  # its forwards are done: it no longer counts as queued
             computed_at = time.perf_counter()
             if first is not None:  # the client may see it while the transfer's tail is still on the wire
-                first(First(req=msg.req, transfer=msg.transfer, next_token=computed.result.next_token))
-            self._keep(job, computed)
+                first(First(req=msg.req, transfer=msg.transfer, next_token=result.next_token))
+            self._keep(job, result)
         assert tx.report is not None
-        return _prefilled(job, plan, computed, tx.report, computed_at, time.perf_counter())
+        return _prefilled(job, plan, result, tx.report, computed_at, time.perf_counter())
 
     def _connections(self, job: PrefillJob) -> int:
         """The connections a batched prompt's transfer needs: its state is small, a few chunks cross at once
         (0 outside a batch: the sender's own count)."""
-        if job.batch is None:
+        if job.batch is None or self.sizes is None:
             return 0
-        if self.sizes is None:
-            self.sizes = row_bytes(self.runtime)
         state = self.sizes.fixed + self.sizes.per_token * len(job.tokens)
         return max(1, min(self.connections, -(-state // job.sender.config.chunk_bytes)))  # a chunk per connection
 
-    async def _row(self, job: PrefillJob) -> Computed:
+    async def _row(self, job: PrefillJob) -> PrefillResult:
         """``job``'s row of its batch's forward. Cancelled, the row stops at its next layer (``job.stop``) and the
         forward goes on for the others; the leader runs it, and returns only once it has ended."""
         batch = job.batch
@@ -157,12 +149,12 @@ class PrefillService:
         if batch.leader is job:
             await until_done(job.stop, batch.run(self.runtime))
         try:
-            return Computed(await batch.outcome(job), cut=not self.store.enabled)
+            return await batch.outcome(job)
         except asyncio.CancelledError:
             job.stop.set()
             raise
 
-    def _keep(self, job: PrefillJob, computed: Computed) -> None:
+    def _keep(self, job: PrefillJob, result: PrefillResult) -> None:
         """Copy out (on the forward thread) and store what the pool keeps of a computed prompt, then let the next
         prompt compute: it sees this one's blocks. Nobody waits on it for a first token. It takes the prompt's
         plan and compute lock over."""
@@ -172,9 +164,9 @@ class PrefillService:
 
         async def keep() -> None:
             try:
-                if not computed.cut:  # nothing to copy with the cache off: no thread hop either
-                    await self.runtime.on_forward_thread(self.store.cut, plan, computed)
-                self.store.finish(plan, computed, time.perf_counter())
+                if not plan.cut:  # nothing to copy with the cache off: no thread hop either
+                    await self.runtime.on_forward_thread(self.store.cut, plan, result)
+                self.store.finish(plan, result, time.perf_counter())
             except Exception:  # the prompt was answered; only its cache entries are lost
                 log.exception("storing a prompt's prefix in the pool failed")
             finally:
@@ -190,7 +182,7 @@ class PrefillService:
 
     def codec(self, msg: Prefill | Export) -> Codec:
         """The codec the gateway asked for, or the nearest this worker allows."""
-        return usable(Codec.named(msg.codec or "none"), frozenset(self.codecs))
+        return usable(Codec.named(msg.codec or "none"), self.codecs)
 
     async def close(self) -> None:
         await asyncio.gather(*self._keeping, return_exceptions=True)
@@ -224,11 +216,10 @@ class PrefillJob:
 
 
 def _prefilled(
-    job: PrefillJob, plan: CachedPrefill, computed: Computed, report: TransferReport, computed_at: float, now: float
+    job: PrefillJob, plan: CachedPrefill, result: PrefillResult, report: TransferReport, computed_at: float, now: float
 ) -> Prefilled:
     """The reply: the first token, what the cache saved, where the time went, what the codec did."""
     assert job.sink is not None
-    result = computed.result
     return Prefilled(
         req=job.msg.req,
         transfer=job.msg.transfer,

@@ -19,6 +19,7 @@ from minifaas.transport.receiver import KVReceiver
 from minifaas.worker.prefix_store import PrefixStore, Snapshot, block_payload, snapshot_payload
 
 log = logging.getLogger("minifaas.prefill")
+MOVE_TIMEOUT_S = 30.0  # how long a prompt waits for the cache move that goes ahead of it
 
 
 async def export(store: PrefixStore, sender: Callable[[str, int], KVSender], msg: Export, codec: Codec) -> Exported:
@@ -43,15 +44,13 @@ async def export(store: PrefixStore, sender: Callable[[str, int], KVSender], msg
     )
 
 
-async def take_in(
-    store: PrefixStore, receiver: KVReceiver | None, tokens: list[int], transfer: int, timeout: float
-) -> None:
+async def take_in(store: PrefixStore, receiver: KVReceiver | None, tokens: list[int], transfer: int) -> None:
     """Wait for the prefix state ``transfer`` brings (None ``receiver``: this node accepts none) and keep it."""
     if receiver is None:
         store.pool.counts["moves_refused"] += 1
         return
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(MOVE_TIMEOUT_S):
             state = await receiver.transfer(transfer).model_state()
     except (TransferError, TimeoutError) as e:
         log.warning("cache move %d did not arrive (%s): prefilling without it", transfer, e)

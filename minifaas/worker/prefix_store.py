@@ -6,13 +6,13 @@ On a prefill node (``PrefixStore``) a prefill continues from its hit in segments
 points (``advance``), the last one streaming (``compute``); a prompt whose end snapshot is held runs no forward.
 A decode node (``DecodePrefixCache``) keeps the full-attention KV of every state it receives. Before a prefill
 starts the gateway has it pin the prefix it holds, so only the KV after it crosses the link (fixed-size layers
-always cross whole); ``JoiningReceiver`` joins the two, so the decode service sees whole states.
+always cross whole); ``receive`` joins the two, so the decode service sees whole states.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,7 +24,7 @@ from minifaas.cache.prefix_index import EntryKind, PromptKeys
 from minifaas.model.layer_state import LayerState, ModelState, StateKind
 from minifaas.model.runtime import ModelRuntime, PrefillResult
 from minifaas.model.sampling import GREEDY, SamplingParams, sample
-from minifaas.transport.receiver import IncomingTransfer, KVReceiver
+from minifaas.transport.receiver import IncomingTransfer
 
 Payload = tuple[LayerState, ...]
 
@@ -52,7 +52,9 @@ class Snapshot:
 
 @dataclass(slots=True)
 class CachedPrefill:
-    """One prompt's cache plan and progress: its keys, the pinned hit, the state reached so far."""
+    """One prompt's cache plan and progress: its keys, the pinned hit, the state reached so far, and what the pool
+    keeps of it: cut from the final state by ``cut``, after the result has gone on (the copies are no part of the
+    time to the first token)."""
 
     keys: PromptKeys
     lease: Lease[Payload]
@@ -60,24 +62,15 @@ class CachedPrefill:
     points: list[int]  # snapshot points inside the prompt: each ends a forward, its state is kept
     snapshot_end: bool  # keep the state at the prompt's end too
     done: int = 0
-    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload)
+    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload) to keep, the end once cut
     logits: torch.Tensor | None = None  # the whole prompt is the hit: the logits of the token after it
     seconds: float = 0.0  # spent in forwards so far
+    blocks: list[tuple[int, Payload]] = field(default_factory=list)  # (block index, payload) to keep, once cut
+    cut: bool = False  # the blocks and the end snapshot are in (or nothing is kept)
 
     @property
     def hit_tokens(self) -> int:
         return self.lease.hit_tokens
-
-
-@dataclass(slots=True)
-class Computed:
-    """A prefill's result, and what of it the pool keeps: cut from the final state by ``cut``, after the
-    result has gone on (the copies are no part of the time to the first token)."""
-
-    result: PrefillResult
-    blocks: list[tuple[int, Payload]] = field(default_factory=list)  # (block index, payload)
-    snapshots: list[tuple[int, Snapshot]] = field(default_factory=list)  # (length, payload)
-    cut: bool = False  # the blocks and the end snapshot are in
 
 
 class PrefixStore:
@@ -96,7 +89,8 @@ class PrefixStore:
         adds what it holds."""
         size, n = self.pool.config.block_size, len(tokens)
         keys = PromptKeys.from_tokens(tokens, size, self.namespace)
-        logits = self._logits_at_end(keys)
+        at_end = self.pool.entry(EntryKind.SNAPSHOT, keys.end_key) if self.enabled else None  # it kept the logits
+        logits = at_end.payload.logits if at_end is not None and isinstance(at_end.payload, Snapshot) else None
         lease = self.pool.acquire(keys, limit=n if logits is not None else n - 1)
         h, prefix = lease.hit_tokens, self.load(lease)
         points = []
@@ -104,15 +98,9 @@ class PrefixStore:
             seen = max(seen_tokens, self.pool.match(keys, limit=n - 1).kv_blocks * size)
             points = self.pool.snapshot_points(h, n, seen)
         snapshot_end = bool(points) and points[-1] == n
-        plan = CachedPrefill(keys, lease, prefix, points[:-1] if snapshot_end else points, snapshot_end, h)
-        plan.logits = logits if h == n else None
-        return plan
-
-    def _logits_at_end(self, keys: PromptKeys) -> torch.Tensor | None:
-        """The logits kept with a snapshot at the prompt's very end, if this pool holds one."""
-        entry = self.pool.entry(EntryKind.SNAPSHOT, keys.end_key) if self.enabled else None
-        payload = entry.payload if entry is not None else None
-        return payload.logits if isinstance(payload, Snapshot) else None
+        points = points[:-1] if snapshot_end else points
+        logits = logits if h == n else None
+        return CachedPrefill(keys, lease, prefix, points, snapshot_end, h, logits=logits, cut=not self.enabled)
 
     def advance(
         self, runtime: ModelRuntime, plan: CachedPrefill, sink: LayerSink | None = None, chunk_tokens: int = 0
@@ -137,12 +125,13 @@ class PrefixStore:
         sink: LayerSink | None = None,
         sampling: SamplingParams = GREEDY,
         chunk_tokens: int = 0,
-    ) -> Computed:
+    ) -> PrefillResult:
         """Prefill the rest of the prompt, streaming it to ``sink``: with ``chunk_tokens``, every forward in token
         chunks; without, the last forward by layer. Blocking: run it in a thread. What the pool keeps of it is
         cut later (``cut``, ``finish``)."""
-        if plan.logits is not None:
-            return Computed(replayed(runtime, plan, sink, sampling), cut=True)
+        if plan.logits is not None:  # held whole: nothing new to keep
+            plan.cut = True
+            return replayed(runtime, plan, sink, sampling)
         self.advance(runtime, plan, sink, chunk_tokens)
         tokens = plan.keys.tokens
         assert tokens is not None
@@ -151,30 +140,30 @@ class PrefixStore:
         result = runtime.prefill(tokens[plan.done :], plan.state, on_layer, sampling, chunk_tokens, on_tokens)
         result.seconds += plan.seconds
         result.computed_tokens = len(tokens) - plan.hit_tokens
-        return Computed(result, snapshots=list(plan.snapshots), cut=not self.enabled)
+        return result
 
-    def cut(self, plan: CachedPrefill, computed: Computed) -> None:
+    def cut(self, plan: CachedPrefill, result: PrefillResult) -> None:
         """Copy out of the final state what the pool keeps: the new blocks and the end snapshot. Blocking (on
         a GPU the copies wait for the device): run it in a thread. The pool itself is not touched."""
-        if computed.cut:
+        if plan.cut:
             return
-        size, final = self.pool.config.block_size, computed.result.state
+        size, final = self.pool.config.block_size, result.state
         if plan.snapshot_end:
-            end = Snapshot(snapshot_payload(final, self.layout, size), computed.result.logits)
-            computed.snapshots.append((plan.keys.num_tokens, end))
+            end = Snapshot(snapshot_payload(final, self.layout, size), result.logits)
+            plan.snapshots.append((plan.keys.num_tokens, end))
         first = plan.hit_tokens // size
-        computed.blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
-        computed.cut = True
+        plan.blocks = [(j, block_payload(final, j, size)) for j in range(first, plan.keys.num_full_blocks)]
+        plan.cut = True
 
-    def finish(self, plan: CachedPrefill, computed: Computed, now: float) -> None:
+    def finish(self, plan: CachedPrefill, result: PrefillResult, now: float) -> None:
         """Store the new blocks (in order, so each finds its parent), then the snapshots; unpin the hit. Cuts
         them first where ``cut`` has not (then it blocks as ``cut`` does)."""
         try:
-            self.cut(plan, computed)
-            for j, payload in computed.blocks:
+            self.cut(plan, result)
+            for j, payload in plan.blocks:
                 if not self.pool.put_block(plan.keys, j, now, _nbytes(payload), payload):
                     break  # a later block would be an orphan
-            for n, snapshot in computed.snapshots:
+            for n, snapshot in plan.snapshots:
                 self.pool.put_snapshot(plan.keys, n, now, snapshot.nbytes, snapshot)
             self.pool.touch(plan.keys, plan.keys.num_tokens)
         finally:
@@ -278,8 +267,19 @@ class DecodePrefixCache:
             self._prefixes[transfer] = {i: join_tokens([b[k] for b in by_block]) for k, i in enumerate(self._full)}
         return lease.hit_tokens
 
+    async def receive(self, incoming: IncomingTransfer) -> ModelState:
+        """``incoming``'s whole state, each layer the pinned prefix KV and then the tokens that crossed; its new
+        blocks are kept (failed: its prefix is let go)."""
+        try:
+            layers = [self.join_layer(incoming.id, layer) async for layer in incoming]
+        except BaseException:
+            self.cancel(incoming.id)
+            raise
+        state = ModelState(layers, max((s.seq_len for s in layers), default=0))
+        self.received(incoming.id, state, time.perf_counter())
+        return state
+
     def join_layer(self, transfer: int, layer: LayerState) -> LayerState:
-        """A received layer made whole: the pinned prefix KV, then the tokens that crossed."""
         prefix = self._prefixes.get(transfer, {}).get(layer.layer)
         return layer if prefix is None else join_tokens([prefix, layer])
 
@@ -293,7 +293,7 @@ class DecodePrefixCache:
         for j, key in enumerate(keys.block_keys):
             entry = self.pool.entry(EntryKind.BLOCK, key)
             payload = entry.payload if entry is not None else block_payload(state, j, size)
-            if not self.pool.put_block(keys, j, now, sum(s.nbytes for s in payload or ()), payload):
+            if not self.pool.put_block(keys, j, now, _nbytes(payload or ()), payload):
                 break
         self.pool.touch(keys, keys.num_full_blocks * size)
 
@@ -304,40 +304,3 @@ class DecodePrefixCache:
         lease = self._leases.pop(transfer, None)
         if lease is not None:
             self.pool.release(lease)
-
-
-class JoiningReceiver:
-    """The decode service's receiver: whole states out, whether or not the prefix crossed the link."""
-
-    def __init__(self, receiver: KVReceiver, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
-        self.receiver, self.cache, self.clock = receiver, cache, clock
-
-    def transfer(self, transfer_id: int) -> JoinedTransfer:
-        return JoinedTransfer(self.receiver.transfer(transfer_id), self.cache, self.clock)
-
-
-class JoinedTransfer:
-    def __init__(self, incoming: IncomingTransfer, cache: DecodePrefixCache, clock: Callable[[], float]) -> None:
-        self.incoming, self.cache, self.clock = incoming, cache, clock
-        self.id = incoming.id
-
-    async def __aiter__(self) -> AsyncIterator[LayerState]:
-        layers = []
-        try:
-            async for layer in self.incoming:
-                layers.append(self.cache.join_layer(self.id, layer))
-                yield layers[-1]
-        except BaseException:
-            self.cache.cancel(self.id)
-            raise
-        self.cache.received(self.id, _whole(layers), self.clock())
-
-    async def model_state(self) -> ModelState:
-        return _whole([layer async for layer in self])
-
-    def abandon(self) -> None:
-        self.incoming.abandon()
-
-
-def _whole(layers: list[LayerState]) -> ModelState:
-    return ModelState(layers, max((s.seq_len for s in layers), default=0))

@@ -16,7 +16,6 @@ import gc
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +45,7 @@ from minifaas.transport.receiver import MAX_OPEN_TRANSFERS, KVReceiver, Receiver
 from minifaas.worker.decode_service import DecodeService
 from minifaas.worker.gateway_session import DecodeSession, PrefillSession, WorkerSession
 from minifaas.worker.prefill_service import PrefillService
-from minifaas.worker.prefix_store import DecodePrefixCache, JoiningReceiver, PrefixStore
+from minifaas.worker.prefix_store import DecodePrefixCache, PrefixStore
 
 log = logging.getLogger("minifaas.worker")
 WILDCARDS = ("", "0.0.0.0", "::")
@@ -164,9 +163,8 @@ async def _decode_side(
     receiver = await stack.enter_async_context(KVReceiver(config))
     kv = _advertised(args, kv_host, receiver.port)
     prefixes = DecodePrefixCache(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
-    joining = JoiningReceiver(receiver, prefixes, time.perf_counter)
-    service = DecodeService(runtime, joining, args.state_timeout, decoding)
-    session = functools.partial(DecodeSession, service=service, prefixes=prefixes)
+    service = DecodeService(runtime, receiver, args.state_timeout, decoding, prefixes)
+    session = functools.partial(DecodeSession, service=service)
     return Side(session, kv, {}, service.run, service.max_batch)
 
 
