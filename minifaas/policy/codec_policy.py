@@ -79,7 +79,6 @@ class LinkShare:
 class CodecChoice:
     codec: str  # none, lossless, fp8 or int8
     reason: str  # forced, saves_time, costs_more, unmeasured, unlimited_link
-    expected_bps: float  # bytes/s the transfer was expected to get
     break_even_bps: float  # bytes/s below which lossless pays (0 when unmeasured)
 
 
@@ -127,11 +126,11 @@ class CompressionPolicy:
         lossless = self.estimates.get(Compression.LOSSLESS)
         break_even = lossless.break_even_bps if lossless is not None else 0.0
         if mode is not Compression.AUTO:
-            return CodecChoice(mode.value, "forced", expected, break_even)
+            return CodecChoice(mode.value, "forced", break_even)
         if lossless is None:
-            return CodecChoice(Compression.NONE, "unmeasured", expected, break_even)
+            return CodecChoice(Compression.NONE, "unmeasured", break_even)
         if math.isinf(expected):
-            return CodecChoice(Compression.NONE, "unlimited_link", expected, break_even)
+            return CodecChoice(Compression.NONE, "unlimited_link", break_even)
         if expected <= 0 or transfer.exposed_s(expected, lossless) < transfer.exposed_s(expected):
-            return CodecChoice(Compression.LOSSLESS, "saves_time", expected, break_even)
-        return CodecChoice(Compression.NONE, "costs_more", expected, break_even)
+            return CodecChoice(Compression.LOSSLESS, "saves_time", break_even)
+        return CodecChoice(Compression.NONE, "costs_more", break_even)
