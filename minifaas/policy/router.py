@@ -222,7 +222,7 @@ def _place(
 
 
 class Router:
-    """``decide`` plus counters for /metrics: every decision by path and by reason."""
+    """``decide`` plus counters: every decision by path and by reason."""
 
     def __init__(self, config: RouterConfig = RouterConfig()) -> None:
         if not isinstance(config, RouterConfig):  # a --router-arg config=VALUE in place of the deployment's
