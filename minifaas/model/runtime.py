@@ -151,7 +151,7 @@ class _LayerHook:
 
     def __call__(self, index: int) -> None:
         last = self.end == self.total
-        for state in self.layout.extract(self.cache, index, self.end, clone_fixed=False):
+        for state in self.layout.extract(self.cache, index, self.end):
             if last:
                 self.layers.append(state)
             if self.on_tokens is not None and state.kind.grows:
