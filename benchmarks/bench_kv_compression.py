@@ -48,7 +48,6 @@ from minifaas.model.layer_state import ModelState, StateKind
 from minifaas.model.loader import MODELS_DIR, preset_names
 from minifaas.model.runtime import ModelRuntime
 from minifaas.model.sampling import GREEDY
-from minifaas.policy.codec_policy import CompressionConfig
 from minifaas.transport.codec_probe import roundtrip
 from minifaas.transport.wire import split_chunks
 
@@ -197,7 +196,7 @@ async def ttft_sweep(
             await asyncio.sleep(2.5)  # the scheduler reads the new rate on its next ticks
             for i in range(repeats + 1):  # the first round warms this rate up
                 for mode in modes[i % 3 :] + modes[: i % 3]:  # each mode goes first in turn
-                    gateway.scheduler.compression.config = CompressionConfig(mode)
+                    gateway.scheduler.compression.mode = mode
                     ids = prompt(runtime, tokens, 104729 * (i + 1) + int(rate) * 7 + len(mode))
                     body = {"model": gateway.model_name, "prompt": ids, "max_tokens": 2, "temperature": 0}
                     async with http.post(url, json=body) as resp:
@@ -211,7 +210,7 @@ async def ttft_sweep(
                         wire[rate, mode].append(info["kv_bytes"] / max(info["kv_wire_bytes"], 1))
                         tails[rate, mode].append(info["transfer_s"])
                     await asyncio.sleep(0.3)  # let the link drain: each request finds it idle
-        estimate = gateway.scheduler.compression.meter.estimates.get("lossless")
+        estimate = gateway.scheduler.compression.estimates.get("lossless")
     break_even_mbit = 8 * estimate.break_even_bps / 1e6 if estimate is not None else 0.0
     rows = []
     head = f"{'Mbit/s':>7} {'mode':<9} {'codec':<9} {'ratio':>6} {'TTFT s':>8} {'/ none':>7} {'tail s':>8}"

@@ -31,7 +31,7 @@ from fla_interpreter import LAUNCHES, use_fla_on_cpu  # the interpreter's shims,
 
 from minifaas.model.host_copy import build_cache
 from minifaas.model.interleaved_decoder import DecodeStream, forward_one
-from minifaas.model.layer_state import ModelState
+from minifaas.model.layer_state import LayerState, ModelState
 from minifaas.model.loader import MODELS_DIR, ModelSpec, config_from_dict, load_config_dict
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
@@ -120,7 +120,9 @@ def project_steps(runtime: ModelRuntime, prompt: list[int], more: list[int]) -> 
 
 
 def exported(runtime: ModelRuntime, cache: Any, seq_len: int) -> list:
-    return [s for layer in range(runtime.num_layers) for s in runtime.layout.extract(cache, layer, seq_len)]
+    """The cache's states, copied: the next forward updates the fixed-size ones in place."""
+    states = [s for layer in range(runtime.num_layers) for s in runtime.layout.extract(cache, layer, seq_len)]
+    return [LayerState(s.layer, s.kind, s.seq_len, tuple((n, t.clone()) for n, t in s.slots)) for s in states]
 
 
 def max_errors(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, float]:

@@ -51,7 +51,7 @@ def test_manager_mirrors_every_pool_through_events(
         prefill(ps[cluster], tokens, f"{cluster}-{node}", float(t))
         events = ps[cluster].drain_events()
         storers[cluster].update(e.node for e in events if e.kind is EventKind.STORE)
-        manager.apply_all(events)
+        manager.apply(events)
         for tokens in prompts[-5:]:
             k, limit = keys(tokens), len(tokens) - 1
             got = manager.match(k, limit)
@@ -64,7 +64,7 @@ def test_manager_mirrors_every_pool_through_events(
                     assert hit == pool.index.match(k, limit, node_id).hit_tokens <= m.hit_tokens
     fresh = GlobalCacheManager(ps)
     for pool in ps.values():
-        fresh.apply_all(pool.inventory(now=1e9))
+        fresh.apply(pool.inventory(now=1e9))
     assert all(fresh.indexes[c].blocks == manager.indexes[c].blocks for c in ps)
     assert all(fresh.indexes[c].snapshots == manager.indexes[c].snapshots for c in ps)
 
@@ -76,7 +76,7 @@ def test_pool_events_drive_the_router_end_to_end() -> None:
     prefill(ps["pd"], [*system, 1, 2, 3], node="p1", now=0.0)
     prefill(ps["prfaas"], [*system, 1, 2, 3, *range(40)], node="x0", now=1.0)
     for pool in ps.values():
-        manager.apply_all(pool.drain_events())
+        manager.apply(pool.drain_events())
     prompt = [*system, 1, 2, 3, *range(40), 77, 78]
     matches = manager.match(keys(prompt), limit=len(prompt) - 1)
     assert (matches["pd"].hit_tokens, matches["prfaas"].hit_tokens) == (103, 143)
@@ -103,15 +103,15 @@ def test_stale_and_foreign_events_are_counted_not_applied() -> None:
     manager = GlobalCacheManager(["pd"])
     prefill(ps["pd"], list(range(8)), node="p0", now=0.0)
     events = ps["pd"].drain_events()
-    manager.apply_all(events)
-    manager.apply_all(events)  # delivered twice
+    manager.apply(events)
+    manager.apply(events)  # delivered twice
     prefill(ps["prfaas"], list(range(8)), node="x0", now=0.0)
-    manager.apply_all(ps["prfaas"].drain_events())
+    manager.apply(ps["prfaas"].drain_events())
     assert manager.counts["events_store"] == 2 and manager.counts["events_store_stale"] == 2
     assert manager.counts["events_unknown_cluster"] == 2
     prefill(ps["pd"], list(range(50, 58)), node="p0", now=1.0)
     prefill(ps["pd"], list(range(60, 68)), node="p1", now=2.0)
-    manager.apply_all(ps["pd"].drain_events())
+    manager.apply(ps["pd"].drain_events())
     assert manager.counts["events_evict"] == 2
     assert manager.match(keys(list(range(8))))["pd"].hit_tokens == 0
 
@@ -129,7 +129,7 @@ def test_a_node_that_leaves_holds_nothing_but_the_pool_keeps_its_prefixes() -> N
     manager = GlobalCacheManager(ps)
     tokens = list(range(30))
     prefill(ps["pd"], tokens, node="p0", now=0.0)
-    manager.apply_all(ps["pd"].drain_events())
+    manager.apply(ps["pd"].drain_events())
     assert manager.match(keys(tokens))["pd"].node_hits == {"p0": 30}
     manager.nodes["pd"].discard("p0")  # p0 left: it holds nothing locally any more (the pool still may)
     forget(manager.indexes["pd"], "p0")

@@ -8,8 +8,7 @@ import pytest
 
 from minifaas.policy.codec_policy import (
     CodecEstimate,
-    CodecMeter,
-    CompressionConfig,
+    CodecSample,
     CompressionPolicy,
     LinkShare,
     TransferShape,
@@ -22,7 +21,7 @@ LOSSLESS = CodecEstimate(ratio=1.25, encode_bps=500 * MB, decode_bps=1000 * MB) 
 def policy(mode: str = "auto", estimate: CodecEstimate | None = LOSSLESS) -> CompressionPolicy:
     p = CompressionPolicy(mode)
     if estimate is not None:
-        p.meter.estimates["lossless"] = estimate
+        p.estimates["lossless"] = estimate
     return p
 
 
@@ -66,25 +65,25 @@ def test_modes() -> None:
     assert policy("auto").choose(LinkShare(math.inf)).reason == "unlimited_link"
     assert policy("auto", None).choose(LinkShare(1e3)).reason == "unmeasured"  # nothing measured: no guess
     with pytest.raises(ValueError, match="none, lossless, fp8, int8, auto"):
-        CompressionConfig("zstd")
+        CompressionPolicy("zstd")
     with pytest.raises(ValueError, match="smoothing must be in"):
-        CompressionConfig("auto", "x")  # type: ignore[arg-type]
+        CompressionPolicy("auto", "x")  # type: ignore[arg-type]
 
 
 def test_lossy_is_never_chosen_automatically() -> None:
     p = policy()
-    p.meter.estimates["fp8"] = CodecEstimate(3.9, 1e12, 1e12)  # cheaper and smaller than lossless
+    p.estimates["fp8"] = CodecEstimate(3.9, 1e12, 1e12)  # cheaper and smaller than lossless
     assert {p.choose(LinkShare(mbit * 1e6)).codec for mbit in (0.1, 1, 10, 100, 1e4)} <= {"none", "lossless"}
 
 
 def test_meter_averages_what_transfers_report() -> None:
-    meter = CodecMeter(smoothing=0.5)
-    meter.observe("lossless", 1000, 800, 1e-6, 5e-7)
+    meter = CompressionPolicy(smoothing=0.5)
+    meter.observe(CodecSample("lossless", 1000, 800, 1e-6, 5e-7))
     assert meter.estimates["lossless"] == CodecEstimate(1.25, 1e9, 2e9)
-    meter.observe("lossless", 1000, 1000, 1e-6, 5e-7)
+    meter.observe(CodecSample("lossless", 1000, 1000, 1e-6, 5e-7))
     assert meter.estimates["lossless"].ratio == pytest.approx(1.125)
-    meter.observe("none", 1000, 1000, 0, 0)
-    meter.observe("lossless", 1000, 0, 1, 1)  # nothing measured: ignored
+    meter.observe(CodecSample("none", 1000, 1000, 0, 0))
+    meter.observe(CodecSample("lossless", 1000, 0, 1, 1))  # nothing measured: ignored
     assert set(meter.estimates) == {"lossless"} and meter.estimates["lossless"].ratio == pytest.approx(1.125)
 
 

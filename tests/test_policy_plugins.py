@@ -51,7 +51,7 @@ def test_load_policy_builds_a_built_in_and_a_user_class_alike() -> None:
     ours = load_policy(PROBE, ROUTER, {"cluster": "pd"}, config=routing)  # it names no config: not given one
     assert isinstance(ours, OneCluster) and ours.cluster == "pd"
     codec = load_policy("lossless", KINDS["codec"])  # a built-in name stands for its arguments too
-    assert codec.config.mode == "lossless"
+    assert codec.mode == "lossless"
     snapshots = load_policy("interval", KINDS["snapshot"], {"interval_blocks": 3}, interval_blocks=8)
     assert snapshots.interval_blocks == 3  # an argument wins over the offered keyword of its name
 

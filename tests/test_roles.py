@@ -88,7 +88,7 @@ def test_workers_change_role_under_load_and_no_request_fails() -> None:
             assert list((await gw.link.control.stats())["routes"].values()) == [
                 f"127.0.0.1:{gw.pool.workers['pd-d2'].kv[1]}"
             ]
-            assert set(gw.prefixes.manager.indexes) == set(gw.pool.workers)
+            assert set(gw.prefixes.indexes) == set(gw.pool.workers)
             # zero failures: every request finished with every token, and the same tokens as before
             for record, tokens in done:
                 assert record.phase is Phase.FINISHED and not record.fallback, record.to_json()

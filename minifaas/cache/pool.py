@@ -137,20 +137,14 @@ class HybridPrefixPool(Generic[P]):
         return self.snapshots.points(SnapshotInput(start, num_tokens, c.block_size, c.needs_snapshot, seen_tokens))
 
     def put_block(
-        self,
-        prompt: PromptKeys,
-        index: int,
-        now: float,
-        nbytes: int,
-        payload: P | None = None,
-        node: str | None = None,
+        self, prompt: PromptKeys, index: int, now: float, nbytes: int, payload: P | None = None, node: str | None = None
     ) -> bool:
         """Store full block ``index`` of ``prompt``; True if it is in the pool afterwards."""
         self._check_block_size(prompt)
         keys = prompt.block_keys
         parent = keys[index - 1] if index else prompt.root  # parent_of(index * block_size)
-        return self._put(EntryKind.BLOCK, keys[index], parent, (index + 1) * prompt.block_size, index > 0, now,
-                         nbytes, payload, node)  # fmt: skip
+        entry = Entry(EntryKind.BLOCK, keys[index], parent, (index + 1) * prompt.block_size, nbytes, payload)
+        return self._put(entry, index > 0, now, node)
 
     def put_snapshot(
         self,
@@ -166,8 +160,8 @@ class HybridPrefixPool(Generic[P]):
         key = prompt.key_at(length)
         if key is None or length == 0:
             raise ValueError(f"no key for a snapshot at {length} tokens of this prompt")
-        parent, needs_parent = prompt.parent_of(length), length >= prompt.block_size
-        return self._put(EntryKind.SNAPSHOT, key, parent, length, needs_parent, now, nbytes, payload, node)
+        entry = Entry(EntryKind.SNAPSHOT, key, prompt.parent_of(length), length, nbytes, payload)
+        return self._put(entry, length >= prompt.block_size, now, node)
 
     def drain_events(self) -> list[CacheEvent]:
         events, self._events = self._events, []
@@ -181,66 +175,43 @@ class HybridPrefixPool(Generic[P]):
                 out.append(self._event(EventKind.STORE, e, holder, now))
         return out
 
-    def _put(
-        self,
-        kind: EntryKind,
-        key: BlockKey,
-        parent: BlockKey,
-        length: int,
-        needs_parent: bool,
-        now: float,
-        nbytes: int,
-        payload: P | None,
-        node: str | None,
-    ) -> bool:
+    def _put(self, entry: Entry[P], needs_parent: bool, now: float, node: str | None) -> bool:
         node = self.node if node is None else node
         if not self.config.enabled:
             self.counts["store_skipped_disabled"] += 1
             return False
-        entries, slot, (dups, orphans, no_room, _) = self._entries, _slot(kind, key), _COUNT_NAMES[kind]
-        existing = entries.get(slot)
+        slot, (dups, orphans, no_room, _) = _slot(entry.kind, entry.key), _COUNT_NAMES[entry.kind]
+        existing = self._entries.get(slot)
         if existing is not None:
             self.counts[dups] += 1
             self._touch(slot)
-            if self.index.add(kind, key, node, parent, length) and self.config.events:
+            if self.index.add(entry.kind, entry.key, node, entry.parent, entry.length) and self.config.events:
                 self._events.append(self._event(EventKind.STORE, existing, node, now))
             return True
-        parent_entry = entries.get(parent)  # a block's slot is its key
+        parent_entry = self._entries.get(entry.parent)  # a block's slot is its key
         if parent_entry is None and needs_parent:
             self.counts[orphans] += 1  # its prefix is gone: unreachable
             return False
-        if self.free_bytes < nbytes:
+        if self.free_bytes < entry.nbytes:
             if parent_entry is not None:
                 parent_entry.refs += 1  # keep the parent while making room for its child
-            room = self._make_room(nbytes, now)
+            room = self._make_room(entry.nbytes, now)
             if parent_entry is not None:
                 parent_entry.refs -= 1
             if not room:
                 self.counts[no_room] += 1
                 return False
-        self._insert(kind, key, parent, length, parent_entry, now, nbytes, payload, node)
+        self._insert(entry, parent_entry, now, node)
         return True
 
-    def _insert(
-        self,
-        kind: EntryKind,
-        key: BlockKey,
-        parent: BlockKey,
-        length: int,
-        parent_entry: Entry[P] | None,
-        now: float,
-        nbytes: int,
-        payload: P | None,
-        node: str,
-    ) -> Entry[P]:
+    def _insert(self, entry: Entry[P], parent_entry: Entry[P] | None, now: float, node: str) -> Entry[P]:
         """Add an entry known to be missing, with room for it, under ``parent_entry``."""
-        entry: Entry[P] = Entry(kind, key, parent, length, nbytes, payload)
-        self._entries[_slot(kind, key)] = entry
-        self.index.add(kind, key, node, parent, length)
+        self._entries[_slot(entry.kind, entry.key)] = entry
+        self.index.add(entry.kind, entry.key, node, entry.parent, entry.length)
         if parent_entry is not None:
             parent_entry.dependents += 1
-        self.prefix_bytes += nbytes
-        self.counts[_COUNT_NAMES[kind][3]] += 1  # "<kind>s_stored"
+        self.prefix_bytes += entry.nbytes
+        self.counts[_COUNT_NAMES[entry.kind][3]] += 1  # "<kind>s_stored"
         if self.config.events:
             self._events.append(self._event(EventKind.STORE, entry, node, now))
         return entry

@@ -234,25 +234,33 @@ class PoolMatch:
 
 class GlobalCacheManager:
     def __init__(self, pools: Iterable[str], needs_snapshot: bool = True) -> None:
+        self.needs_snapshot = needs_snapshot
         self.indexes = {name: PrefixIndex(needs_snapshot) for name in pools}
         self.nodes: dict[str, set[str]] = {name: set() for name in self.indexes}
         self.counts: Counter[str] = Counter()
 
-    def apply(self, event: CacheEvent) -> None:
-        index = self.indexes.get(event.pool)
-        if index is None:
-            self.counts["events_unknown_cluster"] += 1
-            return
-        if event.kind is EventKind.STORE:
-            self.nodes[event.pool].add(event.node)
-            changed = index.add(event.entry, event.key, event.node, event.parent, event.length)
-        else:
-            changed = index.remove(event.entry, event.key, event.parent, event.length)
-        self.counts[f"events_{event.kind}" if changed else f"events_{event.kind}_stale"] += 1
-
-    def apply_all(self, events: Iterable[CacheEvent]) -> None:
+    def apply(self, events: Iterable[CacheEvent]) -> None:
         for event in events:
-            self.apply(event)
+            index = self.indexes.get(event.pool)
+            if index is None:
+                self.counts["events_unknown_cluster"] += 1
+                continue
+            if event.kind is EventKind.STORE:
+                self.nodes[event.pool].add(event.node)
+                changed = index.add(event.entry, event.key, event.node, event.parent, event.length)
+            else:
+                changed = index.remove(event.entry, event.key, event.parent, event.length)
+            self.counts[f"events_{event.kind}" if changed else f"events_{event.kind}_stale"] += 1
+
+    def forget(self, pool: str) -> None:
+        """The pool is gone (with its node's process): it starts over empty."""
+        self.indexes[pool] = PrefixIndex(self.needs_snapshot)
+        self.nodes[pool] = set()
+
+    def drop(self, pool: str) -> None:
+        """The pool is gone for good (its node changed role under a new name)."""
+        self.indexes.pop(pool, None)
+        self.nodes.pop(pool, None)
 
     def match(self, prompt: PromptKeys, limit: int | None = None) -> dict[str, PoolMatch]:
         out = {}
@@ -275,26 +283,14 @@ class GlobalCacheManager:
 Prompt = Sequence[int] | PromptKeys | None  # token ids, or their keys from ``PrefixDirectory.keys`` (None: no match)
 
 
-class PrefixDirectory:
+class PrefixDirectory(GlobalCacheManager):
+    """The gateway's view: one pool per prefill and decode node, looked up by a prompt's tokens or keys."""
+
     def __init__(
         self, enabled: bool, block_size: int, namespace: str, needs_snapshot: bool, nodes: Iterable[str]
     ) -> None:
+        super().__init__(nodes, needs_snapshot)
         self.enabled, self.block_size, self.namespace = enabled, block_size, namespace
-        self.needs_snapshot = needs_snapshot
-        self.manager = GlobalCacheManager(nodes, needs_snapshot)
-
-    def apply(self, events: Iterable[CacheEvent]) -> None:
-        self.manager.apply_all(events)
-
-    def forget(self, node: str) -> None:
-        """The node's process is gone, and its pool with it."""
-        self.manager.indexes[node] = PrefixIndex(self.needs_snapshot)
-        self.manager.nodes[node] = set()
-
-    def drop(self, node: str) -> None:
-        """The node is gone for good (it changed role under a new name)."""
-        self.manager.indexes.pop(node, None)
-        self.manager.nodes.pop(node, None)
 
     def keys(self, prompt_ids: Sequence[int]) -> PromptKeys | None:
         """The prompt's block keys, hashed once per request and passed to each lookup below; None when nothing
@@ -306,7 +302,7 @@ class PrefixDirectory:
     def matches(self, prompt: Prompt) -> dict[str, PoolMatch]:
         """Each node's match for the prompt, leaving at least one token to compute."""
         keys = prompt if prompt is None or isinstance(prompt, PromptKeys) else self.keys(prompt)
-        return {} if keys is None else self.manager.match(keys, limit=keys.num_tokens - 1)
+        return {} if keys is None else self.match(keys, limit=keys.num_tokens - 1)
 
     def node_hits(self, prompt: Prompt) -> dict[str, int]:
         """Each node's usable hit for the prompt."""

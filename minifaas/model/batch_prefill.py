@@ -66,7 +66,7 @@ class _RowsHook:
         self.layers = [[] for _ in self.on_layers]
 
     def __call__(self, index: int) -> None:
-        for state in self.layout.extract(self.cache, index, self.length, clone_fixed=False):
+        for state in self.layout.extract(self.cache, index, self.length):
             for row, kept in enumerate(self.layers):
                 if isinstance(kept, Exception):
                     continue

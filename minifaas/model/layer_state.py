@@ -13,7 +13,7 @@ with a one-byte dtype code and a ``checksum``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -156,13 +156,11 @@ class StateLayout:
         """Indices of decoder layer ``layer``'s parts (consecutive; none for a layer without state)."""
         return [i for i, p in enumerate(self.parts) if p.layer == layer]
 
-    def extract(self, cache: Cache, layer: int, seq_len: int, clone_fixed: bool = True) -> list[LayerState]:
-        """Decoder layer ``layer``'s parts, read out of ``cache`` after ``seq_len`` tokens. Full-attention KV is
-        not copied (transformers replaces it on update); sliding-window and linear states, updated in place by
-        later forwards, are cloned unless ``clone_fixed`` is False."""
-        keep = (lambda t: t.clone()) if clone_fixed else (lambda t: t)
+    def extract(self, cache: Cache, layer: int, seq_len: int) -> list[LayerState]:
+        """Decoder layer ``layer``'s parts, read out of ``cache`` after ``seq_len`` tokens, not copied: a later
+        forward replaces full-attention KV but updates sliding-window and linear states in place."""
         cache_layer = cache.layers[layer]
-        return [_read(cache_layer, i, self.parts[i].kind, seq_len, keep) for i in self.parts_of(layer)]
+        return [_read(cache_layer, i, self.parts[i].kind, seq_len) for i in self.parts_of(layer)]
 
 
 def new_cache(config: PreTrainedConfig, layers: Sequence[object] | None = None) -> Cache:
@@ -201,14 +199,14 @@ def _lightning_cache_type() -> type:
     return LightningCache
 
 
-def _read(cache_layer: Any, index: int, kind: StateKind, seq_len: int, keep: Callable) -> LayerState:
+def _read(cache_layer: Any, index: int, kind: StateKind, seq_len: int) -> LayerState:
     if kind is StateKind.LINEAR_ATTENTION:
         slots: list[tuple[str, torch.Tensor]] = []
         for i in range(cache_layer.number_of_states):
             if cache_layer.is_conv_states_initialized[i]:
-                slots.append((f"conv.{i}", keep(cache_layer.conv_states[i])))
+                slots.append((f"conv.{i}", cache_layer.conv_states[i]))
             if cache_layer.is_recurrent_states_initialized[i]:
-                slots.append((f"recurrent.{i}", keep(cache_layer.recurrent_states[i])))
+                slots.append((f"recurrent.{i}", cache_layer.recurrent_states[i]))
         if not slots:  # RecurrentGemma: the model's own modules hold it, one request's at a time
             raise NotImplementedError(f"part {index}: the model keeps this layer's linear state outside its cache")
         return LayerState(index, kind, seq_len, tuple(slots))
@@ -216,8 +214,7 @@ def _read(cache_layer: Any, index: int, kind: StateKind, seq_len: int, keep: Cal
     if kind is StateKind.SLIDING_WINDOW:
         if cache_layer.cumulative_length != seq_len:
             raise ValueError(f"part {index}: window ends at {cache_layer.cumulative_length}, expected {seq_len}")
-        return LayerState(index, kind, seq_len, (("keys", keep(keys)), ("values", keep(values))))
-    if keys.shape[-2] != seq_len:
+    elif keys.shape[-2] != seq_len:
         raise ValueError(f"part {index}: cache holds {keys.shape[-2]} tokens, expected {seq_len}")
     return LayerState(index, kind, seq_len, (("keys", keys), ("values", values)))
 

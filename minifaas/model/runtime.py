@@ -112,9 +112,11 @@ class ModelRuntime:
         cache = build_cache(self.config, prefix_state.layers, self.device) if prefix_state else new_cache(self.config)
         hook = _LayerHook(self.layout, cache, prefix_len, total, on_layer, on_tokens)
         logits = self._forwards(token_ids, cache, hook, chunk_tokens or len(token_ids))
-        layers = hook.final_states(self.num_states)
+        got = [state.layer for state in hook.layers]
+        if got != list(range(self.num_states)):
+            raise RuntimeError(f"layer hooks gave states {got}, expected each part once in order")
         token = sample(logits, sampling, total, eos_token_id=self.eos_token_id)  # the first token: no history
-        return PrefillResult(ModelState(layers, total), token, logits, len(token_ids), time.perf_counter() - start)
+        return PrefillResult(ModelState(hook.layers, total), token, logits, len(token_ids), time.perf_counter() - start)
 
     def _forwards(self, token_ids: Sequence[int], cache: object, hook: _LayerHook, step: int) -> torch.Tensor:
         """The prompt's forwards of at most ``step`` tokens, ``hook`` on every decoder layer; the last logits."""
@@ -145,11 +147,11 @@ class _LayerHook:
     on_tokens: OnTokens | None
     begin: int = 0  # tokens [begin, end) of the forward under way
     end: int = 0
-    layers: list[LayerState] = field(default_factory=list)
+    layers: list[LayerState] = field(default_factory=list)  # the last forward's: the final states
 
     def __call__(self, index: int) -> None:
         last = self.end == self.total
-        for state in self.layout.extract(self.cache, index, self.end, clone_fixed=False):
+        for state in self.layout.extract(self.cache, index, self.end):
             if last:
                 self.layers.append(state)
             if self.on_tokens is not None and state.kind.grows:
@@ -157,13 +159,6 @@ class _LayerHook:
                 self.on_tokens(state.slice_tokens(first, self.end), first, self.total)
             elif last and self.on_layer is not None:
                 self.on_layer(state)
-
-    def final_states(self, num_states: int) -> list[LayerState]:
-        """The states of the last forward, checked to be each part once, in order."""
-        if [s.layer for s in self.layers] != list(range(num_states)):
-            got = [s.layer for s in self.layers]
-            raise RuntimeError(f"layer hooks gave states {got}, expected each part once in order")
-        return self.layers
 
 
 def decode_finish(runtime: ModelRuntime, p: SamplingParams, token: int, count: int, position: int) -> str | None:

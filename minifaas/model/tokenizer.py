@@ -1,4 +1,4 @@
-"""Tokenizers behind one protocol: a byte-level one for the presets (nothing to download), or a checkpoint's own.
+"""Tokenizers: a byte-level one for the presets (nothing to download), or a checkpoint's own.
 
 ``IncrementalDecoder`` turns a stream of token ids into text pieces, never a split character, at a cost per token
 that does not grow with the output: it decodes only the tokens not shown yet, with the last piece's tokens before
@@ -10,20 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 MAX_PENDING = 16  # tokens a window may wait for a whole character (UTF-8 needs at most 4 bytes)
-
-
-class Tokenizer(Protocol):
-    eos_token_id: int
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-    def chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -65,6 +53,9 @@ class HFTokenizer:
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"])  # a BatchEncoding
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
 
 
 class IncrementalDecoder:

@@ -8,7 +8,7 @@ transfers report. ``auto`` picks ``none`` or ``lossless`` only: a lossy code cha
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass
 from enum import StrEnum
 
 
@@ -79,39 +79,7 @@ class LinkShare:
 class CodecChoice:
     codec: str  # none, lossless, fp8 or int8
     reason: str  # forced, saves_time, costs_more, unmeasured, unlimited_link
-    expected_bps: float  # bytes/s the transfer was expected to get
     break_even_bps: float  # bytes/s below which lossless pays (0 when unmeasured)
-
-
-@dataclass(frozen=True, slots=True)
-class CompressionConfig:
-    mode: str = Compression.AUTO.value
-    smoothing: float = 0.3  # weight of the newest transfer in each moving average
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"kv compression must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if type(self.smoothing) not in (int, float) or not 0 < self.smoothing <= 1:
-            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
-
-
-@dataclass
-class CodecMeter:
-    """Moving averages of each codec's ratio and speeds, from what transfers report (sans-IO)."""
-
-    smoothing: float = 0.3
-    estimates: dict[str, CodecEstimate] = field(default_factory=dict)
-
-    def observe(self, codec: str, nbytes: float, wire_bytes: float, encode_s: float, decode_s: float) -> None:
-        """One transfer (or calibration) coded with ``codec``: ``nbytes`` of state became ``wire_bytes``."""
-        if codec == Compression.NONE or nbytes <= 0 or wire_bytes <= 0 or encode_s <= 0 or decode_s <= 0:
-            return
-        new = CodecEstimate(nbytes / wire_bytes, nbytes / encode_s, nbytes / decode_s)
-        old = self.estimates.get(codec)
-        if old is not None:
-            w = self.smoothing
-            new = CodecEstimate(*(w * n + (1 - w) * o for n, o in zip(astuple(new), astuple(old), strict=True)))
-        self.estimates[codec] = new
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,28 +95,42 @@ class CodecSample:
 
 
 class CompressionPolicy:
+    """``mode``, or in ``auto`` the codec each transfer's shape favours, judged by moving averages of each codec's
+    ratio and speeds (``smoothing``: the newest sample's weight) over what transfers report."""
+
     def __init__(self, mode: str = Compression.AUTO.value, smoothing: float = 0.3) -> None:
-        self.config = CompressionConfig(mode, smoothing)
-        self.meter = CodecMeter(smoothing)
+        if mode not in MODES:
+            raise ValueError(f"kv compression must be one of {', '.join(MODES)}, got {mode!r}")
+        if type(smoothing) not in (int, float) or not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.mode, self.smoothing = mode, smoothing
+        self.estimates: dict[str, CodecEstimate] = {}
 
     def observe(self, sample: CodecSample) -> None:
         """A codec's figures, measured: folded into its moving averages."""
         s = sample
-        self.meter.observe(s.codec, s.nbytes, s.wire_bytes, s.encode_s, s.decode_s)
+        if s.codec == Compression.NONE or any(x <= 0 for x in (s.nbytes, s.wire_bytes, s.encode_s, s.decode_s)):
+            return
+        new = CodecEstimate(s.nbytes / s.wire_bytes, s.nbytes / s.encode_s, s.nbytes / s.decode_s)
+        old = self.estimates.get(s.codec)
+        if old is not None:
+            w = self.smoothing
+            new = CodecEstimate(*(w * n + (1 - w) * o for n, o in zip(astuple(new), astuple(old), strict=True)))
+        self.estimates[s.codec] = new
 
     def choose(self, link: LinkShare, transfer: TransferShape = TransferShape(1.0)) -> CodecChoice:
         """The codec for ``transfer`` on ``link``; without a shape, the rule for a transfer with nothing to
         hide behind (which depends on the link and the codec only)."""
-        mode = Compression(self.config.mode)
+        mode = Compression(self.mode)
         expected = link.expected_bytes_per_s
-        lossless = self.meter.estimates.get(Compression.LOSSLESS)
+        lossless = self.estimates.get(Compression.LOSSLESS)
         break_even = lossless.break_even_bps if lossless is not None else 0.0
         if mode is not Compression.AUTO:
-            return CodecChoice(mode.value, "forced", expected, break_even)
+            return CodecChoice(mode.value, "forced", break_even)
         if lossless is None:
-            return CodecChoice(Compression.NONE, "unmeasured", expected, break_even)
+            return CodecChoice(Compression.NONE, "unmeasured", break_even)
         if math.isinf(expected):
-            return CodecChoice(Compression.NONE, "unlimited_link", expected, break_even)
+            return CodecChoice(Compression.NONE, "unlimited_link", break_even)
         if expected <= 0 or transfer.exposed_s(expected, lossless) < transfer.exposed_s(expected):
-            return CodecChoice(Compression.LOSSLESS, "saves_time", expected, break_even)
-        return CodecChoice(Compression.NONE, "costs_more", expected, break_even)
+            return CodecChoice(Compression.LOSSLESS, "saves_time", break_even)
+        return CodecChoice(Compression.NONE, "costs_more", break_even)

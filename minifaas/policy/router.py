@@ -83,11 +83,7 @@ class ClusterView:
     @property
     def hit_tokens(self) -> int:
         """The cluster's usable hit: its pool's, or a healthy node's own if longer."""
-        best = self.pool_hit_tokens
-        for n in self.prefill_nodes:
-            if n.healthy and n.hit_tokens > best:
-                best = n.hit_tokens
-        return best
+        return max([self.pool_hit_tokens, *(n.hit_tokens for n in self.prefill_nodes if n.healthy)])
 
     @property
     def can_prefill(self) -> bool:
@@ -222,7 +218,7 @@ def _place(
 
 
 class Router:
-    """``decide`` plus counters for /metrics: every decision by path and by reason."""
+    """``decide`` plus counters: every decision by path and by reason."""
 
     def __init__(self, config: RouterConfig = RouterConfig()) -> None:
         if not isinstance(config, RouterConfig):  # a --router-arg config=VALUE in place of the deployment's

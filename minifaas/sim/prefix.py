@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from minifaas.cache.pool import HybridPrefixPool
+from minifaas.cache.pool import Entry, HybridPrefixPool
 from minifaas.cache.pool_config import PoolConfig
 from minifaas.cache.prefix_index import BlockKey, EntryKind, GlobalCacheManager, PoolMatch, PromptKeys
 from minifaas.planner.profile import PrefillProfile
@@ -52,8 +52,8 @@ class SizedPool(HybridPrefixPool[None]):
                 parent = self.entry(EntryKind.BLOCK, keys[j])
             else:
                 parent_key = keys[j - 1] if j else prompt.root
-                parent = self._insert(EntryKind.BLOCK, keys[j], parent_key, (j + 1) * prompt.block_size, parent, now,
-                                      nbytes, None, holder)  # fmt: skip
+                entry = Entry(EntryKind.BLOCK, keys[j], parent_key, (j + 1) * prompt.block_size, nbytes, None)
+                parent = self._insert(entry, parent, now, holder)
         return end - start
 
     def store_prompt(
