@@ -80,7 +80,7 @@ class Gateway:
             config, self.tokenizer, self.router, self.pool, self.link, self.prefixes, self.scheduler, self.dispatch,
             self.admission, self.metrics,
         )  # fmt: skip
-        self.stream, self.route = self.serving.stream, self.serving.route  # a request's life, and its route
+        self.stream = self.serving.stream  # a request's life: token events until one carries a finish_reason
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Gateway:

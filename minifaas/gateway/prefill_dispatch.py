@@ -35,7 +35,7 @@ from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import DecodeLost
-from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord, advance
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord
 from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers
@@ -161,7 +161,7 @@ class PrefillDispatch:
         away. An attempt that ends with no reply (timed out, or the client left) stops its prefill."""
         rid, prompt, decode = a.request.request_id, a.request.prompt_ids, a.decode
         record.route, record.prefill_worker = "prfaas" if a.remote else "local", a.worker.name
-        record.phase = advance(record.phase, Phase.PREFILLING)
+        record.phase = Phase.PREFILLING
         inbox = a.worker.open(rid)
         a.hold()
         gone = decode.gone  # this session's: a decode worker that came back does not know the request
@@ -227,7 +227,7 @@ class PrefillDispatch:
         link = f"{a.worker.cluster}->{a.decode.name}"
         self.metrics.add_kv_bytes(link, reply.kv_bytes, reply.kv_wire_bytes, reply.codec)
         self._prefilled(a.worker.cluster, reply.computed_tokens, reply.prefill_s)
-        record.phase = advance(record.phase, Phase.TRANSFERRING)
+        record.phase = Phase.TRANSFERRING
         if record.migrations:
             return
         record.kv_bytes, record.cached_tokens = reply.kv_bytes, reply.cached_tokens

@@ -29,7 +29,6 @@ from minifaas.gateway.requests import (
     RequestFailed,
     RequestRecord,
     TokenEvent,
-    advance,
 )
 from minifaas.gateway.token_stream import EarlyFirst, OutputText, decode_tokens, first_token_finish, token_event
 from minifaas.gateway.workers import WAIT_POLL_S, Workers
@@ -87,7 +86,7 @@ class Serving:
                 except DecodeLost as lost:  # the migration seam: the same request on another decode worker
                     moving = moving or Migration(request, c.migration_limit, sent)
                     attempt = await migrate(moving, record, lost, self.metrics, self.pool)
-            record.phase = advance(record.phase, Phase.FINISHED)
+            record.phase = Phase.FINISHED
         except RequestFailed:
             record.phase = Phase.FAILED
             raise
@@ -137,7 +136,7 @@ class Serving:
                 async with deadline.first_token():  # the tail, or a prefill redone after the shown token
                     await asyncio.wait({prefill})
             done = prefill.result()
-            record.phase = advance(record.phase, Phase.DECODING)
+            record.phase = Phase.DECODING
             sent = shown is not None and done.request is request  # else it was redone after the shown token
             tokens = decode_tokens(
                 done.request, record, self.tokenizer, decode, inbox, done.transfer, done.first, deadline, text, sent
@@ -155,10 +154,10 @@ class Serving:
             if decode is not None:
                 decode.close(rid)
 
-    def route(self, prompt_ids: list[int], keys: PromptKeys | None = None) -> RouteDecision:
+    def route(self, prompt_ids: list[int], keys: PromptKeys | None) -> RouteDecision:
         """The router's decision, on each prefill node's usable hit and each decode node's KV prefix (what a
-        transfer to it need not carry). ``keys``: the prompt's block keys, when the caller has hashed them."""
-        matches = self.prefixes.matches(prompt_ids if keys is None else keys)
+        transfer to it need not carry)."""
+        matches = self.prefixes.matches(keys)
         hits = {node: m.hit_tokens for node, m in matches.items()}
         kv = {node: m.kv_prefix_tokens for node, m in matches.items()}
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from minifaas.control.worker_ops import Done, Error, Failed, Pinned, Received, Start, Token
-from minifaas.gateway.migration import DecodeLost
+from minifaas.gateway.migration import DecodeLost, suspect
 from minifaas.gateway.requests import GenerateRequest, RequestDeadline, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import StopMatcher
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
@@ -68,12 +68,6 @@ async def decode_tokens(
                 token, finish = msg.token, msg.finish
     finally:
         decode.unstepped.discard(rid)
-
-
-def suspect(lost: Lost, rid: str) -> bool:
-    """Whether the decode worker's loss points at this request: the worker ended (a silent one may have been
-    stopped before it read anything) while this request, and no other, waited for its first step there."""
-    return not lost.silent and lost.unstepped == (rid,)
 
 
 class OutputText:
