@@ -36,7 +36,7 @@ from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import DecodeLost
 from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord
-from minifaas.gateway.token_stream import EarlyFirst
+from minifaas.gateway.token_stream import EarlyFirst, Handoff
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.launch.launcher import WorkerError
@@ -47,15 +47,6 @@ from minifaas.policy.signals import PrefillSample
 
 OnFirst = Callable[[int], None]  # told the first token as soon as the prefill worker has it
 SPEED_WEIGHT = 0.3  # of the newest prefill in the speed average: a few prefills follow a change of load
-
-
-@dataclass(frozen=True, slots=True)
-class Handoff:
-    """A done prefill, as the decode side goes on from it."""
-
-    transfer: int
-    first: int  # the first token after ``request``'s prompt
-    request: GenerateRequest  # what was prefilled: the attempt's, or it with a shown early token appended
 
 
 @dataclass(slots=True)

@@ -138,10 +138,7 @@ class Serving:
             done = prefill.result()
             record.phase = Phase.DECODING
             sent = shown is not None and done.request is request  # else it was redone after the shown token
-            tokens = decode_tokens(
-                done.request, record, self.tokenizer, decode, inbox, done.transfer, done.first, deadline, text, sent
-            )
-            async for event in tokens:
+            async for event in decode_tokens(done, record, self.tokenizer, decode, inbox, deadline, text, sent):
                 yield event
         finally:
             if decode is not None:  # told first, so the decode side expects the stopped prefill's hang-up
