@@ -24,9 +24,8 @@ from test_supervision import CONFIG as SUPERVISED
 
 from minifaas.gateway.api_errors import api_error
 from minifaas.gateway.gateway import Gateway
-from minifaas.gateway.migration import DecodeLost, Migration, MigrationLimit, PoisonRequest
+from minifaas.gateway.migration import DecodeLost, Migration, MigrationLimit, PoisonRequest, suspect
 from minifaas.gateway.requests import GenerateRequest, RequestRecord
-from minifaas.gateway.token_stream import suspect
 from minifaas.gateway.worker_handle import Lost
 from minifaas.model.reference import reference_tokens
 from minifaas.model.runtime import ModelRuntime
@@ -79,7 +78,7 @@ def test_without_a_limit_the_deadlines_decide_and_two_deaths_at_the_join_stop_a_
 
 
 def test_only_a_worker_that_ended_with_this_request_alone_unstepped_points_at_it() -> None:
-    """The evidence a lost decode worker's news gives against one request (``token_stream.suspect``)."""
+    """The evidence a lost decode worker's news gives against one request (``migration.suspect``)."""
     assert suspect(Lost(silent=False, unstepped=("r",)), "r")  # it joined alone; the worker ended
     assert not suspect(Lost(silent=True, unstepped=("r",)), "r")  # stopped or hung: maybe unread
     assert not suspect(Lost(silent=False, unstepped=("q", "r")), "r")  # a restarted worker's flood

@@ -112,7 +112,7 @@ def test_past_the_first_token_deadline_a_request_with_no_worker_fails_as_a_timeo
 ) -> None:
     async def scenario() -> Exception:
         await all_serving(gateway)
-        gateway.config = replace(CONFIG, first_token_timeout=1.0)  # read per request
+        gateway.serving.config = replace(CONFIG, first_token_timeout=1.0)  # read per request
         decode = gateway.pool.workers["pd-d0"]
         os.kill(decode.pid, signal.SIGSTOP)
         try:
@@ -126,7 +126,7 @@ def test_past_the_first_token_deadline_a_request_with_no_worker_fails_as_a_timeo
             raise AssertionError("a request with no decode worker completed")
         finally:
             os.kill(decode.pid, signal.SIGCONT)
-            gateway.config = CONFIG
+            gateway.serving.config = CONFIG
 
     error = api_error(loop.run_until_complete(scenario()))
     assert (error.status, error.code) == (504, "timeout"), error

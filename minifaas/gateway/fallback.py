@@ -13,7 +13,7 @@ from minifaas.cache.prefix_index import PrefixDirectory, PromptKeys
 from minifaas.control.worker_ops import Abort
 from minifaas.gateway.inter_cluster_link import InterClusterLink
 from minifaas.gateway.migration import DecodeLost, continued
-from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord, advance
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestRecord
 from minifaas.gateway.token_stream import EarlyFirst
 from minifaas.gateway.worker_handle import WorkerHandle
 from minifaas.gateway.workers import WAIT_POLL_S, Workers
@@ -51,7 +51,7 @@ class Fallback:
             raise DecodeLost(f"decode worker {decode.name} went away during the prefill ({why})")
         log.warning("request %s: prefill on %s failed (%s)", rid, worker.name, why)
         record.events.append(f"prefill on {worker.name} failed: {why}")
-        record.phase = advance(record.phase, Phase.FALLBACK)
+        record.phase = Phase.FALLBACK
         record.fallback = why.split(":")[0]
         with contextlib.suppress(RuntimeError):
             decode.send(Abort(req=rid))

@@ -12,9 +12,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from minifaas.gateway.metrics import ServeMetrics
-from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord, advance
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord
 
 if TYPE_CHECKING:
+    from minifaas.gateway.worker_handle import Lost
     from minifaas.gateway.workers import Workers
 
 log = logging.getLogger("minifaas.gateway")
@@ -30,6 +31,12 @@ class DecodeLost(RequestFailed):
     def __init__(self, message: str, worker: str | None = None, suspect: bool = False, pid: int = 0) -> None:
         super().__init__(message)
         self.worker, self.suspect, self.pid = worker, suspect, pid
+
+
+def suspect(lost: Lost, rid: str) -> bool:
+    """Whether the decode worker's loss points at this request: the worker ended (a silent one may have been
+    stopped before it read anything) while this request, and no other, waited for its first step there."""
+    return not lost.silent and lost.unstepped == (rid,)
 
 
 class MigrationLimit(RequestFailed):
@@ -85,7 +92,7 @@ async def migrate(
         metrics.migration("refused")
         raise
     record.migrations = moving.moves
-    record.phase = advance(record.phase, Phase.MIGRATING)
+    record.phase = Phase.MIGRATING
     record.events.append(f"migrated from {record.decode_worker} after {len(moving.sent)} tokens")
     metrics.migration("moved")
     log.warning("request %s: %s; migrating with %d tokens sent", record.request_id, lost, len(moving.sent))

@@ -35,8 +35,8 @@ from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink, LinkDown
 from minifaas.gateway.live_scheduler import LiveScheduler
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.migration import DecodeLost
-from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord, advance
-from minifaas.gateway.token_stream import EarlyFirst
+from minifaas.gateway.requests import GenerateRequest, Phase, RequestFailed, RequestRecord
+from minifaas.gateway.token_stream import EarlyFirst, Handoff
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
 from minifaas.gateway.workers import Workers
 from minifaas.launch.launcher import WorkerError
@@ -47,15 +47,6 @@ from minifaas.policy.signals import PrefillSample
 
 OnFirst = Callable[[int], None]  # told the first token as soon as the prefill worker has it
 SPEED_WEIGHT = 0.3  # of the newest prefill in the speed average: a few prefills follow a change of load
-
-
-@dataclass(frozen=True, slots=True)
-class Handoff:
-    """A done prefill, as the decode side goes on from it."""
-
-    transfer: int
-    first: int  # the first token after ``request``'s prompt
-    request: GenerateRequest  # what was prefilled: the attempt's, or it with a shown early token appended
 
 
 @dataclass(slots=True)
@@ -161,7 +152,7 @@ class PrefillDispatch:
         away. An attempt that ends with no reply (timed out, or the client left) stops its prefill."""
         rid, prompt, decode = a.request.request_id, a.request.prompt_ids, a.decode
         record.route, record.prefill_worker = "prfaas" if a.remote else "local", a.worker.name
-        record.phase = advance(record.phase, Phase.PREFILLING)
+        record.phase = Phase.PREFILLING
         inbox = a.worker.open(rid)
         a.hold()
         gone = decode.gone  # this session's: a decode worker that came back does not know the request
@@ -227,7 +218,7 @@ class PrefillDispatch:
         link = f"{a.worker.cluster}->{a.decode.name}"
         self.metrics.add_kv_bytes(link, reply.kv_bytes, reply.kv_wire_bytes, reply.codec)
         self._prefilled(a.worker.cluster, reply.computed_tokens, reply.prefill_s)
-        record.phase = advance(record.phase, Phase.TRANSFERRING)
+        record.phase = Phase.TRANSFERRING
         if record.migrations:
             return
         record.kv_bytes, record.cached_tokens = reply.kv_bytes, reply.cached_tokens

@@ -45,32 +45,6 @@ class Phase(Enum):
         return self in (Phase.FINISHED, Phase.ABORTED, Phase.FAILED)
 
 
-_END = {Phase.ABORTED, Phase.FAILED}
-_LOST = {Phase.MIGRATING} | _END  # a decode node can go at any live step
-TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.QUEUED: frozenset({Phase.PREFILLING} | _END),
-    # a stop string in the first token, shown while the state still crosses, ends the request before it decodes
-    Phase.PREFILLING: frozenset({Phase.TRANSFERRING, Phase.FALLBACK, Phase.FINISHED} | _LOST),
-    Phase.TRANSFERRING: frozenset({Phase.DECODING, Phase.FALLBACK} | _LOST),
-    Phase.FALLBACK: frozenset({Phase.PREFILLING} | _LOST),
-    Phase.MIGRATING: frozenset({Phase.PREFILLING} | _END),
-    Phase.DECODING: frozenset({Phase.FINISHED} | _LOST),
-    Phase.FINISHED: frozenset(),
-    Phase.ABORTED: frozenset(),
-    Phase.FAILED: frozenset(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
-
-
-def advance(current: Phase, new: Phase) -> Phase:
-    if new not in TRANSITIONS[current]:
-        raise IllegalTransition(f"{current.name} -> {new.name} is not a legal transition")
-    return new
-
-
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     request_id: str

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from minifaas.control.worker_ops import Done, Error, Failed, Pinned, Received, Start, Token
-from minifaas.gateway.migration import DecodeLost
+from minifaas.gateway.migration import DecodeLost, suspect
 from minifaas.gateway.requests import GenerateRequest, RequestDeadline, RequestFailed, RequestRecord, TokenEvent
 from minifaas.gateway.stop_strings import StopMatcher
 from minifaas.gateway.worker_handle import Inbound, Lost, WorkerHandle
@@ -20,25 +21,33 @@ from minifaas.model.sampling import SamplingParams
 from minifaas.model.tokenizer import IncrementalDecoder, Tokenizer
 
 
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """A done prefill, as the decode side goes on from it."""
+
+    transfer: int
+    first: int  # the first token after ``request``'s prompt
+    request: GenerateRequest  # what was prefilled: the attempt's, or it with a shown early token appended
+
+
 async def decode_tokens(
-    request: GenerateRequest,
+    done: Handoff,
     record: RequestRecord,
     tokenizer: Tokenizer,
     decode: WorkerHandle,
     inbox: asyncio.Queue[Inbound],
-    transfer: int,
-    first: int,
     deadline: RequestDeadline,
     text: OutputText,
     shown: bool = False,
 ) -> AsyncIterator[TokenEvent]:
-    """``request`` is the attempt's (after a migration: prompt plus output so far); ``text`` and
+    """``done.request`` is the attempt's (after a migration: prompt plus output so far); ``text`` and
     ``record.completion_tokens`` span every attempt. ``shown``: the first token's event went out already."""
-    token, finish = first, first_token_finish(first, request, tokenizer)
+    request, transfer, token = done.request, done.transfer, done.first
+    finish = first_token_finish(token, request, tokenizer)
     rid = request.request_id
     if finish is None:
         try:
-            decode.send(Start(req=rid, next_token=first))
+            decode.send(Start(req=rid, next_token=token))
         except RuntimeError as e:  # gone between the prefill and now
             raise DecodeLost(str(e)) from None
         decode.unstepped.add(rid)
@@ -68,12 +77,6 @@ async def decode_tokens(
                 token, finish = msg.token, msg.finish
     finally:
         decode.unstepped.discard(rid)
-
-
-def suspect(lost: Lost, rid: str) -> bool:
-    """Whether the decode worker's loss points at this request: the worker ended (a silent one may have been
-    stopped before it read anything) while this request, and no other, waited for its first step there."""
-    return not lost.silent and lost.unstepped == (rid,)
 
 
 class OutputText:
