@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minifaas.cache.pool_config import PoolConfig
+from minifaas.cache.prefix_index import EntryKind
 from minifaas.model.interleaved_decoder import DecodeStream
 from minifaas.model.layer_state import LayerState, StateKind
 from minifaas.model.reference import reference_tokens
@@ -152,3 +153,15 @@ def test_a_pinned_hit_survives_a_full_pool_and_is_released() -> None:
     assert plan.lease.released
     decoded = DecodeStream(rt, out.state, out.next_token, PARAMS).run()
     assert decoded == reference_tokens(rt, [*tokens, 9], PARAMS)
+
+
+def test_a_hit_whose_state_fails_to_load_is_not_left_pinned() -> None:
+    rt = ModelRuntime.load("qwen3-tiny")
+    store = PrefixStore(PoolConfig("n", 1 << 30, BLOCK, 1, False), "m", rt.layout.kinds, "n")
+    tokens = _tokens(7, 3 * BLOCK + 1)
+    _serve(store, rt, tokens)
+    block = next(e for e in store.pool.entries() if e.kind is EntryKind.BLOCK and e.payload)
+    block.payload = tuple(s.slice_tokens(0, BLOCK - 1) for s in block.payload)  # a cached state one token short
+    with pytest.raises(ValueError, match="cached state covers"):
+        store.begin(tokens)
+    assert [e.refs for e in store.pool.entries()] == [0] * len(store.pool.entries()), "the failed hit stays pinned"

@@ -26,8 +26,8 @@ async def export(store: PrefixStore, sender: Callable[[str, int], KVSender], msg
     """Send the usable prefix of ``msg.tokens`` up to ``msg.length`` (pinned until it is sent) to ``msg.kv``."""
     keys = PromptKeys.from_tokens(msg.tokens, store.pool.config.block_size, store.namespace)
     lease = store.pool.acquire(keys, limit=msg.length)
-    state = store.load(lease)
     try:
+        state = store.load(lease)
         report = await sender(*msg.kv).send(msg.transfer, state, codec) if state is not None else None
     finally:
         store.pool.release(lease)

@@ -92,7 +92,11 @@ class PrefixStore:
         at_end = self.pool.entry(EntryKind.SNAPSHOT, keys.end_key) if self.enabled else None  # it kept the logits
         logits = at_end.payload.logits if at_end is not None and isinstance(at_end.payload, Snapshot) else None
         lease = self.pool.acquire(keys, limit=n if logits is not None else n - 1)
-        h, prefix = lease.hit_tokens, self.load(lease)
+        try:
+            h, prefix = lease.hit_tokens, self.load(lease)
+        except BaseException:
+            self.pool.release(lease)
+            raise
         points = []
         if self.enabled:
             seen = max(seen_tokens, self.pool.match(keys, limit=n - 1).kv_blocks * size)
