@@ -88,7 +88,7 @@ def test_a_lost_emulator_leaves_service_within_its_deadline_and_comes_back_route
         os.kill(old, sig)
         gone = await until(lambda: not gateway.link.up, 10 + DEADLINE_S)
         # at once, in the same turn of the loop: long prompts stay local, and say why
-        assert gateway.route(LONG).reason is RouteReason.LONG_BUT_PRFAAS_DOWN
+        assert gateway.serving.route(LONG, None).reason is RouteReason.LONG_BUT_PRFAAS_DOWN
         assert gateway.health()["links"][NAME].startswith("down: ")
         # found by its own probe: an exited process at the next ping, a stopped one at the ping's deadline
         # (how soon depends on the host's load: the bound is the 12 s `until` above, not a timing check)
