@@ -83,7 +83,11 @@ class ClusterView:
     @property
     def hit_tokens(self) -> int:
         """The cluster's usable hit: its pool's, or a healthy node's own if longer."""
-        return max([self.pool_hit_tokens, *(n.hit_tokens for n in self.prefill_nodes if n.healthy)])
+        best = self.pool_hit_tokens
+        for n in self.prefill_nodes:
+            if n.healthy and n.hit_tokens > best:
+                best = n.hit_tokens
+        return best
 
     @property
     def can_prefill(self) -> bool:
