@@ -57,7 +57,7 @@ class Serving:
     async def stream(self, request: GenerateRequest, record: RequestRecord) -> AsyncIterator[TokenEvent]:
         """A request's life: admitted, routed, prefilled, streamed; token events until one carries a finish_reason.
         A prompt that cannot be served (empty, or a token id outside the vocabulary) raises ValueError before
-        anything runs; the HTTP layer answers those with a 400."""
+        anything runs; over HTTP, parse_request refuses both with a 400 first."""
         ids, vocab = request.prompt_ids, self.tokenizer.vocab_size
         if not ids:
             raise ValueError(f"request {request.request_id}: the prompt is empty")
