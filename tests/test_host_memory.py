@@ -15,18 +15,19 @@ from minifaas.model import host_memory
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
 
 FAULTS = """
-import json, resource, torch
+import json, resource, statistics, torch
 from minifaas.model.host_memory import keep_freed_memory
 from minifaas.model.runtime import ModelRuntime
 torch.set_num_threads(1)
 rt = ModelRuntime.load("kimi-linear-tiny")
 ids = list(range(128))
-rt.prefill(ids)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+faults = []
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     rt.prefill(ids)
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
-print(json.dumps({"kept": keep_freed_memory(), "faults": faults}))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+# the first two prefills grow the heap; a kept heap still faults a few hundred pages in now and then
+print(json.dumps({"kept": keep_freed_memory(), "faults": statistics.median(faults[2:])}))
 """
 
 
