@@ -120,17 +120,11 @@ async def _verify(channel: Channel, secret: bytes, timeout: float, magic: bytes,
 
 # Offsets into Linux's struct tcp_info (include/uapi/linux/tcp.h); all fields since Linux 4.19.
 _FIELDS = {
-    "retransmits": (2, "B"),
-    "rto_us": (8, "I"),
-    "unacked": (24, "I"),
-    "lost": (32, "I"),
     "rtt_us": (68, "I"),
     "rttvar_us": (72, "I"),
-    "cwnd": (80, "I"),
     "total_retrans": (100, "I"),
     "bytes_acked": (120, "Q"),
     "notsent_bytes": (144, "I"),
-    "min_rtt_us": (148, "I"),
     "delivery_rate": (160, "Q"),  # bytes per second
     "bytes_sent": (200, "Q"),
     "bytes_retrans": (208, "Q"),
@@ -140,17 +134,11 @@ TCP_INFO_BYTES = 232
 
 @dataclass(frozen=True, slots=True)
 class TcpInfo:
-    retransmits: int  # retransmissions of the segment at the head of the queue right now
-    rto_us: int
-    unacked: int
-    lost: int
     rtt_us: int
     rttvar_us: int
-    cwnd: int  # segments
     total_retrans: int
     bytes_acked: int
     notsent_bytes: int
-    min_rtt_us: int
     delivery_rate: int  # bytes/s, the kernel's estimate
     bytes_sent: int  # including retransmissions
     bytes_retrans: int
