@@ -363,13 +363,15 @@ def test_serve_lets_a_stream_in_flight_go_on_for_its_grace_then_cuts_it_and_a_se
         url = line.split("http://")[1].split("/")[0]
         threading.Thread(target=log.extend, args=(proc.stderr,), daemon=True).start()
         chunks: list[float] = []  # when each streamed line came
+        lines: list[bytes] = []
         body = json.dumps({"prompt": "ROMEO:", "max_tokens": 30000, "ignore_eos": True, "stream": True}).encode()
         request = urllib.request.Request(f"http://{url}/v1/completions", body, {"Content-Type": "application/json"})
 
         def read() -> None:
             with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=300) as r:
-                for _ in r:
+                for line in r:
                     chunks.append(time.monotonic())
+                    lines.append(line)
 
         reader = threading.Thread(target=read)
         reader.start()
@@ -396,6 +398,47 @@ def test_serve_lets_a_stream_in_flight_go_on_for_its_grace_then_cuts_it_and_a_se
     said = "".join(log)
     assert f"requests in flight have up to {grace:g} s to finish" in said
     assert ("the requests still in flight were cut" in said) == second_signal
+    # the client learns why its stream ended: an error in the stream, then the end of the stream
+    events = [line.removeprefix(b"data: ").strip() for line in lines if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "shutting_down" and "shutting down" in error["message"], error
+
+
+def test_a_completion_still_running_when_the_grace_ends_gets_a_503_that_says_why() -> None:
+    import threading
+    import urllib.error
+    import urllib.request
+
+    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", "0", "--no-fork-workers",
+            "--shutdown-grace", "1"]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    answer: list[tuple[int, dict]] = []
+    try:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            if "serving" in line and "http://" in line:
+                break
+        url = line.split("http://")[1].split("/")[0]
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # type: ignore[union-attr]
+        body = json.dumps({"prompt": "ROMEO:", "max_tokens": 30000, "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://{url}/v1/completions", body, {"Content-Type": "application/json"})
+
+        def ask() -> None:
+            try:
+                urllib.request.urlopen(request, timeout=120)
+            except urllib.error.HTTPError as e:
+                answer.append((e.code, json.loads(e.read())))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        time.sleep(2.0)  # well into its 30,000 tokens
+        proc.send_signal(signal.SIGTERM)
+        asker.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    status, error = answer[0]
+    assert status == 503 and error["error"]["code"] == "shutting_down", answer
 
 
 def test_a_reader_that_stops_early_ends_a_command_quietly() -> None:

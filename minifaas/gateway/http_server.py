@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.api import ConnectionLimit, GatewayAPI, OpenAIServer, bearer_auth, openai_errors
+from minifaas.gateway.api import CUT_S, ConnectionLimit, GatewayAPI, OpenAIServer, bearer_auth, openai_errors
 from minifaas.gateway.api_errors import LINGER_S
 from minifaas.gateway.metrics import ServeMetrics
 
@@ -37,6 +37,7 @@ def build_app(
     api = OpenAIServer(gateway, metrics, http)
     middlewares = [openai_errors(metrics), bearer_auth(api_key)]
     app = web.Application(client_max_size=http.max_body_bytes, middlewares=middlewares)
+    app.on_shutdown.append(api.finish)
     app.on_cleanup.append(api.close)
 
     async def models(request: web.Request) -> web.Response:
@@ -161,7 +162,7 @@ async def serve_http(
         handler_cancellation=True,
         keepalive_timeout=http.header_timeout,
         lingering_time=LINGER_S,
-        shutdown_timeout=http.shutdown_grace / 2,  # twice over: for a handler to end, then (cancelled) to end
+        shutdown_timeout=CUT_S,  # after ``OpenAIServer.finish``: for other routes' handlers to end
     )
     await runner.setup()
     try:

@@ -1,20 +1,23 @@
 """A completion streamed as server-sent events: its chunks in OpenAI's order, written as the tokens come.
 
 The headers go out with the first token, so a request refused or failed before it still gets a real status; an
-error after them goes in the stream as an OpenAI error body, as vLLM sends it, and ``[DONE]`` ends every stream.
+error after them goes in the stream as an OpenAI error body, as vLLM sends it, and ``[DONE]`` ends every stream,
+one the server cuts as it shuts down too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
-from minifaas.gateway.api_errors import api_error, cause_of
+from minifaas.gateway.api_errors import APIError, api_error, cause_of
 from minifaas.gateway.metrics import ServeMetrics
 from minifaas.gateway.openai_schema import APIEndpoint, CompletionReply, check_finished
 from minifaas.gateway.requests import RequestFailed, TokenEvent
@@ -22,13 +25,15 @@ from minifaas.gateway.requests import RequestFailed, TokenEvent
 log = logging.getLogger("minifaas.api")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _CHUNK_OBJECT = {APIEndpoint.COMPLETIONS: "text_completion", APIEndpoint.CHAT: "chat.completion.chunk"}
+CUT = APIError(503, "The server is shutting down: the stream was cut before it finished.", code="shutting_down")
 
 
 async def stream_reply(
     request: web.Request, reply: CompletionReply, events: AsyncIterator[TokenEvent], include_usage: bool,
-    metrics: ServeMetrics,
+    metrics: ServeMetrics, cutting: Callable[[], bool],
 ) -> tuple[web.StreamResponse, str]:  # fmt: skip
-    """Stream ``events`` as ``reply``'s chunks; the response and the request's outcome."""
+    """Stream ``events`` as ``reply``'s chunks; the response and the request's outcome. A cancellation while
+    ``cutting()`` (the server's grace is over) ends the stream with ``CUT``, any other passes on."""
     first = await anext(events, None)  # Overloaded / RequestFailed here still become an HTTP status
     if first is None:
         raise RequestFailed("the gateway ended the stream before the first token")
@@ -59,6 +64,15 @@ async def stream_reply(
         await response.write(b"data: [DONE]\n\n")
     except ConnectionResetError:  # the client went away: leaving closes the gateway's iterator
         return response, "abort"
+    except asyncio.CancelledError:
+        if not cutting():
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        metrics.request_error(cause_of(CUT))
+        with contextlib.suppress(ConnectionResetError):
+            await _send(response, CUT.body())
+            await response.write(b"data: [DONE]\n\n")
+        return response, "error"
     return response, outcome
 
 
