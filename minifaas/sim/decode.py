@@ -69,11 +69,6 @@ class DecodeInstances:
     def serving(self) -> int:
         return len(self.ids) - len(self.retired)
 
-    def least_loaded(self) -> int | None:
-        if not self.serving:
-            return None
-        return next(iter(self._buckets[self._min_load]))
-
     def retire(self, node: int) -> bool:
         """Take the instance out of routing; True if it is already empty."""
         self.retired.add(node)
@@ -102,8 +97,10 @@ class DecodeInstances:
 
     def views(self) -> tuple[NodeView, ...]:
         """The least-loaded instance only: with no affinity the router picks the least load."""
-        node = self.least_loaded()
-        return () if node is None else (NodeView(self.ids[node], 0, float(self.assigned[node])),)
+        if not self.serving:
+            return ()
+        node = next(iter(self._buckets[self._min_load]))
+        return (NodeView(self.ids[node], 0, float(self.assigned[node])),)
 
     def _move(self, node: int, delta: int) -> None:
         old = self.assigned[node]
