@@ -55,8 +55,7 @@ class DecodeInstances:
         self.assigned = [0] * n  # routed here and not finished
         self.running = [0] * n
         self.waiting: list[deque[int]] = [deque() for _ in range(n)]
-        self.total_running = 0
-        self.total_waiting = 0
+        self.total_running = self.total_waiting = 0
         self._buckets: list[dict[int, None]] = [dict.fromkeys(range(n))]  # load -> instances (insertion-ordered)
         self._min_load = 0
         self.retired: set[int] = set()

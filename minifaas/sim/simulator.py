@@ -342,15 +342,16 @@ class Simulation:
         start, end = cfg.warmup_s, wl.duration_s
         window = max(end - start, 1e-9)
         arrival = wl.arrival_s
-        path = np.array(self.path)
-        first = np.array(self.first_token)
-        finished = np.array(self.finished)
+        path, first, finished = np.array(self.path), np.array(self.first_token), np.array(self.finished)
         counted = (arrival >= start) & ~np.isnan(first)
         ttft = first[counted] - arrival[counted]
         routed = path != REJECTED
         self.link.advance(self.loop.now)
         bins = self.link.egress_gbps(end)[int(start // self.link.bins_s) :]
         makespan = max(self.loop.now, 1e-9)
+        sched = self.scheduler
+        trace = np.array(sched.trace, dtype=float).reshape(-1, 4)
+        thresholds = trace[:, 1] if len(trace) else np.array([sched.threshold])
         return SimResult(
             requests=len(wl),
             completed=int(np.count_nonzero(~np.isnan(finished))),
@@ -375,19 +376,11 @@ class Simulation:
             queues=np.array(self._samples, dtype=float).reshape(-1, 6),
             kv_coded_fraction=self.coding.coded_fraction,
             kv_wire_ratio=self.coding.ratio,
-            **self._schedule_summary(),
+            threshold_final=int(sched.threshold),
+            threshold_max=int(thresholds.max()),
+            threshold_changes=int(np.count_nonzero(np.diff(thresholds))),
+            role_conversions=sched.conversions,
+            n_prefill_final=self.pd.serving,
+            n_decode_final=self.decode.serving,
+            schedule=trace,
         )
-
-    def _schedule_summary(self) -> dict[str, object]:
-        sched = self.scheduler
-        trace = np.array(sched.trace, dtype=float).reshape(-1, 4)
-        thresholds = trace[:, 1] if len(trace) else np.array([sched.threshold])
-        return {
-            "threshold_final": int(sched.threshold),
-            "threshold_max": int(thresholds.max()),
-            "threshold_changes": int(np.count_nonzero(np.diff(thresholds))),
-            "role_conversions": sched.conversions,
-            "n_prefill_final": self.pd.serving,
-            "n_decode_final": self.decode.serving,
-            "schedule": trace,
-        }
