@@ -104,12 +104,7 @@ class Dashboard:
     def _note_changes(self, wall: float, loop_now: float) -> None:
         """The short-term decisions since the last sample that moved t or changed the rule, with their reason."""
         history = getattr(self.gateway.scheduler.short, "history", ())  # a plugin policy may keep none
-        fresh = []
-        for decision in reversed(history):
-            if decision.at_s <= self._seen_at:
-                break
-            fresh.append(decision)
-        for d in reversed(fresh):
+        for d in [d for d in history if d.at_s > self._seen_at]:  # decisions come in time order
             rule = str(d.rule)
             if d.threshold != d.previous or rule != self._rule:
                 self.changes.append({
