@@ -14,7 +14,6 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -41,44 +40,12 @@ STAGES = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One second of the gateway as the page draws it."""
-
-    at: float  # wall-clock seconds
-    egress_bps: float
-    ceiling_bps: float | None  # None: unlimited or not measured; 0: cut
-    utilisation: float  # the short-term policy's smoothed reading
-    threshold: int
-    rule: str
-    depth: dict[str, int]  # requests per stage (STAGES)
-    wait_s: dict[str, float]  # how long a request arriving then would wait, per stage
-    wire_bytes: dict[str, float]  # cumulative KV bytes on the wire, by codec
-    prompt_tokens: float  # cumulative, for the prefix cache's hit rate
-    cached_tokens: float
-
-    def to_json(self, previous: Sample | None) -> dict:
-        span = self.at - previous.at if previous is not None else 0.0
-        old = previous.wire_bytes if previous is not None else {}
-        by_codec = {c: 8 * (b - old.get(c, 0.0)) / span if span > 0 else 0.0 for c, b in self.wire_bytes.items()}
-        return {
-            "at": round(self.at, 3),
-            "egress_bps": self.egress_bps,
-            "ceiling_bps": self.ceiling_bps,
-            "utilisation": round(self.utilisation, 4),
-            "threshold": self.threshold,
-            "rule": self.rule,
-            "depth": self.depth,
-            "wait_s": {k: round(v, 4) for k, v in self.wait_s.items()},
-            "wire_bps_by_codec": by_codec,
-        }
-
-
 class Dashboard:
     def __init__(self, gateway: Gateway, metrics: ServeMetrics) -> None:
         self.gateway, self.metrics = gateway, metrics
-        self.samples: deque[Sample] = deque(maxlen=int(HISTORY_S / PERIOD_S))
-        self.sample_json: deque[dict] = deque(maxlen=int(HISTORY_S / PERIOD_S))  # each turned to JSON once
+        self.samples: deque[dict] = deque(maxlen=int(HISTORY_S / PERIOD_S))  # one a second, as the page draws it
+        self.tokens: deque[tuple[float, float]] = deque(maxlen=int(HISTORY_S / PERIOD_S))  # (prompt, cached) then
+        self._wire: tuple[float, dict[str, float]] | None = None  # (when, bytes by codec) at the last sample
         self.requests: deque[tuple[float, str, RequestRecord]] = deque(maxlen=RECENT_REQUESTS)
         metrics.ended = self.requests  # the metrics append each routed request that ends
         self.changes: deque[dict] = deque(maxlen=200)  # the short-term scheduler's moves of t or the rule
@@ -110,41 +77,34 @@ class Dashboard:
             await asyncio.sleep(PERIOD_S)
 
     def sample(self) -> None:
+        """One second of the gateway: the link, t and the rule, and per stage (STAGES) the requests there and
+        how long one arriving now would wait."""
         scheduler, now = self.gateway.scheduler, time.time()
         signals = scheduler.last
         self._note_changes(now, asyncio.get_running_loop().time())
-        depth, wait = {}, {}
-        for stage, cluster, role, field in STAGES:
-            depth[stage] = sum(w.requests for w in self.gateway.pool.of(cluster, role))
-            wait[stage] = getattr(signals, field).wait_s if signals is not None else 0.0
         ceiling = signals.link_rate_bps if signals is not None else scheduler.link_rate_bps
-        previous = self.samples[-1] if self.samples else None
-        self.samples.append(
-            Sample(
-                at=now,
-                egress_bps=signals.egress_bps if signals is not None else 0.0,
-                ceiling_bps=ceiling if ceiling < math.inf else None,
-                utilisation=scheduler.utilisation,
-                threshold=scheduler.threshold,
-                rule=str(scheduler.rule),
-                depth=depth,
-                wait_s=wait,
-                wire_bytes=dict(self.metrics.link_wire_bytes),
-                prompt_tokens=_total(self.metrics.prompt_tokens),
-                cached_tokens=_total(self.metrics.cached_tokens),
-            )
-        )
-        self.sample_json.append(self.samples[-1].to_json(previous))
+        wire = dict(self.metrics.link_wire_bytes)  # cumulative KV bytes on the wire, by codec
+        then, old = self._wire if self._wire is not None else (now, {})
+        self.samples.append({
+            "at": round(now, 3),
+            "egress_bps": signals.egress_bps if signals is not None else 0.0,
+            "ceiling_bps": ceiling if ceiling < math.inf else None,  # None: unlimited or not measured; 0: cut
+            "utilisation": round(scheduler.utilisation, 4),
+            "threshold": scheduler.threshold,
+            "rule": str(scheduler.rule),
+            "depth": {stage: sum(w.requests for w in self.gateway.pool.of(c, r)) for stage, c, r, _ in STAGES},
+            "wait_s": {stage: round(getattr(signals, f).wait_s, 4) if signals is not None else 0.0
+                       for stage, _, _, f in STAGES},
+            "wire_bps_by_codec": {c: 8 * (b - old.get(c, 0.0)) / (now - then) if now > then else 0.0
+                                  for c, b in wire.items()},
+        })  # fmt: skip
+        self._wire = now, wire
+        self.tokens.append((_total(self.metrics.prompt_tokens), _total(self.metrics.cached_tokens)))
 
     def _note_changes(self, wall: float, loop_now: float) -> None:
         """The short-term decisions since the last sample that moved t or changed the rule, with their reason."""
         history = getattr(self.gateway.scheduler.short, "history", ())  # a plugin policy may keep none
-        fresh = []
-        for decision in reversed(history):
-            if decision.at_s <= self._seen_at:
-                break
-            fresh.append(decision)
-        for d in reversed(fresh):
+        for d in [d for d in history if d.at_s > self._seen_at]:  # decisions come in time order
             rule = str(d.rule)
             if d.threshold != d.previous or rule != self._rule:
                 self.changes.append({
@@ -156,12 +116,10 @@ class Dashboard:
 
     def state(self, since: float | None = None) -> dict:
         """The page's figures; ``since``: only the samples taken after that time (the page holds the rest)."""
-        gw, samples = self.gateway, list(self.samples)
-        link = gw.link
+        gw, link = self.gateway, self.gateway.link
         total_prompt, total_cached = _total(self.metrics.prompt_tokens), _total(self.metrics.cached_tokens)
-        minute_ago = samples[-60] if len(samples) >= 60 else samples[0] if samples else None
-        prompt = total_prompt - minute_ago.prompt_tokens if minute_ago is not None else 0.0
-        cached = total_cached - minute_ago.cached_tokens if minute_ago is not None else 0.0
+        minute_ago = self.tokens[max(-60, -len(self.tokens))] if self.tokens else (total_prompt, total_cached)
+        prompt, cached = total_prompt - minute_ago[0], total_cached - minute_ago[1]
         return {
             "now": time.time(),
             "period_s": PERIOD_S,
@@ -174,7 +132,7 @@ class Dashboard:
                 "down": dict(link.down),
                 "configured_rate": gw.config.link.rate,
                 "wire_bytes_by_codec": dict(self.metrics.link_wire_bytes),
-                "samples": [j for j in self.sample_json if since is None or j["at"] > since],
+                "samples": [j for j in self.samples if since is None or j["at"] > since],
             },
             "scheduler": {
                 "threshold": gw.scheduler.threshold,

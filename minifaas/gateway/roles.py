@@ -124,10 +124,9 @@ class RoleChanger:
 
     def pick(self, to_prefill: bool) -> WorkerHandle | None:
         """The least busy worker of the shrinking role, or None when none may go."""
-        workers = self.pool.workers.values()
-        shrinking = [w for w in self.pool.of("pd", "decode" if to_prefill else "prefill") if w.spec.address is None]
-        serving = [w for w in shrinking if w.serving]
-        prefill_elsewhere = any(w.serving for w in workers if w.role == "prefill" and w.cluster == "prfaas")
+        shrinking = self.pool.of("pd", "decode" if to_prefill else "prefill")
+        serving = [w for w in shrinking if w.spec.address is None and w.serving]
+        prefill_elsewhere = any(w.serving for w in self.pool.of("prfaas", "prefill"))
         if not serving or (len(serving) == 1 and (to_prefill or not prefill_elsewhere)):
             return None
         return min(serving, key=lambda w: (w.busy, w.load_tokens, w.name))

@@ -67,26 +67,23 @@ async def attach(
 ) -> tuple[Session, Attached]:
     """A session with the worker at ``address`` and what it said it is; raises ControlError."""
     session = await connect(*address, secret, timeout, ssl)
+    where = f"{address[0]}:{address[1]}"
     try:
         session.send(Attach(gateway=GATEWAY_ID))
         await session.drain(timeout)
         hello = await session.recv(timeout)
+        if hello is None:
+            raise Refused(f"{where} did not take this gateway: it hung up")
+        try:
+            reply = from_wire(hello, REPLIES)
+        except BadMessage as e:
+            raise Refused(f"{where} said what it is unreadably: {e}") from None
+        if not isinstance(reply, Attached):
+            kind = Busy if isinstance(reply, Taken) else Refused
+            raise kind(f"{where} did not take this gateway: {getattr(reply, 'error', hello)}")
     except BaseException:
         session.close()
         raise
-    if hello is None:
-        session.close()
-        raise Refused(f"{address[0]}:{address[1]} did not take this gateway: it hung up")
-    try:
-        reply = from_wire(hello, REPLIES)
-    except BadMessage as e:
-        session.close()
-        raise Refused(f"{address[0]}:{address[1]} said what it is unreadably: {e}") from None
-    if not isinstance(reply, Attached):
-        session.close()
-        kind = Busy if isinstance(reply, Taken) else Refused
-        why = getattr(reply, "error", hello)
-        raise kind(f"{address[0]}:{address[1]} did not take this gateway: {why}")
     return session, reply
 
 
@@ -293,5 +290,4 @@ class Workers:
         self.closing = True
         for w in self.workers.values():
             w.detach()
-        launched = {w.name: w.spec for w in self.workers.values()}
-        await asyncio.gather(*(self.launcher_of(spec).stop(spec) for spec in launched.values()))
+        await asyncio.gather(*(self.launcher_of(w.spec).stop(w.spec) for w in self.workers.values()))

@@ -42,22 +42,10 @@ class ForkError(RuntimeError):
     """The pre-loaded parent cannot fork a worker now."""
 
 
-class _Stdin:
-    """The write end of a worker's stdin: closing it is how the gateway says stop."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd: int | None = fd
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
 class ForkedProcess:
     def __init__(self, pid: int, stdin: int, stdout: asyncio.StreamReader, transport: asyncio.BaseTransport) -> None:
         self.pid = pid
-        self.stdin = _Stdin(stdin)
+        self.stdin = os.fdopen(stdin, "wb", 0)  # closing it is how the gateway says stop
         self.stdout = stdout
         self.returncode: int | None = None
         self.reaped_here = True  # False: its parent was lost, and its status with it
@@ -75,16 +63,10 @@ class ForkedProcess:
         assert self.returncode is not None
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
+    def kill(self) -> None:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
 
     async def poll_until_gone(self, period: float = 0.2) -> None:
         """The parent is gone, so nobody reports this worker's end: watch its pid instead."""
@@ -165,9 +147,7 @@ class ForkServer:
         except (OSError, TimeoutError) as e:
             if isinstance(e, TimeoutError):
                 self.parent.kill()
-            os.close(stdin_w)
-            os.close(stdout_r)
-            raise ForkError(f"the pre-loaded parent did not fork: {e!r}") from None
+            answer = {"error": repr(e)}
         finally:
             with self._lock:
                 self._replies.pop(request_id, None)

@@ -1,8 +1,7 @@
-"""Three launchers behind one small interface: start a worker and say where it listens, stop it, is it alive.
+"""Three launchers behind one small interface: start a worker and say where it listens, stop it.
 
     address = await launcher.start(spec)   # the worker running (started if it was not): its control port
     await launcher.stop(spec)              # stopped for good, if it is the launcher's to stop
-    launcher.alive(spec)                   # still there, as far as the launcher knows
 
 When the gateway loses a worker's session it calls ``start`` again: restarts are the launcher's business.
 """
@@ -50,8 +49,6 @@ class Launcher(Protocol):
 
     async def stop(self, spec: WorkerSpec) -> None: ...
 
-    def alive(self, spec: WorkerSpec) -> bool: ...
-
     def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
         """How the worker's process ``pid`` ended, if this launcher saw it end: its returncode (negative: the
         signal that ended it); None while it runs, or when its end was not seen here."""
@@ -70,9 +67,6 @@ class AttachedLauncher:
 
     async def stop(self, spec: WorkerSpec) -> None:
         """Nothing: the worker outlives the gateway and waits for the next one."""
-
-    def alive(self, spec: WorkerSpec) -> bool:
-        return True  # not the gateway's to know: it re-dials until the worker answers
 
     def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
         return None  # another host's process

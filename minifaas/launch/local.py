@@ -41,7 +41,6 @@ class LocalLauncher:
         self.processes: dict[str, asyncio.subprocess.Process | ForkedProcess] = {}
         self.addresses: dict[str, Address] = {}
         self.kv_ports: dict[str, int] = {}  # chosen at the first start, kept across restarts
-        self.starts: dict[str, int] = {}
         self.restarts: dict[str, int] = {}  # started again after the process died
         self.exits: dict[int, int] = {}  # pid -> returncode of each worker process seen to end
 
@@ -89,7 +88,6 @@ class LocalLauncher:
             raise WorkerError(f"worker {spec.name} did not start: {why}") from None
         if ready.get("kv"):
             self.kv_ports[spec.name] = ready["kv"][1]  # where the link's routes and cache moves will point
-        self.starts[spec.name] = self.starts.get(spec.name, 0) + 1
         self.addresses[spec.name] = (HOST, ready["control"][1])
         log.info("worker %s (%s, %s) started, pid %s", spec.name, spec.role, spec.cluster, ready["pid"])
         return self.addresses[spec.name]

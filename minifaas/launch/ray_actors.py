@@ -166,8 +166,5 @@ class RayLauncher:
         if actor is not None:
             ray.kill(actor, no_restart=True)
 
-    def alive(self, spec: WorkerSpec) -> bool:
-        return spec.name in self.actors  # Ray restarts it for as long as the gateway has not stopped it
-
     def exit_of(self, spec: WorkerSpec, pid: int) -> int | None:
         return None

@@ -13,6 +13,7 @@ op, a thread or an event loop before a fork. The gateway's end, ``forked.ForkSer
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import runpy
@@ -97,14 +98,9 @@ def say(event: dict) -> None:
 
 
 def reap() -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        say({"exit": pid, "code": returncode(status)})
+    with contextlib.suppress(ChildProcessError):  # no child left
+        while (ended := os.waitpid(-1, os.WNOHANG))[0]:
+            say({"exit": ended[0], "code": returncode(ended[1])})
 
 
 def serve_forks(control: socket.socket) -> None:

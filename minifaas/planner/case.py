@@ -120,12 +120,7 @@ def _checked_settings(path: Path, data: dict[str, Any]) -> None:
 def load_case(path: str | Path) -> PlanCase:
     """A case file's plan case; a file that cannot be read is a ValueError naming it and what is wrong."""
     path = Path(path)
-    try:
-        data = load_table(path)
-    except ValueError as e:  # JSON's and TOML's syntax errors
-        raise ValueError(f"{path}: not a case ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a case (a table of settings)")
+    data = load_table(path, "case", "a table of settings")
     if unknown := sorted(set(data) - set(CASE_KEYS)):
         raise ValueError(f"{path}: unknown settings {unknown} (known: {', '.join(CASE_KEYS)})")
     _checked_settings(path, data)

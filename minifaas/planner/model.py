@@ -40,12 +40,7 @@ class OperatingPoint:
 
 
 def stages(
-    case: PlanCase,
-    thresholds: np.ndarray,
-    n_prfaas: int,
-    n_prefill: int,
-    n_decode: int,
-    expected_latency: bool = False,
+    case: PlanCase, thresholds: np.ndarray, n_prfaas: int, n_prefill: int, n_decode: int, expected_latency: bool = False
 ) -> dict[str, np.ndarray]:
     """Eqs 3-6 for every threshold; arrays of the same shape as ``thresholds``."""
     t = np.asarray(thresholds, dtype=float)

@@ -237,23 +237,23 @@ def _items(value: object) -> list[object]:
     return [x for v in value for x in _items(v)] if isinstance(value, list) else [value]
 
 
-def load_table(path: str | Path) -> dict[str, Any]:
-    """A TOML or JSON file as a dict (chosen by suffix)."""
-    path = Path(path)
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    return tomllib.loads(path.read_text())
+def load_table(path: str | Path, what: str, shape: str) -> dict[str, Any]:
+    """A TOML or JSON file (chosen by suffix) as a dict; ValueError naming the file as not a ``what`` unless it
+    reads as a table (``shape`` says of what)."""
+    read = json.loads if Path(path).suffix == ".json" else tomllib.loads
+    try:
+        data = read(Path(path).read_text())
+    except ValueError as e:  # JSON's and TOML's syntax errors
+        raise ValueError(f"{path}: not a {what} ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a {what} ({shape})")
+    return data
 
 
 def load_profiles(path: str | Path) -> tuple[PrefillProfile | None, DecodeProfile | None]:
     """The ``[prefill]`` and ``[decode]`` tables of one profile file (either may be absent); a file or table that
     cannot be read is a ValueError naming the file and the table."""
-    try:
-        data = load_table(path)
-    except ValueError as e:  # JSON's and TOML's syntax errors
-        raise ValueError(f"{path}: not a profile ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a profile (a table of [prefill] and [decode])")
+    data = load_table(path, "profile", "a table of [prefill] and [decode]")
     readers = {"prefill": (prefill_from_dict, PrefillProfile), "decode": (decode_from_dict, DecodeProfile)}
     if unknown := sorted(set(data) - set(readers)):
         raise ValueError(f"{path}: unknown tables {unknown} (known: prefill, decode)")

@@ -37,11 +37,7 @@ class Plan:
     naive: OperatingPoint
 
     def to_dict(self) -> dict[str, dict[str, object]]:
-        return {
-            "prfaas": self.prfaas.to_dict(),
-            "homogeneous": self.homogeneous.to_dict(),
-            "naive": self.naive.to_dict(),
-        }
+        return {name: getattr(self, name).to_dict() for name in ("prfaas", "homogeneous", "naive")}
 
     @property
     def gain_vs_homogeneous(self) -> float:
@@ -79,10 +75,7 @@ def best_prfaas(case: PlanCase, grid: SearchGrid = SearchGrid(), expected_latenc
 
 def best_homogeneous(case: PlanCase, expected_latency: bool = False) -> OperatingPoint:
     n = case.n_homogeneous
-    points = [
-        operating_point("homogeneous", case, None, 0, n_prefill, n - n_prefill, expected_latency)
-        for n_prefill in range(1, case.n_homogeneous)
-    ]
+    points = [operating_point("homogeneous", case, None, 0, p, n - p, expected_latency) for p in range(1, n)]
     return max(points, key=lambda op: op.throughput_rps)
 
 

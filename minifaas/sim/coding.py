@@ -27,8 +27,7 @@ class SimCoding:
             n = MEASURED_BYTES
             self.policy.observe(CodecSample(codec, n, n / e.ratio, n / e.encode_bps, n / e.decode_bps))
         self.chosen: Counter[str] = Counter()
-        self.state_bytes = 0.0
-        self.wire_bytes = 0.0
+        self.state_bytes = self.wire_bytes = 0.0
 
     def transfer(self, shape: TransferShape, rate_bps: float, utilisation: float, flows: int) -> tuple[float, float]:
         """Bytes on the wire and seconds of coding after the last byte, for a transfer placed now."""

@@ -55,8 +55,7 @@ class DecodeInstances:
         self.assigned = [0] * n  # routed here and not finished
         self.running = [0] * n
         self.waiting: list[deque[int]] = [deque() for _ in range(n)]
-        self.total_running = 0
-        self.total_waiting = 0
+        self.total_running = self.total_waiting = 0
         self._buckets: list[dict[int, None]] = [dict.fromkeys(range(n))]  # load -> instances (insertion-ordered)
         self._min_load = 0
         self.retired: set[int] = set()
@@ -68,11 +67,6 @@ class DecodeInstances:
     @property
     def serving(self) -> int:
         return len(self.ids) - len(self.retired)
-
-    def least_loaded(self) -> int | None:
-        if not self.serving:
-            return None
-        return next(iter(self._buckets[self._min_load]))
 
     def retire(self, node: int) -> bool:
         """Take the instance out of routing; True if it is already empty."""
@@ -102,8 +96,10 @@ class DecodeInstances:
 
     def views(self) -> tuple[NodeView, ...]:
         """The least-loaded instance only: with no affinity the router picks the least load."""
-        node = self.least_loaded()
-        return () if node is None else (NodeView(self.ids[node], 0, float(self.assigned[node])),)
+        if not self.serving:
+            return ()
+        node = next(iter(self._buckets[self._min_load]))
+        return (NodeView(self.ids[node], 0, float(self.assigned[node])),)
 
     def _move(self, node: int, delta: int) -> None:
         old = self.assigned[node]

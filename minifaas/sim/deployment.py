@@ -47,9 +47,7 @@ class SimConfig:
     # every worker on one host of this many cores: while n workers compute, each goes at 1 / slowdown(n) of its
     # profile's speed, n counted again whenever one starts or stops; 0: each worker on hardware of its own
     shared_cores: int = 0
-    # on that host, a prefill's slowdown with n = 1, 2, ... workers computing (itself counted); past the last, scaled
-    # by n; past the cores, at least the figure with every core busy times n over the cores. Empty: n over the
-    # cores, at least 1
+    # on that host, a prefill's slowdown with n = 1, 2, ... workers computing (``slowdown``); empty: n over the cores
     contention: tuple[float, ...] = ()
     # a prefill's slowdown while the one other worker computing is a decode instance (its attention reads every
     # row's state); 0: as ``contention`` gives for two workers

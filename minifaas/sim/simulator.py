@@ -44,21 +44,18 @@ class Simulation:
                 else load_policy(config.router_policy, ROUTER, config.router_args, config=config.router)
             )  # fmt: skip
         self.prompt_tokens = self.cached_tokens = 0  # of the requests routed: the prefix hit ratio
-        batch = config.prefill_batch_tokens
-        turnaround = config.prefill_turnaround_s
+        batch, turnaround = config.prefill_batch_tokens, config.prefill_turnaround_s
         self.prfaas = PrefillInstances("prfaas", "prfaas", config.prfaas, config.n_prfaas, batch, turnaround)
         self.pd = PrefillInstances("pd", "pd-p", config.pd_prefill, config.n_prefill, batch, turnaround)
         self.decode = DecodeInstances(
             config.decode, config.n_decode, config.decode_step_by_batch, config.decode_hold, config.decode_hold_max_s
         )
         self.link = FluidLink(config.link.gbps)
-        use_cache = config.prefix_cache and workload.hash_ids is not None
         self.caches: ClusterPrefixCaches | None = None
-        if use_cache:
-            clusters = (self.prfaas.cluster, self.pd.cluster)
+        if config.prefix_cache and workload.hash_ids is not None:
             self.caches = ClusterPrefixCaches(
-                clusters, workload.block_tokens, config.cache_bytes, config.prfaas, config.snapshot_interval_blocks,
-                config.snapshot_policy, config.snapshot_args,
+                (self.prfaas.cluster, self.pd.cluster), workload.block_tokens, config.cache_bytes, config.prfaas,
+                config.snapshot_interval_blocks, config.snapshot_policy, config.snapshot_args,
             )  # fmt: skip
         n = len(workload)
         self._arrival = workload.arrival_s.tolist()
@@ -154,11 +151,10 @@ class Simulation:
         if decision.path is Path.PRFAAS:
             self.path[rid] = PRFAAS
             shipped = prompt - decision.link_kv_start
-            utilisation = sched.utilisation
             nbytes, layers = pool.kv_bytes(shipped), self.config.link.pipeline_layers
             shape = TransferShape(nbytes, end - start if layers else 0.0, nbytes / layers if layers else nbytes)
             self._kv_bytes[rid], self._coding_s[rid] = self.coding.transfer(
-                shape, self.link.bytes_per_s * 8, utilisation, self.link.active
+                shape, self.link.bytes_per_s * 8, sched.utilisation, self.link.active
             )
         else:
             self.path[rid] = PD
@@ -333,21 +329,12 @@ class Simulation:
 
     def _sample(self, _: object) -> None:
         self.scheduler.tick()
-        d = self.decode
-        self._samples.append(
-            (
-                self.loop.now,
-                self.prfaas.in_system,
-                self.pd.in_system,
-                self.link.active,
-                d.total_waiting,
-                d.total_running,
-            )
-        )
-        busy = self.prfaas.in_system + self.pd.in_system + self.link.active + d.total_waiting + d.total_running
+        d, now = self.decode, self.loop.now
+        queues = (self.prfaas.in_system, self.pd.in_system, self.link.active, d.total_waiting, d.total_running)
+        self._samples.append((now, *queues))
         # past the arrivals, with no event left to come (a link cut for good), the busy can never finish: stop
-        if self.loop.now < self.workload.duration_s or (busy and len(self.loop)):
-            self.loop.at(self.loop.now + self.config.sample_s, self._sample)
+        if now < self.workload.duration_s or (sum(queues) and len(self.loop)):
+            self.loop.at(now + self.config.sample_s, self._sample)
 
     # ---- results -------------------------------------------------------------------------
     def _result(self) -> SimResult:
@@ -355,15 +342,16 @@ class Simulation:
         start, end = cfg.warmup_s, wl.duration_s
         window = max(end - start, 1e-9)
         arrival = wl.arrival_s
-        path = np.array(self.path)
-        first = np.array(self.first_token)
-        finished = np.array(self.finished)
+        path, first, finished = np.array(self.path), np.array(self.first_token), np.array(self.finished)
         counted = (arrival >= start) & ~np.isnan(first)
         ttft = first[counted] - arrival[counted]
         routed = path != REJECTED
         self.link.advance(self.loop.now)
         bins = self.link.egress_gbps(end)[int(start // self.link.bins_s) :]
         makespan = max(self.loop.now, 1e-9)
+        sched = self.scheduler
+        trace = np.array(sched.trace, dtype=float).reshape(-1, 4)
+        thresholds = trace[:, 1] if len(trace) else np.array([sched.threshold])
         return SimResult(
             requests=len(wl),
             completed=int(np.count_nonzero(~np.isnan(finished))),
@@ -388,19 +376,11 @@ class Simulation:
             queues=np.array(self._samples, dtype=float).reshape(-1, 6),
             kv_coded_fraction=self.coding.coded_fraction,
             kv_wire_ratio=self.coding.ratio,
-            **self._schedule_summary(),
+            threshold_final=int(sched.threshold),
+            threshold_max=int(thresholds.max()),
+            threshold_changes=int(np.count_nonzero(np.diff(thresholds))),
+            role_conversions=sched.conversions,
+            n_prefill_final=self.pd.serving,
+            n_decode_final=self.decode.serving,
+            schedule=trace,
         )
-
-    def _schedule_summary(self) -> dict[str, object]:
-        sched = self.scheduler
-        trace = np.array(sched.trace, dtype=float).reshape(-1, 4)
-        thresholds = trace[:, 1] if len(trace) else np.array([sched.threshold])
-        return {
-            "threshold_final": int(sched.threshold),
-            "threshold_max": int(thresholds.max()),
-            "threshold_changes": int(np.count_nonzero(np.diff(thresholds))),
-            "role_conversions": sched.conversions,
-            "n_prefill_final": self.pd.serving,
-            "n_decode_final": self.decode.serving,
-            "schedule": trace,
-        }

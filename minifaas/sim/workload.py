@@ -72,11 +72,7 @@ class Workload:
 
 
 def synthetic(
-    lengths: LengthDistribution,
-    output_tokens: int,
-    arrivals: ArrivalSpec,
-    duration_s: float,
-    seed: int = 0,
+    lengths: LengthDistribution, output_tokens: int, arrivals: ArrivalSpec, duration_s: float, seed: int = 0
 ) -> Workload:
     """Requests with independent lengths drawn from ``lengths``, a fixed output length,
     no prefix sharing, arriving by ``arrivals`` over ``duration_s`` seconds."""
