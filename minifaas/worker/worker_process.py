@@ -78,7 +78,8 @@ async def serve(args: argparse.Namespace, announce: Callable[[dict], None], stop
     gc.collect()
     gc.freeze()
     async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
-        side = await _side(args, runtime, name, secret, stack)
+        build = _decode_side if args.role == "decode" else _prefill_side
+        side = await build(args, runtime, name, secret, stack)
         decode_loop = tg.create_task(side.loop()) if side.loop is not None else None
         node = Attached(  # what this worker is, as it tells a gateway that attaches
             name=name,
@@ -142,30 +143,35 @@ class Side:
     max_batch: int | None = None
 
 
-async def _side(
+async def _decode_side(
     args: argparse.Namespace, runtime: ModelRuntime, name: str, secret: bytes, stack: contextlib.AsyncExitStack
 ) -> Side:
-    """Decode: the KV receiver, the node's prefix cache joined onto it, and the decode service. Prefill: the
-    receiver cache moves arrive on (with --accept-moves), the prefix store, the prefill service and its codecs,
-    measured on a warm-up state."""
+    """The KV receiver, the node's prefix cache joined onto it, and the decode service."""
+    kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
+    decoding = _decoding(args, runtime)  # every request it may hold claims its transfer when the gateway sends it
+    transfers = max(MAX_OPEN_TRANSFERS, decoding.max_batch + decoding.max_waiting)
+    pinned = args.device.startswith("cuda")  # on a GPU, states land in page-locked memory, moved asynchronously
+    codecs = codecs_for(args.kv_compression)
+    config = ReceiverConfig(secret, kv_host, kv_port, codecs=codecs, pinned=pinned, max_open_transfers=transfers)
+    receiver = await stack.enter_async_context(KVReceiver(config))
+    prefixes = DecodePrefixCache(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
+    service = DecodeService(runtime, receiver, args.state_timeout, decoding, prefixes)
+    kv = _advertised(args, kv_host, receiver.port)
+    return Side(functools.partial(DecodeSession, service=service), kv, {}, service.run, service.max_batch)
+
+
+async def _prefill_side(
+    args: argparse.Namespace, runtime: ModelRuntime, name: str, secret: bytes, stack: contextlib.AsyncExitStack
+) -> Side:
+    """The receiver cache moves arrive on (with --accept-moves), the prefix store, the prefill service and its
+    codecs, measured on a warm-up state."""
     kv_host, kv_port = args.kv_listen or (args.listen[0], 0)
     codecs = codecs_for(args.kv_compression)
-    pool = _pool_config(args, runtime, name)
-    if args.role == "decode":
-        decoding = _decoding(args, runtime)  # every request it may hold claims its transfer when the gateway sends it
-        transfers = max(MAX_OPEN_TRANSFERS, decoding.max_batch + decoding.max_waiting)
-        pinned = args.device.startswith("cuda")  # on a GPU, states land in page-locked memory, moved asynchronously
-        config = ReceiverConfig(secret, kv_host, kv_port, codecs=codecs, pinned=pinned, max_open_transfers=transfers)
-        receiver = await stack.enter_async_context(KVReceiver(config))
-        prefixes = DecodePrefixCache(pool, runtime.spec.name, runtime.layout.kinds, name)
-        service = DecodeService(runtime, receiver, args.state_timeout, decoding, prefixes)
-        kv = _advertised(args, kv_host, receiver.port)
-        return Side(functools.partial(DecodeSession, service=service), kv, {}, service.run, service.max_batch)
     kv, moves = None, None
     if args.accept_moves:
         moves = await stack.enter_async_context(KVReceiver(ReceiverConfig(secret, kv_host, kv_port, codecs=codecs)))
         kv = _advertised(args, kv_host, moves.port)
-    store = PrefixStore(pool, runtime.spec.name, runtime.layout.kinds, name)
+    store = PrefixStore(_pool_config(args, runtime, name), runtime.spec.name, runtime.layout.kinds, name)
     service = PrefillService(
         runtime, secret, args.connections, not args.no_pipelining, store, moves,
         chunk_tokens=args.prefill_chunk, codecs=codecs, batch_tokens=args.prefill_batch,
