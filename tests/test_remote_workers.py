@@ -8,6 +8,7 @@ control channel. Nothing here needs root.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -253,3 +254,39 @@ def test_a_worker_whose_starter_left_before_it_was_ready_stops_quietly(cluster: 
     p.stdout.close()  # type: ignore[union-attr]
     assert p.wait(120) == 0
     assert "Traceback" not in (tmp_path / "worker.log").read_text()
+
+
+def test_a_worker_that_answers_where_another_was_is_let_go_at_once(
+    cluster: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode worker dies and another, under another name, comes up at its address: the gateway refuses it and
+    hangs up, so the stranger is free for the gateway it belongs to."""
+    secret = load_secret(str(cluster["secret"]))
+    port = _free_port()
+    flags = ["--cluster", "pd", "--role", "decode", "--secret-file", str(cluster["secret"]), "--listen",
+             f"127.0.0.1:{port}"]  # fmt: skip
+    ours = HandStarted([*flags, "--name", "pd-d9"], tmp_path / "ours.log").start()
+    stranger = HandStarted([*flags, "--name", "stranger"], tmp_path / "stranger.log")
+    ours.wait_ready()
+    config = dataclasses.replace(
+        _config(cluster), pd=ClusterConfig(workers=(cluster["addresses"][0], f"127.0.0.1:{port}"))
+    )
+
+    async def main() -> None:
+        async with Gateway(config):
+            ours.process.kill()  # type: ignore[union-attr]
+            ours.process.wait()  # type: ignore[union-attr]
+            stranger.start().wait_ready()
+            refused = "stranger (decode) answers where pd-d9 was"
+            async with asyncio.timeout(120):
+                while not any(refused in r.getMessage() for r in caplog.records):
+                    await asyncio.sleep(0.02)
+            session, hello = await attach(("127.0.0.1", port), secret, 10.0)  # before the gateway's next try
+            assert hello.name == "stranger"
+            session.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stranger.stop()
+        ours.stop()

@@ -269,9 +269,13 @@ class Workers:
                 try:
                     address = await self.launcher_of(w.spec).start(w.spec)
                     session, hello = await attach(address, self.secret, ATTACH_TIMEOUT_S, self.ssl)
-                    self._check(w.spec, hello)
-                    if (hello.name, hello.role) != (w.name, w.role):
-                        raise WorkerError(f"{hello.name} ({hello.role}) answers where {w.name} was")
+                    try:
+                        self._check(w.spec, hello)
+                        if (hello.name, hello.role) != (w.name, w.role):
+                            raise WorkerError(f"{hello.name} ({hello.role}) answers where {w.name} was")
+                    except WorkerError:
+                        session.close()  # a worker that is not this one is left free for its own gateway
+                        raise
                     w.attached(session, hello, address)
                     await self.link.join(w)
                     break
