@@ -205,3 +205,29 @@ def test_a_command_forks_the_parent_from_itself_and_its_launchers_use_that_one()
 def test_only_cpu_workers_are_forked() -> None:
     assert on_cpu(SPEC) and on_cpu(WorkerSpec("w", "prefill", "pd", ("--model", MODEL)))
     assert not on_cpu(WorkerSpec("w", "prefill", "prfaas", ("--model", MODEL, "--device", "cuda:0")))
+
+
+def test_a_fork_whose_parent_dies_before_it_answers_fails_and_leaves_no_pipe_open() -> None:
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    async def scenario() -> None:
+        forks = forked.ForkServer(MODEL)
+        forks.start()
+        try:
+            await asyncio.wrap_future(forks._ready)  # the parent has imported and listens
+            before = open_fds()
+            forks.parent.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]  # it takes the request, answers none
+            spawning = asyncio.ensure_future(forks.spawn(list(SPEC.argv), dict(os.environ)))
+            await asyncio.sleep(0.5)
+            forks.parent.kill()  # type: ignore[union-attr]
+            try:
+                await spawning
+                raise AssertionError("a fork from a parent that died answered")
+            except forked.ForkError:
+                pass
+            assert open_fds() <= before
+        finally:
+            forks.close()
+
+    asyncio.run(scenario())

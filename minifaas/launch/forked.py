@@ -144,7 +144,7 @@ class ForkServer:
             self._control.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
             async with asyncio.timeout(timeout):
                 answer = await reply
-        except (OSError, TimeoutError) as e:
+        except (OSError, TimeoutError, ForkError) as e:  # ForkError: the parent exited before it answered
             if isinstance(e, TimeoutError):
                 self.parent.kill()
             answer = {"error": repr(e)}
