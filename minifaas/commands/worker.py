@@ -103,6 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """A worker's flags as ``minifaas worker`` reads them (a Ray actor's worker reads them so)."""
     parser = argparse.ArgumentParser(
         prog="minifaas worker", description="one prefill or decode worker, waiting for a gateway"
     )
@@ -156,9 +157,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    sys.exit(cli_main(["worker", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # errors as ``minifaas worker`` gives them, one line
+    sys.exit(cli_main(["worker", *sys.argv[1:]]))
