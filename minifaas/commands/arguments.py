@@ -116,11 +116,7 @@ def trace(text: str) -> str:
 
 def rate(text: str) -> str:
     """A link rate as ``parse_rate`` reads it: 100mbit, 5gbit, 2.5e8, none."""
-    try:
-        parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _accepted(parse_rate, text, ValueError)
 
 
 def window(text: str) -> str:
@@ -224,6 +220,18 @@ def policy_arg(text: str) -> tuple[str, object]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+def add_kv_arguments(parser: argparse._ActionsContainer) -> None:
+    """--kv-bytes-per-token and --kv-fixed-bytes: a case's state sizes replaced, for ``plan`` and ``sim``."""
+    parser.add_argument(
+        "--kv-bytes-per-token",
+        type=non_negative,
+        help="replace the model's KV growth, both clusters (default: the case's)",
+    )
+    parser.add_argument(
+        "--kv-fixed-bytes", type=non_negative, help="replace the model's fixed state per request (default: the case's)"
+    )
 
 
 def add_policy_arguments(parser: argparse._ActionsContainer, flag: str, what: str, default: str, builtins: str) -> None:

@@ -37,16 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-tokens", type=arguments.positive, help="mean output length in tokens (default: the case's)"
     )
     parser.add_argument("--threshold-step", type=arguments.positive_int, default=100, help="grid step of t in tokens")
-    parser.add_argument(
-        "--kv-bytes-per-token",
-        type=arguments.non_negative,
-        help="replace the model's KV growth, both clusters (default: the case's)",
-    )
-    parser.add_argument(
-        "--kv-fixed-bytes",
-        type=arguments.non_negative,
-        help="replace the model's fixed state per request (default: the case's)",
-    )
+    arguments.add_kv_arguments(parser)
     parser.add_argument(
         "--expected-latency", action="store_true", help="price prefill by E[T(L)] instead of the paper's T(E[L])"
     )

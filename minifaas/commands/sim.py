@@ -73,16 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value, help="routing rule")
     deploy.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache in either cluster")
     deploy.add_argument("--cache-gb", type=arguments.positive, help="prefix pool size per cluster (default: unlimited)")
-    deploy.add_argument(
-        "--kv-bytes-per-token",
-        type=arguments.non_negative,
-        help="replace the model's KV growth, both clusters (default: the case's)",
-    )
-    deploy.add_argument(
-        "--kv-fixed-bytes",
-        type=arguments.non_negative,
-        help="replace the model's fixed state per request (default: the case's)",
-    )
+    arguments.add_kv_arguments(deploy)
     deploy.add_argument(
         "--prfaas-profile",
         help="a profile file (minifaas profile) for the PrfaaS instances (default: the case's)",
@@ -303,12 +294,7 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         config = replace(
             config, long_term=LongTermConfig(enabled=not args.no_rebalance, period_s=args.rebalance_period)
         )
-    overrides = {
-        "n_prfaas": args.n_prfaas,
-        "n_prefill": args.n_prefill,
-        "n_decode": args.n_decode,
-        "threshold": args.threshold,
-    }
+    overrides = {k: getattr(args, k) for k in ("n_prfaas", "n_prefill", "n_decode", "threshold")}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.spill_tokens:
         config = replace(config, router=replace(config.router, spill_tokens=args.spill_tokens))
