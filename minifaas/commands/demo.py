@@ -268,16 +268,9 @@ def _table(rows: list[DemoRequest], link: InterClusterLink) -> Table:
     table.add_column("text", no_wrap=True, max_width=SNIPPET_CHARS, overflow="ellipsis")
     for r in rows:
         rate = r.tokens / ((r.ended or time.perf_counter()) - r.started) if r.tokens else 0.0
-        table.add_row(
-            r.name,
-            str(r.prompt_chars),
-            r.status,
-            r.route,
-            f"{r.ttft:.2f}" if r.ttft else "-",
-            str(r.tokens),
-            f"{rate:.1f}",
-            r.text.replace("\n", " / ")[:SNIPPET_CHARS],
-        )
+        ttft = f"{r.ttft:.2f}" if r.ttft else "-"
+        snippet = r.text.replace("\n", " / ")[:SNIPPET_CHARS]
+        table.add_row(r.name, str(r.prompt_chars), r.status, r.route, ttft, str(r.tokens), f"{rate:.1f}", snippet)
     return table
 
 
@@ -293,14 +286,8 @@ def _summary(rows: list[DemoRequest]) -> Table:
         ttft = sum(r.ttft or 0 for r in group) / len(group)
         e2e = sum((r.ended or 0) - r.started for r in group) / len(group)
         state, wire = sum(r.kv_bytes for r in group), sum(r.kv_wire_bytes for r in group)
-        table.add_row(
-            route,
-            str(len(group)),
-            f"{ttft:.2f}",
-            f"{e2e:.2f}",
-            f"{state / 1e6:.2f} MB",
-            f"{wire / 1e6:.2f} MB",
-            ", ".join(sorted({r.kv_codec for r in group})),
-            str(sum(1 for r in group if r.fallback)),
-        )
+        sizes = (f"{state / 1e6:.2f} MB", f"{wire / 1e6:.2f} MB")
+        codecs = ", ".join(sorted({r.kv_codec for r in group}))
+        fallbacks = str(sum(1 for r in group if r.fallback))
+        table.add_row(route, str(len(group)), f"{ttft:.2f}", f"{e2e:.2f}", *sizes, codecs, fallbacks)
     return table

@@ -223,13 +223,11 @@ def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> Pl
 
 def with_profiles(case: PlanCase, prfaas: str | None, pd: str | None) -> PlanCase:
     """The case with measured instance profiles in place of its own."""
-    changes: dict[str, object] = {}
-    if prfaas:
-        changes["prfaas"] = load_prefill_profile(prfaas)
-    if pd:
-        changes["pd_prefill"] = load_prefill_profile(pd)
-        changes["decode"] = load_profiles(pd)[1]
-    return case.with_overrides(**changes)
+    return case.with_overrides(
+        prfaas=load_prefill_profile(prfaas) if prfaas else None,
+        pd_prefill=load_prefill_profile(pd) if pd else None,
+        decode=load_profiles(pd)[1] if pd else None,
+    )
 
 
 def schedulers_on(args: argparse.Namespace) -> tuple[bool, bool]:
@@ -237,10 +235,6 @@ def schedulers_on(args: argparse.Namespace) -> tuple[bool, bool]:
     compared = sim_compare.kinds(args)
     short = bool(args.scheduler or args.short_term or "short-term" in compared)
     return short, bool(args.scheduler or args.long_term or "long-term" in compared)
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def checked_flags(args: argparse.Namespace) -> argparse.Namespace:
@@ -255,7 +249,7 @@ def checked_flags(args: argparse.Namespace) -> argparse.Namespace:
         (LONG_TERM_FLAGS, not long, f"for the long-term {off}: --scheduler or --long-term runs it"),
     )
     for flags, idle, why in kinds:
-        given = [_flag(dest) for dest in flags if getattr(args, dest) is not None]
+        given = ["--" + dest.replace("_", "-") for dest in flags if getattr(args, dest) is not None]
         if idle and given:
             raise ValueError(f"{', '.join(given)}: {why}")
     unset = {dest: value for flags, _, _ in kinds for dest, value in flags.items() if getattr(args, dest) is None}
