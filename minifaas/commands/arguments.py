@@ -62,11 +62,7 @@ DEVICE_FLAGS = (
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the clusters run: the same flags for ``serve`` and ``demo`` (their dests are ``DEVICE_FLAGS``)."""
-    parser.add_argument(
-        "--prfaas-device",
-        type=device,
-        help="cpu or cuda:N for the PrfaaS cluster (default: cpu)",
-    )
+    parser.add_argument("--prfaas-device", type=device, help="cpu or cuda:N for the PrfaaS cluster (default: cpu)")
     parser.add_argument("--pd-device", type=device, help="cpu or cuda:N for the PD cluster (default: cpu)")
     parser.add_argument(
         "--prfaas-devices",

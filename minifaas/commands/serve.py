@@ -26,11 +26,7 @@ from minifaas.cache.pool_config import PoolConfig
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import BadInput, check_listen, exit_at_once, user_input
-from minifaas.config import (
-    LOG_LEVELS,
-    SNAPSHOT_POLICIES,
-    ServeConfig,
-)
+from minifaas.config import LOG_LEVELS, SNAPSHOT_POLICIES, ServeConfig
 from minifaas.emulator.emulator_process import EmulatorError
 from minifaas.gateway.dashboard import Dashboard
 from minifaas.gateway.gateway import Gateway

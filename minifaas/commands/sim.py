@@ -75,8 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--cache-gb", type=arguments.positive, help="prefix pool size per cluster (default: unlimited)")
     arguments.add_kv_arguments(deploy)
     deploy.add_argument(
-        "--prfaas-profile",
-        help="a profile file (minifaas profile) for the PrfaaS instances (default: the case's)",
+        "--prfaas-profile", help="a profile file (minifaas profile) for the PrfaaS instances (default: the case's)"
     )
     deploy.add_argument(
         "--pd-profile",
