@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -94,6 +95,9 @@ class DemoRequest:
     text: str = ""
 
 
+Send = Callable[[DemoRequest, int], Awaitable[None]]  # one request's row sent, with its sampling seed
+
+
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
     forked_here = start_forks(config)
@@ -155,6 +159,8 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
         set_title("demo", f":{port}")
         address = f"http://127.0.0.1:{port}"
         ready = f"ready in {time.perf_counter() - t0:.1f} s on port {port}, {kernels_line(gateway)}"
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        send = functools.partial(_one, http, f"{address}/v1/completions", gateway.model_name, args.max_tokens)
         cpu, wall = tree_cpu_s(os.getpid()), time.perf_counter()
         if args.dashboard:
             console.print(f"{ready}; the dashboard: {address}/dashboard")
@@ -163,15 +169,13 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
                 f"to a {DIP_FACTOR}th of {args.link_rate} for {args.dip_seconds:g} s every {args.dip_every:g} s; "
                 + ("Ctrl-C stops" if args.duration is None else f"stopping after {args.duration:g} s or at Ctrl-C")
             )
-            async with aiohttp.ClientSession() as http:
-                send = functools.partial(_one, http, f"{address}/v1/completions", gateway.model_name)
-                rows = await steady_mix(gateway, args, DemoRequest, lambda row, seed: send(row, args.max_tokens, seed))
+            rows = await steady_mix(gateway, args, DemoRequest, send)
         else:
             console.print(
                 f"{ready}; sending {args.short} short and {args.long} long prompts at once (threshold "
                 f"{args.threshold} tokens); the dashboard: {address}/dashboard"
             )
-            rows = await _one_mix(args, gateway, address, console)
+            rows = await _one_mix(args, gateway, send, console)
         cpu, wall = tree_cpu_s(os.getpid()) - cpu, time.perf_counter() - wall
         console.print()  # the summary's title apart from the table above
         console.print(_summary(rows))
@@ -186,26 +190,21 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
     return 0 if all(r.status == "done" for r in rows) else 1
 
 
-async def _one_mix(args: argparse.Namespace, gateway: Gateway, address: str, console: Console) -> list[DemoRequest]:
+async def _one_mix(args: argparse.Namespace, gateway: Gateway, send: Send, console: Console) -> list[DemoRequest]:
     """The short and long prompts at once, with a live table of their progress."""
     rows = _mix(args)
-    base = f"{address}/v1/completions"
     # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
     live = Live(_table(rows, gateway.link), console=console) if console.is_terminal else None
-    async with aiohttp.ClientSession() as http:
-        with live or contextlib.nullcontext():
-            jobs = [
-                asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens, seed))
-                for seed, row in enumerate(rows)
-            ]
-            while not all(j.done() for j in jobs):
-                if live is not None:
-                    live.update(_table(rows, gateway.link))
-                await asyncio.sleep(0.25)
+    with live or contextlib.nullcontext():
+        jobs = [asyncio.create_task(send(row, seed)) for seed, row in enumerate(rows)]
+        while not all(j.done() for j in jobs):
             if live is not None:
                 live.update(_table(rows, gateway.link))
-            for j in jobs:
-                j.result()
+            await asyncio.sleep(0.25)
+        if live is not None:
+            live.update(_table(rows, gateway.link))
+        for j in jobs:
+            j.result()
     if live is None:
         console.print(_table(rows, gateway.link))
     return rows
@@ -222,7 +221,7 @@ def _prompt(chars: int) -> str:
     return (VERSE * (chars // len(VERSE) + 1))[:chars].rsplit(" ", 1)[0] + " "
 
 
-async def _one(http: aiohttp.ClientSession, url: str, model: str, row: DemoRequest, max_tokens: int, seed: int) -> None:
+async def _one(http: aiohttp.ClientSession, url: str, model: str, max_tokens: int, row: DemoRequest, seed: int) -> None:
     prompt = _prompt(row.prompt_chars)
     row.prompt_chars = len(prompt)
     body = {

@@ -48,17 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_case(args: argparse.Namespace) -> PlanCase:
-    case = named_case(args.case).with_overrides(
-        link_gbps=args.link_gbps,
-        n_prfaas=args.n_prfaas,
-        n_pd=args.n_pd,
-        n_homogeneous=args.n_homogeneous,
-        output_tokens=args.output_tokens,
-    )
-    return case.with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
-
-
 def cost_units(case: PlanCase, op: OperatingPoint, price_ratio: float) -> float:
     """GPU-hours priced in PD-cluster GPUs: PrfaaS GPUs count ``price_ratio`` each."""
     prfaas_gpus = op.n_prfaas * case.prfaas.gpus_per_instance
@@ -77,7 +66,8 @@ def to_json(case: PlanCase, result: Plan, price_ratio: float | None) -> dict[str
 
 def run(args: argparse.Namespace) -> int:
     with user_input():
-        case = resolve_case(args)
+        flags = {k: getattr(args, k) for k in ("link_gbps", "n_prfaas", "n_pd", "n_homogeneous", "output_tokens")}
+        case = named_case(args.case).with_overrides(**flags).with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
         grid = SearchGrid(threshold_step=args.threshold_step)
     result = plan(case, grid, args.expected_latency)
     if args.json:

@@ -257,8 +257,7 @@ def checked_flags(args: argparse.Namespace) -> argparse.Namespace:
 
 def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:
     args = checked_flags(args)
-    base = named_case(args.case)
-    base = with_profiles(base, args.prfaas_profile, args.pd_profile)
+    base = with_profiles(named_case(args.case), args.prfaas_profile, args.pd_profile)
     try:
         case = scaled_case(base, args.gpus, args.link_gbps)
     except ValueError as e:  # too few GPUs for the case's instances
