@@ -2,6 +2,8 @@
 
 Starts the gateway on a free port, streams the mix through the OpenAI-compatible HTTP API while showing each
 request's progress and the link's use, prints a summary of what each route moved, and shuts everything down.
+With ``--dashboard``, clients send a steady mix instead while the link's rate dips every ``--dip-every`` seconds,
+so the short-term scheduler can be watched moving t, until Ctrl-C or ``--duration``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import contextlib
 import functools
 import json
 import os
+import random
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -23,11 +27,11 @@ from rich.table import Table
 
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
-from minifaas.commands.demo_traffic import DIP_FACTOR, steady_mix
 from minifaas.commands.main import exit_at_once, stdout_console, user_input
 from minifaas.commands.serve import add_arguments as add_serve_arguments
 from minifaas.commands.serve import checked_config, kernels_line, log_to, running_server, start_forks
 from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
+from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.launch.startup import StartupView
@@ -38,6 +42,8 @@ from minifaas.proctitle import set_title
 VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
 TEMPERATURE = 0.8
 SNIPPET_CHARS = 40
+CLIENTS = 4  # of the steady mix
+DIP_FACTOR = 20  # the link's rate during a dip: a twentieth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,7 +175,7 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
                 f"to a {DIP_FACTOR}th of {args.link_rate} for {args.dip_seconds:g} s every {args.dip_every:g} s; "
                 + ("Ctrl-C stops" if args.duration is None else f"stopping after {args.duration:g} s or at Ctrl-C")
             )
-            rows = await steady_mix(gateway, args, DemoRequest, send)
+            rows = await _steady_mix(gateway, args, send)
         else:
             console.print(
                 f"{ready}; sending {args.short} short and {args.long} long prompts at once (threshold "
@@ -208,6 +214,51 @@ async def _one_mix(args: argparse.Namespace, gateway: Gateway, send: Send, conso
     if live is None:
         console.print(_table(rows, gateway.link))
     return rows
+
+
+async def _steady_mix(gateway: Gateway, args: argparse.Namespace, send: Send) -> list[DemoRequest]:
+    """Send prompts and dip the link until SIGINT or ``args.duration``; returns every request's row."""
+    rows: list[DemoRequest] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            clients = [tasks.create_task(_client(i, args, send, rows)) for i in range(CLIENTS)]
+            dips = tasks.create_task(_dips(gateway, args))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(args.duration):
+                    await stop.wait()
+            for task in [*clients, dips]:
+                task.cancel()
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    return rows
+
+
+async def _client(i: int, args: argparse.Namespace, send: Send, rows: list[DemoRequest]) -> None:
+    draw = random.Random(i)
+    for n in range(1 << 62):
+        long = (n + i) % 2 == 1
+        if long:  # past the threshold, up to three times --long-tokens
+            chars = draw.randint(args.threshold, max(args.threshold, 3 * args.long_tokens))
+        else:  # up to half the threshold, and at least a character
+            top = max(1, args.threshold // 2)
+            chars = draw.randint(min(40, top), top)
+        row = DemoRequest(f"{'long' if long else 'short'}-{i}.{n}", chars)
+        rows.append(row)
+        await send(row, CLIENTS * n + i)
+
+
+async def _dips(gateway: Gateway, args: argparse.Namespace) -> None:
+    """The link at a ``DIP_FACTOR``th of its rate for ``dip_seconds`` in every ``dip_every``; back at the end."""
+    rate = parse_rate(args.link_rate)
+    low = (rate or 1e9) / DIP_FACTOR
+    while True:
+        await asyncio.sleep(args.dip_every - args.dip_seconds)
+        await gateway.link.control.set_rate(low)
+        await asyncio.sleep(args.dip_seconds)
+        await gateway.link.control.set_rate(rate)
 
 
 def _mix(args: argparse.Namespace) -> list[DemoRequest]:
