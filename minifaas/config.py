@@ -12,6 +12,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from types import NoneType
 
 from minifaas.emulator.pacer import check_window, parse_bytes, parse_rate
 from minifaas.model.loader import DEFAULT_MODEL, DTYPE_CHOICES, dtype_name
@@ -164,10 +165,6 @@ class CacheConfig:
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
-
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.capacity_mib * (1 << 20))
 
     @property
     def moves(self) -> bool:
@@ -368,7 +365,7 @@ class ServeConfig:
         return max(1, (len(os.sched_getaffinity(0)) - told) // max(1, auto))
 
     @classmethod
-    def from_toml(cls, path: str | Path, **overrides: object) -> ServeConfig:
+    def from_toml(cls, path: str | Path) -> ServeConfig:
         data = tomllib.loads(Path(path).read_text())
         tables = ("serve", "prfaas", "pd", "link", "cache", "scheduler", "http", "ray")
         if loose := sorted(k for k, v in data.items() if not isinstance(v, dict)):
@@ -384,10 +381,12 @@ class ServeConfig:
             if name in data:  # a table sets what it names; the rest keeps its default (worker counts included)
                 table = getattr(defaults, name)
                 top[name] = replace(table, **toml_values(path, name, type(table), data[name]))
-        return replace(cls(**top), **{k: v for k, v in overrides.items() if v is not None})
+        return cls(**top)
 
 
-TOML_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+# a field's annotation -> the TOML values it takes (a bool is no number); any other is left to its config's checks
+TOML_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "None": NoneType, "Args": dict}
+TOML_NAMES = {"tuple[str, ...]": "a list of str", "Args": "a table"}  # a type in an error line
 
 
 def toml_values(path: str | Path, table: str, config: type, values: dict) -> dict:
@@ -398,35 +397,15 @@ def toml_values(path: str | Path, table: str, config: type, values: dict) -> dic
         if key not in known:
             raise ValueError(f"{path}: [{table}] has no setting {key!r} (known: {', '.join(sorted(known))})")
         kinds = [k.strip() for k in known[key].split("|")]
-        if value is None and "None" in kinds:
-            continue
         if not any(_toml_fits(k, value) for k in kinds):
-            raise ValueError(f"{path}: [{table}] {key} must be {' or '.join(map(_toml_name, kinds))}, got {value!r}")
+            named = " or ".join(TOML_NAMES.get(k, k) for k in kinds)
+            raise ValueError(f"{path}: [{table}] {key} must be {named}, got {value!r}")
     return values
 
 
 def _toml_fits(annotation: str, value: object) -> bool:
-    """Whether a TOML value may go in a field annotated so; a list's items each of the type it names. A type not
-    known here is left to its config's own checks."""
-    if item := _list_item(annotation):
-        return isinstance(value, (list, tuple)) and all(_toml_fits(item, v) for v in value)
-    if annotation.startswith("dict") or annotation == "Args":  # a policy's arguments: a table
-        return isinstance(value, dict)
-    if annotation == "None":
-        return value is None
+    """Whether a TOML value may go in a field annotated so."""
+    if annotation == "tuple[str, ...]":  # a TOML array comes as a list
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     wanted = TOML_TYPES.get(annotation)
-    return wanted is None or (isinstance(value, wanted) and (bool in wanted or not isinstance(value, bool)))
-
-
-def _list_item(annotation: str) -> str:
-    """The item type of a list or tuple annotation (``tuple[str, ...]``: str); "" for any other."""
-    if not annotation.startswith(("tuple[", "list[")):
-        return ""
-    return annotation.partition("[")[2].split(",")[0].rstrip("]").strip()
-
-
-def _toml_name(annotation: str) -> str:
-    """A field's type in an error line: str, int, a list of str, a table."""
-    if item := _list_item(annotation):
-        return f"a list of {item}"
-    return "a table" if annotation.startswith("dict") or annotation == "Args" else annotation
+    return wanted is None or (isinstance(value, wanted) and (wanted is bool or not isinstance(value, bool)))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from preloaded import Preloaded
 
-from minifaas.commands.demo_traffic import CLIENTS, _client
+from minifaas.commands.demo import CLIENTS, DemoRequest, _client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,16 +109,16 @@ def test_demo_dashboard_sends_a_steady_mix_until_its_duration(python: Preloaded,
 @pytest.mark.parametrize(("threshold", "long_tokens"), [(512, 2000), (512, 100), (10, 2000), (0, 1)])
 def test_the_steady_mix_draws_prompts_on_either_side_of_any_threshold(threshold: int, long_tokens: int) -> None:
     args = argparse.Namespace(threshold=threshold, long_tokens=long_tokens)
-    rows: list[tuple[str, int]] = []
+    rows: list[DemoRequest] = []
 
-    async def send(row: tuple[str, int], seed: int) -> None:
+    async def send(row: DemoRequest, seed: int) -> None:
         if len(rows) == 40:
             raise asyncio.CancelledError  # as the demo's end cancels each client
 
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(_client(0, args, lambda name, chars: (name, chars), send, rows))
-    longs = [chars for name, chars in rows if name.startswith("long")]
-    shorts = [chars for name, chars in rows if name.startswith("short")]
+        asyncio.run(_client(0, args, send, rows))
+    longs = [r.prompt_chars for r in rows if r.name.startswith("long")]
+    shorts = [r.prompt_chars for r in rows if r.name.startswith("short")]
     assert len(longs) == len(shorts) == 20
     assert all(threshold <= c <= max(threshold, 3 * long_tokens) for c in longs), longs
     assert all(1 <= c <= max(1, threshold // 2) for c in shorts), shorts

@@ -62,11 +62,7 @@ DEVICE_FLAGS = (
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the clusters run: the same flags for ``serve`` and ``demo`` (their dests are ``DEVICE_FLAGS``)."""
-    parser.add_argument(
-        "--prfaas-device",
-        type=device,
-        help="cpu or cuda:N for the PrfaaS cluster (default: cpu)",
-    )
+    parser.add_argument("--prfaas-device", type=device, help="cpu or cuda:N for the PrfaaS cluster (default: cpu)")
     parser.add_argument("--pd-device", type=device, help="cpu or cuda:N for the PD cluster (default: cpu)")
     parser.add_argument(
         "--prfaas-devices",
@@ -116,11 +112,7 @@ def trace(text: str) -> str:
 
 def rate(text: str) -> str:
     """A link rate as ``parse_rate`` reads it: 100mbit, 5gbit, 2.5e8, none."""
-    try:
-        parse_rate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _accepted(parse_rate, text, ValueError)
 
 
 def window(text: str) -> str:
@@ -224,6 +216,18 @@ def policy_arg(text: str) -> tuple[str, object]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+def add_kv_arguments(parser: argparse._ActionsContainer) -> None:
+    """--kv-bytes-per-token and --kv-fixed-bytes: a case's state sizes replaced, for ``plan`` and ``sim``."""
+    parser.add_argument(
+        "--kv-bytes-per-token",
+        type=non_negative,
+        help="replace the model's KV growth, both clusters (default: the case's)",
+    )
+    parser.add_argument(
+        "--kv-fixed-bytes", type=non_negative, help="replace the model's fixed state per request (default: the case's)"
+    )
 
 
 def add_policy_arguments(parser: argparse._ActionsContainer, flag: str, what: str, default: str, builtins: str) -> None:

@@ -2,6 +2,8 @@
 
 Starts the gateway on a free port, streams the mix through the OpenAI-compatible HTTP API while showing each
 request's progress and the link's use, prints a summary of what each route moved, and shuts everything down.
+With ``--dashboard``, clients send a steady mix instead while the link's rate dips every ``--dip-every`` seconds,
+so the short-term scheduler can be watched moving t, until Ctrl-C or ``--duration``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import contextlib
 import functools
 import json
 import os
+import random
+import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -22,11 +27,11 @@ from rich.table import Table
 
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
-from minifaas.commands.demo_traffic import DIP_FACTOR, steady_mix
 from minifaas.commands.main import exit_at_once, stdout_console, user_input
 from minifaas.commands.serve import add_arguments as add_serve_arguments
 from minifaas.commands.serve import checked_config, kernels_line, log_to, running_server, start_forks
 from minifaas.config import LOG_LEVELS, InterClusterLinkConfig, ServeConfig
+from minifaas.emulator.pacer import parse_rate
 from minifaas.gateway.gateway import Gateway
 from minifaas.gateway.inter_cluster_link import NAME, InterClusterLink
 from minifaas.launch.startup import StartupView
@@ -37,6 +42,8 @@ from minifaas.proctitle import set_title
 VERSE = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
 TEMPERATURE = 0.8
 SNIPPET_CHARS = 40
+CLIENTS = 4  # of the steady mix
+DIP_FACTOR = 20  # the link's rate during a dip: a twentieth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +99,9 @@ class DemoRequest:
     kv_codec: str = "-"
     fallback: str | None = None
     text: str = ""
+
+
+Send = Callable[[DemoRequest, int], Awaitable[None]]  # one request's row sent, with its sampling seed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,6 +165,8 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
         set_title("demo", f":{port}")
         address = f"http://127.0.0.1:{port}"
         ready = f"ready in {time.perf_counter() - t0:.1f} s on port {port}, {kernels_line(gateway)}"
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        send = functools.partial(_one, http, f"{address}/v1/completions", gateway.model_name, args.max_tokens)
         cpu, wall = tree_cpu_s(os.getpid()), time.perf_counter()
         if args.dashboard:
             console.print(f"{ready}; the dashboard: {address}/dashboard")
@@ -163,15 +175,13 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
                 f"to a {DIP_FACTOR}th of {args.link_rate} for {args.dip_seconds:g} s every {args.dip_every:g} s; "
                 + ("Ctrl-C stops" if args.duration is None else f"stopping after {args.duration:g} s or at Ctrl-C")
             )
-            async with aiohttp.ClientSession() as http:
-                send = functools.partial(_one, http, f"{address}/v1/completions", gateway.model_name)
-                rows = await steady_mix(gateway, args, DemoRequest, lambda row, seed: send(row, args.max_tokens, seed))
+            rows = await _steady_mix(gateway, args, send)
         else:
             console.print(
                 f"{ready}; sending {args.short} short and {args.long} long prompts at once (threshold "
                 f"{args.threshold} tokens); the dashboard: {address}/dashboard"
             )
-            rows = await _one_mix(args, gateway, address, console)
+            rows = await _one_mix(args, gateway, send, console)
         cpu, wall = tree_cpu_s(os.getpid()) - cpu, time.perf_counter() - wall
         console.print()  # the summary's title apart from the table above
         console.print(_summary(rows))
@@ -186,29 +196,69 @@ async def _demo(args: argparse.Namespace, config: ServeConfig) -> int:
     return 0 if all(r.status == "done" for r in rows) else 1
 
 
-async def _one_mix(args: argparse.Namespace, gateway: Gateway, address: str, console: Console) -> list[DemoRequest]:
+async def _one_mix(args: argparse.Namespace, gateway: Gateway, send: Send, console: Console) -> list[DemoRequest]:
     """The short and long prompts at once, with a live table of their progress."""
     rows = _mix(args)
-    base = f"{address}/v1/completions"
     # into a file or a pipe a live table shows nothing until it ends, and ends without its last newline
     live = Live(_table(rows, gateway.link), console=console) if console.is_terminal else None
-    async with aiohttp.ClientSession() as http:
-        with live or contextlib.nullcontext():
-            jobs = [
-                asyncio.create_task(_one(http, base, gateway.model_name, row, args.max_tokens, seed))
-                for seed, row in enumerate(rows)
-            ]
-            while not all(j.done() for j in jobs):
-                if live is not None:
-                    live.update(_table(rows, gateway.link))
-                await asyncio.sleep(0.25)
+    with live or contextlib.nullcontext():
+        jobs = [asyncio.create_task(send(row, seed)) for seed, row in enumerate(rows)]
+        while not all(j.done() for j in jobs):
             if live is not None:
                 live.update(_table(rows, gateway.link))
-            for j in jobs:
-                j.result()
+            await asyncio.sleep(0.25)
+        if live is not None:
+            live.update(_table(rows, gateway.link))
+        for j in jobs:
+            j.result()
     if live is None:
         console.print(_table(rows, gateway.link))
     return rows
+
+
+async def _steady_mix(gateway: Gateway, args: argparse.Namespace, send: Send) -> list[DemoRequest]:
+    """Send prompts and dip the link until SIGINT or ``args.duration``; returns every request's row."""
+    rows: list[DemoRequest] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            clients = [tasks.create_task(_client(i, args, send, rows)) for i in range(CLIENTS)]
+            dips = tasks.create_task(_dips(gateway, args))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(args.duration):
+                    await stop.wait()
+            for task in [*clients, dips]:
+                task.cancel()
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    return rows
+
+
+async def _client(i: int, args: argparse.Namespace, send: Send, rows: list[DemoRequest]) -> None:
+    draw = random.Random(i)
+    for n in range(1 << 62):
+        long = (n + i) % 2 == 1
+        if long:  # past the threshold, up to three times --long-tokens
+            chars = draw.randint(args.threshold, max(args.threshold, 3 * args.long_tokens))
+        else:  # up to half the threshold, and at least a character
+            top = max(1, args.threshold // 2)
+            chars = draw.randint(min(40, top), top)
+        row = DemoRequest(f"{'long' if long else 'short'}-{i}.{n}", chars)
+        rows.append(row)
+        await send(row, CLIENTS * n + i)
+
+
+async def _dips(gateway: Gateway, args: argparse.Namespace) -> None:
+    """The link at a ``DIP_FACTOR``th of its rate for ``dip_seconds`` in every ``dip_every``; back at the end."""
+    rate = parse_rate(args.link_rate)
+    low = (rate or 1e9) / DIP_FACTOR
+    while True:
+        await asyncio.sleep(args.dip_every - args.dip_seconds)
+        await gateway.link.control.set_rate(low)
+        await asyncio.sleep(args.dip_seconds)
+        await gateway.link.control.set_rate(rate)
 
 
 def _mix(args: argparse.Namespace) -> list[DemoRequest]:
@@ -222,7 +272,7 @@ def _prompt(chars: int) -> str:
     return (VERSE * (chars // len(VERSE) + 1))[:chars].rsplit(" ", 1)[0] + " "
 
 
-async def _one(http: aiohttp.ClientSession, url: str, model: str, row: DemoRequest, max_tokens: int, seed: int) -> None:
+async def _one(http: aiohttp.ClientSession, url: str, model: str, max_tokens: int, row: DemoRequest, seed: int) -> None:
     prompt = _prompt(row.prompt_chars)
     row.prompt_chars = len(prompt)
     body = {
@@ -268,16 +318,9 @@ def _table(rows: list[DemoRequest], link: InterClusterLink) -> Table:
     table.add_column("text", no_wrap=True, max_width=SNIPPET_CHARS, overflow="ellipsis")
     for r in rows:
         rate = r.tokens / ((r.ended or time.perf_counter()) - r.started) if r.tokens else 0.0
-        table.add_row(
-            r.name,
-            str(r.prompt_chars),
-            r.status,
-            r.route,
-            f"{r.ttft:.2f}" if r.ttft else "-",
-            str(r.tokens),
-            f"{rate:.1f}",
-            r.text.replace("\n", " / ")[:SNIPPET_CHARS],
-        )
+        ttft = f"{r.ttft:.2f}" if r.ttft else "-"
+        snippet = r.text.replace("\n", " / ")[:SNIPPET_CHARS]
+        table.add_row(r.name, str(r.prompt_chars), r.status, r.route, ttft, str(r.tokens), f"{rate:.1f}", snippet)
     return table
 
 
@@ -293,14 +336,8 @@ def _summary(rows: list[DemoRequest]) -> Table:
         ttft = sum(r.ttft or 0 for r in group) / len(group)
         e2e = sum((r.ended or 0) - r.started for r in group) / len(group)
         state, wire = sum(r.kv_bytes for r in group), sum(r.kv_wire_bytes for r in group)
-        table.add_row(
-            route,
-            str(len(group)),
-            f"{ttft:.2f}",
-            f"{e2e:.2f}",
-            f"{state / 1e6:.2f} MB",
-            f"{wire / 1e6:.2f} MB",
-            ", ".join(sorted({r.kv_codec for r in group})),
-            str(sum(1 for r in group if r.fallback)),
-        )
+        sizes = (f"{state / 1e6:.2f} MB", f"{wire / 1e6:.2f} MB")
+        codecs = ", ".join(sorted({r.kv_codec for r in group}))
+        fallbacks = str(sum(1 for r in group if r.fallback))
+        table.add_row(route, str(len(group)), f"{ttft:.2f}", f"{e2e:.2f}", *sizes, codecs, fallbacks)
     return table

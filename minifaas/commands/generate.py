@@ -37,7 +37,10 @@ def run(args: argparse.Namespace) -> int:
         checked_spec(args.model, args.trust_remote_code)
         dtype = resolve_dtype(args.dtype, args.device)
     rt = ModelRuntime.load(args.model, args.device, dtype=dtype, trust_remote_code=args.trust_remote_code)
-    temperature = default_temperature(rt.model) if args.temperature is None else args.temperature
+    # by default the checkpoint's generation_config.json: its temperature where it samples, else greedy (a preset)
+    config = getattr(rt.model, "generation_config", None)
+    default = float(config.temperature or 1.0) if config is not None and config.do_sample else 0.0
+    temperature = default if args.temperature is None else args.temperature
     with user_input():
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p, seed=args.seed, ignore_eos=True
@@ -67,10 +70,3 @@ def run(args: argparse.Namespace) -> int:
     )
     console.print(repr(rt.tokenizer.decode(tokens)))
     return 0
-
-
-def default_temperature(model: object) -> float:
-    """The checkpoint's own sampling default (its generation_config.json's temperature when it samples, else
-    greedy); presets: greedy."""
-    config = getattr(model, "generation_config", None)
-    return float(config.temperature or 1.0) if config is not None and config.do_sample else 0.0

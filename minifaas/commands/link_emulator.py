@@ -66,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
     (target_host, target_port), listen = args.target, args.listen
     with user_input():
         secret = load_secret(args.secret_file)
-        if not args.control_idle > 0:
-            raise ValueError(f"--control-idle must be > 0, got {args.control_idle}")
         config = RelayConfig(
             target_host, target_port, listen[0], listen[1], parse_rate(args.rate), parse_rate(args.flow_rate),
             parse_bytes(args.window), args.delay_ms, args.jitter_ms, RateSchedule.parse(args.schedule),

@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         set_title(*sys.argv[1:])
     argv = sys.argv[1:] if argv is None else argv
     parser = CommandParser(
-        prog="minifaas",
-        description=minifaas.__doc__,
-        epilog="minifaas COMMAND --help: its flags and their defaults.",
+        prog="minifaas", description=minifaas.__doc__, epilog="minifaas COMMAND --help: its flags and their defaults."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():

@@ -37,16 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-tokens", type=arguments.positive, help="mean output length in tokens (default: the case's)"
     )
     parser.add_argument("--threshold-step", type=arguments.positive_int, default=100, help="grid step of t in tokens")
-    parser.add_argument(
-        "--kv-bytes-per-token",
-        type=arguments.non_negative,
-        help="replace the model's KV growth, both clusters (default: the case's)",
-    )
-    parser.add_argument(
-        "--kv-fixed-bytes",
-        type=arguments.non_negative,
-        help="replace the model's fixed state per request (default: the case's)",
-    )
+    arguments.add_kv_arguments(parser)
     parser.add_argument(
         "--expected-latency", action="store_true", help="price prefill by E[T(L)] instead of the paper's T(E[L])"
     )
@@ -55,17 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=arguments.positive,
         help="price of a PrfaaS GPU over a PD GPU: adds cost figures (default: none)",
     )
-
-
-def resolve_case(args: argparse.Namespace) -> PlanCase:
-    case = named_case(args.case).with_overrides(
-        link_gbps=args.link_gbps,
-        n_prfaas=args.n_prfaas,
-        n_pd=args.n_pd,
-        n_homogeneous=args.n_homogeneous,
-        output_tokens=args.output_tokens,
-    )
-    return case.with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
 
 
 def cost_units(case: PlanCase, op: OperatingPoint, price_ratio: float) -> float:
@@ -86,7 +66,8 @@ def to_json(case: PlanCase, result: Plan, price_ratio: float | None) -> dict[str
 
 def run(args: argparse.Namespace) -> int:
     with user_input():
-        case = resolve_case(args)
+        flags = {k: getattr(args, k) for k in ("link_gbps", "n_prfaas", "n_pd", "n_homogeneous", "output_tokens")}
+        case = named_case(args.case).with_overrides(**flags).with_kv(args.kv_bytes_per_token, args.kv_fixed_bytes)
         grid = SearchGrid(threshold_step=args.threshold_step)
     result = plan(case, grid, args.expected_latency)
     if args.json:

@@ -26,12 +26,7 @@ from minifaas.cache.pool_config import PoolConfig
 from minifaas.commands import arguments
 from minifaas.commands.arguments import add_model_arguments
 from minifaas.commands.main import BadInput, check_listen, exit_at_once, user_input
-from minifaas.config import (
-    LOG_LEVELS,
-    SNAPSHOT_POLICIES,
-    CacheConfig,
-    ServeConfig,
-)
+from minifaas.config import LOG_LEVELS, SNAPSHOT_POLICIES, ServeConfig
 from minifaas.emulator.emulator_process import EmulatorError
 from minifaas.gateway.dashboard import Dashboard
 from minifaas.gateway.gateway import Gateway
@@ -246,7 +241,36 @@ def _percent(fraction: float) -> str:
     return f"{fraction:.0%}".replace("%", "%%")  # argparse formats help with %
 
 
+# the settings a flag given sets: table -> {setting: the flag's dest}; "serve" is ServeConfig's own
+FLAG_SETTINGS = {
+    "serve": {name: name for name in ("host", "port", "model", "dtype", "threshold", "spill_tokens", "launcher",
+                                      "first_token_timeout", "token_timeout", "request_timeout", "migration_limit",
+                                      "fork_workers", "secret_file")} | {"worker_log_level": "log_level"},
+    "link": {"rate": "link_rate", "window": "link_window", "delay_ms": "link_delay_ms", "connections": "connections",
+             "emulated": "link_emulator"},
+    "cache": {"mode": "prefix_cache", "block_size": "cache_block_size", "snapshot_interval_blocks": "snapshot_interval",
+              "capacity_mib": "cache_mib", "rule": "route_rule"},
+    "http": {name: name for name in ("max_connections", "header_timeout", "body_timeout", "shutdown_grace")},
+    "scheduler": {"profile": "profile", "period_s": "rebalance_period"},
+    "ray": {"address": "ray_address"},
+}  # fmt: skip
+# store_true flags: dest -> (table, the setting it turns on, True, or off, False)
+SWITCHES = {
+    "trust_remote_code": ("serve", "trust_remote_code", True),
+    "allow_slow_kernels": ("serve", "allow_slow_kernels", True),
+    "fixed_threshold": ("serve", "fixed_threshold", True),
+    "no_pipelining": ("link", "pipelined", False),
+    "no_incremental_transfer": ("cache", "incremental_transfer", False),
+    "no_cache_moves": ("cache", "cross_cluster_moves", False),
+    "no_rebalance": ("scheduler", "rebalance", False),
+}
+# a policy's flag (--X SPEC, --X-arg KEY=VALUE): dest -> the table of its settings X and X_args
+POLICY_TABLES = {"router": "serve", "short_term": "scheduler", "long_term": "scheduler", "kv_compression": "link",
+                 "snapshot_policy": "cache"}  # fmt: skip
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The --config file's settings, each a flag gives replaced: a setting no flag names is kept whole."""
     base = ServeConfig.from_toml(args.config) if args.config else ServeConfig()
     if args.prfaas_device and args.prfaas_devices:
         raise ValueError("give --prfaas-device or --prfaas-devices, not both")
@@ -260,7 +284,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     for flag, (count, hand_started, hand_flag) in counts.items():
         if count is not None and hand_started:  # a cluster's workers are all hand-started, or all started here
             raise ValueError(f"{flag} does not apply with {hand_flag}: the cluster's workers are the ones it names")
-    # each table as the TOML gave it, with what the flags set: a setting no flag names is kept whole
     prfaas = replace(
         base.prfaas,
         prefill_workers=_pick(
@@ -291,77 +314,19 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raise ValueError("--gpu-memory-fraction: no cluster runs on a GPU")
         prfaas, pd = (c if c.device == "cpu" else replace(c, memory_fraction=args.gpu_memory_fraction)
                       for c in (prfaas, pd))  # fmt: skip
-    link = replace(
-        base.link,
-        rate=_pick(args.link_rate, base.link.rate),
-        window=_pick(args.link_window, base.link.window),
-        delay_ms=_pick(args.link_delay_ms, base.link.delay_ms),
-        connections=_pick(args.connections, base.link.connections),
-        pipelined=base.link.pipelined and not args.no_pipelining,
-        kv_compression=_pick(args.kv_compression, base.link.kv_compression),
-        kv_compression_args=_policy_args(args.kv_compression, args.kv_compression_arg, base.link.kv_compression_args),
-        emulated=_pick(args.link_emulator, base.link.emulated),
-    )
-    cache = CacheConfig(
-        mode=_pick(args.prefix_cache, base.cache.mode),
-        block_size=_pick(args.cache_block_size, base.cache.block_size),
-        snapshot_policy=_pick(args.snapshot_policy, base.cache.snapshot_policy),
-        snapshot_policy_args=_policy_args(
-            args.snapshot_policy, args.snapshot_policy_arg, base.cache.snapshot_policy_args
-        ),
-        snapshot_interval_blocks=_pick(args.snapshot_interval, base.cache.snapshot_interval_blocks),
-        capacity_mib=_pick(args.cache_mib, base.cache.capacity_mib),
-        rule=_pick(args.route_rule, base.cache.rule),
-        incremental_transfer=base.cache.incremental_transfer and not args.no_incremental_transfer,
-        cross_cluster_moves=base.cache.cross_cluster_moves and not args.no_cache_moves,
-    )
-    http = replace(
-        base.http,
-        max_connections=_pick(args.max_connections, base.http.max_connections),
-        header_timeout=_pick(args.header_timeout, base.http.header_timeout),
-        body_timeout=_pick(args.body_timeout, base.http.body_timeout),
-        shutdown_grace=_pick(args.shutdown_grace, base.http.shutdown_grace),
-    )
-    scheduler = replace(
-        base.scheduler,
-        profile=_pick(args.profile, base.scheduler.profile),
-        period_s=_pick(args.rebalance_period, base.scheduler.period_s),
-        rebalance=base.scheduler.rebalance and not args.no_rebalance,
-        short_term=_pick(args.short_term, base.scheduler.short_term),
-        short_term_args=_policy_args(args.short_term, args.short_term_arg, base.scheduler.short_term_args),
-        long_term=_pick(args.long_term, base.scheduler.long_term),
-        long_term_args=_policy_args(args.long_term, args.long_term_arg, base.scheduler.long_term_args),
-    )
-    return replace(
-        base,
-        host=_pick(args.host, base.host),
-        port=_pick(args.port, base.port),
-        model=_pick(args.model, base.model),
-        dtype=_pick(args.dtype, base.dtype),
-        trust_remote_code=args.trust_remote_code or base.trust_remote_code,
-        allow_slow_kernels=args.allow_slow_kernels or base.allow_slow_kernels,
-        threshold=_pick(args.threshold, base.threshold),
-        fixed_threshold=args.fixed_threshold or base.fixed_threshold,
-        spill_tokens=_pick(args.spill_tokens, base.spill_tokens),
-        api_key=_api_key(args, base.api_key),
-        first_token_timeout=_pick(args.first_token_timeout, base.first_token_timeout),
-        token_timeout=_pick(args.token_timeout, base.token_timeout),
-        request_timeout=_pick(args.request_timeout, base.request_timeout),
-        migration_limit=_pick(args.migration_limit, base.migration_limit),
-        launcher=_pick(args.launcher, base.launcher),
-        fork_workers=_pick(args.fork_workers, base.fork_workers),
-        secret_file=_pick(args.secret_file, base.secret_file),
-        router=_pick(args.router, base.router),
-        router_args=_policy_args(args.router, args.router_arg, base.router_args),
-        worker_log_level=_pick(args.log_level, base.worker_log_level),
-        prfaas=prfaas,
-        pd=pd,
-        link=link,
-        cache=cache,
-        scheduler=scheduler,
-        http=http,
-        ray=replace(base.ray, address=_pick(args.ray_address, base.ray.address)),
-    )
+    given = vars(args)
+    changes = {table: {k: given[dest] for k, dest in flags.items() if given[dest] is not None}
+               for table, flags in FLAG_SETTINGS.items()}  # fmt: skip
+    for dest, (table, setting, on) in SWITCHES.items():
+        if given[dest]:
+            changes[table][setting] = on
+    for dest, table in POLICY_TABLES.items():
+        if given[dest] is not None:
+            changes[table][dest] = given[dest]
+        if given[dest] is not None or given[f"{dest}_arg"]:  # else the file's arguments stand
+            changes[table][f"{dest}_args"] = given[f"{dest}_arg"] or ()
+    tables = {name: replace(getattr(base, name), **c) for name, c in changes.items() if name != "serve"}
+    return replace(base, **changes["serve"], api_key=_api_key(args, base.api_key), prfaas=prfaas, pd=pd, **tables)
 
 
 def _address(text: str) -> str:
@@ -371,11 +336,6 @@ def _address(text: str) -> str:
 
 def _pick(flag: object, default: object) -> object:
     return default if flag is None else flag
-
-
-def _policy_args(spec: str | None, flags: list[tuple[str, object]] | None, configured: tuple) -> object:
-    """A policy's arguments: the --X-arg flags when --X or any of them is given, else the file's table."""
-    return flags or () if spec is not None or flags else configured
 
 
 def _api_key(args: argparse.Namespace, configured: str | None) -> str | None:

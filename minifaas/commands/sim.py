@@ -73,19 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value, help="routing rule")
     deploy.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache in either cluster")
     deploy.add_argument("--cache-gb", type=arguments.positive, help="prefix pool size per cluster (default: unlimited)")
+    arguments.add_kv_arguments(deploy)
     deploy.add_argument(
-        "--kv-bytes-per-token",
-        type=arguments.non_negative,
-        help="replace the model's KV growth, both clusters (default: the case's)",
-    )
-    deploy.add_argument(
-        "--kv-fixed-bytes",
-        type=arguments.non_negative,
-        help="replace the model's fixed state per request (default: the case's)",
-    )
-    deploy.add_argument(
-        "--prfaas-profile",
-        help="a profile file (minifaas profile) for the PrfaaS instances (default: the case's)",
+        "--prfaas-profile", help="a profile file (minifaas profile) for the PrfaaS instances (default: the case's)"
     )
     deploy.add_argument(
         "--pd-profile",
@@ -232,13 +222,11 @@ def scaled_case(case: PlanCase, gpus: int | None, link_gbps: float | None) -> Pl
 
 def with_profiles(case: PlanCase, prfaas: str | None, pd: str | None) -> PlanCase:
     """The case with measured instance profiles in place of its own."""
-    changes: dict[str, object] = {}
-    if prfaas:
-        changes["prfaas"] = load_prefill_profile(prfaas)
-    if pd:
-        changes["pd_prefill"] = load_prefill_profile(pd)
-        changes["decode"] = load_profiles(pd)[1]
-    return case.with_overrides(**changes)
+    return case.with_overrides(
+        prfaas=load_prefill_profile(prfaas) if prfaas else None,
+        pd_prefill=load_prefill_profile(pd) if pd else None,
+        decode=load_profiles(pd)[1] if pd else None,
+    )
 
 
 def schedulers_on(args: argparse.Namespace) -> tuple[bool, bool]:
@@ -246,10 +234,6 @@ def schedulers_on(args: argparse.Namespace) -> tuple[bool, bool]:
     compared = sim_compare.kinds(args)
     short = bool(args.scheduler or args.short_term or "short-term" in compared)
     return short, bool(args.scheduler or args.long_term or "long-term" in compared)
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def checked_flags(args: argparse.Namespace) -> argparse.Namespace:
@@ -264,7 +248,7 @@ def checked_flags(args: argparse.Namespace) -> argparse.Namespace:
         (LONG_TERM_FLAGS, not long, f"for the long-term {off}: --scheduler or --long-term runs it"),
     )
     for flags, idle, why in kinds:
-        given = [_flag(dest) for dest in flags if getattr(args, dest) is not None]
+        given = ["--" + dest.replace("_", "-") for dest in flags if getattr(args, dest) is not None]
         if idle and given:
             raise ValueError(f"{', '.join(given)}: {why}")
     unset = {dest: value for flags, _, _ in kinds for dest, value in flags.items() if getattr(args, dest) is None}
@@ -273,8 +257,7 @@ def checked_flags(args: argparse.Namespace) -> argparse.Namespace:
 
 def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint]:
     args = checked_flags(args)
-    base = named_case(args.case)
-    base = with_profiles(base, args.prfaas_profile, args.pd_profile)
+    base = with_profiles(named_case(args.case), args.prfaas_profile, args.pd_profile)
     try:
         case = scaled_case(base, args.gpus, args.link_gbps)
     except ValueError as e:  # too few GPUs for the case's instances
@@ -303,12 +286,7 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         config = replace(
             config, long_term=LongTermConfig(enabled=not args.no_rebalance, period_s=args.rebalance_period)
         )
-    overrides = {
-        "n_prfaas": args.n_prfaas,
-        "n_prefill": args.n_prefill,
-        "n_decode": args.n_decode,
-        "threshold": args.threshold,
-    }
+    overrides = {k: getattr(args, k) for k in ("n_prfaas", "n_prefill", "n_decode", "threshold")}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if args.spill_tokens:
         config = replace(config, router=replace(config.router, spill_tokens=args.spill_tokens))

@@ -90,11 +90,7 @@ def run(configs: dict[str, SimConfig], workload: Workload, args: argparse.Namesp
     with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), disable=not show) as progress:
         total = max(workload.duration_s, 1.0)
         tasks = {name: progress.add_task(name, total=total) for name in configs}
-
-        def advanced(name: str, now: float) -> None:
-            progress.update(tasks[name], completed=min(now, total))
-
-        results = compare(configs, workload, advanced)
+        results = compare(configs, workload, lambda name, now: progress.update(tasks[name], completed=min(now, total)))
         for task in tasks.values():
             progress.update(task, completed=total)
     notes = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the JSON object alone

@@ -69,13 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this node's prefix cache (default: hybrid)")  # fmt: skip
     p.add_argument("--cache-block-size", type=arguments.positive_int, default=32,
                    help="tokens per cached full-attention block (default: 32)")  # fmt: skip
-    p.add_argument("--snapshot-policy", type=arguments.policy, default="reuse", metavar="SPEC",
-                   help="where state snapshots go: prompt ends and prefixes another prompt shared (reuse), or "
-                   f"every --snapshot-interval blocks too (interval); built-ins {', '.join(SNAPSHOT_POLICIES)}, "
-                   "or module:Class (docs/POLICIES.md) (default: reuse)")  # fmt: skip
-    p.add_argument("--snapshot-policy-arg", type=arguments.policy_arg, action="append",
-                   metavar="KEY=VALUE",
-                   help="a keyword argument of the snapshot policy; repeat for more (default: none)")  # fmt: skip
+    arguments.add_policy_arguments(p, "snapshot-policy", "where state snapshots go: prompt ends and prefixes another "
+                                   "prompt shared (reuse), or every --snapshot-interval blocks too (interval)",
+                                   "reuse", ", ".join(SNAPSHOT_POLICIES))  # fmt: skip
+    p.set_defaults(snapshot_policy="reuse")
     p.add_argument("--snapshot-interval", type=arguments.count, default=4,
                    help="the interval policy's blocks between state snapshots; 0: at prompt ends only "
                    "(default: 4)")  # fmt: skip
@@ -103,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """A worker's flags as ``minifaas worker`` reads them (a Ray actor's worker reads them so)."""
     parser = argparse.ArgumentParser(
         prog="minifaas worker", description="one prefill or decode worker, waiting for a gateway"
     )
@@ -156,9 +154,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    sys.exit(cli_main(["worker", *(sys.argv[1:] if argv is None else argv)]))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # errors as ``minifaas worker`` gives them, one line
+    sys.exit(cli_main(["worker", *sys.argv[1:]]))
