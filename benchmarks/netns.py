@@ -246,7 +246,7 @@ async def _sink(host: str, port: int, transfers: int, accept_unchecked: bool) ->
         transfer_id = 0
         while transfers == 0 or transfer_id < transfers:  # 0: serve until killed
             try:
-                await rx.transfer(transfer_id).model_state()
+                rx.release(await rx.transfer(transfer_id).model_state())
             except TransferError as e:  # the sender sees it too; keep serving the next transfers
                 print(json.dumps({"transfer": transfer_id, "error": f"{type(e).__name__}: {e}"}), flush=True)
             transfer_id += 1

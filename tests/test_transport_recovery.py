@@ -103,6 +103,7 @@ def test_an_ended_transfer_nobody_claims_is_dropped_after_the_grace(caplog: pyte
             async with asyncio.timeout(10):
                 while rx.stats.dropped == 0:
                     await asyncio.sleep(0.05)
+            assert rx.buffers.held_bytes >= state.nbytes  # its memory went back for the next transfer
             with pytest.raises(DroppedError, match="no consumer claimed it"):
                 await rx.transfer(7).model_state()
             incoming = rx.transfer(8)

@@ -16,7 +16,7 @@ def table(max_open: int = 4, drops: list[tuple[int, str]] | None = None) -> Tran
         assert drops is not None
         drops.append((t.id, cause))
 
-    return TransferTable(max_open, 1 << 20, False, grace=5.0, on_drop=on_drop)
+    return TransferTable(max_open, 1 << 20, lambda n: torch.empty(n, dtype=torch.uint8), grace=5.0, on_drop=on_drop)
 
 
 def completed(t: TransferTable, transfer_id: int, now: float) -> IncomingTransfer:

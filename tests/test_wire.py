@@ -30,6 +30,10 @@ from minifaas.transport.wire import (
 LIMITS = Limits(max_chunk_bytes=1 << 20, max_slot_bytes=1 << 24)
 
 
+def new_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def chunk_header(**changes: object) -> FrameHeader:
     fields = dict(type=FrameType.CHUNK, transfer=7, length=16, crc=0, layer=1, kind=3, slot=0, n_slots=2)
     fields |= dict(name="recurrent.0", dtype=1, shape=(2, 8), seq_len=5, offset=0)
@@ -88,7 +92,7 @@ def rebuild(state: ModelState, chunk_bytes: int, order: random.Random | None = N
     chunks = [c for layer in state.layers for c in split_chunks(layer, chunk_bytes)]
     if order is not None:
         order.shuffle(chunks)
-    r = Reassembly(3, 1 << 30)
+    r = Reassembly(3, 1 << 30, new_bytes)
     out = []
     for c in chunks:
         raw, payload = c.frame(3)
@@ -110,7 +114,7 @@ def test_any_chunking_in_any_order_rebuilds_bit_exact(chunk_bytes: int, seed: in
 
 def test_layers_come_out_in_order_only_when_whole() -> None:
     state = synthetic_state(layers=4, tokens=8, width=4)
-    r = Reassembly(1, 1 << 20)
+    r = Reassembly(1, 1 << 20, new_bytes)
     per_layer = [split_chunks(layer, 64) for layer in state.layers]
     ready_after: list[list[int]] = []
     for layer in (1, 0, 3, 2):  # layer 1 arrives first but must wait for layer 0
@@ -130,7 +134,7 @@ def test_corrupted_payload_is_caught() -> None:
     c = split_chunks(state.layers[0], 1 << 20)[0]
     raw, payload = c.frame(1)
     h = unpack_header(raw, LIMITS)
-    r = Reassembly(1, 1 << 20)
+    r = Reassembly(1, 1 << 20, new_bytes)
     view = r.buffer_for(h)
     view[:] = payload
     view[len(view) // 2] ^= 1
@@ -140,7 +144,7 @@ def test_corrupted_payload_is_caught() -> None:
 
 def test_transfer_over_its_byte_limit_allocates_nothing() -> None:
     h = unpack_header(chunk_header(shape=(1024, 1024), length=4096).pack(), LIMITS)
-    r = Reassembly(1, 1 << 20)
+    r = Reassembly(1, 1 << 20, new_bytes)
     with pytest.raises(ProtocolError):
         r.buffer_for(h)
     assert r.allocated == 0
@@ -151,7 +155,7 @@ def test_duplicate_chunk_is_a_protocol_error() -> None:
     c = split_chunks(state.layers[0], 32)[0]
     raw, payload = c.frame(1)
     h = unpack_header(raw, LIMITS)
-    r = Reassembly(1, 1 << 20)
+    r = Reassembly(1, 1 << 20, new_bytes)
     view = r.buffer_for(h)
     view[:] = payload
     r.commit(h, view)
@@ -161,7 +165,7 @@ def test_duplicate_chunk_is_a_protocol_error() -> None:
 
 def test_end_with_missing_layer_is_truncation() -> None:
     state = synthetic_state(layers=2, tokens=4, width=4)
-    r = Reassembly(1, 1 << 20)
+    r = Reassembly(1, 1 << 20, new_bytes)
     sent = 0
     for c in split_chunks(state.layers[0], 1 << 20):
         raw, payload = c.frame(1)
@@ -189,7 +193,7 @@ def test_token_ranges_of_a_full_attention_layer_rebuild_it(cuts: tuple[int, ...]
     for start, end in itertools.pairwise(cuts):
         chunks += split_token_range(layer.slice_tokens(start, end), start, 40, chunk_bytes=100)
     random.Random(len(cuts)).shuffle(chunks)
-    r = Reassembly(1, 1 << 20)
+    r = Reassembly(1, 1 << 20, new_bytes)
     out = []
     for c in chunks:
         raw, payload = c.frame(1)

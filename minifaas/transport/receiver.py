@@ -3,13 +3,14 @@
 A frame goes to its transfer by id (``TransferTable``: frames may open one before its consumer asks); a chunk's
 payload is read straight into the slot's tensor memory (``wire.Reassembly``) and checksummed as it lands (a coded
 one is decoded into it); each layer is handed to the consumer iterating the ``IncomingTransfer`` once it is whole,
-and DONE goes back when the last is. What goes wrong (a bad frame, a broken connection, a stall, a transfer
-nobody claims) is handled by the methods at its end.
+and DONE goes back when the last is. A consumer may ``release`` a state's memory for reuse. What goes wrong (a
+bad frame, a broken connection, a stall, a transfer nobody claims) is handled by the methods at its end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import socket
@@ -17,6 +18,8 @@ import ssl as ssl_module
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
+
+import torch
 
 from minifaas.codec.codec import ALL_CODECS, OFF_LOOP_BYTES, Codec, FrameDecoder, offer_mask
 from minifaas.model.layer_state import Checksum, LayerState, ModelState, checksum
@@ -60,6 +63,7 @@ class ReceiverConfig:
     max_transfer_bytes: int = 64 << 30
     max_open_transfers: int = MAX_OPEN_TRANSFERS
     unclaimed_grace: float = 10.0  # an ended transfer no consumer claimed is dropped after this long
+    recycle_bytes: int = 4 << 30  # received memory kept for reuse once released (0: none)
     accept_unchecked: bool = False  # take chunks whose sender skipped the payload checksum (TLS, trusted links)
     limits: Limits = field(default_factory=Limits)
     codecs: frozenset[Codec] = ALL_CODECS  # offered in the handshake: senders code frames with these only
@@ -69,7 +73,7 @@ class ReceiverConfig:
         check_secret(self.secret)
         if min(self.handshake_timeout, self.stall_timeout, self.unclaimed_grace) <= 0:
             raise ValueError("timeouts must be positive")
-        if self.max_transfer_bytes <= 0 or self.max_open_transfers <= 0:
+        if self.max_transfer_bytes <= 0 or self.max_open_transfers <= 0 or self.recycle_bytes < 0:
             raise ValueError("transfer limits must be positive")
 
 
@@ -82,6 +86,45 @@ class ReceiverStats:
     bytes_received: int = 0  # payload bytes off the network
 
 
+class ReceiveBuffers:
+    """Receive memory used again instead of freshly mapped (and page-faulted) for every transfer. A consumer done
+    with a received state gives it back (``KVReceiver.release``); releasing a state still in use is a bug, its bytes
+    will be overwritten. ``pinned``: page-locked memory, for a decode node's asynchronous copies to a GPU; such a
+    state goes back only once they are done."""
+
+    def __init__(self, max_bytes: int, pinned: bool = False):
+        self.max_bytes, self.pinned = max_bytes, pinned
+        self.held_bytes = 0
+        self._sizes: list[int] = []  # sorted, parallel to _buffers
+        self._buffers: list[torch.Tensor] = []
+        self._held: set[int] = set()  # data pointers, so a double release cannot hand one buffer out twice
+        self.reused = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of exactly ``nbytes``: a view of a pooled buffer at most twice as large, or new memory."""
+        i = bisect.bisect_left(self._sizes, nbytes)
+        if nbytes and i < len(self._sizes) and self._sizes[i] <= 2 * nbytes:
+            size, buf = self._sizes.pop(i), self._buffers.pop(i)
+            self.held_bytes -= size
+            self._held.discard(buf.data_ptr())
+            self.reused += 1
+            return buf[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Return the memory behind ``tensor`` (a slot of a received state) to the pool."""
+        storage = tensor.untyped_storage()
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        size, ptr = whole.numel(), whole.data_ptr()
+        if size == 0 or ptr in self._held or self.held_bytes + size > self.max_bytes:
+            return
+        i = bisect.bisect_left(self._sizes, size)
+        self._sizes.insert(i, size)
+        self._buffers.insert(i, whole)
+        self._held.add(ptr)
+        self.held_bytes += size
+
+
 FORGET_AFTER = 4096  # ended transfer ids remembered, so late frames are skipped, not restarted
 OnDrop = Callable[["IncomingTransfer", str], None]
 _END = None
@@ -91,9 +134,9 @@ class IncomingTransfer:
     """One transfer as its consumer sees it: each layer as soon as it is whole, until the last or the
     ``TransferError`` that ended it."""
 
-    def __init__(self, transfer: int, max_bytes: int, now: float, pinned: bool = False):
+    def __init__(self, transfer: int, max_bytes: int, now: float, allocate: Callable[[int], torch.Tensor]):
         self.id = transfer
-        self.assembly: Reassembly | None = Reassembly(transfer, max_bytes, pinned)
+        self.assembly: Reassembly | None = Reassembly(transfer, max_bytes, allocate)
         self.error: TransferError | None = None
         self.started = False  # a frame has arrived
         self.claimed = False  # a consumer holds this object
@@ -138,6 +181,11 @@ class IncomingTransfer:
         self._queue.put_nowait(error)
         return True
 
+    def discard(self) -> list[LayerState]:
+        """Take back the delivered layers no consumer took (the transfer was dropped unclaimed)."""
+        items = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+        return [item for item in items if isinstance(item, LayerState)]
+
     async def __aiter__(self) -> AsyncIterator[LayerState]:
         while True:
             item = await self._queue.get()
@@ -162,11 +210,11 @@ class TransferTable:
         self,
         max_open: int,
         max_transfer_bytes: int,
-        pinned: bool,
+        allocate: Callable[[int], torch.Tensor],
         grace: float = 10.0,
         on_drop: OnDrop | None = None,
     ) -> None:
-        self.max_open, self.max_transfer_bytes, self._pinned = max_open, max_transfer_bytes, pinned
+        self.max_open, self.max_transfer_bytes, self._allocate = max_open, max_transfer_bytes, allocate
         self.grace, self._on_drop = grace, on_drop
         self.open: dict[int, IncomingTransfer] = {}  # in the order they opened
         self._unclaimed: OrderedDict[int, float] = OrderedDict()  # ended, unclaimed id -> when it ended
@@ -177,7 +225,7 @@ class TransferTable:
         t = self.open.get(transfer_id)
         if t is None and transfer_id in self._ended:  # dropped, or claimed once already
             why = self._ended[transfer_id].removeprefix("DroppedError: ")
-            t = IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._pinned)
+            t = IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._allocate)
             t.fail(DroppedError(why or f"transfer {transfer_id} has already ended"))
         elif t is None:
             t = self._open(transfer_id, now)
@@ -232,7 +280,7 @@ class TransferTable:
     def _open(self, transfer_id: int, now: float) -> IncomingTransfer:
         if len(self.open) >= self.max_open:
             self._make_room()
-        t = self.open[transfer_id] = IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._pinned)
+        t = self.open[transfer_id] = IncomingTransfer(transfer_id, self.max_transfer_bytes, now, self._allocate)
         return t
 
     def _make_room(self) -> None:
@@ -256,6 +304,7 @@ class KVReceiver:
     def __init__(self, config: ReceiverConfig, ssl: ssl_module.SSLContext | None = None):
         self.config = config
         self.stats = ReceiverStats()
+        self.buffers = ReceiveBuffers(config.recycle_bytes, config.pinned)
         self._ssl = ssl
         self._listener: socket.socket | None = None
         self._group = asyncio.TaskGroup()
@@ -263,7 +312,7 @@ class KVReceiver:
         self._table = TransferTable(
             config.max_open_transfers,
             config.max_transfer_bytes,
-            config.pinned,
+            self.buffers.take,
             config.unclaimed_grace,
             self._dropped,
         )
@@ -296,6 +345,12 @@ class KVReceiver:
     def transfer(self, transfer_id: int) -> IncomingTransfer:
         """The incoming transfer with this id, claimed by the caller (created if no frame came yet)."""
         return self._table.claim(transfer_id, asyncio.get_running_loop().time())
+
+    def release(self, state: ModelState | LayerState) -> None:
+        """The consumer is done with a received state: its memory may receive the next transfer."""
+        for layer in state.layers if isinstance(state, ModelState) else [state]:
+            for _, tensor in layer.slots:
+                self.buffers.give(tensor)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = self._group.create_task(coro)
@@ -456,6 +511,8 @@ class KVReceiver:
     def _dropped(self, t: IncomingTransfer, cause: str) -> None:
         self.stats.dropped += 1
         log.warning("%s", cause)
+        for layer in t.discard():
+            self.release(layer)
         if not t.complete:
             self._spawn(self._abort(t, f"DroppedError: {cause}"))
 

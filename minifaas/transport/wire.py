@@ -18,6 +18,7 @@ before its payload gets memory.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
@@ -366,11 +367,11 @@ class _Layer:
 
 class Reassembly:
     """The partial state of one incoming transfer, bounded by ``max_bytes``: where each chunk's payload goes (a view
-    into its slot's memory, page-locked if ``pinned``), and which layers a checked chunk makes whole, in layer order."""
+    into its slot's memory, from ``allocate``), and which layers a checked chunk makes whole, in layer order."""
 
-    def __init__(self, transfer: int, max_bytes: int, pinned: bool = False):
+    def __init__(self, transfer: int, max_bytes: int, allocate: Callable[[int], torch.Tensor]):
         self.transfer = transfer
-        self._pinned = pinned
+        self._allocate = allocate
         self.max_bytes = max_bytes
         self.expected_layers: int | None = None
         self.expected_bytes: int | None = None
@@ -423,7 +424,7 @@ class Reassembly:
             if self.allocated + h.slot_bytes > self.max_bytes:
                 raise ProtocolError(f"transfer {self.transfer} exceeds its limit of {self.max_bytes} bytes")
             self.allocated += h.slot_bytes
-            data = torch.empty(h.slot_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+            data = self._allocate(h.slot_bytes)
             view = memoryview(data.numpy()).cast("B") if h.slot_bytes else memoryview(b"")
             slot = layer.slots[h.slot] = _Slot(h.name, h.dtype, h.shape, data, view)
         elif (slot.name, slot.dtype, slot.shape) != (h.name, h.dtype, h.shape):
