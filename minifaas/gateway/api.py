@@ -2,8 +2,8 @@
 as OpenAI bodies, its key checked, its body read and parsed, its tokens sent back whole or streamed (``sse``).
 
 Rules and response shapes live in openai_schema, generation in the gateway, the routes in ``http_server``. A
-client that goes away aborts its request on every worker. At shutdown the requests in flight have the grace to
-finish; then each still running is cut, with a 503 or, in a stream, an error event (``finish``).
+client that goes away aborts its request on every worker; one cut at shutdown (``http_server.finish``) ends
+with a 503 or, in a stream, an error event.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ log = logging.getLogger("minifaas.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 PARSE_ON_LOOP_BYTES = 64 << 10  # a larger body is tokenized on a thread of its own: seconds, at megabytes
-CUT_S = 2.0  # how long requests cut at shutdown have to send their 503 or error event
 
 
 class GatewayAPI(Protocol):
@@ -95,21 +94,8 @@ class OpenAIServer:
         self.metrics = metrics
         self.http = http
         self._parser = ThreadPoolExecutor(1, thread_name_prefix="parse")  # one large body at a time
-        self._running: set[asyncio.Task[object]] = set()  # the requests being answered
+        self.running: set[asyncio.Task[object]] = set()  # the requests being answered
         self.cutting = False  # the grace is over: requests cancelled now end with ``CUT``
-
-    async def finish(self, app: web.Application) -> None:
-        """At shutdown: the requests in flight get the grace to finish, then the rest are cut (a second signal,
-        which cancels this wait, cuts them at once)."""
-        try:
-            if self._running:
-                await asyncio.wait(set(self._running), timeout=self.http.shutdown_grace)
-        finally:
-            self.cutting = True
-            for task in self._running:
-                task.cancel()
-            if self._running:
-                await asyncio.wait(set(self._running), timeout=CUT_S)
 
     async def close(self, app: web.Application) -> None:
         self._parser.shutdown(wait=False, cancel_futures=True)
@@ -153,7 +139,7 @@ class OpenAIServer:
         )
         outcome, task = "error", asyncio.current_task()
         assert task is not None
-        self._running.add(task)
+        self.running.add(task)
         try:
             with self.metrics.running.track_inprogress():
                 generate = GenerateRequest(reply.id, parsed.prompt_ids, parsed.sampling)
@@ -177,7 +163,7 @@ class OpenAIServer:
             task.uncancel()  # cut at shutdown, before a stream's first token: a 503 still gets out
             raise CUT from None
         finally:
-            self._running.discard(task)
+            self.running.discard(task)
             reply.seal(time.perf_counter())
             self.metrics.request_finished(reply.record, outcome)
 

@@ -4,13 +4,15 @@ bodies, logs.
     async with serve_http(build_app(gateway, metrics, key, http), host, port, http, metrics) as site: ...
 
 Connections over the cap are answered 503 at once, slow headers and bodies are cut off, and the event loop's
-error log is rate limited so a flood of one failure stays a line with a count.
+error log is rate limited so a flood of one failure stays a line with a count. At shutdown (``finish``) the
+requests in flight have the grace to finish; then the rest are cut.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import resource
 import sys
@@ -21,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from minifaas.config import HttpConfig
-from minifaas.gateway.api import CUT_S, ConnectionLimit, GatewayAPI, OpenAIServer, bearer_auth, openai_errors
+from minifaas.gateway.api import ConnectionLimit, GatewayAPI, OpenAIServer, bearer_auth, openai_errors
 from minifaas.gateway.api_errors import LINGER_S
 from minifaas.gateway.metrics import ServeMetrics
 
@@ -37,7 +39,7 @@ def build_app(
     api = OpenAIServer(gateway, metrics, http)
     middlewares = [openai_errors(metrics), bearer_auth(api_key)]
     app = web.Application(client_max_size=http.max_body_bytes, middlewares=middlewares)
-    app.on_shutdown.append(api.finish)
+    app.on_shutdown.append(functools.partial(finish, api))
     app.on_cleanup.append(api.close)
 
     async def models(request: web.Request) -> web.Response:
@@ -64,6 +66,23 @@ def build_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_text)
     return app
+
+
+CUT_S = 2.0  # how long requests cut at shutdown have to send their 503 or error event
+
+
+async def finish(api: OpenAIServer, app: web.Application) -> None:
+    """At shutdown: the requests in flight get the grace to finish, then the rest are cut (a second signal,
+    which cancels this wait, cuts them at once)."""
+    try:
+        if api.running:
+            await asyncio.wait(set(api.running), timeout=api.http.shutdown_grace)
+    finally:
+        api.cutting = True
+        for task in api.running:
+            task.cancel()
+        if api.running:
+            await asyncio.wait(set(api.running), timeout=CUT_S)
 
 
 class RateLimitedLog:
@@ -162,7 +181,7 @@ async def serve_http(
         handler_cancellation=True,
         keepalive_timeout=http.header_timeout,
         lingering_time=LINGER_S,
-        shutdown_timeout=CUT_S,  # after ``OpenAIServer.finish``: for other routes' handlers to end
+        shutdown_timeout=CUT_S,  # after ``finish``: for other routes' handlers to end
     )
     await runner.setup()
     try:
