@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import os
 import random
@@ -238,7 +239,7 @@ async def _steady_mix(gateway: Gateway, args: argparse.Namespace, send: Send) ->
 
 async def _client(i: int, args: argparse.Namespace, send: Send, rows: list[DemoRequest]) -> None:
     draw = random.Random(i)
-    for n in range(1 << 62):
+    for n in itertools.count():
         long = (n + i) % 2 == 1
         if long:  # past the threshold, up to three times --long-tokens
             chars = draw.randint(args.threshold, max(args.threshold, 3 * args.long_tokens))
