@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import random
 import socket
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Coroutine
 from typing import Any
 
@@ -250,8 +253,12 @@ def test_the_relay_buffers_two_reads_per_flow_so_backpressure_reaches_the_sender
                 return client, upstream
 
             assert buffers() == (2 * (285_000 // 8), 2 * (285_000 // 8))  # reads of an eighth of the window
-            link.set_rate(100e6)  # reads of 2 ms at 100 Mbit/s, 25 KB: the floor, one loopback segment
-            assert buffers() == (64 << 10, 64 << 10)
+            link.set_rate(100e6)  # reads of 2 ms at 100 Mbit/s: 25 KB
+            assert buffers() == (50_000, 50_000)
+            link.set_rate(20e6)  # 5 KB: the floor, one of each socket's segments (the flow began on a faster link)
+            ends = (flow.client, flow.upstream)
+            segments = tuple(end.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG) for end in ends)
+            assert buffers() == segments and min(segments) > 10_000
             link.set_window(None)
             link.set_rate(400e6)  # 2 ms: 100 KB
             assert buffers() == (200_000, 200_000)
@@ -262,6 +269,50 @@ def test_the_relay_buffers_two_reads_per_flow_so_backpressure_reaches_the_sender
             writer.close()
 
     run(main())
+
+
+@pytest.mark.slow
+def test_a_slow_link_acknowledges_each_flows_bytes_as_it_carries_them() -> None:
+    """Forty flows of 150 KB through 5 Mbit/s: each sender sees its bytes leave a little at a time, never held
+    for seconds (its stall deadline would fire), and none sees them all leave before the link could carry them."""
+    from minifaas.emulator.relay import LinkEmulator, RelayConfig
+
+    flows, each, rate = 40, 150_000, 5e6
+    link_s = flows * each * 8 / rate
+
+    def unacknowledged(sock: socket.socket) -> int:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+    async def send(port: int) -> tuple[float, float]:
+        """(the longest the sender's queue stood still with bytes in it, when it emptied)."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        sending = asyncio.ensure_future(loop.sock_sendall(sock, bytes(each)))
+        queued, moved, longest = -1, loop.time(), 0.0
+        while not sending.done() or queued > 0:
+            now, left = loop.time(), unacknowledged(sock)
+            if left != queued:
+                queued, moved = left, now
+            longest = max(longest, now - moved)
+            await asyncio.sleep(0.05)
+        await sending
+        sock.close()
+        return longest, loop.time()
+
+    async def main() -> None:
+        received = [0]
+        server = await counting_server(received)
+        async with server, LinkEmulator(RelayConfig(*server.sockets[0].getsockname(), rate_bps=rate)) as link:
+            started = asyncio.get_running_loop().time()
+            results = await asyncio.gather(*(send(link.port) for _ in range(flows)))
+        stood = max(longest for longest, _ in results)
+        emptied = min(at for _, at in results) - started
+        assert stood < 3.0, f"a sender's bytes stood still for {stood:.1f} s"
+        assert emptied > 0.5 * link_s, f"a sender saw all its bytes acknowledged after {emptied:.1f} s of {link_s} s"
+
+    asyncio.run(asyncio.wait_for(main(), 50))
 
 
 def test_routes_carry_flows_to_several_targets_over_one_link() -> None:

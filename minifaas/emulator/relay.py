@@ -20,8 +20,7 @@ from minifaas.emulator.pacer import FlowWindow, Pacer, RateSchedule, check_windo
 from minifaas.emulator.relay_blocks import Block, CopiedBlock, SplicedBlock, splice_available
 from minifaas.emulator.relay_flow import DOWN, UP, Flow
 
-# one loopback segment: a receive buffer under it advertises less, and the sender's TCP waits on its timers
-_MIN_SOCKET_BUFFER = 64 << 10
+_MIN_SOCKET_BUFFER = 8 << 10  # a few small segments; and never under one of the socket's own (see _bound_buffers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +75,7 @@ class LinkEmulator:
         self._group = asyncio.TaskGroup()
         self._routes: dict[int, tuple[socket.socket, tuple[str, int], asyncio.Task[None]]] = {}  # listen port ->
         self._port = 0  # the first route's
+        self._paced_listeners: set[socket.socket] = set()  # given segments and buffers (_bound_listener)
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -107,6 +107,7 @@ class LinkEmulator:
         host = self.config.listen_host
         server = socket.create_server((host, listen_port), family=_family(host), backlog=128)
         server.setblocking(False)
+        self._bound_listener(server)
         bound = server.getsockname()[1]
         self._routes[bound] = (server, (host, port), self._spawn(self._accept(server, (host, port))))
         return bound
@@ -122,6 +123,7 @@ class LinkEmulator:
             raise ValueError(f"no route listens on port {listen_port}")
         server, _, accepting = self._routes.pop(listen_port)
         accepting.cancel()
+        self._paced_listeners.discard(server)
         server.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
@@ -146,6 +148,7 @@ class LinkEmulator:
             upstream = socket.socket(_family(target[0]), socket.SOCK_STREAM)
             flow.upstream = upstream
             upstream.setblocking(False)
+            _segments_of(upstream, self._read_size(flow, DOWN))
             self._bound_buffers(flow)
             for sock in (client, upstream):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -204,27 +207,39 @@ class LinkEmulator:
         flow.blocks.append(block)
         return block
 
-    def _read_size(self, flow: Flow, direction: str) -> int:
-        """A read's bytes: a small step of the slowest rate on the path, and a fraction of the flow's window, since
-        a block is acknowledged whole and a window read in one block would stall a round trip each turn."""
+    def _read_size(self, flow: Flow | None, direction: str) -> int:
+        """A read's bytes (a new flow's with no ``flow``): a small step of the slowest rate on the path, and a fraction
+        of the flow's window, since a block is acknowledged whole and a window read in one would stall a round trip."""
         size = self.config.read_bytes
-        rates = [r for r in (flow.pacers[direction].rate_bps, self.link[direction].rate_bps) if r is not None]
+        flow_rate = self.flow_rate_bps if flow is None else flow.pacers[direction].rate_bps
+        rates = [r for r in (flow_rate, self.link[direction].rate_bps) if r is not None]
         if rates:
             size = min(size, int(min(rates) / 8 * 0.002))
-        if (window := flow.windows[direction].window_bytes) is not None:
+        window = self.window_bytes if flow is None else flow.windows[direction].window_bytes
+        if window is not None:
             size = min(size, window // 8)
         return max(1500, size)
 
     def _bound_buffers(self, flow: Flow) -> None:
-        """Let each of the flow's sockets take in two reads' worth, or one loopback segment, so a slow flow's bytes
+        """Let each of the flow's sockets take in two reads' worth, or one of its segments, so a slow flow's bytes
         wait in the sender's socket, where its unsent budget sees them, not in a buffer the kernel grows. Sized
         again as the rate or window changes; a direction with neither keeps the kernel's sizing, the fastest."""
         for direction, sock in zip((UP, DOWN), flow.sockets, strict=True):
             read = self._read_size(flow, direction)
             if sock is None or sock.fileno() < 0 or (read >= self.config.read_bytes and direction not in flow.bounded):
                 continue
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(_MIN_SOCKET_BUFFER, 2 * read))
+            segment = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(_MIN_SOCKET_BUFFER, 2 * read, segment))
             flow.bounded.add(direction)
+
+    def _bound_listener(self, server: socket.socket) -> None:
+        """Size a listening socket's new flows as ``_bound_buffers`` would, from their first byte, with segments of
+        one read: the kernel acknowledges a slow flow's bytes as a segment's room frees, on loopback 64 KB."""
+        read = self._read_size(None, UP)
+        if read < self.config.read_bytes or server in self._paced_listeners:  # else the kernel's sizing
+            self._paced_listeners.add(server)
+            _segments_of(server, read)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(_MIN_SOCKET_BUFFER, 2 * read))
 
     async def _deliver(self, dst: socket.socket, queue: asyncio.Queue, free: list) -> None:
         while True:
@@ -272,6 +287,8 @@ class LinkEmulator:
         self._bound_all_buffers()
 
     def _bound_all_buffers(self) -> None:
+        for server, _, _ in self._routes.values():
+            self._bound_listener(server)
         for flow, _ in self.flows.values():
             self._bound_buffers(flow)
 
@@ -324,6 +341,11 @@ class LinkEmulator:
             "uptime_s": now - self._started,
             "routes": {str(port): f"{host}:{to}" for port, (_, (host, to), _) in self._routes.items()},
         }
+
+
+def _segments_of(sock: socket.socket, read: int) -> None:
+    """Before it connects, ``sock`` asks for segments of ``read`` bytes (TCP takes up to 32767; else its path's)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, read if read < 32767 else 0)
 
 
 def _family(host: str) -> socket.AddressFamily:
