@@ -73,15 +73,15 @@ class Channel:
         ready = loop.create_future()
         add(fd, lambda: ready.done() or ready.set_result(None))
         try:
-            queued = self._queued(write)
+            queued = self.queued(write)
             while not (await asyncio.wait([ready], timeout=timeout))[0]:
-                if (now := self._queued(write)) == queued:
+                if (now := self.queued(write)) == queued:
                     raise TimeoutError
                 queued = now
         finally:
             remove(fd)
 
-    def _queued(self, write: bool) -> int:
+    def queued(self, write: bool) -> int:
         """Bytes in the kernel's send queue (not yet acknowledged) or receive queue (not yet read)."""
         request = termios.TIOCOUTQ if write else termios.FIONREAD
         try:

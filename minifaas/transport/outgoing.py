@@ -224,7 +224,7 @@ class OutgoingTransfer:
                 raise first_transfer_error(eg) from None
             end = control(FrameType.END, self.id, pack_counts(self.layers, self.sent_bytes))
             await channels[0].send([end], s.stall_timeout)
-            receipt = await self._await_done(channels[0])
+            receipt = await self._await_done(channels)
             clean = True
         finally:
             for channel in channels:
@@ -287,13 +287,19 @@ class OutgoingTransfer:
             except TimeoutError:
                 await alive_on.send([control(FrameType.ALIVE, self.id)], self._settings.stall_timeout)
 
-    async def _await_done(self, channel: Channel) -> Receipt:
-        s = self._settings
+    async def _await_done(self, channels: list[Channel]) -> Receipt:
+        """The receiver's reply, due within ``done_timeout`` of this transfer's bytes last moving: on a slow link that
+        other transfers share, the link may take the last of them long after END left."""
+        s, channel = self._settings, channels[0]
+        reply = asyncio.ensure_future(channel.recv_exactly(HEADER_SIZE, None))
         try:
-            async with asyncio.timeout(s.done_timeout):
-                raw = await channel.recv_exactly(HEADER_SIZE, None)
-        except TimeoutError:
-            raise StallError(f"transfer {self.id}: no reply from the receiver within {s.done_timeout} s") from None
+            queued = [c.queued(write=True) for c in channels]
+            while not (await asyncio.wait([reply], timeout=s.done_timeout))[0]:
+                if queued == (queued := [c.queued(write=True) for c in channels]):
+                    raise StallError(f"transfer {self.id}: no reply from the receiver within {s.done_timeout} s")
+            raw = reply.result()
+        finally:
+            reply.cancel()
         h = unpack_header(raw, Limits())
         payload = await channel.recv_exactly(h.length, s.stall_timeout)
         if h.transfer != self.id:
