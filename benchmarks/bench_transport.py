@@ -6,6 +6,7 @@
 2. goodput through the link emulator at 0.1, 1 and 5 Gbit/s aggregate (and at 5 without payload
    checksums, and with the relay copying bytes instead of splicing them);
 3. per-flow cap of 1/4 of the link: 1 vs 4 vs 8 connections;
+   and many flows through one slow link: the longest a sender waits for an acknowledgement;
 4. pipelining on the tiny default model: time from prefill end to the last byte received, not
    pipelined, by layer, and with chunked prefill (full-attention KV by token chunks), all through
    the prefill worker's own streaming code, on a link whose transfer time equals the prefill time
@@ -19,12 +20,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import resource
 import socket
 import statistics
+import struct
 import sys
+import termios
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -234,6 +239,56 @@ async def flow_caps(rate: float, seconds: float) -> None:
                 f"{bps / rate:.3f} of the link")  # fmt: skip
 
 
+def unacknowledged(sock: socket.socket) -> int:
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+
+async def acknowledged_send(port: int, nbytes: int) -> tuple[float, float]:
+    """Send ``nbytes`` on a plain connection: (the longest its kernel queue stood still with bytes in it,
+    when the queue emptied: every byte acknowledged)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    sending = asyncio.ensure_future(loop.sock_sendall(sock, bytes(nbytes)))
+    queued, moved, longest = 0, time.perf_counter(), 0.0
+    while not (sending.done() and queued == 0):
+        await asyncio.sleep(0.02)
+        now, left = time.perf_counter(), unacknowledged(sock)
+        if left != queued:
+            queued, moved = left, now
+        elif left:
+            longest = max(longest, now - moved)
+    await sending
+    sock.close()
+    return longest, time.perf_counter()
+
+
+async def slow_link(flows: int, nbytes: int, rate: float) -> None:
+    """Many flows through one slow link, as many PrfaaS transfers at once: how long a sender waits between
+    acknowledgements (a KV sender's stall deadline is 10 s), and when the first sees all its bytes acknowledged,
+    against the time the link needs to carry them."""
+
+    async def drain(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):  # the emulator resets its flows as it stops
+            while await reader.read(1 << 16):
+                pass
+        writer.close()
+
+    server = await asyncio.start_server(drain, "127.0.0.1", 0)
+    async with server, EmulatorProcess(server.sockets[0].getsockname()[:2], rate=f"{rate:.0f}") as link:
+        started = time.perf_counter()
+        sent = await asyncio.gather(*(acknowledged_send(link.port, nbytes) for _ in range(flows)))
+    longest, first = max(w for w, _ in sent), min(at for _, at in sent) - started
+    link_s = flows * nbytes * 8 / rate
+    RESULTS.update(
+        {"slowlink_longest_wait_s": round(longest, 2), "slowlink_first_acked_of_link_time": round(first / link_s, 3)}
+    )
+    case = f"{flows} flows of {nbytes // 1000} KB, {rate / 1e6:g} Mbit/s"
+    row("slow link", case, f"{longest:.1f} s", "longest wait between acknowledgements")
+    row("slow link", case, f"{first:.1f} s", f"first flow acknowledged whole; the link needs {link_s:.1f} s")
+
+
 class Recording:
     """Stands in for a transfer during a prefill: notes when each layer or token range was handed over."""
 
@@ -330,6 +385,7 @@ async def main(args: argparse.Namespace) -> None:
         "loopback": lambda: loopback(nbytes=(64 if quick else 256) << 20, repeats=3 if quick else 9),
         "emulated": lambda: emulated_rates([0.1e9, 1e9, 5e9], seconds=0.5 if quick else 2.0),
         "flowcap": lambda: flow_caps(rate=400e6, seconds=0.5 if quick else 2.0),
+        "slowlink": lambda: slow_link(flows=20 if quick else 80, nbytes=50_000 if quick else 200_000, rate=5e6),
         "pipelining": lambda: pipelining(tokens=512 if quick else 2048, repeats=1 if quick else 3, chunk_tokens=256),
     }
     print(f"  {'section':<12} {'case':<40} {'figure':>16}  note")
@@ -344,5 +400,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
-    parser.add_argument("--only", choices=["loopback", "emulated", "flowcap", "pipelining"], help="run one part")
+    parser.add_argument(
+        "--only", choices=["loopback", "emulated", "flowcap", "slowlink", "pipelining"], help="run one part"
+    )
     asyncio.run(main(parser.parse_args()))
