@@ -21,15 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import fcntl
 import json
 import os
 import resource
 import socket
 import statistics
-import struct
 import sys
-import termios
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,6 +39,7 @@ from synthetic import bulk_state
 from minifaas import figures
 from minifaas.emulator.emulator_process import EmulatorProcess
 from minifaas.model.layer_state import tensor_bytes
+from minifaas.net.channel import Channel
 from minifaas.transport.outgoing import KVSender, SenderConfig
 
 SECRET = b"benchmark-secret-0123456789abcdef"
@@ -239,10 +237,6 @@ async def flow_caps(rate: float, seconds: float) -> None:
                 f"{bps / rate:.3f} of the link")  # fmt: skip
 
 
-def unacknowledged(sock: socket.socket) -> int:
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-
-
 async def acknowledged_send(port: int, nbytes: int) -> tuple[float, float]:
     """Send ``nbytes`` on a plain connection: (the longest its kernel queue stood still with bytes in it,
     when the queue emptied: every byte acknowledged)."""
@@ -251,10 +245,11 @@ async def acknowledged_send(port: int, nbytes: int) -> tuple[float, float]:
     sock.setblocking(False)
     await loop.sock_connect(sock, ("127.0.0.1", port))
     sending = asyncio.ensure_future(loop.sock_sendall(sock, bytes(nbytes)))
+    channel = Channel(sock)  # only to read its kernel send queue
     queued, moved, longest = 0, time.perf_counter(), 0.0
     while not (sending.done() and queued == 0):
         await asyncio.sleep(0.02)
-        now, left = time.perf_counter(), unacknowledged(sock)
+        now, left = time.perf_counter(), channel.queued(write=True)
         if left != queued:
             queued, moved = left, now
         elif left:
