@@ -147,14 +147,9 @@ class HybridPrefixPool(Generic[P]):
         return self._put(entry, index > 0, now, node)
 
     def put_snapshot(
-        self,
-        prompt: PromptKeys,
-        length: int,
-        now: float,
-        nbytes: int,
-        payload: P | None = None,
+        self, prompt: PromptKeys, length: int, now: float, nbytes: int, payload: P | None = None,
         node: str | None = None,
-    ) -> bool:
+    ) -> bool:  # fmt: skip
         """Store the state valid at exactly ``length`` tokens; True if it is in the pool afterwards."""
         self._check_block_size(prompt)
         key = prompt.key_at(length)

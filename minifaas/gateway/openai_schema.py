@@ -51,18 +51,11 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-    "reasoning_effort": (None,),
-    "web_search_options": (None,),
     "min_p": (None, 0),
     "repetition_penalty": (None, 1),
     "use_beam_search": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-}
+} | dict.fromkeys(("audio", "prediction", "reasoning_effort", "web_search_options", "guided_json", "guided_regex",
+                   "guided_choice", "guided_grammar"), (None,))  # fmt: skip
 _ROLES = ("system", "developer", "user", "assistant")
 _DEFAULT_MAX_TOKENS = 16
 MAX_STOP_TOKEN_IDS = 4096  # as many as a control message carries

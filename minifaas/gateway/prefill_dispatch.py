@@ -81,15 +81,9 @@ class Attempt:
 
 class PrefillDispatch:
     def __init__(
-        self,
-        pool: Workers,
-        link: InterClusterLink,
-        prefixes: PrefixDirectory,
-        metrics: ServeMetrics,
-        config: ServeConfig,
-        scheduler: LiveScheduler,
-        kv: KVProfile,
-    ) -> None:
+        self, pool: Workers, link: InterClusterLink, prefixes: PrefixDirectory, metrics: ServeMetrics,
+        config: ServeConfig, scheduler: LiveScheduler, kv: KVProfile,
+    ) -> None:  # fmt: skip
         self.pool, self.link, self.prefixes, self.metrics = pool, link, prefixes, metrics
         self.prefill_timeout, self.scheduler = config.prefill_timeout, scheduler
         self.kv, self.prefill_chunk = kv, config.prfaas.prefill_chunk  # the model's state sizes: a transfer's shape
@@ -107,14 +101,9 @@ class PrefillDispatch:
         return Attempt(request, keys, worker, decode, next(self.transfer_ids), computed, link_start)
 
     def start(
-        self,
-        request: GenerateRequest,
-        keys: PromptKeys | None,
-        record: RequestRecord,
-        decision: RouteDecision,
-        decode: WorkerHandle,
-        early: EarlyFirst | None = None,
-    ) -> asyncio.Task[Handoff]:
+        self, request: GenerateRequest, keys: PromptKeys | None, record: RequestRecord, decision: RouteDecision,
+        decode: WorkerHandle, early: EarlyFirst | None = None,
+    ) -> asyncio.Task[Handoff]:  # fmt: skip
         """``run`` as a task, with the prompt counted on its prefill worker at once: the task starts a turn
         of the loop later, and a request routed meanwhile must see this one's load."""
         worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]

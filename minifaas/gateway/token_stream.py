@@ -31,15 +31,9 @@ class Handoff:
 
 
 async def decode_tokens(
-    done: Handoff,
-    record: RequestRecord,
-    tokenizer: Tokenizer,
-    decode: WorkerHandle,
-    inbox: asyncio.Queue[Inbound],
-    deadline: RequestDeadline,
-    text: OutputText,
-    shown: bool = False,
-) -> AsyncIterator[TokenEvent]:
+    done: Handoff, record: RequestRecord, tokenizer: Tokenizer, decode: WorkerHandle, inbox: asyncio.Queue[Inbound],
+    deadline: RequestDeadline, text: OutputText, shown: bool = False,
+) -> AsyncIterator[TokenEvent]:  # fmt: skip
     """``done.request`` is the attempt's (after a migration: prompt plus output so far); ``text`` and
     ``record.completion_tokens`` span every attempt. ``shown``: the first token's event went out already."""
     request, transfer, token = done.request, done.transfer, done.first

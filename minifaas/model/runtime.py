@@ -64,13 +64,9 @@ class ModelRuntime:
 
     @classmethod
     def load(
-        cls,
-        name_or_path: str = DEFAULT_MODEL,
-        device: str = "cpu",
-        seed: int = 0,
-        dtype: torch.dtype | None = None,
+        cls, name_or_path: str = DEFAULT_MODEL, device: str = "cpu", seed: int = 0, dtype: torch.dtype | None = None,
         trust_remote_code: bool = False,
-    ) -> ModelRuntime:
+    ) -> ModelRuntime:  # fmt: skip
         """``dtype`` None: ``--dtype auto`` (bfloat16 on CUDA, float32 on the CPU). Sets the process's
         C allocator to keep freed memory for the next forward (``host_memory.keep_freed_memory``)."""
         keep_freed_memory()
@@ -87,14 +83,9 @@ class ModelRuntime:
 
     @torch.no_grad()
     def prefill(
-        self,
-        token_ids: Sequence[int],
-        prefix_state: ModelState | None = None,
-        on_layer: OnLayer | None = None,
-        sampling: SamplingParams = GREEDY,
-        chunk_tokens: int = 0,
-        on_tokens: OnTokens | None = None,
-    ) -> PrefillResult:
+        self, token_ids: Sequence[int], prefix_state: ModelState | None = None, on_layer: OnLayer | None = None,
+        sampling: SamplingParams = GREEDY, chunk_tokens: int = 0, on_tokens: OnTokens | None = None,
+    ) -> PrefillResult:  # fmt: skip
         """Run the prompt's tokens after ``prefix_state`` (if any), in forwards of at most ``chunk_tokens`` (0: one);
         the state returned covers both. ``on_layer`` gets each layer's final state once. With ``on_tokens``,
         full-attention layers go there instead, one piece per forward: ``on_tokens(piece, start, total)``, the

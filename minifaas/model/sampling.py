@@ -111,12 +111,9 @@ def adjusted(
 
 
 def sample(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    position: int,
-    history: History | None = None,
+    logits: torch.Tensor, params: SamplingParams, position: int, history: History | None = None,
     eos_token_id: int | None = None,
-) -> int:
+) -> int:  # fmt: skip
     """One token from ``logits`` of shape [vocab], for the token at absolute ``position`` after ``history``."""
     stop_ids = params.stop_token_ids + ((eos_token_id,) if eos_token_id is not None and not params.ignore_eos else ())
     logits = adjusted(logits, params, history, stop_ids)
@@ -136,12 +133,9 @@ def sample(
 
 
 def sample_batch(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    positions: list[int],
-    histories: list[History],
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int], histories: list[History],
     eos_token_id: int | None = None,
-) -> list[int]:
+) -> list[int]:  # fmt: skip
     """Row i of ``logits`` [rows, vocab] sampled with params[i] at positions[i] after histories[i]."""
     if all(p.plain for p in params):
         return torch.argmax(logits, dim=-1).tolist()

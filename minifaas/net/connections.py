@@ -165,15 +165,9 @@ class Connections:
     listed (by connection id) so link health can sample it."""
 
     def __init__(
-        self,
-        host: str,
-        port: int,
-        secret: bytes,
-        max_idle: int,
-        connect_timeout: float = 5.0,
-        unsent_limit: int | None = None,
-        ssl: ssl_module.SSLContext | None = None,
-    ):
+        self, host: str, port: int, secret: bytes, max_idle: int, connect_timeout: float = 5.0,
+        unsent_limit: int | None = None, ssl: ssl_module.SSLContext | None = None,
+    ):  # fmt: skip
         self.host, self.port, self._secret, self.max_idle = host, port, secret, max_idle
         self._connect_timeout, self._unsent_limit, self._ssl = connect_timeout, unsent_limit, ssl
         self._idle: list[Channel] = []

@@ -207,13 +207,9 @@ class TransferTable:
     ended, so late frames are skipped, not restarted. Full, it drops the oldest unclaimed transfer."""
 
     def __init__(
-        self,
-        max_open: int,
-        max_transfer_bytes: int,
-        allocate: Callable[[int], torch.Tensor],
-        grace: float = 10.0,
+        self, max_open: int, max_transfer_bytes: int, allocate: Callable[[int], torch.Tensor], grace: float = 10.0,
         on_drop: OnDrop | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.max_open, self.max_transfer_bytes, self._allocate = max_open, max_transfer_bytes, allocate
         self.grace, self._on_drop = grace, on_drop
         self.open: dict[int, IncomingTransfer] = {}  # in the order they opened

@@ -123,13 +123,9 @@ class PrefixStore:
             plan.snapshots.append((end, Snapshot(states, step.logits)))
 
     def compute(
-        self,
-        runtime: ModelRuntime,
-        plan: CachedPrefill,
-        sink: LayerSink | None = None,
-        sampling: SamplingParams = GREEDY,
-        chunk_tokens: int = 0,
-    ) -> PrefillResult:
+        self, runtime: ModelRuntime, plan: CachedPrefill, sink: LayerSink | None = None,
+        sampling: SamplingParams = GREEDY, chunk_tokens: int = 0,
+    ) -> PrefillResult:  # fmt: skip
         """Prefill the rest of the prompt, streaming it to ``sink``: with ``chunk_tokens``, every forward in token
         chunks; without, the last forward by layer. Blocking: run it in a thread. What the pool keeps of it is
         cut later (``cut``, ``finish``)."""
