@@ -311,7 +311,12 @@ def twin(serve: ServeConfig, cal: Calibration, decode: DecodeProfile, lossless: 
         n_decode=serve.pd.decode_workers,
         threshold=serve.threshold,
         rule=Rule(cache.rule),
-        router=RouterConfig(cache.moves, cache.incremental_transfer, spill_tokens=serve.spill_tokens),
+        router=RouterConfig(
+            cache.moves,
+            cache.incremental_transfer,
+            spill_tokens=serve.spill_tokens,
+            max_link_backlog_s=serve.max_link_backlog_s,
+        ),
         link=LinkConfig(
             gbps=rate / 1e9 if rate else 1e6,
             rtt_s=2 * serve.link.delay_ms / 1000,

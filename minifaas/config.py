@@ -235,6 +235,7 @@ class ServeConfig:
     threshold: int = 512  # prompts longer than this (incremental tokens) are prefilled on PrfaaS
     fixed_threshold: bool = False  # off switch of the scheduler: t and the routing rule never move
     spill_tokens: int = 512  # a short prompt goes to PrfaaS while PD-P's queue is this much longer (0: never)
+    max_link_backlog_s: float = 30.0  # a long prompt stays local while the link needs longer for its KV (0: no bound)
     api_key: str | None = None
     first_token_timeout: float = 300.0  # a request with no first token by then fails (504)
     token_timeout: float = 60.0  # nor may the gateway be silent longer than this between two tokens
@@ -261,8 +262,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
-        if min(self.threshold, self.spill_tokens) < 0 or not 0 <= self.port < 65536:
-            raise ValueError("need threshold >= 0, spill_tokens >= 0 (0: no spill) and a valid port")
+        if min(self.threshold, self.spill_tokens, self.max_link_backlog_s) < 0 or not 0 <= self.port < 65536:
+            raise ValueError("need threshold >= 0, spill_tokens and max_link_backlog_s >= 0 (0: none), a valid port")
         object.__setattr__(self, "router_args", policy_args(self.router_args))
         check_policy(self.router, ROUTER, self.router_args)
         if self.pd.decode_workers < 1 and not self.pd.workers:

@@ -164,6 +164,8 @@ BAD_INPUT = [
     (["sim", "--arrivals", "uniform", "--rate", "0.001", "--duration", "5"], "1 request(s), all arriving at once"),
     (["sim", "--threshold", "-5"], "argument --threshold: need an integer >= 0, got '-5'"),
     (["sim", "--spill-tokens", "-1"], "argument --spill-tokens: need an integer >= 0, got '-1'"),
+    (["sim", "--max-link-backlog", "-1"], "argument --max-link-backlog: need a number >= 0, got '-1'"),
+    (["serve", "--max-link-backlog", "inf"], "argument --max-link-backlog: need a number >= 0, got 'inf'"),
     (["sim", "--n-prfaas", "-1"], "argument --n-prfaas: need an integer >= 0, got '-1'"),
     (["sim", "--duration", "-5"], "argument --duration: need a number > 0, got '-5'"),
     (["sim", "--duration", "nan"], "argument --duration: need a number > 0, got 'nan'"),

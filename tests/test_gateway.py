@@ -217,3 +217,24 @@ def test_a_worker_that_cannot_start_is_named_and_nothing_is_left_running() -> No
 
     asyncio.run(scenario())
     assert _children() <= before, "a worker outlived the failed start"
+
+
+def test_long_prompts_past_what_the_link_carries_in_time_are_prefilled_locally(reference: dict[str, list[int]]) -> None:
+    """Four long prompts at once, the link's bound one and a half transfers: two cross it, two stay on PD-P."""
+    one_s = 8 * reference["long_bytes"][0] / 20e6  # one transfer's seconds at 20 Mbit/s
+    config = ServeConfig(
+        model="kimi-linear-tiny", threshold=THRESHOLD, link=InterClusterLinkConfig(rate="20mbit"),
+        cache=CacheConfig(mode="none"), fixed_threshold=True, max_link_backlog_s=1.5 * one_s,
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        async with Gateway(config) as gw:
+            burst = await asyncio.gather(*(_run(gw, f"long{i}", LONG) for i in range(4)))
+            routes = sorted((rec.route_reason, rec.route) for _, rec in burst)
+            assert routes == [("long", "prfaas")] * 2 + [("long_but_link_full", "local")] * 2, routes
+            assert not any(rec.fallback for _, rec in burst) and all(t == reference["long"] for t, _ in burst)
+            assert gw.serving.dispatch.link_bytes == 0  # each transfer's state counted off as it was answered
+            tokens, rec = await _run(gw, "after", LONG)  # the link has caught up
+            assert (tokens, rec.route_reason) == (reference["long"], "long")
+
+    asyncio.run(scenario())

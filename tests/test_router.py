@@ -273,3 +273,28 @@ def test_no_spill_when_pd_prefill_holds_the_prefix_or_prfaas_is_as_busy() -> Non
     assert one((NodeView("p0", hit_tokens=800, load=400),), 0).reason is RouteReason.SHORT
     with pytest.raises(ValueError, match="spill"):
         RouterConfig(spill_tokens=-1)
+
+
+def test_a_long_prompt_stays_local_while_the_link_is_behind_by_more_than_its_bound() -> None:
+    bounded = RouterConfig(max_link_backlog_s=30.0)
+
+    def one(backlog_s: float, config: RouterConfig = bounded, pd_hits: tuple[int, ...] = (0,)) -> RouteDecision:
+        prfaas, pd = clusters(pd_hits=pd_hits, prfaas_hits=(0,))
+        return decide(RouteInput(T + 100, T, Rule.SCARCE, prfaas, pd, link_backlog_s=backlog_s), config)
+
+    assert (one(30.0).path, one(30.0).reason) == (Path.PRFAAS, RouteReason.LONG)  # at the bound: it still goes
+    full = one(30.5)
+    assert (full.path, full.reason, full.prefill_node, full.cache_move) == (
+        Path.PD, RouteReason.LONG_BUT_LINK_FULL, "p0", None
+    )  # fmt: skip
+    assert one(1e9, RouterConfig()).reason is RouteReason.LONG  # 0: no bound
+    assert one(float("inf")).reason is RouteReason.LONG_BUT_LINK_FULL  # the link cut with state on it
+    prfaas, _ = clusters(prfaas_hits=(0,))
+    no_pd = ClusterView("pd", (NodeView("p0", healthy=False),), (NodeView("d0"),))
+    alone = decide(RouteInput(T + 1, T, Rule.SCARCE, prfaas, no_pd, link_backlog_s=60.0), bounded)
+    assert alone.path is Path.PRFAAS  # nowhere else to prefill it
+    assert one(60.0, pd_hits=(64,)).cached_tokens == 64  # PD-P loads its own hit, and computes the rest
+    with pytest.raises(ValueError, match="max_link_backlog_s"):
+        RouterConfig(max_link_backlog_s=-1)
+    with pytest.raises(ValueError, match="link_backlog_s"):
+        RouteInput(T, T, Rule.SCARCE, prfaas, no_pd, link_backlog_s=-1)

@@ -17,11 +17,12 @@ from minifaas.commands.sim import scaled_case
 from minifaas.planner import LengthDistribution, OperatingPoint, PlanCase, plan
 from minifaas.planner.paper import paper_case
 from minifaas.planner.profile import DecodeProfile, PrefillProfile, ProfilePoint, save_profiles
+from minifaas.policy.router import RouteReason
 from minifaas.sim.arrivals import ArrivalKind, ArrivalSpec
 from minifaas.sim.deployment import NO_OFFLOAD, config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.prefix import ClusterPrefixCaches
-from minifaas.sim.simulator import Simulation
+from minifaas.sim.simulator import PD, PRFAAS, Simulation
 from minifaas.sim.workload import Workload, read_workload, synthetic
 
 
@@ -221,6 +222,22 @@ def test_a_link_cut_holds_offloaded_kv_until_it_returns() -> None:
     assert np.all(first[during] >= 400.0)
     after = workload.arrival_s > 420.0
     assert np.all(first[after] - workload.arrival_s[after] < 30.0)  # back to normal once the backlog is gone
+
+
+def test_with_a_bound_on_the_links_backlog_long_prompts_stay_local_through_a_cut() -> None:
+    """As the gateway routes: the state routed across the link counts until it has crossed."""
+    case = paper_case()
+    link = LinkConfig(gbps=100.0, schedule=((100.0, 0.0), (400.0, 100.0)))
+    config = replace(config_for(case, plan(case).prfaas, link), threshold=0, n_prefill=1)
+    config = replace(config, router=replace(config.router, max_link_backlog_s=5.0))
+    workload = synthetic(case.lengths, 64, ArrivalSpec(ArrivalKind.UNIFORM, 0.5), 600.0, seed=6)
+    sim = Simulation(config, workload)
+    sim.run()
+    during = (workload.arrival_s > 110.0) & (workload.arrival_s < 390.0)
+    assert np.all(np.array(sim.path)[during] == PD)  # the few routed across before the cut hold the link "full"
+    assert sim.router.reasons[RouteReason.LONG_BUT_LINK_FULL] >= during.sum()
+    assert np.all(np.array(sim.path)[workload.arrival_s > 420.0] == PRFAAS)  # back once their state has crossed
+    assert sim._link_committed == pytest.approx(0.0, abs=1.0)
 
 
 def test_a_link_cut_for_good_ends_the_run_with_the_offloaded_requests_unfinished() -> None:

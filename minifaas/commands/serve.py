@@ -74,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"has room; 0: never (default: {d.spill_tokens})",
     )  # fmt: skip
     parser.add_argument(
+        "--max-link-backlog", type=arguments.non_negative, metavar="SECONDS", dest="max_link_backlog_s",
+        help="a long prompt is prefilled on PD-P while the KV already routed across the link needs longer than this "
+        f"to cross; 0: no bound (default: {d.max_link_backlog_s:g})",
+    )  # fmt: skip
+    parser.add_argument(
         "--api-key",
         help=f"require 'Authorization: Bearer KEY' on /v1/*; shows in ps: prefer ${API_KEY_ENV} (default: none, open)",
     )
@@ -244,8 +249,9 @@ def _percent(fraction: float) -> str:
 # the settings a flag given sets: table -> {setting: the flag's dest}; "serve" is ServeConfig's own
 FLAG_SETTINGS = {
     "serve": {name: name for name in ("host", "port", "model", "dtype", "threshold", "spill_tokens", "launcher",
-                                      "first_token_timeout", "token_timeout", "request_timeout", "migration_limit",
-                                      "fork_workers", "secret_file")} | {"worker_log_level": "log_level"},
+                                      "max_link_backlog_s", "first_token_timeout", "token_timeout",
+                                      "request_timeout", "migration_limit", "fork_workers", "secret_file")}
+    | {"worker_log_level": "log_level"},
     "link": {"rate": "link_rate", "window": "link_window", "delay_ms": "link_delay_ms", "connections": "connections",
              "emulated": "link_emulator"},
     "cache": {"mode": "prefix_cache", "block_size": "cache_block_size", "snapshot_interval_blocks": "snapshot_interval",

@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "minifaas serve does by default; the link's use is read only with --scheduler (default: 0, the threshold rule "
         "alone)",
     )  # fmt: skip
+    deploy.add_argument(
+        "--max-link-backlog", type=arguments.non_negative, default=0.0, metavar="SECONDS",
+        help="a long prompt stays on PD-P while the state routed across the link needs longer than this to cross, "
+        "as minifaas serve does with 30 (default: 0, no bound)",
+    )  # fmt: skip
     deploy.add_argument("--rule", choices=[r.value for r in Rule], default=Rule.SCARCE.value, help="routing rule")
     deploy.add_argument("--no-prefix-cache", action="store_true", help="no prefix cache in either cluster")
     deploy.add_argument("--cache-gb", type=arguments.positive, help="prefix pool size per cluster (default: unlimited)")
@@ -288,8 +293,9 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Workload, OperatingPoint
         )
     overrides = {k: getattr(args, k) for k in ("n_prfaas", "n_prefill", "n_decode", "threshold")}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    if args.spill_tokens:
-        config = replace(config, router=replace(config.router, spill_tokens=args.spill_tokens))
+    if args.spill_tokens or args.max_link_backlog:
+        router = replace(config.router, spill_tokens=args.spill_tokens, max_link_backlog_s=args.max_link_backlog)
+        config = replace(config, router=router)
     workload = workload_of(args, case, point)
     if workload.duration_s == 0:  # throughput counts over the span of the arrivals
         raise ValueError(f"{len(workload)} request(s), all arriving at once: no span of arrivals to count over "

@@ -49,7 +49,7 @@ class Gateway:
         self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
         routing = RouterConfig(
             cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer,
-            spill_tokens=config.spill_tokens,
+            spill_tokens=config.spill_tokens, max_link_backlog_s=config.max_link_backlog_s,
         )  # fmt: skip
         with building(ROUTER, config.router):
             self.router: RoutingPolicy = (

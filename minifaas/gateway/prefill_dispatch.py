@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -89,6 +90,7 @@ class PrefillDispatch:
         self.kv, self.prefill_chunk = kv, config.prfaas.prefill_chunk  # the model's state sizes: a transfer's shape
         # a random start in a 62-bit space: a restarted gateway never reuses an id a worker may still remember
         self.transfer_ids = itertools.count(secrets.randbits(62))
+        self.link_bytes = 0  # the state of the prompts routed across the link, from their dispatch to their reply
         self.fallback = Fallback(pool, link, prefixes)
         self.moves = CacheMoves(pool, link, prefixes, metrics, self, self.prefill_timeout, self.transfer_ids)
 
@@ -104,14 +106,31 @@ class PrefillDispatch:
         self, request: GenerateRequest, keys: PromptKeys | None, record: RequestRecord, decision: RouteDecision,
         decode: WorkerHandle, early: EarlyFirst | None = None,
     ) -> asyncio.Task[Handoff]:  # fmt: skip
-        """``run`` as a task, with the prompt counted on its prefill worker at once: the task starts a turn
-        of the loop later, and a request routed meanwhile must see this one's load."""
+        """``run`` as a task, with the prompt counted on its prefill worker, and its state on the link, at once:
+        the task starts a turn of the loop later, and a request routed meanwhile must see this one's load."""
         worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]
         first = self.attempt(request, keys, worker, decode, decision.cached_tokens, decision)
         first.hold()
+        crossing = self.state_bytes(len(request.prompt_ids), first.link_start) if first.remote else 0
+        self.link_bytes += crossing
         task = asyncio.ensure_future(self.run(first, record, decision, early))
-        task.add_done_callback(lambda _: first.let_go())  # the task may end before the attempt lets go itself
+
+        def ended(_: object) -> None:
+            first.let_go()  # the task may end before the attempt lets go itself
+            self.link_bytes -= crossing
+
+        task.add_done_callback(ended)
         return task
+
+    def link_backlog_s(self) -> float:
+        """Seconds the link needs to carry the state of the prompts routed across it and not yet answered."""
+        rate = self.scheduler.link_rate_bps  # 0 while cut
+        return 8 * self.link_bytes / rate if rate > 0 else math.inf if self.link_bytes else 0.0
+
+    def state_bytes(self, tokens: int, link_start: int = 0) -> int:
+        """The state a transfer carries for a ``tokens`` prompt whose decode node holds the KV before
+        ``link_start``."""
+        return self.kv.bytes_at(tokens) - (self.kv.bytes_at(link_start) - self.kv.bytes_at(0))
 
     async def run(
         self, a: Attempt, record: RequestRecord, decision: RouteDecision, early: EarlyFirst | None = None
@@ -229,7 +248,7 @@ class PrefillDispatch:
         link = LinkShare(s.link_rate_bps, s.utilisation, max(0, busy - 1))
         shape = TransferShape(1.0)
         if tokens:
-            nbytes = self.kv.bytes_at(tokens) - (self.kv.bytes_at(link_start) - self.kv.bytes_at(0))
+            nbytes = self.state_bytes(tokens, link_start)
             chunk = self.prefill_chunk  # the tail: the fixed state and the last chunk's KV
             tail = self.kv.bytes_at(min(chunk, computed)) if chunk else nbytes
             speed = s.speed.get("prfaas")

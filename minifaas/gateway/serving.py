@@ -166,7 +166,8 @@ class Serving:
 
         prfaas = ClusterView("prfaas", prefill_nodes=nodes("prfaas", "prefill"))
         pd = ClusterView("pd", prefill_nodes=nodes("pd", "prefill"), decode_nodes=nodes("pd", "decode"))
-        link = dict(link_up=self.link.up, link_utilisation=self.scheduler.utilisation)  # a spill needs room on it
+        link = dict(link_up=self.link.up, link_utilisation=self.scheduler.utilisation,  # a spill needs room on it
+                    link_backlog_s=self.dispatch.link_backlog_s())  # fmt: skip
         t, rule = self.scheduler.threshold, self.scheduler.rule
         decision = self.router.route(RouteInput(len(prompt_ids), t, rule, prfaas, pd, **link))
         if decision.path is not Path.REJECT:

@@ -1,9 +1,10 @@
 """The PrfaaS router: where one request is prefilled, where it decodes, and why.
 
-It routes on the incremental length l = prompt - usable cached prefix: l > t is offloaded to the PrfaaS cluster,
-l <= t is prefilled on a PD-P node. The rule says whose cached prefix counts (SCARCE: the PD cluster's own;
-ABUNDANT: the longer, moved across first), and in a cluster the node that would finish first wins. ``decide`` is
-a pure function of its input; ``Router`` adds counters.
+It routes on the incremental length l = prompt - usable cached prefix: l > t is offloaded to the PrfaaS cluster
+(unless the link is behind by more than ``max_link_backlog_s``), l <= t is prefilled on a PD-P node. The rule
+says whose cached prefix counts (SCARCE: the PD cluster's own; ABUNDANT: the longer, moved across first), and in
+a cluster the node that would finish first wins. ``decide`` is a pure function of its input; ``Router`` adds
+counters.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class RouteReason(StrEnum):
     SHORT_AFTER_CACHE_MOVE = "short_after_cache_move"  # the PrfaaS cache, moved to PD, brings l <= t
     LONG = "long"  # l > t: offload
     LONG_BUT_PRFAAS_DOWN = "long_but_prfaas_down"  # no healthy PrfaaS node or link down: stay local
+    LONG_BUT_LINK_FULL = "long_but_link_full"  # the link needs over max_link_backlog_s for what it carries: stay local
     SHORT_BUT_PD_PREFILL_DOWN = "short_but_pd_prefill_down"  # no healthy PD-P node: offload
     SHORT_BUT_PD_BUSY = "short_but_pd_busy"  # l <= t, but PD-P's queue is far longer than PrfaaS's: spill over
     NO_DECODE_NODE = "no_decode_node"
@@ -43,10 +45,11 @@ class RouterConfig:
     cache_affinity: bool = True  # off: pick the least-loaded node, ignoring where the prefix sits
     spill_tokens: int = 0  # a short prompt spills to PrfaaS when its queue there is this much shorter (0: never)
     spill_below: float = 0.6  # ... and only while the link's utilisation is under this
+    max_link_backlog_s: float = 0.0  # a long prompt stays local while the link's backlog is over this (0: no bound)
 
     def __post_init__(self) -> None:
-        if self.spill_tokens < 0 or not 0 <= self.spill_below <= 1:
-            raise ValueError("need spill_tokens >= 0 (0: no spill) and 0 <= spill_below <= 1")
+        if self.spill_tokens < 0 or not 0 <= self.spill_below <= 1 or self.max_link_backlog_s < 0:
+            raise ValueError("need spill_tokens >= 0 (0: no spill), 0 <= spill_below <= 1 and max_link_backlog_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +106,13 @@ class RouteInput:
     pd: ClusterView
     link_up: bool = True
     link_utilisation: float = 0.0  # the link's smoothed utilisation (the short-term policy's reading)
+    link_backlog_s: float = 0.0  # seconds the link needs for the KV already routed across it and not yet there
 
     def __post_init__(self) -> None:
-        if self.prompt_tokens < 1 or self.threshold < 0 or self.link_utilisation < 0:
-            raise ValueError("need prompt_tokens >= 1, threshold >= 0 and link_utilisation >= 0, got "
-                             f"{self.prompt_tokens}, {self.threshold}, {self.link_utilisation}")  # fmt: skip
+        if self.prompt_tokens < 1 or self.threshold < 0 or self.link_utilisation < 0 or self.link_backlog_s < 0:
+            raise ValueError("need prompt_tokens >= 1 and threshold, link_utilisation and link_backlog_s >= 0, got "
+                             f"{self.prompt_tokens}, {self.threshold}, {self.link_utilisation}, "
+                             f"{self.link_backlog_s}")  # fmt: skip
         for cluster in (self.prfaas, self.pd):
             if cluster.hit_tokens > self.prompt_tokens or cluster.kv_prefix_tokens > self.prompt_tokens:
                 raise ValueError(f"cluster {cluster.name}: a cached prefix is longer than the prompt")
@@ -187,6 +192,8 @@ def decide(req: RouteInput, config: RouterConfig = RouterConfig()) -> RouteDecis
         return _place(req, config, Path.PD, decode, reason, move)
     if not short and not prfaas_ok:
         return _place(req, config, Path.PD, decode, RouteReason.LONG_BUT_PRFAAS_DOWN, None)
+    if not short and pd_ok and 0 < config.max_link_backlog_s < req.link_backlog_s:
+        return _place(req, config, Path.PD, decode, RouteReason.LONG_BUT_LINK_FULL, None)
     reason = RouteReason.LONG if not short else RouteReason.SHORT_BUT_PD_PREFILL_DOWN
     move = None
     if move_allowed and l_pd > l_prfaas:  # the longer cache is local: send it to PrfaaS first

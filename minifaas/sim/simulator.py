@@ -72,6 +72,8 @@ class Simulation:
         self._shared = bool(config.shared_cores)
         self._step_slowdown = 1.0  # on a shared host: the decode clocks' slowdown
         self._kv_bytes = [0.0] * n  # on the wire
+        self._state_bytes = [0.0] * n  # PrfaaS: its state before coding
+        self._link_committed = 0.0  # the state routed across the link and not yet across, as the gateway counts it
         self._coding_s = [0.0] * n
         self.coding = SimCoding(config.kv_compression, config.codecs, config.kv_compression_args)
         self._keys: dict[int, list] = {}  # rid -> [block keys, uses left, branch point]: dropped after the last use
@@ -118,7 +120,10 @@ class Simulation:
             prfaas = cluster_view(matches[self.prfaas.cluster], prfaas_nodes)
             pd = cluster_view(matches[self.pd.cluster], pd_nodes, decode_nodes)
         sched = self.scheduler
-        req = RouteInput(prompt, sched.threshold, sched.rule, prfaas, pd, link_utilisation=sched.utilisation)
+        committed, rate = self._link_committed, self.link.bytes_per_s
+        backlog = 0.0 if committed <= 0 else committed / rate if rate > 0 else math.inf  # <= 0: float error
+        req = RouteInput(prompt, sched.threshold, sched.rule, prfaas, pd, link_utilisation=sched.utilisation,
+                         link_backlog_s=backlog)  # fmt: skip
         decision = self.router.route(req)
         if decision.path is Path.REJECT:
             return
@@ -152,6 +157,8 @@ class Simulation:
             self.path[rid] = PRFAAS
             shipped = prompt - decision.link_kv_start
             nbytes, layers = pool.kv_bytes(shipped), self.config.link.pipeline_layers
+            self._state_bytes[rid] = nbytes
+            self._link_committed += nbytes
             shape = TransferShape(nbytes, end - start if layers else 0.0, nbytes / layers if layers else nbytes)
             self._kv_bytes[rid], self._coding_s[rid] = self.coding.transfer(
                 shape, self.link.bytes_per_s * 8, sched.utilisation, self.link.active
@@ -255,6 +262,7 @@ class Simulation:
         for rid in self.link.pop_done(now):
             if rid < 0:
                 continue  # a cache move: nothing waits for it here
+            self._link_committed -= self._state_bytes[rid]
             delay = self.config.link.one_way_s + self._coding_s[rid]
             ready, after = now + delay, delay  # after: its time past its prefill's end, should that end move
             if layers:  # the last layer leaves only after prefill ends
