@@ -13,17 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
-from request_path import wait_healthy
+from bench_scale import serving
 
-ROOT = Path(__file__).resolve().parent.parent
 LINE = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
 
 
@@ -46,22 +40,8 @@ async def burst(url: str, prompts: int, chars: int) -> list[dict]:
 
 def served(rate: str, backlog: float, prompts: int, chars: int) -> list[dict]:
     """One ``minifaas serve --link-rate RATE --max-link-backlog BACKLOG``, one burst through it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", str(port), "--link-rate", rate,
-            "--max-link-backlog", str(backlog), "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    server = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server)
-        return asyncio.run(burst(url, prompts, chars))
-    finally:
-        server.terminate()
-        server.wait(60)
+    with serving(["--link-rate", rate, "--max-link-backlog", str(backlog)]) as server:
+        return asyncio.run(burst(server.url, prompts, chars))
 
 
 def main() -> None:
