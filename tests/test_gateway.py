@@ -112,6 +112,10 @@ def test_routes_outputs_fallbacks_and_clean_shutdown(reference: dict[str, list[i
             first = await anext(events)
             assert rec.phase is Phase.PREFILLING and rec.ttft_s is not None, rec.to_json()  # no reply yet
             await link.cut()
+            async with asyncio.timeout(60):
+                while rec.route != "local":  # the retry on PD-P has begun
+                    await asyncio.sleep(0.01)
+            assert gw.serving.dispatch.link_bytes == 0  # the cut attempt's state is off the link's count
             tokens = [first.token_id] + [e.token_id async for e in events]
             assert tokens == reference["long"], rec.to_json()
             assert rec.route == "local" and rec.fallback == "transfer_failed", rec.to_json()

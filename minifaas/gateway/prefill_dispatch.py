@@ -61,23 +61,14 @@ class Attempt:
     transfer: int
     computed: int  # prompt tokens the worker computes: all but the hit it is expected to load
     link_start: int  # the decode node holds the KV of tokens [0, link_start): only the rest is sent
+    crossing: int = 0  # bytes of state it sends across the link (0 on PD-P)
     moved: int | None = None  # the transfer a cache move brought the prefix in under
-    held: bool = False  # ``computed`` is counted in the worker's load
+    held: bool = False  # ``computed`` is counted in the worker's load, ``crossing`` on the link
 
     @property
     def remote(self) -> bool:
         """Across the link: only it is worth a round trip to pin the decode node's prefix, and worth coding for."""
         return self.worker.cluster == "prfaas"
-
-    def hold(self) -> None:
-        if not self.held:
-            self.worker.load_tokens += self.computed
-            self.held = True
-
-    def let_go(self) -> None:
-        if self.held:
-            self.worker.load_tokens -= self.computed
-            self.held = False
 
 
 class PrefillDispatch:
@@ -90,7 +81,7 @@ class PrefillDispatch:
         self.kv, self.prefill_chunk = kv, config.prfaas.prefill_chunk  # the model's state sizes: a transfer's shape
         # a random start in a 62-bit space: a restarted gateway never reuses an id a worker may still remember
         self.transfer_ids = itertools.count(secrets.randbits(62))
-        self.link_bytes = 0  # the state of the prompts routed across the link, from their dispatch to their reply
+        self.link_bytes = 0  # the state of the attempts across the link, from their dispatch to their end
         self.fallback = Fallback(pool, link, prefixes)
         self.moves = CacheMoves(pool, link, prefixes, metrics, self, self.prefill_timeout, self.transfer_ids)
 
@@ -100,7 +91,21 @@ class PrefillDispatch:
     ) -> Attempt:  # fmt: skip
         link_start = decision.decode_kv_tokens if worker.cluster == "prfaas" else 0
         computed = len(request.prompt_ids) - hit
-        return Attempt(request, keys, worker, decode, next(self.transfer_ids), computed, link_start)
+        crossing = self.state_bytes(len(request.prompt_ids), link_start) if worker.cluster == "prfaas" else 0
+        return Attempt(request, keys, worker, decode, next(self.transfer_ids), computed, link_start, crossing)
+
+    def hold(self, a: Attempt) -> None:
+        """Count ``a``'s prompt in its worker's load and its state on the link, until ``let_go``."""
+        if not a.held:
+            a.worker.load_tokens += a.computed
+            self.link_bytes += a.crossing
+            a.held = True
+
+    def let_go(self, a: Attempt) -> None:
+        if a.held:
+            a.worker.load_tokens -= a.computed
+            self.link_bytes -= a.crossing
+            a.held = False
 
     def start(
         self, request: GenerateRequest, keys: PromptKeys | None, record: RequestRecord, decision: RouteDecision,
@@ -110,16 +115,9 @@ class PrefillDispatch:
         the task starts a turn of the loop later, and a request routed meanwhile must see this one's load."""
         worker = self.pool.workers[decision.prefill_node]  # type: ignore[index]
         first = self.attempt(request, keys, worker, decode, decision.cached_tokens, decision)
-        first.hold()
-        crossing = self.state_bytes(len(request.prompt_ids), first.link_start) if first.remote else 0
-        self.link_bytes += crossing
+        self.hold(first)
         task = asyncio.ensure_future(self.run(first, record, decision, early))
-
-        def ended(_: object) -> None:
-            first.let_go()  # the task may end before the attempt lets go itself
-            self.link_bytes -= crossing
-
-        task.add_done_callback(ended)
+        task.add_done_callback(lambda _: self.let_go(first))  # it may end before the attempt lets go itself
         return task
 
     def link_backlog_s(self) -> float:
@@ -162,7 +160,7 @@ class PrefillDispatch:
         record.route, record.prefill_worker = "prfaas" if a.remote else "local", a.worker.name
         record.phase = Phase.PREFILLING
         inbox = a.worker.open(rid)
-        a.hold()
+        self.hold(a)
         gone = decode.gone  # this session's: a decode worker that came back does not know the request
         reply: Prefilled | Failed | Lost | Error | None = None
         try:
@@ -200,7 +198,7 @@ class PrefillDispatch:
         except RuntimeError as e:
             raise PrefillFailed(f"worker_down: {e}") from None
         finally:
-            a.let_go()
+            self.let_go(a)
             a.worker.close(rid)
             if reply is None:  # stop the prefill rather than let it run on
                 with contextlib.suppress(RuntimeError):
