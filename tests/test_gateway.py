@@ -242,3 +242,29 @@ def test_long_prompts_past_what_the_link_carries_in_time_are_prefilled_locally(r
             assert (tokens, rec.route_reason) == (reference["long"], "long")
 
     asyncio.run(scenario())
+
+
+def test_the_links_backlog_counts_what_a_transfer_puts_on_the_wire(reference: dict[str, list[int]]) -> None:
+    """With a codec that shrinks the state, a long prompt in flight counts on the link at its state over the
+    codec's ratio so far, not at its state."""
+    config = ServeConfig(
+        model="kimi-linear-tiny", threshold=THRESHOLD, cache=CacheConfig(mode="none"), fixed_threshold=True,
+        link=InterClusterLinkConfig(rate="2mbit", kv_compression="lossless"),
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        async with Gateway(config) as gw:
+            dispatch, state = gw.serving.dispatch, reference["long_bytes"][0]
+            ratio = gw.scheduler.compression.estimates["lossless"].ratio  # the workers' start-up calibration
+            assert ratio > 1.05, ratio
+            task = asyncio.create_task(_run(gw, "coded", LONG))
+            async with asyncio.timeout(60):
+                while not dispatch.link_bytes:
+                    await asyncio.sleep(0.01)
+            assert dispatch.link_bytes == round(state / ratio)
+            assert dispatch.link_backlog_s() == pytest.approx(8 * state / ratio / 2e6)
+            tokens, rec = await task
+            assert (tokens, rec.route, rec.kv_codec) == (reference["long"], "prfaas", "lossless"), rec.to_json()
+            assert dispatch.link_bytes == 0
+
+    asyncio.run(scenario())

@@ -63,7 +63,9 @@ class CacheMoves:
         src = max(sources, key=lambda w: (hits[w.name], w.name))
         inbox = src.open(rid)
         try:
-            tokens, length, codec = request.prompt_ids, move.end_tokens, self.codecs.codec().codec
+            choice = self.codecs.codec()
+            self.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
+            tokens, length, codec = request.prompt_ids, move.end_tokens, choice.codec
             src.send(Export(req=rid, transfer=transfer, tokens=tokens, length=length, kv=link, codec=codec))
             async with asyncio.timeout(self.timeout):
                 reply = await inbox.get()

@@ -91,7 +91,7 @@ class PrefillDispatch:
     ) -> Attempt:  # fmt: skip
         link_start = decision.decode_kv_tokens if worker.cluster == "prfaas" else 0
         computed = len(request.prompt_ids) - hit
-        crossing = self.state_bytes(len(request.prompt_ids), link_start) if worker.cluster == "prfaas" else 0
+        crossing = self.wire_bytes(len(request.prompt_ids), computed, link_start) if worker.cluster == "prfaas" else 0
         return Attempt(request, keys, worker, decode, next(self.transfer_ids), computed, link_start, crossing)
 
     def hold(self, a: Attempt) -> None:
@@ -121,7 +121,7 @@ class PrefillDispatch:
         return task
 
     def link_backlog_s(self) -> float:
-        """Seconds the link needs to carry the state of the prompts routed across it and not yet answered."""
+        """Seconds the link needs to carry what the attempts across it are expected to put on the wire."""
         rate = self.scheduler.link_rate_bps  # 0 while cut
         return 8 * self.link_bytes / rate if rate > 0 else math.inf if self.link_bytes else 0.0
 
@@ -129,6 +129,13 @@ class PrefillDispatch:
         """The state a transfer carries for a ``tokens`` prompt whose decode node holds the KV before
         ``link_start``."""
         return self.kv.bytes_at(tokens) - (self.kv.bytes_at(link_start) - self.kv.bytes_at(0))
+
+    def wire_bytes(self, tokens: int, computed: int, link_start: int) -> int:
+        """What such a transfer is expected to put on the wire: its state over the ratio shown so far by the codec
+        it would get now."""
+        nbytes = self.state_bytes(tokens, link_start)
+        shown = self.scheduler.compression.estimates.get(self.codec(tokens, computed, link_start).codec)
+        return round(nbytes / shown.ratio) if shown is not None else nbytes
 
     async def run(
         self, a: Attempt, record: RequestRecord, decision: RouteDecision, early: EarlyFirst | None = None
@@ -175,6 +182,8 @@ class PrefillDispatch:
                 raise DecodeLost(str(e)) from None
             link_start = await self._pinned(decode, rid, a.transfer) if a.link_start else 0
             choice = self.codec(len(prompt), a.computed, link_start) if a.remote else None
+            if choice is not None:
+                self.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
             kv = self.link.kv_routes.get(decode.name) if a.remote and self.link.emulated else decode.kv
             if kv is None:  # the emulator restarting, or the route not answered yet: the prefill falls back
                 raise LinkNotReady(f"the link has no route to {decode.name} yet")
@@ -251,9 +260,7 @@ class PrefillDispatch:
             tail = self.kv.bytes_at(min(chunk, computed)) if chunk else nbytes
             speed = s.speed.get("prfaas")
             shape = TransferShape(nbytes, computed / speed if speed else 0.0, tail)
-        choice = s.compression.choose(link, shape)
-        self.metrics.codec_chosen(choice.codec, choice.reason, choice.break_even_bps)
-        return choice
+        return s.compression.choose(link, shape)
 
     def coded(self, reply: Prefilled | Exported, nbytes: int) -> None:
         """A transfer across the link ended: what its codec did (a worker's ``coding`` fields)."""

@@ -72,8 +72,7 @@ class Simulation:
         self._shared = bool(config.shared_cores)
         self._step_slowdown = 1.0  # on a shared host: the decode clocks' slowdown
         self._kv_bytes = [0.0] * n  # on the wire
-        self._state_bytes = [0.0] * n  # PrfaaS: its state before coding
-        self._link_committed = 0.0  # the state routed across the link and not yet across, as the gateway counts it
+        self._link_committed = 0.0  # wire bytes routed across the link and not yet across, as the gateway counts them
         self._coding_s = [0.0] * n
         self.coding = SimCoding(config.kv_compression, config.codecs, config.kv_compression_args)
         self._keys: dict[int, list] = {}  # rid -> [block keys, uses left, branch point]: dropped after the last use
@@ -157,12 +156,11 @@ class Simulation:
             self.path[rid] = PRFAAS
             shipped = prompt - decision.link_kv_start
             nbytes, layers = pool.kv_bytes(shipped), self.config.link.pipeline_layers
-            self._state_bytes[rid] = nbytes
-            self._link_committed += nbytes
             shape = TransferShape(nbytes, end - start if layers else 0.0, nbytes / layers if layers else nbytes)
             self._kv_bytes[rid], self._coding_s[rid] = self.coding.transfer(
                 shape, self.link.bytes_per_s * 8, sched.utilisation, self.link.active
             )
+            self._link_committed += self._kv_bytes[rid]
         else:
             self.path[rid] = PD
         self._schedule_forward(pool, node, forward)
@@ -262,7 +260,7 @@ class Simulation:
         for rid in self.link.pop_done(now):
             if rid < 0:
                 continue  # a cache move: nothing waits for it here
-            self._link_committed -= self._state_bytes[rid]
+            self._link_committed -= self._kv_bytes[rid]
             delay = self.config.link.one_way_s + self._coding_s[rid]
             ready, after = now + delay, delay  # after: its time past its prefill's end, should that end move
             if layers:  # the last layer leaves only after prefill ends
