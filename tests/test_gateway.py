@@ -268,3 +268,10 @@ def test_the_links_backlog_counts_what_a_transfer_puts_on_the_wire(reference: di
             assert dispatch.link_bytes == 0
 
     asyncio.run(scenario())
+
+
+def test_the_gateway_sizes_a_transfer_in_the_dtype_its_workers_run() -> None:
+    """The default checkpoint's config names bfloat16; on the CPU its workers run float32, and send that."""
+    config = ServeConfig()
+    state = ModelRuntime.load(config.model).prefill([7] * 300).state
+    assert Gateway(config).kv_profile.bytes_at(300) == state.nbytes

@@ -46,7 +46,8 @@ class Gateway:
         self.model_name = spec.name
         self.tokenizer: Tokenizer = load_tokenizer(spec, config.trust_remote_code)
         self.max_context = int(load_config_dict(spec).get("max_position_embeddings", 32768))
-        self.kv_profile = kv_profile(load_config_dict(spec), spec.name)  # state sizes: a transfer's shape
+        # a transfer's state sizes, in the dtype the workers run (one for both clusters)
+        self.kv_profile = kv_profile(load_config_dict(spec), spec.name, config.worker_dtype("prfaas"))
         routing = RouterConfig(
             cross_cluster_cache_move=config.cache.moves, incremental_transfer=config.cache.incremental_transfer,
             spill_tokens=config.spill_tokens, max_link_backlog_s=config.max_link_backlog_s,

@@ -61,10 +61,8 @@ def sized_for(config: DecoderConfig, runtime: ModelRuntime) -> DecoderConfig:
 
 def row_bytes(runtime: ModelRuntime) -> RowBytes:
     """A loaded model's row size, in the dtype it runs in."""
-    cfg = load_config_dict(runtime.spec)
-    cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
     dtype = str(runtime.model.dtype).removeprefix("torch.")
-    return RowBytes.of(kv_profile({**cfg, "dtype": dtype, "torch_dtype": dtype}))
+    return RowBytes.of(kv_profile(load_config_dict(runtime.spec), dtype=dtype))
 
 
 def device_memory(device: str) -> int:

@@ -2,7 +2,8 @@
 
 Each layer's state grows with length (full attention, MLA), is bounded (a sliding window), is fixed (linear
 attention, Mamba, a short convolution, RG-LRU) or is nothing (MLP and MoE layers); Falcon-H1's ``attention+mamba``
-is both. Sizes count what transformers' caches hold; a recurrent state is float32 unless the config names a dtype.
+is both. Sizes count what transformers' caches hold, in ``dtype`` (the model's as it runs) or else the config's; a
+recurrent state is float32 unless the config names a dtype.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from minifaas.model.layer_state import KVProfile, LayerCost
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "fp8": 1}
 
 
-def kv_profile(cfg: dict, name: str = "") -> KVProfile:
+def kv_profile(cfg: dict, name: str = "", dtype: str | None = None) -> KVProfile:
     cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
     n = int(cfg["num_hidden_layers"])
-    kv_b = DTYPE_BYTES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"), 2)
+    kv_b = DTYPE_BYTES.get(str(dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"), 2)
     state_b = DTYPE_BYTES.get(str(cfg.get("mamba_ssm_dtype", "float32")), 4)
     return KVProfile(
         name or cfg.get("model_type", "model"), tuple(_layer_cost(cfg, k, kv_b, state_b) for k in layer_kinds(cfg, n))
