@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from minifaas.planner import plan
@@ -12,7 +15,7 @@ from minifaas.sim.coding import SimCoding
 from minifaas.sim.deployment import GPU_LOSSLESS, config_for
 from minifaas.sim.fluid_link import LinkConfig
 from minifaas.sim.report import SimResult
-from minifaas.sim.simulator import Simulation
+from minifaas.sim.simulator import PRFAAS, Simulation
 from minifaas.sim.workload import synthetic
 
 
@@ -50,3 +53,16 @@ def test_auto_leaves_a_link_above_break_even_alone() -> None:
     assert fast.kv_coded_fraction == 0.0
     assert fast.ttft_mean_s == simulate(2 * break_even_gbps, "none").ttft_mean_s
     assert simulate(2 * break_even_gbps, "lossless").kv_coded_fraction == 1.0  # forced, it codes anyway
+
+
+def test_the_links_backlog_counts_the_coded_bytes() -> None:
+    """As the gateway counts it: what a PrfaaS transfer puts on the wire, from its routing until it has crossed."""
+    case = paper_case()
+    link = LinkConfig(100.0, schedule=((100.0, 0.0),))  # cut for good: what is on the link then stays counted
+    config = config_for(case, plan(case).prfaas, link, kv_compression="lossless", codecs=(("lossless", GPU_LOSSLESS),))
+    workload = synthetic(case.lengths, 64, ArrivalSpec(ArrivalKind.UNIFORM, 0.5), 300.0, seed=6)
+    sim = Simulation(replace(config, threshold=0, n_prefill=1), workload)
+    sim.run()
+    stuck = [r for r, path in enumerate(sim.path) if path == PRFAAS and math.isnan(sim.finished[r])]
+    state = sum(sim.prfaas.kv_bytes(int(workload.input_tokens[r])) for r in stuck)
+    assert stuck and sim._link_committed == pytest.approx(state / GPU_LOSSLESS.ratio)
