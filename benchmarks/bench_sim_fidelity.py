@@ -15,7 +15,9 @@
    workers taking turns on the cores; timed beside a batch of the slice's median prompt decoding, its
    ``beside_decode``; and the client's TTFT beyond the prefill, alone, its ``delivery_s``. Last, PD prompts
    queued behind each other give a worker's own time between two forwards (``turnaround``): the twin's
-   ``prefill_turnaround_s``. The same calibration runs again after the replay, and the twin takes each figure
+   ``prefill_turnaround_s``. The calibration's transfers the workers coded give the lossless codec as served
+   (``served_codec``), which the twin's codec policy weighs in place of the start-up figure. The same calibration
+   runs again after the replay, and the twin takes each figure
    halfway between the two (``Calibration.mean``): the box's speed drifts over a run, and the replay runs
    between them.
 2. Deployment: the live flags (``LIVE_FLAGS`` and the threshold and cache block chosen for the trace) go
@@ -66,7 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, astuple, dataclass, fields, replace
 from pathlib import Path
 
 import aiohttp
@@ -170,6 +172,7 @@ class Calibration:
     delivery_s: float  # a first token's time at the client beyond its prefill: the gateway and HTTP
     beside_decode: float  # a prefill's time over its time alone while a batch decodes beside it, nothing else
     turnaround_s: float  # a prefill worker's own time from one forward's end to the next one's start, alone
+    codec: CodecEstimate | None = None  # lossless as the workers coded the calibration's transfers (None: none)
 
     def mean(self, other: Calibration) -> Calibration:
         """Each figure halfway between this calibration's and ``other``'s, taken on the same lengths: the box's
@@ -182,7 +185,9 @@ class Calibration:
             (self.delivery_s + other.delivery_s) / 2,
             (self.beside_decode + other.beside_decode) / 2,
             (self.turnaround_s + other.turnaround_s) / 2,
-        )
+            CodecEstimate(*((a + b) / 2 for a, b in zip(astuple(self.codec), astuple(other.codec), strict=True)))
+            if self.codec is not None and other.codec is not None else self.codec or other.codec,
+        )  # fmt: skip
 
     def to_dict(self) -> dict:
         return asdict(self) | {"prefill": profile_tables(self.prefill)["prefill"]}
@@ -190,7 +195,8 @@ class Calibration:
     @classmethod
     def from_dict(cls, data: dict) -> Calibration:
         contention = tuple(data["contention"][:2])  # a run saved with a third figure, beside two others: not used
-        return cls(**data | {"prefill": prefill_from_dict(data["prefill"]), "contention": contention})
+        codec = CodecEstimate(**data["codec"]) if data.get("codec") else None
+        return cls(**data | {"prefill": prefill_from_dict(data["prefill"]), "contention": contention, "codec": codec})
 
 
 async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, repeats: int = 5) -> Calibration:
@@ -201,7 +207,7 @@ async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, re
     beside a batch decoding ``context``-token prompts. Last ``turnaround``.
     The prompts' token ids come from ``seed``: a second calibration on the same server needs another."""
     rng = np.random.default_rng(seed)
-    points, slowest, beyond = [], 0.0, []
+    points, slowest, beyond, coded = [], 0.0, [], []
     async with client() as http:
         for ids in ([5] * 8, [6] * (2 * THRESHOLD["mooncake"])):  # first-call costs of each route, not timed
             await stream(http, url, ids, 1)
@@ -213,6 +219,8 @@ async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, re
                     raise RuntimeError(f"a {q.tokens}-token calibration prompt failed with {done.status}")
                 taken.append(float(done.info["prefill_s"]))
                 beyond.append(done.ttft - taken[-1])
+                if done.info.get("kv_codec") == "lossless":
+                    coded.append(done.info)
             slowest = max(slowest, statistics.median(taken))
             points.append(replace(q, latency_s=slowest))
         prefill = replace(model, points=tuple(points), latency_coeffs=())
@@ -226,7 +234,18 @@ async def calibrate(url: str, model: PrefillProfile, context: int, seed: int, re
             beside.append(statistics.median(taken) / alone)
         turn_s = await turnaround(http, url, rng)
     contention = (1.0, max(1.0, beside[0]))
-    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[1]), turn_s)
+    return Calibration(prefill, contention, statistics.median(beyond), max(1.0, beside[1]), turn_s, served_codec(coded))
+
+
+def served_codec(records: list[dict]) -> CodecEstimate | None:
+    """Lossless as the workers coded these transfers, each a request's record: their state over their bytes on the
+    wire and over their seconds of coding at each end. Served, coding a transfer costs more than the start-up
+    figure says, and the gateway's policy soon weighs what served transfers report."""
+    nbytes = sum(r["kv_bytes"] for r in records)
+    encode_s, decode_s = sum(r["kv_encode_s"] for r in records), sum(r["kv_decode_s"] for r in records)
+    if not nbytes or encode_s <= 0 or decode_s <= 0:
+        return None
+    return CodecEstimate(nbytes / sum(r["kv_wire_bytes"] for r in records), nbytes / encode_s, nbytes / decode_s)
 
 
 async def turnaround(http: aiohttp.ClientSession, url: str, rng: np.random.Generator) -> float:
@@ -341,7 +360,7 @@ def twin(serve: ServeConfig, cal: Calibration, decode: DecodeProfile, lossless: 
         prefill_turnaround_s=cal.turnaround_s,
         kv_compression=serve.link.kv_compression,
         kv_compression_args=serve.link.kv_compression_args,
-        codecs=(("lossless", lossless),),
+        codecs=(("lossless", cal.codec or lossless),),  # the codec as served, where the calibration coded
         router_policy=serve.router,
         router_args=serve.router_args,
         short_term_policy=serve.scheduler.short_term,
@@ -692,7 +711,9 @@ def report(run: LiveRun, as_json: bool) -> None:
         print(f"  calibrated {name}: prefill {c.prefill.latency_s(256):.4f} s at 256 tokens in the workers; "
               f"beside 0/1 others computing {' / '.join(f'{x:.2f}x' for x in c.contention)}, beside a "
               f"decoding batch alone {c.beside_decode:.2f}x; turnaround between forwards "
-              f"{c.turnaround_s * 1e3:.1f} ms; delivery {c.delivery_s * 1e3:.1f} ms")  # fmt: skip
+              f"{c.turnaround_s * 1e3:.1f} ms; delivery {c.delivery_s * 1e3:.1f} ms; lossless as served "
+              + (f"x{c.codec.ratio:.2f}, {c.codec.encode_bps / 1e6:.0f} / {c.codec.decode_bps / 1e6:.0f} MB/s"
+                 if c.codec is not None else "not coded"))  # fmt: skip
     streams = run.streams
     live = live_timeline(streams)
     sim_started = time.perf_counter()

@@ -46,8 +46,8 @@ def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, 
     assert live["prfaas_requests"] > 0 and live["local_requests"] > 0, live  # both routes carry load
     for route in ("prfaas_requests", "local_requests"):  # the same policies on the same lengths
         assert abs(sim[route] - live[route]) <= 2, (live, sim)
-    # the same state sizes and codec policy; the live policy weighs coding speeds it measures as it runs, on
-    # shared cores, so a few transfers may go uncoded on one side only
+    # the same state sizes and codec policy, the twin's weighing the coding speed the calibration's transfers had
+    # as served; the live policy goes on measuring as it runs, so a few transfers may go uncoded on one side only
     assert abs(run["link_bytes_err"]) < 0.25, run
     fitted = run["at_live_speed"]
     assert abs(fitted["ttft_mean_err"]) < BOUND and abs(fitted["throughput_err"]) < BOUND, fitted
