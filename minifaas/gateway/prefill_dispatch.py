@@ -81,7 +81,7 @@ class PrefillDispatch:
         self.kv, self.prefill_chunk = kv, config.prfaas.prefill_chunk  # the model's state sizes: a transfer's shape
         # a random start in a 62-bit space: a restarted gateway never reuses an id a worker may still remember
         self.transfer_ids = itertools.count(secrets.randbits(62))
-        self.link_bytes = 0  # the state of the attempts across the link, from their dispatch to their end
+        self.link_bytes = 0  # what the attempts across the link are expected to put on the wire, until they end
         self.fallback = Fallback(pool, link, prefixes)
         self.moves = CacheMoves(pool, link, prefixes, metrics, self, self.prefill_timeout, self.transfer_ids)
 
@@ -89,9 +89,10 @@ class PrefillDispatch:
         self, request: GenerateRequest, keys: PromptKeys | None, worker: WorkerHandle, decode: WorkerHandle,
         hit: int, decision: RouteDecision,
     ) -> Attempt:  # fmt: skip
-        link_start = decision.decode_kv_tokens if worker.cluster == "prfaas" else 0
+        remote = worker.cluster == "prfaas"
+        link_start = decision.decode_kv_tokens if remote else 0
         computed = len(request.prompt_ids) - hit
-        crossing = self.wire_bytes(len(request.prompt_ids), computed, link_start) if worker.cluster == "prfaas" else 0
+        crossing = self.wire_bytes(len(request.prompt_ids), computed, link_start) if remote else 0
         return Attempt(request, keys, worker, decode, next(self.transfer_ids), computed, link_start, crossing)
 
     def hold(self, a: Attempt) -> None:
