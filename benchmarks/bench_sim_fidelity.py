@@ -144,9 +144,11 @@ class Slice:
 
 def profile(lengths: list[int], threads: int, out: Path) -> tuple[PrefillProfile, DecodeProfile]:
     """``minifaas profile`` of the model on this machine with a worker's torch threads, read back as the
-    simulator reads a ``--pd-profile``."""
+    simulator reads a ``--pd-profile``. The twin takes its decode batch bound from the deployment, not from the
+    SLO's BS_max, so the SLO asked is one every step meets: a loaded box's slow steps still give a table."""
     argv = [sys.executable, "-m", "minifaas.commands.main", "profile", "--model", MODEL, "--out", str(out),
-            "--lengths", ",".join(map(str, lengths)), "--batches", PROFILE_BATCHES, "--repeats", "5"]  # fmt: skip
+            "--lengths", ",".join(map(str, lengths)), "--batches", PROFILE_BATCHES, "--repeats", "5",
+            "--slo", "0.001"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env)
     return load_pd_profiles(out)
