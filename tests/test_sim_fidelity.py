@@ -30,12 +30,12 @@ BOUND = 0.5  # |sim - live| / live, at live speed
 PROFILE_TTFT_FACTOR = 3.0
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_the_simulated_twin_keeps_its_fit_to_the_live_system(python: Preloaded, tmp_path: Path) -> None:
     saved = tmp_path / "run.json"
     done = python.run(
         ["benchmarks/bench_sim_fidelity.py", "--quick", "--json", "--save", str(saved)],
-        cwd=ROOT, env=dict(os.environ), timeout=200,
+        cwd=ROOT, env=dict(os.environ), timeout=360,  # two minutes on a quiet box: room for a slower one
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     *table, last = done.stdout.splitlines()
