@@ -5,15 +5,18 @@
 
 Every process starts coverage from a ``sitecustomize`` put first on its path; SIGUSR1 switches each process's
 coverage context to the one named in a file, SIGUSR2 saves (workers end by ``os._exit``, which saves nothing).
-The server idles first, in context "idle"; then each request runs alone in a context of its own. A request's
-lines are those that ran in its context and not while idle (heartbeats and the scheduler's tick run in both), so
-a file counts only when the request itself ran something in it. The link emulator (``emulator/``) stands in for
-the WAN and is reported apart. ``tests/test_reading_list.py`` holds docs/READING.md to these files.
+The server idles first, in context "idle"; then each request runs alone in a context of its own. A file
+counts for a request when the request entered a function in it that never ran while idle: heartbeats and the
+scheduler's tick run in both, and under load they take branches idle never does (a ping still unanswered when
+the watchdog wakes), so new lines alone would count them. A request's lines are those it ran and idle did not.
+The link emulator (``emulator/``) stands in for the WAN and is reported apart. ``tests/test_reading_list.py``
+holds docs/READING.md to these files.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import signal
@@ -145,9 +148,31 @@ def measure(idle_s: float = 10.0, max_tokens: int = 8) -> dict[str, dict[str, se
     idle = lines("idle")
     out = {}
     for name in PROMPTS:
-        ran = {f: got - idle.get(f, set()) for f, got in lines(name).items()}
+        ran = {f: own_lines(ROOT / f, got, idle.get(f, set())) for f, got in lines(name).items()}
         out[name] = {f: got for f, got in ran.items() if got}
     return out
+
+
+def own_lines(path: Path, ran: set[int], idle: set[int]) -> set[int]:
+    """The lines of ``path`` a request ran and idle did not; none unless it entered a function idle never ran."""
+    owner = functions(path)
+    idle_functions = {owner.get(line, 0) for line in idle}
+    if all(owner.get(line, 0) in idle_functions for line in ran):
+        return set()
+    return ran - idle
+
+
+def functions(path: Path) -> dict[int, int]:
+    """Line -> the first line of the innermost function holding it (lines outside every function: none)."""
+    defs = [
+        n
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+    ]
+    owner = {}
+    for node in sorted(defs, key=lambda n: n.lineno):  # an inner function starts later and overwrites its lines
+        owner.update(dict.fromkeys(range(node.lineno, node.end_lineno + 1), node.lineno))
+    return owner
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 180) -> dict:

@@ -44,6 +44,16 @@ def test_the_long_prompt_crosses_the_link_and_the_short_one_does_not(ran: dict[s
     assert not any(f.startswith("minifaas/emulator/") for f in ran["short"])
 
 
+def test_a_branch_of_code_that_also_runs_while_idle_is_not_the_requests() -> None:
+    heartbeat = ROOT / "minifaas" / "control" / "heartbeat.py"
+    source = heartbeat.read_text().splitlines()
+    start = next(i for i, line in enumerate(source, 1) if "def deadline_left" in line)
+    quiet, late = {start + 1, start + 2}, {start + 1, start + 3}  # no ping outstanding; one outstanding
+    assert request_path.own_lines(heartbeat, late, quiet) == set()  # a load-dependent branch of the watchdog
+    ping_due = next(i for i, line in enumerate(source, 1) if "def ping_due" in line)
+    assert request_path.own_lines(heartbeat, late | {ping_due + 1}, quiet) == {start + 3, ping_due + 1}
+
+
 def test_the_list_is_read_up_to_the_rest_of_the_package() -> None:
     text = f"1. `minifaas/a.py`: x\n2. `minifaas/b/c.py` and `minifaas/a.py`\n{REST}\n- `minifaas/d.py`\n"
     assert listed(text) == ["minifaas/a.py", "minifaas/b/c.py"]
