@@ -323,6 +323,33 @@ def test_routes_carry_flows_to_several_targets_over_one_link() -> None:
     run(main())
 
 
+def test_a_removed_route_lets_the_next_socket_open_in_the_same_turn_work() -> None:
+    """A route goes while another's flows start (a decode worker retired as PrfaaS KV flows to the next one):
+    the removed route's listening socket must outlive the loop's watch on it, or the next socket opened in
+    the same turn takes its number and the loop's stale entry for it refuses the new socket (a flow reset)."""
+    from minifaas.emulator.relay import LinkEmulator, RelayConfig
+
+    async def main() -> None:
+        server = await echo_server()
+        target = server.sockets[0].getsockname()[:2]
+        async with server, LinkEmulator(RelayConfig(*target)) as link:
+            other = link.add_route(*target)
+            await asyncio.sleep(0.05)  # both routes' accept loops are waiting on their listening sockets
+            link.remove_route(link.port)
+            loop = asyncio.get_running_loop()
+            with socket.socket() as sock:  # opened at once, as a flow's upstream socket is
+                sock.setblocking(False)
+                await loop.sock_connect(sock, ("127.0.0.1", other))
+                await loop.sock_sendall(sock, b"whole")
+                assert await loop.sock_recv(sock, 16) == b"whole"
+            await asyncio.sleep(0.1)  # the removed route's accept loop has ended, and its socket closed
+            with pytest.raises(OSError):
+                await echo_through(link.port, b"gone")
+            assert link.routes == {other: target}
+
+    run(main())
+
+
 def test_cut_resets_every_connection() -> None:
     async def main() -> None:
         server = await echo_server()

@@ -118,13 +118,13 @@ class LinkEmulator:
         return {port: target for port, (_, target, _) in self._routes.items()}
 
     def remove_route(self, listen_port: int) -> None:
-        """Stop taking new flows on ``listen_port``; flows already on it run to their end."""
+        """Stop taking new flows on ``listen_port``; flows already on it run to their end. The listening socket
+        closes as its accept loop ends, a turn of the loop later (``_accept``)."""
         if listen_port not in self._routes:
             raise ValueError(f"no route listens on port {listen_port}")
         server, _, accepting = self._routes.pop(listen_port)
         accepting.cancel()
         self._paced_listeners.discard(server)
-        server.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = self._group.create_task(coro)
@@ -133,10 +133,15 @@ class LinkEmulator:
         return task
 
     async def _accept(self, server: socket.socket, target: tuple[str, int]) -> None:
-        while True:
-            sock, _ = await self._loop.sock_accept(server)
-            sock.setblocking(False)
-            self._spawn(self._relay(sock, target))
+        try:
+            while True:
+                sock, _ = await self._loop.sock_accept(server)
+                sock.setblocking(False)
+                self._spawn(self._relay(sock, target))
+        finally:
+            # closed only now that the event loop no longer watches it: closed sooner, its descriptor could go
+            # to a new flow's socket, which the loop's stale entry would then refuse (the flow reset)
+            server.close()
 
     async def _relay(self, client: socket.socket, target: tuple[str, int]) -> None:
         self.flows_total += 1
