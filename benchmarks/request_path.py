@@ -90,67 +90,68 @@ def measure(idle_s: float = 10.0, max_tokens: int = 8) -> dict[str, dict[str, se
     """Request name -> package file (relative to the repository) -> the lines that request alone ran."""
     import coverage
 
-    tmp = Path(tempfile.mkdtemp(prefix="request-path-"))
-    (tmp / "site").mkdir()
-    (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    rc = tmp / "coverage.rc"
-    rc.write_text(f"[run]\nparallel = True\nsource = minifaas\ndata_file = {tmp}/cov\n")
-    context = tmp / "context"
-    context.write_text("startup")
-    path = os.pathsep.join(p for p in (str(tmp / "site"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {
-        **os.environ,
-        "COVERAGE_PROCESS_START": str(rc),
-        "PYTHONPATH": path,
-        "MINIFAAS_COVERAGE_CONTEXT": str(context),
-    }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", str(port), "--no-fork-workers",
-            "--log-level", "warning"]  # fmt: skip
-    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, server)
-        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-            model = json.load(r)["data"][0]["id"]
-        switch(server.pid, context, "idle")
-        time.sleep(idle_s)
-        for name, (prompt, route) in PROMPTS.items():
-            switch(server.pid, context, name)
-            got = complete(url, model, prompt, max_tokens)["minifaas"]["route"]
-            if got != route:
-                raise RuntimeError(f"the {name} prompt took the route {got!r}, not {route!r}")
-        switch(server.pid, context, "after")  # shutdown is no request's
-    finally:
-        signal_server(server.pid, signal.SIGUSR2)
-        time.sleep(2)
-        server.terminate()
+    with tempfile.TemporaryDirectory(prefix="request-path-") as name:
+        tmp = Path(name)
+        (tmp / "site").mkdir()
+        (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        rc = tmp / "coverage.rc"
+        rc.write_text(f"[run]\nparallel = True\nsource = minifaas\ndata_file = {tmp}/cov\n")
+        context = tmp / "context"
+        context.write_text("startup")
+        path = os.pathsep.join(p for p in (str(tmp / "site"), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {
+            **os.environ,
+            "COVERAGE_PROCESS_START": str(rc),
+            "PYTHONPATH": path,
+            "MINIFAAS_COVERAGE_CONTEXT": str(context),
+        }
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = [sys.executable, "-m", "minifaas.commands.main", "serve", "--port", str(port), "--no-fork-workers",
+                "--log-level", "warning"]  # fmt: skip
+        server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
         try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-    cov = coverage.Coverage(data_file=str(tmp / "cov"))
-    cov.combine([str(tmp)])
-    data = cov.get_data()
+            wait_healthy(url, server)
+            with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+                model = json.load(r)["data"][0]["id"]
+            switch(server.pid, context, "idle")
+            time.sleep(idle_s)
+            for name, (prompt, route) in PROMPTS.items():
+                switch(server.pid, context, name)
+                got = complete(url, model, prompt, max_tokens)["minifaas"]["route"]
+                if got != route:
+                    raise RuntimeError(f"the {name} prompt took the route {got!r}, not {route!r}")
+            switch(server.pid, context, "after")  # shutdown is no request's
+        finally:
+            signal_server(server.pid, signal.SIGUSR2)
+            time.sleep(2)
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+        cov = coverage.Coverage(data_file=str(tmp / "cov"))
+        cov.combine([str(tmp)])
+        data = cov.get_data()
 
-    def lines(context_name: str) -> dict[str, set[int]]:
-        data.set_query_contexts([context_name])
-        found = {}
-        for measured in data.measured_files():
-            relative = Path(measured).resolve().relative_to(ROOT)
-            found[str(relative)] = set(data.lines(measured) or ())
-        return found
+        def lines(context_name: str) -> dict[str, set[int]]:
+            data.set_query_contexts([context_name])
+            found = {}
+            for measured in data.measured_files():
+                relative = Path(measured).resolve().relative_to(ROOT)
+                found[str(relative)] = set(data.lines(measured) or ())
+            return found
 
-    idle = lines("idle")
-    out = {}
-    for name in PROMPTS:
-        ran = {f: own_lines(ROOT / f, got, idle.get(f, set())) for f, got in lines(name).items()}
-        out[name] = {f: got for f, got in ran.items() if got}
-    return out
+        idle = lines("idle")
+        out = {}
+        for name in PROMPTS:
+            ran = {f: own_lines(ROOT / f, got, idle.get(f, set())) for f, got in lines(name).items()}
+            out[name] = {f: got for f, got in ran.items() if got}
+        return out
 
 
 def own_lines(path: Path, ran: set[int], idle: set[int]) -> set[int]:
