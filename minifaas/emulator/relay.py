@@ -118,8 +118,7 @@ class LinkEmulator:
         return {port: target for port, (_, target, _) in self._routes.items()}
 
     def remove_route(self, listen_port: int) -> None:
-        """Stop taking new flows on ``listen_port``; flows already on it run to their end. The listening socket
-        closes as its accept loop ends, a turn of the loop later (``_accept``)."""
+        """Stop taking new flows on ``listen_port`` (its accept loop closes the socket); flows on it run to the end."""
         if listen_port not in self._routes:
             raise ValueError(f"no route listens on port {listen_port}")
         server, _, accepting = self._routes.pop(listen_port)
